@@ -1,0 +1,407 @@
+r"""The Lion optimizer (EvoLved Sign Momentum, Chen et al. 2023) for a single process.
+
+For every parameter :math:`p` with gradient :math:`g` (negated when ``maximize=True``) and momentum
+:math:`m` (``state[p]["exp_avg"]``, initialised to zeros), one step with learning rate :math:`\eta`,
+coefficients :math:`(\beta_1, \beta_2)` and decoupled weight decay :math:`\lambda` is, element-wise::
+
+    c = beta1 * m + (1 - beta1) * g          # interpolation, used only for the direction
+    p = p * (1 - lr * wd)                    # decoupled weight decay (skipped when lr * wd == 0)
+    p = p - lr * sign(c)                     # sign(0) == 0, as torch.sign
+    m = beta2 * m + (1 - beta2) * g          # momentum update from the OLD m
+
+The update is composed of three reusable pieces, which a distributed optimizer can recombine (for
+example by replacing ``sign(c)`` with a vote over workers):
+
+* :func:`lion_direction` -- ``c`` as a new tensor,
+* :func:`apply_update_` -- ``p <- p * (1 - lr * wd) - lr * update`` in place,
+* :func:`update_momentum_` -- ``m <- beta2 * m + (1 - beta2) * g`` in place,
+
+and :func:`lion_update_` applies the whole step to lists of tensors, either tensor by tensor or with
+``torch._foreach_*`` kernels. Both paths run the same sequence of floating-point operations, so they
+give bitwise identical results.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["Lion", "apply_update_", "lion_direction", "lion_update_", "update_momentum_"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Functional pieces
+# --------------------------------------------------------------------------------------------------
+
+
+def lion_direction(exp_avg: Tensor, grad: Tensor, beta1: float) -> Tensor:
+    """Return ``c = beta1 * exp_avg + (1 - beta1) * grad`` as a new tensor.
+
+    Args:
+        exp_avg: momentum, any shape, floating dtype; not modified.
+        grad: gradient of the same shape (already negated for maximisation).
+        beta1: interpolation coefficient in ``[0, 1)``.
+
+    Returns:
+        A new tensor with the shape and dtype of ``exp_avg``. The Lion update direction is its sign.
+    """
+    return exp_avg.mul(beta1).add_(grad, alpha=1.0 - beta1)
+
+
+def apply_update_(param: Tensor, update: Tensor, *, lr: float, weight_decay: float) -> Tensor:
+    """In place: ``param <- param * (1 - lr * weight_decay) - lr * update``; returns ``param``.
+
+    The weight-decay multiplication is skipped when ``lr * weight_decay == 0``. ``update`` has the
+    shape of ``param`` (for Lion it is ``sign(c)``, values in ``{-1, 0, 1}``).
+    """
+    if lr * weight_decay != 0:
+        param.mul_(1.0 - lr * weight_decay)
+    return param.add_(update, alpha=-lr)
+
+
+def update_momentum_(exp_avg: Tensor, grad: Tensor, beta2: float) -> Tensor:
+    """In place: ``exp_avg <- beta2 * exp_avg + (1 - beta2) * grad``; returns ``exp_avg``."""
+    return exp_avg.mul_(beta2).add_(grad, alpha=1.0 - beta2)
+
+
+def _check_lists(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor]) -> None:
+    if not len(params) == len(grads) == len(exp_avgs):
+        raise ValueError(
+            f"params, grads and exp_avgs must have the same length, got "
+            f"{len(params)}, {len(grads)} and {len(exp_avgs)}"
+        )
+
+
+def _lion_update_single_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    maximize: bool,
+) -> None:
+    for param, grad, exp_avg in zip(params, grads, exp_avgs, strict=True):
+        work_dtype = exp_avg.dtype
+        g = grad.neg() if maximize else grad
+        if g.dtype != work_dtype:
+            g = g.to(work_dtype)
+        cast_back = param.dtype != work_dtype
+        work_param = param.to(work_dtype) if cast_back else param
+
+        update = lion_direction(exp_avg, g, beta1).sign_()
+        apply_update_(work_param, update, lr=lr, weight_decay=weight_decay)
+        update_momentum_(exp_avg, g, beta2)
+
+        if cast_back:
+            param.copy_(work_param)
+
+
+def _foreach_scale_(tensors: list[Tensor], factor: float) -> None:
+    """``tensors[i] *= factor``, rounding exactly like ``Tensor.mul_(factor)``.
+
+    On CPU, in-place ``torch._foreach_mul_`` with a Python scalar first rounds the scalar to the
+    tensors' dtype (bf16/fp16), unlike ``Tensor.mul_``; a 0-dim float64 tensor avoids that.
+    """
+    if tensors[0].device.type == "cpu":
+        torch._foreach_mul_(tensors, torch.tensor(factor, dtype=torch.float64))
+    else:
+        torch._foreach_mul_(tensors, factor)
+
+
+def _lion_update_foreach_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    maximize: bool,
+) -> None:
+    # Group by (device, parameter dtype, momentum dtype): the foreach kernels want homogeneous lists.
+    buckets: dict[tuple[torch.device, torch.dtype, torch.dtype], list[int]] = {}
+    for i, (param, exp_avg) in enumerate(zip(params, exp_avgs, strict=True)):
+        buckets.setdefault((param.device, param.dtype, exp_avg.dtype), []).append(i)
+
+    for (_device, param_dtype, work_dtype), idx in buckets.items():
+        ps = [params[i] for i in idx]
+        ms = [exp_avgs[i] for i in idx]
+        gs = torch._foreach_neg([grads[i] for i in idx]) if maximize else [grads[i] for i in idx]
+        gs = [g if g.dtype == work_dtype else g.to(work_dtype) for g in gs]
+        cast_back = param_dtype != work_dtype
+        work_ps = [p.to(work_dtype) for p in ps] if cast_back else ps
+
+        # Same op sequence as lion_direction / apply_update_ / update_momentum_.
+        update = torch._foreach_mul(ms, beta1)
+        torch._foreach_add_(update, gs, alpha=1.0 - beta1)
+        torch._foreach_sign_(update)
+        if lr * weight_decay != 0:
+            _foreach_scale_(work_ps, 1.0 - lr * weight_decay)
+        torch._foreach_add_(work_ps, update, alpha=-lr)
+        _foreach_scale_(ms, beta2)
+        torch._foreach_add_(ms, gs, alpha=1.0 - beta2)
+
+        if cast_back:
+            torch._foreach_copy_(ps, work_ps)
+
+
+def lion_update_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    maximize: bool = False,
+    foreach: bool = True,
+) -> None:
+    """Apply one Lion step in place to lists of tensors (see the module docstring for the formulas).
+
+    Args:
+        params: parameters, updated in place; any shapes, floating dtypes.
+        grads: gradients, ``grads[i].shape == params[i].shape``; not modified.
+        exp_avgs: momenta, ``exp_avgs[i].shape == params[i].shape``; updated in place. The arithmetic
+            runs in ``exp_avgs[i].dtype``; when it differs from ``params[i].dtype`` the parameter is
+            converted to it, updated, and copied back (rounded) into ``params[i]``.
+        lr, beta1, beta2, weight_decay: hyperparameters (not validated here).
+        maximize: ascend instead of descend (uses ``-grad``).
+        foreach: use the multi-tensor ``torch._foreach_*`` kernels (grouped by device and dtypes)
+            instead of a loop over tensors. Both give bitwise identical results.
+    """
+    _check_lists(params, grads, exp_avgs)
+    if not params:
+        return
+    impl = _lion_update_foreach_ if foreach else _lion_update_single_
+    impl(
+        params,
+        grads,
+        exp_avgs,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=weight_decay,
+        maximize=maximize,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------------
+
+
+def _as_float(name: str, value: Any, allowed: str) -> float:
+    try:
+        out = float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"Invalid {name}: {value!r} (expected {allowed})") from None
+    return out
+
+
+def _check_nonneg_finite(name: str, value: Any) -> None:
+    allowed = "a finite number >= 0"
+    v = _as_float(name, value, allowed)
+    if not math.isfinite(v) or v < 0:
+        raise ValueError(f"Invalid {name}: {value!r} (expected {allowed})")
+
+
+def _check_betas(betas: Any) -> None:
+    allowed = "a pair (beta1, beta2) of numbers with 0 <= beta < 1"
+    if isinstance(betas, (str, bytes)) or not isinstance(betas, Sequence) or len(betas) != 2:
+        raise ValueError(f"Invalid betas: {betas!r} (expected {allowed})")
+    for i, beta in enumerate(betas):
+        v = _as_float(f"betas[{i}]", beta, "0 <= beta < 1")
+        if not (0.0 <= v < 1.0):  # also rejects NaN
+            raise ValueError(f"Invalid betas[{i}]: {beta!r} in betas={betas!r} (expected 0 <= beta < 1)")
+
+
+def _check_hyperparameters(group: dict[str, Any]) -> None:
+    _check_nonneg_finite("lr", group["lr"])
+    _check_betas(group["betas"])
+    _check_nonneg_finite("weight_decay", group["weight_decay"])
+    if group["foreach"] is not None and not isinstance(group["foreach"], bool):
+        raise ValueError(f"Invalid foreach: {group['foreach']!r} (expected None, True or False)")
+    if not isinstance(group["maximize"], bool):
+        raise ValueError(f"Invalid maximize: {group['maximize']!r} (expected True or False)")
+    dtype = group["momentum_dtype"]
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"Invalid momentum_dtype: {dtype!r} (expected None or a floating torch.dtype)")
+
+
+def _default_foreach(params: Iterable[Tensor]) -> bool:
+    return all(p.device.type in ("cpu", "cuda") and p.layout == torch.strided for p in params)
+
+
+def _param_name(group_index: int, param_index: int) -> str:
+    return f"param_groups[{group_index}]['params'][{param_index}]"
+
+
+# --------------------------------------------------------------------------------------------------
+# Optimizer
+# --------------------------------------------------------------------------------------------------
+
+
+class Lion(torch.optim.Optimizer):
+    """Lion: ``p <- p * (1 - lr * wd) - lr * sign(beta1 * m + (1 - beta1) * g)``, then
+    ``m <- beta2 * m + (1 - beta2) * g``.
+
+    Args:
+        params: iterable of parameters or of dicts defining parameter groups. Each group may set its
+            own ``lr``, ``betas``, ``weight_decay``, ``foreach``, ``maximize`` and ``momentum_dtype``;
+            they are read from the group on every step, so LR schedulers work.
+        lr: learning rate, finite and ``>= 0`` (Lion usually wants 3-10x smaller than AdamW).
+        betas: ``(beta1, beta2)``, each in ``[0, 1)``; beta1 interpolates the direction, beta2 is the
+            momentum decay.
+        weight_decay: decoupled weight decay coefficient, finite and ``>= 0`` (multiplied by ``lr``).
+        foreach: ``True`` for the multi-tensor ``torch._foreach_*`` path, ``False`` for a per-tensor
+            loop, ``None`` (default) for foreach when all parameters are dense and on CPU or CUDA.
+            Both paths give bitwise identical results.
+        maximize: maximise the objective (the gradient is negated).
+        momentum_dtype: dtype of ``state[p]["exp_avg"]``; ``None`` keeps the parameter dtype. When
+            set (e.g. ``torch.float32`` for bf16 parameters) the update is computed in that dtype and
+            the result is rounded back into the parameter.
+
+    State per parameter: ``"exp_avg"`` (momentum, shape of ``p``) and ``"step"`` (a Python ``int``,
+    the number of updates applied to ``p``).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+        *,
+        foreach: bool | None = None,
+        maximize: bool = False,
+        momentum_dtype: torch.dtype | None = None,
+    ) -> None:
+        defaults: dict[str, Any] = {
+            "lr": lr,
+            "betas": betas,
+            "weight_decay": weight_decay,
+            "foreach": foreach,
+            "maximize": maximize,
+            "momentum_dtype": momentum_dtype,
+        }
+        _check_hyperparameters(defaults)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (validated like the constructor arguments; complex parameters are rejected)."""
+        _check_hyperparameters({key: param_group.get(key, value) for key, value in self.defaults.items()})
+        super().add_param_group(param_group)
+        group_index = len(self.param_groups) - 1
+        for i, p in enumerate(self.param_groups[-1]["params"]):
+            if torch.is_complex(p):
+                self.param_groups.pop()
+                raise ValueError(
+                    f"Lion does not support complex parameters: {_param_name(group_index, i)} has dtype "
+                    f"{p.dtype}; view it as real with torch.view_as_real"
+                )
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restore from a pickle or state dict, back-filling options missing in older versions."""
+        super().__setstate__(state)
+        for key, value in (("foreach", None), ("maximize", False), ("momentum_dtype", None)):
+            self.defaults.setdefault(key, value)
+            for group in self.param_groups:
+                group.setdefault(key, value)
+        for param_state in self.state.values():
+            step = param_state.get("step")
+            if isinstance(step, Tensor):
+                param_state["step"] = int(step.item())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict, keeping ``exp_avg`` in ``momentum_dtype`` where a group sets one.
+
+        ``torch.optim.Optimizer`` casts floating state to the parameter dtype; for groups with a
+        ``momentum_dtype`` the momentum is re-read from ``state_dict`` so no precision is lost.
+        """
+        super().load_state_dict(state_dict)
+        saved_state = state_dict["state"]
+        for group, saved_group in zip(self.param_groups, state_dict["param_groups"], strict=True):
+            dtype = group["momentum_dtype"]
+            if dtype is None:
+                continue
+            for p, param_id in zip(group["params"], saved_group["params"], strict=True):
+                saved = saved_state.get(param_id)
+                if saved is not None and "exp_avg" in saved:
+                    self.state[p]["exp_avg"] = saved["exp_avg"].to(device=p.device, dtype=dtype, copy=True)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float | Tensor] | None = None) -> float | Tensor | None:  # type: ignore[override]
+        """Perform one update of every parameter that has a gradient.
+
+        Args:
+            closure: optional callable that re-evaluates the model and returns the loss; it is
+                called with gradients enabled before the update.
+
+        Returns:
+            The closure's loss, or ``None`` without a closure.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        for group_index, group in enumerate(self.param_groups):
+            params: list[Tensor] = []
+            grads: list[Tensor] = []
+            exp_avgs: list[Tensor] = []
+            for param_index, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                if grad.is_sparse or grad.layout != torch.strided:
+                    raise RuntimeError(
+                        f"Lion does not support sparse gradients: {_param_name(group_index, param_index)} "
+                        f"has a gradient with layout {grad.layout}"
+                    )
+                if torch.is_complex(p) or torch.is_complex(grad):
+                    raise RuntimeError(
+                        f"Lion does not support complex tensors: {_param_name(group_index, param_index)} "
+                        f"(param dtype {p.dtype}, grad dtype {grad.dtype})"
+                    )
+                state = self.state[p]
+                momentum_dtype = group["momentum_dtype"] or p.dtype
+                if "exp_avg" not in state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(
+                        p, dtype=momentum_dtype, memory_format=torch.preserve_format
+                    )
+                elif state["exp_avg"].dtype != momentum_dtype:
+                    state["exp_avg"] = state["exp_avg"].to(momentum_dtype)
+                state["step"] = int(state.get("step", 0)) + 1
+                params.append(p)
+                grads.append(grad)
+                exp_avgs.append(state["exp_avg"])
+
+            if not params:
+                continue
+            foreach = group["foreach"]
+            if foreach is None:
+                foreach = _default_foreach(params)
+            lr = group["lr"]
+            beta1, beta2 = group["betas"]
+            lion_update_(
+                params,
+                grads,
+                exp_avgs,
+                lr=float(lr),
+                beta1=float(beta1),
+                beta2=float(beta2),
+                weight_decay=float(group["weight_decay"]),
+                maximize=bool(group["maximize"]),
+                foreach=foreach,
+            )
+        return loss

@@ -1,0 +1,242 @@
+"""Bit packing of small unsigned lanes into ``uint8`` and the lane-overflow rule.
+
+Pure tensor functions (CPU and CUDA), no Python loop over elements.
+
+* 1-bit: :func:`pack_bits` / :func:`unpack_bits` use the bit order of ``numpy.packbits(bitorder="big")``:
+  element ``8·j + i`` is bit ``7 − i`` (MSB first) of byte ``j``. :func:`pack_signs` and
+  :func:`unpack_signs` are the fast paths for Lion votes (``x ≥ 0`` → 1, exact zeros vote "+").
+* p-bit lanes (p ∈ {1, 2, 4, 8}): :func:`pack_lanes` / :func:`unpack_lanes`, first element in the high
+  lane of a byte (the same MSB-first order).
+* Signed levels in ``[−s, s]`` travel as unsigned lanes ``q + s`` (:func:`offset_encode`), so a lane-wise
+  integer SUM of N workers never borrows; :func:`offset_decode` subtracts ``N·s``.
+* :func:`lane_sum_fits` says whether the lane-wise SUM of N workers can overflow its lane, which is the
+  failure of packed-bit allreduces that sum bytes (a carry corrupts the neighbouring lane).
+
+Lengths need not be multiples of 8: packing pads with zero bits, unpacking takes the true length ``n``
+and drops the padding.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+__all__ = [
+    "LANE_BITS",
+    "lane_sum_fits",
+    "max_lane_workers",
+    "offset_decode",
+    "offset_encode",
+    "pack_bits",
+    "pack_lanes",
+    "pack_signs",
+    "packed_size",
+    "require_lane_sum_fits",
+    "unpack_bits",
+    "unpack_lanes",
+    "unpack_signs",
+]
+
+LANE_BITS = (1, 2, 4, 8)
+
+# Multiplying an int64 that holds eight 0/1 bytes (little-endian: element i in bits 8i..8i+7) by this
+# constant moves byte i's bit to bit 63 − i; no other partial product reaches bits 56..63, and the ones
+# below never carry into them, so ``(w * _GATHER) >> 56`` is the MSB-first packed byte.
+_GATHER = 0x8040201008040201 - (1 << 64)  # as a signed int64
+_LITTLE = sys.byteorder == "little"
+
+
+def _check_bits(bits: int) -> None:
+    if bits not in LANE_BITS:
+        raise ValueError(f"bits={bits!r} is not supported; allowed lane widths: {LANE_BITS}")
+
+
+def packed_size(n: int, bits: int = 1) -> int:
+    """Bytes needed to hold ``n`` lanes of ``bits`` bits each."""
+    _check_bits(bits)
+    if n < 0:
+        raise ValueError(f"n={n} must be >= 0")
+    per_byte = 8 // bits
+    return (n + per_byte - 1) // per_byte
+
+
+def _gather_bytes(bits01: torch.Tensor) -> torch.Tensor:
+    """``uint8``/``bool`` tensor of 0/1 values, length a multiple of 8 → packed ``uint8`` (MSB first)."""
+    if _LITTLE and bits01.is_contiguous():
+        words = bits01.view(torch.uint8).view(torch.int64)
+        return words.mul_(_GATHER).bitwise_right_shift_(56).to(torch.uint8)
+    # Portable path: weighted sum over the 8 bits of each byte.
+    weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8, device=bits01.device)
+    return (bits01.view(-1, 8).to(torch.uint8) * weights).sum(dim=1, dtype=torch.uint8)
+
+
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Pack a 0/1 tensor (``bool`` or integer, any shape, flattened) into ``uint8``, MSB first.
+
+    Args:
+        bits: ``n`` values in {0, 1} (values other than 0 count as 1 for ``bool``; integer inputs must
+            already be 0/1).
+    Returns:
+        ``uint8`` tensor of length ``ceil(n / 8)``, equal to ``numpy.packbits(bits, bitorder="big")``.
+    """
+    flat = bits.reshape(-1)
+    n = flat.numel()
+    nbytes = (n + 7) // 8
+    buf = torch.zeros(nbytes * 8, dtype=torch.uint8, device=flat.device)
+    buf[:n] = flat.to(torch.uint8) if flat.dtype != torch.bool else flat.view(torch.uint8)
+    return _gather_bytes(buf)
+
+
+def pack_signs(x: torch.Tensor, *, pad_to: int = 8) -> torch.Tensor:
+    """Pack the votes ``x ≥ 0`` of a real tensor into ``uint8`` (exact zeros vote "+").
+
+    Args:
+        x: real tensor, any shape (flattened), any float or signed integer dtype. NaN votes "−".
+        pad_to: the packed length in bits is rounded up to a multiple of this (a multiple of 8);
+            padding votes "+" so that it never creates a tie of its own.
+    Returns:
+        ``uint8`` tensor of ``ceil(n / pad_to) · pad_to / 8`` bytes.
+    """
+    if pad_to <= 0 or pad_to % 8:
+        raise ValueError(f"pad_to={pad_to} must be a positive multiple of 8")
+    flat = x.reshape(-1)
+    n = flat.numel()
+    total = -(-n // pad_to) * pad_to
+    buf = torch.empty(total, dtype=torch.bool, device=flat.device)
+    torch.ge(flat, 0, out=buf[:n])
+    buf[n:] = True
+    return _gather_bytes(buf)
+
+
+def _spread_table(device: torch.device, signed: bool) -> torch.Tensor:
+    """int64[256]: for byte value v, eight bytes (address order); byte i is bit 7−i of v as 0/1, or as
+    int8 −1/+1 when ``signed``."""
+    key = (device, signed)
+    table = _SPREAD_CACHE.get(key)
+    if table is None:
+        v = torch.arange(256, dtype=torch.int64)
+        shifts = torch.arange(7, -1, -1, dtype=torch.int64)
+        bitmat = (v[:, None] >> shifts) & 1  # [256, 8], column i = bit 7-i
+        zero = 0xFF if signed else 0  # a 0 bit becomes 0xFF = int8 −1 (signs) or 0 (bits)
+        byte_vals = torch.where(bitmat.bool(), 1, zero).to(torch.int64)
+        if not _LITTLE:
+            raise NotImplementedError("unpacking is implemented for little-endian hosts only")
+        table = (byte_vals << (8 * torch.arange(8, dtype=torch.int64))).sum(dim=1)  # little-endian words
+        table = table.to(device)
+        _SPREAD_CACHE[key] = table
+    return table
+
+
+_SPREAD_CACHE: dict[tuple[torch.device, bool], torch.Tensor] = {}
+
+
+def _spread(packed: torch.Tensor, n: int, signed: bool) -> torch.Tensor:
+    """Look up eight output bytes per packed byte; returns ``int8``/``uint8`` bytes, length ``n``."""
+    packed = packed.reshape(-1)
+    if n < 0 or n > packed.numel() * 8:
+        raise ValueError(f"n={n} does not fit in {packed.numel()} packed bytes")
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"packed must be uint8, got {packed.dtype}")
+    nbytes = (n + 7) // 8
+    table = _spread_table(packed.device, signed)
+    words = table[packed[:nbytes].to(torch.int32)]
+    return words.view(torch.uint8)[:n]
+
+
+def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: ``uint8`` bytes → ``bool`` tensor of length ``n``."""
+    return _spread(packed, n, False).view(torch.bool)
+
+
+def unpack_signs(packed: torch.Tensor, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Packed votes → ±1 of length ``n`` in ``dtype`` (bit 1 → +1, bit 0 → −1)."""
+    signs = _spread(packed, n, True).view(torch.int8)  # bytes 0x01 / 0xFF = +1 / −1
+    return signs if dtype == torch.int8 else signs.to(dtype)
+
+
+def pack_lanes(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack unsigned lanes of ``bits`` bits (values in ``[0, 2**bits − 1]``) into ``uint8``.
+
+    The first element goes into the highest lane of the first byte. ``bits = 8`` returns the values as
+    ``uint8``; ``bits = 1`` equals :func:`pack_bits`. Values are not range-checked here (callers encode
+    them); out-of-range values would bleed into the neighbouring lane.
+    """
+    _check_bits(bits)
+    flat = values.reshape(-1)
+    if bits == 8:
+        return flat.to(torch.uint8)
+    if bits == 1:
+        return pack_bits(flat)
+    per_byte = 8 // bits
+    n = flat.numel()
+    nbytes = (n + per_byte - 1) // per_byte
+    buf = torch.zeros(nbytes * per_byte, dtype=torch.uint8, device=flat.device)
+    buf[:n] = flat
+    lanes = buf.view(nbytes, per_byte)
+    out = lanes[:, 0] << (8 - bits)
+    for i in range(1, per_byte):
+        out |= lanes[:, i] << (8 - bits * (i + 1))
+    return out
+
+
+def unpack_lanes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_lanes`: ``uint8`` → ``uint8`` lane values of length ``n``."""
+    _check_bits(bits)
+    packed = packed.reshape(-1)
+    per_byte = 8 // bits
+    if n < 0 or n > packed.numel() * per_byte:
+        raise ValueError(f"n={n} lanes do not fit in {packed.numel()} bytes of {bits}-bit lanes")
+    if bits == 8:
+        return packed[:n].to(torch.uint8)
+    if bits == 1:
+        return unpack_bits(packed, n).view(torch.uint8)
+    nbytes = (n + per_byte - 1) // per_byte
+    shifts = torch.arange(8 - bits, -1, -bits, dtype=torch.uint8, device=packed.device)
+    mask = (1 << bits) - 1
+    lanes = (packed[:nbytes, None] >> shifts) & mask
+    return lanes.reshape(-1)[:n]
+
+
+def offset_encode(levels: torch.Tensor, max_level: int) -> torch.Tensor:
+    """Signed levels in ``[−s, s]`` → unsigned lanes ``q + s`` in ``[0, 2s]`` (``uint8``, s ≤ 127)."""
+    if not 0 <= max_level <= 127:
+        raise ValueError(f"max_level={max_level} must be in [0, 127] for uint8 lanes")
+    return (levels.to(torch.int16) + max_level).to(torch.uint8)
+
+
+def offset_decode(lane_sums: torch.Tensor, n_workers: int, max_level: int) -> torch.Tensor:
+    """Lane-wise sums of N offset-encoded lanes → the signed sum ``Σ q_i`` as ``int16``."""
+    return lane_sums.to(torch.int16) - n_workers * max_level
+
+
+def lane_sum_fits(n_workers: int, bits: int, max_lane_value: int) -> bool:
+    """Whether N lanes each holding at most ``max_lane_value`` can be summed in a ``bits``-bit lane.
+
+    True exactly when ``n_workers · max_lane_value ≤ 2**bits − 1`` (the largest possible sum fits).
+    """
+    _check_bits(bits)
+    if n_workers < 1:
+        raise ValueError(f"n_workers={n_workers} must be >= 1")
+    if max_lane_value < 0:
+        raise ValueError(f"max_lane_value={max_lane_value} must be >= 0")
+    return n_workers * max_lane_value <= (1 << bits) - 1
+
+
+def max_lane_workers(bits: int, max_lane_value: int) -> int:
+    """The largest N for which :func:`lane_sum_fits` holds (``max_lane_value ≥ 1``)."""
+    _check_bits(bits)
+    if max_lane_value < 1:
+        raise ValueError(f"max_lane_value={max_lane_value} must be >= 1")
+    return ((1 << bits) - 1) // max_lane_value
+
+
+def require_lane_sum_fits(n_workers: int, bits: int, max_lane_value: int, *, what: str = "lane") -> None:
+    """Raise ``ValueError`` naming the limit when a lane-wise SUM of N workers could overflow."""
+    if not lane_sum_fits(n_workers, bits, max_lane_value):
+        limit = max_lane_workers(bits, max_lane_value) if max_lane_value >= 1 else 0
+        raise ValueError(
+            f"{what}: a {bits}-bit lane summed over {n_workers} workers can overflow "
+            f"({n_workers} x {max_lane_value} > {(1 << bits) - 1}); {bits}-bit lanes with values up to "
+            f"{max_lane_value} support at most {limit} workers - use wider lanes (bits='auto')"
+        )

@@ -1,0 +1,369 @@
+"""Quantizers for Lion's pre-sign update ``c = β1·m + (1−β1)·g``: tensor → signed integer levels.
+
+Every quantizer maps a real tensor ``x`` to integer levels ``q ∈ [−s, s]`` of the same shape (``int8``
+when ``s ≤ 127``, else ``int16``/``int32``), where ``s`` is the per-worker level budget
+(:func:`level_budget`). A vote sums the levels of N workers in an integer collective and takes the sign.
+
+Normalised schemes (the Lion Cub paper, §3.6 of the spec)::
+
+    q = clip(round(x / M(x) · s / k), −s, s)
+
+with ``M`` a norm-like normaliser of the tensor (or of each fixed-size chunk), ``k = clip_multiple`` and
+``round`` the deterministic round-half-to-even of ``torch.round``:
+
+* L1: ``M = mean |x|`` — the Lion Cub quantizer. ``k = 2`` is the authors' code (a value equal to
+  mean |x| lands on level s/2, clipping starts at 2·mean |x|); ``k = 1`` is the paper's Eq. 1 as
+  transcribed (clipping at 1·mean |x|).
+* L0: ``M`` = geometric mean of |x| (over the nonzero entries by default; ``eps=1e-12`` gives the
+  authors' ``exp(mean log(|x| + 1e−12))`` over all entries).
+* Lp: ``M = (mean |x|^p)^(1/p)`` for any p > 0; L∞: ``M = max |x|``.
+
+Other schemes: :func:`quantize_sign` (levels −1/0/+1), :func:`quantize_qsgd` (QSGD / Q∞ stochastic
+rounding, seeded by a ``torch.Generator``) and :func:`quantize_log` (power-of-two levels; the papers do
+not define it, this module's definition is an interpretation).
+
+Guarantees (tested with hypothesis): levels lie in ``[−s, s]``; a nonzero level has the sign of x; zeros
+stay zero; an all-zero tensor (or chunk) maps to zeros, never NaN; normalised schemes are invariant to
+scaling x by a power of two (and to any positive scale up to rounding at half-way points).
+Non-finite inputs are the caller's job (the optimizer checks them); NaN maps to 0 here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+
+__all__ = [
+    "QUANTIZERS",
+    "level_budget",
+    "level_dtype",
+    "lp_normalizer",
+    "quantize",
+    "quantize_l0",
+    "quantize_l1",
+    "quantize_linf",
+    "quantize_log",
+    "quantize_lp",
+    "quantize_qsgd",
+    "quantize_sign",
+]
+
+Encoding = Literal["signed", "offset", "vote"]
+
+# Elements per piece when quantizing: keeps temporaries in cache (4 passes over ~1 MiB instead of over
+# the whole tensor).
+_PIECE = 1 << 16
+
+
+def level_budget(n_workers: int, bits: int, encoding: Encoding = "signed") -> int:
+    """Largest per-worker level s such that the integer SUM over N workers cannot overflow p bits.
+
+    * ``"signed"``: two's-complement p-bit sum of levels in [−s, s] (the int8 allreduce of Lion Cub
+      8-bit): ``s = ⌊(2^(p−1) − 1) / N⌋`` (p = 8: ⌊127/N⌋).
+    * ``"offset"``: unsigned p-bit lanes holding ``q + s ∈ [0, 2s]``: ``s = ⌊(2^p − 1) / (2N)⌋``.
+    * ``"vote"``: unsigned lanes holding 0/1 votes: returns 1 when ``N ≤ 2^p − 1``.
+
+    Raises ``ValueError`` (naming N, p and the largest N that works) when the budget would be 0.
+    """
+    if not isinstance(n_workers, int) or n_workers < 1:
+        raise ValueError(f"n_workers={n_workers!r} must be an int >= 1")
+    if not isinstance(bits, int) or bits < 1:
+        raise ValueError(f"bits={bits!r} must be an int >= 1")
+    if encoding == "signed":
+        top = (1 << (bits - 1)) - 1
+        s, max_n = top // n_workers, top
+    elif encoding == "offset":
+        top = (1 << bits) - 1
+        s, max_n = top // (2 * n_workers), top // 2
+    elif encoding == "vote":
+        top = (1 << bits) - 1
+        s, max_n = (1 if n_workers <= top else 0), top
+    else:
+        raise ValueError(f"encoding={encoding!r} is not one of 'signed', 'offset', 'vote'")
+    if s < 1:
+        raise ValueError(
+            f"no level budget: {bits}-bit {encoding} lanes summed over n_workers={n_workers} can overflow "
+            f"even at 1 level; at most {max_n} workers are supported - use more bits"
+        )
+    return s
+
+
+def level_dtype(levels: int) -> torch.dtype:
+    """Smallest signed integer dtype holding ``[−levels, levels]``."""
+    if levels <= 127:
+        return torch.int8
+    if levels <= 32767:
+        return torch.int16
+    return torch.int32
+
+
+def _check_levels(levels: int) -> None:
+    if not isinstance(levels, int) or isinstance(levels, bool) or levels < 1:
+        raise ValueError(f"levels={levels!r} must be an int >= 1")
+    if levels >= 1 << 30:
+        raise ValueError(f"levels={levels} must be < 2**30")
+
+
+def _check_clip_multiple(clip_multiple: float) -> None:
+    if not (isinstance(clip_multiple, (int, float)) and math.isfinite(clip_multiple) and clip_multiple > 0):
+        raise ValueError(
+            f"clip_multiple={clip_multiple!r} must be a finite number > 0 (authors' code: 2, paper: 1)"
+        )
+
+
+def _check_real(x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"quantizers take a floating-point tensor, got {x.dtype}")
+
+
+def lp_normalizer(x: torch.Tensor, p: float, *, eps: float | None = None) -> torch.Tensor:
+    """``(mean |x|^p)^(1/p)`` over the last dimension, in float64 (p = inf: max; p = 0: geometric mean).
+
+    Args:
+        x: ``[..., n]`` floating tensor, ``n ≥ 1``.
+        p: ``0``, a positive finite number, or ``math.inf``.
+        eps: only for ``p = 0``: ``None`` takes the geometric mean over the nonzero entries (0 when all
+            are zero); a number takes ``exp(mean log(|x| + eps))`` over all entries (the authors' L0).
+    Returns:
+        float64 tensor of shape ``[...]``.
+    """
+    if not (p == 0 or p == math.inf or (isinstance(p, (int, float)) and p > 0 and math.isfinite(p))):
+        raise ValueError(f"p={p!r} must be 0, a positive finite number or math.inf")
+    if p == math.inf:
+        return torch.linalg.vector_norm(x, math.inf, dim=-1).to(torch.float64)
+    if p == 1:
+        n = x.shape[-1]
+        total = torch.linalg.vector_norm(x, 1, dim=-1)  # fast, accumulates in x's dtype
+        if x.dtype != torch.float64 and not bool(torch.isfinite(total).all()):
+            total = torch.linalg.vector_norm(x.to(torch.float64), 1, dim=-1)  # the sum overflowed: redo
+        return total.to(torch.float64) / n
+    a = x.abs()
+    if p == 0:
+        a64 = a.to(torch.float64)
+        if eps is not None:
+            return torch.log(a64 + eps).mean(dim=-1).exp()
+        nonzero = a64 > 0
+        count = nonzero.sum(dim=-1)
+        logs = torch.where(nonzero, torch.log(torch.where(nonzero, a64, 1.0)), 0.0).sum(dim=-1)
+        return torch.where(count > 0, torch.exp(logs / count.clamp(min=1)), 0.0)
+    # Scale by the max first so that |x|^p cannot overflow or underflow.
+    top = a.amax(dim=-1, keepdim=True).to(torch.float64)
+    safe = torch.where(top > 0, top, 1.0)
+    rel = a.to(torch.float64) / safe
+    return (rel.pow(p).mean(dim=-1)).pow(1.0 / p) * top.squeeze(-1)
+
+
+def _scale_round_clip(
+    rows: torch.Tensor, norm: torch.Tensor, levels: int, clip_multiple: float
+) -> torch.Tensor:
+    """``clip(round(x / norm · levels / k), −levels, levels)`` for ``rows`` ``[m, n]``, ``norm`` ``[m]`` f64.
+
+    Works piece by piece (about ``_PIECE`` elements) so that the temporaries stay in cache.
+    """
+    out = torch.empty(rows.shape, dtype=level_dtype(levels), device=rows.device)
+    finite = bool(torch.isfinite(norm).all())  # a finite normaliser means every element is finite
+    safe = torch.where(norm > 0, norm, 1.0)  # a zero normaliser means the row is all zeros
+    factor64 = levels / (clip_multiple * safe)
+    work = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    if not bool((factor64 <= torch.finfo(work).max).all()):
+        work = torch.float64  # denormal normaliser: the factor overflows float32, float64 holds it
+    m, n = rows.shape
+    if m == 1:  # per tensor: 1-D pieces with a Python-float factor
+        flat, flat_out, f = rows.view(-1), out.view(-1), float(factor64[0])
+        pieces = [(flat[c : c + _PIECE], flat_out[c : c + _PIECE], f) for c in range(0, n, _PIECE)]
+    else:
+        factor = factor64.to(work)[:, None]
+        step = max(1, _PIECE // n)
+        pieces = [(rows[r : r + step], out[r : r + step], factor[r : r + step]) for r in range(0, m, step)]
+    for xs, dst, f in pieces:
+        t = torch.mul(xs if xs.dtype == work else xs.to(work), f)
+        t.round_().clamp_(-levels, levels)
+        if not finite:
+            t.nan_to_num_(0.0)
+        dst.copy_(t)
+    return out
+
+
+def _as_rows(x: torch.Tensor, chunk_size: int | None) -> tuple[torch.Tensor, int]:
+    """Flatten to ``[rows, chunk]`` (zero-padded when chunking); returns the view and the true length."""
+    flat = x.reshape(-1)
+    n = flat.numel()
+    if chunk_size is None:
+        return flat.view(1, n), n
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size!r} must be None (per tensor) or an int >= 1")
+    pad = (-n) % chunk_size
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return flat.view(-1, chunk_size), n
+
+
+def _finish(q_rows: torch.Tensor, n: int, like: torch.Tensor) -> torch.Tensor:
+    return q_rows.reshape(-1)[:n].view(like.shape)
+
+
+def quantize_lp(
+    x: torch.Tensor,
+    levels: int,
+    *,
+    p: float = 1.0,
+    clip_multiple: float = 2.0,
+    chunk_size: int | None = None,
+    eps: float | None = None,
+) -> torch.Tensor:
+    """Normalised quantizer ``clip(round(x / M_p · s / k), −s, s)``.
+
+    Args:
+        x: floating tensor, any shape.
+        levels: s, the per-worker level budget (see :func:`level_budget`).
+        p: the normaliser's order (1 = L1, 0 = geometric mean, ``math.inf`` = max).
+        clip_multiple: k; the authors' code uses 2, the paper's Eq. 1 as transcribed uses 1.
+        chunk_size: ``None`` normalises the whole tensor (as the authors); an int normalises each run of
+            ``chunk_size`` consecutive elements separately.
+        eps: see :func:`lp_normalizer` (p = 0 only).
+    Returns:
+        integer levels, same shape as x, dtype :func:`level_dtype(levels) <level_dtype>`.
+    """
+    _check_real(x)
+    _check_levels(levels)
+    _check_clip_multiple(clip_multiple)
+    rows, n = _as_rows(x, chunk_size)
+    if n == 0:
+        return torch.empty(x.shape, dtype=level_dtype(levels), device=x.device)
+    if chunk_size is not None and rows.shape[0] > 1 and n % chunk_size:
+        norm = _padded_normalizer(rows, n, p, eps)
+    else:
+        norm = lp_normalizer(rows, p, eps=eps)
+    return _finish(_scale_round_clip(rows, norm, levels, float(clip_multiple)), n, x)
+
+
+def _padded_normalizer(rows: torch.Tensor, n: int, p: float, eps: float | None) -> torch.Tensor:
+    """Normalisers of ``rows`` whose last row is zero-padded: the last one over its true length."""
+    norm = lp_normalizer(rows[:-1], p, eps=eps)
+    tail = rows[-1, : n - (rows.shape[0] - 1) * rows.shape[1]]
+    return torch.cat([norm, lp_normalizer(tail[None], p, eps=eps)])
+
+
+def quantize_l1(
+    x: torch.Tensor, levels: int, *, clip_multiple: float = 2.0, chunk_size: int | None = None
+) -> torch.Tensor:
+    """L1 (mean |x|) quantizer of Lion Cub; see :func:`quantize_lp`."""
+    return quantize_lp(x, levels, p=1.0, clip_multiple=clip_multiple, chunk_size=chunk_size)
+
+
+def quantize_l0(
+    x: torch.Tensor,
+    levels: int,
+    *,
+    clip_multiple: float = 2.0,
+    chunk_size: int | None = None,
+    eps: float | None = None,
+) -> torch.Tensor:
+    """L0 (geometric mean of |x|) quantizer; ``eps=1e-12`` reproduces the authors' normaliser."""
+    return quantize_lp(x, levels, p=0.0, clip_multiple=clip_multiple, chunk_size=chunk_size, eps=eps)
+
+
+def quantize_linf(
+    x: torch.Tensor, levels: int, *, clip_multiple: float = 2.0, chunk_size: int | None = None
+) -> torch.Tensor:
+    """Deterministic L∞ (max |x|) quantizer; with heavy-tailed x most entries round to 0."""
+    return quantize_lp(x, levels, p=math.inf, clip_multiple=clip_multiple, chunk_size=chunk_size)
+
+
+def quantize_sign(x: torch.Tensor, levels: int = 1) -> torch.Tensor:
+    """``sign(x)`` as ``int8`` levels −1/0/+1 (``levels`` is accepted for a uniform interface; NaN → 0)."""
+    _check_real(x)
+    _check_levels(levels)
+    return torch.sign(x).nan_to_num_(0.0).to(torch.int8)
+
+
+def quantize_qsgd(
+    x: torch.Tensor,
+    levels: int,
+    *,
+    norm: Literal["inf", "2"] | float = "inf",
+    generator: torch.Generator | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """QSGD stochastic quantizer (Alistarh et al. 2017); ``norm="inf"`` is the paper's Q∞.
+
+    ``ℓ = ⌊s·|x_i|/‖x‖⌋``; the level is ``sign(x_i)·(ℓ + 1)`` with probability ``s·|x_i|/‖x‖ − ℓ``, else
+    ``sign(x_i)·ℓ`` — unbiased: ``E[q]·‖x‖/s = x``. Uniform draws come from ``generator`` (on x's device).
+    """
+    _check_real(x)
+    _check_levels(levels)
+    if norm in ("inf", math.inf):
+        order = math.inf
+    elif norm in ("2", 2, 2.0):
+        order = 2.0
+    else:
+        raise ValueError(f"norm={norm!r} must be 'inf' or '2'")
+    rows, n = _as_rows(x, chunk_size)
+    if n == 0:
+        return torch.empty(x.shape, dtype=level_dtype(levels), device=x.device)
+    if chunk_size is not None and rows.shape[0] > 1 and n % chunk_size:
+        nrm = _padded_normalizer(rows, n, order, None)
+    else:
+        nrm = lp_normalizer(rows, order)
+    if order == 2.0:  # lp_normalizer gives the RMS; QSGD uses the plain 2-norm
+        counts = torch.full_like(nrm, rows.shape[1])
+        if chunk_size is not None and n % chunk_size:
+            counts[-1] = n - (rows.shape[0] - 1) * rows.shape[1]
+        nrm = nrm * counts.sqrt()
+    rel = rows.abs().to(torch.float64) / torch.where(nrm > 0, nrm, 1.0)[:, None] * levels
+    rel = rel.nan_to_num_(0.0).clamp_(0, levels)
+    low = rel.floor()
+    u = torch.rand(rel.shape, generator=generator, dtype=torch.float64, device=x.device)
+    mag = low + (u < rel - low).to(torch.float64)
+    q = (torch.sign(rows).nan_to_num_(0.0).to(torch.float64) * mag.clamp_(max=levels)).to(level_dtype(levels))
+    return _finish(q, n, x)
+
+
+def quantize_log(x: torch.Tensor, levels: int, *, chunk_size: int | None = None) -> torch.Tensor:
+    """Logarithmic quantizer — **an interpretation**: the papers name it but do not define it.
+
+    Each magnitude is rounded to the nearest power of two relative to the maximum,
+    ``e = round(log2(max|x| / |x_i|))``, and de-quantised to the integer level ``round(s · 2^−e)`` so
+    that levels add in an integer collective (power-of-two exponents do not). Levels are therefore
+    ``{s, round(s/2), round(s/4), …, 1}``; magnitudes below the smallest level map to 0.
+    """
+    _check_real(x)
+    _check_levels(levels)
+    rows, n = _as_rows(x, chunk_size)
+    if n == 0:
+        return torch.empty(x.shape, dtype=level_dtype(levels), device=x.device)
+    if chunk_size is not None and rows.shape[0] > 1 and n % chunk_size:
+        top = _padded_normalizer(rows, n, math.inf, None)
+    else:
+        top = lp_normalizer(rows, math.inf)
+    a = rows.abs().to(torch.float64)
+    ratio = torch.where(a > 0, top[:, None] / torch.where(a > 0, a, 1.0), math.inf)
+    e = torch.log2(ratio).round_().clamp_(max=64.0)
+    mag = (levels * torch.exp2(-e)).round_().nan_to_num_(0.0)
+    q = torch.sign(rows).nan_to_num_(0.0).to(torch.float64) * mag
+    return _finish(q.to(level_dtype(levels)), n, x)
+
+
+QUANTIZERS: dict[str, Callable[..., torch.Tensor]] = {
+    "sign": quantize_sign,
+    "l1": quantize_l1,
+    "l0": quantize_l0,
+    "linf": quantize_linf,
+    "lp": quantize_lp,
+    "qsgd": quantize_qsgd,
+    "log": quantize_log,
+}
+
+
+def quantize(name: str, x: torch.Tensor, levels: int, **options: object) -> torch.Tensor:
+    """Dispatch by name (one of :data:`QUANTIZERS`); ``options`` go to the quantizer."""
+    try:
+        fn = QUANTIZERS[name]
+    except KeyError:
+        raise ValueError(f"quantizer={name!r} is not one of {sorted(QUANTIZERS)}") from None
+    return fn(x, levels, **options)

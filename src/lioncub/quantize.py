@@ -147,10 +147,14 @@ def lp_normalizer(x: torch.Tensor, p: float, *, eps: float | None = None) -> tor
         a64 = a.to(torch.float64)
         if eps is not None:
             return torch.log(a64 + eps).mean(dim=-1).exp()
-        nonzero = a64 > 0
+        # Relative to a power of two near the max, so that scaling x by 2^j scales the result exactly.
+        _, exponent = torch.frexp(a64.amax(dim=-1, keepdim=True))
+        unit = torch.ldexp(torch.ones_like(a64[..., :1]), exponent)
+        rel = a64 / unit
+        nonzero = rel > 0
         count = nonzero.sum(dim=-1)
-        logs = torch.where(nonzero, torch.log(torch.where(nonzero, a64, 1.0)), 0.0).sum(dim=-1)
-        return torch.where(count > 0, torch.exp(logs / count.clamp(min=1)), 0.0)
+        logs = torch.where(nonzero, torch.log(torch.where(nonzero, rel, 1.0)), 0.0).sum(dim=-1)
+        return torch.where(count > 0, torch.exp(logs / count.clamp(min=1)) * unit.squeeze(-1), 0.0)
     # Scale by the max first so that |x|^p cannot overflow or underflow.
     top = a.amax(dim=-1, keepdim=True).to(torch.float64)
     safe = torch.where(top > 0, top, 1.0)

@@ -298,7 +298,8 @@ class Lion(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (validated like the constructor arguments; complex parameters are rejected)."""
-        _check_hyperparameters({key: param_group.get(key, value) for key, value in self.defaults.items()})
+        if isinstance(param_group, dict):  # otherwise the base class raises its TypeError
+            _check_hyperparameters({key: param_group.get(key, value) for key, value in self.defaults.items()})
         super().add_param_group(param_group)
         group_index = len(self.param_groups) - 1
         for i, p in enumerate(self.param_groups[-1]["params"]):

@@ -1,0 +1,270 @@
+"""Throughput of the quantize and 1-bit packing kernels against an fp32 copy of the same tensor (issue 2).
+
+Usage::
+
+    .venv/bin/python benchmarks/bench_kernels.py [--sizes 1M,16M,64M] [--repeats 7] [--threads 1]
+                                                 [--json out.json]
+
+For each size n (``K`` = 2**10, ``M`` = 2**20 elements; a plain integer also works) one float32 tensor
+``x = torch.randn(n)`` (seed 0) is timed, in one run, under these ops:
+
+* baseline ``copy``: ``dst.copy_(x)`` into a preallocated float32 tensor (the memory-bandwidth limit
+  every ratio is taken against), and ``clone``: ``x.clone()`` (the same, plus a fresh allocation);
+* ``quantize_l1(x, 15)`` (8-bit L1 levels, 8-worker budget) and ``quantize_l1(x, 127)``;
+* ``pack_signs(x)`` (float → packed bytes), ``unpack_signs(packed, n, float32)`` and
+  ``unpack_signs(packed, n, bfloat16)`` (packed → ±1);
+* numpy references: ``np.packbits(x_np >= 0)`` (comparison included), ``np.packbits(bool_array)``,
+  ``np.unpackbits(packed)`` (to uint8) and ``np.unpackbits(packed).astype(np.float32) * 2 - 1``.
+
+Method: ``torch.set_num_threads(--threads)``; each op runs once as warm-up, then ``--repeats`` times,
+each timed with ``time.perf_counter``; the median and the min are reported. Outputs are allocated by
+the op itself (as a caller would get them), except for ``copy``.
+
+GB/s = (bytes read + bytes written) / median time, 1 GB = 1e9 bytes, counting only the op's nominal
+input and final output (temporaries are not counted):
+
+* copy / clone: 4n read + 4n written;
+* quantize_l1: 8n read (two passes over x: the L1 norm, then the scaling) + n written (int8 levels);
+* pack_signs, np.packbits(x >= 0): 4n read + n/8 written;
+* np.packbits(bool): n read + n/8 written;
+* unpack_signs fp32: n/8 read + 4n written; bf16: n/8 read + 2n written;
+* np.unpackbits: n/8 read + n written; np.unpackbits → ±1 float32: n/8 read + 4n written.
+
+``ratio`` (column ``× copy``) is the op's median time over the median time of ``copy`` of the same
+tensor, measured in the same run; ``× clone`` is the same against ``clone`` (a fairer reference for ops
+that return a freshly allocated output, since first-touch page faults of a new buffer are included).
+Targets (issue 2), judged on ``× copy``: pack_signs and unpack_signs (fp32, the parameter dtype here)
+within 2× of the copy, quantize_l1 with s = 15 within 4×; the ``target`` column marks those rows ✓/✗.
+
+Correctness is checked once per size before timing (pack_signs against numpy.packbits of ``x >= 0``
+padded with ones to a multiple of 8; unpack round trip against ``where(x >= 0, 1, -1)``); a mismatch
+aborts with a non-zero exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from lioncub.packing import pack_signs, unpack_signs
+from lioncub.quantize import quantize_l1
+
+TARGETS = {"pack_signs": 2.0, "unpack_signs fp32": 2.0, "quantize_l1 s=15": 4.0}
+
+
+@dataclass
+class Row:
+    size: str
+    n: int
+    op: str
+    bytes_moved: int
+    median_s: float
+    min_s: float
+    gbps: float
+    ratio: float
+    ratio_clone: float
+    target: float | None
+    met: bool | None
+
+
+def parse_size(text: str) -> int:
+    text = text.strip()
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    if text and text[-1].upper() in units:
+        return int(float(text[:-1]) * units[text[-1].upper()])
+    return int(text)
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_info(threads: int) -> dict[str, object]:
+    return {
+        "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "cpu": cpu_model(),
+        "nproc": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "threads": threads,
+        "torch_num_threads": torch.get_num_threads(),
+    }
+
+
+def time_op(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+        del out
+    return statistics.median(times), min(times)
+
+
+def verify(x: torch.Tensor, x_np: np.ndarray) -> None:
+    n = x.numel()
+    packed = pack_signs(x)
+    pad = (-n) % 8
+    ref = np.packbits(np.concatenate([x_np >= 0, np.ones(pad, dtype=bool)]))
+    if not np.array_equal(packed.numpy(), ref):
+        sys.exit(f"FAILED: pack_signs != np.packbits(x >= 0) padded with ones (n={n})")
+    want = torch.where(x >= 0, 1.0, -1.0)
+    for dtype in (torch.float32, torch.bfloat16):
+        got = unpack_signs(packed, n, dtype)
+        if got.dtype != dtype or not torch.equal(got.float(), want):
+            sys.exit(f"FAILED: unpack_signs(pack_signs(x), n, {dtype}) != where(x >= 0, 1, -1) (n={n})")
+
+
+def bench_size(label: str, n: int, repeats: int) -> list[Row]:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, generator=gen, dtype=torch.float32)
+    x_np = x.numpy()
+    verify(x, x_np)
+    dst = torch.empty_like(x)
+    packed = pack_signs(x)
+    packed_np = packed.numpy()
+    bools_np = x_np >= 0
+    nb = packed.numel()  # n/8 rounded up
+
+    ops: list[tuple[str, Callable[[], object], int]] = [
+        ("copy", lambda: dst.copy_(x), 8 * n),
+        ("clone", lambda: x.clone(), 8 * n),
+        ("quantize_l1 s=15", lambda: quantize_l1(x, 15), 9 * n),
+        ("quantize_l1 s=127", lambda: quantize_l1(x, 127), 9 * n),
+        ("pack_signs", lambda: pack_signs(x), 4 * n + nb),
+        ("unpack_signs fp32", lambda: unpack_signs(packed, n, torch.float32), nb + 4 * n),
+        ("unpack_signs bf16", lambda: unpack_signs(packed, n, torch.bfloat16), nb + 2 * n),
+        ("np.packbits(x>=0)", lambda: np.packbits(x_np >= 0), 4 * n + nb),
+        ("np.packbits(bool)", lambda: np.packbits(bools_np), n + nb),
+        ("np.unpackbits u8", lambda: np.unpackbits(packed_np), nb + n),
+        ("np.unpackbits ±1 fp32", lambda: np.unpackbits(packed_np).astype(np.float32) * 2 - 1, nb + 4 * n),
+    ]
+    timed = [(name, *time_op(fn, repeats), nbytes) for name, fn, nbytes in ops]
+    copy_median, clone_median = timed[0][1], timed[1][1]
+    rows = []
+    for name, med, mn, nbytes in timed:
+        ratio = med / copy_median
+        target = TARGETS.get(name)
+        met = None if target is None else ratio <= target
+        rows.append(
+            Row(label, n, name, nbytes, med, mn, nbytes / med / 1e9, ratio, med / clone_median, target, met)
+        )
+    return rows
+
+
+def target_cell(row: Row) -> str:
+    if row.target is None:
+        return ""
+    return f"{'✓' if row.met else '✗'} (≤{row.target:g}×)"
+
+
+def markdown_table(rows: list[Row]) -> str:
+    lines = [
+        "| size | op | median ms | min ms | GB/s | × copy | × clone | target |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.size} | {r.op} | {r.median_s * 1e3:.3f} | {r.min_s * 1e3:.3f} | {r.gbps:.2f} "
+            f"| {r.ratio:.2f} | {r.ratio_clone:.2f} | {target_cell(r)} |"
+        )
+    return "\n".join(lines)
+
+
+def rich_table(rows: list[Row], threads: int) -> Table:
+    table = Table(title=f"quantize / 1-bit packing kernels vs fp32 copy ({threads} thread(s))")
+    for col, justify in [
+        ("size", "left"),
+        ("op", "left"),
+        ("median ms", "right"),
+        ("min ms", "right"),
+        ("GB/s", "right"),
+        ("× copy", "right"),
+        ("× clone", "right"),
+        ("target", "left"),
+    ]:
+        table.add_column(col, justify=justify)
+    last = None
+    for r in rows:
+        if last is not None and r.size != last:
+            table.add_section()
+        last = r.size
+        style = None if r.met is None else ("green" if r.met else "red")
+        table.add_row(
+            r.size,
+            r.op,
+            f"{r.median_s * 1e3:.3f}",
+            f"{r.min_s * 1e3:.3f}",
+            f"{r.gbps:.2f}",
+            f"{r.ratio:.2f}",
+            f"{r.ratio_clone:.2f}",
+            target_cell(r),
+            style=style,
+        )
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser.add_argument(
+        "--sizes", default="1M,16M,64M", help="comma-separated element counts (K/M = 2**10/2**20)"
+    )
+    parser.add_argument("--repeats", type=int, default=7, help="timed runs per op (after one warm-up)")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument("--json", metavar="PATH", help="also write machine info and rows as JSON")
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.threads < 1:
+        parser.error("--repeats and --threads must be >= 1")
+    sizes = [(s.strip(), parse_size(s)) for s in args.sizes.split(",") if s.strip()]
+    if not sizes or any(n < 1 for _, n in sizes):
+        parser.error(f"--sizes={args.sizes!r} must list positive sizes")
+
+    torch.set_num_threads(args.threads)
+    info = machine_info(args.threads)
+    console = Console()
+    console.print(
+        f"date: {info['date']}\ncpu: {info['cpu']} (nproc {info['nproc']})\n"
+        f"python {info['python']}, torch {info['torch']}, numpy {info['numpy']}, "
+        f"torch threads {info['torch_num_threads']}\n"
+        f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}\nrepeats: {args.repeats}"
+    )
+    rows: list[Row] = []
+    for label, n in sizes:
+        console.print(f"[dim]size {label} (n={n}): verifying and timing...[/dim]")
+        rows.extend(bench_size(label, n, args.repeats))
+    console.print(rich_table(rows, args.threads))
+    print("\nMarkdown:\n")
+    print(markdown_table(rows))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(
+                {"machine": info, "repeats": args.repeats, "rows": [asdict(r) for r in rows]}, f, indent=2
+            )
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

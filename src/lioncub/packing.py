@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -88,13 +89,25 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     return _gather_bytes(buf)
 
 
-def pack_signs(x: torch.Tensor, *, pad_to: int = 8) -> torch.Tensor:
+def _out(out: torch.Tensor | None, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if out is None:
+        return torch.empty(n, dtype=dtype, device=device)
+    if out.dtype != dtype or out.numel() != n or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous {dtype} tensor of {n} elements, got {out.dtype} {tuple(out.shape)}"
+        )
+    return out.view(-1)
+
+
+def pack_signs(x: torch.Tensor, *, pad_to: int = 8, out: torch.Tensor | None = None) -> torch.Tensor:
     """Pack the votes ``x ≥ 0`` of a real tensor into ``uint8`` (exact zeros vote "+").
 
     Args:
-        x: real tensor, any shape (flattened), any float or signed integer dtype. NaN votes "−".
+        x: real tensor, any shape (flattened), any float or signed integer dtype; finite (the vote of a
+            NaN is unspecified: callers check for non-finite values first).
         pad_to: the packed length in bits is rounded up to a multiple of this (a multiple of 8);
             padding votes "+" so that it never creates a tie of its own.
+        out: optional preallocated ``uint8`` result (reusing it avoids page faults on large tensors).
     Returns:
         ``uint8`` tensor of ``ceil(n / pad_to) · pad_to / 8`` bytes.
     """
@@ -102,11 +115,45 @@ def pack_signs(x: torch.Tensor, *, pad_to: int = 8) -> torch.Tensor:
         raise ValueError(f"pad_to={pad_to} must be a positive multiple of 8")
     flat = x.reshape(-1)
     n = flat.numel()
-    total = -(-n // pad_to) * pad_to
-    buf = torch.empty(total, dtype=torch.bool, device=flat.device)
-    torch.ge(flat, 0, out=buf[:n])
-    buf[n:] = True
-    return _gather_bytes(buf)
+    nbytes = -(-n // pad_to) * pad_to // 8
+    out = _out(out, nbytes, torch.uint8, flat.device)
+    full = n // 8 * 8  # elements that fill whole bytes
+    if full and flat.device.type == "cpu" and flat.dtype in _NUMPY_VOTE:
+        _pack_signs_numpy(flat[:full], out[: full // 8])
+    elif full:
+        out[: full // 8] = _gather_bytes(torch.ge(flat[:full], 0))
+    tail = torch.ones((nbytes - full // 8) * 8, dtype=torch.bool, device=flat.device)
+    if tail.numel():
+        torch.ge(flat[full:], 0, out=tail[: n - full])
+        out[full // 8 :] = _gather_bytes(tail)
+    return out
+
+
+# Elements per cache-sized piece in the CPU loops (a multiple of 8).
+_PIECE = 1 << 18
+
+# CPU dtypes whose votes numpy computes with SIMD kernels: the view dtype and whether to test raw bits.
+_NUMPY_VOTE = {
+    torch.float32: (torch.float32, False),
+    torch.float64: (torch.float64, False),
+    torch.float16: (torch.float16, False),
+    torch.bfloat16: (torch.int16, True),  # numpy has no bfloat16: test the sign bit of the raw bits
+}
+
+
+def _pack_signs_numpy(flat: torch.Tensor, out: torch.Tensor) -> None:
+    """CPU fast path: numpy's vectorised compare and ``packbits`` over cache-sized pieces."""
+    view_dtype, raw_bits = _NUMPY_VOTE[flat.dtype]
+    src = flat.contiguous().view(view_dtype).numpy()
+    dst = out.numpy()
+    bits = np.empty(min(_PIECE, src.size), dtype=bool)
+    for c0 in range(0, src.size, _PIECE):
+        c1 = min(c0 + _PIECE, src.size)
+        b = bits[: c1 - c0]
+        np.greater_equal(src[c0:c1], 0, out=b)
+        if raw_bits:  # bits of −0.0 are the most negative int16 but −0.0 ≥ 0 holds
+            b |= src[c0:c1] == np.int16(-32768)
+        dst[c0 // 8 : c1 // 8] = np.packbits(b, bitorder="big")
 
 
 def _spread_table(device: torch.device, signed: bool) -> torch.Tensor:
@@ -131,28 +178,42 @@ def _spread_table(device: torch.device, signed: bool) -> torch.Tensor:
 _SPREAD_CACHE: dict[tuple[torch.device, bool], torch.Tensor] = {}
 
 
-def _spread(packed: torch.Tensor, n: int, signed: bool) -> torch.Tensor:
-    """Look up eight output bytes per packed byte; returns ``int8``/``uint8`` bytes, length ``n``."""
+def _spread(packed: torch.Tensor, n: int, signed: bool, out: torch.Tensor) -> torch.Tensor:
+    """Look up eight output values per packed byte into ``out`` (length ``n``, any real dtype)."""
     packed = packed.reshape(-1)
-    if n < 0 or n > packed.numel() * 8:
-        raise ValueError(f"n={n} does not fit in {packed.numel()} packed bytes")
     if packed.dtype != torch.uint8:
         raise TypeError(f"packed must be uint8, got {packed.dtype}")
-    nbytes = (n + 7) // 8
+    if n < 0 or n > packed.numel() * 8:
+        raise ValueError(f"n={n} does not fit in {packed.numel()} packed bytes")
     table = _spread_table(packed.device, signed)
-    words = table[packed[:nbytes].to(torch.int32)]
-    return words.view(torch.uint8)[:n]
+    nbytes = (n + 7) // 8
+    piece = _PIECE // 8 if packed.device.type == "cpu" else max(nbytes, 1)
+    index = torch.empty(min(piece, nbytes), dtype=torch.int64, device=packed.device)
+    words = torch.empty(min(piece, nbytes), dtype=torch.int64, device=packed.device)
+    for b0 in range(0, nbytes, piece):
+        b1 = min(b0 + piece, nbytes)
+        idx = index[: b1 - b0].copy_(packed[b0:b1])
+        w = torch.index_select(table, 0, idx, out=words[: b1 - b0])
+        e0, e1 = b0 * 8, min(b1 * 8, n)
+        out[e0:e1].copy_(w.view(torch.int8)[: e1 - e0])
+    return out
 
 
 def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: ``uint8`` bytes → ``bool`` tensor of length ``n``."""
-    return _spread(packed, n, False).view(torch.bool)
+    out = torch.empty(max(n, 0), dtype=torch.uint8, device=packed.device)
+    return _spread(packed, n, False, out).view(torch.bool)
 
 
-def unpack_signs(packed: torch.Tensor, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Packed votes → ±1 of length ``n`` in ``dtype`` (bit 1 → +1, bit 0 → −1)."""
-    signs = _spread(packed, n, True).view(torch.int8)  # bytes 0x01 / 0xFF = +1 / −1
-    return signs if dtype == torch.int8 else signs.to(dtype)
+def unpack_signs(
+    packed: torch.Tensor, n: int, dtype: torch.dtype = torch.float32, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Packed votes → ±1 of length ``n`` in ``dtype`` (bit 1 → +1, bit 0 → −1).
+
+    ``out``: optional preallocated result of ``n`` elements of ``dtype`` (avoids page faults).
+    """
+    out = _out(out, max(n, 0), dtype, packed.device)
+    return _spread(packed, n, True, out)  # table bytes 0x01 / 0xFF are int8 +1 / −1
 
 
 def pack_lanes(values: torch.Tensor, bits: int) -> torch.Tensor:

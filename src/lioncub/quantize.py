@@ -55,7 +55,7 @@ Encoding = Literal["signed", "offset", "vote"]
 
 # Elements per piece when quantizing: keeps temporaries in cache (4 passes over ~1 MiB instead of over
 # the whole tensor).
-_PIECE = 1 << 16
+_PIECE = 1 << 18
 
 
 def level_budget(n_workers: int, bits: int, encoding: Encoding = "signed") -> int:
@@ -121,6 +121,28 @@ def _check_real(x: torch.Tensor) -> None:
         raise TypeError(f"quantizers take a floating-point tensor, got {x.dtype}")
 
 
+def _abs_sums(x: torch.Tensor) -> torch.Tensor:
+    """``Σ|x|`` over the last dimension in float64, in cache-sized pieces (faster than ``vector_norm``)."""
+    rows = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
+    m, n = rows.shape
+    sums = torch.empty(m, dtype=torch.float64, device=x.device)
+    step = max(1, _PIECE // max(n, 1))
+    width = min(n, _PIECE)
+    scratch = torch.empty((min(step, m), width), dtype=x.dtype, device=x.device)
+    for r0 in range(0, m, step):
+        r1 = min(r0 + step, m)
+        total = torch.zeros(r1 - r0, dtype=torch.float64, device=x.device)
+        for c0 in range(0, n, width):
+            c1 = min(c0 + width, n)
+            a = torch.abs(rows[r0:r1, c0:c1], out=scratch[: r1 - r0, : c1 - c0])
+            part = a.sum(dim=1)
+            if not bool(torch.isfinite(part).all()):  # the piece overflowed its dtype: redo in float64
+                part = a.to(torch.float64).sum(dim=1)
+            total += part
+        sums[r0:r1] = total
+    return sums.reshape(x.shape[:-1])
+
+
 def lp_normalizer(x: torch.Tensor, p: float, *, eps: float | None = None) -> torch.Tensor:
     """``(mean |x|^p)^(1/p)`` over the last dimension, in float64 (p = inf: max; p = 0: geometric mean).
 
@@ -137,11 +159,7 @@ def lp_normalizer(x: torch.Tensor, p: float, *, eps: float | None = None) -> tor
     if p == math.inf:
         return torch.linalg.vector_norm(x, math.inf, dim=-1).to(torch.float64)
     if p == 1:
-        n = x.shape[-1]
-        total = torch.linalg.vector_norm(x, 1, dim=-1)  # fast, accumulates in x's dtype
-        if x.dtype != torch.float64 and not bool(torch.isfinite(total).all()):
-            total = torch.linalg.vector_norm(x.to(torch.float64), 1, dim=-1)  # the sum overflowed: redo
-        return total.to(torch.float64) / n
+        return _abs_sums(x) / x.shape[-1]
     a = x.abs()
     if p == 0:
         a64 = a.to(torch.float64)
@@ -163,13 +181,17 @@ def lp_normalizer(x: torch.Tensor, p: float, *, eps: float | None = None) -> tor
 
 
 def _scale_round_clip(
-    rows: torch.Tensor, norm: torch.Tensor, levels: int, clip_multiple: float
+    rows: torch.Tensor,
+    norm: torch.Tensor,
+    levels: int,
+    clip_multiple: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``clip(round(x / norm · levels / k), −levels, levels)`` for ``rows`` ``[m, n]``, ``norm`` ``[m]`` f64.
 
     Works piece by piece (about ``_PIECE`` elements) so that the temporaries stay in cache.
     """
-    out = torch.empty(rows.shape, dtype=level_dtype(levels), device=rows.device)
+    out = torch.empty(rows.shape, dtype=level_dtype(levels), device=rows.device) if out is None else out
     finite = bool(torch.isfinite(norm).all())  # a finite normaliser means every element is finite
     safe = torch.where(norm > 0, norm, 1.0)  # a zero normaliser means the row is all zeros
     factor64 = levels / (clip_multiple * safe)
@@ -184,8 +206,12 @@ def _scale_round_clip(
         factor = factor64.to(work)[:, None]
         step = max(1, _PIECE // n)
         pieces = [(rows[r : r + step], out[r : r + step], factor[r : r + step]) for r in range(0, m, step)]
+    scratch = torch.empty(min(_PIECE, rows.numel()) if m == 1 else 0, dtype=work, device=rows.device)
     for xs, dst, f in pieces:
-        t = torch.mul(xs if xs.dtype == work else xs.to(work), f)
+        if m == 1:
+            t = torch.mul(xs, f, out=scratch[: xs.numel()]) if xs.dtype == work else xs.to(work) * f
+        else:
+            t = torch.mul(xs if xs.dtype == work else xs.to(work), f)
         t.round_().clamp_(-levels, levels)
         if not finite:
             t.nan_to_num_(0.0)

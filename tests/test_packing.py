@@ -31,8 +31,9 @@ def test_pack_bits_equals_numpy(n: int) -> None:
     np.testing.assert_array_equal(got.numpy(), np.packbits(bits, bitorder="big"))
     np.testing.assert_array_equal(packing.unpack_bits(got, n).numpy(), bits)
     # integer 0/1 input packs the same
-    np.testing.assert_array_equal(packing.pack_bits(torch.from_numpy(bits.astype(np.uint8))).numpy(),
-                                  np.packbits(bits, bitorder="big"))
+    np.testing.assert_array_equal(
+        packing.pack_bits(torch.from_numpy(bits.astype(np.uint8))).numpy(), np.packbits(bits, bitorder="big")
+    )
 
 
 @pytest.mark.parametrize("n", LENGTHS)

@@ -163,8 +163,12 @@ def test_levels_in_range_and_signs_agree(name: str, values: list[float], s: int,
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.sampled_from([*NORMALISED, "qsgd"]), st.lists(finite32, min_size=1, max_size=64),
-       st.integers(1, 127), st.integers(-60, 60))
+@given(
+    st.sampled_from([*NORMALISED, "qsgd"]),
+    st.lists(finite32, min_size=1, max_size=64),
+    st.integers(1, 127),
+    st.integers(-60, 60),
+)
 def test_scale_invariance_power_of_two(name: str, values: list[float], s: int, exponent: int) -> None:
     x = torch.tensor(values, dtype=torch.float64)
     a = 2.0**exponent
@@ -174,8 +178,12 @@ def test_scale_invariance_power_of_two(name: str, values: list[float], s: int, e
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.sampled_from(["l1", "l0", "linf", "lp"]), st.lists(st.floats(-1e3, 1e3), min_size=1, max_size=64),
-       st.integers(1, 127), st.floats(1e-3, 1e3))
+@given(
+    st.sampled_from(["l1", "l0", "linf", "lp"]),
+    st.lists(st.floats(-1e3, 1e3), min_size=1, max_size=64),
+    st.integers(1, 127),
+    st.floats(1e-3, 1e3),
+)
 def test_scale_invariance_any_positive_scale(name: str, values: list[float], s: int, a: float) -> None:
     x = torch.tensor(values, dtype=torch.float64)
     diff = (call(name, x, s).to(torch.int64) - call(name, x * a, s).to(torch.int64)).abs()

@@ -1,7 +1,8 @@
 """Command-line interface: ``lioncub SUBCOMMAND ...``.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
-modules are imported only when their subcommand runs, so ``lioncub --help`` stays fast.
+only the module of the subcommand being run is imported, so ``lioncub --help`` and the launcher stay
+fast.
 """
 
 from __future__ import annotations
@@ -13,29 +14,33 @@ import sys
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("lioncub.demo", "the main job: compare the variants on an emulated slow network"),
+    "launch": ("lioncub.launch.cli", "run N ranks like torchrun, each optionally behind a shaped link"),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The top-level parser; only ``command``'s own options are loaded (all of them when None)."""
+    from lioncub import __version__
+
     parser = argparse.ArgumentParser(
         prog="lioncub",
         description="Data-parallel training with the Lion optimizer over slow networks "
         "(Distributed Lion, Lion Cub).",
     )
-    from lioncub import __version__
-
     parser.add_argument("--version", action="version", version=f"lioncub {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
-        importlib.import_module(module).add_arguments(p)
+        if command is None or name == command:
+            importlib.import_module(module).add_arguments(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in COMMANDS else None)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

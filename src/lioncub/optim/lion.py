@@ -224,10 +224,15 @@ def _check_betas(betas: Any) -> None:
             raise ValueError(f"Invalid betas[{i}]: {beta!r} in betas={betas!r} (expected 0 <= beta < 1)")
 
 
-def _check_hyperparameters(group: dict[str, Any]) -> None:
+def check_lion_hyperparameters(group: dict[str, Any]) -> None:
+    """Raise ``ValueError`` naming the option for a bad ``lr``, ``betas`` or ``weight_decay``."""
     _check_nonneg_finite("lr", group["lr"])
     _check_betas(group["betas"])
     _check_nonneg_finite("weight_decay", group["weight_decay"])
+
+
+def _check_hyperparameters(group: dict[str, Any]) -> None:
+    check_lion_hyperparameters(group)
     if group["foreach"] is not None and not isinstance(group["foreach"], bool):
         raise ValueError(f"Invalid foreach: {group['foreach']!r} (expected None, True or False)")
     if not isinstance(group["maximize"], bool):

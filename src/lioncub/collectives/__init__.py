@@ -1,0 +1,35 @@
+"""Vote algorithms over a ``torch.distributed`` process group (gloo on CPU, NCCL on CUDA).
+
+See :mod:`lioncub.collectives.votes` for the algorithms and their wire formats and
+:mod:`lioncub.collectives.base` for byte accounting, timeouts and the pairwise exchanges.
+"""
+
+from lioncub.collectives.base import CollectiveError, Comm, CommCounter
+from lioncub.collectives.votes import (
+    AverageVote,
+    DenseMean,
+    LaneVote,
+    OneBitVote,
+    Pending,
+    QuantizedVote,
+    ServerVote,
+    SignSumVote,
+    VoteAlgorithm,
+    auto_lane_bits,
+)
+
+__all__ = [
+    "AverageVote",
+    "CollectiveError",
+    "Comm",
+    "CommCounter",
+    "DenseMean",
+    "LaneVote",
+    "OneBitVote",
+    "Pending",
+    "QuantizedVote",
+    "ServerVote",
+    "SignSumVote",
+    "VoteAlgorithm",
+    "auto_lane_bits",
+]

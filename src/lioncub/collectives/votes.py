@@ -1,0 +1,455 @@
+"""Vote algorithms: each combines the workers' local Lion directions into one update, identical on
+every rank.
+
+Every algorithm takes this rank's flat local tensor (the pre-sign update ``c_i``, or the gradient for
+the dense baselines) and returns, through ``start(...).wait()``:
+
+=====================  =========================================================  =====================
+class                  wire                                                       result
+=====================  =========================================================  =====================
+:class:`OneBitVote`    votes ``c ≥ 0`` packed 8/byte; all-to-all of slices, local  ``int8`` ±1 (ties
+                       count + tie rule, all-gather of packed slice results        alternate +1/−1)
+:class:`LaneVote`      0/1 votes in p-bit lanes, uint8 allreduce SUM              ``sign(2·count − N)``
+:class:`SignSumVote`   ``sign(c)`` as int8, allreduce SUM                          ``sign(Σ sign c_i)``
+:class:`QuantizedVote` quantizer levels (int8, or offset p-bit lanes), SUM         ``sign(Σ q_i)``
+:class:`AverageVote`   ``sign(c)`` as int8, allreduce SUM                          ``Σ sign c_i / N``
+:class:`ServerVote`    packed votes to rank 0, count there, 2-bit (majority) or    majority or average
+                       count lanes (average) sent back
+:class:`DenseMean`     gradient in fp32/bf16/fp16, ÷N, allreduce SUM              the mean gradient
+=====================  =========================================================  =====================
+
+Exact zeros of ``c`` vote "+" wherever a vote is one bit (1-bit, lanes, server), as in the papers' code;
+the int8 and quantized paths carry them as 0. With ``N = 1`` there is nothing to exchange and every
+sign vote is ``sign(c)`` (plain Lion).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from lioncub import packing, quantize
+from lioncub.collectives.base import Comm
+
+__all__ = [
+    "AverageVote",
+    "DenseMean",
+    "LaneVote",
+    "OneBitVote",
+    "Pending",
+    "QuantizedVote",
+    "ServerVote",
+    "SignSumVote",
+    "VoteAlgorithm",
+    "auto_lane_bits",
+]
+
+
+def auto_lane_bits(n_workers: int, max_lane_value: int = 1) -> int:
+    """Narrowest lane width in (2, 4, 8) whose N-way SUM of values ≤ ``max_lane_value`` cannot overflow."""
+    for bits in (2, 4, 8):
+        if packing.lane_sum_fits(n_workers, bits, max_lane_value):
+            return bits
+    packing.require_lane_sum_fits(n_workers, 8, max_lane_value, what="bits='auto'")
+    raise AssertionError("unreachable")
+
+
+@dataclass
+class Pending:
+    """A vote in flight: ``wait()`` finishes the exchanges and returns the aggregated update."""
+
+    finish: Any  # Callable[[], torch.Tensor]
+    value: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self.value is None:
+            self.value = self.finish()
+        return self.value
+
+
+class VoteAlgorithm(ABC):
+    """One way to aggregate the workers' local directions. Subclasses document their wire format."""
+
+    name: str = ""
+    #: result dtype: "vote" → int8 in {−1, 0, +1}; "value" → floating (mean of signs or of gradients)
+    result: Literal["vote", "value"] = "vote"
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+        self._buffers: dict[tuple[Hashable, str], torch.Tensor] = {}
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    def buffer(self, key: Hashable | None, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A reusable scratch tensor (fresh when ``key`` is None); avoids page faults on large buckets."""
+        device = self.comm.device
+        if key is None:
+            return torch.empty(numel, dtype=dtype, device=device)
+        buf = self._buffers.get((key, name))
+        if buf is None or buf.numel() != numel or buf.dtype != dtype:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self._buffers[(key, name)] = buf
+        return buf
+
+    @abstractmethod
+    def start(
+        self,
+        local: torch.Tensor,
+        *,
+        step: int,
+        key: Hashable | None = None,
+        segments: Sequence[int] | None = None,
+    ) -> Pending:
+        """Start aggregating ``local`` (1-D). ``step`` (≥ 1) drives the tie rule; ``key`` names the
+        bucket (reusable buffers; buckets in flight at once need distinct keys); ``segments`` are the
+        lengths of the parameter tensors in ``local`` (per-tensor quantizer normalisation)."""
+
+    def wire_bytes(self, numel: int) -> tuple[float, float]:
+        """(sent, received) bytes per rank for one ``start`` of ``numel`` elements (the formula)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(N={self.world_size})"
+
+
+def _sign_int8(local: torch.Tensor) -> torch.Tensor:
+    return torch.sign(local).to(torch.int8)
+
+
+def _sign_of_sum(total: torch.Tensor) -> torch.Tensor:
+    return torch.sign(total).to(torch.int8)
+
+
+# ----------------------------------------------------------------------------------------------- 1-bit
+
+
+class OneBitVote(VoteAlgorithm):
+    """Lion Cub's 1-bit compressed allreduce for the majority vote.
+
+    1. votes ``b = [c ≥ 0]`` padded with "+" to a multiple of ``8·N``, packed 8 per byte, split in N
+       slices; 2. all-to-all: rank r receives slice r of every worker; 3. rank r counts the "+" votes of
+       its slice; a tie (``2·count = N``) becomes +1 on odd steps and −1 on even steps (the same on every
+       rank); 4. the slice's result is packed and all-gathered. Result: ``int8`` ±1 (never 0).
+
+    Bytes per rank: ``2·(N−1)/N · d_pad / 8`` (``d_pad``: d rounded up to a multiple of 8N).
+    """
+
+    name = "1bit"
+
+    def start(self, local, *, step, key=None, segments=None):
+        n = self.world_size
+        d = local.numel()
+        if n == 1:
+            return Pending(lambda: _sign_int8(local))
+        nbytes = -(-d // (8 * n)) * n  # padded bits / 8
+        packed = packing.pack_signs(local, pad_to=8 * n, out=self.buffer(key, "packed", nbytes, torch.uint8))
+        recv = self.buffer(key, "recv", nbytes, torch.uint8)
+        slice_bytes = nbytes // n
+        handle = self.comm.all_to_all(
+            recv.view(n, slice_bytes), packed.view(n, slice_bytes), "1-bit all-to-all"
+        )
+        tie_positive = step % 2 == 1
+
+        def finish() -> torch.Tensor:
+            handle.wait()
+            votes = packing.unpack_bits(recv, nbytes * 8).view(n, slice_bytes * 8)
+            twice_margin = 2 * votes.sum(dim=0, dtype=torch.int32) - n  # (#plus − #minus) per element
+            bits = (twice_margin > 0) | ((twice_margin == 0) & tie_positive)
+            gathered = self.buffer(key, "gathered", nbytes, torch.uint8).view(n, slice_bytes)
+            self.comm.all_gather(gathered, packing.pack_bits(bits), "1-bit all-gather").wait()
+            return packing.unpack_signs(gathered, d, torch.int8)
+
+        return Pending(finish)
+
+    def wire_bytes(self, numel):
+        n = self.world_size
+        padded = -(-numel // (8 * n)) * 8 * n
+        each = (n - 1) / n * padded / 8
+        return 2 * each, 2 * each
+
+
+# ---------------------------------------------------------------------------------------- p-bit lanes
+
+
+class LaneVote(VoteAlgorithm):
+    """Majority vote of 0/1 votes summed in packed p-bit lanes (Lion Cub "4bit": p = 4).
+
+    Each worker packs ``[c ≥ 0]`` into p-bit lanes (8/p per byte); a uint8 allreduce SUM leaves the count
+    of "+" votes in each lane, which cannot carry into its neighbour while ``N ≤ 2^p − 1``; the update is
+    ``sign(2·count − N)`` (ties stay 0; correct for odd N). ``bits="auto"`` takes the narrowest lane
+    that fits N. Bytes per rank: ``2·(N−1)/N · d·p/8``.
+    """
+
+    name = "lanes"
+
+    def __init__(self, comm: Comm, bits: int | Literal["auto"] = 4) -> None:
+        super().__init__(comm)
+        n = comm.world_size
+        if bits == "auto":
+            bits = 8 if n == 1 else auto_lane_bits(n)
+        if bits not in (2, 4, 8):
+            raise ValueError(f"bits={bits!r} for a lane vote must be 2, 4, 8 or 'auto'")
+        packing.require_lane_sum_fits(n, bits, 1, what=f"{bits}-bit vote")
+        self.bits = bits
+        self.name = f"{bits}bit-vote"
+
+    def start(self, local, *, step, key=None, segments=None):
+        n, d = self.world_size, local.numel()
+        if n == 1:
+            return Pending(lambda: _sign_int8(local))
+        votes = torch.ge(local, 0).view(torch.uint8)
+        lanes = packing.pack_lanes(votes, self.bits)
+        handle = self.comm.all_reduce(lanes, f"{self.bits}-bit vote allreduce")
+
+        def finish() -> torch.Tensor:
+            handle.wait()
+            count = packing.unpack_lanes(lanes, self.bits, d).to(torch.int16)
+            return _sign_of_sum(2 * count - n)
+
+        return Pending(finish)
+
+    def wire_bytes(self, numel):
+        n = self.world_size
+        each = 2 * (n - 1) / n * packing.packed_size(numel, self.bits)
+        return each, each
+
+
+class SignSumVote(VoteAlgorithm):
+    """Direct allreduce of ``sign(c)`` in int8 and the sign of the sum (Lion Cub "8bit w/o L1").
+
+    Exact zeros count 0 and ties stay 0. Needs ``N ≤ 127``. Bytes per rank: ``2·(N−1)/N · d``.
+    """
+
+    name = "int8-sign"
+
+    def __init__(self, comm: Comm) -> None:
+        super().__init__(comm)
+        quantize.level_budget(comm.world_size, 8, "signed")  # raises beyond 127 workers
+
+    def start(self, local, *, step, key=None, segments=None):
+        signs = _sign_int8(local)
+        if self.world_size == 1:
+            return Pending(lambda: signs)
+        handle = self.comm.all_reduce(signs, "int8 sign allreduce")
+        return Pending(lambda: _sign_of_sum(handle.wait()))
+
+    def wire_bytes(self, numel):
+        each = 2 * (self.world_size - 1) / self.world_size * numel
+        return each, each
+
+
+class AverageVote(SignSumVote):
+    """Distributed Lion averaging: ``Σ_i sign(c_i) / N`` (values in {−1, −1+2/N, …, 1}) over an int8
+    allreduce. Result: in the dtype of ``local``."""
+
+    name = "dlion-avg"
+    result = "value"
+
+    def start(self, local, *, step, key=None, segments=None):
+        signs = _sign_int8(local)
+        n = self.world_size
+        if n == 1:
+            return Pending(lambda: signs.to(local.dtype))
+        handle = self.comm.all_reduce(signs, "int8 sign allreduce (average)")
+        return Pending(lambda: handle.wait().to(local.dtype) / n)
+
+
+class QuantizedVote(VoteAlgorithm):
+    """Lion Cub's quantized vote: ``sign(Σ_i Q(c_i))`` with integer levels summed without overflow.
+
+    ``bits = 8``: signed int8 levels in ``[−s, s]``, ``s = ⌊127/N⌋`` (the paper's "Lion Cub (8bit)"
+    with ``quantizer="l1"``). ``bits ∈ {2, 4}``: offset lanes ``q + s``, ``s = ⌊(2^p − 1)/(2N)⌋``,
+    packed and summed as uint8. ``bits="auto"``: the narrowest of 2/4/8 that leaves at least one level.
+    The normaliser is computed per parameter tensor (``segments``), as the authors' code, unless
+    ``chunk_size`` is set. Bytes per rank: ``2·(N−1)/N · d·p/8``.
+    """
+
+    name = "quantized"
+
+    def __init__(
+        self,
+        comm: Comm,
+        quantizer: str = "l1",
+        bits: int | Literal["auto"] = 8,
+        *,
+        clip_multiple: float = 2.0,
+        chunk_size: int | None = None,
+        options: dict[str, Any] | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(comm)
+        if quantizer not in quantize.QUANTIZERS:
+            raise ValueError(f"quantizer={quantizer!r} is not one of {sorted(quantize.QUANTIZERS)}")
+        n = comm.world_size
+        if bits == "auto":
+            bits = next((b for b in (2, 4, 8) if _budget(n, b, raise_error=False)), 8)
+        if bits not in (2, 4, 8):
+            raise ValueError(f"bits={bits!r} for a quantized vote must be 2, 4, 8 or 'auto'")
+        self.bits = bits
+        self.levels = _budget(n, bits)
+        self.quantizer = quantizer
+        self.options = dict(options or {})
+        if quantizer not in ("sign", "qsgd", "log"):
+            self.options.setdefault("clip_multiple", clip_multiple)
+        if quantizer != "sign":
+            self.options.setdefault("chunk_size", chunk_size)
+        self.generator: torch.Generator | None = None
+        if quantizer == "qsgd":
+            self.generator = torch.Generator(device=comm.device)
+            self.generator.manual_seed(seed * 1_000_003 + comm.rank)
+            self.options["generator"] = self.generator
+        self.name = f"{bits}bit-{quantizer}"
+
+    def levels_of(self, local: torch.Tensor, segments: Sequence[int] | None) -> torch.Tensor:
+        """This worker's integer levels (int8) for ``local``, normalised per segment."""
+        out = torch.empty(local.numel(), dtype=torch.int8, device=local.device)
+        pos = 0
+        for length in segments or [local.numel()]:
+            piece = local[pos : pos + length]
+            out[pos : pos + length] = quantize.quantize(self.quantizer, piece, self.levels, **self.options)
+            pos += length
+        if pos != local.numel():
+            raise ValueError(f"segments add up to {pos}, but the tensor has {local.numel()} elements")
+        return out
+
+    def start(self, local, *, step, key=None, segments=None):
+        n, d = self.world_size, local.numel()
+        levels = self.levels_of(local, segments)
+        if n == 1:
+            return Pending(lambda: _sign_of_sum(levels))
+        if self.bits == 8:
+            handle = self.comm.all_reduce(levels, f"int8 {self.quantizer} allreduce")
+            return Pending(lambda: _sign_of_sum(handle.wait()))
+        lanes = packing.pack_lanes(packing.offset_encode(levels, self.levels), self.bits)
+        handle = self.comm.all_reduce(lanes, f"{self.bits}-bit {self.quantizer} allreduce")
+
+        def finish() -> torch.Tensor:
+            handle.wait()
+            sums = packing.unpack_lanes(lanes, self.bits, d)
+            return _sign_of_sum(packing.offset_decode(sums, n, self.levels))
+
+        return Pending(finish)
+
+    def wire_bytes(self, numel):
+        each = 2 * (self.world_size - 1) / self.world_size * packing.packed_size(numel, self.bits)
+        return each, each
+
+
+def _budget(n: int, bits: int, raise_error: bool = True) -> int:
+    try:
+        return quantize.level_budget(n, bits, "signed" if bits == 8 else "offset")
+    except ValueError:
+        if raise_error:
+            raise
+        return 0
+
+
+# ------------------------------------------------------------------------------------ parameter server
+
+
+class ServerVote(VoteAlgorithm):
+    """Distributed Lion's parameter server: every worker sends its packed 1-bit votes to ``root``,
+    which counts them and sends back the majority (2-bit lanes holding ``u + 1``) or, for
+    ``aggregation="average"``, the count (lanes wide enough for N) from which every rank forms
+    ``(2·count − N)/N``. Root's ingress carries ``(N−1)·d/8`` bytes: the cost grows linearly with N.
+    """
+
+    name = "server"
+
+    def __init__(
+        self,
+        comm: Comm,
+        aggregation: Literal["majority", "average"] = "majority",
+        root: int = 0,
+    ) -> None:
+        super().__init__(comm)
+        if aggregation not in ("majority", "average"):
+            raise ValueError(f"aggregation={aggregation!r} is not one of 'majority', 'average'")
+        if not 0 <= root < comm.world_size:
+            raise ValueError(f"root={root} must be a rank in [0, {comm.world_size})")
+        self.aggregation = aggregation
+        self.root = root
+        self.result = "vote" if aggregation == "majority" else "value"
+        self.down_bits = 2 if aggregation == "majority" else auto_lane_bits(comm.world_size + 1)
+        self.name = f"server-{aggregation}"
+
+    def _finish_local(self, local: torch.Tensor) -> torch.Tensor:
+        if self.aggregation == "majority":
+            return _sign_int8(local)
+        return _sign_int8(local).to(local.dtype)
+
+    def start(self, local, *, step, key=None, segments=None):
+        n, d, r = self.world_size, local.numel(), self.comm.rank
+        if n == 1:
+            return Pending(lambda: self._finish_local(local))
+        up = packing.pack_signs(local)
+        down = self.buffer(key, "down", packing.packed_size(d, self.down_bits), torch.uint8)
+        if r == self.root:
+            inbox = self.buffer(key, "inbox", n * up.numel(), torch.uint8).view(n, up.numel())
+            inbox[r].copy_(up)
+            handle = self.comm.exchange_p2p([], [(j, inbox[j]) for j in range(n) if j != r], "server gather")
+        else:
+            handle = self.comm.exchange_p2p([(self.root, up)], [], "server gather")
+
+        def finish() -> torch.Tensor:
+            handle.wait()
+            if r == self.root:
+                count = packing.unpack_bits(inbox.view(-1), n * up.numel() * 8).view(n, -1)[:, :d]
+                count = count.sum(dim=0, dtype=torch.int32)
+                lanes = (torch.sign(2 * count - n) + 1) if self.aggregation == "majority" else count
+                down.copy_(packing.pack_lanes(lanes.to(torch.uint8), self.down_bits))
+                self.comm.exchange_p2p([(j, down) for j in range(n) if j != r], [], "server broadcast").wait()
+            else:
+                self.comm.exchange_p2p([], [(self.root, down)], "server broadcast").wait()
+            lanes = packing.unpack_lanes(down, self.down_bits, d).to(torch.int16)
+            if self.aggregation == "majority":
+                return (lanes - 1).to(torch.int8)
+            return (2 * lanes - n).to(local.dtype) / n
+
+        return Pending(finish)
+
+    def wire_bytes(self, numel):
+        n = self.world_size
+        up, down = packing.packed_size(numel, 1), packing.packed_size(numel, self.down_bits)
+        if self.comm.rank == self.root:
+            return (n - 1) * down, (n - 1) * up
+        return up, down
+
+
+# --------------------------------------------------------------------------------------- dense mean
+
+
+class DenseMean(VoteAlgorithm):
+    """The global-Lion baselines: gradients cast to ``wire_dtype``, divided by N, allreduced (SUM) and
+    cast back — the same operations, in the same order, as DDP's allreduce (fp32) and
+    ``fp16_compress_hook`` / ``bf16_compress_hook``. Bytes per rank: ``2·(N−1)/N · d·size(wire_dtype)``.
+    """
+
+    name = "dense"
+    result = "value"
+
+    def __init__(self, comm: Comm, wire_dtype: torch.dtype | None = None) -> None:
+        super().__init__(comm)
+        if wire_dtype not in (None, torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            raise ValueError(f"wire_dtype={wire_dtype} must be None, float32, bfloat16, float16 or float64")
+        self.wire_dtype = wire_dtype
+        self.name = {None: "dense", torch.float32: "32bit", torch.bfloat16: "16bit"}.get(wire_dtype, "dense")
+
+    def start(self, local, *, step, key=None, segments=None):
+        n = self.world_size
+        if n == 1:  # nothing travels, nothing is rounded: plain Lion
+            return Pending(lambda: local)
+        wire = local.to(self.wire_dtype or local.dtype, copy=True).div_(n)
+        handle = self.comm.all_reduce(wire, f"{self.name} gradient allreduce")
+        return Pending(lambda: handle.wait().to(local.dtype))
+
+    def wire_bytes(self, numel, dtype: torch.dtype = torch.float32):
+        bits = torch.finfo(self.wire_dtype or dtype).bits
+        each = 2 * (self.world_size - 1) / self.world_size * numel * bits / 8
+        return each, each

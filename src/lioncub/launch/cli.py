@@ -1,0 +1,173 @@
+"""``lioncub launch [options] -- CMD ...``: run N ranks like torchrun, optionally behind shaped links."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+
+from lioncub.launch.launcher import (
+    DEFAULT_LINK_PORT,
+    LaunchConfig,
+    build_command,
+    format_traffic,
+    launch,
+    rank_env,
+)
+from lioncub.launch.netns import EmulatedNetwork, NetnsError, cleanup, format_rate, parse_rate, parse_size
+
+EPILOG = """\
+examples:
+  lioncub launch --nproc 4 -- train.py --steps 100          # loopback, no privileges needed
+  lioncub launch --nproc 4 --link 1gbit -- -m lioncub.demo  # each rank behind its own 1 Gbit/s link (root)
+  lioncub launch --cleanup                                  # remove leftovers of killed launches
+
+A .py script or `-m module` runs with this Python interpreter. Rates: 100mbit, 2.5gbit, 1Gbps (bits/s).
+Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, GLOO_SOCKET_IFNAME,
+TORCHELASTIC_RESTART_COUNT and LIONCUB_{LAUNCH_ID,LINK_BPS,RESTART_COUNT}.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument(
+        "--nproc",
+        "--nproc-per-node",
+        "--nproc_per_node",
+        type=int,
+        default=1,
+        metavar="N",
+        help="number of ranks (default 1)",
+    )
+    parser.add_argument(
+        "--link",
+        metavar="RATE",
+        help="give every rank its own link of RATE in each direction (tbf in network "
+        "namespaces; needs root). Faithful up to about 2gbit on a 2-core machine",
+    )
+    parser.add_argument("--mtu", type=int, default=1500, help="MTU of the emulated links (default 1500)")
+    parser.add_argument(
+        "--burst",
+        metavar="SIZE",
+        help="tbf bucket, e.g. 256kb (default: 256kb or 2 ms at the rate, if larger)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="kill the whole job after this long, restarts included (default 3600; 0: never)",
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        metavar="P",
+        help=f"MASTER_PORT (default: a free port, {DEFAULT_LINK_PORT} under --link)",
+    )
+    parser.add_argument(
+        "--restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="restart all ranks up to K times after a failure (default 0)",
+    )
+    parser.add_argument(
+        "--grace",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="time between SIGTERM and SIGKILL when stopping ranks (default 5)",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="print what would run, start nothing")
+    parser.add_argument(
+        "--cleanup",
+        action="store_true",
+        help="remove namespaces left by launches whose launcher died, then exit",
+    )
+    parser.add_argument(
+        "--all",
+        action="store_true",
+        help="with --cleanup: remove every lioncub namespace, even of running launches",
+    )
+    parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the program and its arguments")
+
+
+def _config(args: argparse.Namespace) -> LaunchConfig:
+    return LaunchConfig(
+        cmd=list(args.cmd),
+        nproc=args.nproc,
+        link_rate_bps=parse_rate(args.link) if args.link is not None else None,
+        mtu=args.mtu,
+        burst_bytes=parse_size(args.burst) if args.burst is not None else None,
+        timeout_s=args.timeout or None,
+        master_port=args.port,
+        restarts=args.restarts,
+        grace_s=args.grace,
+    )
+
+
+def _dry_run(config: LaunchConfig) -> None:
+    cmd = build_command(config.cmd)
+    spec = config.link_spec()
+    net = EmulatedNetwork(config.nproc, spec) if spec is not None else None
+    if net is not None and spec is not None:
+        print(
+            f"network {net.launch_id}: subnet {net.subnet}, bridge {net.bridge} in {net.bridge_netns}, "
+            f"tbf rate {format_rate(spec.rate_bps)} burst {spec.burst} B on both ends of every veth, "
+            f"MTU {spec.mtu}"
+        )
+    for k in range(config.nproc):
+        env = rank_env(
+            k,
+            config.nproc,
+            master_addr=net.master_addr if net else "127.0.0.1",
+            master_port=config.master_port or (DEFAULT_LINK_PORT if net else 0),
+            ifname=net.ranks[k].ifname if net else "lo",
+            launch_id=net.launch_id if net else "lcb?????",
+            link_bps=config.link_rate_bps,
+            max_restarts=config.restarts,
+            extra=config.env,
+        )
+        changed = {name: v for name, v in env.items() if os.environ.get(name) != v}
+        argv = (net.exec_prefix(k) if net else []) + cmd
+        print(
+            f"rank {k}: "
+            + " ".join(f"{name}={shlex.quote(v)}" for name, v in sorted(changed.items()))
+            + " "
+            + shlex.join(argv)
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.cleanup:
+            report = cleanup(all_launches=args.all)
+            for launch_id in report.launches:
+                print(f"removed launch {launch_id}")
+            if report.live:
+                print(f"left running launches alone: {', '.join(report.live)} (--all removes them too)")
+            if report.orphans:
+                print(f"namespaces without a state file: {', '.join(report.orphans)} (--all removes them)")
+            if not (report.launches or report.live or report.orphans):
+                print("nothing to clean up")
+            return 0
+        config = _config(args)
+        if args.dry_run:
+            _dry_run(config)
+            return 0
+        result = launch(config)
+    except (ValueError, NetnsError) as exc:
+        print(f"lioncub launch: error: {exc}", file=sys.stderr)
+        return 2
+    note = f"[lioncub] {result.message} after {result.wall_s:.1f} s"
+    if result.restarts:
+        note += f", {result.restarts} restart(s)"
+    print(note, file=sys.stderr)
+    if result.traffic:
+        print(
+            "[lioncub] bytes on each rank's interface during the run (L2, headers included):", file=sys.stderr
+        )
+        print(format_traffic(result.traffic), file=sys.stderr)
+    return result.returncode

@@ -1,0 +1,539 @@
+"""An emulated network with one shaped link per rank: network namespaces, a bridge, veth pairs and ``tbf``.
+
+Topology for launch id ``lcbXXXXX`` (``lcb`` + 5 hex digits) and N ranks::
+
+    netns lcbXXXXX-r0   lo, veth lcbXXXXXv0  10.A.B.10/24  ──┐
+    ...                                                       ├── netns lcbXXXXX-br: bridge lcbXXXXXb,
+    netns lcbXXXXX-rK   lo, veth lcbXXXXXvK  10.A.B.(10+K)/24 ─┘   ports lcbXXXXXp0 .. lcbXXXXXpK
+
+Every veth pair is created directly inside its two namespaces, so nothing (no interface, address or qdisc)
+ever appears in the root namespace, and the namespaces have no route out: traffic cannot leave them. Each
+end of every pair gets ``tbf rate R burst B latency 100ms`` as its root qdisc: the rank's upload is shaped on
+its own veth, its download on its bridge port, like a switch port per rank. IPv6 is disabled (no neighbour
+discovery chatter in the byte counters) and bridged frames skip netfilter. ``netem`` is absent from the
+kernel this was built on, so there is no latency emulation; ``latency`` in tbf is only its queue length.
+Measurements and the recipe this follows: ``shared/notes/netem.md``.
+
+Deleting a namespace destroys its veths, bridge and qdiscs, so teardown is: kill every process still in
+the namespaces, delete them, verify they are gone. A state file per launch (``/run/lioncub/launch/<id>.json``,
+override with ``$LIONCUB_STATE_DIR``) records the owning pid, so :func:`cleanup` can remove the leftovers of
+launchers that died without tearing down (``kill -9``).
+
+Needs root, or CAP_NET_ADMIN and CAP_SYS_ADMIN (for the netns mounts), and the ``ip`` and ``tc`` tools.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PREFIX = "lcb"
+_ID_RE = re.compile(rf"^{PREFIX}[0-9a-f]{{5}}$")
+_NS_RE = re.compile(rf"^({PREFIX}[0-9a-f]{{5}})-(br|r\d+)$")
+CAP_NET_ADMIN = 12
+CAP_SYS_ADMIN = 21
+CMD_TIMEOUT_S = 10.0
+MAX_RANKS = 240  # addresses 10.A.B.10 .. 10.A.B.249
+_ETC_NETNS = Path("/etc/netns")
+_SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin", "/usr/bin", "/bin"])
+
+
+class NetnsError(RuntimeError):
+    """An ``ip``/``tc`` command failed, or the emulated network could not be built or removed."""
+
+
+class PrivilegeError(NetnsError):
+    """The process lacks a capability or a tool needed to create network namespaces."""
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+
+_RATE_UNITS_ANY_CASE = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
+_RATE_UNITS_EXACT = {"bps": 1.0, "kbps": 1e3, "Kbps": 1e3, "Mbps": 1e6, "Gbps": 1e9, "Tbps": 1e12}
+_RATE_FORMS = "a positive number with a unit: kbit, mbit, gbit (as in tc, e.g. 100mbit, 2.5gbit) or Mbps/Gbps"
+_NUMBER_UNIT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
+
+
+def parse_rate(text: str) -> float:
+    """Parse a link rate such as ``100mbit``, ``2.5gbit`` or ``1Gbps`` into bits per second.
+
+    tc-style units (``bit kbit mbit gbit tbit``, any case) and ``bps kbps Mbps Gbps`` are all *bits* per
+    second (SI, 1k = 1000). Lower-case ``mbps``/``gbps`` are refused because tc reads them as *bytes*/s.
+    """
+    match = _NUMBER_UNIT.match(text)
+    if match is None or not match.group(2):
+        raise ValueError(f"--link: cannot read {text!r} as a rate; expected {_RATE_FORMS}")
+    number, unit = float(match.group(1)), match.group(2)
+    if unit in _RATE_UNITS_EXACT:
+        scale = _RATE_UNITS_EXACT[unit]
+    elif unit.lower() in _RATE_UNITS_ANY_CASE:
+        scale = _RATE_UNITS_ANY_CASE[unit.lower()]
+    elif unit.lower() in {u.lower() for u in _RATE_UNITS_EXACT}:
+        raise ValueError(
+            f"--link: {text!r} is ambiguous (tc reads {unit!r} as bytes per second); "
+            f"write {unit[0].lower()}bit or {unit[0].upper()}bps for bits per second"
+        )
+    else:
+        raise ValueError(f"--link: unknown unit {unit!r} in {text!r}; expected {_RATE_FORMS}")
+    rate = number * scale
+    if rate <= 0:
+        raise ValueError(f"--link: the rate must be positive, got {text!r}; expected {_RATE_FORMS}")
+    return rate
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1024**2, "mb": 1024**2, "mib": 1024**2}
+
+
+def parse_size(text: str, option: str = "--burst") -> int:
+    """Parse a byte size such as ``256kb``, ``1mb`` or ``65536`` (1 kb = 1024 bytes, as in tc)."""
+    match = _NUMBER_UNIT.match(text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"{option}: cannot read {text!r} as a size; expected bytes or a unit b, kb, mb")
+    size = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"{option}: the size must be positive, got {text!r}")
+    return size
+
+
+def format_rate(bps: float) -> str:
+    """``1e8`` -> ``'100mbit'``; used in messages."""
+    for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if bps >= scale:
+            return f"{bps / scale:g}{unit}"
+    return f"{bps:g}bit"
+
+
+def default_burst(rate_bps: float) -> int:
+    """tbf bucket size: 256 KiB, or 2 ms at the line rate if that is larger (notes: 512 KiB at 2 Gbit)."""
+    return max(256 * 1024, int(rate_bps / 8 * 0.002))
+
+
+# -------------------------------------------------------------------------------------------- commands
+
+
+def _tool(name: str) -> str | None:
+    return shutil.which(name, path=_SEARCH_PATH)
+
+
+def run_cmd(args: Sequence[str], timeout: float = CMD_TIMEOUT_S, check: bool = True) -> str:
+    """Run one command, return its stdout; on failure raise :class:`NetnsError` naming command and stderr."""
+    shown = " ".join(args)
+    try:
+        proc = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise NetnsError(f"`{shown}` did not finish within {timeout:g} s") from exc
+    except OSError as exc:
+        raise NetnsError(f"`{shown}` could not run: {exc}") from exc
+    if check and proc.returncode != 0:
+        raise NetnsError(f"`{shown}` failed with exit code {proc.returncode}: {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def _ip(*args: str, check: bool = True) -> str:
+    return run_cmd([_tool("ip") or "ip", *args], check=check)
+
+
+def _tc(*args: str) -> str:
+    return run_cmd([_tool("tc") or "tc", *args])
+
+
+def effective_capabilities() -> int:
+    """The CapEff bit mask of this process (0 if /proc is unreadable)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("CapEff:"):
+                return int(line.split()[1], 16)
+    except OSError:
+        pass
+    return 0
+
+
+def check_privileges() -> None:
+    """Raise :class:`PrivilegeError` saying exactly what is missing to build an emulated network."""
+    missing: list[str] = []
+    caps = effective_capabilities()
+    for name, bit in (("CAP_NET_ADMIN", CAP_NET_ADMIN), ("CAP_SYS_ADMIN", CAP_SYS_ADMIN)):
+        if not caps >> bit & 1:
+            missing.append(f"capability {name}")
+    for tool, package in (("ip", "iproute2"), ("tc", "iproute2")):
+        if _tool(tool) is None:
+            missing.append(f"the `{tool}` tool (package {package})")
+    if missing:
+        if os.geteuid() == 0:
+            who, how = "root", "a container needs --cap-add NET_ADMIN --cap-add SYS_ADMIN (or --privileged)"
+        else:
+            who, how = f"uid {os.geteuid()}, not root", "run as root (sudo) or grant both capabilities"
+        raise PrivilegeError(
+            f"--link needs network namespaces, but this process ({who}) lacks: {', '.join(missing)}; {how}. "
+            "Without --link the ranks run unshaped on loopback and need no privileges."
+        )
+
+
+def list_netns() -> list[str]:
+    """Names of all named network namespaces (``ip netns list``)."""
+    return [line.split()[0] for line in _ip("netns", "list").splitlines() if line.strip()]
+
+
+def new_launch_id() -> str:
+    """A fresh launch id: ``lcb`` + 5 hex digits, short enough for 15-char interface names."""
+    return PREFIX + secrets.token_hex(3)[:5]
+
+
+def subnet_for(launch_id: str) -> tuple[int, int]:
+    """The (A, B) of the launch's 10.A.B.0/24 subnet, derived from its id so launches differ."""
+    if not _ID_RE.match(launch_id):
+        raise ValueError(f"not a launch id: {launch_id!r} (expected {PREFIX} + 5 hex digits)")
+    h = int(launch_id[len(PREFIX) :], 16)
+    return 100 + (h >> 8) % 100, h & 0xFF
+
+
+# ------------------------------------------------------------------------------------------- data types
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """Shaping of every rank's link: ``tbf rate`` in bits/s on both directions, MTU and bucket size."""
+
+    rate_bps: float
+    mtu: int = 1500
+    burst_bytes: int | None = None  # None: default_burst(rate_bps)
+    queue_ms: float = 100.0  # tbf ``latency``: the queue length, not a delay
+
+    def __post_init__(self) -> None:
+        if not self.rate_bps > 0:
+            raise ValueError(f"--link: the rate must be positive, got {self.rate_bps!r}")
+        if not 68 <= self.mtu <= 65535:
+            raise ValueError(f"--mtu: must be within 68..65535, got {self.mtu}")
+        if self.burst_bytes is not None and self.burst_bytes < self.mtu + 14:
+            raise ValueError(
+                f"--burst: {self.burst_bytes} bytes is smaller than one frame (MTU {self.mtu} + 14); "
+                "tbf would drop every full-size packet"
+            )
+
+    @property
+    def burst(self) -> int:
+        return (
+            self.burst_bytes
+            if self.burst_bytes is not None
+            else max(default_burst(self.rate_bps), self.mtu + 14)
+        )
+
+
+@dataclass(frozen=True)
+class RankLink:
+    """Where a rank lives: its namespace, its veth (``GLOO_SOCKET_IFNAME``), address and bridge port."""
+
+    rank: int
+    netns: str
+    ifname: str
+    address: str
+    bridge_port: str
+
+
+@dataclass(frozen=True)
+class IfCounters:
+    """Kernel counters of one interface: bytes and frames handed to / received from the veth.
+
+    Bytes include the Ethernet/IP/TCP headers once per frame, but with GSO/GRO a frame is a super-frame of up
+    to 64 KB, so bulk transfers count about payload + 0.3 %, not the 4.6 % a 1500-byte MTU costs on the wire
+    (tbf does charge that: it limits TCP payload to about 95.6 % of the rate at MTU 1500).
+    """
+
+    tx_bytes: int
+    rx_bytes: int
+    tx_packets: int
+    rx_packets: int
+
+    def __sub__(self, other: IfCounters) -> IfCounters:
+        return IfCounters(
+            self.tx_bytes - other.tx_bytes,
+            self.rx_bytes - other.rx_bytes,
+            self.tx_packets - other.tx_packets,
+            self.rx_packets - other.rx_packets,
+        )
+
+
+@dataclass
+class CleanupReport:
+    """What :func:`cleanup` removed, and lioncub namespaces it left alone."""
+
+    launches: list[str] = field(default_factory=list)
+    namespaces: list[str] = field(default_factory=list)
+    orphans: list[str] = field(default_factory=list)  # no state file; removed only with all_launches
+    live: list[str] = field(default_factory=list)  # launches whose launcher is still running
+
+
+# ------------------------------------------------------------------------------------------- state files
+
+
+def state_dir() -> Path:
+    return Path(os.environ.get("LIONCUB_STATE_DIR", "/run/lioncub/launch"))
+
+
+def _pid_start(pid: int) -> int | None:
+    """Start time (clock ticks since boot) of ``pid``, or None when it does not exist."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def _owner_alive(state: dict) -> bool:
+    pid = state.get("pid")
+    if not isinstance(pid, int):
+        return False
+    start = _pid_start(pid)
+    return start is not None and start == state.get("pid_start", start)
+
+
+def _remove_namespaces(names: Iterable[str], grace_s: float = 3.0) -> None:
+    """Kill the processes in ``names``, delete the namespaces and their /etc/netns dirs, and verify."""
+    names = list(names)
+    existing = set(list_netns())
+    for ns in names:
+        if ns not in existing:
+            continue
+        deadline = time.monotonic() + grace_s
+        while True:
+            pids = [int(p) for p in _ip("netns", "pids", ns, check=False).split() if p.isdigit()]
+            if not pids:
+                break
+            if time.monotonic() > deadline:
+                raise NetnsError(f"processes {pids} in namespace {ns} survive SIGKILL; cannot remove it")
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.02)
+        _ip("netns", "del", ns)
+    for ns in names:
+        shutil.rmtree(_ETC_NETNS / ns, ignore_errors=True)
+    left = sorted(set(names) & set(list_netns()))
+    if left:
+        raise NetnsError(f"namespaces still present after deletion: {', '.join(left)}")
+
+
+def cleanup(all_launches: bool = False) -> CleanupReport:
+    """Remove the leftovers of launches whose launcher process is dead (all lioncub launches with ``all``).
+
+    Leftovers are found by state file and by name (``lcbXXXXX-br``, ``lcbXXXXX-rK``). Namespaces matching
+    the pattern but without a state file are reported as orphans and removed only with ``all_launches``.
+    """
+    report = CleanupReport()
+    directory = state_dir()
+    states: dict[str, tuple[Path, dict]] = {}
+    for path in sorted(directory.glob(f"{PREFIX}*.json")) if directory.is_dir() else []:
+        try:
+            states[path.stem] = (path, json.loads(path.read_text()))
+        except (OSError, ValueError):
+            states[path.stem] = (path, {})
+    by_launch: dict[str, list[str]] = {}
+    for ns in list_netns():
+        match = _NS_RE.match(ns)
+        if match:
+            by_launch.setdefault(match.group(1), []).append(ns)
+    for launch_id in sorted(set(states) | set(by_launch)):
+        path, state = states.get(launch_id, (None, {}))
+        if path is not None and _owner_alive(state) and not all_launches:
+            report.live.append(launch_id)
+            continue
+        if path is None and not all_launches:
+            report.orphans.extend(by_launch.get(launch_id, []))
+            continue
+        names = sorted(set(state.get("namespaces", [])) | set(by_launch.get(launch_id, [])))
+        _remove_namespaces(names)
+        if path is not None:
+            path.unlink(missing_ok=True)
+        report.launches.append(launch_id)
+        report.namespaces.extend(names)
+    return report
+
+
+# ---------------------------------------------------------------------------------------------- network
+
+
+class EmulatedNetwork:
+    """A private star network for ``nproc`` ranks; a context manager (``with EmulatedNetwork(4, spec):``).
+
+    ``link=None`` builds the same topology unshaped. Call :meth:`up` (or enter the context) to create it and
+    :meth:`close` (or leave the context) to remove it; ``close`` is idempotent and also runs at exit.
+    """
+
+    def __init__(
+        self, nproc: int, link: LinkSpec | None, launch_id: str | None = None, hosts_file: bool = True
+    ) -> None:
+        if not 1 <= nproc <= MAX_RANKS:
+            raise ValueError(f"--nproc: an emulated network holds 1..{MAX_RANKS} ranks, got {nproc}")
+        self.nproc = nproc
+        self.link = link
+        self.launch_id = launch_id or new_launch_id()
+        a, b = subnet_for(self.launch_id)
+        self.subnet = f"10.{a}.{b}.0/24"
+        self.bridge_netns = f"{self.launch_id}-br"
+        self.bridge = f"{self.launch_id}b"
+        self.ranks = [
+            RankLink(
+                k,
+                f"{self.launch_id}-r{k}",
+                f"{self.launch_id}v{k}",
+                f"10.{a}.{b}.{10 + k}",
+                f"{self.launch_id}p{k}",
+            )
+            for k in range(nproc)
+        ]
+        self.hosts_file = hosts_file
+        self.state_path = state_dir() / f"{self.launch_id}.json"
+        self._created = False
+        self._closed = False
+
+    @property
+    def namespaces(self) -> list[str]:
+        return [self.bridge_netns, *(r.netns for r in self.ranks)]
+
+    @property
+    def master_addr(self) -> str:
+        """Rank 0's address: where the rendezvous (TCPStore) listens."""
+        return self.ranks[0].address
+
+    def exec_prefix(self, rank: int) -> list[str]:
+        """Command prefix that runs a program inside ``rank``'s namespace."""
+        return [_tool("ip") or "ip", "netns", "exec", self.ranks[rank].netns]
+
+    def __enter__(self) -> EmulatedNetwork:
+        return self.up()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _write_state(self) -> None:
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        state = {
+            "launch_id": self.launch_id,
+            "pid": os.getpid(),
+            "pid_start": _pid_start(os.getpid()),
+            "namespaces": self.namespaces,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=1))
+        tmp.replace(self.state_path)
+
+    def up(self) -> EmulatedNetwork:
+        """Create namespaces, bridge, veths, addresses and shaping; on any failure remove what was made."""
+        if self._created:
+            return self
+        check_privileges()
+        clashes = set(self.namespaces) & set(list_netns())
+        if clashes:
+            raise NetnsError(f"namespaces already exist: {', '.join(sorted(clashes))}")
+        self._write_state()  # before creating anything, so a crash mid-setup is still cleaned up
+        self._created = True
+        atexit.register(self.close)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _sysctls(self, ns: str) -> None:
+        script = (
+            "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6; "
+            "echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6; "
+            'for f in /proc/sys/net/bridge/bridge-nf-call-*; do [ -w "$f" ] && echo 0 > "$f"; done; true'
+        )
+        _ip("netns", "exec", ns, "sh", "-c", script)
+
+    def _build(self) -> None:
+        br, bridge = self.bridge_netns, self.bridge
+        mtu = str(self.link.mtu if self.link else 1500)
+        _ip("netns", "add", br)
+        self._sysctls(br)
+        _ip("-n", br, "link", "set", "lo", "up")
+        _ip("-n", br, "link", "add", bridge, "type", "bridge", "stp_state", "0", "forward_delay", "0")
+        for r in self.ranks:
+            _ip("netns", "add", r.netns)
+            self._sysctls(r.netns)
+            _ip(
+                "-n",
+                r.netns,
+                "link",
+                "add",
+                r.ifname,
+                "mtu",
+                mtu,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                r.bridge_port,
+                "mtu",
+                mtu,
+                "netns",
+                br,
+            )
+            _ip("-n", r.netns, "addr", "add", f"{r.address}/24", "dev", r.ifname)
+            _ip("-n", r.netns, "link", "set", "lo", "up")
+            _ip("-n", br, "link", "set", r.bridge_port, "master", bridge, "up")
+            if self.link is not None:
+                self._shape(r)
+            _ip("-n", r.netns, "link", "set", r.ifname, "up")
+        _ip("-n", br, "link", "set", bridge, "mtu", mtu, "up")
+        if self.hosts_file:
+            # c10d reverse-resolves peers, often as v4-mapped IPv6 (TCPStore listens on ::); without these
+            # entries the lookup goes to DNS, which is unreachable here, and c10d warns "err=-3"
+            hosts = "127.0.0.1 localhost\n" + "".join(
+                f"{r.address} {r.netns}\n::ffff:{r.address} {r.netns}\n" for r in self.ranks
+            )
+            for r in self.ranks:
+                (_ETC_NETNS / r.netns).mkdir(parents=True, exist_ok=True)
+                (_ETC_NETNS / r.netns / "hosts").write_text(hosts)
+
+    def _shape(self, r: RankLink) -> None:
+        assert self.link is not None
+        tbf = [
+            "root",
+            "tbf",
+            "rate",
+            f"{round(self.link.rate_bps)}bit",
+            "burst",
+            str(self.link.burst),
+            "latency",
+            f"{self.link.queue_ms:g}ms",
+        ]
+        _tc("-n", r.netns, "qdisc", "replace", "dev", r.ifname, *tbf)  # the rank's upload
+        _tc("-n", self.bridge_netns, "qdisc", "replace", "dev", r.bridge_port, *tbf)  # its download
+
+    def counters(self) -> list[IfCounters]:
+        """Per-rank counters of each rank's own veth: tx = bytes the rank sent, rx = bytes it received."""
+        result = []
+        for r in self.ranks:
+            out = _ip("-n", r.netns, "-s", "-j", "link", "show", "dev", r.ifname)
+            stats = json.loads(out)[0]["stats64"]
+            result.append(
+                IfCounters(
+                    stats["tx"]["bytes"], stats["rx"]["bytes"], stats["tx"]["packets"], stats["rx"]["packets"]
+                )
+            )
+        return result
+
+    def close(self) -> None:
+        """Kill what still runs in the namespaces, delete them, verify, and drop the state file."""
+        if self._closed or not self._created:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        _remove_namespaces(self.namespaces)
+        self.state_path.unlink(missing_ok=True)

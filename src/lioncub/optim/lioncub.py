@@ -1,0 +1,386 @@
+r"""``LionCub``: Lion for data-parallel training where the workers vote on the update.
+
+Design note (what happens in one ``step()`` on rank i of N):
+
+1. **Local direction.** For every parameter, ``c_i = β1·m_i + (1−β1)·g_i`` from this rank's *local*
+   gradient ``g_i`` and this rank's own momentum ``m_i`` (never communicated). The ``"32bit"`` /
+   ``"16bit"`` presets instead allreduce the gradient first and run global Lion (``m`` identical on all
+   ranks), exactly as DDP + :class:`~lioncub.optim.lion.Lion`.
+2. **Buckets.** Parameters are grouped, in ``param_groups`` order, into dtype- and device-homogeneous
+   buckets of at most ``bucket_mb`` MiB; each bucket's directions are written into one flat buffer and
+   travel in one vote, so a step issues a few collectives, not one per tensor.
+3. **Vote, overlapped.** Every bucket's vote is started (quantize, pack, post the asynchronous
+   collective) before the first one is awaited, so the quantize/pack of bucket b+1 overlaps the
+   communication of bucket b. The vote algorithm (:mod:`lioncub.collectives`) returns the same update
+   ``u`` on every rank: ``{−1, 0, +1}`` for majority votes, the mean of the signs for D-Lion Avg.
+4. **Apply.** ``p ← p·(1 − lr·wd) − lr·u`` with each parameter's own group ``lr`` and
+   ``weight_decay`` read at every step (LR schedulers work), then ``m_i ← β2·m_i + (1−β2)·g_i``.
+
+The tie rule of the 1-bit vote alternates with the optimizer step (+1 on odd steps, −1 on even steps);
+the step counter is part of the state dict, so resuming keeps the phase. A parameter whose gradient is
+``None`` counts as a zero gradient, so that every rank keeps voting on the same layout.
+
+Deviations from the authors' research code, on purpose: learning rate and weight decay come from the
+param groups at every step (their 1-bit/4-bit code read the constructor's values); the 1-bit result is
+not masked where this rank's ``c`` is exactly zero (that mask makes replicas diverge when workers
+disagree); the 4-bit vote is ``sign(2·count − N)`` (correct for odd N); the world size comes from the
+process group, never from launcher variables.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lioncub.collectives import Comm, CommCounter
+from lioncub.optim.config import VoteConfig, make_vote, resolve_variant
+from lioncub.optim.lion import (
+    apply_update_,
+    check_lion_hyperparameters,
+    lion_direction,
+    update_momentum_,
+)
+
+__all__ = ["LionCub", "ReplicaDivergenceError"]
+
+STATE_VERSION = 1
+
+
+class ReplicaDivergenceError(RuntimeError):
+    """The parameters of the ranks are no longer identical."""
+
+
+@dataclass
+class _Bucket:
+    params: list[torch.Tensor]
+    group_index: list[int]
+    dtype: torch.dtype
+    device: torch.device
+    numel: int = 0
+    segments: list[int] = field(default_factory=list)
+    flat: torch.Tensor | None = None  # reused buffer for the local directions / gradients
+
+
+@dataclass
+class _Times:
+    compute: float = 0.0  # local direction, quantize, pack, posting the collectives
+    communicate: float = 0.0  # waiting for the exchanges (incl. the unpack/count between phases)
+    apply: float = 0.0  # applying the update and the momentum
+
+    def as_dict(self) -> dict[str, float]:
+        return {"compute_s": self.compute, "communicate_s": self.communicate, "apply_s": self.apply}
+
+
+class LionCub(torch.optim.Optimizer):
+    """Distributed Lion / Lion Cub: each rank keeps its own momentum and the ranks vote on the update.
+
+    Args:
+        params: parameters or param groups (the same, in the same order, on every rank).
+        lr, betas, weight_decay: as :class:`~lioncub.optim.lion.Lion` (per param group).
+        variant: a preset of :data:`lioncub.optim.config.PRESETS`: ``"32bit"``, ``"16bit"``, ``"1bit"``,
+            ``"4bit"``, ``"8bit"`` (default), ``"8bit-sign"``, ``"dlion-mavo"``, ``"dlion-avg"``.
+        process_group: the data-parallel group (default: the default group).
+        bucket_mb: bucket size cap in MiB of parameter bytes.
+        transport, aggregation, quantizer, bits, clip_multiple, chunk_size: explicit knobs that override
+            the preset (see :class:`~lioncub.optim.config.VoteConfig`).
+        exchange: all-to-all / all-gather implementation: ``"auto"``, ``"p2p"`` or ``"native"``.
+        broadcast_init: copy rank 0's parameters to every rank at construction.
+        replica_check_every: every k steps compare a checksum of the parameters across ranks and raise
+            :class:`ReplicaDivergenceError` on a mismatch (0 = never).
+        maximize: maximise instead of minimise.
+        seed: seeds stochastic quantizers (``qsgd``), combined with the rank.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+        *,
+        variant: str = "8bit",
+        process_group: dist.ProcessGroup | None = None,
+        bucket_mb: float = 25.0,
+        transport: str | None = None,
+        aggregation: str | None = None,
+        quantizer: str | None = None,
+        bits: int | str | None = None,
+        clip_multiple: float | None = None,
+        chunk_size: int | None = None,
+        exchange: str = "auto",
+        broadcast_init: bool = True,
+        replica_check_every: int = 0,
+        maximize: bool = False,
+        seed: int = 0,
+    ) -> None:
+        if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
+            raise ValueError(f"bucket_mb={bucket_mb!r} must be a number > 0")
+        if not (isinstance(replica_check_every, int) and replica_check_every >= 0):
+            raise ValueError(f"replica_check_every={replica_check_every!r} must be an int >= 0")
+        self.config: VoteConfig = resolve_variant(
+            variant,
+            transport=transport,
+            aggregation=aggregation,
+            quantizer=quantizer,
+            bits=bits,
+            clip_multiple=clip_multiple,
+            chunk_size=chunk_size,
+        )
+        self.variant = variant
+        defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            _check_group(group)
+        self.comm = Comm(process_group, exchange=exchange)  # type: ignore[arg-type]
+        self.vote = make_vote(self.comm, self.config, seed=seed)
+        self.replica_check_every = replica_check_every
+        self._global_step = 0
+        self._buckets = self._make_buckets(bucket_mb)
+        self._last = (CommCounter(), _Times())
+        self._total = (CommCounter(), _Times())
+        if broadcast_init:
+            self._broadcast_parameters()
+
+    # -- construction --------------------------------------------------------------------------------
+
+    def _make_buckets(self, bucket_mb: float) -> list[_Bucket]:
+        cap = int(bucket_mb * 2**20)
+        open_buckets: dict[tuple[torch.dtype, torch.device], _Bucket] = {}
+        buckets: list[_Bucket] = []
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if not p.requires_grad:
+                    continue
+                if p.is_complex():
+                    raise ValueError("LionCub does not support complex parameters")
+                key = (p.dtype, p.device)
+                b = open_buckets.get(key)
+                if b is None or ((b.numel + p.numel()) * p.element_size() > cap and b.params):
+                    b = _Bucket([], [], p.dtype, p.device)
+                    open_buckets[key] = b
+                    buckets.append(b)
+                b.params.append(p)
+                b.group_index.append(gi)
+                b.segments.append(p.numel())
+                b.numel += p.numel()
+        return buckets
+
+    @torch.no_grad()
+    def _broadcast_parameters(self) -> None:
+        if self.comm.world_size == 1:
+            return
+        for b in self._buckets:
+            flat = torch.cat([p.detach().reshape(-1) for p in b.params])
+            self.comm.broadcast(flat, 0, "initial parameter broadcast").wait()
+            pos = 0
+            for p in b.params:
+                p.copy_(flat[pos : pos + p.numel()].view_as(p))
+                pos += p.numel()
+
+    # -- the step ------------------------------------------------------------------------------------
+
+    def _momentum(self, p: torch.Tensor) -> torch.Tensor:
+        state = self.state[p]
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state["exp_avg"]
+
+    def _grad(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        g = p.grad
+        if g is None:
+            return torch.zeros_like(p)
+        if g.is_sparse:
+            raise RuntimeError("LionCub does not support sparse gradients")
+        return -g if group["maximize"] else g
+
+    def _local(self, b: _Bucket) -> torch.Tensor:
+        """This rank's flat contribution: the gradients (dense) or the directions c_i (votes)."""
+        if b.flat is None:
+            b.flat = torch.empty(b.numel, dtype=b.dtype, device=b.device)
+        pos = 0
+        dense = self.config.transport == "dense"
+        for p, gi in zip(b.params, b.group_index, strict=True):
+            group = self.param_groups[gi]
+            view = b.flat[pos : pos + p.numel()].view_as(p)
+            g = self._grad(p, group)
+            if dense:
+                view.copy_(g)
+            else:
+                torch.mul(self._momentum(p), group["betas"][0], out=view).add_(
+                    g, alpha=1.0 - group["betas"][0]
+                )
+            pos += p.numel()
+        return b.flat
+
+    def _apply(self, b: _Bucket, update: torch.Tensor) -> None:
+        pos = 0
+        dense = self.config.transport == "dense"
+        for p, gi in zip(b.params, b.group_index, strict=True):
+            group = self.param_groups[gi]
+            beta1, beta2 = group["betas"]
+            u = update[pos : pos + p.numel()].view_as(p)
+            pos += p.numel()
+            m = self._momentum(p)
+            if dense:  # u is the mean gradient: global Lion, the same on every rank
+                c = lion_direction(m, u, beta1)
+                apply_update_(p, c.sign_(), lr=group["lr"], weight_decay=group["weight_decay"])
+                update_momentum_(m, u, beta2)
+            else:
+                apply_update_(p, u, lr=group["lr"], weight_decay=group["weight_decay"])
+                update_momentum_(m, self._grad(p, group), beta2)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """One optimizer step (collective: every rank of the group must call it)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            _check_group(group)
+        self._global_step += 1
+        self.comm.step = self._global_step
+        before = self.comm.counter.snapshot()
+        times = _Times()
+        t0 = time.perf_counter()
+        pending = [
+            self.vote.start(self._local(b), step=self._global_step, key=i, segments=b.segments)
+            for i, b in enumerate(self._buckets)
+        ]
+        t1 = time.perf_counter()
+        times.compute = t1 - t0
+        for b, vote in zip(self._buckets, pending, strict=True):
+            t_wait = time.perf_counter()
+            update = vote.wait()
+            t_apply = time.perf_counter()
+            self._apply(b, update)
+            times.communicate += t_apply - t_wait
+            times.apply += time.perf_counter() - t_apply
+        if self.replica_check_every and self._global_step % self.replica_check_every == 0:
+            self.check_replicas()
+        delta = self.comm.counter.minus(before)
+        self._last = (delta, times)
+        total_c, total_t = self._total
+        total_c.add(delta.bytes_sent, delta.bytes_recv, delta.collectives)
+        total_t.compute += times.compute
+        total_t.communicate += times.communicate
+        total_t.apply += times.apply
+        return loss
+
+    # -- diagnostics -----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def parameter_checksum(self) -> torch.Tensor:
+        """int64 ``[2]``: the sum of the parameters' raw bits and a position-weighted sum (exact)."""
+        total = torch.zeros(2, dtype=torch.int64, device=self.comm.device)
+        for b in self._buckets:
+            for p in b.params:
+                raw = p.detach().reshape(-1).view(_int_view(p.dtype)).to(torch.int64)
+                total[0] += raw.sum()
+                total[1] += (raw * torch.arange(1, raw.numel() + 1, device=raw.device) % 1_000_003).sum()
+        return total.to(self.comm.device)
+
+    @torch.no_grad()
+    def check_replicas(self) -> None:
+        """Compare parameter checksums across ranks; raise :class:`ReplicaDivergenceError` on a mismatch."""
+        n = self.comm.world_size
+        if n == 1:
+            return
+        mine = self.parameter_checksum()
+        gathered = torch.empty(n, 2, dtype=torch.int64, device=self.comm.device)
+        self.comm.all_gather(gathered, mine, "replica checksum all-gather").wait()
+        differing = [r for r in range(n) if not torch.equal(gathered[r], gathered[0])]
+        if differing:
+            raise ReplicaDivergenceError(
+                f"rank {self.comm.rank}: parameters differ between ranks at step {self._global_step}: "
+                f"ranks {differing} disagree with rank 0 (checksums {gathered.tolist()})"
+            )
+
+    def comm_stats(self) -> dict[str, dict[str, float | int]]:
+        """Bytes sent/received per rank, collectives issued and time split, for the last step and total."""
+        out: dict[str, dict[str, float | int]] = {}
+        for name, (counter, times) in (("last", self._last), ("total", self._total)):
+            out[name] = {
+                "bytes_sent": counter.bytes_sent,
+                "bytes_recv": counter.bytes_recv,
+                "collectives": counter.collectives,
+                **times.as_dict(),
+            }
+        out["total"]["steps"] = self._global_step
+        return out
+
+    # -- state -----------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        sd["lioncub"] = {
+            "version": STATE_VERSION,
+            "step": self._global_step,
+            "variant": self.variant,
+            "config": {
+                "transport": self.config.transport,
+                "aggregation": self.config.aggregation,
+                "quantizer": self.config.quantizer,
+                "bits": self.config.bits,
+            },
+            "world_size": self.comm.world_size,
+            "rank": self.comm.rank,
+            "generator": _generator_state(self.vote),
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any], *, allow_world_size_change: bool = False) -> None:
+        """Load this rank's state. Refuses another variant, or another world size unless
+        ``allow_world_size_change`` (the momenta are then this rank's as saved)."""
+        sd = dict(state_dict)
+        meta = sd.pop("lioncub", None)
+        if meta is not None:
+            if meta.get("version") != STATE_VERSION:
+                raise ValueError(f"optimizer state version {meta.get('version')} is not {STATE_VERSION}")
+            if meta["variant"] != self.variant:
+                raise ValueError(
+                    f"the checkpoint was written by variant={meta['variant']!r}, this optimizer is "
+                    f"variant={self.variant!r}"
+                )
+            if meta["world_size"] != self.comm.world_size and not allow_world_size_change:
+                raise ValueError(
+                    f"the checkpoint was written with world_size={meta['world_size']}, this job has "
+                    f"world_size={self.comm.world_size}; per-rank momenta do not carry over "
+                    "(pass allow_world_size_change=True to accept)"
+                )
+            self._global_step = int(meta["step"])
+            if meta.get("generator") is not None and getattr(self.vote, "generator", None) is not None:
+                self.vote.generator.set_state(meta["generator"])
+        super().load_state_dict(sd)
+
+    @property
+    def bucket_numels(self) -> list[int]:
+        """Elements per bucket, in the order the buckets are voted on."""
+        return [b.numel for b in self._buckets]
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken (drives the 1-bit tie rule)."""
+        return self._global_step
+
+
+def _check_group(group: dict[str, Any]) -> None:
+    check_lion_hyperparameters(group)
+    if not isinstance(group["maximize"], bool):
+        raise ValueError(f"Invalid maximize: {group['maximize']!r} (expected True or False)")
+
+
+def _int_view(dtype: torch.dtype) -> torch.dtype:
+    return {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
+        torch.empty(0, dtype=dtype).element_size()
+    ]
+
+
+def _generator_state(vote: Any) -> torch.Tensor | None:
+    gen = getattr(vote, "generator", None)
+    return None if gen is None else gen.get_state()

@@ -1,0 +1,416 @@
+"""Tests of ``lioncub launch``: parsing, rank environment, process supervision and the emulated network.
+
+The network tests need root (network namespaces, tc) and are skipped with a stated reason otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from lioncub.launch import (
+    EmulatedNetwork,
+    LaunchConfig,
+    LinkSpec,
+    PrivilegeError,
+    build_command,
+    check_privileges,
+    cleanup,
+    launch,
+    netns,
+    parse_rate,
+    parse_size,
+    rank_env,
+)
+from lioncub.launch import cli as launch_cli
+
+PY = sys.executable
+
+
+def _run(config: LaunchConfig):  # type: ignore[no-untyped-def]
+    out, err = io.StringIO(), io.StringIO()
+    result = launch(config, out=out, err=err)
+    return result, out.getvalue(), err.getvalue()
+
+
+# ------------------------------------------------------------------------------------------ unit tests
+
+
+@pytest.mark.parametrize(
+    ("text", "bps"),
+    [
+        ("100mbit", 1e8),
+        ("1gbit", 1e9),
+        ("2.5gbit", 2.5e9),
+        ("10kbit", 1e4),
+        ("1GBit", 1e9),
+        ("800bit", 800.0),
+        ("500Mbps", 5e8),
+        ("1Gbps", 1e9),
+        ("64kbps", 64e3),
+        (" 100 mbit ", 1e8),
+    ],
+)
+def test_parse_rate_accepts_tc_units_and_bits_per_second(text: str, bps: float) -> None:
+    assert parse_rate(text) == pytest.approx(bps)
+
+
+@pytest.mark.parametrize(
+    "text", ["", "100", "0mbit", "0.0gbit", "-1gbit", "fast", "1.2.3gbit", "10 furlongs", "infgbit", "1e9bit"]
+)
+def test_parse_rate_rejects_with_the_accepted_forms(text: str) -> None:
+    with pytest.raises(ValueError, match=r"--link.*(mbit|positive)"):
+        parse_rate(text)
+
+
+def test_parse_rate_refuses_tc_bytes_per_second_spelling() -> None:
+    with pytest.raises(ValueError, match=r"ambiguous.*bytes per second.*mbit or Mbps"):
+        parse_rate("100mbps")
+    with pytest.raises(ValueError, match="ambiguous"):
+        parse_rate("1GBps")
+
+
+def test_parse_size() -> None:
+    assert parse_size("256kb") == 262144
+    assert parse_size("1mb") == 1 << 20
+    assert parse_size("65536") == 65536
+    assert parse_size("1500b") == 1500
+    for bad in ("", "0kb", "12 parsecs", "-5kb"):
+        with pytest.raises(ValueError, match="--burst"):
+            parse_size(bad)
+
+
+def test_link_spec_validation_and_default_burst() -> None:
+    assert LinkSpec(1e8).burst == 256 * 1024
+    assert LinkSpec(4e9).burst == 1_000_000  # 2 ms at 4 Gbit/s
+    assert LinkSpec(1e8, mtu=9000, burst_bytes=9014).burst == 9014
+    with pytest.raises(ValueError, match=r"--burst.*smaller than one frame"):
+        LinkSpec(1e8, mtu=9000, burst_bytes=8192)
+    with pytest.raises(ValueError, match="--mtu"):
+        LinkSpec(1e8, mtu=40)
+
+
+def test_build_command() -> None:
+    assert build_command(["-m", "pkg.mod", "--x", "1"]) == [PY, "-m", "pkg.mod", "--x", "1"]
+    assert build_command(["train.py", "--steps", "3"]) == [PY, "train.py", "--steps", "3"]
+    assert build_command(["--", "dir/run.py"]) == [PY, "dir/run.py"]
+    assert build_command(["python3", "train.py"]) == ["python3", "train.py"]
+    assert build_command(["sh", "-c", "true"]) == ["sh", "-c", "true"]
+    with pytest.raises(ValueError, match="no command"):
+        build_command(["--"])
+
+
+def test_rank_env_loopback() -> None:
+    base = {"PATH": "/bin", "LIONCUB_LINK_BPS": "123", "RANK": "9"}
+    env = rank_env(
+        2, 4, master_addr="127.0.0.1", master_port=1234, ifname="lo", launch_id="lcb00abc", base=base
+    )
+    assert env["PATH"] == "/bin"
+    expected = {
+        "RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234", "GLOO_SOCKET_IFNAME": "lo",
+        "LIONCUB_LAUNCH_ID": "lcb00abc", "LIONCUB_RESTART_COUNT": "0", "TORCHELASTIC_RESTART_COUNT": "0",
+        "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+    }  # fmt: skip
+    assert {k: env[k] for k in expected} == expected
+    assert "LIONCUB_LINK_BPS" not in env  # an outer launch's link must not leak into an unshaped one
+
+
+def test_rank_env_link_restart_and_overrides() -> None:
+    env = rank_env(
+        1, 2, master_addr="10.100.1.10", master_port=29500, ifname="lcb00abcv1", launch_id="lcb00abc",
+        link_bps=1e8, restart_count=2, max_restarts=3, base={"OMP_NUM_THREADS": "2"},
+        extra={"MASTER_PORT": "777", "FOO": "bar"},
+    )  # fmt: skip
+    assert env["GLOO_SOCKET_IFNAME"] == "lcb00abcv1"
+    assert env["MASTER_ADDR"] == "10.100.1.10"
+    assert env["LIONCUB_LINK_BPS"] == "100000000"
+    assert env["LIONCUB_RESTART_COUNT"] == env["TORCHELASTIC_RESTART_COUNT"] == "2"
+    assert env["TORCHELASTIC_MAX_RESTARTS"] == "3"
+    assert env["OMP_NUM_THREADS"] == "2"  # the user's setting wins
+    assert env["MASTER_PORT"] == "777" and env["FOO"] == "bar"
+
+
+def test_launch_config_validation() -> None:
+    with pytest.raises(ValueError, match="--nproc"):
+        LaunchConfig(["x.py"], nproc=0)
+    with pytest.raises(ValueError, match="no command"):
+        LaunchConfig([], nproc=2)
+    with pytest.raises(ValueError, match="--timeout"):
+        LaunchConfig(["x.py"], timeout_s=0)
+    with pytest.raises(ValueError, match="--burst"):
+        LaunchConfig(["x.py"], link_rate_bps=1e8, burst_bytes=100)
+
+
+def test_network_names_fit_linux_limits() -> None:
+    ids = {netns.new_launch_id() for _ in range(50)}
+    assert all(re.fullmatch(r"lcb[0-9a-f]{5}", i) for i in ids) and len(ids) > 40
+    net = EmulatedNetwork(240, LinkSpec(1e9), launch_id="lcbfffff")  # constructing creates nothing
+    names = [net.bridge] + [n for r in net.ranks for n in (r.ifname, r.bridge_port)]
+    assert max(map(len, names)) <= 15  # IFNAMSIZ - 1
+    assert net.master_addr == net.ranks[0].address
+    assert net.ranks[239].address.endswith(".249")
+    assert netns.subnet_for("lcb00001") != netns.subnet_for("lcb00101")
+
+
+def test_missing_privileges_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(netns, "effective_capabilities", lambda: 1 << netns.CAP_NET_ADMIN)
+    with pytest.raises(PrivilegeError, match=r"lacks: capability CAP_SYS_ADMIN; .*Without --link"):
+        check_privileges()
+    monkeypatch.setattr(netns, "effective_capabilities", lambda: 0)
+    monkeypatch.setattr(netns, "_tool", lambda name: None if name == "tc" else "/sbin/ip")
+    with pytest.raises(PrivilegeError, match=r"CAP_NET_ADMIN, capability CAP_SYS_ADMIN, the `tc` tool"):
+        check_privileges()
+
+
+def _cli(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="lioncub launch")
+    launch_cli.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_cli_dry_run_and_bad_rate(capsys: pytest.CaptureFixture[str]) -> None:
+    assert launch_cli.run(_cli(["--nproc", "2", "--link", "1gbit", "--dry-run", "--", "-m", "m", "-x"])) == 0
+    out = capsys.readouterr().out
+    assert "tbf rate 1gbit" in out
+    rank1 = r"rank 1: .*GLOO_SOCKET_IFNAME=lcb[0-9a-f]{5}v1 .*ip netns exec lcb[0-9a-f]{5}-r1 \S+ -m m -x"
+    assert re.search(rank1, out)
+    assert launch_cli.run(_cli(["--link", "fast", "--", "x.py"])) == 2
+    assert "--link: cannot read 'fast'" in capsys.readouterr().err
+
+
+def test_cli_is_registered() -> None:
+    from lioncub.cli import COMMANDS
+
+    assert COMMANDS["launch"][0] == "lioncub.launch.cli"
+
+
+# ------------------------------------------------------------------------------- loopback launches
+
+ALLREDUCE = """
+import datetime, os, torch, torch.distributed as dist
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+t = torch.tensor([dist.get_rank() + 1.0])
+dist.all_reduce(t)
+print(f"sum={t.item():g} ifname={os.environ['GLOO_SOCKET_IFNAME']} world={dist.get_world_size()}")
+print("no newline at the end", end="")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_loopback_allreduce_three_ranks() -> None:
+    result, out, err = _run(LaunchConfig([PY, "-c", ALLREDUCE], nproc=3, timeout_s=120))
+    assert result.ok, err
+    assert result.rank_returncodes == [0, 0, 0] and result.failed_rank is None and result.traffic is None
+    for k in range(3):
+        assert f"[r{k}] sum=6 ifname=lo world=3\n" in out
+        assert f"[r{k}] no newline at the end\n" in out
+
+
+def test_rank_failure_stops_the_others_quickly() -> None:
+    code = "import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit(3)\ntime.sleep(60)"
+    t0 = time.monotonic()
+    result, _, err = _run(LaunchConfig([PY, "-c", code], nproc=3, timeout_s=120, grace_s=5))
+    assert time.monotonic() - t0 < 15
+    assert (result.returncode, result.failed_rank) == (3, 1)
+    assert result.message == "rank 1 exited with code 3"
+    assert result.rank_returncodes == [-signal.SIGTERM, 3, -signal.SIGTERM]
+    assert "rank 1 exited with code 3; stopping ranks 0, 2" in err
+
+
+def test_rank_killed_by_signal_is_named() -> None:
+    code = "import os, time\nif os.environ['RANK'] == '0':\n    os.kill(os.getpid(), 9)\ntime.sleep(60)"
+    result, _, _ = _run(LaunchConfig([PY, "-c", code], nproc=2, timeout_s=60, grace_s=5))
+    assert (result.returncode, result.failed_rank) == (128 + signal.SIGKILL, 0)
+    assert result.message == "rank 0 was killed by SIGKILL"
+
+
+def test_timeout_kills_everything_and_reports_running_ranks() -> None:
+    code = "import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit(0)\ntime.sleep(30)"
+    result, _, _ = _run(LaunchConfig([PY, "-c", code], nproc=3, timeout_s=1.5, grace_s=1))
+    assert result.timed_out and result.returncode == 124
+    assert result.wall_s < 8
+    assert result.message == "timed out; ranks still running: 0, 2"
+    assert result.rank_returncodes == [-signal.SIGTERM, 0, -signal.SIGTERM]
+
+
+def test_grace_period_then_sigkill() -> None:
+    code = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(30)"
+    result, _, err = _run(LaunchConfig([PY, "-c", code], nproc=2, timeout_s=1.0, grace_s=0.5))
+    assert result.timed_out and result.rank_returncodes == [-signal.SIGKILL, -signal.SIGKILL]
+    assert "sending SIGKILL" in err
+
+
+def test_restarts_rerun_all_ranks() -> None:
+    code = "import os, sys\nsys.exit(0 if os.environ['LIONCUB_RESTART_COUNT'] == '2' else 5)"
+    result, _, err = _run(LaunchConfig([PY, "-c", code], nproc=2, restarts=3, timeout_s=60))
+    assert result.ok and result.restarts == 2
+    assert "restarting all ranks (2/3)" in err
+    result, _, _ = _run(LaunchConfig([PY, "-c", code], nproc=2, restarts=1, timeout_s=60))
+    assert (result.returncode, result.restarts, result.failed_rank) == (5, 1, 0)
+
+
+def test_unstartable_command_is_reported() -> None:
+    result, _, err = _run(LaunchConfig(["/nonexistent/prog"], nproc=2, timeout_s=10))
+    assert (result.returncode, result.failed_rank) == (127, 0)
+    assert "could not start" in err
+
+
+@pytest.mark.slow
+def test_sigint_is_forwarded_to_the_ranks(tmp_path: Path) -> None:
+    rank = tmp_path / "rank.py"
+    rank.write_text(
+        textwrap.dedent("""
+        import signal, sys, time
+        def stop(signum, frame):
+            print(f"got {signum}", flush=True)
+            sys.exit(7)
+        signal.signal(signal.SIGINT, stop)
+        print("ready", flush=True)
+        time.sleep(60)
+    """)
+    )
+    driver = (
+        "import sys; from lioncub.launch import LaunchConfig, launch; "
+        f"sys.exit(launch(LaunchConfig([{str(rank)!r}], nproc=2, timeout_s=60)).returncode)"
+    )
+    proc = subprocess.Popen([PY, "-c", driver], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        seen: list[str] = []
+        while sum("ready" in line for line in seen) < 2:
+            line = proc.stdout.readline()
+            assert line, "".join(seen)
+            seen.append(line)
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert f"[r0] got {int(signal.SIGINT)}" in rest and f"[r1] got {int(signal.SIGINT)}" in rest
+
+
+# ------------------------------------------------------------------------------- emulated network
+
+
+def _netns_usable() -> bool:
+    if os.geteuid() != 0:
+        return False
+    try:
+        check_privileges()
+        netns.list_netns()
+    except netns.NetnsError:
+        return False
+    return True
+
+
+needs_root = pytest.mark.skipif(not _netns_usable(), reason="needs root for network namespaces")
+
+TIMED_ALLREDUCE = """
+import datetime, statistics, time, torch, torch.distributed as dist
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+x = torch.ones(1_000_000)  # 4 MB of fp32
+times = []
+for _ in range(4):  # one warm-up, then 3 timed
+    dist.barrier()
+    t0 = time.perf_counter()
+    dist.all_reduce(x)
+    times.append(time.perf_counter() - t0)
+t = torch.tensor(times[1:], dtype=torch.float64)
+dist.all_reduce(t, op=dist.ReduceOp.MAX)
+if dist.get_rank() == 0:
+    ms = [v * 1e3 for v in t.tolist()]
+    print(f"ALLREDUCE_MS={statistics.median(ms):.1f} all={[round(v) for v in ms]}")
+dist.destroy_process_group()
+"""
+
+
+def _assert_nothing_left(launch_id: str) -> None:
+    assert not [ns for ns in netns.list_netns() if ns.startswith(launch_id)]
+    for cmd in (["ip", "-o", "link", "show"], ["tc", "qdisc", "show"]):  # nothing ever in the root namespace
+        assert launch_id not in subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    assert not (netns.state_dir() / f"{launch_id}.json").exists()
+    assert not list(Path("/etc/netns").glob(f"{launch_id}*"))
+
+
+@needs_root
+@pytest.mark.root
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_allreduce_over_100mbit_links_matches_bandwidth(nproc: int) -> None:
+    rate = 100e6
+    result, out, err = _run(
+        LaunchConfig([PY, "-c", TIMED_ALLREDUCE], nproc=nproc, link_rate_bps=rate, timeout_s=120)
+    )
+    assert result.ok, out + err
+    measured_ms = float(re.search(r"\[r0\] ALLREDUCE_MS=([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    wire_bytes = 2 * (nproc - 1) / nproc * 4e6  # ring allreduce, per rank and direction
+    predicted_ms = wire_bytes / (0.956 * rate / 8) * 1e3  # TCP payload is 95.6 % of the line at MTU 1500
+    print(f"n={nproc}: allreduce 4 MB at 100mbit: {measured_ms:.1f} ms, predicted {predicted_ms:.1f} ms")
+    assert measured_ms == pytest.approx(predicted_ms, rel=0.15)
+    # bytes on the wire: 4 allreduces of 4 MB, plus small barriers and rendezvous traffic
+    assert result.traffic is not None and len(result.traffic) == nproc
+    for t in result.traffic:
+        assert 4 * wire_bytes <= t.tx_bytes <= 1.03 * 4 * wire_bytes + 300e3, t
+        assert 4 * wire_bytes <= t.rx_bytes <= 1.03 * 4 * wire_bytes + 300e3, t
+    assert "hostname of the client socket" not in err  # /etc/netns/<ns>/hosts silences the c10d warning
+    _assert_nothing_left(result.launch_id)
+
+
+@needs_root
+@pytest.mark.root
+def test_rank_failure_under_link_tears_down_the_network() -> None:
+    code = "import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit(3)\ntime.sleep(60)"
+    result, _, err = _run(LaunchConfig([PY, "-c", code], nproc=3, link_rate_bps=1e8, timeout_s=60))
+    assert (result.returncode, result.failed_rank) == (3, 1), err
+    assert result.wall_s < 15
+    assert result.rank_returncodes == [-signal.SIGTERM, 3, -signal.SIGTERM]
+    _assert_nothing_left(result.launch_id)
+
+
+@needs_root
+@pytest.mark.root
+def test_cleanup_removes_leftovers_of_dead_launchers_only() -> None:
+    import atexit
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    leftover = EmulatedNetwork(2, LinkSpec(1e8)).up()
+    live = EmulatedNetwork(1, None).up()
+    orphan = f"{netns.new_launch_id()}-r0"  # a lioncub-looking namespace without a state file
+    subprocess.run(["ip", "netns", "add", orphan], check=True)
+    straggler = None
+    try:
+        # simulate a launcher killed with -9: no teardown, its pid gone, a process left in a namespace
+        atexit.unregister(leftover.close)
+        state = json.loads(leftover.state_path.read_text())
+        leftover.state_path.write_text(json.dumps({**state, "pid": dead.pid}))
+        straggler = subprocess.Popen([*leftover.exec_prefix(1), "sleep", "60"])
+        time.sleep(0.2)
+        report = cleanup()
+        assert leftover.launch_id in report.launches
+        assert set(leftover.namespaces) <= set(report.namespaces)
+        assert live.launch_id in report.live
+        assert orphan in report.orphans and orphan in netns.list_netns()  # only `--cleanup --all` removes it
+        assert straggler.wait(timeout=5) == -signal.SIGKILL
+        _assert_nothing_left(leftover.launch_id)
+        assert set(live.namespaces) <= set(netns.list_netns())
+    finally:
+        if straggler is not None and straggler.poll() is None:
+            straggler.kill()
+        live.close()
+        leftover.close()
+        subprocess.run(["ip", "netns", "del", orphan], check=False)
+    _assert_nothing_left(live.launch_id)

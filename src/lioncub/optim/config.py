@@ -113,9 +113,11 @@ def resolve_variant(variant: str, **overrides: Any) -> VoteConfig:
     unknown = set(changes) - {f.name for f in dataclasses.fields(VoteConfig)}
     if unknown:
         raise TypeError(f"unknown vote options: {sorted(unknown)}")
-    if changes.get("transport") not in (None, PRESETS[variant].transport) and "quantizer" not in changes:
-        # switching transport: drop the preset's quantizer unless the new transport quantizes
-        changes.setdefault("quantizer", "l1" if changes["transport"] == "quantized" else None)
+    new_transport = changes.get("transport")
+    if new_transport not in (None, PRESETS[variant].transport):
+        # switching transport: the preset's quantizer and lane width belong to the old one
+        changes.setdefault("quantizer", "l1" if new_transport == "quantized" else None)
+        changes.setdefault("bits", {"quantized": 8, "lanes": 4}.get(new_transport))
     return dataclasses.replace(PRESETS[variant], **changes).validate()
 
 

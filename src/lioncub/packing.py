@@ -25,12 +25,15 @@ import torch
 
 __all__ = [
     "LANE_BITS",
+    "count_votes",
     "lane_sum_fits",
+    "map_lanes",
     "max_lane_workers",
     "offset_decode",
     "offset_encode",
     "pack_bits",
     "pack_lanes",
+    "pack_majority",
     "pack_signs",
     "packed_size",
     "require_lane_sum_fits",
@@ -301,3 +304,70 @@ def require_lane_sum_fits(n_workers: int, bits: int, max_lane_value: int, *, wha
             f"({n_workers} x {max_lane_value} > {(1 << bits) - 1}); {bits}-bit lanes with values up to "
             f"{max_lane_value} support at most {limit} workers - use wider lanes (bits='auto')"
         )
+
+
+def count_votes(rows: torch.Tensor, n_bits: int) -> torch.Tensor:
+    """Per bit position, the number of 1 bits across the rows of ``rows``.
+
+    Args:
+        rows: ``uint8 [N, B]``, each row MSB-first packed votes (:func:`pack_signs`/:func:`pack_bits`).
+        n_bits: bit positions to count (≤ 8·B).
+    Returns:
+        ``uint8`` (N ≤ 255) or ``int16`` counts of length ``n_bits``.
+    """
+    n = rows.shape[0]
+    if n_bits > rows.shape[1] * 8:
+        raise ValueError(f"n_bits={n_bits} does not fit in rows of {rows.shape[1]} bytes")
+    wide = n > 255
+    if rows.device.type == "cpu":  # numpy's unpackbits and adds are vectorised
+        src = rows.contiguous().numpy()
+        counts = np.unpackbits(src[0], count=n_bits).astype(np.int16 if wide else np.uint8)
+        for j in range(1, n):
+            counts += np.unpackbits(src[j], count=n_bits)
+        return torch.from_numpy(counts)
+    bits = unpack_bits(rows.reshape(-1), rows.numel() * 8).view(n, -1)[:, :n_bits]
+    return bits.sum(dim=0, dtype=torch.int16 if wide else torch.uint8)
+
+
+def pack_majority(counts: torch.Tensor, n_workers: int, tie_positive: bool) -> torch.Tensor:
+    """Packed result bits of a vote: 1 where ``2·count > N`` or, on a tie, where ``tie_positive``."""
+    threshold = (n_workers + 1) // 2 if tie_positive else n_workers // 2 + 1  # smallest count that wins
+    if counts.device.type == "cpu":
+        return torch.from_numpy(np.packbits(counts.numpy() >= threshold, bitorder="big"))
+    return pack_bits(counts >= threshold)
+
+
+def _lane_table(bits: int, values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A 256-entry table: for each byte, its 8/bits lanes mapped through ``values`` as int8, packed
+    little-endian into one integer of 8·(8/bits) bits."""
+    key = (bits, values, device)
+    table = _LANE_TABLES.get(key)
+    if table is None:
+        per = 8 // bits
+        lanes = unpack_lanes(torch.arange(256, dtype=torch.uint8), bits, 256 * per).view(256, per)
+        mapped = torch.tensor(values, dtype=torch.int64)[lanes.long()] & 0xFF  # int8 bytes
+        word = (mapped << (8 * torch.arange(per, dtype=torch.int64))).sum(dim=1)
+        dtype = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[per]
+        table = (word - (word >= (1 << (8 * per - 1))).to(torch.int64) * (1 << (8 * per))).to(dtype)
+        table = table.to(device)
+        _LANE_TABLES[key] = table
+    return table
+
+
+_LANE_TABLES: dict[tuple[int, tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
+def map_lanes(packed: torch.Tensor, bits: int, n: int, values: tuple[int, ...]) -> torch.Tensor:
+    """Unpack ``n`` lanes of ``bits`` bits and map each lane value v to ``values[v]`` (int8), in one
+    table lookup per byte: e.g. summed vote counts straight to ``sign(2·count − N)``."""
+    _check_bits(bits)
+    if len(values) != 1 << bits:
+        raise ValueError(f"values must have {1 << bits} entries for {bits}-bit lanes, got {len(values)}")
+    packed = packed.reshape(-1)
+    per = 8 // bits
+    if n < 0 or n > packed.numel() * per:
+        raise ValueError(f"n={n} lanes do not fit in {packed.numel()} bytes of {bits}-bit lanes")
+    table = _lane_table(bits, tuple(values), packed.device)
+    nbytes = (n + per - 1) // per
+    words = table.index_select(0, packed[:nbytes].to(torch.int64))
+    return words.view(torch.int8)[:n]

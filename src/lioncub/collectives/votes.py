@@ -126,6 +126,11 @@ def _sign_of_sum(total: torch.Tensor) -> torch.Tensor:
     return torch.sign(total).to(torch.int8)
 
 
+def _signs_of(lane_values: range, scale: int, offset: int) -> tuple[int, ...]:
+    """``sign(scale·v + offset)`` for every lane value v (a lookup table for :func:`packing.map_lanes`)."""
+    return tuple((scale * v + offset > 0) - (scale * v + offset < 0) for v in lane_values)
+
+
 # ----------------------------------------------------------------------------------------------- 1-bit
 
 
@@ -158,12 +163,12 @@ class OneBitVote(VoteAlgorithm):
 
         def finish() -> torch.Tensor:
             handle.wait()
-            votes = packing.unpack_bits(recv, nbytes * 8).view(n, slice_bytes * 8)
-            twice_margin = 2 * votes.sum(dim=0, dtype=torch.int32) - n  # (#plus − #minus) per element
-            bits = (twice_margin > 0) | ((twice_margin == 0) & tie_positive)
+            counts = packing.count_votes(recv.view(n, slice_bytes), slice_bytes * 8)  # "+" votes
+            mine = packing.pack_majority(counts, n, tie_positive)
             gathered = self.buffer(key, "gathered", nbytes, torch.uint8).view(n, slice_bytes)
-            self.comm.all_gather(gathered, packing.pack_bits(bits), "1-bit all-gather").wait()
-            return packing.unpack_signs(gathered, d, torch.int8)
+            self.comm.all_gather(gathered, mine, "1-bit all-gather").wait()
+            out = self.buffer(key, "result", d, torch.int8)
+            return packing.unpack_signs(gathered, d, torch.int8, out=out)
 
         return Pending(finish)
 
@@ -208,9 +213,8 @@ class LaneVote(VoteAlgorithm):
         handle = self.comm.all_reduce(lanes, f"{self.bits}-bit vote allreduce")
 
         def finish() -> torch.Tensor:
-            handle.wait()
-            count = packing.unpack_lanes(lanes, self.bits, d).to(torch.int16)
-            return _sign_of_sum(2 * count - n)
+            handle.wait()  # each lane holds a count of "+" votes; map it to sign(2·count − N)
+            return packing.map_lanes(lanes, self.bits, d, _signs_of(range(1 << self.bits), 2, -n))
 
         return Pending(finish)
 
@@ -330,9 +334,9 @@ class QuantizedVote(VoteAlgorithm):
         handle = self.comm.all_reduce(lanes, f"{self.bits}-bit {self.quantizer} allreduce")
 
         def finish() -> torch.Tensor:
-            handle.wait()
-            sums = packing.unpack_lanes(lanes, self.bits, d)
-            return _sign_of_sum(packing.offset_decode(sums, n, self.levels))
+            handle.wait()  # each lane holds Σ(q_i + s); map it to sign(Σ q_i)
+            lane_values = range(1 << self.bits)
+            return packing.map_lanes(lanes, self.bits, d, _signs_of(lane_values, 1, -n * self.levels))
 
         return Pending(finish)
 
@@ -400,8 +404,7 @@ class ServerVote(VoteAlgorithm):
         def finish() -> torch.Tensor:
             handle.wait()
             if r == self.root:
-                count = packing.unpack_bits(inbox.view(-1), n * up.numel() * 8).view(n, -1)[:, :d]
-                count = count.sum(dim=0, dtype=torch.int32)
+                count = packing.count_votes(inbox, d).to(torch.int16)
                 lanes = (torch.sign(2 * count - n) + 1) if self.aggregation == "majority" else count
                 down.copy_(packing.pack_lanes(lanes.to(torch.uint8), self.down_bits))
                 self.comm.exchange_p2p([(j, down) for j in range(n) if j != r], [], "server broadcast").wait()

@@ -68,12 +68,25 @@ class _Bucket:
 
 @dataclass
 class _Times:
-    compute: float = 0.0  # local direction, quantize, pack, posting the collectives
-    communicate: float = 0.0  # waiting for the exchanges (incl. the unpack/count between phases)
+    """Wall time of one step's phases, in seconds."""
+
+    direction: float = 0.0  # the local directions c_i (or the gradient copy of the dense presets)
+    encode: float = 0.0  # quantize / pack and posting the collectives
+    exchange: float = 0.0  # waiting for the exchanges, incl. unpack/count between phases and decode
     apply: float = 0.0  # applying the update and the momentum
 
+    def add(self, other: _Times) -> None:
+        for name in ("direction", "encode", "exchange", "apply"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
     def as_dict(self) -> dict[str, float]:
-        return {"compute_s": self.compute, "communicate_s": self.communicate, "apply_s": self.apply}
+        return {
+            "direction_s": self.direction,
+            "encode_s": self.encode,
+            "exchange_s": self.exchange,
+            "apply_s": self.apply,
+            "communication_s": self.encode + self.exchange,  # quantize/pack + wire + unpack
+        }
 
 
 class LionCub(torch.optim.Optimizer):
@@ -231,7 +244,7 @@ class LionCub(torch.optim.Optimizer):
                 apply_update_(p, c.sign_(), lr=group["lr"], weight_decay=group["weight_decay"])
                 update_momentum_(m, u, beta2)
             else:
-                apply_update_(p, u, lr=group["lr"], weight_decay=group["weight_decay"])
+                _apply_chunked_(p, u, lr=group["lr"], weight_decay=group["weight_decay"])
                 update_momentum_(m, self._grad(p, group), beta2)
 
     @torch.no_grad()
@@ -247,29 +260,28 @@ class LionCub(torch.optim.Optimizer):
         self.comm.step = self._global_step
         before = self.comm.counter.snapshot()
         times = _Times()
-        t0 = time.perf_counter()
-        pending = [
-            self.vote.start(self._local(b), step=self._global_step, key=i, segments=b.segments)
-            for i, b in enumerate(self._buckets)
-        ]
-        t1 = time.perf_counter()
-        times.compute = t1 - t0
+        pending = []
+        for i, b in enumerate(self._buckets):
+            t0 = time.perf_counter()
+            local = self._local(b)
+            t1 = time.perf_counter()
+            pending.append(self.vote.start(local, step=self._global_step, key=i, segments=b.segments))
+            times.direction += t1 - t0
+            times.encode += time.perf_counter() - t1
         for b, vote in zip(self._buckets, pending, strict=True):
-            t_wait = time.perf_counter()
+            t0 = time.perf_counter()
             update = vote.wait()
-            t_apply = time.perf_counter()
+            t1 = time.perf_counter()
             self._apply(b, update)
-            times.communicate += t_apply - t_wait
-            times.apply += time.perf_counter() - t_apply
+            times.exchange += t1 - t0
+            times.apply += time.perf_counter() - t1
         if self.replica_check_every and self._global_step % self.replica_check_every == 0:
             self.check_replicas()
         delta = self.comm.counter.minus(before)
         self._last = (delta, times)
         total_c, total_t = self._total
         total_c.add(delta.bytes_sent, delta.bytes_recv, delta.collectives)
-        total_t.compute += times.compute
-        total_t.communicate += times.communicate
-        total_t.apply += times.apply
+        total_t.add(times)
         return loss
 
     # -- diagnostics -----------------------------------------------------------------------------------
@@ -302,7 +314,9 @@ class LionCub(torch.optim.Optimizer):
             )
 
     def comm_stats(self) -> dict[str, dict[str, float | int]]:
-        """Bytes sent/received per rank, collectives issued and time split, for the last step and total."""
+        """Bytes sent/received by this rank, collectives issued, and the step's time split (seconds:
+        ``direction_s``, ``encode_s``, ``exchange_s``, ``apply_s``, and ``communication_s`` = encode +
+        exchange), for the ``"last"`` step and the ``"total"`` since construction."""
         out: dict[str, dict[str, float | int]] = {}
         for name, (counter, times) in (("last", self._last), ("total", self._total)):
             out[name] = {
@@ -367,6 +381,23 @@ class LionCub(torch.optim.Optimizer):
     def global_step(self) -> int:
         """Optimizer steps taken (drives the 1-bit tie rule)."""
         return self._global_step
+
+
+_PIECE = 1 << 16  # elements per cache-sized piece when converting an integer update
+
+
+def _apply_chunked_(p: torch.Tensor, update: torch.Tensor, *, lr: float, weight_decay: float) -> None:
+    """``p ← p·(1 − lr·wd) − lr·u`` for an update in another dtype (int8 votes): the update is converted
+    to ``p``'s dtype piece by piece in cache, because a mixed-dtype ``add_`` is several times slower."""
+    if update.dtype == p.dtype or not p.is_contiguous() or p.device.type != "cpu":
+        apply_update_(p, update.to(p.dtype), lr=lr, weight_decay=weight_decay)
+        return
+    flat_p, flat_u = p.view(-1), update.reshape(-1)
+    scratch = torch.empty(min(_PIECE, flat_p.numel()), dtype=p.dtype)
+    for c0 in range(0, flat_p.numel(), _PIECE):
+        c1 = min(c0 + _PIECE, flat_p.numel())
+        u = scratch[: c1 - c0].copy_(flat_u[c0:c1])
+        apply_update_(flat_p[c0:c1], u, lr=lr, weight_decay=weight_decay)
 
 
 def _check_group(group: dict[str, Any]) -> None:

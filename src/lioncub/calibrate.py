@@ -1,0 +1,343 @@
+"""Measure the cost model's constants on the current process group: α and efficiency per collective, and
+the per-element compute costs of this CPU.
+
+Every rank calls :func:`calibrate` (collectively). For each collective of :data:`lioncub.costmodel.OPS`
+and each payload size it times ``warmup`` + ``repeats`` runs, each started after a barrier, takes the
+maximum over the ranks (allreduce MAX) and the median over the repeats, and fits ``time = a + b·bytes``
+by least squares on the relative error (every size weighs the same), with ``bytes`` the bytes through
+the busiest link direction as the model counts them and ``a >= 0``. Then ``α = a / messages`` and the
+op's payload rate is ``1/b`` bytes/s. The exchanges are those the vote classes use: ring allreduce
+(``dist.all_reduce``), pairwise all-to-all and all-gather through :class:`~lioncub.collectives.Comm`,
+and point-to-point sends into and out of rank 0.
+
+The link rate comes from ``$LIONCUB_LINK_BPS`` (set by ``lioncub launch --link``); without one the
+fitted fp32 allreduce rate is the reference (its efficiency is 1). The local reduction of the allreduces
+is part of their measured rate, so the calibration sets ``reduce_s_per_byte = 0``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from lioncub import packing, quantize
+from lioncub.collectives import Comm
+from lioncub.costmodel import OPS, Calibration, Compute, Network, OpCost
+
+__all__ = [
+    "DEFAULT_SIZES",
+    "LINK_SIZES",
+    "OpFit",
+    "calibrate",
+    "fit_alpha_beta",
+    "init_from_env",
+    "measure_compute",
+]
+
+#: payload sizes in bytes without a shaped link: 64 KiB .. 16 MiB
+DEFAULT_SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
+#: payload sizes under a shaped link: well above tbf's bucket (256 KiB by default), whose burst makes
+#: smaller transfers look faster than the link
+LINK_SIZES = (1 << 20, 4 << 20, 16 << 20)
+
+
+@dataclass(frozen=True)
+class OpFit:
+    """``time = intercept_s + seconds_per_byte · bytes`` for one collective, and how well it fits."""
+
+    intercept_s: float
+    seconds_per_byte: float
+    rel_rms_residual: float  # sqrt(mean(((t − fit) / t)²)) over the sizes
+
+    @property
+    def ok(self) -> bool:
+        return self.seconds_per_byte > 0 and math.isfinite(self.seconds_per_byte)
+
+
+def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> OpFit:
+    """Least-squares fit of ``t = a + b·x`` to ``(x bytes, t seconds)`` minimising relative errors, a ≥ 0.
+
+    Needs at least two distinct sizes; with a negative intercept the line is refitted through 0.
+    """
+    x = np.array([p[0] for p in points], dtype=np.float64)
+    t = np.array([p[1] for p in points], dtype=np.float64)
+    if len(set(x.tolist())) < 2:
+        raise ValueError("fitting a + b·bytes needs at least two distinct sizes")
+    if np.any(t <= 0):
+        raise ValueError("every measured time must be > 0")
+    w = 1.0 / t  # rows scaled by 1/t: least squares on the relative error
+    design = np.stack([w, x * w], axis=1)
+    (a, b), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
+    if a < 0:
+        a, b = 0.0, float(np.sum(x * w * 1.0) / np.sum((x * w) ** 2))
+    resid = (t - (a + b * x)) / t
+    return OpFit(float(a), float(b), float(math.sqrt(np.mean(resid**2))))
+
+
+def init_from_env(timeout_s: float = 300.0) -> bool:
+    """Initialise the default gloo group from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT unless done already.
+
+    Returns True if this call initialised it (the caller then destroys it).
+    """
+    if dist.is_initialized():
+        return False
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"no process group and {', '.join(missing)} not set: run under `lioncub launch --nproc N "
+            "[--link RATE] -- python -m lioncub.calibrate_cli ...` (or torchrun)"
+        )
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return True
+
+
+# ------------------------------------------------------------------------------------------ network
+
+
+def _messages(op: str, n: int) -> int:
+    return 2 * (n - 1) if op.startswith("allreduce") else n - 1
+
+
+def _op_runner(op: str, comm: Comm, size: int) -> tuple[Callable[[], None], float]:
+    """A function running ``op`` once on a payload of about ``size`` bytes, and its link bytes."""
+    n, r = comm.world_size, comm.rank
+    if op.startswith("allreduce"):
+        dtype = {
+            "allreduce_f32": torch.float32,
+            "allreduce_bf16": torch.bfloat16,
+            "allreduce_i8": torch.int8,
+            "allreduce_u8": torch.uint8,
+        }[op]
+        numel = max(1, size // torch.empty((), dtype=dtype).element_size())
+        tensor = torch.zeros(numel, dtype=dtype)
+        nbytes = numel * tensor.element_size()
+        return (lambda: comm.all_reduce(tensor, op).wait()), 2 * (n - 1) / n * nbytes
+    chunk = max(1, size // n)
+    if op == "all_to_all":
+        inp = torch.zeros(n, chunk, dtype=torch.uint8)
+        out = torch.empty_like(inp)
+        return (lambda: comm.all_to_all(out, inp, op).wait()), (n - 1) * chunk
+    if op == "all_gather":
+        inp = torch.zeros(chunk, dtype=torch.uint8)
+        out = torch.empty(n, chunk, dtype=torch.uint8)
+        return (lambda: comm.all_gather(out, inp, op).wait()), (n - 1) * chunk
+    bufs = torch.zeros(n, chunk, dtype=torch.uint8)
+    if op == "gather_root":
+        sends = [] if r == 0 else [(0, bufs[r])]
+        recvs = [(j, bufs[j]) for j in range(1, n)] if r == 0 else []
+    elif op == "scatter_root":
+        sends = [(j, bufs[j]) for j in range(1, n)] if r == 0 else []
+        recvs = [] if r == 0 else [(0, bufs[r])]
+    else:
+        raise ValueError(f"unknown collective {op!r}; known: {OPS}")
+    return (lambda: comm.exchange_p2p(sends, recvs, op).wait()), (n - 1) * chunk
+
+
+def _time_op(
+    op: str, comm: Comm, sizes: Sequence[int], repeats: int, warmup: int
+) -> list[tuple[float, float]]:
+    """(link bytes, median over repeats of the max over ranks, s) per size."""
+    runs: list[float] = []
+    link: list[float] = []
+    for size in sizes:
+        fn, nbytes = _op_runner(op, comm, size)
+        link.append(nbytes)
+        for i in range(warmup + repeats):
+            dist.barrier(group=comm.group)
+            t0 = time.perf_counter()
+            fn()
+            if i >= warmup:
+                runs.append(time.perf_counter() - t0)
+    times = torch.tensor(runs, dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=comm.group)
+    per_size = times.view(len(sizes), repeats)
+    return [(link[k], statistics.median(per_size[k].tolist())) for k in range(len(sizes))]
+
+
+# ------------------------------------------------------------------------------------------ compute
+
+
+def _per_elem(fn: Callable[[], object], numel: int, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / numel
+
+
+def measure_compute(numel: int, n_workers: int, repeats: int = 5) -> dict[str, float]:
+    """Seconds per element of the local kernels of the votes on ``numel`` fp32 elements (this process).
+
+    Keys: the :class:`~lioncub.costmodel.Compute` fields (``reduce_s_per_byte`` = 0, see the module
+    docstring) and ``add_s_per_byte`` (an fp32 ``add_``, for reference).
+    """
+    n = max(2, n_workers)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(numel, generator=gen)
+    y = torch.randn(numel, generator=gen)
+    levels = max(1, 127 // n)
+    packed = packing.pack_signs(x, pad_to=8 * n)
+    slice_bits = packed.numel() * 8 // n
+    lanes = packing.pack_lanes(torch.ge(x, 0).view(torch.uint8), 4)
+
+    def count() -> torch.Tensor:  # OneBitVote's middle: count the N workers' votes of a slice
+        votes = packing.unpack_bits(packed, packed.numel() * 8).view(n, slice_bits)
+        margin = 2 * votes.sum(dim=0, dtype=torch.int32) - n
+        return packing.pack_bits(margin > 0)
+
+    def lane_unpack() -> torch.Tensor:
+        c = packing.unpack_lanes(lanes, 4, numel).to(torch.int16)
+        return torch.sign(2 * c - n).to(torch.int8)
+
+    out = {
+        "quantize_s_per_elem": _per_elem(
+            lambda: quantize.quantize("l1", x, levels, clip_multiple=2.0, chunk_size=None), numel, repeats
+        ),
+        "elementwise_s_per_elem": _per_elem(lambda: torch.sign(x).to(torch.int8), numel, repeats),
+        "pack_s_per_elem": _per_elem(lambda: packing.pack_signs(x, pad_to=8 * n, out=packed), numel, repeats),
+        "unpack_s_per_elem": _per_elem(
+            lambda: packing.unpack_signs(packed, numel, torch.int8), numel, repeats
+        ),
+        "count_s_per_elem": _per_elem(count, packed.numel() * 8, repeats),
+        "lane_pack_s_per_elem": _per_elem(
+            lambda: packing.pack_lanes(torch.ge(x, 0).view(torch.uint8), 4), numel, repeats
+        ),
+        "lane_unpack_s_per_elem": _per_elem(lane_unpack, numel, repeats),
+        "add_s_per_byte": _per_elem(lambda: y.add_(x), numel * 4, repeats),
+    }
+    out["reduce_s_per_byte"] = 0.0
+    return out
+
+
+# ------------------------------------------------------------------------------------------- driver
+
+
+def calibrate(
+    sizes: Sequence[int] | None = None,
+    repeats: int = 5,
+    warmup: int = 1,
+    *,
+    ops: Sequence[str] = OPS,
+    compute_numel: int = 1 << 22,
+    link_bps: float | None = None,
+    group: dist.ProcessGroup | None = None,
+    log: Callable[[str], None] | None = None,
+) -> Calibration:
+    """Measure on ``group`` (collective: every rank calls it; every rank gets the same result).
+
+    Args:
+        sizes: payload sizes in bytes, at least two distinct ones (default :data:`LINK_SIZES` under a
+            link, :data:`DEFAULT_SIZES` otherwise).
+        repeats, warmup: timed and untimed runs per size.
+        ops: the collectives to time (a subset of :data:`lioncub.costmodel.OPS`; must include
+            ``allreduce_f32`` unless ``link_bps`` is known).
+        compute_numel: elements of the compute benchmarks (0: skip them; the compute costs are then 0).
+        link_bps: the link rate in bits/s (default ``$LIONCUB_LINK_BPS``; None: unknown).
+        log: called with a line per measured op (e.g. ``print`` on rank 0).
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats={repeats} must be >= 1 and warmup={warmup} >= 0")
+    unknown = set(ops) - set(OPS)
+    if unknown:
+        raise ValueError(f"unknown collectives {sorted(unknown)}; known: {list(OPS)}")
+    if link_bps is None and os.environ.get("LIONCUB_LINK_BPS"):
+        link_bps = float(os.environ["LIONCUB_LINK_BPS"])
+    if sizes is None:
+        sizes = LINK_SIZES if link_bps is not None else DEFAULT_SIZES
+    if len(set(sizes)) < 2 or min(sizes) < 1:
+        raise ValueError(f"sizes={list(sizes)} must hold at least two distinct positive sizes")
+    if link_bps is None and "allreduce_f32" not in ops:
+        raise ValueError("without a known link rate, ops must include allreduce_f32 (the reference)")
+    comm = Comm(group, exchange="p2p")
+    n = comm.world_size
+    if n < 2:
+        raise ValueError("calibrating the network needs at least 2 ranks (lioncub launch --nproc 2 or more)")
+    sizes = sorted(set(int(s) for s in sizes))
+    if log is not None:
+        link = f"{link_bps / 1e6:g} Mbit/s links" if link_bps is not None else "no known link rate"
+        log(f"{n} ranks, {link}; payloads {', '.join(f'{s / 1024:g} KiB' for s in sizes)}")
+    fits: dict[str, tuple[OpFit, list[tuple[float, float]]]] = {}
+    for op in ops:
+        points = _time_op(op, comm, sizes, repeats, warmup)
+        fits[op] = (fit_alpha_beta(points), points)
+        if log is not None:
+            fit = fits[op][0]
+            rate = 8 / fit.seconds_per_byte / 1e6 if fit.ok else float("nan")
+            log(
+                f"{op:>14}: intercept {fit.intercept_s * 1e3:8.3f} ms, payload {rate:9.1f} Mbit/s, "
+                f"residual {fit.rel_rms_residual:6.1%}"
+            )
+    if link_bps is not None:
+        bandwidth_Bps = link_bps / 8
+    else:
+        ref = fits["allreduce_f32"][0]
+        if not ref.ok:
+            raise RuntimeError("the fp32 allreduce fit has no positive slope: use larger --sizes")
+        bandwidth_Bps = 1 / ref.seconds_per_byte
+    per_op: dict[str, OpCost] = {}
+    per_op_doc: dict[str, Any] = {}
+    for op, (fit, points) in fits.items():
+        m = _messages(op, n)
+        doc: dict[str, Any] = {
+            "ok": fit.ok,
+            "messages": m,
+            "intercept_s": fit.intercept_s,
+            "seconds_per_byte": fit.seconds_per_byte,
+            "rel_rms_residual": fit.rel_rms_residual,
+            "points": [[b, t] for b, t in points],
+        }
+        if fit.ok:
+            cost = OpCost(fit.intercept_s / m, 1 / fit.seconds_per_byte / bandwidth_Bps)
+            per_op[op] = cost
+            doc.update(
+                latency_s=cost.latency_s, efficiency=cost.efficiency, payload_Bps=1 / fit.seconds_per_byte
+            )
+        per_op_doc[op] = doc
+    ref_op = per_op.get("allreduce_f32")
+    network = Network(
+        ref_op.latency_s if ref_op else 0.0,
+        bandwidth_Bps,
+        ref_op.efficiency if ref_op else 1.0,
+        per_op,
+    )
+    measured: dict[str, float] = {}
+    if compute_numel > 0:
+        local = measure_compute(compute_numel, n, max(3, repeats))
+        keys = sorted(local)
+        vals = torch.tensor([local[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=comm.group)
+        measured = dict(zip(keys, vals.tolist(), strict=True))
+    compute = Compute(**{k: v for k, v in measured.items() if k in Compute.__dataclass_fields__})
+    raw = {
+        "per_op": per_op_doc,
+        "compute_info": {k: v for k, v in measured.items() if k not in Compute.__dataclass_fields__},
+        "settings": {
+            "sizes": list(sizes),
+            "repeats": repeats,
+            "warmup": warmup,
+            "compute_numel": compute_numel,
+            "backend": comm.backend,
+            "exchange": comm.exchange,
+        },
+        "environment": {
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+            "threads": torch.get_num_threads(),
+        },
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    return Calibration(network, compute, n, link_bps, raw)

@@ -1,0 +1,799 @@
+r"""α–β–γ cost model of one optimizer step's communication for every Lion Cub / D-Lion transport.
+
+Time of one collective = ``messages · α + wire_bytes / (bandwidth · efficiency) + γ · reduced_bytes`` with
+(``shared/spec/paper-digest.md`` §3.8, Thakur et al. 2005), for d parameters on N workers:
+
+=======================  ===============================  ============================================
+transport                collectives (critical path)      bytes per rank (what the vote classes send)
+=======================  ===============================  ============================================
+dense fp32 / bf16        ring allreduce: 2(N−1) α          ``2(N−1)/N · d · 4`` (bf16: ``· 2``)
+int8 (sign sum, D-Lion   ring allreduce: 2(N−1) α          ``2(N−1)/N · d``
+avg), quantized 8-bit
+p-bit lanes / quantized  uint8 ring allreduce: 2(N−1) α    ``2(N−1)/N · ⌈d·p/8⌉``
+2/4-bit
+1-bit                    pairwise all-to-all, then         ``2(N−1)/N · d_pad/8``, ``d_pad`` = d rounded
+                         all-gather: (N−1) α each          up to a multiple of 8N
+parameter server         N−1 messages into the root, then  root: in ``(N−1)·⌈d/8⌉``, out ``(N−1)·⌈d/4⌉``
+                         N−1 out of it (linear in N)       (2-bit lanes back; average: count lanes)
+momentum sync every k    fp32 ring allreduce of d_sync,    ``2(N−1)/N · 4 d_sync / k``
+                         amortised: ``/k``
+=======================  ===============================  ============================================
+
+The bandwidth term charges the bytes that cross the busiest link direction (each rank's full-duplex link
+for the ring and the pairwise exchanges, the root's link for the server). Compute is charged per element
+with the costs of :class:`Compute` (quantize, pack, unpack, the 1-bit count, ...), on the critical path and
+not overlapped with communication. A variant whose lanes could overflow for N workers (``4bit`` for
+N ≥ 16, int8 for N > 127, ...) is *not allowed*: its :class:`Prediction` says why and carries NaN times.
+
+A calibration (``lioncub calibrate``) measures α and the efficiency of every collective separately
+(:class:`OpCost`), folds the local reduction into them (``reduce_s_per_byte = 0``) and measures the
+compute costs of this CPU; :func:`load_calibration` reads it.
+
+This module does not import torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "CALIBRATION_VERSION",
+    "DEFAULT_CPU_COMPUTE",
+    "OPS",
+    "PRESET_SCHEMES",
+    "TCP_EFFICIENCY",
+    "Calibration",
+    "Collective",
+    "Compute",
+    "Network",
+    "OpCost",
+    "Prediction",
+    "Scheme",
+    "allowed",
+    "calibration_from_json",
+    "crossover_bandwidth",
+    "load_calibration",
+    "parse_bandwidth",
+    "parse_count",
+    "parse_duration",
+    "predict",
+    "regimes",
+    "resolve_scheme",
+    "speedups",
+    "table",
+    "winner",
+    "wire_bytes",
+]
+
+#: TCP payload per byte of line rate at MTU 1500 (1448 B of payload per 1514 B frame; notes/netem.md).
+TCP_EFFICIENCY = 1448 / 1514
+
+#: collectives the transports use (keys of :attr:`Network.per_op` and of a calibration's ``per_op``)
+OPS = (
+    "allreduce_f32",  # ring allreduce of fp32 (dense 32-bit, momentum sync)
+    "allreduce_bf16",  # ring allreduce of bf16 (dense 16-bit)
+    "allreduce_i8",  # ring allreduce of int8 (sign sum, D-Lion avg, 8-bit quantized)
+    "allreduce_u8",  # ring allreduce of uint8 lanes (p-bit votes and levels)
+    "all_to_all",  # pairwise all-to-all (1-bit phase 1)
+    "all_gather",  # pairwise all-gather (1-bit phase 2)
+    "gather_root",  # every rank sends to the root (server ingress)
+    "scatter_root",  # the root sends to every rank (server egress)
+)
+
+
+# ----------------------------------------------------------------------------------- machine model
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """Measured cost of one collective: α per message (s) and the payload rate as a fraction of the link.
+
+    ``efficiency`` is the op's payload bytes/s divided by :attr:`Network.bandwidth_Bps`; it includes the
+    protocol overhead, the library's own inefficiency and, for allreduces, the local reduction.
+    """
+
+    latency_s: float
+    efficiency: float
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.latency_s) and self.latency_s >= 0):
+            raise ValueError(f"OpCost.latency_s={self.latency_s!r} must be a finite number >= 0")
+        if not (math.isfinite(self.efficiency) and self.efficiency > 0):
+            raise ValueError(f"OpCost.efficiency={self.efficiency!r} must be a finite number > 0")
+
+
+@dataclass(frozen=True)
+class Network:
+    """The links between the workers.
+
+    Args:
+        latency_s: α, seconds per message (one hop).
+        bandwidth_Bps: each worker's link rate in bytes/s, each direction (1 Gbit/s → 125e6).
+        efficiency: fraction of the link rate that carries payload (:data:`TCP_EFFICIENCY` for TCP at
+            MTU 1500); payload moves at ``bandwidth_Bps · efficiency`` bytes/s.
+        per_op: measured α and efficiency per collective (:data:`OPS`), overriding the two above.
+    """
+
+    latency_s: float
+    bandwidth_Bps: float
+    efficiency: float = 1.0
+    per_op: Mapping[str, OpCost] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.latency_s) and self.latency_s >= 0):
+            raise ValueError(f"latency_s={self.latency_s!r} must be a finite number of seconds >= 0")
+        if not (self.bandwidth_Bps > 0 and math.isfinite(self.bandwidth_Bps)):
+            raise ValueError(f"bandwidth_Bps={self.bandwidth_Bps!r} must be a finite number of bytes/s > 0")
+        if not (math.isfinite(self.efficiency) and self.efficiency > 0):
+            raise ValueError(f"efficiency={self.efficiency!r} must be a finite number > 0")
+        unknown = set(self.per_op) - set(OPS)
+        if unknown:
+            raise ValueError(f"per_op has unknown collectives {sorted(unknown)}; known: {OPS}")
+
+    @classmethod
+    def from_rate(cls, rate_bps: float, latency_s: float, efficiency: float = TCP_EFFICIENCY) -> Network:
+        """A network of ``rate_bps`` bits/s links (e.g. ``1e9``), α = ``latency_s`` seconds."""
+        return cls(latency_s, rate_bps / 8, efficiency)
+
+    def with_bandwidth(self, bandwidth_Bps: float) -> Network:
+        """The same network (latencies, per-op efficiencies) with ``bandwidth_Bps`` bytes/s links."""
+        return dataclasses.replace(self, bandwidth_Bps=bandwidth_Bps)
+
+    def with_latency(self, latency_s: float) -> Network:
+        """The same network with α = ``latency_s`` for every collective (per-op latencies dropped)."""
+        per_op = {op: OpCost(latency_s, c.efficiency) for op, c in self.per_op.items()}
+        return dataclasses.replace(self, latency_s=latency_s, per_op=per_op)
+
+    def alpha(self, op: str) -> float:
+        """Seconds per message of collective ``op``."""
+        cost = self.per_op.get(op)
+        return self.latency_s if cost is None else cost.latency_s
+
+    def rate(self, op: str) -> float:
+        """Payload bytes/s of collective ``op`` through one link direction."""
+        cost = self.per_op.get(op)
+        return self.bandwidth_Bps * (self.efficiency if cost is None else cost.efficiency)
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Local compute per step: seconds per element (``_s_per_elem``) or per byte (``_s_per_byte``).
+
+    The defaults are 0 (a pure communication model); :data:`DEFAULT_CPU_COMPUTE` holds typical CPU values
+    and a calibration measures them on the machine at hand.
+    """
+
+    quantize_s_per_elem: float = 0.0  #: L1 quantizer: fp32 → int8 levels
+    elementwise_s_per_elem: float = 0.0  #: one simple pass: sign → int8, copy/scale, dtype cast
+    pack_s_per_elem: float = 0.0  #: 1-bit: pack the votes ``c ≥ 0`` (per element of c)
+    unpack_s_per_elem: float = 0.0  #: 1-bit: unpack packed signs to int8 ±1 (per element)
+    count_s_per_elem: float = 0.0  #: 1-bit / server: unpack, count and repack votes (per vote counted)
+    lane_pack_s_per_elem: float = 0.0  #: p-bit lanes: votes or offset levels into lanes (per element)
+    lane_unpack_s_per_elem: float = 0.0  #: p-bit lanes: unpack the sums and take the sign (per element)
+    reduce_s_per_byte: float = 0.0  #: γ: local reduction of an allreduce (0 when measured inside α/β)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"Compute.{f.name}={value!r} must be a finite number >= 0")
+
+
+#: Per-element costs measured with :func:`lioncub.calibrate.measure_compute` (one thread, 4M elements, N = 8)
+#: on the project's 2-core AMD EPYC development VM; ``reduce_s_per_byte`` is an fp32 ``add_``. A rough
+#: default for CPUs when no calibration is given.
+DEFAULT_CPU_COMPUTE = Compute(
+    quantize_s_per_elem=8e-10,
+    elementwise_s_per_elem=4e-10,
+    pack_s_per_elem=2e-10,
+    unpack_s_per_elem=2e-10,
+    count_s_per_elem=7e-10,
+    lane_pack_s_per_elem=1.1e-9,
+    lane_unpack_s_per_elem=1.7e-9,
+    reduce_s_per_byte=5e-11,
+)
+
+
+# ------------------------------------------------------------------------------------------ schemes
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """What a variant puts on the wire (the cost-relevant part of a ``VoteConfig``).
+
+    ``transport``: dense, 1bit, lanes, int8, quantized or server; ``bits``: lane width of lanes /
+    quantized (2, 4, 8 or "auto"); ``wire_bits``: bits per element of a dense allreduce (32 or 16).
+    """
+
+    transport: str
+    aggregation: str = "majority"
+    bits: int | str | None = None
+    wire_bits: int = 32
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("dense", "1bit", "lanes", "int8", "quantized", "server"):
+            raise ValueError(f"transport={self.transport!r} is not a known transport")
+        if self.transport in ("lanes", "quantized") and self.bits not in (2, 4, 8, "auto", None):
+            raise ValueError(f"bits={self.bits!r} must be 2, 4, 8 or 'auto' for {self.transport}")
+        if self.transport == "dense" and self.wire_bits not in (16, 32, 64):
+            raise ValueError(f"wire_bits={self.wire_bits!r} of a dense allreduce must be 16, 32 or 64")
+
+    @classmethod
+    def from_config(cls, config: Any) -> Scheme:
+        """From a :class:`lioncub.optim.config.VoteConfig` (or anything with its attributes)."""
+        transport = config.transport
+        wire_dtype = getattr(config, "wire_dtype", None)
+        wire_bits = 32 if wire_dtype is None else int(wire_dtype.itemsize) * 8
+        bits = config.bits
+        if transport == "lanes" and bits is None:
+            bits = 4  # as make_vote
+        elif transport == "quantized" and bits is None:
+            bits = 8
+        elif transport not in ("lanes", "quantized"):
+            bits = None
+        return cls(transport, config.aggregation, bits, wire_bits if transport == "dense" else 32)
+
+
+#: The presets of :data:`lioncub.optim.config.PRESETS`, as schemes (a test keeps the two in step).
+PRESET_SCHEMES: dict[str, Scheme] = {
+    "32bit": Scheme("dense", "mean", wire_bits=32),
+    "16bit": Scheme("dense", "mean", wire_bits=16),
+    "1bit": Scheme("1bit"),
+    "4bit": Scheme("lanes", bits=4),
+    "8bit": Scheme("quantized", bits=8),
+    "8bit-sign": Scheme("int8"),
+    "dlion-mavo": Scheme("server"),
+    "dlion-avg": Scheme("int8", "average"),
+}
+
+
+def resolve_scheme(variant: str | Scheme | Any) -> tuple[str, Scheme]:
+    """``(name, scheme)`` for a preset name, a :class:`Scheme` or a ``VoteConfig``."""
+    if isinstance(variant, str):
+        if variant not in PRESET_SCHEMES:
+            raise ValueError(f"variant={variant!r} is not one of {list(PRESET_SCHEMES)}")
+        return variant, PRESET_SCHEMES[variant]
+    scheme = variant if isinstance(variant, Scheme) else Scheme.from_config(variant)
+    name = next((k for k, s in PRESET_SCHEMES.items() if s == scheme), None)
+    if name is None:
+        name = f"{scheme.transport}-{scheme.aggregation}"
+        name += f"-{scheme.bits}bit" if scheme.bits is not None else ""
+        name += f"-{scheme.wire_bits}bit" if scheme.transport == "dense" else ""
+    return name, scheme
+
+
+def _lane_fits(n: int, bits: int, max_value: int) -> bool:
+    return n * max_value <= (1 << bits) - 1
+
+
+def _lane_bits(scheme: Scheme, n: int) -> int | None:
+    """The lane width the vote class uses for N workers (None: no width works)."""
+    bits = scheme.bits
+    if scheme.transport == "lanes":
+        if bits in (None, "auto"):
+            if n == 1:
+                return 8
+            return next((b for b in (2, 4, 8) if _lane_fits(n, b, 1)), None)
+        return int(bits)
+    if scheme.transport == "quantized":
+        if bits in (None, "auto"):
+            return next((b for b in (2, 4, 8) if _quant_levels(n, b) >= 1), 8)
+        return int(bits)
+    return None
+
+
+def _quant_levels(n: int, bits: int) -> int:
+    """Per-worker level budget of a quantized vote (``quantize.level_budget``; 0: overflow)."""
+    if bits == 8:
+        return 127 // n
+    return ((1 << bits) - 1) // (2 * n)
+
+
+def _server_down_bits(scheme: Scheme, n: int) -> int | None:
+    if scheme.aggregation != "average":
+        return 2  # majority: u + 1 ∈ {0, 1, 2}
+    # as ServerVote: auto_lane_bits(N + 1)
+    return next((b for b in (2, 4, 8) if _lane_fits(n + 1, b, 1)), None)
+
+
+def allowed(variant: str | Scheme | Any, n_workers: int) -> tuple[bool, str]:
+    """Whether the variant's lanes can hold the N-way sum; ``(False, why)`` otherwise."""
+    _, scheme = resolve_scheme(variant)
+    n = _check_n(n_workers)
+    t = scheme.transport
+    if t == "lanes":
+        bits = _lane_bits(scheme, n)
+        if bits is None or not _lane_fits(n, bits, 1):
+            width = "no lane width up to 8 bits" if bits is None else f"{bits}-bit lanes"
+            top = (1 << (bits or 8)) - 1
+            return False, f"{width} cannot hold the vote count of {n} workers (at most {top} workers)"
+    elif t == "int8" and n > 127:
+        return False, f"an int8 sum of {n} signs can overflow (at most 127 workers)"
+    elif t == "quantized":
+        bits = _lane_bits(scheme, n) or 8
+        if _quant_levels(n, bits) < 1:
+            top = 127 if bits == 8 else ((1 << bits) - 1) // 2
+            return False, f"{bits}-bit quantized levels summed over {n} workers can overflow (at most {top})"
+    elif t == "server" and _server_down_bits(scheme, n) is None:
+        return False, f"the server's count lanes cannot hold {n} workers (at most 254)"
+    return True, ""
+
+
+def _check_n(n: int) -> int:
+    if not (isinstance(n, int) and n >= 1):
+        raise ValueError(f"the number of workers must be an int >= 1, got {n!r}")
+    return n
+
+
+# -------------------------------------------------------------------------------------------- plans
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of a step, as the model charges it.
+
+    ``messages``: α terms on the critical path; ``link_bytes``: bytes through the busiest link direction;
+    ``sent``/``recv``: bytes of the busiest rank; ``reduce_bytes``: bytes reduced locally (γ);
+    ``count``: times per step (buckets; ``1/k`` for an amortised sync).
+    """
+
+    op: str
+    messages: int
+    link_bytes: float
+    sent: float
+    recv: float
+    reduce_bytes: float = 0.0
+    count: float = 1.0
+
+    def seconds(self, network: Network, compute: Compute) -> tuple[float, float, float]:
+        """(latency, bandwidth, reduction) seconds per step."""
+        return (
+            self.count * self.messages * network.alpha(self.op),
+            self.count * self.link_bytes / network.rate(self.op),
+            self.count * self.reduce_bytes * compute.reduce_s_per_byte,
+        )
+
+
+def _packed(n: int, bits: int) -> int:
+    per_byte = 8 // bits
+    return -(-n // per_byte)
+
+
+def _ring(op: str, nbytes: float, n: int) -> Collective:
+    each = 2 * (n - 1) / n * nbytes
+    return Collective(op, 2 * (n - 1), each, each, each, reduce_bytes=(n - 1) / n * nbytes)
+
+
+def _plan(scheme: Scheme, d: int, n: int, rank: int = 0) -> tuple[list[Collective], dict[str, float]]:
+    """The collectives of one vote of ``d`` elements and its compute (Compute field → elements)."""
+    t = scheme.transport
+    if n == 1:  # nothing travels; the votes still take a sign (the quantized vote still quantizes)
+        work = {} if t == "dense" else {"elementwise_s_per_elem": d}
+        if t == "quantized":
+            work["quantize_s_per_elem"] = d
+        return [], work
+    if t == "dense":
+        passes = 1 if scheme.wire_bits == 32 else 2  # copy/scale (+ cast back)
+        op = {32: "allreduce_f32", 16: "allreduce_bf16"}.get(scheme.wire_bits, "allreduce_f32")
+        return [_ring(op, d * scheme.wire_bits / 8, n)], {"elementwise_s_per_elem": passes * d}
+    if t == "int8":
+        return [_ring("allreduce_i8", d, n)], {"elementwise_s_per_elem": 2 * d}
+    if t in ("lanes", "quantized"):
+        bits = _lane_bits(scheme, n)
+        assert bits is not None
+        work: dict[str, float] = {}
+        if t == "quantized":
+            work["quantize_s_per_elem"] = d
+        if t == "quantized" and bits == 8:
+            work["elementwise_s_per_elem"] = d
+            return [_ring("allreduce_i8", d, n)], work
+        work["lane_pack_s_per_elem"] = d
+        work["lane_unpack_s_per_elem"] = d
+        return [_ring("allreduce_u8", _packed(d, bits), n)], work
+    if t == "1bit":
+        padded = -(-d // (8 * n)) * 8 * n  # bits
+        each = (n - 1) / n * padded / 8
+        phases = [Collective(op, n - 1, each, each, each) for op in ("all_to_all", "all_gather")]
+        work = {
+            "pack_s_per_elem": d,
+            "count_s_per_elem": padded,  # N slices of padded/N votes, counted and the result packed
+            "unpack_s_per_elem": d,
+        }
+        return phases, work
+    # server: N−1 messages into the root, then N−1 out; the root's link is the bottleneck
+    down_bits = _server_down_bits(scheme, n)
+    assert down_bits is not None
+    up, down = _packed(d, 1), _packed(d, down_bits)
+    root = rank == 0
+    gather = Collective("gather_root", n - 1, (n - 1) * up, 0 if root else up, (n - 1) * up if root else 0)
+    scatter = Collective(
+        "scatter_root", n - 1, (n - 1) * down, (n - 1) * down if root else 0, 0 if root else down
+    )
+    work = {
+        "pack_s_per_elem": d,
+        "count_s_per_elem": n * up * 8,  # at the root: N workers' votes
+        "lane_pack_s_per_elem": d,
+        "lane_unpack_s_per_elem": d,
+    }
+    return [gather, scatter], work
+
+
+def wire_bytes(variant: str | Scheme | Any, d: int, n_workers: int, rank: int = 0) -> tuple[float, float]:
+    """(sent, received) bytes of ``rank`` for one vote of ``d`` elements (as the vote classes count)."""
+    _, scheme = resolve_scheme(variant)
+    ok, why = allowed(scheme, n_workers)
+    if not ok:
+        raise ValueError(why)
+    colls, _ = _plan(scheme, d, _check_n(n_workers), rank)
+    return sum(c.sent for c in colls), sum(c.recv for c in colls)
+
+
+# --------------------------------------------------------------------------------------- prediction
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted cost of one optimizer step's vote for one variant (seconds; bytes per rank per step).
+
+    ``total_s = latency_s + bandwidth_s + compute_s``; ``sync_s`` is the part of it due to the amortised
+    momentum sync. Bytes are those of the busiest rank (the server's root). A variant that is not
+    ``allowed`` for N workers has NaN times and bytes and ``reason`` says why.
+    """
+
+    variant: str
+    d: int
+    n_workers: int
+    allowed: bool
+    reason: str
+    latency_s: float
+    bandwidth_s: float
+    compute_s: float
+    sync_s: float
+    bytes_sent: float
+    bytes_recv: float
+    collectives: tuple[Collective, ...] = ()
+
+    @property
+    def total_s(self) -> float:
+        return self.latency_s + self.bandwidth_s + self.compute_s
+
+    @property
+    def communication_s(self) -> float:
+        return self.latency_s + self.bandwidth_s
+
+
+def _buckets(d: int, bucket_numel: int | None) -> list[tuple[int, int]]:
+    """(elements, how many) of the buckets a flat vector of d elements is split into."""
+    if bucket_numel is None or bucket_numel >= d:
+        return [(d, 1)]
+    if bucket_numel < 1:
+        raise ValueError(f"bucket_numel={bucket_numel!r} must be >= 1")
+    full, rest = divmod(d, bucket_numel)
+    return [(bucket_numel, full)] + ([(rest, 1)] if rest else [])
+
+
+def predict(
+    variant: str | Scheme | Any,
+    d: int,
+    n_workers: int,
+    network: Network,
+    compute: Compute | None = None,
+    *,
+    sync_every: int | None = None,
+    sync_params: int | None = None,
+    bucket_numel: int | None = None,
+) -> Prediction:
+    """Predicted per-step cost of ``variant`` (preset name, :class:`Scheme` or ``VoteConfig``).
+
+    Args:
+        d: parameters voted on per step.
+        n_workers: N.
+        network: α, link rate and efficiencies.
+        compute: local per-element costs (default: none).
+        sync_every: k, synchronise the momentum (fp32 allreduce) every k steps (None: never).
+        sync_params: parameters synchronised (default: all d).
+        bucket_numel: the vector travels in buckets of this many elements (LionCub's ``bucket_mb``); each
+            bucket pays its own latency (and 1-bit padding). None: one bucket.
+    """
+    name, scheme = resolve_scheme(variant)
+    n = _check_n(n_workers)
+    if not (isinstance(d, int) and d >= 1):
+        raise ValueError(f"d={d!r} must be an int >= 1 (parameters)")
+    compute = compute or Compute()
+    ok, why = allowed(scheme, n)
+    if not ok:
+        nan = math.nan
+        return Prediction(name, d, n, False, why, nan, nan, nan, nan, nan, nan)
+    colls: list[Collective] = []
+    compute_s = 0.0
+    for size, count in _buckets(d, bucket_numel):
+        bucket_colls, work = _plan(scheme, size, n)
+        colls += [dataclasses.replace(c, count=c.count * count) for c in bucket_colls]
+        compute_s += count * sum(getattr(compute, k) * v for k, v in work.items())
+    sync: list[Collective] = []
+    if sync_every is not None:
+        if not (isinstance(sync_every, int) and sync_every >= 1):
+            raise ValueError(f"sync_every={sync_every!r} must be an int >= 1 (steps)")
+        d_sync = d if sync_params is None else sync_params
+        if not (isinstance(d_sync, int) and d_sync >= 0):
+            raise ValueError(f"sync_params={sync_params!r} must be an int >= 0")
+        if n > 1 and d_sync:
+            sync = [dataclasses.replace(_ring("allreduce_f32", 4 * d_sync, n), count=1 / sync_every)]
+    latency = bandwidth = sync_s = 0.0
+    for i, c in enumerate(colls + sync):
+        lat, bw, red = c.seconds(network, compute)
+        latency += lat
+        bandwidth += bw
+        compute_s += red
+        if i >= len(colls):
+            sync_s += lat + bw + red
+    everything = colls + sync
+    return Prediction(
+        name,
+        d,
+        n,
+        True,
+        "",
+        latency,
+        bandwidth,
+        compute_s,
+        sync_s,
+        sum(c.count * c.sent for c in everything),
+        sum(c.count * c.recv for c in everything),
+        tuple(everything),
+    )
+
+
+def table(
+    d: int,
+    n_workers: int,
+    network: Network,
+    compute: Compute | None = None,
+    variants: Iterable[str | Scheme | Any] | None = None,
+    **options: Any,
+) -> list[Prediction]:
+    """Predictions for ``variants`` (default: every preset, in order); ``options`` as :func:`predict`."""
+    return [
+        predict(v, d, n_workers, network, compute, **options)
+        for v in (PRESET_SCHEMES if variants is None else variants)
+    ]
+
+
+def winner(
+    d: int,
+    n_workers: int,
+    network: Network,
+    compute: Compute | None = None,
+    variants: Iterable[str | Scheme | Any] | None = None,
+    **options: Any,
+) -> Prediction:
+    """The allowed variant with the smallest predicted ``total_s`` (the first one on a tie)."""
+    rows = [p for p in table(d, n_workers, network, compute, variants, **options) if p.allowed]
+    if not rows:
+        raise ValueError(f"no variant is allowed for N={n_workers}")
+    return min(rows, key=lambda p: p.total_s)
+
+
+def _as_network(latency: float | Network) -> Network:
+    if isinstance(latency, Network):
+        return latency
+    return Network(float(latency), 1.0, 1.0)
+
+
+def crossover_bandwidth(
+    a: str | Scheme | Any,
+    b: str | Scheme | Any,
+    d: int,
+    n_workers: int,
+    latency: float | Network,
+    compute: Compute | None = None,
+    **options: Any,
+) -> float | None:
+    """Link rate (bytes/s) at which ``a`` and ``b`` cost the same, or None if they never do.
+
+    Every prediction is ``K + W/B`` in the link rate B, so the crossing is ``B = −ΔW/ΔK``. ``latency`` is α
+    in seconds or a :class:`Network` (whose latencies and efficiencies are kept; its rate is ignored).
+    Raises ``ValueError`` if either variant is not allowed for N workers.
+    """
+    net = _as_network(latency).with_bandwidth(1.0)
+    pa = predict(a, d, n_workers, net, compute, **options)
+    pb = predict(b, d, n_workers, net, compute, **options)
+    for p in (pa, pb):
+        if not p.allowed:
+            raise ValueError(f"{p.variant} is not allowed for N={n_workers}: {p.reason}")
+    dk = (pa.latency_s + pa.compute_s) - (pb.latency_s + pb.compute_s)
+    dw = pa.bandwidth_s - pb.bandwidth_s  # at B = 1 byte/s, bandwidth_s is W
+    if dk == 0 or dw == 0:
+        return None
+    rate = -dw / dk
+    return rate if rate > 0 and math.isfinite(rate) else None
+
+
+def regimes(
+    d: int,
+    n_workers: int,
+    latency: float | Network,
+    compute: Compute | None = None,
+    variants: Iterable[str | Scheme | Any] | None = None,
+    lo_Bps: float = 10e6 / 8,
+    hi_Bps: float = 400e9 / 8,
+    **options: Any,
+) -> list[tuple[float, float, str]]:
+    """The winner over link rates ``[lo_Bps, hi_Bps]`` (bytes/s): ``[(from, to, variant), ...]``."""
+    net = _as_network(latency)
+    names = [p.variant for p in table(d, n_workers, net, compute, variants, **options) if p.allowed]
+    schemes = {resolve_scheme(v)[0]: v for v in (PRESET_SCHEMES if variants is None else variants)}
+    cuts = {lo_Bps, hi_Bps}
+    for i, x in enumerate(names):
+        for y in names[i + 1 :]:
+            rate = crossover_bandwidth(schemes[x], schemes[y], d, n_workers, net, compute, **options)
+            if rate is not None and lo_Bps < rate < hi_Bps:
+                cuts.add(rate)
+    edges = sorted(cuts)
+    out: list[tuple[float, float, str]] = []
+    for lo, hi in itertools.pairwise(edges):
+        mid = math.sqrt(lo * hi)
+        best = winner(d, n_workers, net.with_bandwidth(mid), compute, schemes.values(), **options).variant
+        if out and out[-1][2] == best:
+            out[-1] = (out[-1][0], hi, best)
+        else:
+            out.append((lo, hi, best))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ parsing
+
+_NUMBER_UNIT = re.compile(r"^\s*((?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([A-Za-zµ]*)\s*$")
+_COUNT_UNITS = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+_DURATION_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def parse_count(text: str, option: str = "--params") -> int:
+    """``"774M"`` → 774_000_000, ``"1.5B"`` → 1_500_000_000 (K, M, B/G, T; SI); a plain integer too."""
+    match = _NUMBER_UNIT.match(str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _COUNT_UNITS:
+        raise ValueError(
+            f"{option}: cannot read {text!r} as a parameter count; expected e.g. 774M, 25M, 1.5B or 125000000"
+        )
+    value = float(match.group(1)) * _COUNT_UNITS[unit]
+    if not (math.isfinite(value) and value >= 1):
+        raise ValueError(f"{option}: the count must be at least 1, got {text!r}")
+    return round(value)
+
+
+def parse_duration(text: str, option: str = "--latency") -> float:
+    """``"50us"`` → 5e-05 s; units s, ms, us (µs), ns; a bare ``0`` is allowed."""
+    match = _NUMBER_UNIT.match(str(text))
+    unit = match.group(2) if match else None
+    if match is not None and unit == "" and float(match.group(1)) == 0:
+        return 0.0
+    if match is None or unit not in _DURATION_UNITS:
+        raise ValueError(f"{option}: cannot read {text!r} as a duration; expected e.g. 50us, 1ms, 0.2s or 0")
+    return float(match.group(1)) * _DURATION_UNITS[unit]
+
+
+def parse_bandwidth(text: str, option: str = "--bandwidth") -> float:
+    """``"1gbit"`` → 125e6 bytes/s (tc-style rates, see :func:`lioncub.launch.parse_rate`)."""
+    from lioncub.launch.netns import parse_rate  # no torch
+
+    try:
+        return parse_rate(str(text)) / 8
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("--link", option, 1)) from None
+
+
+# -------------------------------------------------------------------------------------- calibration
+
+CALIBRATION_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What ``lioncub calibrate`` measured: the network (with per-op fits) and the compute costs."""
+
+    network: Network
+    compute: Compute
+    world_size: int
+    link_bps: float | None = None
+    raw: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON document (``raw`` entries such as fit details are kept)."""
+        doc = dict(self.raw)
+        doc.update(
+            version=CALIBRATION_VERSION,
+            world_size=self.world_size,
+            link_bps=self.link_bps,
+            network={
+                "latency_s": self.network.latency_s,
+                "bandwidth_Bps": self.network.bandwidth_Bps,
+                "efficiency": self.network.efficiency,
+            },
+        )
+        per_op = {k: dict(v) for k, v in dict(doc.get("per_op", {})).items()}
+        for op, cost in self.network.per_op.items():
+            per_op.setdefault(op, {}).update(latency_s=cost.latency_s, efficiency=cost.efficiency)
+        doc["per_op"] = per_op
+        doc["compute"] = dataclasses.asdict(self.compute)
+        return doc
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n")
+
+
+def _number(doc: Mapping[str, Any], key: str, where: str, *, positive: bool = False) -> float:
+    value = doc.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{where}: {key!r} must be a number, got {value!r}")
+    if value < 0 or (positive and value == 0):
+        raise ValueError(f"{where}: {key!r} must be {'> 0' if positive else '>= 0'}, got {value!r}")
+    return float(value)
+
+
+def calibration_from_json(doc: Mapping[str, Any], where: str = "calibration") -> Calibration:
+    """Validate and read a calibration document (see :func:`load_calibration`)."""
+    if not isinstance(doc, Mapping):
+        raise ValueError(f"{where}: expected a JSON object")
+    if doc.get("version") != CALIBRATION_VERSION:
+        raise ValueError(f"{where}: version {doc.get('version')!r} is not {CALIBRATION_VERSION}")
+    net = doc.get("network")
+    if not isinstance(net, Mapping):
+        raise ValueError(f"{where}: 'network' must be an object with latency_s and bandwidth_Bps")
+    per_op: dict[str, OpCost] = {}
+    for op, fit in dict(doc.get("per_op") or {}).items():
+        if op not in OPS:
+            continue  # written by a newer calibrate: not used by this model
+        if not isinstance(fit, Mapping):
+            raise ValueError(f"{where}: per_op[{op!r}] must be an object")
+        if fit.get("ok", True) is False:
+            continue  # the fit failed (e.g. a slope <= 0): fall back to the network's values
+        per_op[op] = OpCost(
+            _number(fit, "latency_s", f"{where}: per_op[{op!r}]"),
+            _number(fit, "efficiency", f"{where}: per_op[{op!r}]", positive=True),
+        )
+    network = Network(
+        _number(net, "latency_s", f"{where}: network"),
+        _number(net, "bandwidth_Bps", f"{where}: network", positive=True),
+        _number(net, "efficiency", f"{where}: network", positive=True) if "efficiency" in net else 1.0,
+        per_op,
+    )
+    comp = doc.get("compute") or {}
+    if not isinstance(comp, Mapping):
+        raise ValueError(f"{where}: 'compute' must be an object")
+    known = {f.name for f in dataclasses.fields(Compute)}
+    compute = Compute(**{k: _number(comp, k, f"{where}: compute") for k in comp if k in known})
+    world = doc.get("world_size")
+    if not (isinstance(world, int) and world >= 1):
+        raise ValueError(f"{where}: 'world_size' must be an int >= 1, got {world!r}")
+    link = doc.get("link_bps")
+    link_bps = None if link is None else _number(doc, "link_bps", where, positive=True)
+    return Calibration(network, compute, world, link_bps, dict(doc))
+
+
+def load_calibration(path: str | Path) -> Calibration:
+    """Read a JSON file written by ``lioncub calibrate`` (raises ``ValueError`` naming the file)."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read calibration {path}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"calibration {path} is not valid JSON: {exc}") from None
+    return calibration_from_json(doc, str(path))
+
+
+def speedups(rows: Sequence[Prediction], baseline: str = "32bit") -> dict[str, float]:
+    """``baseline``'s total time / each allowed variant's (empty if the baseline is not among ``rows``)."""
+    base = next((p for p in rows if p.variant == baseline and p.allowed), None)
+    if base is None:
+        return {}
+    return {p.variant: base.total_s / p.total_s for p in rows if p.allowed and p.total_s > 0}

@@ -13,9 +13,10 @@ import os
 import pytest
 import torch
 
-from dist_utils import run_workers
 from lioncub import quantize
 from lioncub.optim import PRESETS, Lion, LionCub
+
+from dist_utils import run_workers
 
 SHAPES = [(37,), (13, 11), (5,), (3, 7, 2), (64,)]  # 37 + 143 + 5 + 42 + 64 = 291 elements
 GROUPS = [([0, 1, 2], 0.01, 0.1), ([3, 4], 0.003, 0.0)]  # (param indices, lr, weight_decay)

@@ -609,10 +609,11 @@ def crossover_bandwidth(
     for p in (pa, pb):
         if not p.allowed:
             raise ValueError(f"{p.variant} is not allowed for N={n_workers}: {p.reason}")
-    dk = (pa.latency_s + pa.compute_s) - (pb.latency_s + pb.compute_s)
+    ka, kb = pa.latency_s + pa.compute_s, pb.latency_s + pb.compute_s
+    dk = ka - kb
     dw = pa.bandwidth_s - pb.bandwidth_s  # at B = 1 byte/s, bandwidth_s is W
-    if dk == 0 or dw == 0:
-        return None
+    if abs(dk) <= 1e-12 * max(ka, kb) or abs(dw) <= 1e-12 * max(pa.bandwidth_s, pb.bandwidth_s):
+        return None  # equal up to rounding: parallel lines never cross
     rate = -dw / dk
     return rate if rate > 0 and math.isfinite(rate) else None
 

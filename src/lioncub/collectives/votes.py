@@ -33,7 +33,7 @@ from typing import Any, Literal
 import torch
 
 from lioncub import packing, quantize
-from lioncub.collectives.base import Comm
+from lioncub.collectives.base import Comm, Handle
 
 __all__ = [
     "AverageVote",
@@ -60,13 +60,23 @@ def auto_lane_bits(n_workers: int, max_lane_value: int = 1) -> int:
 
 @dataclass
 class Pending:
-    """A vote in flight: ``wait()`` finishes the exchanges and returns the aggregated update."""
+    """A vote in flight. ``advance()`` runs the work between phases of a multi-phase vote and posts the
+    next phase without waiting for it (call it on every pending vote before waiting on the first, so
+    that phase 2 of one bucket overlaps the work of the next); ``wait()`` finishes and returns the
+    aggregated update."""
 
     finish: Any  # Callable[[], torch.Tensor]
     value: torch.Tensor | None = None
+    middle: Any = None  # Callable[[], None]: the between-phases step of a two-phase vote
+
+    def advance(self) -> None:
+        if self.middle is not None:
+            middle, self.middle = self.middle, None
+            middle()
 
     def wait(self) -> torch.Tensor:
         if self.value is None:
+            self.advance()
             self.value = self.finish()
         return self.value
 
@@ -160,17 +170,21 @@ class OneBitVote(VoteAlgorithm):
             recv.view(n, slice_bytes), packed.view(n, slice_bytes), "1-bit all-to-all"
         )
         tie_positive = step % 2 == 1
+        gathered = self.buffer(key, "gathered", nbytes, torch.uint8).view(n, slice_bytes)
+        phase2: list[Handle] = []
 
-        def finish() -> torch.Tensor:
+        def middle() -> None:  # count this rank's slice, post the all-gather of its result
             handle.wait()
             counts = packing.count_votes(recv.view(n, slice_bytes), slice_bytes * 8)  # "+" votes
             mine = packing.pack_majority(counts, n, tie_positive)
-            gathered = self.buffer(key, "gathered", nbytes, torch.uint8).view(n, slice_bytes)
-            self.comm.all_gather(gathered, mine, "1-bit all-gather").wait()
+            phase2.append(self.comm.all_gather(gathered, mine, "1-bit all-gather"))
+
+        def finish() -> torch.Tensor:
+            phase2[0].wait()
             out = self.buffer(key, "result", d, torch.int8)
             return packing.unpack_signs(gathered, d, torch.int8, out=out)
 
-        return Pending(finish)
+        return Pending(finish, middle=middle)
 
     def wire_bytes(self, numel):
         n = self.world_size

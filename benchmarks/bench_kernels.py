@@ -10,7 +10,9 @@ For each size n (``K`` = 2**10, ``M`` = 2**20 elements; a plain integer also wor
 
 * baseline ``copy``: ``dst.copy_(x)`` into a preallocated float32 tensor (the memory-bandwidth limit
   every ratio is taken against), and ``clone``: ``x.clone()`` (the same, plus a fresh allocation);
-* ``quantize_l1(x, 15)`` (8-bit L1 levels, 8-worker budget) and ``quantize_l1(x, 127)``;
+* ``quantize_l1(x, 15, out=levels)`` (8-bit L1 levels, 8-worker budget) and ``quantize_l1(x, 127,
+  out=levels)`` into a reused int8 buffer (as the optimizer calls it), and ``quantize_l1(x, 15)``
+  (row ``s=15 new``: a fresh output, whose first-touch page faults are included);
 * ``pack_signs(x)`` (float → packed bytes), ``unpack_signs(packed, n, float32)`` and
   ``unpack_signs(packed, n, bfloat16)`` (packed → ±1);
 * numpy references: ``np.packbits(x_np >= 0)`` (comparison included), ``np.packbits(bool_array)``,
@@ -18,7 +20,8 @@ For each size n (``K`` = 2**10, ``M`` = 2**20 elements; a plain integer also wor
 
 Method: ``torch.set_num_threads(--threads)``; each op runs once as warm-up, then ``--repeats`` times,
 each timed with ``time.perf_counter``; the median and the min are reported. Outputs are allocated by
-the op itself (as a caller would get them), except for ``copy``.
+the op itself (as a caller would get them), except for ``copy``, the quantize rows without ``new`` and
+``unpack_signs``, which write into a buffer allocated once (as :class:`lioncub.LionCub` does).
 
 GB/s = (bytes read + bytes written) / median time, 1 GB = 1e9 bytes, counting only the op's nominal
 input and final output (temporaries are not counted):
@@ -148,15 +151,17 @@ def bench_size(label: str, n: int, repeats: int) -> list[Row]:
     bools_np = x_np >= 0
     nb = packed.numel()  # n/8 rounded up
 
+    levels8 = torch.empty(n, dtype=torch.int8)
     out32 = torch.empty(n, dtype=torch.float32)
     out16 = torch.empty(n, dtype=torch.bfloat16)
     ops: list[tuple[str, Callable[[], object], int]] = [
         ("copy", lambda: dst.copy_(x), 8 * n),
         ("clone", lambda: x.clone(), 8 * n),
-        ("quantize_l1 s=15", lambda: quantize_l1(x, 15), 9 * n),
-        ("quantize_l1 s=127", lambda: quantize_l1(x, 127), 9 * n),
-        ("pack_signs", lambda: pack_signs(x), 4 * n + nb),
         # into a reused result buffer, as the optimizer does (a fresh one page-faults on every call)
+        ("quantize_l1 s=15", lambda: quantize_l1(x, 15, out=levels8), 9 * n),
+        ("quantize_l1 s=127", lambda: quantize_l1(x, 127, out=levels8), 9 * n),
+        ("quantize_l1 s=15 new", lambda: quantize_l1(x, 15), 9 * n),
+        ("pack_signs", lambda: pack_signs(x), 4 * n + nb),
         ("unpack_signs fp32", lambda: unpack_signs(packed, n, torch.float32, out=out32), nb + 4 * n),
         ("unpack_signs bf16", lambda: unpack_signs(packed, n, torch.bfloat16, out=out16), nb + 2 * n),
         ("np.packbits(x>=0)", lambda: np.packbits(x_np >= 0), 4 * n + nb),

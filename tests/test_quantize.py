@@ -237,3 +237,45 @@ def test_bad_arguments() -> None:
         Q.quantize("l2", x, 3)
     with pytest.raises(TypeError, match="floating"):
         Q.quantize_l1(torch.arange(4), 3)
+
+
+@pytest.mark.parametrize("name", ["l1", "l0", "linf", "lp"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("chunk", [None, 4, 7])
+def test_out_equals_fresh_result(name: str, dtype: torch.dtype, chunk: int | None) -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(6, 5, generator=gen) * 10.0 ** torch.randint(-3, 3, (6, 5), generator=gen)).to(dtype)
+    x[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])  # non-finite inputs too
+    for s in (3, 127, 1000):
+        want = Q.quantize(name, x, s, chunk_size=chunk)
+        out = torch.full(x.shape, 99, dtype=Q.level_dtype(s))
+        got = Q.quantize(name, x, s, chunk_size=chunk, out=out)
+        assert got is out and torch.equal(out, want)
+
+
+def test_bad_out_is_refused() -> None:
+    x = torch.randn(8)
+    for out in (
+        torch.empty(8, dtype=torch.int16),
+        torch.empty(9, dtype=torch.int8),
+        torch.empty(16, dtype=torch.int8)[::2],
+    ):
+        with pytest.raises(ValueError, match=r"out must be a contiguous torch\.int8 tensor of shape"):
+            Q.quantize_l1(x, 15, out=out)
+
+
+def test_threaded_cpu_path_equals_single_thread() -> None:
+    x = torch.randn(5 << 20, generator=torch.Generator().manual_seed(5))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = Q.quantize_l1(x, 15)
+        torch.set_num_threads(3)  # 5M elements: two threads (at least 2M elements each)
+        many = Q.quantize_l1(x, 15)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, many)
+    scale = 15 / (2 * x.double().abs().mean())
+    ref = (x.double() * scale).round().clamp(-15, 15).long()
+    off = (one.long() - ref).abs()  # float32 scaling may land on the other side of a half-way point
+    assert int(off.max()) <= 1 and int((off > 0).sum()) < 100

@@ -48,6 +48,9 @@ __all__ = [
     "auto_lane_bits",
 ]
 
+# Quantizers that accept ``out=`` (write the levels straight into the exchange buffer).
+_WRITES_INTO = frozenset({"l1", "l0", "linf", "lp"})
+
 
 def auto_lane_bits(n_workers: int, max_lane_value: int = 1) -> int:
     """Narrowest lane width in (2, 4, 8) whose N-way SUM of values ≤ ``max_lane_value`` cannot overflow."""
@@ -329,8 +332,11 @@ class QuantizedVote(VoteAlgorithm):
         out = torch.empty(local.numel(), dtype=torch.int8, device=local.device)
         pos = 0
         for length in segments or [local.numel()]:
-            piece = local[pos : pos + length]
-            out[pos : pos + length] = quantize.quantize(self.quantizer, piece, self.levels, **self.options)
+            piece, dst = local[pos : pos + length], out[pos : pos + length]
+            if self.quantizer in _WRITES_INTO:
+                quantize.quantize(self.quantizer, piece, self.levels, out=dst, **self.options)
+            else:
+                dst.copy_(quantize.quantize(self.quantizer, piece, self.levels, **self.options))
             pos += length
         if pos != local.numel():
             raise ValueError(f"segments add up to {pos}, but the tensor has {local.numel()} elements")

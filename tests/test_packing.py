@@ -157,3 +157,63 @@ def test_bad_arguments() -> None:
         packing.offset_encode(torch.zeros(1, dtype=torch.int8), 200)
     with pytest.raises(ValueError, match="n=-1"):
         packing.packed_size(-1)
+
+
+@pytest.fixture(params=["numpy", "torch"])
+def kernel_path(request, monkeypatch) -> str:
+    """Run a test on the CPU numpy kernels and on the device-generic torch kernels (what CUDA runs)."""
+    if request.param == "torch":
+        monkeypatch.setattr(packing, "_numpy_path", lambda t: False)
+    return request.param
+
+
+@pytest.mark.parametrize("n_workers", [1, 2, 3, 8, 255, 256, 300])
+def test_count_votes_and_majority_against_numpy(n_workers: int, kernel_path: str) -> None:
+    rng = np.random.default_rng(n_workers)
+    n_bits = int(rng.integers(1, 200))
+    bits = rng.random((n_workers, n_bits)) < rng.random((1, n_bits))  # per-position bias: ties happen
+    rows = torch.from_numpy(np.stack([np.packbits(b, bitorder="big") for b in bits]))
+    counts = packing.count_votes(rows, n_bits)
+    assert counts.dtype == (torch.int16 if n_workers > 255 else torch.uint8)
+    assert np.array_equal(counts.numpy(), bits.sum(axis=0))
+    for tie_positive in (True, False):
+        want = (2 * bits.sum(axis=0) > n_workers) | ((2 * bits.sum(axis=0) == n_workers) & tie_positive)
+        got = packing.pack_majority(counts, n_workers, tie_positive)
+        assert np.array_equal(got.numpy(), np.packbits(want, bitorder="big"))
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 1000, 4097])
+def test_pack_signs_both_paths_equal_numpy(n: int, kernel_path: str) -> None:
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    x[::5] = 0.0
+    for dtype in (torch.float32, torch.bfloat16):
+        assert np.array_equal(packing.pack_signs(x.to(dtype)).numpy(), signs_reference(x.numpy()))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_map_lanes_equals_unpack_then_lookup(bits: int) -> None:
+    rng = np.random.default_rng(bits)
+    values = tuple(int(v) for v in rng.integers(-128, 128, 1 << bits))
+    for n in (0, 1, 3, 8, 9, 1001):
+        lanes = torch.from_numpy(rng.integers(0, 1 << bits, n).astype(np.uint8))
+        packed = packing.pack_lanes(lanes, bits)
+        got = packing.map_lanes(packed, bits, n, values)
+        assert got.dtype == torch.int8
+        assert got.tolist() == [values[v] for v in lanes.tolist()]
+    with pytest.raises(ValueError, match="values must have"):
+        packing.map_lanes(packed, bits, 1, values[:-1])
+    with pytest.raises(ValueError, match="do not fit"):
+        packing.map_lanes(packed, bits, packed.numel() * (8 // bits) + 1, values)
+
+
+def test_out_buffers_and_portable_gather() -> None:
+    x = torch.randn(20)
+    out = torch.empty(3, dtype=torch.uint8)
+    assert packing.pack_signs(x, out=out).data_ptr() == out.data_ptr()
+    assert np.array_equal(out.numpy(), signs_reference(x.numpy()))
+    with pytest.raises(ValueError, match=r"out must be a contiguous torch\.uint8 tensor of 3 elements"):
+        packing.pack_signs(x, out=torch.empty(4, dtype=torch.uint8))
+    strided = torch.from_numpy(np.array([1, 0] * 16, dtype=np.uint8))[::2]  # non-contiguous: portable path
+    assert packing._gather_bytes(strided).tolist() == [255, 255]
+    with pytest.raises(ValueError, match="n_bits=17"):
+        packing.count_votes(torch.zeros(2, 2, dtype=torch.uint8), 17)

@@ -279,3 +279,16 @@ def test_threaded_cpu_path_equals_single_thread() -> None:
     ref = (x.double() * scale).round().clamp(-15, 15).long()
     off = (one.long() - ref).abs()  # float32 scaling may land on the other side of a half-way point
     assert int(off.max()) <= 1 and int((off > 0).sum()) < 100
+
+
+@pytest.mark.parametrize("chunk", [None, 64, 1000])
+def test_torch_kernel_equals_numpy_kernel(chunk: int | None, monkeypatch) -> None:
+    """The device-generic torch kernel (what CUDA runs) and the CPU numpy kernel give the same levels."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(300_001, generator=gen) * 10.0 ** torch.randint(-4, 4, (300_001,), generator=gen)
+    x[:2] = torch.tensor([float("inf"), float("nan")])
+    cases = [(x, s) for s in (1, 15, 127)] + [(x[2:], 15), (x[2:].double(), 127)]
+    fast = [Q.quantize_l1(v, s, chunk_size=chunk) for v, s in cases]
+    monkeypatch.setattr(Q, "_numpy_path", lambda t: False)
+    for (v, s), want in zip(cases, fast, strict=True):
+        assert torch.equal(Q.quantize_l1(v, s, chunk_size=chunk), want)

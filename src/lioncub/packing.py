@@ -121,7 +121,7 @@ def pack_signs(x: torch.Tensor, *, pad_to: int = 8, out: torch.Tensor | None = N
     nbytes = -(-n // pad_to) * pad_to // 8
     out = _out(out, nbytes, torch.uint8, flat.device)
     full = n // 8 * 8  # elements that fill whole bytes
-    if full and flat.device.type == "cpu" and flat.dtype in _NUMPY_VOTE:
+    if full and _numpy_path(flat) and flat.dtype in _NUMPY_VOTE:
         _pack_signs_numpy(flat[:full], out[: full // 8])
     elif full:
         out[: full // 8] = _gather_bytes(torch.ge(flat[:full], 0))
@@ -130,6 +130,11 @@ def pack_signs(x: torch.Tensor, *, pad_to: int = 8, out: torch.Tensor | None = N
         torch.ge(flat[full:], 0, out=tail[: n - full])
         out[full // 8 :] = _gather_bytes(tail)
     return out
+
+
+def _numpy_path(t: torch.Tensor) -> bool:
+    """Whether ``t`` takes the numpy (CPU) kernels; the torch kernels serve every other device."""
+    return t.device.type == "cpu"
 
 
 # Elements per cache-sized piece in the CPU loops (a multiple of 8).
@@ -319,7 +324,7 @@ def count_votes(rows: torch.Tensor, n_bits: int) -> torch.Tensor:
     if n_bits > rows.shape[1] * 8:
         raise ValueError(f"n_bits={n_bits} does not fit in rows of {rows.shape[1]} bytes")
     wide = n > 255
-    if rows.device.type == "cpu":  # numpy's unpackbits and adds are vectorised
+    if _numpy_path(rows):  # numpy's unpackbits and adds are vectorised
         src = rows.contiguous().numpy()
         counts = np.unpackbits(src[0], count=n_bits).astype(np.int16 if wide else np.uint8)
         for j in range(1, n):
@@ -332,7 +337,7 @@ def count_votes(rows: torch.Tensor, n_bits: int) -> torch.Tensor:
 def pack_majority(counts: torch.Tensor, n_workers: int, tie_positive: bool) -> torch.Tensor:
     """Packed result bits of a vote: 1 where ``2·count > N`` or, on a tie, where ``tie_positive``."""
     threshold = (n_workers + 1) // 2 if tie_positive else n_workers // 2 + 1  # smallest count that wins
-    if counts.device.type == "cpu":
+    if _numpy_path(counts):
         return torch.from_numpy(np.packbits(counts.numpy() >= threshold, bitorder="big"))
     return pack_bits(counts >= threshold)
 
@@ -348,7 +353,9 @@ def _lane_table(bits: int, values: tuple[int, ...], device: torch.device) -> tor
         mapped = torch.tensor(values, dtype=torch.int64)[lanes.long()] & 0xFF  # int8 bytes
         word = (mapped << (8 * torch.arange(per, dtype=torch.int64))).sum(dim=1)
         dtype = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[per]
-        table = (word - (word >= (1 << (8 * per - 1))).to(torch.int64) * (1 << (8 * per))).to(dtype)
+        if per < 8:  # reinterpret the low 8·per bits as a signed integer (int64 words wrap already)
+            word = word - (word >= (1 << (8 * per - 1))).to(torch.int64) * (1 << (8 * per))
+        table = word.to(dtype)
         table = table.to(device)
         _LANE_TABLES[key] = table
     return table

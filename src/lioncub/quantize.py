@@ -209,7 +209,7 @@ def _scale_round_clip(
         factor = factor64.to(work)[:, None]
         step = max(1, _PIECE // n)
         pieces = [(rows[r : r + step], out[r : r + step], factor[r : r + step]) for r in range(0, m, step)]
-    if rows.device.type == "cpu" and rows.dtype == work:
+    if _numpy_path(rows) and rows.dtype == work:
         _scale_round_clip_numpy(pieces, levels, finite)
         return out
     scratch = torch.empty(min(_PIECE, rows.numel()) if m == 1 else 0, dtype=work, device=rows.device)
@@ -223,6 +223,11 @@ def _scale_round_clip(
             t.nan_to_num_(0.0)
         dst.copy_(t)
     return out
+
+
+def _numpy_path(t: torch.Tensor) -> bool:
+    """Whether ``t`` takes the numpy (CPU) kernel; the torch kernel serves every other device."""
+    return t.device.type == "cpu"
 
 
 def _scale_round_clip_numpy(
@@ -264,7 +269,8 @@ def _scale_round_clip_pieces(
         if scratch is None or scratch.size < src.size:
             scratch = np.empty(src.size, dtype=src.dtype)
         t = scratch[: src.size].reshape(src.shape)
-        np.multiply(src, f if isinstance(f, float) else f.numpy(), out=t)
+        with np.errstate(invalid="ignore"):  # inf · 0 = NaN is handled just below
+            np.multiply(src, f if isinstance(f, float) else f.numpy(), out=t)
         np.rint(t, out=t)
         np.clip(t, -levels, levels, out=t)
         if not finite:

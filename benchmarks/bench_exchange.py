@@ -61,6 +61,7 @@ def worker(args: argparse.Namespace) -> None:
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump({"world_size": n, "results": out}, f)
+    dist.barrier()  # nobody tears down its connections while a peer still reads from them
     dist.destroy_process_group()
 
 

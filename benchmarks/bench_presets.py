@@ -97,6 +97,7 @@ def worker(args: argparse.Namespace) -> None:
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump({"world_size": world, "params": sum(sizes), "results": results}, f)
+    dist.barrier()  # nobody tears down its connections while a peer still reads from them
     dist.destroy_process_group()
 
 

@@ -56,14 +56,16 @@ def local_grad(
     return grad
 
 
-def worker_run_presets(rank: int, world: int, presets: list[str], bucket_mb: float) -> dict:
+def worker_run_presets(
+    rank: int, world: int, presets: list[str], bucket_mb: float, exchange: str = "auto"
+) -> dict:
     out = {}
     for preset in presets:
         params = [torch.nn.Parameter(p) for p in initial_params(rank)]
         groups = [
             {"params": [params[i] for i in idx], "lr": lr, "weight_decay": wd} for idx, lr, wd in GROUPS
         ]
-        opt = LionCub(groups, betas=BETAS, variant=preset, bucket_mb=bucket_mb)
+        opt = LionCub(groups, betas=BETAS, variant=preset, bucket_mb=bucket_mb, exchange=exchange)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
         for step in range(1, STEPS + 1):
             grid = world if preset in DENSE else 0
@@ -179,6 +181,18 @@ def test_every_preset_matches_simulation_on_every_rank(world: int) -> None:
                 sent = results[rank][preset]["stats"]["last"]["bytes_sent"]
                 assert sent == pytest.approx(expected_bytes(preset, world, buckets, rank), abs=len(buckets))
             assert stats["collectives"] >= len(buckets)
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_native_exchange_matches_simulation(world: int) -> None:
+    """gloo's own all_to_all / all_gather (exchange="native") give the same result as the p2p exchange."""
+    presets = ["1bit", "dlion-mavo", "4bit"]
+    results = run_workers(worker_run_presets, world, presets, 0.0008, "native", timeout=240)
+    for preset in presets:
+        want = simulate(preset, world)
+        for rank in range(world):
+            for i, (g, w) in enumerate(zip(results[rank][preset]["params"], want, strict=True)):
+                assert torch.equal(g, w), f"{preset}: rank {rank} parameter {i} differs from simulation"
 
 
 def worker_equals_lion(rank: int, world: int, dtype: torch.dtype) -> dict:

@@ -88,6 +88,10 @@ class Handle:
         return CollectiveError(f"{where}: {self.what} failed{step}: {type(err).__name__}: {err}")
 
 
+# torch >= 2.13 names the flat all-gather ``all_gather_single`` (``all_gather_into_tensor`` warns there).
+_ALL_GATHER_FLAT = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class Comm:
     """This rank's view of a process group, with byte accounting and bounded waits.
 
@@ -193,9 +197,7 @@ class Comm:
         if self.exchange == "native":
             work = self._guard(
                 what,
-                lambda: dist.all_gather_into_tensor(
-                    out.view(-1), inp.reshape(-1), group=self.group, async_op=True
-                ),
+                lambda: _ALL_GATHER_FLAT(out.view(-1), inp.reshape(-1), group=self.group, async_op=True),
             )
             return Handle([work], what, self, out)
         tag = self._next_tag()

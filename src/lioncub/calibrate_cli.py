@@ -25,7 +25,7 @@ Sizes take b, kb, mb (1 kb = 1024 bytes).
 
 
 def _sizes(text: str) -> list[int]:
-    from lioncub.launch.netns import parse_size
+    from lioncub.units import parse_size
 
     try:
         sizes = [parse_size(s.strip(), "--sizes") for s in text.split(",") if s.strip()]

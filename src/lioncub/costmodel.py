@@ -38,11 +38,12 @@ import dataclasses
 import itertools
 import json
 import math
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from lioncub.units import parse_bandwidth, parse_count, parse_duration
 
 __all__ = [
     "CALIBRATION_VERSION",
@@ -651,46 +652,6 @@ def regimes(
 
 
 # ------------------------------------------------------------------------------------------ parsing
-
-_NUMBER_UNIT = re.compile(r"^\s*((?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([A-Za-zµ]*)\s*$")
-_COUNT_UNITS = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
-_DURATION_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
-
-
-def parse_count(text: str, option: str = "--params") -> int:
-    """``"774M"`` → 774_000_000, ``"1.5B"`` → 1_500_000_000 (K, M, B/G, T; SI); a plain integer too."""
-    match = _NUMBER_UNIT.match(str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _COUNT_UNITS:
-        raise ValueError(
-            f"{option}: cannot read {text!r} as a parameter count; expected e.g. 774M, 25M, 1.5B or 125000000"
-        )
-    value = float(match.group(1)) * _COUNT_UNITS[unit]
-    if not (math.isfinite(value) and value >= 1):
-        raise ValueError(f"{option}: the count must be at least 1, got {text!r}")
-    return round(value)
-
-
-def parse_duration(text: str, option: str = "--latency") -> float:
-    """``"50us"`` → 5e-05 s; units s, ms, us (µs), ns; a bare ``0`` is allowed."""
-    match = _NUMBER_UNIT.match(str(text))
-    unit = match.group(2) if match else None
-    if match is not None and unit == "" and float(match.group(1)) == 0:
-        return 0.0
-    if match is None or unit not in _DURATION_UNITS:
-        raise ValueError(f"{option}: cannot read {text!r} as a duration; expected e.g. 50us, 1ms, 0.2s or 0")
-    return float(match.group(1)) * _DURATION_UNITS[unit]
-
-
-def parse_bandwidth(text: str, option: str = "--bandwidth") -> float:
-    """``"1gbit"`` → 125e6 bytes/s (tc-style rates, see :func:`lioncub.launch.parse_rate`)."""
-    from lioncub.launch.netns import parse_rate  # no torch
-
-    try:
-        return parse_rate(str(text)) / 8
-    except ValueError as exc:
-        raise ValueError(str(exc).replace("--link", option, 1)) from None
-
 
 # -------------------------------------------------------------------------------------- calibration
 

@@ -33,11 +33,9 @@ from lioncub.launch.netns import (
     check_privileges,
     cleanup,
     default_burst,
-    format_rate,
     new_launch_id,
-    parse_rate,
-    parse_size,
 )
+from lioncub.units import format_rate, parse_rate, parse_size
 
 __all__ = [
     "CleanupReport",

@@ -15,7 +15,8 @@ from lioncub.launch.launcher import (
     launch,
     rank_env,
 )
-from lioncub.launch.netns import EmulatedNetwork, NetnsError, cleanup, format_rate, parse_rate, parse_size
+from lioncub.launch.netns import EmulatedNetwork, NetnsError, cleanup
+from lioncub.units import format_rate, parse_rate, parse_size
 
 EPILOG = """\
 examples:

@@ -34,9 +34,9 @@ from lioncub.launch.netns import (
     NetnsError,
     check_privileges,
     cleanup,
-    format_rate,
     new_launch_id,
 )
+from lioncub.units import format_rate
 
 DEFAULT_LINK_PORT = 29500  # rank 0's namespace is fresh, so a fixed port is always free there
 TIMEOUT_RC = 124  # like coreutils timeout

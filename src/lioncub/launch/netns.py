@@ -57,62 +57,7 @@ class PrivilegeError(NetnsError):
     """The process lacks a capability or a tool needed to create network namespaces."""
 
 
-# ---------------------------------------------------------------------------------------------- parsing
-
-_RATE_UNITS_ANY_CASE = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
-_RATE_UNITS_EXACT = {"bps": 1.0, "kbps": 1e3, "Kbps": 1e3, "Mbps": 1e6, "Gbps": 1e9, "Tbps": 1e12}
-_RATE_FORMS = "a positive number with a unit: kbit, mbit, gbit (as in tc, e.g. 100mbit, 2.5gbit) or Mbps/Gbps"
-_NUMBER_UNIT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
-
-
-def parse_rate(text: str) -> float:
-    """Parse a link rate such as ``100mbit``, ``2.5gbit`` or ``1Gbps`` into bits per second.
-
-    tc-style units (``bit kbit mbit gbit tbit``, any case) and ``bps kbps Mbps Gbps`` are all *bits* per
-    second (SI, 1k = 1000). Lower-case ``mbps``/``gbps`` are refused because tc reads them as *bytes*/s.
-    """
-    match = _NUMBER_UNIT.match(text)
-    if match is None or not match.group(2):
-        raise ValueError(f"--link: cannot read {text!r} as a rate; expected {_RATE_FORMS}")
-    number, unit = float(match.group(1)), match.group(2)
-    if unit in _RATE_UNITS_EXACT:
-        scale = _RATE_UNITS_EXACT[unit]
-    elif unit.lower() in _RATE_UNITS_ANY_CASE:
-        scale = _RATE_UNITS_ANY_CASE[unit.lower()]
-    elif unit.lower() in {u.lower() for u in _RATE_UNITS_EXACT}:
-        raise ValueError(
-            f"--link: {text!r} is ambiguous (tc reads {unit!r} as bytes per second); "
-            f"write {unit[0].lower()}bit or {unit[0].upper()}bps for bits per second"
-        )
-    else:
-        raise ValueError(f"--link: unknown unit {unit!r} in {text!r}; expected {_RATE_FORMS}")
-    rate = number * scale
-    if rate <= 0:
-        raise ValueError(f"--link: the rate must be positive, got {text!r}; expected {_RATE_FORMS}")
-    return rate
-
-
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1024**2, "mb": 1024**2, "mib": 1024**2}
-
-
-def parse_size(text: str, option: str = "--burst") -> int:
-    """Parse a byte size such as ``256kb``, ``1mb`` or ``65536`` (1 kb = 1024 bytes, as in tc)."""
-    match = _NUMBER_UNIT.match(text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _SIZE_UNITS:
-        raise ValueError(f"{option}: cannot read {text!r} as a size; expected bytes or a unit b, kb, mb")
-    size = int(float(match.group(1)) * _SIZE_UNITS[unit])
-    if size <= 0:
-        raise ValueError(f"{option}: the size must be positive, got {text!r}")
-    return size
-
-
-def format_rate(bps: float) -> str:
-    """``1e8`` -> ``'100mbit'``; used in messages."""
-    for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
-        if bps >= scale:
-            return f"{bps / scale:g}{unit}"
-    return f"{bps:g}bit"
+# Parsers of rates and sizes live in the torch-free bottom layer (the cost model reads rates too).
 
 
 def default_burst(rate_bps: float) -> int:

@@ -1,0 +1,105 @@
+"""Parsers for the units users type: link rates (``1gbit``), sizes (``256kb``), parameter counts (``774M``)
+and durations (``50us``). Every error names the option and the accepted forms. No torch, no other imports
+from lioncub: the cost model, the launcher and the CLIs all build on this.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+__all__ = ["format_rate", "parse_bandwidth", "parse_count", "parse_duration", "parse_rate", "parse_size"]
+
+
+_RATE_UNITS_ANY_CASE = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
+_RATE_UNITS_EXACT = {"bps": 1.0, "kbps": 1e3, "Kbps": 1e3, "Mbps": 1e6, "Gbps": 1e9, "Tbps": 1e12}
+_RATE_FORMS = "a positive number with a unit: kbit, mbit, gbit (as in tc, e.g. 100mbit, 2.5gbit) or Mbps/Gbps"
+_NUMBER_UNIT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
+
+
+def parse_rate(text: str) -> float:
+    """Parse a link rate such as ``100mbit``, ``2.5gbit`` or ``1Gbps`` into bits per second.
+
+    tc-style units (``bit kbit mbit gbit tbit``, any case) and ``bps kbps Mbps Gbps`` are all *bits* per
+    second (SI, 1k = 1000). Lower-case ``mbps``/``gbps`` are refused because tc reads them as *bytes*/s.
+    """
+    match = _NUMBER_UNIT.match(text)
+    if match is None or not match.group(2):
+        raise ValueError(f"--link: cannot read {text!r} as a rate; expected {_RATE_FORMS}")
+    number, unit = float(match.group(1)), match.group(2)
+    if unit in _RATE_UNITS_EXACT:
+        scale = _RATE_UNITS_EXACT[unit]
+    elif unit.lower() in _RATE_UNITS_ANY_CASE:
+        scale = _RATE_UNITS_ANY_CASE[unit.lower()]
+    elif unit.lower() in {u.lower() for u in _RATE_UNITS_EXACT}:
+        raise ValueError(
+            f"--link: {text!r} is ambiguous (tc reads {unit!r} as bytes per second); "
+            f"write {unit[0].lower()}bit or {unit[0].upper()}bps for bits per second"
+        )
+    else:
+        raise ValueError(f"--link: unknown unit {unit!r} in {text!r}; expected {_RATE_FORMS}")
+    rate = number * scale
+    if rate <= 0:
+        raise ValueError(f"--link: the rate must be positive, got {text!r}; expected {_RATE_FORMS}")
+    return rate
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1024**2, "mb": 1024**2, "mib": 1024**2}
+
+
+def parse_size(text: str, option: str = "--burst") -> int:
+    """Parse a byte size such as ``256kb``, ``1mb`` or ``65536`` (1 kb = 1024 bytes, as in tc)."""
+    match = _NUMBER_UNIT.match(text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"{option}: cannot read {text!r} as a size; expected bytes or a unit b, kb, mb")
+    size = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"{option}: the size must be positive, got {text!r}")
+    return size
+
+
+def format_rate(bps: float) -> str:
+    """``1e8`` -> ``'100mbit'``; used in messages."""
+    for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if bps >= scale:
+            return f"{bps / scale:g}{unit}"
+    return f"{bps:g}bit"
+
+
+_NUMBER_UNIT_EXP = re.compile(r"^\s*((?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([A-Za-zµ]*)\s*$")
+_COUNT_UNITS = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+_DURATION_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def parse_count(text: str, option: str = "--params") -> int:
+    """``"774M"`` → 774_000_000, ``"1.5B"`` → 1_500_000_000 (K, M, B/G, T; SI); a plain integer too."""
+    match = _NUMBER_UNIT_EXP.match(str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _COUNT_UNITS:
+        raise ValueError(
+            f"{option}: cannot read {text!r} as a parameter count; expected e.g. 774M, 25M, 1.5B or 125000000"
+        )
+    value = float(match.group(1)) * _COUNT_UNITS[unit]
+    if not (math.isfinite(value) and value >= 1):
+        raise ValueError(f"{option}: the count must be at least 1, got {text!r}")
+    return round(value)
+
+
+def parse_duration(text: str, option: str = "--latency") -> float:
+    """``"50us"`` → 5e-05 s; units s, ms, us (µs), ns; a bare ``0`` is allowed."""
+    match = _NUMBER_UNIT_EXP.match(str(text))
+    unit = match.group(2) if match else None
+    if match is not None and unit == "" and float(match.group(1)) == 0:
+        return 0.0
+    if match is None or unit not in _DURATION_UNITS:
+        raise ValueError(f"{option}: cannot read {text!r} as a duration; expected e.g. 50us, 1ms, 0.2s or 0")
+    return float(match.group(1)) * _DURATION_UNITS[unit]
+
+
+def parse_bandwidth(text: str, option: str = "--bandwidth") -> float:
+    """``"1gbit"`` → 125e6 bytes/s (tc-style rates, see :func:`parse_rate`)."""
+    try:
+        return parse_rate(str(text)) / 8
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("--link", option, 1)) from None

@@ -29,8 +29,9 @@ process group, never from launcher variables.
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from lioncub.collectives import Comm, CommCounter
+from lioncub.optim.auto import DEFAULT_LATENCY_S, AutoChoice, NetworkSpec, check_candidates, choose_variant
 from lioncub.optim.config import VoteConfig, make_vote, resolve_variant
 from lioncub.optim.lion import (
     apply_update_,
@@ -49,6 +51,8 @@ from lioncub.optim.lion import (
 __all__ = ["LionCub", "ReplicaDivergenceError"]
 
 STATE_VERSION = 1
+
+_log = logging.getLogger("lioncub")
 
 
 class ReplicaDivergenceError(RuntimeError):
@@ -96,7 +100,8 @@ class LionCub(torch.optim.Optimizer):
         params: parameters or param groups (the same, in the same order, on every rank).
         lr, betas, weight_decay: as :class:`~lioncub.optim.lion.Lion` (per param group).
         variant: a preset of :data:`lioncub.optim.config.PRESETS`: ``"32bit"``, ``"16bit"``, ``"1bit"``,
-            ``"4bit"``, ``"8bit"`` (default), ``"8bit-sign"``, ``"dlion-mavo"``, ``"dlion-avg"``.
+            ``"4bit"``, ``"8bit"`` (default), ``"8bit-sign"``, ``"dlion-mavo"``, ``"dlion-avg"``, or
+            ``"auto"``: the preset the α–β cost model predicts fastest for this model, N and network.
         process_group: the data-parallel group (default: the default group).
         bucket_mb: bucket size cap in MiB of parameter bytes.
         transport, aggregation, quantizer, bits, clip_multiple, chunk_size: explicit knobs that override
@@ -107,6 +112,11 @@ class LionCub(torch.optim.Optimizer):
             :class:`ReplicaDivergenceError` on a mismatch (0 = never).
         maximize: maximise instead of minimise.
         seed: seeds stochastic quantizers (``qsgd``), combined with the rank.
+        auto_network, auto_latency_s, auto_candidates: for ``variant="auto"``, the network the cost model
+            predicts for (a ``lioncub calibrate`` JSON path, a rate such as ``"1gbit"`` with the one-way
+            latency ``auto_latency_s`` in seconds, or ``None`` for ``$LIONCUB_CALIBRATION``) and the presets
+            to choose from (default: all). Rank 0 decides, every rank follows; the decision and its reason
+            are in :attr:`auto_choice` and logged to the ``"lioncub"`` logger.
     """
 
     def __init__(
@@ -130,26 +140,42 @@ class LionCub(torch.optim.Optimizer):
         replica_check_every: int = 0,
         maximize: bool = False,
         seed: int = 0,
+        auto_network: NetworkSpec = None,
+        auto_latency_s: float = DEFAULT_LATENCY_S,
+        auto_candidates: Sequence[str] | None = None,
     ) -> None:
         if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
             raise ValueError(f"bucket_mb={bucket_mb!r} must be a number > 0")
         if not (isinstance(replica_check_every, int) and replica_check_every >= 0):
             raise ValueError(f"replica_check_every={replica_check_every!r} must be an int >= 0")
-        self.config: VoteConfig = resolve_variant(
-            variant,
-            transport=transport,
-            aggregation=aggregation,
-            quantizer=quantizer,
-            bits=bits,
-            clip_multiple=clip_multiple,
-            chunk_size=chunk_size,
-        )
-        self.variant = variant
+        knobs = dict(transport=transport, aggregation=aggregation, quantizer=quantizer, bits=bits)
+        knobs.update(clip_multiple=clip_multiple, chunk_size=chunk_size)
+        config = None
+        if variant == "auto":
+            overrides = sorted(
+                k for k in ("transport", "aggregation", "quantizer", "bits") if knobs[k] is not None
+            )
+            if overrides:
+                raise ValueError(
+                    f"variant='auto' chooses a preset itself; {', '.join(overrides)} cannot be combined with "
+                    "it (name a preset instead, or restrict the choice with auto_candidates=)"
+                )
+            candidates = check_candidates(auto_candidates)
+        else:
+            config = resolve_variant(variant, **knobs)
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults)
         for group in self.param_groups:
             _check_group(group)
         self.comm = Comm(process_group, exchange=exchange)  # type: ignore[arg-type]
+        #: the cost model's decision when ``variant="auto"`` (``None`` otherwise)
+        self.auto_choice: AutoChoice | None = None
+        if variant == "auto":
+            self.auto_choice = self._choose_variant(candidates, bucket_mb, auto_network, auto_latency_s)
+            variant = self.auto_choice.variant
+            config = resolve_variant(variant, **knobs)
+        self.config: VoteConfig = config
+        self.variant = variant
         self.vote = make_vote(self.comm, self.config, seed=seed)
         self.replica_check_every = replica_check_every
         self._global_step = 0
@@ -194,6 +220,43 @@ class LionCub(torch.optim.Optimizer):
             for p in b.params:
                 p.copy_(flat[pos : pos + p.numel()].view_as(p))
                 pos += p.numel()
+
+    def _choose_variant(
+        self, candidates: tuple[str, ...], bucket_mb: float, network: NetworkSpec, latency_s: float
+    ) -> AutoChoice:
+        """Rank 0 asks the cost model; every rank takes rank 0's answer (or raises rank 0's error)."""
+        d = sum(p.numel() for g in self.param_groups for p in g["params"] if p.requires_grad)
+        bucket_numel = max(1, int(bucket_mb * 2**20) // 4)
+        choice: AutoChoice | None = None
+        error: Exception | None = None
+        if self.comm.rank == 0:
+            try:
+                choice = choose_variant(
+                    d,
+                    self.comm.world_size,
+                    network,
+                    latency_s=latency_s,
+                    candidates=candidates,
+                    bucket_numel=bucket_numel,
+                )
+            except (ValueError, TypeError, OSError) as err:
+                error = err
+        index = torch.tensor(
+            [-1 if choice is None else candidates.index(choice.variant)],
+            dtype=torch.int64,
+            device=self.comm.device,
+        )
+        self.comm.broadcast(index, 0, "variant='auto' decision").wait()
+        if error is not None:
+            raise error
+        if int(index) < 0:
+            raise RuntimeError(f"rank {self.comm.rank}: variant='auto' failed on rank 0 (see rank 0's error)")
+        if choice is None:  # not rank 0: the same preset, the reason is rank 0's
+            variant = candidates[int(index)]
+            choice = AutoChoice(variant, f"variant='auto': rank 0 chose {variant!r}", ())
+        else:
+            _log.info("%s", choice.reason)
+        return choice
 
     # -- the step ------------------------------------------------------------------------------------
 

@@ -1,0 +1,110 @@
+"""``variant="auto"``: the cost model's predicted fastest preset for this model size, N and network.
+
+The network comes from, in order: the ``network`` argument (a ``lioncub calibrate`` JSON file, a
+:class:`~lioncub.costmodel.Calibration`, a :class:`~lioncub.costmodel.Network`, or a link rate such as
+``"1gbit"`` with the latency ``latency_s``), else the calibration file named by the environment variable
+``LIONCUB_CALIBRATION``. Without either the choice would be a guess, so it is refused with an error that
+says what to pass. Compute costs come from the calibration, else :data:`DEFAULT_CPU_COMPUTE`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from lioncub import costmodel
+from lioncub.costmodel import Calibration, Compute, Network, Prediction
+
+__all__ = ["AUTO_ENV", "AutoChoice", "check_candidates", "choose_variant", "resolve_network"]
+
+AUTO_ENV = "LIONCUB_CALIBRATION"
+DEFAULT_LATENCY_S = 50e-6
+
+NetworkSpec = str | os.PathLike | Calibration | Network | None
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """The chosen preset, why, and every prediction it was chosen from (seconds per step)."""
+
+    variant: str
+    reason: str
+    predictions: tuple[Prediction, ...]
+
+
+def resolve_network(spec: NetworkSpec, latency_s: float = DEFAULT_LATENCY_S) -> tuple[Network, Compute, str]:
+    """(network, compute costs, a short description) for ``spec`` (see the module docstring)."""
+    if spec is None:
+        path = os.environ.get(AUTO_ENV)
+        if not path:
+            raise ValueError(
+                "variant='auto' needs the network to predict for: pass auto_network= a calibration JSON "
+                "written by `lioncub calibrate`, or a link rate such as '1gbit' (with auto_latency_s=), "
+                f"or set {AUTO_ENV}=path/to/calibration.json"
+            )
+        spec = path
+    if isinstance(spec, Calibration):
+        return spec.network, spec.compute, "calibration"
+    if isinstance(spec, Network):
+        return spec, costmodel.DEFAULT_CPU_COMPUTE, "given network"
+    if isinstance(spec, os.PathLike) or (isinstance(spec, str) and spec.endswith(".json")):
+        cal = costmodel.load_calibration(spec)
+        return cal.network, cal.compute, f"calibration {Path(spec).name}"
+    if isinstance(spec, str):
+        rate = costmodel.parse_bandwidth(spec, "auto_network")
+        net = Network.from_rate(rate * 8, latency_s)
+        return net, costmodel.DEFAULT_CPU_COMPUTE, f"{spec} links, α = {latency_s * 1e6:g} µs"
+    raise TypeError(
+        f"auto_network={spec!r} must be a calibration path, a Calibration, a Network or a rate like '1gbit'"
+    )
+
+
+def check_candidates(candidates: Sequence[str] | None) -> tuple[str, ...]:
+    """The candidate presets as a tuple (default: every preset); unknown names are refused."""
+    names = tuple(costmodel.PRESET_SCHEMES) if candidates is None else tuple(candidates)
+    unknown = [c for c in names if c not in costmodel.PRESET_SCHEMES]
+    if unknown or not names or isinstance(candidates, str):
+        raise ValueError(
+            f"auto_candidates={candidates!r}: give a non-empty list of presets from "
+            f"{sorted(costmodel.PRESET_SCHEMES)}"
+        )
+    return names
+
+
+def choose_variant(
+    d: int,
+    n_workers: int,
+    network: NetworkSpec = None,
+    *,
+    latency_s: float = DEFAULT_LATENCY_S,
+    candidates: Sequence[str] | None = None,
+    bucket_numel: int | None = None,
+) -> AutoChoice:
+    """The allowed candidate (default: every preset) with the smallest predicted time per step.
+
+    Args:
+        d: parameters voted on per step.
+        n_workers: N.
+        network, latency_s: see :func:`resolve_network`.
+        candidates: preset names to choose from.
+        bucket_numel: elements per bucket (each bucket pays its own latency).
+    """
+    names = check_candidates(candidates)
+    net, compute, where = resolve_network(network, latency_s)
+    rows = tuple(costmodel.table(d, n_workers, net, compute, names, bucket_numel=bucket_numel))
+    ok = sorted((p for p in rows if p.allowed), key=lambda p: p.total_s)
+    if not ok:
+        raise ValueError(f"variant='auto': none of {list(names)} is allowed for N={n_workers}")
+    best = ok[0]
+    others = ", ".join(f"{p.variant} {p.total_s * 1e3:.3g} ms" for p in ok[1:4])
+    refused = "; ".join(f"{p.variant}: {p.reason}" for p in rows if not p.allowed)
+    workers = f"{n_workers} worker" + ("s" if n_workers != 1 else "")
+    reason = (
+        f"variant='auto' chose {best.variant!r} for {d:,} parameters on {workers} over {where}: "
+        f"predicted {best.total_s * 1e3:.3g} ms/step of communication and codec"
+        + (f" (next: {others})" if others else "")
+        + (f"; not allowed: {refused}" if refused else "")
+    )
+    return AutoChoice(best.variant, reason, rows)

@@ -369,6 +369,52 @@ def test_allreduce_over_100mbit_links_matches_bandwidth(nproc: int) -> None:
     _assert_nothing_left(result.launch_id)
 
 
+ONE_BIT_STEPS = """
+import datetime, torch, torch.distributed as dist
+from lioncub import LionCub
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+torch.manual_seed(0)
+p = torch.nn.Parameter(torch.randn(4_000_003))  # not a multiple of 8·N: padding travels too
+opt = LionCub([p], lr=1e-3, variant="1bit", broadcast_init=False)  # same seed: no initial broadcast
+g = torch.Generator().manual_seed(dist.get_rank())
+for _ in range(4):
+    p.grad = torch.randn(p.shape, generator=g)
+    opt.step()
+total = opt.comm_stats()["total"]
+print(f"ACCOUNTED sent={int(total['bytes_sent'])} recv={int(total['bytes_recv'])}")
+dist.destroy_process_group()
+"""
+
+#: Ethernet (14) + IPv4 (20) + TCP with timestamps (32) bytes of header per frame
+FRAME_HEADER_BYTES = 66
+
+
+@needs_root
+@pytest.mark.root
+def test_interface_counters_agree_with_the_optimizers_accounting() -> None:
+    nproc, d = 3, 4_000_003
+    result, out, err = _run(
+        LaunchConfig([PY, "-c", ONE_BIT_STEPS], nproc=nproc, link_rate_bps=1e9, timeout_s=120)
+    )
+    assert result.ok, out + err
+    d_pad = -(-d // (8 * nproc)) * 8 * nproc
+    expected = 4 * 2 * (nproc - 1) / nproc * d_pad / 8  # 4 steps of all-to-all + all-gather of packed bits
+    assert result.traffic is not None
+    for t in result.traffic:
+        m = re.search(rf"\[r{t.rank}\] ACCOUNTED sent=(\d+) recv=(\d+)", out)
+        assert m is not None, out
+        sent, recv = int(m.group(1)), int(m.group(2))
+        assert sent == recv == pytest.approx(expected, abs=8 * nproc)  # the formula of the issue
+        # the interface's TCP payload: L2 bytes minus the headers of every frame (data and ACKs alike)
+        tx_payload = t.tx_bytes - FRAME_HEADER_BYTES * t.tx_packets
+        rx_payload = t.rx_bytes - FRAME_HEADER_BYTES * t.rx_packets
+        print(f"rank {t.rank}: accounted {sent} B, interface payload tx {tx_payload} rx {rx_payload} B")
+        assert tx_payload == pytest.approx(sent, rel=0.05)  # rendezvous, gloo headers: well under 5 %
+        assert rx_payload == pytest.approx(recv, rel=0.05)
+        assert tx_payload >= sent and rx_payload >= recv
+    _assert_nothing_left(result.launch_id)
+
+
 @needs_root
 @pytest.mark.root
 def test_rank_failure_under_link_tears_down_the_network() -> None:

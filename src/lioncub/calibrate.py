@@ -168,18 +168,27 @@ def _time_op(
 # ------------------------------------------------------------------------------------------ compute
 
 
-def _per_elem(fn: Callable[[], object], numel: int, repeats: int) -> float:
+def _per_elem(
+    fn: Callable[[], object], numel: int, repeats: int, sync: Callable[[], object] | None = None
+) -> float:
     fn()
     times = []
     for _ in range(repeats):
+        if sync is not None:
+            sync()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) / numel
 
 
-def measure_compute(numel: int, n_workers: int, repeats: int = 5) -> dict[str, float]:
+def measure_compute(
+    numel: int, n_workers: int, repeats: int = 5, sync: Callable[[], object] | None = None
+) -> dict[str, float]:
     """Seconds per element of the local kernels of the votes on ``numel`` fp32 elements (this process).
+
+    ``sync`` (e.g. a barrier) runs before every timed call, so that ranks sharing a machine run each
+    kernel at the same time and compete for cores and memory bandwidth as they do in a step.
 
     Keys: the :class:`~lioncub.costmodel.Compute` fields (``reduce_s_per_byte`` = 0, see the module
     docstring) and ``add_s_per_byte`` (an fp32 ``add_``, for reference).
@@ -188,35 +197,41 @@ def measure_compute(numel: int, n_workers: int, repeats: int = 5) -> dict[str, f
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(numel, generator=gen)
     y = torch.randn(numel, generator=gen)
-    levels = max(1, 127 // n)
+    levels = max(1, 127 // n)  # the int8 level budget (1 where N > 127 would not allow int8 at all)
+    level_buf = torch.empty(numel, dtype=torch.int8)
     packed = packing.pack_signs(x, pad_to=8 * n)
-    slice_bits = packed.numel() * 8 // n
+    slice_bytes = packed.numel() // n
+    votes_out = torch.empty(numel, dtype=torch.int8)
     lanes = packing.pack_lanes(torch.ge(x, 0).view(torch.uint8), 4)
+    lane_signs = tuple(int(v > 0) - int(v < 0) for v in (2 * c - n for c in range(16)))
 
-    def count() -> torch.Tensor:  # OneBitVote's middle: count the N workers' votes of a slice
-        votes = packing.unpack_bits(packed, packed.numel() * 8).view(n, slice_bits)
-        margin = 2 * votes.sum(dim=0, dtype=torch.int32) - n
-        return packing.pack_bits(margin > 0)
-
-    def lane_unpack() -> torch.Tensor:
-        c = packing.unpack_lanes(lanes, 4, numel).to(torch.int16)
-        return torch.sign(2 * c - n).to(torch.int8)
+    # the kernels the vote classes run (lioncub.collectives.votes), with their reused output buffers
+    def count() -> torch.Tensor:  # OneBitVote's middle: count the N workers' votes of a slice, repack
+        counts = packing.count_votes(packed.view(n, slice_bytes), slice_bytes * 8)
+        return packing.pack_majority(counts, n, True)
 
     out = {
         "quantize_s_per_elem": _per_elem(
-            lambda: quantize.quantize("l1", x, levels, clip_multiple=2.0, chunk_size=None), numel, repeats
+            lambda: quantize.quantize("l1", x, levels, clip_multiple=2.0, chunk_size=None, out=level_buf),
+            numel,
+            repeats,
+            sync,
         ),
-        "elementwise_s_per_elem": _per_elem(lambda: torch.sign(x).to(torch.int8), numel, repeats),
-        "pack_s_per_elem": _per_elem(lambda: packing.pack_signs(x, pad_to=8 * n, out=packed), numel, repeats),
+        "elementwise_s_per_elem": _per_elem(lambda: torch.sign(x).to(torch.int8), numel, repeats, sync),
+        "pack_s_per_elem": _per_elem(
+            lambda: packing.pack_signs(x, pad_to=8 * n, out=packed), numel, repeats, sync
+        ),
         "unpack_s_per_elem": _per_elem(
-            lambda: packing.unpack_signs(packed, numel, torch.int8), numel, repeats
+            lambda: packing.unpack_signs(packed, numel, torch.int8, out=votes_out), numel, repeats, sync
         ),
-        "count_s_per_elem": _per_elem(count, packed.numel() * 8, repeats),
+        "count_s_per_elem": _per_elem(count, packed.numel() * 8, repeats, sync),
         "lane_pack_s_per_elem": _per_elem(
-            lambda: packing.pack_lanes(torch.ge(x, 0).view(torch.uint8), 4), numel, repeats
+            lambda: packing.pack_lanes(torch.ge(x, 0).view(torch.uint8), 4), numel, repeats, sync
         ),
-        "lane_unpack_s_per_elem": _per_elem(lane_unpack, numel, repeats),
-        "add_s_per_byte": _per_elem(lambda: y.add_(x), numel * 4, repeats),
+        "lane_unpack_s_per_elem": _per_elem(
+            lambda: packing.map_lanes(lanes, 4, numel, lane_signs), numel, repeats, sync
+        ),
+        "add_s_per_byte": _per_elem(lambda: y.add_(x), numel * 4, repeats, sync),
     }
     out["reduce_s_per_byte"] = 0.0
     return out
@@ -315,7 +330,9 @@ def calibrate(
     )
     measured: dict[str, float] = {}
     if compute_numel > 0:
-        local = measure_compute(compute_numel, n, max(3, repeats))
+        local = measure_compute(
+            compute_numel, n, max(3, repeats), sync=lambda: dist.barrier(group=comm.group)
+        )
         keys = sorted(local)
         vals = torch.tensor([local[k] for k in keys], dtype=torch.float64)
         dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=comm.group)

@@ -278,7 +278,12 @@ class AverageVote(SignSumVote):
         if n == 1:
             return Pending(lambda: signs.to(local.dtype))
         handle = self.comm.all_reduce(signs, "int8 sign allreduce (average)")
-        return Pending(lambda: handle.wait().to(local.dtype) / n)
+
+        def finish() -> torch.Tensor:  # the sum / N, into a reused buffer (no fresh pages per step)
+            out = self.buffer(key, "average", local.numel(), local.dtype)
+            return out.copy_(handle.wait()).div_(n)
+
+        return Pending(finish)
 
 
 class QuantizedVote(VoteAlgorithm):

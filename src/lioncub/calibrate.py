@@ -47,7 +47,7 @@ __all__ = [
 
 #: payload sizes in bytes without a shaped link: 64 KiB .. 16 MiB
 DEFAULT_SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
-#: payload sizes under a shaped link: well above tbf's bucket (256 KiB by default), whose burst makes
+#: payload sizes under a shaped link: well above tbf's bucket (2 ms of the rate by default), whose burst makes
 #: smaller transfers look faster than the link
 LINK_SIZES = (1 << 20, 4 << 20, 16 << 20)
 

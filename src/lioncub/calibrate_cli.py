@@ -71,8 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sizes",
         type=_sizes,
         metavar="LIST",
-        help="payload sizes per collective (default 1mb,4mb,16mb under a shaped link, whose 256kb tbf "
-        "burst distorts smaller ones; 64kb,256kb,1mb,4mb,16mb otherwise)",
+        help="payload sizes per collective (default 1mb,4mb,16mb under a shaped link, whose tbf "
+        "burst (2 ms of the rate) distorts smaller ones; 64kb,256kb,1mb,4mb,16mb otherwise)",
     )
     parser.add_argument("--repeats", type=_positive_int, default=5, help="timed runs per size (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per size first (default 1)")

@@ -16,6 +16,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("lioncub.launch.cli", "run N ranks like torchrun, each optionally behind a shaped link"),
     "cost": ("lioncub.cost_cli", "predict the time per step of every variant (α–β cost model)"),
     "calibrate": ("lioncub.calibrate_cli", "measure α, β and compute costs on a job for `lioncub cost`"),
+    "train": ("lioncub.train_cli", "train a workload with one variant on N ranks (optionally shaped links)"),
+    "compare": ("lioncub.compare_cli", "train several variants one after another and report speed and loss"),
 }
 
 

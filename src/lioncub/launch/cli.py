@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--burst",
         metavar="SIZE",
-        help="tbf bucket, e.g. 256kb (default: 256kb or 2 ms at the rate, if larger)",
+        help="tbf bucket, e.g. 256kb (default: 2 ms at the rate, at least 16kb)",
     )
     parser.add_argument(
         "--timeout",

@@ -115,7 +115,7 @@ class LaunchConfig:
     nproc: int = 1
     link_rate_bps: float | None = None  # None: plain loopback, no namespaces
     mtu: int = 1500
-    burst_bytes: int | None = None  # tbf bucket; None: 256 KiB or 2 ms at the rate
+    burst_bytes: int | None = None  # tbf bucket; None: 2 ms at the rate, at least 16 KiB
     timeout_s: float | None = 3600.0  # whole job, restarts included; None: unbounded
     master_port: int | None = None  # None: 29500 under a link, a free loopback port otherwise
     restarts: int = 0

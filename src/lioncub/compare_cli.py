@@ -1,0 +1,123 @@
+"""``lioncub compare``: train several variants on the same workload, seed, data and link, one after
+another, and write a report: a table of step time and its split, speedup over ``32bit``, bytes per step,
+validation loss at equal steps and time to a target loss, and PNG plots (:mod:`lioncub.train.report`).
+
+Layout: ``OUT/<variant>/`` holds each run (as ``lioncub train --out``), ``OUT/`` the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from lioncub.train_cli import (
+    add_run_arguments,
+    config_from_args,
+    format_summary,
+    prepare_run_dir,
+    run_training,
+)
+
+DEFAULT_VARIANTS = "32bit,16bit,1bit,4bit,8bit"
+
+EPILOG = """\
+examples:
+  lioncub compare --workload gpt --size small --nproc 4 --link 100mbit --steps 300 --out runs/cmp
+  lioncub compare --variants 32bit,1bit --steps 50 --out runs/quick       # 1 rank, loopback, tiny GPT
+  lioncub compare --out runs/cmp --report-only --target-loss 2.2           # redo the report
+
+Runs that finished before are reused when their configuration is the same (--overwrite trains them
+again); a finished report lists OUT/summary.md, OUT/summary.json and the PNG plots.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    add_run_arguments(parser, variant=False)
+    parser.add_argument(
+        "--variants", default=DEFAULT_VARIANTS, help=f"comma-separated, in order (default {DEFAULT_VARIANTS})"
+    )
+    parser.add_argument("--out", required=True, metavar="DIR", help="report directory (runs inside)")
+    parser.add_argument("--target-loss", type=float, help="validation loss for 'time to target'")
+    parser.add_argument("--overwrite", action="store_true", help="train runs again even if finished")
+    parser.add_argument("--report-only", action="store_true", help="only rebuild the report from OUT")
+
+
+def _finished(run_dir: Path, config: object) -> bool:
+    """True if ``run_dir`` holds a finished run of exactly ``config``."""
+    import json
+
+    try:
+        saved = json.loads((run_dir / "config.json").read_text())
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return saved == config.to_json() and summary.get("steps_run", 0) > 0  # type: ignore[attr-defined]
+
+
+def run(args: argparse.Namespace) -> int:
+    from lioncub.optim import PRESETS
+    from lioncub.train import report
+    from lioncub.train.loop import BASELINES
+
+    out = Path(args.out)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    allowed = sorted({*PRESETS, *BASELINES})
+    bad = [v for v in variants if v not in allowed]
+    if bad or not variants or len(set(variants)) != len(variants):
+        print(
+            f"lioncub compare: error: --variants {args.variants!r}: give distinct names from {allowed}",
+            file=sys.stderr,
+        )
+        return 2
+    run_dirs = [out / v for v in variants]
+    if not args.report_only:
+        try:
+            configs = []
+            for v in variants:
+                args.variant = v
+                configs.append(config_from_args(args))
+        except (ValueError, TypeError) as exc:
+            print(f"lioncub compare: error: {exc}", file=sys.stderr)
+            return 2
+        for i, (config, run_dir) in enumerate(zip(configs, run_dirs, strict=True)):
+            label = f"[{i + 1}/{len(variants)}] {config.variant}"
+            if _finished(run_dir, config) and not args.overwrite:
+                print(f"{label}: reusing the finished run in {run_dir}", file=sys.stderr)
+                continue
+            if run_dir.exists():
+                if not args.overwrite and (run_dir / "config.json").exists():
+                    print(
+                        f"lioncub compare: error: {run_dir} holds another or an unfinished run; pass "
+                        "--overwrite to train it again, or choose another --out",
+                        file=sys.stderr,
+                    )
+                    return 2
+                from lioncub.train_cli import remove_run
+
+                remove_run(run_dir)
+            try:
+                prepare_run_dir(run_dir, config, resume=False)
+            except ValueError as exc:
+                print(f"lioncub compare: error: {exc}", file=sys.stderr)
+                return 2
+            print(f"{label}: training in {run_dir}", file=sys.stderr, flush=True)
+            outcome = run_training(
+                config, run_dir, timeout_s=args.timeout or None, progress=not args.no_progress, label=label
+            )
+            if outcome.summary is None:
+                print(f"lioncub compare: {config.variant} failed: {outcome.message}", file=sys.stderr)
+                return outcome.returncode or 1
+            print(f"{label}: {format_summary(outcome.summary)}", file=sys.stderr, flush=True)
+    missing = [str(d) for d in run_dirs if not (d / "log.jsonl").exists()]
+    if missing:
+        print(f"lioncub compare: error: no runs in {', '.join(missing)}", file=sys.stderr)
+        return 2
+    rep = report.make_report(run_dirs, out, target_loss=args.target_loss)
+    report.print_table(rep)
+    print(f"report: {out / 'summary.md'}")
+    for name, path in rep.plots.items():
+        print(f"plot {name}: {path}")
+    return 0

@@ -1,0 +1,462 @@
+"""The training loop one rank runs: a workload, an optimizer variant, a JSONL log and checkpoints.
+
+Read it top to bottom: :class:`TrainConfig` (everything a run is), :func:`lr_factor` (warm-up + cosine),
+:func:`build_optimizer` (the variant: DDP baselines or ``LionCub``), :func:`train` (the loop), and
+:func:`main` (``python -m lioncub.train.loop RUN_DIR`` inside a ``torch.distributed`` job, which is what
+``lioncub train`` launches on every rank).
+
+Variants. ``"32bit"`` is what users run today: ``DistributedDataParallel`` (bucketed fp32 gradient
+allreduce overlapped with the backward pass) + :class:`~lioncub.optim.Lion`; ``"16bit"`` the same with
+DDP's bf16 compression hook (fp16 where the backend cannot allreduce bf16). Every other variant is a
+:class:`~lioncub.optim.LionCub` preset; the model is still wrapped in DDP (initial broadcast, buffer
+sync) with its gradient allreduce skipped (:func:`lioncub.ddp.skip_gradient_allreduce`).
+
+Step time split (seconds, rank 0, in every ``step`` record of ``log.jsonl``):
+
+* ``compute_s``: forward + backward. For the DDP baselines the backward also waits for the gradient
+  allreduce it overlaps; ``compute_s`` is then the forward + backward time measured without
+  communication (``model.no_sync()``, median of 3 passes before training) and the rest of the measured
+  forward + backward is ``comm_s``.
+* ``encode_s`` / ``exchange_s``: ``LionCub``'s quantize/pack and its wait for the exchange (incl.
+  unpack); ``comm_s`` = ``encode_s + exchange_s`` for the vote variants.
+* ``apply_s``: the optimizer's arithmetic (local direction, update, momentum).
+* ``step_s``: the whole step; ``time_s``: the training wall time so far (evaluation and checkpoints
+  excluded). ``bytes_sent``/``bytes_recv``: this rank's bytes handed to the collectives in the step.
+
+``eval`` records hold ``val_loss`` (and ``val_acc``) at ``eval_every`` steps and at the end; rank 0
+evaluates (the replicas are identical) while the others wait.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from lioncub.ddp import (
+    GradientTraffic,
+    compressed_allreduce_dtype,
+    count_gradient_allreduce,
+    skip_gradient_allreduce,
+)
+from lioncub.optim import PRESETS, Lion, LionCub
+from lioncub.train import checkpoint
+from lioncub.train.workloads import CNNWorkload, GPTWorkload, Workload, make_workload, workload_names
+
+__all__ = ["BASELINES", "TrainConfig", "build_optimizer", "lr_factor", "main", "train"]
+
+#: variants trained as DDP + Lion, as users run today (gradient allreduce in fp32 / 16-bit)
+BASELINES = ("32bit", "16bit")
+
+
+@dataclass
+class TrainConfig:
+    """One training run. ``overrides`` replace workload fields (e.g. ``{"batch_size": 8}``)."""
+
+    workload: str = "gpt"
+    size: str = "tiny"
+    variant: str = "8bit"
+    steps: int = 200
+    warmup_steps: int | None = None  # None: 10 % of the steps, at most 100
+    min_lr_ratio: float = 0.1  # the cosine ends at this fraction of each group's peak lr
+    eval_every: int = 50  # 0: only at the end
+    checkpoint_every: int = 0  # 0: only at the end
+    seed: int = 0
+    data_mode: str = "random"
+    bucket_mb: float = 25.0
+    device: str = "auto"  # "auto": cuda if available (NCCL), else cpu (gloo)
+    overrides: dict[str, Any] = field(default_factory=dict)
+    convert_momenta: str | None = None
+    stop_at: int | None = None  # stop after this step with a checkpoint, keeping the schedule of `steps`
+    # recorded for the report; the launcher applies them
+    nproc: int = 1
+    link: str = "loopback"
+
+    def __post_init__(self) -> None:
+        names = workload_names()
+        if self.workload not in names:
+            raise ValueError(f"--workload {self.workload!r}: allowed values are {sorted(names)}")
+        if self.size not in names[self.workload]:
+            raise ValueError(
+                f"--size {self.size!r}: allowed values for {self.workload} are {names[self.workload]}"
+            )
+        fields = {f.name for f in dataclasses.fields({"gpt": GPTWorkload, "cnn": CNNWorkload}[self.workload])}
+        fields -= {"size", "rank", "world_size", "seed", "data_mode", "device"}  # set by the run itself
+        unknown = sorted(set(self.overrides) - fields)
+        if unknown:
+            raise ValueError(
+                f"--set {', '.join(unknown)}: not a field of the {self.workload} workload; "
+                f"fields: {sorted(fields)}"
+            )
+        allowed = sorted({*PRESETS, *BASELINES})
+        if self.variant not in allowed:
+            raise ValueError(f"--variant {self.variant!r}: allowed values are {allowed}")
+        for name in ("steps", "eval_every", "checkpoint_every", "nproc"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < (1 if name in ("steps", "nproc") else 0):
+                raise ValueError(
+                    f"--{name.replace('_', '-')} {value!r} must be an integer >= "
+                    f"{1 if name in ('steps', 'nproc') else 0}"
+                )
+        if self.warmup_steps is not None and not (
+            isinstance(self.warmup_steps, int) and self.warmup_steps >= 0
+        ):
+            raise ValueError(f"--warmup {self.warmup_steps!r} must be an integer >= 0")
+        if self.stop_at is not None and not (
+            isinstance(self.stop_at, int) and 1 <= self.stop_at <= self.steps
+        ):
+            raise ValueError(
+                f"--stop-at {self.stop_at!r} must be an integer within [1, --steps {self.steps}]"
+            )
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"--min-lr-ratio {self.min_lr_ratio!r} must be within [0, 1]")
+        if self.data_mode not in ("random", "shard"):
+            raise ValueError(f"--data-mode {self.data_mode!r}: allowed values are ['random', 'shard']")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device {self.device!r}: allowed values are ['auto', 'cpu', 'cuda']")
+        if self.convert_momenta not in (None, *checkpoint.CONVERSIONS):
+            raise ValueError(
+                f"--convert-momenta {self.convert_momenta!r}: allowed values are "
+                f"{list(checkpoint.CONVERSIONS)}"
+            )
+
+    @property
+    def warmup(self) -> int:
+        return min(100, self.steps // 10) if self.warmup_steps is None else self.warmup_steps
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in doc.items() if k in known})
+
+
+def lr_factor(step: int, steps: int, warmup: int, min_ratio: float) -> float:
+    """Multiplier of every group's peak lr at optimizer step ``step`` (1-based): linear warm-up over
+    ``warmup`` steps, then a cosine from 1 down to ``min_ratio`` at ``steps``."""
+    if step <= warmup:
+        return step / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+# ----------------------------------------------------------------------------------------- optimizer
+
+
+@dataclass
+class Optimizer:
+    """The optimizer of a run and how to read its communication of the last step."""
+
+    opt: torch.optim.Optimizer
+    model: torch.nn.Module  # DDP-wrapped when world size > 1
+    traffic: GradientTraffic | None  # DDP baselines: bytes of the gradient allreduce
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.traffic is not None or isinstance(self.opt, Lion)
+
+
+def build_optimizer(config: TrainConfig, wl: Workload, model: torch.nn.Module, world_size: int) -> Optimizer:
+    """Wrap ``model`` in DDP (world size > 1) and build the variant's optimizer over the workload's groups."""
+    if world_size > 1:
+        model = DistributedDataParallel(
+            model, device_ids=[wl.device.index] if wl.device.type == "cuda" else None
+        )
+    groups = wl.param_groups(model)
+    if config.variant in BASELINES:
+        traffic = None
+        if world_size > 1:
+            wire = torch.float32 if config.variant == "32bit" else compressed_allreduce_dtype()
+            traffic = count_gradient_allreduce(model, wire)  # type: ignore[arg-type]
+        return Optimizer(Lion(groups, betas=wl.betas), model, traffic)
+    opt = LionCub(
+        groups, betas=wl.betas, variant=config.variant, bucket_mb=config.bucket_mb, broadcast_init=False
+    )
+    if world_size > 1:
+        skip_gradient_allreduce(model)  # type: ignore[arg-type]
+    return Optimizer(opt, model, None)
+
+
+def _compute_baseline(model: torch.nn.Module, wl: Workload, step: int) -> float:
+    """Median forward + backward time without communication (DDP ``no_sync``); leaves no trace: the
+    gradients are dropped and the buffers (BatchNorm statistics) put back."""
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    times = []
+    with model.no_sync():  # type: ignore[operator]
+        for _ in range(4):
+            t0 = time.perf_counter()
+            wl.loss(model, wl.train_batch(step)).backward()
+            times.append(time.perf_counter() - t0)
+    wl.sampler.position = step  # train_batch moved the position; the data state must not change
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for k, v in model.named_buffers():
+            v.copy_(buffers[k])
+    return statistics.median(times[1:])
+
+
+# ---------------------------------------------------------------------------------------------- loop
+
+
+def _device(config: TrainConfig) -> torch.device:
+    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda: no CUDA device is available")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def train(config: TrainConfig, run_dir: Path, *, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run (or resume) the training of ``config`` on this rank of the initialised process group; rank 0
+    writes ``log.jsonl`` and ``summary.json`` in ``run_dir``. Returns the summary."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = _device(config)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    wl = make_workload(
+        config.workload,
+        config.size,
+        rank=rank,
+        world_size=world,
+        seed=config.seed,
+        data_mode=config.data_mode,
+        device=device,
+        **config.overrides,
+    )
+    model = wl.build_model()
+    start = 0
+    resume = checkpoint.latest(run_dir)
+    state = None
+    if resume is not None:
+        checkpoint.check_compatible(
+            resume,
+            variant=config.variant,
+            world_size=world,
+            workload=config.workload,
+            size=config.size,
+            seed=config.seed,
+            convert_momenta=config.convert_momenta,
+        )
+        model.load_state_dict(checkpoint.model_state(resume))
+        state = checkpoint.load_rank_state(resume, rank, world)
+        start = resume.step
+    o = build_optimizer(config, wl, model, world)
+    model = o.model
+    for group in o.opt.param_groups:
+        group.setdefault("initial_lr", group["lr"])
+    if state is not None:
+        if isinstance(o.opt, LionCub):
+            o.opt.load_state_dict(state["optimizer"], allow_world_size_change=world != resume.world_size)
+        else:
+            o.opt.load_state_dict(state["optimizer"])
+        wl.load_state_dict(state["data"], strict=world == resume.world_size)
+        checkpoint.restore_rng(state)
+    wl.sampler.position = start
+    compute_ref = _compute_baseline(model, wl, start) if o.traffic is not None else None
+    log_path = run_dir / "log.jsonl"
+    if rank == 0:
+        _truncate_log(log_path, start)
+        if resume is not None:
+            log(f"resumed from {resume.path} at step {start}")
+    meta = {"variant": config.variant, "workload": config.workload, "size": config.size, "seed": config.seed}
+    elapsed = _elapsed_at(log_path, start) if rank == 0 else 0.0
+    records: list[dict[str, Any]] = []
+    evals: list[dict[str, Any]] = []
+    with open(log_path, "a") if rank == 0 else _NullFile() as out:
+        for step in range(start + 1, config.steps + 1):
+            factor = lr_factor(step, config.steps, config.warmup, config.min_lr_ratio)
+            for group in o.opt.param_groups:
+                group["lr"] = group["initial_lr"] * factor
+            t0 = time.perf_counter()
+            loss = wl.loss(model, wl.train_batch(step - 1))
+            loss.backward()
+            t1 = time.perf_counter()
+            o.opt.step()
+            o.opt.zero_grad(set_to_none=True)
+            t2 = time.perf_counter()
+            rec = _step_record(o, step, t1 - t0, t2 - t1, compute_ref)
+            elapsed += rec["step_s"]
+            rec["time_s"] = elapsed
+            loss_sum = loss.detach().float().reshape(1)
+            dist.all_reduce(loss_sum)  # outside the timed region: the mean training loss of the ranks
+            rec["loss"] = float(loss_sum) / world
+            rec["lr"] = o.opt.param_groups[0]["lr"]
+            records.append(rec)
+            _write(out, rec)
+            if step == config.steps or (config.eval_every and step % config.eval_every == 0):
+                ev = _evaluate(wl, model, rank, step, elapsed)
+                evals.append(ev)
+                _write(out, ev)
+            stop = step == config.stop_at
+            if (
+                stop
+                or step == config.steps
+                or (config.checkpoint_every and step % config.checkpoint_every == 0)
+            ):
+                checkpoint.save(
+                    run_dir,
+                    step=step,
+                    rank=rank,
+                    world_size=world,
+                    model=model,
+                    optimizer=o.opt,
+                    data_state=wl.state_dict(),
+                    meta=meta,
+                    barrier=dist.barrier,
+                )
+            if stop:
+                break
+    summary = _summary(config, wl, model, world, records, evals, compute_ref)
+    if rank == 0:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
+def _step_record(o: Optimizer, step: int, fwd_bwd: float, opt_s: float, compute_ref: float | None) -> dict:
+    rec: dict[str, Any] = {"kind": "step", "step": step, "step_s": fwd_bwd + opt_s}
+    if isinstance(o.opt, LionCub):
+        last = o.opt.comm_stats()["last"]
+        rec.update(
+            compute_s=fwd_bwd,
+            encode_s=last["encode_s"],
+            exchange_s=last["exchange_s"],
+            comm_s=last["communication_s"],
+            apply_s=last["direction_s"] + last["apply_s"],
+            bytes_sent=last["bytes_sent"],
+            bytes_recv=last["bytes_recv"],
+            collectives=last["collectives"],
+        )
+        return rec
+    sent, recv, colls = o.traffic.take() if o.traffic is not None else (0.0, 0.0, 0)
+    compute = fwd_bwd if compute_ref is None else min(fwd_bwd, compute_ref)
+    rec.update(
+        compute_s=compute,
+        encode_s=0.0,
+        exchange_s=fwd_bwd - compute,
+        comm_s=fwd_bwd - compute,
+        apply_s=opt_s,
+        bytes_sent=sent,
+        bytes_recv=recv,
+        collectives=colls,
+    )
+    return rec
+
+
+def _evaluate(wl: Workload, model: torch.nn.Module, rank: int, step: int, elapsed: float) -> dict[str, Any]:
+    ev: dict[str, Any] = {"kind": "eval", "step": step, "time_s": elapsed}
+    if rank == 0:
+        ev.update(wl.evaluate(model))
+    dist.barrier()  # the others wait here, not inside the next step's timed collectives
+    return ev
+
+
+def _summary(
+    config: TrainConfig,
+    wl: Workload,
+    model: torch.nn.Module,
+    world: int,
+    records: list[dict[str, Any]],
+    evals: list[dict[str, Any]],
+    compute_ref: float | None,
+) -> dict[str, Any]:
+    def med(key: str) -> float | None:
+        vals = [r[key] for r in records if key in r]
+        return statistics.median(vals) if vals else None
+
+    last_eval = next((e for e in reversed(evals) if "val_loss" in e), None)
+    return {
+        "config": config.to_json(),
+        "world_size": world,
+        "params": sum(p.numel() for p in model.parameters()),
+        "info": {k: v for k, v in wl.info().items() if isinstance(v, (int, float, str, bool))},
+        "steps_run": len(records),
+        "median_step_s": med("step_s"),
+        "median_compute_s": med("compute_s"),
+        "median_comm_s": med("comm_s"),
+        "median_apply_s": med("apply_s"),
+        "median_bytes_sent": med("bytes_sent"),
+        "compute_reference_s": compute_ref,
+        "final": last_eval,
+    }
+
+
+def _write(out: Any, rec: dict[str, Any]) -> None:
+    out.write(json.dumps(rec) + "\n")
+    out.flush()
+
+
+class _NullFile:
+    def __enter__(self) -> _NullFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def write(self, text: str) -> None:
+        return None
+
+    def flush(self) -> None:
+        return None
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """Keep the records of steps ≤ ``step`` (a resumed run rewrites what came after its checkpoint)."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    tmp = path.with_name(path.name + ".part")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
+def _elapsed_at(path: Path, step: int) -> float:
+    if not path.exists():
+        return 0.0
+    times = [json.loads(line).get("time_s", 0.0) for line in path.read_text().splitlines() if line]
+    return max(times, default=0.0) if step else 0.0
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m lioncub.train.loop RUN_DIR``: train ``RUN_DIR/config.json`` on this rank."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print(
+            "usage: python -m lioncub.train.loop RUN_DIR  (inside a torch.distributed job)", file=sys.stderr
+        )
+        return 2
+    run_dir = Path(args[0])
+    config = TrainConfig.from_json(json.loads((run_dir / "config.json").read_text()))
+    torch.set_num_threads(int(os.environ.get("LIONCUB_THREADS", "1")))
+    backend = "nccl" if _device(config).type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=float(os.environ.get("LIONCUB_PG_TIMEOUT", "600")))
+    dist.init_process_group(backend, timeout=timeout)
+    try:
+        summary = train(config, run_dir)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    if summary["final"] is not None and int(os.environ.get("RANK", "0")) == 0:
+        print(f"final validation: {summary['final']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,430 @@
+"""Compare training runs of several optimizer variants: a summary table and PNG plots.
+
+Input: run directories written by the training loop, one per variant, same workload, seed and link:
+
+* ``config.json`` -- ``variant``, ``workload``, ``size``, ``world_size``, ``link``, ``steps``, ``seed``;
+* ``log.jsonl`` -- one JSON object a line: ``{"kind": "step", "step", "loss", "time_s", "step_s",
+  "compute_s", "comm_s", "apply_s", "bytes_sent", ...}`` (seconds; bytes per rank for that step) and
+  ``{"kind": "eval", "step", "val_loss", "time_s"[, "val_acc"]}``. ``time_s`` is cumulative training wall
+  time without evaluation. Missing optional fields are treated as absent; a run without ``config.json``
+  or without any step line raises :class:`ValueError` naming the directory. ``summary.json`` of a run is
+  not read: everything comes from the log.
+
+Output of :func:`make_report` (a :class:`Report`, one :class:`RunSummary` per run, in the given order),
+written into ``out_dir``: ``summary.md`` (markdown table, the target-loss rule, the run dirs),
+``summary.json`` (the rows), ``val_loss_vs_step.png``, ``val_loss_vs_time.png``, ``step_time_split.png``
+(median compute / communication incl. quantize+pack / apply / other per step, as Fig. 15 of the Lion Cub
+paper) and ``bytes_per_step.png``. Per-step numbers are medians over all step records. ``other`` is, per
+step, ``step_s`` minus the splits that step reports, clipped at 0.
+
+Target loss (for "time to target"): ``target_loss`` if given, else 1.02 × the final val loss of the
+``baseline`` run (default ``32bit``), else (no baseline run, or it has no eval) the worst final val loss
+among the runs, so that every run with evals reaches it. Time to target = ``time_s`` of the first eval
+with ``val_loss <= target``. "At equal steps" = the largest step evaluated by every run that has evals.
+
+Plots use :class:`matplotlib.figure.Figure` directly (the Agg renderer, no pyplot state), so nothing
+leaks and the importing program's backend is untouched. No torch is imported here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from matplotlib.figure import Figure
+from rich.console import Console
+
+__all__ = [
+    "COLUMNS",
+    "Report",
+    "RunLog",
+    "RunSummary",
+    "figure_bytes_per_step",
+    "figure_step_time_split",
+    "figure_val_loss_vs_step",
+    "figure_val_loss_vs_time",
+    "load_run",
+    "make_report",
+    "plot_series",
+    "print_table",
+]
+
+COLUMNS = (
+    "variant",
+    "step ms",
+    "compute ms",
+    "comm ms",
+    "apply ms",
+    "speedup",
+    "MB/step/rank",
+    "val loss at equal steps (step)",
+    "final val loss",
+    "time to target s",
+)
+SPLITS = ("compute_s", "comm_s", "apply_s")
+TARGET_FACTOR = 1.02
+DPI = 100
+BAR_PARTS = (
+    ("compute", "compute_s"),
+    ("communication (incl. quantize/pack)", "comm_s"),
+    ("apply", "apply_s"),
+    ("other", "other_s"),
+)
+
+
+@dataclass
+class RunLog:
+    """One run directory read back: its config, step records and eval records (sorted by step)."""
+
+    run_dir: Path
+    config: dict[str, Any]
+    steps: list[dict[str, Any]]
+    evals: list[dict[str, Any]]  # one per step (the last record wins), each with float "val_loss"
+
+    @property
+    def variant(self) -> str:
+        return str(self.config.get("variant", self.run_dir.name))
+
+    def eval_time(self, ev: dict[str, Any]) -> float | None:
+        """Training wall time (s) of an eval record; falls back to ``time_s`` of the step with its number."""
+        t = _num(ev, "time_s")
+        if t is None:
+            t = next((_num(s, "time_s") for s in self.steps if s.get("step") == ev["step"]), None)
+        return t
+
+
+@dataclass
+class RunSummary:
+    """One row of the comparison. Times in seconds (medians per step), bytes per rank per step."""
+
+    variant: str
+    steps: int
+    step_s: float | None
+    compute_s: float | None
+    comm_s: float | None
+    apply_s: float | None
+    other_s: float | None
+    speedup: float | None  # baseline median step_s / this median step_s
+    bytes_sent_per_step: float | None
+    final_step: int | None
+    final_val_loss: float | None
+    final_val_acc: float | None
+    equal_step: int | None
+    val_loss_equal_step: float | None
+    time_to_target_s: float | None
+    run_dir: Path
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "run_dir": str(self.run_dir)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RunSummary:
+        return cls(**{**data, "run_dir": Path(data["run_dir"])})
+
+
+@dataclass
+class Report:
+    """The comparison: rows in run order, the markdown table, the PNG paths and the target loss used."""
+
+    rows: list[RunSummary]
+    table_markdown: str
+    plots: dict[str, Path]
+    target_loss: float | None
+    target_rule: str
+    baseline: str
+    title: str
+    notes: list[str] = field(default_factory=list)
+    runs: list[RunLog] = field(default_factory=list, repr=False)
+
+
+def _num(rec: dict[str, Any], key: str) -> float | None:
+    value = rec.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return float(np.median(present)) if present else None
+
+
+def load_run(run_dir: Path) -> RunLog:
+    """Read ``config.json`` and ``log.jsonl`` of a run; :class:`ValueError` naming the dir if unusable."""
+    run_dir = Path(run_dir)
+    config_path, log_path = run_dir / "config.json", run_dir / "log.jsonl"
+    if not config_path.is_file():
+        raise ValueError(f"run dir {run_dir}: missing config.json")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError:
+        config = None
+    if not isinstance(config, dict):
+        raise ValueError(f"run dir {run_dir}: config.json is not a JSON object")
+    if not log_path.is_file():
+        raise ValueError(f"run dir {run_dir}: missing log.jsonl")
+    lines = [line for line in log_path.read_text().splitlines() if line.strip()]
+    steps, evals = [], {}
+    for i, line in enumerate(lines):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:  # a run killed mid-write leaves a partial last line
+                break
+            raise ValueError(f"run dir {run_dir}: log.jsonl line {i + 1} is not valid JSON") from None
+        kind = rec.get("kind") if isinstance(rec, dict) else None
+        if kind == "step":
+            steps.append(rec)
+        elif kind == "eval" and isinstance(rec.get("step"), int) and _num(rec, "val_loss") is not None:
+            evals[rec["step"]] = rec  # one record per step: the last one wins
+    if not steps:
+        raise ValueError(f"run dir {run_dir}: log.jsonl has no step records")
+    return RunLog(run_dir, config, steps, [evals[s] for s in sorted(evals)])
+
+
+def _summarize(run: RunLog) -> RunSummary:
+    others = []
+    for rec in run.steps:
+        step_s = _num(rec, "step_s")
+        if step_s is not None:
+            others.append(max(0.0, step_s - sum(_num(rec, k) or 0.0 for k in SPLITS)))
+    numbers = [s for s in (rec.get("step") for rec in run.steps) if isinstance(s, int)]
+    last = run.evals[-1] if run.evals else None
+    return RunSummary(
+        variant=run.variant,
+        steps=max(numbers) if numbers else len(run.steps),
+        step_s=_median([_num(rec, "step_s") for rec in run.steps]),
+        compute_s=_median([_num(rec, "compute_s") for rec in run.steps]),
+        comm_s=_median([_num(rec, "comm_s") for rec in run.steps]),
+        apply_s=_median([_num(rec, "apply_s") for rec in run.steps]),
+        other_s=_median(others),
+        speedup=None,
+        bytes_sent_per_step=_median([_num(rec, "bytes_sent") for rec in run.steps]),
+        final_step=last["step"] if last else None,
+        final_val_loss=_num(last, "val_loss") if last else None,
+        final_val_acc=_num(last, "val_acc") if last else None,
+        equal_step=None,
+        val_loss_equal_step=None,
+        time_to_target_s=None,
+        run_dir=run.run_dir,
+    )
+
+
+def _default_target(rows: list[RunSummary], baseline: str) -> tuple[float | None, str]:
+    base = next((r for r in rows if r.variant == baseline and r.final_val_loss is not None), None)
+    if base is not None and math.isfinite(base.final_val_loss):
+        target = base.final_val_loss * TARGET_FACTOR
+        return target, f"{TARGET_FACTOR} × final val loss of the {baseline} run = {target:.4g}"
+    finals = [r.final_val_loss for r in rows if r.final_val_loss is not None]
+    worst = max((v for v in finals if math.isfinite(v)), default=None)
+    if worst is None:
+        return None, "none: no run has a finite validation loss"
+    return worst, f"worst final val loss among the runs (no {baseline} run with evals) = {worst:.4g}"
+
+
+def _fmt(value: float | None, scale: float = 1.0, spec: str = ".3g", suffix: str = "") -> str:
+    return "—" if value is None else f"{value * scale:{spec}}{suffix}"
+
+
+def _cells(row: RunSummary) -> list[str]:
+    final = _fmt(row.final_val_loss, spec=".4f")
+    if row.final_val_acc is not None:
+        final += f" (acc {row.final_val_acc:.3f})"
+    equal = _fmt(row.val_loss_equal_step, spec=".4f")
+    if row.val_loss_equal_step is not None:
+        equal += f" ({row.equal_step})"
+    return [
+        row.variant,
+        _fmt(row.step_s, 1e3, ".1f"),
+        _fmt(row.compute_s, 1e3, ".1f"),
+        _fmt(row.comm_s, 1e3, ".1f"),
+        _fmt(row.apply_s, 1e3, ".1f"),
+        _fmt(row.speedup, spec=".2f", suffix="x"),
+        _fmt(row.bytes_sent_per_step, 1e-6, ".3g"),
+        equal,
+        final,
+        _fmt(row.time_to_target_s, spec=".1f"),
+    ]
+
+
+def _markdown(rows: list[RunSummary]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join(["---"] + ["---:"] * (len(COLUMNS) - 1)) + "|"]
+    lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def make_report(
+    run_dirs: Sequence[Path], out_dir: Path, *, target_loss: float | None = None, baseline: str = "32bit"
+) -> Report:
+    """Summarize the runs (in the given order), write summary.md/json and the PNGs into ``out_dir``."""
+    if not run_dirs:
+        raise ValueError("make_report: no run directories given")
+    runs = [load_run(Path(d)) for d in run_dirs]
+    rows = [_summarize(run) for run in runs]
+    base = next((r for r in rows if r.variant == baseline and r.step_s), None)
+    for row in rows:
+        if base is not None and row.step_s:
+            row.speedup = base.step_s / row.step_s
+    evaluated = [run for run in runs if run.evals]
+    common = set.intersection(*({e["step"] for e in run.evals} for run in evaluated)) if evaluated else set()
+    if target_loss is None:
+        target_loss, rule = _default_target(rows, baseline)
+    else:
+        rule = f"given: {target_loss:.4g}"
+    for run, row in zip(runs, rows, strict=True):
+        if common and run.evals:
+            row.equal_step = max(common)
+            row.val_loss_equal_step = {e["step"]: float(e["val_loss"]) for e in run.evals}[row.equal_step]
+        if target_loss is not None:
+            hit = next((e for e in run.evals if float(e["val_loss"]) <= target_loss), None)
+            row.time_to_target_s = run.eval_time(hit) if hit is not None else None
+    config = runs[0].config
+    title = (
+        f"{config.get('workload', '?')} {config.get('size', '?')}, N = {config.get('world_size', '?')}, "
+        f"link {config.get('link', '?')}, seed {config.get('seed', '?')}"
+    )
+    notes = []
+    for key in ("workload", "size", "world_size", "link", "seed"):
+        values = {json.dumps(run.config.get(key)) for run in runs}
+        if len(values) > 1:
+            notes.append(f"warning: the runs differ in {key}: {', '.join(sorted(values))}")
+    report = Report(rows, _markdown(rows), {}, target_loss, rule, baseline, title, notes, runs)
+    _write(report, Path(out_dir))
+    return report
+
+
+def _write(report: Report, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    text = [f"# {report.title}", "", report.table_markdown, f"Target loss: {report.target_rule}.", ""]
+    text += [*report.notes, "", "Run directories:", ""]
+    text += [f"- {row.variant}: `{row.run_dir}`" for row in report.rows]
+    (out_dir / "summary.md").write_text("\n".join(text) + "\n")
+    data = {
+        "title": report.title,
+        "baseline": report.baseline,
+        "target_loss": report.target_loss,
+        "target_rule": report.target_rule,
+        "rows": [row.to_json() for row in report.rows],
+    }
+    (out_dir / "summary.json").write_text(json.dumps(data, indent=2) + "\n")
+    for name, make in FIGURES.items():
+        fig = make(report)
+        path = out_dir / f"{name}.png"
+        fig.savefig(path, dpi=DPI)
+        fig.clear()
+        report.plots[name] = path
+
+
+def plot_series(report: Report) -> dict[str, dict[str, tuple[list[float], list[float]]]]:
+    """The plotted lines: ``{"val_loss_vs_step" | "val_loss_vs_time": {variant: (x, val_loss)}}``.
+
+    x is the optimizer step or the training wall time (s). Runs without evals are left out; on the time
+    plot, evals without a known time are left out.
+    """
+    by_step, by_time = {}, {}
+    for run in report.runs:
+        if not run.evals:
+            continue
+        by_step[run.variant] = (
+            [float(e["step"]) for e in run.evals],
+            [float(e["val_loss"]) for e in run.evals],
+        )
+        timed = [(t, float(e["val_loss"])) for e in run.evals if (t := run.eval_time(e)) is not None]
+        if timed:
+            by_time[run.variant] = ([t for t, _ in timed], [v for _, v in timed])
+    return {"val_loss_vs_step": by_step, "val_loss_vs_time": by_time}
+
+
+def _line_figure(report: Report, name: str, xlabel: str) -> Figure:
+    fig = Figure(figsize=(6.4, 4.0))
+    ax = fig.subplots()
+    for variant, (x, y) in plot_series(report)[name].items():
+        ax.plot(x, y, marker="o", markersize=3, label=variant)
+    target = report.target_loss
+    if target is not None and math.isfinite(target):
+        ax.axhline(
+            target, color="gray", linestyle="--", linewidth=1, gid="target", label=f"target {target:.4g}"
+        )
+    ax.set(xlabel=xlabel, ylabel="validation loss", title=report.title)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def figure_val_loss_vs_step(report: Report) -> Figure:
+    """Validation loss vs optimizer step, one line per variant (label = variant); dashed: target loss."""
+    return _line_figure(report, "val_loss_vs_step", "optimizer step")
+
+
+def figure_val_loss_vs_time(report: Report) -> Figure:
+    """Validation loss vs training wall time (s, evaluation excluded), one line per variant."""
+    return _line_figure(report, "val_loss_vs_time", "training wall time (s)")
+
+
+def figure_step_time_split(report: Report) -> Figure:
+    """Stacked horizontal bars: median ms per step in compute, communication, apply and other."""
+    fig = Figure(figsize=(6.4, 0.5 * len(report.rows) + 2.0), layout="constrained")
+    ax = fig.subplots()
+    names = [row.variant for row in report.rows]
+    left = np.zeros(len(names))
+    for label, attr in BAR_PARTS:
+        ms = np.array([(getattr(row, attr) or 0.0) * 1e3 for row in report.rows])
+        ax.barh(range(len(names)), ms, left=left, label=label)
+        left += ms
+    ax.set_yticks(range(len(names)), names)
+    ax.invert_yaxis()
+    ax.set(xlabel="median time per step (ms)", title=report.title)
+    fig.legend(loc="outside lower center", ncols=2, fontsize="small")
+    return fig
+
+
+def figure_bytes_per_step(report: Report) -> Figure:
+    """Bars: median MB (1e6 bytes) sent per rank per step; log scale if the values span more than 10×."""
+    fig = Figure(figsize=(6.4, 4.0))
+    ax = fig.subplots()
+    mb = [(row.bytes_sent_per_step or 0.0) / 1e6 for row in report.rows]
+    ax.bar_label(ax.bar(range(len(mb)), mb, color="tab:blue"), fmt="%.3g")
+    ax.set_xticks(range(len(mb)), [row.variant for row in report.rows], rotation=30, ha="right")
+    positive = [v for v in mb if v > 0]
+    if positive and max(positive) > 10 * min(positive):
+        ax.set_yscale("log")
+    ax.margins(y=0.1)
+    ax.set(ylabel="MB sent per rank per step", title=report.title)
+    fig.tight_layout()
+    return fig
+
+
+FIGURES = {
+    "val_loss_vs_step": figure_val_loss_vs_step,
+    "val_loss_vs_time": figure_val_loss_vs_time,
+    "step_time_split": figure_step_time_split,
+    "bytes_per_step": figure_bytes_per_step,
+}
+
+
+def print_table(report: Report, console: Console | None = None) -> None:
+    """Print the comparison table (and the target-loss rule) with rich."""
+    from rich.table import Table
+
+    if console is None:
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=max(console.width, 160))
+    cells = [_cells(row) for row in report.rows]
+    table = Table(title=report.title, title_justify="left")
+    for i, col in enumerate(COLUMNS):
+        table.add_column(col, justify="left" if i == 0 else "right", overflow="fold")
+    for row_cells in cells:
+        table.add_row(*row_cells)
+    console.print(table)
+    console.print(f"target loss: {report.target_rule}")
+    for note in report.notes:
+        console.print(note)

@@ -1,0 +1,279 @@
+"""The run-comparison report (``lioncub.train.report``) on synthetic run directories.
+
+Every expected number is worked out by hand in the comments next to it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+from rich.console import Console
+
+from lioncub.train import report as rp
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def write_run(
+    root: Path,
+    variant: str,
+    step_s: Sequence[float],
+    *,
+    compute: Sequence[float] | float = 0.2,
+    comm: Sequence[float] | None = None,
+    apply: float = 0.02,
+    bytes_sent: Sequence[float] | float = 1e6,
+    evals: Sequence[tuple[int, float, float]] = (),
+    name: str | None = None,
+) -> Path:
+    """A run dir with config.json and log.jsonl; steps 1..len(step_s), evals as (step, val_loss, time_s)."""
+    run_dir = root / (name or variant)
+    run_dir.mkdir(parents=True)
+    config = {"variant": variant, "workload": "gpt", "size": "tiny", "world_size": 4, "link": "1gbit"}
+    (run_dir / "config.json").write_text(json.dumps({**config, "steps": len(step_s), "seed": 0}))
+    n = len(step_s)
+    compute = [compute] * n if isinstance(compute, float) else list(compute)
+    comm = [s - c - apply for s, c in zip(step_s, compute, strict=True)] if comm is None else list(comm)
+    sent = [bytes_sent] * n if isinstance(bytes_sent, float) else list(bytes_sent)
+    lines, t = [], 0.0
+    for i in range(n):
+        t += step_s[i]
+        rec = {"kind": "step", "step": i + 1, "loss": 3.0 - 0.1 * i, "time_s": t, "step_s": step_s[i]}
+        rec |= {"compute_s": compute[i], "comm_s": comm[i], "apply_s": apply, "bytes_sent": sent[i]}
+        lines.append(json.dumps(rec))
+        for step, val, time_s in evals:
+            if step == i + 1:
+                lines.append(json.dumps({"kind": "eval", "step": step, "val_loss": val, "time_s": time_s}))
+    (run_dir / "log.jsonl").write_text("\n".join(lines) + "\n")
+    return run_dir
+
+
+# 32bit: compute 0.2 + apply 0.02 + comm = step − 0.25 leaves other = 0.03 on every step. Sorted step_s
+# 0.40 0.44 0.48 0.50 0.52 0.60 -> median 0.49; comm sorted 0.15 0.19 0.23 0.25 0.27 0.35 -> 0.24
+A_STEPS = [0.40, 0.50, 0.44, 0.60, 0.48, 0.52]
+A_COMM = [s - 0.25 for s in A_STEPS]
+A_EVALS = [(2, 2.0, 1.0), (4, 1.6, 2.0), (6, 1.5, 3.0)]
+# 1bit: sorted step_s 0.20 0.22 0.245 0.25 0.30 -> 0.245 (speedup 0.49 / 0.245 = 2); comm sorted
+# 0.01 0.01 0.02 0.03 0.08 -> 0.02; other = step − 0.2 − comm − 0.01 = 0.01, 0 (clipped from −0.02), 0.01,
+# 0, 0.015 -> median 0.01
+B_STEPS = [0.25, 0.20, 0.30, 0.22, 0.245]
+B_COMM = [0.03, 0.01, 0.08, 0.01, 0.02]
+B_BYTES = [1.25e5, 1.25e5, 1.3e5, 1.25e5, 1.2e5]  # median 1.25e5
+B_EVALS = [(2, 2.1, 0.5), (4, 1.52, 1.0)]
+# 8bit: step 0.35 -> speedup 0.49 / 0.35 = 1.4; final 1.7 never reaches 1.02 × 1.5 = 1.53
+C_EVALS = [(2, 2.05, 0.8), (3, 1.9, 1.1), (4, 1.7, 1.5)]
+
+
+@pytest.fixture
+def three_runs(tmp_path: Path) -> list[Path]:
+    return [
+        write_run(tmp_path, "32bit", A_STEPS, comm=A_COMM, bytes_sent=4e6, evals=A_EVALS),
+        write_run(tmp_path, "1bit", B_STEPS, comm=B_COMM, apply=0.01, bytes_sent=B_BYTES, evals=B_EVALS),
+        write_run(tmp_path, "8bit", [0.35] * 4, bytes_sent=1e6, evals=C_EVALS),
+    ]
+
+
+def test_medians_speedups_bytes(three_runs: list[Path], tmp_path: Path) -> None:
+    report = rp.make_report(three_runs, tmp_path / "out")
+    a, b, c = report.rows
+    assert [r.variant for r in report.rows] == ["32bit", "1bit", "8bit"]
+    assert [r.steps for r in report.rows] == [6, 5, 4]
+    assert [r.run_dir for r in report.rows] == three_runs
+    assert a.step_s == pytest.approx(0.49)
+    assert (a.compute_s, a.comm_s, a.apply_s, a.other_s) == pytest.approx((0.2, 0.24, 0.02, 0.03))
+    assert b.step_s == pytest.approx(0.245)
+    assert (b.compute_s, b.comm_s, b.apply_s, b.other_s) == pytest.approx((0.2, 0.02, 0.01, 0.01))
+    assert (a.speedup, b.speedup, c.speedup) == pytest.approx((1.0, 2.0, 1.4))
+    assert (a.bytes_sent_per_step, b.bytes_sent_per_step, c.bytes_sent_per_step) == (4e6, 1.25e5, 1e6)
+
+
+def test_val_loss_equal_steps_and_default_target(three_runs: list[Path], tmp_path: Path) -> None:
+    report = rp.make_report(three_runs, tmp_path / "out")
+    a, b, c = report.rows
+    # eval steps {2, 4, 6}, {2, 4}, {2, 3, 4}: largest common step is 4
+    assert [r.equal_step for r in report.rows] == [4, 4, 4]
+    assert [r.val_loss_equal_step for r in report.rows] == [1.6, 1.52, 1.7]
+    assert [(r.final_step, r.final_val_loss) for r in report.rows] == [(6, 1.5), (4, 1.52), (4, 1.7)]
+    # default: 1.02 × the 32bit run's final 1.5 = 1.53; 32bit first <= 1.53 at step 6 (3.0 s), 1bit at step 4
+    assert report.target_loss == pytest.approx(1.53)
+    assert "32bit" in report.target_rule
+    assert (a.time_to_target_s, b.time_to_target_s, c.time_to_target_s) == (3.0, 1.0, None)
+
+
+def test_given_target_and_no_baseline(three_runs: list[Path], tmp_path: Path) -> None:
+    report = rp.make_report(three_runs, tmp_path / "given", target_loss=1.6)
+    assert report.target_loss == 1.6
+    # 1.6 <= 1.6 at step 4 of 32bit (2.0 s); 1bit at step 4 (1.0 s); 8bit bottoms out at 1.7
+    assert [r.time_to_target_s for r in report.rows] == [2.0, 1.0, None]
+    # without a 32bit run: the worst final val loss, max(1.52, 1.7) = 1.7, which 8bit reaches at 1.5 s
+    report = rp.make_report(three_runs[1:], tmp_path / "nobase")
+    assert report.target_loss == 1.7
+    assert "worst" in report.target_rule
+    assert [r.time_to_target_s for r in report.rows] == [1.0, 1.5]
+    assert [r.speedup for r in report.rows] == [None, None]
+    # another baseline
+    report = rp.make_report(three_runs, tmp_path / "base8", baseline="8bit")
+    assert report.target_loss == pytest.approx(1.7 * 1.02)
+    assert [r.speedup for r in report.rows] == pytest.approx([0.35 / 0.49, 0.35 / 0.245, 1.0])
+
+
+def test_summary_files(three_runs: list[Path], tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    report = rp.make_report(three_runs, out)
+    md = (out / "summary.md").read_text()
+    assert "| " + " | ".join(rp.COLUMNS) + " |" in md
+    assert report.table_markdown in md
+    assert "Target loss:" in md and "1.53" in md
+    for variant, run_dir in zip(["32bit", "1bit", "8bit"], three_runs, strict=True):
+        assert f"| {variant} |" in md
+        assert str(run_dir) in md
+    assert "| 1bit | 245.0 | 200.0 | 20.0 | 10.0 | 2.00x | 0.125 | 1.5200 (4) | 1.5200 | 1.0 |" in md
+    assert "| 8bit |" in md and "| — |" in md  # 8bit never reaches the target
+    data = json.loads((out / "summary.json").read_text())
+    assert [rp.RunSummary.from_json(row) for row in data["rows"]] == report.rows
+    assert data["target_loss"] == report.target_loss
+
+
+def test_pngs_are_valid(three_runs: list[Path], tmp_path: Path) -> None:
+    report = rp.make_report(three_runs, tmp_path / "out")
+    names = {"val_loss_vs_step", "val_loss_vs_time", "step_time_split", "bytes_per_step"}
+    assert set(report.plots) == names
+    for name, path in report.plots.items():
+        assert path == tmp_path / "out" / f"{name}.png"
+        assert path.read_bytes()[:8] == PNG_SIGNATURE
+        image = matplotlib.image.imread(path)
+        assert image.shape[0] > 0 and image.shape[1] > 0
+        assert path.stat().st_size < 200_000
+
+
+def _lines(fig) -> dict[str, tuple[list[float], list[float]]]:
+    ax = fig.axes[0]
+    return {
+        line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+        for line in ax.get_lines()
+        if line.get_gid() != "target"
+    }
+
+
+def test_figure_series(three_runs: list[Path], tmp_path: Path) -> None:
+    report = rp.make_report(three_runs, tmp_path / "out")
+    by_step = {
+        v: ([float(s) for s, _, _ in ev], [val for _, val, _ in ev])
+        for v, ev in [("32bit", A_EVALS), ("1bit", B_EVALS), ("8bit", C_EVALS)]
+    }
+    by_time = {
+        v: ([t for _, _, t in ev], [val for _, val, _ in ev])
+        for v, ev in [("32bit", A_EVALS), ("1bit", B_EVALS), ("8bit", C_EVALS)]
+    }
+    assert rp.plot_series(report) == {"val_loss_vs_step": by_step, "val_loss_vs_time": by_time}
+    assert _lines(rp.figure_val_loss_vs_step(report)) == by_step
+    assert _lines(rp.figure_val_loss_vs_time(report)) == by_time
+    target = [ln for ln in rp.figure_val_loss_vs_step(report).axes[0].get_lines() if ln.get_gid() == "target"]
+    assert target[0].get_ydata()[0] == pytest.approx(1.53)
+
+    ax = rp.figure_step_time_split(report).axes[0]
+    bars = {cont.get_label(): [p.get_width() for p in cont.patches] for cont in ax.containers}
+    assert list(bars) == ["compute", "communication (incl. quantize/pack)", "apply", "other"]
+    assert bars["compute"] == pytest.approx([200, 200, 200])
+    assert bars["communication (incl. quantize/pack)"] == pytest.approx([240, 20, 130])
+    assert bars["apply"] == pytest.approx([20, 10, 20])
+    assert bars["other"] == pytest.approx([30, 10, 0], abs=1e-9)
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["32bit", "1bit", "8bit"]
+
+    ax = rp.figure_bytes_per_step(report).axes[0]
+    assert [p.get_height() for p in ax.patches] == pytest.approx([4.0, 0.125, 1.0])
+    assert ax.get_yscale() == "log"  # 4 / 0.125 = 32 > 10
+
+
+def test_bytes_linear_scale_within_10x(tmp_path: Path) -> None:
+    runs = [write_run(tmp_path, "32bit", [0.4] * 3, bytes_sent=4e6), write_run(tmp_path, "16bit", [0.3] * 3)]
+    report = rp.make_report(runs, tmp_path / "out")
+    ax = rp.figure_bytes_per_step(report).axes[0]
+    assert ax.get_yscale() == "linear"
+    assert report.rows[1].speedup == pytest.approx(0.4 / 0.3)
+
+
+def test_print_table(three_runs: list[Path], tmp_path: Path) -> None:
+    report = rp.make_report(three_runs, tmp_path / "out")
+    buf = io.StringIO()
+    rp.print_table(report, Console(file=buf, width=250, color_system=None))
+    text = buf.getvalue()
+    for col in rp.COLUMNS:
+        assert col in text
+    assert text.index("32bit") < text.index("1bit") < text.index("8bit")
+    assert "2.00x" in text and "1.40x" in text and "target loss" in text
+
+
+def test_missing_config_or_steps(tmp_path: Path) -> None:
+    good = write_run(tmp_path, "32bit", [0.4] * 3)
+    no_config = write_run(tmp_path, "1bit", [0.2] * 3)
+    (no_config / "config.json").unlink()
+    with pytest.raises(ValueError, match=r"1bit.*config\.json"):
+        rp.make_report([good, no_config], tmp_path / "out")
+    no_steps = write_run(tmp_path, "8bit", [0.3] * 2, evals=[(1, 2.0, 0.3)])
+    (no_steps / "log.jsonl").write_text(json.dumps({"kind": "eval", "step": 1, "val_loss": 2.0}) + "\n")
+    with pytest.raises(ValueError, match=r"8bit.*no step records"):
+        rp.make_report([good, no_steps], tmp_path / "out")
+    (no_steps / "log.jsonl").unlink()
+    with pytest.raises(ValueError, match=r"8bit.*log\.jsonl"):
+        rp.load_run(no_steps)
+    with pytest.raises(ValueError, match="no run directories"):
+        rp.make_report([], tmp_path / "out")
+
+
+def test_run_without_evals_or_timings(tmp_path: Path) -> None:
+    base = write_run(tmp_path, "32bit", [0.4, 0.5, 0.6], evals=[(2, 2.0, 0.9), (3, 1.8, 1.5)])
+    no_evals = write_run(tmp_path, "1bit", [0.2, 0.2, 0.3])
+    # an older log: steps with only step and loss, an eval without time_s, a partial last line
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "config.json").write_text(json.dumps({"variant": "dlion-avg"}))
+    log = [{"kind": "step", "step": 1, "loss": 3.0, "time_s": 0.7}, {"kind": "step", "step": 2, "loss": 2.5}]
+    log += [{"kind": "eval", "step": 1, "val_loss": 2.2}, {"kind": "eval", "step": 2, "val_loss": 1.8}]
+    (old / "log.jsonl").write_text("\n".join(map(json.dumps, log)) + '\n{"kind": "st')
+    report = rp.make_report([base, no_evals, old], tmp_path / "out")
+    a, b, c = report.rows
+    assert (b.final_val_loss, b.final_val_acc, b.equal_step, b.val_loss_equal_step) == (None,) * 4
+    assert (b.time_to_target_s, b.step_s) == (None, pytest.approx(0.2))
+    # evals of the runs that have them: {2, 3} and {1, 2} -> equal step 2
+    assert (a.equal_step, a.val_loss_equal_step, c.equal_step, c.val_loss_equal_step) == (2, 2.0, 2, 1.8)
+    assert (c.step_s, c.compute_s, c.other_s, c.speedup, c.bytes_sent_per_step) == (None,) * 5
+    assert c.steps == 2
+    # target 1.02 × 1.8 = 1.836: dlion-avg reaches it at step 2, which has no time_s anywhere
+    assert c.time_to_target_s is None
+    series = rp.plot_series(report)
+    assert set(series["val_loss_vs_step"]) == {"32bit", "dlion-avg"}
+    assert series["val_loss_vs_time"] == {"32bit": ([0.9, 1.5], [2.0, 1.8]), "dlion-avg": ([0.7], [2.2])}
+    assert set(_lines(rp.figure_val_loss_vs_step(report))) == {"32bit", "dlion-avg"}
+    for path in report.plots.values():
+        assert path.read_bytes()[:8] == PNG_SIGNATURE
+    rp.print_table(report, Console(file=io.StringIO(), width=250))
+
+
+def test_val_acc_reported(tmp_path: Path) -> None:
+    run = write_run(tmp_path, "4bit", [0.3] * 2)
+    with (run / "log.jsonl").open("a") as f:
+        f.write(json.dumps({"kind": "eval", "step": 2, "val_loss": 0.5, "val_acc": 0.83, "time_s": 0.6}))
+    report = rp.make_report([run], tmp_path / "out")
+    assert (report.rows[0].final_val_loss, report.rows[0].final_val_acc) == (0.5, 0.83)
+    assert "acc 0.830" in report.table_markdown
+    assert report.target_loss == 0.5  # no 32bit run: the worst (only) final val loss
+
+
+def test_module_does_not_import_torch() -> None:
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('report', {rp.__file__!r})\n"
+        "mod = sys.modules['report'] = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(mod)\n"
+        "print('torch' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"

@@ -1,0 +1,189 @@
+"""``lioncub train`` / ``lioncub compare`` end to end on the tiny workloads (2 gloo ranks on loopback).
+
+Oracles: the bytes each variant hands to its collectives per step (closed form in the parameter count),
+the lr schedule (closed form), an uninterrupted run against a stopped-and-resumed one (bitwise), and the
+mean of the saved momenta for a world-size conversion (numpy).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lioncub import cli
+from lioncub.optim import PRESETS
+from lioncub.train import checkpoint
+from lioncub.train.loop import BASELINES, TrainConfig, lr_factor
+
+ALL_VARIANTS = sorted({*PRESETS, *BASELINES})
+TINY = ["--workload", "gpt", "--size", "tiny", "--no-progress"]
+
+
+def train(out: Path, *extra: str) -> int:
+    return cli.main(["train", *TINY, "--out", str(out), *extra])
+
+
+def records(run_dir: Path, kind: str) -> list[dict]:
+    lines = (run_dir / "log.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def expected_bytes(variant: str, d: int, n: int) -> float:
+    """Bytes one rank sends per step (the optimizer's own formula, one bucket of d fp32 parameters)."""
+    ring = 2 * (n - 1) / n
+    if variant == "32bit":
+        return ring * 4 * d
+    if variant == "16bit":
+        return ring * 2 * d
+    if variant == "1bit":
+        return ring * math.ceil(d / (8 * n)) * 8 * n / 8
+    if variant == "4bit":
+        return ring * math.ceil(d / 2)
+    if variant in ("8bit", "8bit-sign", "dlion-avg"):
+        return ring * d
+    assert variant == "dlion-mavo"  # rank 0 is the server: 2-bit results to the other n - 1 ranks
+    return (n - 1) * math.ceil(d / 4)
+
+
+# -- pure parts ----------------------------------------------------------------------------------------
+
+
+def test_lr_schedule_warmup_then_cosine() -> None:
+    steps, warmup, floor = 100, 10, 0.1
+    assert lr_factor(1, steps, warmup, floor) == pytest.approx(0.1)
+    assert lr_factor(10, steps, warmup, floor) == pytest.approx(1.0)
+    assert lr_factor(55, steps, warmup, floor) == pytest.approx(floor + (1 - floor) * 0.5)  # half-way
+    assert lr_factor(100, steps, warmup, floor) == pytest.approx(floor)
+    values = [lr_factor(s, steps, warmup, floor) for s in range(warmup, steps + 1)]
+    assert all(a >= b for a, b in itertools.pairwise(values))
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"variant": "2bit"}, "--variant '2bit': allowed values are"),
+        ({"workload": "bert"}, "--workload 'bert': allowed values are"),
+        ({"size": "huge"}, "--size 'huge': allowed values for gpt are"),
+        ({"steps": 0}, "--steps 0 must be an integer >= 1"),
+        ({"data_mode": "stripes"}, "--data-mode 'stripes'"),
+        ({"overrides": {"n_layers": 3}}, "--set n_layers: not a field of the gpt workload"),
+        ({"stop_at": 300}, "--stop-at 300 must be an integer within"),
+        ({"convert_momenta": "sum"}, "--convert-momenta 'sum': allowed values are \\['average'\\]"),
+    ],
+)
+def test_config_errors_name_the_option(fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**fields)
+
+
+def test_momentum_conversion_is_the_mean(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    momenta = [rng.standard_normal((3, 5)).astype(np.float32) for _ in range(3)]
+    path = tmp_path / "checkpoints" / "step_00000007"
+    path.mkdir(parents=True)
+    for r, m in enumerate(momenta):
+        state = {"state": {0: {"exp_avg": torch.from_numpy(m)}}, "param_groups": []}
+        torch.save({"optimizer": state, "rng": {}, "data": {}, "rank": r}, path / f"rank{r}.pt")
+    meta = checkpoint.CheckpointMeta(path, 7, "1bit", 3, "gpt", "tiny", 0)
+    with pytest.raises(ValueError, match=r"written by 3 ranks; this run has 2\..*--convert-momenta average"):
+        checkpoint.check_compatible(
+            meta, variant="1bit", world_size=2, workload="gpt", size="tiny", seed=0, convert_momenta=None
+        )
+    with pytest.raises(ValueError, match="written by --variant 1bit; this run is --variant 8bit"):
+        checkpoint.check_compatible(
+            meta, variant="8bit", world_size=3, workload="gpt", size="tiny", seed=0, convert_momenta=None
+        )
+    state = checkpoint.load_rank_state(meta, 1, 2)
+    mean = np.mean(np.stack(momenta).astype(np.float64), axis=0).astype(np.float32)
+    np.testing.assert_array_equal(state["optimizer"]["state"][0]["exp_avg"].numpy(), mean)
+    assert state["converted_from"] == 3
+
+
+# -- end to end --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
+def test_every_variant_trains_through_the_cli(tmp_path: Path, variant: str) -> None:
+    out = tmp_path / variant
+    assert train(out, "--variant", variant, "--nproc", "2", "--steps", "3", "--eval-every", "2") == 0
+    steps = records(out, "step")
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    summary = json.loads((out / "summary.json").read_text())
+    d = summary["params"]
+    for r in steps:
+        assert math.isfinite(r["loss"]) and r["step_s"] > 0
+        assert r["bytes_sent"] == pytest.approx(expected_bytes(variant, d, 2))
+        parts = r["compute_s"] + r["comm_s"] + r["apply_s"]
+        assert parts <= r["step_s"] * 1.0001 + 1e-6
+    assert [e["step"] for e in records(out, "eval")] == [2, 3]
+    assert summary["final"]["val_loss"] > 0 and summary["steps_run"] == 3
+    meta = checkpoint.latest(out)
+    assert meta is not None and (meta.step, meta.variant, meta.world_size) == (3, variant, 2)
+
+
+def test_loss_falls_on_the_tiny_gpt(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    assert train(out, "--variant", "1bit", "--nproc", "2", "--steps", "40", "--eval-every", "0") == 0
+    losses = [r["loss"] for r in records(out, "step")]
+    assert losses[0] > math.log(40)  # about uniform over the ~60 characters at the start
+    assert np.mean(losses[-5:]) < losses[0] - 0.8, losses
+
+
+@pytest.mark.parametrize("variant", ["32bit", "1bit", "8bit"])
+def test_resume_equals_uninterrupted(tmp_path: Path, variant: str) -> None:
+    common = ["--variant", variant, "--nproc", "2", "--steps", "8", "--eval-every", "4"]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    assert train(whole, *common) == 0
+    assert train(parts, *common, "--stop-at", "5") == 0
+    assert checkpoint.latest(parts).step == 5
+    assert train(parts, "--resume", "--no-progress") == 0
+    a, b = checkpoint.latest(whole), checkpoint.latest(parts)
+    assert a.step == b.step == 8
+    for name, tensor in checkpoint.model_state(a).items():
+        assert torch.equal(tensor, checkpoint.model_state(b)[name]), name
+    for r in range(2):
+        sa = torch.load(a.path / f"rank{r}.pt", weights_only=False)["optimizer"]
+        sb = torch.load(b.path / f"rank{r}.pt", weights_only=False)["optimizer"]
+        for index, state in sa["state"].items():
+            assert torch.equal(state["exp_avg"], sb["state"][index]["exp_avg"])
+    key = ("step", "loss", "lr", "bytes_sent")
+    assert [tuple(r[k] for k in key) for r in records(whole, "step")] == [
+        tuple(r[k] for k in key) for r in records(parts, "step")
+    ]
+    assert [e["val_loss"] for e in records(whole, "eval")] == [e["val_loss"] for e in records(parts, "eval")]
+
+
+def test_resume_refuses_another_world_size_or_variant(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "run"
+    assert train(out, "--variant", "1bit", "--nproc", "2", "--steps", "4", "--stop-at", "2") == 0
+    capsys.readouterr()
+    assert train(out, "--resume", "--nproc", "1") == 2
+    assert "written by 2 ranks; this run has 1" in capsys.readouterr().err
+    assert train(out, "--resume", "--variant", "8bit") == 2
+    assert "written by --variant 1bit; this run is --variant 8bit" in capsys.readouterr().err
+    assert train(out, "--variant", "1bit") == 2  # without --resume an existing run is not overwritten
+    assert "already holds a run; pass --resume" in capsys.readouterr().err
+    assert train(out, "--resume", "--nproc", "1", "--convert-momenta", "average") == 0
+    assert [r["step"] for r in records(out, "step")] == [1, 2, 3, 4]
+
+
+def test_compare_writes_table_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "cmp"
+    argv = ["compare", *TINY, "--variants", "32bit,1bit", "--nproc", "2", "--steps", "4", "--eval-every", "2"]
+    assert cli.main([*argv, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "32bit" in printed and "1bit" in printed and str(out / "summary.md") in printed
+    table = (out / "summary.md").read_text()
+    assert "| 32bit" in table and "| 1bit" in table
+    for name in ("val_loss_vs_step", "val_loss_vs_time", "step_time_split", "bytes_per_step"):
+        png = (out / f"{name}.png").read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n", name
+    # a second call reuses the finished runs instead of training again
+    assert cli.main([*argv, "--out", str(out)]) == 0
+    assert "reusing the finished run" in capsys.readouterr().err

@@ -199,6 +199,7 @@ def _compute_baseline(model: torch.nn.Module, wl: Workload, step: int) -> float:
     times = []
     with model.no_sync():  # type: ignore[operator]
         for _ in range(4):
+            dist.barrier()  # all ranks compute at once, competing for the cores as in a training step
             t0 = time.perf_counter()
             wl.loss(model, wl.train_batch(step)).backward()
             times.append(time.perf_counter() - t0)

@@ -2,7 +2,8 @@
 
 Input: run directories written by the training loop, one per variant, same workload, seed and link:
 
-* ``config.json`` -- ``variant``, ``workload``, ``size``, ``world_size``, ``link``, ``steps``, ``seed``;
+* ``config.json`` -- ``variant``, ``workload``, ``size``, ``world_size`` (or ``nproc``), ``link``,
+  ``steps``, ``seed``;
 * ``log.jsonl`` -- one JSON object a line: ``{"kind": "step", "step", "loss", "time_s", "step_s",
   "compute_s", "comm_s", "apply_s", "bytes_sent", ...}`` (seconds; bytes per rank for that step) and
   ``{"kind": "eval", "step", "val_loss", "time_s"[, "val_acc"]}``. ``time_s`` is cumulative training wall
@@ -167,6 +168,8 @@ def load_run(run_dir: Path) -> RunLog:
         config = None
     if not isinstance(config, dict):
         raise ValueError(f"run dir {run_dir}: config.json is not a JSON object")
+    if "world_size" not in config and "nproc" in config:  # lioncub train records the ranks as nproc
+        config["world_size"] = config["nproc"]
     if not log_path.is_file():
         raise ValueError(f"run dir {run_dir}: missing log.jsonl")
     lines = [line for line in log_path.read_text().splitlines() if line.strip()]

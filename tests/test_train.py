@@ -187,3 +187,13 @@ def test_compare_writes_table_and_plots(tmp_path: Path, capsys: pytest.CaptureFi
     # a second call reuses the finished runs instead of training again
     assert cli.main([*argv, "--out", str(out)]) == 0
     assert "reusing the finished run" in capsys.readouterr().err
+
+
+def test_cnn_trains_with_batchnorm_and_reports_accuracy(tmp_path: Path) -> None:
+    out = tmp_path / "cnn"
+    argv = ["train", "--workload", "cnn", "--size", "tiny", "--no-progress", "--variant", "4bit"]
+    assert cli.main([*argv, "--nproc", "2", "--steps", "30", "--eval-every", "15", "--out", str(out)]) == 0
+    evals = records(out, "eval")
+    assert [e["step"] for e in evals] == [15, 30]
+    assert 0.0 <= evals[0]["val_acc"] <= 1.0
+    assert evals[-1]["val_acc"] > 0.5  # ten digit classes: chance is 0.1

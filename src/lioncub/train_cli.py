@@ -45,6 +45,8 @@ FIELDS = {
     "convert_momenta": "convert_momenta",
     "nproc": "nproc",
     "stop_at": "stop_at",
+    "momentum_sync": "momentum_sync",
+    "sync_every": "sync_every",
 }
 
 
@@ -73,6 +75,13 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, variant: bool = True) 
     parser.add_argument("--bucket-mb", type=float, help="LionCub bucket size in MiB (default 25)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="default auto")
     parser.add_argument(
+        "--momentum-sync",
+        type=_sync_spec,
+        metavar="WHICH",
+        help="average momenta over the ranks: none (default), all, io, or comma-separated name patterns",
+    )
+    parser.add_argument("--sync-every", type=int, metavar="STEPS", help="momentum sync interval (default 10)")
+    parser.add_argument(
         "--set", action="append", default=[], metavar="FIELD=VALUE", help="change a workload field"
     )
     parser.add_argument("--timeout", type=float, default=7200.0, metavar="SECONDS", help="per run")
@@ -96,6 +105,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["average"],
         help="with --resume on another --nproc: start every rank from the mean of the saved momenta",
     )
+
+
+def _sync_spec(text: str) -> str | list[str]:
+    return text if text in ("none", "all", "io") else [t for t in text.split(",") if t]
 
 
 def _parse_set(items: list[str]) -> dict[str, Any]:
@@ -218,7 +231,10 @@ def prepare_run_dir(run_dir: Path, config: Any, *, resume: bool) -> Any:
             raise ValueError(f"--resume: {run_dir} holds no run (no config.json)")
         meta = checkpoint.latest(run_dir)
         if meta is None:
-            raise ValueError(f"--resume: {run_dir} has no complete checkpoint to resume from")
+            raise ValueError(
+                f"--resume: {run_dir} has no complete checkpoint to resume from (delete the directory to "
+                "start afresh)"
+            )
         checkpoint.check_compatible(
             meta,
             variant=config.variant,

@@ -47,6 +47,7 @@ from lioncub.optim.lion import (
     lion_direction,
     update_momentum_,
 )
+from lioncub.optim.sync import SyncSchedule, select_parameters
 
 __all__ = ["LionCub", "ReplicaDivergenceError"]
 
@@ -78,9 +79,10 @@ class _Times:
     encode: float = 0.0  # quantize / pack and posting the collectives
     exchange: float = 0.0  # waiting for the exchanges, incl. unpack/count between phases and decode
     apply: float = 0.0  # applying the update and the momentum
+    sync: float = 0.0  # momentum synchronization (on the steps it is due)
 
     def add(self, other: _Times) -> None:
-        for name in ("direction", "encode", "exchange", "apply"):
+        for name in ("direction", "encode", "exchange", "apply", "sync"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def as_dict(self) -> dict[str, float]:
@@ -89,7 +91,8 @@ class _Times:
             "encode_s": self.encode,
             "exchange_s": self.exchange,
             "apply_s": self.apply,
-            "communication_s": self.encode + self.exchange,  # quantize/pack + wire + unpack
+            "sync_s": self.sync,
+            "communication_s": self.encode + self.exchange + self.sync,  # quantize/pack + wire + unpack
         }
 
 
@@ -117,6 +120,12 @@ class LionCub(torch.optim.Optimizer):
             latency ``auto_latency_s`` in seconds, or ``None`` for ``$LIONCUB_CALIBRATION``) and the presets
             to choose from (default: all). Rank 0 decides, every rank follows; the decision and its reason
             are in :attr:`auto_choice` and logged to the ``"lioncub"`` logger.
+        momentum_sync, sync_every, sync_until, sync_exp_k, sync_dtype, model: average the momenta of some
+            parameters over the ranks at some steps (:mod:`lioncub.optim.sync`): ``"none"`` (default),
+            ``"all"``, ``"io"`` (input/output layers of ``model``) or a list of parameter-name patterns /
+            param-group names; every ``sync_every`` steps (or ``sync_exp_k``'s exponential schedule),
+            only up to step ``sync_until`` if given; ``sync_dtype`` on the wire (fp32 or bf16). ``model``
+            names the parameters (needed for ``"io"`` and name patterns).
     """
 
     def __init__(
@@ -143,6 +152,12 @@ class LionCub(torch.optim.Optimizer):
         auto_network: NetworkSpec = None,
         auto_latency_s: float = DEFAULT_LATENCY_S,
         auto_candidates: Sequence[str] | None = None,
+        momentum_sync: str | Sequence[str] = "none",
+        sync_every: int = 10,
+        sync_until: int | None = None,
+        sync_exp_k: int | None = None,
+        sync_dtype: torch.dtype = torch.float32,
+        model: torch.nn.Module | None = None,
     ) -> None:
         if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
             raise ValueError(f"bucket_mb={bucket_mb!r} must be a number > 0")
@@ -182,6 +197,14 @@ class LionCub(torch.optim.Optimizer):
         self._buckets = self._make_buckets(bucket_mb)
         self._last = (CommCounter(), _Times())
         self._total = (CommCounter(), _Times())
+        self.sync_schedule = SyncSchedule(sync_every, sync_until, sync_exp_k)
+        if sync_dtype not in (torch.float32, torch.bfloat16, torch.float64):
+            raise ValueError(
+                f"sync_dtype={sync_dtype} must be torch.float32, torch.bfloat16 or torch.float64"
+            )
+        self.sync_dtype = sync_dtype
+        #: names of the parameters whose momenta are synchronized (see :mod:`lioncub.optim.sync`)
+        self.sync_names, self._sync_params = self._select_sync(momentum_sync, model)
         if broadcast_init:
             self._broadcast_parameters()
 
@@ -220,6 +243,63 @@ class LionCub(torch.optim.Optimizer):
             for p in b.params:
                 p.copy_(flat[pos : pos + p.numel()].view_as(p))
                 pos += p.numel()
+
+    def _select_sync(
+        self, spec: str | Sequence[str], model: torch.nn.Module | None
+    ) -> tuple[list[str], list[torch.Tensor]]:
+        mine = {id(p) for g in self.param_groups for p in g["params"] if p.requires_grad}
+        if model is not None:
+            named = [(n, p) for n, p in model.named_parameters() if id(p) in mine]
+            missing = len(mine) - len({id(p) for _, p in named})
+            if missing:
+                raise ValueError(f"model=: {missing} optimized parameters are not parameters of the model")
+        else:
+            named = [
+                (f"param_groups[{gi}][{i}]", p)
+                for gi, g in enumerate(self.param_groups)
+                for i, p in enumerate(g["params"])
+                if p.requires_grad
+            ]
+        chosen = select_parameters(spec, named, self.param_groups, model)
+        if chosen and self.config.transport == "dense":
+            raise ValueError(
+                f"momentum_sync={spec!r}: variant={self.variant!r} keeps one global momentum already; "
+                "momentum sync applies to the voting variants"
+            )
+        if chosen and self.comm.rank == 0:
+            numel = sum(p.numel() for _, p in chosen)
+            when = (
+                f"every {self.sync_schedule.every} steps"
+                if self.sync_schedule.exp_k is None
+                else f"on the exponential schedule K={self.sync_schedule.exp_k}"
+            )
+            until = "" if self.sync_schedule.until is None else f" until step {self.sync_schedule.until}"
+            _log.info(
+                "momentum sync %r %s%s: %d tensors, %d elements: %s",
+                spec,
+                when,
+                until,
+                len(chosen),
+                numel,
+                ", ".join(n for n, _ in chosen),
+            )
+        return [n for n, _ in chosen], [p for _, p in chosen]
+
+    def _sync_momenta(self) -> None:
+        """Allreduce-mean the chosen momenta (one flat buffer per dtype)."""
+        n = self.comm.world_size
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in self._sync_params:
+            m = self._momentum(p)
+            by_dtype.setdefault(m.dtype, []).append(m)
+        for moms in by_dtype.values():
+            flat = torch.cat([m.reshape(-1) for m in moms]).to(self.sync_dtype)
+            self.comm.all_reduce(flat, "momentum sync").wait()
+            flat.div_(n)
+            pos = 0
+            for m in moms:
+                m.copy_(flat[pos : pos + m.numel()].view_as(m))
+                pos += m.numel()
 
     def _choose_variant(
         self, candidates: tuple[str, ...], bucket_mb: float, network: NetworkSpec, latency_s: float
@@ -342,6 +422,10 @@ class LionCub(torch.optim.Optimizer):
             self._apply(b, update)
             times.exchange += t1 - t0
             times.apply += time.perf_counter() - t1
+        if self._sync_params and self.comm.world_size > 1 and self.sync_schedule.due(self._global_step):
+            t0 = time.perf_counter()
+            self._sync_momenta()
+            times.sync += time.perf_counter() - t0
         if self.replica_check_every and self._global_step % self.replica_check_every == 0:
             self.check_replicas()
         delta = self.comm.counter.minus(before)
@@ -382,8 +466,9 @@ class LionCub(torch.optim.Optimizer):
 
     def comm_stats(self) -> dict[str, dict[str, float | int]]:
         """Bytes sent/received by this rank, collectives issued, and the step's time split (seconds:
-        ``direction_s``, ``encode_s``, ``exchange_s``, ``apply_s``, and ``communication_s`` = encode +
-        exchange), for the ``"last"`` step and the ``"total"`` since construction."""
+        ``direction_s``, ``encode_s``, ``exchange_s``, ``apply_s``, ``sync_s`` (momentum sync) and
+        ``communication_s`` = encode + exchange + sync), for the ``"last"`` step and the ``"total"`` since
+        construction."""
         out: dict[str, dict[str, float | int]] = {}
         for name, (counter, times) in (("last", self._last), ("total", self._total)):
             out[name] = {

@@ -81,6 +81,8 @@ class TrainConfig:
     overrides: dict[str, Any] = field(default_factory=dict)
     convert_momenta: str | None = None
     stop_at: int | None = None  # stop after this step with a checkpoint, keeping the schedule of `steps`
+    momentum_sync: str | list[str] = "none"  # LionCub: "none", "all", "io" or name patterns / group names
+    sync_every: int = 10
     # recorded for the report; the launcher applies them
     nproc: int = 1
     link: str = "loopback"
@@ -120,6 +122,11 @@ class TrainConfig:
         ):
             raise ValueError(
                 f"--stop-at {self.stop_at!r} must be an integer within [1, --steps {self.steps}]"
+            )
+        if self.momentum_sync != "none" and self.variant in BASELINES:
+            raise ValueError(
+                f"--momentum-sync {self.momentum_sync!r}: --variant {self.variant} keeps one global "
+                "momentum; momentum sync applies to the voting variants"
             )
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"--min-lr-ratio {self.min_lr_ratio!r} must be within [0, 1]")
@@ -185,7 +192,14 @@ def build_optimizer(config: TrainConfig, wl: Workload, model: torch.nn.Module, w
             traffic = count_gradient_allreduce(model, wire)  # type: ignore[arg-type]
         return Optimizer(Lion(groups, betas=wl.betas), model, traffic)
     opt = LionCub(
-        groups, betas=wl.betas, variant=config.variant, bucket_mb=config.bucket_mb, broadcast_init=False
+        groups,
+        betas=wl.betas,
+        variant=config.variant,
+        bucket_mb=config.bucket_mb,
+        broadcast_init=False,
+        momentum_sync=config.momentum_sync,
+        sync_every=config.sync_every,
+        model=getattr(model, "module", model),
     )
     if world_size > 1:
         skip_gradient_allreduce(model)  # type: ignore[arg-type]

@@ -1,0 +1,126 @@
+"""Momentum synchronization for :class:`~lioncub.optim.LionCub` (Lion Cub §3.7): which momenta, and when.
+
+Which (``momentum_sync=``):
+
+* ``"none"`` — never (pure Distributed Lion);
+* ``"all"`` — every parameter's momentum;
+* ``"io"`` — the input and output layers, found in the ``model``: every ``nn.Embedding`` (token and
+  position embeddings) or, without embeddings, the first convolution / linear layer and a BatchNorm
+  right after it (a CNN's stem); and the last ``nn.Linear`` (the LM head — the same tensor as the
+  token embedding when tied — or a classifier);
+* a list of patterns: ``fnmatch`` patterns of parameter names (``"transformer.wte.*"``), or names of
+  param groups (their ``"name"`` key).
+
+When: at every step ``t`` with ``t % sync_every == 0`` (the paper: 10), or on the exponentially spaced
+schedule of the authors' code, ``T = {0, t_1, t_2, …}`` with ``t_{j+1} = t_j + ⌊2^{j/K}⌋`` (``sync_exp_k=K``;
+the increment is at least 1); in both cases only while ``t ≤ sync_until`` if that is set. The schedule is
+a function of the optimizer step, which checkpoints keep, so a resumed run syncs at the same steps.
+
+The sync itself is an allreduce of the chosen momenta (flattened per dtype, fp32 or bf16 on the wire)
+divided by N: afterwards every rank holds the mean of the ranks' momenta.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["SyncSchedule", "find_io_parameters", "select_parameters"]
+
+_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_NORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm, nn.LayerNorm)
+
+
+def find_io_parameters(model: nn.Module) -> list[str]:
+    """Names (as in ``model.named_parameters()``) of the input and output layers' parameters."""
+    modules = list(model.named_modules())
+    inputs: list[str] = [name for name, m in modules if isinstance(m, nn.Embedding)]
+    if not inputs:
+        layers = [(i, name) for i, (name, m) in enumerate(modules) if isinstance(m, (*_CONV, nn.Linear))]
+        if layers:
+            first_index, first = layers[0]
+            inputs.append(first)
+            later = [name for name, m in modules[first_index + 1 :] if not list(m.children())]
+            if later and isinstance(dict(modules)[later[0]], _NORM):
+                inputs.append(later[0])  # the stem's normalisation
+    linears = [name for name, m in modules if isinstance(m, nn.Linear)]
+    outputs = linears[-1:]
+    chosen = {id(p) for prefix in inputs + outputs for p in dict(modules)[prefix].parameters(recurse=False)}
+    return [name for name, p in model.named_parameters() if id(p) in chosen]
+
+
+def select_parameters(
+    spec: str | Sequence[str],
+    named: Iterable[tuple[str, torch.Tensor]],
+    groups: Sequence[dict],
+    model: nn.Module | None,
+) -> list[tuple[str, torch.Tensor]]:
+    """The (name, parameter) pairs whose momenta ``spec`` selects (see the module docstring)."""
+    named = list(named)
+    if spec == "none":
+        return []
+    if spec == "all":
+        return named
+    if spec == "io":
+        if model is None:
+            raise ValueError("momentum_sync='io' needs model= (the module the parameters belong to)")
+        io = set(find_io_parameters(model))
+        return [(n, p) for n, p in named if n in io]
+    if isinstance(spec, str):
+        raise ValueError(
+            f"momentum_sync={spec!r}: allowed values are 'none', 'all', 'io' or a list of parameter-name "
+            "patterns / param-group names"
+        )
+    group_names = {g.get("name") for g in groups} - {None}
+    by_group = {id(p) for g in groups if g.get("name") in spec for p in g["params"]}
+    chosen = [
+        (n, p) for n, p in named if id(p) in by_group or any(fnmatch.fnmatchcase(n, pat) for pat in spec)
+    ]
+    unused = [
+        pat
+        for pat in spec
+        if pat not in group_names and not any(fnmatch.fnmatchcase(n, pat) for n, _ in named)
+    ]
+    if unused:
+        raise ValueError(
+            f"momentum_sync: {unused} match no parameter name and no param group "
+            f"(groups: {sorted(map(str, group_names))}; e.g. parameters {[n for n, _ in named[:4]]})"
+        )
+    return chosen
+
+
+@dataclass(frozen=True)
+class SyncSchedule:
+    """At which optimizer steps (1, 2, …) the momenta are synchronized."""
+
+    every: int = 10
+    until: int | None = None
+    exp_k: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.every, int) and self.every >= 1):
+            raise ValueError(f"sync_every={self.every!r} must be an int >= 1 (steps)")
+        if self.until is not None and not (isinstance(self.until, int) and self.until >= 0):
+            raise ValueError(f"sync_until={self.until!r} must be None or an int >= 0 (steps)")
+        if self.exp_k is not None and not (isinstance(self.exp_k, int) and self.exp_k >= 1):
+            raise ValueError(f"sync_exp_k={self.exp_k!r} must be None or an int >= 1")
+
+    def due(self, step: int) -> bool:
+        if self.until is not None and step > self.until:
+            return False
+        if self.exp_k is None:
+            return step % self.every == 0
+        return step in _exponential_steps(self.exp_k, step)
+
+
+def _exponential_steps(k: int, up_to: int) -> set[int]:
+    steps, t, j = {0}, 0, 0
+    while t <= up_to:
+        t += max(1, int(2 ** (j / k)))
+        j += 1
+        steps.add(t)
+    return steps

@@ -197,3 +197,21 @@ def test_cnn_trains_with_batchnorm_and_reports_accuracy(tmp_path: Path) -> None:
     assert [e["step"] for e in evals] == [15, 30]
     assert 0.0 <= evals[0]["val_acc"] <= 1.0
     assert evals[-1]["val_acc"] > 0.5  # ten digit classes: chance is 0.1
+
+
+def test_diagnostics_and_momentum_sync_through_the_cli(tmp_path: Path) -> None:
+    out = tmp_path / "diag"
+    extra = ["--momentum-sync", "io", "--sync-every", "2", "--diagnostics-every", "2"]
+    assert train(out, "--variant", "1bit", "--nproc", "2", "--steps", "4", *extra) == 0
+    diags = records(out, "diag")
+    assert [d["step"] for d in diags] == [2, 4]
+    layers = diags[0]["layers"]
+    assert "transformer.wte.weight" in layers and "lm_head.weight" in layers
+    for d in diags:
+        assert 0.0 <= d["overall"]["flip"] <= d["overall"]["flip"] + d["overall"]["match"] <= 1.0
+        assert 0.0 <= d["overall"]["tie"] <= 1.0  # N = 2: a tie wherever the two signs differ
+    # synced every 2 steps: at steps 2 and 4 the io momenta agree across ranks
+    synced = diags[0]["layers"]["transformer.wte.weight"]["momentum_max_std"]  # E[m²] − E[m]² in fp32: ~0
+    local = diags[0]["layers"]["transformer.h.0.attn.c_attn.weight"]["momentum_max_std"]
+    assert synced < 1e-3 * local
+    assert [r["step"] for r in records(out, "step")] == [1, 2, 3, 4]  # the report reads only steps/evals

@@ -47,6 +47,7 @@ FIELDS = {
     "stop_at": "stop_at",
     "momentum_sync": "momentum_sync",
     "sync_every": "sync_every",
+    "diagnostics_every": "diagnostics_every",
 }
 
 
@@ -81,6 +82,12 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, variant: bool = True) 
         help="average momenta over the ranks: none (default), all, io, or comma-separated name patterns",
     )
     parser.add_argument("--sync-every", type=int, metavar="STEPS", help="momentum sync interval (default 10)")
+    parser.add_argument(
+        "--diagnostics-every",
+        type=int,
+        metavar="STEPS",
+        help="vote diagnostics (match/flip, ties, momentum spread, update shape) every STEPS (0: off)",
+    )
     parser.add_argument(
         "--set", action="append", default=[], metavar="FIELD=VALUE", help="change a workload field"
     )

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lioncub import diagnostics
 from lioncub.collectives import Comm, CommCounter
 from lioncub.optim.auto import DEFAULT_LATENCY_S, AutoChoice, NetworkSpec, check_candidates, choose_variant
 from lioncub.optim.config import VoteConfig, make_vote, resolve_variant
@@ -126,6 +127,9 @@ class LionCub(torch.optim.Optimizer):
             param-group names; every ``sync_every`` steps (or ``sync_exp_k``'s exponential schedule),
             only up to step ``sync_until`` if given; ``sync_dtype`` on the wire (fp32 or bf16). ``model``
             names the parameters (needed for ``"io"`` and name patterns).
+        diagnostics_every: every k steps compute :mod:`lioncub.diagnostics` (match/flip against the
+            full-precision vote, tie rate, momentum spread, update shape) into :attr:`last_diagnostics`;
+            this costs extra collectives on those steps only (not counted in :meth:`comm_stats`). 0: off.
     """
 
     def __init__(
@@ -158,6 +162,7 @@ class LionCub(torch.optim.Optimizer):
         sync_exp_k: int | None = None,
         sync_dtype: torch.dtype = torch.float32,
         model: torch.nn.Module | None = None,
+        diagnostics_every: int = 0,
     ) -> None:
         if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
             raise ValueError(f"bucket_mb={bucket_mb!r} must be a number > 0")
@@ -205,6 +210,17 @@ class LionCub(torch.optim.Optimizer):
         self.sync_dtype = sync_dtype
         #: names of the parameters whose momenta are synchronized (see :mod:`lioncub.optim.sync`)
         self.sync_names, self._sync_params = self._select_sync(momentum_sync, model)
+        if not (isinstance(diagnostics_every, int) and diagnostics_every >= 0):
+            raise ValueError(f"diagnostics_every={diagnostics_every!r} must be an int >= 0 (0: off)")
+        if diagnostics_every and self.config.transport == "dense":
+            raise ValueError(
+                f"diagnostics_every: variant={self.variant!r} does not vote (global Lion); the vote "
+                "diagnostics apply to the voting variants"
+            )
+        self.diagnostics_every = diagnostics_every
+        self._names = {id(p): n for n, p in self._named_parameters(model)}
+        #: the diagnostics of the last step that computed them: ``(step, {name: {...}, "overall": {...}})``
+        self.last_diagnostics: tuple[int, dict[str, dict[str, float]]] | None = None
         if broadcast_init:
             self._broadcast_parameters()
 
@@ -244,22 +260,26 @@ class LionCub(torch.optim.Optimizer):
                 p.copy_(flat[pos : pos + p.numel()].view_as(p))
                 pos += p.numel()
 
-    def _select_sync(
-        self, spec: str | Sequence[str], model: torch.nn.Module | None
-    ) -> tuple[list[str], list[torch.Tensor]]:
+    def _named_parameters(self, model: torch.nn.Module | None) -> list[tuple[str, torch.Tensor]]:
+        """The optimized parameters with names: ``model``'s, else ``param_groups[g][i]``."""
         mine = {id(p) for g in self.param_groups for p in g["params"] if p.requires_grad}
-        if model is not None:
-            named = [(n, p) for n, p in model.named_parameters() if id(p) in mine]
-            missing = len(mine) - len({id(p) for _, p in named})
-            if missing:
-                raise ValueError(f"model=: {missing} optimized parameters are not parameters of the model")
-        else:
-            named = [
+        if model is None:
+            return [
                 (f"param_groups[{gi}][{i}]", p)
                 for gi, g in enumerate(self.param_groups)
                 for i, p in enumerate(g["params"])
                 if p.requires_grad
             ]
+        named = [(n, p) for n, p in model.named_parameters() if id(p) in mine]
+        missing = len(mine) - len({id(p) for _, p in named})
+        if missing:
+            raise ValueError(f"model=: {missing} optimized parameters are not parameters of the model")
+        return named
+
+    def _select_sync(
+        self, spec: str | Sequence[str], model: torch.nn.Module | None
+    ) -> tuple[list[str], list[torch.Tensor]]:
+        named = self._named_parameters(model)
         chosen = select_parameters(spec, named, self.param_groups, model)
         if chosen and self.config.transport == "dense":
             raise ValueError(
@@ -404,9 +424,14 @@ class LionCub(torch.optim.Optimizer):
         before = self.comm.counter.snapshot()
         times = _Times()
         pending = []
+        diagnose = bool(self.diagnostics_every) and self._global_step % self.diagnostics_every == 0
+        directions: list[torch.Tensor] = []
+        updates: list[torch.Tensor] = []
         for i, b in enumerate(self._buckets):
             t0 = time.perf_counter()
             local = self._local(b)
+            if diagnose:
+                directions.append(local.clone())
             t1 = time.perf_counter()
             pending.append(self.vote.start(local, step=self._global_step, key=i, segments=b.segments))
             times.direction += t1 - t0
@@ -418,6 +443,8 @@ class LionCub(torch.optim.Optimizer):
         for b, vote in zip(self._buckets, pending, strict=True):
             t0 = time.perf_counter()
             update = vote.wait()
+            if diagnose:
+                updates.append(update.clone())
             t1 = time.perf_counter()
             self._apply(b, update)
             times.exchange += t1 - t0
@@ -433,9 +460,26 @@ class LionCub(torch.optim.Optimizer):
         total_c, total_t = self._total
         total_c.add(delta.bytes_sent, delta.bytes_recv, delta.collectives)
         total_t.add(times)
+        if diagnose:  # after the accounting: its collectives are not the step's
+            self.last_diagnostics = (self._global_step, self._diagnose(directions, updates))
         return loss
 
     # -- diagnostics -----------------------------------------------------------------------------------
+
+    def _diagnose(
+        self, directions: list[torch.Tensor], updates: list[torch.Tensor]
+    ) -> dict[str, dict[str, float]]:
+        """:func:`lioncub.diagnostics.collect` per parameter tensor of the buckets."""
+        names, cs, us, ms = [], [], [], []
+        for b, c, u in zip(self._buckets, directions, updates, strict=True):
+            pos = 0
+            for p in b.params:
+                names.append(self._names[id(p)])
+                cs.append(c[pos : pos + p.numel()])
+                us.append(u[pos : pos + p.numel()])
+                ms.append(self._momentum(p))
+                pos += p.numel()
+        return diagnostics.collect(self.comm, names, cs, us, ms)
 
     @torch.no_grad()
     def parameter_checksum(self) -> torch.Tensor:

@@ -24,7 +24,8 @@ Step time split (seconds, rank 0, in every ``step`` record of ``log.jsonl``):
   excluded). ``bytes_sent``/``bytes_recv``: this rank's bytes handed to the collectives in the step.
 
 ``eval`` records hold ``val_loss`` (and ``val_acc``) at ``eval_every`` steps and at the end; rank 0
-evaluates (the replicas are identical) while the others wait.
+evaluates (the replicas are identical) while the others wait. With ``diagnostics_every`` a ``diag``
+record holds :mod:`lioncub.diagnostics` overall and per parameter tensor.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class TrainConfig:
     stop_at: int | None = None  # stop after this step with a checkpoint, keeping the schedule of `steps`
     momentum_sync: str | list[str] = "none"  # LionCub: "none", "all", "io" or name patterns / group names
     sync_every: int = 10
+    diagnostics_every: int = 0  # LionCub: vote diagnostics every k steps into log.jsonl ("diag" records)
     # recorded for the report; the launcher applies them
     nproc: int = 1
     link: str = "loopback"
@@ -122,6 +124,11 @@ class TrainConfig:
         ):
             raise ValueError(
                 f"--stop-at {self.stop_at!r} must be an integer within [1, --steps {self.steps}]"
+            )
+        if self.diagnostics_every and self.variant in BASELINES:
+            raise ValueError(
+                f"--diagnostics-every: --variant {self.variant} does not vote; the diagnostics apply to the "
+                "voting variants"
             )
         if self.momentum_sync != "none" and self.variant in BASELINES:
             raise ValueError(
@@ -200,6 +207,7 @@ def build_optimizer(config: TrainConfig, wl: Workload, model: torch.nn.Module, w
         momentum_sync=config.momentum_sync,
         sync_every=config.sync_every,
         model=getattr(model, "module", model),
+        diagnostics_every=config.diagnostics_every,
     )
     if world_size > 1:
         skip_gradient_allreduce(model)  # type: ignore[arg-type]
@@ -313,6 +321,10 @@ def train(config: TrainConfig, run_dir: Path, *, log: Callable[[str], None] = pr
             rec["lr"] = o.opt.param_groups[0]["lr"]
             records.append(rec)
             _write(out, rec)
+            diag = getattr(o.opt, "last_diagnostics", None)
+            if diag is not None and diag[0] == step:
+                layers = {k: v for k, v in diag[1].items() if k != "overall"}
+                _write(out, {"kind": "diag", "step": step, "overall": diag[1]["overall"], "layers": layers})
             if step == config.steps or (config.eval_every and step % config.eval_every == 0):
                 ev = _evaluate(wl, model, rank, step, elapsed)
                 evals.append(ev)

@@ -392,6 +392,7 @@ print(f"ACCOUNTED sent={int(total['bytes_sent'])} recv={int(total['bytes_recv'])
 dist.destroy_process_group()
 """
 
+
 @needs_root
 @pytest.mark.root
 def test_interface_counters_agree_with_the_optimizers_accounting() -> None:

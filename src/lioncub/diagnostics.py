@@ -79,15 +79,16 @@ def collect(
     """All diagnostics for the tensors ``names`` (collective: every rank calls it with the same layout).
 
     ``directions``: this rank's pre-sign updates ``c_i``; ``updates``: the variant's aggregated update
-    ``u`` (identical on every rank); ``momenta``: this rank's momenta after the step. Issues three fp32
-    allreduces (of c, of m and of m²) and one int32 allreduce (of sign(c)) over all tensors at once.
+    ``u`` (identical on every rank); ``momenta``: this rank's momenta after the step. Issues one fp32
+    allreduce (c), one fp64 allreduce (m and m², where fp32 would
+    cancel) and one int32 allreduce (of sign(c)) over all tensors at once.
     Returns ``{name: {...}, "overall": {...}}`` with the keys of the module docstring.
     """
     n = comm.world_size
     sizes = [c.numel() for c in directions]
     flat_c = torch.cat([c.detach().reshape(-1).float() for c in directions])
     signs = torch.sign(flat_c).to(torch.int32)
-    m = torch.cat([t.detach().reshape(-1).float() for t in momenta])
+    m = torch.cat([t.detach().reshape(-1).double() for t in momenta])  # fp64: E[m²] − E[m]² cancels
     moments = torch.cat([m, m.square()])
     if n > 1:
         handles = [

@@ -215,3 +215,33 @@ def test_diagnostics_and_momentum_sync_through_the_cli(tmp_path: Path) -> None:
     local = diags[0]["layers"]["transformer.h.0.attn.c_attn.weight"]["momentum_max_std"]
     assert synced < 1e-3 * local
     assert [r["step"] for r in records(out, "step")] == [1, 2, 3, 4]  # the report reads only steps/evals
+
+
+def test_report_command_plots_the_diagnostics(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "run"
+    extra = [
+        "--variant",
+        "8bit",
+        "--quantizer",
+        "l0",
+        "--nproc",
+        "2",
+        "--steps",
+        "4",
+        "--diagnostics-every",
+        "2",
+    ]
+    assert train(out, *extra) == 0
+    capsys.readouterr()
+    assert cli.main(["report", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "diagnostics at step 4" in printed and "transformer.wte.weight" in printed and "overall" in printed
+    for name in ("diag_rates", "diag_momentum_std", "diag_update_shape"):
+        assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((out / "config.json").read_text())["quantizer"] == "l0"
+    assert cli.main(["report", str(tmp_path)]) == 2  # not a run directory
+    assert "no log.jsonl" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--quantizer 'l7': allowed values are"):
+        TrainConfig(quantizer="l7")
+    with pytest.raises(ValueError, match="--quantizer: only --variant 8bit quantizes"):
+        TrainConfig(variant="1bit", quantizer="l0")

@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "calibrate": ("lioncub.calibrate_cli", "measure α, β and compute costs on a job for `lioncub cost`"),
     "train": ("lioncub.train_cli", "train a workload with one variant on N ranks (optionally shaped links)"),
     "compare": ("lioncub.compare_cli", "train several variants one after another and report speed and loss"),
+    "report": ("lioncub.report_cli", "tables and plots of a run's vote diagnostics (--diagnostics-every)"),
 }
 
 

@@ -48,6 +48,7 @@ FIELDS = {
     "momentum_sync": "momentum_sync",
     "sync_every": "sync_every",
     "diagnostics_every": "diagnostics_every",
+    "quantizer": "quantizer",
 }
 
 
@@ -82,6 +83,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, variant: bool = True) 
         help="average momenta over the ranks: none (default), all, io, or comma-separated name patterns",
     )
     parser.add_argument("--sync-every", type=int, metavar="STEPS", help="momentum sync interval (default 10)")
+    parser.add_argument("--quantizer", help="with --variant 8bit: l1 (default), l0, linf, lp, qsgd or log")
     parser.add_argument(
         "--diagnostics-every",
         type=int,

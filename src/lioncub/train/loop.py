@@ -85,6 +85,7 @@ class TrainConfig:
     momentum_sync: str | list[str] = "none"  # LionCub: "none", "all", "io" or name patterns / group names
     sync_every: int = 10
     diagnostics_every: int = 0  # LionCub: vote diagnostics every k steps into log.jsonl ("diag" records)
+    quantizer: str | None = None  # LionCub: the quantizer of the "8bit" preset (l1, l0, linf, lp, qsgd, log)
     # recorded for the report; the launcher applies them
     nproc: int = 1
     link: str = "loopback"
@@ -130,6 +131,13 @@ class TrainConfig:
                 f"--diagnostics-every: --variant {self.variant} does not vote; the diagnostics apply to the "
                 "voting variants"
             )
+        if self.quantizer is not None:
+            from lioncub.quantize import QUANTIZERS
+
+            if self.quantizer not in QUANTIZERS:
+                raise ValueError(f"--quantizer {self.quantizer!r}: allowed values are {sorted(QUANTIZERS)}")
+            if self.variant != "8bit":
+                raise ValueError(f"--quantizer: only --variant 8bit quantizes (this run is {self.variant})")
         if self.momentum_sync != "none" and self.variant in BASELINES:
             raise ValueError(
                 f"--momentum-sync {self.momentum_sync!r}: --variant {self.variant} keeps one global "
@@ -208,6 +216,7 @@ def build_optimizer(config: TrainConfig, wl: Workload, model: torch.nn.Module, w
         sync_every=config.sync_every,
         model=getattr(model, "module", model),
         diagnostics_every=config.diagnostics_every,
+        quantizer=config.quantizer,
     )
     if world_size > 1:
         skip_gradient_allreduce(model)  # type: ignore[arg-type]

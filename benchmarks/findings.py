@@ -84,21 +84,21 @@ def ties(args: argparse.Namespace, seeds: list[int]) -> str:
 
 def quantizers(args: argparse.Namespace, seeds: list[int]) -> str:
     lines = [
-        "| quantizer (8 bit, N = 4) | match sign(Σc) | flip | val loss at step 200 |",
+        f"| quantizer (8 bit, N = {args.nproc}) | match sign(Σc) | flip | val loss at step 200 |",
         "|---|---:|---:|---:|",
     ]
     for q in ("l1", "l0", "linf", "log", "qsgd"):
         match, flip, val = [], [], []
         for s in seeds:
             run = train(
-                args.root / f"q-{q}-s{s}",
+                args.root / f"q-{q}-s{s}{args.suffix}",
                 args,
                 "--variant",
                 "8bit",
                 "--quantizer",
                 q,
                 "--nproc",
-                "4",
+                str(args.nproc),
                 "--steps",
                 "200",
                 "--seed",
@@ -124,12 +124,12 @@ def spread(args: argparse.Namespace, seeds: list[int]) -> str:
         io_vals, other_vals = [], []
         for s in seeds:
             run = train(
-                args.root / f"spread-tied{int(tied)}-s{s}",
+                args.root / f"spread-tied{int(tied)}-s{s}{args.suffix}",
                 args,
                 "--variant",
                 "1bit",
                 "--nproc",
-                "4",
+                str(args.nproc),
                 "--steps",
                 "100",
                 "--seed",
@@ -155,7 +155,7 @@ def spread(args: argparse.Namespace, seeds: list[int]) -> str:
             if args.plots and s == seeds[0]:
                 from lioncub.train import diag_report
 
-                diag_report.write_plots(run, Path(args.plots) / f"spread-tied{int(tied)}")
+                diag_report.write_plots(run, Path(args.plots) / f"spread-tied{int(tied)}{args.suffix}")
         ratio = [a / b for a, b in zip(io_vals, other_vals, strict=True)]
         label = "tied" if tied else "untied"
         lines.append(f"| {label} | {mean_std(io_vals)} | {mean_std(other_vals)} | {mean_std(ratio)} |")
@@ -170,12 +170,12 @@ def sync(args: argparse.Namespace, seeds: list[int]) -> str:
             vals = []
             for s in seeds:
                 run = train(
-                    args.root / f"sync-b{beta2}-{mode}-s{s}",
+                    args.root / f"sync-b{beta2}-{mode}-s{s}{args.suffix}",
                     args,
                     "--variant",
                     "1bit",
                     "--nproc",
-                    "4",
+                    str(args.nproc),
                     "--steps",
                     "200",
                     "--seed",
@@ -202,8 +202,10 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--only", default=",".join(EXPERIMENTS))
     ap.add_argument("--plots", help="write the momentum-spread diagnostics plots here")
+    ap.add_argument("--nproc", type=int, default=4, help="workers of the quantizer, spread and sync runs")
     args = ap.parse_args()
     args.root = Path(args.out)
+    args.suffix = "" if args.nproc == 4 else f"-n{args.nproc}"
     seeds = [int(s) for s in args.seeds.split(",")]
     for name in args.only.split(","):
         print(f"\n### {name}\n")

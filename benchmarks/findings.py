@@ -20,11 +20,17 @@ from pathlib import Path
 EXPERIMENTS = ("ties", "quantizers", "spread", "sync")
 
 
-def train(out: Path, args: argparse.Namespace, *extra: str) -> Path:
+def train(out: Path, args: argparse.Namespace, *sets: str, **options: object) -> Path:
+    """``lioncub train`` into ``out`` (reused if finished) with ``--option value`` for every keyword
+    (underscores become dashes) and ``--set`` for every positional ``FIELD=VALUE``."""
     if (out / "summary.json").exists():
         return out
     cmd = [sys.executable, "-m", "lioncub.cli", "train", "--workload", "gpt", "--size", args.size]
-    cmd += ["--out", str(out), "--no-progress", *extra]
+    cmd += ["--out", str(out), "--no-progress"]
+    for name, value in options.items():
+        cmd += [f"--{name.replace('_', '-')}", str(value)]
+    for item in sets:
+        cmd += ["--set", item]
     print(f"[findings] {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return out
@@ -64,18 +70,12 @@ def ties(args: argparse.Namespace, seeds: list[int]) -> str:
             run = train(
                 args.root / f"ties-n{n}-s{s}",
                 args,
-                "--variant",
-                "8bit-sign",
-                "--nproc",
-                str(n),
-                "--steps",
-                "60",
-                "--seed",
-                str(s),
-                "--diagnostics-every",
-                "10",
-                "--eval-every",
-                "0",
+                variant="8bit-sign",
+                nproc=n,
+                steps=60,
+                seed=s,
+                diagnostics_every=10,
+                eval_every=0,
             )
             rates.append(overall(run, "tie"))
         lines.append(f"| {n} | {mean_std(rates)} | {comb(n, n // 2) / 2**n:.4f} |")
@@ -93,20 +93,13 @@ def quantizers(args: argparse.Namespace, seeds: list[int]) -> str:
             run = train(
                 args.root / f"q-{q}-s{s}{args.suffix}",
                 args,
-                "--variant",
-                "8bit",
-                "--quantizer",
-                q,
-                "--nproc",
-                str(args.nproc),
-                "--steps",
-                "200",
-                "--seed",
-                str(s),
-                "--diagnostics-every",
-                "20",
-                "--eval-every",
-                "100",
+                variant="8bit",
+                quantizer=q,
+                nproc=args.nproc,
+                steps=200,
+                seed=s,
+                diagnostics_every=20,
+                eval_every=100,
             )
             match.append(overall(run, "match"))
             flip.append(overall(run, "flip"))
@@ -126,20 +119,13 @@ def spread(args: argparse.Namespace, seeds: list[int]) -> str:
             run = train(
                 args.root / f"spread-tied{int(tied)}-s{s}{args.suffix}",
                 args,
-                "--variant",
-                "1bit",
-                "--nproc",
-                str(args.nproc),
-                "--steps",
-                "100",
-                "--seed",
-                str(s),
-                "--diagnostics-every",
-                "25",
-                "--eval-every",
-                "0",
-                "--set",
                 f"tie_embeddings={'true' if tied else 'false'}",
+                variant="1bit",
+                nproc=args.nproc,
+                steps=100,
+                seed=s,
+                diagnostics_every=25,
+                eval_every=0,
             )
             layers = records(run, "diag")[-1]["layers"]
             io = [
@@ -172,22 +158,14 @@ def sync(args: argparse.Namespace, seeds: list[int]) -> str:
                 run = train(
                     args.root / f"sync-b{beta2}-{mode}-s{s}{args.suffix}",
                     args,
-                    "--variant",
-                    "1bit",
-                    "--nproc",
-                    str(args.nproc),
-                    "--steps",
-                    "200",
-                    "--seed",
-                    str(s),
-                    "--momentum-sync",
-                    mode,
-                    "--sync-every",
-                    "10",
-                    "--eval-every",
-                    "100",
-                    "--set",
                     f"betas=[0.9, {beta2}]",
+                    variant="1bit",
+                    nproc=args.nproc,
+                    steps=200,
+                    seed=s,
+                    momentum_sync=mode,
+                    sync_every=10,
+                    eval_every=100,
                 )
                 vals.append(final_val(run))
             cells.append(mean_std(vals))

@@ -79,9 +79,8 @@ def collect(
     """All diagnostics for the tensors ``names`` (collective: every rank calls it with the same layout).
 
     ``directions``: this rank's pre-sign updates ``c_i``; ``updates``: the variant's aggregated update
-    ``u`` (identical on every rank); ``momenta``: this rank's momenta after the step. Issues one fp32
-    allreduce (c), one fp64 allreduce (m and m², where fp32 would
-    cancel) and one int32 allreduce (of sign(c)) over all tensors at once.
+    ``u`` (identical on every rank); ``momenta``: this rank's momenta after the step. Issues three allreduces
+    over all tensors at once: c (fp32), sign(c) (int32) and m with m² (fp64: in fp32 E[m²] − E[m]² cancels).
     Returns ``{name: {...}, "overall": {...}}`` with the keys of the module docstring.
     """
     n = comm.world_size

@@ -8,6 +8,7 @@ Inside a job started by ``torchrun`` (``RANK`` set) it trains as that rank inste
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -28,28 +29,8 @@ Variants: 32bit (DDP + Lion), 16bit (DDP, bf16/fp16 gradients + Lion), and the L
 8bit, 8bit-sign, dlion-mavo, dlion-avg. Workload fields can be changed with --set, e.g. --set batch_size=8.
 """
 
-# option -> TrainConfig field (None defaults: an option not given keeps the saved or default value)
-FIELDS = {
-    "workload": "workload",
-    "size": "size",
-    "variant": "variant",
-    "steps": "steps",
-    "warmup": "warmup_steps",
-    "min_lr_ratio": "min_lr_ratio",
-    "eval_every": "eval_every",
-    "checkpoint_every": "checkpoint_every",
-    "seed": "seed",
-    "data_mode": "data_mode",
-    "bucket_mb": "bucket_mb",
-    "device": "device",
-    "convert_momenta": "convert_momenta",
-    "nproc": "nproc",
-    "stop_at": "stop_at",
-    "momentum_sync": "momentum_sync",
-    "sync_every": "sync_every",
-    "diagnostics_every": "diagnostics_every",
-    "quantizer": "quantizer",
-}
+#: options whose name differs from their TrainConfig field (the others are spelt alike)
+OPTION_OF_FIELD = {"warmup_steps": "warmup"}
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, *, variant: bool = True) -> None:
@@ -138,14 +119,12 @@ def config_from_args(args: argparse.Namespace, base: Any = None) -> Any:
     from lioncub.train.loop import TrainConfig
 
     doc = base.to_json() if base is not None else {}
-    for option, name in FIELDS.items():
-        value = getattr(args, option, None)
-        if value is not None:
-            doc[name] = value
+    for f in dataclasses.fields(TrainConfig):
+        value = getattr(args, OPTION_OF_FIELD.get(f.name, f.name), None)
+        if value is not None and f.name != "overrides":
+            doc[f.name] = value
     if args.set:
         doc["overrides"] = {**doc.get("overrides", {}), **_parse_set(args.set)}
-    if args.link is not None:
-        doc["link"] = args.link
     return TrainConfig.from_json(doc)
 
 
@@ -232,7 +211,6 @@ def prepare_run_dir(run_dir: Path, config: Any, *, resume: bool) -> Any:
     """Create ``run_dir`` with ``config.json``, or (``resume``) check it can continue; returns the config
     to run. Raises ``ValueError`` with the option to change."""
     from lioncub.train import checkpoint
-    from lioncub.train.loop import TrainConfig
 
     saved_path = run_dir / "config.json"
     if resume:
@@ -253,6 +231,8 @@ def prepare_run_dir(run_dir: Path, config: Any, *, resume: bool) -> Any:
             seed=config.seed,
             convert_momenta=config.convert_momenta,
         )
+        if config.stop_at is not None and config.stop_at <= meta.step:
+            raise ValueError(f"--stop-at {config.stop_at}: the checkpoint is already at step {meta.step}")
         if meta.step >= config.steps:
             raise ValueError(
                 f"--resume: the checkpoint is at step {meta.step}; pass --steps above it to go on"
@@ -262,7 +242,6 @@ def prepare_run_dir(run_dir: Path, config: Any, *, resume: bool) -> Any:
             f"--out {run_dir} already holds a run; pass --resume to continue it, or choose another --out"
         )
     run_dir.mkdir(parents=True, exist_ok=True)
-    TrainConfig.from_json(config.to_json())  # validates
     tmp = saved_path.with_name("config.json.part")
     tmp.write_text(json.dumps(config.to_json(), indent=1) + "\n")
     os.replace(tmp, saved_path)

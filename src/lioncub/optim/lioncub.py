@@ -209,7 +209,8 @@ class LionCub(torch.optim.Optimizer):
             )
         self.sync_dtype = sync_dtype
         #: names of the parameters whose momenta are synchronized (see :mod:`lioncub.optim.sync`)
-        self.sync_names, self._sync_params = self._select_sync(momentum_sync, model)
+        named = self._named_parameters(model)
+        self.sync_names, self._sync_params = self._select_sync(momentum_sync, named, model)
         if not (isinstance(diagnostics_every, int) and diagnostics_every >= 0):
             raise ValueError(f"diagnostics_every={diagnostics_every!r} must be an int >= 0 (0: off)")
         if diagnostics_every and self.config.transport == "dense":
@@ -218,7 +219,7 @@ class LionCub(torch.optim.Optimizer):
                 "diagnostics apply to the voting variants"
             )
         self.diagnostics_every = diagnostics_every
-        self._names = {id(p): n for n, p in self._named_parameters(model)}
+        self._names = {id(p): n for n, p in named}
         #: the diagnostics of the last step that computed them: ``(step, {name: {...}, "overall": {...}})``
         self.last_diagnostics: tuple[int, dict[str, dict[str, float]]] | None = None
         if broadcast_init:
@@ -277,9 +278,11 @@ class LionCub(torch.optim.Optimizer):
         return named
 
     def _select_sync(
-        self, spec: str | Sequence[str], model: torch.nn.Module | None
+        self,
+        spec: str | Sequence[str],
+        named: list[tuple[str, torch.Tensor]],
+        model: torch.nn.Module | None,
     ) -> tuple[list[str], list[torch.Tensor]]:
-        named = self._named_parameters(model)
         chosen = select_parameters(spec, named, self.param_groups, model)
         if chosen and self.config.transport == "dense":
             raise ValueError(

@@ -32,7 +32,17 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["CONVERSIONS", "VERSION", "CheckpointMeta", "latest", "load_rank_state", "save"]
+__all__ = [
+    "CONVERSIONS",
+    "VERSION",
+    "CheckpointMeta",
+    "check_compatible",
+    "latest",
+    "load_rank_state",
+    "model_state",
+    "restore_rng",
+    "save",
+]
 
 VERSION = 1
 CONVERSIONS = ("average",)

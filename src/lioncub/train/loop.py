@@ -126,11 +126,13 @@ class TrainConfig:
             raise ValueError(
                 f"--stop-at {self.stop_at!r} must be an integer within [1, --steps {self.steps}]"
             )
-        if self.diagnostics_every and self.variant in BASELINES:
-            raise ValueError(
-                f"--diagnostics-every: --variant {self.variant} does not vote; the diagnostics apply to the "
-                "voting variants"
-            )
+        voting_only = {"--diagnostics-every": self.diagnostics_every, "--momentum-sync": self.momentum_sync}
+        for option, value in voting_only.items():
+            if value not in (0, "none") and self.variant in BASELINES:
+                raise ValueError(
+                    f"{option} {value!r}: --variant {self.variant} keeps one global momentum and does not "
+                    "vote; it applies to the voting variants"
+                )
         if self.quantizer is not None:
             from lioncub.quantize import QUANTIZERS
 
@@ -138,11 +140,6 @@ class TrainConfig:
                 raise ValueError(f"--quantizer {self.quantizer!r}: allowed values are {sorted(QUANTIZERS)}")
             if self.variant != "8bit":
                 raise ValueError(f"--quantizer: only --variant 8bit quantizes (this run is {self.variant})")
-        if self.momentum_sync != "none" and self.variant in BASELINES:
-            raise ValueError(
-                f"--momentum-sync {self.momentum_sync!r}: --variant {self.variant} keeps one global "
-                "momentum; momentum sync applies to the voting variants"
-            )
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"--min-lr-ratio {self.min_lr_ratio!r} must be within [0, 1]")
         if self.data_mode not in ("random", "shard"):
@@ -187,10 +184,6 @@ class Optimizer:
     opt: torch.optim.Optimizer
     model: torch.nn.Module  # DDP-wrapped when world size > 1
     traffic: GradientTraffic | None  # DDP baselines: bytes of the gradient allreduce
-
-    @property
-    def is_baseline(self) -> bool:
-        return self.traffic is not None or isinstance(self.opt, Lion)
 
 
 def build_optimizer(config: TrainConfig, wl: Workload, model: torch.nn.Module, world_size: int) -> Optimizer:
@@ -309,7 +302,7 @@ def train(config: TrainConfig, run_dir: Path, *, log: Callable[[str], None] = pr
     elapsed = _elapsed_at(log_path, start) if rank == 0 else 0.0
     records: list[dict[str, Any]] = []
     evals: list[dict[str, Any]] = []
-    with open(log_path, "a") if rank == 0 else _NullFile() as out:
+    with open(log_path if rank == 0 else os.devnull, "a") as out:
         for step in range(start + 1, config.steps + 1):
             factor = lr_factor(step, config.steps, config.warmup, config.min_lr_ratio)
             for group in o.opt.param_groups:
@@ -434,20 +427,6 @@ def _summary(
 def _write(out: Any, rec: dict[str, Any]) -> None:
     out.write(json.dumps(rec) + "\n")
     out.flush()
-
-
-class _NullFile:
-    def __enter__(self) -> _NullFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def write(self, text: str) -> None:
-        return None
-
-    def flush(self) -> None:
-        return None
 
 
 def _truncate_log(path: Path, step: int) -> None:

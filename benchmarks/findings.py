@@ -29,7 +29,7 @@ def train(out: Path, args: argparse.Namespace, *sets: str, **options: object) ->
     cmd += ["--out", str(out), "--no-progress"]
     for name, value in options.items():
         cmd += [f"--{name.replace('_', '-')}", str(value)]
-    for item in sets:
+    for item in (*args.set, *sets):
         cmd += ["--set", item]
     print(f"[findings] {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -149,23 +149,27 @@ def spread(args: argparse.Namespace, seeds: list[int]) -> str:
 
 
 def sync(args: argparse.Namespace, seeds: list[int]) -> str:
-    lines = ["| β2 | sync none | sync io (every 10) | sync all (every 10) |", "|---:|---:|---:|---:|"]
+    lines = [
+        f"| β2 (N = {args.nproc}, {args.sync_steps} steps) | sync none | sync io (every 10) | sync all (every 10) |",
+        "|---:|---:|---:|---:|",
+    ]
+    steps_suffix = "" if args.sync_steps == 200 else f"-t{args.sync_steps}"
     for beta2 in (0.95, 0.99):
         cells = []
         for mode in ("none", "io", "all"):
             vals = []
             for s in seeds:
                 run = train(
-                    args.root / f"sync-b{beta2}-{mode}-s{s}{args.suffix}",
+                    args.root / f"sync-b{beta2}-{mode}-s{s}{args.suffix}{steps_suffix}",
                     args,
                     f"betas=[0.9, {beta2}]",
                     variant="1bit",
                     nproc=args.nproc,
-                    steps=200,
+                    steps=args.sync_steps,
                     seed=s,
                     momentum_sync=mode,
                     sync_every=10,
-                    eval_every=100,
+                    eval_every=args.sync_steps // 2,
                 )
                 vals.append(final_val(run))
             cells.append(mean_std(vals))
@@ -181,9 +185,14 @@ def main() -> None:
     ap.add_argument("--only", default=",".join(EXPERIMENTS))
     ap.add_argument("--plots", help="write the momentum-spread diagnostics plots here")
     ap.add_argument("--nproc", type=int, default=4, help="workers of the quantizer, spread and sync runs")
+    ap.add_argument("--sync-steps", type=int, default=200, help="training steps of the β2 × sync runs")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="for every run")
+    ap.add_argument("--tag", default="", help="suffix of the run folders (use with --set)")
     args = ap.parse_args()
+    if args.set and not args.tag:
+        ap.error("--set needs --tag (the run folders must not be confused with the default runs')")
     args.root = Path(args.out)
-    args.suffix = "" if args.nproc == 4 else f"-n{args.nproc}"
+    args.suffix = ("" if args.nproc == 4 else f"-n{args.nproc}") + (f"-{args.tag}" if args.tag else "")
     seeds = [int(s) for s in args.seeds.split(",")]
     for name in args.only.split(","):
         print(f"\n### {name}\n")

@@ -32,6 +32,7 @@ def write_run(
     bytes_sent: Sequence[float] | float = 1e6,
     evals: Sequence[tuple[int, float, float]] = (),
     name: str | None = None,
+    diags: Sequence[dict] = (),
 ) -> Path:
     """A run dir with config.json and log.jsonl; steps 1..len(step_s), evals as (step, val_loss, time_s)."""
     run_dir = root / (name or variant)
@@ -51,6 +52,7 @@ def write_run(
         for step, val, time_s in evals:
             if step == i + 1:
                 lines.append(json.dumps({"kind": "eval", "step": step, "val_loss": val, "time_s": time_s}))
+    lines += [json.dumps({"kind": "diag", **d}) for d in diags]
     (run_dir / "log.jsonl").write_text("\n".join(lines) + "\n")
     return run_dir
 
@@ -190,6 +192,34 @@ def test_figure_series(three_runs: list[Path], tmp_path: Path) -> None:
     ax = rp.figure_bytes_per_step(report).axes[0]
     assert [p.get_height() for p in ax.patches] == pytest.approx([4.0, 0.125, 1.0])
     assert ax.get_yscale() == "log"  # 4 / 0.125 = 32 > 10
+
+
+def _diag(step: int, match: float, tie: float) -> dict:
+    overall = {"match": match, "flip": 1 - match - tie, "tie": tie, "momentum_max_std": step / 1000}
+    return {"step": step, "overall": overall, "layers": {"w": overall}}
+
+
+def test_diagnostics_side_by_side(tmp_path: Path) -> None:
+    # the 32bit baseline has no diag records: no line for it; 1bit and 8bit each get theirs, in step order
+    d1 = [_diag(4, 0.9, 0.05), _diag(2, 0.8, 0.1)]  # written out of order
+    d8 = [_diag(2, 0.95, 0.0), _diag(4, 0.97, 0.0)]
+    runs = [
+        write_run(tmp_path, "32bit", [0.4] * 4),
+        write_run(tmp_path, "1bit", [0.2] * 4, diags=d1),
+        write_run(tmp_path, "8bit", [0.3] * 4, diags=d8),
+    ]
+    report = rp.make_report(runs, tmp_path / "out")
+    assert report.plots["diagnostics_vs_step"].read_bytes()[:8] == PNG_SIGNATURE
+    fig = rp.figure_diagnostics(report)
+    panels = [
+        {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in ax.get_lines()} for ax in fig.axes
+    ]
+    assert panels[0] == {"1bit": ([2, 4], [0.8, 0.9]), "8bit": ([2, 4], [0.95, 0.97])}  # match
+    assert panels[1]["1bit"][1] == pytest.approx([0.1, 0.05])  # flip = 1 - match - tie
+    assert panels[2] == {"1bit": ([2, 4], [0.1, 0.05]), "8bit": ([2, 4], [0.0, 0.0])}  # tie
+    assert panels[3]["8bit"] == ([2, 4], [0.002, 0.004])  # momentum spread
+    # without any diagnostics the figure is not drawn
+    assert "diagnostics_vs_step" not in rp.make_report(runs[:1], tmp_path / "out2").plots
 
 
 def test_bytes_linear_scale_within_10x(tmp_path: Path) -> None:

@@ -176,7 +176,11 @@ def test_resume_refuses_another_world_size_or_variant(tmp_path: Path, capsys: py
 def test_compare_writes_table_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "cmp"
     argv = ["compare", *TINY, "--variants", "32bit,1bit", "--nproc", "2", "--steps", "4", "--eval-every", "2"]
+    argv += ["--diagnostics-every", "2"]  # applies to 1bit only: the DDP baseline has no vote
     assert cli.main([*argv, "--out", str(out)]) == 0
+    assert json.loads((out / "32bit" / "config.json").read_text())["diagnostics_every"] == 0
+    assert [r["step"] for r in records(out / "1bit", "diag")] == [2, 4]
+    assert (out / "diagnostics_vs_step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "32bit" in printed and "1bit" in printed and str(out / "summary.md") in printed
     table = (out / "summary.md").read_text()

@@ -28,7 +28,9 @@ examples:
   lioncub compare --out runs/cmp --report-only --target-loss 2.2           # redo the report
 
 Runs that finished before are reused when their configuration is the same (--overwrite trains them
-again); a finished report lists OUT/summary.md, OUT/summary.json and the PNG plots.
+again); a finished report lists OUT/summary.md, OUT/summary.json and the PNG plots. --diagnostics-every
+and --momentum-sync/--sync-every apply to the voting variants only (the DDP baselines have no vote); with
+diagnostics the report adds OUT/diagnostics_vs_step.png (match, flip, tie rate, momentum spread per variant).
 """
 
 
@@ -43,6 +45,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-loss", type=float, help="validation loss for 'time to target'")
     parser.add_argument("--overwrite", action="store_true", help="train runs again even if finished")
     parser.add_argument("--report-only", action="store_true", help="only rebuild the report from OUT")
+
+
+VOTING_ONLY = ("diagnostics_every", "momentum_sync", "sync_every")
+
+
+def _without_voting_options(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` for a DDP baseline of the comparison: the options that only a vote has (diagnostics,
+    momentum sync) apply to the voting variants and are left out here."""
+    return argparse.Namespace(**{**vars(args), **dict.fromkeys(VOTING_ONLY)})
 
 
 def _finished(run_dir: Path, config: object) -> bool:
@@ -78,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
             configs = []
             for v in variants:
                 args.variant = v
-                configs.append(config_from_args(args))
+                configs.append(config_from_args(_without_voting_options(args) if v in BASELINES else args))
         except (ValueError, TypeError) as exc:
             print(f"lioncub compare: error: {exc}", file=sys.stderr)
             return 2

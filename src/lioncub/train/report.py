@@ -87,6 +87,7 @@ class RunLog:
     config: dict[str, Any]
     steps: list[dict[str, Any]]
     evals: list[dict[str, Any]]  # one per step (the last record wins), each with float "val_loss"
+    diags: list[dict[str, Any]] = field(default_factory=list)  # "diag" records (--diagnostics-every), by step
 
     @property
     def variant(self) -> str:
@@ -173,7 +174,7 @@ def load_run(run_dir: Path) -> RunLog:
     if not log_path.is_file():
         raise ValueError(f"run dir {run_dir}: missing log.jsonl")
     lines = [line for line in log_path.read_text().splitlines() if line.strip()]
-    steps, evals = [], {}
+    steps, evals, diags = [], {}, {}
     for i, line in enumerate(lines):
         try:
             rec = json.loads(line)
@@ -186,9 +187,11 @@ def load_run(run_dir: Path) -> RunLog:
             steps.append(rec)
         elif kind == "eval" and isinstance(rec.get("step"), int) and _num(rec, "val_loss") is not None:
             evals[rec["step"]] = rec  # one record per step: the last one wins
+        elif kind == "diag" and isinstance(rec.get("step"), int) and isinstance(rec.get("overall"), dict):
+            diags[rec["step"]] = rec
     if not steps:
         raise ValueError(f"run dir {run_dir}: log.jsonl has no step records")
-    return RunLog(run_dir, config, steps, [evals[s] for s in sorted(evals)])
+    return RunLog(run_dir, config, steps, [evals[s] for s in sorted(evals)], [diags[s] for s in sorted(diags)])
 
 
 def _summarize(run: RunLog) -> RunSummary:
@@ -316,7 +319,10 @@ def _write(report: Report, out_dir: Path) -> None:
         "rows": [row.to_json() for row in report.rows],
     }
     (out_dir / "summary.json").write_text(json.dumps(data, indent=2) + "\n")
-    for name, make in FIGURES.items():
+    figures = dict(FIGURES)
+    if any(run.diags for run in report.runs):
+        figures["diagnostics_vs_step"] = figure_diagnostics
+    for name, make in figures.items():
         fig = make(report)
         path = out_dir / f"{name}.png"
         fig.savefig(path, dpi=DPI)
@@ -401,6 +407,33 @@ def figure_bytes_per_step(report: Report) -> Figure:
         ax.set_yscale("log")
     ax.margins(y=0.1)
     ax.set(ylabel="MB sent per rank per step", title=report.title)
+    fig.tight_layout()
+    return fig
+
+
+DIAG_PANELS = (
+    ("match", "match sign(Σc)"),
+    ("flip", "flip"),
+    ("tie", "tie rate of the sign vote"),
+    ("momentum_max_std", "max std of m between workers"),
+)
+
+
+def figure_diagnostics(report: Report) -> Figure:
+    """The overall vote diagnostics of every run that has them (``--diagnostics-every``), side by side:
+    match / flip / tie rate and momentum spread against the step, one line per variant."""
+    fig = Figure(figsize=(12.8, 7.0))
+    axes = fig.subplots(2, 2).ravel()
+    for ax, (key, label) in zip(axes, DIAG_PANELS, strict=True):
+        for run in report.runs:
+            points = [(d["step"], d["overall"][key]) for d in run.diags if d["overall"].get(key) is not None]
+            if points:
+                ax.plot(*zip(*points, strict=True), marker=".", label=run.variant)
+        ax.set(xlabel="optimizer step", ylabel=label)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.suptitle(f"vote diagnostics — {report.title}")
     fig.tight_layout()
     return fig
 

@@ -150,7 +150,8 @@ def spread(args: argparse.Namespace, seeds: list[int]) -> str:
 
 def sync(args: argparse.Namespace, seeds: list[int]) -> str:
     lines = [
-        f"| β2 (N = {args.nproc}, {args.sync_steps} steps) | sync none | sync io (every 10) | sync all (every 10) |",
+        f"| β2 (N = {args.nproc}, {args.sync_steps} steps) | sync none | sync io (every 10) "
+        "| sync all (every 10) |",
         "|---:|---:|---:|---:|",
     ]
     steps_suffix = "" if args.sync_steps == 200 else f"-t{args.sync_steps}"

@@ -212,7 +212,8 @@ def test_diagnostics_side_by_side(tmp_path: Path) -> None:
     assert report.plots["diagnostics_vs_step"].read_bytes()[:8] == PNG_SIGNATURE
     fig = rp.figure_diagnostics(report)
     panels = [
-        {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in ax.get_lines()} for ax in fig.axes
+        {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in ax.get_lines()}
+        for ax in fig.axes
     ]
     assert panels[0] == {"1bit": ([2, 4], [0.8, 0.9]), "8bit": ([2, 4], [0.95, 0.97])}  # match
     assert panels[1]["1bit"][1] == pytest.approx([0.1, 0.05])  # flip = 1 - match - tie

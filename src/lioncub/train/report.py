@@ -191,7 +191,9 @@ def load_run(run_dir: Path) -> RunLog:
             diags[rec["step"]] = rec
     if not steps:
         raise ValueError(f"run dir {run_dir}: log.jsonl has no step records")
-    return RunLog(run_dir, config, steps, [evals[s] for s in sorted(evals)], [diags[s] for s in sorted(diags)])
+    return RunLog(
+        run_dir, config, steps, [evals[s] for s in sorted(evals)], [diags[s] for s in sorted(diags)]
+    )
 
 
 def _summarize(run: RunLog) -> RunSummary:

@@ -97,10 +97,11 @@ def test_diagnostics_on_real_ranks_match_the_recomputation() -> None:
 
 def test_diagnostics_off_issue_no_collective_and_on_are_not_charged_to_the_step() -> None:
     off, on = run_workers(worker_diag, 2, 0)[0], run_workers(worker_diag, 2, 2)[0]
-    # 1 initial broadcast + 2 steps × (all-to-all + all-gather); diagnostics add 3 allreduces on step 2
-    assert off["raw_collectives"] == 5 and off["diag"] is None
-    assert on["raw_collectives"] == 5 + 3
-    assert off["step_collectives"] == on["step_collectives"] == 4
+    # layout check + initial broadcast + 2 steps × (non-finite check + all-to-all + all-gather);
+    # diagnostics add 3 allreduces on step 2
+    assert off["raw_collectives"] == 8 and off["diag"] is None
+    assert on["raw_collectives"] == 8 + 3
+    assert off["step_collectives"] == on["step_collectives"] == 6
 
 
 def test_diagnostics_refused_for_the_global_presets() -> None:

@@ -29,6 +29,7 @@ process group, never from launcher variables.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -59,6 +60,17 @@ _log = logging.getLogger("lioncub")
 
 class ReplicaDivergenceError(RuntimeError):
     """The parameters of the ranks are no longer identical."""
+
+
+class ReplicaMismatchError(ValueError):
+    """The ranks were given different parameter lists (names, shapes, dtypes or order)."""
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A rank's gradients held NaN or Inf and ``nonfinite="raise"``."""
+
+
+NONFINITE_MODES = ("skip", "raise")
 
 
 @dataclass
@@ -130,6 +142,14 @@ class LionCub(torch.optim.Optimizer):
         diagnostics_every: every k steps compute :mod:`lioncub.diagnostics` (match/flip against the
             full-precision vote, tie rate, momentum spread, update shape) into :attr:`last_diagnostics`;
             this costs extra collectives on those steps only (not counted in :meth:`comm_stats`). 0: off.
+        nonfinite: what a step does when any rank's gradients hold NaN or Inf: ``"skip"`` (default: every
+            rank leaves parameters and momenta untouched, counted in ``comm_stats()["total"]
+            ["skipped_steps"]``) or ``"raise"`` (:class:`NonFiniteGradientError` on every rank, naming the
+            ranks). Checked before anything is quantized or sent: one max-abs reduction per bucket and one
+            all-gather of N int32 per step (counted in :meth:`comm_stats`).
+
+    At construction every rank checks that all ranks hold the same parameter list (names, shapes, dtypes,
+    order: one hash all-gathered) and raises :class:`ReplicaMismatchError` naming the first difference.
     """
 
     def __init__(
@@ -163,7 +183,10 @@ class LionCub(torch.optim.Optimizer):
         sync_dtype: torch.dtype = torch.float32,
         model: torch.nn.Module | None = None,
         diagnostics_every: int = 0,
+        nonfinite: str = "skip",
     ) -> None:
+        if nonfinite not in NONFINITE_MODES:
+            raise ValueError(f"nonfinite={nonfinite!r}: allowed values are {list(NONFINITE_MODES)}")
         if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
             raise ValueError(f"bucket_mb={bucket_mb!r} must be a number > 0")
         if not (isinstance(replica_check_every, int) and replica_check_every >= 0):
@@ -188,6 +211,10 @@ class LionCub(torch.optim.Optimizer):
         for group in self.param_groups:
             _check_group(group)
         self.comm = Comm(process_group, exchange=exchange)  # type: ignore[arg-type]
+        named = self._named_parameters(model)
+        self._check_same_parameters(named)
+        self.nonfinite = nonfinite
+        self._skipped = (0, 0)  # (last step, total): steps skipped for non-finite gradients
         #: the cost model's decision when ``variant="auto"`` (``None`` otherwise)
         self.auto_choice: AutoChoice | None = None
         if variant == "auto":
@@ -209,7 +236,6 @@ class LionCub(torch.optim.Optimizer):
             )
         self.sync_dtype = sync_dtype
         #: names of the parameters whose momenta are synchronized (see :mod:`lioncub.optim.sync`)
-        named = self._named_parameters(model)
         self.sync_names, self._sync_params = self._select_sync(momentum_sync, named, model)
         if not (isinstance(diagnostics_every, int) and diagnostics_every >= 0):
             raise ValueError(f"diagnostics_every={diagnostics_every!r} must be an int >= 0 (0: off)")
@@ -248,6 +274,40 @@ class LionCub(torch.optim.Optimizer):
                 b.segments.append(p.numel())
                 b.numel += p.numel()
         return buckets
+
+    def _check_same_parameters(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """All-gather a hash of (group, name, shape, dtype) of every optimized parameter, in order; on a
+        mismatch every rank gathers the lists and raises :class:`ReplicaMismatchError` naming the first
+        differing parameter (instead of a hang or a vote over misaligned buffers later)."""
+        n = self.comm.world_size
+        if n == 1:
+            return
+        group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
+        layout = [
+            f"group {group_of[id(p)]} {name} {tuple(p.shape)} {str(p.dtype).removeprefix('torch.')}"
+            for name, p in named
+        ]
+        digest = hashlib.sha256("\n".join(layout).encode()).digest()[:8]
+        mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
+        gathered = torch.empty(n, 1, dtype=torch.int64, device=self.comm.device)
+        self.comm.all_gather(gathered, mine.to(self.comm.device), "parameter layout check").wait()
+        if bool((gathered == gathered[0]).all()):
+            return
+        layouts: list[Any] = [None] * n
+        dist.all_gather_object(layouts, layout, group=self.comm.group)
+        rank = next(r for r in range(n) if layouts[r] != layouts[0])
+        ours, other = layouts[0], layouts[rank]
+        i = next(
+            (i for i in range(min(len(ours), len(other))) if ours[i] != other[i]), min(len(ours), len(other))
+        )
+        first = ours[i] if i < len(ours) else "(no parameter)"
+        theirs = other[i] if i < len(other) else "(no parameter)"
+        raise ReplicaMismatchError(
+            f"rank {self.comm.rank}: the ranks do not optimize the same parameters: rank 0 has "
+            f"{len(layouts[0])} tensors, rank {rank} has {len(other)}; first difference at position {i}: "
+            f"rank 0 {first!r}, rank {rank} {theirs!r} (build the same model, in the same order, on every "
+            "rank)"
+        )
 
     @torch.no_grad()
     def _broadcast_parameters(self) -> None:
@@ -430,14 +490,17 @@ class LionCub(torch.optim.Optimizer):
         diagnose = bool(self.diagnostics_every) and self._global_step % self.diagnostics_every == 0
         directions: list[torch.Tensor] = []
         updates: list[torch.Tensor] = []
-        for i, b in enumerate(self._buckets):
-            t0 = time.perf_counter()
-            local = self._local(b)
+        t0 = time.perf_counter()
+        contributions = [self._local(b) for b in self._buckets]
+        times.direction += time.perf_counter() - t0
+        if not self._all_finite(contributions):  # nothing non-finite is quantized, sent or applied
+            self._finish_step(before, times, skipped=True)
+            return loss
+        for i, (b, local) in enumerate(zip(self._buckets, contributions, strict=True)):
+            t1 = time.perf_counter()
             if diagnose:
                 directions.append(local.clone())
-            t1 = time.perf_counter()
             pending.append(self.vote.start(local, step=self._global_step, key=i, segments=b.segments))
-            times.direction += t1 - t0
             times.encode += time.perf_counter() - t1
         t0 = time.perf_counter()
         for vote in pending:  # between-phase work of two-phase votes, overlapping the other buckets
@@ -458,14 +521,50 @@ class LionCub(torch.optim.Optimizer):
             times.sync += time.perf_counter() - t0
         if self.replica_check_every and self._global_step % self.replica_check_every == 0:
             self.check_replicas()
+        self._finish_step(before, times, skipped=False)
+        if diagnose:  # after the accounting: its collectives are not the step's
+            self.last_diagnostics = (self._global_step, self._diagnose(directions, updates))
+        return loss
+
+    def _finish_step(self, before: CommCounter, times: _Times, *, skipped: bool) -> None:
+        """The step's accounting: its bytes, collectives and times, and whether it was skipped."""
         delta = self.comm.counter.minus(before)
         self._last = (delta, times)
         total_c, total_t = self._total
         total_c.add(delta.bytes_sent, delta.bytes_recv, delta.collectives)
         total_t.add(times)
-        if diagnose:  # after the accounting: its collectives are not the step's
-            self.last_diagnostics = (self._global_step, self._diagnose(directions, updates))
-        return loss
+        self._skipped = (int(skipped), self._skipped[1] + int(skipped))
+
+    def _all_finite(self, contributions: list[torch.Tensor]) -> bool:
+        """True if every rank's contributions are finite. One fused max-abs reduction per bucket (NaN and
+        Inf propagate through it), then one all-gather of one int32 per rank, so that every rank takes the
+        same decision; with ``nonfinite="raise"`` raises :class:`NonFiniteGradientError` on every rank."""
+        if contributions:
+            peaks = torch.stack([torch.linalg.vector_norm(c, float("inf")).float() for c in contributions])
+            bad = (~torch.isfinite(peaks)).any().to(torch.int32).reshape(1)
+        else:
+            bad = torch.zeros(1, dtype=torch.int32)
+        n = self.comm.world_size
+        if n > 1:
+            flags = torch.empty(n, 1, dtype=torch.int32, device=self.comm.device)
+            self.comm.all_gather(flags, bad.to(self.comm.device), "non-finite gradient check").wait()
+            flags = flags.flatten()
+        else:
+            flags = bad
+        if not bool(flags.any()):
+            return True
+        ranks = flags.nonzero().flatten().tolist()
+        if self.nonfinite == "raise":
+            raise NonFiniteGradientError(
+                f"rank {self.comm.rank}: non-finite gradients (NaN or Inf) at step {self._global_step} on "
+                f"rank(s) {ranks}; nothing was applied (nonfinite='raise')"
+            )
+        _log.warning(
+            "step %d skipped on every rank: non-finite gradients (NaN or Inf) on rank(s) %s",
+            self._global_step,
+            ranks,
+        )
+        return False
 
     # -- diagnostics -----------------------------------------------------------------------------------
 
@@ -524,6 +623,7 @@ class LionCub(torch.optim.Optimizer):
                 "collectives": counter.collectives,
                 **times.as_dict(),
             }
+        out["last"]["skipped_steps"], out["total"]["skipped_steps"] = self._skipped
         out["total"]["steps"] = self._global_step
         return out
 

@@ -1,0 +1,245 @@
+"""Failure behaviour of :class:`~lioncub.optim.LionCub` on several gloo ranks: non-finite gradients are
+skipped (or raised) on every rank alike, and ranks that were given different parameter lists fail at
+construction, naming the first difference, instead of hanging or voting over misaligned buffers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lioncub.optim import LionCub
+from lioncub.optim.lioncub import NonFiniteGradientError, ReplicaMismatchError
+
+from dist_utils import run_workers
+
+SHAPES = [(5, 7), (7,), (3, 3, 2)]
+BAD = {2: (1, float("nan")), 4: (2, float("inf")), 5: (0, float("-inf"))}  # step: (rank, value)
+
+
+def _params(seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen).requires_grad_() for s in SHAPES]
+
+
+def _grads(rank: int, step: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    grads = [torch.randn(s, generator=gen) for s in SHAPES]
+    if step in BAD and BAD[step][0] == rank:
+        grads[1][3] = BAD[step][1]  # one element of one tensor
+    return grads
+
+
+def _snapshot(opt: LionCub, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Parameters and momenta (zeros before the first step creates them)."""
+    momenta = [opt.state[p].get("exp_avg", torch.zeros_like(p)) for p in params]
+    return [t.detach().clone() for t in params + momenta]
+
+
+def _train_with_bad_steps(rank: int, world_size: int, variant: str) -> dict:
+    params = _params()
+    opt = LionCub(params, lr=0.01, betas=(0.9, 0.99), weight_decay=0.1, variant=variant)
+    log = []
+    for step in range(1, 7):
+        for p, g in zip(params, _grads(rank, step), strict=True):
+            p.grad = g
+        before = _snapshot(opt, params)
+        opt.step()
+        after = _snapshot(opt, params)
+        stats = opt.comm_stats()["last"]
+        log.append(
+            {
+                "unchanged": all(torch.equal(a, b) for a, b in zip(before, after, strict=True)),
+                "skipped": stats["skipped_steps"],
+                "collectives": stats["collectives"],
+            }
+        )
+    return {
+        "log": log,
+        "params": [p.detach() for p in params],
+        "momenta": [opt.state[p]["exp_avg"] for p in params],
+        "total_skipped": opt.comm_stats()["total"]["skipped_steps"],
+        "steps": opt.global_step,
+    }
+
+
+VARIANTS = ("1bit", "8bit", "32bit")
+
+
+def _train_variants(rank: int, world_size: int) -> dict[str, dict]:
+    return {v: _train_with_bad_steps(rank, world_size, v) for v in VARIANTS}
+
+
+def test_nonfinite_gradients_are_skipped_on_every_rank() -> None:
+    by_rank = run_workers(_train_variants, 3)
+    for variant in VARIANTS:
+        results = [r[variant] for r in by_rank]
+        for rank, res in enumerate(results):
+            for step, entry in enumerate(res["log"], start=1):
+                if step in BAD:  # the bad rank and the good ones alike: nothing moved, only the check ran
+                    assert entry == {"unchanged": True, "skipped": 1, "collectives": 1}, (variant, rank, step)
+                else:
+                    assert entry["skipped"] == 0 and not entry["unchanged"], (variant, rank, step)
+            assert res["total_skipped"] == len(BAD) and res["steps"] == 6
+            assert all(torch.isfinite(t).all() for t in res["params"] + res["momenta"])
+            for p, p0 in zip(res["params"], results[0]["params"], strict=True):  # replicas stay identical
+                assert torch.equal(p, p0), variant
+        if variant != "32bit":  # per-rank momenta differ, but none took the NaN/Inf
+            assert not torch.equal(results[0]["momenta"][0], results[1]["momenta"][0])
+
+
+def _raise_on_bad(rank: int, world_size: int) -> str:
+    params = _params()
+    opt = LionCub(params, lr=0.01, variant="4bit", nonfinite="raise")
+    for step in range(1, 3):
+        for p, g in zip(params, _grads(rank, step), strict=True):
+            p.grad = g
+        try:
+            opt.step()
+        except NonFiniteGradientError as err:
+            assert all(torch.isfinite(p).all() for p in params)
+            return f"step {step}: {err}"
+    return "no error"
+
+
+def test_nonfinite_raise_names_the_rank_on_every_rank() -> None:
+    messages = run_workers(_raise_on_bad, 3)
+    for rank, msg in enumerate(messages):
+        assert msg.startswith("step 2: ") and f"rank {rank}:" in msg, msg
+        assert "at step 2 on rank(s) [1]" in msg and "nonfinite='raise'" in msg
+
+
+def _mismatched(rank: int, world_size: int, kind: str) -> str:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = [torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)]
+    if rank == 1 and kind == "shape":
+        layers[1] = torch.nn.Linear(8, 3)
+    if rank == 2 and kind == "extra":
+        layers.append(torch.nn.Linear(2, 2))
+    if rank == 1 and kind == "dtype":
+        layers[0] = layers[0].double()
+    model = torch.nn.Sequential(*layers)
+    try:
+        LionCub(model.parameters(), variant="1bit", model=model)
+    except ReplicaMismatchError as err:
+        return str(err)
+    return "constructed"
+
+
+MISMATCHES = {
+    "shape": [
+        "rank 1 has 4;",
+        "'group 0 1.weight (2, 8) float32'",
+        "rank 1 'group 0 1.weight (3, 8) float32'",
+    ],
+    "extra": ["rank 2 has 6;", "position 4", "rank 0 '(no parameter)'", "rank 2 'group 0 2.weight (2, 2)"],
+    "dtype": ["first difference at position 0", "rank 1 'group 0 0.weight (8, 4) float64'"],
+}
+
+
+def _all_mismatches(rank: int, world_size: int) -> dict[str, str]:
+    return {kind: _mismatched(rank, world_size, kind) for kind in MISMATCHES}
+
+
+def test_mismatched_models_fail_at_construction_on_every_rank() -> None:
+    by_rank = run_workers(_all_mismatches, 3, timeout=90.0)
+    for kind, expected in MISMATCHES.items():
+        for rank, messages in enumerate(by_rank):
+            msg = messages[kind]
+            assert msg.startswith(f"rank {rank}: the ranks do not optimize the same parameters"), msg
+            for part in expected:
+                assert part in msg, (kind, part, msg)
+
+
+def _one_rank_skip(rank: int, world_size: int) -> tuple[list[float], int, list[float]]:
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = LionCub([p], lr=0.1, variant="1bit")
+    p.grad = torch.tensor([1.0, float("nan"), 1.0, 1.0])
+    opt.step()
+    skipped = p.detach().tolist(), opt.comm_stats()["total"]["skipped_steps"]
+    p.grad = torch.ones(4)
+    opt.step()
+    return (*skipped, p.detach().tolist())
+
+
+def test_nonfinite_on_one_rank_and_bad_option() -> None:
+    after_nan, skipped, after_good = run_workers(_one_rank_skip, 1)[0]
+    assert after_nan == [1.0] * 4 and skipped == 1
+    assert after_good == pytest.approx([0.9] * 4)  # the next finite step applies: 1 - lr·sign(1)
+    with pytest.raises(ValueError, match=r"nonfinite='ignore': allowed values are \['skip', 'raise'\]"):
+        LionCub([torch.nn.Parameter(torch.ones(2))], nonfinite="ignore")
+
+
+# ------------------------------------------------------------------------------------------ a rank dies
+
+PG_TIMEOUT_S = 6.0
+
+
+def _die_or_stall(rank: int, world_size: int, store: str, how: str, out: str) -> None:
+    """Rank 1 dies (SIGKILL) or stalls at step 3; the others must fail in a bounded time, naming the
+    operation and the step. Writes ``{"error", "elapsed"}`` of this rank to ``out``."""
+    import datetime
+    import json
+    import os
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    from lioncub.collectives import CollectiveError
+
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=PG_TIMEOUT_S)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=timeout
+    )
+    params = _params()
+    opt = LionCub(params, lr=0.01, variant="1bit")
+    t0 = time.monotonic()
+    try:
+        for step in range(1, 6):
+            if rank == 1 and step == 3:
+                if how == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(600)  # stall: alive, but never joins the vote
+            for p, g in zip(params, _grads(rank, step), strict=True):
+                p.grad = g
+            t0 = time.monotonic()
+            opt.step()
+    except CollectiveError as err:
+        with open(out, "w") as f:
+            json.dump({"error": str(err), "elapsed": time.monotonic() - t0}, f)
+        os._exit(3)
+    os._exit(0)
+
+
+@pytest.mark.parametrize("how", ["kill", "stall"])
+def test_a_dead_or_stalled_rank_makes_the_others_fail_within_the_timeout(how: str, tmp_path) -> None:
+    import json
+    import multiprocessing as mp
+    import time
+
+    ctx = mp.get_context("spawn")
+    outs = [tmp_path / f"rank{r}.json" for r in range(3)]
+    procs = [
+        ctx.Process(target=_die_or_stall, args=(r, 3, str(tmp_path / "store"), how, str(outs[r])))
+        for r in range(3)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        deadline = time.monotonic() + 90.0  # spawning and importing torch included
+        for r in (0, 2):
+            procs[r].join(max(0.0, deadline - time.monotonic()))
+            assert procs[r].exitcode == 3, f"rank {r} did not fail (exit code {procs[r].exitcode})"
+            report = json.loads(outs[r].read_text())
+            assert report["elapsed"] < PG_TIMEOUT_S + 5.0, report  # bounded by the group's timeout
+            if how == "stall":  # nothing tells the others but the timeout
+                assert report["elapsed"] > PG_TIMEOUT_S - 1.0, report
+            # the first collective of step 3 is the non-finite check; the error names it and the step
+            assert report["error"].startswith(
+                f"rank {r}/3: non-finite gradient check failed at optimizer step 3"
+            )
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(5)

@@ -1,14 +1,26 @@
-"""Failure behaviour of :class:`~lioncub.optim.LionCub` on several gloo ranks: non-finite gradients are
-skipped (or raised) on every rank alike, and ranks that were given different parameter lists fail at
-construction, naming the first difference, instead of hanging or voting over misaligned buffers."""
+"""Failure behaviour on several gloo ranks: non-finite gradients are skipped (or raised) on every rank
+alike; ranks given different parameter lists fail at construction, naming the first difference; a dead or
+stalled rank makes the others fail within the group's timeout, naming the operation and the step;
+checkpoints are verified (SHA-256, ``weights_only``) and survive a crash mid-save; a rank killed with
+SIGKILL mid-run is restarted from the last checkpoint (``lioncub train --restarts``, ``torchrun
+--max-restarts``) and the run ends bitwise equal to an uninterrupted one."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 
-from lioncub.optim import LionCub
+from lioncub import cli
+from lioncub.optim import Lion, LionCub
 from lioncub.optim.lioncub import NonFiniteGradientError, ReplicaMismatchError
+from lioncub.train import checkpoint
 
 from dist_utils import run_workers
 
@@ -243,3 +255,129 @@ def test_a_dead_or_stalled_rank_makes_the_others_fail_within_the_timeout(how: st
         for p in procs:
             p.kill()
             p.join(5)
+
+
+# ------------------------------------------------------------------------------ checkpoints and restarts
+
+
+def _save_tiny(run_dir: Path, step: int, barrier=lambda: None) -> None:
+    torch.manual_seed(step)
+    model = torch.nn.Linear(3, 2)
+    opt = Lion(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    checkpoint.save(
+        run_dir,
+        step=step,
+        rank=0,
+        world_size=1,
+        model=model,
+        optimizer=opt,
+        data_state={"workload": "gpt", "size": "tiny", "sampler": {"position": step}},
+        meta={"variant": "32bit", "workload": "gpt", "size": "tiny", "seed": 0},
+        barrier=barrier,
+    )
+
+
+def test_checkpoints_are_verified_and_a_crash_mid_save_keeps_the_previous(tmp_path: Path) -> None:
+    _save_tiny(tmp_path, 3)
+    np.random.seed(5)
+    _save_tiny(tmp_path, 6)
+    after_save = np.random.rand(3)
+    meta = checkpoint.latest(tmp_path)
+    assert meta.step == 6 and set(meta.sha256) == {"model.pt", "rank0.pt"}
+    leftovers = [p.name for p in (tmp_path / "checkpoints").rglob("*") if p.suffix in (".part", ".sha256")]
+    assert leftovers == [] and not list((tmp_path / "checkpoints").glob(".tmp_*"))
+    state = checkpoint.load_rank_state(meta, 0, 1)  # weights_only=True: tensors and plain values only
+    checkpoint.restore_rng(state)
+    np.testing.assert_array_equal(np.random.rand(3), after_save)  # numpy RNG stored as tensors, exact
+
+    # a crash after the rank files, before meta.json and the rename: "latest" still names step 6
+    calls = []
+
+    def crash_on_second_barrier() -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError, match="killed"):
+        _save_tiny(tmp_path, 9, barrier=crash_on_second_barrier)
+    assert checkpoint.latest(tmp_path).step == 6
+    assert checkpoint.model_state(checkpoint.latest(tmp_path))["weight"].shape == (2, 3)
+
+    # truncated and altered files: a clear error naming the file and the previous checkpoint
+    rank_file, model_file = meta.path / "rank0.pt", meta.path / "model.pt"
+    data = rank_file.read_bytes()
+    rank_file.write_bytes(data[: len(data) // 2])
+    with pytest.raises(
+        checkpoint.CorruptCheckpointError, match=r"rank0\.pt is truncated or corrupted"
+    ) as err:
+        checkpoint.load_rank_state(meta, 0, 1)
+    assert "nothing was loaded" in str(err.value) and "previous checkpoint step_00000003" in str(err.value)
+    blob = bytearray(model_file.read_bytes())
+    blob[len(blob) // 2] ^= 0x01  # one bit
+    model_file.write_bytes(bytes(blob))
+    with pytest.raises(checkpoint.CorruptCheckpointError, match=r"model\.pt is truncated or corrupted"):
+        checkpoint.model_state(meta)
+    model_file.unlink()
+    with pytest.raises(checkpoint.CorruptCheckpointError, match=r"cannot read model\.pt"):
+        checkpoint.model_state(meta)
+
+
+TINY = [
+    "train",
+    "--workload",
+    "gpt",
+    "--size",
+    "tiny",
+    "--no-progress",
+    "--variant",
+    "1bit",
+    "--steps",
+    "8",
+    "--eval-every",
+    "4",
+]
+TINY += ["--checkpoint-every", "3"]
+TINY_RUN = [*TINY, "--nproc", "2"]
+
+
+def _same_final_model(a: Path, b: Path) -> None:
+    ma, mb = checkpoint.latest(a), checkpoint.latest(b)
+    assert ma.step == mb.step == 8
+    sa, sb = checkpoint.model_state(ma), checkpoint.model_state(mb)
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    for r in range(2):
+        oa, ob = (checkpoint.load_rank_state(m, r, 2)["optimizer"]["state"] for m in (ma, mb))
+        assert all(torch.equal(oa[i]["exp_avg"], ob[i]["exp_avg"]) for i in oa)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("whole") / "run"
+    assert cli.main([*TINY_RUN, "--out", str(out)]) == 0
+    return out
+
+
+def test_killed_rank_restarts_from_the_checkpoint_bitwise(
+    uninterrupted: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.setenv("LIONCUB_FAULT_KILL", "1:5")  # rank 1 SIGKILLs itself after the backward of step 5
+    assert cli.main([*TINY_RUN, "--out", str(tmp_path / "fails")]) != 0  # without a restart the job fails
+    assert "rank 1" in capsys.readouterr().err
+    out = tmp_path / "restarted"
+    assert cli.main([*TINY_RUN, "--out", str(out), "--restarts", "1"]) == 0
+    _same_final_model(uninterrupted, out)
+    steps = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps if r["kind"] == "step"] == list(range(1, 9))  # steps 4-5 rewritten
+
+
+def test_killed_rank_under_torchrun_max_restarts_bitwise(uninterrupted: Path, tmp_path: Path) -> None:
+    out = tmp_path / "torchrun"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["--max-restarts", "1", "-m", "lioncub.cli", *TINY, "--out", str(out)]  # ranks: torchrun's
+    env = {**os.environ, "LIONCUB_FAULT_KILL": "1:5", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "exitcode: -9) local_rank: 1" in proc.stderr  # torchrun saw rank 1 die of SIGKILL, then restarted
+    _same_final_model(uninterrupted, out)

@@ -90,6 +90,8 @@ def init_from_env(timeout_s: float = 300.0) -> bool:
 
     Returns True if this call initialised it (the caller then destroys it).
     """
+    if isinstance(timeout_s, bool) or not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < math.inf):
+        raise RuntimeError(f"timeout_s={timeout_s!r} must be a finite number of seconds > 0 (--timeout)")
     if dist.is_initialized():
         return False
     missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
@@ -263,13 +265,29 @@ def calibrate(
         link_bps: the link rate in bits/s (default ``$LIONCUB_LINK_BPS``; None: unknown).
         log: called with a line per measured op (e.g. ``print`` on rank 0).
     """
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"repeats={repeats} must be >= 1 and warmup={warmup} >= 0")
+    if isinstance(repeats, bool) or not (isinstance(repeats, int) and repeats >= 1):
+        raise ValueError(f"repeats={repeats!r} must be an int >= 1 (timed runs per size)")
+    if isinstance(warmup, bool) or not (isinstance(warmup, int) and warmup >= 0):
+        raise ValueError(f"warmup={warmup!r} must be an int >= 0 (untimed runs per size)")
+    if isinstance(compute_numel, bool) or not (isinstance(compute_numel, int) and compute_numel >= 0):
+        raise ValueError(
+            f"compute_numel={compute_numel!r} must be an int >= 0 (0: skip the compute benchmarks)"
+        )
+    if link_bps is not None and not (isinstance(link_bps, (int, float)) and 0 < link_bps < math.inf):
+        raise ValueError(f"link_bps={link_bps!r} must be None or a finite number of bits/s > 0")
     unknown = set(ops) - set(OPS)
     if unknown:
         raise ValueError(f"unknown collectives {sorted(unknown)}; known: {list(OPS)}")
     if link_bps is None and os.environ.get("LIONCUB_LINK_BPS"):
-        link_bps = float(os.environ["LIONCUB_LINK_BPS"])
+        try:
+            link_bps = float(os.environ["LIONCUB_LINK_BPS"])
+        except ValueError:
+            link_bps = math.nan
+        if not 0 < link_bps < math.inf:
+            raise ValueError(
+                f"LIONCUB_LINK_BPS={os.environ['LIONCUB_LINK_BPS']!r} must be a positive number of bits/s "
+                "(set by `lioncub launch --link`)"
+            )
     if sizes is None:
         sizes = LINK_SIZES if link_bps is not None else DEFAULT_SIZES
     if len(set(sizes)) < 2 or min(sizes) < 1:

@@ -8,6 +8,7 @@ lioncub.calibrate_cli --out calib.json``), or let it start the job itself with `
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -63,6 +64,38 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
+    if not (0 < value < math.inf):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    return value
+
+
+def check_out(path: str) -> None:
+    """Refuse an --out that rank 0 could not write, before anything is measured."""
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"--out {path}: is a directory; give a file name such as calib.json")
+    parent = target.parent
+    if not parent.is_dir():
+        raise ValueError(f"--out {path}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise ValueError(f"--out {path}: not writable")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -75,7 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "burst (2 ms of the rate) distorts smaller ones; 64kb,256kb,1mb,4mb,16mb otherwise)",
     )
     parser.add_argument("--repeats", type=_positive_int, default=5, help="timed runs per size (default 5)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed runs per size first (default 1)")
+    parser.add_argument(
+        "--warmup", type=_non_negative_int, default=1, help="untimed runs per size first (default 1)"
+    )
     parser.add_argument(
         "--ops",
         type=_ops,
@@ -91,7 +126,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="elements of the compute benchmarks, e.g. 4M (0: skip them; default 4194304)",
     )
     parser.add_argument(
-        "--timeout", type=float, default=300.0, metavar="SECONDS", help="process group timeout (default 300)"
+        "--timeout",
+        type=_seconds,
+        default=300.0,
+        metavar="SECONDS",
+        help="process group timeout (default 300)",
     )
     parser.add_argument(
         "--nproc",
@@ -141,8 +180,25 @@ def _launch_self(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     in_job = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    try:
+        check_out(args.out)
+        if not in_job and not args.link and "allreduce_f32" not in args.ops:
+            raise ValueError(
+                f"--ops {','.join(args.ops)}: without --link the link rate is unknown, so the ops must "
+                "include allreduce_f32 (the reference)"
+            )
+    except ValueError as exc:
+        print(f"lioncub calibrate: error: {exc}", file=sys.stderr)
+        return 2
     if not in_job:
-        if args.nproc is None or args.nproc < 2:
+        if args.nproc is not None and args.nproc < 2:
+            print(
+                f"lioncub calibrate: error: --nproc {args.nproc}: calibrating the network needs at least "
+                "2 ranks",
+                file=sys.stderr,
+            )
+            return 2
+        if args.nproc is None:
             print(
                 "lioncub calibrate: error: no process group: pass --nproc N (N >= 2), or run it on every "
                 "rank of a job: lioncub launch --nproc 4 [--link 1gbit] -- -m lioncub.calibrate_cli "

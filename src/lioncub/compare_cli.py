@@ -8,11 +8,14 @@ Layout: ``OUT/<variant>/`` holds each run (as ``lioncub train --out``), ``OUT/``
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
 from lioncub.train_cli import (
     add_run_arguments,
+    check_before_launch,
+    check_launch_options,
     config_from_args,
     format_summary,
     prepare_run_dir,
@@ -83,6 +86,13 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.target_loss is not None and not 0 < args.target_loss < math.inf:
+        print(
+            f"lioncub compare: error: --target-loss {args.target_loss!r} must be a finite validation "
+            "loss > 0",
+            file=sys.stderr,
+        )
+        return 2
     run_dirs = [out / v for v in variants]
     if not args.report_only:
         try:
@@ -90,6 +100,9 @@ def run(args: argparse.Namespace) -> int:
             for v in variants:
                 args.variant = v
                 configs.append(config_from_args(_without_voting_options(args) if v in BASELINES else args))
+            for config in configs:
+                check_before_launch(config, args.timeout or None)
+            check_launch_options(args.restarts, args.collective_timeout)
         except (ValueError, TypeError) as exc:
             print(f"lioncub compare: error: {exc}", file=sys.stderr)
             return 2
@@ -116,7 +129,13 @@ def run(args: argparse.Namespace) -> int:
                 return 2
             print(f"{label}: training in {run_dir}", file=sys.stderr, flush=True)
             outcome = run_training(
-                config, run_dir, timeout_s=args.timeout or None, progress=not args.no_progress, label=label
+                config,
+                run_dir,
+                timeout_s=args.timeout or None,
+                progress=not args.no_progress,
+                label=label,
+                restarts=args.restarts,
+                collective_timeout_s=args.collective_timeout,
             )
             if outcome.summary is None:
                 print(f"lioncub compare: {config.variant} failed: {outcome.message}", file=sys.stderr)

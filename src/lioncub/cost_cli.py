@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -192,7 +193,12 @@ def format_count(n: float) -> str:
 def _setup(args: argparse.Namespace) -> tuple[cm.Network, cm.Compute, str]:
     """The network and compute to use, and a line saying where they come from."""
     if args.calibration:
-        calib = cm.load_calibration(args.calibration)
+        try:
+            calib = cm.load_calibration(args.calibration)
+        except ValueError as exc:
+            raise ValueError(
+                f"--calibration {args.calibration}: {exc} (expected a `lioncub calibrate` JSON file)"
+            ) from None
         network, compute = calib.network, calib.compute
         source = f"calibration {args.calibration} (N = {calib.world_size})"
         if args.bandwidth is not None:
@@ -212,8 +218,52 @@ def _setup(args: argparse.Namespace) -> tuple[cm.Network, cm.Compute, str]:
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     bucket = int(args.bucket_mb * 2**20 / 4) if args.bucket_mb > 0 else None
     if bucket is not None and bucket < 1:
-        raise ValueError(f"--bucket-mb {args.bucket_mb} holds no fp32 parameter")
+        raise ValueError(
+            f"--bucket-mb {args.bucket_mb:g} holds no fp32 parameter; give at least {4 / 2**20:.2g} "
+            "(MiB) or 0 for one bucket"
+        )
+    if args.sync_params is not None:
+        if args.sync_every is None:
+            raise ValueError(
+                "--sync-params: applies only with --sync-every K (how often they are synchronised)"
+            )
+        if args.sync_params > args.params:
+            raise ValueError(
+                f"--sync-params {format_count(args.sync_params)} exceeds --params "
+                f"{format_count(args.params)}; give at most the model's parameter count"
+            )
+    names = list(args.variants or cm.PRESET_SCHEMES)
+    checks = {v: cm.allowed(v, args.workers) for v in names}
+    if not any(ok for ok, _ in checks.values()):
+        fits = [v for v in cm.PRESET_SCHEMES if cm.allowed(v, args.workers)[0]]
+        why = "; ".join(f"{v}: {reason}" for v, (_, reason) in checks.items())
+        raise ValueError(
+            f"--variants {','.join(names)}: none is allowed for --workers {args.workers} ({why}); "
+            f"presets that allow {args.workers} workers: {', '.join(fits)}"
+        )
     return {"sync_every": args.sync_every, "sync_params": args.sync_params, "bucket_numel": bucket}
+
+
+def _check_plot(path: str | None) -> None:
+    """Refuse a --plot path that cannot be written before anything is computed."""
+    if path is None:
+        return
+    from pathlib import Path
+
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    target = Path(path)
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    suffix = target.suffix.lstrip(".").lower()
+    if suffix not in formats:
+        raise ValueError(f"--plot {path}: unknown image format {suffix!r}; use one of {', '.join(formats)}")
+    parent = target.parent
+    if target.is_dir():
+        raise ValueError(f"--plot {path}: is a directory; give a file name such as cost.png")
+    if not parent.is_dir():
+        raise ValueError(f"--plot {path}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"--plot {path}: the directory {parent} is not writable")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -225,6 +275,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         network, compute, source = _setup(args)
         options = _options(args)
+        _check_plot(args.plot)
         report(console, args.params, args.workers, network, compute, args.variants, source, **options)
         if args.plot:
             fig = figure(args.params, args.workers, network, compute, args.variants, **options)

@@ -329,8 +329,8 @@ def allowed(variant: str | Scheme | Any, n_workers: int) -> tuple[bool, str]:
 
 
 def _check_n(n: int) -> int:
-    if not (isinstance(n, int) and n >= 1):
-        raise ValueError(f"the number of workers must be an int >= 1, got {n!r}")
+    if isinstance(n, bool) or not (isinstance(n, int) and n >= 1):
+        raise ValueError(f"n_workers={n!r}: the number of workers must be an int >= 1")
     return n
 
 
@@ -473,10 +473,12 @@ class Prediction:
 
 def _buckets(d: int, bucket_numel: int | None) -> list[tuple[int, int]]:
     """(elements, how many) of the buckets a flat vector of d elements is split into."""
-    if bucket_numel is None or bucket_numel >= d:
+    if bucket_numel is None:
         return [(d, 1)]
-    if bucket_numel < 1:
-        raise ValueError(f"bucket_numel={bucket_numel!r} must be >= 1")
+    if isinstance(bucket_numel, bool) or not (isinstance(bucket_numel, int) and bucket_numel >= 1):
+        raise ValueError(f"bucket_numel={bucket_numel!r} must be None (one bucket) or an int >= 1")
+    if bucket_numel >= d:
+        return [(d, 1)]
     full, rest = divmod(d, bucket_numel)
     return [(bucket_numel, full)] + ([(rest, 1)] if rest else [])
 
@@ -506,7 +508,7 @@ def predict(
     """
     name, scheme = resolve_scheme(variant)
     n = _check_n(n_workers)
-    if not (isinstance(d, int) and d >= 1):
+    if isinstance(d, bool) or not (isinstance(d, int) and d >= 1):
         raise ValueError(f"d={d!r} must be an int >= 1 (parameters)")
     compute = compute or Compute()
     ok, why = allowed(scheme, n)
@@ -520,12 +522,17 @@ def predict(
         colls += [dataclasses.replace(c, count=c.count * count) for c in bucket_colls]
         compute_s += count * sum(getattr(compute, k) * v for k, v in work.items())
     sync: list[Collective] = []
+    if sync_params is not None:
+        if sync_every is None:
+            raise ValueError(
+                f"sync_params={sync_params!r} needs sync_every (how often those parameters are synchronised)"
+            )
+        if isinstance(sync_params, bool) or not (isinstance(sync_params, int) and 0 <= sync_params <= d):
+            raise ValueError(f"sync_params={sync_params!r} must be an int within [0, d={d}] (parameters)")
     if sync_every is not None:
-        if not (isinstance(sync_every, int) and sync_every >= 1):
+        if isinstance(sync_every, bool) or not (isinstance(sync_every, int) and sync_every >= 1):
             raise ValueError(f"sync_every={sync_every!r} must be an int >= 1 (steps)")
         d_sync = d if sync_params is None else sync_params
-        if not (isinstance(d_sync, int) and d_sync >= 0):
-            raise ValueError(f"sync_params={sync_params!r} must be an int >= 0")
         if n > 1 and d_sync:
             sync = [dataclasses.replace(_ring("allreduce_f32", 4 * d_sync, n), count=1 / sync_every)]
     latency = bandwidth = sync_s = 0.0
@@ -577,9 +584,14 @@ def winner(
     **options: Any,
 ) -> Prediction:
     """The allowed variant with the smallest predicted ``total_s`` (the first one on a tie)."""
-    rows = [p for p in table(d, n_workers, network, compute, variants, **options) if p.allowed]
+    every = table(d, n_workers, network, compute, variants, **options)
+    rows = [p for p in every if p.allowed]
     if not rows:
-        raise ValueError(f"no variant is allowed for N={n_workers}")
+        why = "; ".join(f"{p.variant}: {p.reason}" for p in every)
+        fits = [name for name in PRESET_SCHEMES if allowed(name, n_workers)[0]]
+        raise ValueError(
+            f"no variant is allowed for N={n_workers} ({why}); presets that allow N={n_workers}: {fits}"
+        )
     return min(rows, key=lambda p: p.total_s)
 
 

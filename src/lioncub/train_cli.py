@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import shutil
 import sys
@@ -74,7 +75,27 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, variant: bool = True) 
     parser.add_argument(
         "--set", action="append", default=[], metavar="FIELD=VALUE", help="change a workload field"
     )
+    parser.add_argument(
+        "--nonfinite",
+        choices=["skip", "raise"],
+        help="NaN/Inf gradients on any rank: skip the step on every rank (default) or stop with an error",
+    )
     parser.add_argument("--timeout", type=float, default=7200.0, metavar="SECONDS", help="per run")
+    parser.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="a collective that gets no answer for this long fails the job, naming the rank, operation and "
+        "step (default 600)",
+    )
+    parser.add_argument(
+        "--restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="after a rank fails, restart every rank from the last checkpoint, up to K times (default 0)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -95,6 +116,59 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["average"],
         help="with --resume on another --nproc: start every rank from the mean of the saved momenta",
     )
+
+
+def check_launch_options(restarts: int, collective_timeout_s: float) -> None:
+    """``ValueError`` naming ``--restarts`` / ``--collective-timeout`` if out of range."""
+    if not (isinstance(restarts, int) and restarts >= 0):
+        raise ValueError(f"--restarts {restarts!r} must be an integer >= 0")
+    if not (collective_timeout_s > 0 and math.isfinite(collective_timeout_s)):
+        raise ValueError(f"--collective-timeout {collective_timeout_s!r} must be a number of seconds > 0")
+
+
+def check_before_launch(config: Any, timeout_s: float | None) -> None:
+    """Refuse, naming the option, what :class:`~lioncub.train.loop.TrainConfig` lets through and the ranks
+    would only find after the launch: the link rate, ``--nproc`` under ``--link``, ``--timeout``,
+    ``--bucket-mb``, ``--sync-every``, ``--diagnostics-every``, an empty ``--momentum-sync``, ``--warmup``
+    beyond ``--steps``, ``--seed``, the ``--set`` values and the workload's data files."""
+    from lioncub.launch import LaunchConfig
+    from lioncub.train.workloads import check_workload
+    from lioncub.units import parse_rate
+
+    rate = None if config.link in (None, "loopback") else parse_rate(config.link)
+    LaunchConfig(["-m", "lioncub.train.loop"], nproc=config.nproc, link_rate_bps=rate, timeout_s=timeout_s)
+    bucket = config.bucket_mb
+    if isinstance(bucket, bool) or not (isinstance(bucket, (int, float)) and 0 < bucket < math.inf):
+        raise ValueError(f"--bucket-mb {bucket!r} must be a finite number of MiB > 0 (default 25)")
+    for option, value, low in (
+        ("--sync-every", config.sync_every, 1),
+        ("--diagnostics-every", config.diagnostics_every, 0),
+        ("--seed", config.seed, 0),
+    ):
+        if isinstance(value, bool) or not (isinstance(value, int) and value >= low):
+            raise ValueError(f"{option} {value!r} must be an integer >= {low}")
+    if not config.momentum_sync:
+        raise ValueError(
+            f"--momentum-sync {config.momentum_sync!r}: give none, all, io or comma-separated parameter-name "
+            "patterns / param-group names"
+        )
+    if config.warmup_steps is not None and config.warmup_steps > config.steps:
+        raise ValueError(
+            f"--warmup {config.warmup_steps} must be at most --steps {config.steps} (the lr would never "
+            "reach its peak)"
+        )
+    try:
+        check_workload(config.workload, config.size, config.overrides)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(
+            f"--set {_format_set(config.overrides)}: {exc}" if config.overrides else str(exc)
+        ) from None
+    except OSError as exc:
+        raise ValueError(f"--workload {config.workload} --size {config.size}: {exc}") from None
+
+
+def _format_set(overrides: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v!r}" for k, v in overrides.items())
 
 
 def _sync_spec(text: str) -> str | list[str]:
@@ -257,8 +331,14 @@ def run_training(
     label: str | None = None,
     out: TextIO | None = None,
     err: TextIO | None = None,
+    restarts: int = 0,
+    collective_timeout_s: float = 600.0,
+    env: dict[str, str] | None = None,
 ) -> RunOutcome:
-    """Launch ``config.nproc`` ranks of :mod:`lioncub.train.loop` on ``run_dir`` (already prepared)."""
+    """Launch ``config.nproc`` ranks of :mod:`lioncub.train.loop` on ``run_dir`` (already prepared); a
+    restart (``restarts``) reruns every rank, which resumes from the last checkpoint. ``env`` is added to
+    the ranks' environment."""
+    check_launch_options(restarts, collective_timeout_s)
     from lioncub.launch import LaunchConfig, launch
     from lioncub.train import checkpoint
     from lioncub.units import parse_rate
@@ -273,9 +353,11 @@ def run_training(
         bar = _Progress(run_dir / "log.jsonl", label or config.variant, start, config.steps, err)
         bar.start()
     try:
-        result = launch(
-            LaunchConfig(cmd, nproc=config.nproc, link_rate_bps=rate, timeout_s=timeout_s), out=out, err=err
+        rank_env = {"LIONCUB_PG_TIMEOUT": f"{collective_timeout_s:g}", **(env or {})}
+        launch_config = LaunchConfig(
+            cmd, nproc=config.nproc, link_rate_bps=rate, timeout_s=timeout_s, restarts=restarts, env=rank_env
         )
+        result = launch(launch_config, out=out, err=err)
     finally:
         if bar is not None:
             bar.done.set()
@@ -305,6 +387,29 @@ def format_summary(summary: dict[str, Any]) -> str:
     )
 
 
+def _init_under_torchrun(backend: str) -> None:
+    """``init_process_group`` from torchrun's environment. When the workers share the agent's TCPStore
+    (torchrun's default), its keys outlive a restart (same port), and a restarted rank may read a peer's
+    address from the previous attempt and fail with "Connection refused" (pytorch/pytorch#135712): the
+    keys are put under a prefix per attempt (``TORCHELASTIC_RESTART_COUNT``), which every worker of a
+    restarted job shares."""
+    import datetime
+
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = datetime.timedelta(seconds=float(os.environ.get("LIONCUB_PG_TIMEOUT", "600")))
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
+    )
+    store = dist.PrefixStore(f"lioncub/attempt_{attempt}", agent)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
 def _run_as_rank(config: Any, run_dir: Path) -> int:
     import torch.distributed as dist
 
@@ -313,7 +418,7 @@ def _run_as_rank(config: Any, run_dir: Path) -> int:
     if int(os.environ["RANK"]) == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(config.to_json(), indent=1) + "\n")
-    dist.init_process_group("nccl" if loop._device(config).type == "cuda" else "gloo")
+    _init_under_torchrun("nccl" if loop._device(config).type == "cuda" else "gloo")
     try:
         summary = loop.train(config, run_dir)
         dist.barrier()
@@ -329,6 +434,7 @@ def run(args: argparse.Namespace) -> int:
 
     run_dir = Path(args.out)
     try:
+        check_launch_options(args.restarts, args.collective_timeout)
         base = None
         if args.resume and (run_dir / "config.json").exists():
             base = TrainConfig.from_json(json.loads((run_dir / "config.json").read_text()))
@@ -337,11 +443,19 @@ def run(args: argparse.Namespace) -> int:
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             config.nproc = int(os.environ["WORLD_SIZE"])
             return _run_as_rank(config, run_dir)
+        check_before_launch(config, args.timeout or None)
         config = prepare_run_dir(run_dir, config, resume=args.resume)
     except (ValueError, TypeError, FileNotFoundError) as exc:
         print(f"lioncub train: error: {exc}", file=sys.stderr)
         return 2
-    outcome = run_training(config, run_dir, timeout_s=args.timeout or None, progress=not args.no_progress)
+    outcome = run_training(
+        config,
+        run_dir,
+        timeout_s=args.timeout or None,
+        progress=not args.no_progress,
+        restarts=args.restarts,
+        collective_timeout_s=args.collective_timeout,
+    )
     if outcome.summary is None:
         print(f"lioncub train: {outcome.message}", file=sys.stderr)
         return outcome.returncode or 1

@@ -39,8 +39,10 @@ def parse_rate(text: str) -> float:
     else:
         raise ValueError(f"--link: unknown unit {unit!r} in {text!r}; expected {_RATE_FORMS}")
     rate = number * scale
-    if rate <= 0:
-        raise ValueError(f"--link: the rate must be positive, got {text!r}; expected {_RATE_FORMS}")
+    if not (rate > 0 and math.isfinite(rate)):
+        raise ValueError(
+            f"--link: the rate must be positive and finite, got {text!r}; expected {_RATE_FORMS}"
+        )
     return rate
 
 
@@ -53,10 +55,10 @@ def parse_size(text: str, option: str = "--burst") -> int:
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _SIZE_UNITS:
         raise ValueError(f"{option}: cannot read {text!r} as a size; expected bytes or a unit b, kb, mb")
-    size = int(float(match.group(1)) * _SIZE_UNITS[unit])
-    if size <= 0:
-        raise ValueError(f"{option}: the size must be positive, got {text!r}")
-    return size
+    value = float(match.group(1)) * _SIZE_UNITS[unit]
+    if not math.isfinite(value) or int(value) <= 0:
+        raise ValueError(f"{option}: the size must be a positive, finite number of bytes, got {text!r}")
+    return int(value)
 
 
 def format_rate(bps: float) -> str:
@@ -82,7 +84,7 @@ def parse_count(text: str, option: str = "--params") -> int:
         )
     value = float(match.group(1)) * _COUNT_UNITS[unit]
     if not (math.isfinite(value) and value >= 1):
-        raise ValueError(f"{option}: the count must be at least 1, got {text!r}")
+        raise ValueError(f"{option}: the count must be a finite number >= 1, got {text!r}")
     return round(value)
 
 
@@ -94,7 +96,12 @@ def parse_duration(text: str, option: str = "--latency") -> float:
         return 0.0
     if match is None or unit not in _DURATION_UNITS:
         raise ValueError(f"{option}: cannot read {text!r} as a duration; expected e.g. 50us, 1ms, 0.2s or 0")
-    return float(match.group(1)) * _DURATION_UNITS[unit]
+    seconds = float(match.group(1)) * _DURATION_UNITS[unit]
+    if not math.isfinite(seconds):
+        raise ValueError(
+            f"{option}: the duration must be finite, got {text!r}; expected e.g. 50us, 1ms, 0.2s or 0"
+        )
+    return seconds
 
 
 def parse_bandwidth(text: str, option: str = "--bandwidth") -> float:

@@ -141,8 +141,24 @@ def _dry_run(config: LaunchConfig) -> None:
         )
 
 
+def _check_combinations(args: argparse.Namespace) -> None:
+    """Options that only mean something together with another one."""
+    if args.all and not args.cleanup:
+        raise ValueError("--all: applies only with --cleanup (lioncub launch --cleanup --all)")
+    if args.link is None:
+        alone = [
+            o for o, given in (("--burst", args.burst is not None), ("--mtu", args.mtu != 1500)) if given
+        ]
+        if alone:
+            raise ValueError(
+                f"{', '.join(alone)}: shape the emulated links and apply only with --link RATE "
+                "(without --link the ranks run on loopback)"
+            )
+
+
 def run(args: argparse.Namespace) -> int:
     try:
+        _check_combinations(args)
         if args.cleanup:
             report = cleanup(all_launches=args.all)
             for launch_id in report.launches:

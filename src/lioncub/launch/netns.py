@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import math
 import os
 import re
 import secrets
@@ -162,14 +163,22 @@ class LinkSpec:
     queue_ms: float = 100.0  # tbf ``latency``: the queue length, not a delay
 
     def __post_init__(self) -> None:
-        if not self.rate_bps > 0:
-            raise ValueError(f"--link: the rate must be positive, got {self.rate_bps!r}")
-        if not 68 <= self.mtu <= 65535:
-            raise ValueError(f"--mtu: must be within 68..65535, got {self.mtu}")
+        if not (isinstance(self.rate_bps, (int, float)) and 0 < self.rate_bps < math.inf):
+            raise ValueError(
+                f"--link: the rate must be a positive, finite number of bits/s, got {self.rate_bps!r}"
+            )
+        if not (isinstance(self.mtu, int) and 68 <= self.mtu <= 65535):
+            raise ValueError(f"--mtu: must be an integer within 68..65535, got {self.mtu!r}")
+        if self.burst_bytes is not None and not isinstance(self.burst_bytes, int):
+            raise ValueError(f"--burst: must be a whole number of bytes, got {self.burst_bytes!r}")
         if self.burst_bytes is not None and self.burst_bytes < self.mtu + 14:
             raise ValueError(
                 f"--burst: {self.burst_bytes} bytes is smaller than one frame (MTU {self.mtu} + 14); "
-                "tbf would drop every full-size packet"
+                f"tbf would drop every full-size packet (give at least {self.mtu + 14} bytes)"
+            )
+        if not (isinstance(self.queue_ms, (int, float)) and 0 < self.queue_ms < math.inf):
+            raise ValueError(
+                f"queue_ms: must be a positive, finite number of milliseconds, got {self.queue_ms!r}"
             )
 
     @property

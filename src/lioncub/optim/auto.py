@@ -36,6 +36,7 @@ class AutoChoice:
 
 def resolve_network(spec: NetworkSpec, latency_s: float = DEFAULT_LATENCY_S) -> tuple[Network, Compute, str]:
     """(network, compute costs, a short description) for ``spec`` (see the module docstring)."""
+    option = "auto_network"
     if spec is None:
         path = os.environ.get(AUTO_ENV)
         if not path:
@@ -44,16 +45,25 @@ def resolve_network(spec: NetworkSpec, latency_s: float = DEFAULT_LATENCY_S) -> 
                 "written by `lioncub calibrate`, or a link rate such as '1gbit' (with auto_latency_s=), "
                 f"or set {AUTO_ENV}=path/to/calibration.json"
             )
-        spec = path
+        spec, option = path, f"${AUTO_ENV}"
+    if isinstance(latency_s, bool) or not (
+        isinstance(latency_s, (int, float)) and 0 <= latency_s < float("inf")
+    ):
+        raise ValueError(f"auto_latency_s={latency_s!r} must be a finite number of seconds >= 0 (e.g. 50e-6)")
     if isinstance(spec, Calibration):
         return spec.network, spec.compute, "calibration"
     if isinstance(spec, Network):
         return spec, costmodel.DEFAULT_CPU_COMPUTE, "given network"
     if isinstance(spec, os.PathLike) or (isinstance(spec, str) and spec.endswith(".json")):
-        cal = costmodel.load_calibration(spec)
+        try:
+            cal = costmodel.load_calibration(spec)
+        except ValueError as exc:
+            raise ValueError(
+                f"{option}={str(spec)!r}: {exc} (expected a JSON file written by `lioncub calibrate`)"
+            ) from None
         return cal.network, cal.compute, f"calibration {Path(spec).name}"
     if isinstance(spec, str):
-        rate = costmodel.parse_bandwidth(spec, "auto_network")
+        rate = costmodel.parse_bandwidth(spec, option)
         net = Network.from_rate(rate * 8, latency_s)
         return net, costmodel.DEFAULT_CPU_COMPUTE, f"{spec} links, α = {latency_s * 1e6:g} µs"
     raise TypeError(

@@ -200,6 +200,8 @@ def lion_update_(
 
 
 def _as_float(name: str, value: Any, allowed: str) -> float:
+    if isinstance(value, bool):  # float(True) == 1.0: almost certainly a mistake
+        raise ValueError(f"Invalid {name}: {value!r} (expected {allowed})")
     try:
         out = float(value)
     except (TypeError, ValueError, RuntimeError):

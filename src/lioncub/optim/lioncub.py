@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -187,8 +188,14 @@ class LionCub(torch.optim.Optimizer):
     ) -> None:
         if nonfinite not in NONFINITE_MODES:
             raise ValueError(f"nonfinite={nonfinite!r}: allowed values are {list(NONFINITE_MODES)}")
-        if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
-            raise ValueError(f"bucket_mb={bucket_mb!r} must be a number > 0")
+        if isinstance(bucket_mb, bool) or not (
+            isinstance(bucket_mb, (int, float)) and 0 < bucket_mb < math.inf
+        ):
+            raise ValueError(f"bucket_mb={bucket_mb!r} must be a finite number of MiB > 0")
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"model={model!r} must be the torch.nn.Module whose parameters are optimized, or None"
+            )
         if not (isinstance(replica_check_every, int) and replica_check_every >= 0):
             raise ValueError(f"replica_check_every={replica_check_every!r} must be an int >= 0")
         knobs = dict(transport=transport, aggregation=aggregation, quantizer=quantizer, bits=bits)

@@ -70,11 +70,19 @@ def select_parameters(
             raise ValueError("momentum_sync='io' needs model= (the module the parameters belong to)")
         io = set(find_io_parameters(model))
         return [(n, p) for n, p in named if n in io]
+    allowed = (
+        "allowed values are 'none', 'all', 'io' or a non-empty list of parameter-name patterns / "
+        "param-group names"
+    )
     if isinstance(spec, str):
-        raise ValueError(
-            f"momentum_sync={spec!r}: allowed values are 'none', 'all', 'io' or a list of parameter-name "
-            "patterns / param-group names"
-        )
+        raise ValueError(f"momentum_sync={spec!r}: {allowed}")
+    if (
+        not isinstance(spec, Sequence)
+        or isinstance(spec, bytes)
+        or not spec
+        or not all(isinstance(pat, str) and pat for pat in spec)
+    ):
+        raise ValueError(f"momentum_sync={spec!r}: {allowed} (strings)")
     group_names = {g.get("name") for g in groups} - {None}
     by_group = {id(p) for g in groups if g.get("name") in spec for p in g["params"]}
     chosen = [
@@ -102,11 +110,11 @@ class SyncSchedule:
     exp_k: int | None = None
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.every, int) and self.every >= 1):
+        if not (_is_int(self.every) and self.every >= 1):
             raise ValueError(f"sync_every={self.every!r} must be an int >= 1 (steps)")
-        if self.until is not None and not (isinstance(self.until, int) and self.until >= 0):
+        if self.until is not None and not (_is_int(self.until) and self.until >= 0):
             raise ValueError(f"sync_until={self.until!r} must be None or an int >= 0 (steps)")
-        if self.exp_k is not None and not (isinstance(self.exp_k, int) and self.exp_k >= 1):
+        if self.exp_k is not None and not (_is_int(self.exp_k) and self.exp_k >= 1):
             raise ValueError(f"sync_exp_k={self.exp_k!r} must be None or an int >= 1")
 
     def due(self, step: int) -> bool:
@@ -115,6 +123,10 @@ class SyncSchedule:
         if self.exp_k is None:
             return step % self.every == 0
         return step in _exponential_steps(self.exp_k, step)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _exponential_steps(k: int, up_to: int) -> set[int]:

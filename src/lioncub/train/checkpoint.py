@@ -8,9 +8,14 @@ Layout under the run directory::
                                             so the 1-bit tie-rule phase), RNG states, data position
     checkpoints/latest                      name of the newest complete checkpoint
 
-A checkpoint is written into ``.tmp_step_...`` by all ranks and renamed into place by rank 0 only when
-every rank's file is there, so a crash mid-write never leaves a checkpoint that looks complete; older
-checkpoints than the newest ``keep`` are removed.
+A checkpoint is written into ``.tmp_step_...`` by all ranks (each file: temporary name, fsync, rename)
+and renamed into place by rank 0 only when every rank's file is there; ``latest`` then moves to it (again
+written, fsynced and renamed), and only after that are checkpoints older than the newest ``keep``
+removed, so a crash at any point leaves the previous checkpoint intact and never one that looks complete.
+``meta.json`` records the format version and the SHA-256 of every file; loading verifies the hash before
+it unpickles anything and loads with ``torch.load(weights_only=True)`` (tensors and plain containers only),
+so a truncated or corrupted file raises :class:`CorruptCheckpointError` (naming the file and the
+previous checkpoint) and never leaves a half-loaded state.
 
 Resuming checks the variant and the world size. Another variant is always refused; another world size
 is refused unless ``convert_momenta="average"``: every new rank then starts from the mean of the saved
@@ -20,12 +25,14 @@ the mean is exact), and its data order starts afresh at the saved step.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
 import random
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +43,7 @@ __all__ = [
     "CONVERSIONS",
     "VERSION",
     "CheckpointMeta",
+    "CorruptCheckpointError",
     "check_compatible",
     "latest",
     "load_rank_state",
@@ -44,8 +52,12 @@ __all__ = [
     "save",
 ]
 
-VERSION = 1
+VERSION = 2  # 2: SHA-256 of every file in meta.json, numpy RNG state as tensors (weights_only loading)
 CONVERSIONS = ("average",)
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint file is missing, truncated or altered (its SHA-256 is not the one recorded)."""
 
 
 @dataclass(frozen=True)
@@ -59,12 +71,21 @@ class CheckpointMeta:
     workload: str
     size: str
     seed: int
+    sha256: dict[str, str] = field(default_factory=dict, repr=False)  # file name -> SHA-256 (hex)
 
 
 def _rng_state() -> dict[str, Any]:
+    """The RNG states as tensors and plain values (loadable with ``weights_only=True``)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
+        "numpy": {
+            "name": str(name),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "python": random.getstate(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -74,16 +95,69 @@ def _rng_state() -> dict[str, Any]:
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    n = state["numpy"]
+    keys = n["keys"].numpy().astype(np.uint32)
+    np.random.set_state((n["name"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _atomic_torch_save(obj: Any, path: Path) -> None:
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` durably: temporary name, fsync, rename, fsync of the directory."""
     tmp = path.with_name(path.name + ".part")
-    torch.save(obj, tmp)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _atomic_torch_save(obj: Any, path: Path) -> str:
+    """``torch.save`` ``obj`` atomically to ``path``; returns the SHA-256 (hex) of the bytes written."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+    _atomic_write(path, data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def _verified_load(meta: CheckpointMeta, name: str) -> Any:
+    """``torch.load(weights_only=True)`` of ``meta.path / name`` after checking its SHA-256."""
+    path = meta.path / name
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise CorruptCheckpointError(
+            f"checkpoint {meta.path}: cannot read {name} ({err}){_previous(meta)}"
+        ) from None
+    want = meta.sha256.get(name)
+    got = hashlib.sha256(data).hexdigest()
+    if want is None or got != want:
+        raise CorruptCheckpointError(
+            f"checkpoint {meta.path}: {name} is truncated or corrupted ({len(data)} bytes, SHA-256 "
+            f"{got[:12]}… but meta.json records {str(want)[:12]}…); nothing was loaded{_previous(meta)}"
+        )
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def _previous(meta: CheckpointMeta) -> str:
+    older = sorted(p.name for p in meta.path.parent.glob("step_*") if p.is_dir() and p.name < meta.path.name)
+    if not older:
+        return ""
+    return (
+        f". The previous checkpoint {older[-1]} is intact if its files verify: write its name into "
+        f"{meta.path.parent / 'latest'} to resume from it"
+    )
 
 
 def save(
@@ -112,21 +186,26 @@ def save(
         tmp.mkdir(parents=True)
     barrier()
     state = {"optimizer": optimizer.state_dict(), "rng": _rng_state(), "data": data_state, "rank": rank}
-    _atomic_torch_save(state, tmp / f"rank{rank}.pt")
+    digest = _atomic_torch_save(state, tmp / f"rank{rank}.pt")
+    _atomic_write(tmp / f"rank{rank}.pt.sha256", digest.encode())
     if rank == 0:
-        _atomic_torch_save(getattr(model, "module", model).state_dict(), tmp / "model.pt")
+        digest = _atomic_torch_save(getattr(model, "module", model).state_dict(), tmp / "model.pt")
+        _atomic_write(tmp / "model.pt.sha256", digest.encode())
     barrier()
     if rank == 0:
-        missing = [r for r in range(world_size) if not (tmp / f"rank{r}.pt").exists()]
+        missing = [r for r in range(world_size) if not (tmp / f"rank{r}.pt.sha256").exists()]
         if missing:
             raise RuntimeError(f"checkpoint {tmp}: ranks {missing} wrote no state")
-        doc = {"version": VERSION, "step": step, "world_size": world_size, **meta}
-        (tmp / "meta.json").write_text(json.dumps(doc, indent=1) + "\n")
+        hashes = {}
+        for side in sorted(tmp.glob("*.sha256")):
+            hashes[side.name.removesuffix(".sha256")] = side.read_text().strip()
+            side.unlink()
+        doc = {"version": VERSION, "step": step, "world_size": world_size, **meta, "sha256": hashes}
+        _atomic_write(tmp / "meta.json", (json.dumps(doc, indent=1) + "\n").encode())
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        pointer = root / "latest.part"
-        pointer.write_text(name + "\n")
-        os.replace(pointer, root / "latest")
+        _fsync_dir(root)
+        _atomic_write(root / "latest", (name + "\n").encode())
         for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     barrier()
@@ -156,6 +235,7 @@ def latest(run_dir: Path) -> CheckpointMeta | None:
         doc["workload"],
         doc["size"],
         doc["seed"],
+        dict(doc["sha256"]),
     )
 
 
@@ -194,8 +274,8 @@ def check_compatible(
 def load_rank_state(meta: CheckpointMeta, rank: int, world_size: int) -> dict[str, Any]:
     """This rank's saved state; with another world size, the mean of all saved momenta (see module doc)."""
     if world_size == meta.world_size:
-        return torch.load(meta.path / f"rank{rank}.pt", weights_only=False)
-    states = [torch.load(meta.path / f"rank{r}.pt", weights_only=False) for r in range(meta.world_size)]
+        return _verified_load(meta, f"rank{rank}.pt")
+    states = [_verified_load(meta, f"rank{r}.pt") for r in range(meta.world_size)]
     base = states[0]
     for index, param_state in base["optimizer"]["state"].items():
         if "exp_avg" in param_state:
@@ -207,7 +287,7 @@ def load_rank_state(meta: CheckpointMeta, rank: int, world_size: int) -> dict[st
 
 def model_state(meta: CheckpointMeta) -> dict[str, torch.Tensor]:
     """The saved model weights."""
-    return torch.load(meta.path / "model.pt", weights_only=True)
+    return _verified_load(meta, "model.pt")
 
 
 def restore_rng(state: dict[str, Any]) -> None:

@@ -37,19 +37,24 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "DATASETS",
     "MODES",
     "CharDataset",
     "CharTokenizer",
     "ImageDataset",
     "StepSampler",
+    "check_files",
     "data_root",
+    "gpt2_files",
     "gpt2_tokenizer",
+    "image_files",
     "load_digits",
     "load_fashion_mnist",
     "load_r_text",
     "load_text",
     "repo_data_dir",
     "require_file",
+    "text_files",
 ]
 
 Mode = Literal["random", "shard"]
@@ -79,10 +84,64 @@ def repo_data_dir() -> Path:
 
 
 def require_file(path: Path, what: str) -> Path:
-    """Return ``path`` if it exists, else raise :class:`FileNotFoundError` saying how to get it."""
+    """Return ``path`` if it is a readable file, else raise :class:`FileNotFoundError` saying how to get it
+    (naming ``$LIONCUB_DATA`` when it points nowhere) or :class:`PermissionError` when it is unreadable."""
     if not path.is_file():
-        raise FileNotFoundError(f"{what}: {path} is missing; {FETCH_HINT}")
+        hint = FETCH_HINT
+        env = os.environ.get("LIONCUB_DATA")
+        if env and not Path(env).is_dir() and Path(env) in path.parents:
+            hint = (
+                f"LIONCUB_DATA={env} is not a directory: point it at the folder `./run fetch-data` "
+                f"prepared (or unset it to use {_repo_root() / '.data'}), or {FETCH_HINT}"
+            )
+        raise FileNotFoundError(f"{what}: {path} is missing; {hint}")
+    if not os.access(path, os.R_OK):
+        raise PermissionError(f"{what}: {path} is not readable (check its permissions)")
     return path
+
+
+def text_files(name: str) -> list[tuple[Path, str]]:
+    """``(path, what)`` of every file corpus ``name`` reads (see :func:`load_text`); nothing is read.
+    ``ValueError`` naming the known corpora for an unknown name."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"corpus={name!r}: expected one of {', '.join(TEXTS)} (join several with '+')")
+    if "+" in name:
+        return [f for part in name.split("+") for f in text_files(part)]
+    if name == "austen_slice":
+        return [(repo_data_dir() / "austen_slice.txt.gz", "committed Austen slice")]
+    if name in ("shakespeare", "austen"):
+        return [(data_root() / f"{name}.txt", TEXTS[name])]
+    raise ValueError(f"unknown corpus {name!r}; known: {', '.join(TEXTS)} (join several with '+')")
+
+
+#: the image data sets of :class:`lioncub.train.workloads.CNNWorkload`
+DATASETS = ("digits", "fashion-mnist")
+
+
+def image_files(dataset: str) -> list[tuple[Path, str]]:
+    """``(path, what)`` of every file image data set ``dataset`` reads; nothing is read."""
+    if dataset == "digits":
+        return [(repo_data_dir() / "digits.csv.gz", "committed digits data")]
+    if dataset == "fashion-mnist":
+        folder = data_root() / "fashion-mnist"
+        return [
+            (folder / f"{prefix}-{kind}-ubyte.gz", f"Fashion-MNIST {label}")
+            for prefix in ("train", "t10k")
+            for kind, label in (("images-idx3", "images"), ("labels-idx1", "labels"))
+        ]
+    raise ValueError(f"unknown dataset {dataset!r}; known: {', '.join(DATASETS)}")
+
+
+def gpt2_files(folder: Path | None = None) -> list[tuple[Path, str]]:
+    """``(path, what)`` of the GPT-2 BPE files :func:`gpt2_tokenizer` reads."""
+    folder = folder or data_root() / "gpt2"
+    return [(folder / "encoder.json", "GPT-2 BPE encoder"), (folder / "vocab.bpe", "GPT-2 BPE merges")]
+
+
+def check_files(files: Sequence[tuple[Path, str]]) -> None:
+    """:func:`require_file` for every ``(path, what)``: the first missing or unreadable file raises."""
+    for path, what in files:
+        require_file(path, what)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -98,6 +157,7 @@ TEXTS: dict[str, str] = {
 
 def load_text(name: str) -> str:
     """Load a corpus by name: one of :data:`TEXTS`, or several joined by ``+`` (``"shakespeare+austen"``)."""
+    text_files(name)  # an unknown name (or an empty part) raises before anything is read
     if "+" in name:
         return "\n\n".join(load_text(part) for part in name.split("+"))
     if name == "austen_slice":
@@ -205,6 +265,10 @@ class StepSampler:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} out of range for world size {world_size}")
+        if isinstance(batch_size, bool) or not (isinstance(batch_size, int) and batch_size >= 1):
+            raise ValueError(f"batch_size={batch_size!r} must be an int >= 1")
+        if isinstance(seed, bool) or not (isinstance(seed, int) and seed >= 0):
+            raise ValueError(f"seed={seed!r} must be an int >= 0")
         self.n, self.batch_size, self.kind = n, batch_size, kind
         self.rank, self.world_size, self.seed, self.mode = rank, world_size, seed, mode
         if mode == "shard":
@@ -213,9 +277,14 @@ class StepSampler:
             self.lo, self.hi = 0, n
         self.item_len = item_len
         if self.hi - self.lo < (batch_size if kind == "epochs" else item_len):
+            what = (
+                f"windows of block_size + 1 = {item_len} tokens"
+                if kind == "windows"
+                else f"one batch of batch_size={batch_size}"
+            )
             raise ValueError(
-                f"rank {rank}'s range [{self.lo}, {self.hi}) is too small for {kind} of batch {batch_size}"
-                + (f" and length {item_len}" if kind == "windows" else "")
+                f"rank {rank}'s range [{self.lo}, {self.hi}) ({mode} mode, {world_size} rank(s)) is too "
+                f"small for {what}; use a smaller one"
             )
         self.position = 0
         self._epoch: tuple[int, Tensor] | None = None  # cached (epoch, permutation)
@@ -286,8 +355,10 @@ class CharDataset:
     """
 
     def __init__(self, text: str, *, val_fraction: float = 0.1, tokenizer: str | Any = "char") -> None:
-        if not 0.0 < val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        if isinstance(val_fraction, bool) or not (
+            isinstance(val_fraction, (int, float)) and 0.0 < val_fraction < 1.0
+        ):
+            raise ValueError(f"val_fraction={val_fraction!r} must be a number in (0, 1)")
         if tokenizer == "char":
             tokenizer = CharTokenizer(text)
         elif tokenizer == "gpt2":
@@ -310,7 +381,11 @@ class CharDataset:
         """How many distinct ``block_size + 1`` windows ``split`` holds."""
         n = len(self.split(split)) - block_size
         if n < 1:
-            raise ValueError(f"the {split} split ({len(self.split(split))} tokens) is shorter than a block")
+            raise ValueError(
+                f"block_size={block_size}: the {split} split has {len(self.split(split))} tokens, not more "
+                f"than one block; use a block_size below {len(self.split(split))} (or a larger corpus / "
+                "val_fraction)"
+            )
         return n
 
     def windows(self, split: Split, starts: Tensor, block_size: int) -> tuple[Tensor, Tensor]:

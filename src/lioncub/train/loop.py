@@ -35,6 +35,7 @@ import datetime
 import json
 import math
 import os
+import signal
 import statistics
 import sys
 import time
@@ -54,6 +55,7 @@ from lioncub.ddp import (
     skip_gradient_allreduce,
 )
 from lioncub.optim import PRESETS, Lion, LionCub
+from lioncub.optim.lioncub import NONFINITE_MODES, NonFiniteGradientError
 from lioncub.train import checkpoint
 from lioncub.train.workloads import CNNWorkload, GPTWorkload, Workload, make_workload, workload_names
 
@@ -86,6 +88,7 @@ class TrainConfig:
     sync_every: int = 10
     diagnostics_every: int = 0  # LionCub: vote diagnostics every k steps into log.jsonl ("diag" records)
     quantizer: str | None = None  # LionCub: the quantizer of the "8bit" preset (l1, l0, linf, lp, qsgd, log)
+    nonfinite: str = "skip"  # NaN/Inf gradients on any rank: "skip" the step on every rank, or "raise"
     # recorded for the report; the launcher applies them
     nproc: int = 1
     link: str = "loopback"
@@ -133,6 +136,8 @@ class TrainConfig:
                     f"{option} {value!r}: --variant {self.variant} keeps one global momentum and does not "
                     "vote; it applies to the voting variants"
                 )
+        if self.nonfinite not in NONFINITE_MODES:
+            raise ValueError(f"--nonfinite {self.nonfinite!r}: allowed values are {list(NONFINITE_MODES)}")
         if self.quantizer is not None:
             from lioncub.quantize import QUANTIZERS
 
@@ -210,6 +215,7 @@ def build_optimizer(config: TrainConfig, wl: Workload, model: torch.nn.Module, w
         model=getattr(model, "module", model),
         diagnostics_every=config.diagnostics_every,
         quantizer=config.quantizer,
+        nonfinite=config.nonfinite,
     )
     if world_size > 1:
         skip_gradient_allreduce(model)  # type: ignore[arg-type]
@@ -310,11 +316,15 @@ def train(config: TrainConfig, run_dir: Path, *, log: Callable[[str], None] = pr
             t0 = time.perf_counter()
             loss = wl.loss(model, wl.train_batch(step - 1))
             loss.backward()
+            _fault_injection(rank, step)
             t1 = time.perf_counter()
-            o.opt.step()
+            skipped = _optimizer_step(o, config.nonfinite, step)
             o.opt.zero_grad(set_to_none=True)
             t2 = time.perf_counter()
             rec = _step_record(o, step, t1 - t0, t2 - t1, compute_ref)
+            rec["skipped"] = skipped
+            if skipped and rank == 0:
+                log(f"step {step} skipped on every rank: non-finite gradients (--nonfinite skip)")
             elapsed += rec["step_s"]
             rec["time_s"] = elapsed
             loss_sum = loss.detach().float().reshape(1)
@@ -354,6 +364,34 @@ def train(config: TrainConfig, run_dir: Path, *, log: Callable[[str], None] = pr
     if rank == 0:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
+
+
+def _optimizer_step(o: Optimizer, nonfinite: str, step: int) -> int:
+    """``o.opt.step()``; returns 1 if the step was skipped for non-finite gradients (0 otherwise).
+    :class:`LionCub` decides with its ranks (one all-gather); the DDP baselines' gradients are already the
+    same allreduced mean on every rank, so each rank checks its own and all take the same decision."""
+    if isinstance(o.opt, LionCub):
+        o.opt.step()
+        return int(o.opt.comm_stats()["last"]["skipped_steps"])
+    grads = [p.grad for g in o.opt.param_groups for p in g["params"] if p.grad is not None]
+    peaks = torch.stack([torch.linalg.vector_norm(g, float("inf")).float() for g in grads]) if grads else None
+    if peaks is None or bool(torch.isfinite(peaks).all()):
+        o.opt.step()
+        return 0
+    if nonfinite == "raise":
+        raise NonFiniteGradientError(
+            f"rank {dist.get_rank()}: non-finite gradients (NaN or Inf) at step {step}; nothing was applied "
+            "(--nonfinite raise)"
+        )
+    return 1
+
+
+def _fault_injection(rank: int, step: int) -> None:
+    """Testing hook: ``LIONCUB_FAULT_KILL=RANK:STEP`` makes that rank SIGKILL itself after the backward of
+    that step (mid-step: the others are about to exchange), in the first attempt of a job only."""
+    spec = os.environ.get("LIONCUB_FAULT_KILL")
+    if spec and spec == f"{rank}:{step}" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _step_record(o: Optimizer, step: int, fwd_bwd: float, opt_s: float, compute_ref: float | None) -> dict:
@@ -414,6 +452,7 @@ def _summary(
         "params": sum(p.numel() for p in model.parameters()),
         "info": {k: v for k, v in wl.info().items() if isinstance(v, (int, float, str, bool))},
         "steps_run": len(records),
+        "skipped_steps": sum(r.get("skipped", 0) for r in records),
         "median_step_s": med("step_s"),
         "median_compute_s": med("compute_s"),
         "median_comm_s": med("comm_s"),

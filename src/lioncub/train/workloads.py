@@ -42,8 +42,10 @@ cnn     small   ResNet widths 16-32-64, batch 128                0.17 M     Fash
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -52,17 +54,32 @@ from torch import Tensor, nn
 
 from lioncub.train import cnn, gpt
 from lioncub.train.data import (
+    DATASETS,
     MODES,
+    TEXTS,
     CharDataset,
     ImageDataset,
     Mode,
     StepSampler,
+    check_files,
+    gpt2_files,
+    image_files,
     load_digits,
     load_fashion_mnist,
     load_text,
+    text_files,
 )
 
-__all__ = ["SIZES", "CNNWorkload", "GPTWorkload", "Workload", "make_workload", "workload_names"]
+__all__ = [
+    "SIZES",
+    "CNNWorkload",
+    "GPTWorkload",
+    "Workload",
+    "check_fields",
+    "check_workload",
+    "make_workload",
+    "workload_names",
+]
 
 Batch = tuple[Tensor, Tensor]
 
@@ -92,12 +109,14 @@ class Workload(ABC):
     weight_decay: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.data_mode not in MODES:
-            raise ValueError(f"data_mode must be one of {MODES}, got {self.data_mode!r}")
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} out of range for world size {self.world_size}")
+        check_fields(type(self), {f.name: getattr(self, f.name) for f in fields(self)})
         self.device = torch.device(self.device)
         self.sampler: StepSampler = self._load_data()
+
+    @classmethod
+    def data_files(cls, values: dict[str, Any]) -> list[tuple[Path, str]]:
+        """``(path, what)`` of the files a workload with these field ``values`` reads (nothing is read)."""
+        return []
 
     # -- per workload --------------------------------------------------------------------------------
     @abstractmethod
@@ -194,6 +213,11 @@ class GPTWorkload(Workload):
     embed_lr: float = 3e-3
     scalar_lr: float = 3e-4
     eval_windows: int = 256
+
+    @classmethod
+    def data_files(cls, values: dict[str, Any]) -> list[tuple[Path, str]]:
+        files = text_files(values["corpus"])
+        return files + (gpt2_files() if values["tokenizer"] == "gpt2" else [])
 
     def _load_data(self) -> StepSampler:
         self.data = CharDataset(
@@ -305,6 +329,10 @@ class CNNWorkload(Workload):
     eval_examples: int = 2000
     recalibrate_bn: bool = True
     bn_calibration_examples: int = 1000
+
+    @classmethod
+    def data_files(cls, values: dict[str, Any]) -> list[tuple[Path, str]]:
+        return image_files(values["dataset"])
 
     def _load_data(self) -> StepSampler:
         if self.dataset == "digits":
@@ -446,6 +474,112 @@ _CLASSES: dict[str, type[Workload]] = {"gpt": GPTWorkload, "cnn": CNNWorkload}
 def workload_names() -> dict[str, list[str]]:
     """``{workload: [sizes]}``."""
     return {name: list(sizes) for name, sizes in SIZES.items()}
+
+
+# ---------------------------------------------------------------------------------------- validation
+
+_INT_GE_1 = ("an int >= 1", lambda v: _is_int(v) and v >= 1)
+_RATE = ("a finite number >= 0", lambda v: _is_number(v) and 0 <= v < math.inf)
+_BOOL = ("true or false", lambda v: isinstance(v, bool))
+
+#: field -> (what is allowed, test); fields of every workload, then of each one
+_COMMON_CHECKS: dict[str, tuple[str, Any]] = {
+    "rank": ("an int >= 0", lambda v: _is_int(v) and v >= 0),
+    "world_size": _INT_GE_1,
+    "seed": ("an int >= 0", lambda v: _is_int(v) and v >= 0),
+    "data_mode": (f"one of {list(MODES)}", lambda v: v in MODES),
+    "device": ("a device name such as 'cpu' or 'cuda:0'", lambda v: isinstance(v, (str, torch.device))),
+    "batch_size": _INT_GE_1,
+    "lr": _RATE,
+    "betas": (
+        "a pair [beta1, beta2] with 0 <= beta < 1",
+        lambda v: (
+            isinstance(v, (list, tuple)) and len(v) == 2 and all(_is_number(b) and 0 <= b < 1 for b in v)
+        ),
+    ),
+    "weight_decay": _RATE,
+}
+_CHECKS: dict[str, dict[str, tuple[str, Any]]] = {
+    "gpt": {
+        "corpus": (
+            "one of austen_slice, shakespeare, austen, or several joined by '+'",
+            lambda v: isinstance(v, str) and all(p in TEXTS for p in v.split("+")),
+        ),
+        "tokenizer": ("'char' or 'gpt2'", lambda v: v in ("char", "gpt2")),
+        "val_fraction": ("a number in (0, 1)", lambda v: _is_number(v) and 0 < v < 1),
+        "n_layer": _INT_GE_1,
+        "n_head": _INT_GE_1,
+        "n_embd": _INT_GE_1,
+        "block_size": _INT_GE_1,
+        "bias": _BOOL,
+        "tie_embeddings": _BOOL,
+        "dropout": ("a number in [0, 1)", lambda v: _is_number(v) and 0 <= v < 1),
+        "head_lr": _RATE,
+        "embed_lr": _RATE,
+        "scalar_lr": _RATE,
+        "eval_windows": _INT_GE_1,
+    },
+    "cnn": {
+        "dataset": (f"one of {list(DATASETS)}", lambda v: v in DATASETS),
+        "widths": (
+            "a non-empty list of ints >= 1, e.g. [16, 32, 64]",
+            lambda v: isinstance(v, (list, tuple)) and len(v) > 0 and all(_is_int(w) and w >= 1 for w in v),
+        ),
+        "blocks_per_stage": _INT_GE_1,
+        "eval_examples": _INT_GE_1,
+        "recalibrate_bn": _BOOL,
+        "bn_calibration_examples": _INT_GE_1,
+    },
+}
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+
+
+def check_fields(cls: type[Workload], values: dict[str, Any]) -> None:
+    """Raise ``ValueError`` naming the field, its value and what is allowed for the first bad field of
+    ``values`` (a workload's fields, as ``make_workload`` overrides or ``--set FIELD=VALUE`` give them)."""
+    for name, (allowed, ok) in {**_COMMON_CHECKS, **_CHECKS.get(cls.name, {})}.items():
+        if name in values and not ok(values[name]):
+            raise ValueError(f"{cls.name} workload: {name}={values[name]!r} must be {allowed}")
+    if not values["rank"] < values["world_size"]:
+        raise ValueError(f"rank {values['rank']} out of range for world size {values['world_size']}")
+    if cls.name == "gpt" and values["n_embd"] % values["n_head"]:
+        raise ValueError(
+            f"gpt workload: n_embd={values['n_embd']} must be a multiple of n_head={values['n_head']} "
+            "(every head gets n_embd / n_head dimensions)"
+        )
+
+
+def check_workload(
+    name: str, size: str, overrides: dict[str, Any] | None = None, *, data: bool = True
+) -> None:
+    """Validate a workload without loading data or building a model: ``name``, ``size``, the field
+    ``overrides`` (names and values) and, with ``data``, that every data file exists and is readable.
+
+    Raises ``ValueError`` naming the field, the value and what is allowed, ``FileNotFoundError`` /
+    ``PermissionError`` naming the file and how to get it; cheap enough for a driver to call before it
+    starts any rank.
+    """
+    overrides = dict(overrides or {})
+    if name not in SIZES:
+        raise ValueError(f"unknown workload {name!r}; known: {', '.join(SIZES)}")
+    if size not in SIZES[name]:
+        raise ValueError(f"unknown size {size!r} for {name}; known: {', '.join(SIZES[name])}")
+    cls = _CLASSES[name]
+    known = {f.name: f.default for f in fields(cls)}
+    unknown = sorted(set(overrides) - set(known))
+    if unknown:
+        raise TypeError(f"{name} workload has no field(s) {unknown}; fields: {sorted(known)}")
+    values = {**known, "size": size, **SIZES[name][size], **overrides}
+    check_fields(cls, values)
+    if data:
+        check_files(cls.data_files(values))
 
 
 def make_workload(name: str, size: str, **overrides: Any) -> Workload:

@@ -190,6 +190,12 @@ def test_cli_dry_run_and_bad_rate(capsys: pytest.CaptureFixture[str]) -> None:
     assert re.search(rank1, out)
     assert launch_cli.run(_cli(["--link", "fast", "--", "x.py"])) == 2
     assert "--link: cannot read 'fast'" in capsys.readouterr().err
+    assert (
+        launch_cli.run(_cli(["--nproc", "2", "--collective-timeout", "30", "--dry-run", "--", "x.py"])) == 0
+    )
+    assert re.search(r"rank 1: .*LIONCUB_PG_TIMEOUT=30 ", capsys.readouterr().out)
+    assert launch_cli.run(_cli(["--collective-timeout", "0", "--", "x.py"])) == 2
+    assert "--collective-timeout 0.0 must be a finite number of seconds > 0" in capsys.readouterr().err
 
 
 def test_cli_is_registered() -> None:
@@ -209,6 +215,27 @@ print(f"sum={t.item():g} ifname={os.environ['GLOO_SOCKET_IFNAME']} world={dist.g
 print("no newline at the end", end="")
 dist.destroy_process_group()
 """
+
+
+LISTENERS = """
+import os, torch.distributed as dist
+dist.init_process_group("gloo")
+port = int(os.environ["MASTER_PORT"])
+if dist.get_rank() == 0:  # every socket listening on the rendezvous port, as (local address, port) in hex
+    paths = ("/proc/net/tcp", "/proc/net/tcp6")
+    rows = [line.split() for path in paths for line in open(path).readlines()[1:]]
+    print("listen", sorted({r[1] for r in rows if r[3] == "0A" and int(r[1].split(":")[1], 16) == port}))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_the_rendezvous_store_listens_on_loopback_only() -> None:
+    result, out, err = _run(LaunchConfig([PY, "-c", LISTENERS], nproc=2, timeout_s=120))
+    assert result.ok, err
+    listening = re.search(r"\[r0\] listen \[(.*)\]", out).group(1)
+    # 127.0.0.1 in /proc/net/tcp's little-endian hex; torch's own store would be 00000000 (every interface)
+    assert re.fullmatch(r"'0100007F:[0-9A-F]{4}'", listening), out
 
 
 @pytest.mark.slow
@@ -403,6 +430,7 @@ def test_interface_counters_agree_with_the_optimizers_accounting() -> None:
     assert result.ok, out + err
     d_pad = -(-d // (8 * nproc)) * 8 * nproc
     expected = 4 * 2 * (nproc - 1) / nproc * d_pad / 8  # 4 steps of all-to-all + all-gather of packed bits
+    expected += 4 * (nproc - 1) * 4  # and of the non-finite check: one int32 all-gathered per step
     assert result.traffic is not None
     for t in result.traffic:
         m = re.search(rf"\[r{t.rank}\] ACCOUNTED sent=(\d+) recv=(\d+)", out)

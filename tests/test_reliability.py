@@ -200,7 +200,10 @@ def _die_or_stall(rank: int, world_size: int, store: str, how: str, out: str) ->
     from lioncub.collectives import CollectiveError
 
     torch.set_num_threads(1)
-    timeout = datetime.timedelta(seconds=PG_TIMEOUT_S)
+    # the group's own timeout is long; LionCub bounds its waits by $LIONCUB_PG_TIMEOUT (`lioncub launch
+    # --collective-timeout` sets it)
+    os.environ["LIONCUB_PG_TIMEOUT"] = str(PG_TIMEOUT_S)
+    timeout = datetime.timedelta(seconds=120)
     dist.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=timeout
     )

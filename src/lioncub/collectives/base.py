@@ -18,6 +18,7 @@ uses the library collectives (the default on NCCL).
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -99,7 +100,8 @@ class Comm:
         group: the process group (``None``: the default group, which must be initialised).
         exchange: ``"p2p"`` (pairwise isend/irecv), ``"native"`` (library all-to-all / all-gather) or
             ``"auto"`` (p2p on gloo, native elsewhere).
-        timeout: bound for every wait (default: the group's own timeout).
+        timeout: bound for every wait (default: ``$LIONCUB_PG_TIMEOUT`` seconds if set — ``lioncub launch
+            --collective-timeout`` sets it — else the group's own timeout).
     """
 
     def __init__(
@@ -126,6 +128,8 @@ class Comm:
             else (torch.device("cpu"))
         )
         self.exchange = ("p2p" if self.backend == "gloo" else "native") if exchange == "auto" else exchange
+        if timeout is None and os.environ.get("LIONCUB_PG_TIMEOUT"):
+            timeout = datetime.timedelta(seconds=float(os.environ["LIONCUB_PG_TIMEOUT"]))
         self.timeout = timeout
         self.counter = CommCounter()
         self.step = 0

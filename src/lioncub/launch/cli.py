@@ -75,6 +75,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="restart all ranks up to K times after a failure (default 0)",
     )
     parser.add_argument(
+        "--collective-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="set LIONCUB_PG_TIMEOUT for the ranks: every LionCub collective (and `lioncub train`'s process "
+        "group) fails after this long without an answer, naming the rank, the operation and the step",
+    )
+    parser.add_argument(
         "--grace",
         type=float,
         default=5.0,
@@ -106,7 +113,16 @@ def _config(args: argparse.Namespace) -> LaunchConfig:
         master_port=args.port,
         restarts=args.restarts,
         grace_s=args.grace,
+        env=_collective_timeout_env(args.collective_timeout),
     )
+
+
+def _collective_timeout_env(seconds: float | None) -> dict[str, str]:
+    if seconds is None:
+        return {}
+    if not (0 < seconds < float("inf")):
+        raise ValueError(f"--collective-timeout {seconds!r} must be a finite number of seconds > 0")
+    return {"LIONCUB_PG_TIMEOUT": f"{seconds:g}"}
 
 
 def _dry_run(config: LaunchConfig) -> None:

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import IO, TextIO
+from typing import IO, Any, TextIO
 
 from lioncub.launch.netns import (
     MAX_RANKS,
@@ -475,6 +475,11 @@ def launch(
             master_addr, port = "127.0.0.1", config.master_port or free_port()
         before = net.counters() if net is not None else None
         while True:
+            extra = dict(config.env)
+            store = None
+            if net is None and config.master_port is None:  # the launcher hosts the store, on loopback only
+                store, port = _loopback_store()
+                extra.setdefault("TORCHELASTIC_USE_AGENT_STORE", "True")
             envs = [
                 rank_env(
                     k,
@@ -486,12 +491,15 @@ def launch(
                     link_bps=config.link_rate_bps,
                     restart_count=restarts,
                     max_restarts=config.restarts,
-                    extra=config.env,
+                    extra=extra,
                 )
                 for k in range(config.nproc)
             ]
             argvs = [(net.exec_prefix(k) if net else []) + cmd for k in range(config.nproc)]
             attempt = _Supervisor(events, output, config.grace_s).run(argvs, envs, config.cwd, deadline)
+            if store is not None:  # a restart gets a fresh store (and port): no key of this attempt survives
+                store[1].close()
+                del store
             final = attempt.returncode == 0 or attempt.timed_out or attempt.interrupted_by is not None
             if final or restarts >= config.restarts:
                 break
@@ -514,6 +522,30 @@ def launch(
         launch_id=launch_id,
         traffic=traffic,
     )
+
+
+def _loopback_store() -> tuple[tuple[Any, socket.socket], int]:
+    """A TCPStore server for the ranks' rendezvous, listening on 127.0.0.1 only (torch's own store, which
+    rank 0 would otherwise host, listens on every interface). The ranks connect as clients, as under
+    torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``). Returns (store, its listening socket) and the port."""
+    import datetime
+
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1024)
+    port = int(sock.getsockname()[1])
+    store = dist.TCPStore(
+        "127.0.0.1",
+        port,
+        None,
+        True,
+        datetime.timedelta(seconds=300),
+        wait_for_workers=False,
+        master_listen_fd=sock.fileno(),
+    )
+    return (store, sock), port  # the listening socket must stay open as long as the store lives
 
 
 def _deltas(after: list[IfCounters], before: list[IfCounters]) -> list[IfCounters]:

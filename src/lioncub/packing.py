@@ -4,7 +4,8 @@ Pure tensor functions (CPU and CUDA), no Python loop over elements.
 
 * 1-bit: :func:`pack_bits` / :func:`unpack_bits` use the bit order of ``numpy.packbits(bitorder="big")``:
   element ``8·j + i`` is bit ``7 − i`` (MSB first) of byte ``j``. :func:`pack_signs` and
-  :func:`unpack_signs` are the fast paths for Lion votes (``x ≥ 0`` → 1, exact zeros vote "+").
+  :func:`unpack_signs` are the fast paths for Lion votes (``x ≥ 0`` → 1, exact zeros vote "+", NaN
+  votes "−" on every device and dtype).
 * p-bit lanes (p ∈ {1, 2, 4, 8}): :func:`pack_lanes` / :func:`unpack_lanes`, first element in the high
   lane of a byte (the same MSB-first order).
 * Signed levels in ``[−s, s]`` travel as unsigned lanes ``q + s`` (:func:`offset_encode`), so a lane-wise
@@ -106,8 +107,9 @@ def pack_signs(x: torch.Tensor, *, pad_to: int = 8, out: torch.Tensor | None = N
     """Pack the votes ``x ≥ 0`` of a real tensor into ``uint8`` (exact zeros vote "+").
 
     Args:
-        x: real tensor, any shape (flattened), any float or signed integer dtype; finite (the vote of a
-            NaN is unspecified: callers check for non-finite values first).
+        x: real tensor, any shape (flattened), any float or signed integer dtype. Callers check for
+            non-finite values first, but the votes are defined: ``+Inf`` and ``−0.0`` vote "+",
+            ``−Inf`` and NaN (of either sign bit) vote "−", as ``x ≥ 0`` says.
         pad_to: the packed length in bits is rounded up to a multiple of this (a multiple of 8);
             padding votes "+" so that it never creates a tie of its own.
         out: optional preallocated ``uint8`` result (reusing it avoids page faults on large tensors).
@@ -145,22 +147,30 @@ _NUMPY_VOTE = {
     torch.float32: (torch.float32, False),
     torch.float64: (torch.float64, False),
     torch.float16: (torch.float16, False),
-    torch.bfloat16: (torch.int16, True),  # numpy has no bfloat16: test the sign bit of the raw bits
+    torch.bfloat16: (torch.int16, True),  # numpy has no bfloat16: compare the raw bits (as uint16)
 }
+
+# bfloat16 bits (as uint16) of +Inf and −0.0: x ≥ 0 exactly for bits ≤ +Inf (+0 … +Inf) and for −0.0;
+# positive NaNs (0x7F81 … 0x7FFF) lie above +Inf, so they vote "−" like ``torch.ge`` says.
+_BF16_POS_INF, _BF16_NEG_ZERO = 0x7F80, 0x8000
 
 
 def _pack_signs_numpy(flat: torch.Tensor, out: torch.Tensor) -> None:
     """CPU fast path: numpy's vectorised compare and ``packbits`` over cache-sized pieces."""
     view_dtype, raw_bits = _NUMPY_VOTE[flat.dtype]
     src = flat.contiguous().view(view_dtype).numpy()
+    if raw_bits:
+        src = src.view(np.uint16)
     dst = out.numpy()
     bits = np.empty(min(_PIECE, src.size), dtype=bool)
     for c0 in range(0, src.size, _PIECE):
         c1 = min(c0 + _PIECE, src.size)
         b = bits[: c1 - c0]
-        np.greater_equal(src[c0:c1], 0, out=b)
-        if raw_bits:  # bits of −0.0 are the most negative int16 but −0.0 ≥ 0 holds
-            b |= src[c0:c1] == np.int16(-32768)
+        if raw_bits:
+            np.less_equal(src[c0:c1], _BF16_POS_INF, out=b)
+            b |= src[c0:c1] == _BF16_NEG_ZERO
+        else:
+            np.greater_equal(src[c0:c1], 0, out=b)
         dst[c0 // 8 : c1 // 8] = np.packbits(b, bitorder="big")
 
 
@@ -348,6 +358,8 @@ def _lane_table(bits: int, values: tuple[int, ...], device: torch.device) -> tor
     key = (bits, values, device)
     table = _LANE_TABLES.get(key)
     if table is None:
+        if not all(-128 <= v <= 127 for v in values):
+            raise ValueError(f"values must be int8 (in [-128, 127]), got {values}")
         per = 8 // bits
         lanes = unpack_lanes(torch.arange(256, dtype=torch.uint8), bits, 256 * per).view(256, per)
         mapped = torch.tensor(values, dtype=torch.int64)[lanes.long()] & 0xFF  # int8 bytes

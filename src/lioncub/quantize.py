@@ -24,8 +24,13 @@ not define it, this module's definition is an interpretation).
 
 Guarantees (tested with hypothesis): levels lie in ``[−s, s]``; a nonzero level has the sign of x; zeros
 stay zero; an all-zero tensor (or chunk) maps to zeros, never NaN; normalised schemes are invariant to
-scaling x by a power of two (and to any positive scale up to rounding at half-way points).
-Non-finite inputs are the caller's job (the optimizer checks them); NaN maps to 0 here.
+scaling x by a power of two (and to any positive scale up to rounding at half-way points). Precision
+limit: a float64 normaliser in the subnormal range (below 2.2e−308) keeps only a few significant bits,
+and one that underflows to 0 (e.g. mean |x| < 2.5e−324) makes its tensor (chunk) map to zeros.
+Non-finite inputs are the caller's job (the optimizer skips such steps), but they are well defined here:
+the normalised schemes (L1, L0, Lp, L∞, QSGD, log) map a tensor — or, with ``chunk_size``, a chunk —
+that holds any NaN or ±Inf to all-zero levels (its normaliser is undefined, so the worker abstains
+there; other chunks are unaffected); :func:`quantize_sign` maps NaN to 0 and ±Inf to ±1.
 """
 
 from __future__ import annotations
@@ -139,8 +144,10 @@ def _abs_sums(x: torch.Tensor) -> torch.Tensor:
             c1 = min(c0 + width, n)
             a = torch.abs(rows[r0:r1, c0:c1], out=scratch[: r1 - r0, : c1 - c0])
             part = a.sum(dim=1)
-            if not bool(torch.isfinite(part).all()):  # the piece overflowed its dtype: redo in float64
-                part = a.to(torch.float64).sum(dim=1)
+            bad = ~torch.isfinite(part)
+            if bool(bad.any()):  # rows that overflowed their dtype (or hold NaN/Inf): those in float64
+                part = part.to(torch.float64)
+                part[bad] = a[bad].to(torch.float64).sum(dim=1)
             total += part
         sums[r0:r1] = total
     return sums.reshape(x.shape[:-1])
@@ -155,27 +162,41 @@ def lp_normalizer(x: torch.Tensor, p: float, *, eps: float | None = None) -> tor
         eps: only for ``p = 0``: ``None`` takes the geometric mean over the nonzero entries (0 when all
             are zero); a number takes ``exp(mean log(|x| + eps))`` over all entries (the authors' L0).
     Returns:
-        float64 tensor of shape ``[...]``.
+        float64 tensor of shape ``[...]``: finite exactly when the row is (NaN or ±Inf in a row gives
+        NaN or Inf; a float64 row of huge finite values does not overflow).
     """
     if not (p == 0 or p == math.inf or (isinstance(p, (int, float)) and p > 0 and math.isfinite(p))):
         raise ValueError(f"p={p!r} must be 0, a positive finite number or math.inf")
     if p == math.inf:
         return torch.linalg.vector_norm(x, math.inf, dim=-1).to(torch.float64)
     if p == 1:
-        return _abs_sums(x) / x.shape[-1]
+        mean = _abs_sums(x) / x.shape[-1]
+        bad = ~torch.isfinite(mean)
+        if bool(bad.any()):  # a NaN/Inf (stays), or a float64 sum of huge values overflowed: max-scaled
+            mean[bad] = _scaled_power_mean(x.abs()[bad], 1.0)
+        return mean
     a = x.abs()
     if p == 0:
         a64 = a.to(torch.float64)
         if eps is not None:
             return torch.log(a64 + eps).mean(dim=-1).exp()
-        # Relative to a power of two near the max, so that scaling x by 2^j scales the result exactly.
-        _, exponent = torch.frexp(a64.amax(dim=-1, keepdim=True))
-        unit = torch.ldexp(torch.ones_like(a64[..., :1]), exponent)
-        rel = a64 / unit
-        nonzero = rel > 0
+        # Mantissas and exponents apart (a = m·2^e, m in [0.5, 1)): nothing underflows however wide the
+        # range of |x|, and scaling x by 2^j shifts the integer exponents only, so the result exactly.
+        mant, expo = torch.frexp(a64)
+        nonzero = a64 != 0  # NaN counts (and makes the result NaN): a NaN row must not look finite
         count = nonzero.sum(dim=-1)
-        logs = torch.where(nonzero, torch.log(torch.where(nonzero, rel, 1.0)), 0.0).sum(dim=-1)
-        return torch.where(count > 0, torch.exp(logs / count.clamp(min=1)) * unit.squeeze(-1), 0.0)
+        k = count.clamp(min=1)
+        logs = torch.where(nonzero, torch.log(torch.where(nonzero, mant, 1.0)), 0.0).sum(dim=-1)
+        esum = torch.where(nonzero, expo.to(torch.int64), 0).sum(dim=-1)
+        whole = torch.div(esum, k, rounding_mode="floor")  # mean exponent = whole + frac, frac in [0, 1)
+        frac = (esum - whole * k).to(torch.float64) / k
+        mean = torch.exp(logs / k + frac * math.log(2.0))  # in [0.5, 2): 2·mean·2^(whole−1) cannot overflow
+        return torch.where(count > 0, torch.ldexp(2.0 * mean, whole - 1), 0.0)
+    return _scaled_power_mean(a, p)
+
+
+def _scaled_power_mean(a: torch.Tensor, p: float) -> torch.Tensor:
+    """``(mean a^p)^(1/p)`` over the last dimension of ``a = |x|``, in float64."""
     # Scale by the max first so that |x|^p cannot overflow or underflow.
     top = a.amax(dim=-1, keepdim=True).to(torch.float64)
     safe = torch.where(top > 0, top, 1.0)
@@ -192,13 +213,19 @@ def _scale_round_clip(
 ) -> torch.Tensor:
     """``clip(round(x / norm · levels / k), −levels, levels)`` for ``rows`` ``[m, n]``, ``norm`` ``[m]`` f64.
 
-    Works piece by piece (about ``_PIECE`` elements) so that the temporaries stay in cache.
+    Works piece by piece (about ``_PIECE`` elements) so that the temporaries stay in cache. A row whose
+    normaliser is not finite (it holds a NaN or ±Inf) gets factor 0, and NaN products become 0: the row
+    maps to zeros.
     """
     out = torch.empty(rows.shape, dtype=level_dtype(levels), device=rows.device) if out is None else out
-    finite = bool(torch.isfinite(norm).all())  # a finite normaliser means every element is finite
+    ok = torch.isfinite(norm)  # a finite normaliser means every element of the row is finite
+    finite = bool(ok.all())
     safe = torch.where(norm > 0, norm, 1.0)  # a zero normaliser means the row is all zeros
-    factor64 = levels / (clip_multiple * safe)
-    work = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    factor64 = torch.where(ok, levels / clip_multiple / safe, 0.0)  # k·M could overflow
+    if not bool(torch.isfinite(factor64).all()):
+        return _divide_round_clip(rows, safe, ok, levels, clip_multiple, out)
+    # float32 holds every integer level up to 2^24 exactly; beyond, clamping to ±levels needs float64
+    work = torch.float64 if rows.dtype == torch.float64 or levels > 1 << 24 else torch.float32
     if not bool((factor64 <= torch.finfo(work).max).all()):
         work = torch.float64  # denormal normaliser: the factor overflows float32, float64 holds it
     m, n = rows.shape
@@ -223,6 +250,22 @@ def _scale_round_clip(
             t.nan_to_num_(0.0)
         dst.copy_(t)
     return out
+
+
+def _divide_round_clip(
+    rows: torch.Tensor,
+    safe: torch.Tensor,
+    ok: torch.Tensor,
+    levels: int,
+    clip_multiple: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Rare path of :func:`_scale_round_clip` for a normaliser so small (float64 input below ~1e−306)
+    that ``s / (k·M)`` overflows float64: ``x / M · (s / k)`` instead (an overflow there is a clipped
+    level anyway; ``0 · inf`` products are zeros)."""
+    t = rows.to(torch.float64) / safe[:, None] * (levels / clip_multiple)
+    t = t.where(ok[:, None], 0.0).round_().clamp_(-levels, levels).nan_to_num_(0.0)
+    return out.copy_(t)
 
 
 def _numpy_path(t: torch.Tensor) -> bool:
@@ -269,7 +312,7 @@ def _scale_round_clip_pieces(
         if scratch is None or scratch.size < src.size:
             scratch = np.empty(src.size, dtype=src.dtype)
         t = scratch[: src.size].reshape(src.shape)
-        with np.errstate(invalid="ignore"):  # inf · 0 = NaN is handled just below
+        with np.errstate(invalid="ignore", over="ignore"):  # ±inf clips to ±levels, inf · 0 = NaN → 0 below
             np.multiply(src, f if isinstance(f, float) else f.numpy(), out=t)
         np.rint(t, out=t)
         np.clip(t, -levels, levels, out=t)
@@ -314,7 +357,8 @@ def quantize_lp(
         p: the normaliser's order (1 = L1, 0 = geometric mean, ``math.inf`` = max).
         clip_multiple: k; the authors' code uses 2, the paper's Eq. 1 as transcribed uses 1.
         chunk_size: ``None`` normalises the whole tensor (as the authors); an int normalises each run of
-            ``chunk_size`` consecutive elements separately.
+            ``chunk_size`` consecutive elements separately (the last, possibly only, run over its true
+            length).
         eps: see :func:`lp_normalizer` (p = 0 only).
         out: optional contiguous tensor of x's shape and dtype ``level_dtype(levels)`` to write into
             (saves the allocation and its page faults when called every step).
@@ -328,7 +372,7 @@ def quantize_lp(
     rows, n = _as_rows(x, chunk_size)
     if n == 0:
         return torch.empty(x.shape, dtype=level_dtype(levels), device=x.device) if out is None else out
-    if chunk_size is not None and rows.shape[0] > 1 and n % chunk_size:
+    if chunk_size is not None and n % chunk_size:  # the last chunk is padded: its true length
         norm = _padded_normalizer(rows, n, p, eps)
     else:
         norm = lp_normalizer(rows, p, eps=eps)
@@ -354,7 +398,8 @@ def _check_out(out: torch.Tensor | None, x: torch.Tensor, levels: int) -> None:
 
 
 def _padded_normalizer(rows: torch.Tensor, n: int, p: float, eps: float | None) -> torch.Tensor:
-    """Normalisers of ``rows`` whose last row is zero-padded: the last one over its true length."""
+    """Normalisers of ``rows`` whose last row is zero-padded: the last one over its true length (also
+    when it is the only row: a tensor shorter than the chunk is not normalised over padding zeros)."""
     norm = lp_normalizer(rows[:-1], p, eps=eps)
     tail = rows[-1, : n - (rows.shape[0] - 1) * rows.shape[1]]
     return torch.cat([norm, lp_normalizer(tail[None], p, eps=eps)])
@@ -416,6 +461,7 @@ def quantize_qsgd(
 
     ``ℓ = ⌊s·|x_i|/‖x‖⌋``; the level is ``sign(x_i)·(ℓ + 1)`` with probability ``s·|x_i|/‖x‖ − ℓ``, else
     ``sign(x_i)·ℓ`` — unbiased: ``E[q]·‖x‖/s = x``. Uniform draws come from ``generator`` (on x's device).
+    A tensor (chunk) holding a NaN or ±Inf maps to zeros.
     """
     _check_real(x)
     _check_levels(levels)
@@ -428,17 +474,18 @@ def quantize_qsgd(
     rows, n = _as_rows(x, chunk_size)
     if n == 0:
         return torch.empty(x.shape, dtype=level_dtype(levels), device=x.device)
-    if chunk_size is not None and rows.shape[0] > 1 and n % chunk_size:
+    if chunk_size is not None and n % chunk_size:  # the last chunk is padded: its true length
         nrm = _padded_normalizer(rows, n, order, None)
     else:
         nrm = lp_normalizer(rows, order)
-    if order == 2.0:  # lp_normalizer gives the RMS; QSGD uses the plain 2-norm
+    # A NaN/Inf normaliser stays: |x|/NaN and Inf/Inf are NaN, finite/Inf is 0, and NaN becomes 0 below.
+    rel = rows.abs().to(torch.float64) / torch.where(nrm == 0, 1.0, nrm)[:, None]
+    if order == 2.0:  # lp_normalizer gives the RMS; QSGD uses the plain 2-norm = RMS·√n (may overflow)
         counts = torch.full_like(nrm, rows.shape[1])
         if chunk_size is not None and n % chunk_size:
             counts[-1] = n - (rows.shape[0] - 1) * rows.shape[1]
-        nrm = nrm * counts.sqrt()
-    rel = rows.abs().to(torch.float64) / torch.where(nrm > 0, nrm, 1.0)[:, None] * levels
-    rel = rel.nan_to_num_(0.0).clamp_(0, levels)
+        rel /= counts.sqrt()[:, None]
+    rel = rel.mul_(levels).nan_to_num_(0.0).clamp_(0, levels)
     low = rel.floor()
     u = torch.rand(rel.shape, generator=generator, dtype=torch.float64, device=x.device)
     mag = low + (u < rel - low).to(torch.float64)
@@ -452,14 +499,15 @@ def quantize_log(x: torch.Tensor, levels: int, *, chunk_size: int | None = None)
     Each magnitude is rounded to the nearest power of two relative to the maximum,
     ``e = round(log2(max|x| / |x_i|))``, and de-quantised to the integer level ``round(s · 2^−e)`` so
     that levels add in an integer collective (power-of-two exponents do not). Levels are therefore
-    ``{s, round(s/2), round(s/4), …, 1}``; magnitudes below the smallest level map to 0.
+    ``{s, round(s/2), round(s/4), …, 1}``; magnitudes below the smallest level map to 0. A tensor (chunk)
+    holding a NaN or ±Inf maps to zeros (its maximum is NaN or Inf).
     """
     _check_real(x)
     _check_levels(levels)
     rows, n = _as_rows(x, chunk_size)
     if n == 0:
         return torch.empty(x.shape, dtype=level_dtype(levels), device=x.device)
-    if chunk_size is not None and rows.shape[0] > 1 and n % chunk_size:
+    if chunk_size is not None and n % chunk_size:  # the last chunk is padded: its true length
         top = _padded_normalizer(rows, n, math.inf, None)
     else:
         top = lp_normalizer(rows, math.inf)

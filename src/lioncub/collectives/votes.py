@@ -21,6 +21,11 @@ class                  wire                                                     
 Exact zeros of ``c`` vote "+" wherever a vote is one bit (1-bit, lanes, server), as in the papers' code;
 the int8 and quantized paths carry them as 0. With ``N = 1`` there is nothing to exchange and every
 sign vote is ``sign(c)`` (plain Lion).
+
+Non-finite ``c`` (the optimizer skips such steps before voting) still gives a defined, in-range result:
+a one-bit vote of NaN is "−" (``NaN ≥ 0`` is false) and of ±Inf is ±; ``sign(NaN)`` is 0 on the int8
+paths and for ``N = 1``; a quantized vote abstains (levels 0) on a tensor or chunk holding NaN or ±Inf
+(see :mod:`lioncub.quantize`). :class:`DenseMean` is a mean and propagates NaN and Inf.
 """
 
 from __future__ import annotations
@@ -132,7 +137,8 @@ class VoteAlgorithm(ABC):
 
 
 def _sign_int8(local: torch.Tensor) -> torch.Tensor:
-    return torch.sign(local).to(torch.int8)
+    """``sign(local)`` as int8, NaN → 0 (casting a NaN ``torch.sign`` to int8 would be undefined)."""
+    return torch.gt(local, 0).view(torch.int8) - torch.lt(local, 0).view(torch.int8)
 
 
 def _sign_of_sum(total: torch.Tensor) -> torch.Tensor:
@@ -457,6 +463,8 @@ class DenseMean(VoteAlgorithm):
     """The global-Lion baselines: gradients cast to ``wire_dtype``, divided by N, allreduced (SUM) and
     cast back — the same operations, in the same order, as DDP's allreduce (fp32) and
     ``fp16_compress_hook`` / ``bf16_compress_hook``. Bytes per rank: ``2·(N−1)/N · d·size(wire_dtype)``.
+    As there, NaN and ±Inf propagate, and values at the edge of or beyond the wire dtype's range (fp16:
+    65504) can become ±Inf.
     """
 
     name = "dense"

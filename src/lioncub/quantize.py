@@ -46,6 +46,7 @@ import torch
 
 __all__ = [
     "QUANTIZERS",
+    "l1_factors",
     "level_budget",
     "level_dtype",
     "lp_normalizer",
@@ -218,16 +219,11 @@ def _scale_round_clip(
     maps to zeros.
     """
     out = torch.empty(rows.shape, dtype=level_dtype(levels), device=rows.device) if out is None else out
-    ok = torch.isfinite(norm)  # a finite normaliser means every element of the row is finite
+    ok, safe, factor64 = _factors(norm, levels, clip_multiple)
     finite = bool(ok.all())
-    safe = torch.where(norm > 0, norm, 1.0)  # a zero normaliser means the row is all zeros
-    factor64 = torch.where(ok, levels / clip_multiple / safe, 0.0)  # k·M could overflow
     if not bool(torch.isfinite(factor64).all()):
         return _divide_round_clip(rows, safe, ok, levels, clip_multiple, out)
-    # float32 holds every integer level up to 2^24 exactly; beyond, clamping to ±levels needs float64
-    work = torch.float64 if rows.dtype == torch.float64 or levels > 1 << 24 else torch.float32
-    if not bool((factor64 <= torch.finfo(work).max).all()):
-        work = torch.float64  # denormal normaliser: the factor overflows float32, float64 holds it
+    work = torch.float64 if bool(_works_wide(factor64, levels, rows.dtype)) else torch.float32
     m, n = rows.shape
     if m == 1:  # per tensor: 1-D pieces with a Python-float factor
         flat, flat_out, f = rows.view(-1), out.view(-1), float(factor64[0])
@@ -250,6 +246,46 @@ def _scale_round_clip(
             t.nan_to_num_(0.0)
         dst.copy_(t)
     return out
+
+
+def _factors(norm: torch.Tensor, levels: int, clip_multiple: float) -> tuple[torch.Tensor, ...]:
+    """(finite normaliser, safe normaliser, float64 factor ``levels / k / M``; 0 where M is not finite)."""
+    ok = torch.isfinite(norm)  # a finite normaliser means every element of the row is finite
+    safe = torch.where(norm > 0, norm, 1.0)  # a zero normaliser means the row is all zeros
+    return ok, safe, torch.where(ok, levels / clip_multiple / safe, 0.0)  # k·M could overflow
+
+
+def _works_wide(factor64: torch.Tensor, levels: int, dtype: torch.dtype) -> torch.Tensor:
+    """0-dim bool (no host sync): whether the scaling works in float64 rather than float32."""
+    # float32 holds every integer level up to 2^24 exactly; beyond, clamping to ±levels needs float64;
+    # a denormal normaliser makes the factor overflow float32 (float64 holds it)
+    if dtype == torch.float64 or levels > 1 << 24:
+        return torch.ones((), dtype=torch.bool, device=factor64.device)
+    return (factor64 > torch.finfo(torch.float32).max).any()
+
+
+def l1_factors(
+    x: torch.Tensor, levels: int, *, clip_multiple: float = 2.0, chunk_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass 1 of :func:`quantize_l1`, for a fused pass 2 (:func:`lioncub.kernels.quantize_l1`).
+
+    Returns the float64 factor ``levels / k / mean|x|`` of the tensor (``[1]``) or of each chunk
+    (``[ceil(n / chunk_size)]``; 0 for a tensor or chunk holding NaN/±Inf) and a 0-dim bool tensor: whether
+    :func:`quantize_l1` scales in float64 (else float32: ``round(x · float32(factor))``). Pass 2 is then
+    ``clip(round_half_even(x · factor), −s, s)`` with NaN → 0. ``x`` must not be empty.
+    """
+    _check_real(x)
+    _check_levels(levels)
+    _check_clip_multiple(clip_multiple)
+    rows, n = _as_rows(x, chunk_size)
+    if n == 0:
+        raise ValueError("l1_factors of an empty tensor")
+    if chunk_size is not None and n % chunk_size:
+        norm = _padded_normalizer(rows, n, 1.0, None)
+    else:
+        norm = lp_normalizer(rows, 1.0)
+    _ok, _safe, factor64 = _factors(norm, levels, float(clip_multiple))
+    return factor64, _works_wide(factor64, levels, x.dtype)
 
 
 def _divide_round_clip(

@@ -1,0 +1,760 @@
+r"""Fused kernels for the GPU path of a vote step, with a plain-torch fallback.
+
+Four kernels, each a Triton kernel (``backend="triton"``) and a torch reference (``backend="torch"``)
+that give bit-for-bit the same result; ``backend="auto"`` (the default) takes Triton when it can run the
+tensors (Triton is importable and they are CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``,
+Triton's interpreter) and torch otherwise, and also for inputs the Triton kernels do not take (other
+dtypes, non-contiguous tensors): :func:`backend_for` says which one a call takes.
+
+* :func:`direction_pack` — ``c = β1·m + (1−β1)·g``, the 1-bit pack of ``[c ≥ 0]`` (bit order, ``pad_to``
+  and "+" padding of :func:`lioncub.packing.pack_signs`), optionally ``c`` itself, a non-finite flag
+  (what ``LionCub._all_finite`` checks) and the momentum update ``m ← β2·m + (1−β2)·g`` in place, in one
+  pass over ``m`` and ``g``.
+* :func:`quantize_l1` — the L1 quantizer of :mod:`lioncub.quantize` (``quantize("l1", ...)`` per segment,
+  as ``QuantizedVote.levels_of``), its NaN/Inf/zero/denormal behaviour included. Pass 1 (the normaliser
+  ``mean |c|`` of each tensor or chunk) runs the *same torch reduction* in both backends: a Triton sum
+  adds in another order and its float64 scale could differ in the last bit, which moves levels that lie
+  at a rounding boundary. Pass 2 (scale, round half to even, clip, NaN → 0, cast) is the fused kernel.
+* :func:`majority_pack` — the middle step of the 1-bit vote: unpack the N received rows, count the "+"
+  votes per bit, apply the tie rule and repack (:func:`lioncub.packing.count_votes` followed by
+  :func:`lioncub.packing.pack_majority`).
+* :func:`apply_signs_` / :func:`apply_votes_` — ``p ← p·(1 − lr·wd) − lr·u`` from packed 1-bit results
+  (at any bit offset into a bucket) or from int8 votes, optionally with the momentum update fused in.
+
+Arithmetic, so that both backends round identically:
+
+* float32: each torch op rounds once. ``x.add_(y, alpha=a)`` is one *fused* multiply-add on CPU (ATen's
+  vectorised ``fmadd``, also in the scalar tail) and on CUDA (``a + alpha * b`` contracted by nvcc). The
+  kernels therefore compute ``t = m·β`` (rounded) and ``c = fma(g, 1−β, t)`` (rounded once) with
+  ``tl.fma``, and are compiled with ``enable_fp_fusion=False`` so that Triton contracts nothing else.
+  Triton's interpreter evaluates ``tl.fma`` as ``x*y + z`` in numpy (two roundings), so under the
+  interpreter an exact emulation runs instead: the float64 sum of the exact product (a product of two
+  float32 is exact in float64) is rounded to odd with its TwoSum error, then to float32, which is the
+  correctly rounded fma (Boldo & Melquiond, round-to-odd with 53 ≥ 24 + 2 bits). ``emulate_fma=True``
+  forces the emulation on a GPU too (``benchmarks/gpu_check.py`` checks both).
+* bfloat16 / float16: every op computes in float32 and rounds to the storage dtype after each torch op
+  (PyTorch's "opmath"; what its CUDA kernels do), the fused multiply-add included. The torch backend
+  spells this out in float32 (``m.float()·β``, then ``.to(bf16)``, …) instead of calling
+  ``Tensor.add_(alpha=)`` on the bf16 tensors: on CPU, ATen's bf16 ``add_`` rounds ``alpha`` to bf16 in
+  its vectorised loop but not in its scalar tail, so its result depends on an element's position.
+  For float32 the torch backend *is* the existing code (``torch.mul(m, β1).add_(g, alpha=1−β1)``,
+  :func:`lioncub.optim.lion.apply_update_` semantics, :func:`lioncub.optim.lion.update_momentum_`).
+  Triton's interpreter rounds float32 → bfloat16 by truncation, so the kernels round bf16 themselves
+  on the raw bits (round half to even, NaN → ``0x7FC0`` as ``c10::BFloat16``; CUDA's conversion gives
+  ``0x7FFF`` for NaN: compare NaN-aware).
+* Rounding to integer levels uses the float32 (float64) "magic number" ``(t + 1.5·2^23) − 1.5·2^23``,
+  exact round-half-to-even for ``|t| ≤ 2^22`` after the clip to ``±levels``.
+
+The Triton kernels take contiguous float32, bfloat16 and float16 tensors (float64 and other dtypes go to
+the torch backend under ``"auto"``, and raise under ``"triton"``). This module sits in the lowest layer:
+it imports torch, numpy, triton, :mod:`lioncub.packing` and :mod:`lioncub.quantize` only.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+from collections.abc import Sequence
+from typing import Literal, NamedTuple
+
+import torch
+
+from lioncub import packing, quantize
+
+__all__ = [
+    "HAVE_TRITON",
+    "TRITON_ERROR",
+    "Backend",
+    "DirectionPack",
+    "apply_signs_",
+    "apply_votes_",
+    "backend_for",
+    "direction_pack",
+    "interpreting",
+    "majority_pack",
+    "quantize_l1",
+]
+
+Backend = Literal["auto", "triton", "torch"]
+BACKENDS = ("auto", "triton", "torch")
+
+try:  # the torch backend serves everything when Triton is missing or broken
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+    TRITON_ERROR = ""
+except Exception as _err:  # ImportError, or an install whose import fails
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+    HAVE_TRITON = False
+    TRITON_ERROR = f"{type(_err).__name__}: {_err}"
+
+_TRITON_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_KIND_F32, _KIND_BF16, _KIND_F16 = 0, 1, 2
+_MAX_LEVELS = 1 << 22  # the magic-number rint is exact up to 2^22
+
+
+def interpreting() -> bool:
+    """Whether Triton runs its interpreter (``TRITON_INTERPRET=1``, read when Triton is imported)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _triton_device_ok(tensors: Sequence[torch.Tensor]) -> str:
+    """Why Triton cannot run these tensors ("" if it can)."""
+    if not HAVE_TRITON:
+        return f"triton is not importable ({TRITON_ERROR})"
+    want = "cpu" if interpreting() else "cuda"
+    for t in tensors:
+        if t.device.type != want:
+            mode = (
+                "under TRITON_INTERPRET=1 the interpreter takes CPU tensors"
+                if want == "cpu"
+                else ("compiled Triton takes CUDA tensors (set TRITON_INTERPRET=1 for CPU tensors)")
+            )
+            return f"a {t.device.type} tensor: {mode}"
+    return ""
+
+
+def _why_not(tensors: Sequence[torch.Tensor], floats: Sequence[torch.Tensor]) -> str:
+    why = _triton_device_ok(tensors)
+    if why:
+        return why
+    for t in tensors:
+        if not t.is_contiguous():
+            return "a non-contiguous tensor"
+    for t in floats:
+        if t.dtype not in _TRITON_DTYPES:
+            return f"dtype {t.dtype} (the Triton kernels take float32, bfloat16 and float16)"
+    if floats and len({t.dtype for t in floats}) > 1:
+        return f"mixed dtypes {sorted(str(t.dtype) for t in floats)}"
+    return ""
+
+
+def _resolve(backend: str, tensors: Sequence[torch.Tensor], floats: Sequence[torch.Tensor] = ()) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    if backend == "torch":
+        return "torch"
+    why = _why_not(tensors, floats)
+    if not why:
+        return "triton"
+    if backend == "triton":
+        raise RuntimeError(f"backend='triton' cannot run this call: {why}")
+    return "torch"
+
+
+def backend_for(*tensors: torch.Tensor, backend: Backend = "auto") -> str:
+    """The backend (``"triton"`` or ``"torch"``) a kernel of this module takes for these tensors."""
+    floats = [t for t in tensors if t.dtype.is_floating_point]
+    return _resolve(backend, tensors, floats)
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to float32 (as torch rounds a Python scalar for a float32 op), as a Python float."""
+    if math.isinf(x) or math.isnan(x) or abs(x) > 3.4028234663852886e38:
+        return float(torch.tensor(x, dtype=torch.float64).to(torch.float32))
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _emulate(emulate_fma: bool | None) -> bool:
+    return interpreting() if emulate_fma is None else bool(emulate_fma)
+
+
+def _launch_options() -> dict:
+    return {} if interpreting() else {"enable_fp_fusion": False}
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """The storage Triton reads: bfloat16 as its int16 bits (the kernels convert those themselves)."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+# ------------------------------------------------------------------------------------ torch reference
+
+
+def _lerp_ref(a: torch.Tensor, b: torch.Tensor, beta: float) -> torch.Tensor:
+    """``a·β + (1−β)·b`` as a new tensor of a's dtype, rounded as documented in the module docstring."""
+    if a.dtype == torch.float32 or a.dtype == torch.float64:
+        return torch.mul(a, beta).add_(b, alpha=1.0 - beta)  # = LionCub._local / lion_direction
+    t = torch.mul(a.float(), beta).to(a.dtype).float()
+    return t.add_(b.float(), alpha=1.0 - beta).to(a.dtype)
+
+
+def _apply_ref_(p: torch.Tensor, u: torch.Tensor, lr: float, weight_decay: float) -> None:
+    """``p ← p·(1 − lr·wd) − lr·u`` in place (``apply_update_`` for float32, opmath for 16-bit)."""
+    if p.dtype == torch.float32 or p.dtype == torch.float64:
+        if lr * weight_decay != 0:
+            p.mul_(1.0 - lr * weight_decay)
+        p.add_(u.to(p.dtype), alpha=-lr)
+        return
+    w = p.float()
+    if lr * weight_decay != 0:
+        w = w.mul_(1.0 - lr * weight_decay).to(p.dtype).float()
+    p.copy_(w.add_(u.float(), alpha=-lr))
+
+
+def _momentum_ref_(m: torch.Tensor, g: torch.Tensor, beta2: float) -> None:
+    if m.dtype == torch.float32 or m.dtype == torch.float64:
+        m.mul_(beta2).add_(g, alpha=1.0 - beta2)  # = update_momentum_
+    else:
+        m.copy_(_lerp_ref(m, g, beta2))
+
+
+# ------------------------------------------------------------------------------------ Triton kernels
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _load_f32(ptr, offs, mask, KIND: tl.constexpr):
+        if KIND == 1:  # bfloat16 stored as int16 bits: widen exactly
+            v = tl.load(ptr + offs, mask=mask, other=0)
+            return (v.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        else:
+            return tl.load(ptr + offs, mask=mask, other=0).to(tl.float32)
+
+    @triton.jit
+    def _bf16_bits(x):
+        """float32 → bfloat16 bits (int32 in [0, 65535]), round half to even, NaN → 0x7FC0."""
+        u = x.to(tl.uint32, bitcast=True)
+        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        return tl.where(x != x, 0x7FC0, r.to(tl.int32))
+
+    @triton.jit
+    def _round(x, KIND: tl.constexpr):
+        """Round a float32 value to the storage dtype and back (exact), as a torch op's output does."""
+        if KIND == 1:
+            return (_bf16_bits(x) << 16).to(tl.float32, bitcast=True)
+        elif KIND == 2:
+            return x.to(tl.float16).to(tl.float32)
+        else:
+            return x
+
+    @triton.jit
+    def _store_f32(ptr, offs, x, mask, KIND: tl.constexpr):
+        """Store an already rounded float32 value in the storage dtype (exact)."""
+        if KIND == 1:
+            tl.store(ptr + offs, (x.to(tl.int32, bitcast=True) >> 16).to(tl.int16), mask=mask)
+        elif KIND == 2:
+            tl.store(ptr + offs, x.to(tl.float16), mask=mask)
+        else:
+            tl.store(ptr + offs, x, mask=mask)
+
+    @triton.jit
+    def _fma(a, b, c, EMULATE: tl.constexpr):
+        """float32 ``a·b + c`` rounded once: ``tl.fma`` compiled, an exact emulation when EMULATE."""
+        if EMULATE:
+            p = a.to(tl.float64) * b  # exact (b: a float32 scalar)
+            c64 = c.to(tl.float64)
+            s = p + c64
+            bb = s - p  # TwoSum: p + c64 == s + e exactly
+            aa = s - bb
+            e = (p - aa) + (c64 - bb)
+            bits = s.to(tl.int64, bitcast=True)
+            finite = (s - s) == 0
+            fix = finite & (e != 0) & ((bits & 1) == 0)  # round to odd: move to the odd neighbour
+            step = tl.where((e > 0) == (s > 0), 1, -1).to(tl.int64)
+            bits = tl.where(fix, bits + step, bits)
+            return bits.to(tl.float64, bitcast=True).to(tl.float32)
+        else:
+            return tl.fma(a, b, c)
+
+    @triton.jit
+    def _direction_pack_kernel(
+        m_ptr,
+        g_ptr,
+        c_ptr,
+        packed_ptr,
+        flags_ptr,
+        n,
+        nbytes,
+        beta1,
+        alpha1,
+        beta2,
+        alpha2,
+        BLOCK_B: tl.constexpr,
+        KIND: tl.constexpr,
+        NEG: tl.constexpr,
+        UPDATE_M: tl.constexpr,
+        WRITE_C: tl.constexpr,
+        CHECK: tl.constexpr,
+        EMULATE: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        rows = pid.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)  # packed byte indices
+        cols = tl.arange(0, 8)
+        offs = rows[:, None] * 8 + cols[None, :]
+        mask = offs < n
+        m = _load_f32(m_ptr, offs, mask, KIND)
+        g = _load_f32(g_ptr, offs, mask, KIND)
+        if NEG:
+            g = -g
+        t = _round(m * beta1, KIND)
+        c = _round(_fma(g, alpha1, t, EMULATE), KIND)
+        vote = (c >= 0) | (offs >= n)  # padding votes "+"
+        byte = tl.sum(vote.to(tl.int32) << (7 - cols)[None, :], axis=1)
+        tl.store(packed_ptr + rows, byte.to(tl.uint8), mask=rows < nbytes)
+        if WRITE_C:
+            _store_f32(c_ptr, offs, c, mask, KIND)
+        if UPDATE_M:
+            t2 = _round(m * beta2, KIND)
+            _store_f32(m_ptr, offs, _round(_fma(g, alpha2, t2, EMULATE), KIND), mask, KIND)
+        if CHECK:
+            bad = (mask & ((c - c) != 0)).to(tl.int32)  # NaN or ±Inf
+            tl.store(flags_ptr + pid, tl.max(tl.max(bad, axis=1), axis=0).to(tl.int8))
+
+    @triton.jit
+    def _quantize_kernel(
+        x_ptr,
+        out_ptr,
+        factor_ptr,
+        wide_ptr,
+        seg_start_ptr,
+        group_base_ptr,
+        n,
+        n_seg,
+        chunk,
+        levels,
+        BLOCK: tl.constexpr,
+        KIND: tl.constexpr,
+        SEARCH: tl.constexpr,
+        CHUNKED: tl.constexpr,
+        ANY_WIDE: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        seg = tl.zeros([BLOCK], dtype=tl.int32)
+        for k in tl.static_range(SEARCH):  # binary search: the last segment start <= offs
+            cand = seg + (1 << (SEARCH - 1 - k))
+            ok = cand < n_seg
+            start = tl.load(seg_start_ptr + cand, mask=ok & mask, other=0)
+            seg = tl.where(ok & (start <= offs), cand, seg)
+        group = tl.load(group_base_ptr + seg, mask=mask, other=0).to(tl.int64)
+        if CHUNKED:
+            local = offs - tl.load(seg_start_ptr + seg, mask=mask, other=0)
+            group += local // chunk
+        f = tl.load(factor_ptr + group, mask=mask, other=0.0)
+        x = _load_f32(x_ptr, offs, mask, KIND)
+        t = x * f.to(tl.float32)
+        t = tl.where(t != t, 0.0, t)
+        t = tl.minimum(tl.maximum(t, -levels), levels)  # levels: float32, integral
+        q = (t + 12582912.0) - 12582912.0  # round half to even (|t| <= 2^22)
+        if ANY_WIDE:  # float64 work for chunks whose factor overflows float32 (denormal normaliser)
+            wide = tl.load(wide_ptr + group, mask=mask, other=0) != 0
+            t64 = x.to(tl.float64) * f
+            t64 = tl.where(t64 != t64, 0.0, t64)
+            t64 = tl.minimum(tl.maximum(t64, -levels), levels)
+            q64 = (t64 + 6755399441055744.0) - 6755399441055744.0
+            q = tl.where(wide, q64.to(tl.float32), q)  # integral, |q| <= 2^22: exact
+        tl.store(out_ptr + offs, q.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _majority_kernel(
+        rows_ptr, out_ptr, n_rows, row_bytes, out_bytes, n_bits, threshold, BLOCK_B: tl.constexpr
+    ):
+        pid = tl.program_id(0)
+        rb = pid.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+        mask = rb < out_bytes
+        shifts = 7 - tl.arange(0, 8)
+        counts = tl.zeros([BLOCK_B, 8], dtype=tl.int32)
+        for r in range(0, n_rows):
+            v = tl.load(rows_ptr + r * row_bytes + rb, mask=mask, other=0).to(tl.int32)
+            counts += (v[:, None] >> shifts[None, :]) & 1
+        bitpos = rb[:, None] * 8 + tl.arange(0, 8)[None, :]
+        win = (counts >= threshold) & (bitpos < n_bits)
+        byte = tl.sum(win.to(tl.int32) << shifts[None, :], axis=1)
+        tl.store(out_ptr + rb, byte.to(tl.uint8), mask=mask)
+
+    @triton.jit
+    def _apply_kernel(
+        p_ptr,
+        u_ptr,
+        m_ptr,
+        g_ptr,
+        n,
+        bit_offset,
+        neg_lr,
+        decay,
+        beta2,
+        alpha2,
+        BLOCK: tl.constexpr,
+        KIND: tl.constexpr,
+        PACKED: tl.constexpr,
+        DECAY: tl.constexpr,
+        MOMENTUM: tl.constexpr,
+        NEG: tl.constexpr,
+        EMULATE: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        if PACKED:
+            bit = offs + bit_offset
+            byte = tl.load(u_ptr + (bit >> 3), mask=mask, other=0).to(tl.int32)
+            u = (((byte >> (7 - (bit & 7)).to(tl.int32)) & 1) * 2 - 1).to(tl.float32)
+        else:
+            u = tl.load(u_ptr + offs, mask=mask, other=0).to(tl.float32)
+        p = _load_f32(p_ptr, offs, mask, KIND)
+        if DECAY:
+            p = _round(p * decay, KIND)
+        p = _round(_fma(u, neg_lr, p, EMULATE), KIND)
+        _store_f32(p_ptr, offs, p, mask, KIND)
+        if MOMENTUM:
+            m = _load_f32(m_ptr, offs, mask, KIND)
+            g = _load_f32(g_ptr, offs, mask, KIND)
+            if NEG:
+                g = -g
+            t = _round(m * beta2, KIND)
+            _store_f32(m_ptr, offs, _round(_fma(g, alpha2, t, EMULATE), KIND), mask, KIND)
+
+
+_BLOCK_B = 128  # packed bytes per program (1024 elements)
+_BLOCK = 1024  # elements per program
+
+
+# ------------------------------------------------------------------------------------ direction + pack
+
+
+class DirectionPack(NamedTuple):
+    """What :func:`direction_pack` returns."""
+
+    packed: torch.Tensor  #: ``uint8``, as ``packing.pack_signs(c, pad_to=pad_to)``
+    direction: torch.Tensor | None  #: ``c`` (when ``direction_out`` was given or ``return_direction``)
+    finite: torch.Tensor | None  #: 0-dim bool on the device: every ``c`` finite (when ``check_finite``)
+
+
+def direction_pack(
+    exp_avg: torch.Tensor,
+    grad: torch.Tensor,
+    beta1: float,
+    *,
+    beta2: float | None = None,
+    update_momentum: bool = False,
+    negate_grad: bool = False,
+    pad_to: int = 8,
+    out: torch.Tensor | None = None,
+    direction_out: torch.Tensor | None = None,
+    return_direction: bool = False,
+    check_finite: bool = False,
+    backend: Backend = "auto",
+    emulate_fma: bool | None = None,
+) -> DirectionPack:
+    """``c = β1·m + (1−β1)·g`` and its packed votes ``[c ≥ 0]`` in one pass (flattened tensors).
+
+    Args:
+        exp_avg: momentum ``m`` (any shape; flattened); with ``update_momentum`` updated in place to
+            ``β2·m + (1−β2)·g`` (from the old ``m``) — leave it off when the step may still be skipped
+            (non-finite gradients) and update the momentum in :func:`apply_signs_` instead.
+        grad: ``g``, same number of elements and dtype; ``negate_grad`` uses ``−g`` (``maximize``).
+        beta1, beta2: Lion's coefficients (``beta2`` only with ``update_momentum``).
+        pad_to, out: as :func:`lioncub.packing.pack_signs` (padding votes "+").
+        direction_out: where to write ``c`` (flat, ``exp_avg``'s dtype); ``return_direction`` allocates it.
+        check_finite: also return whether every ``c`` is finite (a device tensor: no host sync).
+        backend: ``"auto"``, ``"triton"`` or ``"torch"`` (see the module docstring).
+        emulate_fma: Triton only: ``None`` emulates ``fma`` exactly under the interpreter only.
+    """
+    m, g = exp_avg.reshape(-1), grad.reshape(-1)
+    n = m.numel()
+    if g.numel() != n:
+        raise ValueError(f"grad has {g.numel()} elements, exp_avg {n}")
+    if update_momentum and beta2 is None:
+        raise ValueError("update_momentum=True needs beta2")
+    if pad_to <= 0 or pad_to % 8:
+        raise ValueError(f"pad_to={pad_to} must be a positive multiple of 8")
+    nbytes = -(-n // pad_to) * pad_to // 8
+    out = packing._out(out, nbytes, torch.uint8, m.device)
+    c_out = direction_out.reshape(-1) if direction_out is not None else None
+    if c_out is None and return_direction:
+        c_out = torch.empty(n, dtype=m.dtype, device=m.device)
+    if c_out is not None and (c_out.numel() != n or c_out.dtype != m.dtype):
+        raise ValueError(f"direction_out must hold {n} elements of {m.dtype}")
+    tensors = [exp_avg, grad, out] + ([c_out] if c_out is not None else [])
+    which = _resolve(backend, tensors, [exp_avg, grad] + ([c_out] if c_out is not None else []))
+    if which == "torch":
+        g_eff = -g if negate_grad else g
+        c = _lerp_ref(m, g_eff, beta1)
+        packing.pack_signs(c, pad_to=pad_to, out=out)
+        finite = torch.isfinite(c).all() if check_finite else None
+        if c_out is not None:
+            c_out.copy_(c)
+        if update_momentum:
+            _momentum_ref_(m, g_eff, beta2)
+        return DirectionPack(out, c_out, finite)
+    grid = max(1, -(-nbytes // _BLOCK_B))
+    flags = torch.zeros(grid if check_finite else 1, dtype=torch.int8, device=m.device)
+    if nbytes:
+        b2 = beta2 if beta2 is not None else 0.0
+        _direction_pack_kernel[(grid,)](
+            _raw(m),
+            _raw(g),
+            _raw(c_out) if c_out is not None else out,
+            out,
+            flags,
+            n,
+            nbytes,
+            _f32(beta1),
+            _f32(1.0 - beta1),
+            _f32(b2),
+            _f32(1.0 - b2),
+            BLOCK_B=_BLOCK_B,
+            KIND=_TRITON_DTYPES[m.dtype],
+            NEG=bool(negate_grad),
+            UPDATE_M=bool(update_momentum),
+            WRITE_C=c_out is not None,
+            CHECK=bool(check_finite),
+            EMULATE=_emulate(emulate_fma),
+            **_launch_options(),
+        )
+    finite = (flags == 0).all() if check_finite else None
+    return DirectionPack(out, c_out, finite)
+
+
+# ------------------------------------------------------------------------------------ L1 quantizer
+
+
+def _l1_factors(
+    x: torch.Tensor, levels: int, clip_multiple: float, chunk_size: int | None, segments: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pass 1 (torch, the reference's own reduction): per group (segment, or chunk of a segment) the
+    float64 factor ``levels / k / mean|x|`` (0 for a non-finite group) and whether its segment works in
+    float64; the segment starts and each segment's first group."""
+    factors, wide, starts, bases = [], [], [], []
+    pos, groups = 0, 0
+    for length in segments:
+        piece = x[pos : pos + length]
+        starts.append(pos)
+        bases.append(groups)
+        if length:
+            f64, work = quantize.l1_factors(piece, levels, clip_multiple=clip_multiple, chunk_size=chunk_size)
+            factors.append(f64)
+            wide.append(work.expand(f64.numel()))
+            groups += f64.numel()
+        pos += length
+    device = x.device
+    factor = torch.cat(factors) if factors else torch.zeros(1, dtype=torch.float64, device=device)
+    wide_t = torch.cat(wide).to(torch.int8) if wide else torch.zeros(1, dtype=torch.int8, device=device)
+    return (
+        factor,
+        wide_t,
+        torch.tensor(starts or [0], dtype=torch.int64, device=device),
+        torch.tensor(bases or [0], dtype=torch.int32, device=device),
+    )
+
+
+def quantize_l1(
+    x: torch.Tensor,
+    levels: int,
+    *,
+    clip_multiple: float = 2.0,
+    chunk_size: int | None = None,
+    segments: Sequence[int] | None = None,
+    out: torch.Tensor | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """L1 levels of a flat tensor, normalised per segment (and per chunk of ``chunk_size`` within a
+    segment): bit for bit ``quantize.quantize("l1", x[seg], levels, clip_multiple=..., chunk_size=...)``
+    for every segment, as ``QuantizedVote.levels_of``. Returns ``level_dtype(levels)`` of x's length."""
+    flat = x.reshape(-1)
+    n = flat.numel()
+    segs = list(segments) if segments is not None else [n]
+    if sum(segs) != n or any(s < 0 for s in segs):
+        raise ValueError(f"segments {segs[:8]}... must be lengths >= 0 that add up to {n}")
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"quantizers take a floating-point tensor, got {x.dtype}")
+    want = quantize.level_dtype(levels) if isinstance(levels, int) else torch.int8
+    out = packing._out(out, n, want, flat.device)
+    which = _resolve(backend, [flat, out], [flat])
+    if which == "triton" and not (isinstance(levels, int) and 1 <= levels <= _MAX_LEVELS):
+        if backend == "triton":
+            raise RuntimeError(f"backend='triton' takes levels in [1, {_MAX_LEVELS}], got {levels!r}")
+        which = "torch"
+    if which == "torch":
+        pos = 0
+        for length in segs:
+            quantize.quantize_l1(
+                flat[pos : pos + length],
+                levels,
+                clip_multiple=clip_multiple,
+                chunk_size=chunk_size,
+                out=out[pos : pos + length],
+            )
+            pos += length
+        return out
+    quantize._check_levels(levels)
+    quantize._check_clip_multiple(clip_multiple)
+    if n == 0:
+        return out
+    factor, wide, starts, bases = _l1_factors(flat, levels, float(clip_multiple), chunk_size, segs)
+    n_seg = len(segs)
+    search = max(0, (n_seg - 1).bit_length())
+    grid = -(-n // _BLOCK)
+    _quantize_kernel[(grid,)](
+        _raw(flat),
+        out,
+        factor,
+        wide,
+        starts,
+        bases,
+        n,
+        n_seg,
+        chunk_size or 1,
+        float(levels),
+        BLOCK=_BLOCK,
+        KIND=_TRITON_DTYPES[flat.dtype],
+        SEARCH=search,
+        CHUNKED=chunk_size is not None,
+        ANY_WIDE=True,
+        **_launch_options(),
+    )
+    return out
+
+
+# ------------------------------------------------------------------------------------ 1-bit majority
+
+
+def majority_pack(
+    rows: torch.Tensor,
+    tie_positive: bool,
+    *,
+    n_bits: int | None = None,
+    n_workers: int | None = None,
+    out: torch.Tensor | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Packed majority of the packed vote rows ``uint8 [N, B]``: bit 1 where ``2·count > N`` or, on a
+    tie, where ``tie_positive`` — ``pack_majority(count_votes(rows, n_bits), N, tie_positive)``.
+    Returns ``ceil(n_bits / 8)`` bytes (bits past ``n_bits`` are 0)."""
+    if rows.dim() != 2 or rows.dtype != torch.uint8:
+        raise ValueError(f"rows must be uint8 [N, B], got {rows.dtype} {tuple(rows.shape)}")
+    n, row_bytes = rows.shape
+    n_workers = n if n_workers is None else n_workers
+    n_bits = row_bytes * 8 if n_bits is None else n_bits
+    if not 0 <= n_bits <= row_bytes * 8:
+        raise ValueError(f"n_bits={n_bits} does not fit in rows of {row_bytes} bytes")
+    out_bytes = (n_bits + 7) // 8
+    which = _resolve(backend, [rows] + ([out] if out is not None else []))
+    if which == "torch":
+        result = packing.pack_majority(packing.count_votes(rows, n_bits), n_workers, tie_positive)
+        if out is None:
+            return result.to(rows.device)
+        return packing._out(out, out_bytes, torch.uint8, rows.device).copy_(result)
+    out = packing._out(out, out_bytes, torch.uint8, rows.device)
+    threshold = (n_workers + 1) // 2 if tie_positive else n_workers // 2 + 1
+    if out_bytes:
+        grid = -(-out_bytes // _BLOCK_B)
+        _majority_kernel[(grid,)](rows, out, n, row_bytes, out_bytes, n_bits, threshold, BLOCK_B=_BLOCK_B)
+    return out
+
+
+# ------------------------------------------------------------------------------------ apply
+
+
+def _apply(
+    param: torch.Tensor,
+    source: torch.Tensor,
+    packed: bool,
+    lr: float,
+    weight_decay: float,
+    bit_offset: int,
+    exp_avg: torch.Tensor | None,
+    grad: torch.Tensor | None,
+    beta2: float | None,
+    negate_grad: bool,
+    backend: str,
+    emulate_fma: bool | None,
+) -> torch.Tensor:
+    n = param.numel()
+    momentum = exp_avg is not None
+    if momentum and (grad is None or beta2 is None):
+        raise ValueError("the fused momentum update needs exp_avg, grad and beta2")
+    if momentum and (exp_avg.numel() != n or grad.numel() != n):
+        raise ValueError("exp_avg and grad must have the parameter's number of elements")
+    if packed:
+        if source.dtype != torch.uint8 or bit_offset < 0 or (bit_offset + n + 7) // 8 > source.numel():
+            raise ValueError(f"packed must be uint8 holding bits [{bit_offset}, {bit_offset + n})")
+    elif source.numel() != n:
+        raise ValueError(f"votes has {source.numel()} elements, the parameter {n}")
+    tensors = [param, source] + ([exp_avg, grad] if momentum else [])
+    which = _resolve(backend, tensors, [param] + ([exp_avg, grad] if momentum else []))
+    if which == "torch":
+        if packed:
+            u = packing.unpack_signs(source.reshape(-1), bit_offset + n, torch.int8)[bit_offset:]
+        else:
+            u = source.reshape(-1)
+        _apply_ref_(param, u.reshape(param.shape), lr, weight_decay)
+        if momentum:
+            _momentum_ref_(exp_avg, -grad if negate_grad else grad, beta2)
+        return param
+    if n:
+        b2 = beta2 if beta2 is not None else 0.0
+        grid = -(-n // _BLOCK)
+        _apply_kernel[(grid,)](
+            _raw(param),
+            source,
+            _raw(exp_avg) if momentum else param,
+            _raw(grad) if momentum else param,
+            n,
+            bit_offset,
+            _f32(-lr),
+            _f32(1.0 - lr * weight_decay),
+            _f32(b2),
+            _f32(1.0 - b2),
+            BLOCK=_BLOCK,
+            KIND=_TRITON_DTYPES[param.dtype],
+            PACKED=packed,
+            DECAY=lr * weight_decay != 0,
+            MOMENTUM=momentum,
+            NEG=bool(negate_grad),
+            EMULATE=_emulate(emulate_fma),
+            **_launch_options(),
+        )
+    return param
+
+
+def apply_signs_(
+    param: torch.Tensor,
+    packed: torch.Tensor,
+    *,
+    lr: float,
+    weight_decay: float = 0.0,
+    bit_offset: int = 0,
+    exp_avg: torch.Tensor | None = None,
+    grad: torch.Tensor | None = None,
+    beta2: float | None = None,
+    negate_grad: bool = False,
+    backend: Backend = "auto",
+    emulate_fma: bool | None = None,
+) -> torch.Tensor:
+    """In place: ``p ← p·(1 − lr·wd) − lr·u`` with ``u = ±1`` from the packed bits
+    ``[bit_offset, bit_offset + p.numel())`` of ``packed`` (bit 1 → +1); with ``exp_avg``/``grad``/
+    ``beta2`` also ``m ← β2·m + (1−β2)·g`` (``−g`` with ``negate_grad``) in the same pass. Equals
+    ``apply_update_(p, unpack_signs(packed, ...)[bit_offset:])`` then ``update_momentum_``."""
+    return _apply(
+        param, packed.reshape(-1), True, lr, weight_decay, bit_offset, exp_avg, grad, beta2, negate_grad,
+        backend, emulate_fma,
+    )  # fmt: skip
+
+
+def apply_votes_(
+    param: torch.Tensor,
+    votes: torch.Tensor,
+    *,
+    lr: float,
+    weight_decay: float = 0.0,
+    exp_avg: torch.Tensor | None = None,
+    grad: torch.Tensor | None = None,
+    beta2: float | None = None,
+    negate_grad: bool = False,
+    backend: Backend = "auto",
+    emulate_fma: bool | None = None,
+) -> torch.Tensor:
+    """In place: ``p ← p·(1 − lr·wd) − lr·u`` for integer votes ``u`` (int8 ``{−1, 0, +1}`` from a
+    vote, ``p.numel()`` elements), optionally with the fused momentum update (see :func:`apply_signs_`)."""
+    if votes.dtype not in (torch.int8, torch.uint8, torch.int16, torch.int32):
+        raise TypeError(f"votes must be an integer tensor, got {votes.dtype}")
+    return _apply(
+        param, votes.reshape(-1), False, lr, weight_decay, 0, exp_avg, grad, beta2, negate_grad,
+        backend, emulate_fma,
+    )  # fmt: skip

@@ -147,7 +147,7 @@ def expected_bytes(preset: str, n: int, buckets: list[int], rank: int) -> float:
     ring = 2 * (n - 1) / n
     for d in buckets:
         if preset == "32bit":
-            total += ring * 8 * d  # the gradient's own dtype (float64 here), as DDP
+            total += ring * 8 * math.ceil(d / n) * n  # float64 here; padded to a multiple of N
         elif preset == "1bit":
             padded = math.ceil(d / (8 * n)) * 8 * n
             total += 2 * (n - 1) / n * padded / 8
@@ -156,7 +156,7 @@ def expected_bytes(preset: str, n: int, buckets: list[int], rank: int) -> float:
         elif preset in ("8bit", "8bit-sign", "dlion-avg"):
             total += ring * d
         elif preset == "16bit":
-            total += ring * 2 * d
+            total += ring * 2 * math.ceil(d / n) * n
         elif preset == "dlion-mavo":
             total += (n - 1) * math.ceil(d / 4) if rank == 0 else math.ceil(d / 8)
     return total

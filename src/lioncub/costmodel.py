@@ -384,7 +384,8 @@ def _plan(scheme: Scheme, d: int, n: int, rank: int = 0) -> tuple[list[Collectiv
     if t == "dense":
         passes = 1 if scheme.wire_bits == 32 else 2  # copy/scale (+ cast back)
         op = {32: "allreduce_f32", 16: "allreduce_bf16"}.get(scheme.wire_bits, "allreduce_f32")
-        return [_ring(op, d * scheme.wire_bits / 8, n)], {"elementwise_s_per_elem": passes * d}
+        padded = -(-d // n) * n  # LionCub's dense mean pads to a multiple of N (≤ N−1 elements more than DDP)
+        return [_ring(op, padded * scheme.wire_bits / 8, n)], {"elementwise_s_per_elem": passes * d}
     if t == "int8":
         return [_ring("allreduce_i8", d, n)], {"elementwise_s_per_elem": 2 * d}
     if t in ("lanes", "quantized"):

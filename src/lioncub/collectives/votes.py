@@ -460,11 +460,17 @@ class ServerVote(VoteAlgorithm):
 
 
 class DenseMean(VoteAlgorithm):
-    """The global-Lion baselines: gradients cast to ``wire_dtype``, divided by N, allreduced (SUM) and
-    cast back — the same operations, in the same order, as DDP's allreduce (fp32) and
-    ``fp16_compress_hook`` / ``bf16_compress_hook``. Bytes per rank: ``2·(N−1)/N · d·size(wire_dtype)``.
-    As there, NaN and ±Inf propagate, and values at the edge of or beyond the wire dtype's range (fp16:
-    65504) can become ±Inf.
+    """The global-Lion baselines: gradients cast to ``wire_dtype`` and divided by N (as DDP's allreduce
+    (fp32) and ``fp16_compress_hook`` / ``bf16_compress_hook``), summed, cast back.
+
+    The sum is a reduce-scatter + all-gather built from an all-to-all (rank r receives slice r of every
+    worker and adds the N slices **in rank order 0, 1, …, N−1** in ``wire_dtype``) rather than the backend's
+    allreduce, whose summation order depends on where an element falls in the buffer: with it, the mean of
+    N ≥ 3 floats changed in the last bit with the bucket layout. Here every element is
+    ``((g_0/N + g_1/N) + g_2/N) + …`` whatever the bucketing, so the overlapped path (DDP's buckets) and the
+    step's own buckets agree bit for bit. Bytes per rank: ``2·(N−1)/N · d_pad·size(wire_dtype)`` (``d_pad``:
+    d rounded up to a multiple of N), as a ring allreduce. As DDP, NaN and ±Inf propagate, and values at
+    the edge of or beyond the wire dtype's range (fp16: 65504) can become ±Inf.
     """
 
     name = "dense"
@@ -478,14 +484,35 @@ class DenseMean(VoteAlgorithm):
         self.name = {None: "dense", torch.float32: "32bit", torch.bfloat16: "16bit"}.get(wire_dtype, "dense")
 
     def start(self, local, *, step, key=None, segments=None):
-        n = self.world_size
+        n, d = self.world_size, local.numel()
         if n == 1:  # nothing travels, nothing is rounded: plain Lion
             return Pending(lambda: local)
-        wire = local.to(self.wire_dtype or local.dtype, copy=True).div_(n)
-        handle = self.comm.all_reduce(wire, f"{self.name} gradient allreduce")
-        return Pending(lambda: handle.wait().to(local.dtype))
+        dtype = self.wire_dtype or local.dtype
+        piece = -(-d // n)  # elements of the slice each rank sums
+        send = self.buffer(key, "send", n * piece, dtype)
+        send[d:].zero_()
+        send[:d].copy_(local).div_(n)  # cast, then divide in the wire dtype, as DDP's hooks
+        recv = self.buffer(key, "recv", n * piece, dtype).view(n, piece)
+        handle = self.comm.all_to_all(recv, send.view(n, piece), f"{self.name} gradient reduce-scatter")
+        gathered = self.buffer(key, "gathered", n * piece, dtype).view(n, piece)
+        phase2: list[Handle] = []
+
+        def middle() -> None:  # this rank's slice: the N contributions added in rank order
+            handle.wait()
+            total = self.buffer(key, "total", piece, dtype).copy_(recv[0])
+            for row in recv[1:]:
+                total.add_(row)
+            phase2.append(self.comm.all_gather(gathered, total, f"{self.name} gradient all-gather"))
+
+        def finish() -> torch.Tensor:
+            phase2[0].wait()
+            return gathered.view(-1)[:d].to(local.dtype)
+
+        return Pending(finish, middle=middle)
 
     def wire_bytes(self, numel, dtype: torch.dtype = torch.float32):
+        n = self.world_size
+        padded = -(-numel // n) * n
         bits = torch.finfo(self.wire_dtype or dtype).bits
-        each = 2 * (self.world_size - 1) / self.world_size * numel * bits / 8
+        each = 2 * (n - 1) / n * padded * bits / 8
         return each, each

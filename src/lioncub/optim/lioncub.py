@@ -35,13 +35,13 @@ import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from lioncub import diagnostics
-from lioncub.collectives import Comm, CommCounter
+from lioncub.collectives import Comm, CommCounter, Pending
 from lioncub.optim.auto import DEFAULT_LATENCY_S, AutoChoice, NetworkSpec, check_candidates, choose_variant
 from lioncub.optim.config import VoteConfig, make_vote, resolve_variant
 from lioncub.optim.lion import (
@@ -51,6 +51,9 @@ from lioncub.optim.lion import (
     update_momentum_,
 )
 from lioncub.optim.sync import SyncSchedule, select_parameters
+
+if TYPE_CHECKING:
+    from lioncub.optim.overlap import OverlapHook
 
 __all__ = ["LionCub", "ReplicaDivergenceError"]
 
@@ -86,6 +89,30 @@ class _Bucket:
 
 
 @dataclass
+class _Voted:
+    """The votes of one step, in flight: per bucket its parameters, this rank's max-abs of its
+    contribution, the vote, and (diagnostics steps) a copy of the contribution."""
+
+    params: list[list[torch.Tensor]] = field(default_factory=list)
+    pending: list[Pending] = field(default_factory=list)
+    peak: list[torch.Tensor] = field(default_factory=list)
+    directions: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def peaks(self) -> torch.Tensor | None:
+        return torch.stack(self.peak) if self.peak else None
+
+
+def _peak(contribution: torch.Tensor) -> torch.Tensor:
+    """max |x| as a float32 scalar (NaN if any element is NaN; Inf if any is ±Inf)."""
+    return torch.linalg.vector_norm(contribution, float("inf")).float()
+
+
+def _peaks(contributions: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    return torch.stack([_peak(c) for c in contributions]) if contributions else None
+
+
+@dataclass
 class _Times:
     """Wall time of one step's phases, in seconds."""
 
@@ -94,9 +121,10 @@ class _Times:
     exchange: float = 0.0  # waiting for the exchanges, incl. unpack/count between phases and decode
     apply: float = 0.0  # applying the update and the momentum
     sync: float = 0.0  # momentum synchronization (on the steps it is due)
+    overlapped: float = 0.0  # overlap: quantize/pack and between-phase work done during the backward
 
     def add(self, other: _Times) -> None:
-        for name in ("direction", "encode", "exchange", "apply", "sync"):
+        for name in ("direction", "encode", "exchange", "apply", "sync", "overlapped"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def as_dict(self) -> dict[str, float]:
@@ -106,6 +134,7 @@ class _Times:
             "exchange_s": self.exchange,
             "apply_s": self.apply,
             "sync_s": self.sync,
+            "overlapped_s": self.overlapped,
             "communication_s": self.encode + self.exchange + self.sync,  # quantize/pack + wire + unpack
         }
 
@@ -231,6 +260,7 @@ class LionCub(torch.optim.Optimizer):
         self.config: VoteConfig = config
         self.variant = variant
         self.vote = make_vote(self.comm, self.config, seed=seed)
+        self.seed = seed
         self.replica_check_every = replica_check_every
         self._global_step = 0
         self._buckets = self._make_buckets(bucket_mb)
@@ -253,6 +283,10 @@ class LionCub(torch.optim.Optimizer):
             )
         self.diagnostics_every = diagnostics_every
         self._names = {id(p): n for n, p in named}
+        #: parameter → index of its param group, and its position in the optimizer's order
+        self._group_index = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
+        self._order = {id(p): i for i, p in enumerate(p for b in self._buckets for p in b.params)}
+        self._overlap: OverlapHook | None = None
         #: the diagnostics of the last step that computed them: ``(step, {name: {...}, "overall": {...}})``
         self.last_diagnostics: tuple[int, dict[str, dict[str, float]]] | None = None
         if broadcast_init:
@@ -436,8 +470,7 @@ class LionCub(torch.optim.Optimizer):
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state["exp_avg"]
 
-    def _grad(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
-        g = p.grad
+    def _grad(self, p: torch.Tensor, group: dict[str, Any], g: torch.Tensor | None) -> torch.Tensor:
         if g is None:
             return torch.zeros_like(p)
         if g.is_sparse:
@@ -449,25 +482,33 @@ class LionCub(torch.optim.Optimizer):
         if b.flat is None:
             b.flat = torch.empty(b.numel, dtype=b.dtype, device=b.device)
         pos = 0
-        dense = self.config.transport == "dense"
         for p, gi in zip(b.params, b.group_index, strict=True):
-            group = self.param_groups[gi]
-            view = b.flat[pos : pos + p.numel()].view_as(p)
-            g = self._grad(p, group)
-            if dense:
-                view.copy_(g)
-            else:
-                torch.mul(self._momentum(p), group["betas"][0], out=view).add_(
-                    g, alpha=1.0 - group["betas"][0]
-                )
+            self._local_into(b.flat[pos : pos + p.numel()].view_as(p), p, p.grad, self.param_groups[gi])
             pos += p.numel()
         return b.flat
 
+    def _local_into(
+        self, out: torch.Tensor, p: torch.Tensor, grad: torch.Tensor | None, group: dict[str, Any]
+    ) -> None:
+        """Write this rank's contribution for ``p`` into ``out`` (``p``'s shape): ``grad`` for the dense
+        presets, ``c = β1·m + (1−β1)·grad`` for the votes (``grad`` None counts as zero)."""
+        g = self._grad(p, group, grad)
+        if self.config.transport == "dense":
+            out.copy_(g)
+        else:
+            torch.mul(self._momentum(p), group["betas"][0], out=out).add_(g, alpha=1.0 - group["betas"][0])
+
     def _apply(self, b: _Bucket, update: torch.Tensor) -> None:
+        self._apply_params(b.params, [self.param_groups[gi] for gi in b.group_index], update)
+
+    def _apply_params(
+        self, params: Sequence[torch.Tensor], groups: Sequence[dict[str, Any]], update: torch.Tensor
+    ) -> None:
+        """Apply the flat aggregated ``update`` of ``params`` (concatenated in this order) and update the
+        momenta from each parameter's ``.grad``."""
         pos = 0
         dense = self.config.transport == "dense"
-        for p, gi in zip(b.params, b.group_index, strict=True):
-            group = self.param_groups[gi]
+        for p, group in zip(params, groups, strict=True):
             beta1, beta2 = group["betas"]
             u = update[pos : pos + p.numel()].view_as(p)
             pos += p.numel()
@@ -478,7 +519,7 @@ class LionCub(torch.optim.Optimizer):
                 update_momentum_(m, u, beta2)
             else:
                 _apply_chunked_(p, u, lr=group["lr"], weight_decay=group["weight_decay"])
-                update_momentum_(m, self._grad(p, group), beta2)
+                update_momentum_(m, self._grad(p, group, p.grad), beta2)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -493,33 +534,30 @@ class LionCub(torch.optim.Optimizer):
         self.comm.step = self._global_step
         before = self.comm.counter.snapshot()
         times = _Times()
-        pending = []
         diagnose = bool(self.diagnostics_every) and self._global_step % self.diagnostics_every == 0
-        directions: list[torch.Tensor] = []
-        updates: list[torch.Tensor] = []
+        voted = self._overlap.collect(self._global_step, times) if self._overlap is not None else None
+        if voted is not None:  # overlapped: the votes started during the backward
+            if not self._all_finite(voted.peaks):  # non-finite somewhere: the votes' results are dropped
+                self._overlap.drain()  # type: ignore[union-attr]
+                self._finish_step(before, times, skipped=True)
+                return loss
+        else:
+            voted = self._vote_buckets(times, diagnose)
+            if voted is None:  # skipped for non-finite gradients: nothing was quantized or sent
+                self._finish_step(before, times, skipped=True)
+                return loss
         t0 = time.perf_counter()
-        contributions = [self._local(b) for b in self._buckets]
-        times.direction += time.perf_counter() - t0
-        if not self._all_finite(contributions):  # nothing non-finite is quantized, sent or applied
-            self._finish_step(before, times, skipped=True)
-            return loss
-        for i, (b, local) in enumerate(zip(self._buckets, contributions, strict=True)):
-            t1 = time.perf_counter()
-            if diagnose:
-                directions.append(local.clone())
-            pending.append(self.vote.start(local, step=self._global_step, key=i, segments=b.segments))
-            times.encode += time.perf_counter() - t1
-        t0 = time.perf_counter()
-        for vote in pending:  # between-phase work of two-phase votes, overlapping the other buckets
+        for vote in voted.pending:  # between-phase work of two-phase votes, overlapping the other buckets
             vote.advance()
         times.exchange += time.perf_counter() - t0
-        for b, vote in zip(self._buckets, pending, strict=True):
+        updates: list[torch.Tensor] = []
+        for params, vote in zip(voted.params, voted.pending, strict=True):
             t0 = time.perf_counter()
             update = vote.wait()
             if diagnose:
                 updates.append(update.clone())
             t1 = time.perf_counter()
-            self._apply(b, update)
+            self._apply_params(params, [self.param_groups[self._group_index[id(p)]] for p in params], update)
             times.exchange += t1 - t0
             times.apply += time.perf_counter() - t1
         if self._sync_params and self.comm.world_size > 1 and self.sync_schedule.due(self._global_step):
@@ -530,24 +568,61 @@ class LionCub(torch.optim.Optimizer):
             self.check_replicas()
         self._finish_step(before, times, skipped=False)
         if diagnose:  # after the accounting: its collectives are not the step's
-            self.last_diagnostics = (self._global_step, self._diagnose(directions, updates))
+            self.last_diagnostics = (self._global_step, self._diagnose(voted, updates))
         return loss
+
+    def _vote_buckets(self, times: _Times, diagnose: bool) -> _Voted | None:
+        """Compute this rank's contribution of every bucket, check that every rank's is finite (``None``:
+        the step is skipped) and start every bucket's vote."""
+        t0 = time.perf_counter()
+        contributions = [self._local(b) for b in self._buckets]
+        times.direction += time.perf_counter() - t0
+        if not self._all_finite(_peaks(contributions)):  # nothing non-finite is quantized, sent or applied
+            return None
+        voted = _Voted()
+        for i, (b, local) in enumerate(zip(self._buckets, contributions, strict=True)):
+            t1 = time.perf_counter()
+            if diagnose:
+                voted.directions.append(local.clone())
+            voted.params.append(b.params)
+            voted.pending.append(self.vote.start(local, step=self._global_step, key=i, segments=b.segments))
+            times.encode += time.perf_counter() - t1
+        return voted
+
+    def overlap_with(
+        self, model: torch.nn.parallel.DistributedDataParallel, process_group: dist.ProcessGroup | None = None
+    ) -> OverlapHook:
+        """Start each bucket's vote during the backward pass of ``model`` (a
+        :class:`~torch.nn.parallel.DistributedDataParallel` wrapping the optimized parameters): registers
+        the communication hook of :mod:`lioncub.optim.overlap` (instead of
+        :func:`lioncub.ddp.skip_gradient_allreduce`); :meth:`step` then waits for the votes and applies
+        them. Results are bitwise those of the step without overlap. Collective: every rank calls it (it
+        creates ``process_group``, the group the votes travel on, if not given). Returns the hook."""
+        from lioncub.optim.overlap import OverlapHook
+
+        if self._overlap is not None:
+            raise RuntimeError("overlap_with: this optimizer already overlaps its votes with a model")
+        self._overlap = OverlapHook(self, model, process_group)
+        return self._overlap
 
     def _finish_step(self, before: CommCounter, times: _Times, *, skipped: bool) -> None:
         """The step's accounting: its bytes, collectives and times, and whether it was skipped."""
         delta = self.comm.counter.minus(before)
+        if self._overlap is not None:  # the votes posted during the backward, on the hook's group
+            sent, recv, colls = self._overlap.take_traffic()
+            delta.add(sent, recv, colls)
         self._last = (delta, times)
         total_c, total_t = self._total
         total_c.add(delta.bytes_sent, delta.bytes_recv, delta.collectives)
         total_t.add(times)
         self._skipped = (int(skipped), self._skipped[1] + int(skipped))
 
-    def _all_finite(self, contributions: list[torch.Tensor]) -> bool:
-        """True if every rank's contributions are finite. One fused max-abs reduction per bucket (NaN and
-        Inf propagate through it), then one all-gather of one int32 per rank, so that every rank takes the
-        same decision; with ``nonfinite="raise"`` raises :class:`NonFiniteGradientError` on every rank."""
-        if contributions:
-            peaks = torch.stack([torch.linalg.vector_norm(c, float("inf")).float() for c in contributions])
+    def _all_finite(self, peaks: torch.Tensor | None) -> bool:
+        """True if every rank's contributions are finite, given this rank's max-abs per bucket (``None``:
+        no bucket; NaN and Inf propagate through a max-abs): one all-gather of one int32 per rank, so that
+        every rank takes the same decision; with ``nonfinite="raise"`` raises
+        :class:`NonFiniteGradientError` on every rank."""
+        if peaks is not None:
             bad = (~torch.isfinite(peaks)).any().to(torch.int32).reshape(1)
         else:
             bad = torch.zeros(1, dtype=torch.int32)
@@ -562,6 +637,8 @@ class LionCub(torch.optim.Optimizer):
             return True
         ranks = flags.nonzero().flatten().tolist()
         if self.nonfinite == "raise":
+            if self._overlap is not None:
+                self._overlap.drain()  # no vote stays in flight
             raise NonFiniteGradientError(
                 f"rank {self.comm.rank}: non-finite gradients (NaN or Inf) at step {self._global_step} on "
                 f"rank(s) {ranks}; nothing was applied (nonfinite='raise')"
@@ -575,20 +652,24 @@ class LionCub(torch.optim.Optimizer):
 
     # -- diagnostics -----------------------------------------------------------------------------------
 
-    def _diagnose(
-        self, directions: list[torch.Tensor], updates: list[torch.Tensor]
-    ) -> dict[str, dict[str, float]]:
-        """:func:`lioncub.diagnostics.collect` per parameter tensor of the buckets."""
-        names, cs, us, ms = [], [], [], []
-        for b, c, u in zip(self._buckets, directions, updates, strict=True):
+    def _diagnose(self, voted: _Voted, updates: list[torch.Tensor]) -> dict[str, dict[str, float]]:
+        """:func:`lioncub.diagnostics.collect` per parameter tensor, in the optimizer's parameter order
+        (whatever the buckets were: the overlapped path's diagnostics are those of the plain step)."""
+        pieces = []
+        for params, c, u in zip(voted.params, voted.directions, updates, strict=True):
             pos = 0
-            for p in b.params:
-                names.append(self._names[id(p)])
-                cs.append(c[pos : pos + p.numel()])
-                us.append(u[pos : pos + p.numel()])
-                ms.append(self._momentum(p))
+            for p in params:
+                pieces.append((self._order[id(p)], p, c[pos : pos + p.numel()], u[pos : pos + p.numel()]))
                 pos += p.numel()
-        return diagnostics.collect(self.comm, names, cs, us, ms)
+        pieces.sort(key=lambda piece: piece[0])
+        names = [self._names[id(p)] for _, p, _, _ in pieces]
+        return diagnostics.collect(
+            self.comm,
+            names,
+            [c for _, _, c, _ in pieces],
+            [u for _, _, _, u in pieces],
+            [self._momentum(p) for _, p, _, _ in pieces],
+        )
 
     @torch.no_grad()
     def parameter_checksum(self) -> torch.Tensor:

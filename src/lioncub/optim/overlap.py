@@ -1,0 +1,277 @@
+"""Overlap :class:`~lioncub.optim.LionCub`'s vote with the backward pass: a DDP communication hook.
+
+DDP + plain Lion overlaps its gradient allreduce with the backward pass; a Lion Cub step that starts
+communicating only after backward gives that advantage away. With the hook, each DDP gradient bucket's
+vote starts as soon as backward has produced the bucket::
+
+    model = DistributedDataParallel(model)
+    opt = LionCub(model.parameters(), lr=3e-4, variant="1bit", model=model.module)
+    opt.overlap_with(model)          # instead of lioncub.ddp.skip_gradient_allreduce(model)
+    for batch in batches:
+        loss_fn(model(batch)).backward()   # the votes start bucket by bucket
+        opt.step()                         # waits for them, applies lr and weight decay
+        opt.zero_grad()
+
+What happens, per bucket, in DDP's bucket order (the same on every rank):
+
+1. **The hook** (the backward's thread) writes this rank's contribution ``c = β1·m + (1−β1)·g`` of every
+   parameter of the bucket into a flat buffer (``g`` for the ``"32bit"``/``"16bit"`` presets), takes its
+   max-abs for the non-finite check, queues the bucket for the vote thread, and returns the bucket's
+   gradient untouched: DDP's future completes at once and ``p.grad`` stays this rank's own gradient,
+   which :meth:`LionCub.step` needs for ``m ← β2·m + (1−β2)·g``. The momenta are keyed by parameter in
+   the optimizer's state, so DDP's bucket rebuild after the first iteration changes nothing.
+2. **The vote thread** quantizes/packs the bucket and posts its vote (:meth:`VoteAlgorithm.start`), then
+   finishes the first phase of the previous bucket's vote and posts its second phase (``advance``). The
+   schedule ``start(0), start(1), advance(0), start(2), advance(1), …`` is fixed, so every rank posts the
+   same collectives in the same order, on a process group of their own (a duplicate of the optimizer's,
+   made at registration): collectives of the main thread on the optimizer's group — DDP's buffer
+   broadcast, a logged loss allreduce — cannot interleave with them.
+3. **step()** waits until the vote thread is idle, posts the last bucket's second phase, runs the
+   non-finite check (one all-gather of N int32, as without overlap), waits for every vote and applies it
+   with each group's current lr and weight decay; then momentum sync, replica check and diagnostics as
+   without overlap.
+
+**Bitwise parity.** Every vote is elementwise, with quantizer normalisation per parameter tensor, and
+:class:`~lioncub.collectives.DenseMean` sums in rank order, so DDP's bucketing gives the same update as
+the step's own buckets: the parameters, momenta and diagnostics are bit for bit those of the step without
+overlap (tested for every preset at 2 and 3 ranks). A stochastic quantizer (``quantizer="qsgd"``) draws
+its random numbers in bucket order: same distribution, not the same bits.
+
+**Non-finite gradients.** Without overlap nothing non-finite is quantized or sent. With overlap the votes
+have started before the last bucket exists, so a step with NaN/Inf on any rank is still voted on (the
+quantizers give defined, in-range results for NaN/Inf) but its result is dropped on every rank:
+parameters and momenta untouched (``"skip"``), or :class:`~lioncub.optim.lioncub.NonFiniteGradientError`
+on every rank after the votes have finished (``"raise"``).
+
+**Rules.** One synchronised backward per step: accumulate gradients inside ``model.no_sync()`` (the hook
+does not run there) and call ``step()`` after every backward that ran outside it; a second synchronised
+backward before ``step()`` raises. A ``step()`` without a backward since the last one (no hook ran) is the
+plain step. Errors of the vote thread (a failed or timed-out collective, naming the rank and the
+operation) are raised by the next ``step()``.
+"""
+
+# No ``from __future__ import annotations``: DDP checks the hook's annotations as objects.
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from lioncub.collectives import Comm, Pending
+from lioncub.optim.config import make_vote
+from lioncub.optim.lioncub import LionCub, _peak, _Times, _Voted
+
+__all__ = ["OverlapHook"]
+
+
+@dataclass
+class _InFlight:
+    """One DDP bucket of the coming step: its parameters (DDP's order), this rank's contribution (flat)
+    and its max-abs, the vote once posted, and (diagnostics steps) a copy of the contribution."""
+
+    index: int
+    step: int
+    params: list[torch.Tensor]
+    local: torch.Tensor
+    peak: torch.Tensor
+    direction: torch.Tensor | None
+    pending: Pending | None = None
+
+
+class OverlapHook:
+    """The communication hook and vote thread of :meth:`LionCub.overlap_with` (see the module docstring).
+
+    Args:
+        optimizer: the :class:`LionCub` that applies the votes.
+        model: the DDP model whose trainable parameters are exactly the optimizer's.
+        process_group: the group the votes travel on (same ranks as the optimizer's); default: a new group
+            with the optimizer's ranks (collective: every rank of the default group calls it).
+    """
+
+    def __init__(
+        self,
+        optimizer: LionCub,
+        model: DistributedDataParallel,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if not isinstance(model, DistributedDataParallel):
+            raise TypeError(
+                f"overlap_with(model): expected a DistributedDataParallel model, got {type(model).__name__}"
+            )
+        self.opt = optimizer
+        comm = optimizer.comm
+        if dist.get_world_size(model.process_group) != comm.world_size:
+            raise ValueError(
+                f"overlap_with: the DDP model's process group has {dist.get_world_size(model.process_group)} "
+                f"ranks, the optimizer's {comm.world_size}; they must be the same data-parallel group"
+            )
+        _check_same_parameters(optimizer, model)
+        if process_group is None:
+            ranks = dist.get_process_group_ranks(comm.group or dist.group.WORLD)
+            process_group = dist.new_group(ranks=ranks, backend=comm.backend)
+        #: the votes' own view of the group (bytes counted here, added to the step's in comm_stats)
+        self.comm = Comm(process_group, exchange=comm.exchange)
+        if self.comm.world_size != comm.world_size or self.comm.rank != comm.rank:
+            raise ValueError("overlap_with: process_group must have the optimizer's ranks, in its order")
+        self.vote = make_vote(self.comm, optimizer.config, seed=optimizer.seed)
+        self._inflight: list[_InFlight] = []
+        self._collected: list[Pending] = []
+        self._step = 0  # the optimizer step the buckets in flight are for
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._times = _Times()  # the hook's and the vote thread's work since the last step
+        self._mark = self.comm.counter.snapshot()
+        self._error: BaseException | None = None
+        self._closed = False
+        self.bucket_numels: list[int] = []
+        self._queue: queue.Queue[_InFlight | None] = queue.Queue()
+        self._thread = threading.Thread(
+            target=self._vote_thread, name=f"lioncub-overlap-rank{comm.rank}", daemon=True
+        )
+        self._thread.start()
+        model.register_comm_hook(None, self._hook)
+
+    # -- the hook (backward's thread) ----------------------------------------------------------------
+
+    def _hook(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        if self._closed:
+            raise RuntimeError("LionCub overlap: the hook was closed; this DDP model cannot train further")
+        if self._error is None:  # after a failure nothing more is posted; step() raises the error
+            self._start_bucket(bucket)
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        fut.set_result(bucket.buffer())  # the local gradient, untouched
+        return fut
+
+    @torch.no_grad()
+    def _start_bucket(self, bucket: dist.GradBucket) -> None:
+        opt, rank = self.opt, self.comm.rank
+        step = opt.global_step + 1
+        index = bucket.index()
+        if self._step != step or any(f.index == index for f in self._inflight):
+            if self._inflight:
+                raise RuntimeError(
+                    f"rank {rank}: LionCub overlap: a second synchronised backward ran before step() "
+                    f"applied the votes of the first (optimizer step {step}); accumulate gradients inside "
+                    "model.no_sync() and call step() after every backward that runs outside it"
+                )
+            self._step = step
+        t0 = time.perf_counter()
+        params, grads = bucket.parameters(), bucket.gradients()
+        flat = bucket.buffer()
+        local = self._buffers.get(index)
+        if local is None or local.numel() != flat.numel() or local.dtype != flat.dtype:
+            local = self._buffers[index] = torch.empty_like(flat)
+        pos = 0
+        for p, g in zip(params, grads, strict=True):
+            gi = opt._group_index.get(id(p))
+            if gi is None:
+                raise ValueError(
+                    f"rank {rank}: LionCub overlap: DDP bucket {index} holds a parameter "
+                    f"{tuple(p.shape)} that the optimizer does not optimize"
+                )
+            opt._local_into(local[pos : pos + p.numel()].view_as(p), p, g, opt.param_groups[gi])
+            pos += p.numel()
+        diagnose = bool(opt.diagnostics_every) and step % opt.diagnostics_every == 0
+        item = _InFlight(index, step, list(params), local, _peak(local), local.clone() if diagnose else None)
+        self._times.direction += time.perf_counter() - t0
+        self._inflight.append(item)
+        self._queue.put(item)
+
+    # -- the vote thread -----------------------------------------------------------------------------
+
+    def _vote_thread(self) -> None:
+        previous: _InFlight | None = None
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                if self._error is not None:
+                    continue
+                t0 = time.perf_counter()
+                segments = [p.numel() for p in item.params]
+                item.pending = self.vote.start(item.local, step=item.step, key=item.index, segments=segments)
+                if previous is not None and previous.step == item.step and previous.pending is not None:
+                    previous.pending.advance()  # waits for its first phase, posts its second
+                self._times.overlapped += time.perf_counter() - t0
+                previous = item
+            except BaseException as err:  # raised by the next step()
+                self._error = err
+            finally:
+                self._queue.task_done()
+
+    # -- what step() calls -----------------------------------------------------------------------------
+
+    def collect(self, step: int, times: _Times) -> _Voted | None:
+        """The votes of ``step`` (``None`` if no backward ran since the last step: the plain step), once
+        the vote thread is idle; adds the hook's times to ``times``. Raises the vote thread's error."""
+        self._queue.join()
+        self._collected = []
+        if self._error is not None:
+            err, self._error = self._error, None
+            self._inflight = []
+            raise err
+        inflight, self._inflight = self._inflight, []
+        if not inflight:
+            return None
+        #: DDP's buckets (elements each, in order) of the last overlapped step
+        self.bucket_numels = [f.local.numel() for f in inflight]
+        if self._step != step:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: LionCub overlap: votes for step {self._step} reached step {step}"
+            )
+        covered = {id(p) for f in inflight for p in f.params}
+        missing = [self.opt._names[i] for i in self.opt._order if i not in covered]
+        if missing:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: LionCub overlap: DDP's buckets of step {step} did not hold "
+                f"{missing[:5]} (the model's parameters must be the optimizer's)"
+            )
+        # quantize/pack and the between-phase work ran during the backward: reported apart (overlapped_s)
+        times.direction += self._times.direction
+        times.overlapped += self._times.overlapped
+        self._times = _Times()
+        voted = _Voted()
+        for f in inflight:
+            assert f.pending is not None
+            voted.params.append(f.params)
+            voted.pending.append(f.pending)
+            voted.peak.append(f.peak)
+            if f.direction is not None:
+                voted.directions.append(f.direction)
+        self._collected = voted.pending
+        return voted
+
+    def drain(self) -> None:
+        """Wait for every vote of the collected step (before dropping or raising: none stays in flight)."""
+        for vote in self._collected:
+            vote.wait()
+        self._collected = []
+
+    def take_traffic(self) -> tuple[float, float, int]:
+        """(bytes sent, bytes received, collectives) posted on the votes' group since the last call."""
+        delta = self.comm.counter.minus(self._mark)
+        self._mark = self.comm.counter.snapshot()
+        return delta.bytes_sent, delta.bytes_recv, delta.collectives
+
+    def close(self) -> None:
+        """Stop the vote thread (after the last step; the DDP model cannot be trained further with it)."""
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+            self._thread.join()
+
+
+def _check_same_parameters(opt: LionCub, model: DistributedDataParallel) -> None:
+    """The DDP model's trainable parameters must be exactly the optimizer's (the hook votes on DDP's
+    buckets; a parameter in only one of them would never be updated, or updated from nothing)."""
+    ddp = {id(p): n for n, p in model.module.named_parameters() if p.requires_grad}
+    extra = [n for i, n in ddp.items() if i not in opt._order]
+    missing = [opt._names[i] for i in opt._order if i not in ddp]
+    if extra or missing:
+        raise ValueError(
+            "overlap_with: the DDP model's trainable parameters must be exactly the optimizer's: "
+            f"not optimized: {extra[:5]}; not in the model: {missing[:5]}"
+        )

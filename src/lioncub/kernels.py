@@ -289,7 +289,7 @@ if HAVE_TRITON:
         m = _load_f32(m_ptr, offs, mask, KIND)
         g = _load_f32(g_ptr, offs, mask, KIND)
         if NEG:
-            g = -g
+            g = g * -1.0  # not -g: Triton negates as 0 - g, which turns -(+0.0) into +0.0
         t = _round(m * beta1, KIND)
         c = _round(_fma(g, alpha1, t, EMULATE), KIND)
         vote = (c >= 0) | (offs >= n)  # padding votes "+"
@@ -405,7 +405,7 @@ if HAVE_TRITON:
             m = _load_f32(m_ptr, offs, mask, KIND)
             g = _load_f32(g_ptr, offs, mask, KIND)
             if NEG:
-                g = -g
+                g = g * -1.0  # not -g: Triton negates as 0 - g, which turns -(+0.0) into +0.0
             t = _round(m * beta2, KIND)
             _store_f32(m_ptr, offs, _round(_fma(g, alpha2, t, EMULATE), KIND), mask, KIND)
 

@@ -1,0 +1,461 @@
+"""One prepared check of the GPU path (run by ``benchmarks/gpu_check.sh``; finishes in a few minutes).
+
+On a machine with one NVIDIA GPU, from the repository root, with the project's venv — which must hold a
+CUDA build of torch (the CPU wheel of constraints.txt has no CUDA) and triton (``pip install -e .[dev]``
+brings the pinned one); nothing is installed and no network is used:
+
+1. correctness: every kernel of :mod:`lioncub.kernels` with ``backend="triton"`` against
+   ``backend="torch"`` on fresh random data on the GPU, bit for bit (NaN-aware), with compiled ``fma``
+   and with the exact emulation the interpreter uses;
+2. bandwidth: bytes each kernel moves / its median time (CUDA events, warm-up, 25 runs) as a % of a
+   device-to-device copy's bandwidth (target ≥ 60 %);
+3. every vote algorithm of :mod:`lioncub.collectives` and every ``LionCub`` preset on CUDA tensors over
+   NCCL (world size 1, a FileStore) against the same inputs on CPU over gloo;
+4. a ``LionCub`` step on a 350M-parameter GPT-sized parameter set (24 layers, d = 1024) over NCCL
+   against a plain ``lioncub.optim.Lion`` step: median step times and the overhead (target ≤ 25 %).
+
+``--dry-run`` runs the same code paths on the CPU at small sizes: the Triton kernels in Triton's
+interpreter (``TRITON_INTERPRET=1``), gloo instead of NCCL, wall-clock timing (its numbers mean nothing).
+Without CUDA and without ``--dry-run`` it says so and exits 2. Exit 1 when a correctness check fails.
+The table printed last lists every measurement next to its target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+DRY = "--dry-run" in sys.argv
+if DRY:  # before anything imports triton
+    os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+ROWS: list[tuple[str, str, str, str, str]] = []  # (section, item, measured, target, verdict)
+FAILURES: list[str] = []
+
+
+def row(section: str, item: str, measured: str, target: str = "", ok: bool | None = None) -> None:
+    verdict = "" if ok is None else ("ok" if ok else "MISS")
+    ROWS.append((section, item, measured, target, verdict))
+    print(f"[{section}] {item}: {measured} {('(target ' + target + ') ' + verdict) if target else verdict}")
+
+
+def _verdict(ok: bool) -> bool | None:
+    return None if DRY else ok  # a dry run's timings (interpreter, CPU) say nothing about the targets
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Number of differing elements, bit for bit (both NaN counts as equal)."""
+    a, b = a.reshape(-1), b.reshape(-1)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return max(a.numel(), b.numel(), 1)
+    if a.dtype.is_floating_point:
+        an, bn = a.isnan(), b.isnan()
+        ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        diff = (an != bn) | (~an & ~bn & (a.view(ints) != b.view(ints)))
+        return int(diff.sum())
+    return int((a != b).sum())
+
+
+def check(section: str, item: str, differing: int) -> None:
+    ok = differing == 0
+    row(section, item, "equal" if ok else f"{differing} differ", "bit-exact", ok)
+    if not ok:
+        FAILURES.append(f"{section}: {item}")
+
+
+# ------------------------------------------------------------------------------------ 1. correctness
+
+
+def correctness(device: torch.device, n: int) -> None:
+    from lioncub import kernels
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def rnd(k: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+        x = torch.randn(k, generator=gen) * scale
+        if k > 16:
+            x[3], x[5], x[7], x[9] = 0.0, -0.0, 1e-40, 3e38
+        return x.to(dtype).to(device)
+
+    for dtype in (torch.float32, torch.bfloat16):
+        for emulate in (True,) if DRY else (False, True):  # the interpreter's tl.fma is not fused
+            tag = f"{str(dtype)[6:]}{' emulated fma' if emulate else ''}"
+            for k in (n, n + 13, 5):
+                m, g = rnd(k, dtype), rnd(k, dtype, 3.0)
+                res = []
+                for backend in ("torch", "triton"):
+                    mm = m.clone()
+                    emu = emulate if backend == "triton" else None
+                    r = kernels.direction_pack(
+                        mm, g, 0.9, beta2=0.99, update_momentum=True, pad_to=64, return_direction=True,
+                        check_finite=True, backend=backend, emulate_fma=emu,
+                    )  # fmt: skip
+                    res.append((r, mm))
+                (a, ma), (b, mb) = res
+                diff = same(a.packed, b.packed) + same(a.direction, b.direction) + same(ma, mb)
+                diff += int(bool(a.finite) != bool(b.finite))
+                check("correctness", f"direction_pack {tag} n={k}", diff)
+                p, mo = rnd(k, dtype), rnd(k, dtype)
+                packed = a.packed
+                votes = torch.randint(-1, 2, (k,), dtype=torch.int8, generator=gen).to(device)
+                outs = []
+                for backend in ("torch", "triton"):
+                    ps, ms, pv = p.clone(), mo.clone(), p.clone()
+                    emu = emulate if backend == "triton" else None
+                    kernels.apply_signs_(
+                        ps, packed, lr=3e-4, weight_decay=0.1, bit_offset=0, exp_avg=ms, grad=g, beta2=0.99,
+                        backend=backend, emulate_fma=emu,
+                    )  # fmt: skip
+                    kernels.apply_votes_(
+                        pv, votes, lr=3e-4, weight_decay=0.1, backend=backend, emulate_fma=emu
+                    )
+                    outs.append((ps, ms, pv))
+                diff = sum(same(x, y) for x, y in zip(*outs, strict=True))
+                check("correctness", f"apply_signs_/apply_votes_ {tag} n={k}", diff)
+        c = rnd(n, dtype)
+        c[n // 2] = float("nan")
+        segments = [n // 3, 1, n - n // 3 - 1]
+        for chunk in (None, 4096):
+            a = kernels.quantize_l1(c, 127, segments=segments, chunk_size=chunk, backend="torch")
+            b = kernels.quantize_l1(c, 127, segments=segments, chunk_size=chunk, backend="triton")
+            check("correctness", f"quantize_l1 {str(dtype)[6:]} chunk={chunk}", same(a, b))
+    for n_rows in (2, 3, 8):
+        rows = torch.randint(0, 256, (n_rows, n // 64 + 3), dtype=torch.uint8, generator=gen).to(device)
+        diff = 0
+        for tie in (True, False):
+            diff += same(
+                kernels.majority_pack(rows, tie, backend="torch"),
+                kernels.majority_pack(rows, tie, backend="triton"),
+            )
+        check("correctness", f"majority_pack N={n_rows}", diff)
+
+
+# ------------------------------------------------------------------------------------ 2. bandwidth
+
+
+def timed(fn, device: torch.device, runs: int = 25, warmup: int = 3) -> float:
+    """Median seconds of ``fn()`` (CUDA events on a GPU, wall clock on the CPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bandwidth(device: torch.device, n: int, runs: int) -> None:
+    from lioncub import kernels
+
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    copy_bw = 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), device, runs)
+    row("bandwidth", "device-to-device copy (fp32)", f"{copy_bw / 1e9:.0f} GB/s")
+    m, g, p = torch.randn(n, device=device), torch.randn(n, device=device), torch.randn(n, device=device)
+    packed = torch.empty(n // 8, dtype=torch.uint8, device=device)
+    levels = torch.empty(n, dtype=torch.int8, device=device)
+    votes = torch.randint(-1, 2, (n,), dtype=torch.int8, device=device)
+    rows8 = torch.randint(0, 256, (8, n // 8), dtype=torch.uint8, device=device)
+    maj = torch.empty(n // 8, dtype=torch.uint8, device=device)
+    f4 = 4 * n
+    cases = [
+        (
+            "direction_pack (m,g -> bits)",
+            lambda: kernels.direction_pack(m, g, 0.9, out=packed),
+            2 * f4 + n / 8,
+        ),
+        (
+            "direction_pack + momentum + finite",
+            lambda: kernels.direction_pack(
+                m, g, 0.9, beta2=0.99, update_momentum=True, check_finite=True, out=packed
+            ),
+            3 * f4 + n / 8,
+        ),
+        ("quantize_l1 pass 2 (fp32 -> int8)", lambda: kernels.quantize_l1(m, 127, out=levels), f4 + n),
+        ("majority_pack N=8", lambda: kernels.majority_pack(rows8, True, out=maj), 9 * n / 8),
+        (
+            "apply_signs_ (p, bits)",
+            lambda: kernels.apply_signs_(p, packed, lr=1e-9, weight_decay=0.1),
+            2 * f4 + n / 8,
+        ),
+        (
+            "apply_signs_ + momentum",
+            lambda: kernels.apply_signs_(p, packed, lr=1e-9, exp_avg=m, grad=g, beta2=0.99),
+            4 * f4 + n / 8,
+        ),
+        ("apply_votes_ (p, int8)", lambda: kernels.apply_votes_(p, votes, lr=1e-9), 2 * f4 + n),
+    ]
+    for name, fn, nbytes in cases:
+        t = timed(fn, device, runs)
+        pct = 100 * nbytes / t / copy_bw
+        row(
+            "bandwidth",
+            name,
+            f"{nbytes / t / 1e9:.0f} GB/s = {pct:.0f} % of copy",
+            ">= 60 %",
+            _verdict(pct >= 60),
+        )
+    t_total = timed(lambda: kernels.quantize_l1(m, 127, out=levels), device, runs)
+    row("bandwidth", "quantize_l1 both passes (per-tensor mean |c| in torch)", f"{t_total * 1e3:.3f} ms")
+
+
+# ------------------------------------------------------------------------------------ 3. votes, presets
+
+
+def _init_groups(backend: str, tmp: str):
+    dist.init_process_group(
+        backend,
+        init_method=f"file://{tmp}/store",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    return dist.new_group([0], backend="gloo")
+
+
+def votes_and_presets(device: torch.device, n: int) -> None:
+    from lioncub.collectives import (
+        AverageVote,
+        Comm,
+        DenseMean,
+        LaneVote,
+        OneBitVote,
+        QuantizedVote,
+        ServerVote,
+        SignSumVote,
+    )
+    from lioncub.optim import LionCub
+    from lioncub.optim.config import PRESETS
+
+    gloo = dist.new_group([0], backend="gloo")
+    comm_dev, comm_cpu = Comm(None), Comm(gloo)
+    makers = {
+        "OneBitVote": lambda c: OneBitVote(c),
+        "LaneVote(4)": lambda c: LaneVote(c, 4),
+        "LaneVote(auto)": lambda c: LaneVote(c, "auto"),
+        "SignSumVote": lambda c: SignSumVote(c),
+        "QuantizedVote(l1, 8)": lambda c: QuantizedVote(c, "l1", 8),
+        "QuantizedVote(l1, 4)": lambda c: QuantizedVote(c, "l1", 4),
+        "QuantizedVote(linf, 8, chunk 256)": lambda c: QuantizedVote(c, "linf", 8, chunk_size=256),
+        "AverageVote": lambda c: AverageVote(c),
+        "ServerVote(majority)": lambda c: ServerVote(c, "majority"),
+        "ServerVote(average)": lambda c: ServerVote(c, "average"),
+        "DenseMean(fp32)": lambda c: DenseMean(c, torch.float32),
+        "DenseMean(bf16)": lambda c: DenseMean(c, torch.bfloat16),
+    }
+    local = torch.randn(n, generator=torch.Generator().manual_seed(5))
+    local[::97] = 0.0
+    segments = [n // 2, n - n // 2]
+    for name, make in makers.items():
+        out_dev = make(comm_dev).start(local.to(device), step=1, segments=segments).wait()
+        out_cpu = make(comm_cpu).start(local.clone(), step=1, segments=segments).wait()
+        check("NCCL votes", f"{name} ({comm_dev.backend} vs gloo)", same(out_dev.cpu(), out_cpu))
+    gen = torch.Generator().manual_seed(6)
+    shapes = [(64, 48), (48,), (33, 7), (1,)]
+    init = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(3)]
+    for preset in PRESETS:
+        results = []
+        for dev, group in ((device, None), (torch.device("cpu"), gloo)):
+            params = [torch.nn.Parameter(t.clone().to(dev)) for t in init]
+            opt = LionCub(params, lr=1e-2, weight_decay=0.1, variant=preset, process_group=group)
+            for step_grads in grads:
+                for p, gr in zip(params, step_grads, strict=True):
+                    p.grad = gr.to(dev)
+                opt.step()
+            results.append(torch.cat([p.detach().cpu().reshape(-1) for p in params]))
+        check("NCCL presets", f"LionCub {preset}: 3 steps vs gloo", same(*results))
+
+
+# ------------------------------------------------------------------------------------ 4. 350M step
+
+
+def gpt_shapes(layers: int, d: int, vocab: int, ctx: int) -> list[tuple[int, ...]]:
+    shapes: list[tuple[int, ...]] = [(vocab, d), (ctx, d)]
+    for _ in range(layers):
+        shapes += [
+            (d,),
+            (d,),
+            (3 * d, d),
+            (3 * d,),
+            (d, d),
+            (d,),
+            (d,),
+            (d,),
+            (4 * d, d),
+            (4 * d,),
+            (d, 4 * d),
+            (d,),
+        ]
+    return [*shapes, (d,), (d,)]
+
+
+def step_overhead(device: torch.device, layers: int, d: int, vocab: int, ctx: int, runs: int) -> None:
+    from lioncub import kernels
+    from lioncub.optim import Lion, LionCub
+
+    shapes = gpt_shapes(layers, d, vocab, ctx)
+    total = sum(torch.Size(s).numel() for s in shapes)
+    row("350M step", "parameters", f"{total / 1e6:.1f} M in {len(shapes)} tensors ({layers} layers, d={d})")
+
+    def make():
+        gen = torch.Generator(device=device).manual_seed(7)
+        params = [torch.nn.Parameter(torch.randn(s, device=device, generator=gen) * 0.02) for s in shapes]
+        for p in params:
+            p.grad = torch.randn(p.shape, device=device, generator=gen)
+        return params
+
+    def sync_time(fn) -> float:
+        for _ in range(2):
+            fn()
+        times = []
+        for _ in range(runs):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    params = make()
+    lion = Lion(params, lr=1e-4, weight_decay=0.1)
+    t_lion = sync_time(lion.step)
+    row("350M step", "plain Lion (foreach) step", f"{t_lion * 1e3:.2f} ms")
+    del lion, params
+    for preset in ("1bit", "8bit", "4bit", "8bit-sign"):
+        params = make()
+        opt = LionCub(params, lr=1e-4, weight_decay=0.1, variant=preset)
+        t = sync_time(opt.step)
+        over = 100 * (t / t_lion - 1)
+        row(
+            "350M step",
+            f"LionCub {preset} step (N=1)",
+            f"{t * 1e3:.2f} ms, +{over:.0f} % over Lion",
+            "<= 25 %",
+            _verdict(over <= 25),
+        )
+        del opt, params
+    # What the fused kernels give: direction+pack+finite check, then apply with the fused momentum update
+    params = make()
+    moms = [torch.zeros_like(p) for p in params]
+
+    def fused_step():
+        finite = []
+        packs = []
+        for p, m in zip(params, moms, strict=True):
+            r = kernels.direction_pack(m, p.grad, 0.9, check_finite=True)
+            packs.append(r.packed)
+            finite.append(r.finite)
+        bool(torch.stack(finite).all())  # the one host sync of the non-finite check
+        for p, m, bits in zip(params, moms, packs, strict=True):
+            kernels.apply_signs_(p, bits, lr=1e-4, weight_decay=0.1, exp_avg=m, grad=p.grad, beta2=0.99)
+
+    t = sync_time(fused_step)
+    over = 100 * (t / t_lion - 1)
+    row(
+        "350M step",
+        "fused kernels per tensor (direction_pack + apply_signs_)",
+        f"{t * 1e3:.2f} ms, {over:+.0f} % over Lion",
+        "<= 25 %",
+        _verdict(over <= 25),
+    )
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="CPU: Triton interpreter, gloo, small sizes")
+    parser.add_argument("--skip-350m", action="store_true", help="leave out section 4")
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    if args.dry_run:
+        device = torch.device("cpu")
+        backend = "gloo"
+        sizes = dict(n=3000, bw_n=1 << 14, runs=3, layers=1, d=16, vocab=32, ctx=8, step_runs=1)
+        torch.set_num_threads(1)
+    else:
+        if not torch.cuda.is_available():
+            print(
+                f"gpu_check: torch {torch.__version__} sees no CUDA GPU. Run it on a machine with an NVIDIA "
+                "GPU, in a venv with a CUDA build of torch and triton; or use --dry-run for the CPU mode."
+            )
+            return 2
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+        sizes = dict(n=1 << 20, bw_n=1 << 28, runs=25, layers=24, d=1024, vocab=50304, ctx=1024, step_runs=10)
+        row("device", "GPU", torch.cuda.get_device_name(device))
+    from lioncub import kernels
+
+    row(
+        "device",
+        "torch / triton",
+        f"{torch.__version__} / {kernels.triton.__version__ if kernels.HAVE_TRITON else 'missing'}",
+    )
+    if not kernels.HAVE_TRITON:
+        print(f"gpu_check: triton is not importable ({kernels.TRITON_ERROR})")
+        return 2
+    t0 = time.perf_counter()
+    correctness(device, sizes["n"])
+    bandwidth(device, sizes["bw_n"], sizes["runs"])
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group(
+            backend,
+            init_method=f"file://{tmp}/store",
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=120),
+        )
+        try:
+            votes_and_presets(device, sizes["n"])
+            if not args.skip_350m:
+                step_overhead(
+                    device, sizes["layers"], sizes["d"], sizes["vocab"], sizes["ctx"], sizes["step_runs"]
+                )
+        finally:
+            dist.destroy_process_group()
+    row("device", "wall time", f"{time.perf_counter() - t0:.0f} s")
+    width = [max(len(r[i]) for r in ROWS) for i in range(5)]
+    print(
+        "\n"
+        + "  ".join(
+            h.ljust(w) for h, w in zip(("section", "item", "measured", "target", ""), width, strict=True)
+        )
+    )
+    for r in ROWS:
+        print("  ".join(c.ljust(w) for c, w in zip(r, width, strict=True)).rstrip())
+    if FAILURES:
+        print(f"\ngpu_check: {len(FAILURES)} correctness check(s) failed: {'; '.join(FAILURES)}")
+        return 1
+    print(
+        "\ngpu_check: all correctness checks passed"
+        + (" (dry run: timings are meaningless)" if args.dry_run else "")
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

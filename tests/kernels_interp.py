@@ -1,0 +1,207 @@
+"""Cases of tests/test_kernels.py that run lioncub.kernels' Triton kernels in Triton's interpreter.
+
+Run as a script (``python tests/kernels_interp.py [CASE ...]``): it sets ``TRITON_INTERPRET=1`` before
+anything imports triton, runs the cases (all by default) and prints one JSON line per case:
+``{"case": name, "ok": bool, "error": str, "seconds": float}``. A separate process, so that the
+interpreter setting never reaches the other test files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+import warnings
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch
+
+from lioncub import kernels, packing
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+LENGTHS = (0, 1, 5, 7, 8, 13, 1031)
+
+
+def same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """Bit for bit (NaN payloads aside: both NaN counts as equal)."""
+    assert a.dtype == b.dtype and a.shape == b.shape, (
+        f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    )
+    if a.dtype.is_floating_point:
+        an, bn = a.isnan(), b.isnan()
+        assert torch.equal(an, bn), f"{what}: NaN at different places"
+        ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        a, b = a[~an].view(ints), b[~bn].view(ints)
+    diff = (a != b).nonzero().flatten()
+    assert diff.numel() == 0, f"{what}: {diff.numel()} elements differ, first at {diff[:5].tolist()}"
+
+
+def special(n: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Random normals with signed zeros, denormals, huge values, ±Inf and NaN sprinkled in."""
+    x = torch.randn(n, generator=gen, dtype=torch.float64)
+    if n >= 8:
+        idx = torch.randperm(n, generator=gen)
+        picks = [0.0, -0.0, 1e-40, -1e-42, 3e38, -3e38, 1e-30, 2.0**-126]
+        for i, v in zip(idx[:8].tolist(), picks, strict=True):
+            x[i] = v
+    return x.to(dtype)
+
+
+def with_nonfinite(x: torch.Tensor) -> torch.Tensor:
+    if x.numel() >= 3:
+        x = x.clone()
+        x[1], x[-1] = float("nan"), float("inf")
+    return x
+
+
+def direction_case(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    for n in LENGTHS:
+        for pad_to, negate, update, nonfinite in ((8, False, True, False), (24, True, False, True)):
+            m = special(n, dtype, gen)
+            g = special(n, dtype, gen) * 3
+            if nonfinite:
+                g = with_nonfinite(g)
+            results = []
+            for backend in ("torch", "triton"):
+                mm = m.clone()
+                r = kernels.direction_pack(
+                    mm, g, 0.9, beta2=0.99, update_momentum=update, negate_grad=negate, pad_to=pad_to,
+                    return_direction=True, check_finite=True, backend=backend,
+                )  # fmt: skip
+                results.append((r, mm))
+            (a, ma), (b, mb) = results
+            what = f"{dtype} n={n} pad_to={pad_to} negate={negate}"
+            same(a.packed, b.packed, f"packed {what}")
+            same(a.direction, b.direction, f"c {what}")
+            same(ma, mb, f"momentum {what}")
+            want = bool(torch.isfinite(a.direction).all())
+            assert bool(a.finite) == bool(b.finite) == want, f"finite flag {what}"
+            same(a.packed, packing.pack_signs(a.direction, pad_to=pad_to), f"pack_signs {what}")
+
+
+def quantize_case(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(2)
+    layouts = [([1031], None), ([5, 0, 7, 300, 719], None), ([5, 0, 7, 300, 719], 64), ([1031], 100)]
+    layouts += [([1], None), ([3], 7), ([0], None), ([6, 2], 4)]
+    for segments, chunk in layouts:
+        n = sum(segments)
+        x = special(n, dtype, gen) * torch.rand(n, generator=gen).to(dtype)
+        if n > 900:
+            x[100:200] = 0  # an all-zero chunk
+            x[300:400] = (torch.randn(100, generator=gen) * 1e-41).to(dtype)  # denormal chunk (fp32)
+            x[400:500] = 1e-45
+            x[750], x[820] = float("nan"), float("-inf")
+        for levels in (127, 63, 7, 1, 3000):
+            for k in (2.0, 1.0):
+                a = kernels.quantize_l1(
+                    x, levels, clip_multiple=k, chunk_size=chunk, segments=segments, backend="torch"
+                )
+                b = kernels.quantize_l1(
+                    x, levels, clip_multiple=k, chunk_size=chunk, segments=segments, backend="triton"
+                )
+                same(a, b, f"{dtype} segments={segments} chunk={chunk} levels={levels} k={k}")
+
+
+def majority_case() -> None:
+    gen = torch.Generator().manual_seed(3)
+    for n_rows in (1, 2, 3, 4, 5, 8, 16):
+        for row_bytes in (0, 1, 3, 129):
+            rows = torch.randint(0, 256, (n_rows, row_bytes), dtype=torch.uint8, generator=gen)
+            for tie in (True, False):
+                for n_bits in {row_bytes * 8, max(0, row_bytes * 8 - 5)}:
+                    a = kernels.majority_pack(rows, tie, n_bits=n_bits, backend="torch")
+                    b = kernels.majority_pack(rows, tie, n_bits=n_bits, backend="triton")
+                    same(a, b, f"N={n_rows} B={row_bytes} tie+={tie} n_bits={n_bits}")
+
+
+def apply_case(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(4)
+    for n in LENGTHS:
+        p = special(n, dtype, gen)
+        m = special(n, dtype, gen)
+        g = with_nonfinite(special(n, dtype, gen))
+        packed = torch.randint(0, 256, ((n + 13 + 7) // 8,), dtype=torch.uint8, generator=gen)
+        votes = torch.randint(-1, 2, (n,), dtype=torch.int8, generator=gen)
+        for lr, wd in ((1e-3, 0.0), (3e-4, 0.1), (0.05, 1.0)):
+            for offset in (0, 13):
+                outs = []
+                for backend in ("torch", "triton"):
+                    ps, ms, pv = p.clone(), m.clone(), p.clone()
+                    kernels.apply_signs_(
+                        ps, packed, lr=lr, weight_decay=wd, bit_offset=offset, exp_avg=ms, grad=g, beta2=0.99,
+                        negate_grad=offset > 0, backend=backend,
+                    )  # fmt: skip
+                    kernels.apply_votes_(pv, votes, lr=lr, weight_decay=wd, backend=backend)
+                    outs.append((ps, ms, pv))
+                for name, a, b in zip(("signs", "momentum", "votes"), *outs, strict=True):
+                    same(a, b, f"{name} {dtype} n={n} lr={lr} wd={wd} offset={offset}")
+
+
+def hypothesis_case() -> None:
+    """Property: both backends agree on arbitrary float32/bf16 inputs (incl. NaN/Inf/denormals)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    floats = st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True)
+
+    @settings(max_examples=25, deadline=None, database=None)
+    @given(
+        st.lists(st.tuples(floats, floats), max_size=40),
+        st.sampled_from([F32, BF16]),
+        st.floats(0.0, 0.999),
+        st.sampled_from([8, 16]),
+        st.integers(1, 127),
+        st.sampled_from([None, 3, 16]),
+    )
+    def agree(pairs, dtype, beta1, pad_to, levels, chunk):
+        m = torch.tensor([a for a, _ in pairs], dtype=torch.float32).to(dtype)
+        g = torch.tensor([b for _, b in pairs], dtype=torch.float32).to(dtype)
+        a = kernels.direction_pack(m.clone(), g, beta1, pad_to=pad_to, return_direction=True, backend="torch")
+        b = kernels.direction_pack(
+            m.clone(), g, beta1, pad_to=pad_to, return_direction=True, backend="triton"
+        )
+        same(a.packed, b.packed, "packed")
+        same(a.direction, b.direction, "c")
+        qa = kernels.quantize_l1(a.direction, levels, chunk_size=chunk, backend="torch")
+        qb = kernels.quantize_l1(a.direction, levels, chunk_size=chunk, backend="triton")
+        same(qa, qb, "levels")
+
+    agree()
+
+
+CASES = {
+    "direction_pack_float32": lambda: direction_case(F32),
+    "direction_pack_bfloat16": lambda: direction_case(BF16),
+    "direction_pack_float16": lambda: direction_case(F16),
+    "quantize_l1_float32": lambda: quantize_case(F32),
+    "quantize_l1_bfloat16": lambda: quantize_case(BF16),
+    "majority_pack": majority_case,
+    "apply_float32": lambda: apply_case(F32),
+    "apply_bfloat16": lambda: apply_case(BF16),
+    "hypothesis_agreement": hypothesis_case,
+}
+
+
+def main(names: list[str]) -> int:
+    warnings.simplefilter("ignore")  # numpy's "invalid value" warnings of NaN/Inf inputs in the interpreter
+    torch.set_num_threads(1)
+    for name in names or list(CASES):
+        t0 = time.perf_counter()
+        try:
+            CASES[name]()
+            ok, error = True, ""
+        except Exception as err:  # reported to the test, which fails naming it
+            ok, error = False, f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=4)}"
+        print(
+            json.dumps({"case": name, "ok": ok, "error": error, "seconds": time.perf_counter() - t0}),
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

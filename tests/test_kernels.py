@@ -1,0 +1,191 @@
+"""lioncub.kernels: the Triton kernels (in Triton's interpreter, in a subprocess) bit for bit against the
+torch backend, the torch backend against the reference functions, the backend choice, and the CPU mode
+of benchmarks/gpu_check.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lioncub import kernels, packing, quantize
+from lioncub.optim.lion import apply_update_, update_momentum_
+
+ROOT = Path(__file__).resolve().parent.parent
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+NO_TRITON = "triton is not installed (pip install -c constraints.txt -e .[dev] brings it)"
+INTERP_CASES = [
+    "direction_pack_float32",
+    "direction_pack_bfloat16",
+    "direction_pack_float16",
+    "quantize_l1_float32",
+    "quantize_l1_bfloat16",
+    "majority_pack",
+    "apply_float32",
+    "apply_bfloat16",
+    "hypothesis_agreement",
+]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    return env
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict[str, dict]:
+    if not HAVE_TRITON:
+        pytest.skip(NO_TRITON)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "kernels_interp.py")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=_env(),
+        check=False,
+    )
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            results[record["case"]] = record
+    if not results:
+        pytest.fail(f"the interpreter cases did not run (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return results
+
+
+@pytest.mark.parametrize("case", INTERP_CASES)
+def test_triton_interpreter_equals_torch(interpreter_results, case):
+    record = interpreter_results.get(case)
+    assert record is not None, f"case {case} did not report"
+    assert record["ok"], record["error"]
+
+
+# ----------------------------------------------------------------------------- torch backend = reference
+
+
+def test_direction_pack_torch_is_the_reference():
+    gen = torch.Generator().manual_seed(0)
+    m, g = torch.randn(1037, generator=gen), torch.randn(1037, generator=gen)
+    mm = m.clone()
+    r = kernels.direction_pack(
+        mm, g, 0.9, beta2=0.99, update_momentum=True, pad_to=16, return_direction=True, backend="torch"
+    )
+    c = torch.mul(m, 0.9).add_(g, alpha=1.0 - 0.9)  # LionCub._local
+    assert torch.equal(r.direction, c)
+    assert torch.equal(r.packed, packing.pack_signs(c, pad_to=16))
+    assert torch.equal(mm, update_momentum_(m.clone(), g, 0.99))
+    assert r.finite is None
+
+
+def test_quantize_torch_is_the_reference():
+    x = torch.randn(300)
+    out = kernels.quantize_l1(x, 63, segments=[100, 0, 200], chunk_size=64, backend="torch")
+    want = torch.cat(
+        [
+            quantize.quantize("l1", x[:100], 63, chunk_size=64),
+            quantize.quantize("l1", x[100:], 63, chunk_size=64),
+        ]
+    )
+    assert torch.equal(out, want)
+
+
+def test_majority_and_apply_torch_are_the_reference():
+    rows = torch.randint(0, 256, (5, 12), dtype=torch.uint8)
+    for tie in (True, False):
+        want = packing.pack_majority(packing.count_votes(rows, 96), 5, tie)
+        assert torch.equal(kernels.majority_pack(rows, tie, backend="torch"), want)
+    p = torch.randn(4, 10)
+    packed = torch.randint(0, 256, (8,), dtype=torch.uint8)
+    got = kernels.apply_signs_(p.clone(), packed, lr=1e-3, weight_decay=0.1, bit_offset=5, backend="torch")
+    u = packing.unpack_signs(packed, 45, torch.float32)[5:].view(4, 10)
+    assert torch.equal(got, apply_update_(p.clone(), u, lr=1e-3, weight_decay=0.1))
+
+
+def test_l1_factors_is_pass_one_of_quantize():
+    x = torch.randn(1000) * 1e-3
+    x[:64] = 1e-41  # a denormal chunk: its factor overflows float32, so pass 2 works in float64
+    factor, wide = quantize.l1_factors(x, 127, chunk_size=64)
+    assert factor.dtype == torch.float64 and factor.numel() == 16 and bool(wide)
+    factor, wide = quantize.l1_factors(x[64:], 127)
+    assert factor.numel() == 1 and not bool(wide)
+
+
+# ----------------------------------------------------------------------------- backend choice
+
+
+def test_auto_backend_is_torch_for_cpu_tensors_without_the_interpreter():
+    x = torch.zeros(8)
+    want = "triton" if (kernels.HAVE_TRITON and kernels.interpreting()) else "torch"
+    assert kernels.backend_for(x) == want
+    assert kernels.backend_for(x, backend="torch") == "torch"
+    assert kernels.backend_for(x.double()) == "torch"  # float64 is not a Triton kernel dtype
+    assert kernels.backend_for(torch.zeros(4, 4).t()) == "torch"  # non-contiguous
+    with pytest.raises(ValueError, match="backend="):
+        kernels.backend_for(x, backend="cuda")
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter takes CPU tensors")
+def test_explicit_triton_on_cpu_says_why():
+    with pytest.raises(RuntimeError, match="triton"):
+        kernels.direction_pack(torch.zeros(8), torch.zeros(8), 0.9, backend="triton")
+
+
+def test_input_checks():
+    with pytest.raises(ValueError, match="pad_to"):
+        kernels.direction_pack(torch.zeros(8), torch.zeros(8), 0.9, pad_to=12)
+    with pytest.raises(ValueError, match="beta2"):
+        kernels.direction_pack(torch.zeros(8), torch.zeros(8), 0.9, update_momentum=True)
+    with pytest.raises(ValueError, match="segments"):
+        kernels.quantize_l1(torch.zeros(8), 127, segments=[3, 4])
+    with pytest.raises(ValueError, match="bits"):
+        kernels.apply_signs_(torch.zeros(9), torch.zeros(1, dtype=torch.uint8), lr=1.0)
+    with pytest.raises(TypeError, match="integer"):
+        kernels.apply_votes_(torch.zeros(3), torch.zeros(3), lr=1.0)
+
+
+# ----------------------------------------------------------------------------- gpu_check CPU mode
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason=NO_TRITON)
+def test_gpu_check_dry_run():
+    proc = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=_env(),
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "all correctness checks passed" in proc.stdout
+    for item in (
+        "direction_pack",
+        "quantize_l1",
+        "majority_pack",
+        "apply_signs_",
+        "LionCub 8bit",
+        "plain Lion",
+    ):
+        assert item in proc.stdout
+
+
+def test_gpu_check_without_cuda_says_so():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
+        check=False,
+    )
+    assert proc.returncode == 2 and "no CUDA GPU" in proc.stdout

@@ -221,17 +221,6 @@ def bandwidth(device: torch.device, n: int, runs: int) -> None:
 # ------------------------------------------------------------------------------------ 3. votes, presets
 
 
-def _init_groups(backend: str, tmp: str):
-    dist.init_process_group(
-        backend,
-        init_method=f"file://{tmp}/store",
-        rank=0,
-        world_size=1,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    return dist.new_group([0], backend="gloo")
-
-
 def votes_and_presets(device: torch.device, n: int) -> None:
     from lioncub.collectives import (
         AverageVote,

@@ -257,3 +257,26 @@ def test_report_command_plots_the_diagnostics(tmp_path: Path, capsys: pytest.Cap
         TrainConfig(quantizer="l7")
     with pytest.raises(ValueError, match="--quantizer: only --variant 8bit quantizes"):
         TrainConfig(variant="1bit", quantizer="l0")
+
+
+def test_compare_with_an_overlapped_variant(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``1bit+overlap`` trains bitwise like ``1bit`` (model, losses, bytes) and is its own row."""
+    out = tmp_path / "cmp"
+    argv = ["compare", *TINY, "--variants", "32bit,1bit,1bit+overlap", "--nproc", "2", "--steps", "4"]
+    assert cli.main([*argv, "--eval-every", "2", "--out", str(out)]) == 0
+    assert json.loads((out / "1bit+overlap" / "config.json").read_text())["overlap"] is True
+    assert json.loads((out / "1bit" / "config.json").read_text())["overlap"] is False
+    key = ("step", "loss", "bytes_sent")
+    plain, over = records(out / "1bit", "step"), records(out / "1bit+overlap", "step")
+    assert [tuple(r[k] for k in key) for r in plain] == [tuple(r[k] for k in key) for r in over]
+    assert all(r["overlapped_s"] > 0 for r in over) and all(r["overlapped_s"] == 0 for r in plain)
+    a, b = checkpoint.latest(out / "1bit"), checkpoint.latest(out / "1bit+overlap")
+    for name, tensor in checkpoint.model_state(a).items():
+        assert torch.equal(tensor, checkpoint.model_state(b)[name]), name
+    assert "| 1bit+overlap" in (out / "summary.md").read_text()
+    capsys.readouterr()
+    bad = ["compare", *TINY, "--variants", "32bit+overlap", "--out", str(tmp_path / "bad")]
+    assert cli.main(bad) == 2
+    assert "'+overlap'" in capsys.readouterr().err
+    assert train(tmp_path / "bad2", "--variant", "16bit", "--overlap") == 2
+    assert "--overlap: --variant 16bit is DDP + Lion, which always overlaps" in capsys.readouterr().err

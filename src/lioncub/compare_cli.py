@@ -29,11 +29,14 @@ examples:
   lioncub compare --workload gpt --size small --nproc 4 --link 100mbit --steps 300 --out runs/cmp
   lioncub compare --variants 32bit,1bit --steps 50 --out runs/quick       # 1 rank, loopback, tiny GPT
   lioncub compare --out runs/cmp --report-only --target-loss 2.2           # redo the report
+  lioncub compare --variants 32bit,1bit,1bit+overlap --nproc 4 --link 1gbit --out runs/ov  # overlap
 
 Runs that finished before are reused when their configuration is the same (--overwrite trains them
 again); a finished report lists OUT/summary.md, OUT/summary.json and the PNG plots. --diagnostics-every
 and --momentum-sync/--sync-every apply to the voting variants only (the DDP baselines have no vote); with
 diagnostics the report adds OUT/diagnostics_vs_step.png (match, flip, tie rate, momentum spread per variant).
+A LionCub variant named NAME+overlap (or every LionCub variant, with --overlap) starts its votes during the
+backward pass (DDP communication hook; bitwise the same training as NAME).
 """
 
 
@@ -50,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report-only", action="store_true", help="only rebuild the report from OUT")
 
 
-VOTING_ONLY = ("diagnostics_every", "momentum_sync", "sync_every")
+VOTING_ONLY = ("diagnostics_every", "momentum_sync", "sync_every", "overlap")
+OVERLAP_SUFFIX = "+overlap"
 
 
 def _without_voting_options(args: argparse.Namespace) -> argparse.Namespace:
@@ -79,10 +83,13 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     allowed = sorted({*PRESETS, *BASELINES})
-    bad = [v for v in variants if v not in allowed]
+    bad = [v for v in variants if v.removesuffix(OVERLAP_SUFFIX) not in allowed]
+    bad += [v for v in variants if v.endswith(OVERLAP_SUFFIX) and v.removesuffix(OVERLAP_SUFFIX) in BASELINES]
     if bad or not variants or len(set(variants)) != len(variants):
         print(
-            f"lioncub compare: error: --variants {args.variants!r}: give distinct names from {allowed}",
+            f"lioncub compare: error: --variants {args.variants!r}: give distinct names from {allowed}; "
+            f"a LionCub variant may carry {OVERLAP_SUFFIX!r} (e.g. 1bit{OVERLAP_SUFFIX}: its vote overlapped "
+            "with the backward pass; 32bit/16bit, DDP, always overlap)",
             file=sys.stderr,
         )
         return 2
@@ -98,8 +105,11 @@ def run(args: argparse.Namespace) -> int:
         try:
             configs = []
             for v in variants:
-                args.variant = v
-                configs.append(config_from_args(_without_voting_options(args) if v in BASELINES else args))
+                args.variant = v.removesuffix(OVERLAP_SUFFIX)
+                per_run = _without_voting_options(args) if args.variant in BASELINES else args
+                if v.endswith(OVERLAP_SUFFIX):
+                    per_run = argparse.Namespace(**{**vars(per_run), "overlap": True})
+                configs.append(config_from_args(per_run))
             for config in configs:
                 check_before_launch(config, args.timeout or None)
             check_launch_options(args.restarts, args.collective_timeout)
@@ -107,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"lioncub compare: error: {exc}", file=sys.stderr)
             return 2
         for i, (config, run_dir) in enumerate(zip(configs, run_dirs, strict=True)):
-            label = f"[{i + 1}/{len(variants)}] {config.variant}"
+            label = f"[{i + 1}/{len(variants)}] {variants[i]}"
             if _finished(run_dir, config) and not args.overwrite:
                 print(f"{label}: reusing the finished run in {run_dir}", file=sys.stderr)
                 continue
@@ -138,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
                 collective_timeout_s=args.collective_timeout,
             )
             if outcome.summary is None:
-                print(f"lioncub compare: {config.variant} failed: {outcome.message}", file=sys.stderr)
+                print(f"lioncub compare: {variants[i]} failed: {outcome.message}", file=sys.stderr)
                 return outcome.returncode or 1
             print(f"{label}: {format_summary(outcome.summary)}", file=sys.stderr, flush=True)
     missing = [str(d) for d in run_dirs if not (d / "log.jsonl").exists()]

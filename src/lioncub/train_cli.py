@@ -80,6 +80,13 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, variant: bool = True) 
         choices=["skip", "raise"],
         help="NaN/Inf gradients on any rank: skip the step on every rank (default) or stop with an error",
     )
+    parser.add_argument(
+        "--overlap",
+        action="store_true",
+        default=None,
+        help="LionCub variants: start each DDP bucket's vote during the backward pass (bitwise the same "
+        "result)",
+    )
     parser.add_argument("--timeout", type=float, default=7200.0, metavar="SECONDS", help="per run")
     parser.add_argument(
         "--collective-timeout",
@@ -378,7 +385,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     metrics = ", ".join(f"{k} {v:.4f}" for k, v in final.items() if k.startswith("val_"))
     cfg = summary["config"]
     return (
-        f"{cfg['workload']}/{cfg['size']} {cfg['variant']} on {summary['world_size']} rank(s), "
+        f"{cfg['workload']}/{cfg['size']} {cfg['variant']}{'+overlap' if cfg.get('overlap') else ''} on "
+        f"{summary['world_size']} rank(s), "
         f"{cfg['link']}: "
         f"{summary['steps_run']} steps, median step {ms('median_step_s')} (compute {ms('median_compute_s')}, "
         f"communication {ms('median_comm_s')}, apply {ms('median_apply_s')}), "

@@ -206,8 +206,11 @@ class OverlapHook:
 
     def collect(self, step: int, times: _Times) -> _Voted | None:
         """The votes of ``step`` (``None`` if no backward ran since the last step: the plain step), once
-        the vote thread is idle; adds the hook's times to ``times``. Raises the vote thread's error."""
+        the vote thread is idle; adds the hook's times to ``times`` (the wait for the vote thread to
+        ``exchange``: it is communication the backward did not hide). Raises the vote thread's error."""
+        t0 = time.perf_counter()
         self._queue.join()
+        times.exchange += time.perf_counter() - t0
         self._collected = []
         if self._error is not None:
             err, self._error = self._error, None
@@ -230,8 +233,7 @@ class OverlapHook:
                 f"{missing[:5]} (the model's parameters must be the optimizer's)"
             )
         # quantize/pack and the between-phase work ran during the backward: reported apart (overlapped_s)
-        times.direction += self._times.direction
-        times.overlapped += self._times.overlapped
+        times.overlapped += self._times.direction + self._times.overlapped
         self._times = _Times()
         voted = _Voted()
         for f in inflight:

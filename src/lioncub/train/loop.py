@@ -9,7 +9,8 @@ Variants. ``"32bit"`` is what users run today: ``DistributedDataParallel`` (buck
 allreduce overlapped with the backward pass) + :class:`~lioncub.optim.Lion`; ``"16bit"`` the same with
 DDP's bf16 compression hook (fp16 where the backend cannot allreduce bf16). Every other variant is a
 :class:`~lioncub.optim.LionCub` preset; the model is still wrapped in DDP (initial broadcast, buffer
-sync) with its gradient allreduce skipped (:func:`lioncub.ddp.skip_gradient_allreduce`).
+sync) with its gradient allreduce skipped (:func:`lioncub.ddp.skip_gradient_allreduce`), or, with
+``overlap``, replaced by the vote itself (:meth:`~lioncub.optim.LionCub.overlap_with`).
 
 Step time split (seconds, rank 0, in every ``step`` record of ``log.jsonl``):
 
@@ -18,7 +19,9 @@ Step time split (seconds, rank 0, in every ``step`` record of ``log.jsonl``):
   communication (``model.no_sync()``, median of 3 passes before training) and the rest of the measured
   forward + backward is ``comm_s``.
 * ``encode_s`` / ``exchange_s``: ``LionCub``'s quantize/pack and its wait for the exchange (incl.
-  unpack); ``comm_s`` = ``encode_s + exchange_s`` for the vote variants.
+  unpack); ``comm_s`` = ``encode_s + exchange_s`` for the vote variants. With ``overlap`` the quantize/pack
+  and the first phases run during the backward (``overlapped_s``, inside ``compute_s``), and ``comm_s``
+  is what the step still waits for.
 * ``apply_s``: the optimizer's arithmetic (local direction, update, momentum).
 * ``step_s``: the whole step; ``time_s``: the training wall time so far (evaluation and checkpoints
   excluded). ``bytes_sent``/``bytes_recv``: this rank's bytes handed to the collectives in the step.
@@ -89,6 +92,7 @@ class TrainConfig:
     diagnostics_every: int = 0  # LionCub: vote diagnostics every k steps into log.jsonl ("diag" records)
     quantizer: str | None = None  # LionCub: the quantizer of the "8bit" preset (l1, l0, linf, lp, qsgd, log)
     nonfinite: str = "skip"  # NaN/Inf gradients on any rank: "skip" the step on every rank, or "raise"
+    overlap: bool = False  # LionCub: start each DDP bucket's vote during the backward (a comm hook)
     # recorded for the report; the launcher applies them
     nproc: int = 1
     link: str = "loopback"
@@ -136,6 +140,13 @@ class TrainConfig:
                     f"{option} {value!r}: --variant {self.variant} keeps one global momentum and does not "
                     "vote; it applies to the voting variants"
                 )
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"--overlap {self.overlap!r} must be true or false")
+        if self.overlap and self.variant in BASELINES:
+            raise ValueError(
+                f"--overlap: --variant {self.variant} is DDP + Lion, which always overlaps its gradient "
+                "allreduce with the backward pass; --overlap applies to the LionCub variants"
+            )
         if self.nonfinite not in NONFINITE_MODES:
             raise ValueError(f"--nonfinite {self.nonfinite!r}: allowed values are {list(NONFINITE_MODES)}")
         if self.quantizer is not None:
@@ -194,8 +205,10 @@ class Optimizer:
 def build_optimizer(config: TrainConfig, wl: Workload, model: torch.nn.Module, world_size: int) -> Optimizer:
     """Wrap ``model`` in DDP (world size > 1) and build the variant's optimizer over the workload's groups."""
     if world_size > 1:
+        # overlapped votes travel in DDP's buckets: --bucket-mb sizes them (DDP's default otherwise)
+        buckets = {"bucket_cap_mb": config.bucket_mb} if config.overlap else {}
         model = DistributedDataParallel(
-            model, device_ids=[wl.device.index] if wl.device.type == "cuda" else None
+            model, device_ids=[wl.device.index] if wl.device.type == "cuda" else None, **buckets
         )
     groups = wl.param_groups(model)
     if config.variant in BASELINES:
@@ -217,7 +230,9 @@ def build_optimizer(config: TrainConfig, wl: Workload, model: torch.nn.Module, w
         quantizer=config.quantizer,
         nonfinite=config.nonfinite,
     )
-    if world_size > 1:
+    if world_size > 1 and config.overlap:
+        opt.overlap_with(model)  # type: ignore[arg-type]  # the votes start during the backward
+    elif world_size > 1:
         skip_gradient_allreduce(model)  # type: ignore[arg-type]
     return Optimizer(opt, model, None)
 
@@ -403,6 +418,7 @@ def _step_record(o: Optimizer, step: int, fwd_bwd: float, opt_s: float, compute_
             encode_s=last["encode_s"],
             exchange_s=last["exchange_s"],
             comm_s=last["communication_s"],
+            overlapped_s=last["overlapped_s"],
             apply_s=last["direction_s"] + last["apply_s"],
             bytes_sent=last["bytes_sent"],
             bytes_recv=last["bytes_recv"],
@@ -457,6 +473,7 @@ def _summary(
         "median_compute_s": med("compute_s"),
         "median_comm_s": med("comm_s"),
         "median_apply_s": med("apply_s"),
+        "median_overlapped_s": med("overlapped_s"),
         "median_bytes_sent": med("bytes_sent"),
         "compute_reference_s": compute_ref,
         "final": last_eval,

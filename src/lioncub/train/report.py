@@ -91,7 +91,8 @@ class RunLog:
 
     @property
     def variant(self) -> str:
-        return str(self.config.get("variant", self.run_dir.name))
+        name = str(self.config.get("variant", self.run_dir.name))
+        return name + "+overlap" if self.config.get("overlap") else name
 
     def eval_time(self, ev: dict[str, Any]) -> float | None:
         """Training wall time (s) of an eval record; falls back to ``time_s`` of the step with its number."""

@@ -189,3 +189,80 @@ def test_gpu_check_without_cuda_says_so():
         check=False,
     )
     assert proc.returncode == 2 and "no CUDA GPU" in proc.stdout
+
+
+# -- LionCub with the kernels in its step (what a CUDA run takes), against the plain torch step --------
+
+
+def worker_lioncub_kernels(rank: int, world: int, presets: list[str], out: str | None) -> dict:
+    """3 steps of every preset on two fp32 tensors with rank-dependent gradients; counts the kernel calls
+    the step made (under ``TRITON_INTERPRET=1`` the kernels take CPU tensors, as they take CUDA ones)."""
+    from lioncub.optim import LionCub
+
+    calls: dict[str, int] = {}
+    for name in ("majority_pack", "quantize_l1", "apply_votes_"):
+        original = getattr(kernels, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _original(*args, **kwargs)
+
+        setattr(kernels, name, counted)
+    results = {}
+    for preset in presets:
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(37, 11)), torch.nn.Parameter(torch.randn(5))]
+        opt = LionCub(params, lr=0.01, weight_decay=0.1, variant=preset)
+        for step in range(1, 4):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+        results[preset] = {
+            "params": [p.detach().clone() for p in params],
+            "momenta": [opt.state[p]["exp_avg"].clone() for p in params],
+        }
+    results["calls"] = calls
+    results["backend"] = kernels.backend_for(torch.zeros(1))
+    if out is not None and rank == 0:
+        torch.save(results, out)
+    return results
+
+
+_LIONCUB_INTERP = """
+import sys
+sys.path.insert(0, {tests!r})
+from dist_utils import run_workers
+from test_kernels import worker_lioncub_kernels
+run_workers(worker_lioncub_kernels, 2, {presets!r}, {out!r}, timeout=200)
+"""
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason=NO_TRITON)
+def test_lioncub_step_with_kernels_equals_the_torch_step(tmp_path: Path) -> None:
+    """The 1-bit majority repack, the L1 quantizer and the fused apply + momentum inside LionCub's step
+    (2 gloo ranks, Triton's interpreter) give bit for bit the parameters and momenta of the torch step."""
+    from dist_utils import run_workers
+
+    presets = ["1bit", "8bit", "8bit-sign"]
+    out = tmp_path / "interp.pt"
+    script = _LIONCUB_INTERP.format(tests=str(ROOT / "tests"), presets=presets, out=str(out))
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**_env(), "TRITON_INTERPRET": "1"},
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    interp = torch.load(out, weights_only=False)
+    assert interp["backend"] == "triton"
+    plain = run_workers(worker_lioncub_kernels, 2, presets, None)[0]
+    assert plain["backend"] == "torch" and plain["calls"] == {}
+    # 3 steps × (1bit: 1 repack + 2 applies; 8bit: 1 quantize + 2 applies; 8bit-sign: 2 applies)
+    assert interp["calls"] == {"majority_pack": 3, "quantize_l1": 3, "apply_votes_": 18}
+    for preset in presets:
+        for key in ("params", "momenta"):
+            for a, b in zip(interp[preset][key], plain[preset][key], strict=True):
+                assert torch.equal(a, b), f"{preset}: {key} differ between the kernel and torch steps"

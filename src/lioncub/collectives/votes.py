@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 import torch
 
-from lioncub import packing, quantize
+from lioncub import kernels, packing, quantize
 from lioncub.collectives.base import Comm, Handle
 
 __all__ = [
@@ -184,8 +184,11 @@ class OneBitVote(VoteAlgorithm):
 
         def middle() -> None:  # count this rank's slice, post the all-gather of its result
             handle.wait()
-            counts = packing.count_votes(recv.view(n, slice_bytes), slice_bytes * 8)  # "+" votes
-            mine = packing.pack_majority(counts, n, tie_positive)
+            rows = recv.view(n, slice_bytes)
+            if kernels.backend_for(rows) == "triton":  # GPU: unpack, count, tie rule, repack in one pass
+                mine = kernels.majority_pack(rows, tie_positive, n_workers=n)
+            else:
+                mine = packing.pack_majority(packing.count_votes(rows, slice_bytes * 8), n, tie_positive)
             phase2.append(self.comm.all_gather(gathered, mine, "1-bit all-gather"))
 
         def finish() -> torch.Tensor:
@@ -340,6 +343,18 @@ class QuantizedVote(VoteAlgorithm):
 
     def levels_of(self, local: torch.Tensor, segments: Sequence[int] | None) -> torch.Tensor:
         """This worker's integer levels (int8) for ``local``, normalised per segment."""
+        if (
+            self.quantizer == "l1"
+            and set(self.options) <= {"clip_multiple", "chunk_size"}
+            and kernels.backend_for(local) == "triton"
+        ):  # GPU: the fused quantizer (bit for bit the same levels)
+            return kernels.quantize_l1(
+                local,
+                self.levels,
+                clip_multiple=self.options["clip_multiple"],
+                chunk_size=self.options["chunk_size"],
+                segments=segments,
+            )
         out = torch.empty(local.numel(), dtype=torch.int8, device=local.device)
         pos = 0
         for length in segments or [local.numel()]:

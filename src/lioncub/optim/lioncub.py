@@ -16,6 +16,10 @@ Design note (what happens in one ``step()`` on rank i of N):
 4. **Apply.** ``p ← p·(1 − lr·wd) − lr·u`` with each parameter's own group ``lr`` and
    ``weight_decay`` read at every step (LR schedulers work), then ``m_i ← β2·m_i + (1−β2)·g_i``.
 
+With :meth:`LionCub.overlap_with` (a DDP model) steps 1–3 run during the backward pass instead, per DDP
+gradient bucket as backward produces it (:mod:`lioncub.optim.overlap`), and ``step()`` waits for the
+votes and does step 4; the result is bit for bit the same.
+
 The tie rule of the 1-bit vote alternates with the optimizer step (+1 on odd steps, −1 on even steps);
 the step counter is part of the state dict, so resuming keeps the phase. A parameter whose gradient is
 ``None`` counts as a zero gradient, so that every rank keeps voting on the same layout.
@@ -40,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from lioncub import diagnostics
+from lioncub import diagnostics, kernels
 from lioncub.collectives import Comm, CommCounter, Pending
 from lioncub.optim.auto import DEFAULT_LATENCY_S, AutoChoice, NetworkSpec, check_candidates, choose_variant
 from lioncub.optim.config import VoteConfig, make_vote, resolve_variant
@@ -517,6 +521,12 @@ class LionCub(torch.optim.Optimizer):
                 c = lion_direction(m, u, beta1)
                 apply_update_(p, c.sign_(), lr=group["lr"], weight_decay=group["weight_decay"])
                 update_momentum_(m, u, beta2)
+            elif not u.dtype.is_floating_point and kernels.backend_for(p, u, m) == "triton":
+                # GPU: p·(1 − lr·wd) − lr·u and m ← β2·m + (1−β2)·g in one pass (bit for bit the same)
+                g = self._grad(p, group, p.grad)
+                kernels.apply_votes_(
+                    p, u, lr=group["lr"], weight_decay=group["weight_decay"], exp_avg=m, grad=g, beta2=beta2
+                )
             else:
                 _apply_chunked_(p, u, lr=group["lr"], weight_decay=group["weight_decay"])
                 update_momentum_(m, self._grad(p, group, p.grad), beta2)
@@ -700,7 +710,9 @@ class LionCub(torch.optim.Optimizer):
 
     def comm_stats(self) -> dict[str, dict[str, float | int]]:
         """Bytes sent/received by this rank, collectives issued, and the step's time split (seconds:
-        ``direction_s``, ``encode_s``, ``exchange_s``, ``apply_s``, ``sync_s`` (momentum sync) and
+        ``direction_s``, ``encode_s``, ``exchange_s``, ``apply_s``, ``sync_s`` (momentum sync),
+        ``overlapped_s`` (with :meth:`overlap_with`: the contributions, quantize/pack and between-phase
+        work done during the backward; ``exchange_s`` is then what the step still waited for) and
         ``communication_s`` = encode + exchange + sync), for the ``"last"`` step and the ``"total"`` since
         construction."""
         out: dict[str, dict[str, float | int]] = {}
@@ -731,7 +743,8 @@ class LionCub(torch.optim.Optimizer):
             },
             "world_size": self.comm.world_size,
             "rank": self.comm.rank,
-            "generator": _generator_state(self.vote),
+            # a stochastic quantizer's stream: the overlap hook's vote draws from its own when overlapping
+            "generator": _generator_state(self.vote if self._overlap is None else self._overlap.vote),
         }
         return sd
 
@@ -755,8 +768,9 @@ class LionCub(torch.optim.Optimizer):
                     "(pass allow_world_size_change=True to accept)"
                 )
             self._global_step = int(meta["step"])
-            if meta.get("generator") is not None and getattr(self.vote, "generator", None) is not None:
-                self.vote.generator.set_state(meta["generator"])
+            for vote in (self.vote, *([self._overlap.vote] if self._overlap is not None else [])):
+                if meta.get("generator") is not None and getattr(vote, "generator", None) is not None:
+                    vote.generator.set_state(meta["generator"])
         super().load_state_dict(sd)
 
     @property

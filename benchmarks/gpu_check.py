@@ -10,7 +10,8 @@ brings the pinned one); nothing is installed and no network is used:
 2. bandwidth: bytes each kernel moves / its median time (CUDA events, warm-up, 25 runs) as a % of a
    device-to-device copy's bandwidth (target ≥ 60 %);
 3. every vote algorithm of :mod:`lioncub.collectives` and every ``LionCub`` preset on CUDA tensors over
-   NCCL (world size 1, a FileStore) against the same inputs on CPU over gloo;
+   NCCL (world size 1, a FileStore) against the same inputs on CPU over gloo, and
+   ``LionCub.overlap_with`` (the DDP hook and its vote thread on the GPU) against the plain step;
 4. a ``LionCub`` step on a 350M-parameter GPT-sized parameter set (24 layers, d = 1024) over NCCL
    against a plain ``lioncub.optim.Lion`` step: median step times and the overhead (target ≤ 25 %).
 
@@ -275,6 +276,38 @@ def votes_and_presets(device: torch.device, n: int) -> None:
         check("NCCL presets", f"LionCub {preset}: 3 steps vs gloo", same(*results))
 
 
+def overlap_on_device(device: torch.device) -> None:
+    """``LionCub.overlap_with`` on this device (the hook's contribution on backward's thread, the votes on
+    the vote thread): bit for bit the plain step, 3 steps of a small DDP model, for three presets."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lioncub.ddp import skip_gradient_allreduce
+    from lioncub.optim import LionCub
+
+    gen = torch.Generator().manual_seed(7)
+    batches = [torch.randn(16, 32, generator=gen) for _ in range(3)]
+    for preset in ("1bit", "8bit", "32bit"):
+        results = []
+        for overlap in (False, True):
+            torch.manual_seed(0)
+            net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).to(
+                device
+            )
+            ids = [device.index] if device.type == "cuda" else None
+            model = DistributedDataParallel(net, device_ids=ids, bucket_cap_mb=0.004)
+            opt = LionCub(net.parameters(), lr=1e-2, weight_decay=0.1, variant=preset)
+            if overlap:
+                opt.overlap_with(model)
+            else:
+                skip_gradient_allreduce(model)
+            for x in batches:
+                model(x.to(device)).square().mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            results.append(torch.cat([p.detach().cpu().reshape(-1) for p in net.parameters()]))
+        check("overlap", f"LionCub {preset}: overlap_with vs plain step, 3 steps", same(*results))
+
+
 # ------------------------------------------------------------------------------------ 4. 350M step
 
 
@@ -420,6 +453,7 @@ def main() -> int:
         )
         try:
             votes_and_presets(device, sizes["n"])
+            overlap_on_device(device)
             if not args.skip_350m:
                 step_overhead(
                     device, sizes["layers"], sizes["d"], sizes["vocab"], sizes["ctx"], sizes["step_runs"]

@@ -173,6 +173,7 @@ def test_gpu_check_dry_run():
         "apply_signs_",
         "LionCub 8bit",
         "plain Lion",
+        "LionCub 1bit: overlap_with vs plain step, 3 steps: equal",
     ):
         assert item in proc.stdout
 

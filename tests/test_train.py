@@ -262,7 +262,7 @@ def test_report_command_plots_the_diagnostics(tmp_path: Path, capsys: pytest.Cap
 def test_compare_with_an_overlapped_variant(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """``1bit+overlap`` trains bitwise like ``1bit`` (model, losses, bytes) and is its own row."""
     out = tmp_path / "cmp"
-    argv = ["compare", *TINY, "--variants", "32bit,1bit,1bit+overlap", "--nproc", "2", "--steps", "4"]
+    argv = ["compare", *TINY, "--variants", "1bit,1bit+overlap", "--nproc", "2", "--steps", "4"]
     assert cli.main([*argv, "--eval-every", "2", "--out", str(out)]) == 0
     assert json.loads((out / "1bit+overlap" / "config.json").read_text())["overlap"] is True
     assert json.loads((out / "1bit" / "config.json").read_text())["overlap"] is False

@@ -39,18 +39,18 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _run(cmd: list[str], timeout: float, **extra_env: str) -> subprocess.CompletedProcess[str]:
+    """``cmd`` with the project's ``src`` on the path (and ``extra_env``), output captured as text."""
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env={**_env(), **extra_env}, check=False
+    )
+
+
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, dict]:
     if not HAVE_TRITON:
         pytest.skip(NO_TRITON)
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "kernels_interp.py")],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=_env(),
-        check=False,
-    )
+    proc = _run([sys.executable, str(ROOT / "tests" / "kernels_interp.py")], 240)
     results = {}
     for line in proc.stdout.splitlines():
         if line.startswith("{"):
@@ -156,14 +156,7 @@ def test_input_checks():
 
 @pytest.mark.skipif(not HAVE_TRITON, reason=NO_TRITON)
 def test_gpu_check_dry_run():
-    proc = subprocess.run(
-        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=_env(),
-        check=False,
-    )
+    proc = _run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"], 240)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "all correctness checks passed" in proc.stdout
     for item in (
@@ -181,14 +174,7 @@ def test_gpu_check_dry_run():
 def test_gpu_check_without_cuda_says_so():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=_env(),
-        check=False,
-    )
+    proc = _run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")], 120)
     assert proc.returncode == 2 and "no CUDA GPU" in proc.stdout
 
 
@@ -248,14 +234,7 @@ def test_lioncub_step_with_kernels_equals_the_torch_step(tmp_path: Path) -> None
     presets = ["1bit", "8bit", "8bit-sign"]
     out = tmp_path / "interp.pt"
     script = _LIONCUB_INTERP.format(tests=str(ROOT / "tests"), presets=presets, out=str(out))
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**_env(), "TRITON_INTERPRET": "1"},
-        check=False,
-    )
+    proc = _run([sys.executable, "-c", script], 300, TRITON_INTERPRET="1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     interp = torch.load(out, weights_only=False)
     assert interp["backend"] == "triton"

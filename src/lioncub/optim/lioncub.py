@@ -502,9 +502,6 @@ class LionCub(torch.optim.Optimizer):
         else:
             torch.mul(self._momentum(p), group["betas"][0], out=out).add_(g, alpha=1.0 - group["betas"][0])
 
-    def _apply(self, b: _Bucket, update: torch.Tensor) -> None:
-        self._apply_params(b.params, [self.param_groups[gi] for gi in b.group_index], update)
-
     def _apply_params(
         self, params: Sequence[torch.Tensor], groups: Sequence[dict[str, Any]], update: torch.Tensor
     ) -> None:

@@ -4,7 +4,7 @@
 
 For every link and world size: ``lioncub calibrate`` runs on the job (α and efficiency of every
 collective, compute costs of the codecs with all ranks busy), then the ranks time each preset's vote on
-the directions of a flat model of every size, and :func:`lioncub.costmodel.predict` predicts the same
+the directions of a flat model of every size, and :func:`lioncub.planning.costmodel.predict` predicts the same
 from the calibration. What is timed is what the model describes: the buckets (``LionCub``'s
 ``bucket_mb``) one after the other, each quantized/packed, exchanged, unpacked and decoded before the
 next starts (max over ranks, median over the timed steps). ``LionCub.step`` overlaps the codec and the
@@ -36,7 +36,7 @@ TOLERANCE = 0.25
 
 
 def calibrate(link: str, nproc: int, path: str, timeout: float) -> None:
-    cmd = [sys.executable, "-m", "lioncub.calibrate_cli", "--out", path, "--nproc", str(nproc)]
+    cmd = [sys.executable, "-m", "lioncub.cli.calibrate", "--out", path, "--nproc", str(nproc)]
     if link != "loopback":
         cmd += ["--link", link]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -110,7 +110,7 @@ def measure(link: str, nproc: int, params: str, args: argparse.Namespace) -> dic
 
 
 def compare(link: str, nproc: int, data: dict, cal_path: str, cap: int) -> list[dict]:
-    from lioncub import costmodel
+    from lioncub.planning import costmodel
 
     cal = costmodel.load_calibration(cal_path)
     d = data["params"]

@@ -62,8 +62,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from lioncub.packing import pack_signs, unpack_signs
-from lioncub.quantize import quantize_l1
+from lioncub.ops.packing import pack_signs, unpack_signs
+from lioncub.ops.quantize import quantize_l1
 
 TARGETS = {"pack_signs": 2.0, "unpack_signs fp32": 2.0, "quantize_l1 s=15": 4.0}
 

@@ -46,8 +46,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from lioncub.ddp import count_gradient_allreduce, skip_gradient_allreduce
-    from lioncub.optim import Lion, LionCub
+    from lioncub.optim import Checks, Lion, LionCub
+    from lioncub.optim.ddp import count_gradient_allreduce, skip_gradient_allreduce
     from lioncub.train.workloads import make_workload
 
     torch.set_num_threads(1)
@@ -73,7 +73,7 @@ def worker(args: argparse.Namespace) -> None:
                 betas=wl.betas,
                 variant=variant,
                 bucket_mb=args.plain_bucket_mb,
-                broadcast_init=False,
+                checks=Checks(broadcast_init=False),
             )
             if overlap:
                 opt.overlap_with(model)

@@ -58,7 +58,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from lioncub.optim import LionCub
+    from lioncub.optim import LionCub, resolve_variant
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
@@ -68,7 +68,8 @@ def worker(args: argparse.Namespace) -> None:
     for preset in args.presets.split(","):
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in sizes]
-        opt = LionCub(params, lr=1e-4, variant=preset, bucket_mb=args.bucket_mb, exchange=args.exchange)
+        config = resolve_variant(preset, exchange=args.exchange)
+        opt = LionCub(params, lr=1e-4, variant=config, bucket_mb=args.bucket_mb)
         gen = torch.Generator().manual_seed(1000 + rank)
         grads = [torch.randn(s, generator=gen) for s in sizes]
         times: list[float] = []

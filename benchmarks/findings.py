@@ -139,7 +139,7 @@ def spread(args: argparse.Namespace, seeds: list[int]) -> str:
             io_vals.append(statistics.mean(io))
             other_vals.append(statistics.mean(other))
             if args.plots and s == seeds[0]:
-                from lioncub.train import diag_report
+                from lioncub.report import diagnostics as diag_report
 
                 diag_report.write_plots(run, Path(args.plots) / f"spread-tied{int(tied)}{args.suffix}")
         ratio = [a / b for a, b in zip(io_vals, other_vals, strict=True)]

@@ -4,7 +4,7 @@ On a machine with one NVIDIA GPU, from the repository root, with the project's v
 CUDA build of torch (the CPU wheel of constraints.txt has no CUDA) and triton (``pip install -e .[dev]``
 brings the pinned one); nothing is installed and no network is used:
 
-1. correctness: every kernel of :mod:`lioncub.kernels` with ``backend="triton"`` against
+1. correctness: every kernel of :mod:`lioncub.ops.kernels` with ``backend="triton"`` against
    ``backend="torch"`` on fresh random data on the GPU, bit for bit (NaN-aware), with compiled ``fma``
    and with the exact emulation the interpreter uses;
 2. bandwidth: bytes each kernel moves / its median time (CUDA events, warm-up, 25 runs) as a % of a
@@ -78,7 +78,7 @@ def check(section: str, item: str, differing: int) -> None:
 
 
 def correctness(device: torch.device, n: int) -> None:
-    from lioncub import kernels
+    from lioncub.ops import kernels
 
     gen = torch.Generator(device="cpu").manual_seed(0)
 
@@ -165,7 +165,7 @@ def timed(fn, device: torch.device, runs: int = 25, warmup: int = 3) -> float:
 
 
 def bandwidth(device: torch.device, n: int, runs: int) -> None:
-    from lioncub import kernels
+    from lioncub.ops import kernels
 
     src = torch.randn(n, device=device)
     dst = torch.empty_like(src)
@@ -281,8 +281,8 @@ def overlap_on_device(device: torch.device) -> None:
     the vote thread): bit for bit the plain step, 3 steps of a small DDP model, for three presets."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from lioncub.ddp import skip_gradient_allreduce
     from lioncub.optim import LionCub
+    from lioncub.optim.ddp import skip_gradient_allreduce
 
     gen = torch.Generator().manual_seed(7)
     batches = [torch.randn(16, 32, generator=gen) for _ in range(3)]
@@ -332,7 +332,7 @@ def gpt_shapes(layers: int, d: int, vocab: int, ctx: int) -> list[tuple[int, ...
 
 
 def step_overhead(device: torch.device, layers: int, d: int, vocab: int, ctx: int, runs: int) -> None:
-    from lioncub import kernels
+    from lioncub.ops import kernels
     from lioncub.optim import Lion, LionCub
 
     shapes = gpt_shapes(layers, d, vocab, ctx)
@@ -430,7 +430,7 @@ def main() -> int:
         backend = "nccl"
         sizes = dict(n=1 << 20, bw_n=1 << 28, runs=25, layers=24, d=1024, vocab=50304, ctx=1024, step_runs=10)
         row("device", "GPU", torch.cuda.get_device_name(device))
-    from lioncub import kernels
+    from lioncub.ops import kernels
 
     row(
         "device",

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from lioncub.ddp import skip_gradient_allreduce
-from lioncub.optim import LionCub
+from lioncub.optim import Checks, LionCub
+from lioncub.optim.ddp import skip_gradient_allreduce
 from lioncub.train.workloads import make_workload
 
 
@@ -34,7 +34,9 @@ def measure(overlap: bool, args: argparse.Namespace) -> tuple[float, float, floa
     wl = make_workload("gpt", "small", rank=rank, world_size=world, seed=0, n_embd=256, batch_size=8)
     net = wl.build_model()
     model = DistributedDataParallel(net, bucket_cap_mb=args.bucket_mb)
-    opt = LionCub(net.parameters(), lr=1e-4, variant=args.variant, bucket_mb=25, broadcast_init=False)
+    opt = LionCub(
+        net.parameters(), lr=1e-4, variant=args.variant, bucket_mb=25, checks=Checks(broadcast_init=False)
+    )
     if overlap:
         opt.overlap_with(model)
     else:

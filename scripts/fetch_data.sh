@@ -23,10 +23,10 @@ log() { printf '[fetch-data] %s\n' "$*"; }
 die() { printf '[fetch-data] error: %s\n' "$*" >&2; exit 1; }
 
 [[ -x $PY ]] || die "python not found at $PY (set PY=..., or run ./run once to create .venv)"
-"$PY" -c 'import lioncub.train.data' 2>/dev/null ||
-  die "$PY cannot import lioncub.train.data (install the repo: pip install -e .)"
+"$PY" -c 'import lioncub.train.fetch' 2>/dev/null ||
+  die "$PY cannot import lioncub.train.fetch (install the repo: pip install -e .)"
 
-prepare() { "$PY" -c 'import sys; from lioncub.train.data import main; sys.exit(main(sys.argv[1:]))' "$@"; }
+prepare() { "$PY" -c 'import sys; from lioncub.train.fetch import main; sys.exit(main(sys.argv[1:]))' "$@"; }
 
 FMNIST_FILES=(train-images-idx3-ubyte.gz train-labels-idx1-ubyte.gz t10k-images-idx3-ubyte.gz
   t10k-labels-idx1-ubyte.gz)

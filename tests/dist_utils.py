@@ -3,30 +3,54 @@
 Usage: ``results = run_workers(fn, world_size, *args)`` where ``fn(rank, world_size, *args)`` is a
 module-level function; ``results[r]`` is what rank r returned (anything ``torch.save`` can store). A
 failing rank's traceback is re-raised in the test process; a hung group is killed after ``timeout``.
+
+The ranks run in a pool of persistent worker processes (spawned once per test session, grown to the
+largest world size asked for): spawning a process and importing torch costs ~2.5 s of CPU each, which
+used to be most of the time of the tests on gloo ranks. Every call still gets a fresh gloo group (a new
+file store, ``init_process_group`` before ``fn`` and ``destroy_process_group`` after it), the caller's
+environment variables, torch's default generator as a new process has it, one intra-op thread, and the
+logging and warnings configuration as it was before the call. Workers of a call in which any rank failed,
+died or hung are killed and replaced, so a failure never leaks into the next test.
+
+``fresh=True`` runs the call on newly spawned processes instead (the behaviour before the pool): for a
+function that must start in a clean interpreter (module state it changes and cannot undo, a rank that
+kills itself). ``LIONCUB_TEST_FRESH_WORKERS=1`` makes every call fresh (to rule the pool out).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
+import logging
 import multiprocessing as mp
+import multiprocessing.connection as mpc
 import os
+import pickle
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
+# ----------------------------------------------------------------------------------------- one rank
 
-def _entry(
-    fn: Callable[..., Any], rank: int, world_size: int, tmp: str, args: tuple, pg_timeout: float
-) -> None:
+
+def _run_rank(
+    fn: Callable[..., Any] | bytes, rank: int, world_size: int, tmp: str, args: tuple, pg_timeout: float
+) -> bool:
+    """Join the group, run ``fn`` (or the pickled ``(fn, args)``), leave the group; write ``{"ok": result}``
+    or ``{"error": traceback}`` to ``tmp/rank{rank}.pt``. True if ``fn`` returned."""
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
     out = os.path.join(tmp, f"rank{rank}.pt")
     try:
+        if isinstance(fn, bytes):
+            fn, args = pickle.loads(fn)
         dist.init_process_group(
             "gloo",
             init_method=f"file://{tmp}/store",
@@ -39,15 +63,197 @@ def _entry(
         finally:
             dist.destroy_process_group()
         torch.save({"ok": result}, out)
+        return True
     except BaseException:
         torch.save({"error": traceback.format_exc()}, out)
-        raise SystemExit(1) from None
+        return False
 
 
-def run_workers(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, pg_timeout: float = 60.0
+def _entry(
+    fn: Callable[..., Any], rank: int, world_size: int, tmp: str, args: tuple, pg_timeout: float
+) -> None:
+    """A fresh process for one call."""
+    torch.set_num_threads(1)
+    if not _run_rank(fn, rank, world_size, tmp, args, pg_timeout):
+        raise SystemExit(1)
+
+
+# ------------------------------------------------------------------------------------- pooled worker
+
+
+def _logging_state() -> dict[str, tuple]:
+    loggers = [logging.getLogger()] + [
+        lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)
+    ]
+    return {lg.name: (list(lg.handlers), lg.level, lg.propagate, lg.disabled) for lg in loggers}
+
+
+def _restore_logging(saved: dict[str, tuple]) -> None:
+    loggers = [logging.getLogger()] + [
+        lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)
+    ]
+    for lg in loggers:
+        handlers, level, propagate, disabled = saved.get(lg.name, ([], logging.NOTSET, True, False))
+        lg.handlers[:] = handlers
+        lg.setLevel(level)
+        lg.propagate, lg.disabled = propagate, disabled
+
+
+def _serve(conn: mpc.Connection) -> None:
+    """A pooled worker: runs one rank of each task it receives until it gets ``None`` (or the pipe
+    closes). The rank's stdout and stderr go to ``tmp/rank{rank}.log``, which the caller prints."""
+    import sys
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    seed = torch.initial_seed()  # what a new process's default generator starts from
+    cwd = os.getcwd()
+    dtype = torch.get_default_dtype()
+    while True:
+        try:
+            task = pickle.loads(conn.recv_bytes())
+        except EOFError:
+            return
+        if task is None:
+            return
+        rank, world_size, tmp, payload, pg_timeout, env = task
+        os.environ.clear()
+        os.environ.update(env)
+        torch.manual_seed(seed)
+        torch.set_num_threads(1)
+        saved_logging = _logging_state()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved_fds = [os.dup(1), os.dup(2)]
+        with open(os.path.join(tmp, f"rank{rank}.log"), "wb") as log:
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+        try:
+            with warnings.catch_warnings():
+                ok = _run_rank(payload, rank, world_size, tmp, (), pg_timeout)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            _restore_logging(saved_logging)
+            os.chdir(cwd)
+            torch.set_default_dtype(dtype)
+            torch.set_grad_enabled(True)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd, saved in zip((1, 2), saved_fds, strict=True):
+                os.dup2(saved, fd)
+                os.close(saved)
+        conn.send_bytes(pickle.dumps(ok))
+
+
+class _Worker:
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child,), daemon=True, name="lioncub-test-worker")
+        self.proc.start()
+        child.close()
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+        self.conn.close()
+
+
+_POOL: list[_Worker] = []
+
+
+def _shutdown() -> None:
+    for w in _POOL:
+        with contextlib.suppress(OSError):
+            w.conn.send_bytes(pickle.dumps(None))
+    for w in _POOL:
+        w.proc.join(2)
+        w.kill()
+    _POOL.clear()
+
+
+atexit.register(_shutdown)
+
+
+def _read_results(tmp: str, world_size: int, exitcodes: list[int | None], errors: list[str]) -> list[Any]:
+    results: list[Any] = []
+    for r in range(world_size):
+        path = os.path.join(tmp, f"rank{r}.pt")
+        if not os.path.exists(path):
+            errors.append(f"rank {r}: no result (exit code {exitcodes[r]})")
+            results.append(None)
+            continue
+        data = torch.load(path, weights_only=False)
+        if "error" in data:
+            errors.append(f"rank {r} failed:\n{data['error']}")
+            results.append(None)
+        else:
+            results.append(data["ok"])
+    return results
+
+
+def _run_pooled(
+    fn: Callable[..., Any], world_size: int, args: tuple, timeout: float, pg_timeout: float
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the per-rank results."""
+    deadline = time.monotonic() + timeout
+    payload = pickle.dumps((fn, args))
+    _POOL[:] = [w for w in _POOL if w.proc.is_alive()]
+    while len(_POOL) < world_size:
+        _POOL.append(_Worker())
+    workers = _POOL[:world_size]
+    env = dict(os.environ)
+    clean = False
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            for r, w in enumerate(workers):
+                w.conn.send_bytes(pickle.dumps((r, world_size, tmp, payload, pg_timeout, env)))
+            pending = dict(enumerate(workers))
+            replies: dict[int, bool] = {}
+            while pending and (left := deadline - time.monotonic()) > 0:
+                ready = mpc.wait([w.conn for w in pending.values()], timeout=left)
+                for r, w in list(pending.items()):
+                    if w.conn in ready:
+                        with contextlib.suppress(EOFError):  # EOF: the worker died
+                            replies[r] = pickle.loads(w.conn.recv_bytes())
+                        del pending[r]
+            hung = sorted(pending)
+            for r, w in enumerate(workers):
+                if r not in replies:  # hung or dead: killed (if need be) before its exit code is read
+                    w.kill()
+            exitcodes = [None if r in replies else w.proc.exitcode for r, w in enumerate(workers)]
+            _print_logs(tmp, world_size)
+            errors: list[str] = []
+            results = _read_results(tmp, world_size, exitcodes, errors)
+            if hung:
+                errors.insert(0, f"ranks {hung} still running after {timeout} s (killed)")
+            clean = not errors and all(replies.get(r) is True for r in range(world_size))
+            if errors:
+                raise AssertionError("\n".join(errors))
+            return results
+        finally:
+            if not clean:  # a rank failed, died or hung (or the test was interrupted): start anew
+                for w in workers:
+                    w.kill()
+                _POOL[:] = [w for w in _POOL if w not in workers]
+
+
+def _print_logs(tmp: str, world_size: int) -> None:
+    """What the pooled ranks printed, to this process's stdout (pytest shows it with the test)."""
+    import sys
+
+    for r in range(world_size):
+        path = os.path.join(tmp, f"rank{r}.log")
+        text = Path(path).read_text(errors="replace") if os.path.exists(path) else ""
+        if text:
+            sys.stdout.write(f"--- rank {r} output ---\n{text}")
+
+
+def _run_fresh(
+    fn: Callable[..., Any], world_size: int, args: tuple, timeout: float, pg_timeout: float
+) -> list[Any]:
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         procs = [
@@ -64,22 +270,26 @@ def run_workers(
             if p.is_alive():
                 p.kill()
                 p.join(5)
-        results: list[Any] = []
         errors: list[str] = []
-        for r in range(world_size):
-            path = os.path.join(tmp, f"rank{r}.pt")
-            if not os.path.exists(path):
-                errors.append(f"rank {r}: no result (exit code {procs[r].exitcode})")
-                results.append(None)
-                continue
-            data = torch.load(path, weights_only=False)
-            if "error" in data:
-                errors.append(f"rank {r} failed:\n{data['error']}")
-                results.append(None)
-            else:
-                results.append(data["ok"])
+        results = _read_results(tmp, world_size, [p.exitcode for p in procs], errors)
         if hung:
             errors.insert(0, f"ranks {hung} still running after {timeout} s (killed)")
         if errors:
             raise AssertionError("\n".join(errors))
         return results
+
+
+def run_workers(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    pg_timeout: float = 60.0,
+    fresh: bool = False,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the per-rank results.
+
+    ``fresh=True``: on newly spawned processes rather than the session's pool of workers."""
+    if fresh or os.environ.get("LIONCUB_TEST_FRESH_WORKERS") == "1":
+        return _run_fresh(fn, world_size, args, timeout, pg_timeout)
+    return _run_pooled(fn, world_size, args, timeout, pg_timeout)

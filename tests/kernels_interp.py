@@ -1,4 +1,4 @@
-"""Cases of tests/test_kernels.py that run lioncub.kernels' Triton kernels in Triton's interpreter.
+"""Cases of tests/test_kernels.py that run lioncub.ops.kernels' Triton kernels in Triton's interpreter.
 
 Run as a script (``python tests/kernels_interp.py [CASE ...]``): it sets ``TRITON_INTERPRET=1`` before
 anything imports triton, runs the cases (all by default) and prints one JSON line per case:
@@ -19,7 +19,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
 
-from lioncub import kernels, packing
+from lioncub.ops import kernels, packing
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 LENGTHS = (0, 1, 5, 7, 8, 13, 1031)

@@ -1,4 +1,5 @@
-"""``variant="auto"``: the cost model picks the preset, rank 0 decides, every rank follows.
+"""``variant="auto"`` (:func:`lioncub.planning.auto.auto_variant`): the cost model picks the preset, rank 0
+decides, every rank follows.
 
 The oracles are closed-form regimes of the α–β model where the winner is known without the model: with
 no compute and no latency the fewest bytes win (1-bit); a calibration whose all-to-all runs at 1 % of the
@@ -15,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lioncub import costmodel as cm
-from lioncub.optim import AUTO_ENV, LionCub, choose_variant
+from lioncub.optim import LionCub
+from lioncub.planning import costmodel as cm
+from lioncub.planning.auto import AUTO_ENV, auto_variant, choose_variant
 
 from dist_utils import run_workers
 
@@ -63,30 +65,28 @@ def test_candidates_restrict_and_are_checked() -> None:
     with pytest.raises(ValueError, match=r"none of \['4bit'\] is allowed for N=16"):
         choose_variant(10**6, 16, cal, candidates=["4bit"])
     for bad in (["2bit"], [], "1bit"):
-        with pytest.raises(ValueError, match=r"auto_candidates=.*non-empty list of presets"):
+        with pytest.raises(ValueError, match=r"candidates=.*non-empty list of presets"):
             choose_variant(10**6, 4, cal, candidates=bad)
 
 
 def test_network_from_env_and_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(AUTO_ENV, raising=False)
-    with pytest.raises(ValueError, match=f"auto_network=.*{AUTO_ENV}"):
+    with pytest.raises(ValueError, match=f"network=.*{AUTO_ENV}"):
         choose_variant(10**6, 4)
     monkeypatch.setenv(AUTO_ENV, str(calibration(tmp_path / "cal.json", all_to_all_efficiency=0.01)))
     choice = choose_variant(10**6, 4)
     assert choice.variant == "4bit" and "calibration cal.json" in choice.reason
-    with pytest.raises(ValueError, match="auto_network"):
+    with pytest.raises(ValueError, match="network"):
         choose_variant(10**6, 4, "fast")
-    with pytest.raises(TypeError, match="auto_network=3"):
+    with pytest.raises(TypeError, match="network=3"):
         choose_variant(10**6, 4, 3)  # type: ignore[arg-type]
 
 
-def test_auto_refuses_explicit_knobs() -> None:
+def test_the_optimizer_points_to_auto_variant() -> None:
+    # the choice is made before the optimizer exists; LionCub itself takes a preset or a VoteConfig
     p = torch.nn.Parameter(torch.zeros(3))
-    for knob in ({"bits": 4}, {"transport": "1bit"}, {"quantizer": "l1"}, {"aggregation": "majority"}):
-        with pytest.raises(ValueError, match=f"variant='auto' chooses a preset itself; {next(iter(knob))}"):
-            LionCub([p], variant="auto", **knob)
-    with pytest.raises(ValueError, match="auto_candidates"):
-        LionCub([p], variant="auto", auto_candidates=["3bit"])
+    with pytest.raises(ValueError, match=r"variant='auto' is lioncub\.planning\.auto\.auto_variant"):
+        LionCub([p], variant="auto")
 
 
 # -- on real ranks -------------------------------------------------------------------------------------
@@ -101,15 +101,16 @@ def worker_auto(rank: int, world: int, networks: list[str | None]) -> dict:
     logging.getLogger("lioncub").addHandler(handler)
     logging.getLogger("lioncub").setLevel(logging.INFO)
     try:
-        opt = LionCub(params, lr=0.01, variant="auto", auto_network=networks[rank], auto_latency_s=0.0)
+        choice = auto_variant(params, network=networks[rank], latency_s=0.0)
     except Exception as err:
         return {"error": f"{type(err).__name__}: {err}"}
+    opt = LionCub(params, lr=0.01, variant=choice.variant)
     for step in range(3):
         params[0].grad = torch.randn(1000, generator=torch.Generator().manual_seed(10 * rank + step))
         opt.step()
     return {
         "variant": opt.variant,
-        "reason": opt.auto_choice.reason,
+        "reason": choice.reason,
         "params": params[0].detach().clone(),
         "logged": records,
         "state_variant": opt.state_dict()["lioncub"]["variant"],
@@ -128,7 +129,7 @@ def test_rank0_decides_and_every_rank_follows() -> None:
 
 def test_rank0_error_reaches_every_rank_without_a_hang() -> None:
     out = run_workers(worker_auto, 3, ["no such rate", "1gbit", "1gbit"], timeout=60)
-    assert out[0]["error"].startswith("ValueError") and "auto_network" in out[0]["error"]
+    assert out[0]["error"].startswith("ValueError") and "network" in out[0]["error"]
     assert out[1]["error"] == "RuntimeError: rank 1: variant='auto' failed on rank 0 (see rank 0's error)"
     assert out[2]["error"].startswith("RuntimeError: rank 2")
 

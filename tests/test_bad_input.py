@@ -22,12 +22,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lioncub import cli, quantize
-from lioncub import costmodel as cm
+from lioncub import cli
+from lioncub.ops import quantize
 from lioncub.optim import PRESETS, Lion, LionCub, make_vote, resolve_variant
-from lioncub.optim.auto import resolve_network
 from lioncub.optim.config import VoteConfig
-from lioncub.optim.sync import SyncSchedule, select_parameters
+from lioncub.optim.lioncub import Checks
+from lioncub.optim.sync import MomentumSync, select_parameters
+from lioncub.planning import costmodel as cm
+from lioncub.planning.auto import AUTO_ENV, auto_variant, resolve_network
 from lioncub.train.workloads import check_workload, make_workload
 from lioncub.units import parse_count, parse_duration, parse_rate, parse_size
 
@@ -95,30 +97,73 @@ def group(tmp_path_factory: pytest.TempPathFactory) -> Any:
         dist.destroy_process_group()
 
 
+class Later:
+    """A value built inside the test's ``pytest.raises`` (the constructors refuse bad input themselves)."""
+
+    def __init__(self, make: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        self.make, self.args, self.kwargs = make, args, kwargs
+
+    def __call__(self) -> Any:
+        return self.make(*self.args, **self.kwargs)
+
+
+def knobs(preset: str = "8bit", **overrides: Any) -> Later:
+    """``variant=resolve_variant(preset, **overrides)``, built inside the test."""
+    return Later(resolve_variant, preset, **overrides)
+
+
+def sync(**fields: Any) -> Later:
+    """``momentum_sync=MomentumSync("all", **fields)``, built inside the test."""
+    return Later(MomentumSync, "all", **fields)
+
+
+def checks(**fields: Any) -> Later:
+    """``checks=Checks(**fields)``, built inside the test."""
+    return Later(Checks, **fields)
+
+
 LIONCUB_CASES = [
     case({"lr": -1.0}, ValueError, ["lr", "-1", ">= 0"], id="lr-negative"),
     case({"betas": (1.5, 0)}, ValueError, ["betas[0]", "1.5", "0 <= beta < 1"], id="betas"),
     case({"variant": "3bit"}, ValueError, ["variant", "3bit", "'8bit'", "auto"], id="variant-unknown"),
     case({"variant": ["8bit"]}, ValueError, ["variant", "8bit", "'1bit'"], id="variant-list"),
-    case({"variant": "4bit", "bits": 3}, ValueError, ["bits=3", "2, 4, 8 or 'auto'"], id="bits-3"),
-    case({"variant": "1bit", "bits": 4}, ValueError, ["bits=4", "'1bit'", "lanes"], id="bits-on-1bit"),
+    case({"variant": knobs("4bit", bits=3)}, ValueError, ["bits=3", "2, 4, 8 or 'auto'"], id="bits-3"),
+    case({"variant": knobs("1bit", bits=4)}, ValueError, ["bits=4", "'1bit'", "lanes"], id="bits-on-1bit"),
     case(
-        {"variant": "1bit", "quantizer": "l1"},
+        {"variant": knobs("1bit", quantizer="l1")},
         ValueError,
         ["quantizer='l1'", "quantized"],
         id="quantizer-1bit",
     ),
-    case({"quantizer": "l9"}, ValueError, ["quantizer='l9'", "'l1'"], id="quantizer-unknown"),
-    case({"transport": "pigeon"}, ValueError, ["transport='pigeon'", "'lanes'"], id="transport-unknown"),
-    case({"aggregation": "median"}, ValueError, ["aggregation='median'", "'majority'"], id="aggregation"),
-    case({"clip_multiple": -1.0}, ValueError, ["clip_multiple=-1", "> 0"], id="clip-negative"),
+    case({"variant": knobs(quantizer="l9")}, ValueError, ["quantizer='l9'", "'l1'"], id="quantizer-unknown"),
     case(
-        {"variant": "1bit", "clip_multiple": 3.0},
+        {"variant": knobs(transport="pigeon")},
+        ValueError,
+        ["transport='pigeon'", "'lanes'"],
+        id="transport-unknown",
+    ),
+    case(
+        {"variant": knobs(aggregation="median")},
+        ValueError,
+        ["aggregation='median'", "'majority'"],
+        id="aggregation",
+    ),
+    case({"variant": knobs(clip_multiple=-1.0)}, ValueError, ["clip_multiple=-1", "> 0"], id="clip-negative"),
+    case(
+        {"variant": knobs("1bit", clip_multiple=3.0)},
         ValueError,
         ["clip_multiple=3.0", "quantized"],
         id="clip-1bit",
     ),
-    case({"chunk_size": 0}, ValueError, ["chunk_size=0", ">= 1"], id="chunk-0"),
+    case({"variant": knobs(chunk_size=0)}, ValueError, ["chunk_size=0", ">= 1"], id="chunk-0"),
+    case(
+        {"variant": VoteConfig("quantized", exchange="smoke")},
+        ValueError,
+        ["exchange='smoke'", "'p2p'"],
+        id="exchange",
+    ),
+    case({"variant": knobs(seed="a")}, ValueError, ["seed='a'", "int"], id="seed-text"),
+    case({"variant": "auto"}, ValueError, ["variant='auto'", "auto_variant"], id="auto-is-a-function"),
     case({"bucket_mb": 0}, ValueError, ["bucket_mb=0", "> 0"], id="bucket-0"),
     case({"bucket_mb": -5.0}, ValueError, ["bucket_mb=-5", "> 0"], id="bucket-negative"),
     case(
@@ -127,11 +172,36 @@ LIONCUB_CASES = [
         ["bucket_mb=inf", "finite"],
         id="bucket-inf",
     ),
-    case({"sync_every": 0}, ValueError, ["sync_every=0", ">= 1"], id="sync-every-0"),
-    case({"sync_every": True}, ValueError, ["sync_every=True", ">= 1"], id="sync-every-bool"),
-    case({"sync_until": -1}, ValueError, ["sync_until=-1", ">= 0"], id="sync-until"),
-    case({"sync_exp_k": 0}, ValueError, ["sync_exp_k=0", ">= 1"], id="sync-exp-k"),
-    case({"sync_dtype": torch.int8}, ValueError, ["sync_dtype", "torch.float32"], id="sync-dtype"),
+    case(
+        {"momentum_sync": sync(every=0)},
+        ValueError,
+        ["every=0", ">= 1"],
+        id="sync-every-0",
+    ),
+    case(
+        {"momentum_sync": sync(every=True)},
+        ValueError,
+        ["every=True", ">= 1"],
+        id="sync-every-bool",
+    ),
+    case(
+        {"momentum_sync": sync(until=-1)},
+        ValueError,
+        ["until=-1", ">= 0"],
+        id="sync-until",
+    ),
+    case(
+        {"momentum_sync": sync(exp_k=0)},
+        ValueError,
+        ["exp_k=0", ">= 1"],
+        id="sync-exp-k",
+    ),
+    case(
+        {"momentum_sync": sync(dtype=torch.int8)},
+        ValueError,
+        ["dtype", "torch.float32"],
+        id="sync-dtype",
+    ),
     case({"momentum_sync": "bogus"}, ValueError, ["momentum_sync='bogus'", "'io'"], id="sync-bogus"),
     case({"momentum_sync": []}, ValueError, ["momentum_sync=[]", "non-empty"], id="sync-empty"),
     case({"momentum_sync": 123}, ValueError, ["momentum_sync=123", "'all'"], id="sync-int"),
@@ -139,8 +209,25 @@ LIONCUB_CASES = [
         {"momentum_sync": ["nomatch.*"]}, ValueError, ["momentum_sync", "nomatch", "param"], id="sync-nomatch"
     ),
     case({"momentum_sync": "io"}, ValueError, ["momentum_sync='io'", "model="], id="sync-io-no-model"),
-    case({"exchange": "smoke"}, ValueError, ["exchange='smoke'", "'p2p'"], id="exchange"),
-    case({"replica_check_every": -1}, ValueError, ["replica_check_every=-1", ">= 0"], id="replica-check"),
+    case(
+        {"checks": checks(replica_check_every=-1)},
+        ValueError,
+        ["replica_check_every=-1", ">= 0"],
+        id="replica-check",
+    ),
+    case(
+        {"checks": checks(nonfinite="ignore")},
+        ValueError,
+        ["nonfinite='ignore'", "'skip'"],
+        id="nonfinite",
+    ),
+    case(
+        {"checks": checks(broadcast_init=1)},
+        ValueError,
+        ["broadcast_init=1", "True or False"],
+        id="bcast",
+    ),
+    case({"checks": "strict"}, TypeError, ["checks='strict'", "Checks("], id="checks-not-checks"),
     case({"diagnostics_every": -1}, ValueError, ["diagnostics_every=-1", ">= 0"], id="diagnostics"),
     case(
         {"variant": "32bit", "diagnostics_every": 5},
@@ -148,41 +235,7 @@ LIONCUB_CASES = [
         ["diagnostics_every", "voting"],
         id="diag-32",
     ),
-    case({"nonfinite": "ignore"}, ValueError, ["nonfinite='ignore'", "'skip'"], id="nonfinite"),
     case({"maximize": 1}, ValueError, ["maximize", "True or False"], id="maximize"),
-    case({"seed": "a"}, ValueError, ["seed='a'", "int"], id="seed-text"),
-    case({"variant": "auto"}, ValueError, ["auto_network", "LIONCUB_CALIBRATION"], id="auto-no-network"),
-    case(
-        {"variant": "auto", "auto_network": "10furlongs"},
-        ValueError,
-        ["auto_network", "furlongs", "gbit"],
-        id="auto-bad-rate",
-    ),
-    case(
-        {"variant": "auto", "auto_network": "/nonexistent/calib.json"},
-        ValueError,
-        ["auto_network", "/nonexistent/calib.json", "lioncub calibrate"],
-        id="auto-missing-json",
-    ),
-    case(
-        {"variant": "auto", "auto_network": "1gbit", "auto_latency_s": -1.0},
-        ValueError,
-        ["auto_latency_s=-1", ">= 0"],
-        id="auto-latency",
-    ),
-    case(
-        {"variant": "auto", "auto_network": "1gbit", "auto_candidates": ["9bit"]},
-        ValueError,
-        ["auto_candidates", "9bit", "'8bit'"],
-        id="auto-candidates",
-    ),
-    case(
-        {"variant": "auto", "bits": 4},
-        ValueError,
-        ["variant='auto'", "bits", "auto_candidates"],
-        id="auto+bits",
-    ),
-    case({"variant": "auto", "auto_network": 123}, TypeError, ["auto_network=123", "1gbit"], id="auto-int"),
     case(
         {"model": "not a module"},
         TypeError,
@@ -195,7 +248,37 @@ LIONCUB_CASES = [
 @pytest.mark.parametrize(("kwargs", "exc", "fragments"), LIONCUB_CASES)
 def test_lioncub_refuses(group: Any, kwargs: dict, exc: type[Exception], fragments: list[str]) -> None:
     with pytest.raises(exc) as err:
-        LionCub(_params(), **kwargs)
+        LionCub(_params(), **{k: v() if isinstance(v, Later) else v for k, v in kwargs.items()})
+    assert_names(str(err.value), fragments)
+
+
+AUTO_CASES = [
+    case({}, ValueError, ["network", "LIONCUB_CALIBRATION"], id="auto-no-network"),
+    case({"network": "10furlongs"}, ValueError, ["network", "furlongs", "gbit"], id="auto-bad-rate"),
+    case(
+        {"network": "/nonexistent/calib.json"},
+        ValueError,
+        ["network", "/nonexistent/calib.json", "lioncub calibrate"],
+        id="auto-missing-json",
+    ),
+    case({"network": "1gbit", "latency_s": -1.0}, ValueError, ["latency_s=-1", ">= 0"], id="auto-latency"),
+    case(
+        {"network": "1gbit", "candidates": ["9bit"]},
+        ValueError,
+        ["candidates", "9bit", "'8bit'"],
+        id="auto-candidates",
+    ),
+    case({"network": 123}, TypeError, ["network=123", "1gbit"], id="auto-int"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "exc", "fragments"), AUTO_CASES)
+def test_auto_variant_refuses(
+    group: Any, monkeypatch: pytest.MonkeyPatch, kwargs: dict, exc: type[Exception], fragments: list[str]
+) -> None:
+    monkeypatch.delenv(AUTO_ENV, raising=False)
+    with pytest.raises(exc) as err:
+        auto_variant(_params(), **kwargs)
     assert_names(str(err.value), fragments)
 
 
@@ -248,7 +331,7 @@ def test_vote_config_refuses(make: Callable[[], Any], fragments: list[str]) -> N
 @pytest.mark.parametrize(
     ("call", "fragments"),
     [
-        (lambda: SyncSchedule(every=True), ["sync_every=True", ">= 1"]),
+        (lambda: MomentumSync(every=True), ["every=True", ">= 1"]),
         (lambda: select_parameters(["ok", 3], [], [], None), ["momentum_sync", "strings"]),
         (lambda: select_parameters((), [], [], None), ["momentum_sync=()", "non-empty"]),
     ],
@@ -287,31 +370,13 @@ QUANTIZER_CASES = [
     case(lambda: quantize.quantize_qsgd(X, 3, norm="1"), ["norm='1'", "'inf' or '2'"], id="qsgd-norm"),
     case(lambda: quantize.quantize("l9", X, 3), ["quantizer='l9'", "'l1'"], id="name"),
     case(lambda: quantize.quantize_l1(torch.arange(4), 3), ["floating-point", "int64"], id="int-tensor"),
-    case(
-        lambda: quantize.quantize_l0(X, 3, eps=-1.0),
-        ["eps=-1", "> 0"],
-        id="l0-eps-negative",
-        fix="quantize.py: quantize_l0(eps=-1) computes log(|x| - 1) and returns levels silently; suggested: "
-        "eps must be None or a finite number > 0 (in lp_normalizer)",
-    ),
-    case(
-        lambda: quantize.quantize_l1(X, 3, chunk_size=True),
-        ["chunk_size=True", ">= 1"],
-        id="chunk-bool",
-        fix="quantize.py: chunk_size=True is taken as 1; suggested: refuse bool in _as_rows",
-    ),
-    case(
-        lambda: quantize.level_budget(True, 8),
-        ["n_workers=True", ">= 1"],
-        id="budget-bool-workers",
-        fix="quantize.py: level_budget(True, 8) is taken as 1 worker; suggested: refuse bool n_workers/bits",
-    ),
+    case(lambda: quantize.quantize_l0(X, 3, eps=-1.0), ["eps=-1", "> 0"], id="l0-eps-negative"),
+    case(lambda: quantize.quantize_l1(X, 3, chunk_size=True), ["chunk_size=True", ">= 1"], id="chunk-bool"),
+    case(lambda: quantize.level_budget(True, 8), ["n_workers=True", ">= 1"], id="budget-bool-workers"),
     case(
         lambda: quantize.quantize("l1", X, 3, bogus=1),
         ["bogus", "clip_multiple", "chunk_size"],
         id="unknown-option",
-        fix="quantize.py: quantize('l1', ..., bogus=1) raises Python's TypeError without the allowed "
-        "options; suggested: compare options with the quantizer's signature and list its keywords",
     ),
 ]
 
@@ -470,14 +535,14 @@ def run_cli(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> Callable[[list[str]], tuple[int, str]]:
     """``lioncub ARGV`` in-process: (exit code, stderr); launching anything fails the case."""
+    import lioncub.cli.launch
     import lioncub.launch
-    import lioncub.launch.cli
     import lioncub.launch.launcher
 
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise Launched("validation let the command through to the launcher")
 
-    for module in (lioncub.launch, lioncub.launch.cli, lioncub.launch.launcher):
+    for module in (lioncub.launch, lioncub.cli.launch, lioncub.launch.launcher):
         monkeypatch.setattr(module, "launch", refuse)
     for name in ("RANK", "WORLD_SIZE", "LIONCUB_CALIBRATION"):
         monkeypatch.delenv(name, raising=False)

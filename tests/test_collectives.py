@@ -8,9 +8,9 @@ import types
 import pytest
 import torch
 
-from lioncub import packing
 from lioncub.collectives import LaneVote, QuantizedVote, ServerVote, SignSumVote, auto_lane_bits
-from lioncub.optim import PRESETS, VoteConfig, resolve_variant
+from lioncub.ops import packing
+from lioncub.optim import PRESETS, Checks, VoteConfig, resolve_variant
 
 from dist_utils import run_workers
 
@@ -94,13 +94,13 @@ def test_variant_knobs() -> None:
 def worker_ddp(rank: int, world: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
-    from lioncub.ddp import skip_gradient_allreduce
     from lioncub.optim import LionCub
+    from lioncub.optim.ddp import skip_gradient_allreduce
 
     torch.manual_seed(rank)  # different init per rank: DDP must broadcast rank 0's
     model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4)))
     skip_gradient_allreduce(model)
-    opt = LionCub(model.parameters(), lr=0.01, variant="1bit", broadcast_init=False)
+    opt = LionCub(model.parameters(), lr=0.01, variant="1bit", checks=Checks(broadcast_init=False))
     x = torch.randn(16, 8, generator=torch.Generator().manual_seed(100 + rank))
     model(x).square().mean().backward()
     local = [p.grad.clone() for p in model.parameters()]
@@ -124,7 +124,7 @@ def worker_divergence(rank: int, world: int) -> str:
     from lioncub.optim import LionCub, ReplicaDivergenceError
 
     p = torch.nn.Parameter(torch.zeros(10))
-    opt = LionCub([p], lr=0.1, variant="8bit", replica_check_every=2)
+    opt = LionCub([p], lr=0.1, variant="8bit", checks=Checks(replica_check_every=2))
     p.grad = torch.ones(10)
     opt.step()  # step 1: no check
     if rank == 1:

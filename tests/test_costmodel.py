@@ -1,4 +1,4 @@
-"""The α–β–γ cost model (``lioncub.costmodel``), ``lioncub cost`` and ``lioncub calibrate``.
+"""The α–β–γ cost model (``lioncub.planning.costmodel``), ``lioncub cost`` and ``lioncub calibrate``.
 
 Hand-computed cases write their arithmetic out; properties run under hypothesis; the model's bytes are
 checked against the vote classes' own ``wire_bytes``; calibrate runs on 2 loopback gloo ranks.
@@ -22,9 +22,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lioncub import cli, cost_cli
-from lioncub import costmodel as cm
-from lioncub.calibrate import fit_alpha_beta
+from lioncub import cli
 from lioncub.collectives import (
     AverageVote,
     DenseMean,
@@ -36,6 +34,9 @@ from lioncub.collectives import (
 )
 from lioncub.launch import LaunchConfig, launch
 from lioncub.optim.config import PRESETS, VoteConfig, make_vote
+from lioncub.planning import costmodel as cm
+from lioncub.planning.calibrate import fit_alpha_beta
+from lioncub.report import cost as cost_report
 
 PRESET_NAMES = list(cm.PRESET_SCHEMES)
 NO_COMPUTE = cm.Compute()
@@ -362,7 +363,7 @@ def test_parse_bandwidth_uses_the_launchers_rates() -> None:
 
 def test_the_model_and_the_cost_command_do_not_import_torch(tmp_path: Path) -> None:
     code = (
-        "import sys, lioncub.costmodel as cm\n"
+        "import sys, lioncub.planning.costmodel as cm\n"
         "from lioncub import cli\n"
         "assert cli.main(['cost', '--params', '1M', '--workers', '2', '--plot', sys.argv[1]]) == 0\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
@@ -428,7 +429,7 @@ def test_cost_plot_has_both_panels(tmp_path: Path, capsys: pytest.CaptureFixture
     assert cli.main(["cost", "--params", "25M", "--workers", "4", "--plot", str(out)]) == 0
     assert f"saved {out}" in capsys.readouterr().out
     assert png_size(out) == (1440, 576)  # 12 x 4.8 inches at 120 dpi
-    fig = cost_cli.figure(25_000_000, 4, cm.Network.from_rate(1e9, 50e-6), NO_COMPUTE)
+    fig = cost_report.figure(25_000_000, 4, cm.Network.from_rate(1e9, 50e-6), NO_COMPUTE)
     panels = fig.get_axes()
     assert len(panels) == 2
     assert [ax.get_xscale() for ax in panels] == ["log", "log"]
@@ -516,7 +517,7 @@ def test_calibrate_on_two_loopback_ranks(tmp_path: Path) -> None:
     path = tmp_path / "calib.json"
     cmd = [
         "-m",
-        "lioncub.calibrate_cli",
+        "lioncub.cli.calibrate",
         "--out",
         str(path),
         "--sizes",

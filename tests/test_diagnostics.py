@@ -8,8 +8,7 @@ import math
 import pytest
 import torch
 
-from lioncub import diagnostics
-from lioncub.optim import LionCub
+from lioncub.optim import LionCub, diagnostics
 
 from dist_utils import run_workers
 

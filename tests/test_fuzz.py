@@ -1,13 +1,13 @@
 """Property-based fuzzing (hypothesis) of the quantizers, the bit packing and the vote collectives.
 
 What is fuzzed
-  * Every quantizer in :data:`lioncub.quantize.QUANTIZERS` (sign, l1, l0 with and without ``eps``, linf,
+  * Every quantizer in :data:`lioncub.ops.quantize.QUANTIZERS` (sign, l1, l0 with and without ``eps``, linf,
     lp for several p, qsgd with the ∞- and 2-norm, log), whole-tensor and chunked, at the level budgets
     that 2-, 4- and 8-bit lanes leave for 1..16 workers and at any level count up to 2^30 − 1, and
-    :func:`~lioncub.quantize.lp_normalizer`; inputs in fp32/bf16/fp16/fp64 of odd lengths (0, 1, 7, 9,
+    :func:`~lioncub.ops.quantize.lp_normalizer`; inputs in fp32/bf16/fp16/fp64 of odd lengths (0, 1, 7, 9,
     63, 65, 129, ...) mixing extreme magnitudes (±3.4e38, the largest value of each dtype, subnormals
     down to 1e-45 / 5e-324, 0, -0.0), values at rounding half-way points and NaN/±Inf.
-  * :mod:`lioncub.packing`: sign votes (every float and signed integer dtype, NaN of either sign bit and
+  * :mod:`lioncub.ops.packing`: sign votes (every float and signed integer dtype, NaN of either sign bit and
     any payload, on the numpy CPU kernel and on the torch kernel that CUDA runs), 1-bit and p-bit lanes,
     lane lookups, offset lanes, vote counting and majority.
   * Every vote algorithm of :mod:`lioncub.collectives` on N = 1..16 ranks simulated in one process:
@@ -50,8 +50,6 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from lioncub import packing
-from lioncub import quantize as Q
 from lioncub.collectives import (
     AverageVote,
     DenseMean,
@@ -61,6 +59,8 @@ from lioncub.collectives import (
     ServerVote,
     SignSumVote,
 )
+from lioncub.ops import packing
+from lioncub.ops import quantize as Q
 
 from dist_utils import run_workers
 

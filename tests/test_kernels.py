@@ -1,4 +1,4 @@
-"""lioncub.kernels: the Triton kernels (in Triton's interpreter, in a subprocess) bit for bit against the
+"""lioncub.ops.kernels: the Triton kernels (in Triton's interpreter, in a subprocess) bit for bit against the
 torch backend, the torch backend against the reference functions, the backend choice, and the CPU mode
 of benchmarks/gpu_check.py."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lioncub import kernels, packing, quantize
+from lioncub.ops import kernels, packing, quantize
 from lioncub.optim.lion import apply_update_, update_momentum_
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -184,17 +184,25 @@ def test_gpu_check_without_cuda_says_so():
 def worker_lioncub_kernels(rank: int, world: int, presets: list[str], out: str | None) -> dict:
     """3 steps of every preset on two fp32 tensors with rank-dependent gradients; counts the kernel calls
     the step made (under ``TRITON_INTERPRET=1`` the kernels take CPU tensors, as they take CUDA ones)."""
-    from lioncub.optim import LionCub
-
     calls: dict[str, int] = {}
-    for name in ("majority_pack", "quantize_l1", "apply_votes_"):
-        original = getattr(kernels, name)
+    originals = {name: getattr(kernels, name) for name in ("majority_pack", "quantize_l1", "apply_votes_")}
+    for name, original in originals.items():
 
         def counted(*args, _name=name, _original=original, **kwargs):
             calls[_name] = calls.get(_name, 0) + 1
             return _original(*args, **kwargs)
 
         setattr(kernels, name, counted)
+    try:
+        return _kernel_steps(rank, presets, out, calls)
+    finally:  # the rank may be a pooled worker (tests/dist_utils.py) that runs other tests afterwards
+        for name, original in originals.items():
+            setattr(kernels, name, original)
+
+
+def _kernel_steps(rank: int, presets: list[str], out: str | None, calls: dict[str, int]) -> dict:
+    from lioncub.optim import LionCub
+
     results = {}
     for preset in presets:
         torch.manual_seed(0)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from lioncub.cli import launch as launch_cli
 from lioncub.launch import (
     EmulatedNetwork,
     LaunchConfig,
@@ -33,7 +34,6 @@ from lioncub.launch import (
     parse_size,
     rank_env,
 )
-from lioncub.launch import cli as launch_cli
 
 PY = sys.executable
 
@@ -201,7 +201,7 @@ def test_cli_dry_run_and_bad_rate(capsys: pytest.CaptureFixture[str]) -> None:
 def test_cli_is_registered() -> None:
     from lioncub.cli import COMMANDS
 
-    assert COMMANDS["launch"][0] == "lioncub.launch.cli"
+    assert COMMANDS["launch"][0] == "lioncub.cli.launch"
 
 
 # ------------------------------------------------------------------------------- loopback launches
@@ -405,11 +405,11 @@ def test_allreduce_over_100mbit_links_matches_bandwidth(nproc: int) -> None:
 
 ONE_BIT_STEPS = """
 import datetime, torch, torch.distributed as dist
-from lioncub import LionCub
+from lioncub import Checks, LionCub
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 torch.manual_seed(0)
 p = torch.nn.Parameter(torch.randn(4_000_003))  # not a multiple of 8·N: padding travels too
-opt = LionCub([p], lr=1e-3, variant="1bit", broadcast_init=False)  # same seed: no initial broadcast
+opt = LionCub([p], lr=1e-3, variant="1bit", checks=Checks(broadcast_init=False))  # same seed: no broadcast
 g = torch.Generator().manual_seed(dist.get_rank())
 for _ in range(4):
     p.grad = torch.randn(p.shape, generator=g)

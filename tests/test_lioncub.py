@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 
-from lioncub import quantize
-from lioncub.optim import PRESETS, Lion, LionCub
+from lioncub.ops import quantize
+from lioncub.optim import PRESETS, Lion, LionCub, resolve_variant
 
 from dist_utils import run_workers
 
@@ -65,7 +65,9 @@ def worker_run_presets(
         groups = [
             {"params": [params[i] for i in idx], "lr": lr, "weight_decay": wd} for idx, lr, wd in GROUPS
         ]
-        opt = LionCub(groups, betas=BETAS, variant=preset, bucket_mb=bucket_mb, exchange=exchange)
+        opt = LionCub(
+            groups, betas=BETAS, variant=resolve_variant(preset, exchange=exchange), bucket_mb=bucket_mb
+        )
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
         for step in range(1, STEPS + 1):
             grid = world if preset in DENSE else 0

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from lioncub.ddp import skip_gradient_allreduce
-from lioncub.optim import PRESETS, LionCub
-from lioncub.optim.lioncub import NonFiniteGradientError
+from lioncub.optim import PRESETS, LionCub, MomentumSync
+from lioncub.optim.ddp import skip_gradient_allreduce
+from lioncub.optim.lioncub import Checks, NonFiniteGradientError
 
 from dist_utils import run_workers
 
@@ -149,7 +149,7 @@ def _nan_equal(a: object, b: object) -> bool:
 def test_sync_diagnostics_and_skip_with_overlap() -> None:
     """Momentum sync every 2 steps, diagnostics every 2 steps, and a NaN on rank 1 at step 3 (skipped on
     every rank): the same parameters, momenta and diagnostics with and without overlap."""
-    voting = {"momentum_sync": "all", "sync_every": 2, "diagnostics_every": 2, "nan_at": 3}
+    voting = {"momentum_sync": MomentumSync("all", every=2), "diagnostics_every": 2, "nan_at": 3}
     options = {"1bit": voting, "8bit": voting, "32bit": {"nan_at": 3}}
     results = run_workers(worker_parity, 3, ["1bit", "8bit", "32bit"], options, timeout=300)
     for (preset, overlap), res in results[0].items():
@@ -196,7 +196,7 @@ def test_overlapped_state_resumes_on_the_plain_path() -> None:
 def worker_errors(rank: int, world: int) -> dict:
     out = {}
     # nonfinite="raise": every rank raises, after the votes finished; the group still works afterwards
-    model, opt = _build("1bit", True, nonfinite="raise")
+    model, opt = _build("1bit", True, checks=Checks(nonfinite="raise"))
     tokens, target = _batch(rank, 1)
     loss = torch.nn.functional.cross_entropy(model(tokens), target)
     (loss * (float("inf") if rank == 0 else 1.0)).backward()
@@ -209,6 +209,14 @@ def worker_errors(rank: int, world: int) -> dict:
     torch.nn.functional.cross_entropy(model(tokens), target).backward()
     opt.step()
     out["after"] = opt.global_step
+    # the votes' own group names the optimizer step in its errors (CollectiveError "... at optimizer step N")
+    out["hook_steps"] = []
+    for step in (1, 2):
+        tokens, target = _batch(rank, step)
+        torch.nn.functional.cross_entropy(model(tokens), target).backward()
+        opt.step()
+        out["hook_steps"].append((opt.overlap_hook.comm.step, opt.global_step))
+        opt.zero_grad(set_to_none=True)
     # a second synchronised backward before step()
     model, opt = _build("8bit", True)
     for step in (1, 2):
@@ -250,6 +258,7 @@ def test_overlap_errors_and_accumulation() -> None:
     for rank, res in enumerate(results):
         assert f"rank {rank}: non-finite gradients" in res["raise"] and "rank(s) [0]" in res["raise"]
         assert res["after"] == 2
+        assert res["hook_steps"] == [(3, 3), (4, 4)]
         assert f"rank {rank}: LionCub overlap: a second synchronised backward" in res["twice"]
         assert "model.no_sync()" in res["twice"]
         for a, b in zip(res["accumulated"], res["accumulated_plain"], strict=True):

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lioncub import packing
+from lioncub.ops import packing
 
 LENGTHS = [0, 1, 7, 8, 9, 15, 16, 17, 23, 24, 25, 63, 64, 65, 1000, 4097]
 floats32 = st.floats(allow_nan=False, width=32, allow_subnormal=True)

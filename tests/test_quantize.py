@@ -10,7 +10,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from lioncub import quantize as Q
+from lioncub.ops import quantize as Q
 
 NORMALISED = ["l1", "l0", "linf", "lp", "log"]
 ALL = [*NORMALISED, "sign", "qsgd"]

@@ -19,7 +19,7 @@ import torch
 
 from lioncub import cli
 from lioncub.optim import Lion, LionCub
-from lioncub.optim.lioncub import NonFiniteGradientError, ReplicaMismatchError
+from lioncub.optim.lioncub import Checks, NonFiniteGradientError, ReplicaMismatchError
 from lioncub.train import checkpoint
 
 from dist_utils import run_workers
@@ -101,7 +101,7 @@ def test_nonfinite_gradients_are_skipped_on_every_rank() -> None:
 
 def _raise_on_bad(rank: int, world_size: int) -> str:
     params = _params()
-    opt = LionCub(params, lr=0.01, variant="4bit", nonfinite="raise")
+    opt = LionCub(params, lr=0.01, variant="4bit", checks=Checks(nonfinite="raise"))
     for step in range(1, 3):
         for p, g in zip(params, _grads(rank, step), strict=True):
             p.grad = g
@@ -178,7 +178,7 @@ def test_nonfinite_on_one_rank_and_bad_option() -> None:
     assert after_nan == [1.0] * 4 and skipped == 1
     assert after_good == pytest.approx([0.9] * 4)  # the next finite step applies: 1 - lr·sign(1)
     with pytest.raises(ValueError, match=r"nonfinite='ignore': allowed values are \['skip', 'raise'\]"):
-        LionCub([torch.nn.Parameter(torch.ones(2))], nonfinite="ignore")
+        LionCub([torch.nn.Parameter(torch.ones(2))], checks=Checks(nonfinite="ignore"))
 
 
 # ------------------------------------------------------------------------------------------ a rank dies

@@ -1,4 +1,4 @@
-"""The run-comparison report (``lioncub.train.report``) on synthetic run directories.
+"""The run-comparison report (``lioncub.report.runs``) on synthetic run directories.
 
 Every expected number is worked out by hand in the comments next to it.
 """

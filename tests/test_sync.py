@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lioncub.optim import LionCub
-from lioncub.optim.sync import SyncSchedule, find_io_parameters, select_parameters
+from lioncub.optim.sync import MomentumSync, find_io_parameters, select_parameters
 from lioncub.train.workloads import make_workload
 
 from dist_utils import run_workers
@@ -60,17 +60,17 @@ def test_select_by_pattern_and_group() -> None:
 
 
 def test_schedules() -> None:
-    every = SyncSchedule(every=10)
+    every = MomentumSync(every=10)
     assert [t for t in range(1, 41) if every.due(t)] == [10, 20, 30, 40]
-    until = SyncSchedule(every=3, until=7)
+    until = MomentumSync(every=3, until=7)
     assert [t for t in range(1, 20) if until.due(t)] == [3, 6]
     # exponential, K = 1: increments 2^0, 2^1, 2^2, ... -> 1, 3, 7, 15, 31
-    assert [t for t in range(1, 40) if SyncSchedule(exp_k=1).due(t)] == [1, 3, 7, 15, 31]
+    assert [t for t in range(1, 40) if MomentumSync(exp_k=1).due(t)] == [1, 3, 7, 15, 31]
     # K = 2: increments int(2^(j/2)) = 1, 1, 2, 2, 4, 5, 8, 11, 16 -> 1, 2, 4, 6, 10, 15, 23, 34, 50
-    assert [t for t in range(1, 51) if SyncSchedule(exp_k=2).due(t)] == [1, 2, 4, 6, 10, 15, 23, 34, 50]
+    assert [t for t in range(1, 51) if MomentumSync(exp_k=2).due(t)] == [1, 2, 4, 6, 10, 15, 23, 34, 50]
     for bad in ({"every": 0}, {"until": -1}, {"exp_k": 0}):
         with pytest.raises(ValueError):
-            SyncSchedule(**bad)
+            MomentumSync(**bad)
 
 
 def make_model() -> nn.Module:
@@ -89,8 +89,7 @@ def io_synced_lioncub(model: nn.Module, variant: str) -> LionCub:
         lr=0.01,
         betas=BETAS,
         variant=variant,
-        momentum_sync="io",
-        sync_every=2,
+        momentum_sync=MomentumSync("io", every=2),
         model=model,
     )
 

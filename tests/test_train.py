@@ -20,7 +20,7 @@ import torch
 from lioncub import cli
 from lioncub.optim import PRESETS
 from lioncub.train import checkpoint
-from lioncub.train.loop import BASELINES, TrainConfig, lr_factor
+from lioncub.train.config import BASELINES, TrainConfig, lr_factor
 
 ALL_VARIANTS = sorted({*PRESETS, *BASELINES})
 TINY = ["--workload", "gpt", "--size", "tiny", "--no-progress"]
@@ -143,28 +143,46 @@ def test_loss_falls_on_the_tiny_gpt(tmp_path: Path) -> None:
     assert np.mean(losses[-5:]) < losses[0] - 0.8, losses
 
 
-@pytest.mark.parametrize("variant", ["32bit", "1bit", "8bit"])
-def test_resume_equals_uninterrupted(tmp_path: Path, variant: str) -> None:
-    common = ["--variant", variant, "--nproc", "2", "--steps", "8", "--eval-every", "4"]
+def assert_same_checkpoint(a: Path, b: Path, ranks: int = 2) -> None:
+    """Two checkpoint directories hold bitwise the same model, momenta and RNG states of every rank."""
+    ma, mb = (torch.load(d / "model.pt", weights_only=True) for d in (a, b))
+    assert ma.keys() == mb.keys()
+    for name, tensor in ma.items():
+        assert torch.equal(tensor, mb[name]), name
+    for r in range(ranks):
+        sa, sb = (torch.load(d / f"rank{r}.pt", weights_only=False) for d in (a, b))
+        for index, state in sa["optimizer"]["state"].items():
+            assert torch.equal(state["exp_avg"], sb["optimizer"]["state"][index]["exp_avg"]), (r, index)
+        assert torch.equal(sa["rng"]["torch"], sb["rng"]["torch"]), r  # the generator dropout draws from
+        assert sa["rng"]["python"] == sb["rng"]["python"], r
+
+
+@pytest.mark.parametrize(
+    ("variant", "extra"),
+    [("32bit", ["--set", "dropout=0.1"]), ("1bit", ["--set", "dropout=0.1"]), ("8bit", [])],
+)
+def test_resume_equals_uninterrupted(tmp_path: Path, variant: str, extra: list[str]) -> None:
+    """Stopped at step 5 and resumed = uninterrupted, bitwise; with dropout drawing from each rank's global
+    generator (seeded from ``(seed, rank)``, saved and restored by the checkpoints) this also shows that two
+    runs of one seed agree: ``whole`` and the first part of ``parts`` are two such runs up to step 5. The
+    32bit baseline measures its forward + backward before training (dropout draws there too)."""
+    common = ["--variant", variant, "--nproc", "2", "--steps", "8", "--eval-every", "4", *extra]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
-    assert train(whole, *common) == 0
+    assert train(whole, *common, "--checkpoint-every", "5") == 0
     assert train(parts, *common, "--stop-at", "5") == 0
     assert checkpoint.latest(parts).step == 5
+    assert_same_checkpoint(whole / "checkpoints" / "step_00000005", checkpoint.latest(parts).path)
     assert train(parts, "--resume", "--no-progress") == 0
     a, b = checkpoint.latest(whole), checkpoint.latest(parts)
     assert a.step == b.step == 8
-    for name, tensor in checkpoint.model_state(a).items():
-        assert torch.equal(tensor, checkpoint.model_state(b)[name]), name
-    for r in range(2):
-        sa = torch.load(a.path / f"rank{r}.pt", weights_only=False)["optimizer"]
-        sb = torch.load(b.path / f"rank{r}.pt", weights_only=False)["optimizer"]
-        for index, state in sa["state"].items():
-            assert torch.equal(state["exp_avg"], sb["state"][index]["exp_avg"])
+    assert_same_checkpoint(a.path, b.path)
     key = ("step", "loss", "lr", "bytes_sent")
     assert [tuple(r[k] for k in key) for r in records(whole, "step")] == [
         tuple(r[k] for k in key) for r in records(parts, "step")
     ]
     assert [e["val_loss"] for e in records(whole, "eval")] == [e["val_loss"] for e in records(parts, "eval")]
+    ranks = [torch.load(a.path / f"rank{r}.pt", weights_only=False)["rng"]["torch"] for r in range(2)]
+    assert not torch.equal(*ranks)  # every rank draws its own dropout masks
 
 
 def test_resume_refuses_another_world_size_or_variant(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -1,11 +1,16 @@
 """lioncub: data-parallel training with the Lion optimizer over slow networks.
 
-Layers (a lower layer never imports a higher one)::
+Layers, one package each (a lower layer never imports a higher one)::
 
-    quantize, packing        pure tensor functions
+    ops                      quantizers, bit/lane packing, fused kernels: pure tensor functions
     collectives              vote algorithms over a torch.distributed process group
-    optim                    Lion and LionCub state and step
-    train, launch, cli       workloads, emulated network, user interface
+    optim                    Lion, LionCub, its vote engine, DDP hooks, momentum sync, diagnostics
+    planning                 α–β cost model, calibration, variant="auto"
+    train · launch · report  workloads and the training loop · ranks behind emulated links · tables, plots
+    cli                      the ``lioncub`` command (``python -m lioncub``), one module per subcommand
+
+Beneath them all, ``units`` (rates, sizes, durations) and ``_validate`` (the shared argument checks) import
+nothing of lioncub.
 
 The top-level names are imported lazily, so ``import lioncub.launch`` does not import torch.
 """
@@ -18,10 +23,15 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Lion": "lioncub.optim",
-    "LionCub": "lioncub.optim",
-    "PRESETS": "lioncub.optim",
-    "ReplicaDivergenceError": "lioncub.optim",
+    "Checks": "lioncub.optim.lioncub",
+    "Lion": "lioncub.optim.lion",
+    "LionCub": "lioncub.optim.lioncub",
+    "MomentumSync": "lioncub.optim.sync",
+    "PRESETS": "lioncub.optim.config",
+    "ReplicaDivergenceError": "lioncub.optim.lioncub",
+    "VoteConfig": "lioncub.optim.config",
+    "resolve_variant": "lioncub.optim.config",
+    "auto_variant": "lioncub.planning.auto",
     "CollectiveError": "lioncub.collectives",
 }
 

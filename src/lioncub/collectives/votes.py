@@ -25,7 +25,7 @@ sign vote is ``sign(c)`` (plain Lion).
 Non-finite ``c`` (the optimizer skips such steps before voting) still gives a defined, in-range result:
 a one-bit vote of NaN is "−" (``NaN ≥ 0`` is false) and of ±Inf is ±; ``sign(NaN)`` is 0 on the int8
 paths and for ``N = 1``; a quantized vote abstains (levels 0) on a tensor or chunk holding NaN or ±Inf
-(see :mod:`lioncub.quantize`). :class:`DenseMean` is a mean and propagates NaN and Inf.
+(see :mod:`lioncub.ops.quantize`). :class:`DenseMean` is a mean and propagates NaN and Inf.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from typing import Any, Literal
 
 import torch
 
-from lioncub import kernels, packing, quantize
 from lioncub.collectives.base import Comm, Handle
+from lioncub.ops import kernels, packing, quantize
 
 __all__ = [
     "AverageVote",

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import math
 import os
 import queue
 import signal
@@ -27,6 +26,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any, TextIO
 
+from lioncub._validate import is_int, is_number
 from lioncub.launch.netns import (
     MAX_RANKS,
     EmulatedNetwork,
@@ -42,14 +42,6 @@ from lioncub.units import format_rate
 DEFAULT_LINK_PORT = 29500  # rank 0's namespace is fresh, so a fixed port is always free there
 TIMEOUT_RC = 124  # like coreutils timeout
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
 
 
 def build_command(cmd: Sequence[str]) -> list[str]:
@@ -133,22 +125,20 @@ class LaunchConfig:
     cwd: str | None = None
 
     def __post_init__(self) -> None:
-        if not _is_int(self.nproc) or self.nproc < 1:
+        if not is_int(self.nproc) or self.nproc < 1:
             raise ValueError(f"--nproc must be an integer >= 1, got {self.nproc!r}")
-        if not _is_int(self.restarts) or self.restarts < 0:
+        if not is_int(self.restarts) or self.restarts < 0:
             raise ValueError(f"--restarts must be an integer >= 0, got {self.restarts!r}")
-        if self.timeout_s is not None and not (_is_number(self.timeout_s) and 0 < self.timeout_s < math.inf):
+        if self.timeout_s is not None and not is_number(self.timeout_s, gt=0):
             raise ValueError(
                 f"--timeout must be a finite number of seconds > 0 (0 on the command line: no limit), "
                 f"got {self.timeout_s!r}"
             )
-        if self.master_port is not None and not (
-            _is_int(self.master_port) and 1 <= self.master_port <= 65535
-        ):
+        if self.master_port is not None and not (is_int(self.master_port) and 1 <= self.master_port <= 65535):
             raise ValueError(f"--port must be an integer within 1..65535, got {self.master_port!r}")
-        if not (_is_number(self.grace_s) and 0 <= self.grace_s < math.inf):
+        if not is_number(self.grace_s, ge=0):
             raise ValueError(f"--grace must be a finite number of seconds >= 0, got {self.grace_s!r}")
-        if not (_is_int(self.mtu) and 68 <= self.mtu <= 65535):
+        if not (is_int(self.mtu) and 68 <= self.mtu <= 65535):
             raise ValueError(f"--mtu must be an integer within 68..65535, got {self.mtu!r}")
         if self.link_rate_bps is not None and self.nproc > MAX_RANKS:
             raise ValueError(

@@ -12,7 +12,7 @@ end of every pair gets ``tbf rate R burst B latency 100ms`` as its root qdisc: t
 its own veth, its download on its bridge port, like a switch port per rank. IPv6 is disabled (no neighbour
 discovery chatter in the byte counters) and bridged frames skip netfilter. ``netem`` is absent from the
 kernel this was built on, so there is no latency emulation; ``latency`` in tbf is only its queue length.
-Measurements and the recipe this follows: ``shared/notes/netem.md``.
+Measurements and limits: ``docs/network.md``.
 
 Deleting a namespace destroys its veths, bridge and qdiscs, so teardown is: kill every process still in
 the namespaces, delete them, verify they are gone. A state file per launch (``/run/lioncub/launch/<id>.json``,

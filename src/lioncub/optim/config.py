@@ -30,46 +30,67 @@ preset                    transport  aggregation  quantizer  bits  paper
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import torch
+from lioncub._validate import is_int, is_number
 
-from lioncub import quantize
-from lioncub.collectives import (
-    AverageVote,
-    Comm,
-    DenseMean,
-    LaneVote,
-    OneBitVote,
-    QuantizedVote,
-    ServerVote,
-    SignSumVote,
-    VoteAlgorithm,
-)
-
-__all__ = ["PRESETS", "TRANSPORTS", "VoteConfig", "check_workers", "make_vote", "resolve_variant"]
+__all__ = [
+    "EXCHANGES",
+    "PRESETS",
+    "TRANSPORTS",
+    "VoteConfig",
+    "capacity",
+    "check_workers",
+    "lane_bits",
+    "resolve_variant",
+    "server_down_bits",
+]
 
 TRANSPORTS = ("dense", "1bit", "lanes", "int8", "quantized", "server")
 AGGREGATIONS = ("mean", "majority", "average")
+#: implementations of the all-to-all / all-gather (:class:`lioncub.collectives.Comm`)
+EXCHANGES = ("auto", "p2p", "native")
+#: the dense transport's wire dtypes, by name, and their bits per element
+_WIRE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16, "float64": 64}
 
 
 @dataclass(frozen=True)
 class VoteConfig:
-    """How one step's local directions are combined (see the module docstring for the presets)."""
+    """How one step's local directions are combined (see the module docstring for the presets).
+
+    ``wire_dtype`` (dense transport only): a ``torch`` floating dtype or its name (``"bfloat16"``);
+    ``None`` sends the gradient's own dtype, as DDP. ``seed`` seeds a stochastic quantizer (``"qsgd"``),
+    combined with the rank. ``exchange``: the all-to-all / all-gather implementation, ``"auto"``,
+    ``"p2p"`` or ``"native"`` (:class:`lioncub.collectives.Comm`). This module does not import torch.
+    """
 
     transport: str = "quantized"
     aggregation: str = "majority"
     quantizer: str | None = "l1"
     bits: int | Literal["auto"] | None = 8
-    wire_dtype: torch.dtype | None = None  # dense: None = the gradient's own dtype (as DDP)
+    wire_dtype: Any = None  # dense: None = the gradient's own dtype (as DDP)
     clip_multiple: float = 2.0
     chunk_size: int | None = None
     quantizer_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     server_root: int = 0
+    seed: int = 0
+    exchange: str = "auto"
+
+    @property
+    def wire_dtype_name(self) -> str | None:
+        """``wire_dtype`` as a name (``"bfloat16"``), ``None`` for the gradient's own dtype."""
+        return None if self.wire_dtype is None else str(self.wire_dtype).removeprefix("torch.")
+
+    @property
+    def wire_bits(self) -> int:
+        """Bits per element the dense transport sends (32 for ``wire_dtype=None``: fp32 gradients)."""
+        return _WIRE_BITS.get(self.wire_dtype_name or "float32", 32)
 
     def validate(self) -> VoteConfig:
+        """This configuration, or ``ValueError`` naming the first bad knob and its allowed values."""
+        from lioncub.ops import quantize  # torch: only when a configuration is checked for use
+
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport={self.transport!r} is not one of {TRANSPORTS}")
         if self.aggregation not in AGGREGATIONS:
@@ -106,7 +127,7 @@ class VoteConfig:
                         f"{name}={getattr(self, name)!r} applies only to transport='quantized', "
                         f"not transport={self.transport!r}"
                     )
-        if self.wire_dtype not in _WIRE_DTYPES:
+        if self.wire_dtype is not None and self.wire_dtype_name not in _WIRE_BITS:
             raise ValueError(
                 f"wire_dtype={self.wire_dtype} must be None (the gradient's dtype), torch.float32, "
                 "torch.bfloat16, torch.float16 or torch.float64"
@@ -116,19 +137,21 @@ class VoteConfig:
                 f"wire_dtype={self.wire_dtype} applies only to transport='dense', "
                 f"not transport={self.transport!r}"
             )
-        if isinstance(self.clip_multiple, bool) or not (
-            isinstance(self.clip_multiple, (int, float)) and 0 < self.clip_multiple < math.inf
-        ):
+        if not is_number(self.clip_multiple, gt=0):
             raise ValueError(
                 f"clip_multiple={self.clip_multiple!r} must be a finite number > 0 "
                 "(authors' code: 2, paper: 1)"
             )
-        if self.chunk_size is not None and not (_is_int(self.chunk_size) and self.chunk_size >= 1):
+        if self.chunk_size is not None and not (is_int(self.chunk_size) and self.chunk_size >= 1):
             raise ValueError(f"chunk_size={self.chunk_size!r} must be None (per tensor) or an int >= 1")
         if not isinstance(self.quantizer_options, dict):
             raise ValueError(f"quantizer_options={self.quantizer_options!r} must be a dict")
-        if not (_is_int(self.server_root) and self.server_root >= 0):
+        if not is_int(self.server_root, 0):
             raise ValueError(f"server_root={self.server_root!r} must be an int >= 0 (a rank)")
+        if not is_int(self.seed):
+            raise ValueError(f"seed={self.seed!r} must be an int")
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"exchange={self.exchange!r}: allowed values are {list(EXCHANGES)}")
         return self
 
 
@@ -140,19 +163,13 @@ _FIXED_BITS: dict[str, tuple[int | None, ...]] = {
     "server": (None, 1),
 }
 
-_WIRE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
 #: explicit knobs that only the quantized transport reads
 _QUANTIZED_KNOBS = ("quantizer", "clip_multiple", "chunk_size")
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 PRESETS: dict[str, VoteConfig] = {
     "32bit": VoteConfig("dense", "mean", None, None, None),
-    "16bit": VoteConfig("dense", "mean", None, None, torch.bfloat16),
+    "16bit": VoteConfig("dense", "mean", None, None, "bfloat16"),
     "1bit": VoteConfig("1bit", "majority", None, 1),
     "4bit": VoteConfig("lanes", "majority", None, 4),
     "8bit": VoteConfig("quantized", "majority", "l1", 8),
@@ -165,7 +182,11 @@ PRESETS: dict[str, VoteConfig] = {
 def resolve_variant(variant: str, **overrides: Any) -> VoteConfig:
     """The preset ``variant`` with the non-``None`` ``overrides`` applied, validated."""
     if not isinstance(variant, str) or variant not in PRESETS:
-        raise ValueError(f"variant={variant!r} is not one of {sorted(PRESETS)} (LionCub also takes 'auto')")
+        raise ValueError(
+            f"variant={variant!r} is not one of {sorted(PRESETS)} (or a VoteConfig; variant='auto' is "
+            "lioncub.planning.auto.auto_variant(params, network=...), called before the optimizer: it "
+            "returns the preset the cost model predicts fastest)"
+        )
     changes = {k: v for k, v in overrides.items() if v is not None}
     unknown = set(changes) - {f.name for f in dataclasses.fields(VoteConfig)}
     if unknown:
@@ -199,66 +220,81 @@ def resolve_variant(variant: str, **overrides: Any) -> VoteConfig:
     return dataclasses.replace(PRESETS[variant], **changes).validate()
 
 
-def make_vote(comm: Comm, config: VoteConfig, *, seed: int = 0) -> VoteAlgorithm:
-    """The vote algorithm for ``config`` on ``comm`` (raises when N workers could overflow a lane: the
-    message names ``bits``, the transport and the widths or presets that fit N, see :func:`check_workers`)."""
-    config.validate()
-    if not _is_int(seed):
-        raise ValueError(f"seed={seed!r} must be an int")
-    try:
-        return _build_vote(comm, config, seed)
-    except ValueError as exc:
-        try:
-            check_workers(config, comm.world_size)  # an overflow for N workers: say which option to change
-        except ValueError as named:
-            raise named from exc
-        raise
+def _lane_fits(n: int, bits: int, max_value: int) -> bool:
+    return n * max_value <= (1 << bits) - 1
 
 
-def _build_vote(comm: Comm, config: VoteConfig, seed: int) -> VoteAlgorithm:
-    t, agg = config.transport, config.aggregation
-    if t == "dense":
-        return DenseMean(comm, config.wire_dtype)
-    if t == "1bit":
-        return OneBitVote(comm)
+def _quant_levels(n: int, bits: int) -> int:
+    """Per-worker level budget of a quantized vote (``lioncub.ops.quantize.level_budget``; 0: overflow)."""
+    if bits == 8:
+        return 127 // n
+    return ((1 << bits) - 1) // (2 * n)
+
+
+def lane_bits(config: Any, n: int) -> int | None:
+    """The lane width the vote of ``config`` (anything with ``transport`` and ``bits``) uses for N workers:
+    ``"lanes"`` and ``"quantized"`` only (``None`` otherwise, or when no width up to 8 bits works)."""
+    bits = config.bits
+    if config.transport == "lanes":
+        if bits in (None, "auto"):
+            if n == 1:
+                return 8
+            return next((b for b in (2, 4, 8) if _lane_fits(n, b, 1)), None)
+        return int(bits)
+    if config.transport == "quantized":
+        if bits in (None, "auto"):
+            return next((b for b in (2, 4, 8) if _quant_levels(n, b) >= 1), 8)
+        return int(bits)
+    return None
+
+
+def server_down_bits(config: Any, n: int) -> int | None:
+    """Lane width of the parameter server's reply for N workers (``None``: no width works)."""
+    if config.aggregation != "average":
+        return 2  # majority: u + 1 ∈ {0, 1, 2}
+    return next((b for b in (2, 4, 8) if _lane_fits(n + 1, b, 1)), None)  # the count lanes, as ServerVote
+
+
+def capacity(config: Any, n_workers: int) -> tuple[bool, str]:
+    """Whether the integer lanes of ``config`` (a :class:`VoteConfig`, or anything with ``transport``,
+    ``aggregation`` and ``bits``) can hold the N-way sum; ``(False, why)`` otherwise."""
+    if not is_int(n_workers, 1):
+        raise ValueError(f"n_workers={n_workers!r}: the number of workers must be an int >= 1")
+    n, t = n_workers, config.transport
     if t == "lanes":
-        return LaneVote(comm, config.bits if config.bits is not None else 4)
-    if t == "int8":
-        return AverageVote(comm) if agg == "average" else SignSumVote(comm)
-    if t == "server":
-        return ServerVote(comm, "average" if agg == "average" else "majority", root=config.server_root)
-    return QuantizedVote(
-        comm,
-        config.quantizer or "l1",
-        config.bits if config.bits is not None else 8,
-        clip_multiple=config.clip_multiple,
-        chunk_size=config.chunk_size,
-        options=config.quantizer_options,
-        seed=seed,
-    )
+        bits = lane_bits(config, n)
+        if bits is None or not _lane_fits(n, bits, 1):
+            width = "no lane width up to 8 bits" if bits is None else f"{bits}-bit lanes"
+            top = (1 << (bits or 8)) - 1
+            return False, f"{width} cannot hold the vote count of {n} workers (at most {top} workers)"
+    elif t == "int8" and n > 127:
+        return False, f"an int8 sum of {n} signs can overflow (at most 127 workers)"
+    elif t == "quantized":
+        bits = lane_bits(config, n) or 8
+        if _quant_levels(n, bits) < 1:
+            top = 127 if bits == 8 else ((1 << bits) - 1) // 2
+            return False, f"{bits}-bit quantized levels summed over {n} workers can overflow (at most {top})"
+    elif t == "server" and server_down_bits(config, n) is None:
+        return False, f"the server's count lanes cannot hold {n} workers (at most 254)"
+    return True, ""
 
 
 def check_workers(config: VoteConfig, n_workers: int) -> None:
-    """Raise ``ValueError`` naming the transport, ``bits`` and the widths that work when ``config``'s integer
-    sums could overflow for ``n_workers`` workers (the limits of :func:`lioncub.costmodel.allowed`)."""
-    from lioncub import costmodel
-
-    try:
-        ok, why = costmodel.allowed(config, n_workers)
-    except ValueError:
-        return  # not a configuration the cost model knows: the caller's own error stands
+    """Raise ``ValueError`` naming the transport, ``bits`` and the widths or presets that work when
+    ``config``'s integer sums could overflow for ``n_workers`` workers (see :func:`capacity`)."""
+    ok, why = capacity(config, n_workers)
     if ok:
         return
     widths = [
         b
         for b in (2, 4, 8)
         if config.transport in ("lanes", "quantized")
-        and costmodel.allowed(dataclasses.replace(config, bits=b), n_workers)[0]
+        and capacity(dataclasses.replace(config, bits=b), n_workers)[0]
     ]
     if widths:
         fix = f"allowed for {n_workers} workers: bits in {widths} or 'auto'"
     else:
-        fits = [name for name, preset in PRESETS.items() if costmodel.allowed(preset, n_workers)[0]]
+        fits = [name for name, preset in PRESETS.items() if capacity(preset, n_workers)[0]]
         fix = f"no width of this transport fits {n_workers} workers; presets that do: {fits}"
     raise ValueError(
         f"bits={config.bits!r} with transport={config.transport!r} (aggregation={config.aggregation!r}) "

@@ -6,7 +6,7 @@ vote starts as soon as backward has produced the bucket::
 
     model = DistributedDataParallel(model)
     opt = LionCub(model.parameters(), lr=3e-4, variant="1bit", model=model.module)
-    opt.overlap_with(model)          # instead of lioncub.ddp.skip_gradient_allreduce(model)
+    opt.overlap_with(model)          # instead of lioncub.optim.ddp.skip_gradient_allreduce(model)
     for batch in batches:
         loss_fn(model(batch)).backward()   # the votes start bucket by bucket
         opt.step()                         # waits for them, applies lr and weight decay
@@ -40,7 +40,7 @@ its random numbers in bucket order: same distribution, not the same bits.
 **Non-finite gradients.** Without overlap nothing non-finite is quantized or sent. With overlap the votes
 have started before the last bucket exists, so a step with NaN/Inf on any rank is still voted on (the
 quantizers give defined, in-range results for NaN/Inf) but its result is dropped on every rank:
-parameters and momenta untouched (``"skip"``), or :class:`~lioncub.optim.lioncub.NonFiniteGradientError`
+parameters and momenta untouched (``"skip"``), or :class:`~lioncub.optim.voting.NonFiniteGradientError`
 on every rank after the votes have finished (``"raise"``).
 
 **Rules.** One synchronised backward per step: accumulate gradients inside ``model.no_sync()`` (the hook
@@ -54,81 +54,60 @@ operation) are raised by the next ``step()``.
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from lioncub.collectives import Comm, Pending
-from lioncub.optim.config import make_vote
-from lioncub.optim.lioncub import LionCub, _peak, _Times, _Voted
+from lioncub.optim.voting import BucketVote, StepTimes, Voting
 
 __all__ = ["OverlapHook"]
-
-
-@dataclass
-class _InFlight:
-    """One DDP bucket of the coming step: its parameters (DDP's order), this rank's contribution (flat)
-    and its max-abs, the vote once posted, and (diagnostics steps) a copy of the contribution."""
-
-    index: int
-    step: int
-    params: list[torch.Tensor]
-    local: torch.Tensor
-    peak: torch.Tensor
-    direction: torch.Tensor | None
-    pending: Pending | None = None
 
 
 class OverlapHook:
     """The communication hook and vote thread of :meth:`LionCub.overlap_with` (see the module docstring).
 
     Args:
-        optimizer: the :class:`LionCub` that applies the votes.
         model: the DDP model whose trainable parameters are exactly the optimizer's.
-        process_group: the group the votes travel on (same ranks as the optimizer's); default: a new group
-            with the optimizer's ranks (collective: every rank of the default group calls it).
+        voting: the optimizer's :class:`~lioncub.optim.voting.Voting` on the group the votes travel on
+            (a group of their own, with the optimizer's ranks in its order).
+        next_step: the optimizer step the coming backward is for.
+        diagnostics_every: the optimizer's (the hook keeps a copy of the contributions on those steps).
+        names: the optimizer's parameters (``id`` → name), in its order.
     """
 
     def __init__(
         self,
-        optimizer: LionCub,
         model: DistributedDataParallel,
-        process_group: dist.ProcessGroup | None = None,
+        voting: Voting,
+        *,
+        next_step: Callable[[], int],
+        diagnostics_every: int,
+        names: dict[int, str],
     ) -> None:
         if not isinstance(model, DistributedDataParallel):
             raise TypeError(
                 f"overlap_with(model): expected a DistributedDataParallel model, got {type(model).__name__}"
             )
-        self.opt = optimizer
-        comm = optimizer.comm
-        if dist.get_world_size(model.process_group) != comm.world_size:
-            raise ValueError(
-                f"overlap_with: the DDP model's process group has {dist.get_world_size(model.process_group)} "
-                f"ranks, the optimizer's {comm.world_size}; they must be the same data-parallel group"
-            )
-        _check_same_parameters(optimizer, model)
-        if process_group is None:
-            ranks = dist.get_process_group_ranks(comm.group or dist.group.WORLD)
-            process_group = dist.new_group(ranks=ranks, backend=comm.backend)
+        _check_same_parameters(model, names)
+        self.voting = voting
         #: the votes' own view of the group (bytes counted here, added to the step's in comm_stats)
-        self.comm = Comm(process_group, exchange=comm.exchange)
-        if self.comm.world_size != comm.world_size or self.comm.rank != comm.rank:
-            raise ValueError("overlap_with: process_group must have the optimizer's ranks, in its order")
-        self.vote = make_vote(self.comm, optimizer.config, seed=optimizer.seed)
-        self._inflight: list[_InFlight] = []
-        self._collected: list[Pending] = []
+        self.comm = voting.comm
+        self._next_step = next_step
+        self._diagnostics_every = diagnostics_every
+        self._names = names
+        self._inflight: list[BucketVote] = []
         self._step = 0  # the optimizer step the buckets in flight are for
         self._buffers: dict[int, torch.Tensor] = {}
-        self._times = _Times()  # the hook's and the vote thread's work since the last step
+        self._times = StepTimes()  # the hook's and the vote thread's work since the last step
         self._mark = self.comm.counter.snapshot()
         self._error: BaseException | None = None
         self._closed = False
         self.bucket_numels: list[int] = []
-        self._queue: queue.Queue[_InFlight | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[BucketVote, int] | None] = queue.Queue()
         self._thread = threading.Thread(
-            target=self._vote_thread, name=f"lioncub-overlap-rank{comm.rank}", daemon=True
+            target=self._vote_thread, name=f"lioncub-overlap-rank{self.comm.rank}", daemon=True
         )
         self._thread.start()
         model.register_comm_hook(None, self._hook)
@@ -146,10 +125,8 @@ class OverlapHook:
 
     @torch.no_grad()
     def _start_bucket(self, bucket: dist.GradBucket) -> None:
-        opt, rank = self.opt, self.comm.rank
-        step = opt.global_step + 1
-        index = bucket.index()
-        if self._step != step or any(f.index == index for f in self._inflight):
+        rank, step, index = self.comm.rank, self._next_step(), bucket.index()
+        if self._step != step or any(b.key == index for b in self._inflight):
             if self._inflight:
                 raise RuntimeError(
                     f"rank {rank}: LionCub overlap: a second synchronised backward ran before step() "
@@ -158,45 +135,40 @@ class OverlapHook:
                 )
             self._step = step
         t0 = time.perf_counter()
-        params, grads = bucket.parameters(), bucket.gradients()
-        flat = bucket.buffer()
+        params, grads, flat = bucket.parameters(), bucket.gradients(), bucket.buffer()
+        unknown = [p for p in params if not self.voting.holds(p)]
+        if unknown:
+            raise ValueError(
+                f"rank {rank}: LionCub overlap: DDP bucket {index} holds a parameter "
+                f"{tuple(unknown[0].shape)} that the optimizer does not optimize"
+            )
         local = self._buffers.get(index)
         if local is None or local.numel() != flat.numel() or local.dtype != flat.dtype:
             local = self._buffers[index] = torch.empty_like(flat)
-        pos = 0
-        for p, g in zip(params, grads, strict=True):
-            gi = opt._group_index.get(id(p))
-            if gi is None:
-                raise ValueError(
-                    f"rank {rank}: LionCub overlap: DDP bucket {index} holds a parameter "
-                    f"{tuple(p.shape)} that the optimizer does not optimize"
-                )
-            opt._local_into(local[pos : pos + p.numel()].view_as(p), p, g, opt.param_groups[gi])
-            pos += p.numel()
-        diagnose = bool(opt.diagnostics_every) and step % opt.diagnostics_every == 0
-        item = _InFlight(index, step, list(params), local, _peak(local), local.clone() if diagnose else None)
+        diagnose = bool(self._diagnostics_every) and step % self._diagnostics_every == 0
+        item = self.voting.contribute(index, params, grads, local, keep_copy=diagnose)
         self._times.direction += time.perf_counter() - t0
         self._inflight.append(item)
-        self._queue.put(item)
+        self._queue.put((item, step))
 
     # -- the vote thread -----------------------------------------------------------------------------
 
     def _vote_thread(self) -> None:
-        previous: _InFlight | None = None
+        previous: tuple[BucketVote, int] | None = None
         while True:
-            item = self._queue.get()
+            entry = self._queue.get()
             try:
-                if item is None:
+                if entry is None:
                     return
                 if self._error is not None:
                     continue
                 t0 = time.perf_counter()
-                segments = [p.numel() for p in item.params]
-                item.pending = self.vote.start(item.local, step=item.step, key=item.index, segments=segments)
-                if previous is not None and previous.step == item.step and previous.pending is not None:
-                    previous.pending.advance()  # waits for its first phase, posts its second
+                item, step = entry
+                self.voting.post(item, step)
+                if previous is not None and previous[1] == step and previous[0].pending is not None:
+                    previous[0].pending.advance()  # waits for its first phase, posts its second
                 self._times.overlapped += time.perf_counter() - t0
-                previous = item
+                previous = entry
             except BaseException as err:  # raised by the next step()
                 self._error = err
             finally:
@@ -204,14 +176,13 @@ class OverlapHook:
 
     # -- what step() calls -----------------------------------------------------------------------------
 
-    def collect(self, step: int, times: _Times) -> _Voted | None:
-        """The votes of ``step`` (``None`` if no backward ran since the last step: the plain step), once
-        the vote thread is idle; adds the hook's times to ``times`` (the wait for the vote thread to
+    def collect(self, step: int, times: StepTimes) -> list[BucketVote] | None:
+        """The posted votes of ``step`` (``None`` if no backward ran since the last step: the plain step),
+        once the vote thread is idle; adds the hook's times to ``times`` (the wait for the vote thread to
         ``exchange``: it is communication the backward did not hide). Raises the vote thread's error."""
         t0 = time.perf_counter()
         self._queue.join()
         times.exchange += time.perf_counter() - t0
-        self._collected = []
         if self._error is not None:
             err, self._error = self._error, None
             self._inflight = []
@@ -220,13 +191,13 @@ class OverlapHook:
         if not inflight:
             return None
         #: DDP's buckets (elements each, in order) of the last overlapped step
-        self.bucket_numels = [f.local.numel() for f in inflight]
+        self.bucket_numels = [b.local.numel() for b in inflight]
         if self._step != step:
             raise RuntimeError(
                 f"rank {self.comm.rank}: LionCub overlap: votes for step {self._step} reached step {step}"
             )
-        covered = {id(p) for f in inflight for p in f.params}
-        missing = [self.opt._names[i] for i in self.opt._order if i not in covered]
+        covered = {id(p) for b in inflight for p in b.params}
+        missing = [name for i, name in self._names.items() if i not in covered]
         if missing:
             raise RuntimeError(
                 f"rank {self.comm.rank}: LionCub overlap: DDP's buckets of step {step} did not hold "
@@ -234,23 +205,8 @@ class OverlapHook:
             )
         # quantize/pack and the between-phase work ran during the backward: reported apart (overlapped_s)
         times.overlapped += self._times.direction + self._times.overlapped
-        self._times = _Times()
-        voted = _Voted()
-        for f in inflight:
-            assert f.pending is not None
-            voted.params.append(f.params)
-            voted.pending.append(f.pending)
-            voted.peak.append(f.peak)
-            if f.direction is not None:
-                voted.directions.append(f.direction)
-        self._collected = voted.pending
-        return voted
-
-    def drain(self) -> None:
-        """Wait for every vote of the collected step (before dropping or raising: none stays in flight)."""
-        for vote in self._collected:
-            vote.wait()
-        self._collected = []
+        self._times = StepTimes()
+        return inflight
 
     def take_traffic(self) -> tuple[float, float, int]:
         """(bytes sent, bytes received, collectives) posted on the votes' group since the last call."""
@@ -266,12 +222,12 @@ class OverlapHook:
             self._thread.join()
 
 
-def _check_same_parameters(opt: LionCub, model: DistributedDataParallel) -> None:
+def _check_same_parameters(model: DistributedDataParallel, names: dict[int, str]) -> None:
     """The DDP model's trainable parameters must be exactly the optimizer's (the hook votes on DDP's
     buckets; a parameter in only one of them would never be updated, or updated from nothing)."""
     ddp = {id(p): n for n, p in model.module.named_parameters() if p.requires_grad}
-    extra = [n for i, n in ddp.items() if i not in opt._order]
-    missing = [opt._names[i] for i in opt._order if i not in ddp]
+    extra = [n for i, n in ddp.items() if i not in names]
+    missing = [n for i, n in names.items() if i not in ddp]
     if extra or missing:
         raise ValueError(
             "overlap_with: the DDP model's trainable parameters must be exactly the optimizer's: "

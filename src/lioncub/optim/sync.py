@@ -1,6 +1,6 @@
 """Momentum synchronization for :class:`~lioncub.optim.LionCub` (Lion Cub §3.7): which momenta, and when.
 
-Which (``momentum_sync=``):
+Which (``MomentumSync(params)``, or ``LionCub(momentum_sync=params)``):
 
 * ``"none"`` — never (pure Distributed Lion);
 * ``"all"`` — every parameter's momentum;
@@ -11,10 +11,11 @@ Which (``momentum_sync=``):
 * a list of patterns: ``fnmatch`` patterns of parameter names (``"transformer.wte.*"``), or names of
   param groups (their ``"name"`` key).
 
-When: at every step ``t`` with ``t % sync_every == 0`` (the paper: 10), or on the exponentially spaced
-schedule of the authors' code, ``T = {0, t_1, t_2, …}`` with ``t_{j+1} = t_j + ⌊2^{j/K}⌋`` (``sync_exp_k=K``;
-the increment is at least 1); in both cases only while ``t ≤ sync_until`` if that is set. The schedule is
-a function of the optimizer step, which checkpoints keep, so a resumed run syncs at the same steps.
+When (:class:`MomentumSync`): at every step ``t`` with ``t % every == 0`` (the paper: 10), or on the
+exponentially spaced schedule of the authors' code, ``T = {0, t_1, t_2, …}`` with ``t_{j+1} = t_j +
+⌊2^{j/K}⌋`` (``exp_k=K``; the increment is at least 1); in both cases only while ``t ≤ until`` if that is
+set. The schedule is a function of the optimizer step, which checkpoints keep, so a resumed run
+syncs at the same steps.
 
 The sync itself is an allreduce of the chosen momenta (flattened per dtype, fp32 or bf16 on the wire)
 divided by N: afterwards every rank holds the mean of the ranks' momenta.
@@ -29,7 +30,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["SyncSchedule", "find_io_parameters", "select_parameters"]
+from lioncub._validate import is_int
+
+__all__ = ["MomentumSync", "find_io_parameters", "select_parameters"]
 
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _NORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm, nn.LayerNorm)
@@ -102,31 +105,55 @@ def select_parameters(
 
 
 @dataclass(frozen=True)
-class SyncSchedule:
-    """At which optimizer steps (1, 2, …) the momenta are synchronized."""
+class MomentumSync:
+    """Which momenta :class:`~lioncub.optim.LionCub` averages over the ranks, when, and in which dtype.
 
+    Args:
+        params: ``"none"`` (default), ``"all"``, ``"io"`` (the input and output layers of the optimizer's
+            ``model=``) or a list of parameter-name patterns / param-group names (see the module docstring).
+        every: sync at every step ``t`` with ``t % every == 0`` (the paper: 10).
+        until: only while ``t ≤ until`` (``None``: always).
+        exp_k: instead of ``every``, the authors' exponentially spaced schedule with this ``K``.
+        dtype: the wire dtype of the allreduce: ``torch.float32`` (default), ``torch.bfloat16`` or
+            ``torch.float64``.
+
+    Each field is checked here, once; ``LionCub(momentum_sync="io")`` is ``MomentumSync("io")``.
+    """
+
+    params: str | Sequence[str] = "none"
     every: int = 10
     until: int | None = None
     exp_k: int | None = None
+    dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
-        if not (_is_int(self.every) and self.every >= 1):
-            raise ValueError(f"sync_every={self.every!r} must be an int >= 1 (steps)")
-        if self.until is not None and not (_is_int(self.until) and self.until >= 0):
-            raise ValueError(f"sync_until={self.until!r} must be None or an int >= 0 (steps)")
-        if self.exp_k is not None and not (_is_int(self.exp_k) and self.exp_k >= 1):
-            raise ValueError(f"sync_exp_k={self.exp_k!r} must be None or an int >= 1")
+        if not is_int(self.every, 1):
+            raise ValueError(f"MomentumSync: every={self.every!r} must be an int >= 1 (steps)")
+        if self.until is not None and not is_int(self.until, 0):
+            raise ValueError(f"MomentumSync: until={self.until!r} must be None or an int >= 0 (steps)")
+        if self.exp_k is not None and not is_int(self.exp_k, 1):
+            raise ValueError(f"MomentumSync: exp_k={self.exp_k!r} must be None or an int >= 1")
+        if self.dtype not in (torch.float32, torch.bfloat16, torch.float64):
+            raise ValueError(
+                f"MomentumSync: dtype={self.dtype} must be torch.float32, torch.bfloat16 or torch.float64"
+            )
 
     def due(self, step: int) -> bool:
+        """Whether the momenta are synchronized after optimizer step ``step`` (1, 2, …)."""
         if self.until is not None and step > self.until:
             return False
         if self.exp_k is None:
             return step % self.every == 0
         return step in _exponential_steps(self.exp_k, step)
 
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    def describe(self) -> str:
+        """``"every 10 steps"``, ``"on the exponential schedule K=4 until step 100"``."""
+        when = (
+            f"every {self.every} steps"
+            if self.exp_k is None
+            else f"on the exponential schedule K={self.exp_k}"
+        )
+        return when + ("" if self.until is None else f" until step {self.until}")
 
 
 def _exponential_steps(k: int, up_to: int) -> set[int]:

@@ -5,7 +5,7 @@
 * :mod:`lioncub.train.data` -- corpora, image sets and step-indexed per-rank samplers;
 * :mod:`lioncub.train.loop` -- the training loop of one rank (``lioncub train`` launches it);
 * :mod:`lioncub.train.checkpoint` -- per-rank checkpoints, resume checks, momentum conversion;
-* :mod:`lioncub.train.report` -- the ``lioncub compare`` table and plots (no torch).
+* :mod:`lioncub.report.runs` -- the ``lioncub compare`` table and plots (no torch).
 """
 
 from lioncub.train.workloads import SIZES, CNNWorkload, GPTWorkload, Workload, make_workload, workload_names

@@ -9,7 +9,7 @@ Variants. ``"32bit"`` is what users run today: ``DistributedDataParallel`` (buck
 allreduce overlapped with the backward pass) + :class:`~lioncub.optim.Lion`; ``"16bit"`` the same with
 DDP's bf16 compression hook (fp16 where the backend cannot allreduce bf16). Every other variant is a
 :class:`~lioncub.optim.LionCub` preset; the model is still wrapped in DDP (initial broadcast, buffer
-sync) with its gradient allreduce skipped (:func:`lioncub.ddp.skip_gradient_allreduce`), or, with
+sync) with its gradient allreduce skipped (:func:`lioncub.optim.ddp.skip_gradient_allreduce`), or, with
 ``overlap``, replaced by the vote itself (:meth:`~lioncub.optim.LionCub.overlap_with`).
 
 Step time split (seconds, rank 0, in every ``step`` record of ``log.jsonl``):
@@ -28,167 +28,44 @@ Step time split (seconds, rank 0, in every ``step`` record of ``log.jsonl``):
 
 ``eval`` records hold ``val_loss`` (and ``val_acc``) at ``eval_every`` steps and at the end; rank 0
 evaluates (the replicas are identical) while the others wait. With ``diagnostics_every`` a ``diag``
-record holds :mod:`lioncub.diagnostics` overall and per parameter tensor.
+record holds :mod:`lioncub.optim.diagnostics` overall and per parameter tensor.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
-import math
 import os
+import random
 import signal
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from lioncub.ddp import (
+from lioncub.optim.config import resolve_variant
+from lioncub.optim.ddp import (
     GradientTraffic,
     compressed_allreduce_dtype,
     count_gradient_allreduce,
     skip_gradient_allreduce,
 )
-from lioncub.optim import PRESETS, Lion, LionCub
-from lioncub.optim.lioncub import NONFINITE_MODES, NonFiniteGradientError
+from lioncub.optim.lion import Lion
+from lioncub.optim.lioncub import Checks, LionCub, NonFiniteGradientError
+from lioncub.optim.sync import MomentumSync
 from lioncub.train import checkpoint
-from lioncub.train.workloads import CNNWorkload, GPTWorkload, Workload, make_workload, workload_names
+from lioncub.train.config import BASELINES, TrainConfig, lr_factor
+from lioncub.train.workloads import Workload, make_workload
 
-__all__ = ["BASELINES", "TrainConfig", "build_optimizer", "lr_factor", "main", "train"]
-
-#: variants trained as DDP + Lion, as users run today (gradient allreduce in fp32 / 16-bit)
-BASELINES = ("32bit", "16bit")
-
-
-@dataclass
-class TrainConfig:
-    """One training run. ``overrides`` replace workload fields (e.g. ``{"batch_size": 8}``)."""
-
-    workload: str = "gpt"
-    size: str = "tiny"
-    variant: str = "8bit"
-    steps: int = 200
-    warmup_steps: int | None = None  # None: 10 % of the steps, at most 100
-    min_lr_ratio: float = 0.1  # the cosine ends at this fraction of each group's peak lr
-    eval_every: int = 50  # 0: only at the end
-    checkpoint_every: int = 0  # 0: only at the end
-    seed: int = 0
-    data_mode: str = "random"
-    bucket_mb: float = 25.0
-    device: str = "auto"  # "auto": cuda if available (NCCL), else cpu (gloo)
-    overrides: dict[str, Any] = field(default_factory=dict)
-    convert_momenta: str | None = None
-    stop_at: int | None = None  # stop after this step with a checkpoint, keeping the schedule of `steps`
-    momentum_sync: str | list[str] = "none"  # LionCub: "none", "all", "io" or name patterns / group names
-    sync_every: int = 10
-    diagnostics_every: int = 0  # LionCub: vote diagnostics every k steps into log.jsonl ("diag" records)
-    quantizer: str | None = None  # LionCub: the quantizer of the "8bit" preset (l1, l0, linf, lp, qsgd, log)
-    nonfinite: str = "skip"  # NaN/Inf gradients on any rank: "skip" the step on every rank, or "raise"
-    overlap: bool = False  # LionCub: start each DDP bucket's vote during the backward (a comm hook)
-    # recorded for the report; the launcher applies them
-    nproc: int = 1
-    link: str = "loopback"
-
-    def __post_init__(self) -> None:
-        names = workload_names()
-        if self.workload not in names:
-            raise ValueError(f"--workload {self.workload!r}: allowed values are {sorted(names)}")
-        if self.size not in names[self.workload]:
-            raise ValueError(
-                f"--size {self.size!r}: allowed values for {self.workload} are {names[self.workload]}"
-            )
-        fields = {f.name for f in dataclasses.fields({"gpt": GPTWorkload, "cnn": CNNWorkload}[self.workload])}
-        fields -= {"size", "rank", "world_size", "seed", "data_mode", "device"}  # set by the run itself
-        unknown = sorted(set(self.overrides) - fields)
-        if unknown:
-            raise ValueError(
-                f"--set {', '.join(unknown)}: not a field of the {self.workload} workload; "
-                f"fields: {sorted(fields)}"
-            )
-        allowed = sorted({*PRESETS, *BASELINES})
-        if self.variant not in allowed:
-            raise ValueError(f"--variant {self.variant!r}: allowed values are {allowed}")
-        for name in ("steps", "eval_every", "checkpoint_every", "nproc"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < (1 if name in ("steps", "nproc") else 0):
-                raise ValueError(
-                    f"--{name.replace('_', '-')} {value!r} must be an integer >= "
-                    f"{1 if name in ('steps', 'nproc') else 0}"
-                )
-        if self.warmup_steps is not None and not (
-            isinstance(self.warmup_steps, int) and self.warmup_steps >= 0
-        ):
-            raise ValueError(f"--warmup {self.warmup_steps!r} must be an integer >= 0")
-        if self.stop_at is not None and not (
-            isinstance(self.stop_at, int) and 1 <= self.stop_at <= self.steps
-        ):
-            raise ValueError(
-                f"--stop-at {self.stop_at!r} must be an integer within [1, --steps {self.steps}]"
-            )
-        voting_only = {"--diagnostics-every": self.diagnostics_every, "--momentum-sync": self.momentum_sync}
-        for option, value in voting_only.items():
-            if value not in (0, "none") and self.variant in BASELINES:
-                raise ValueError(
-                    f"{option} {value!r}: --variant {self.variant} keeps one global momentum and does not "
-                    "vote; it applies to the voting variants"
-                )
-        if not isinstance(self.overlap, bool):
-            raise ValueError(f"--overlap {self.overlap!r} must be true or false")
-        if self.overlap and self.variant in BASELINES:
-            raise ValueError(
-                f"--overlap: --variant {self.variant} is DDP + Lion, which always overlaps its gradient "
-                "allreduce with the backward pass; --overlap applies to the LionCub variants"
-            )
-        if self.nonfinite not in NONFINITE_MODES:
-            raise ValueError(f"--nonfinite {self.nonfinite!r}: allowed values are {list(NONFINITE_MODES)}")
-        if self.quantizer is not None:
-            from lioncub.quantize import QUANTIZERS
-
-            if self.quantizer not in QUANTIZERS:
-                raise ValueError(f"--quantizer {self.quantizer!r}: allowed values are {sorted(QUANTIZERS)}")
-            if self.variant != "8bit":
-                raise ValueError(f"--quantizer: only --variant 8bit quantizes (this run is {self.variant})")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"--min-lr-ratio {self.min_lr_ratio!r} must be within [0, 1]")
-        if self.data_mode not in ("random", "shard"):
-            raise ValueError(f"--data-mode {self.data_mode!r}: allowed values are ['random', 'shard']")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"--device {self.device!r}: allowed values are ['auto', 'cpu', 'cuda']")
-        if self.convert_momenta not in (None, *checkpoint.CONVERSIONS):
-            raise ValueError(
-                f"--convert-momenta {self.convert_momenta!r}: allowed values are "
-                f"{list(checkpoint.CONVERSIONS)}"
-            )
-
-    @property
-    def warmup(self) -> int:
-        return min(100, self.steps // 10) if self.warmup_steps is None else self.warmup_steps
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> TrainConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in doc.items() if k in known})
-
-
-def lr_factor(step: int, steps: int, warmup: int, min_ratio: float) -> float:
-    """Multiplier of every group's peak lr at optimizer step ``step`` (1-based): linear warm-up over
-    ``warmup`` steps, then a cosine from 1 down to ``min_ratio`` at ``steps``."""
-    if step <= warmup:
-        return step / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
+__all__ = ["build_optimizer", "device_for", "init_distributed", "main", "seed_rank", "train"]
 
 # ----------------------------------------------------------------------------------------- optimizer
 
@@ -220,15 +97,12 @@ def build_optimizer(config: TrainConfig, wl: Workload, model: torch.nn.Module, w
     opt = LionCub(
         groups,
         betas=wl.betas,
-        variant=config.variant,
+        variant=resolve_variant(config.variant, quantizer=config.quantizer),
         bucket_mb=config.bucket_mb,
-        broadcast_init=False,
-        momentum_sync=config.momentum_sync,
-        sync_every=config.sync_every,
+        momentum_sync=MomentumSync(config.momentum_sync, every=config.sync_every),
         model=getattr(model, "module", model),
+        checks=Checks(broadcast_init=False, nonfinite=config.nonfinite),
         diagnostics_every=config.diagnostics_every,
-        quantizer=config.quantizer,
-        nonfinite=config.nonfinite,
     )
     if world_size > 1 and config.overlap:
         opt.overlap_with(model)  # type: ignore[arg-type]  # the votes start during the backward
@@ -239,10 +113,11 @@ def build_optimizer(config: TrainConfig, wl: Workload, model: torch.nn.Module, w
 
 def _compute_baseline(model: torch.nn.Module, wl: Workload, step: int) -> float:
     """Median forward + backward time without communication (DDP ``no_sync``); leaves no trace: the
-    gradients are dropped and the buffers (BatchNorm statistics) put back."""
+    gradients are dropped, the buffers (BatchNorm statistics) put back and the RNG (dropout) too."""
     buffers = {k: v.clone() for k, v in model.named_buffers()}
     times = []
-    with model.no_sync():  # type: ignore[operator]
+    devices = [wl.device] if wl.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), model.no_sync():  # type: ignore[operator]
         for _ in range(4):
             dist.barrier()  # all ranks compute at once, competing for the cores as in a training step
             t0 = time.perf_counter()
@@ -259,7 +134,9 @@ def _compute_baseline(model: torch.nn.Module, wl: Workload, step: int) -> float:
 # ---------------------------------------------------------------------------------------------- loop
 
 
-def _device(config: TrainConfig) -> torch.device:
+def device_for(config: TrainConfig) -> torch.device:
+    """The device this rank trains on: ``cuda:LOCAL_RANK`` (``--device cuda``, or ``auto`` with CUDA), else
+    the CPU."""
     if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise RuntimeError("--device cuda: no CUDA device is available")
@@ -267,11 +144,28 @@ def _device(config: TrainConfig) -> torch.device:
     return torch.device("cpu")
 
 
+_SEED_TAG = 0x5EED  # keeps these seeds apart from the data streams' (seed, rank, step) keys
+
+
+def seed_rank(seed: int, rank: int, *more: int) -> None:
+    """Seed this rank's global generators -- torch's CPU generator (dropout's on the CPU) and every CUDA
+    device's, ``random``'s and numpy's -- from ``(seed, rank, *more)`` alone: every run of a seed draws
+    the same numbers, and each rank its own (the key is hashed: no collisions such as seed + rank)."""
+    words = np.random.SeedSequence([_SEED_TAG, seed, rank, *more]).generate_state(4)  # uint32
+    torch.manual_seed(int(words[0]) << 32 | int(words[1]))  # also every CUDA device (lazily if not started)
+    random.seed(int(words[2]) << 32 | int(words[3]))
+    np.random.seed(words)
+
+
 def train(config: TrainConfig, run_dir: Path, *, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run (or resume) the training of ``config`` on this rank of the initialised process group; rank 0
-    writes ``log.jsonl`` and ``summary.json`` in ``run_dir``. Returns the summary."""
+    writes ``log.jsonl`` and ``summary.json`` in ``run_dir``. Returns the summary.
+
+    The global generators (dropout) are seeded from ``(seed, rank)`` (:func:`seed_rank`) and a resumed run
+    restores the checkpoint's, so a run is a function of its seed and a resumed one equals the
+    uninterrupted one."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = _device(config)
+    device = device_for(config)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     wl = make_workload(
@@ -285,6 +179,7 @@ def train(config: TrainConfig, run_dir: Path, *, log: Callable[[str], None] = pr
         **config.overrides,
     )
     model = wl.build_model()
+    seed_rank(config.seed, rank)  # dropout draws from the global generators
     start = 0
     resume = checkpoint.latest(run_dir)
     state = None
@@ -311,9 +206,12 @@ def train(config: TrainConfig, run_dir: Path, *, log: Callable[[str], None] = pr
         else:
             o.opt.load_state_dict(state["optimizer"])
         wl.load_state_dict(state["data"], strict=world == resume.world_size)
-        checkpoint.restore_rng(state)
     wl.sampler.position = start
     compute_ref = _compute_baseline(model, wl, start) if o.traffic is not None else None
+    if state is not None and "converted_from" in state:  # rank 0's RNG states: each rank draws its own
+        seed_rank(config.seed, rank, start)
+    elif state is not None:  # after everything in the setup that may draw random numbers
+        checkpoint.restore_rng(state)
     log_path = run_dir / "log.jsonl"
     if rank == 0:
         _truncate_log(log_path, start)
@@ -505,6 +403,41 @@ def _elapsed_at(path: Path, step: int) -> float:
 # ---------------------------------------------------------------------------------------------- main
 
 
+def init_distributed(config: TrainConfig) -> None:
+    """``init_process_group`` (NCCL on CUDA, else gloo) from the environment that ``lioncub launch`` or
+    ``torchrun`` sets, with ``$LIONCUB_PG_TIMEOUT`` seconds (default 600) as every collective's timeout.
+
+    Under torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE``) its keys outlive a restart (same port),
+    and a restarted rank may read a peer's address from the previous attempt and fail with "Connection
+    refused" (pytorch/pytorch#135712): the keys are put under a prefix per attempt
+    (``TORCHELASTIC_RESTART_COUNT``), which every worker of a restarted job shares."""
+    backend = "nccl" if device_for(config).type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=float(os.environ.get("LIONCUB_PG_TIMEOUT", "600")))
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
+    )
+    store = dist.PrefixStore(f"lioncub/attempt_{attempt}", agent)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def run_rank(config: TrainConfig, run_dir: Path) -> dict[str, Any]:
+    """This process's whole part of a run: join the job (:func:`init_distributed`), :func:`train`, wait for
+    every rank and leave the group. Returns the summary."""
+    torch.set_num_threads(int(os.environ.get("LIONCUB_THREADS", "1")))
+    init_distributed(config)
+    try:
+        summary = train(config, run_dir)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return summary
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m lioncub.train.loop RUN_DIR``: train ``RUN_DIR/config.json`` on this rank."""
     args = sys.argv[1:] if argv is None else argv
@@ -515,15 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     run_dir = Path(args[0])
     config = TrainConfig.from_json(json.loads((run_dir / "config.json").read_text()))
-    torch.set_num_threads(int(os.environ.get("LIONCUB_THREADS", "1")))
-    backend = "nccl" if _device(config).type == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=float(os.environ.get("LIONCUB_PG_TIMEOUT", "600")))
-    dist.init_process_group(backend, timeout=timeout)
-    try:
-        summary = train(config, run_dir)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    summary = run_rank(config, run_dir)
     if summary["final"] is not None and int(os.environ.get("RANK", "0")) == 0:
         print(f"final validation: {summary['final']}")
     return 0

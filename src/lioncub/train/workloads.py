@@ -42,7 +42,6 @@ cnn     small   ResNet widths 16-32-64, batch 128                0.17 M     Fash
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -52,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lioncub._validate import is_int, is_number
 from lioncub.train import cnn, gpt
 from lioncub.train.data import (
     DATASETS,
@@ -156,7 +156,7 @@ class Workload(ABC):
         """A fresh model on :attr:`device`, initialised from ``seed`` alone (the same on every rank).
 
         The global RNG is left untouched (the init runs inside ``torch.random.fork_rng``)."""
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(self.seed)
             model = self._make_model()
         return model.to(self.device)
@@ -478,24 +478,22 @@ def workload_names() -> dict[str, list[str]]:
 
 # ---------------------------------------------------------------------------------------- validation
 
-_INT_GE_1 = ("an int >= 1", lambda v: _is_int(v) and v >= 1)
-_RATE = ("a finite number >= 0", lambda v: _is_number(v) and 0 <= v < math.inf)
+_INT_GE_1 = ("an int >= 1", lambda v: is_int(v) and v >= 1)
+_RATE = ("a finite number >= 0", lambda v: is_number(v, ge=0))
 _BOOL = ("true or false", lambda v: isinstance(v, bool))
 
 #: field -> (what is allowed, test); fields of every workload, then of each one
 _COMMON_CHECKS: dict[str, tuple[str, Any]] = {
-    "rank": ("an int >= 0", lambda v: _is_int(v) and v >= 0),
+    "rank": ("an int >= 0", lambda v: is_int(v) and v >= 0),
     "world_size": _INT_GE_1,
-    "seed": ("an int >= 0", lambda v: _is_int(v) and v >= 0),
+    "seed": ("an int >= 0", lambda v: is_int(v) and v >= 0),
     "data_mode": (f"one of {list(MODES)}", lambda v: v in MODES),
     "device": ("a device name such as 'cpu' or 'cuda:0'", lambda v: isinstance(v, (str, torch.device))),
     "batch_size": _INT_GE_1,
     "lr": _RATE,
     "betas": (
         "a pair [beta1, beta2] with 0 <= beta < 1",
-        lambda v: (
-            isinstance(v, (list, tuple)) and len(v) == 2 and all(_is_number(b) and 0 <= b < 1 for b in v)
-        ),
+        lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and all(is_number(b, ge=0, lt=1) for b in v),
     ),
     "weight_decay": _RATE,
 }
@@ -506,14 +504,14 @@ _CHECKS: dict[str, dict[str, tuple[str, Any]]] = {
             lambda v: isinstance(v, str) and all(p in TEXTS for p in v.split("+")),
         ),
         "tokenizer": ("'char' or 'gpt2'", lambda v: v in ("char", "gpt2")),
-        "val_fraction": ("a number in (0, 1)", lambda v: _is_number(v) and 0 < v < 1),
+        "val_fraction": ("a number in (0, 1)", lambda v: is_number(v, gt=0, lt=1)),
         "n_layer": _INT_GE_1,
         "n_head": _INT_GE_1,
         "n_embd": _INT_GE_1,
         "block_size": _INT_GE_1,
         "bias": _BOOL,
         "tie_embeddings": _BOOL,
-        "dropout": ("a number in [0, 1)", lambda v: _is_number(v) and 0 <= v < 1),
+        "dropout": ("a number in [0, 1)", lambda v: is_number(v, ge=0, lt=1)),
         "head_lr": _RATE,
         "embed_lr": _RATE,
         "scalar_lr": _RATE,
@@ -523,7 +521,7 @@ _CHECKS: dict[str, dict[str, tuple[str, Any]]] = {
         "dataset": (f"one of {list(DATASETS)}", lambda v: v in DATASETS),
         "widths": (
             "a non-empty list of ints >= 1, e.g. [16, 32, 64]",
-            lambda v: isinstance(v, (list, tuple)) and len(v) > 0 and all(_is_int(w) and w >= 1 for w in v),
+            lambda v: isinstance(v, (list, tuple)) and len(v) > 0 and all(is_int(w) and w >= 1 for w in v),
         ),
         "blocks_per_stage": _INT_GE_1,
         "eval_examples": _INT_GE_1,
@@ -531,14 +529,6 @@ _CHECKS: dict[str, dict[str, tuple[str, Any]]] = {
         "bn_calibration_examples": _INT_GE_1,
     },
 }
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
 
 
 def check_fields(cls: type[Workload], values: dict[str, Any]) -> None:

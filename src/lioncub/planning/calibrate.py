@@ -1,14 +1,14 @@
 """Measure the cost model's constants on the current process group: α and efficiency per collective, and
 the per-element compute costs of this CPU.
 
-Every rank calls :func:`calibrate` (collectively). For each collective of :data:`lioncub.costmodel.OPS`
-and each payload size it times ``warmup`` + ``repeats`` runs, each started after a barrier, takes the
-maximum over the ranks (allreduce MAX) and the median over the repeats, and fits ``time = a + b·bytes``
-by least squares on the relative error (every size weighs the same), with ``bytes`` the bytes through
-the busiest link direction as the model counts them and ``a >= 0``. Then ``α = a / messages`` and the
-op's payload rate is ``1/b`` bytes/s. The exchanges are those the vote classes use: ring allreduce
-(``dist.all_reduce``), pairwise all-to-all and all-gather through :class:`~lioncub.collectives.Comm`,
-and point-to-point sends into and out of rank 0.
+Every rank calls :func:`calibrate` (collectively). For each collective of
+:data:`lioncub.planning.costmodel.OPS` and each payload size it times ``warmup`` + ``repeats`` runs, each
+started after a barrier, takes the maximum over the ranks (allreduce MAX) and the median over the repeats,
+and fits ``time = a + b·bytes`` by least squares on the relative error (every size weighs the same), with
+``bytes`` the bytes through the busiest link direction as the model counts them and ``a >= 0``. Then ``α = a
+/ messages`` and the op's payload rate is ``1/b`` bytes/s. The exchanges are those the vote classes use:
+ring allreduce (``dist.all_reduce``), pairwise all-to-all and all-gather through
+:class:`~lioncub.collectives.Comm`, and point-to-point sends into and out of rank 0.
 
 The link rate comes from ``$LIONCUB_LINK_BPS`` (set by ``lioncub launch --link``); without one the
 fitted fp32 allreduce rate is the reference (its efficiency is 1). The local reduction of the allreduces
@@ -31,9 +31,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lioncub import packing, quantize
+from lioncub._validate import is_int, is_number
 from lioncub.collectives import Comm
-from lioncub.costmodel import OPS, Calibration, Compute, Network, OpCost
+from lioncub.ops import packing, quantize
+from lioncub.planning.costmodel import OPS, Calibration, Compute, Network, OpCost
 
 __all__ = [
     "DEFAULT_SIZES",
@@ -90,7 +91,7 @@ def init_from_env(timeout_s: float = 300.0) -> bool:
 
     Returns True if this call initialised it (the caller then destroys it).
     """
-    if isinstance(timeout_s, bool) or not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < math.inf):
+    if not is_number(timeout_s, gt=0):
         raise RuntimeError(f"timeout_s={timeout_s!r} must be a finite number of seconds > 0 (--timeout)")
     if dist.is_initialized():
         return False
@@ -98,7 +99,7 @@ def init_from_env(timeout_s: float = 300.0) -> bool:
     if missing:
         raise RuntimeError(
             f"no process group and {', '.join(missing)} not set: run under `lioncub launch --nproc N "
-            "[--link RATE] -- python -m lioncub.calibrate_cli ...` (or torchrun)"
+            "[--link RATE] -- python -m lioncub.cli.calibrate ...` (or torchrun)"
         )
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
     return True
@@ -192,7 +193,7 @@ def measure_compute(
     ``sync`` (e.g. a barrier) runs before every timed call, so that ranks sharing a machine run each
     kernel at the same time and compete for cores and memory bandwidth as they do in a step.
 
-    Keys: the :class:`~lioncub.costmodel.Compute` fields (``reduce_s_per_byte`` = 0, see the module
+    Keys: the :class:`~lioncub.planning.costmodel.Compute` fields (``reduce_s_per_byte`` = 0, see the module
     docstring) and ``add_s_per_byte`` (an fp32 ``add_``, for reference).
     """
     n = max(2, n_workers)
@@ -259,17 +260,17 @@ def calibrate(
         sizes: payload sizes in bytes, at least two distinct ones (default :data:`LINK_SIZES` under a
             link, :data:`DEFAULT_SIZES` otherwise).
         repeats, warmup: timed and untimed runs per size.
-        ops: the collectives to time (a subset of :data:`lioncub.costmodel.OPS`; must include
+        ops: the collectives to time (a subset of :data:`lioncub.planning.costmodel.OPS`; must include
             ``allreduce_f32`` unless ``link_bps`` is known).
         compute_numel: elements of the compute benchmarks (0: skip them; the compute costs are then 0).
         link_bps: the link rate in bits/s (default ``$LIONCUB_LINK_BPS``; None: unknown).
         log: called with a line per measured op (e.g. ``print`` on rank 0).
     """
-    if isinstance(repeats, bool) or not (isinstance(repeats, int) and repeats >= 1):
+    if not is_int(repeats, 1):
         raise ValueError(f"repeats={repeats!r} must be an int >= 1 (timed runs per size)")
-    if isinstance(warmup, bool) or not (isinstance(warmup, int) and warmup >= 0):
+    if not is_int(warmup, 0):
         raise ValueError(f"warmup={warmup!r} must be an int >= 0 (untimed runs per size)")
-    if isinstance(compute_numel, bool) or not (isinstance(compute_numel, int) and compute_numel >= 0):
+    if not is_int(compute_numel, 0):
         raise ValueError(
             f"compute_numel={compute_numel!r} must be an int >= 0 (0: skip the compute benchmarks)"
         )

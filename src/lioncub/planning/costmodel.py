@@ -1,7 +1,7 @@
 r"""α–β–γ cost model of one optimizer step's communication for every Lion Cub / D-Lion transport.
 
 Time of one collective = ``messages · α + wire_bytes / (bandwidth · efficiency) + γ · reduced_bytes`` with
-(``shared/spec/paper-digest.md`` §3.8, Thakur et al. 2005), for d parameters on N workers:
+(the Lion Cub paper §3.8, Thakur et al. 2005), for d parameters on N workers:
 
 =======================  ===============================  ============================================
 transport                collectives (critical path)      bytes per rank (what the vote classes send)
@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lioncub._validate import is_int, is_number
+from lioncub.optim.config import PRESETS, capacity, lane_bits, server_down_bits
 from lioncub.units import parse_bandwidth, parse_count, parse_duration
 
 __all__ = [
@@ -188,7 +190,8 @@ class Compute:
                 raise ValueError(f"Compute.{f.name}={value!r} must be a finite number >= 0")
 
 
-#: Per-element costs measured with :func:`lioncub.calibrate.measure_compute` (one thread, 4M elements, N = 8)
+#: Per-element costs measured with :func:`lioncub.planning.calibrate.measure_compute` (one thread, 4M
+#: elements, N = 8)
 #: on the project's 2-core AMD EPYC development VM; ``reduce_s_per_byte`` is an fp32 ``add_``. A rough
 #: default for CPUs when no calibration is given.
 DEFAULT_CPU_COMPUTE = Compute(
@@ -231,8 +234,7 @@ class Scheme:
     def from_config(cls, config: Any) -> Scheme:
         """From a :class:`lioncub.optim.config.VoteConfig` (or anything with its attributes)."""
         transport = config.transport
-        wire_dtype = getattr(config, "wire_dtype", None)
-        wire_bits = 32 if wire_dtype is None else int(wire_dtype.itemsize) * 8
+        wire_bits = config.wire_bits
         bits = config.bits
         if transport == "lanes" and bits is None:
             bits = 4  # as make_vote
@@ -243,17 +245,8 @@ class Scheme:
         return cls(transport, config.aggregation, bits, wire_bits if transport == "dense" else 32)
 
 
-#: The presets of :data:`lioncub.optim.config.PRESETS`, as schemes (a test keeps the two in step).
-PRESET_SCHEMES: dict[str, Scheme] = {
-    "32bit": Scheme("dense", "mean", wire_bits=32),
-    "16bit": Scheme("dense", "mean", wire_bits=16),
-    "1bit": Scheme("1bit"),
-    "4bit": Scheme("lanes", bits=4),
-    "8bit": Scheme("quantized", bits=8),
-    "8bit-sign": Scheme("int8"),
-    "dlion-mavo": Scheme("server"),
-    "dlion-avg": Scheme("int8", "average"),
-}
+#: The presets of :data:`lioncub.optim.config.PRESETS`, as schemes (derived: the presets are stated once).
+PRESET_SCHEMES: dict[str, Scheme] = {name: Scheme.from_config(config) for name, config in PRESETS.items()}
 
 
 def resolve_scheme(variant: str | Scheme | Any) -> tuple[str, Scheme]:
@@ -271,65 +264,15 @@ def resolve_scheme(variant: str | Scheme | Any) -> tuple[str, Scheme]:
     return name, scheme
 
 
-def _lane_fits(n: int, bits: int, max_value: int) -> bool:
-    return n * max_value <= (1 << bits) - 1
-
-
-def _lane_bits(scheme: Scheme, n: int) -> int | None:
-    """The lane width the vote class uses for N workers (None: no width works)."""
-    bits = scheme.bits
-    if scheme.transport == "lanes":
-        if bits in (None, "auto"):
-            if n == 1:
-                return 8
-            return next((b for b in (2, 4, 8) if _lane_fits(n, b, 1)), None)
-        return int(bits)
-    if scheme.transport == "quantized":
-        if bits in (None, "auto"):
-            return next((b for b in (2, 4, 8) if _quant_levels(n, b) >= 1), 8)
-        return int(bits)
-    return None
-
-
-def _quant_levels(n: int, bits: int) -> int:
-    """Per-worker level budget of a quantized vote (``quantize.level_budget``; 0: overflow)."""
-    if bits == 8:
-        return 127 // n
-    return ((1 << bits) - 1) // (2 * n)
-
-
-def _server_down_bits(scheme: Scheme, n: int) -> int | None:
-    if scheme.aggregation != "average":
-        return 2  # majority: u + 1 ∈ {0, 1, 2}
-    # as ServerVote: auto_lane_bits(N + 1)
-    return next((b for b in (2, 4, 8) if _lane_fits(n + 1, b, 1)), None)
-
-
 def allowed(variant: str | Scheme | Any, n_workers: int) -> tuple[bool, str]:
-    """Whether the variant's lanes can hold the N-way sum; ``(False, why)`` otherwise."""
+    """Whether the variant's lanes can hold the N-way sum; ``(False, why)`` otherwise
+    (:func:`lioncub.optim.config.capacity`)."""
     _, scheme = resolve_scheme(variant)
-    n = _check_n(n_workers)
-    t = scheme.transport
-    if t == "lanes":
-        bits = _lane_bits(scheme, n)
-        if bits is None or not _lane_fits(n, bits, 1):
-            width = "no lane width up to 8 bits" if bits is None else f"{bits}-bit lanes"
-            top = (1 << (bits or 8)) - 1
-            return False, f"{width} cannot hold the vote count of {n} workers (at most {top} workers)"
-    elif t == "int8" and n > 127:
-        return False, f"an int8 sum of {n} signs can overflow (at most 127 workers)"
-    elif t == "quantized":
-        bits = _lane_bits(scheme, n) or 8
-        if _quant_levels(n, bits) < 1:
-            top = 127 if bits == 8 else ((1 << bits) - 1) // 2
-            return False, f"{bits}-bit quantized levels summed over {n} workers can overflow (at most {top})"
-    elif t == "server" and _server_down_bits(scheme, n) is None:
-        return False, f"the server's count lanes cannot hold {n} workers (at most 254)"
-    return True, ""
+    return capacity(scheme, _check_n(n_workers))
 
 
 def _check_n(n: int) -> int:
-    if isinstance(n, bool) or not (isinstance(n, int) and n >= 1):
+    if not is_int(n, 1):
         raise ValueError(f"n_workers={n!r}: the number of workers must be an int >= 1")
     return n
 
@@ -389,7 +332,7 @@ def _plan(scheme: Scheme, d: int, n: int, rank: int = 0) -> tuple[list[Collectiv
     if t == "int8":
         return [_ring("allreduce_i8", d, n)], {"elementwise_s_per_elem": 2 * d}
     if t in ("lanes", "quantized"):
-        bits = _lane_bits(scheme, n)
+        bits = lane_bits(scheme, n)
         assert bits is not None
         work: dict[str, float] = {}
         if t == "quantized":
@@ -411,7 +354,7 @@ def _plan(scheme: Scheme, d: int, n: int, rank: int = 0) -> tuple[list[Collectiv
         }
         return phases, work
     # server: N−1 messages into the root, then N−1 out; the root's link is the bottleneck
-    down_bits = _server_down_bits(scheme, n)
+    down_bits = server_down_bits(scheme, n)
     assert down_bits is not None
     up, down = _packed(d, 1), _packed(d, down_bits)
     root = rank == 0
@@ -476,7 +419,7 @@ def _buckets(d: int, bucket_numel: int | None) -> list[tuple[int, int]]:
     """(elements, how many) of the buckets a flat vector of d elements is split into."""
     if bucket_numel is None:
         return [(d, 1)]
-    if isinstance(bucket_numel, bool) or not (isinstance(bucket_numel, int) and bucket_numel >= 1):
+    if not is_int(bucket_numel, 1):
         raise ValueError(f"bucket_numel={bucket_numel!r} must be None (one bucket) or an int >= 1")
     if bucket_numel >= d:
         return [(d, 1)]
@@ -509,7 +452,7 @@ def predict(
     """
     name, scheme = resolve_scheme(variant)
     n = _check_n(n_workers)
-    if isinstance(d, bool) or not (isinstance(d, int) and d >= 1):
+    if not is_int(d, 1):
         raise ValueError(f"d={d!r} must be an int >= 1 (parameters)")
     compute = compute or Compute()
     ok, why = allowed(scheme, n)
@@ -528,10 +471,10 @@ def predict(
             raise ValueError(
                 f"sync_params={sync_params!r} needs sync_every (how often those parameters are synchronised)"
             )
-        if isinstance(sync_params, bool) or not (isinstance(sync_params, int) and 0 <= sync_params <= d):
+        if not is_int(sync_params, 0, d):
             raise ValueError(f"sync_params={sync_params!r} must be an int within [0, d={d}] (parameters)")
     if sync_every is not None:
-        if isinstance(sync_every, bool) or not (isinstance(sync_every, int) and sync_every >= 1):
+        if not is_int(sync_every, 1):
             raise ValueError(f"sync_every={sync_every!r} must be an int >= 1 (steps)")
         d_sync = d if sync_params is None else sync_params
         if n > 1 and d_sync:
@@ -705,7 +648,7 @@ class Calibration:
 
 def _number(doc: Mapping[str, Any], key: str, where: str, *, positive: bool = False) -> float:
     value = doc.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not is_number(value):
         raise ValueError(f"{where}: {key!r} must be a number, got {value!r}")
     if value < 0 or (positive and value == 0):
         raise ValueError(f"{where}: {key!r} must be {'> 0' if positive else '>= 0'}, got {value!r}")

@@ -148,7 +148,7 @@ class Report:
 
 def _num(rec: dict[str, Any], key: str) -> float | None:
     value = rec.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):  # NaN and Inf stay
         return None
     return float(value)
 

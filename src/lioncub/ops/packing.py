@@ -93,7 +93,8 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     return _gather_bytes(buf)
 
 
-def _out(out: torch.Tensor | None, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def out_buffer(out: torch.Tensor | None, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``out`` checked to be a contiguous 1-D buffer of ``n`` elements of ``dtype``, or a new one."""
     if out is None:
         return torch.empty(n, dtype=dtype, device=device)
     if out.dtype != dtype or out.numel() != n or not out.is_contiguous():
@@ -121,7 +122,7 @@ def pack_signs(x: torch.Tensor, *, pad_to: int = 8, out: torch.Tensor | None = N
     flat = x.reshape(-1)
     n = flat.numel()
     nbytes = -(-n // pad_to) * pad_to // 8
-    out = _out(out, nbytes, torch.uint8, flat.device)
+    out = out_buffer(out, nbytes, torch.uint8, flat.device)
     full = n // 8 * 8  # elements that fill whole bytes
     if full and _numpy_path(flat) and flat.dtype in _NUMPY_VOTE:
         _pack_signs_numpy(flat[:full], out[: full // 8])
@@ -230,7 +231,7 @@ def unpack_signs(
 
     ``out``: optional preallocated result of ``n`` elements of ``dtype`` (avoids page faults).
     """
-    out = _out(out, max(n, 0), dtype, packed.device)
+    out = out_buffer(out, max(n, 0), dtype, packed.device)
     return _spread(packed, n, True, out)  # table bytes 0x01 / 0xFF are int8 +1 / −1
 
 

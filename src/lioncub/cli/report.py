@@ -1,5 +1,5 @@
 """``lioncub report RUN_DIR``: the vote diagnostics of a run (``lioncub train --diagnostics-every K``) as a
-table and plots (:mod:`lioncub.train.diag_report`)."""
+table and plots (:mod:`lioncub.report.diagnostics`)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def check_paths(run_dir: Path, out: Path | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lioncub.train import diag_report
+    from lioncub.report import diagnostics as diag_report
 
     run_dir = Path(args.run_dir)
     out = Path(args.out) if args.out else None

@@ -1,7 +1,7 @@
 """``lioncub calibrate --out calib.json``: measure α, β and the compute costs for ``lioncub cost``.
 
 Run it on every rank of a job (``lioncub launch --nproc 4 --link 1gbit -- python -m
-lioncub.calibrate_cli --out calib.json``), or let it start the job itself with ``--nproc``
+lioncub.cli.calibrate --out calib.json``), or let it start the job itself with ``--nproc``
 (``lioncub calibrate --nproc 4 --link 1gbit --out calib.json``). Rank 0 writes the JSON.
 """
 
@@ -13,12 +13,12 @@ import os
 import sys
 from pathlib import Path
 
-from lioncub.costmodel import OPS, parse_count
+from lioncub.planning.costmodel import OPS, parse_count
 
 EPILOG = """\
 examples:
   lioncub calibrate --nproc 4 --link 1gbit --out calib.json     # starts 4 ranks behind 1 Gbit/s links (root)
-  lioncub launch --nproc 4 -- -m lioncub.calibrate_cli --out calib.json   # inside a job (loopback)
+  lioncub launch --nproc 4 -- -m lioncub.cli.calibrate --out calib.json   # inside a job (loopback)
   lioncub cost --params 774M --workers 4 --calibration calib.json
 
 Sizes take b, kb, mb (1 kb = 1024 bytes).
@@ -146,7 +146,7 @@ def _launch_self(args: argparse.Namespace) -> int:
 
     argv = [
         "-m",
-        "lioncub.calibrate_cli",
+        "lioncub.cli.calibrate",
         "--out",
         str(Path(args.out).resolve()),
         "--repeats",
@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
         if args.nproc is None:
             print(
                 "lioncub calibrate: error: no process group: pass --nproc N (N >= 2), or run it on every "
-                "rank of a job: lioncub launch --nproc 4 [--link 1gbit] -- -m lioncub.calibrate_cli "
+                "rank of a job: lioncub launch --nproc 4 [--link 1gbit] -- -m lioncub.cli.calibrate "
                 "--out calib.json",
                 file=sys.stderr,
             )
@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from lioncub.calibrate import calibrate, init_from_env
+    from lioncub.planning.calibrate import calibrate, init_from_env
 
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     try:
@@ -252,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m lioncub.calibrate_cli", description=__doc__.splitlines()[0]
+        prog="python -m lioncub.cli.calibrate", description=__doc__.splitlines()[0]
     )
     add_arguments(parser)
     return run(parser.parse_args(argv))

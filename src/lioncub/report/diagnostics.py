@@ -1,5 +1,5 @@
 """Plots and a table of a run's vote diagnostics (the ``diag`` records of ``log.jsonl``, written by
-``lioncub train --diagnostics-every K``; see :mod:`lioncub.diagnostics` for the definitions).
+``lioncub train --diagnostics-every K``; see :mod:`lioncub.optim.diagnostics` for the definitions).
 
 Written into the output directory (default: the run directory):
 

@@ -7,17 +7,17 @@ Triton's interpreter) and torch otherwise, and also for inputs the Triton kernel
 dtypes, non-contiguous tensors): :func:`backend_for` says which one a call takes.
 
 * :func:`direction_pack` — ``c = β1·m + (1−β1)·g``, the 1-bit pack of ``[c ≥ 0]`` (bit order, ``pad_to``
-  and "+" padding of :func:`lioncub.packing.pack_signs`), optionally ``c`` itself, a non-finite flag
+  and "+" padding of :func:`lioncub.ops.packing.pack_signs`), optionally ``c`` itself, a non-finite flag
   (what ``LionCub._all_finite`` checks) and the momentum update ``m ← β2·m + (1−β2)·g`` in place, in one
   pass over ``m`` and ``g``.
-* :func:`quantize_l1` — the L1 quantizer of :mod:`lioncub.quantize` (``quantize("l1", ...)`` per segment,
+* :func:`quantize_l1` — the L1 quantizer of :mod:`lioncub.ops.quantize` (``quantize("l1", ...)`` per segment,
   as ``QuantizedVote.levels_of``), its NaN/Inf/zero/denormal behaviour included. Pass 1 (the normaliser
   ``mean |c|`` of each tensor or chunk) runs the *same torch reduction* in both backends: a Triton sum
   adds in another order and its float64 scale could differ in the last bit, which moves levels that lie
   at a rounding boundary. Pass 2 (scale, round half to even, clip, NaN → 0, cast) is the fused kernel.
 * :func:`majority_pack` — the middle step of the 1-bit vote: unpack the N received rows, count the "+"
-  votes per bit, apply the tie rule and repack (:func:`lioncub.packing.count_votes` followed by
-  :func:`lioncub.packing.pack_majority`).
+  votes per bit, apply the tie rule and repack (:func:`lioncub.ops.packing.count_votes` followed by
+  :func:`lioncub.ops.packing.pack_majority`).
 * :func:`apply_signs_` / :func:`apply_votes_` — ``p ← p·(1 − lr·wd) − lr·u`` from packed 1-bit results
   (at any bit offset into a bucket) or from int8 votes, optionally with the momentum update fused in.
 
@@ -47,7 +47,7 @@ Arithmetic, so that both backends round identically:
 
 The Triton kernels take contiguous float32, bfloat16 and float16 tensors (float64 and other dtypes go to
 the torch backend under ``"auto"``, and raise under ``"triton"``). This module sits in the lowest layer:
-it imports torch, numpy, triton, :mod:`lioncub.packing` and :mod:`lioncub.quantize` only.
+it imports torch, numpy, triton, :mod:`lioncub.ops.packing` and :mod:`lioncub.ops.quantize` only.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from lioncub import packing, quantize
+from lioncub.ops import packing, quantize
 
 __all__ = [
     "HAVE_TRITON",
@@ -449,7 +449,7 @@ def direction_pack(
             (non-finite gradients) and update the momentum in :func:`apply_signs_` instead.
         grad: ``g``, same number of elements and dtype; ``negate_grad`` uses ``−g`` (``maximize``).
         beta1, beta2: Lion's coefficients (``beta2`` only with ``update_momentum``).
-        pad_to, out: as :func:`lioncub.packing.pack_signs` (padding votes "+").
+        pad_to, out: as :func:`lioncub.ops.packing.pack_signs` (padding votes "+").
         direction_out: where to write ``c`` (flat, ``exp_avg``'s dtype); ``return_direction`` allocates it.
         check_finite: also return whether every ``c`` is finite (a device tensor: no host sync).
         backend: ``"auto"``, ``"triton"`` or ``"torch"`` (see the module docstring).
@@ -464,7 +464,7 @@ def direction_pack(
     if pad_to <= 0 or pad_to % 8:
         raise ValueError(f"pad_to={pad_to} must be a positive multiple of 8")
     nbytes = -(-n // pad_to) * pad_to // 8
-    out = packing._out(out, nbytes, torch.uint8, m.device)
+    out = packing.out_buffer(out, nbytes, torch.uint8, m.device)
     c_out = direction_out.reshape(-1) if direction_out is not None else None
     if c_out is None and return_direction:
         c_out = torch.empty(n, dtype=m.dtype, device=m.device)
@@ -564,7 +564,7 @@ def quantize_l1(
     if not x.dtype.is_floating_point:
         raise TypeError(f"quantizers take a floating-point tensor, got {x.dtype}")
     want = quantize.level_dtype(levels) if isinstance(levels, int) else torch.int8
-    out = packing._out(out, n, want, flat.device)
+    out = packing.out_buffer(out, n, want, flat.device)
     which = _resolve(backend, [flat, out], [flat])
     if which == "triton" and not (isinstance(levels, int) and 1 <= levels <= _MAX_LEVELS):
         if backend == "triton":
@@ -582,8 +582,8 @@ def quantize_l1(
             )
             pos += length
         return out
-    quantize._check_levels(levels)
-    quantize._check_clip_multiple(clip_multiple)
+    quantize.check_levels(levels)
+    quantize.check_clip_multiple(clip_multiple)
     if n == 0:
         return out
     factor, wide, starts, bases = _l1_factors(flat, levels, float(clip_multiple), chunk_size, segs)
@@ -639,8 +639,8 @@ def majority_pack(
         result = packing.pack_majority(packing.count_votes(rows, n_bits), n_workers, tie_positive)
         if out is None:
             return result.to(rows.device)
-        return packing._out(out, out_bytes, torch.uint8, rows.device).copy_(result)
-    out = packing._out(out, out_bytes, torch.uint8, rows.device)
+        return packing.out_buffer(out, out_bytes, torch.uint8, rows.device).copy_(result)
+    out = packing.out_buffer(out, out_bytes, torch.uint8, rows.device)
     threshold = (n_workers + 1) // 2 if tie_positive else n_workers // 2 + 1
     if out_bytes:
         grid = -(-out_bytes // _BLOCK_B)

@@ -35,6 +35,8 @@ there; other chunks are unaffected); :func:`quantize_sign` maps NaN to 0 and ±I
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 import math
 from collections.abc import Callable
@@ -43,6 +45,8 @@ from typing import Literal
 
 import numpy as np
 import torch
+
+from lioncub._validate import check_int, check_number, is_int
 
 __all__ = [
     "QUANTIZERS",
@@ -77,10 +81,8 @@ def level_budget(n_workers: int, bits: int, encoding: Encoding = "signed") -> in
 
     Raises ``ValueError`` (naming N, p and the largest N that works) when the budget would be 0.
     """
-    if not isinstance(n_workers, int) or n_workers < 1:
-        raise ValueError(f"n_workers={n_workers!r} must be an int >= 1")
-    if not isinstance(bits, int) or bits < 1:
-        raise ValueError(f"bits={bits!r} must be an int >= 1")
+    check_int("n_workers", n_workers, 1)
+    check_int("bits", bits, 1)
     if encoding == "signed":
         top = (1 << (bits - 1)) - 1
         s, max_n = top // n_workers, top
@@ -109,18 +111,25 @@ def level_dtype(levels: int) -> torch.dtype:
     return torch.int32
 
 
-def _check_levels(levels: int) -> None:
+def check_levels(levels: int) -> None:
+    """``ValueError`` unless ``levels`` is an int in ``[1, 2**30)``."""
     if not isinstance(levels, int) or isinstance(levels, bool) or levels < 1:
         raise ValueError(f"levels={levels!r} must be an int >= 1")
     if levels >= 1 << 30:
         raise ValueError(f"levels={levels} must be < 2**30")
 
 
-def _check_clip_multiple(clip_multiple: float) -> None:
+def check_clip_multiple(clip_multiple: float) -> None:
+    """``ValueError`` unless ``clip_multiple`` is a finite number > 0."""
     if not (isinstance(clip_multiple, (int, float)) and math.isfinite(clip_multiple) and clip_multiple > 0):
         raise ValueError(
             f"clip_multiple={clip_multiple!r} must be a finite number > 0 (authors' code: 2, paper: 1)"
         )
+
+
+def _check_eps(eps: float | None) -> None:
+    if eps is not None:
+        check_number("eps", eps, "None or a finite number > 0 (authors' L0: 1e-12)", gt=0)
 
 
 def _check_real(x: torch.Tensor) -> None:
@@ -168,6 +177,7 @@ def lp_normalizer(x: torch.Tensor, p: float, *, eps: float | None = None) -> tor
     """
     if not (p == 0 or p == math.inf or (isinstance(p, (int, float)) and p > 0 and math.isfinite(p))):
         raise ValueError(f"p={p!r} must be 0, a positive finite number or math.inf")
+    _check_eps(eps)
     if p == math.inf:
         return torch.linalg.vector_norm(x, math.inf, dim=-1).to(torch.float64)
     if p == 1:
@@ -267,7 +277,7 @@ def _works_wide(factor64: torch.Tensor, levels: int, dtype: torch.dtype) -> torc
 def l1_factors(
     x: torch.Tensor, levels: int, *, clip_multiple: float = 2.0, chunk_size: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pass 1 of :func:`quantize_l1`, for a fused pass 2 (:func:`lioncub.kernels.quantize_l1`).
+    """Pass 1 of :func:`quantize_l1`, for a fused pass 2 (:func:`lioncub.ops.kernels.quantize_l1`).
 
     Returns the float64 factor ``levels / k / mean|x|`` of the tensor (``[1]``) or of each chunk
     (``[ceil(n / chunk_size)]``; 0 for a tensor or chunk holding NaN/±Inf) and a 0-dim bool tensor: whether
@@ -275,8 +285,8 @@ def l1_factors(
     ``clip(round_half_even(x · factor), −s, s)`` with NaN → 0. ``x`` must not be empty.
     """
     _check_real(x)
-    _check_levels(levels)
-    _check_clip_multiple(clip_multiple)
+    check_levels(levels)
+    check_clip_multiple(clip_multiple)
     rows, n = _as_rows(x, chunk_size)
     if n == 0:
         raise ValueError("l1_factors of an empty tensor")
@@ -363,7 +373,7 @@ def _as_rows(x: torch.Tensor, chunk_size: int | None) -> tuple[torch.Tensor, int
     n = flat.numel()
     if chunk_size is None:
         return flat.view(1, n), n
-    if not isinstance(chunk_size, int) or chunk_size < 1:
+    if not is_int(chunk_size, 1):
         raise ValueError(f"chunk_size={chunk_size!r} must be None (per tensor) or an int >= 1")
     pad = (-n) % chunk_size
     if pad:
@@ -402,8 +412,9 @@ def quantize_lp(
         integer levels, same shape as x, dtype :func:`level_dtype(levels) <level_dtype>` (``out`` if given).
     """
     _check_real(x)
-    _check_levels(levels)
-    _check_clip_multiple(clip_multiple)
+    check_levels(levels)
+    check_clip_multiple(clip_multiple)
+    _check_eps(eps)
     _check_out(out, x, levels)
     rows, n = _as_rows(x, chunk_size)
     if n == 0:
@@ -481,7 +492,7 @@ def quantize_linf(
 def quantize_sign(x: torch.Tensor, levels: int = 1) -> torch.Tensor:
     """``sign(x)`` as ``int8`` levels −1/0/+1 (``levels`` is accepted for a uniform interface; NaN → 0)."""
     _check_real(x)
-    _check_levels(levels)
+    check_levels(levels)
     return torch.sign(x).nan_to_num_(0.0).to(torch.int8)
 
 
@@ -500,7 +511,7 @@ def quantize_qsgd(
     A tensor (chunk) holding a NaN or ±Inf maps to zeros.
     """
     _check_real(x)
-    _check_levels(levels)
+    check_levels(levels)
     if norm in ("inf", math.inf):
         order = math.inf
     elif norm in ("2", 2, 2.0):
@@ -539,7 +550,7 @@ def quantize_log(x: torch.Tensor, levels: int, *, chunk_size: int | None = None)
     holding a NaN or ±Inf maps to zeros (its maximum is NaN or Inf).
     """
     _check_real(x)
-    _check_levels(levels)
+    check_levels(levels)
     rows, n = _as_rows(x, chunk_size)
     if n == 0:
         return torch.empty(x.shape, dtype=level_dtype(levels), device=x.device)
@@ -567,9 +578,26 @@ QUANTIZERS: dict[str, Callable[..., torch.Tensor]] = {
 
 
 def quantize(name: str, x: torch.Tensor, levels: int, **options: object) -> torch.Tensor:
-    """Dispatch by name (one of :data:`QUANTIZERS`); ``options`` go to the quantizer."""
+    """Dispatch by name (one of :data:`QUANTIZERS`); ``options`` go to the quantizer (``ValueError``
+    naming its keyword options for any other)."""
     try:
         fn = QUANTIZERS[name]
     except KeyError:
         raise ValueError(f"quantizer={name!r} is not one of {sorted(QUANTIZERS)}") from None
+    allowed = _option_names(fn)
+    if allowed is not None and not allowed.issuperset(options):
+        unknown = sorted(set(options) - allowed)
+        takes = f"its options are {sorted(allowed)}" if allowed else "it takes no options"
+        raise ValueError(f"quantizer={name!r}: unknown option(s) {unknown}; {takes}")
     return fn(x, levels, **options)
+
+
+@functools.cache
+def _option_names(fn: Callable[..., torch.Tensor]) -> frozenset[str] | None:
+    """The parameters of a quantizer after ``(x, levels)`` that :func:`quantize` may pass by keyword
+    (``None``: any, the quantizer takes ``**options``)."""
+    params = list(inspect.signature(fn).parameters.values())[2:]
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return frozenset(p.name for p in params if p.kind in keyword)

@@ -1,6 +1,6 @@
 """``lioncub compare``: train several variants on the same workload, seed, data and link, one after
 another, and write a report: a table of step time and its split, speedup over ``32bit``, bytes per step,
-validation loss at equal steps and time to a target loss, and PNG plots (:mod:`lioncub.train.report`).
+validation loss at equal steps and time to a target loss, and PNG plots (:mod:`lioncub.report.runs`).
 
 Layout: ``OUT/<variant>/`` holds each run (as ``lioncub train --out``), ``OUT/`` the report.
 """
@@ -12,15 +12,7 @@ import math
 import sys
 from pathlib import Path
 
-from lioncub.train_cli import (
-    add_run_arguments,
-    check_before_launch,
-    check_launch_options,
-    config_from_args,
-    format_summary,
-    prepare_run_dir,
-    run_training,
-)
+from lioncub.cli.options import add_run_arguments, config_from_args
 
 DEFAULT_VARIANTS = "32bit,16bit,1bit,4bit,8bit"
 
@@ -77,8 +69,16 @@ def _finished(run_dir: Path, config: object) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     from lioncub.optim import PRESETS
-    from lioncub.train import report
-    from lioncub.train.loop import BASELINES
+    from lioncub.report import runs as report
+    from lioncub.train.config import BASELINES
+    from lioncub.train.runs import (
+        check_before_launch,
+        check_launch_options,
+        format_summary,
+        prepare_run_dir,
+        remove_run,
+        run_training,
+    )
 
     out = Path(args.out)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -129,8 +129,6 @@ def run(args: argparse.Namespace) -> int:
                         file=sys.stderr,
                     )
                     return 2
-                from lioncub.train_cli import remove_run
-
                 remove_run(run_dir)
             try:
                 prepare_run_dir(run_dir, config, resume=False)

@@ -1,7 +1,16 @@
 """``variant="auto"``: the cost model's predicted fastest preset for this model size, N and network.
 
+Before the optimizer exists, every rank calls :func:`auto_variant` (collective: rank 0 decides, every rank
+follows) and builds :class:`~lioncub.optim.LionCub` with the chosen preset::
+
+    choice = auto_variant(model.parameters(), network="1gbit")   # or a `lioncub calibrate` JSON
+    opt = LionCub(model.parameters(), lr=3e-4, variant=choice.variant)
+
+:func:`choose_variant` is the same decision for a given size and N, without a process group.
+
 The network comes from, in order: the ``network`` argument (a ``lioncub calibrate`` JSON file, a
-:class:`~lioncub.costmodel.Calibration`, a :class:`~lioncub.costmodel.Network`, or a link rate such as
+:class:`~lioncub.planning.costmodel.Calibration`, a :class:`~lioncub.planning.costmodel.Network`, or a link
+rate such as
 ``"1gbit"`` with the latency ``latency_s``), else the calibration file named by the environment variable
 ``LIONCUB_CALIBRATION``. Without either the choice would be a guess, so it is refused with an error that
 says what to pass. Compute costs come from the calibration, else :data:`DEFAULT_CPU_COMPUTE`.
@@ -9,15 +18,24 @@ says what to pass. Compute costs come from the calibration, else :data:`DEFAULT_
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from lioncub import costmodel
-from lioncub.costmodel import Calibration, Compute, Network, Prediction
+from lioncub._validate import is_number
+from lioncub.planning import costmodel
+from lioncub.planning.costmodel import Calibration, Compute, Network, Prediction
 
-__all__ = ["AUTO_ENV", "AutoChoice", "check_candidates", "choose_variant", "resolve_network"]
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+__all__ = ["AUTO_ENV", "AutoChoice", "auto_variant", "check_candidates", "choose_variant", "resolve_network"]
+
+_log = logging.getLogger("lioncub")
 
 AUTO_ENV = "LIONCUB_CALIBRATION"
 DEFAULT_LATENCY_S = 50e-6
@@ -36,20 +54,18 @@ class AutoChoice:
 
 def resolve_network(spec: NetworkSpec, latency_s: float = DEFAULT_LATENCY_S) -> tuple[Network, Compute, str]:
     """(network, compute costs, a short description) for ``spec`` (see the module docstring)."""
-    option = "auto_network"
+    option = "network"
     if spec is None:
         path = os.environ.get(AUTO_ENV)
         if not path:
             raise ValueError(
-                "variant='auto' needs the network to predict for: pass auto_network= a calibration JSON "
-                "written by `lioncub calibrate`, or a link rate such as '1gbit' (with auto_latency_s=), "
+                "variant='auto' needs the network to predict for: pass network= a calibration JSON "
+                "written by `lioncub calibrate`, or a link rate such as '1gbit' (with latency_s=), "
                 f"or set {AUTO_ENV}=path/to/calibration.json"
             )
         spec, option = path, f"${AUTO_ENV}"
-    if isinstance(latency_s, bool) or not (
-        isinstance(latency_s, (int, float)) and 0 <= latency_s < float("inf")
-    ):
-        raise ValueError(f"auto_latency_s={latency_s!r} must be a finite number of seconds >= 0 (e.g. 50e-6)")
+    if not is_number(latency_s, ge=0):
+        raise ValueError(f"latency_s={latency_s!r} must be a finite number of seconds >= 0 (e.g. 50e-6)")
     if isinstance(spec, Calibration):
         return spec.network, spec.compute, "calibration"
     if isinstance(spec, Network):
@@ -67,7 +83,7 @@ def resolve_network(spec: NetworkSpec, latency_s: float = DEFAULT_LATENCY_S) -> 
         net = Network.from_rate(rate * 8, latency_s)
         return net, costmodel.DEFAULT_CPU_COMPUTE, f"{spec} links, α = {latency_s * 1e6:g} µs"
     raise TypeError(
-        f"auto_network={spec!r} must be a calibration path, a Calibration, a Network or a rate like '1gbit'"
+        f"network={spec!r} must be a calibration path, a Calibration, a Network or a rate like '1gbit'"
     )
 
 
@@ -77,7 +93,7 @@ def check_candidates(candidates: Sequence[str] | None) -> tuple[str, ...]:
     unknown = [c for c in names if c not in costmodel.PRESET_SCHEMES]
     if unknown or not names or isinstance(candidates, str):
         raise ValueError(
-            f"auto_candidates={candidates!r}: give a non-empty list of presets from "
+            f"candidates={candidates!r}: give a non-empty list of presets from "
             f"{sorted(costmodel.PRESET_SCHEMES)}"
         )
     return names
@@ -118,3 +134,55 @@ def choose_variant(
         + (f"; not allowed: {refused}" if refused else "")
     )
     return AutoChoice(best.variant, reason, rows)
+
+
+def auto_variant(
+    params: Iterable[torch.Tensor] | Iterable[dict],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    network: NetworkSpec = None,
+    latency_s: float = DEFAULT_LATENCY_S,
+    candidates: Sequence[str] | None = None,
+    bucket_mb: float = 25.0,
+) -> AutoChoice:
+    """:func:`choose_variant` for the parameters that require grad (``params`` as for the optimizer) on the
+    ranks of ``process_group`` (default: the default group), with LionCub's buckets of ``bucket_mb`` MiB.
+
+    Collective: rank 0 decides and logs its reason to the ``"lioncub"`` logger, every rank takes its
+    answer (the others' :attr:`AutoChoice.reason` names rank 0); an error on rank 0 is raised there and a
+    ``RuntimeError`` on the others, never a hang."""
+    import torch
+
+    from lioncub.collectives import Comm
+
+    comm = Comm(process_group)
+    names = check_candidates(candidates)
+    tensors = [t for item in params for t in (item["params"] if isinstance(item, dict) else [item])]
+    d = sum(t.numel() for t in tensors if t.requires_grad)
+    choice: AutoChoice | None = None
+    error: Exception | None = None
+    if comm.rank == 0:
+        try:
+            choice = choose_variant(
+                d,
+                comm.world_size,
+                network,
+                latency_s=latency_s,
+                candidates=names,
+                bucket_numel=max(1, int(bucket_mb * 2**20) // 4),
+            )
+        except (ValueError, TypeError, OSError) as err:
+            error = err
+    index = torch.tensor([-1 if choice is None else names.index(choice.variant)], dtype=torch.int64)
+    if comm.world_size > 1:
+        index = index.to(comm.device)
+        comm.broadcast(index, 0, "variant='auto' decision").wait()
+    if error is not None:
+        raise error
+    if int(index) < 0:
+        raise RuntimeError(f"rank {comm.rank}: variant='auto' failed on rank 0 (see rank 0's error)")
+    if choice is None:  # not rank 0: the same preset, the reason is rank 0's
+        variant = names[int(index)]
+        return AutoChoice(variant, f"variant='auto': rank 0 chose {variant!r}", ())
+    _log.info("%s", choice.reason)
+    return choice

@@ -1,8 +1,9 @@
-"""Command-line interface: ``lioncub SUBCOMMAND ...``.
+"""Command-line interface: ``lioncub SUBCOMMAND ...`` (also ``python -m lioncub``).
 
-Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
-only the module of the subcommand being run is imported, so ``lioncub --help`` and the launcher stay
-fast.
+Each subcommand lives in its own module of this package exposing ``add_arguments(parser)`` and
+``run(args) -> int``; only the module of the subcommand being run is imported, so ``lioncub --help`` and
+the launcher stay fast. Subcommand modules never import each other; what ``train`` and ``compare`` share
+is in :mod:`lioncub.cli.options` and :mod:`lioncub.train.runs`.
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ import sys
 
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "launch": ("lioncub.launch.cli", "run N ranks like torchrun, each optionally behind a shaped link"),
-    "cost": ("lioncub.cost_cli", "predict the time per step of every variant (α–β cost model)"),
-    "calibrate": ("lioncub.calibrate_cli", "measure α, β and compute costs on a job for `lioncub cost`"),
-    "train": ("lioncub.train_cli", "train a workload with one variant on N ranks (optionally shaped links)"),
-    "compare": ("lioncub.compare_cli", "train several variants one after another and report speed and loss"),
-    "report": ("lioncub.report_cli", "tables and plots of a run's vote diagnostics (--diagnostics-every)"),
+    "launch": ("lioncub.cli.launch", "run N ranks like torchrun, each optionally behind a shaped link"),
+    "cost": ("lioncub.cli.cost", "predict the time per step of every variant (α–β cost model)"),
+    "calibrate": ("lioncub.cli.calibrate", "measure α, β and compute costs on a job for `lioncub cost`"),
+    "train": ("lioncub.cli.train", "train a workload with one variant on N ranks (optionally shaped links)"),
+    "compare": ("lioncub.cli.compare", "train several variants one after another and report speed and loss"),
+    "report": ("lioncub.cli.report", "tables and plots of a run's vote diagnostics (--diagnostics-every)"),
 }
 
 
@@ -50,7 +51,3 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     return int(importlib.import_module(args._module).run(args) or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Options that ``lioncub train`` and ``lioncub compare`` share, and how they become a
+:class:`~lioncub.train.config.TrainConfig`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from typing import Any
+
+__all__ = ["OPTION_OF_FIELD", "add_run_arguments", "config_from_args", "parse_set", "sync_spec"]
+
+#: options whose name differs from their TrainConfig field (the others are spelt alike)
+OPTION_OF_FIELD = {"warmup_steps": "warmup"}
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, *, variant: bool = True) -> None:
+    """Options shared by ``train`` and ``compare`` (all default to None: see :func:`config_from_args`)."""
+    from lioncub.train.workloads import workload_names
+
+    names = workload_names()
+    parser.add_argument("--workload", choices=sorted(names), help="gpt (default) or cnn")
+    parser.add_argument("--size", help=f"model/data size (default tiny): {names}")
+    if variant:
+        parser.add_argument("--variant", help="optimizer variant (default 8bit), see below")
+    parser.add_argument("--nproc", type=int, metavar="N", help="ranks (default 1)")
+    parser.add_argument("--link", metavar="RATE", help="shape every rank's link, e.g. 1gbit (root)")
+    parser.add_argument("--steps", type=int, help="optimizer steps (default 200)")
+    parser.add_argument(
+        "--warmup", type=int, metavar="STEPS", help="lr warm-up (default 10%% of steps, ≤ 100)"
+    )
+    parser.add_argument(
+        "--min-lr-ratio", type=float, help="end of the cosine, fraction of peak (default 0.1)"
+    )
+    parser.add_argument("--eval-every", type=int, metavar="STEPS", help="validation interval (default 50)")
+    parser.add_argument("--checkpoint-every", type=int, metavar="STEPS", help="default 0: at the end only")
+    parser.add_argument("--seed", type=int, help="model init and data order (default 0)")
+    parser.add_argument("--data-mode", choices=["random", "shard"], help="per-rank data (default random)")
+    parser.add_argument("--bucket-mb", type=float, help="LionCub bucket size in MiB (default 25)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="default auto")
+    parser.add_argument(
+        "--momentum-sync",
+        type=sync_spec,
+        metavar="WHICH",
+        help="average momenta over the ranks: none (default), all, io, or comma-separated name patterns",
+    )
+    parser.add_argument("--sync-every", type=int, metavar="STEPS", help="momentum sync interval (default 10)")
+    parser.add_argument("--quantizer", help="with --variant 8bit: l1 (default), l0, linf, lp, qsgd or log")
+    parser.add_argument(
+        "--diagnostics-every",
+        type=int,
+        metavar="STEPS",
+        help="vote diagnostics (match/flip, ties, momentum spread, update shape) every STEPS (0: off)",
+    )
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="FIELD=VALUE", help="change a workload field"
+    )
+    parser.add_argument(
+        "--nonfinite",
+        choices=["skip", "raise"],
+        help="NaN/Inf gradients on any rank: skip the step on every rank (default) or stop with an error",
+    )
+    parser.add_argument(
+        "--overlap",
+        action="store_true",
+        default=None,
+        help="LionCub variants: start each DDP bucket's vote during the backward pass (bitwise the same "
+        "result)",
+    )
+    parser.add_argument("--timeout", type=float, default=7200.0, metavar="SECONDS", help="per run")
+    parser.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="a collective that gets no answer for this long fails the job, naming the rank, operation and "
+        "step (default 600)",
+    )
+    parser.add_argument(
+        "--restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="after a rank fails, restart every rank from the last checkpoint, up to K times (default 0)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def sync_spec(text: str) -> str | list[str]:
+    return text if text in ("none", "all", "io") else [t for t in text.split(",") if t]
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r}: expected FIELD=VALUE, e.g. --set batch_size=8")
+        try:
+            out[key] = json.loads(text)
+        except json.JSONDecodeError:
+            out[key] = text
+    return out
+
+
+def config_from_args(args: argparse.Namespace, base: Any = None) -> Any:
+    """A :class:`~lioncub.train.config.TrainConfig`: ``base`` (or the defaults) with every given option."""
+    from lioncub.train.config import TrainConfig
+
+    doc = base.to_json() if base is not None else {}
+    for f in dataclasses.fields(TrainConfig):
+        value = getattr(args, OPTION_OF_FIELD.get(f.name, f.name), None)
+        if value is not None and f.name != "overrides":
+            doc[f.name] = value
+    if args.set:
+        doc["overrides"] = {**doc.get("overrides", {}), **parse_set(args.set)}
+    return TrainConfig.from_json(doc)
+
+
+# -------------------------------------------------------------------------------------------- progress

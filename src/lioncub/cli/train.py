@@ -1,0 +1,88 @@
+"""``lioncub train``: train a workload with one variant on N ranks, optionally behind shaped links.
+
+The driver writes ``RUN_DIR/config.json``, starts the ranks with ``lioncub launch`` (each runs
+:mod:`lioncub.train.loop`), shows a progress bar fed by rank 0's ``log.jsonl`` and prints a summary.
+Inside a job started by ``torchrun`` (``RANK`` set) it trains as that rank instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from lioncub.cli.options import add_run_arguments, config_from_args
+
+EPILOG = """\
+examples:
+  lioncub train --workload gpt --size small --variant 8bit --nproc 4 --link 1gbit --steps 500 --out runs/g8
+  lioncub train --out runs/g8 --resume --steps 800        # continue (and extend) a run
+  torchrun --nproc-per-node 4 -m lioncub.cli train --workload gpt --size small --variant 1bit --out runs/x
+
+Variants: 32bit (DDP + Lion), 16bit (DDP, bf16/fp16 gradients + Lion), and the LionCub presets 1bit, 4bit,
+8bit, 8bit-sign, dlion-mavo, dlion-avg. Workload fields can be changed with --set, e.g. --set batch_size=8.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    add_run_arguments(parser)
+    parser.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory (log, checkpoints)")
+    parser.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    parser.add_argument(
+        "--stop-at",
+        type=int,
+        metavar="STEP",
+        help="stop after STEP with a checkpoint (the lr schedule stays that of --steps); --resume goes on",
+    )
+    parser.add_argument(
+        "--convert-momenta",
+        choices=["average"],
+        help="with --resume on another --nproc: start every rank from the mean of the saved momenta",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from lioncub.train.config import TrainConfig
+    from lioncub.train.runs import (
+        check_before_launch,
+        check_launch_options,
+        format_summary,
+        prepare_run_dir,
+        run_as_rank,
+        run_training,
+    )
+
+    run_dir = Path(args.out)
+    try:
+        check_launch_options(args.restarts, args.collective_timeout)
+        base = None
+        if args.resume and (run_dir / "config.json").exists():
+            base = TrainConfig.from_json(json.loads((run_dir / "config.json").read_text()))
+            base.convert_momenta = base.stop_at = None  # asked for anew each time
+        config = config_from_args(args, base)
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            config.nproc = int(os.environ["WORLD_SIZE"])
+            return run_as_rank(config, run_dir)
+        check_before_launch(config, args.timeout or None)
+        config = prepare_run_dir(run_dir, config, resume=args.resume)
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        print(f"lioncub train: error: {exc}", file=sys.stderr)
+        return 2
+    outcome = run_training(
+        config,
+        run_dir,
+        timeout_s=args.timeout or None,
+        progress=not args.no_progress,
+        restarts=args.restarts,
+        collective_timeout_s=args.collective_timeout,
+    )
+    if outcome.summary is None:
+        print(f"lioncub train: {outcome.message}", file=sys.stderr)
+        return outcome.returncode or 1
+    print(format_summary(outcome.summary))
+    print(f"log: {run_dir / 'log.jsonl'}  checkpoints: {run_dir / 'checkpoints'}")
+    return 0

@@ -1,0 +1,336 @@
+r"""The one step path of :class:`~lioncub.optim.LionCub`: contributions, votes and the apply, per flat bucket.
+
+A step on rank i of N, for every bucket (a list of parameters laid out one after another in a flat
+buffer, see :func:`flat_views`):
+
+1. :meth:`Voting.contribute` writes this rank's contribution of every parameter into the bucket's flat
+   buffer — ``c_i = β1·m_i + (1−β1)·g_i`` for the votes, the gradient ``g_i`` for the dense presets
+   (``g`` negated under ``maximize``; a ``None`` gradient counts as zero) — and takes its max-abs (NaN or
+   Inf propagate) for the non-finite check :func:`all_finite`.
+2. :meth:`Voting.post` quantizes / packs the buffer and posts the vote's first collective
+   (:meth:`lioncub.collectives.VoteAlgorithm.start`).
+3. :meth:`Voting.apply` runs every vote's between-phase work (``advance``) before waiting for the first
+   (phase 2 of one bucket overlaps the wait for the next), then waits for each vote and applies it:
+   ``p ← p·(1 − lr·wd) − lr·u`` with each parameter's own group's current ``lr`` and ``weight_decay``,
+   then ``m_i ← β2·m_i + (1−β2)·g_i``. For the dense presets ``u`` is the mean gradient and the step is
+   global Lion (``m`` the same on every rank).
+
+:class:`~lioncub.optim.LionCub`'s ``step()`` calls 1–3 on its own buckets; the DDP hook of
+:mod:`lioncub.optim.overlap` calls 1 and 2 on DDP's buckets during the backward and ``step()`` calls 3.
+Both give the same bits: every vote is elementwise, with quantizer normalisation per parameter tensor.
+
+The state (each parameter's momentum ``exp_avg`` and param group) is the optimizer's: :class:`Voting`
+reads the optimizer's ``param_groups`` and ``state`` at every call, so LR schedules, ``load_state_dict``
+(which replaces both) and DDP's bucket rebuild change nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lioncub.collectives import (
+    AverageVote,
+    Comm,
+    DenseMean,
+    LaneVote,
+    OneBitVote,
+    Pending,
+    QuantizedVote,
+    ServerVote,
+    SignSumVote,
+    VoteAlgorithm,
+)
+from lioncub.ops import kernels
+from lioncub.optim.config import VoteConfig, check_workers
+from lioncub.optim.lion import apply_update_, lion_direction, update_momentum_
+
+__all__ = [
+    "NONFINITE_MODES",
+    "BucketVote",
+    "NonFiniteGradientError",
+    "StepTimes",
+    "Voting",
+    "all_finite",
+    "flat_views",
+    "make_vote",
+]
+
+#: what a step does when a rank's gradients hold NaN or Inf (:class:`~lioncub.optim.lioncub.Checks`)
+NONFINITE_MODES = ("skip", "raise")
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A rank's gradients held NaN or Inf and ``nonfinite="raise"``."""
+
+
+def flat_views(flat: torch.Tensor, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """Each parameter's view into ``flat`` (1-D), the parameters laid out one after another in order.
+
+    ``flat`` must hold at least ``sum(p.numel())`` elements; the views have the parameters' shapes and
+    share ``flat``'s storage and dtype."""
+    views, pos = [], 0
+    for p in params:
+        views.append(flat[pos : pos + p.numel()].view_as(p))
+        pos += p.numel()
+    return views
+
+
+def make_vote(comm: Comm, config: VoteConfig) -> VoteAlgorithm:
+    """The vote algorithm for ``config`` on ``comm`` (raises when N workers could overflow a lane: the
+    message names ``bits``, the transport and the widths or presets that fit N, see
+    :func:`lioncub.optim.config.check_workers`)."""
+    config.validate()
+    try:
+        return _build_vote(comm, config)
+    except ValueError as exc:
+        try:
+            check_workers(config, comm.world_size)  # an overflow for N workers: say which option to change
+        except ValueError as named:
+            raise named from exc
+        raise
+
+
+def _build_vote(comm: Comm, config: VoteConfig) -> VoteAlgorithm:
+    t, agg = config.transport, config.aggregation
+    if t == "dense":
+        wire = None if config.wire_dtype_name is None else getattr(torch, config.wire_dtype_name)
+        return DenseMean(comm, wire)
+    if t == "1bit":
+        return OneBitVote(comm)
+    if t == "lanes":
+        return LaneVote(comm, config.bits if config.bits is not None else 4)
+    if t == "int8":
+        return AverageVote(comm) if agg == "average" else SignSumVote(comm)
+    if t == "server":
+        return ServerVote(comm, "average" if agg == "average" else "majority", root=config.server_root)
+    return QuantizedVote(
+        comm,
+        config.quantizer or "l1",
+        config.bits if config.bits is not None else 8,
+        clip_multiple=config.clip_multiple,
+        chunk_size=config.chunk_size,
+        options=config.quantizer_options,
+        seed=config.seed,
+    )
+
+
+@dataclass
+class StepTimes:
+    """Wall time of one step's phases, in seconds."""
+
+    direction: float = 0.0  # the local directions c_i (or the gradient copy of the dense presets)
+    encode: float = 0.0  # quantize / pack and posting the collectives
+    exchange: float = 0.0  # waiting for the exchanges, incl. unpack/count between phases and decode
+    apply: float = 0.0  # applying the update and the momentum
+    sync: float = 0.0  # momentum synchronization (on the steps it is due)
+    overlapped: float = 0.0  # overlap: contributions, quantize/pack and between-phase work in the backward
+
+    def add(self, other: StepTimes) -> None:
+        for name in ("direction", "encode", "exchange", "apply", "sync", "overlapped"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "direction_s": self.direction,
+            "encode_s": self.encode,
+            "exchange_s": self.exchange,
+            "apply_s": self.apply,
+            "sync_s": self.sync,
+            "overlapped_s": self.overlapped,
+            "communication_s": self.encode + self.exchange + self.sync,  # quantize/pack + wire + unpack
+        }
+
+
+@dataclass
+class BucketVote:
+    """One bucket of one step: its parameters (in the flat layout's order), this rank's flat contribution
+    ``local`` and its max-abs ``peak`` (float32 scalar), the vote once posted, and (diagnostics steps) a
+    copy of the contribution."""
+
+    key: int
+    params: list[torch.Tensor]
+    local: torch.Tensor
+    peak: torch.Tensor
+    direction: torch.Tensor | None = None
+    pending: Pending | None = None
+
+
+class Voting:
+    """Contributions, votes and the apply of :class:`~lioncub.optim.LionCub`'s step on one process group.
+
+    Args:
+        comm: the group the votes travel on.
+        config: the vote configuration (validated here).
+        optimizer: whose ``param_groups`` and ``state`` (momenta) are read at every call.
+    """
+
+    def __init__(self, comm: Comm, config: VoteConfig, optimizer: torch.optim.Optimizer) -> None:
+        self.comm = comm
+        self.config = config
+        self.vote = make_vote(comm, config)
+        self.dense = config.transport == "dense"
+        self._optimizer = optimizer
+        self._group_of: dict[int, int] = {}
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Re-read which param group each parameter belongs to (after ``add_param_group``)."""
+        groups = self._optimizer.param_groups
+        self._group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
+
+    def group(self, p: torch.Tensor) -> dict[str, Any]:
+        """The param group of ``p`` (``KeyError`` if the optimizer does not hold ``p``)."""
+        return self._optimizer.param_groups[self._group_of[id(p)]]
+
+    def holds(self, p: torch.Tensor) -> bool:
+        return id(p) in self._group_of
+
+    def momentum(self, p: torch.Tensor) -> torch.Tensor:
+        """This rank's momentum of ``p`` (created as zeros on first use)."""
+        state = self._optimizer.state[p]
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state["exp_avg"]
+
+    def grad(self, p: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
+        """The gradient Lion descends: ``g`` (zeros for ``None``), negated under ``maximize``."""
+        if g is None:
+            return torch.zeros_like(p)
+        if g.is_sparse:
+            raise RuntimeError("LionCub does not support sparse gradients")
+        return -g if self.group(p)["maximize"] else g
+
+    # -- 1. contributions --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def contribute(
+        self,
+        key: int,
+        params: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor | None],
+        out: torch.Tensor,
+        *,
+        keep_copy: bool = False,
+    ) -> BucketVote:
+        """Write this rank's contribution of ``params`` (with gradients ``grads``) into the flat buffer
+        ``out`` and take its max-abs; ``keep_copy`` keeps a copy for the diagnostics."""
+        for p, g, view in zip(params, grads, flat_views(out, params), strict=True):
+            grad = self.grad(p, g)
+            if self.dense:
+                view.copy_(grad)
+            else:
+                beta1 = self.group(p)["betas"][0]
+                torch.mul(self.momentum(p), beta1, out=view).add_(grad, alpha=1.0 - beta1)
+        peak = torch.linalg.vector_norm(out, float("inf")).float()
+        return BucketVote(key, list(params), out, peak, out.clone() if keep_copy else None)
+
+    # -- 2. the vote -------------------------------------------------------------------------------
+
+    def post(self, bucket: BucketVote, step: int) -> None:
+        """Quantize / pack ``bucket`` and post its vote for optimizer step ``step`` (the step also names
+        the step in the error of a failing collective)."""
+        self.comm.step = step
+        bucket.pending = self.vote.start(
+            bucket.local, step=step, key=bucket.key, segments=[p.numel() for p in bucket.params]
+        )
+
+    # -- 3. the apply ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def apply(
+        self, buckets: Sequence[BucketVote], times: StepTimes, *, keep_updates: bool = False
+    ) -> list[torch.Tensor]:
+        """Finish every bucket's vote and apply it with the momentum update (see the module docstring);
+        returns copies of the flat updates if ``keep_updates`` (diagnostics), else ``[]``."""
+        t0 = time.perf_counter()
+        for b in buckets:  # between-phase work of two-phase votes, overlapping the other buckets
+            assert b.pending is not None
+            b.pending.advance()
+        times.exchange += time.perf_counter() - t0
+        updates: list[torch.Tensor] = []
+        for b in buckets:
+            t0 = time.perf_counter()
+            update = b.pending.wait()  # type: ignore[union-attr]
+            if keep_updates:
+                updates.append(update.clone())
+            t1 = time.perf_counter()
+            for p, u in zip(b.params, flat_views(update, b.params), strict=True):
+                self._apply_one(p, u)
+            times.exchange += t1 - t0
+            times.apply += time.perf_counter() - t1
+        return updates
+
+    def wait_all(self, buckets: Sequence[BucketVote]) -> None:
+        """Wait for every posted vote without applying it (a dropped step: none stays in flight)."""
+        for b in buckets:
+            if b.pending is not None:
+                b.pending.wait()
+
+    def _apply_one(self, p: torch.Tensor, u: torch.Tensor) -> None:
+        group = self.group(p)
+        beta1, beta2 = group["betas"]
+        lr, wd = group["lr"], group["weight_decay"]
+        m = self.momentum(p)
+        if self.dense:  # u is the mean gradient: global Lion, the same on every rank
+            c = lion_direction(m, u, beta1)
+            apply_update_(p, c.sign_(), lr=lr, weight_decay=wd)
+            update_momentum_(m, u, beta2)
+        elif not u.dtype.is_floating_point and kernels.backend_for(p, u, m) == "triton":
+            # GPU: p·(1 − lr·wd) − lr·u and m ← β2·m + (1−β2)·g in one pass (bit for bit the same)
+            kernels.apply_votes_(
+                p, u, lr=lr, weight_decay=wd, exp_avg=m, grad=self.grad(p, p.grad), beta2=beta2
+            )
+        else:
+            _apply_chunked_(p, u, lr=lr, weight_decay=wd)
+            update_momentum_(m, self.grad(p, p.grad), beta2)
+
+
+def all_finite(
+    comm: Comm, peaks: Sequence[torch.Tensor], *, nonfinite: str, step: int
+) -> tuple[bool, list[int]]:
+    """Whether every rank's contributions are finite, given this rank's max-abs per bucket: one
+    all-gather of one int32 per rank, so that every rank takes the same decision. Returns ``(ok, ranks
+    with NaN/Inf)``; with ``nonfinite="raise"`` raises :class:`NonFiniteGradientError` on every rank
+    instead of returning ``False``."""
+    if peaks:
+        bad = (~torch.isfinite(torch.stack(list(peaks)))).any().to(torch.int32).reshape(1)
+    else:
+        bad = torch.zeros(1, dtype=torch.int32)
+    n = comm.world_size
+    if n > 1:
+        flags = torch.empty(n, 1, dtype=torch.int32, device=comm.device)
+        comm.all_gather(flags, bad.to(comm.device), "non-finite gradient check").wait()
+        flags = flags.flatten()
+    else:
+        flags = bad
+    if not bool(flags.any()):
+        return True, []
+    ranks = flags.nonzero().flatten().tolist()
+    if nonfinite == "raise":
+        raise NonFiniteGradientError(
+            f"rank {comm.rank}: non-finite gradients (NaN or Inf) at step {step} on rank(s) {ranks}; nothing "
+            "was applied (nonfinite='raise')"
+        )
+    return False, ranks
+
+
+_PIECE = 1 << 16  # elements per cache-sized piece when converting an integer update
+
+
+def _apply_chunked_(p: torch.Tensor, update: torch.Tensor, *, lr: float, weight_decay: float) -> None:
+    """``p ← p·(1 − lr·wd) − lr·u`` for an update in another dtype (int8 votes): the update is converted
+    to ``p``'s dtype piece by piece in cache, because a mixed-dtype ``add_`` is several times slower."""
+    if update.dtype == p.dtype or not p.is_contiguous() or p.device.type != "cpu":
+        apply_update_(p, update.to(p.dtype), lr=lr, weight_decay=weight_decay)
+        return
+    flat_p, flat_u = p.view(-1), update.reshape(-1)
+    scratch = torch.empty(min(_PIECE, flat_p.numel()), dtype=p.dtype)
+    for c0 in range(0, flat_p.numel(), _PIECE):
+        c1 = min(c0 + _PIECE, flat_p.numel())
+        u = scratch[: c1 - c0].copy_(flat_u[c0:c1])
+        apply_update_(flat_p[c0:c1], u, lr=lr, weight_decay=weight_decay)

@@ -1,0 +1,183 @@
+"""The cost model's report: the prediction table, the winner, which variant wins by link rate and where
+the winner crosses the others (:func:`report`), and the cost against the link rate and against N
+(:func:`figure`, like Fig. 2 of the Lion Cub paper). ``lioncub cost`` prints and saves these."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from lioncub.planning import costmodel as cm
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+    from rich.console import Console
+
+__all__ = ["figure", "format_bitrate", "format_bytes", "format_count", "format_seconds", "report"]
+
+#: link rates of the plot's first panel and of the winner ranges, bits/s
+SWEEP_BPS = (10e6, 400e9)
+#: worker counts of the plot's second panel
+SWEEP_N = (2, 128)
+
+
+def format_seconds(s: float) -> str:
+    if not math.isfinite(s):
+        return "—"
+    if s == 0:
+        return "0"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if abs(s) >= scale:
+            return f"{s / scale:.3g} {unit}"
+    return f"{s / 1e-9:.3g} ns"
+
+
+def format_bytes(b: float) -> str:
+    if not math.isfinite(b):
+        return "—"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if b >= scale:
+            return f"{b / scale:.3g} {unit}"
+    return f"{b:.0f} B"
+
+
+def format_bitrate(bytes_per_s: float) -> str:
+    bps = bytes_per_s * 8
+    for unit, scale in (("Tbit/s", 1e12), ("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bps >= scale:
+            return f"{bps / scale:.3g} {unit}"
+    return f"{bps:.3g} bit/s"
+
+
+def format_count(n: float) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.4g}{unit}"
+    return f"{n:.0f}"
+
+
+def report(
+    console: Console,
+    d: int,
+    n: int,
+    network: cm.Network,
+    compute: cm.Compute,
+    variants: Sequence[str] | None = None,
+    source: str = "",
+    **options: Any,
+) -> None:
+    """Print the prediction table, the winner, the winner by link rate and the crossovers."""
+    from rich.table import Table
+
+    rows = cm.table(d, n, network, compute, variants, **options)
+    speed = cm.speedups(rows)
+    buckets = options.get("bucket_numel")
+    nbuckets = 1 if buckets is None else math.ceil(d / buckets)
+    title = (
+        f"d = {format_count(d)} parameters, N = {n} workers, {format_bitrate(network.bandwidth_Bps)} links "
+        f"(payload {network.efficiency:.1%}), α = {format_seconds(network.latency_s)}, {nbuckets} bucket(s)"
+    )
+    if options.get("sync_every"):
+        title += f", momentum sync every {options['sync_every']} steps"
+    table = Table(title=title, title_justify="left")
+    for col in ("variant", "transport", "latency", "bandwidth", "compute", "time / step", "sent / rank"):
+        table.add_column(col, justify="left" if col in ("variant", "transport") else "right")
+    table.add_column("vs 32bit", justify="right")
+    notes = []
+    for p in rows:
+        scheme = cm.PRESET_SCHEMES[p.variant]
+        transport = scheme.transport + (f" {scheme.bits}-bit" if scheme.bits else "")
+        if scheme.transport == "dense":
+            transport += f" fp{scheme.wire_bits}" if scheme.wire_bits == 32 else f" bf{scheme.wire_bits}"
+        if not p.allowed:
+            table.add_row(p.variant, transport, "", "", "", "[dim]not allowed[/dim]", "", "")
+            notes.append(f"{p.variant} is not allowed for N = {n}: {p.reason}")
+            continue
+        table.add_row(
+            p.variant,
+            transport,
+            format_seconds(p.latency_s),
+            format_seconds(p.bandwidth_s),
+            format_seconds(p.compute_s),
+            f"[bold]{format_seconds(p.total_s)}[/bold]",
+            format_bytes(p.bytes_sent),
+            f"{speed[p.variant]:.2f}x" if p.variant in speed else "",
+        )
+    console.print(table)
+    for note in notes:
+        console.print(note)
+    if source:
+        console.print(f"constants: {source}")
+    best = cm.winner(d, n, network, compute, variants, **options)
+    vs = f", {speed[best.variant]:.1f}x faster than 32bit" if best.variant in speed else ""
+    console.print(f"winner: [bold]{best.variant}[/bold] ({format_seconds(best.total_s)} per step{vs})")
+    lo, hi = SWEEP_BPS[0] / 8, SWEEP_BPS[1] / 8
+    spans = cm.regimes(d, n, network, compute, variants, lo, hi, **options)
+    console.print(
+        "fastest by link rate: "
+        + "; ".join(f"{format_bitrate(a)}–{format_bitrate(b)}: {v}" for a, b, v in spans)
+    )
+    lines = []
+    for p in rows:
+        if not p.allowed or p.variant == best.variant:
+            continue
+        rate = cm.crossover_bandwidth(best.variant, p.variant, d, n, network, compute, **options)
+        if rate is None:
+            faster = best.total_s < p.total_s
+            lines.append(f"  {best.variant} vs {p.variant}: {'always' if faster else 'never'} faster")
+            continue
+        at = network.with_bandwidth(rate * 2)
+        above = cm.predict(best.variant, d, n, at, compute, **options).total_s
+        below_side = above > cm.predict(p.variant, d, n, at, compute, **options).total_s
+        lines.append(
+            f"  {best.variant} vs {p.variant}: equal at {format_bitrate(rate)}, "
+            f"{best.variant} faster {'below' if below_side else 'above'}"
+        )
+    if lines:
+        console.print("crossovers with the winner:\n" + "\n".join(lines))
+
+
+def figure(
+    d: int,
+    n: int,
+    network: cm.Network,
+    compute: cm.Compute,
+    variants: Sequence[str] | None = None,
+    **options: Any,
+) -> Figure:
+    """Two panels: time per step vs link rate (log, 10 Mbit/s–400 Gbit/s) and vs N (2–128)."""
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    names = list(variants or cm.PRESET_SCHEMES)
+    fig = Figure(figsize=(12, 4.8), layout="constrained")  # no pyplot: no global backend state
+    ax_bw, ax_n = fig.subplots(1, 2)
+    rates = np.geomspace(SWEEP_BPS[0] / 8, SWEEP_BPS[1] / 8, 160)
+    ns = np.arange(SWEEP_N[0], SWEEP_N[1] + 1)
+    for name in names:
+        t_bw = [cm.predict(name, d, n, network.with_bandwidth(r), compute, **options).total_s for r in rates]
+        t_n = [cm.predict(name, d, int(k), network, compute, **options).total_s for k in ns]
+        (line,) = ax_bw.plot(rates * 8, t_bw, label=name)
+        ax_n.plot(ns, t_n, label=name, color=line.get_color())
+    ax_bw.axvline(network.bandwidth_Bps * 8, color="grey", linestyle=":", linewidth=1)
+    ax_n.axvline(n, color="grey", linestyle=":", linewidth=1)
+    ax_bw.set(
+        xscale="log",
+        yscale="log",
+        xlabel="link rate (bit/s)",
+        ylabel="predicted time per step (s)",
+        title=f"d = {format_count(d)}, N = {n}, α = {format_seconds(network.latency_s)}",
+    )
+    ax_n.set(
+        yscale="log",
+        xlabel="workers N",
+        ylabel="predicted time per step (s)",
+        title=f"d = {format_count(d)}, {format_bitrate(network.bandwidth_Bps)}",
+    )
+    ax_n.set_xscale("log", base=2)
+    for ax in (ax_bw, ax_n):
+        ax.grid(True, which="both", alpha=0.3)
+    ax_bw.legend(fontsize="small")
+    fig.suptitle("Communication + compute cost per optimizer step (α–β–γ model)")
+    return fig

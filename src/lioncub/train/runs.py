@@ -1,0 +1,286 @@
+"""A training run on disk and its launch: the run directory (``config.json``, ``log.jsonl``,
+``summary.json``, ``checkpoints/``), the checks made before anything is written or launched, the launch of
+``config.nproc`` ranks of :mod:`lioncub.train.loop` with a progress display, and the summary line.
+
+``lioncub train`` and ``lioncub compare`` are thin command lines over this module.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from lioncub._validate import is_int, is_number
+from lioncub.train.config import TrainConfig, format_overrides
+
+__all__ = [
+    "Progress",
+    "RunOutcome",
+    "check_before_launch",
+    "check_launch_options",
+    "format_summary",
+    "prepare_run_dir",
+    "remove_run",
+    "run_as_rank",
+    "run_training",
+]
+
+
+def check_launch_options(restarts: int, collective_timeout_s: float) -> None:
+    """``ValueError`` naming ``--restarts`` / ``--collective-timeout`` if out of range."""
+    if not (isinstance(restarts, int) and restarts >= 0):
+        raise ValueError(f"--restarts {restarts!r} must be an integer >= 0")
+    if not (collective_timeout_s > 0 and math.isfinite(collective_timeout_s)):
+        raise ValueError(f"--collective-timeout {collective_timeout_s!r} must be a number of seconds > 0")
+
+
+def check_before_launch(config: TrainConfig, timeout_s: float | None) -> None:
+    """Refuse, naming the option, what :class:`~lioncub.train.config.TrainConfig` lets through and the ranks
+    would only find after the launch: the link rate, ``--nproc`` under ``--link``, ``--timeout``,
+    ``--bucket-mb``, ``--sync-every``, ``--diagnostics-every``, an empty ``--momentum-sync``, ``--warmup``
+    beyond ``--steps``, ``--seed``, the ``--set`` values and the workload's data files."""
+    from lioncub.launch import LaunchConfig
+    from lioncub.train.workloads import check_workload
+    from lioncub.units import parse_rate
+
+    rate = None if config.link in (None, "loopback") else parse_rate(config.link)
+    LaunchConfig(["-m", "lioncub.train.loop"], nproc=config.nproc, link_rate_bps=rate, timeout_s=timeout_s)
+    bucket = config.bucket_mb
+    if not is_number(bucket, gt=0):
+        raise ValueError(f"--bucket-mb {bucket!r} must be a finite number of MiB > 0 (default 25)")
+    for option, value, low in (
+        ("--sync-every", config.sync_every, 1),
+        ("--diagnostics-every", config.diagnostics_every, 0),
+        ("--seed", config.seed, 0),
+    ):
+        if not is_int(value, low):
+            raise ValueError(f"{option} {value!r} must be an integer >= {low}")
+    if not config.momentum_sync:
+        raise ValueError(
+            f"--momentum-sync {config.momentum_sync!r}: give none, all, io or comma-separated parameter-name "
+            "patterns / param-group names"
+        )
+    if config.warmup_steps is not None and config.warmup_steps > config.steps:
+        raise ValueError(
+            f"--warmup {config.warmup_steps} must be at most --steps {config.steps} (the lr would never "
+            "reach its peak)"
+        )
+    try:
+        check_workload(config.workload, config.size, config.overrides)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(
+            f"--set {format_overrides(config.overrides)}: {exc}" if config.overrides else str(exc)
+        ) from None
+    except OSError as exc:
+        raise ValueError(f"--workload {config.workload} --size {config.size}: {exc}") from None
+
+
+class Progress(threading.Thread):
+    """Follows ``log.jsonl`` and shows steps, rate, loss and ETA (a rich bar on a terminal, else a line
+    every 10 %)."""
+
+    def __init__(self, log_path: Path, label: str, start: int, total: int, stream: TextIO) -> None:
+        super().__init__(daemon=True)
+        self.log_path, self.label, self.start_step, self.total = log_path, label, start, total
+        self.stream = stream
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+        from rich.progress import Progress as RichProgress
+
+        console = Console(file=self.stream)
+        columns = [
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[rate]:.2f} steps/s  loss {task.fields[loss]}  {task.fields[val]}"),
+            TimeRemainingColumn(),
+        ]
+        pos, t0, first = 0, time.monotonic(), None
+        next_line = self.start_step
+        with RichProgress(*columns, console=console, disable=not console.is_terminal) as bar:
+            task = bar.add_task(
+                self.label, total=self.total, completed=self.start_step, rate=0.0, loss="-", val=""
+            )
+            while True:
+                finished = self.done.is_set()
+                if self.log_path.exists():
+                    with open(self.log_path) as f:
+                        f.seek(pos)
+                        chunk = f.read()
+                    complete = chunk[: chunk.rfind("\n") + 1]
+                    pos += len(complete.encode())
+                    for line in complete.splitlines():
+                        rec = json.loads(line)
+                        if rec["step"] <= self.start_step:
+                            continue
+                        if rec["kind"] == "eval" and "val_loss" in rec:
+                            bar.update(task, val=f"val {rec['val_loss']:.4f}")
+                            continue
+                        if rec["kind"] != "step":
+                            continue
+                        first = first or (rec["step"], time.monotonic())
+                        done = rec["step"] - first[0]
+                        rate = done / max(1e-9, time.monotonic() - first[1]) if done else 0.0
+                        bar.update(task, completed=rec["step"], rate=rate, loss=f"{rec['loss']:.4f}")
+                        if not console.is_terminal and rec["step"] >= next_line:
+                            eta = (self.total - rec["step"]) / rate if rate else float("nan")
+                            print(
+                                f"[train] {self.label} step {rec['step']}/{self.total} "
+                                f"loss {rec['loss']:.4f} {rate:.2f} steps/s, ETA {eta:.0f} s, "
+                                f"{time.monotonic() - t0:.0f} s so far",
+                                file=self.stream,
+                                flush=True,
+                            )
+                            next_line = rec["step"] + max(1, self.total // 10)
+                if finished:
+                    return
+                self.done.wait(0.5)
+
+
+# ----------------------------------------------------------------------------------------------- runs
+
+
+@dataclass
+class RunOutcome:
+    """How a training run ended: the launcher's exit code and rank 0's summary (None if it failed)."""
+
+    returncode: int
+    message: str
+    summary: dict[str, Any] | None
+
+
+def prepare_run_dir(run_dir: Path, config: TrainConfig, *, resume: bool) -> Any:
+    """Create ``run_dir`` with ``config.json``, or (``resume``) check it can continue; returns the config
+    to run. Raises ``ValueError`` with the option to change."""
+    from lioncub.train import checkpoint
+
+    saved_path = run_dir / "config.json"
+    if resume:
+        if not saved_path.exists():
+            raise ValueError(f"--resume: {run_dir} holds no run (no config.json)")
+        meta = checkpoint.latest(run_dir)
+        if meta is None:
+            raise ValueError(
+                f"--resume: {run_dir} has no complete checkpoint to resume from (delete the directory to "
+                "start afresh)"
+            )
+        checkpoint.check_compatible(
+            meta,
+            variant=config.variant,
+            world_size=config.nproc,
+            workload=config.workload,
+            size=config.size,
+            seed=config.seed,
+            convert_momenta=config.convert_momenta,
+        )
+        if config.stop_at is not None and config.stop_at <= meta.step:
+            raise ValueError(f"--stop-at {config.stop_at}: the checkpoint is already at step {meta.step}")
+        if meta.step >= config.steps:
+            raise ValueError(
+                f"--resume: the checkpoint is at step {meta.step}; pass --steps above it to go on"
+            )
+    elif saved_path.exists():
+        raise ValueError(
+            f"--out {run_dir} already holds a run; pass --resume to continue it, or choose another --out"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = saved_path.with_name("config.json.part")
+    tmp.write_text(json.dumps(config.to_json(), indent=1) + "\n")
+    os.replace(tmp, saved_path)
+    return config
+
+
+def run_training(
+    config: TrainConfig,
+    run_dir: Path,
+    *,
+    timeout_s: float | None = 7200.0,
+    progress: bool = True,
+    label: str | None = None,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+    restarts: int = 0,
+    collective_timeout_s: float = 600.0,
+    env: dict[str, str] | None = None,
+) -> RunOutcome:
+    """Launch ``config.nproc`` ranks of :mod:`lioncub.train.loop` on ``run_dir`` (already prepared); a
+    restart (``restarts``) reruns every rank, which resumes from the last checkpoint. ``env`` is added to
+    the ranks' environment."""
+    check_launch_options(restarts, collective_timeout_s)
+    from lioncub.launch import LaunchConfig, launch
+    from lioncub.train import checkpoint
+    from lioncub.units import parse_rate
+
+    err = err or sys.stderr
+    rate = None if config.link in (None, "loopback") else parse_rate(config.link)
+    meta = checkpoint.latest(run_dir)
+    start = meta.step if meta is not None else 0
+    cmd = [sys.executable, "-m", "lioncub.train.loop", str(run_dir)]
+    bar = None
+    if progress:
+        bar = Progress(run_dir / "log.jsonl", label or config.variant, start, config.steps, err)
+        bar.start()
+    try:
+        rank_env = {"LIONCUB_PG_TIMEOUT": f"{collective_timeout_s:g}", **(env or {})}
+        launch_config = LaunchConfig(
+            cmd, nproc=config.nproc, link_rate_bps=rate, timeout_s=timeout_s, restarts=restarts, env=rank_env
+        )
+        result = launch(launch_config, out=out, err=err)
+    finally:
+        if bar is not None:
+            bar.done.set()
+            bar.join(timeout=5)
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if result.ok and summary_path.exists() else None
+    return RunOutcome(result.returncode, result.message, summary)
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """One paragraph: step time and its split, bytes per step, final validation metrics."""
+
+    def ms(key: str) -> str:
+        value = summary.get(key)
+        return "-" if value is None else f"{value * 1e3:.1f} ms"
+
+    final = summary.get("final") or {}
+    metrics = ", ".join(f"{k} {v:.4f}" for k, v in final.items() if k.startswith("val_"))
+    cfg = summary["config"]
+    return (
+        f"{cfg['workload']}/{cfg['size']} {cfg['variant']}{'+overlap' if cfg.get('overlap') else ''} on "
+        f"{summary['world_size']} rank(s), "
+        f"{cfg['link']}: "
+        f"{summary['steps_run']} steps, median step {ms('median_step_s')} (compute {ms('median_compute_s')}, "
+        f"communication {ms('median_comm_s')}, apply {ms('median_apply_s')}), "
+        f"{(summary.get('median_bytes_sent') or 0) / 1e6:.3f} MB sent per rank per step"
+        + (f"; at step {final.get('step')}: {metrics}" if metrics else "")
+    )
+
+
+def run_as_rank(config: TrainConfig, run_dir: Path) -> int:
+    """Train as one rank of a job that ``torchrun`` started (``RANK`` and ``WORLD_SIZE`` set): rank 0
+    writes ``config.json``; every rank runs :func:`lioncub.train.loop.run_rank`."""
+    from lioncub.train import loop
+
+    if int(os.environ["RANK"]) == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(config.to_json(), indent=1) + "\n")
+    summary = loop.run_rank(config, run_dir)
+    if int(os.environ["RANK"]) == 0:
+        print(format_summary(summary))
+    return 0
+
+
+def remove_run(run_dir: Path) -> None:
+    """Delete a run directory (``compare --overwrite``)."""
+    shutil.rmtree(run_dir)

@@ -1,0 +1,180 @@
+"""The package's shape: layers that import only downwards, no import cycles, no private name used across
+modules, CLI subcommands that never import each other, a constructor a reader can hold in their head, and
+``python -m lioncub`` (the README's "Layout" section states the same).
+
+Read from the source with :mod:`ast` (every import, including those inside functions), not by importing.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+#: the layer of every package and top-level module; an import may only go to the same module's package
+#: or to a lower layer (packages on the same layer may not import each other)
+LAYERS = {
+    "lioncub._validate": 0,
+    "lioncub.units": 0,
+    "lioncub.ops": 1,
+    "lioncub.collectives": 2,
+    "lioncub.optim": 3,
+    "lioncub.planning": 4,
+    "lioncub.launch": 5,
+    "lioncub.train": 6,
+    "lioncub.report": 6,
+    "lioncub.cli": 7,
+    "lioncub.__main__": 8,
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {_module_name(p): p for p in sorted((SRC / "lioncub").rglob("*.py"))}
+
+
+def _unit(module: str) -> str:
+    """The key of :data:`LAYERS` a module belongs to."""
+    return next(k for k in sorted(LAYERS, key=len, reverse=True) if module == k or module.startswith(k + "."))
+
+
+def _imports(module: str) -> list[tuple[str, list[str], int]]:
+    """(imported module, names taken from it, line) for every ``lioncub`` import of ``module``."""
+    tree = ast.parse(MODULES[module].read_text())
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, [], node.lineno) for a in node.names if a.name.startswith("lioncub")]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lioncub"):
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                if sub in MODULES:  # `from lioncub.train import checkpoint`: the submodule
+                    out.append((sub, [], node.lineno))
+                else:
+                    out.append((node.module, [alias.name], node.lineno))
+    return out
+
+
+def _edges() -> dict[str, set[str]]:
+    return {
+        m: {target for target, _, _ in _imports(m) if target in MODULES} for m in MODULES if m != "lioncub"
+    }
+
+
+def test_every_module_has_a_layer() -> None:
+    assert [
+        m for m in MODULES if m != "lioncub" and not any(m == k or m.startswith(k + ".") for k in LAYERS)
+    ] == []
+
+
+def test_imports_go_only_downwards() -> None:
+    wrong = []
+    for module in MODULES:
+        if module == "lioncub":
+            continue  # the package's lazy exports name every layer
+        here = _unit(module)
+        for target, _, line in _imports(module):
+            if target == "lioncub" or _unit(target) == here:
+                continue
+            if LAYERS[_unit(target)] >= LAYERS[here]:
+                wrong.append(f"{MODULES[module].relative_to(SRC)}:{line} imports {target}")
+    assert wrong == []
+
+
+def test_no_import_cycles() -> None:
+    edges = _edges()
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    cycles: list[list[str]] = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append([*stack[stack.index(nxt) :], nxt])
+            elif nxt not in state:
+                visit(nxt, [*stack, nxt])
+        state[node] = 2
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module, [module])
+    assert cycles == []
+
+
+def test_no_private_name_crosses_a_module_boundary() -> None:
+    wrong = []
+    for module in MODULES:
+        for target, names, line in _imports(module):
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            if private and target != module:
+                wrong.append(f"{module}:{line} imports {private} from {target}")
+        tree = ast.parse(MODULES[module].read_text())
+        aliases = {  # local names bound to lioncub modules
+            (a.asname or a.name): f"{node.module}.{a.name}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lioncub")
+            for a in node.names
+            if f"{node.module}.{a.name}" in MODULES
+        }
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                wrong.append(f"{module}:{node.lineno} uses {aliases[node.value.id]}.{node.attr}")
+    assert wrong == []
+
+
+def test_subcommands_do_not_import_each_other() -> None:
+    from lioncub.cli import COMMANDS
+
+    commands = {module for module, _ in COMMANDS.values()}
+    wrong = [(m, t) for m in commands for t, _, _ in _imports(m) if t in commands and t != m]
+    assert wrong == []
+
+
+def test_one_definition_of_the_shared_checks() -> None:
+    defined = {
+        m: [n.name for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.FunctionDef)]
+        for m, p in MODULES.items()
+    }
+    twins = [m for m, names in defined.items() if {"_is_int", "_is_number"} & set(names)]
+    assert twins == []  # lioncub._validate.is_int / is_number
+
+
+def test_lioncub_constructor_is_small() -> None:
+    from lioncub import LionCub
+
+    params = [p for p in inspect.signature(LionCub.__init__).parameters if p != "self"]
+    assert len(params) <= 12, params
+
+
+@pytest.mark.parametrize("module", ["lioncub", "lioncub.cli"])
+def test_python_dash_m(module: str) -> None:
+    out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for command in ("train", "compare", "launch", "cost", "calibrate", "report"):
+        assert command in out.stdout
+
+
+def test_cost_model_and_configs_do_not_import_torch() -> None:
+    code = (
+        "import sys, lioncub.planning.costmodel, lioncub.optim.config, lioncub.units, lioncub._validate;"
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr

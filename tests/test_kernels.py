@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import background
 from lioncub.ops import kernels, packing, quantize
 from lioncub.optim.lion import apply_update_, update_momentum_
 
@@ -46,11 +47,47 @@ def _run(cmd: list[str], timeout: float, **extra_env: str) -> subprocess.Complet
     )
 
 
+def _in_background(cmd, timeout: float, **extra_env: str):  # type: ignore[no-untyped-def]
+    """:func:`_run` as a background job (tests/background.py); ``cmd(workdir)`` gives the command."""
+    return lambda: background.Subprocess(cmd, timeout, {**_env(), **extra_env}) if HAVE_TRITON else None
+
+
+_LIONCUB_INTERP = """
+import sys
+sys.path.insert(0, {tests!r})
+from dist_utils import run_workers
+from test_kernels import worker_lioncub_kernels
+run_workers(worker_lioncub_kernels, 2, {presets!r}, {out!r}, timeout=200, fresh=True)
+"""
+KERNEL_STEP_PRESETS = ["1bit", "8bit", "8bit-sign"]
+
+#: the subprocesses of this module, started when collection ends (they run on the core left idle)
+BACKGROUND = {
+    "kernels_interp": _in_background(
+        lambda _: [sys.executable, str(ROOT / "tests" / "kernels_interp.py")], 240
+    ),
+    "gpu_check_dry_run": _in_background(
+        lambda _: ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"], 240
+    ),
+    "lioncub_kernels_interp": _in_background(
+        lambda workdir: [
+            sys.executable,
+            "-c",
+            _LIONCUB_INTERP.format(
+                tests=str(ROOT / "tests"), presets=KERNEL_STEP_PRESETS, out=str(workdir / "interp.pt")
+            ),
+        ],
+        300,
+        TRITON_INTERPRET="1",
+    ),
+}
+
+
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, dict]:
     if not HAVE_TRITON:
         pytest.skip(NO_TRITON)
-    proc = _run([sys.executable, str(ROOT / "tests" / "kernels_interp.py")], 240)
+    proc = background.result("kernels_interp", BACKGROUND["kernels_interp"])
     results = {}
     for line in proc.stdout.splitlines():
         if line.startswith("{"):
@@ -61,6 +98,8 @@ def interpreter_results() -> dict[str, dict]:
     return results
 
 
+@pytest.mark.slow
+@pytest.mark.background("kernels_interp")
 @pytest.mark.parametrize("case", INTERP_CASES)
 def test_triton_interpreter_equals_torch(interpreter_results, case):
     record = interpreter_results.get(case)
@@ -154,9 +193,11 @@ def test_input_checks():
 # ----------------------------------------------------------------------------- gpu_check CPU mode
 
 
+@pytest.mark.slow
+@pytest.mark.background("gpu_check_dry_run")
 @pytest.mark.skipif(not HAVE_TRITON, reason=NO_TRITON)
 def test_gpu_check_dry_run():
-    proc = _run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"], 240)
+    proc = background.result("gpu_check_dry_run", BACKGROUND["gpu_check_dry_run"])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "all correctness checks passed" in proc.stdout
     for item in (
@@ -224,27 +265,19 @@ def _kernel_steps(rank: int, presets: list[str], out: str | None, calls: dict[st
     return results
 
 
-_LIONCUB_INTERP = """
-import sys
-sys.path.insert(0, {tests!r})
-from dist_utils import run_workers
-from test_kernels import worker_lioncub_kernels
-run_workers(worker_lioncub_kernels, 2, {presets!r}, {out!r}, timeout=200)
-"""
-
-
+@pytest.mark.slow
+@pytest.mark.background("lioncub_kernels_interp")
 @pytest.mark.skipif(not HAVE_TRITON, reason=NO_TRITON)
-def test_lioncub_step_with_kernels_equals_the_torch_step(tmp_path: Path) -> None:
+def test_lioncub_step_with_kernels_equals_the_torch_step() -> None:
     """The 1-bit majority repack, the L1 quantizer and the fused apply + momentum inside LionCub's step
     (2 gloo ranks, Triton's interpreter) give bit for bit the parameters and momenta of the torch step."""
     from dist_utils import run_workers
 
-    presets = ["1bit", "8bit", "8bit-sign"]
-    out = tmp_path / "interp.pt"
-    script = _LIONCUB_INTERP.format(tests=str(ROOT / "tests"), presets=presets, out=str(out))
-    proc = _run([sys.executable, "-c", script], 300, TRITON_INTERPRET="1")
+    presets = KERNEL_STEP_PRESETS
+    job = BACKGROUND["lioncub_kernels_interp"]
+    proc = background.result("lioncub_kernels_interp", job)  # in a subprocess: TRITON_INTERPRET=1
     assert proc.returncode == 0, proc.stderr[-3000:]
-    interp = torch.load(out, weights_only=False)
+    interp = torch.load(background.workdir("lioncub_kernels_interp") / "interp.pt", weights_only=False)
     assert interp["backend"] == "triton"
     plain = run_workers(worker_lioncub_kernels, 2, presets, None)[0]
     assert plain["backend"] == "torch" and plain["calls"] == {}

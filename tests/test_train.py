@@ -160,6 +160,7 @@ def assert_same_checkpoint(a: Path, b: Path, ranks: int = 2) -> None:
 @pytest.mark.parametrize(
     ("variant", "extra"),
     [("32bit", ["--set", "dropout=0.1"]), ("1bit", ["--set", "dropout=0.1"]), ("8bit", [])],
+    ids=["32bit-dropout", "1bit-dropout", "8bit"],
 )
 def test_resume_equals_uninterrupted(tmp_path: Path, variant: str, extra: list[str]) -> None:
     """Stopped at step 5 and resumed = uninterrupted, bitwise; with dropout drawing from each rank's global

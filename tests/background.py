@@ -1,0 +1,158 @@
+"""Background jobs: long, self-contained parts of tests (a subprocess, a set of spawned ranks) that start
+when collection ends and run while the suite goes on, one job at a time, in the order of the tests.
+
+Most of the suite runs in the pytest process on one core; on a 2-core machine a job in the background
+uses the other. A test marked ``@pytest.mark.background("KEY")`` names a job of its module's
+``BACKGROUND`` dict (``KEY`` -> a factory returning a :class:`Job`, or ``None`` when there is nothing to
+run, e.g. a missing optional dependency); the test calls :func:`result` to get what the job produced,
+which waits for it (or starts it at once, if its turn has not come). What the test asserts on that result
+is unchanged: only *when* the work happens moves. Deselected tests start nothing; ``--collect-only``
+starts nothing; the jobs still running when the session ends are killed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+class Job:
+    """Work started by :meth:`start`, finished when :meth:`done`; :meth:`wait` returns its result."""
+
+    def __init__(self) -> None:
+        self.workdir = Path(tempfile.mkdtemp(prefix="lioncub-bg-"))
+        self.started_at: float | None = None
+
+    def start(self) -> None:
+        self.started_at = time.monotonic()
+
+    def done(self) -> bool:
+        raise NotImplementedError
+
+    def wait(self) -> Any:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        """Kill what is still running (idempotent)."""
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+class Subprocess(Job):
+    """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)``, in
+    the background: :meth:`wait` returns its ``CompletedProcess`` or raises ``TimeoutExpired`` (the process
+    killed) once ``timeout`` seconds have passed since the start."""
+
+    def __init__(self, cmd: Callable[[Path], list[str]], timeout: float, env: dict[str, str] | None = None):
+        super().__init__()
+        self.cmd, self.timeout, self.env = cmd(self.workdir), timeout, env
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        super().start()
+        self.out = open(self.workdir / "stdout", "wb")  # noqa: SIM115 (closed by wait/stop)
+        self.err = open(self.workdir / "stderr", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(self.cmd, stdout=self.out, stderr=self.err, env=self.env)
+
+    def done(self) -> bool:
+        return self.proc is not None and self.proc.poll() is not None
+
+    def wait(self) -> subprocess.CompletedProcess[str]:
+        assert self.proc is not None and self.started_at is not None
+        left = self.timeout - (time.monotonic() - self.started_at)
+        try:
+            self.proc.wait(max(0.0, left))
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise subprocess.TimeoutExpired(self.cmd, self.timeout, *self._output()) from None
+        self.out.close()
+        self.err.close()
+        return subprocess.CompletedProcess(self.cmd, self.proc.returncode, *self._output())
+
+    def _output(self) -> tuple[str, str]:
+        return tuple(  # type: ignore[return-value]
+            (self.workdir / name).read_text(errors="replace") for name in ("stdout", "stderr")
+        )
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        if self.proc is not None:
+            self.out.close()
+            self.err.close()
+
+
+_JOBS: dict[str, Job] = {}
+_QUEUE: list[str] = []  # keys not started yet, in the order of the tests
+_RUNNING: list[str] = []  # keys started by pump() and not yet seen done
+
+
+def start_for(items: Iterable[pytest.Item]) -> None:
+    """Queue the jobs of the selected tests (in their order) and start the first."""
+    for item in items:
+        for mark in item.iter_markers("background"):
+            for key in mark.args:
+                if key in _JOBS:
+                    continue
+                job = item.module.BACKGROUND[key]()  # type: ignore[union-attr]
+                if job is not None:
+                    _JOBS[key] = job
+                    _QUEUE.append(key)
+    pump()
+
+
+def pump(slots: int = 1) -> None:
+    """Start queued jobs until ``slots`` are running (called after every test with one slot; with two
+    while a test waits for a job, as the pytest process then leaves its core idle)."""
+    _RUNNING[:] = [key for key in _RUNNING if not _JOBS[key].done()]
+    while _QUEUE and len(_RUNNING) < slots:
+        key = _QUEUE.pop(0)
+        _JOBS[key].start()
+        _RUNNING.append(key)
+
+
+def result(key: str, factory: Callable[[], Job | None]) -> Any:
+    """What job ``key`` produced: waits for it, starting it now if it has not started (or was never
+    queued: the test was run some other way)."""
+    job = _JOBS.get(key)
+    if job is None:
+        job = factory()
+        if job is None:
+            raise RuntimeError(f"background job {key!r}: nothing to run")
+        _JOBS[key] = job
+    if job.started_at is None:
+        if key in _QUEUE:
+            _QUEUE.remove(key)
+        job.start()
+        _RUNNING.append(key)
+    pump(slots=2)
+    try:
+        return job.wait()
+    finally:
+        pump()
+
+
+def workdir(key: str) -> Path:
+    """The scratch directory of job ``key`` (removed when the session ends)."""
+    return _JOBS[key].workdir
+
+
+def stop_all() -> None:
+    for job in _JOBS.values():
+        job.cleanup()
+    _JOBS.clear()
+    _QUEUE.clear()
+
+
+atexit.register(stop_all)

@@ -37,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     add_run_arguments(parser, variant=False)
     parser.add_argument(
-        "--variants", default=DEFAULT_VARIANTS, help=f"comma-separated, in order (default {DEFAULT_VARIANTS})"
+        "--variants",
+        help=f"comma-separated, in order (default {DEFAULT_VARIANTS}; with --report-only: the runs in OUT)",
     )
     parser.add_argument("--out", required=True, metavar="DIR", help="report directory (runs inside)")
     parser.add_argument("--target-loss", type=float, help="validation loss for 'time to target'")
@@ -67,20 +68,41 @@ def _finished(run_dir: Path, config: object) -> bool:
     return saved == config.to_json() and summary.get("steps_run", 0) > 0  # type: ignore[attr-defined]
 
 
+def _runs_in(out: Path) -> list[str]:
+    """The variants whose runs ``out`` holds, in the order of its last report (else by name)."""
+    import json
+
+    present = [d.name for d in sorted(out.iterdir()) if (d / "log.jsonl").is_file()] if out.is_dir() else []
+    try:
+        rows = json.loads((out / "summary.json").read_text())["rows"]
+        order = [r["variant"] for r in rows]
+    except (OSError, ValueError, KeyError, TypeError):
+        order = []
+    return [v for v in order if v in present] + [v for v in present if v not in order]
+
+
 def run(args: argparse.Namespace) -> int:
     from lioncub.optim import PRESETS
     from lioncub.report import runs as report
     from lioncub.train.config import BASELINES
+    from lioncub.train.rundir import check_out_path, claim, foreign_entries, is_marked, remove_owned
     from lioncub.train.runs import (
         check_before_launch,
         check_launch_options,
         format_summary,
         prepare_run_dir,
-        remove_run,
         run_training,
     )
 
-    out = Path(args.out)
+    try:
+        out = check_out_path(args.out)
+    except ValueError as exc:
+        print(f"lioncub compare: error: {exc}", file=sys.stderr)
+        return 2
+    if args.variants is None and args.report_only:
+        args.variants = ",".join(_runs_in(out)) or DEFAULT_VARIANTS
+    elif args.variants is None:
+        args.variants = DEFAULT_VARIANTS
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     allowed = sorted({*PRESETS, *BASELINES})
     bad = [v for v in variants if v.removesuffix(OVERLAP_SUFFIX) not in allowed]
@@ -113,24 +135,38 @@ def run(args: argparse.Namespace) -> int:
             for config in configs:
                 check_before_launch(config, args.timeout or None)
             check_launch_options(args.restarts, args.collective_timeout)
+            # every directory is checked before anything is trained, written or deleted
+            foreign = foreign_entries(out, "compare", subruns=True)
+            if foreign:
+                raise ValueError(
+                    f"--out {out} holds files lioncub did not write ({', '.join(foreign[:5])}); give a new "
+                    "or empty directory, or one a previous `lioncub compare` wrote"
+                )
+            for config, run_dir in zip(configs, run_dirs, strict=True):
+                if _finished(run_dir, config) and not args.overwrite:
+                    continue
+                theirs = ", ".join(foreign_entries(run_dir)[:5])
+                if theirs:
+                    raise ValueError(
+                        f"{run_dir} holds files lioncub did not write ({theirs}); lioncub deletes only its "
+                        "own files: move them, or choose another --out"
+                    )
+                if is_marked(run_dir) and not args.overwrite:
+                    raise ValueError(
+                        f"{run_dir} holds another or an unfinished run; pass --overwrite to train it again, "
+                        "or choose another --out"
+                    )
         except (ValueError, TypeError) as exc:
             print(f"lioncub compare: error: {exc}", file=sys.stderr)
             return 2
+        claim(out, "compare")
         for i, (config, run_dir) in enumerate(zip(configs, run_dirs, strict=True)):
             label = f"[{i + 1}/{len(variants)}] {variants[i]}"
             if _finished(run_dir, config) and not args.overwrite:
                 print(f"{label}: reusing the finished run in {run_dir}", file=sys.stderr)
                 continue
-            if run_dir.exists():
-                if not args.overwrite and (run_dir / "config.json").exists():
-                    print(
-                        f"lioncub compare: error: {run_dir} holds another or an unfinished run; pass "
-                        "--overwrite to train it again, or choose another --out",
-                        file=sys.stderr,
-                    )
-                    return 2
-                remove_run(run_dir)
             try:
+                remove_owned(run_dir)  # --overwrite of lioncub's own run (checked above)
                 prepare_run_dir(run_dir, config, resume=False)
             except ValueError as exc:
                 print(f"lioncub compare: error: {exc}", file=sys.stderr)
@@ -153,6 +189,15 @@ def run(args: argparse.Namespace) -> int:
     if missing:
         print(f"lioncub compare: error: no runs in {', '.join(missing)}", file=sys.stderr)
         return 2
+    foreign = foreign_entries(out, "compare", subruns=True)
+    if foreign:
+        print(
+            f"lioncub compare: error: --out {out} holds files lioncub did not write "
+            f"({', '.join(foreign[:5])}); the report would overwrite summary.md, summary.json and its plots",
+            file=sys.stderr,
+        )
+        return 2
+    claim(out, "compare")
     rep = report.make_report(run_dirs, out, target_loss=args.target_loss)
     report.print_table(rep)
     print(f"report: {out / 'summary.md'}")

@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
 from lioncub.cli.options import add_run_arguments, config_from_args
 
@@ -47,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from lioncub.train.config import TrainConfig
+    from lioncub.train.rundir import check_out_path
     from lioncub.train.runs import (
         check_before_launch,
         check_launch_options,
@@ -56,8 +56,8 @@ def run(args: argparse.Namespace) -> int:
         run_training,
     )
 
-    run_dir = Path(args.out)
     try:
+        run_dir = check_out_path(args.out)
         check_launch_options(args.restarts, args.collective_timeout)
         base = None
         if args.resume and (run_dir / "config.json").exists():

@@ -439,15 +439,18 @@ def run_rank(config: TrainConfig, run_dir: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m lioncub.train.loop RUN_DIR``: train ``RUN_DIR/config.json`` on this rank."""
+    """``python -m lioncub.train.loop RUN_DIR [CONFIG]``: train ``CONFIG`` (default ``RUN_DIR/config.json``)
+    in ``RUN_DIR`` on this rank."""
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
+    if len(args) not in (1, 2):
         print(
-            "usage: python -m lioncub.train.loop RUN_DIR  (inside a torch.distributed job)", file=sys.stderr
+            "usage: python -m lioncub.train.loop RUN_DIR [CONFIG]  (inside a torch.distributed job)",
+            file=sys.stderr,
         )
         return 2
     run_dir = Path(args[0])
-    config = TrainConfig.from_json(json.loads((run_dir / "config.json").read_text()))
+    config_path = Path(args[1]) if len(args) == 2 else run_dir / "config.json"
+    config = TrainConfig.from_json(json.loads(config_path.read_text()))
     summary = run_rank(config, run_dir)
     if summary["final"] is not None and int(os.environ.get("RANK", "0")) == 0:
         print(f"final validation: {summary['final']}")

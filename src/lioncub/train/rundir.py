@@ -96,22 +96,27 @@ def is_marked(path: Path, kind: str = "run") -> bool:
             return json.loads(marker.read_text()).get("kind") == kind
         except (OSError, ValueError, AttributeError):
             return False
-    if kind == "run":  # written before the marker: a config.json that lioncub wrote
-        try:
-            doc = json.loads((path / "config.json").read_text())
-        except (OSError, ValueError):
-            return False
-        return isinstance(doc, dict) and {"workload", "size", "variant", "steps"} <= set(doc)
-    return False
+    # written before the marker existed: a run's config.json, a compare report's summary.json
+    name, keys = (
+        ("config.json", {"workload", "size", "variant", "steps"})
+        if kind == "run"
+        else ("summary.json", {"title", "rows"})
+    )
+    try:
+        doc = json.loads((path / name).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and keys <= set(doc)
 
 
 def foreign_entries(path: Path, kind: str = "run", *, subruns: bool = False) -> list[str]:
-    """Names in ``path`` that a ``kind`` directory of lioncub would not hold (sorted; ``[]`` for a
-    missing or empty directory). With ``subruns`` (a compare directory), subdirectories that are marked
-    run directories, or empty, are lioncub's too."""
+    """Names in ``path`` that lioncub did not write (sorted; ``[]`` for a missing or empty directory):
+    in a marked ``kind`` directory (:func:`is_marked`) what such a directory would not hold, in an unmarked
+    one everything. With ``subruns`` (a compare directory), subdirectories that are marked run
+    directories, or empty, are lioncub's too."""
     if not path.is_dir():
         return []
-    patterns = _KINDS[kind]
+    patterns = _KINDS[kind] if is_marked(path, kind) else ()  # unmarked: a name alike is still the user's
     out = []
     for entry in sorted(path.iterdir(), key=lambda e: e.name):
         if any(fnmatch.fnmatchcase(entry.name, pat) for pat in patterns):

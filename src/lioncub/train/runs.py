@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import sys
 import threading
 import time
@@ -20,15 +19,16 @@ from typing import Any, TextIO
 
 from lioncub._validate import is_int, is_number
 from lioncub.train.config import TrainConfig, format_overrides
+from lioncub.train.rundir import check_out_path, claim, foreign_entries, is_marked
 
 __all__ = [
     "Progress",
     "RunOutcome",
     "check_before_launch",
     "check_launch_options",
+    "check_resume",
     "format_summary",
     "prepare_run_dir",
-    "remove_run",
     "run_as_rank",
     "run_training",
 ]
@@ -160,21 +160,54 @@ class RunOutcome:
     summary: dict[str, Any] | None
 
 
-def prepare_run_dir(run_dir: Path, config: TrainConfig, *, resume: bool) -> Any:
-    """Create ``run_dir`` with ``config.json``, or (``resume``) check it can continue; returns the config
-    to run. Raises ``ValueError`` with the option to change."""
+#: what a resumed run keeps from the run it continues (the model, the data stream, the vote)
+FROZEN_ON_RESUME = ("workload", "size", "seed", "variant", "data_mode", "overrides", "quantizer")
+#: the configuration a resumed run trains with until it succeeds (then it becomes ``config.json``)
+NEXT_CONFIG = "config.next.json"
+
+
+def check_resume(saved: TrainConfig, config: TrainConfig, run_dir: Path) -> None:
+    """``ValueError`` naming the option if ``config`` changes what a resumed run must keep
+    (:data:`FROZEN_ON_RESUME`) from ``saved``, the configuration in ``run_dir``."""
+    for name in FROZEN_ON_RESUME:
+        old, new = getattr(saved, name), getattr(config, name)
+        if old == new:
+            continue
+        if name == "overrides":
+            keys = sorted(k for k in {*old, *new} if old.get(k, "(default)") != new.get(k, "(default)"))
+            asked = " ".join(f"{k}={new[k]!r}" if k in new else f"{k} (its default)" for k in keys)
+            was = " ".join(f"{k}={old[k]!r}" if k in old else f"{k} at its default" for k in keys)
+            raise ValueError(
+                f"--resume: --set {asked}: the run in {run_dir} has {was}; a resumed run keeps its workload "
+                "fields (start a new --out to change them)"
+            )
+        option = {"data_mode": "--data-mode"}.get(name, f"--{name}")
+        raise ValueError(
+            f"--resume: {option} {new!r}: the run in {run_dir} has {option} {old!r}; a resumed run keeps it "
+            "(start a new --out to change it)"
+        )
+
+
+def prepare_run_dir(run_dir: Path, config: TrainConfig, *, resume: bool) -> TrainConfig:
+    """Check that ``run_dir`` may hold this run (:mod:`lioncub.train.rundir`) and, for a new run, create it
+    with ``config.json``; for ``resume``, check it can continue and write the new configuration to
+    :data:`NEXT_CONFIG` (it replaces ``config.json`` once the run succeeds, so a failed resume leaves the
+    run as it was). Returns the config to run. Raises ``ValueError`` naming the option to change; nothing
+    is written before every check has passed."""
     from lioncub.train import checkpoint
 
+    check_out_path(run_dir)
     saved_path = run_dir / "config.json"
     if resume:
-        if not saved_path.exists():
-            raise ValueError(f"--resume: {run_dir} holds no run (no config.json)")
+        if not saved_path.exists() or not is_marked(run_dir):
+            raise ValueError(f"--resume: {run_dir} holds no lioncub run (no config.json written by lioncub)")
         meta = checkpoint.latest(run_dir)
         if meta is None:
             raise ValueError(
                 f"--resume: {run_dir} has no complete checkpoint to resume from (delete the directory to "
                 "start afresh)"
             )
+        check_resume(TrainConfig.from_json(json.loads(saved_path.read_text())), config, run_dir)
         checkpoint.check_compatible(
             meta,
             variant=config.variant,
@@ -190,15 +223,34 @@ def prepare_run_dir(run_dir: Path, config: TrainConfig, *, resume: bool) -> Any:
             raise ValueError(
                 f"--resume: the checkpoint is at step {meta.step}; pass --steps above it to go on"
             )
-    elif saved_path.exists():
+        _write_json(run_dir / NEXT_CONFIG, config.to_json())
+        return config
+    if config.convert_momenta is not None:
+        raise ValueError(
+            f"--convert-momenta {config.convert_momenta}: applies only with --resume (a new run has no "
+            "momenta to convert)"
+        )
+    if is_marked(run_dir) and saved_path.exists():
         raise ValueError(
             f"--out {run_dir} already holds a run; pass --resume to continue it, or choose another --out"
         )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = saved_path.with_name("config.json.part")
-    tmp.write_text(json.dumps(config.to_json(), indent=1) + "\n")
-    os.replace(tmp, saved_path)
+    foreign = foreign_entries(run_dir)
+    if foreign:
+        raise ValueError(
+            f"--out {run_dir} holds files lioncub did not write ({', '.join(foreign[:5])}"
+            + (" …" if len(foreign) > 5 else "")
+            + "); give a new or empty directory"
+        )
+    claim(run_dir)
+    _write_json(saved_path, config.to_json())
     return config
+
+
+def _write_json(path: Path, doc: dict[str, Any]) -> None:
+    """Write ``doc`` to ``path`` atomically (a ``.part`` file renamed over it)."""
+    tmp = path.with_name(path.name + ".part")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, path)
 
 
 def run_training(
@@ -226,7 +278,10 @@ def run_training(
     rate = None if config.link in (None, "loopback") else parse_rate(config.link)
     meta = checkpoint.latest(run_dir)
     start = meta.step if meta is not None else 0
+    next_config = run_dir / NEXT_CONFIG  # a resume: its configuration becomes config.json on success
     cmd = [sys.executable, "-m", "lioncub.train.loop", str(run_dir)]
+    if next_config.exists():
+        cmd.append(str(next_config))
     bar = None
     if progress:
         bar = Progress(run_dir / "log.jsonl", label or config.variant, start, config.steps, err)
@@ -241,6 +296,11 @@ def run_training(
         if bar is not None:
             bar.done.set()
             bar.join(timeout=5)
+    if next_config.exists():
+        if result.ok:
+            os.replace(next_config, run_dir / "config.json")
+        else:
+            next_config.unlink()  # the run goes on from its previous configuration and checkpoints
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if result.ok and summary_path.exists() else None
     return RunOutcome(result.returncode, result.message, summary)
@@ -269,18 +329,21 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 def run_as_rank(config: TrainConfig, run_dir: Path) -> int:
     """Train as one rank of a job that ``torchrun`` started (``RANK`` and ``WORLD_SIZE`` set): rank 0
-    writes ``config.json``; every rank runs :func:`lioncub.train.loop.run_rank`."""
+    writes ``config.json``; every rank runs :func:`lioncub.train.loop.run_rank`, resuming from the run's
+    checkpoints if there are any (torchrun's restarts). A directory holding files lioncub did not write
+    is refused on every rank."""
     from lioncub.train import loop
 
+    foreign = foreign_entries(run_dir)  # every rank decides alike (what rank 0 writes is lioncub's)
+    if foreign:
+        raise ValueError(
+            f"--out {run_dir} holds files lioncub did not write ({', '.join(foreign[:5])}); give a new or "
+            "empty directory"
+        )
     if int(os.environ["RANK"]) == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(config.to_json(), indent=1) + "\n")
+        claim(run_dir)
+        _write_json(run_dir / "config.json", config.to_json())
     summary = loop.run_rank(config, run_dir)
     if int(os.environ["RANK"]) == 0:
         print(format_summary(summary))
     return 0
-
-
-def remove_run(run_dir: Path) -> None:
-    """Delete a run directory (``compare --overwrite``)."""
-    shutil.rmtree(run_dir)

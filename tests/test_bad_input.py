@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lioncub import cli
+from cli_stub import cli_runner
 from lioncub.ops import quantize
 from lioncub.optim import PRESETS, Lion, LionCub, make_vote, resolve_variant
 from lioncub.optim.config import VoteConfig
@@ -526,38 +526,12 @@ def test_costmodel_refuses(call: Callable[[], Any], fragments: list[str]) -> Non
 # ----------------------------------------------------------------------------------------------- CLIs
 
 
-class Launched(Exception):
-    """A CLI case reached the launcher: it was not refused at validation."""
-
-
 @pytest.fixture
 def run_cli(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> Callable[[list[str]], tuple[int, str]]:
     """``lioncub ARGV`` in-process: (exit code, stderr); launching anything fails the case."""
-    import lioncub.cli.launch
-    import lioncub.launch
-    import lioncub.launch.launcher
-
-    def refuse(*args: Any, **kwargs: Any) -> None:
-        raise Launched("validation let the command through to the launcher")
-
-    for module in (lioncub.launch, lioncub.cli.launch, lioncub.launch.launcher):
-        monkeypatch.setattr(module, "launch", refuse)
-    for name in ("RANK", "WORLD_SIZE", "LIONCUB_CALIBRATION"):
-        monkeypatch.delenv(name, raising=False)
-
-    def run(argv: list[str]) -> tuple[int, str]:
-        capsys.readouterr()
-        try:
-            rc = cli.main(argv)
-        except SystemExit as exc:  # argparse
-            rc = exc.code if isinstance(exc.code, int) else 2
-        except Launched:
-            rc = -1
-        return rc, capsys.readouterr().err
-
-    return run
+    return cli_runner(capsys, monkeypatch)
 
 
 def check_cli(run_cli: Callable, argv: list[str], fragments: list[str]) -> None:

@@ -185,10 +185,6 @@ def run(args: argparse.Namespace) -> int:
                 print(f"lioncub compare: {variants[i]} failed: {outcome.message}", file=sys.stderr)
                 return outcome.returncode or 1
             print(f"{label}: {format_summary(outcome.summary)}", file=sys.stderr, flush=True)
-    missing = [str(d) for d in run_dirs if not (d / "log.jsonl").exists()]
-    if missing:
-        print(f"lioncub compare: error: no runs in {', '.join(missing)}", file=sys.stderr)
-        return 2
     foreign = foreign_entries(out, "compare", subruns=True)
     if foreign:
         print(
@@ -196,6 +192,10 @@ def run(args: argparse.Namespace) -> int:
             f"({', '.join(foreign[:5])}); the report would overwrite summary.md, summary.json and its plots",
             file=sys.stderr,
         )
+        return 2
+    missing = [str(d) for d in run_dirs if not (d / "log.jsonl").exists()]
+    if missing:
+        print(f"lioncub compare: error: no runs in {', '.join(missing)}", file=sys.stderr)
         return 2
     claim(out, "compare")
     rep = report.make_report(run_dirs, out, target_loss=args.target_loss)

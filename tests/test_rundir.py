@@ -1,0 +1,190 @@
+"""lioncub never loses a user's file (docs/errors.md, "Run directories"): it writes only into new, empty or
+lioncub-marked directories, deletes only what it wrote, refuses every bad ``--out`` before writing, and a
+refused or failed resume leaves the run as it was. Every case puts user files in the way and checks that
+they survive byte for byte."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from cli_stub import cli_runner
+from lioncub.train.rundir import MARKER, check_out_path, claim, foreign_entries, is_marked, remove_owned
+
+THESIS = b"irreplaceable\n"
+
+
+@pytest.fixture
+def run_cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Callable:
+    """``lioncub ARGV`` in-process: (exit code, stderr); -1 if it reached the launcher."""
+    return cli_runner(capsys, monkeypatch)
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    """Every file under ``root`` with its bytes."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# -------------------------------------------------------------------------------------------- unit
+
+
+def test_out_paths_that_can_never_be_a_run_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "file").write_bytes(THESIS)
+    for bad, why in (
+        ("", "empty path"),
+        ("  ", "empty path"),
+        ("/", "file system root"),
+        (".", "working directory itself"),
+        (str(tmp_path), "working directory itself"),
+        ("file", "exists and is not a directory"),
+        ("file/run", "is a file, not a directory"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            check_out_path(bad)
+    assert check_out_path("new/run") == Path("new/run")
+    assert (tmp_path / "file").read_bytes() == THESIS
+
+
+def test_out_path_in_a_read_only_place(tmp_path: Path) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if os.geteuid() != 0:
+        ro.chmod(0o555)
+    elif subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro", "tmpfs", str(ro)], capture_output=True
+    ).returncode:
+        pytest.skip("root writes to any directory, and mounting a read-only tmpfs was refused here")
+    try:
+        with pytest.raises(ValueError, match="not writable"):
+            check_out_path(ro / "run")
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["umount", str(ro)], check=True)
+
+
+def test_only_marked_directories_are_lioncubs(tmp_path: Path) -> None:
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "log.jsonl").write_text('{"step": 7}\n')  # a name lioncub uses, in a directory it did not make
+    (user / "summary.json").write_text('{"mine": 1}\n')
+    assert not is_marked(user) and foreign_entries(user) == ["log.jsonl", "summary.json"]
+    ours = tmp_path / "ours"
+    claim(ours)
+    for name in ("config.json", "log.jsonl", "summary.json", "diag_rates.png"):
+        (ours / name).write_text("{}")
+    (ours / "checkpoints").mkdir()
+    assert is_marked(ours) and foreign_entries(ours) == []
+    (ours / "notes.txt").write_bytes(THESIS)
+    assert foreign_entries(ours) == ["notes.txt"]
+    legacy = tmp_path / "legacy"  # a run written before the marker: config.json is lioncub's
+    legacy.mkdir()
+    (legacy / "config.json").write_text(
+        json.dumps({"workload": "gpt", "size": "tiny", "variant": "1bit", "steps": 3})
+    )
+    assert is_marked(legacy) and foreign_entries(legacy) == []
+
+
+def test_remove_owned_deletes_only_its_own_files(tmp_path: Path) -> None:
+    out = tmp_path / "cmp"
+    claim(out, "compare")
+    (out / "summary.md").write_text("# report\n")
+    run = out / "1bit"
+    claim(run)
+    (run / "log.jsonl").write_text("{}\n")
+    (run / "checkpoints").mkdir()
+    (run / "thesis.tex").write_bytes(THESIS)
+    before = snapshot(tmp_path)
+    with pytest.raises(ValueError, match=r"1bit/thesis\.tex"):
+        remove_owned(out, "compare", subruns=True)
+    assert snapshot(tmp_path) == before  # nothing deleted
+    (run / "thesis.tex").unlink()
+    remove_owned(out, "compare", subruns=True)
+    assert not out.exists()
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "config.json").write_bytes(THESIS)
+    with pytest.raises(ValueError, match=r"config\.json"):
+        remove_owned(user)
+    assert (user / "config.json").read_bytes() == THESIS
+
+
+# --------------------------------------------------------------------------------------------- CLI
+
+
+def test_compare_never_deletes_or_overwrites_user_files(run_cli: Callable, tmp_path: Path) -> None:
+    out = tmp_path / "mydata"
+    (out / "1bit").mkdir(parents=True)
+    (out / "1bit" / "thesis.tex").write_bytes(THESIS)
+    (out / "summary.json").write_text('{"mine": 1}\n')
+    before = snapshot(tmp_path)
+    for extra in ([], ["--overwrite"], ["--report-only"]):
+        rc, err = run_cli(
+            ["compare", "--variants", "1bit", "--nproc", "2", "--steps", "3", "--out", str(out), *extra]
+        )
+        assert rc == 2 and "did not write" in err, err
+        assert snapshot(tmp_path) == before, extra
+
+
+def test_train_refuses_a_directory_with_user_files(run_cli: Callable, tmp_path: Path) -> None:
+    out = tmp_path / "x"
+    out.mkdir()
+    (out / "log.jsonl").write_text('{"step": 7}\n')
+    (out / "summary.json").write_text("not json")
+    before = snapshot(tmp_path)
+    rc, err = run_cli(["train", "--steps", "2", "--out", str(out)])
+    assert rc == 2 and "holds files lioncub did not write (log.jsonl, summary.json)" in err, err
+    assert snapshot(tmp_path) == before
+    rc, err = run_cli(["train", "--steps", "2", "--out", str(tmp_path / "y"), "--convert-momenta", "average"])
+    assert rc == 2 and "--convert-momenta average: applies only with --resume" in err, err
+    assert not (tmp_path / "y").exists()
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real 1-rank run of the tiny GPT stopped at step 2 of 4 (a checkpoint to resume from)."""
+    run = tmp_path_factory.mktemp("runs") / "part"
+    cmd = [sys.executable, "-m", "lioncub", "train", "--nproc", "1", "--steps", "4", "--stop-at", "2"]
+    cmd += ["--eval-every", "0", "--set", "batch_size=4", "--out", str(run), "--no-progress"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return run
+
+
+@pytest.mark.slow
+def test_a_refused_resume_leaves_the_run_as_it_was(run_cli: Callable, stopped_run: Path) -> None:
+    before = snapshot(stopped_run)
+    for argv, fragment in (
+        (["--set", "batch_size=8"], "--set batch_size=8: the run in"),
+        (["--set", "dropout=0.1"], "has dropout at its default"),
+        (["--seed", "3"], "--seed 3: the run in"),
+        (["--data-mode", "shard"], "--data-mode 'shard'"),
+        (["--variant", "1bit"], "--variant '1bit'"),
+    ):
+        rc, err = run_cli(["train", "--out", str(stopped_run), "--resume", "--steps", "6", *argv])
+        assert rc == 2 and fragment in err, (argv, err)
+        assert snapshot(stopped_run) == before, argv
+    rc, err = run_cli(["train", "--out", str(stopped_run), "--resume", "--steps", "6"])
+    assert rc == -1, err  # checks passed: it reached the (stubbed) launcher
+    assert (stopped_run / "config.next.json").exists()  # the new config waits for the run to succeed
+    assert (stopped_run / "config.json").read_bytes() == before["config.json"]
+    (stopped_run / "config.next.json").unlink()
+
+
+@pytest.mark.slow
+def test_report_only_reports_the_runs_in_out(run_cli: Callable, stopped_run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cmp"
+    out.mkdir()
+    shutil.copytree(stopped_run, out / "8bit")
+    rc, err = run_cli(["compare", "--out", str(out), "--report-only"])
+    assert rc == 0, err
+    rows = json.loads((out / "summary.json").read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["8bit"]  # not the default list (32bit, 16bit, …)
+    assert (out / MARKER).exists()

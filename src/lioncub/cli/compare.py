@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
                     per_run = argparse.Namespace(**{**vars(per_run), "overlap": True})
                 configs.append(config_from_args(per_run))
             for config in configs:
-                check_before_launch(config, args.timeout or None)
+                check_before_launch(config, args.timeout or None, args.max_nproc)
             check_launch_options(args.restarts, args.collective_timeout)
             # every directory is checked before anything is trained, written or deleted
             foreign = foreign_entries(out, "compare", subruns=True)

@@ -24,6 +24,12 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, variant: bool = True) 
     if variant:
         parser.add_argument("--variant", help="optimizer variant (default 8bit), see below")
     parser.add_argument("--nproc", type=int, metavar="N", help="ranks (default 1)")
+    parser.add_argument(
+        "--max-nproc",
+        type=int,
+        metavar="N",
+        help="allow up to N ranks (default: as many as 80%% of the available memory holds)",
+    )
     parser.add_argument("--link", metavar="RATE", help="shape every rank's link, e.g. 1gbit (root)")
     parser.add_argument("--steps", type=int, help="optimizer steps (default 200)")
     parser.add_argument(

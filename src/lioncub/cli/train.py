@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             config.nproc = int(os.environ["WORLD_SIZE"])
             return run_as_rank(config, run_dir)
-        check_before_launch(config, args.timeout or None)
+        check_before_launch(config, args.timeout or None, args.max_nproc)
         config = prepare_run_dir(run_dir, config, resume=args.resume)
     except (ValueError, TypeError, FileNotFoundError) as exc:
         print(f"lioncub train: error: {exc}", file=sys.stderr)

@@ -27,7 +27,9 @@ __all__ = [
     "check_before_launch",
     "check_launch_options",
     "check_resume",
+    "estimate_params",
     "format_summary",
+    "max_ranks",
     "prepare_run_dir",
     "run_as_rank",
     "run_training",
@@ -42,17 +44,56 @@ def check_launch_options(restarts: int, collective_timeout_s: float) -> None:
         raise ValueError(f"--collective-timeout {collective_timeout_s!r} must be a number of seconds > 0")
 
 
-def check_before_launch(config: TrainConfig, timeout_s: float | None) -> None:
+#: memory one rank needs besides its model: torch, gloo, the data (measured: ~0.4 GiB for the tiny GPT)
+RANK_BASE_BYTES = 600 * 2**20
+#: bytes per model parameter on a rank: weights, gradient, momentum, DDP's bucket, vote buffers (fp32)
+RANK_BYTES_PER_PARAM = 24
+
+
+def estimate_params(workload: str, values: dict[str, Any]) -> int:
+    """A rough parameter count of a workload with these field ``values`` (the GPT's blocks, embeddings and
+    head; 0 for the CNN, whose size the rank base covers)."""
+    if workload != "gpt":
+        return 0
+    d, layers = values["n_embd"], values["n_layer"]
+    vocab = 50257 if values["tokenizer"] == "gpt2" else 256
+    return 12 * layers * d * d + (1 if values["tie_embeddings"] else 2) * vocab * d + values["block_size"] * d
+
+
+def max_ranks(rank_bytes: int) -> int:
+    """How many ranks of ``rank_bytes`` fit in 80 % of this machine's available memory (at least 1)."""
+    available = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if available is None:
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(1, int(0.8 * available) // rank_bytes)
+
+
+def check_before_launch(config: TrainConfig, timeout_s: float | None, max_nproc: int | None = None) -> None:
     """Refuse, naming the option, what :class:`~lioncub.train.config.TrainConfig` lets through and the ranks
-    would only find after the launch: the link rate, ``--nproc`` under ``--link``, ``--timeout``,
-    ``--bucket-mb``, ``--sync-every``, ``--diagnostics-every``, an empty ``--momentum-sync``, ``--warmup``
-    beyond ``--steps``, ``--seed``, the ``--set`` values and the workload's data files."""
-    from lioncub.launch import LaunchConfig
+    would only find after the launch: the link rate and the privileges ``--link`` needs, ``--nproc`` beyond
+    what the machine's memory holds (``max_nproc`` overrides the bound from :func:`max_ranks`) or under
+    ``--link``, ``--timeout``, ``--bucket-mb``, ``--sync-every``, ``--diagnostics-every``, an empty
+    ``--momentum-sync``, ``--warmup`` beyond ``--steps``, ``--seed``, the ``--set`` values and the workload's
+    data (files, optional packages, sizes)."""
+    from lioncub.launch import LaunchConfig, PrivilegeError, check_privileges
     from lioncub.train.workloads import check_workload
     from lioncub.units import parse_rate
 
     rate = None if config.link in (None, "loopback") else parse_rate(config.link)
     LaunchConfig(["-m", "lioncub.train.loop"], nproc=config.nproc, link_rate_bps=rate, timeout_s=timeout_s)
+    if rate is not None:
+        try:
+            check_privileges()
+        except PrivilegeError as exc:
+            raise ValueError(f"--link {config.link}: {exc}") from None
+    if max_nproc is not None and not is_int(max_nproc, 1):
+        raise ValueError(f"--max-nproc {max_nproc!r} must be an integer >= 1")
     bucket = config.bucket_mb
     if not is_number(bucket, gt=0):
         raise ValueError(f"--bucket-mb {bucket!r} must be a finite number of MiB > 0 (default 25)")
@@ -74,18 +115,32 @@ def check_before_launch(config: TrainConfig, timeout_s: float | None) -> None:
             "reach its peak)"
         )
     try:
-        check_workload(config.workload, config.size, config.overrides)
+        values = check_workload(config.workload, config.size, config.overrides)
     except (ValueError, TypeError) as exc:
         raise ValueError(
             f"--set {format_overrides(config.overrides)}: {exc}" if config.overrides else str(exc)
         ) from None
     except OSError as exc:
         raise ValueError(f"--workload {config.workload} --size {config.size}: {exc}") from None
+    rank_bytes = RANK_BASE_BYTES + RANK_BYTES_PER_PARAM * estimate_params(config.workload, values)
+    limit = max_nproc if max_nproc is not None else max_ranks(rank_bytes)
+    if config.nproc > limit:
+        why = (
+            f"above --max-nproc {max_nproc}"
+            if max_nproc is not None
+            else f"this machine's available memory holds about {limit} ranks of "
+            f"~{rank_bytes / 2**30:.2f} GiB ({config.workload}/{config.size})"
+        )
+        raise ValueError(
+            f"--nproc {config.nproc}: {why}; more would make the kernel kill processes (perhaps not ours). "
+            "Pass --max-nproc N to allow N ranks on purpose"
+        )
 
 
 class Progress(threading.Thread):
     """Follows ``log.jsonl`` and shows steps, rate, loss and ETA (a rich bar on a terminal, else a line
-    every 10 %)."""
+    every 10 %). Rate and ETA come from the log's own training times (``time_s``), not from when the log
+    is read; nothing is printed for what is read after the run ended (its summary comes last)."""
 
     def __init__(self, log_path: Path, label: str, start: int, total: int, stream: TextIO) -> None:
         super().__init__(daemon=True)
@@ -95,7 +150,7 @@ class Progress(threading.Thread):
 
     def run(self) -> None:
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn
         from rich.progress import Progress as RichProgress
 
         console = Console(file=self.stream)
@@ -103,14 +158,16 @@ class Progress(threading.Thread):
             TextColumn("{task.description}"),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("{task.fields[rate]:.2f} steps/s  loss {task.fields[loss]}  {task.fields[val]}"),
-            TimeRemainingColumn(),
+            TextColumn(
+                "{task.fields[rate]}  loss {task.fields[loss]}  {task.fields[val]}  ETA {task.fields[eta]}"
+            ),
         ]
-        pos, t0, first = 0, time.monotonic(), None
+        pos, t0 = 0, time.monotonic()
+        first: tuple[int, float] | None = None  # (step, time_s) of the first step record read
         next_line = self.start_step
         with RichProgress(*columns, console=console, disable=not console.is_terminal) as bar:
             task = bar.add_task(
-                self.label, total=self.total, completed=self.start_step, rate=0.0, loss="-", val=""
+                self.label, total=self.total, completed=self.start_step, rate="-", loss="-", val="", eta="-"
             )
             while True:
                 finished = self.done.is_set()
@@ -129,15 +186,13 @@ class Progress(threading.Thread):
                             continue
                         if rec["kind"] != "step":
                             continue
-                        first = first or (rec["step"], time.monotonic())
-                        done = rec["step"] - first[0]
-                        rate = done / max(1e-9, time.monotonic() - first[1]) if done else 0.0
-                        bar.update(task, completed=rec["step"], rate=rate, loss=f"{rec['loss']:.4f}")
-                        if not console.is_terminal and rec["step"] >= next_line:
-                            eta = (self.total - rec["step"]) / rate if rate else float("nan")
+                        rate, eta = _rate_and_eta(first, rec, self.total)
+                        first = first or (rec["step"], rec.get("time_s", 0.0))
+                        bar.update(task, completed=rec["step"], rate=rate, loss=f"{rec['loss']:.4f}", eta=eta)
+                        if not console.is_terminal and not finished and rec["step"] >= next_line:
                             print(
                                 f"[train] {self.label} step {rec['step']}/{self.total} "
-                                f"loss {rec['loss']:.4f} {rate:.2f} steps/s, ETA {eta:.0f} s, "
+                                f"loss {rec['loss']:.4f} {rate}, ETA {eta}, "
                                 f"{time.monotonic() - t0:.0f} s so far",
                                 file=self.stream,
                                 flush=True,
@@ -146,6 +201,15 @@ class Progress(threading.Thread):
                 if finished:
                     return
                 self.done.wait(0.5)
+
+
+def _rate_and_eta(first: tuple[int, float] | None, rec: dict[str, Any], total: int) -> tuple[str, str]:
+    """``("12.3 steps/s", "40 s")`` from the log's training time between the first step record seen and
+    ``rec`` (``"-"`` until two steps are known)."""
+    if first is None or rec["step"] <= first[0] or rec.get("time_s", 0.0) <= first[1]:
+        return "-", "-"
+    rate = (rec["step"] - first[0]) / (rec["time_s"] - first[1])
+    return f"{rate:.2f} steps/s", f"{(total - rec['step']) / rate:.0f} s"
 
 
 # ----------------------------------------------------------------------------------------------- runs

@@ -42,6 +42,7 @@ cnn     small   ResNet widths 16-32-64, batch 128                0.17 M     Fash
 
 from __future__ import annotations
 
+import importlib.util
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -117,6 +118,12 @@ class Workload(ABC):
     def data_files(cls, values: dict[str, Any]) -> list[tuple[Path, str]]:
         """``(path, what)`` of the files a workload with these field ``values`` reads (nothing is read)."""
         return []
+
+    @classmethod
+    def check_data(cls, values: dict[str, Any]) -> None:
+        """``ValueError`` naming the field if the data cannot serve these field ``values`` (optional
+        packages, sizes); cheap: what the ranks would only find after the launch. Nothing by default."""
+        return
 
     # -- per workload --------------------------------------------------------------------------------
     @abstractmethod
@@ -218,6 +225,25 @@ class GPTWorkload(Workload):
     def data_files(cls, values: dict[str, Any]) -> list[tuple[Path, str]]:
         files = text_files(values["corpus"])
         return files + (gpt2_files() if values["tokenizer"] == "gpt2" else [])
+
+    @classmethod
+    def check_data(cls, values: dict[str, Any]) -> None:
+        if values["tokenizer"] == "gpt2":
+            if importlib.util.find_spec("tiktoken") is None:
+                raise ValueError(
+                    "tokenizer='gpt2' needs the optional package tiktoken (pip install tiktoken); the "
+                    "default tokenizer='char' needs nothing"
+                )
+            return  # the BPE token count is known only after tokenizing the corpus (on the ranks)
+        n = len(load_text(values["corpus"]))  # the char tokenizer: one token per character
+        n_val = max(1, int(n * values["val_fraction"]))
+        for split, tokens in (("train", n - n_val), ("val", n_val)):
+            if tokens - values["block_size"] < 1:
+                raise ValueError(
+                    f"block_size={values['block_size']}: the {split} split of corpus {values['corpus']!r} "
+                    f"has {tokens} tokens, not more than one block; use a block_size below {tokens} (or a "
+                    "larger corpus / val_fraction)"
+                )
 
     def _load_data(self) -> StepSampler:
         self.data = CharDataset(
@@ -548,9 +574,10 @@ def check_fields(cls: type[Workload], values: dict[str, Any]) -> None:
 
 def check_workload(
     name: str, size: str, overrides: dict[str, Any] | None = None, *, data: bool = True
-) -> None:
-    """Validate a workload without loading data or building a model: ``name``, ``size``, the field
-    ``overrides`` (names and values) and, with ``data``, that every data file exists and is readable.
+) -> dict[str, Any]:
+    """Validate a workload without building a model: ``name``, ``size``, the field ``overrides`` (names and
+    values) and, with ``data``, that every data file exists and is readable and can serve the fields
+    (:meth:`Workload.check_data`). Returns every field's value.
 
     Raises ``ValueError`` naming the field, the value and what is allowed, ``FileNotFoundError`` /
     ``PermissionError`` naming the file and how to get it; cheap enough for a driver to call before it
@@ -570,6 +597,8 @@ def check_workload(
     check_fields(cls, values)
     if data:
         check_files(cls.data_files(values))
+        cls.check_data(values)
+    return values
 
 
 def make_workload(name: str, size: str, **overrides: Any) -> Workload:

@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -188,3 +189,96 @@ def test_report_only_reports_the_runs_in_out(run_cli: Callable, stopped_run: Pat
     rows = json.loads((out / "summary.json").read_text())["rows"]
     assert [r["variant"] for r in rows] == ["8bit"]  # not the default list (32bit, 16bit, …)
     assert (out / MARKER).exists()
+
+
+# ----------------------------------------------------------------------------- checked before launch
+
+
+def test_nproc_is_bounded_by_memory_unless_allowed(run_cli: Callable, tmp_path: Path) -> None:
+    out = tmp_path / "x"
+    rc, err = run_cli(["train", "--nproc", "100000", "--steps", "2", "--out", str(out)])
+    assert rc == 2 and "--nproc 100000: this machine's available memory holds about" in err, err
+    assert "--max-nproc" in err and not out.exists()
+    rc, err = run_cli(["train", "--nproc", "100", "--max-nproc", "50", "--steps", "2", "--out", str(out)])
+    assert rc == 2 and "above --max-nproc 50" in err, err
+    rc, err = run_cli(["train", "--nproc", "100", "--max-nproc", "100", "--steps", "2", "--out", str(out)])
+    assert rc == -1, err  # allowed on purpose: it reached the (stubbed) launcher
+
+
+def test_link_without_privileges_is_refused_before_writing(
+    run_cli: Callable, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import lioncub.launch
+    from lioncub.launch import PrivilegeError
+
+    def lacking() -> None:
+        raise PrivilegeError(
+            "--link needs network namespaces, but this process lacks: capability CAP_NET_ADMIN"
+        )
+
+    monkeypatch.setattr(lioncub.launch, "check_privileges", lacking)
+    out = tmp_path / "x"
+    rc, err = run_cli(["train", "--nproc", "2", "--link", "1gbit", "--steps", "2", "--out", str(out)])
+    assert rc == 2 and "--link 1gbit: --link needs network namespaces" in err and "CAP_NET_ADMIN" in err, err
+    assert not out.exists()
+
+
+def test_workload_data_is_checked_before_writing(
+    run_cli: Callable, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    out = tmp_path / "x"
+    rc, err = run_cli(["train", "--steps", "2", "--set", "block_size=100000", "--out", str(out)])
+    assert rc == 2 and "block_size=100000: the val split" in err and "below" in err, err
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "tiktoken" else find_spec(name, *a)
+    )
+    rc, err = run_cli(["train", "--steps", "2", "--set", "tokenizer=gpt2", "--out", str(out)])
+    assert rc == 2, err
+    assert "tiktoken" in err or "gpt2" in err, err  # without the BPE files, those are named first
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_a_failed_new_run_leaves_nothing_in_the_way(tmp_path: Path) -> None:
+    out = tmp_path / "x"
+    cmd = [sys.executable, "-m", "lioncub", "train", "--nproc", "2", "--steps", "3", "--out", str(out)]
+    res = subprocess.run(
+        [*cmd, "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "LIONCUB_FAULT_KILL": "1:2"},
+    )
+    assert res.returncode != 0 and "killed by SIGKILL" in res.stderr, res.stderr
+    assert out.is_dir() and list(out.iterdir()) == []  # no config.json blocking a rerun
+
+
+def test_progress_rate_comes_from_the_log(tmp_path: Path) -> None:
+    import io
+
+    from lioncub.train.runs import Progress
+
+    log = tmp_path / "log.jsonl"
+    log.write_text("")
+    stream = io.StringIO()
+    bar = Progress(log, "1bit", 0, 20, stream)
+    bar.start()
+    with open(log, "a") as f:  # 20 steps of 50 ms of training each, written at once
+        for step in range(1, 21):
+            f.write(json.dumps({"kind": "step", "step": step, "time_s": 0.05 * step, "loss": 3.0}) + "\n")
+    deadline = time.monotonic() + 10
+    while "step 19/20" not in stream.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    bar.done.set()
+    bar.join(5)
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("[train] 1bit step 1/20") and "ETA -" in lines[0]  # one step: no rate yet
+    assert all("20.00 steps/s" in line for line in lines[1:]), lines  # the log's time, not the reader's
+    late = io.StringIO()  # a log read only after the run ended prints nothing (the summary comes last)
+    after = Progress(log, "1bit", 0, 20, late)
+    after.done.set()
+    after.run()
+    assert late.getvalue() == ""

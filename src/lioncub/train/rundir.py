@@ -143,8 +143,8 @@ def claim(path: Path, kind: str = "run") -> None:
         marker.write_text(json.dumps({"kind": kind, "by": "lioncub"}) + "\n")
 
 
-def remove_owned(path: Path, kind: str = "run", *, subruns: bool = False) -> None:
-    """Delete what lioncub wrote in ``path`` (``--overwrite``), then ``path`` itself if nothing is left.
+def remove_owned(path: Path, kind: str = "run", *, subruns: bool = False, keep_dir: bool = False) -> None:
+    """Delete what lioncub wrote in ``path`` (``--overwrite``), then ``path`` itself unless ``keep_dir``.
     Raises ``ValueError`` naming the entries lioncub did not write, and deletes nothing, if there are any
     (and, with ``subruns``, in any run subdirectory)."""
     if not path.exists():
@@ -168,4 +168,5 @@ def remove_owned(path: Path, kind: str = "run", *, subruns: bool = False) -> Non
             shutil.rmtree(entry)
         else:
             entry.unlink()
-    path.rmdir()
+    if not keep_dir:
+        path.rmdir()

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -19,7 +20,7 @@ from typing import Any, TextIO
 
 from lioncub._validate import is_int, is_number
 from lioncub.train.config import TrainConfig, format_overrides
-from lioncub.train.rundir import check_out_path, claim, foreign_entries, is_marked
+from lioncub.train.rundir import check_out_path, claim, foreign_entries, is_marked, remove_owned
 
 __all__ = [
     "Progress",
@@ -365,6 +366,9 @@ def run_training(
             os.replace(next_config, run_dir / "config.json")
         else:
             next_config.unlink()  # the run goes on from its previous configuration and checkpoints
+    elif not result.ok and checkpoint.latest(run_dir) is None:
+        with contextlib.suppress(ValueError):  # files of the user's appeared meanwhile: leave it all
+            remove_owned(run_dir, keep_dir=True)  # a new run that left nothing to resume: rerun it as it was
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if result.ok and summary_path.exists() else None
     return RunOutcome(result.returncode, result.message, summary)

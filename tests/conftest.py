@@ -22,6 +22,10 @@ from profiles import selected_profile
 settings.load_profile(selected_profile())
 
 
+def pytest_report_header() -> str:
+    return f"hypothesis profile: {selected_profile()} (ci when $CI is set, else dev: tests/profiles.py)"
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     if not session.config.option.collectonly:
         background.start_for(session.items)

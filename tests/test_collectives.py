@@ -57,7 +57,7 @@ def test_allowed_lane_votes_never_overflow_exhaustively(bits: int) -> None:
         assert torch.equal(counts, patterns.to(torch.int64).sum(0))
 
 
-@pytest.mark.parametrize("n, bits", [(1, 4), (3, 4), (7, 4), (1, 2)])
+@pytest.mark.parametrize("n, bits", [(1, 4), (3, 4), pytest.param(7, 4, marks=pytest.mark.slow), (1, 2)])
 def test_allowed_offset_levels_never_overflow_extremes(n: int, bits: int) -> None:
     s = QuantizedVote(fake_comm(n), "l1", bits).levels
     for levels in itertools.product([-s, 0, s], repeat=n):

@@ -33,10 +33,12 @@ from lioncub.collectives import (
     SignSumVote,
 )
 from lioncub.launch import LaunchConfig, launch
-from lioncub.optim.config import PRESETS, VoteConfig, make_vote
+from lioncub.optim.config import PRESETS, VoteConfig
+from lioncub.optim.voting import make_vote
 from lioncub.planning import costmodel as cm
 from lioncub.planning.calibrate import fit_alpha_beta
 from lioncub.report import cost as cost_report
+from profiles import examples
 
 PRESET_NAMES = list(cm.PRESET_SCHEMES)
 NO_COMPUTE = cm.Compute()
@@ -140,7 +142,7 @@ RATES = st.floats(1e3, 1e12)
 LATENCIES = st.floats(0, 1e-1)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(VARIANTS, DIMS, WORKERS, RATES, RATES, LATENCIES)
 def test_more_bandwidth_never_costs_more(name: str, d: int, n: int, r1: float, r2: float, lat: float) -> None:
     lo, hi = sorted((r1, r2))
@@ -150,7 +152,7 @@ def test_more_bandwidth_never_costs_more(name: str, d: int, n: int, r1: float, r
         assert fast.total_s <= slow.total_s * (1 + 1e-12)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(VARIANTS, DIMS, WORKERS, RATES, LATENCIES, LATENCIES)
 def test_more_latency_never_costs_less(name: str, d: int, n: int, rate: float, a1: float, a2: float) -> None:
     lo, hi = sorted((a1, a2))
@@ -160,7 +162,7 @@ def test_more_latency_never_costs_less(name: str, d: int, n: int, rate: float, a
         assert slow.total_s >= quick.total_s * (1 - 1e-12)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(DIMS, st.integers(2, 300))
 def test_one_bit_moves_a_32nd_of_fp32_up_to_padding(d: int, n: int) -> None:
     one, fp32 = cm.wire_bytes("1bit", d, n)[0], cm.wire_bytes("32bit", d, n)[0]
@@ -169,7 +171,7 @@ def test_one_bit_moves_a_32nd_of_fp32_up_to_padding(d: int, n: int) -> None:
     assert one - fp32 / 32 <= 2 * (n - 1) + 1e-6 * one
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.integers(1, 10**9), st.integers(2, 200), RATES, LATENCIES)
 def test_parameter_server_cost_is_linear_in_n(d: int, n: int, rate: float, lat: float) -> None:
     def total(k: int) -> float:

@@ -61,13 +61,14 @@ from lioncub.collectives import (
 )
 from lioncub.ops import packing
 from lioncub.ops import quantize as Q
+from profiles import examples
 
 from dist_utils import run_workers
 
 
 def fuzz(max_examples: int) -> settings:
     return settings(
-        max_examples=max_examples,
+        max_examples=examples(max_examples),  # scaled by the hypothesis profile (tests/profiles.py)
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )

@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -40,16 +39,11 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _run(cmd: list[str], timeout: float, **extra_env: str) -> subprocess.CompletedProcess[str]:
-    """``cmd`` with the project's ``src`` on the path (and ``extra_env``), output captured as text."""
-    return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, env={**_env(), **extra_env}, check=False
-    )
-
-
-def _in_background(cmd, timeout: float, **extra_env: str):  # type: ignore[no-untyped-def]
-    """:func:`_run` as a background job (tests/background.py); ``cmd(workdir)`` gives the command."""
-    return lambda: background.Subprocess(cmd, timeout, {**_env(), **extra_env}) if HAVE_TRITON else None
+def _in_background(cmd, timeout: float, needs_triton: bool = True, **extra_env: str):  # type: ignore[no-untyped-def]
+    """``subprocess.run(cmd(workdir), capture_output=True, text=True, timeout=timeout, check=False)`` with the
+    project's ``src`` on the path (and ``extra_env``), as a background job (tests/background.py)."""
+    wanted = HAVE_TRITON or not needs_triton
+    return lambda: background.Subprocess(cmd, timeout, {**_env(), **extra_env}) if wanted else None
 
 
 _LIONCUB_INTERP = """
@@ -68,6 +62,9 @@ BACKGROUND = {
     ),
     "gpu_check_dry_run": _in_background(
         lambda _: ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"], 240
+    ),
+    "gpu_check_without_cuda": _in_background(
+        lambda _: [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")], 120, needs_triton=False
     ),
     "lioncub_kernels_interp": _in_background(
         lambda workdir: [
@@ -212,10 +209,12 @@ def test_gpu_check_dry_run():
         assert item in proc.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.background("gpu_check_without_cuda")
 def test_gpu_check_without_cuda_says_so():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    proc = _run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")], 120)
+    proc = background.result("gpu_check_without_cuda", BACKGROUND["gpu_check_without_cuda"])
     assert proc.returncode == 2 and "no CUDA GPU" in proc.stdout
 
 

@@ -58,7 +58,7 @@ def _run(config: LaunchConfig):  # type: ignore[no-untyped-def]
         ("800bit", 800.0),
         ("500Mbps", 5e8),
         ("1Gbps", 1e9),
-        ("64kbps", 64e3),
+        ("64Kbps", 64e3),
         (" 100 mbit ", 1e8),
     ],
 )
@@ -266,6 +266,7 @@ def test_rank_killed_by_signal_is_named() -> None:
     assert result.message == "rank 0 was killed by SIGKILL"
 
 
+@pytest.mark.slow
 def test_timeout_kills_everything_and_reports_running_ranks() -> None:
     code = "import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit(0)\ntime.sleep(30)"
     result, _, _ = _run(LaunchConfig([PY, "-c", code], nproc=3, timeout_s=1.5, grace_s=1))
@@ -275,6 +276,7 @@ def test_timeout_kills_everything_and_reports_running_ranks() -> None:
     assert result.rank_returncodes == [-signal.SIGTERM, 0, -signal.SIGTERM]
 
 
+@pytest.mark.slow
 def test_grace_period_then_sigkill() -> None:
     code = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(30)"
     result, _, err = _run(LaunchConfig([PY, "-c", code], nproc=2, timeout_s=1.0, grace_s=0.5))
@@ -422,6 +424,7 @@ dist.destroy_process_group()
 
 @needs_root
 @pytest.mark.root
+@pytest.mark.slow
 def test_interface_counters_agree_with_the_optimizers_accounting() -> None:
     nproc, d = 3, 4_000_003
     result, out, err = _run(

@@ -163,6 +163,7 @@ def test_lioncub_constructor_is_small() -> None:
     assert len(params) <= 12, params
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", ["lioncub", "lioncub.cli"])
 def test_python_dash_m(module: str) -> None:
     out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=60)

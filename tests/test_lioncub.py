@@ -164,6 +164,7 @@ def expected_bytes(preset: str, n: int, buckets: list[int], rank: int) -> float:
     return total
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
 def test_every_preset_matches_simulation_on_every_rank(world: int) -> None:
     results = run_workers(worker_run_presets, world, ALL_PRESETS, 0.0008, timeout=240)

@@ -112,6 +112,7 @@ def _assert_same(plain: dict, over: dict, what: str) -> None:
             assert torch.equal(a, b), f"{what}: {key}[{i}] differs between the plain and overlapped step"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_preset_bitwise_equal_with_overlap(world: int) -> None:
     presets = sorted(PRESETS)

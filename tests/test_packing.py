@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lioncub.ops import packing
+from profiles import examples
 
 LENGTHS = [0, 1, 7, 8, 9, 15, 16, 17, 23, 24, 25, 63, 64, 65, 1000, 4097]
 floats32 = st.floats(allow_nan=False, width=32, allow_subnormal=True)
@@ -60,7 +61,7 @@ def test_pack_signs_pads_to_multiple_of_8n(n_workers: int, n: int) -> None:
     np.testing.assert_array_equal(packed.numpy(), signs_reference(x.numpy(), 8 * n_workers))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.lists(floats32, max_size=300))
 def test_pack_signs_property(values: list[float]) -> None:
     x = torch.tensor(values, dtype=torch.float32)
@@ -69,7 +70,7 @@ def test_pack_signs_property(values: list[float]) -> None:
     assert torch.equal(packing.unpack_signs(packed, len(values)), torch.where(x >= 0, 1.0, -1.0))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.sampled_from(packing.LANE_BITS), st.integers(0, 200), st.randoms(use_true_random=False))
 def test_lane_round_trip_property(bits: int, n: int, rnd) -> None:
     values = torch.tensor([rnd.randrange(1 << bits) for _ in range(n)], dtype=torch.uint8)

@@ -11,6 +11,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from lioncub.ops import quantize as Q
+from profiles import examples
 
 NORMALISED = ["l1", "l0", "linf", "lp", "log"]
 ALL = [*NORMALISED, "sign", "qsgd"]
@@ -148,7 +149,7 @@ finite32 = st.floats(allow_nan=False, allow_infinity=False, width=32)
 vectors = st.lists(finite32, min_size=0, max_size=64)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(st.sampled_from(ALL), vectors, st.integers(1, 127), st.sampled_from([None, 1, 3, 16]))
 def test_levels_in_range_and_signs_agree(name: str, values: list[float], s: int, chunk) -> None:
     x = torch.tensor(values, dtype=torch.float32)
@@ -162,7 +163,7 @@ def test_levels_in_range_and_signs_agree(name: str, values: list[float], s: int,
     assert bool((q[x == 0] == 0).all())
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     st.sampled_from([*NORMALISED, "qsgd"]),
     st.lists(finite32, min_size=1, max_size=64),
@@ -177,7 +178,7 @@ def test_scale_invariance_power_of_two(name: str, values: list[float], s: int, e
     assert torch.equal(call(name, x, s), call(name, x * a, s))
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(
     st.sampled_from(["l1", "l0", "linf", "lp"]),
     st.lists(st.floats(-1e3, 1e3), min_size=1, max_size=64),

@@ -5,11 +5,12 @@ the reader's own: ``build_model()`` and ``my_shard_of_the_data``."""
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+import background
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -42,21 +43,28 @@ def test_the_readme_has_examples() -> None:
     assert any("LionCub(" in b for b in blocks)
 
 
-@pytest.mark.slow
-def test_readme_examples_run_as_written(tmp_path: Path) -> None:
+def _launch_the_examples(workdir: Path) -> list[str]:
+    """Writes the examples' script into ``workdir``; the command that runs it on 2 ranks."""
     blocks = python_blocks()
-    script = tmp_path / "readme_examples.py"
+    script = workdir / "readme_examples.py"
     body = "\n".join(
         f"# --- README block {i}\n{block}\nprint('README block {i} ran', flush=True)\n"
         for i, block in enumerate(blocks)
     )
     script.write_text(PRELUDE + "\n" + body + "\ntorch.distributed.destroy_process_group()\n")
-    out = subprocess.run(
-        [sys.executable, "-m", "lioncub", "launch", "--nproc", "2", "--timeout", "120", "--", str(script)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    return [sys.executable, "-m", "lioncub", "launch", "--nproc", "2", "--timeout", "120", "--", str(script)]
+
+
+#: subprocess.run(command, capture_output=True, text=True, timeout=180), started in the background when
+#: collection ends (tests/background.py)
+BACKGROUND = {"readme_examples": lambda: background.Subprocess(_launch_the_examples, 180)}
+
+
+@pytest.mark.slow
+@pytest.mark.background("readme_examples")
+def test_readme_examples_run_as_written() -> None:
+    blocks = python_blocks()
+    out = background.result("readme_examples", BACKGROUND["readme_examples"])
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     for i in range(len(blocks)):
         assert out.stdout.count(f"README block {i} ran") == 2, out.stdout  # on both ranks

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+import background
 from lioncub import cli
 from lioncub.optim import Lion, LionCub
 from lioncub.optim.lioncub import Checks, NonFiniteGradientError, ReplicaMismatchError
@@ -227,6 +227,7 @@ def _die_or_stall(rank: int, world_size: int, store: str, how: str, out: str) ->
     os._exit(0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["kill", "stall"])
 def test_a_dead_or_stalled_rank_makes_the_others_fail_within_the_timeout(how: str, tmp_path) -> None:
     import json
@@ -362,6 +363,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_killed_rank_restarts_from_the_checkpoint_bitwise(
     uninterrupted: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
@@ -375,12 +377,25 @@ def test_killed_rank_restarts_from_the_checkpoint_bitwise(
     assert [r["step"] for r in steps if r["kind"] == "step"] == list(range(1, 9))  # steps 4-5 rewritten
 
 
-def test_killed_rank_under_torchrun_max_restarts_bitwise(uninterrupted: Path, tmp_path: Path) -> None:
-    out = tmp_path / "torchrun"
+def _torchrun_cmd(workdir: Path) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    cmd += ["--max-restarts", "1", "-m", "lioncub.cli", *TINY, "--out", str(out)]  # ranks: torchrun's
-    env = {**os.environ, "LIONCUB_FAULT_KILL": "1:5", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    return [*cmd, "--max-restarts", "1", "-m", "lioncub.cli", *TINY, "--out", str(workdir / "torchrun")]
+
+
+#: the torchrun job (subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)) starts in the
+#: background when collection ends (tests/background.py); ranks: torchrun's
+BACKGROUND = {
+    "torchrun_kill": lambda: background.Subprocess(
+        _torchrun_cmd, 300, {**os.environ, "LIONCUB_FAULT_KILL": "1:5", "OMP_NUM_THREADS": "1"}
+    )
+}
+
+
+@pytest.mark.slow
+@pytest.mark.background("torchrun_kill")
+def test_killed_rank_under_torchrun_max_restarts_bitwise(uninterrupted: Path) -> None:
+    proc = background.result("torchrun_kill", BACKGROUND["torchrun_kill"])
+    out = background.workdir("torchrun_kill") / "torchrun"
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "exitcode: -9) local_rank: 1" in proc.stderr  # torchrun saw rank 1 die of SIGKILL, then restarted
     _same_final_model(uninterrupted, out)

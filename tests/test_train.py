@@ -116,6 +116,7 @@ def test_momentum_conversion_is_the_mean(tmp_path: Path) -> None:
 # -- end to end --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ALL_VARIANTS)
 def test_every_variant_trains_through_the_cli(tmp_path: Path, variant: str) -> None:
     out = tmp_path / variant
@@ -135,6 +136,7 @@ def test_every_variant_trains_through_the_cli(tmp_path: Path, variant: str) -> N
     assert meta is not None and (meta.step, meta.variant, meta.world_size) == (3, variant, 2)
 
 
+@pytest.mark.slow
 def test_loss_falls_on_the_tiny_gpt(tmp_path: Path) -> None:
     out = tmp_path / "run"
     assert train(out, "--variant", "1bit", "--nproc", "2", "--steps", "40", "--eval-every", "0") == 0
@@ -157,6 +159,7 @@ def assert_same_checkpoint(a: Path, b: Path, ranks: int = 2) -> None:
         assert sa["rng"]["python"] == sb["rng"]["python"], r
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("variant", "extra"),
     [("32bit", ["--set", "dropout=0.1"]), ("1bit", ["--set", "dropout=0.1"]), ("8bit", [])],
@@ -186,6 +189,7 @@ def test_resume_equals_uninterrupted(tmp_path: Path, variant: str, extra: list[s
     assert not torch.equal(*ranks)  # every rank draws its own dropout masks
 
 
+@pytest.mark.slow
 def test_resume_refuses_another_world_size_or_variant(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "run"
     assert train(out, "--variant", "1bit", "--nproc", "2", "--steps", "4", "--stop-at", "2") == 0
@@ -200,6 +204,7 @@ def test_resume_refuses_another_world_size_or_variant(tmp_path: Path, capsys: py
     assert [r["step"] for r in records(out, "step")] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_compare_writes_table_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "cmp"
     argv = ["compare", *TINY, "--variants", "32bit,1bit", "--nproc", "2", "--steps", "4", "--eval-every", "2"]
@@ -220,6 +225,7 @@ def test_compare_writes_table_and_plots(tmp_path: Path, capsys: pytest.CaptureFi
     assert "reusing the finished run" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cnn_trains_with_batchnorm_and_reports_accuracy(tmp_path: Path) -> None:
     out = tmp_path / "cnn"
     argv = ["train", "--workload", "cnn", "--size", "tiny", "--no-progress", "--variant", "4bit"]
@@ -230,6 +236,7 @@ def test_cnn_trains_with_batchnorm_and_reports_accuracy(tmp_path: Path) -> None:
     assert evals[-1]["val_acc"] > 0.5  # ten digit classes: chance is 0.1
 
 
+@pytest.mark.slow
 def test_diagnostics_and_momentum_sync_through_the_cli(tmp_path: Path) -> None:
     out = tmp_path / "diag"
     extra = ["--momentum-sync", "io", "--sync-every", "2", "--diagnostics-every", "2"]
@@ -248,6 +255,7 @@ def test_diagnostics_and_momentum_sync_through_the_cli(tmp_path: Path) -> None:
     assert [r["step"] for r in records(out, "step")] == [1, 2, 3, 4]  # the report reads only steps/evals
 
 
+@pytest.mark.slow
 def test_report_command_plots_the_diagnostics(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "run"
     extra = [
@@ -278,6 +286,7 @@ def test_report_command_plots_the_diagnostics(tmp_path: Path, capsys: pytest.Cap
         TrainConfig(variant="1bit", quantizer="l0")
 
 
+@pytest.mark.slow
 def test_compare_with_an_overlapped_variant(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """``1bit+overlap`` trains bitwise like ``1bit`` (model, losses, bytes) and is its own row."""
     out = tmp_path / "cmp"

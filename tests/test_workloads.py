@@ -222,6 +222,7 @@ def test_gpt_io_parameter_names() -> None:
         assert all(n in names for n in gpt.io_parameter_names(model))
 
 
+@pytest.mark.slow
 def test_gpt_tiny_loss_falls_with_lion() -> None:
     torch.manual_seed(123)  # the workload must not depend on the global RNG
     wl = make_workload("gpt", "tiny", seed=0)
@@ -276,6 +277,7 @@ def test_image_sampler_epochs_and_shards() -> None:
     assert seen == [set(range(50)), set(range(50, 100))]
 
 
+@pytest.mark.slow
 def test_cnn_digits_forward_io_and_training() -> None:
     wl = make_workload("cnn", "tiny", seed=0)
     model = wl.build_model()

@@ -12,16 +12,24 @@ __all__ = ["format_rate", "parse_bandwidth", "parse_count", "parse_duration", "p
 
 
 _RATE_UNITS_ANY_CASE = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
-_RATE_UNITS_EXACT = {"bps": 1.0, "kbps": 1e3, "Kbps": 1e3, "Mbps": 1e6, "Gbps": 1e9, "Tbps": 1e12}
-_RATE_FORMS = "a positive number with a unit: kbit, mbit, gbit (as in tc, e.g. 100mbit, 2.5gbit) or Mbps/Gbps"
+#: the bps spellings read (as bits/s): exactly an upper-case prefix + a lower-case "bps"
+_RATE_UNITS_EXACT = {"Kbps": 1e3, "Mbps": 1e6, "Gbps": 1e9, "Tbps": 1e12}
+_BPS_FAMILY = {"bps", "kbps", "mbps", "gbps", "tbps"}  # compared case-insensitively
+_RATE_FORMS = (
+    "a positive number with a unit: kbit, mbit, gbit (as in tc, e.g. 100mbit, 2.5gbit) or Kbps, Mbps, Gbps, "
+    "Tbps"
+)
 _NUMBER_UNIT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
 
 
 def parse_rate(text: str) -> float:
-    """Parse a link rate such as ``100mbit``, ``2.5gbit`` or ``1Gbps`` into bits per second.
+    """Parse a link rate such as ``100mbit``, ``2.5gbit`` or ``1Gbps`` into bits per second (SI, 1k = 1000).
 
-    tc-style units (``bit kbit mbit gbit tbit``, any case) and ``bps kbps Mbps Gbps`` are all *bits* per
-    second (SI, 1k = 1000). Lower-case ``mbps``/``gbps`` are refused because tc reads them as *bytes*/s.
+    Accepted units, all *bits* per second: tc's ``bit kbit mbit gbit tbit`` in any case, and exactly
+    ``Kbps Mbps Gbps Tbps`` (an upper-case prefix, as networking writes bit rates). Every other spelling
+    of the ``bps`` family, compared case-insensitively -- ``bps``, ``kbps``, ``mbps``, ``gbps``, ``tbps``,
+    ``MBps``, ``KBPS``, ... -- is refused as ambiguous: tc reads all of them as *bytes* per second, other
+    tools as bits. The error names the spellings to use instead.
     """
     match = _NUMBER_UNIT.match(text)
     if match is None or not match.group(2):
@@ -31,10 +39,13 @@ def parse_rate(text: str) -> float:
         scale = _RATE_UNITS_EXACT[unit]
     elif unit.lower() in _RATE_UNITS_ANY_CASE:
         scale = _RATE_UNITS_ANY_CASE[unit.lower()]
-    elif unit.lower() in {u.lower() for u in _RATE_UNITS_EXACT}:
+    elif unit.lower() in _BPS_FAMILY:
+        prefix = unit[:-3]
+        instead = f"{prefix.lower()}bit or {prefix.upper()}bps" if prefix else "bit"
         raise ValueError(
-            f"--link: {text!r} is ambiguous (tc reads {unit!r} as bytes per second); "
-            f"write {unit[0].lower()}bit or {unit[0].upper()}bps for bits per second"
+            f"--link: {text!r} is ambiguous (tc reads {unit!r} as bytes per second, other tools as bits); "
+            f"write {instead} for bits per second (the bps spellings read as bits are exactly Kbps, Mbps, "
+            "Gbps, Tbps)"
         )
     else:
         raise ValueError(f"--link: unknown unit {unit!r} in {text!r}; expected {_RATE_FORMS}")

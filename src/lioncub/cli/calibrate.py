@@ -105,7 +105,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_sizes,
         metavar="LIST",
         help="payload sizes per collective (default 1mb,4mb,16mb under a shaped link, whose tbf "
-        "burst (2 ms of the rate) distorts smaller ones; 64kb,256kb,1mb,4mb,16mb otherwise)",
+        "burst (2 ms of the rate) distorts smaller ones; 64kb,256kb,1mb,4mb,16mb otherwise); two sizes "
+        "fit the line but leave no residual to judge it by (a warning says so): give three or more",
     )
     parser.add_argument("--repeats", type=_positive_int, default=5, help="timed runs per size (default 5)")
     parser.add_argument(
@@ -173,8 +174,8 @@ def _launch_self(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError) as exc:
         print(f"lioncub calibrate: error: {exc}", file=sys.stderr)
         return 2
-    if not result.ok:
-        print(f"lioncub calibrate: {result.message}", file=sys.stderr)
+    if not result.ok:  # the launcher has named the failed rank or the signal already
+        print(f"lioncub calibrate: no calibration written (exit code {result.returncode})", file=sys.stderr)
     return result.returncode
 
 

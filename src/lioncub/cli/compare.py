@@ -182,7 +182,11 @@ def run(args: argparse.Namespace) -> int:
                 collective_timeout_s=args.collective_timeout,
             )
             if outcome.summary is None:
-                print(f"lioncub compare: {variants[i]} failed: {outcome.message}", file=sys.stderr)
+                print(
+                    f"lioncub compare: {variants[i]} failed (exit code {outcome.returncode}; the launcher "
+                    "said why above)",
+                    file=sys.stderr,
+                )
                 return outcome.returncode or 1
             print(f"{label}: {format_summary(outcome.summary)}", file=sys.stderr, flush=True)
     foreign = foreign_entries(out, "compare", subruns=True)

@@ -23,7 +23,8 @@ examples:
   lioncub cost --params 25M --workers 4 --calibration calib.json    # constants from `lioncub calibrate`
 
 Rates are bits/s (100mbit, 2.5gbit, 1Gbps); latencies take s, ms, us, ns; counts take K, M, B (SI).
-Compute is charged on the critical path (not overlapped with communication).
+Compute is charged on the critical path (not overlapped with communication). With --workers 1 nothing is
+communicated: each variant costs only its codec, and there are no speedups or crossovers to show.
 """
 
 
@@ -74,6 +75,12 @@ def _variants(text: str) -> list[str]:
     if unknown or not names:
         raise argparse.ArgumentTypeError(
             f"unknown variants {unknown}; choose from {', '.join(cm.PRESET_SCHEMES)}"
+        )
+    twice = sorted({v for v in names if names.count(v) > 1}, key=names.index)
+    if twice:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} names {', '.join(twice)} more than once; give distinct names from "
+            f"{', '.join(cm.PRESET_SCHEMES)}"
         )
     return names
 

@@ -194,7 +194,10 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, NetnsError) as exc:
         print(f"lioncub launch: error: {exc}", file=sys.stderr)
         return 2
-    note = f"[lioncub] {result.message} after {result.wall_s:.1f} s"
+    # a failure, timeout or signal was noted as it happened (`[lioncub] rank 1 exited with code 3; stopping
+    # ranks 0`): the last line gives the outcome without repeating it
+    outcome = result.message if result.ok else f"exit code {result.returncode}"
+    note = f"[lioncub] {outcome} after {result.wall_s:.1f} s"
     if result.restarts:
         note += f", {result.restarts} restart(s)"
     print(note, file=sys.stderr)

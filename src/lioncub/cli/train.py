@@ -81,7 +81,10 @@ def run(args: argparse.Namespace) -> int:
         collective_timeout_s=args.collective_timeout,
     )
     if outcome.summary is None:
-        print(f"lioncub train: {outcome.message}", file=sys.stderr)
+        print(
+            f"lioncub train: failed (exit code {outcome.returncode}; the launcher said why above)",
+            file=sys.stderr,
+        )
         return outcome.returncode or 1
     print(format_summary(outcome.summary))
     print(f"log: {run_dir / 'log.jsonl'}  checkpoints: {run_dir / 'checkpoints'}")

@@ -421,6 +421,67 @@ def _forward_signals(events: queue.SimpleQueue) -> Iterator[None]:
             signal.signal(sig, old)
 
 
+# ------------------------------------------------------------------------------------------- in a rank
+
+
+@contextlib.contextmanager
+def interrupt_as_one_line(where: Callable[[], str] = lambda: "") -> Iterator[None]:
+    """In a rank: end the process with one line on stderr, ``interrupted (SIGINT) at step 7`` (``where()``
+    gives the ``at step 7``), and exit status 128 + the signal when SIGINT, SIGTERM or SIGHUP arrives --
+    what the launcher forwards on Ctrl-C and sends to stop the ranks -- instead of a ``KeyboardInterrupt``
+    traceback (SIGINT) or a silent death (SIGTERM, SIGHUP).
+
+    The signal is acted on at once even while the main thread waits inside a C++ call (a collective): a
+    watcher thread reads it from :func:`signal.set_wakeup_fd`; the handler in the main thread does the
+    same if it runs first. The process ends with ``os._exit``: files are already written atomically or
+    record by record. Outside the main thread this does nothing; on exit everything is put back.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    once = threading.Lock()
+    wanted = {int(sig) for sig in _FORWARDED}
+
+    def stop(signum: int) -> None:
+        once.acquire()  # the first caller ends the process; another one waits here until it has
+        try:
+            detail = where()
+        except Exception:  # the line must come out whatever state the rank is in
+            detail = ""
+        line = f"interrupted ({signal.Signals(signum).name}){' ' + detail if detail else ''}\n"
+        with contextlib.suppress(OSError):
+            os.write(2, line.encode())
+        os._exit(128 + signum)
+
+    def watch() -> None:
+        while True:
+            try:
+                data = os.read(read_fd, 64)
+            except OSError:
+                return
+            if not data:  # the write end was closed: the context is left
+                return
+            for signum in data:
+                if signum in wanted:
+                    stop(signum)
+
+    previous = {sig: signal.signal(sig, lambda signum, frame: stop(signum)) for sig in _FORWARDED}
+    old_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    watcher = threading.Thread(target=watch, name="lioncub-interrupt", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(old_fd)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        os.close(write_fd)
+        watcher.join(1.0)
+        os.close(read_fd)
+
+
 # ---------------------------------------------------------------------------------------------- launch
 
 

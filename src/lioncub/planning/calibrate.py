@@ -10,6 +10,13 @@ and fits ``time = a + b·bytes`` by least squares on the relative error (every s
 ring allreduce (``dist.all_reduce``), pairwise all-to-all and all-gather through
 :class:`~lioncub.collectives.Comm`, and point-to-point sends into and out of rank 0.
 
+A fit needs more sizes than parameters to say how well the line fits: with two sizes the line passes
+through both points and its residual is 0 whatever was measured. Such a fit is *underdetermined*
+(``OpFit.dof == 0``): the log shows its residual as ``n/a`` and warns once, naming the ops. A fit whose
+slope is not positive (the time did not grow with the payload) has no payload rate (``n/a``, ``ok`` false
+in the JSON; ``lioncub cost`` then uses the network's values for that op), with one warning too. The
+JSON keeps every field (``rel_rms_residual`` stays a number) and adds ``dof``.
+
 The link rate comes from ``$LIONCUB_LINK_BPS`` (set by ``lioncub launch --link``); without one the
 fitted fp32 allreduce rate is the reference (its efficiency is 1). The local reduction of the allreduces
 is part of their measured rate, so the calibration sets ``reduce_s_per_byte = 0``.
@@ -42,6 +49,8 @@ __all__ = [
     "OpFit",
     "calibrate",
     "fit_alpha_beta",
+    "fit_warnings",
+    "format_fit",
     "init_from_env",
     "measure_compute",
 ]
@@ -60,16 +69,25 @@ class OpFit:
     intercept_s: float
     seconds_per_byte: float
     rel_rms_residual: float  # sqrt(mean(((t − fit) / t)²)) over the sizes
+    dof: int | None = None  # points − fitted parameters; 0: the line passes through every point
 
     @property
     def ok(self) -> bool:
+        """The slope is positive and finite: the op has a payload rate."""
         return self.seconds_per_byte > 0 and math.isfinite(self.seconds_per_byte)
+
+    @property
+    def has_residual(self) -> bool:
+        """More points than parameters: the residual says how well the line fits (unknown dof: assumed)."""
+        return self.dof is None or self.dof > 0
 
 
 def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> OpFit:
     """Least-squares fit of ``t = a + b·x`` to ``(x bytes, t seconds)`` minimising relative errors, a ≥ 0.
 
-    Needs at least two distinct sizes; with a negative intercept the line is refitted through 0.
+    Needs at least two distinct sizes; with a negative intercept the line is refitted through 0 (one
+    parameter). ``dof`` is the number of points minus the parameters fitted: with 0 (two sizes, both
+    parameters) the line passes through every point and the residual of 0 says nothing.
     """
     x = np.array([p[0] for p in points], dtype=np.float64)
     t = np.array([p[1] for p in points], dtype=np.float64)
@@ -80,10 +98,45 @@ def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> OpFit:
     w = 1.0 / t  # rows scaled by 1/t: least squares on the relative error
     design = np.stack([w, x * w], axis=1)
     (a, b), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
+    params = 2
     if a < 0:
         a, b = 0.0, float(np.sum(x * w * 1.0) / np.sum((x * w) ** 2))
+        params = 1
     resid = (t - (a + b * x)) / t
-    return OpFit(float(a), float(b), float(math.sqrt(np.mean(resid**2))))
+    return OpFit(float(a), float(b), float(math.sqrt(np.mean(resid**2))), len(points) - params)
+
+
+def format_fit(op: str, fit: OpFit) -> str:
+    """The log line of one op's fit; ``n/a`` where the fit cannot tell (no slope, no residual)."""
+    rate = f"{8 / fit.seconds_per_byte / 1e6:9.1f} Mbit/s" if fit.ok else "n/a (no positive slope)"
+    resid = f"{fit.rel_rms_residual:6.1%}" if fit.has_residual else "n/a (underdetermined)"
+    return f"{op:>14}: intercept {fit.intercept_s * 1e3:8.3f} ms, payload {rate}, residual {resid}"
+
+
+def fit_warnings(fits: dict[str, OpFit], n_sizes: int) -> list[str]:
+    """At most one warning line for the underdetermined fits and one for those without a payload rate."""
+    lines = []
+    flat = [op for op, fit in fits.items() if not fit.has_residual]
+    if flat:
+        if len(flat) == len(fits):
+            which = "every fit is"
+        elif len(flat) == 1:
+            which = f"the fit of {flat[0]} is"
+        else:
+            which = f"the fits of {', '.join(flat)} are"
+        lines.append(
+            f"warning: {which} underdetermined: with {n_sizes} payload sizes the line time = a + b·bytes "
+            "passes through every point, so no residual tells how well it fits (shown n/a); give at least "
+            "3 --sizes"
+        )
+    bad = [op for op, fit in fits.items() if not fit.ok]
+    if bad:
+        lines.append(
+            f"warning: no positive slope for {', '.join(bad)} (the time did not grow with the payload): no "
+            "payload rate (n/a), and `lioncub cost` uses the network's values for "
+            f"{'it' if len(bad) == 1 else 'them'}; use larger --sizes or more --repeats"
+        )
+    return lines
 
 
 def init_from_env(timeout_s: float = 300.0) -> bool:
@@ -308,18 +361,19 @@ def calibrate(
         points = _time_op(op, comm, sizes, repeats, warmup)
         fits[op] = (fit_alpha_beta(points), points)
         if log is not None:
-            fit = fits[op][0]
-            rate = 8 / fit.seconds_per_byte / 1e6 if fit.ok else float("nan")
-            log(
-                f"{op:>14}: intercept {fit.intercept_s * 1e3:8.3f} ms, payload {rate:9.1f} Mbit/s, "
-                f"residual {fit.rel_rms_residual:6.1%}"
-            )
+            log(format_fit(op, fits[op][0]))
+    if log is not None:
+        for line in fit_warnings({op: fit for op, (fit, _) in fits.items()}, len(sizes)):
+            log(line)
     if link_bps is not None:
         bandwidth_Bps = link_bps / 8
     else:
         ref = fits["allreduce_f32"][0]
-        if not ref.ok:
-            raise RuntimeError("the fp32 allreduce fit has no positive slope: use larger --sizes")
+        if not ref.ok:  # a ValueError: `lioncub calibrate` reports it in one line (exit 2)
+            raise ValueError(
+                "the fp32 allreduce fit has no positive slope, so the link rate is unknown: use larger "
+                "--sizes or more --repeats (or give --link)"
+            )
         bandwidth_Bps = 1 / ref.seconds_per_byte
     per_op: dict[str, OpCost] = {}
     per_op_doc: dict[str, Any] = {}
@@ -331,6 +385,7 @@ def calibrate(
             "intercept_s": fit.intercept_s,
             "seconds_per_byte": fit.seconds_per_byte,
             "rel_rms_residual": fit.rel_rms_residual,
+            "dof": fit.dof,
             "points": [[b, t] for b, t in points],
         }
         if fit.ok:

@@ -1,6 +1,11 @@
 """The cost model's report: the prediction table, the winner, which variant wins by link rate and where
 the winner crosses the others (:func:`report`), and the cost against the link rate and against N
-(:func:`figure`, like Fig. 2 of the Lion Cub paper). ``lioncub cost`` prints and saves these."""
+(:func:`figure`, like Fig. 2 of the Lion Cub paper). ``lioncub cost`` prints and saves these.
+
+Degenerate cases are worded as such: with N = 1 nothing is communicated, every variant costs only its
+codec (the compute column), and one line says that there are no speedups, link-rate winners or crossovers
+to show; variants that cost the same are named together ("equal"), never as "never faster".
+"""
 
 from __future__ import annotations
 
@@ -57,6 +62,11 @@ def format_count(n: float) -> str:
     return f"{n:.0f}"
 
 
+def _equal(a: float, b: float) -> bool:
+    """Equal up to rounding (the model's sums of the same terms in another order)."""
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-15)
+
+
 def report(
     console: Console,
     d: int,
@@ -71,7 +81,9 @@ def report(
     from rich.table import Table
 
     rows = cm.table(d, n, network, compute, variants, **options)
-    speed = cm.speedups(rows)
+    base = next((p for p in rows if p.variant == "32bit" and p.allowed), None)
+    # with N = 1 (or a 32bit that costs nothing) a ratio to 32bit's time says nothing
+    speed = cm.speedups(rows) if n > 1 and base is not None and base.total_s > 0 else {}
     buckets = options.get("bucket_numel")
     nbuckets = 1 if buckets is None else math.ceil(d / buckets)
     title = (
@@ -109,23 +121,44 @@ def report(
         console.print(note)
     if source:
         console.print(f"constants: {source}")
+    if n == 1:
+        console.print(
+            "N = 1: nothing is communicated, so every variant costs only its codec (the compute column): "
+            "no speedups, link-rate winners or crossovers to show",
+            soft_wrap=True,
+        )
+        return
     best = cm.winner(d, n, network, compute, variants, **options)
-    vs = f", {speed[best.variant]:.1f}x faster than 32bit" if best.variant in speed else ""
-    console.print(f"winner: [bold]{best.variant}[/bold] ({format_seconds(best.total_s)} per step{vs})")
+    allowed = [p for p in rows if p.allowed]
+    tied = [p.variant for p in allowed if _equal(p.total_s, best.total_s)]
+    if len(tied) > 1:
+        names = ", ".join(f"[bold]{v}[/bold]" for v in tied)
+        console.print(f"winner: {names} (equal, {format_seconds(best.total_s)} per step{_vs(speed, best)})")
+    else:
+        console.print(
+            f"winner: [bold]{best.variant}[/bold] ({format_seconds(best.total_s)} per step{_vs(speed, best)})"
+        )
     lo, hi = SWEEP_BPS[0] / 8, SWEEP_BPS[1] / 8
     spans = cm.regimes(d, n, network, compute, variants, lo, hi, **options)
-    console.print(
-        "fastest by link rate: "
-        + "; ".join(f"{format_bitrate(a)}–{format_bitrate(b)}: {v}" for a, b, v in spans)
-    )
+    labels = []
+    for a, b, v in spans:
+        at = network.with_bandwidth(math.sqrt(a * b))
+        t = cm.predict(v, d, n, at, compute, **options).total_s
+        same = [p.variant for p in allowed if p.variant != v]
+        same = [w for w in same if _equal(cm.predict(w, d, n, at, compute, **options).total_s, t)]
+        labels.append(f"{format_bitrate(a)}–{format_bitrate(b)}: {' = '.join([v, *same])}")
+    console.print("fastest by link rate: " + "; ".join(labels))
     lines = []
-    for p in rows:
-        if not p.allowed or p.variant == best.variant:
+    for p in allowed:
+        if p.variant == best.variant:
             continue
         rate = cm.crossover_bandwidth(best.variant, p.variant, d, n, network, compute, **options)
-        if rate is None:
-            faster = best.total_s < p.total_s
-            lines.append(f"  {best.variant} vs {p.variant}: {'always' if faster else 'never'} faster")
+        if rate is None:  # no crossing at a positive rate: the same order at every rate
+            if _equal(best.total_s, p.total_s):
+                lines.append(f"  {best.variant} vs {p.variant}: equal at every link rate")
+            else:
+                faster = best.total_s < p.total_s
+                lines.append(f"  {best.variant} vs {p.variant}: {'always' if faster else 'never'} faster")
             continue
         at = network.with_bandwidth(rate * 2)
         above = cm.predict(best.variant, d, n, at, compute, **options).total_s
@@ -136,6 +169,12 @@ def report(
         )
     if lines:
         console.print("crossovers with the winner:\n" + "\n".join(lines))
+
+
+def _vs(speed: dict[str, float], best: cm.Prediction) -> str:
+    if best.variant == "32bit" or best.variant not in speed:
+        return ""
+    return f", {speed[best.variant]:.1f}x faster than 32bit"
 
 
 def figure(

@@ -15,8 +15,12 @@ Output of :func:`make_report` (a :class:`Report`, one :class:`RunSummary` per ru
 written into ``out_dir``: ``summary.md`` (markdown table, the target-loss rule, the run dirs),
 ``summary.json`` (the rows), ``val_loss_vs_step.png``, ``val_loss_vs_time.png``, ``step_time_split.png``
 (median compute / communication incl. quantize+pack / apply / other per step, as Fig. 15 of the Lion Cub
-paper) and ``bytes_per_step.png``. Per-step numbers are medians over all step records. ``other`` is, per
-step, ``step_s`` minus the splits that step reports, clipped at 0.
+paper) and ``bytes_per_step.png``. Per-step numbers are medians over all step records. ``other`` is the rest
+of the step that no split covers (:data:`TABLE_NOTE`, printed under the table, says what that is in a
+``lioncub train`` log): the median ``step_s`` minus the median compute, comm and apply (a missing split
+counts 0), so that a row's parts add up to its step time. When the step times vary a lot it can come out
+slightly negative (the medians of the parts need not add up to the median of the whole); the bar plot
+then draws it as 0.
 
 Target loss (for "time to target"): ``target_loss`` if given, else 1.02 × the final val loss of the
 ``baseline`` run (default ``32bit``), else (no baseline run, or it has no eval) the worst final val loss
@@ -43,6 +47,7 @@ from rich.console import Console
 
 __all__ = [
     "COLUMNS",
+    "TABLE_NOTE",
     "Report",
     "RunLog",
     "RunSummary",
@@ -62,6 +67,7 @@ COLUMNS = (
     "compute ms",
     "comm ms",
     "apply ms",
+    "other ms",
     "speedup",
     "MB/step/rank",
     "val loss at equal steps (step)",
@@ -69,6 +75,13 @@ COLUMNS = (
     "time to target s",
 )
 SPLITS = ("compute_s", "comm_s", "apply_s")
+#: what the "other ms" column is, printed under the table and written into summary.md
+TABLE_NOTE = (
+    "other ms = step − compute − comm − apply: the part of a step that no split covers (in lioncub train "
+    "logs the optimizer step's own bookkeeping and zero_grad; data loading counts as compute, logging and "
+    "evaluation are outside the step). Every column is a median over the steps, so a row's parts add up "
+    "to its step time."
+)
 TARGET_FACTOR = 1.02
 DPI = 100
 BAR_PARTS = (
@@ -112,7 +125,7 @@ class RunSummary:
     compute_s: float | None
     comm_s: float | None
     apply_s: float | None
-    other_s: float | None
+    other_s: float | None  # step_s − compute_s − comm_s − apply_s (None parts count 0), not clipped
     speedup: float | None  # baseline median step_s / this median step_s
     bytes_sent_per_step: float | None
     final_step: int | None
@@ -198,21 +211,23 @@ def load_run(run_dir: Path) -> RunLog:
 
 
 def _summarize(run: RunLog) -> RunSummary:
-    others = []
-    for rec in run.steps:
-        step_s = _num(rec, "step_s")
-        if step_s is not None:
-            others.append(max(0.0, step_s - sum(_num(rec, k) or 0.0 for k in SPLITS)))
     numbers = [s for s in (rec.get("step") for rec in run.steps) if isinstance(s, int)]
     last = run.evals[-1] if run.evals else None
+    step_s = _median([_num(rec, "step_s") for rec in run.steps])
+    splits = {key: _median([_num(rec, key) for rec in run.steps]) for key in SPLITS}
+    other = None
+    if step_s is not None:
+        other = step_s - sum(v or 0.0 for v in splits.values())
+        if abs(other) <= 1e-9 * abs(step_s):  # rounding, not a time: no "-0.0" in the table
+            other = 0.0
     return RunSummary(
         variant=run.variant,
         steps=max(numbers) if numbers else len(run.steps),
-        step_s=_median([_num(rec, "step_s") for rec in run.steps]),
-        compute_s=_median([_num(rec, "compute_s") for rec in run.steps]),
-        comm_s=_median([_num(rec, "comm_s") for rec in run.steps]),
-        apply_s=_median([_num(rec, "apply_s") for rec in run.steps]),
-        other_s=_median(others),
+        step_s=step_s,
+        compute_s=splits["compute_s"],
+        comm_s=splits["comm_s"],
+        apply_s=splits["apply_s"],
+        other_s=other,
         speedup=None,
         bytes_sent_per_step=_median([_num(rec, "bytes_sent") for rec in run.steps]),
         final_step=last["step"] if last else None,
@@ -254,6 +269,7 @@ def _cells(row: RunSummary) -> list[str]:
         _fmt(row.compute_s, 1e3, ".1f"),
         _fmt(row.comm_s, 1e3, ".1f"),
         _fmt(row.apply_s, 1e3, ".1f"),
+        _fmt(row.other_s, 1e3, ".1f"),
         _fmt(row.speedup, spec=".2f", suffix="x"),
         _fmt(row.bytes_sent_per_step, 1e-6, ".3g"),
         equal,
@@ -310,7 +326,15 @@ def make_report(
 
 def _write(report: Report, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    text = [f"# {report.title}", "", report.table_markdown, f"Target loss: {report.target_rule}.", ""]
+    text = [
+        f"# {report.title}",
+        "",
+        report.table_markdown,
+        TABLE_NOTE,
+        "",
+        f"Target loss: {report.target_rule}.",
+        "",
+    ]
     text += [*report.notes, "", "Run directories:", ""]
     text += [f"- {row.variant}: `{row.run_dir}`" for row in report.rows]
     (out_dir / "summary.md").write_text("\n".join(text) + "\n")
@@ -388,7 +412,7 @@ def figure_step_time_split(report: Report) -> Figure:
     names = [row.variant for row in report.rows]
     left = np.zeros(len(names))
     for label, attr in BAR_PARTS:
-        ms = np.array([(getattr(row, attr) or 0.0) * 1e3 for row in report.rows])
+        ms = np.array([max(0.0, getattr(row, attr) or 0.0) * 1e3 for row in report.rows])
         ax.barh(range(len(names)), ms, left=left, label=label)
         left += ms
     ax.set_yticks(range(len(names)), names)
@@ -464,6 +488,7 @@ def print_table(report: Report, console: Console | None = None) -> None:
     for row_cells in cells:
         table.add_row(*row_cells)
     console.print(table)
+    console.print(TABLE_NOTE)
     console.print(f"target loss: {report.target_rule}")
     for note in report.notes:
         console.print(note)

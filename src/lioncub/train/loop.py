@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from lioncub.launch.launcher import interrupt_as_one_line
 from lioncub.optim.config import resolve_variant
 from lioncub.optim.ddp import (
     GradientTraffic,
@@ -65,7 +66,7 @@ from lioncub.train import checkpoint
 from lioncub.train.config import BASELINES, TrainConfig, lr_factor
 from lioncub.train.workloads import Workload, make_workload
 
-__all__ = ["build_optimizer", "device_for", "init_distributed", "main", "seed_rank", "train"]
+__all__ = ["build_optimizer", "device_for", "format_final", "init_distributed", "main", "seed_rank", "train"]
 
 # ----------------------------------------------------------------------------------------- optimizer
 
@@ -132,6 +133,14 @@ def _compute_baseline(model: torch.nn.Module, wl: Workload, step: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- loop
+
+#: the optimizer step this process is on (None before the first), for the line of an interrupted rank
+_PROGRESS: dict[str, int | None] = {"step": None}
+
+
+def _where() -> str:
+    step = _PROGRESS["step"]
+    return "before the first step" if step is None else f"at step {step}"
 
 
 def device_for(config: TrainConfig) -> torch.device:
@@ -223,6 +232,7 @@ def train(config: TrainConfig, run_dir: Path, *, log: Callable[[str], None] = pr
     evals: list[dict[str, Any]] = []
     with open(log_path if rank == 0 else os.devnull, "a") as out:
         for step in range(start + 1, config.steps + 1):
+            _PROGRESS["step"] = step
             factor = lr_factor(step, config.steps, config.warmup, config.min_lr_ratio)
             for group in o.opt.param_groups:
                 group["lr"] = group["initial_lr"] * factor
@@ -427,15 +437,29 @@ def init_distributed(config: TrainConfig) -> None:
 
 def run_rank(config: TrainConfig, run_dir: Path) -> dict[str, Any]:
     """This process's whole part of a run: join the job (:func:`init_distributed`), :func:`train`, wait for
-    every rank and leave the group. Returns the summary."""
+    every rank and leave the group. Returns the summary.
+
+    SIGINT, SIGTERM or SIGHUP (what ``lioncub launch``/``train`` forward on Ctrl-C, or send to stop the
+    ranks) end the process with one line, ``interrupted (SIGINT) at step 7``, and exit status 128 + the
+    signal (:func:`lioncub.launch.launcher.interrupt_as_one_line`), not a traceback."""
     torch.set_num_threads(int(os.environ.get("LIONCUB_THREADS", "1")))
-    init_distributed(config)
-    try:
-        summary = train(config, run_dir)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    _PROGRESS["step"] = None
+    with interrupt_as_one_line(_where):
+        init_distributed(config)
+        try:
+            summary = train(config, run_dir)
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
     return summary
+
+
+def format_final(final: dict[str, Any]) -> str:
+    """``final validation at step 8: val_loss 2.1234, val_acc 0.4560`` from an ``eval`` record."""
+    metrics = ", ".join(
+        f"{k} {v:.4f}" for k, v in final.items() if k.startswith("val_") and isinstance(v, (int, float))
+    )
+    return f"final validation at step {final.get('step', '?')}: {metrics or 'no metrics'}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -451,9 +475,14 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args[0])
     config_path = Path(args[1]) if len(args) == 2 else run_dir / "config.json"
     config = TrainConfig.from_json(json.loads(config_path.read_text()))
-    summary = run_rank(config, run_dir)
+    _PROGRESS["step"] = None
+    try:
+        summary = run_rank(config, run_dir)
+    except KeyboardInterrupt:  # a SIGINT outside run_rank's handler: one line, no traceback
+        print(f"interrupted (SIGINT) {_where()}", file=sys.stderr)
+        return 128 + signal.SIGINT
     if summary["final"] is not None and int(os.environ.get("RANK", "0")) == 0:
-        print(f"final validation: {summary['final']}")
+        print(format_final(summary["final"]))
     return 0
 
 

@@ -12,7 +12,6 @@ import itertools
 import json
 import math
 import struct
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import background
 from lioncub import cli
 from lioncub.collectives import (
     AverageVote,
@@ -363,16 +363,24 @@ def test_parse_bandwidth_uses_the_launchers_rates() -> None:
         cm.parse_bandwidth("1gbps")
 
 
-def test_the_model_and_the_cost_command_do_not_import_torch(tmp_path: Path) -> None:
-    code = (
-        "import sys, lioncub.planning.costmodel as cm\n"
-        "from lioncub import cli\n"
-        "assert cli.main(['cost', '--params', '1M', '--workers', '2', '--plot', sys.argv[1]]) == 0\n"
-        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+NO_TORCH_CODE = (
+    "import sys, lioncub.planning.costmodel as cm\n"
+    "from lioncub import cli\n"
+    "assert cli.main(['cost', '--params', '1M', '--workers', '2', '--plot', sys.argv[1]]) == 0\n"
+    "assert 'torch' not in sys.modules, 'torch was imported'\n"
+)
+#: subprocess.run(command, capture_output=True, text=True, timeout=60), started in the background when
+#: collection ends (tests/background.py)
+BACKGROUND = {
+    "cost_without_torch": lambda: background.Subprocess(
+        lambda workdir: [sys.executable, "-c", NO_TORCH_CODE, str(workdir / "x.png")], 60
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path / "x.png")], capture_output=True, text=True, timeout=60
-    )
+}
+
+
+@pytest.mark.background("cost_without_torch")
+def test_the_model_and_the_cost_command_do_not_import_torch() -> None:
+    done = background.result("cost_without_torch", BACKGROUND["cost_without_torch"])
     assert done.returncode == 0, done.stderr
 
 
@@ -515,6 +523,7 @@ def test_calibrate_needs_a_job(monkeypatch: pytest.MonkeyPatch, capsys: pytest.C
     assert "lioncub launch --nproc" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_calibrate_on_two_loopback_ranks(tmp_path: Path) -> None:
     path = tmp_path / "calib.json"
     cmd = [

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+import background
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 #: the layer of every package and top-level module; an import may only go to the same module's package
@@ -163,10 +165,24 @@ def test_lioncub_constructor_is_small() -> None:
     assert len(params) <= 12, params
 
 
+#: subprocess.run([python, "-m", module, "--help"], capture_output=True, text=True, timeout=60), started in
+#: the background when collection ends (tests/background.py)
+BACKGROUND = {
+    f"python -m {module}": (
+        lambda module=module: background.Subprocess(lambda _: [sys.executable, "-m", module, "--help"], 60)
+    )
+    for module in ("lioncub", "lioncub.cli")
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("module", ["lioncub", "lioncub.cli"])
+@pytest.mark.parametrize(
+    "module",
+    [pytest.param(m, marks=pytest.mark.background(f"python -m {m}")) for m in ("lioncub", "lioncub.cli")],
+)
 def test_python_dash_m(module: str) -> None:
-    out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=60)
+    key = f"python -m {module}"
+    out = background.result(key, BACKGROUND[key])
     assert out.returncode == 0, out.stderr
     for command in ("train", "compare", "launch", "cost", "calibrate", "report"):
         assert command in out.stdout

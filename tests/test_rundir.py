@@ -165,9 +165,10 @@ def test_a_refused_resume_leaves_the_run_as_it_was(run_cli: Callable, stopped_ru
     for argv, fragment in (
         (["--set", "batch_size=8"], "--set batch_size=8: the run in"),
         (["--set", "dropout=0.1"], "has dropout at its default"),
-        (["--seed", "3"], "--seed 3: the run in"),
+        (["--seed", "3"], "this run is --workload gpt --size tiny --seed 3"),
         (["--data-mode", "shard"], "--data-mode 'shard'"),
-        (["--variant", "1bit"], "--variant '1bit'"),
+        (["--variant", "1bit"], "written by --variant 8bit; this run is --variant 1bit"),
+        (["--quantizer", "l0"], "--quantizer 'l0': the run in"),
     ):
         rc, err = run_cli(["train", "--out", str(stopped_run), "--resume", "--steps", "6", *argv])
         assert rc == 2 and fragment in err, (argv, err)

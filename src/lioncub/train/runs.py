@@ -225,8 +225,9 @@ class RunOutcome:
     summary: dict[str, Any] | None
 
 
-#: what a resumed run keeps from the run it continues (the model, the data stream, the vote)
-FROZEN_ON_RESUME = ("workload", "size", "seed", "variant", "data_mode", "overrides", "quantizer")
+#: what a resumed run keeps from the run it continues, besides what its checkpoint records and
+#: :func:`lioncub.train.checkpoint.check_compatible` checks (workload, size, seed, variant, ranks)
+FROZEN_ON_RESUME = ("data_mode", "overrides", "quantizer")
 #: the configuration a resumed run trains with until it succeeds (then it becomes ``config.json``)
 NEXT_CONFIG = "config.next.json"
 

@@ -8,11 +8,11 @@ lioncub.cli.calibrate --out calib.json``), or let it start the job itself with `
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from pathlib import Path
 
+from lioncub.cli.options import real_number, whole_number
 from lioncub.planning.costmodel import OPS, parse_count
 
 EPILOG = """\
@@ -54,36 +54,6 @@ def _ops(text: str) -> list[str]:
     return ops
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {value}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
-    if not (0 < value < math.inf):
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
-    return value
-
-
 def check_out(path: str) -> None:
     """Refuse an --out that rank 0 could not write, before anything is measured."""
     target = Path(path)
@@ -108,9 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "burst (2 ms of the rate) distorts smaller ones; 64kb,256kb,1mb,4mb,16mb otherwise); two sizes "
         "fit the line but leave no residual to judge it by (a warning says so): give three or more",
     )
-    parser.add_argument("--repeats", type=_positive_int, default=5, help="timed runs per size (default 5)")
+    parser.add_argument("--repeats", type=whole_number(1), default=5, help="timed runs per size (default 5)")
     parser.add_argument(
-        "--warmup", type=_non_negative_int, default=1, help="untimed runs per size first (default 1)"
+        "--warmup", type=whole_number(0), default=1, help="untimed runs per size first (default 1)"
     )
     parser.add_argument(
         "--ops",
@@ -128,14 +98,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--timeout",
-        type=_seconds,
+        type=real_number("a finite number of seconds > 0", 0, low_open=True),
         default=300.0,
         metavar="SECONDS",
         help="process group timeout (default 300)",
     )
     parser.add_argument(
         "--nproc",
-        type=_positive_int,
+        type=whole_number(1),
         metavar="N",
         help="start N ranks with `lioncub launch` (unless inside a job)",
     )

@@ -8,11 +8,11 @@ saves the cost against the link rate and against N (like Fig. 2 of the Lion Cub 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from typing import Any
 
+from lioncub.cli.options import real_number, whole_number
 from lioncub.planning import costmodel as cm
 from lioncub.report.cost import figure, format_count, report
 
@@ -37,36 +37,6 @@ def _arg(parse: Any, option: str) -> Any:
 
     convert.__name__ = option  # argparse names the type in some messages
     return convert
-
-
-def _workers(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of workers, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
-    return value
-
-
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
-    return value
 
 
 def _variants(text: str) -> list[str]:
@@ -95,7 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="COUNT",
         help="e.g. 774M, 1.5B",
     )
-    parser.add_argument("--workers", required=True, type=_workers, metavar="N", help="data-parallel workers")
+    parser.add_argument(
+        "--workers", required=True, type=whole_number(1), metavar="N", help="data-parallel workers"
+    )
     parser.add_argument(
         "--bandwidth",
         type=_arg(cm.parse_bandwidth, "--bandwidth"),
@@ -110,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--efficiency",
-        type=_fraction,
+        type=real_number("a number in (0, 1]", 0, 1, low_open=True),
         metavar="FRACTION",
         help=f"payload share of the link rate (default {cm.TCP_EFFICIENCY:.3f}: TCP at MTU 1500; "
         "ignored with --calibration)",
@@ -126,14 +98,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--bucket-mb",
-        type=_non_negative,
+        type=real_number("a number >= 0", 0, low_open=False),
         default=25.0,
         metavar="MB",
         help="LionCub's bucket size in MiB of fp32 parameters; each bucket pays its latency (default 25; "
         "0: one bucket)",
     )
     parser.add_argument(
-        "--sync-every", type=_workers, metavar="K", help="synchronise the momentum (fp32) every K steps"
+        "--sync-every",
+        type=whole_number(1),
+        metavar="K",
+        help="synchronise the momentum (fp32) every K steps",
     )
     parser.add_argument(
         "--sync-params",

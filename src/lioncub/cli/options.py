@@ -6,12 +6,48 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["OPTION_OF_FIELD", "add_run_arguments", "config_from_args", "parse_set", "sync_spec"]
 
 #: options whose name differs from their TrainConfig field (the others are spelt alike)
 OPTION_OF_FIELD = {"warmup_steps": "warmup"}
+
+
+def whole_number(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: a whole number >= ``minimum``."""
+
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {minimum}, got {value}")
+        return value
+
+    return convert
+
+
+def real_number(
+    allowed: str, low: float, high: float = math.inf, *, low_open: bool
+) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number in ``(low, high]`` (``low_open``) or ``[low, high]``;
+    ``allowed`` words the range in the messages (e.g. ``"a number in (0, 1]"``)."""
+
+    def convert(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {allowed}, got {text!r}") from None
+        inside = (value > low if low_open else value >= low) and value <= high and math.isfinite(value)
+        if not inside:
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}")
+        return value
+
+    return convert
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, *, variant: bool = True) -> None:

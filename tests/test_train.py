@@ -42,7 +42,7 @@ def expected_bytes(variant: str, d: int, n: int) -> float:
         return ring * 4 * d
     if variant == "16bit":
         return ring * 2 * d
-    return (n - 1) * 4 + vote_bytes(variant, d, n)  # LionCub: the non-finite check all-gathers one int32
+    return (n - 1) * 4 * 6 + vote_bytes(variant, d, n)  # LionCub: the step check all-gathers six int32
 
 
 def vote_bytes(variant: str, d: int, n: int) -> float:

@@ -135,6 +135,17 @@ class Comm:
         self.step = 0
         self._tag = 0
 
+    @classmethod
+    def single(cls) -> Comm:
+        """A group of one process without ``torch.distributed`` (rank 0 of 1, CPU); nothing is sent."""
+        comm = cls.__new__(cls)
+        comm.group = None
+        comm.rank, comm.world_size, comm.backend = 0, 1, "none"
+        comm.device = torch.device("cpu")
+        comm.exchange, comm.timeout = "p2p", None
+        comm.counter, comm.step, comm._tag = CommCounter(), 0, 0
+        return comm
+
     # -- helpers -------------------------------------------------------------------------------------
 
     def global_rank(self, group_rank: int) -> int:

@@ -200,7 +200,8 @@ def lion_update_(
 
 
 def _as_float(name: str, value: Any, allowed: str) -> float:
-    if isinstance(value, bool):  # float(True) == 1.0: almost certainly a mistake
+    # float(True) == 1.0 and float("1e-3") == 0.001: almost certainly mistakes, refused where they are set
+    if isinstance(value, (bool, str, bytes)):
         raise ValueError(f"Invalid {name}: {value!r} (expected {allowed})")
     try:
         out = float(value)

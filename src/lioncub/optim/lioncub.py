@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
+import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,7 +49,7 @@ from lioncub._validate import is_int, is_number
 from lioncub.collectives import Comm, CommCounter
 from lioncub.optim import diagnostics
 from lioncub.optim.config import PRESETS, VoteConfig, resolve_variant
-from lioncub.optim.lion import check_lion_hyperparameters
+from lioncub.optim.lion import check_lion_hyperparameters, lion_update_
 from lioncub.optim.overlap import OverlapHook
 from lioncub.optim.replicas import (
     ReplicaDivergenceError,
@@ -61,20 +63,26 @@ from lioncub.optim.sync import MomentumSync, select_parameters
 from lioncub.optim.voting import (
     NONFINITE_MODES,
     BucketVote,
+    GradientChangedError,
     NonFiniteGradientError,
+    StepCheck,
+    StepMismatchError,
     StepTimes,
     Voting,
-    all_finite,
+    check_step,
     flat_views,
+    grad_checksum,
 )
 
 __all__ = [
     "NONFINITE_MODES",
     "Checks",
+    "GradientChangedError",
     "LionCub",
     "NonFiniteGradientError",
     "ReplicaDivergenceError",
     "ReplicaMismatchError",
+    "StepMismatchError",
 ]
 
 STATE_VERSION = 1
@@ -153,6 +161,9 @@ class LionCub(torch.optim.Optimizer):
     order: one hash all-gathered) and raises :class:`ReplicaMismatchError` naming the first difference.
     """
 
+    #: ``torch.amp.GradScaler.step`` always calls :meth:`step`, with ``grad_scale`` and ``found_inf`` set
+    _step_supports_amp_scaling = True
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
@@ -187,6 +198,7 @@ class LionCub(torch.optim.Optimizer):
                 f"diagnostics_every: variant={self.variant!r} does not vote (global Lion); the vote "
                 "diagnostics apply to the voting variants"
             )
+        self._ready = False  # add_param_group: the base constructor calls it before the rest exists
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize))
         for group in self.param_groups:
             _check_group(group)
@@ -194,16 +206,30 @@ class LionCub(torch.optim.Optimizer):
         self.checks = checks
         self.momentum_sync = momentum_sync
         self.diagnostics_every = diagnostics_every
-        self.comm = Comm(process_group, exchange=config.exchange)  # type: ignore[arg-type]
+        self.bucket_mb = bucket_mb
+        alone = process_group is None and not (dist.is_available() and dist.is_initialized())
+        self.comm = Comm.single() if alone else Comm(process_group, exchange=config.exchange)  # type: ignore[arg-type]
+        #: one process (no process group, or a group of one): every step is :class:`~lioncub.optim.Lion`'s
+        self.single_process = self.comm.world_size == 1
+        if self.single_process:
+            _log.info("LionCub: one process (world size 1): no vote, every step is lioncub.Lion's step")
         named = self._named_parameters(model)
-        check_same_parameters(self.comm, named, self.param_groups)
+        if not self.single_process:
+            check_same_parameters(self.comm, named, self.param_groups)
         #: contributions, votes and the apply (:mod:`lioncub.optim.voting`)
         self.voting = Voting(self.comm, config, self)
         self._global_step = 0
-        self._buckets = _make_buckets(self.param_groups, bucket_mb)
-        self._names = {id(p): n for n, p in named}
-        #: every optimized parameter's position in the optimizer's (bucket) order
-        self._order = {id(p): i for i, p in enumerate(p for b in self._buckets for p in b.params)}
+        self._model_names = {id(p): n for n, p in named}
+        self._buckets: list[_Bucket] = []
+        self._names: dict[int, str] = {}
+        self._order: dict[int, int] = {}
+        self._layout: tuple[int, ...] | None = None
+        self._layout_hash = 0
+        self._broadcast: set[int] = set()  # parameters rank 0's values were copied to (broadcast_init)
+        self._refresh_layout()
+        self._grads_compared = False  # the one-time "already averaged?" check of the first step
+        self._consolidated: list[dict[str, Any]] | None = None
+        self._ready = True
         self._last = (CommCounter(), StepTimes())
         self._total = (CommCounter(), StepTimes())
         self._skipped = (0, 0)  # (last step, total): steps skipped for non-finite gradients
@@ -212,8 +238,21 @@ class LionCub(torch.optim.Optimizer):
         self._overlap: OverlapHook | None = None
         #: the diagnostics of the last step that computed them: ``(step, {name: {...}, "overall": {...}})``
         self.last_diagnostics: tuple[int, dict[str, dict[str, float]]] | None = None
-        if checks.broadcast_init:
-            broadcast_parameters(self.comm, [b.params for b in self._buckets])
+        if checks.broadcast_init and not self.single_process:
+            self._broadcast_new()
+
+    def _broadcast_new(self) -> None:
+        """Copy rank 0's values to every rank for the optimized parameters that have not had them yet
+        (at construction, and those that join later: add_param_group, unfrozen). Collective."""
+        if not self._broadcast:  # construction: every parameter, also those frozen now (unfrozen later)
+            frozen = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
+            if frozen:
+                broadcast_parameters(self.comm, [frozen])
+                self._broadcast.update(id(p) for p in frozen)
+        new = [[p for p in b.params if id(p) not in self._broadcast] for b in self._buckets]
+        if any(new):
+            broadcast_parameters(self.comm, [ps for ps in new if ps])
+            self._broadcast.update(id(p) for ps in new for p in ps)
 
     # -- construction --------------------------------------------------------------------------------
 
@@ -254,20 +293,83 @@ class LionCub(torch.optim.Optimizer):
             )
         return [n for n, _ in chosen], [p for _, p in chosen]
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group; its parameters join the vote from the next ``step()`` on (every rank must
+        add the same parameters, in the same order: the next step's check compares the ranks), which also
+        copies rank 0's values of them to every rank (``Checks.broadcast_init``)."""
+        super().add_param_group(param_group)
+        if self._ready:
+            try:
+                _check_group(self.param_groups[-1])
+            except ValueError:
+                self.param_groups.pop()
+                raise
+
+    def _refresh_layout(self) -> None:
+        """Rebuild the buckets when the parameters that require grad changed (``requires_grad_``,
+        :meth:`add_param_group`); the layout hash travels in every step's check, so ranks that changed
+        differently are named instead of voting on different layouts."""
+        active = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        layout = tuple(id(p) for p in active)
+        if layout == self._layout:
+            return
+        if self._layout is not None and self._overlap is not None:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: LionCub: the trainable parameters changed (requires_grad_ or "
+                "add_param_group) after overlap_with(): DDP's buckets are fixed; freeze or add parameters "
+                "before wrapping the model in DDP and calling overlap_with, or use the plain step"
+            )
+        self._buckets = _make_buckets(self.param_groups, self.bucket_mb)
+        self.voting.refresh()
+        self._names = {
+            id(p): self._model_names.get(id(p), f"param_groups[{gi}][{i}]")
+            for gi, g in enumerate(self.param_groups)
+            for i, p in enumerate(g["params"])
+        }
+        self._order = {id(p): i for i, p in enumerate(p for b in self._buckets for p in b.params)}
+        described = [
+            (gi, i, tuple(p.shape), str(p.dtype), p.requires_grad)
+            for gi, g in enumerate(self.param_groups)
+            for i, p in enumerate(g["params"])
+        ]
+        self._layout, self._layout_hash = layout, zlib.crc32(repr(described).encode())
+
     # -- the step ------------------------------------------------------------------------------------
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """One optimizer step (collective: every rank of the group must call it)."""
+        """One optimizer step (collective: every rank of the group must call it).
+
+        Parameters whose gradient is ``None`` on every rank are not touched (no update, no decay, no
+        momentum change); where only some ranks have one, the others vote with a zero gradient. Under a
+        ``torch.amp.GradScaler`` (``scaler.step(opt)``) the gradients are unscaled here and an overflow on
+        any rank skips the step on every rank."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
             _check_group(group)
+        self._consolidated = None
+        scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        if (scale is not None or found_inf is not None) and self._overlap is not None:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: LionCub: a GradScaler (fp16) with overlap_with(): the votes "
+                "started during the backward on scaled gradients. Use bf16 autocast (no scaler), or the "
+                "plain step (lioncub.optim.ddp.skip_gradient_allreduce(model) instead of overlap_with)"
+            )
+        if scale is not None:
+            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, scale.double().reciprocal().float().to(grads[0].device))
+        overflow = found_inf is not None and bool(found_inf.item() > 0)
+        self._refresh_layout()
         self._global_step += 1
         step = self._global_step
         self.comm.step = step
+        if self.single_process:
+            self._lion_step(overflow)
+            return loss
         before = self.comm.counter.snapshot()
         times = StepTimes()
         diagnose = bool(self.diagnostics_every) and step % self.diagnostics_every == 0
@@ -282,18 +384,22 @@ class LionCub(torch.optim.Optimizer):
                 for i, b in enumerate(self._buckets)
             ]
             times.direction += time.perf_counter() - t0
-        if not self._all_finite(buckets, posted):  # skipped: nothing is applied on any rank
+        check = self._check_step(buckets, posted, overflow)
+        if not check.ok:  # skipped: nothing is applied on any rank
             self._finish_step(before, times, skipped=True)
             return loss
+        untouched = self._without_gradient() if check.missing_grads else frozenset()
+        if self.checks.broadcast_init:  # parameters that joined since the last step (the ranks agree)
+            self._broadcast_new()
         if not posted:
             t0 = time.perf_counter()
             for b in buckets:
                 self.voting.post(b, step)
             times.encode += time.perf_counter() - t0
-        updates = self.voting.apply(buckets, times, keep_updates=diagnose)
+        updates = self.voting.apply(buckets, times, keep_updates=diagnose, untouched=untouched)
         if self._sync_params and self.comm.world_size > 1 and self.momentum_sync.due(step):
             t0 = time.perf_counter()
-            self._sync_momenta()
+            self._sync_momenta(untouched)
             times.sync += time.perf_counter() - t0
         if self.checks.replica_check_every and step % self.checks.replica_check_every == 0:
             self.check_replicas()
@@ -302,32 +408,99 @@ class LionCub(torch.optim.Optimizer):
             self.last_diagnostics = (step, self._diagnose(buckets, updates))
         return loss
 
-    def _all_finite(self, buckets: Sequence[BucketVote], posted: bool) -> bool:
-        """:func:`lioncub.optim.voting.all_finite` on the optimizer's group; votes already posted (overlap)
-        are waited for before the step is dropped or raises, so none stays in flight."""
-        try:
-            ok, ranks = all_finite(
-                self.comm, [b.peak for b in buckets], nonfinite=self.checks.nonfinite, step=self._global_step
+    def _lion_step(self, overflow: bool) -> None:
+        """One process: :class:`~lioncub.optim.Lion`'s step (the same functions, bit for bit), with the
+        non-finite check of :class:`Checks` (``nonfinite``) and a GradScaler's overflow."""
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        peaks = [torch.linalg.vector_norm(g, float("inf")).float() for g in grads]
+        if self.checks.nonfinite == "raise":  # raises NonFiniteGradientError on NaN/Inf
+            check_step(self.comm, peaks, step=self._global_step, layout=0, missing_grads=0, nonfinite="raise")
+        skip = overflow or bool(peaks and not torch.isfinite(torch.stack(peaks)).all())
+        self._skipped = (int(skip), self._skipped[1] + int(skip))
+        if skip:
+            _log.warning("step %d skipped: non-finite gradients (NaN or Inf)", self._global_step)
+            return
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            beta1, beta2 = group["betas"]
+            lion_update_(
+                params,
+                [p.grad for p in params],
+                [self.voting.momentum(p) for p in params],
+                lr=float(group["lr"]),
+                beta1=float(beta1),
+                beta2=float(beta2),
+                weight_decay=float(group["weight_decay"]),
+                maximize=bool(group["maximize"]),
+                foreach=False,
             )
-        except NonFiniteGradientError:
+
+    def _check_step(self, buckets: Sequence[BucketVote], posted: bool, overflow: bool) -> StepCheck:
+        """:func:`lioncub.optim.voting.check_step` on the optimizer's group (step numbers, layouts,
+        NaN/Inf, gradients changed after an overlapped backward, the first step's "already averaged?"
+        check); votes already posted (overlap) are waited for before the step is dropped or raises, so none
+        stays in flight."""
+        params = [p for b in self._buckets for p in b.params]
+        checksum = None
+        if not self._grads_compared and self.config.transport != "dense":
+            checksum = grad_checksum([p.grad for p in params if p.grad is not None])
+        changed = self._overlap.changed_gradients() if posted and self._overlap is not None else []
+        try:
+            check = check_step(
+                self.comm,
+                [b.peak for b in buckets],
+                step=self._global_step,
+                layout=self._layout_hash,
+                missing_grads=sum(p.grad is None for p in params),
+                overflow=overflow,
+                changed=changed,
+                grad_checksum=checksum,
+                nonfinite=self.checks.nonfinite,
+            )
+        except (NonFiniteGradientError, StepMismatchError, GradientChangedError):
             if posted:
                 self.voting.wait_all(buckets)
             raise
-        if not ok:
+        if checksum is not None:
+            self._grads_compared = True
+            if check.identical_grads and self.comm.rank == 0:
+                warnings.warn(
+                    "LionCub: the gradients are identical on every rank at the first step: they look "
+                    "already averaged by DDP's allreduce, so every rank votes on the same gradient (global "
+                    "Lion plus a pointless vote, and the allreduce's bytes). Register "
+                    "lioncub.optim.ddp.skip_gradient_allreduce(model) or call opt.overlap_with(model) on "
+                    "the DDP model (identical data on every rank also gives identical gradients)",
+                    stacklevel=3,
+                )
+        if not check.ok:
             _log.warning(
-                "step %d skipped on every rank: non-finite gradients (NaN or Inf) on rank(s) %s",
+                "step %d skipped on every rank: non-finite gradients (NaN or Inf) or a GradScaler overflow "
+                "on rank(s) %s",
                 self._global_step,
-                ranks,
+                check.bad_ranks,
             )
             if posted:
                 self.voting.wait_all(buckets)
-        return ok
+        return check
 
-    def _sync_momenta(self) -> None:
-        """Allreduce-mean the chosen momenta (one flat buffer per dtype)."""
+    def _without_gradient(self) -> frozenset[int]:
+        """``id`` of the optimized parameters whose gradient is ``None`` on every rank (one allreduce of
+        one int32 per parameter tensor; only on steps where some rank lacks a gradient)."""
+        params = [p for b in self._buckets for p in b.params]
+        have = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=self.comm.device)
+        self.comm.all_reduce(have, "missing-gradient check").wait()
+        return frozenset(id(p) for p, n in zip(params, have.tolist(), strict=True) if n == 0)
+
+    def _sync_momenta(self, untouched: frozenset[int]) -> None:
+        """Allreduce-mean the chosen momenta (one flat buffer per dtype) of the parameters being trained
+        (those frozen or without a gradient on every rank keep theirs)."""
         n = self.comm.world_size
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for p in self._sync_params:
+            if id(p) in untouched or id(p) not in self._order:
+                continue
             m = self.voting.momentum(p)
             by_dtype.setdefault(m.dtype, []).append(m)
         for moms in by_dtype.values():
@@ -339,13 +512,17 @@ class LionCub(torch.optim.Optimizer):
 
     def overlap_with(
         self, model: torch.nn.parallel.DistributedDataParallel, process_group: dist.ProcessGroup | None = None
-    ) -> OverlapHook:
+    ) -> OverlapHook | None:
         """Start each bucket's vote during the backward pass of ``model`` (a
         :class:`~torch.nn.parallel.DistributedDataParallel` wrapping the optimized parameters): registers
         the communication hook of :mod:`lioncub.optim.overlap` (instead of
         :func:`lioncub.optim.ddp.skip_gradient_allreduce`); :meth:`step` then waits for the votes and
         applies them. Results are bitwise those of the step without overlap. Collective: every rank calls
-        it (it creates ``process_group``, the group the votes travel on, if not given). Returns the hook."""
+        it (it creates ``process_group``, the group the votes travel on, if not given). Returns the hook
+        (``None`` on one process, where there is no vote to overlap)."""
+        if self.single_process:
+            _log.info("LionCub.overlap_with: one process, no vote to overlap: the plain step runs")
+            return None
         if self._overlap is not None:
             raise RuntimeError("overlap_with: this optimizer already overlaps its votes with a model")
         if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -437,6 +614,9 @@ class LionCub(torch.optim.Optimizer):
     # -- state -----------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
+        """This rank's state (momenta, step, variant, rank, world size). After
+        :meth:`consolidate_state_dict` on the rank it gathered to, ``sd["lioncub"]["ranks"]`` also holds
+        every rank's own state dict (index = rank), until the next ``step()``."""
         sd = super().state_dict()
         sd["lioncub"] = {
             "version": STATE_VERSION,
@@ -453,13 +633,53 @@ class LionCub(torch.optim.Optimizer):
             # a stochastic quantizer's stream: the overlap hook's vote draws from its own when overlapping
             "generator": _generator_state(self._votings()[-1].vote),
         }
+        if self._consolidated is not None:
+            sd["lioncub"]["ranks"] = self._consolidated
         return sd
 
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's :meth:`state_dict` on rank ``to`` (a rank of the optimizer's group), so that
+        a framework that saves the optimizer from one rank only keeps every rank's momenta (the convention
+        of ``torch.distributed.optim.ZeroRedundancyOptimizer``; Lightning calls it before saving).
+        Collective: every rank calls it. Costs ``N`` times one rank's state in ``to``'s memory and file."""
+        if not (is_int(to, 0) and to < self.comm.world_size):
+            raise ValueError(
+                f"consolidate_state_dict(to={to!r}): to must be a rank in 0..{self.comm.world_size - 1}"
+            )
+        self._consolidated = None
+        own = self.state_dict()
+        if self.single_process:
+            self._consolidated = [own]
+            return
+        gathered: list[Any] | None = [None] * self.comm.world_size if self.comm.rank == to else None
+        try:
+            dist.gather_object(own, gathered, dst=self.comm.global_rank(to), group=self.comm.group)
+        except Exception as err:
+            raise RuntimeError(
+                f"rank {self.comm.rank}/{self.comm.world_size}: consolidate_state_dict(to={to}) failed at "
+                f"optimizer step {self._global_step}: {type(err).__name__}: {err}"
+            ) from err
+        if gathered is not None:
+            self._consolidated = [_to_cpu(sd) for sd in gathered]
+
     def load_state_dict(self, state_dict: dict[str, Any], *, allow_world_size_change: bool = False) -> None:
-        """Load this rank's state. Refuses another variant, or another world size unless
-        ``allow_world_size_change`` (the momenta are then this rank's as saved)."""
+        """Load this rank's state: from a consolidated state dict (:meth:`consolidate_state_dict`) the
+        entry of this rank, else a state dict this rank wrote. Refuses another variant, another world size,
+        or another rank's state, unless ``allow_world_size_change`` (the documented conversions of
+        ``lioncub train --convert-momenta``: the momenta are then taken as given — from a consolidated
+        state dict, rank r takes entry ``r mod K`` of the K saved)."""
         sd = dict(state_dict)
         meta = sd.pop("lioncub", None)
+        if meta is not None and "ranks" in meta:
+            ranks = meta["ranks"]
+            if len(ranks) != self.comm.world_size and not allow_world_size_change:
+                raise ValueError(
+                    f"rank {self.comm.rank}: the optimizer state holds the momenta of {len(ranks)} ranks, "
+                    f"this job has world_size={self.comm.world_size}; per-rank momenta do not carry over "
+                    "(pass allow_world_size_change=True to accept)"
+                )
+            self.load_state_dict(ranks[self.comm.rank % len(ranks)], allow_world_size_change=True)
+            return
         if meta is not None:
             if meta.get("version") != STATE_VERSION:
                 raise ValueError(f"optimizer state version {meta.get('version')} is not {STATE_VERSION}")
@@ -474,12 +694,20 @@ class LionCub(torch.optim.Optimizer):
                     f"world_size={self.comm.world_size}; per-rank momenta do not carry over "
                     "(pass allow_world_size_change=True to accept)"
                 )
+            if meta.get("rank", self.comm.rank) != self.comm.rank and not allow_world_size_change:
+                raise ValueError(
+                    f"rank {self.comm.rank}: this optimizer state was saved by rank {meta['rank']}: each "
+                    "rank has its own momenta and must load its own. A framework that saves from rank 0 only "
+                    "must call opt.consolidate_state_dict(to=0) on every rank before saving (lioncub's "
+                    "integrations do), or save one file per rank"
+                )
             self._global_step = int(meta["step"])
             for voting in self._votings():
                 generator = getattr(voting.vote, "generator", None)
                 if meta.get("generator") is not None and generator is not None:
                     generator.set_state(meta["generator"])
         super().load_state_dict(sd)
+        self._consolidated = None
 
     @property
     def bucket_numels(self) -> list[int]:
@@ -538,6 +766,17 @@ def _check_group(group: dict[str, Any]) -> None:
     check_lion_hyperparameters(group)
     if not isinstance(group["maximize"], bool):
         raise ValueError(f"Invalid maximize: {group['maximize']!r} (expected True or False)")
+
+
+def _to_cpu(obj: Any) -> Any:
+    """``obj`` with every tensor in it (nested dicts, lists, tuples) moved to the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
 
 
 def _generator_state(vote: Any) -> torch.Tensor | None:

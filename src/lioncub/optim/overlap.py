@@ -27,9 +27,9 @@ What happens, per bucket, in DDP's bucket order (the same on every rank):
    made at registration): collectives of the main thread on the optimizer's group — DDP's buffer
    broadcast, a logged loss allreduce — cannot interleave with them.
 3. **step()** waits until the vote thread is idle, posts the last bucket's second phase, runs the
-   non-finite check (one all-gather of N int32, as without overlap), waits for every vote and applies it
-   with each group's current lr and weight decay; then momentum sync, replica check and diagnostics as
-   without overlap.
+   step check (one all-gather of six int32 per rank, as without overlap, which also carries whether the
+   gradients changed since the backward), waits for every vote and applies it with each group's current
+   lr and weight decay; then momentum sync, replica check and diagnostics as without overlap.
 
 **Bitwise parity.** Every vote is elementwise, with quantizer normalisation per parameter tensor, and
 :class:`~lioncub.collectives.DenseMean` sums in rank order, so DDP's bucketing gives the same update as
@@ -44,13 +44,18 @@ parameters and momenta untouched (``"skip"``), or :class:`~lioncub.optim.voting.
 on every rank after the votes have finished (``"raise"``).
 
 **Rules.** One synchronised backward per step: accumulate gradients inside ``model.no_sync()`` (the hook
-does not run there) and call ``step()`` after every backward that ran outside it; a second synchronised
-backward before ``step()`` raises. A ``step()`` without a backward since the last one (no hook ran) is the
-plain step. Errors of the vote thread (a failed or timed-out collective, naming the rank and the
-operation) are raised by the next ``step()``.
+does not run there). A synchronised backward that no ``step()`` follows (a skipped step) is dropped when
+the next one starts: its votes are waited for and discarded (every rank must skip alike, as with any
+collective). A ``step()`` without a backward since the last one (no hook ran) is the plain step.
+``.grad`` must stay as the backward left it: the votes already used it, so gradient clipping, a
+``GradScaler`` or an edit of ``.grad`` between backward and ``step()`` raises
+:class:`~lioncub.optim.voting.GradientChangedError` on every rank (the version counters of the gradients
+are compared, no pass over the data); use the plain step for those. Errors of the vote thread (a failed
+or timed-out collective, naming the rank and the operation) are raised by the next ``step()``.
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations as objects.
+import logging
 import queue
 import threading
 import time
@@ -63,6 +68,8 @@ from torch.nn.parallel import DistributedDataParallel
 from lioncub.optim.voting import BucketVote, StepTimes, Voting
 
 __all__ = ["OverlapHook"]
+
+_log = logging.getLogger("lioncub")
 
 
 class OverlapHook:
@@ -99,13 +106,16 @@ class OverlapHook:
         self._names = names
         self._inflight: list[BucketVote] = []
         self._step = 0  # the optimizer step the buckets in flight are for
+        self._generation = 0  # one per synchronised backward: the vote thread pairs phases within one
+        self._grad_versions: dict[int, tuple[int, int] | None] = {}  # id(p) -> (id(grad), grad._version)
         self._buffers: dict[int, torch.Tensor] = {}
         self._times = StepTimes()  # the hook's and the vote thread's work since the last step
         self._mark = self.comm.counter.snapshot()
         self._error: BaseException | None = None
         self._closed = False
+        self._inflight_at_collect: list[BucketVote] = []
         self.bucket_numels: list[int] = []
-        self._queue: queue.Queue[tuple[BucketVote, int] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[BucketVote, int, int] | None] = queue.Queue()
         self._thread = threading.Thread(
             target=self._vote_thread, name=f"lioncub-overlap-rank{self.comm.rank}", daemon=True
         )
@@ -126,14 +136,16 @@ class OverlapHook:
     @torch.no_grad()
     def _start_bucket(self, bucket: dist.GradBucket) -> None:
         rank, step, index = self.comm.rank, self._next_step(), bucket.index()
-        if self._step != step or any(b.key == index for b in self._inflight):
-            if self._inflight:
-                raise RuntimeError(
-                    f"rank {rank}: LionCub overlap: a second synchronised backward ran before step() "
-                    f"applied the votes of the first (optimizer step {step}); accumulate gradients inside "
-                    "model.no_sync() and call step() after every backward that runs outside it"
-                )
+        if self._step != step or any(b.key == index for b in self._inflight) or not self._inflight:
+            if self._inflight:  # a backward that no step() followed: its votes are dropped
+                self._drop_inflight(step)
             self._step = step
+            self._generation += 1
+            self._grad_versions = {}
+            engine = torch.autograd.Variable._execution_engine
+            # a callback queued by a callback runs after DDP's own end-of-backward callback (which
+            # writes the buckets back into .grad): the versions step() compares against
+            engine.queue_callback(lambda: engine.queue_callback(self._record_grad_versions))
         t0 = time.perf_counter()
         params, grads, flat = bucket.parameters(), bucket.gradients(), bucket.buffer()
         unknown = [p for p in params if not self.voting.holds(p)]
@@ -149,12 +161,43 @@ class OverlapHook:
         item = self.voting.contribute(index, params, grads, local, keep_copy=diagnose)
         self._times.direction += time.perf_counter() - t0
         self._inflight.append(item)
-        self._queue.put((item, step))
+        self._queue.put((item, step, self._generation))
+
+    def _drop_inflight(self, step: int) -> None:
+        """Wait for the votes of a backward that no ``step()`` followed and discard them."""
+        self._queue.join()
+        if self._error is None:
+            self.voting.wait_all(self._inflight)
+        _log.warning(
+            "rank %d: LionCub overlap: a synchronised backward was not followed by step() (optimizer step "
+            "%d); its votes were discarded",
+            self.comm.rank,
+            step,
+        )
+        self._inflight = []
+
+    def _record_grad_versions(self) -> None:
+        self._grad_versions = {
+            id(p): None if p.grad is None else (id(p.grad), p.grad._version)
+            for b in self._inflight
+            for p in b.params
+        }
+
+    def changed_gradients(self) -> list[str]:
+        """Names of the parameters whose ``.grad`` was replaced or modified in place since the end of the
+        last backward (whose gradients the votes in flight used)."""
+        changed = []
+        for b in self._inflight_at_collect:
+            for p in b.params:
+                now = None if p.grad is None else (id(p.grad), p.grad._version)
+                if self._grad_versions.get(id(p), now) != now:
+                    changed.append(self._names.get(id(p), str(tuple(p.shape))))
+        return changed
 
     # -- the vote thread -----------------------------------------------------------------------------
 
     def _vote_thread(self) -> None:
-        previous: tuple[BucketVote, int] | None = None
+        previous: tuple[BucketVote, int, int] | None = None
         while True:
             entry = self._queue.get()
             try:
@@ -163,9 +206,9 @@ class OverlapHook:
                 if self._error is not None:
                     continue
                 t0 = time.perf_counter()
-                item, step = entry
+                item, step, generation = entry
                 self.voting.post(item, step)
-                if previous is not None and previous[1] == step and previous[0].pending is not None:
+                if previous is not None and previous[2] == generation and previous[0].pending is not None:
                     previous[0].pending.advance()  # waits for its first phase, posts its second
                 self._times.overlapped += time.perf_counter() - t0
                 previous = entry
@@ -188,6 +231,7 @@ class OverlapHook:
             self._inflight = []
             raise err
         inflight, self._inflight = self._inflight, []
+        self._inflight_at_collect = inflight
         if not inflight:
             return None
         #: DDP's buckets (elements each, in order) of the last overlapped step

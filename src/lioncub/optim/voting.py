@@ -6,7 +6,7 @@ buffer, see :func:`flat_views`):
 1. :meth:`Voting.contribute` writes this rank's contribution of every parameter into the bucket's flat
    buffer — ``c_i = β1·m_i + (1−β1)·g_i`` for the votes, the gradient ``g_i`` for the dense presets
    (``g`` negated under ``maximize``; a ``None`` gradient counts as zero) — and takes its max-abs (NaN or
-   Inf propagate) for the non-finite check :func:`all_finite`.
+   Inf propagate) for the non-finite check of :func:`check_step`.
 2. :meth:`Voting.post` quantizes / packs the buffer and posts the vote's first collective
    (:meth:`lioncub.collectives.VoteAlgorithm.start`).
 3. :meth:`Voting.apply` runs every vote's between-phase work (``advance``) before waiting for the first
@@ -51,12 +51,17 @@ from lioncub.optim.lion import apply_update_, lion_direction, update_momentum_
 
 __all__ = [
     "NONFINITE_MODES",
+    "STEP_CHECK_WORDS",
     "BucketVote",
+    "GradientChangedError",
     "NonFiniteGradientError",
+    "StepCheck",
+    "StepMismatchError",
     "StepTimes",
     "Voting",
-    "all_finite",
+    "check_step",
     "flat_views",
+    "grad_checksum",
     "make_vote",
 ]
 
@@ -243,10 +248,16 @@ class Voting:
 
     @torch.no_grad()
     def apply(
-        self, buckets: Sequence[BucketVote], times: StepTimes, *, keep_updates: bool = False
+        self,
+        buckets: Sequence[BucketVote],
+        times: StepTimes,
+        *,
+        keep_updates: bool = False,
+        untouched: frozenset[int] = frozenset(),
     ) -> list[torch.Tensor]:
         """Finish every bucket's vote and apply it with the momentum update (see the module docstring);
-        returns copies of the flat updates if ``keep_updates`` (diagnostics), else ``[]``."""
+        the parameters whose ``id`` is in ``untouched`` (no gradient on any rank) keep their value and
+        momentum. Returns copies of the flat updates if ``keep_updates`` (diagnostics), else ``[]``."""
         t0 = time.perf_counter()
         for b in buckets:  # between-phase work of two-phase votes, overlapping the other buckets
             assert b.pending is not None
@@ -260,7 +271,8 @@ class Voting:
                 updates.append(update.clone())
             t1 = time.perf_counter()
             for p, u in zip(b.params, flat_views(update, b.params), strict=True):
-                self._apply_one(p, u)
+                if id(p) not in untouched:
+                    self._apply_one(p, u)
             times.exchange += t1 - t0
             times.apply += time.perf_counter() - t1
         return updates
@@ -290,33 +302,135 @@ class Voting:
             update_momentum_(m, self.grad(p, p.grad), beta2)
 
 
-def all_finite(
-    comm: Comm, peaks: Sequence[torch.Tensor], *, nonfinite: str, step: int
-) -> tuple[bool, list[int]]:
-    """Whether every rank's contributions are finite, given this rank's max-abs per bucket: one
-    all-gather of one int32 per rank, so that every rank takes the same decision. Returns ``(ok, ranks
-    with NaN/Inf)``; with ``nonfinite="raise"`` raises :class:`NonFiniteGradientError` on every rank
-    instead of returning ``False``."""
+#: int32 words every rank all-gathers once per step (:func:`check_step`)
+STEP_CHECK_WORDS = 6
+
+
+class StepMismatchError(RuntimeError):
+    """The ranks called ``step()`` a different number of times, or optimize different parameter lists."""
+
+
+class GradientChangedError(RuntimeError):
+    """With the overlap hook, ``.grad`` changed between the backward (whose gradients the votes used) and
+    ``step()``: gradient clipping, ``GradScaler.unscale_`` or an edit of ``.grad``."""
+
+
+@dataclass(frozen=True)
+class StepCheck:
+    """What every rank learns from :func:`check_step`, the same on every rank.
+
+    Attributes:
+        ok: no rank had NaN/Inf (or a GradScaler overflow): the step is applied.
+        bad_ranks: the ranks with NaN/Inf or an overflow.
+        missing_grads: some rank has a parameter without a gradient (``.grad is None``).
+        identical_grads: the gradient checksums sent were equal and non-zero on every rank (only asked
+            for on one step: see ``grad_checksum``); ``False`` when not asked.
+    """
+
+    ok: bool
+    bad_ranks: list[int]
+    missing_grads: bool
+    identical_grads: bool
+
+
+def check_step(
+    comm: Comm,
+    peaks: Sequence[torch.Tensor],
+    *,
+    step: int,
+    layout: int,
+    missing_grads: int,
+    overflow: bool = False,
+    changed: Sequence[str] = (),
+    grad_checksum: int | None = None,
+    nonfinite: str,
+) -> StepCheck:
+    """The ranks' agreement before a step is applied: one all-gather of :data:`STEP_CHECK_WORDS` int32 per
+    rank — flags (non-finite: from this rank's max-abs per bucket, ``peaks``, or a GradScaler ``overflow``;
+    gradients ``changed`` after the overlapped votes used them: this rank's parameter names),
+    optimizer step number, parameter ``layout`` hash (int32), number of this rank's optimized parameters
+    without a gradient, and an int64 ``grad_checksum`` (0 when not asked).
+
+    Raises on every rank: :class:`StepMismatchError` when the step numbers or layouts differ (naming
+    the ranks and both values), :class:`GradientChangedError` when any rank's gradients changed, and
+    with ``nonfinite="raise"`` :class:`NonFiniteGradientError` instead of returning ``ok=False``."""
+    bad = bool(overflow)
     if peaks:
-        bad = (~torch.isfinite(torch.stack(list(peaks)))).any().to(torch.int32).reshape(1)
-    else:
-        bad = torch.zeros(1, dtype=torch.int32)
+        bad = bad or bool((~torch.isfinite(torch.stack(list(peaks)))).any())
+    checksum = 0 if grad_checksum is None else grad_checksum
+    mine = torch.tensor(
+        [
+            int(bad) | int(bool(changed)) << 1,
+            step,
+            layout,
+            missing_grads,
+            checksum >> 32,
+            checksum & 0xFFFFFFFF,
+        ],
+        dtype=torch.int64,
+    )
+    mine = ((mine + 2**31) % 2**32 - 2**31).to(torch.int32)  # each word as a signed int32
+    step, layout = int(mine[1]), int(mine[2])
     n = comm.world_size
     if n > 1:
-        flags = torch.empty(n, 1, dtype=torch.int32, device=comm.device)
-        comm.all_gather(flags, bad.to(comm.device), "non-finite gradient check").wait()
-        flags = flags.flatten()
+        rows = torch.empty(n, STEP_CHECK_WORDS, dtype=torch.int32, device=comm.device)
+        comm.all_gather(rows, mine.to(comm.device), "step check").wait()
+        rows = rows.cpu()
     else:
-        flags = bad
+        rows = mine.reshape(1, -1)
+    steps, layouts = rows[:, 1].tolist(), rows[:, 2].tolist()
+    if len(set(steps)) > 1:
+        others = [r for r, s in enumerate(steps) if s != step]
+        raise StepMismatchError(
+            f"rank {comm.rank}: this rank is at optimizer step {step}, rank(s) {others} at step(s) "
+            f"{[steps[r] for r in others]}: a rank skipped or repeated step(). Call step() once per "
+            "iteration on every rank, also when this rank's gradients overflowed: LionCub skips a step with "
+            "NaN/Inf on any rank on every rank by itself (and takes a GradScaler's decision)"
+        )
+    if len(set(layouts)) > 1:
+        others = [r for r, h in enumerate(layouts) if h != layout]
+        raise StepMismatchError(
+            f"rank {comm.rank}: rank(s) {others} optimize a different list of parameters at step {step} "
+            "(parameters frozen/unfrozen with requires_grad_ or add_param_group on some ranks only, or with "
+            "other shapes/dtypes); every rank must change the trainable parameters the same way"
+        )
+    flags = rows[:, 0]
+    if bool((flags & 2).any()):
+        ranks = (flags & 2).nonzero().flatten().tolist()
+        mine_names = f" (here: {list(changed)[:5]})" if changed else ""
+        raise GradientChangedError(
+            f"rank {comm.rank}: .grad changed between backward and step() {step} on rank(s) {ranks}"
+            f"{mine_names}, but the overlapped votes already used the gradients backward produced "
+            "(gradient clipping, GradScaler.unscale_ or an edit of .grad). Use the plain step instead of "
+            "overlap_with (lioncub.optim.ddp.skip_gradient_allreduce(model)), or leave .grad as backward "
+            "wrote it"
+        )
+    flags = flags & 1
+    sums = rows[:, 4:].to(torch.int64)
+    sums = sums[:, 0] * 2**32 + (sums[:, 1] & 0xFFFFFFFF)
+    identical = grad_checksum is not None and n > 1 and bool((sums == sums[0]).all()) and grad_checksum != 0
+    missing = bool(rows[:, 3].any())
     if not bool(flags.any()):
-        return True, []
+        return StepCheck(True, [], missing, identical)
     ranks = flags.nonzero().flatten().tolist()
     if nonfinite == "raise":
         raise NonFiniteGradientError(
             f"rank {comm.rank}: non-finite gradients (NaN or Inf) at step {step} on rank(s) {ranks}; nothing "
             "was applied (nonfinite='raise')"
         )
-    return False, ranks
+    return StepCheck(False, ranks, missing, identical)
+
+
+def grad_checksum(grads: Sequence[torch.Tensor], sample: int = 1 << 16) -> int:
+    """An int64 fingerprint of the gradients' bits (the first ``sample`` elements of each), equal on two
+    ranks only if those elements are bitwise equal (up to hash collisions)."""
+    total = 0
+    for g in grads:
+        head = g.detach().reshape(-1)[:sample].float().contiguous()
+        bits = head.view(torch.int32).to(torch.int64)
+        weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64)
+        total = (total * 1_000_003 + int((bits * weights).sum())) % (2**61 - 1)
+    return total
 
 
 _PIECE = 1 << 16  # elements per cache-sized piece when converting an integer update

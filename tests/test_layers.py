@@ -28,6 +28,7 @@ LAYERS = {
     "lioncub.collectives": 2,
     "lioncub.optim": 3,
     "lioncub.planning": 4,
+    "lioncub.integrations": 4,  # LionCub in transformers / accelerate / Lightning (imports optim only)
     "lioncub.launch": 5,
     "lioncub.train": 6,
     "lioncub.report": 6,

@@ -1,0 +1,95 @@
+"""A plain training loop with Hugging Face accelerate and LionCub's 1-bit vote, with save/resume.
+
+    torchrun --nproc-per-node 2 examples/accelerate_loop.py           # CPU, gloo
+    lioncub launch --nproc 2 -- python examples/accelerate_loop.py --variant 8bit --overlap
+    lioncub launch --nproc 2 -- python examples/accelerate_loop.py --resume
+
+A character-level MLP language model on the opening of Pride and Prejudice (``data/austen_slice.txt.gz``).
+Needs ``pip install 'lioncub[hf]'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+from torch.utils.data import DataLoader
+
+import lioncub.integrations.accelerate as lioncub_accelerate
+from lioncub import LionCub
+
+TEXT = Path(__file__).resolve().parents[1] / "data" / "austen_slice.txt.gz"
+CONTEXT = 16
+
+
+def windows() -> torch.Tensor:
+    """int64 ``[n, CONTEXT + 1]``: byte windows of the text (the last byte is the target)."""
+    raw = torch.frombuffer(bytearray(gzip.decompress(TEXT.read_bytes())), dtype=torch.uint8).long()
+    n = raw.numel() // (CONTEXT + 1)
+    return raw[: n * (CONTEXT + 1)].view(n, CONTEXT + 1)
+
+
+def build_model() -> nn.Module:
+    return nn.Sequential(
+        nn.Embedding(256, 32), nn.Flatten(), nn.Linear(32 * CONTEXT, 256), nn.GELU(), nn.Linear(256, 256)
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--variant", default="1bit", help="a LionCub preset (1bit, 4bit, 8bit, ...)")
+    parser.add_argument("--overlap", action="store_true", help="vote during the backward pass (no clipping)")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--out", default="runs/accelerate_loop")
+    parser.add_argument("--resume", action="store_true", help="continue from the state saved in --out")
+    opts = parser.parse_args()
+
+    # joins the process group; on CPU accelerate needs cpu=True to run as several processes
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=2)
+    model = build_model()
+    opt = LionCub(model.parameters(), lr=1e-3, weight_decay=0.1, variant=opts.variant)
+    # accelerate steps a scheduler once per process and optimizer step
+    total = opts.steps * accelerator.num_processes
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / total)
+    loader = DataLoader(windows(), batch_size=16, shuffle=True)
+    model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
+    lioncub_accelerate.prepare(accelerator, model, opt, overlap=opts.overlap)
+
+    step, state = 0, Path(opts.out) / "state"
+    if opts.resume:
+        accelerator.load_state(str(state))  # every rank gets its own momenta back
+        step = int((Path(opts.out) / "step.txt").read_text())
+    batches = accelerator.skip_first_batches(loader, 2 * step) if step else loader
+    for batch in batches:
+        with accelerator.accumulate(model):
+            loss = nn.functional.cross_entropy(model(batch[:, :-1]), batch[:, -1])
+            accelerator.backward(loss)
+            if accelerator.sync_gradients and not opts.overlap:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        if not accelerator.sync_gradients:
+            continue
+        step += 1
+        if step % 10 == 0:
+            accelerator.print(f"step {step}: loss {loss.item():.3f}")
+        if step == opts.steps // 2:
+            accelerator.save_state(str(state))
+            if accelerator.is_main_process:
+                (Path(opts.out) / "step.txt").write_text(str(step))
+        if step >= opts.steps:
+            break
+    stats = opt.optimizer.comm_stats()
+    accelerator.print(f"LionCub sent {stats['last']['bytes_sent']} bytes in the last step")
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""LionCub with Hugging Face ``accelerate`` (``pip install 'lioncub[hf]'``): one call after
+``accelerator.prepare(...)``::
+
+    import lioncub.integrations.accelerate as lioncub_accelerate
+
+    accelerator = Accelerator()                          # joins the process group (torchrun)
+    opt = LionCub(model.parameters(), lr=3e-4, variant="1bit")
+    model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
+    lioncub_accelerate.prepare(accelerator, model, opt)  # before the first backward
+
+:func:`prepare` replaces the prepared DDP model's gradient allreduce with a no-op hook, so every rank's
+``.grad`` is its local gradient and only the vote travels (or, with ``overlap=True``, makes the vote DDP's
+hook, run during the backward pass: then do not clip gradients, ``accelerator.clip_grad_norm_`` changes
+``.grad`` after the votes have started and LionCub's step raises). It registers a ``save_state`` pre-hook
+that gathers every rank's momenta into the ``optimizer.bin`` rank 0 writes
+(:meth:`LionCub.consolidate_state_dict`); ``load_state`` loads that file on every rank and each rank takes
+its own. (With ``ProjectConfiguration(save_on_each_node=True)`` on several nodes the other nodes' files
+hold their local main process's state only, and loading them is refused.)
+
+``DistributedDataParallelKwargs(comm_hook=...)`` takes only accelerate's ``DDPCommunicationHookType``
+values and silently ignores anything else, so a callable hook there never runs: :func:`prepare` refuses
+it, and refuses accelerate's compression hooks too (they would allreduce the gradients LionCub votes on).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from lioncub.integrations.common import require
+
+require(["accelerate"], "hf", "lioncub.integrations.accelerate")
+
+import torch  # noqa: E402
+from accelerate import Accelerator  # noqa: E402
+from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
+from accelerate.utils import DDPCommunicationHookType  # noqa: E402
+
+from lioncub.integrations.common import find_lioncub, install_vote, world_size  # noqa: E402
+from lioncub.optim import LionCub  # noqa: E402
+
+__all__ = ["prepare"]
+
+#: the save_state pre-hooks registered: optimizer -> accelerators it gathers its state for
+_HOOKED: weakref.WeakKeyDictionary[LionCub, weakref.WeakSet[Accelerator]] = weakref.WeakKeyDictionary()
+
+
+def prepare(
+    accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, *, overlap: bool = False
+) -> LionCub:
+    """Install LionCub's vote on ``model`` and its per-rank state in ``accelerator``'s checkpoints.
+
+    Args:
+        accelerator: the ``Accelerator`` that prepared ``model`` and ``optimizer``.
+        model: the model ``accelerator.prepare`` returned (a ``DistributedDataParallel`` in a job of several
+            processes).
+        optimizer: the optimizer ``accelerator.prepare`` returned (an ``AcceleratedOptimizer`` around a
+            :class:`LionCub`).
+        overlap: vote during the backward pass (:meth:`LionCub.overlap_with`) instead of in ``step()``;
+            gradients must then not be clipped.
+
+    Returns the :class:`LionCub` (for ``comm_stats()``). Collective: every rank calls it, before the first
+    backward. Calling it again with the same arguments changes nothing.
+    """
+    where = "lioncub.integrations.accelerate.prepare"
+    if not isinstance(accelerator, Accelerator):
+        raise TypeError(f"{where}: expected an accelerate.Accelerator, got {type(accelerator).__name__}")
+    _refuse_comm_hook(accelerator, where)
+    if not isinstance(optimizer, AcceleratedOptimizer):
+        raise TypeError(
+            f"{where}: optimizer is a {type(optimizer).__name__}: pass the optimizer that "
+            "accelerator.prepare(...) returned (its checkpoints hold the prepared optimizers only)"
+        )
+    opt = find_lioncub(optimizer, where)
+    if accelerator.num_processes == 1 and world_size() > 1:
+        raise ValueError(
+            f"{where}: accelerate runs this job of {world_size()} processes as one "
+            f"(distributed_type={accelerator.distributed_type}), so it did not wrap the model in DDP; "
+            "without a GPU, make the Accelerator with Accelerator(cpu=True)"
+        )
+    install_vote(opt, model, overlap=overlap, where=where)
+    hooked = _HOOKED.setdefault(opt, weakref.WeakSet())
+    if accelerator not in hooked and world_size() > 1:
+
+        def gather_every_rank(models: list[Any], weights: list[Any], output_dir: str) -> None:
+            """accelerate's save_state pre-hook (every rank runs it): rank 0 saves every rank's state."""
+            opt.consolidate_state_dict(to=0)
+
+        accelerator.register_save_state_pre_hook(gather_every_rank)
+        hooked.add(accelerator)
+    return opt
+
+
+def _refuse_comm_hook(accelerator: Accelerator, where: str) -> None:
+    handler = accelerator.ddp_handler
+    hook = getattr(handler, "comm_hook", DDPCommunicationHookType.NO)
+    if hook == DDPCommunicationHookType.NO:
+        return
+    allowed = [h.value for h in DDPCommunicationHookType]
+    if not isinstance(hook, DDPCommunicationHookType) and not (isinstance(hook, str) and hook in allowed):
+        raise ValueError(
+            f"{where}: DistributedDataParallelKwargs(comm_hook={hook!r}) is silently ignored by accelerate, "
+            f"which takes only DDPCommunicationHookType values ({allowed}); a callable hook never runs. Drop "
+            "comm_hook: lioncub installs its own hook on the prepared model"
+        )
+    raise ValueError(
+        f"{where}: DistributedDataParallelKwargs(comm_hook={hook!r}) makes DDP allreduce compressed "
+        "gradients, which LionCub's vote replaces; use comm_hook=DDPCommunicationHookType.NO (the default)"
+    )

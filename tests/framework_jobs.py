@@ -1,0 +1,565 @@
+"""The ranks' side of tests/test_integrations.py: many scenarios of one framework in ONE job of 2 ranks
+(importing a framework costs seconds per process), each rank writing what it saw per scenario.
+
+    python -m lioncub launch --nproc 2 -- tests/framework_jobs.py {hf,accelerate,lightning} OUT [SCENARIO...]
+
+Every scenario trains a tiny model for a few steps with LionCub through the framework's own API and
+writes ``OUT/<scenario>.rank<r>.pt``: ``{"ok": {...}}`` (final parameters and this rank's momenta, the
+first step's local gradients, the lr and the largest update of every step, logs) or ``{"error": text}``.
+Scenarios named ``<name>-resume`` start from the checkpoint ``<name>`` wrote after ``SAVE_AT`` steps,
+through the framework's resume path. The test compares the files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import runpy
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lioncub import LionCub
+
+STEPS = 6  # optimizer steps of a full run
+SAVE_AT = 3  # the checkpoint a "-resume" scenario starts from
+ACCUM = 2  # gradient accumulation of every run but the "-big" one
+BATCH = 2  # per rank and micro-batch ("-big": ACCUM * BATCH, no accumulation)
+LR = 1e-3
+WEIGHT_DECAY = 0.1
+VOCAB, SEQ = 64, 8
+REPO = Path(__file__).resolve().parents[1]
+
+
+# -- shared pieces ------------------------------------------------------------------------------------
+
+
+def rank() -> int:
+    return int(os.environ["RANK"])
+
+
+def tokens(n: int = STEPS * ACCUM * BATCH * 2) -> torch.Tensor:
+    """int64 ``[n, SEQ]`` random tokens, the same on every rank (the framework's sampler shards them)."""
+    return torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(1234))
+
+
+class TinyLM(nn.Module):
+    """Embedding → LayerNorm → Linear → GELU → Linear head: weights (decayed) and biases/norms (not)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.norm = nn.LayerNorm(16)
+        self.hidden = nn.Linear(16, 16)
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.nn.functional.gelu(self.hidden(self.norm(self.emb(x)))))
+
+
+def lm_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of ``x`` (int64 ``[batch, SEQ]``), through ``model``'s own forward (a DDP
+    model's forward prepares its backward)."""
+    logits = model(x[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+
+
+def tiny_lm() -> TinyLM:
+    torch.manual_seed(rank())  # different on every rank: LionCub/DDP broadcast rank 0's
+    return TinyLM()
+
+
+def readme_model() -> nn.Module:
+    """The README reader's ``build_model()``: int64 ``[batch, SEQ]`` tokens -> ``[batch, VOCAB]`` logits."""
+    torch.manual_seed(rank())
+    return nn.Sequential(nn.Embedding(VOCAB, 8), nn.Flatten(), nn.Linear(8 * SEQ, VOCAB))
+
+
+def readme_loader() -> Any:
+    """The README reader's ``loader``: batches of 8 ``(x, y)`` pairs."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    x = tokens()
+    return DataLoader(TensorDataset(x, x.sum(1) % VOCAB), batch_size=8)
+
+
+def param_groups(model: nn.Module) -> list[dict[str, Any]]:
+    """Weight decay on matrices, none on biases and norms (what the Trainer does)."""
+    named = list(model.named_parameters())
+    return [
+        {"params": [p for n, p in named if p.ndim >= 2], "weight_decay": WEIGHT_DECAY},
+        {"params": [p for n, p in named if p.ndim < 2], "weight_decay": 0.0},
+    ]
+
+
+class Recorder:
+    """Step hooks on a LionCub: the lr of every group and the largest |Δp| of the undecayed group per step
+    (= the lr a sign update applied), the first step's local gradients, and the ``.grad`` of every step."""
+
+    def __init__(self, opt: LionCub, model: nn.Module, *, grads_at_step: bool = True) -> None:
+        self.opt, self.group, self.grads_at_step = opt, 1, grads_at_step
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        self.lrs: list[list[float]] = []
+        self.deltas: list[float] = []
+        self.first_grads: dict[str, torch.Tensor] | None = None
+        self.sums: list[tuple[float, float]] = []
+        self._before: list[torch.Tensor] = []
+        opt.register_step_pre_hook(self._pre)
+        opt.register_step_post_hook(self._post)
+
+    def grads_now(self) -> None:
+        """Record the gradients (call it where the framework has them, before the step's apply): all of
+        them at the first step, their float64 sum of |g| and of the parameters at every step."""
+        grads = [p.grad for g in self.opt.param_groups for p in g["params"] if p.grad is not None]
+        params = [p.detach() for g in self.opt.param_groups for p in g["params"]]
+        self.sums.append(
+            (
+                sum(float(g.double().abs().sum()) for g in grads),
+                sum(float(p.double().abs().sum()) for p in params),
+            )
+        )
+        if self.first_grads is None:
+            self.first_grads = {
+                self.names[id(p)]: p.grad.detach().clone()
+                for g in self.opt.param_groups
+                for p in g["params"]
+                if p.grad is not None
+            }
+
+    def _pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.grads_at_step:
+            self.grads_now()
+        self.lrs.append([float(g["lr"]) for g in opt.param_groups])
+        self._before = [p.detach().clone() for p in opt.param_groups[self.group]["params"]]
+
+    def _post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        after = [p.detach() for p in opt.param_groups[self.group]["params"]]
+        self.deltas.append(max(float((a - b).abs().max()) for a, b in zip(after, self._before, strict=True)))
+
+    def result(self, model: nn.Module, **extra: Any) -> dict[str, Any]:
+        named = dict(model.named_parameters())
+        momenta = {
+            n: self.opt.state[p]["exp_avg"].clone()
+            for n, p in named.items()
+            if "exp_avg" in self.opt.state[p]
+        }
+        return {
+            "params": {n: p.detach().clone() for n, p in named.items()},
+            "momenta": momenta,
+            "opt_step": self.opt.global_step,
+            "lrs": self.lrs,
+            "deltas": self.deltas,
+            "first_grads": self.first_grads,
+            "sums": self.sums,
+            "bytes_last": self.opt.comm_stats()["last"]["bytes_sent"],
+            "overlapped_s": self.opt.comm_stats()["total"]["overlapped_s"],
+            "overlapping": self.opt.overlap_hook is not None,
+            "groups": [
+                (sorted(self.names[id(p)] for p in g["params"]), g["weight_decay"])
+                for g in self.opt.param_groups
+            ],
+            **extra,
+        }
+
+
+def run_scenarios(scenarios: dict[str, Callable[[Path], dict[str, Any]]], out: Path, only: list[str]) -> None:
+    """Run each scenario on every rank; write its result or its traceback. A failing scenario does not stop
+    the others (the ranks fail alike, since they run the same code on the same schedule)."""
+    for name, fn in scenarios.items():
+        if only and name not in only:
+            continue
+        workdir = out / "work"
+        workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            result: dict[str, Any] = {"ok": fn(workdir)}
+        except Exception:
+            result = {"error": traceback.format_exc()}
+        torch.save(result, out / f"{name}.rank{rank()}.pt")
+        print(f"scenario {name}: {'ok' if 'ok' in result else 'FAILED'}", flush=True)
+
+
+def readme_block(tag: str) -> str:
+    """The README's code block fenced as ````python <tag>``."""
+    blocks = re.findall(r"```python (\S+)\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    found = [code for t, code in blocks if t == tag]
+    assert len(found) == 1, f"README: {len(found)} blocks tagged python {tag}"
+    return found[0]
+
+
+def run_readme(tag: str, names: dict[str, Any], workdir: Path) -> dict[str, Any]:
+    """Run the README block ``tag`` with the reader's own ``names`` (their model, data...), in ``workdir``."""
+    here = Path.cwd()
+    workdir.mkdir(parents=True, exist_ok=True)
+    os.chdir(workdir)
+    try:
+        exec(compile(readme_block(tag), f"README.md[python {tag}]", "exec"), dict(names))
+    finally:
+        os.chdir(here)
+    return {"ran": tag}
+
+
+def expect_error(fn: Callable[[], Any]) -> str:
+    """The message of the exception ``fn`` raises (``""`` if none)."""
+    try:
+        fn()
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return ""
+
+
+# -- Hugging Face Trainer -----------------------------------------------------------------------------
+
+
+def hf_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from lioncub.integrations.hf import LionCubCallback, LionCubTrainer
+
+    data = [{"input_ids": t, "labels": t} for t in tokens()]
+
+    def model(dropout: float = 0.1) -> GPT2LMHeadModel:
+        """GPT-2 with 1 layer of 16 wide; dropout (GPT-2's default 0.1) on: the resumed runs depend on the
+        Trainer restoring every rank's RNG."""
+        torch.manual_seed(rank())
+        cfg = GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=SEQ,
+            n_embd=16,
+            n_layer=1,
+            n_head=2,
+            resid_pdrop=dropout,
+            embd_pdrop=dropout,
+            attn_pdrop=dropout,
+        )
+        return GPT2LMHeadModel(cfg)
+
+    def args(out: Path, **kw: Any) -> TrainingArguments:
+        base: dict[str, Any] = dict(
+            output_dir=str(out),
+            max_steps=STEPS,
+            per_device_train_batch_size=BATCH,
+            gradient_accumulation_steps=ACCUM,
+            learning_rate=LR,
+            weight_decay=WEIGHT_DECAY,
+            lr_scheduler_type="linear",
+            warmup_steps=0,
+            save_strategy="steps",
+            save_steps=SAVE_AT,
+            logging_steps=1,
+            report_to="none",
+            seed=7,
+            dataloader_num_workers=0,
+            disable_tqdm=True,
+            use_cpu=True,
+        )
+        return TrainingArguments(**{**base, **kw})
+
+    class OwnTrainer(Trainer):
+        """A user's own Trainer subclass (the callback path)."""
+
+    def train(
+        out: Path,
+        variant: str,
+        overlap: bool,
+        *,
+        callback: bool,
+        resume: bool = False,
+        dropout: float = 0.1,
+        **kw: Any,
+    ) -> dict[str, Any]:
+        m = model(dropout)
+        a = args(out, **kw)
+        if callback:
+            trainer: Trainer = OwnTrainer(model=m, args=a, train_dataset=data)
+            cb = LionCubCallback(trainer, overlap=overlap, variant=variant)
+            trainer.add_callback(cb)
+        else:
+            trainer = LionCubTrainer(
+                model=m, args=a, train_dataset=data, lioncub=dict(variant=variant, overlap=overlap)
+            )
+            cb = trainer.lioncub_callback
+        trainer.create_optimizer()
+        opt = cb.optimizer
+        recorder = Recorder(opt, m)
+        trainer.train(resume_from_checkpoint=str(out / f"checkpoint-{SAVE_AT}") if resume else None)
+        logs = [e for e in trainer.state.log_history if "loss" in e]
+        return recorder.result(m, logs=logs, decay=sorted(trainer.get_decay_parameter_names(m)))
+
+    scenarios: dict[str, Callable[[Path], dict[str, Any]]] = {}
+    for variant in ("1bit", "8bit"):
+        for overlap in (False, True):
+            name = f"{variant}-{'overlap' if overlap else 'plain'}"
+            # 8bit runs through a Trainer subclass + LionCubCallback, 1bit through LionCubTrainer;
+            # plain runs clip (the Trainer's default max_grad_norm=1.0); overlap needs max_grad_norm=0
+            kw: dict[str, Any] = dict(callback=variant == "8bit", max_grad_norm=0.0 if overlap else 1.0)
+            scenarios[name] = lambda w, v=variant, o=overlap, kw=kw, n=name: train(w / n, v, o, **kw)
+            scenarios[f"{name}-resume"] = lambda w, v=variant, o=overlap, kw=kw, n=name: train(
+                w / n, v, o, resume=True, **{**kw, "output_dir": str(w / f"{n}-resume")}
+            )
+    # one step of ACCUM micro-batches, and one of the same samples in one batch (no clipping)
+    one_step = dict(callback=False, max_steps=1, max_grad_norm=0.0, save_strategy="no", dropout=0.0)
+    scenarios["accum"] = lambda w: train(w / "accum", "1bit", False, **one_step)
+    scenarios["big"] = lambda w: train(
+        w / "big",
+        "1bit",
+        False,
+        gradient_accumulation_steps=1,
+        per_device_train_batch_size=ACCUM * BATCH,
+        **one_step,
+    )
+
+    def refusals(w: Path) -> dict[str, Any]:
+        overlap_clip = expect_error(
+            lambda: LionCubTrainer(
+                model=model(),
+                args=args(w / "r"),
+                train_dataset=data,
+                lioncub=dict(variant="1bit", overlap=True),
+            )
+        )
+        lr_option = expect_error(
+            lambda: LionCubTrainer(
+                model=model(), args=args(w / "r"), train_dataset=data, lioncub=dict(lr=1.0)
+            )
+        )
+        return {"overlap_clip": overlap_clip, "lr_option": lr_option}
+
+    scenarios["refusals"] = refusals
+
+    def example(w: Path) -> dict[str, Any]:
+        return run_example("hf_trainer.py", ["--steps", "2", "--out", str(w / "example")])
+
+    scenarios["example"] = example
+    scenarios["readme"] = lambda w: run_readme(
+        "hf", {"torch": torch, "model": model(), "dataset": data}, w / "readme"
+    )
+    return scenarios
+
+
+# -- accelerate ---------------------------------------------------------------------------------------
+
+
+def accelerate_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
+    from torch.utils.data import DataLoader
+
+    import lioncub.integrations.accelerate as lioncub_accelerate
+
+    def train(
+        out: Path,
+        variant: str,
+        overlap: bool,
+        *,
+        resume: bool = False,
+        steps: int = STEPS,
+        accum: int = ACCUM,
+        batch: int = BATCH,
+        clip: bool = False,
+    ) -> dict[str, Any]:
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accum)
+        torch.manual_seed(7)  # the loader's shuffle: the same in both runs
+        m = tiny_lm()
+        opt = LionCub(param_groups(m), lr=LR, variant=variant, model=m)
+        total = STEPS * accelerator.num_processes  # accelerate steps the scheduler once per process
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / total)
+        loader = DataLoader(tokens(), batch_size=batch)
+        pm, popt, ploader, psched = accelerator.prepare(m, opt, loader, sched)
+        lioncub_accelerate.prepare(accelerator, pm, popt, overlap=overlap)
+        recorder = Recorder(opt, m)
+        done = 0
+        if resume:
+            accelerator.load_state(str(out / "state"))
+            done = SAVE_AT
+            ploader = accelerator.skip_first_batches(ploader, SAVE_AT * accum)
+        batches = iter(ploader)
+        while done < steps:
+            with accelerator.accumulate(pm):
+                accelerator.backward(lm_loss(pm, next(batches)))
+                if accelerator.sync_gradients and clip:
+                    accelerator.clip_grad_norm_(pm.parameters(), 1.0)
+                popt.step()
+                psched.step()
+                popt.zero_grad()
+            if accelerator.sync_gradients:
+                done += 1
+                if done == SAVE_AT and not resume and steps == STEPS:
+                    accelerator.save_state(str(out / "state"))
+        return recorder.result(m)
+
+    scenarios: dict[str, Callable[[Path], dict[str, Any]]] = {}
+    for variant in ("1bit", "8bit"):
+        for overlap in (False, True):
+            name = f"{variant}-{'overlap' if overlap else 'plain'}"
+            clip = not overlap
+            scenarios[name] = lambda w, v=variant, o=overlap, c=clip, n=name: train(w / n, v, o, clip=c)
+            scenarios[f"{name}-resume"] = lambda w, v=variant, o=overlap, c=clip, n=name: train(
+                w / n, v, o, clip=c, resume=True
+            )
+    scenarios["accum"] = lambda w: train(w / "accum", "1bit", False, steps=1)
+    scenarios["big"] = lambda w: train(w / "big", "1bit", False, steps=1, accum=1, batch=ACCUM * BATCH)
+
+    def comm_hook(w: Path) -> dict[str, Any]:
+        def my_hook(state: Any, bucket: Any) -> Any:
+            raise AssertionError("never called")
+
+        accelerator = Accelerator(
+            cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(comm_hook=my_hook)]
+        )
+        m = tiny_lm()
+        pm, popt = accelerator.prepare(m, LionCub(m.parameters(), lr=LR, variant="1bit"))
+        return {"message": expect_error(lambda: lioncub_accelerate.prepare(accelerator, pm, popt))}
+
+    scenarios["comm_hook"] = comm_hook
+
+    def example(w: Path) -> dict[str, Any]:
+        return run_example("accelerate_loop.py", ["--steps", "2", "--out", str(w / "example")])
+
+    scenarios["readme"] = lambda w: run_readme(
+        "accelerate",
+        {"torch": torch, "LionCub": LionCub, "model": readme_model(), "loader": readme_loader()},
+        w / "readme",
+    )
+    scenarios["example"] = example  # last: the example ends the process group (accelerator.end_training)
+    return scenarios
+
+
+# -- Lightning ----------------------------------------------------------------------------------------
+
+
+def lightning_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader
+
+    from lioncub.integrations.lightning import LionCubStrategy
+
+    class Module(pl.LightningModule):
+        def __init__(self, variant: str) -> None:
+            super().__init__()
+            self.variant = variant
+            self.net = tiny_lm()
+            self.recorder: Recorder | None = None
+
+        def training_step(self, batch: torch.Tensor, index: int) -> torch.Tensor:
+            return lm_loss(self.net, batch)
+
+        def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+            assert self.recorder is not None
+            self.recorder.grads_now()
+
+        def configure_optimizers(self) -> dict[str, Any]:
+            opt = LionCub(param_groups(self.net), lr=LR, variant=self.variant, model=self.net)
+            self.recorder = Recorder(
+                opt, self.net, grads_at_step=False
+            )  # the closure's backward is in step()
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / STEPS)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # one epoch = SAVE_AT optimizer steps (2 ranks)
+    per_epoch = SAVE_AT * ACCUM * BATCH * 2
+
+    def train(
+        out: Path,
+        variant: str,
+        overlap: bool,
+        *,
+        resume: bool = False,
+        clip: float | None = None,
+        steps: int = STEPS,
+        accum: int = ACCUM,
+        batch: int = BATCH,
+    ) -> dict[str, Any]:
+        module = Module(variant)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            max_steps=steps,
+            strategy=LionCubStrategy(overlap=overlap, process_group_backend="gloo"),
+            accumulate_grad_batches=accum,
+            gradient_clip_val=clip,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=str(out),
+            # saved after a batch: resuming from the epoch-end save that Lightning makes by default runs one
+            # extra micro-batch step with accumulate_grad_batches (Lightning 2.6, with any strategy)
+            callbacks=[
+                ModelCheckpoint(
+                    dirpath=str(out / ("ckpt-2" if resume else "ckpt")),
+                    every_n_train_steps=SAVE_AT,
+                    save_top_k=-1,
+                )
+            ],
+            use_distributed_sampler=True,
+            num_sanity_val_steps=0,
+        )
+        loader = DataLoader(tokens(per_epoch), batch_size=batch, shuffle=True)
+        ckpt = str(out / "ckpt" / f"epoch=0-step={SAVE_AT}.ckpt") if resume else None
+        pl.seed_everything(7, verbose=False)
+        trainer.fit(module, loader, ckpt_path=ckpt)
+        assert module.recorder is not None
+        return module.recorder.result(module.net)
+
+    scenarios: dict[str, Callable[[Path], dict[str, Any]]] = {}
+    for variant in ("1bit", "8bit"):
+        for overlap in (False, True):
+            name = f"{variant}-{'overlap' if overlap else 'plain'}"
+            clip = None if overlap else 1.0
+            scenarios[name] = lambda w, v=variant, o=overlap, c=clip, n=name: train(w / n, v, o, clip=c)
+            scenarios[f"{name}-resume"] = lambda w, v=variant, o=overlap, c=clip, n=name: train(
+                w / n, v, o, clip=c, resume=True
+            )
+    scenarios["accum"] = lambda w: train(w / "accum", "1bit", False, steps=1)
+    scenarios["big"] = lambda w: train(w / "big", "1bit", False, steps=1, accum=1, batch=ACCUM * BATCH)
+    scenarios["refusals"] = lambda w: {
+        "overlap_clip": expect_error(lambda: train(w / "r", "1bit", True, clip=1.0, steps=1)),
+        "comm_hook": expect_error(lambda: LionCubStrategy(ddp_comm_hook=lambda s, b: None)),
+    }
+    scenarios["example"] = lambda w: run_example(
+        "lightning_module.py", ["--steps", "2", "--out", str(w / "ex")]
+    )
+    scenarios["readme"] = lambda w: run_readme(
+        "lightning",
+        {"torch": torch, "LionCub": LionCub, "build_model": readme_model, "loader": readme_loader()},
+        w / "readme",
+    )
+    return scenarios
+
+
+def run_example(name: str, argv: list[str]) -> dict[str, Any]:
+    """Run ``examples/<name>`` as ``__main__`` with ``argv``; what it printed is not captured."""
+    saved = sys.argv
+    sys.argv = [name, *argv]
+    try:
+        runpy.run_path(str(REPO / "examples" / name), run_name="__main__")
+    finally:
+        sys.argv = saved
+    return {"ran": name}
+
+
+SCENARIOS = {"hf": hf_scenarios, "accelerate": accelerate_scenarios, "lightning": lightning_scenarios}
+
+
+def main() -> None:
+    framework, out, *only = sys.argv[1:]
+    torch.set_num_threads(1)
+    scenarios = SCENARIOS[framework]()
+    with contextlib.ExitStack():
+        run_scenarios(scenarios, Path(out), only)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    with tempfile.TemporaryDirectory():
+        main()

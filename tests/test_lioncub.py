@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -57,16 +58,31 @@ def local_grad(
 
 
 def worker_run_presets(
-    rank: int, world: int, presets: list[str], bucket_mb: float, exchange: str = "auto"
+    rank: int,
+    world: int,
+    presets: list[str],
+    bucket_mb: float,
+    exchange: str = "auto",
+    topology: str = "flat",
+    nodes: int = 1,
 ) -> dict:
     out = {}
+    group = None
+    if topology != "flat":  # an (M, L) node mesh: rank = node·L + local
+        from torch.distributed.device_mesh import init_device_mesh
+
+        group = init_device_mesh("cpu", (nodes, world // nodes), mesh_dim_names=("node", "local"))
     for preset in presets:
         params = [torch.nn.Parameter(p) for p in initial_params(rank)]
         groups = [
             {"params": [params[i] for i in idx], "lr": lr, "weight_decay": wd} for idx, lr, wd in GROUPS
         ]
         opt = LionCub(
-            groups, betas=BETAS, variant=resolve_variant(preset, exchange=exchange), bucket_mb=bucket_mb
+            groups,
+            betas=BETAS,
+            variant=resolve_variant(preset, exchange=exchange, topology=topology),
+            bucket_mb=bucket_mb,
+            process_group=group,
         )
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
         for step in range(1, STEPS + 1):
@@ -79,6 +95,7 @@ def worker_run_presets(
             "params": [p.detach().clone() for p in params],
             "stats": opt.comm_stats(),
             "buckets": opt.bucket_numels,
+            "vote": type(opt.voting.vote).__name__,
         }
     return out
 
@@ -109,7 +126,9 @@ def sim_vote(preset: str, cs: list[torch.Tensor], step: int, n: int) -> torch.Te
     raise AssertionError(preset)
 
 
-def simulate(preset: str, n: int) -> list[torch.Tensor]:
+def simulate(preset: str, n: int, vote: Any = None) -> list[torch.Tensor]:
+    """Every rank's parameters after ``STEPS`` steps of ``preset`` on ``n`` workers (float64); ``vote``
+    replaces :func:`sim_vote` for the voting presets."""
     theta = initial_params(0)
     dense = preset in DENSE
     moms = [[torch.zeros_like(p) for p in theta] for _ in range(1 if dense else n)]
@@ -136,7 +155,7 @@ def simulate(preset: str, n: int) -> list[torch.Tensor]:
             else:
                 cs = [BETAS[0] * moms[r][i] + (1 - BETAS[0]) * grads[r][i] for r in range(n)]
                 # one process: LionCub is exactly Lion, whatever the preset
-                u = torch.sign(cs[0]) if n == 1 else sim_vote(preset, cs, step, n)
+                u = torch.sign(cs[0]) if n == 1 else (vote or sim_vote)(preset, cs, step, n)
                 for r in range(n):
                     moms[r][i] = BETAS[1] * moms[r][i] + (1 - BETAS[1]) * grads[r][i]
             # p·(1 − lr·wd) − lr·u, with torch's add(alpha=) so that a fused multiply-add rounds alike

@@ -5,6 +5,12 @@ See :mod:`lioncub.collectives.votes` for the algorithms and their wire formats a
 """
 
 from lioncub.collectives.base import CollectiveError, Comm, CommCounter
+from lioncub.collectives.hierarchical import (
+    TOPOLOGIES,
+    HierarchicalVote,
+    NodeMajorityVote,
+    make_topology_vote,
+)
 from lioncub.collectives.votes import (
     AverageVote,
     DenseMean,
@@ -19,12 +25,15 @@ from lioncub.collectives.votes import (
 )
 
 __all__ = [
+    "TOPOLOGIES",
     "AverageVote",
     "CollectiveError",
     "Comm",
     "CommCounter",
     "DenseMean",
+    "HierarchicalVote",
     "LaneVote",
+    "NodeMajorityVote",
     "OneBitVote",
     "Pending",
     "QuantizedVote",
@@ -32,4 +41,5 @@ __all__ = [
     "SignSumVote",
     "VoteAlgorithm",
     "auto_lane_bits",
+    "make_topology_vote",
 ]

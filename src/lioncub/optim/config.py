@@ -38,6 +38,7 @@ from lioncub._validate import is_int, is_number
 __all__ = [
     "EXCHANGES",
     "PRESETS",
+    "TOPOLOGIES",
     "TRANSPORTS",
     "VoteConfig",
     "capacity",
@@ -51,6 +52,8 @@ TRANSPORTS = ("dense", "1bit", "lanes", "int8", "quantized", "server")
 AGGREGATIONS = ("mean", "majority", "average")
 #: implementations of the all-to-all / all-gather (:class:`lioncub.collectives.Comm`)
 EXCHANGES = ("auto", "p2p", "native")
+#: how a vote is laid over nodes (:mod:`lioncub.collectives.hierarchical`, which checks the same names)
+TOPOLOGIES = ("flat", "hierarchical", "node-majority")
 #: the dense transport's wire dtypes, by name, and their bits per element
 _WIRE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16, "float64": 64}
 
@@ -59,10 +62,14 @@ _WIRE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16, "float64": 64}
 class VoteConfig:
     """How one step's local directions are combined (see the module docstring for the presets).
 
-    ``wire_dtype`` (dense transport only): a ``torch`` floating dtype or its name (``"bfloat16"``);
-    ``None`` sends the gradient's own dtype, as DDP. ``seed`` seeds a stochastic quantizer (``"qsgd"``),
-    combined with the rank. ``exchange``: the all-to-all / all-gather implementation, ``"auto"``,
-    ``"p2p"`` or ``"native"`` (:class:`lioncub.collectives.Comm`). This module does not import torch.
+        ``wire_dtype`` (dense transport only): a ``torch`` floating dtype or its name (``"bfloat16"``);
+        ``None`` sends the gradient's own dtype, as DDP. ``seed`` seeds a stochastic quantizer (``"qsgd"``),
+        combined with the rank. ``exchange``: the all-to-all / all-gather implementation, ``"auto"``,
+        ``"p2p"`` or ``"native"`` (:class:`lioncub.collectives.Comm`). ``topology``: how the vote is laid over
+    nodes of several ranks — ``"flat"`` (every rank alike), ``"hierarchical"`` (exact, bitwise the flat
+    result: :class:`lioncub.collectives.hierarchical.HierarchicalVote`) or ``"node-majority"`` (1-bit only, a
+    different estimator: :class:`~lioncub.collectives.hierarchical.NodeMajorityVote`). This module does not
+    import torch.
     """
 
     transport: str = "quantized"
@@ -76,6 +83,7 @@ class VoteConfig:
     server_root: int = 0
     seed: int = 0
     exchange: str = "auto"
+    topology: str = "flat"
 
     @property
     def wire_dtype_name(self) -> str | None:
@@ -152,6 +160,18 @@ class VoteConfig:
             raise ValueError(f"seed={self.seed!r} must be an int")
         if self.exchange not in EXCHANGES:
             raise ValueError(f"exchange={self.exchange!r}: allowed values are {list(EXCHANGES)}")
+        if self.topology not in TOPOLOGIES:
+            raise ValueError(f"topology={self.topology!r}: allowed values are {list(TOPOLOGIES)}")
+        if self.topology == "hierarchical" and self.transport in ("dense", "server"):
+            raise ValueError(
+                f"topology='hierarchical' applies to the votes, not to transport={self.transport!r} (the "
+                "dense presets leave the gradient allreduce to the backend; the parameter server is a star)"
+            )
+        if self.topology == "node-majority" and self.transport != "1bit":
+            raise ValueError(
+                f"topology='node-majority' applies to the 1-bit vote (variant '1bit'), not to "
+                f"transport={self.transport!r}"
+            )
         return self
 
 

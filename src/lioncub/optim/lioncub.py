@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from lioncub._validate import is_int, is_number
 from lioncub.collectives import Comm, CommCounter
-from lioncub.optim import diagnostics
+from lioncub.optim import diagnostics, topology
 from lioncub.optim.config import PRESETS, VoteConfig, resolve_variant
 from lioncub.optim.lion import check_lion_hyperparameters, lion_update_
 from lioncub.optim.overlap import OverlapHook
@@ -144,7 +144,9 @@ class LionCub(torch.optim.Optimizer):
             ``"4bit"``, ``"8bit"`` (default), ``"8bit-sign"``, ``"dlion-mavo"``, ``"dlion-avg"`` — or a
             :class:`~lioncub.optim.config.VoteConfig`, e.g. ``resolve_variant("8bit", quantizer="l0")``.
             The cost model's choice for a network is :func:`lioncub.planning.auto.choose_variant`.
-        process_group: the data-parallel group (default: the default group).
+        process_group: the data-parallel group (default: the default group); for a ``variant`` whose
+            ``topology`` is not ``"flat"``, a ``DeviceMesh`` with dims ``("node", "local")``
+            (:mod:`lioncub.optim.topology`; default: built from torchrun's ``$LOCAL_WORLD_SIZE``).
         bucket_mb: bucket size cap in MiB of parameter bytes.
         momentum_sync: average some momenta over the ranks at some steps: a
             :class:`~lioncub.optim.sync.MomentumSync`, or its ``params`` alone (``"none"`` (default),
@@ -208,6 +210,21 @@ class LionCub(torch.optim.Optimizer):
         self.diagnostics_every = diagnostics_every
         self.bucket_mb = bucket_mb
         alone = process_group is None and not (dist.is_available() and dist.is_initialized())
+        levels = None
+        if config.topology != "flat" and not alone:
+            mesh = process_group if topology.is_mesh(process_group) else None
+            if mesh is None and process_group is not None:
+                raise ValueError(
+                    f"topology={config.topology!r}: process_group must be a DeviceMesh with dims "
+                    f"{topology.MESH_DIMS} (or None: built from torchrun's $LOCAL_WORLD_SIZE)"
+                )
+            mesh = mesh or topology.mesh_from_environment(config.topology)
+            process_group, intra, inter = topology.node_groups(mesh, config.exchange)
+            levels = (intra, inter)
+        elif topology.is_mesh(process_group):
+            raise ValueError(
+                "process_group: a DeviceMesh is for a topology other than 'flat' (VoteConfig.topology)"
+            )
         self.comm = Comm.single() if alone else Comm(process_group, exchange=config.exchange)  # type: ignore[arg-type]
         #: one process (no process group, or a group of one): every step is :class:`~lioncub.optim.Lion`'s
         self.single_process = self.comm.world_size == 1
@@ -217,7 +234,7 @@ class LionCub(torch.optim.Optimizer):
         if not self.single_process:
             check_same_parameters(self.comm, named, self.param_groups)
         #: contributions, votes and the apply (:mod:`lioncub.optim.voting`)
-        self.voting = Voting(self.comm, config, self)
+        self.voting = Voting(self.comm, config, self, None if self.single_process else levels)
         self._global_step = 0
         self._model_names = {id(p): n for n, p in named}
         self._buckets: list[_Bucket] = []
@@ -232,6 +249,11 @@ class LionCub(torch.optim.Optimizer):
         self._ready = True
         self._last = (CommCounter(), StepTimes())
         self._total = (CommCounter(), StepTimes())
+        #: the (intra-node, inter-node) groups of a topology other than flat, and their bytes per step
+        self._levels: tuple[Comm, ...] = () if self.single_process or levels is None else levels
+        self._level_marks = [c.counter.snapshot() for c in self._levels]
+        self._level_last = [CommCounter() for _ in self._levels]
+        self._level_total = [CommCounter() for _ in self._levels]
         self._skipped = (0, 0)  # (last step, total): steps skipped for non-finite gradients
         #: names of the parameters whose momenta are synchronized (see :mod:`lioncub.optim.sync`)
         self.sync_names, self._sync_params = self._select_sync(named, model)
@@ -525,6 +547,11 @@ class LionCub(torch.optim.Optimizer):
             return None
         if self._overlap is not None:
             raise RuntimeError("overlap_with: this optimizer already overlaps its votes with a model")
+        if self.config.topology != "flat":
+            raise ValueError(
+                f"overlap_with: topology={self.config.topology!r} votes run after the backward (the overlap "
+                "hook votes flat); use the plain step, or topology='flat'"
+            )
         if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
             raise TypeError(
                 f"overlap_with(model): expected a DistributedDataParallel model, got {type(model).__name__}"
@@ -553,6 +580,12 @@ class LionCub(torch.optim.Optimizer):
     def _finish_step(self, before: CommCounter, times: StepTimes, *, skipped: bool) -> None:
         """The step's accounting: its bytes, collectives and times, and whether it was skipped."""
         delta = self.comm.counter.minus(before)
+        for i, comm in enumerate(self._levels):  # the votes' own node groups
+            level = comm.counter.minus(self._level_marks[i])
+            self._level_marks[i] = comm.counter.snapshot()
+            self._level_last[i] = level
+            self._level_total[i].add(level.bytes_sent, level.bytes_recv, level.collectives)
+            delta.add(level.bytes_sent, level.bytes_recv, level.collectives)
         if self._overlap is not None:  # the votes posted during the backward, on the hook's group
             sent, recv, colls = self._overlap.take_traffic()
             delta.add(sent, recv, colls)
@@ -598,7 +631,9 @@ class LionCub(torch.optim.Optimizer):
         ``overlapped_s`` (with :meth:`overlap_with`: the contributions, quantize/pack and between-phase
         work done during the backward; ``exchange_s`` is then what the step still waited for) and
         ``communication_s`` = encode + exchange + sync), for the ``"last"`` step and the ``"total"`` since
-        construction."""
+        construction. With a ``topology`` other than flat, ``intra_node_bytes_sent/recv`` and
+        ``inter_node_bytes_sent/recv`` split the vote's bytes by level (the step check travels on the flat
+        group and is in ``bytes_sent`` only)."""
         out: dict[str, dict[str, float | int]] = {}
         for name, (counter, times) in (("last", self._last), ("total", self._total)):
             out[name] = {
@@ -607,6 +642,10 @@ class LionCub(torch.optim.Optimizer):
                 "collectives": counter.collectives,
                 **times.as_dict(),
             }
+        for i, level in enumerate(("intra_node", "inter_node")[: len(self._levels)]):
+            for name, counter in (("last", self._level_last[i]), ("total", self._level_total[i])):
+                out[name][f"{level}_bytes_sent"] = counter.bytes_sent
+                out[name][f"{level}_bytes_recv"] = counter.bytes_recv
         out["last"]["skipped_steps"], out["total"]["skipped_steps"] = self._skipped
         out["total"]["steps"] = self._global_step
         return out

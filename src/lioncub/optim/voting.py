@@ -44,6 +44,7 @@ from lioncub.collectives import (
     ServerVote,
     SignSumVote,
     VoteAlgorithm,
+    make_topology_vote,
 )
 from lioncub.ops import kernels
 from lioncub.optim.config import VoteConfig, check_workers
@@ -85,19 +86,23 @@ def flat_views(flat: torch.Tensor, params: Iterable[torch.Tensor]) -> list[torch
     return views
 
 
-def make_vote(comm: Comm, config: VoteConfig) -> VoteAlgorithm:
+def make_vote(comm: Comm, config: VoteConfig, levels: tuple[Comm, Comm] | None = None) -> VoteAlgorithm:
     """The vote algorithm for ``config`` on ``comm`` (raises when N workers could overflow a lane: the
     message names ``bits``, the transport and the widths or presets that fit N, see
-    :func:`lioncub.optim.config.check_workers`)."""
+    :func:`lioncub.optim.config.check_workers`), laid over the nodes as ``config.topology`` with
+    ``levels`` = (intra-node, inter-node) groups of this rank (:mod:`lioncub.collectives.hierarchical`)."""
     config.validate()
+    if config.topology != "flat" and levels is None:
+        raise ValueError(f"topology={config.topology!r} needs the (node, local) groups of this rank")
     try:
-        return _build_vote(comm, config)
+        flat = _build_vote(comm, config)
     except ValueError as exc:
         try:
             check_workers(config, comm.world_size)  # an overflow for N workers: say which option to change
         except ValueError as named:
             raise named from exc
         raise
+    return make_topology_vote(config.topology, flat, lambda: levels)  # type: ignore[arg-type,return-value]
 
 
 def _build_vote(comm: Comm, config: VoteConfig) -> VoteAlgorithm:
@@ -172,12 +177,19 @@ class Voting:
         comm: the group the votes travel on.
         config: the vote configuration (validated here).
         optimizer: whose ``param_groups`` and ``state`` (momenta) are read at every call.
+        levels: (intra-node, inter-node) groups of this rank, for ``config.topology`` other than flat.
     """
 
-    def __init__(self, comm: Comm, config: VoteConfig, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(
+        self,
+        comm: Comm,
+        config: VoteConfig,
+        optimizer: torch.optim.Optimizer,
+        levels: tuple[Comm, Comm] | None = None,
+    ) -> None:
         self.comm = comm
         self.config = config
-        self.vote = make_vote(comm, config)
+        self.vote = make_vote(comm, config, levels)
         self.dense = config.transport == "dense"
         self._optimizer = optimizer
         self._group_of: dict[int, int] = {}

@@ -1,0 +1,258 @@
+"""Votes over nodes of several ranks: M nodes × L ranks, a fast link inside a node, one NIC per node.
+
+A flat vote treats the N = M·L ranks alike, so a node's NIC carries the traffic of all its L ranks (the
+1-bit all-to-all sends each rank's bits to every remote rank). The two algorithms here use the
+2-D layout (a ``("node", "local")`` device mesh: rank = node·L + local):
+
+:class:`HierarchicalVote` — **exact**: bitwise the flat vote of the same preset. Every vote of the
+flat algorithms is a function of an exact integer sum over the ranks — the count of "+" votes
+(``1bit``, ``4bit``), the sum of signs (``8bit-sign``, ``dlion-avg``), the sum of quantizer levels
+(``8bit`` and the other quantized votes, with the level budget of the global N) — so the sum may be
+formed in any grouping:
+
+1. intra-node allreduce SUM of this rank's integer values (int8 or int32, exact);
+2. local rank ℓ takes slice ℓ of the node sum (d/L elements) and sums it over the nodes with the peers of
+   the same local rank, offset-encoded in the narrowest p-bit lanes that hold the M-node sum
+   (:func:`lioncub.ops.packing.lane_sum_fits`), or int32 where none does;
+3. intra-node all-gather of the summed slices; the flat algorithm's final rule (sign, tie rule,
+   ÷N) makes the update.
+
+Inter-node bytes per node: ``2·(M−1)/M · d·p/8`` — better than the flat 1-bit vote's
+``2·L·(M−1)/M · d/8`` only when ``p < L``.
+
+:class:`NodeMajorityVote` — a **different estimator**, for the 1-bit vote: each node takes the exact
+majority of its L ranks (ties by the alternating rule), then the nodes hold a 1-bit vote
+(:class:`~lioncub.collectives.votes.OneBitVote` among same-local-rank peers on slice ℓ), and the
+slices are all-gathered in the node. Inter-node bytes per node ``2·(M−1)/M · d/8``: L× fewer than
+flat, but a majority of node majorities is not the global majority.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+
+import torch
+
+from lioncub.collectives.base import Comm, Handle
+from lioncub.collectives.votes import (
+    AverageVote,
+    LaneVote,
+    OneBitVote,
+    Pending,
+    QuantizedVote,
+    SignSumVote,
+    VoteAlgorithm,
+)
+from lioncub.ops import packing
+
+__all__ = ["TOPOLOGIES", "HierarchicalVote", "NodeMajorityVote", "make_topology_vote"]
+
+#: how a vote is laid over the ranks (:class:`~lioncub.optim.config.VoteConfig` ``topology``)
+TOPOLOGIES = ("flat", "hierarchical", "node-majority")
+
+
+def _check_layout(flat: Comm, intra: Comm, inter: Comm) -> tuple[int, int]:
+    """(M nodes, L ranks per node); the flat rank must be node·L + local."""
+    m, ell = inter.world_size, intra.world_size
+    if m * ell != flat.world_size or flat.rank != inter.rank * ell + intra.rank:
+        raise ValueError(
+            f"rank {flat.rank}: the ('node', 'local') mesh of {m}×{ell} ranks does not lay out the vote's "
+            f"group of {flat.world_size} ranks node by node (rank = node·L + local; here node "
+            f"{inter.rank}, local {intra.rank})"
+        )
+    return m, ell
+
+
+def _slices(values: torch.Tensor, ell: int) -> tuple[torch.Tensor, int]:
+    """``values`` zero-padded to a multiple of ``ell`` and viewed as ``[ell, k]``; returns (view, k)."""
+    d = values.numel()
+    k = -(-d // ell)
+    padded = torch.zeros(ell * k, dtype=values.dtype, device=values.device)
+    padded[:d] = values
+    return padded.view(ell, k), k
+
+
+def _int_dtype(max_abs: int) -> torch.dtype:
+    return torch.int8 if max_abs <= 127 else torch.int32
+
+
+class HierarchicalVote(VoteAlgorithm):
+    """The flat vote ``flat`` (a :class:`OneBitVote`, :class:`LaneVote`, :class:`SignSumVote`,
+    :class:`AverageVote` or :class:`QuantizedVote` on the whole group), computed node by node with the
+    same result bit for bit (see the module docstring).
+
+    Args:
+        flat: the flat algorithm: its per-rank values and final rule are used, its wire is not.
+        intra: this node's ranks (the mesh's ``"local"`` dimension).
+        inter: the ranks of the same local rank on every node (the mesh's ``"node"`` dimension).
+    """
+
+    def __init__(self, flat: VoteAlgorithm, intra: Comm, inter: Comm) -> None:
+        super().__init__(flat.comm)
+        if not isinstance(flat, (OneBitVote, LaneVote, SignSumVote, QuantizedVote)):
+            raise ValueError(
+                f"topology='hierarchical' applies to the votes (1bit, 4bit, 8bit, 8bit-sign, dlion-avg and "
+                f"the quantized votes), not to {type(flat).__name__}"
+            )
+        self.flat, self.intra, self.inter = flat, intra, inter
+        self.nodes, self.per_node = _check_layout(flat.comm, intra, inter)
+        self.result = flat.result
+        self.name = f"hierarchical-{flat.name}"
+        #: the largest |value| one rank contributes
+        self.max_value = flat.levels if isinstance(flat, QuantizedVote) else 1
+        self.offset = 0 if isinstance(flat, (OneBitVote, LaneVote)) else self.max_value
+        span = self.per_node * (self.max_value + self.offset)  # a node sum, offset-encoded: [0, span]
+        self.lane_bits = next(
+            (b for b in (2, 4, 8) if span <= 255 and packing.lane_sum_fits(self.nodes, b, span)), None
+        )
+
+    def _values(self, local: torch.Tensor, segments: Sequence[int] | None) -> torch.Tensor:
+        """This rank's integer contribution (int8): the flat algorithm's vote, sign or level."""
+        if isinstance(self.flat, QuantizedVote):
+            return self.flat.levels_of(local, segments)
+        if isinstance(self.flat, (OneBitVote, LaneVote)):
+            return torch.ge(local, 0).view(torch.int8)
+        return torch.gt(local, 0).view(torch.int8) - torch.lt(local, 0).view(torch.int8)
+
+    def _final(
+        self, total: torch.Tensor, local: torch.Tensor, step: int, key: Hashable | None
+    ) -> torch.Tensor:
+        """The flat algorithm's update from the exact sum ``total`` over all N ranks."""
+        n = self.world_size
+        if isinstance(self.flat, OneBitVote):
+            margin = 2 * total.to(torch.int32) - n
+            tie = 1 if step % 2 == 1 else -1
+            return torch.where(margin == 0, tie, torch.sign(margin)).to(torch.int8)
+        if isinstance(self.flat, LaneVote):
+            return torch.sign(2 * total.to(torch.int32) - n).to(torch.int8)
+        if isinstance(self.flat, AverageVote):
+            out = self.buffer(key, "average", local.numel(), local.dtype)
+            return out.copy_(total).div_(n)
+        return torch.sign(total).to(torch.int8)
+
+    def start(self, local, *, step, key=None, segments=None):
+        d, m, ell = local.numel(), self.nodes, self.per_node
+        values = self._values(local, segments)
+        node_sum = values.to(_int_dtype(ell * self.max_value))
+        first = self.intra.all_reduce(node_sum, "hierarchical vote: intra-node sum")
+        total_dtype = _int_dtype(self.world_size * self.max_value)
+        state: dict[str, object] = {}
+
+        def middle() -> None:  # this rank's slice of the node sum, summed over the nodes
+            first.wait()
+            rows, k = _slices(node_sum, ell)
+            mine = rows[self.intra.rank]
+            if self.lane_bits is not None:
+                lanes = packing.pack_lanes(
+                    (mine.to(torch.int16) + ell * self.offset).to(torch.uint8), self.lane_bits
+                )
+                state["lanes"], state["k"] = lanes, k
+                state["inter"] = self.inter.all_reduce(
+                    lanes, f"hierarchical vote: {self.lane_bits}-bit inter-node sum"
+                )
+            else:
+                wide = mine.to(torch.int32)
+                state["wide"], state["k"] = wide, k
+                state["inter"] = self.inter.all_reduce(wide, "hierarchical vote: int32 inter-node sum")
+
+        def finish() -> torch.Tensor:
+            handle: Handle = state["inter"]  # type: ignore[assignment]
+            handle.wait()
+            k = int(state["k"])  # type: ignore[call-overload]
+            if self.lane_bits is not None:
+                summed = packing.unpack_lanes(state["lanes"], self.lane_bits, k).to(torch.int32)  # type: ignore[arg-type]
+                summed = summed - m * ell * self.offset
+            else:
+                summed = state["wide"]  # type: ignore[assignment]
+            gathered = torch.empty(ell, k, dtype=total_dtype, device=local.device)
+            self.intra.all_gather(
+                gathered, summed.to(total_dtype), "hierarchical vote: intra-node all-gather"
+            ).wait()
+            return self._final(gathered.reshape(-1)[:d], local, step, key)
+
+        return Pending(finish, middle=middle)
+
+    def wire_bytes(self, numel: int) -> tuple[float, float]:
+        """(sent, received) bytes per rank: intra-node and inter-node together (see :meth:`level_bytes`)."""
+        intra, inter = self.level_bytes(numel)
+        return intra + inter, intra + inter
+
+    def level_bytes(self, numel: int) -> tuple[float, float]:
+        """Bytes one rank sends per vote (intra-node, inter-node)."""
+        m, ell = self.nodes, self.per_node
+        k = -(-numel // ell)
+        node_item = torch.empty(0, dtype=_int_dtype(ell * self.max_value)).element_size()
+        total_item = torch.empty(0, dtype=_int_dtype(self.world_size * self.max_value)).element_size()
+        intra = 2 * (ell - 1) / ell * numel * node_item + (ell - 1) * k * total_item
+        inter_each = packing.packed_size(k, self.lane_bits) if self.lane_bits is not None else 4 * k
+        return intra, 2 * (m - 1) / m * inter_each
+
+
+class NodeMajorityVote(VoteAlgorithm):
+    """Each node's exact majority of its ranks' 1-bit votes (``c ≥ 0``; ties by the alternating rule),
+    then a 1-bit vote among the nodes (:class:`OneBitVote` on the ``inter`` group, slice by slice), then an
+    intra-node all-gather. Result: int8 ±1. A different estimator from the global majority (module
+    docstring)."""
+
+    name = "node-majority-1bit"
+
+    def __init__(self, flat: Comm, intra: Comm, inter: Comm) -> None:
+        super().__init__(flat)
+        self.intra, self.inter = intra, inter
+        self.nodes, self.per_node = _check_layout(flat, intra, inter)
+        self.among_nodes = OneBitVote(inter)
+
+    def start(self, local, *, step, key=None, segments=None):
+        d, ell = local.numel(), self.per_node
+        counts = torch.ge(local, 0).view(torch.int8).to(_int_dtype(ell))
+        first = self.intra.all_reduce(counts, "node-majority vote: intra-node count")
+        state: dict[str, object] = {}
+
+        def middle() -> None:
+            first.wait()
+            margin = 2 * counts.to(torch.int32) - ell
+            tie = 1 if step % 2 == 1 else -1
+            node_vote = torch.where(margin == 0, tie, torch.sign(margin)).to(torch.float32)
+            rows, k = _slices(node_vote, ell)
+            state["k"] = k
+            state["pending"] = self.among_nodes.start(rows[self.intra.rank].contiguous(), step=step)
+            state["pending"].advance()  # type: ignore[attr-defined]
+
+        def finish() -> torch.Tensor:
+            mine: torch.Tensor = state["pending"].wait()  # type: ignore[attr-defined]
+            k = int(state["k"])  # type: ignore[call-overload]
+            gathered = torch.empty(ell, k, dtype=torch.int8, device=local.device)
+            self.intra.all_gather(gathered, mine, "node-majority vote: intra-node all-gather").wait()
+            return gathered.reshape(-1)[:d].clone()
+
+        return Pending(finish, middle=middle)
+
+    def wire_bytes(self, numel: int) -> tuple[float, float]:
+        intra, inter = self.level_bytes(numel)
+        return intra + inter, intra + inter
+
+    def level_bytes(self, numel: int) -> tuple[float, float]:
+        """Bytes one rank sends per vote (intra-node, inter-node)."""
+        ell = self.per_node
+        k = -(-numel // ell)
+        intra = 2 * (ell - 1) / ell * numel + (ell - 1) * k
+        return intra, self.among_nodes.wire_bytes(k)[0]
+
+
+def make_topology_vote(
+    topology: str, flat: VoteAlgorithm, groups: Callable[[], tuple[Comm, Comm]]
+) -> VoteAlgorithm:
+    """``flat`` laid over the nodes as ``topology`` (``"flat"``: itself); ``groups()`` gives the
+    (intra-node, inter-node) groups of this rank."""
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"topology={topology!r}: allowed values are {list(TOPOLOGIES)}")
+    if topology == "flat":
+        return flat
+    intra, inter = groups()
+    if topology == "hierarchical":
+        return HierarchicalVote(flat, intra, inter)
+    if not isinstance(flat, OneBitVote):
+        raise ValueError(
+            f"topology='node-majority' applies to the 1-bit vote (variant '1bit'), not to {flat.name!r}"
+        )
+    return NodeMajorityVote(flat.comm, intra, inter)

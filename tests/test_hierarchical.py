@@ -1,0 +1,107 @@
+"""Votes laid over nodes (``VoteConfig.topology``, :mod:`lioncub.collectives.hierarchical`) on real gloo
+ranks in an ``(M, L)`` device mesh, against the plain N-worker simulation of ``test_lioncub``:
+
+* ``hierarchical`` is bitwise the flat vote for every voting preset, at 2×2, 2×3 and 3×2;
+* ``node-majority`` (1bit) is its own estimator: each node's majority with the tie rule, then the
+  majority of the nodes with the tie rule — checked against that oracle, and shown to differ from flat.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lioncub.optim import resolve_variant
+from test_lioncub import simulate, worker_run_presets
+
+from dist_utils import run_workers
+
+#: the voting presets a hierarchical vote serves (the dense presets and the parameter server do not)
+VOTES = ["1bit", "4bit", "8bit", "8bit-sign", "dlion-avg"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("nodes", "per_node"), [(2, 2), (2, 3), (3, 2)])
+def test_hierarchical_is_bitwise_the_flat_vote(nodes: int, per_node: int) -> None:
+    world = nodes * per_node
+    results = run_workers(
+        worker_run_presets, world, VOTES, 0.0008, "auto", "hierarchical", nodes, timeout=240
+    )
+    for preset in VOTES:
+        want = simulate(preset, world)
+        for rank in range(world):
+            assert results[rank][preset]["vote"] == "HierarchicalVote"
+            for i, (g, w) in enumerate(zip(results[rank][preset]["params"], want, strict=True)):
+                assert torch.equal(g, w), f"{preset} {nodes}x{per_node}: rank {rank} parameter {i} differs"
+
+
+def node_majority_oracle(nodes: int) -> object:
+    def vote(preset: str, cs: list[torch.Tensor], step: int, n: int) -> torch.Tensor:
+        per_node, tie = n // nodes, 1 if step % 2 == 1 else -1
+        node_votes = []
+        for j in range(nodes):
+            plus = sum((c >= 0).to(torch.int64) for c in cs[j * per_node : (j + 1) * per_node])
+            margin = 2 * plus - per_node
+            node_votes.append(torch.where(margin == 0, tie, torch.sign(margin)))
+        margin = 2 * sum((v > 0).to(torch.int64) for v in node_votes) - nodes
+        return torch.where(margin == 0, tie, torch.sign(margin)).to(torch.float64)
+
+    return vote
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("nodes", "per_node"), [(2, 2), (3, 2)])
+def test_node_majority_is_the_majority_of_node_majorities(nodes: int, per_node: int) -> None:
+    world = nodes * per_node
+    results = run_workers(
+        worker_run_presets, world, ["1bit"], 0.0008, "auto", "node-majority", nodes, timeout=240
+    )
+    want = simulate("1bit", world, node_majority_oracle(nodes))
+    for rank in range(world):
+        assert results[rank]["1bit"]["vote"] == "NodeMajorityVote"
+        for i, (g, w) in enumerate(zip(results[rank]["1bit"]["params"], want, strict=True)):
+            assert torch.equal(g, w), f"node-majority {nodes}x{per_node}: rank {rank} parameter {i} differs"
+    flat = simulate("1bit", world)
+    assert any(not torch.equal(a, b) for a, b in zip(want, flat, strict=True))  # a different estimator
+
+
+@pytest.mark.parametrize(
+    ("variant", "topology", "fragment"),
+    [
+        ("32bit", "hierarchical", "topology='hierarchical' applies to the votes, not to transport='dense'"),
+        ("dlion-mavo", "hierarchical", "not to transport='server'"),
+        ("8bit", "node-majority", "topology='node-majority' applies to the 1-bit vote"),
+        ("1bit", "ring", "topology='ring': allowed values are ['flat', 'hierarchical', 'node-majority']"),
+    ],
+)
+def test_topologies_that_do_not_apply_are_refused(variant: str, topology: str, fragment: str) -> None:
+    with pytest.raises(ValueError) as err:
+        resolve_variant(variant, topology=topology)
+    assert fragment in str(err.value)
+
+
+def worker_level_bytes(rank: int, world: int, topology: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lioncub.optim import LionCub
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local"))
+    p = torch.nn.Parameter(torch.zeros(1001))
+    opt = LionCub([p], lr=0.1, variant=resolve_variant("1bit", topology=topology), process_group=mesh)
+    p.grad = torch.randn(1001, generator=torch.Generator().manual_seed(rank))
+    opt.step()
+    return opt.comm_stats()["last"]
+
+
+@pytest.mark.parametrize("topology", ["hierarchical", "node-majority"])
+def test_bytes_per_level_match_the_wire_formats(topology: str) -> None:
+    """2×2, 1bit, d = 1001 in one bucket: the bytes each rank counts per level, from the wire formats."""
+    stats = run_workers(worker_level_bytes, 4, topology, timeout=60)
+    d, k = 1001, 501  # k: this rank's slice, ⌈d / L⌉
+    intra = d + k  # int8 node counts: ring allreduce 2·(L−1)/L·d, then all-gather of (L−1)·k int8
+    # hierarchical: node counts ≤ 2, summed over 2 nodes ≤ 4: 4-bit lanes, ring 2·(M−1)/M·k/2 bytes;
+    # node-majority: the 1-bit vote among M = 2 nodes, k padded to 8·M bits, 2·(M−1)/M of it
+    inter = (k + 1) // 2 if topology == "hierarchical" else (-(-k // 16) * 16) / 8
+    for s in stats:
+        assert s["intra_node_bytes_sent"] == intra and s["inter_node_bytes_sent"] == inter
+        assert s["bytes_sent"] == intra + inter + 3 * 4 * 6  # and the step check on the flat group

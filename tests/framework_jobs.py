@@ -334,6 +334,24 @@ def hf_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
 
     scenarios["refusals"] = refusals
 
+    def factory(w: Path) -> dict[str, Any]:
+        """The optimizer factory the callback gives the Trainer, called both ways: ``factory()(model)``
+        (transformers 5) and ``factory(groups)`` (a Trainer without factories)."""
+        m = model()
+        trainer = LionCubTrainer(
+            model=m, args=args(w / "f"), train_dataset=data, lioncub=dict(variant="8bit")
+        )
+        factory, _ = trainer.optimizer_cls_and_kwargs
+        by_model = factory()(m)
+        by_groups = factory([{"params": list(m.parameters()), "weight_decay": 0.5}])
+        return {
+            "by_model": [(len(g["params"]), g["weight_decay"], g["betas"]) for g in by_model.param_groups],
+            "by_groups": [(len(g["params"]), g["weight_decay"], g["lr"]) for g in by_groups.param_groups],
+            "variants": [by_model.variant, by_groups.variant],
+        }
+
+    scenarios["factory"] = factory
+
     def example(w: Path) -> dict[str, Any]:
         return run_example("hf_trainer.py", ["--steps", "2", "--out", str(w / "example")])
 

@@ -192,6 +192,16 @@ def test_trainer_refusals() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.background("framework:hf")
+def test_trainer_optimizer_factory_both_ways() -> None:
+    for r in scenario("hf", "factory"):
+        (decayed, wd, betas), (plain, no_wd, _) = r["by_model"]
+        assert (wd, no_wd, betas) == (jobs.WEIGHT_DECAY, 0.0, (0.9, 0.99)) and decayed and plain
+        assert r["by_groups"] == [(decayed + plain, 0.5, jobs.LR)]
+        assert r["variants"] == ["8bit", "8bit"]
+
+
+@pytest.mark.slow
 @pytest.mark.background("framework:accelerate")
 def test_accelerate_refuses_a_callable_comm_hook() -> None:
     for r in scenario("accelerate", "comm_hook"):

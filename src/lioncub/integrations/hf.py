@@ -34,7 +34,7 @@ What it does:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from lioncub.integrations.common import require
@@ -59,14 +59,18 @@ _FROM_ARGS = {
 
 
 class _Factory:
-    """An optimizer factory in the Trainer's sense (``optimizer_cls_and_kwargs=(factory, {})``: the Trainer
-    calls ``factory()(model)``), building the callback's LionCub."""
+    """What the callback puts in ``trainer.optimizer_cls_and_kwargs = (factory, {})``. transformers 5.x
+    treats a callable that is not an Optimizer class as a factory and calls ``factory()(model)``: the
+    callback's LionCub over the Trainer's decay split of ``model``. (Called with param groups, as a Trainer
+    that predates factories would, it builds over those groups.)"""
 
-    def __init__(self, build: Callable[[torch.nn.Module], LionCub]) -> None:
-        self.build = build
+    def __init__(self, callback: LionCubCallback) -> None:
+        self.callback = callback
 
-    def __call__(self) -> Callable[[torch.nn.Module], LionCub]:
-        return self.build
+    def __call__(self, *groups: Any, **kwargs: Any) -> Any:
+        if not groups and not kwargs:
+            return self.callback.build_optimizer
+        return self.callback.build_from_groups(list(groups[0]))
 
 
 class LionCubCallback(TrainerCallback):
@@ -122,7 +126,7 @@ class LionCubCallback(TrainerCallback):
                 "optimizer itself: drop optimizer_cls_and_kwargs and pass LionCub's options to the callback"
             )
         else:
-            trainer.optimizer_cls_and_kwargs = (_Factory(self.build_optimizer), {})  # type: ignore[assignment]
+            trainer.optimizer_cls_and_kwargs = (_Factory(self), {})  # type: ignore[assignment]
 
     # -- the optimizer ----------------------------------------------------------------------------------
 
@@ -130,16 +134,25 @@ class LionCubCallback(TrainerCallback):
         """:class:`LionCub` over ``model``'s trainable parameters in the Trainer's two groups (decay / no
         decay, by ``trainer.get_decay_parameter_names``), at ``args.learning_rate``. Collective (every rank
         builds its optimizer at the same time, as the Trainer does)."""
-        args = self.trainer.args
         decay = set(self.trainer.get_decay_parameter_names(model))
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         groups = [
-            {"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
+            {"params": [p for n, p in named if n in decay], "weight_decay": self.trainer.args.weight_decay},
             {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
         ]
+        return self.build_from_groups(groups, model)
+
+    def build_from_groups(
+        self, groups: list[dict[str, Any]], model: torch.nn.Module | None = None
+    ) -> LionCub:
+        """:class:`LionCub` over ``groups`` (empty ones dropped) at ``args.learning_rate``, with Lion's
+        ``betas=(0.9, 0.99)`` unless the options say otherwise."""
         options = {"betas": (0.9, 0.99), **self.options}
         self.built = LionCub(
-            [g for g in groups if g["params"]], lr=args.learning_rate, model=model, **options
+            [g for g in groups if g["params"]],
+            lr=self.trainer.args.learning_rate,
+            model=self.trainer.model if model is None else model,
+            **options,
         )
         return self.built
 

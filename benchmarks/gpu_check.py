@@ -139,6 +139,48 @@ def correctness(device: torch.device, n: int) -> None:
                 kernels.majority_pack(rows, tie, backend="triton"),
             )
         check("correctness", f"majority_pack N={n_rows}", diff)
+    halfway(device)
+
+
+def halfway(device: torch.device) -> None:
+    """Levels ``round((x / M) · (s / k))`` (issue 20) on the device against the CPU path: 1-element chunks
+    (x / M = ±1: half-way for odd s; also against the exact level), float32 chunks whose M is just above
+    float32's smallest normal with subnormal entries (an IEEE division keeps them) and one whose M is
+    below it (the float64 path), and float32 data on a grid, whose sums (M) are exact in any order (the
+    CPU and the GPU reduce in different orders, and a bfloat16 sum is rounded to bfloat16 on the way, so
+    their normalisers of other data may differ)."""
+    from lioncub.ops import kernels, quantize
+
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    tiny = torch.finfo(torch.float32).tiny
+    scalars = torch.randn(4099, generator=gen) * 10.0 ** torch.randint(-30, 30, (4099,), generator=gen)
+    scalars = torch.where(scalars == 0, 1.0, scalars)
+    sub = (torch.rand(4096, generator=gen) * 2 - 1) * (0.99 * tiny)
+    sub[::16] = torch.tensor([20.0, -24.0, 28.0, 40.0]).repeat(64) * tiny
+    sub[0] = 1e-39  # the first chunk is all subnormal: M < tiny, the float64 path
+    grid = torch.randint(-255, 256, (1 << 14,), generator=gen) / 64.0  # sums exact in float32
+    cases = [
+        (torch.float32, "1-element chunks", scalars, 1),
+        (torch.bfloat16, "1-element chunks", scalars, 1),
+        (torch.float32, "subnormal entries", sub, 16),
+        (torch.float32, "grid data, chunks of 1000", grid, 1000),
+        (torch.float32, "grid data, per tensor", grid, None),
+    ]
+    for dtype, kind, data, chunk in cases:
+        c = data.to(dtype)
+        diff = 0
+        for levels in (127, 63, 42, 31, 15, 7):
+            for k in (2.0, 1.0):
+                cpu = quantize.quantize_l1(c, levels, clip_multiple=k, chunk_size=chunk)
+                if chunk == 1:
+                    exact = torch.sign(c.double()) * round(levels / k)  # Python's round: half to even
+                    diff += same(cpu, exact.to(cpu.dtype))
+                for backend in ("torch", "triton"):
+                    got = kernels.quantize_l1(
+                        c.to(device), levels, clip_multiple=k, chunk_size=chunk, backend=backend
+                    )
+                    diff += same(got.cpu(), cpu)
+        check("correctness", f"quantize_l1 half-way rule {str(dtype)[6:]}, {kind}: device = CPU", diff)
 
 
 # ------------------------------------------------------------------------------------ 2. bandwidth

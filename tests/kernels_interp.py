@@ -19,7 +19,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
 
-from lioncub.ops import kernels, packing
+from lioncub.ops import kernels, packing, quantize
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 LENGTHS = (0, 1, 5, 7, 8, 13, 1031)
@@ -106,6 +106,64 @@ def quantize_case(dtype: torch.dtype) -> None:
                 same(a, b, f"{dtype} segments={segments} chunk={chunk} levels={levels} k={k}")
 
 
+def quantize_halfway_case() -> None:
+    """Exact half-way levels (tests/test_halfway.py): the Triton kernel and the torch backend both give the
+    exact level ``round((x / M) · (s / k))``; plus 1-element segments and chunks (x / M = ±1), the issue's
+    minimal example, and chunks whose M is just above float32's smallest normal with subnormal entries
+    (an IEEE division keeps them; a flush-to-zero one would not)."""
+    import numpy as np
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from test_halfway import MINIMAL, halfway_cases
+
+    for dtype in (F32, BF16, F16):
+        x = torch.tensor(MINIMAL).to(dtype)
+        for backend in ("torch", "triton"):
+            got = kernels.quantize_l1(x, 63, segments=[1, 1], backend=backend)
+            assert got.tolist() == [32, -32], f"minimal example {dtype} {backend}: {got.tolist()}"
+
+    @settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(halfway_cases("l1", (F32, BF16, F16)), st.booleans())
+    def exact(case, chunked):
+        segs = None if chunked else [case.chunk] * (case.x.numel() // case.chunk)
+        chunk = case.chunk if chunked else None
+        for backend in ("torch", "triton"):
+            got = kernels.quantize_l1(
+                case.x, case.s, clip_multiple=case.k, chunk_size=chunk, segments=segs, backend=backend
+            )
+            bad = np.flatnonzero(got.to(torch.int64).numpy() != case.want)
+            assert bad.size == 0, f"{backend} s={case.s} k={case.k} {case.x.dtype}: at {bad[:5].tolist()}"
+
+    exact()
+    gen = torch.Generator().manual_seed(5)
+    for dtype in (F32, BF16, F16):
+        x = (torch.randn(1031, generator=gen) * 10.0 ** torch.randint(-30, 30, (1031,), generator=gen)).to(
+            dtype
+        )
+        x = torch.where((x == 0) | ~torch.isfinite(x), 1.0, x)  # float16: 0 and Inf outside its range
+        for levels in (127, 63, 42, 31, 15, 7, 3, 1):
+            for k in (2.0, 1.0):
+                want = torch.from_numpy(np.sign(x.double().numpy()) * np.rint(levels / k)).to(torch.int8)
+                for backend in ("torch", "triton"):
+                    a = kernels.quantize_l1(x, levels, clip_multiple=k, chunk_size=1, backend=backend)
+                    b = kernels.quantize_l1(
+                        x[:67], levels, clip_multiple=k, segments=[1] * 67, backend=backend
+                    )
+                    same(a, want, f"chunk_size=1 {dtype} {backend} levels={levels} k={k}")
+                    same(b, want[:67], f"segments of 1 {dtype} {backend} levels={levels} k={k}")
+    tiny = torch.finfo(F32).tiny
+    x = (torch.rand(256, generator=gen) * 2 - 1) * (0.99 * tiny)  # subnormal
+    x[::16] = torch.tensor([20.0, -24.0, 28.0, 40.0] * 4) * tiny  # M of each chunk of 16: 1.5-3 · tiny
+    _divisor, wide = quantize.l1_divisors(x, 127, chunk_size=16)
+    assert not bool(wide), "these chunks must take the float32 path"
+    for levels in (127, 63, 7):
+        a = kernels.quantize_l1(x, levels, chunk_size=16, backend="torch")
+        b = kernels.quantize_l1(x, levels, chunk_size=16, backend="triton")
+        same(a, b, f"subnormal entries, M near float32's smallest normal, levels={levels}")
+        assert int((a.view(16, 16)[:, 1:] != 0).sum()) > 100, "the subnormal entries rounded to 0"
+
+
 def majority_case() -> None:
     gen = torch.Generator().manual_seed(3)
     for n_rows in (1, 2, 3, 4, 5, 8, 16):
@@ -179,6 +237,7 @@ CASES = {
     "direction_pack_float16": lambda: direction_case(F16),
     "quantize_l1_float32": lambda: quantize_case(F32),
     "quantize_l1_bfloat16": lambda: quantize_case(BF16),
+    "quantize_l1_halfway": quantize_halfway_case,
     "majority_pack": majority_case,
     "apply_float32": lambda: apply_case(F32),
     "apply_bfloat16": lambda: apply_case(BF16),

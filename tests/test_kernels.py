@@ -26,6 +26,7 @@ INTERP_CASES = [
     "direction_pack_float16",
     "quantize_l1_float32",
     "quantize_l1_bfloat16",
+    "quantize_l1_halfway",
     "majority_pack",
     "apply_float32",
     "apply_bfloat16",
@@ -145,13 +146,17 @@ def test_majority_and_apply_torch_are_the_reference():
     assert torch.equal(got, apply_update_(p.clone(), u, lr=1e-3, weight_decay=0.1))
 
 
-def test_l1_factors_is_pass_one_of_quantize():
+def test_l1_divisors_is_pass_one_of_quantize():
     x = torch.randn(1000) * 1e-3
-    x[:64] = 1e-41  # a denormal chunk: its factor overflows float32, so pass 2 works in float64
-    factor, wide = quantize.l1_factors(x, 127, chunk_size=64)
-    assert factor.dtype == torch.float64 and factor.numel() == 16 and bool(wide)
-    factor, wide = quantize.l1_factors(x[64:], 127)
-    assert factor.numel() == 1 and not bool(wide)
+    x[:64] = 1e-41  # a denormal chunk: its normaliser is no normal float32, so pass 2 works in float64
+    x[64:128] = 0.0
+    x[130] = float("nan")
+    divisor, wide = quantize.l1_divisors(x, 127, chunk_size=64)
+    assert divisor.dtype == torch.float64 and divisor.numel() == 16 and bool(wide)
+    assert divisor[1] == 1.0 and divisor[2] == float("inf")  # all zeros: 1; NaN: +Inf (levels 0)
+    assert float(divisor[3]) == pytest.approx(float(x[192:256].double().abs().mean()), rel=1e-6)
+    divisor, wide = quantize.l1_divisors(x[192:], 127)
+    assert divisor.numel() == 1 and not bool(wide)
 
 
 # ----------------------------------------------------------------------------- backend choice

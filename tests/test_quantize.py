@@ -34,7 +34,7 @@ def oracle_levels(x: np.ndarray, s: int, p: float, k: float, eps: float | None =
     m = oracle_normaliser(x, p, eps)
     if m == 0:
         return np.zeros(x.shape, np.int64), np.zeros(x.shape, bool)
-    t = x.astype(np.float64) * (s / (k * m))
+    t = x.astype(np.float64) / m * (s / k)  # divide first, then scale (as the authors' code)
     frac = np.abs(t - np.floor(t) - 0.5)
     return np.clip(np.round(t), -s, s).astype(np.int64), (frac < 1e-6) & (np.abs(t) < s + 1)
 
@@ -276,8 +276,7 @@ def test_threaded_cpu_path_equals_single_thread() -> None:
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, many)
-    scale = 15 / (2 * x.double().abs().mean())
-    ref = (x.double() * scale).round().clamp(-15, 15).long()
+    ref = (x.double() / x.double().abs().mean() * (15 / 2)).round().clamp(-15, 15).long()
     off = (one.long() - ref).abs()  # float32 scaling may land on the other side of a half-way point
     assert int(off.max()) <= 1 and int((off > 0).sum()) < 100
 

@@ -14,7 +14,9 @@ dtypes, non-contiguous tensors): :func:`backend_for` says which one a call takes
   as ``QuantizedVote.levels_of``), its NaN/Inf/zero/denormal behaviour included. Pass 1 (the normaliser
   ``mean |c|`` of each tensor or chunk) runs the *same torch reduction* in both backends: a Triton sum
   adds in another order and its float64 scale could differ in the last bit, which moves levels that lie
-  at a rounding boundary. Pass 2 (scale, round half to even, clip, NaN → 0, cast) is the fused kernel.
+  at a rounding boundary. Pass 2 (divide by the normaliser, scale by ``s / k``, round half to even, clip,
+  NaN → 0, cast) is the fused kernel; it divides with ``tl.math.div_rn`` (IEEE round to nearest: Triton's
+  ``/`` on float32 compiles to an approximate division) and float64 ``/`` (IEEE).
 * :func:`majority_pack` — the middle step of the 1-bit vote: unpack the N received rows, count the "+"
   votes per bit, apply the tie rule and repack (:func:`lioncub.ops.packing.count_votes` followed by
   :func:`lioncub.ops.packing.pack_majority`).
@@ -308,7 +310,8 @@ if HAVE_TRITON:
     def _quantize_kernel(
         x_ptr,
         out_ptr,
-        factor_ptr,
+        divisor_ptr,
+        scale_ptr,
         wide_ptr,
         seg_start_ptr,
         group_base_ptr,
@@ -335,19 +338,21 @@ if HAVE_TRITON:
         if CHUNKED:
             local = offs - tl.load(seg_start_ptr + seg, mask=mask, other=0)
             group += local // chunk
-        f = tl.load(factor_ptr + group, mask=mask, other=0.0)
+        d = tl.load(divisor_ptr + group, mask=mask, other=1.0)  # float64: M, 1 (all zeros) or +Inf
+        scale = tl.load(scale_ptr)  # float64 levels / k
         x = _load_f32(x_ptr, offs, mask, KIND)
-        t = x * f.to(tl.float32)
+        t = tl.math.div_rn(x, d.to(tl.float32)) * scale.to(tl.float32)  # (x / M) · (s / k), as the torch path
         t = tl.where(t != t, 0.0, t)
         t = tl.minimum(tl.maximum(t, -levels), levels)  # levels: float32, integral
         q = (t + 12582912.0) - 12582912.0  # round half to even (|t| <= 2^22)
-        if ANY_WIDE:  # float64 work for chunks whose factor overflows float32 (denormal normaliser)
+        if ANY_WIDE:  # float64 work for chunks whose normaliser is not a normal float32 (or levels > 2^24)
             wide = tl.load(wide_ptr + group, mask=mask, other=0) != 0
-            t64 = x.to(tl.float64) * f
-            t64 = tl.where(t64 != t64, 0.0, t64)
-            t64 = tl.minimum(tl.maximum(t64, -levels), levels)
-            q64 = (t64 + 6755399441055744.0) - 6755399441055744.0
-            q = tl.where(wide, q64.to(tl.float32), q)  # integral, |q| <= 2^22: exact
+            if tl.max(wide.to(tl.int32), axis=0) > 0:  # only blocks holding such a chunk pay for it
+                t64 = (x.to(tl.float64) / d) * scale
+                t64 = tl.where(t64 != t64, 0.0, t64)
+                t64 = tl.minimum(tl.maximum(t64, -levels), levels)
+                q64 = (t64 + 6755399441055744.0) - 6755399441055744.0
+                q = tl.where(wide, q64.to(tl.float32), q)  # integral, |q| <= 2^22: exact
         tl.store(out_ptr + offs, q.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -514,29 +519,31 @@ def direction_pack(
 # ------------------------------------------------------------------------------------ L1 quantizer
 
 
-def _l1_factors(
+def _l1_divisors(
     x: torch.Tensor, levels: int, clip_multiple: float, chunk_size: int | None, segments: Sequence[int]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pass 1 (torch, the reference's own reduction): per group (segment, or chunk of a segment) the
-    float64 factor ``levels / k / mean|x|`` (0 for a non-finite group) and whether its segment works in
-    float64; the segment starts and each segment's first group."""
-    factors, wide, starts, bases = [], [], [], []
+    float64 divisor ``mean|x|`` (1 for an all-zero group, +Inf for a non-finite one) and whether its
+    segment works in float64; the segment starts and each segment's first group."""
+    divisors, wide, starts, bases = [], [], [], []
     pos, groups = 0, 0
     for length in segments:
         piece = x[pos : pos + length]
         starts.append(pos)
         bases.append(groups)
         if length:
-            f64, work = quantize.l1_factors(piece, levels, clip_multiple=clip_multiple, chunk_size=chunk_size)
-            factors.append(f64)
-            wide.append(work.expand(f64.numel()))
-            groups += f64.numel()
+            d64, work = quantize.l1_divisors(
+                piece, levels, clip_multiple=clip_multiple, chunk_size=chunk_size
+            )
+            divisors.append(d64)
+            wide.append(work.expand(d64.numel()))
+            groups += d64.numel()
         pos += length
     device = x.device
-    factor = torch.cat(factors) if factors else torch.zeros(1, dtype=torch.float64, device=device)
+    divisor = torch.cat(divisors) if divisors else torch.ones(1, dtype=torch.float64, device=device)
     wide_t = torch.cat(wide).to(torch.int8) if wide else torch.zeros(1, dtype=torch.int8, device=device)
     return (
-        factor,
+        divisor,
         wide_t,
         torch.tensor(starts or [0], dtype=torch.int64, device=device),
         torch.tensor(bases or [0], dtype=torch.int32, device=device),
@@ -586,14 +593,16 @@ def quantize_l1(
     quantize.check_clip_multiple(clip_multiple)
     if n == 0:
         return out
-    factor, wide, starts, bases = _l1_factors(flat, levels, float(clip_multiple), chunk_size, segs)
+    divisor, wide, starts, bases = _l1_divisors(flat, levels, float(clip_multiple), chunk_size, segs)
+    scale = torch.tensor([levels / clip_multiple], dtype=torch.float64, device=flat.device)
     n_seg = len(segs)
     search = max(0, (n_seg - 1).bit_length())
     grid = -(-n // _BLOCK)
     _quantize_kernel[(grid,)](
         _raw(flat),
         out,
-        factor,
+        divisor,
+        scale,
         wide,
         starts,
         bases,

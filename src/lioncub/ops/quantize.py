@@ -6,10 +6,15 @@ when ``s ≤ 127``, else ``int16``/``int32``), where ``s`` is the per-worker lev
 
 Normalised schemes (the Lion Cub paper, §3.6 of the spec)::
 
-    q = clip(round(x / M(x) · s / k), −s, s)
+    q = clip(round((x / M(x)) · (s / k)), −s, s)
 
 with ``M`` a norm-like normaliser of the tensor (or of each fixed-size chunk), ``k = clip_multiple`` and
-``round`` the deterministic round-half-to-even of ``torch.round``:
+``round`` the deterministic round-half-to-even of ``torch.round``. The level is computed as written, as
+the authors' code does: divide by M first, then scale by ``s / k``, each rounded once in the work dtype
+(float32 for float32/bfloat16/float16 input; float64 for float64 input, for more than 2^24 levels, and
+for a normaliser outside float32's normal range). So a value equal to ±M lands exactly on ±s/k, which is
+half-way between two levels for an odd s and k = 2 (every 1-element tensor, for one), and rounds to the
+even one. (Scaling by a precomputed ``s / (k·M)`` instead rounds such values either way.)
 
 * L1: ``M = mean |x|`` — the Lion Cub quantizer. ``k = 2`` is the authors' code (a value equal to
   mean |x| lands on level s/2, clipping starts at 2·mean |x|); ``k = 1`` is the paper's Eq. 1 as
@@ -50,7 +55,7 @@ from lioncub._validate import check_int, check_number, is_int
 
 __all__ = [
     "QUANTIZERS",
-    "l1_factors",
+    "l1_divisors",
     "level_budget",
     "level_dtype",
     "lp_normalizer",
@@ -222,35 +227,40 @@ def _scale_round_clip(
     clip_multiple: float,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``clip(round(x / norm · levels / k), −levels, levels)`` for ``rows`` ``[m, n]``, ``norm`` ``[m]`` f64.
+    """``clip(round((x / norm) · (levels / k)), −levels, levels)`` for ``rows`` ``[m, n]``, ``norm`` ``[m]``.
 
-    Works piece by piece (about ``_PIECE`` elements) so that the temporaries stay in cache. A row whose
-    normaliser is not finite (it holds a NaN or ±Inf) gets factor 0, and NaN products become 0: the row
-    maps to zeros.
+    Divides by the normaliser first, then scales, each rounded once in the work dtype (float32, or
+    float64 for float64 input, for more than 2^24 levels and for a normaliser outside float32's normal
+    range; see :func:`_works_wide`), as the authors' code: a value equal to M lands exactly on
+    ``levels / k``, also half-way between two levels, and rounds half to even there. Works piece by piece
+    (about ``_PIECE`` elements) so that the temporaries stay in cache. A row whose normaliser is not
+    finite (it holds a NaN or ±Inf) is divided by +Inf, and NaN quotients become 0: the row maps to zeros.
     """
     out = torch.empty(rows.shape, dtype=level_dtype(levels), device=rows.device) if out is None else out
-    ok, safe, factor64 = _factors(norm, levels, clip_multiple)
+    ok, divisor64 = _divisors(norm)
     finite = bool(ok.all())
-    if not bool(torch.isfinite(factor64).all()):
-        return _divide_round_clip(rows, safe, ok, levels, clip_multiple, out)
-    work = torch.float64 if bool(_works_wide(factor64, levels, rows.dtype)) else torch.float32
+    work = torch.float64 if bool(_works_wide(divisor64, levels, rows.dtype)) else torch.float32
+    scale = _level_scale(levels, clip_multiple, work)
+    # a device tensor, never a Python float: CUDA divides by a host scalar as a multiply by its reciprocal
+    divisor = divisor64.to(work)[:, None]
     m, n = rows.shape
-    if m == 1:  # per tensor: 1-D pieces with a Python-float factor
-        flat, flat_out, f = rows.view(-1), out.view(-1), float(factor64[0])
-        pieces = [(flat[c : c + _PIECE], flat_out[c : c + _PIECE], f) for c in range(0, n, _PIECE)]
+    if m == 1:  # per tensor: 1-D pieces
+        flat, flat_out, d = rows.view(-1), out.view(-1), divisor.view(1)
+        pieces = [(flat[c : c + _PIECE], flat_out[c : c + _PIECE], d) for c in range(0, n, _PIECE)]
     else:
-        factor = factor64.to(work)[:, None]
         step = max(1, _PIECE // n)
-        pieces = [(rows[r : r + step], out[r : r + step], factor[r : r + step]) for r in range(0, m, step)]
+        pieces = [(rows[r : r + step], out[r : r + step], divisor[r : r + step]) for r in range(0, m, step)]
     if _numpy_path(rows) and rows.dtype == work:
-        _scale_round_clip_numpy(pieces, levels, finite)
+        _scale_round_clip_numpy(pieces, levels, scale, finite)
         return out
     scratch = torch.empty(min(_PIECE, rows.numel()) if m == 1 else 0, dtype=work, device=rows.device)
-    for xs, dst, f in pieces:
+    for xs, dst, d in pieces:
         if m == 1:
-            t = torch.mul(xs, f, out=scratch[: xs.numel()]) if xs.dtype == work else xs.to(work) * f
+            t = torch.div(xs, d, out=scratch[: xs.numel()]) if xs.dtype == work else xs.to(work).div_(d)
         else:
-            t = torch.mul(xs if xs.dtype == work else xs.to(work), f)
+            t = torch.div(xs if xs.dtype == work else xs.to(work), d)
+        if scale != 1.0:
+            t.mul_(scale)
         t.round_().clamp_(-levels, levels)
         if not finite:
             t.nan_to_num_(0.0)
@@ -258,60 +268,56 @@ def _scale_round_clip(
     return out
 
 
-def _factors(norm: torch.Tensor, levels: int, clip_multiple: float) -> tuple[torch.Tensor, ...]:
-    """(finite normaliser, safe normaliser, float64 factor ``levels / k / M``; 0 where M is not finite)."""
+def _divisors(norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(finite normaliser, float64 divisor: M, 1 where M is 0 (the row is all zeros), +Inf where M is
+    not finite)."""
     ok = torch.isfinite(norm)  # a finite normaliser means every element of the row is finite
-    safe = torch.where(norm > 0, norm, 1.0)  # a zero normaliser means the row is all zeros
-    return ok, safe, torch.where(ok, levels / clip_multiple / safe, 0.0)  # k·M could overflow
+    safe = torch.where(norm > 0, norm, 1.0)
+    return ok, torch.where(ok, safe, math.inf)
 
 
-def _works_wide(factor64: torch.Tensor, levels: int, dtype: torch.dtype) -> torch.Tensor:
+def _level_scale(levels: int, clip_multiple: float, work: torch.dtype) -> float:
+    """``levels / k`` rounded to the work dtype (as torch and numpy round a Python scalar), as a float."""
+    scale = levels / clip_multiple
+    return scale if work == torch.float64 else float(np.float32(scale))
+
+
+_TINY32 = float(torch.finfo(torch.float32).tiny)
+_MAX32 = float(torch.finfo(torch.float32).max)
+
+
+def _works_wide(divisor64: torch.Tensor, levels: int, dtype: torch.dtype) -> torch.Tensor:
     """0-dim bool (no host sync): whether the scaling works in float64 rather than float32."""
     # float32 holds every integer level up to 2^24 exactly; beyond, clamping to ±levels needs float64;
-    # a denormal normaliser makes the factor overflow float32 (float64 holds it)
+    # a normaliser below float32's normal range would lose bits (or become 0) as a float32 divisor
     if dtype == torch.float64 or levels > 1 << 24:
-        return torch.ones((), dtype=torch.bool, device=factor64.device)
-    return (factor64 > torch.finfo(torch.float32).max).any()
+        return torch.ones((), dtype=torch.bool, device=divisor64.device)
+    return ((divisor64 < _TINY32) | ((divisor64 > _MAX32) & (divisor64 < math.inf))).any()
 
 
-def l1_factors(
+def l1_divisors(
     x: torch.Tensor, levels: int, *, clip_multiple: float = 2.0, chunk_size: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pass 1 of :func:`quantize_l1`, for a fused pass 2 (:func:`lioncub.ops.kernels.quantize_l1`).
 
-    Returns the float64 factor ``levels / k / mean|x|`` of the tensor (``[1]``) or of each chunk
-    (``[ceil(n / chunk_size)]``; 0 for a tensor or chunk holding NaN/±Inf) and a 0-dim bool tensor: whether
-    :func:`quantize_l1` scales in float64 (else float32: ``round(x · float32(factor))``). Pass 2 is then
-    ``clip(round_half_even(x · factor), −s, s)`` with NaN → 0. ``x`` must not be empty.
+    Returns the float64 divisor of the tensor (``[1]``) or of each chunk (``[ceil(n / chunk_size)]``):
+    ``mean |x|``, 1 for an all-zero one, +Inf for one holding NaN/±Inf; and a 0-dim bool tensor: whether
+    :func:`quantize_l1` works in float64 (else in float32). Pass 2 is then
+    ``clip(round_half_even((x / w(divisor)) · w(levels / k)), −s, s)`` with NaN → 0, where ``w`` rounds
+    to the work dtype and each of the two operations rounds to it once. ``x`` must not be empty.
     """
     _check_real(x)
     check_levels(levels)
     check_clip_multiple(clip_multiple)
     rows, n = _as_rows(x, chunk_size)
     if n == 0:
-        raise ValueError("l1_factors of an empty tensor")
+        raise ValueError("l1_divisors of an empty tensor")
     if chunk_size is not None and n % chunk_size:
         norm = _padded_normalizer(rows, n, 1.0, None)
     else:
         norm = lp_normalizer(rows, 1.0)
-    _ok, _safe, factor64 = _factors(norm, levels, float(clip_multiple))
-    return factor64, _works_wide(factor64, levels, x.dtype)
-
-
-def _divide_round_clip(
-    rows: torch.Tensor,
-    safe: torch.Tensor,
-    ok: torch.Tensor,
-    levels: int,
-    clip_multiple: float,
-    out: torch.Tensor,
-) -> torch.Tensor:
-    """Rare path of :func:`_scale_round_clip` for a normaliser so small (float64 input below ~1e−306)
-    that ``s / (k·M)`` overflows float64: ``x / M · (s / k)`` instead (an overflow there is a clipped
-    level anyway; ``0 · inf`` products are zeros)."""
-    t = rows.to(torch.float64) / safe[:, None] * (levels / clip_multiple)
-    t = t.where(ok[:, None], 0.0).round_().clamp_(-levels, levels).nan_to_num_(0.0)
-    return out.copy_(t)
+    _ok, divisor64 = _divisors(norm)
+    return divisor64, _works_wide(divisor64, levels, x.dtype)
 
 
 def _numpy_path(t: torch.Tensor) -> bool:
@@ -320,9 +326,10 @@ def _numpy_path(t: torch.Tensor) -> bool:
 
 
 def _scale_round_clip_numpy(
-    pieces: list[tuple[torch.Tensor, torch.Tensor, float | torch.Tensor]], levels: int, finite: bool
+    pieces: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], levels: int, scale: float, finite: bool
 ) -> None:
-    """CPU path of :func:`_scale_round_clip`: numpy's in-place ``rint``/``clip`` take 3 passes, not 5.
+    """CPU path of :func:`_scale_round_clip`: numpy's in-place ``divide``, ``multiply``, ``rint`` and ``clip``
+    over cache-sized pieces (fewer passes than torch's ops, which allocate).
 
     ``np.rint`` rounds half to even like ``torch.round``; the cast of the clipped integral floats to the
     integer output is exact. Large inputs are split over ``torch.get_num_threads()`` threads (numpy
@@ -331,11 +338,12 @@ def _scale_round_clip_numpy(
     total = sum(xs.numel() for xs, _, _ in pieces)
     threads = min(torch.get_num_threads(), len(pieces), max(1, total // _MIN_ELEMENTS_PER_THREAD))
     if threads <= 1:
-        _scale_round_clip_pieces(pieces, levels, finite)
+        _scale_round_clip_pieces(pieces, levels, scale, finite)
         return
     bounds = [len(pieces) * i // threads for i in range(threads + 1)]
     groups = [pieces[a:b] for a, b in itertools.pairwise(bounds)]
-    for done in [_thread_pool(threads).submit(_scale_round_clip_pieces, g, levels, finite) for g in groups]:
+    pool = _thread_pool(threads)
+    for done in [pool.submit(_scale_round_clip_pieces, g, levels, scale, finite) for g in groups]:
         done.result()
 
 
@@ -350,16 +358,21 @@ def _thread_pool(threads: int) -> ThreadPoolExecutor:
 
 
 def _scale_round_clip_pieces(
-    pieces: list[tuple[torch.Tensor, torch.Tensor, float | torch.Tensor]], levels: int, finite: bool
+    pieces: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], levels: int, scale: float, finite: bool
 ) -> None:
     scratch = None
-    for xs, dst, f in pieces:
+    for xs, dst, d in pieces:
         src = xs.numpy()
         if scratch is None or scratch.size < src.size:
             scratch = np.empty(src.size, dtype=src.dtype)
         t = scratch[: src.size].reshape(src.shape)
-        with np.errstate(invalid="ignore", over="ignore"):  # ±inf clips to ±levels, inf · 0 = NaN → 0 below
-            np.multiply(src, f if isinstance(f, float) else f.numpy(), out=t)
+        divisor = d.numpy()
+        if divisor.size == 1:
+            divisor = divisor.reshape(())[()]  # a numpy scalar of the work dtype
+        with np.errstate(invalid="ignore", over="ignore"):  # ±inf clips to ±levels, inf / inf = NaN → 0 below
+            np.divide(src, divisor, out=t)
+            if scale != 1.0:
+                np.multiply(t, src.dtype.type(scale), out=t)
         np.rint(t, out=t)
         np.clip(t, -levels, levels, out=t)
         if not finite:
@@ -395,7 +408,7 @@ def quantize_lp(
     eps: float | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Normalised quantizer ``clip(round(x / M_p · s / k), −s, s)``.
+    """Normalised quantizer ``clip(round((x / M_p) · (s / k)), −s, s)`` (see the module docstring).
 
     Args:
         x: floating tensor, any shape.

@@ -232,11 +232,13 @@ def test_one_process_is_exactly_lion(preset: str) -> None:
         assert torch.equal(cub.state[x]["exp_avg"], lion.state[y]["exp_avg"])
 
 
-def worker_grad_scaler(rank: int, world: int) -> dict:
+def worker_grad_scaler(rank: int, world: int, agreeing: bool) -> dict:
+    from lioncub.optim.amp import GradScaler
+
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 3)
     opt = LionCub(model.parameters(), lr=0.05, variant="1bit")
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    scaler = (GradScaler if agreeing else torch.amp.GradScaler)("cpu", init_scale=2.0**10)
     skipped = []
     for step in range(1, 5):
         x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
@@ -253,16 +255,21 @@ def worker_grad_scaler(rank: int, world: int) -> dict:
         "skipped": skipped,
         "params": [p.detach().clone() for p in model.parameters()],
         "total_skipped": opt.comm_stats()["total"]["skipped_steps"],
+        "scale": scaler.get_scale(),
     }
 
 
-def test_a_grad_scaler_overflow_on_one_rank_skips_the_step_on_every_rank() -> None:
-    results = run_workers(worker_grad_scaler, 2, timeout=60)
+@pytest.mark.parametrize("agreeing", [False, True], ids=["torch-scaler", "lioncub-scaler"])
+def test_a_grad_scaler_overflow_on_one_rank_skips_the_step_on_every_rank(agreeing: bool) -> None:
+    results = run_workers(worker_grad_scaler, 2, agreeing, timeout=60)
     for res in results:
         assert res["skipped"] == [False, True, False, False]
         assert res["total_skipped"] == 1
     for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
         assert torch.equal(a, b)
+    # torch's scaler backs off on the overflowing rank only; lioncub.optim.amp.GradScaler on both
+    scales = [res["scale"] for res in results]
+    assert scales == ([512.0, 512.0] if agreeing else [1024.0, 512.0])
 
 
 def worker_consolidate(rank: int, world: int) -> dict:

@@ -38,6 +38,7 @@ from accelerate.utils import DDPCommunicationHookType  # noqa: E402
 
 from lioncub.integrations.common import find_lioncub, install_vote, world_size  # noqa: E402
 from lioncub.optim import LionCub  # noqa: E402
+from lioncub.optim.amp import agree_on_overflow  # noqa: E402
 
 __all__ = ["prepare"]
 
@@ -79,6 +80,8 @@ def prepare(
             "without a GPU, make the Accelerator with Accelerator(cpu=True)"
         )
     install_vote(opt, model, overlap=overlap, where=where)
+    # fp16: every rank's scaler skips, backs off and grows together (else the scheduler skips per rank)
+    agree_on_overflow(getattr(accelerator, "scaler", None))
     hooked = _HOOKED.setdefault(opt, weakref.WeakSet())
     if accelerator not in hooked and world_size() > 1:
 

@@ -46,6 +46,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 
 from lioncub.integrations.common import CommLog, find_lioncub, install_vote, world_size  # noqa: E402
 from lioncub.optim import LionCub  # noqa: E402
+from lioncub.optim.amp import agree_on_overflow  # noqa: E402
 
 __all__ = ["LionCubCallback", "LionCubTrainer"]
 
@@ -177,6 +178,8 @@ class LionCubCallback(TrainerCallback):
                 f"callback's options {sorted(self.options)} were not used: pass them to that LionCub(...)"
             )
         install_vote(opt, self.trainer.model_wrapped, overlap=self.overlap, where="LionCubCallback")
+        # fp16: every rank's scaler skips, backs off and grows together (lioncub.optim.amp)
+        agree_on_overflow(getattr(self.trainer.accelerator, "scaler", None))
         self.comm_log = CommLog(opt)
 
     def on_step_end(

@@ -35,6 +35,7 @@ from torch.optim import Optimizer  # noqa: E402
 
 from lioncub.integrations.common import find_lioncub, install_vote  # noqa: E402
 from lioncub.optim import LionCub  # noqa: E402
+from lioncub.optim.amp import agree_on_overflow  # noqa: E402
 
 __all__ = ["LionCubStrategy"]
 
@@ -91,6 +92,8 @@ class LionCubStrategy(DDPStrategy):
             )
         assert self.model is not None
         install_vote(opt, self.model, overlap=self.overlap, where="LionCubStrategy")
+        # fp16: every rank's scaler skips, backs off and grows together (lioncub.optim.amp)
+        agree_on_overflow(getattr(self.precision_plugin, "scaler", None))
         self.lioncub = opt
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

@@ -26,10 +26,11 @@ the step counter is part of the state dict, so resuming keeps the phase. A param
 ``None`` counts as a zero gradient, so that every rank keeps voting on the same layout.
 
 Deviations from the authors' research code, on purpose: learning rate and weight decay come from the
-param groups at every step (their 1-bit/4-bit code read the constructor's values); the 1-bit result is
-not masked where this rank's ``c`` is exactly zero (that mask makes replicas diverge when workers
-disagree); the 4-bit vote is ``sign(2·count − N)`` (correct for odd N); the world size comes from the
-process group, never from launcher variables.
+param groups at every step (of the authors' classes, only the 1-bit one and their 4-bit L1 variant read
+lr and weight decay from the constructor; their plain 4-bit vote reads the param groups, as here); the
+1-bit result is not masked where this rank's ``c`` is exactly zero (that mask makes replicas diverge when
+workers disagree); the 4-bit vote is ``sign(2·count − N)`` (correct for odd N); the world size comes from
+the process group, never from launcher variables.
 """
 
 from __future__ import annotations

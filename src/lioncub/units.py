@@ -22,8 +22,9 @@ _RATE_FORMS = (
 _NUMBER_UNIT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
 
 
-def parse_rate(text: str) -> float:
-    """Parse a link rate such as ``100mbit``, ``2.5gbit`` or ``1Gbps`` into bits per second (SI, 1k = 1000).
+def parse_rate(text: str, option: str = "--link") -> float:
+    """Parse a link rate such as ``100mbit``, ``2.5gbit`` or ``1Gbps`` into bits per second (SI, 1k = 1000);
+    ``option`` names the option in the messages.
 
     Accepted units, all *bits* per second: tc's ``bit kbit mbit gbit tbit`` in any case, and exactly
     ``Kbps Mbps Gbps Tbps`` (an upper-case prefix, as networking writes bit rates). Every other spelling
@@ -33,7 +34,7 @@ def parse_rate(text: str) -> float:
     """
     match = _NUMBER_UNIT.match(text)
     if match is None or not match.group(2):
-        raise ValueError(f"--link: cannot read {text!r} as a rate; expected {_RATE_FORMS}")
+        raise ValueError(f"{option}: cannot read {text!r} as a rate; expected {_RATE_FORMS}")
     number, unit = float(match.group(1)), match.group(2)
     if unit in _RATE_UNITS_EXACT:
         scale = _RATE_UNITS_EXACT[unit]
@@ -43,16 +44,16 @@ def parse_rate(text: str) -> float:
         prefix = unit[:-3]
         instead = f"{prefix.lower()}bit or {prefix.upper()}bps" if prefix else "bit"
         raise ValueError(
-            f"--link: {text!r} is ambiguous (tc reads {unit!r} as bytes per second, other tools as bits); "
+            f"{option}: {text!r} is ambiguous (tc reads {unit!r} as bytes per second, other tools as bits); "
             f"write {instead} for bits per second (the bps spellings read as bits are exactly Kbps, Mbps, "
             "Gbps, Tbps)"
         )
     else:
-        raise ValueError(f"--link: unknown unit {unit!r} in {text!r}; expected {_RATE_FORMS}")
+        raise ValueError(f"{option}: unknown unit {unit!r} in {text!r}; expected {_RATE_FORMS}")
     rate = number * scale
     if not (rate > 0 and math.isfinite(rate)):
         raise ValueError(
-            f"--link: the rate must be positive and finite, got {text!r}; expected {_RATE_FORMS}"
+            f"{option}: the rate must be positive and finite, got {text!r}; expected {_RATE_FORMS}"
         )
     return rate
 
@@ -117,7 +118,4 @@ def parse_duration(text: str, option: str = "--latency") -> float:
 
 def parse_bandwidth(text: str, option: str = "--bandwidth") -> float:
     """``"1gbit"`` → 125e6 bytes/s (tc-style rates, see :func:`parse_rate`)."""
-    try:
-        return parse_rate(str(text)) / 8
-    except ValueError as exc:
-        raise ValueError(str(exc).replace("--link", option, 1)) from None
+    return parse_rate(str(text), option) / 8

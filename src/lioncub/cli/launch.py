@@ -1,4 +1,5 @@
-"""``lioncub launch [options] -- CMD ...``: run N ranks like torchrun, optionally behind shaped links."""
+"""``lioncub launch [options] -- CMD ...``: run N ranks like torchrun, optionally behind shaped links, or M
+emulated nodes of L ranks, each node started by a multi-node torchrun behind one shaped NIC."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from lioncub.launch.launcher import (
     DEFAULT_LINK_PORT,
     LaunchConfig,
     build_command,
+    format_node_traffic,
     format_traffic,
     launch,
+    node_commands,
     rank_env,
 )
 from lioncub.launch.netns import EmulatedNetwork, NetnsError, cleanup
@@ -22,11 +25,15 @@ EPILOG = """\
 examples:
   lioncub launch --nproc 4 -- train.py --steps 100          # loopback, no privileges needed
   lioncub launch --nproc 4 --link 1gbit -- -m lioncub.demo  # each rank behind its own 1 Gbit/s link (root)
+  lioncub launch --nnodes 2 --nproc-per-node 2 --link 1gbit -- train.py   # 2 nodes × 2 ranks, one NIC each
   lioncub launch --cleanup                                  # remove leftovers of killed launches
 
 A .py script or `-m module` runs with this Python interpreter. Rates: 100mbit, 2.5gbit, 1Gbps (bits/s).
-Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, GLOO_SOCKET_IFNAME,
-TORCHELASTIC_RESTART_COUNT and LIONCUB_{LAUNCH_ID,LINK_BPS,RESTART_COUNT}.
+With --nproc each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+GLOO_SOCKET_IFNAME, TORCHELASTIC_RESTART_COUNT and LIONCUB_{LAUNCH_ID,LINK_BPS,RESTART_COUNT}. With
+--nnodes, torchrun (--rdzv-backend c10d, one agent per node) sets the ranks' variables, GROUP_RANK being
+the node; LIONCUB_NODE and LIONCUB_NNODES name the emulated node, and --restarts is torchrun's
+--max-restarts.
 """
 
 
@@ -34,19 +41,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument(
-        "--nproc",
+        "--nproc", type=int, metavar="N", help="number of ranks, each its own node under --link (default 1)"
+    )
+    parser.add_argument(
+        "--nnodes",
+        type=int,
+        metavar="M",
+        help="emulate M nodes (network namespaces), each with --nproc-per-node ranks behind one --link NIC, "
+        "started by a multi-node torchrun (root)",
+    )
+    parser.add_argument(
         "--nproc-per-node",
         "--nproc_per_node",
         type=int,
-        default=1,
-        metavar="N",
-        help="number of ranks (default 1)",
+        metavar="L",
+        help="with --nnodes: ranks on each node",
     )
     parser.add_argument(
         "--link",
         metavar="RATE",
-        help="give every rank its own link of RATE in each direction (tbf in network "
-        "namespaces; needs root). Faithful up to about 2gbit on a 2-core machine",
+        help="give every rank (with --nnodes: every node's NIC) its own link of RATE in each direction (tbf "
+        "in network namespaces; needs root). Faithful up to about 2gbit on a 2-core machine",
+    )
+    parser.add_argument(
+        "--intra-link",
+        metavar="RATE",
+        help="with --nnodes: shape the loopback of each node, which all its ranks share (default unshaped)",
     )
     parser.add_argument("--mtu", type=int, default=1500, help="MTU of the emulated links (default 1500)")
     parser.add_argument(
@@ -105,7 +125,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _config(args: argparse.Namespace) -> LaunchConfig:
     return LaunchConfig(
         cmd=list(args.cmd),
-        nproc=args.nproc,
+        nproc=1 if args.nproc is None else args.nproc,
+        nnodes=args.nnodes,
+        nproc_per_node=args.nproc_per_node,
+        intra_link_rate_bps=parse_rate(args.intra_link, "--intra-link")
+        if args.intra_link is not None
+        else None,
         link_rate_bps=parse_rate(args.link) if args.link is not None else None,
         mtu=args.mtu,
         burst_bytes=parse_size(args.burst) if args.burst is not None else None,
@@ -125,7 +150,31 @@ def _collective_timeout_env(seconds: float | None) -> dict[str, str]:
     return {"LIONCUB_PG_TIMEOUT": f"{seconds:g}"}
 
 
+def _dry_run_nodes(config: LaunchConfig) -> None:
+    spec, intra = config.link_spec(), config.intra_link_spec()
+    assert spec is not None and config.nnodes is not None
+    net = EmulatedNetwork(config.nnodes, spec, nodes=True, intra_link=intra)
+    inside = f"tbf rate {format_rate(intra.rate_bps)} on each node's lo" if intra else "lo unshaped"
+    print(
+        f"network {net.launch_id}: subnet {net.subnet}, bridge {net.bridge} in {net.bridge_netns}, "
+        f"{config.nnodes} nodes × {config.nproc_per_node} ranks, tbf rate {format_rate(spec.rate_bps)} "
+        f"burst {spec.burst} B on both ends of every node's veth, MTU {spec.mtu}; {inside}"
+    )
+    argvs, envs = node_commands(config, net, config.master_port or DEFAULT_LINK_PORT, None)
+    for k, (argv, env) in enumerate(zip(argvs, envs, strict=True)):
+        changed = {name: v for name, v in env.items() if os.environ.get(name) != v}
+        print(
+            f"node {k}: "
+            + " ".join(f"{name}={shlex.quote(v)}" for name, v in sorted(changed.items()))
+            + " "
+            + shlex.join(argv)
+        )
+
+
 def _dry_run(config: LaunchConfig) -> None:
+    if config.nnodes is not None:
+        _dry_run_nodes(config)
+        return
     cmd = build_command(config.cmd)
     spec = config.link_spec()
     net = EmulatedNetwork(config.nproc, spec) if spec is not None else None
@@ -161,6 +210,11 @@ def _check_combinations(args: argparse.Namespace) -> None:
     """Options that only mean something together with another one."""
     if args.all and not args.cleanup:
         raise ValueError("--all: applies only with --cleanup (lioncub launch --cleanup --all)")
+    if args.nnodes is not None and args.nproc is not None:
+        raise ValueError(
+            f"--nproc {args.nproc} with --nnodes {args.nnodes}: give either --nproc N (N ranks, each its own "
+            "node) or --nnodes M --nproc-per-node L (M nodes of L ranks)"
+        )
     if args.link is None:
         alone = [
             o for o, given in (("--burst", args.burst is not None), ("--mtu", args.mtu != 1500)) if given
@@ -206,4 +260,11 @@ def run(args: argparse.Namespace) -> int:
             "[lioncub] bytes on each rank's interface during the run (L2, headers included):", file=sys.stderr
         )
         print(format_traffic(result.traffic), file=sys.stderr)
+    if result.node_traffic:
+        print(
+            "[lioncub] bytes on each node's NIC and between its own ranks during the run (L2, headers "
+            "included):",
+            file=sys.stderr,
+        )
+        print(format_node_traffic(result.node_traffic), file=sys.stderr)
     return result.returncode

@@ -1,4 +1,5 @@
-"""``lioncub launch``: run N ranks like torchrun, optionally each behind its own shaped network link.
+"""``lioncub launch``: run N ranks like torchrun, optionally each behind its own shaped network link, or
+M emulated nodes of L ranks behind one shaped NIC per node, each node started by a multi-node torchrun.
 
 Library use::
 
@@ -6,21 +7,28 @@ Library use::
 
     result = launch(LaunchConfig(["train.py"], nproc=4, link_rate_bps=parse_rate("1gbit")))
     result.returncode, result.failed_rank, result.traffic  # traffic: per-rank interface bytes
+    nodes = LaunchConfig(["train.py"], nnodes=2, nproc_per_node=2, link_rate_bps=parse_rate("1gbit"))
+    launch(nodes).node_traffic  # per node: NIC bytes and intra-node (loopback) bytes
 
-Without a link the ranks run on loopback and need no privileges; with one, each rank runs in its own network
-namespace (root, or CAP_NET_ADMIN + CAP_SYS_ADMIN). The rendezvous listens only on loopback or on the
-launch's private bridge. See :mod:`lioncub.launch.netns` for the topology.
+Without a link the ranks run on loopback and need no privileges; with one, each rank (or node) runs in its
+own network namespace (root, or CAP_NET_ADMIN + CAP_SYS_ADMIN). The rendezvous listens only on loopback or
+on the launch's private bridge. See :mod:`lioncub.launch.netns` for the topology.
 """
 
 from lioncub.launch.launcher import (
     LaunchConfig,
     LaunchResult,
+    NodeTraffic,
     RankTraffic,
     build_command,
     describe_exit,
+    format_node_traffic,
     format_traffic,
     launch,
+    node_commands,
+    node_env,
     rank_env,
+    torchrun_command,
 )
 from lioncub.launch.netns import (
     CleanupReport,
@@ -45,6 +53,7 @@ __all__ = [
     "LaunchResult",
     "LinkSpec",
     "NetnsError",
+    "NodeTraffic",
     "PrivilegeError",
     "RankLink",
     "RankTraffic",
@@ -53,11 +62,15 @@ __all__ = [
     "cleanup",
     "default_burst",
     "describe_exit",
+    "format_node_traffic",
     "format_rate",
     "format_traffic",
     "launch",
     "new_launch_id",
+    "node_commands",
+    "node_env",
     "parse_rate",
     "parse_size",
     "rank_env",
+    "torchrun_command",
 ]

@@ -1,10 +1,16 @@
-"""An emulated network with one shaped link per rank: network namespaces, a bridge, veth pairs and ``tbf``.
+"""An emulated network of shaped links: network namespaces, a bridge, veth pairs and ``tbf``.
 
-Topology for launch id ``lcbXXXXX`` (``lcb`` + 5 hex digits) and N ranks::
+Topology for launch id ``lcbXXXXX`` (``lcb`` + 5 hex digits) and N ranks, one host per rank::
 
     netns lcbXXXXX-r0   lo, veth lcbXXXXXv0  10.A.B.10/24  ──┐
     ...                                                       ├── netns lcbXXXXX-br: bridge lcbXXXXXb,
     netns lcbXXXXX-rK   lo, veth lcbXXXXXvK  10.A.B.(10+K)/24 ─┘   ports lcbXXXXXp0 .. lcbXXXXXpK
+
+With ``nodes=True`` every host is a node of several ranks (``lioncub launch --nnodes M --nproc-per-node L``):
+namespaces ``lcbXXXXX-n0 .. -nK`` at ``10.A.B.(100+K)`` (three digits, so sorting the addresses as text, as
+torchrun's rendezvous does, sorts the nodes by K). The node's veth is its NIC; its ranks share its address
+and reach each other over the namespace's ``lo``, which ``intra_link`` shapes (one ``tbf`` that every
+intra-node byte crosses once: a bus shared by the node's ranks).
 
 Every veth pair is created directly inside its two namespaces, so nothing (no interface, address or qdisc)
 ever appears in the root namespace, and the namespaces have no route out: traffic cannot leave them. Each
@@ -33,6 +39,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterable, Sequence
@@ -41,11 +48,14 @@ from pathlib import Path
 
 PREFIX = "lcb"
 _ID_RE = re.compile(rf"^{PREFIX}[0-9a-f]{{5}}$")
-_NS_RE = re.compile(rf"^({PREFIX}[0-9a-f]{{5}})-(br|r\d+)$")
+_NS_RE = re.compile(rf"^({PREFIX}[0-9a-f]{{5}})-(br|[rn]\d+)$")
 CAP_NET_ADMIN = 12
 CAP_SYS_ADMIN = 21
 CMD_TIMEOUT_S = 10.0
 MAX_RANKS = 240  # addresses 10.A.B.10 .. 10.A.B.249
+MAX_NODES = 150  # addresses 10.A.B.100 .. 10.A.B.249
+#: tbf bucket on a node's loopback: at least two of its 64 KiB frames (lo's MTU is 65536)
+LOOPBACK_MIN_BURST = 1 << 17
 _ETC_NETNS = Path("/etc/netns")
 _SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin", "/usr/bin", "/bin"])
 
@@ -192,7 +202,10 @@ class LinkSpec:
 
 @dataclass(frozen=True)
 class RankLink:
-    """Where a rank lives: its namespace, its veth (``GLOO_SOCKET_IFNAME``), address and bridge port."""
+    """Where a host lives: its namespace, its veth (``GLOO_SOCKET_IFNAME``), address and bridge port.
+
+    ``rank`` is the host's index: the rank, or the node when the network was built with ``nodes=True``.
+    """
 
     rank: int
     netns: str
@@ -324,33 +337,48 @@ def cleanup(all_launches: bool = False) -> CleanupReport:
 
 
 class EmulatedNetwork:
-    """A private star network for ``nproc`` ranks; a context manager (``with EmulatedNetwork(4, spec):``).
+    """A private star network of ``hosts`` hosts; a context manager (``with EmulatedNetwork(4, spec):``).
 
-    ``link=None`` builds the same topology unshaped. Call :meth:`up` (or enter the context) to create it and
-    :meth:`close` (or leave the context) to remove it; ``close`` is idempotent and also runs at exit.
+    A host is one rank, or one node of several ranks with ``nodes=True``; ``link`` shapes each host's veth
+    (both directions) and ``intra_link`` (nodes only) each node's loopback. ``link=None`` builds the same
+    topology unshaped. Call :meth:`up` (or enter the context) to create it and :meth:`close` (or leave the
+    context) to remove it; ``close`` is idempotent and also runs at exit.
     """
 
     def __init__(
-        self, nproc: int, link: LinkSpec | None, launch_id: str | None = None, hosts_file: bool = True
+        self,
+        hosts: int,
+        link: LinkSpec | None,
+        launch_id: str | None = None,
+        hosts_file: bool = True,
+        *,
+        nodes: bool = False,
+        intra_link: LinkSpec | None = None,
     ) -> None:
-        if not 1 <= nproc <= MAX_RANKS:
-            raise ValueError(f"--nproc: an emulated network holds 1..{MAX_RANKS} ranks, got {nproc}")
-        self.nproc = nproc
+        limit, option = (MAX_NODES, "--nnodes") if nodes else (MAX_RANKS, "--nproc")
+        if not 1 <= hosts <= limit:
+            raise ValueError(f"{option}: an emulated network holds 1..{limit} {option[2:]}, got {hosts}")
+        if intra_link is not None and not nodes:
+            raise ValueError("--intra-link: shapes the link inside a node and applies only with --nnodes")
+        self.nproc = hosts
+        self.nodes = nodes
         self.link = link
+        self.intra_link = intra_link
         self.launch_id = launch_id or new_launch_id()
         a, b = subnet_for(self.launch_id)
         self.subnet = f"10.{a}.{b}.0/24"
         self.bridge_netns = f"{self.launch_id}-br"
         self.bridge = f"{self.launch_id}b"
+        kind, first = ("n", 100) if nodes else ("r", 10)
         self.ranks = [
             RankLink(
                 k,
-                f"{self.launch_id}-r{k}",
+                f"{self.launch_id}-{kind}{k}",
                 f"{self.launch_id}v{k}",
-                f"10.{a}.{b}.{10 + k}",
+                f"10.{a}.{b}.{first + k}",
                 f"{self.launch_id}p{k}",
             )
-            for k in range(nproc)
+            for k in range(hosts)
         ]
         self.hosts_file = hosts_file
         self.state_path = state_dir() / f"{self.launch_id}.json"
@@ -358,16 +386,21 @@ class EmulatedNetwork:
         self._closed = False
 
     @property
+    def hosts(self) -> list[RankLink]:
+        """The hosts: one per rank, or one per node (``nodes=True``)."""
+        return self.ranks
+
+    @property
     def namespaces(self) -> list[str]:
         return [self.bridge_netns, *(r.netns for r in self.ranks)]
 
     @property
     def master_addr(self) -> str:
-        """Rank 0's address: where the rendezvous (TCPStore) listens."""
+        """Host 0's address: where the rendezvous (TCPStore) listens."""
         return self.ranks[0].address
 
     def exec_prefix(self, rank: int) -> list[str]:
-        """Command prefix that runs a program inside ``rank``'s namespace."""
+        """Command prefix that runs a program inside host ``rank``'s namespace."""
         return [_tool("ip") or "ip", "netns", "exec", self.ranks[rank].netns]
 
     def __enter__(self) -> EmulatedNetwork:
@@ -448,17 +481,19 @@ class EmulatedNetwork:
             _ip("-n", br, "link", "set", r.bridge_port, "master", bridge, "up")
             if self.link is not None:
                 self._shape(r)
+            if self.intra_link is not None:
+                self._shape_loopback(r)
             _ip("-n", r.netns, "link", "set", r.ifname, "up")
         _ip("-n", br, "link", "set", bridge, "mtu", mtu, "up")
         if self.hosts_file:
             # c10d reverse-resolves peers, often as v4-mapped IPv6 (TCPStore listens on ::); without these
-            # entries the lookup goes to DNS, which is unreachable here, and c10d warns "err=-3"
-            hosts = "127.0.0.1 localhost\n" + "".join(
-                f"{r.address} {r.netns}\n::ffff:{r.address} {r.netns}\n" for r in self.ranks
-            )
+            # entries the lookup goes to DNS, which is unreachable here, and c10d warns "err=-3". The
+            # machine's own name is the host's address (torchrun reports failures with socket.getfqdn())
+            peers = "".join(f"{r.address} {r.netns}\n::ffff:{r.address} {r.netns}\n" for r in self.ranks)
             for r in self.ranks:
                 (_ETC_NETNS / r.netns).mkdir(parents=True, exist_ok=True)
-                (_ETC_NETNS / r.netns / "hosts").write_text(hosts)
+                own = f"{r.address} {socket.gethostname()}\n"
+                (_ETC_NETNS / r.netns / "hosts").write_text("127.0.0.1 localhost\n" + own + peers)
 
     def _shape(self, r: RankLink) -> None:
         assert self.link is not None
@@ -475,18 +510,30 @@ class EmulatedNetwork:
         _tc("-n", r.netns, "qdisc", "replace", "dev", r.ifname, *tbf)  # the rank's upload
         _tc("-n", self.bridge_netns, "qdisc", "replace", "dev", r.bridge_port, *tbf)  # its download
 
+    def _shape_loopback(self, r: RankLink) -> None:
+        """``tbf`` on the node's ``lo``: every byte between two of its ranks passes it once."""
+        assert self.intra_link is not None
+        burst = max(self.intra_link.burst, LOOPBACK_MIN_BURST)
+        rate = f"{round(self.intra_link.rate_bps)}bit"
+        latency = f"{self.intra_link.queue_ms:g}ms"
+        _tc("-n", r.netns, "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", rate, "burst", str(burst),
+            "latency", latency)  # fmt: skip
+
+    @staticmethod
+    def _read_counters(netns: str, ifname: str) -> IfCounters:
+        stats = json.loads(_ip("-n", netns, "-s", "-j", "link", "show", "dev", ifname))[0]["stats64"]
+        return IfCounters(
+            stats["tx"]["bytes"], stats["rx"]["bytes"], stats["tx"]["packets"], stats["rx"]["packets"]
+        )
+
     def counters(self) -> list[IfCounters]:
-        """Per-rank counters of each rank's own veth: tx = bytes the rank sent, rx = bytes it received."""
-        result = []
-        for r in self.ranks:
-            out = _ip("-n", r.netns, "-s", "-j", "link", "show", "dev", r.ifname)
-            stats = json.loads(out)[0]["stats64"]
-            result.append(
-                IfCounters(
-                    stats["tx"]["bytes"], stats["rx"]["bytes"], stats["tx"]["packets"], stats["rx"]["packets"]
-                )
-            )
-        return result
+        """Per-host counters of each host's own veth (a rank's link, or a node's NIC): tx = bytes the host
+        sent to the others, rx = bytes it received from them."""
+        return [self._read_counters(r.netns, r.ifname) for r in self.ranks]
+
+    def loopback_counters(self) -> list[IfCounters]:
+        """Per-host counters of ``lo``: a node's intra-node traffic (each byte once as tx, once as rx)."""
+        return [self._read_counters(r.netns, "lo") for r in self.ranks]
 
     def close(self) -> None:
         """Kill what still runs in the namespaces, delete them, verify, and drop the state file."""

@@ -1,0 +1,329 @@
+"""Tests of ``lioncub launch --nnodes M --nproc-per-node L``: emulated nodes (one network namespace and one
+shaped NIC per node, its ranks on the namespace's loopback), each started by a multi-node torchrun with a c10d
+rendezvous; and the wire bytes LionCub counts against the node's interface counters.
+
+The network tests need root (network namespaces, tc) and are skipped with a stated reason otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lioncub.cli import launch as launch_cli
+from lioncub.launch import (
+    EmulatedNetwork,
+    LaunchConfig,
+    LinkSpec,
+    check_privileges,
+    launch,
+    netns,
+    node_env,
+    torchrun_command,
+)
+from lioncub.launch.launcher import _TorchrunReport
+
+PY = sys.executable
+
+
+def _cli(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="lioncub launch")
+    launch_cli.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------------------ unit tests
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"nnodes": 2, "link_rate_bps": 1e9}, r"--nnodes 2: needs --nproc-per-node L"),
+        ({"nproc_per_node": 2, "link_rate_bps": 1e9}, r"--nproc-per-node 2: applies only with --nnodes M"),
+        ({"nnodes": 2, "nproc_per_node": 2}, r"--nnodes 2: .*needs --link RATE"),
+        ({"nnodes": 2, "nproc_per_node": 2, "nproc": 3, "link_rate_bps": 1e9}, r"--nproc 3 with --nnodes"),
+        ({"nnodes": 0, "nproc_per_node": 2, "link_rate_bps": 1e9}, r"--nnodes must be .* within 1\.\.150"),
+        ({"nnodes": 2, "nproc_per_node": 0, "link_rate_bps": 1e9}, r"--nproc-per-node must be .* >= 1"),
+        ({"intra_link_rate_bps": 1e9, "nproc": 2}, r"--intra-link: .*applies only with --nnodes"),
+        ({"nnodes": 2, "nproc_per_node": 2, "link_rate_bps": 1e9, "intra_link_rate_bps": -1.0}, "--intra"),
+    ],
+)  # fmt: skip
+def test_node_options_are_validated_naming_the_option(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        LaunchConfig(["x.py"], **kwargs)
+
+
+def test_node_config_sets_the_world_size() -> None:
+    config = LaunchConfig(["x.py"], nnodes=3, nproc_per_node=2, link_rate_bps=1e8)
+    assert config.nproc == 6
+    assert LaunchConfig(["x.py"], nproc=6, nnodes=3, nproc_per_node=2, link_rate_bps=1e8).nproc == 6
+
+
+def test_torchrun_command_and_node_env() -> None:
+    argv = torchrun_command(
+        [PY, "train.py", "--x"], nnodes=2, nproc_per_node=4, endpoint="10.1.2.100:29500", run_id="lcb00abc",
+        node=1, local_addr="10.1.2.101", restarts=2, log_dir="/tmp/l/n1", shutdown_s=5,
+    )  # fmt: skip
+    text = " ".join(argv)
+    assert argv[:3] == [PY, "-m", "torch.distributed.run"]
+    for part in (
+        "--nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint 10.1.2.100:29500",
+        "--rdzv-id lcb00abc --rdzv-conf is_host=0 --local-addr 10.1.2.101 --max-restarts 2",
+        "--tee 3 --log-dir /tmp/l/n1",
+    ):
+        assert part in text
+    assert argv[-4:] == ["--no-python", PY, "train.py", "--x"]  # the command runs once per rank, as given
+    base = {
+        "PATH": "/bin",
+        "RANK": "7",
+        "MASTER_PORT": "1",
+        "LIONCUB_RESTART_COUNT": "3",
+        "OMP_NUM_THREADS": "2",
+    }
+    env = node_env(1, 2, ifname="lcb00abcv1", launch_id="lcb00abc", link_bps=1e9, base=base, extra={"A": "b"})
+    assert not {"RANK", "MASTER_PORT", "LIONCUB_RESTART_COUNT"} & set(env)  # torchrun sets the ranks' own
+    expected = {
+        "GLOO_SOCKET_IFNAME": "lcb00abcv1", "LIONCUB_NODE": "1", "LIONCUB_NNODES": "2",
+        "LIONCUB_LINK_BPS": "1000000000", "OMP_NUM_THREADS": "2", "A": "b", "PATH": "/bin",
+        "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[r${rank}] ",
+    }  # fmt: skip
+    assert {k: env[k] for k in expected} == expected
+    assert "LIONCUB_INTRA_LINK_BPS" not in env
+
+
+TORCHRUN_FAILURE = """\
+Failures:
+[1]:
+  time      : 2026-12-04_14:39:05
+  rank      : 2 (local_rank: 0)
+  exitcode  : -15 (pid: 28025)  (SIGTERM)
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-04_14:39:05
+  host      : vm
+  rank      : 3 (local_rank: 1)
+  exitcode  : 3 (pid: 28026)
+  error_file: <N/A>
+============================================================
+"""
+
+
+def test_torchrun_root_cause_is_read_from_its_report() -> None:
+    report = _TorchrunReport()
+    for line in TORCHRUN_FAILURE.splitlines(keepends=True):
+        report.feed(line)
+    assert (report.rank, report.local_rank, report.exitcode) == (3, 1, 3)  # not the SIGTERMed rank 2
+
+
+def test_node_network_names_fit_linux_limits_and_sort_as_torchrun_sorts() -> None:
+    net = EmulatedNetwork(150, LinkSpec(1e9), launch_id="lcbfffff", nodes=True, intra_link=LinkSpec(1e10))
+    names = [net.bridge] + [n for r in net.hosts for n in (r.ifname, r.bridge_port)]
+    assert max(map(len, names)) <= 15  # IFNAMSIZ - 1
+    addresses = [r.address for r in net.hosts]
+    assert addresses[0].endswith(".100") and addresses[-1].endswith(".249")
+    assert sorted(addresses) == addresses  # torchrun's rendezvous orders nodes by address, as text
+    assert [r.netns for r in net.hosts[:2]] == ["lcbfffff-n0", "lcbfffff-n1"]
+    with pytest.raises(ValueError, match=r"--nnodes: .*1\.\.150"):
+        EmulatedNetwork(151, LinkSpec(1e9), nodes=True)
+    with pytest.raises(ValueError, match="--intra-link"):
+        EmulatedNetwork(2, LinkSpec(1e9), intra_link=LinkSpec(1e10))
+
+
+def test_cli_refuses_nproc_with_nnodes_and_dry_runs_torchrun(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--nnodes", "2", "--nproc", "4", "--nproc-per-node", "2", "--link", "1gbit", "--", "x.py"]
+    assert launch_cli.run(_cli(args)) == 2
+    assert "--nproc 4 with --nnodes 2: give either --nproc N" in capsys.readouterr().err
+    assert launch_cli.run(_cli(["--nnodes", "2", "--nproc-per-node", "2", "--link", "1gbit",
+                                "--intra-link", "fast", "--", "x.py"])) == 2  # fmt: skip
+    assert "--intra-link: cannot read 'fast'" in capsys.readouterr().err
+    args = [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "3",
+        "--link",
+        "1gbit",
+        "--intra-link",
+        "10gbit",
+        "--dry-run",
+    ]
+    assert launch_cli.run(_cli([*args, "--", "-m", "m"])) == 0
+    out = capsys.readouterr().out
+    assert "2 nodes × 3 ranks" in out and "tbf rate 10gbit on each node's lo" in out
+    node1 = (
+        r"node 1: .*GLOO_SOCKET_IFNAME=lcb[0-9a-f]{5}v1 .*LIONCUB_NODE=1 .*ip netns exec lcb[0-9a-f]{5}-n1 "
+        r"\S+ -m torch\.distributed\.run --nnodes 2 --nproc-per-node 3 --rdzv-backend c10d "
+        r"--rdzv-endpoint (10\.\d+\.\d+)\.100:29500 .*--local-addr \1\.101 .*--no-python \S+ -m m"
+    )
+    assert re.search(node1, out), out
+
+
+# ------------------------------------------------------------------------------- emulated network
+
+
+def _netns_usable() -> bool:
+    try:
+        check_privileges()
+        netns.list_netns()
+    except netns.NetnsError:
+        return False
+    return True
+
+
+needs_root = pytest.mark.skipif(not _netns_usable(), reason="needs root for network namespaces")
+
+#: Ethernet (14) + IPv4 (20) + TCP with timestamps (32) bytes of header per frame
+FRAME_HEADER_BYTES = 66
+
+
+def _assert_nothing_left(launch_id: str) -> None:
+    assert not [ns for ns in netns.list_netns() if ns.startswith(launch_id)]
+    for cmd in (["ip", "-o", "link", "show"], ["tc", "qdisc", "show"]):  # nothing ever in the root namespace
+        assert launch_id not in subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    assert not (netns.state_dir() / f"{launch_id}.json").exists()
+    assert not list(Path("/etc/netns").glob(f"{launch_id}*"))
+
+
+@needs_root
+@pytest.mark.root
+def test_node_network_shapes_each_nic_and_the_loopback_inside() -> None:
+    net = EmulatedNetwork(2, LinkSpec(1e8), nodes=True, intra_link=LinkSpec(2e9)).up()
+    try:
+        for host in net.hosts:
+            nic = subprocess.run(["tc", "-n", host.netns, "qdisc", "show", "dev", host.ifname],
+                                 capture_output=True, text=True, check=True).stdout  # fmt: skip
+            port = subprocess.run(["tc", "-n", net.bridge_netns, "qdisc", "show", "dev", host.bridge_port],
+                                  capture_output=True, text=True, check=True).stdout  # fmt: skip
+            lo = subprocess.run(["tc", "-n", host.netns, "qdisc", "show", "dev", "lo"],
+                                capture_output=True, text=True, check=True).stdout  # fmt: skip
+            assert "tbf" in nic and "rate 100Mbit" in nic and "rate 100Mbit" in port  # both directions
+            assert "tbf" in lo and "rate 2Gbit" in lo
+        assert len(net.loopback_counters()) == len(net.counters()) == 2
+    finally:
+        net.close()
+    _assert_nothing_left(net.launch_id)
+
+
+NODE_STEPS = """
+import datetime, json, os, torch, torch.distributed as dist
+from pathlib import Path
+from lioncub import Checks, LionCub
+
+D, STEPS = 4_000_003, 4
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+rank, local = dist.get_rank(), int(os.environ["LOCAL_RANK"])
+nic = os.environ["GLOO_SOCKET_IFNAME"]
+
+
+def counters():  # this node's NIC and loopback: tx/rx bytes and frames
+    keys = ("tx_bytes", "rx_bytes", "tx_packets", "rx_packets")
+    path = "/sys/class/net/{}/statistics/{}"
+    return {n: [int(Path(path.format(n, k)).read_text()) for k in keys] for n in (nic, "lo")}
+
+
+torch.manual_seed(0)
+p = torch.nn.Parameter(torch.randn(D))  # not a multiple of 8·N: padding travels too
+opt = LionCub([p], lr=1e-3, variant="1bit", checks=Checks(broadcast_init=False))  # same seed: no broadcast
+g = torch.Generator().manual_seed(rank)
+
+
+def step():
+    p.grad = torch.randn(p.shape, generator=g)
+    opt.step()
+
+
+step()  # warm-up: every gloo connection is up
+dist.barrier()
+first = counters() if local == 0 else None
+sent0 = opt.comm_stats()["total"]["bytes_sent"]
+dist.barrier()  # no rank sends a step's bytes before the node's counters are read
+for _ in range(STEPS):
+    step()
+dist.barrier()
+last = counters() if local == 0 else None
+sent = opt.comm_stats()["total"]["bytes_sent"] - sent0
+names = ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LIONCUB_NODE", "LIONCUB_NNODES")
+delta = None if first is None else {n: [b - a for a, b in zip(first[n], last[n])] for n in first}
+record = {"sent": sent, "env": {k: os.environ.get(k) for k in names}, "nic": nic, "delta": delta}
+print("RESULT " + json.dumps(record))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@needs_root
+@pytest.mark.root
+@pytest.mark.slow
+def test_two_nodes_of_two_ranks_wire_bytes_match_the_node_nic() -> None:
+    """2 nodes × 2 ranks, flat 1-bit LionCub: torchrun's environment lays the ranks out node by node, and the
+    bytes LionCub counts go through the node's NIC (to the 2 remote ranks) and its loopback (to the local
+    one) as the interface counters measure them, within 1 %."""
+    m, ell = 2, 2
+    n = m * ell
+    out, err = io.StringIO(), io.StringIO()
+    config = LaunchConfig(
+        [PY, "-c", NODE_STEPS], nnodes=m, nproc_per_node=ell, link_rate_bps=1e9, timeout_s=120
+    )
+    result = launch(config, out=out, err=err)
+    assert result.ok, out.getvalue() + err.getvalue()
+    records = [
+        json.loads(line.split("RESULT ", 1)[1]) for line in out.getvalue().splitlines() if "RESULT " in line
+    ]
+    assert len(records) == n, out.getvalue()
+    by_rank = {int(r["env"]["RANK"]): r for r in records}
+    for rank, r in by_rank.items():  # torchrun's node rank is the emulated node: rank = node·L + local
+        node, local = divmod(rank, ell)
+        expected = {"RANK": rank, "GROUP_RANK": node, "LOCAL_RANK": local, "LOCAL_WORLD_SIZE": ell,
+                    "LIONCUB_NODE": node, "LIONCUB_NNODES": m}  # fmt: skip
+        assert r["env"] == {k: str(v) for k, v in expected.items()}
+        assert r["nic"] == f"{result.launch_id}v{node}"
+    d_pad = -(-4_000_003 // (8 * n)) * 8 * n
+    assert by_rank[0]["sent"] == pytest.approx(
+        4 * 2 * (n - 1) / n * d_pad / 8, rel=1e-3
+    )  # flat 1-bit's bytes
+    assert result.node_traffic is not None and len(result.node_traffic) == m
+    for node in range(m):
+        sent = sum(by_rank[node * ell + k]["sent"] for k in range(ell))  # what the node's ranks counted
+        delta = by_rank[node * ell]["delta"]
+        tx, rx, tx_frames, rx_frames = delta[f"{result.launch_id}v{node}"]
+        lo_bytes, _, lo_frames, _ = delta["lo"]
+        remote = sent * (n - ell) / (n - 1)  # each rank sends as much to every other rank: 2 of 3 are remote
+        local = sent * (ell - 1) / (n - 1)
+        print(f"node {node}: LionCub {sent} B; NIC payload tx {tx - FRAME_HEADER_BYTES * tx_frames} B "
+              f"(expected {remote:.0f}), loopback {lo_bytes - FRAME_HEADER_BYTES * lo_frames} B "
+              f"(expected {local:.0f})")  # fmt: skip
+        assert tx - FRAME_HEADER_BYTES * tx_frames == pytest.approx(remote, rel=0.01)
+        assert rx - FRAME_HEADER_BYTES * rx_frames == pytest.approx(
+            remote, rel=0.01
+        )  # the NIC is symmetric here
+        assert lo_bytes - FRAME_HEADER_BYTES * lo_frames == pytest.approx(local, rel=0.01)
+        assert result.node_traffic[node].tx_bytes >= tx  # the launcher's count spans the whole run
+    _assert_nothing_left(result.launch_id)
+
+
+@needs_root
+@pytest.mark.root
+@pytest.mark.slow
+def test_a_failed_rank_on_a_node_is_named_and_every_node_stops() -> None:
+    code = (
+        "import datetime, os, sys, time, torch.distributed as dist\n"
+        "dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=60))\n"
+        "if os.environ['RANK'] == '3':\n    sys.exit(3)\n"
+        "time.sleep(60)\n"
+    )
+    out, err = io.StringIO(), io.StringIO()
+    config = LaunchConfig([PY, "-c", code], nnodes=2, nproc_per_node=2, link_rate_bps=1e8, timeout_s=90)
+    result = launch(config, out=out, err=err)
+    assert (result.returncode, result.failed_rank, result.failed_node) == (3, 3, 1), err.getvalue()
+    assert result.message == "rank 3 (node 1, local rank 1) exited with code 3"
+    assert "[lioncub] rank 3 (node 1, local rank 1) exited with code 3; stopping node 0" in err.getvalue()
+    assert result.rank_returncodes[3] == 3 and result.wall_s < 40  # rank 0..2 sleep 60 s: they were stopped
+    _assert_nothing_left(result.launch_id)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["Lion", "apply_update_", "lion_direction", "lion_update_", "update_momentum_"]
+__all__ = ["Lion", "apply_update_", "default_foreach", "lion_direction", "lion_update_", "update_momentum_"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -245,7 +245,8 @@ def _check_hyperparameters(group: dict[str, Any]) -> None:
         raise ValueError(f"Invalid momentum_dtype: {dtype!r} (expected None or a floating torch.dtype)")
 
 
-def _default_foreach(params: Iterable[Tensor]) -> bool:
+def default_foreach(params: Iterable[Tensor]) -> bool:
+    """Whether the ``torch._foreach_*`` kernels serve these parameters (CPU or CUDA, strided)."""
     return all(p.device.type in ("cpu", "cuda") and p.layout == torch.strided for p in params)
 
 
@@ -399,7 +400,7 @@ class Lion(torch.optim.Optimizer):
                 continue
             foreach = group["foreach"]
             if foreach is None:
-                foreach = _default_foreach(params)
+                foreach = default_foreach(params)
             lr = group["lr"]
             beta1, beta2 = group["betas"]
             lion_update_(

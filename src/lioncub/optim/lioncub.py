@@ -50,7 +50,7 @@ from lioncub._validate import is_int, is_number
 from lioncub.collectives import Comm, CommCounter
 from lioncub.optim import diagnostics, topology
 from lioncub.optim.config import PRESETS, VoteConfig, resolve_variant
-from lioncub.optim.lion import check_lion_hyperparameters, lion_update_
+from lioncub.optim.lion import check_lion_hyperparameters, default_foreach, lion_update_
 from lioncub.optim.overlap import OverlapHook
 from lioncub.optim.replicas import (
     ReplicaDivergenceError,
@@ -435,7 +435,10 @@ class LionCub(torch.optim.Optimizer):
         """One process: :class:`~lioncub.optim.Lion`'s step (the same functions, bit for bit), with the
         non-finite check of :class:`Checks` (``nonfinite``) and a GradScaler's overflow."""
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        peaks = [torch.linalg.vector_norm(g, float("inf")).float() for g in grads]
+        if grads and default_foreach(grads):
+            peaks = [t.float() for t in torch._foreach_norm(grads, float("inf"))]
+        else:
+            peaks = [torch.linalg.vector_norm(g, float("inf")).float() for g in grads]
         if self.checks.nonfinite == "raise":  # raises NonFiniteGradientError on NaN/Inf
             check_step(self.comm, peaks, step=self._global_step, layout=0, missing_grads=0, nonfinite="raise")
         skip = overflow or bool(peaks and not torch.isfinite(torch.stack(peaks)).all())
@@ -457,7 +460,7 @@ class LionCub(torch.optim.Optimizer):
                 beta2=float(beta2),
                 weight_decay=float(group["weight_decay"]),
                 maximize=bool(group["maximize"]),
-                foreach=False,
+                foreach=default_foreach(params),
             )
 
     def _check_step(self, buckets: Sequence[BucketVote], posted: bool, overflow: bool) -> StepCheck:

@@ -2,7 +2,10 @@
 
 Prints a table (latency, bandwidth and compute parts, bytes per rank, speedup over ``32bit``), the winner,
 which variant wins over the range of link rates and where the winner crosses the others; ``--plot``
-saves the cost against the link rate and against N (like Fig. 2 of the Lion Cub paper).
+saves the cost against the link rate and against N (like Fig. 2 of the Lion Cub paper). With ``--nnodes M
+--nproc-per-node L`` it ranks every variant × topology (flat, hierarchical, node-majority) on M nodes of L
+ranks: one NIC per node (``--bandwidth``, ``--latency``) and a link per rank inside the node
+(``--intra-bandwidth``, ``--intra-latency``).
 """
 
 from __future__ import annotations
@@ -14,18 +17,25 @@ from typing import Any
 
 from lioncub.cli.options import real_number, whole_number
 from lioncub.planning import costmodel as cm
-from lioncub.report.cost import figure, format_count, report
+from lioncub.report.cost import figure, format_count, report, report_cluster
 
 EPILOG = """\
 examples:
   lioncub cost --params 774M --workers 8 --bandwidth 1gbit --latency 50us
   lioncub cost --params 125M --workers 16 --bandwidth 10gbit --sync-every 10 --plot cost.png
   lioncub cost --params 25M --workers 4 --calibration calib.json    # constants from `lioncub calibrate`
+  lioncub cost --params 774M --nnodes 2 --nproc-per-node 4 --bandwidth 10gbit --intra-bandwidth 400gbit
 
 Rates are bits/s (100mbit, 2.5gbit, 1Gbps); latencies take s, ms, us, ns; counts take K, M, B (SI).
 Compute is charged on the critical path (not overlapped with communication). With --workers 1 nothing is
 communicated: each variant costs only its codec, and there are no speedups or crossovers to show.
+--workers N gives every worker its own link; --nnodes M --nproc-per-node L puts L workers behind each
+node's NIC (ranks numbered node by node, as torchrun numbers them).
 """
+
+#: defaults of the link inside a node (NVLink-class) when --nnodes is given
+DEFAULT_INTRA_BANDWIDTH = "400gbit"
+DEFAULT_INTRA_LATENCY = "5us"
 
 
 def _arg(parse: Any, option: str) -> Any:
@@ -55,6 +65,16 @@ def _variants(text: str) -> list[str]:
     return names
 
 
+def _topologies(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [t for t in names if t not in cm.TOPOLOGIES]
+    if unknown or not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give distinct names; allowed values are {', '.join(cm.TOPOLOGIES)}"
+        )
+    return names
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -66,13 +86,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="e.g. 774M, 1.5B",
     )
     parser.add_argument(
-        "--workers", required=True, type=whole_number(1), metavar="N", help="data-parallel workers"
+        "--workers", type=whole_number(1), metavar="N", help="data-parallel workers, each with its own link"
+    )
+    parser.add_argument(
+        "--nnodes",
+        type=whole_number(1),
+        metavar="M",
+        help="instead of --workers: M nodes of --nproc-per-node",
+    )
+    parser.add_argument(
+        "--nproc-per-node", type=whole_number(1), metavar="L", help="with --nnodes: workers on each node"
+    )
+    parser.add_argument(
+        "--intra-bandwidth",
+        type=_arg(cm.parse_bandwidth, "--intra-bandwidth"),
+        metavar="RATE",
+        help=f"with --nnodes: each worker's link inside its node (default {DEFAULT_INTRA_BANDWIDTH})",
+    )
+    parser.add_argument(
+        "--intra-latency",
+        type=_arg(cm.parse_duration, "--intra-latency"),
+        metavar="TIME",
+        help=f"with --nnodes: α inside a node (default {DEFAULT_INTRA_LATENCY})",
+    )
+    parser.add_argument(
+        "--topologies",
+        type=_topologies,
+        metavar="LIST",
+        help=f"with --nnodes: comma-separated, from {', '.join(cm.TOPOLOGIES)} (default all)",
     )
     parser.add_argument(
         "--bandwidth",
         type=_arg(cm.parse_bandwidth, "--bandwidth"),
         metavar="RATE",
-        help="each worker's link rate, e.g. 1gbit (default 1gbit, or the calibration's)",
+        help="each worker's link rate (with --nnodes: each node's NIC), e.g. 1gbit (default 1gbit, or the "
+        "calibration's)",
     )
     parser.add_argument(
         "--latency",
@@ -150,6 +198,39 @@ def _setup(args: argparse.Namespace) -> tuple[cm.Network, cm.Compute, str]:
     return network, compute, "typical CPU compute costs" if args.compute == "cpu" else "no compute costs"
 
 
+def _check_layout(args: argparse.Namespace) -> int:
+    """Refuse option combinations naming the options; return N, the number of workers."""
+    nodes = args.nnodes is not None
+    if args.nproc_per_node is not None and not nodes:
+        raise ValueError("--nproc-per-node: applies only with --nnodes M (M nodes of L workers)")
+    if nodes and args.nproc_per_node is None:
+        raise ValueError(f"--nnodes {args.nnodes}: needs --nproc-per-node L, the workers on each node")
+    if nodes == (args.workers is not None):
+        raise ValueError(
+            "give either --workers N (one link per worker) or --nnodes M --nproc-per-node L (M nodes of L "
+            "workers behind one NIC each), not both"
+            if nodes
+            else "give either --workers N (one link per worker) or --nnodes M --nproc-per-node L (M nodes of "
+            "L workers behind one NIC each)"
+        )
+    if not nodes:
+        given = [
+            option
+            for option, value in (
+                ("--intra-bandwidth", args.intra_bandwidth),
+                ("--intra-latency", args.intra_latency),
+                ("--topologies", args.topologies),
+            )
+            if value is not None
+        ]
+        if given:
+            raise ValueError(f"{', '.join(given)}: applies only with --nnodes M --nproc-per-node L")
+        return int(args.workers)
+    if args.plot:
+        raise ValueError("--plot: applies only with --workers N (the plot sweeps the link rate and N)")
+    return int(args.nnodes * args.nproc_per_node)
+
+
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     bucket = int(args.bucket_mb * 2**20 / 4) if args.bucket_mb > 0 else None
     if bucket is not None and bucket < 1:
@@ -168,13 +249,19 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
                 f"{format_count(args.params)}; give at most the model's parameter count"
             )
     names = list(args.variants or cm.PRESET_SCHEMES)
-    checks = {v: cm.allowed(v, args.workers) for v in names}
+    n = args.workers if args.workers is not None else args.nnodes * args.nproc_per_node
+    where = (
+        f"--workers {n}"
+        if args.workers is not None
+        else f"{n} workers ({args.nnodes} × {args.nproc_per_node})"
+    )
+    checks = {v: cm.allowed(v, n) for v in names}
     if not any(ok for ok, _ in checks.values()):
-        fits = [v for v in cm.PRESET_SCHEMES if cm.allowed(v, args.workers)[0]]
+        fits = [v for v in cm.PRESET_SCHEMES if cm.allowed(v, n)[0]]
         why = "; ".join(f"{v}: {reason}" for v, (_, reason) in checks.items())
         raise ValueError(
-            f"--variants {','.join(names)}: none is allowed for --workers {args.workers} ({why}); "
-            f"presets that allow {args.workers} workers: {', '.join(fits)}"
+            f"--variants {','.join(names)}: none is allowed for {where} ({why}); "
+            f"presets that allow {n} workers: {', '.join(fits)}"
         )
     return {"sync_every": args.sync_every, "sync_params": args.sync_params, "bucket_numel": bucket}
 
@@ -208,9 +295,26 @@ def run(args: argparse.Namespace) -> int:
     if not console.is_terminal:
         console = Console(width=max(console.width, 132))
     try:
+        _check_layout(args)
         network, compute, source = _setup(args)
         options = _options(args)
         _check_plot(args.plot)
+        if args.nnodes is not None:
+            intra = cm.Network(
+                cm.parse_duration(DEFAULT_INTRA_LATENCY)
+                if args.intra_latency is None
+                else args.intra_latency,
+                cm.parse_bandwidth(DEFAULT_INTRA_BANDWIDTH)
+                if args.intra_bandwidth is None
+                else args.intra_bandwidth,
+                cm.TCP_EFFICIENCY if args.efficiency is None else args.efficiency,
+            )
+            cluster = cm.Cluster(args.nnodes, args.nproc_per_node, network, intra)
+            topologies = args.topologies or list(cm.TOPOLOGIES)
+            report_cluster(
+                console, args.params, cluster, compute, args.variants, topologies, source, **options
+            )
+            return 0
         report(console, args.params, args.workers, network, compute, args.variants, source, **options)
         if args.plot:
             fig = figure(args.params, args.workers, network, compute, args.variants, **options)

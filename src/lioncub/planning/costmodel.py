@@ -50,28 +50,38 @@ from lioncub.units import parse_bandwidth, parse_count, parse_duration
 __all__ = [
     "CALIBRATION_VERSION",
     "DEFAULT_CPU_COMPUTE",
+    "LEVELS",
     "OPS",
     "PRESET_SCHEMES",
     "TCP_EFFICIENCY",
+    "TOPOLOGIES",
     "Calibration",
+    "Cluster",
+    "ClusterPrediction",
     "Collective",
     "Compute",
     "Network",
     "OpCost",
+    "Phase",
     "Prediction",
     "Scheme",
     "allowed",
     "calibration_from_json",
+    "cluster_table",
     "crossover_bandwidth",
+    "hierarchical_lane_bits",
     "load_calibration",
     "parse_bandwidth",
     "parse_count",
     "parse_duration",
     "predict",
+    "predict_cluster",
     "regimes",
     "resolve_scheme",
     "speedups",
     "table",
+    "topology_allowed",
+    "topology_phases",
     "winner",
     "wire_bytes",
 ]
@@ -379,6 +389,367 @@ def wire_bytes(variant: str | Scheme | Any, d: int, n_workers: int, rank: int = 
         raise ValueError(why)
     colls, _ = _plan(scheme, d, _check_n(n_workers), rank)
     return sum(c.sent for c in colls), sum(c.recv for c in colls)
+
+
+# ------------------------------------------------------------------------- nodes: two levels of links
+
+#: how a vote is laid over M nodes of L ranks (``lioncub.collectives.hierarchical``)
+TOPOLOGIES = ("flat", "hierarchical", "node-majority")
+#: the level of a :class:`Phase`: inside each node, between the nodes, or the whole group at once
+LEVELS = ("intra", "inter", "flat")
+_HIERARCHICAL_TRANSPORTS = ("1bit", "lanes", "int8", "quantized")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """M nodes of L ranks, ranks numbered node by node (rank = node·L + local, as torchrun numbers them).
+
+    Args:
+        nnodes: M.
+        nproc_per_node: L.
+        inter: each node's NIC to the other nodes (α per message, rate per direction), shared by its L ranks.
+        intra: each rank's link to the ranks of its own node (NVLink, PCIe, shared memory), per direction.
+    """
+
+    nnodes: int
+    nproc_per_node: int
+    inter: Network
+    intra: Network
+
+    def __post_init__(self) -> None:
+        for name in ("nnodes", "nproc_per_node"):
+            if not is_int(getattr(self, name), 1):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be an int >= 1")
+
+    @property
+    def n_workers(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One collective of a step on a :class:`Cluster`, as the model charges it (busiest node and rank).
+
+    ``level``: ``"intra"`` (inside every node at once), ``"inter"`` (between the nodes) or ``"flat"`` (the
+    whole group: α is the NIC's when there are several nodes). ``nic_sent``/``nic_recv``: bytes out of /
+    into a node's NIC; ``intra_sent``/``intra_recv``: bytes a rank sends to / receives from the ranks of
+    its own node; ``sent``/``recv``: all the bytes of a rank (what LionCub counts); ``messages``: α terms
+    on the critical path; ``reduce_bytes``: bytes reduced locally (γ); ``count``: times per step.
+    """
+
+    op: str
+    level: str
+    messages: int
+    nic_sent: float
+    nic_recv: float
+    intra_sent: float
+    intra_recv: float
+    sent: float
+    recv: float
+    reduce_bytes: float = 0.0
+    count: float = 1.0
+
+    def seconds(self, cluster: Cluster, compute: Compute) -> tuple[float, float, float]:
+        """(latency, bandwidth, reduction) seconds per step. The links of both levels run at once, so the
+        bandwidth term is the slower of the NIC's and a rank's intra-node link."""
+        inter = self.level == "inter" or (self.level == "flat" and cluster.nnodes > 1)
+        alpha = (cluster.inter if inter else cluster.intra).alpha(self.op)
+        nic = max(self.nic_sent, self.nic_recv) / cluster.inter.rate(self.op)
+        local = max(self.intra_sent, self.intra_recv) / cluster.intra.rate(self.op)
+        return (
+            self.count * self.messages * alpha,
+            self.count * max(nic, local),
+            self.count * self.reduce_bytes * compute.reduce_s_per_byte,
+        )
+
+
+def _flat_phases(scheme: Scheme, d: int, m: int, ell: int) -> tuple[list[Phase], dict[str, float]]:
+    """The flat scheme over M×L node-ordered ranks: the collectives of :func:`_plan`, split by level
+    (:func:`_split`)."""
+    colls, work = _plan(scheme, d, m * ell)
+    return [_split(c, m, ell) for c in colls], work
+
+
+def _split(c: Collective, m: int, ell: int) -> Phase:
+    """A flat collective over M×L node-ordered ranks, its bytes split between the NIC and the node.
+
+    A ring (allreduce) crosses each node boundary once, so a NIC carries one rank's ring traffic; a pairwise
+    exchange (the 1-bit all-to-all and all-gather) sends each rank's slice to every remote rank, so a NIC
+    carries ``L·(N−L)/N`` of a rank's vector; the server's root (rank 0, on node 0) takes ``N−L`` of its
+    messages through its node's NIC.
+    """
+    n = m * ell
+    if c.op.startswith("allreduce"):  # ring: 2(N−1) steps, each to the next rank
+        nic = c.link_bytes if m > 1 else 0.0
+        local = c.link_bytes if ell > 1 else 0.0
+        return Phase(
+            c.op, "flat", c.messages, nic, nic, local, local, c.sent, c.recv, c.reduce_bytes, c.count
+        )
+    if c.op in ("all_to_all", "all_gather"):  # pairwise: a slice of 1/N to each of the N−1 others
+        slice_ = c.sent / (n - 1)
+        nic, local = ell * (n - ell) * slice_, (ell - 1) * slice_
+        return Phase(c.op, "flat", c.messages, nic, nic, local, local, c.sent, c.recv, count=c.count)
+    each = c.link_bytes / (n - 1)  # gather_root / scatter_root: N−1 messages into or out of rank 0
+    into = c.op == "gather_root"
+    nic_root, nic_other = (n - ell) * each, (ell * each if m > 1 else 0.0)
+    local_root, local_other = (ell - 1) * each, (each if ell > 1 else 0.0)
+    return Phase(
+        c.op,
+        "flat",
+        c.messages,
+        nic_other if into else nic_root,
+        nic_root if into else nic_other,
+        local_other if into else local_root,
+        local_root if into else local_other,
+        c.sent,
+        c.recv,
+        count=c.count,
+    )
+
+
+def _quantized_levels(scheme: Scheme, n: int) -> int:
+    """Per-worker level budget of a quantized vote (as ``lioncub.optim.config``'s and the vote's)."""
+    bits = lane_bits(scheme, n) or 8
+    return 127 // n if bits == 8 else ((1 << bits) - 1) // (2 * n)
+
+
+def _intra_ring(op: str, nbytes: float, ell: int) -> Phase:
+    each = 2 * (ell - 1) / ell * nbytes
+    return Phase(op, "intra", 2 * (ell - 1), 0.0, 0.0, each, each, each, each, (ell - 1) / ell * nbytes)
+
+
+def _intra_gather(nbytes_each: float, ell: int) -> Phase:
+    each = (ell - 1) * nbytes_each
+    return Phase("all_gather", "intra", ell - 1, 0.0, 0.0, each, each, each, each)
+
+
+def hierarchical_lane_bits(variant: str | Scheme | Any, nnodes: int, nproc_per_node: int) -> int | None:
+    """Lane width of the hierarchical vote's inter-node sum: the narrowest of 2, 4, 8 bits that holds the
+    M-node sum of offset-encoded node sums (``M·L·(max + offset) ≤ 2^b − 1``); ``None``: int32 lanes."""
+    _, scheme = resolve_scheme(variant)
+    m, ell = nnodes, nproc_per_node
+    top, offset = _vote_values(scheme, m * ell)
+    span = ell * (top + offset)
+    return next((b for b in (2, 4, 8) if span <= 255 and m * span <= (1 << b) - 1), None)
+
+
+def _vote_values(scheme: Scheme, n: int) -> tuple[int, int]:
+    """(largest |value| one rank contributes, offset of its lane encoding) of a vote's integer sum."""
+    if scheme.transport == "quantized":
+        levels = _quantized_levels(scheme, n)
+        return levels, levels
+    if scheme.transport == "int8":  # signs in {−1, 0, 1}, offset to {0, 1, 2}
+        return 1, 1
+    return 1, 0  # 0/1 votes (1bit, lanes)
+
+
+def _hierarchical_phases(scheme: Scheme, d: int, m: int, ell: int) -> tuple[list[Phase], dict[str, float]]:
+    """The exact hierarchical vote (``lioncub.collectives.hierarchical.HierarchicalVote``): intra-node
+    allreduce of the ranks' integer values (int8, int32 past 127), inter-node ring allreduce of this local
+    rank's slice (d/L elements) among the same-local-rank peers in the lanes of
+    :func:`hierarchical_lane_bits`, intra-node all-gather of the summed slices."""
+    n = m * ell
+    top, _ = _vote_values(scheme, n)
+    node_item = 1 if ell * top <= 127 else 4
+    total_item = 1 if n * top <= 127 else 4
+    k = -(-d // ell)
+    bits = hierarchical_lane_bits(scheme, m, ell)
+    phases: list[Phase] = []
+    if ell > 1:
+        phases.append(_intra_ring("allreduce_i8" if node_item == 1 else "allreduce_f32", d * node_item, ell))
+    if m > 1:
+        lanes, op = (_packed(k, bits), "allreduce_u8") if bits is not None else (4 * k, "allreduce_f32")
+        each = 2 * (m - 1) / m * lanes
+        phases.append(
+            Phase(op, "inter", 2 * (m - 1), ell * each, ell * each, 0.0, 0.0, each, each, (m - 1) / m * lanes)
+        )
+    if ell > 1:
+        phases.append(_intra_gather(k * total_item, ell))
+    work = {"elementwise_s_per_elem": 2 * d, "lane_pack_s_per_elem": k, "lane_unpack_s_per_elem": k}
+    if scheme.transport == "quantized":
+        work["quantize_s_per_elem"] = d
+    return phases, work
+
+
+def _node_majority_phases(d: int, m: int, ell: int) -> tuple[list[Phase], dict[str, float]]:
+    """The node-majority vote (``lioncub.collectives.hierarchical.NodeMajorityVote``): intra-node allreduce
+    of the 0/1 votes (int8), each node's majority, a 1-bit vote among the nodes on this local rank's slice
+    (pairwise all-to-all and all-gather of d/L bits, padded to 8M), intra-node all-gather (int8)."""
+    k = -(-d // ell)
+    phases: list[Phase] = []
+    if ell > 1:
+        phases.append(
+            _intra_ring("allreduce_i8" if ell <= 127 else "allreduce_f32", d * (1 if ell <= 127 else 4), ell)
+        )
+    padded = -(-k // (8 * m)) * 8 * m
+    if m > 1:
+        each = (m - 1) / m * padded / 8
+        for op in ("all_to_all", "all_gather"):
+            phases.append(Phase(op, "inter", m - 1, ell * each, ell * each, 0.0, 0.0, each, each))
+    if ell > 1:
+        phases.append(_intra_gather(k, ell))
+    work = {
+        "elementwise_s_per_elem": 2 * d,
+        "pack_s_per_elem": k,
+        "count_s_per_elem": padded,
+        "unpack_s_per_elem": k,
+    }
+    return phases, work
+
+
+def topology_allowed(variant: str | Scheme | Any, topology: str, n_workers: int) -> tuple[bool, str]:
+    """Whether ``variant`` can run as ``topology`` on N workers; ``(False, why)`` otherwise."""
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"topology={topology!r}: allowed values are {list(TOPOLOGIES)}")
+    _, scheme = resolve_scheme(variant)
+    ok, why = allowed(scheme, n_workers)
+    if not ok:
+        return ok, why
+    if topology == "hierarchical" and scheme.transport not in _HIERARCHICAL_TRANSPORTS:
+        return False, (
+            f"the {scheme.transport} transport has no hierarchical form; it applies to the votes (1bit, "
+            "4bit, 8bit, 8bit-sign, dlion-avg)"
+        )
+    if topology == "node-majority" and scheme.transport != "1bit":
+        return (
+            False,
+            "node-majority is a 1-bit vote among node majorities; it applies to the 1bit variant only",
+        )
+    return True, ""
+
+
+@dataclass(frozen=True)
+class ClusterPrediction:
+    """Predicted cost of one optimizer step's vote for one variant laid over a :class:`Cluster` as
+    ``topology`` (seconds; bytes per step). ``bytes_*``: all the bytes of the busiest rank; ``nic_*``: bytes
+    through the busiest node's NIC (inter-node); ``intra_*``: bytes of the busiest rank inside its node.
+    NaN when not ``allowed`` (``reason`` says why)."""
+
+    variant: str
+    topology: str
+    d: int
+    nnodes: int
+    nproc_per_node: int
+    allowed: bool
+    reason: str
+    latency_s: float
+    bandwidth_s: float
+    compute_s: float
+    sync_s: float
+    bytes_sent: float
+    bytes_recv: float
+    nic_sent: float
+    nic_recv: float
+    intra_sent: float
+    intra_recv: float
+    phases: tuple[Phase, ...] = ()
+
+    @property
+    def n_workers(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def total_s(self) -> float:
+        return self.latency_s + self.bandwidth_s + self.compute_s
+
+    @property
+    def exact(self) -> bool:
+        """Whether the topology computes the flat vote's result (node-majority is another estimator)."""
+        return self.topology != "node-majority"
+
+
+def topology_phases(
+    variant: str | Scheme | Any, d: int, nnodes: int, nproc_per_node: int, topology: str = "flat"
+) -> tuple[list[Phase], dict[str, float]]:
+    """The phases of one vote of ``d`` elements and its compute (Compute field → elements)."""
+    _, scheme = resolve_scheme(variant)
+    m, ell = nnodes, nproc_per_node
+    ok, why = topology_allowed(scheme, topology, m * ell)
+    if not ok:
+        raise ValueError(why)
+    if topology == "flat" or m * ell == 1:
+        return _flat_phases(scheme, d, m, ell)
+    if topology == "hierarchical":
+        return _hierarchical_phases(scheme, d, m, ell)
+    return _node_majority_phases(d, m, ell)
+
+
+def predict_cluster(
+    variant: str | Scheme | Any,
+    d: int,
+    cluster: Cluster,
+    topology: str = "flat",
+    compute: Compute | None = None,
+    *,
+    sync_every: int | None = None,
+    sync_params: int | None = None,
+    bucket_numel: int | None = None,
+) -> ClusterPrediction:
+    """Predicted per-step cost of ``variant`` laid over ``cluster`` as ``topology`` (options as
+    :func:`predict`; the momentum sync is a flat fp32 ring allreduce in every topology). With one rank per
+    node and ``topology="flat"`` this is :func:`predict` on the NIC's network."""
+    name, scheme = resolve_scheme(variant)
+    if not is_int(d, 1):
+        raise ValueError(f"d={d!r} must be an int >= 1 (parameters)")
+    m, ell = cluster.nnodes, cluster.nproc_per_node
+    n = m * ell
+    compute = compute or Compute()
+    ok, why = topology_allowed(scheme, topology, n)
+    if not ok:
+        nan = math.nan
+        return ClusterPrediction(name, topology, d, m, ell, False, why, *([nan] * 10))
+    if sync_params is not None and sync_every is None:
+        raise ValueError(
+            f"sync_params={sync_params!r} needs sync_every (how often those parameters are synchronised)"
+        )
+    if sync_params is not None and not is_int(sync_params, 0, d):
+        raise ValueError(f"sync_params={sync_params!r} must be an int within [0, d={d}] (parameters)")
+    if sync_every is not None and not is_int(sync_every, 1):
+        raise ValueError(f"sync_every={sync_every!r} must be an int >= 1 (steps)")
+    phases: list[Phase] = []
+    compute_s = 0.0
+    for size, count in _buckets(d, bucket_numel):
+        bucket, work = topology_phases(scheme, size, m, ell, topology)
+        phases += [dataclasses.replace(p, count=p.count * count) for p in bucket]
+        compute_s += count * sum(getattr(compute, k) * v for k, v in work.items())
+    sync: list[Phase] = []
+    d_sync = d if sync_params is None else sync_params
+    if sync_every is not None and n > 1 and d_sync:
+        sync = [
+            dataclasses.replace(_split(_ring("allreduce_f32", 4 * d_sync, n), m, ell), count=1 / sync_every)
+        ]
+    latency = bandwidth = sync_s = 0.0
+    for i, p in enumerate(phases + sync):
+        lat, bw, red = p.seconds(cluster, compute)
+        latency, bandwidth, compute_s = latency + lat, bandwidth + bw, compute_s + red
+        if i >= len(phases):
+            sync_s += lat + bw + red
+    every = phases + sync
+
+    def total(attr: str) -> float:
+        return sum(p.count * getattr(p, attr) for p in every)
+
+    return ClusterPrediction(
+        name, topology, d, m, ell, True, "", latency, bandwidth, compute_s, sync_s,
+        total("sent"), total("recv"), total("nic_sent"), total("nic_recv"), total("intra_sent"),
+        total("intra_recv"), tuple(every),
+    )  # fmt: skip
+
+
+def cluster_table(
+    d: int,
+    cluster: Cluster,
+    compute: Compute | None = None,
+    variants: Iterable[str | Scheme | Any] | None = None,
+    topologies: Iterable[str] = TOPOLOGIES,
+    **options: Any,
+) -> list[ClusterPrediction]:
+    """Predictions for every variant (default: every preset) × topology, in that order."""
+    return [
+        predict_cluster(v, d, cluster, t, compute, **options)
+        for v in (PRESET_SCHEMES if variants is None else variants)
+        for t in topologies
+    ]
 
 
 # --------------------------------------------------------------------------------------- prediction

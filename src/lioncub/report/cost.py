@@ -19,7 +19,15 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
     from rich.console import Console
 
-__all__ = ["figure", "format_bitrate", "format_bytes", "format_count", "format_seconds", "report"]
+__all__ = [
+    "figure",
+    "format_bitrate",
+    "format_bytes",
+    "format_count",
+    "format_seconds",
+    "report",
+    "report_cluster",
+]
 
 #: link rates of the plot's first panel and of the winner ranges, bits/s
 SWEEP_BPS = (10e6, 400e9)
@@ -169,6 +177,79 @@ def report(
         )
     if lines:
         console.print("crossovers with the winner:\n" + "\n".join(lines))
+
+
+def report_cluster(
+    console: Console,
+    d: int,
+    cluster: cm.Cluster,
+    compute: cm.Compute,
+    variants: Sequence[str] | None = None,
+    topologies: Sequence[str] = cm.TOPOLOGIES,
+    source: str = "",
+    **options: Any,
+) -> None:
+    """Print every variant × topology on M nodes of L ranks, fastest first, then the fastest exact one
+    (the flat vote's result) and the fastest overall (node-majority is another estimator)."""
+    from rich.table import Table
+
+    rows = cm.cluster_table(d, cluster, compute, variants, topologies, **options)
+    ok = sorted((p for p in rows if p.allowed), key=lambda p: p.total_s)
+    base = next((p for p in rows if p.variant == "32bit" and p.topology == "flat" and p.allowed), None)
+    m, ell = cluster.nnodes, cluster.nproc_per_node
+    title = (
+        f"d = {format_count(d)} parameters, {m} nodes × {ell} ranks (N = {m * ell}); per node a "
+        f"{format_bitrate(cluster.inter.bandwidth_Bps)} NIC (payload {cluster.inter.efficiency:.1%}, "
+        f"α = {format_seconds(cluster.inter.latency_s)}), per rank a "
+        f"{format_bitrate(cluster.intra.bandwidth_Bps)} link inside the node "
+        f"(α = {format_seconds(cluster.intra.latency_s)})"
+    )
+    if options.get("sync_every"):
+        title += f", momentum sync every {options['sync_every']} steps"
+    table = Table(title=title, title_justify="left")
+    for col in ("#", "variant", "topology", "latency", "bandwidth", "compute", "time / step"):
+        table.add_column(col, justify="left" if col in ("variant", "topology") else "right")
+    for col in ("NIC / node", "intra / rank", "vs 32bit"):
+        table.add_column(col, justify="right")
+    for i, p in enumerate(ok, 1):
+        speed = f"{base.total_s / p.total_s:.2f}x" if base is not None and p.total_s > 0 else ""
+        table.add_row(
+            str(i),
+            p.variant,
+            p.topology + ("" if p.exact else " *"),
+            format_seconds(p.latency_s),
+            format_seconds(p.bandwidth_s),
+            format_seconds(p.compute_s),
+            f"[bold]{format_seconds(p.total_s)}[/bold]",
+            format_bytes(p.nic_sent),
+            format_bytes(p.intra_sent),
+            speed,
+        )
+    console.print(table)
+    console.print(
+        "NIC / node: bytes each node's NIC sends per step; intra / rank: bytes a rank sends inside its "
+        "node. * node-majority is a different estimator (a majority of node majorities), not the flat "
+        "vote's result.",
+        soft_wrap=True,
+    )
+    refused: dict[tuple[str, str], list[str]] = {}
+    for p in rows:
+        if not p.allowed:
+            refused.setdefault((p.topology, p.reason), []).append(p.variant)
+    for (topology, reason), names in refused.items():
+        console.print(f"not allowed as {topology}: {', '.join(names)} ({reason})")
+    if source:
+        console.print(f"constants: {source}")
+    exact = [p for p in ok if p.exact]
+    for label, best in (
+        ("fastest exact", exact[0] if exact else None),
+        ("fastest overall", ok[0] if ok else None),
+    ):
+        if best is not None:
+            console.print(
+                f"{label}: [bold]{best.variant} {best.topology}[/bold] "
+                f"({format_seconds(best.total_s)} per step, {format_bytes(best.nic_sent)} through each NIC)"
+            )
 
 
 def _vs(speed: dict[str, float], best: cm.Prediction) -> str:

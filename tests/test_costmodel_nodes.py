@@ -1,0 +1,184 @@
+"""The two-level cost model (:func:`lioncub.planning.costmodel.predict_cluster`): M nodes × L ranks, α/β of
+the node's NIC and of a rank's link inside its node, and ``lioncub cost --nnodes M --nproc-per-node L``.
+
+Bytes are checked in float64 against closed forms worked out by hand (issue 19's back-of-envelope formulas:
+flat 1-bit ``2·L·(M−1)/M · d/8`` per node, hierarchical ``2·(M−1)/M · d·b/8``, node-majority
+``2·(M−1)/M · d/8``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+
+from lioncub.cli import cost as cost_cli
+from lioncub.planning import costmodel as cm
+
+NIC = cm.Network(20e-6, 1.25e9, 1.0)  # 10 Gbit/s, α = 20 us
+INTRA = cm.Network(2e-6, 50e9, 1.0)  # 400 Gbit/s, α = 2 us
+
+
+def _cluster(m: int, ell: int) -> cm.Cluster:
+    return cm.Cluster(m, ell, NIC, INTRA)
+
+
+def _p(
+    variant: str, topology: str, m: int, ell: int, d: int = 1_000_000, **kw: object
+) -> cm.ClusterPrediction:
+    return cm.predict_cluster(variant, d, _cluster(m, ell), topology, **kw)  # type: ignore[arg-type]
+
+
+def test_flat_one_bit_on_two_nodes_of_four_by_hand() -> None:
+    # N = 8, d = 1e6 = 15625·64: no padding; each rank's packed vector is 125000 B, a slice 15625 B
+    p = _p("1bit", "flat", 2, 4)
+    assert p.nic_sent == p.nic_recv == 2 * 4 * 4 * 15625  # 2 phases × 4 ranks × 4 remote peers × slice
+    assert p.intra_sent == 2 * 3 * 15625  # 2 phases × 3 local peers
+    assert p.bytes_sent == 2 * 7 * 15625
+    latency = 2 * 7 * 20e-6  # two pairwise phases of N−1 messages, at the NIC's α
+    bandwidth = 2 * max(4 * 4 * 15625 / 1.25e9, 3 * 15625 / 50e9)
+    assert p.latency_s == pytest.approx(latency, rel=1e-12)
+    assert p.bandwidth_s == pytest.approx(bandwidth, rel=1e-12)
+    assert p.compute_s == 0.0
+
+
+def test_flat_ring_crosses_each_node_boundary_once() -> None:
+    p = _p("32bit", "flat", 2, 4)
+    each = 2 * 7 / 8 * 4e6  # ring allreduce of 4 MB over 8 ranks
+    assert p.nic_sent == p.intra_sent == p.bytes_sent == pytest.approx(each, rel=1e-15)
+    assert p.latency_s == pytest.approx(14 * 20e-6, rel=1e-12)
+    assert p.bandwidth_s == pytest.approx(each / 1.25e9, rel=1e-12)
+
+
+def test_hierarchical_one_bit_by_hand() -> None:
+    p = _p("1bit", "hierarchical", 2, 4)
+    assert cm.hierarchical_lane_bits("1bit", 2, 4) == 4  # counts up to N = 8 need 4-bit lanes
+    k = 250_000  # this local rank's slice
+    assert p.nic_sent == 4 * (2 * 1 / 2 * k * 4 / 8)  # L ranks' inter-node ring allreduce of 4-bit lanes
+    assert p.intra_sent == 2 * 3 / 4 * 1e6 + 3 * k  # int8 intra-node allreduce + int8 all-gather
+    assert p.bytes_sent == p.intra_sent + 2 * 1 / 2 * k * 4 / 8
+    assert p.latency_s == pytest.approx(2 * 3 * 2e-6 + 2 * 1 * 20e-6 + 3 * 2e-6, rel=1e-12)
+
+
+def test_node_majority_by_hand() -> None:
+    p = _p("1bit", "node-majority", 2, 4)
+    k_bytes = 250_000 / 8  # 250000 votes = 15625·16, no padding
+    assert p.nic_sent == 4 * 2 * (1 / 2) * k_bytes  # L ranks × (all-to-all + all-gather) among 2 nodes
+    assert p.intra_sent == 2 * 3 / 4 * 1e6 + 3 * 250_000
+
+
+def test_hierarchical_sign_sum_and_quantized_lanes_by_hand() -> None:
+    # 8bit-sign at 2×2: signs offset to {0,1,2}, a node sum ≤ 4, two nodes ≤ 8 → 4-bit lanes
+    p = _p("8bit-sign", "hierarchical", 2, 2)
+    assert cm.hierarchical_lane_bits("8bit-sign", 2, 2) == 4
+    assert p.nic_sent == 2 * (2 * 1 / 2 * 500_000 * 4 / 8)
+    assert p.intra_sent == 2 * 1 / 2 * 1e6 + 1 * 500_000
+    # 8bit (L1 levels, 127 // N per worker) at 2×4: 15 levels, offset node sums ≤ 4·30 = 120, two ≤ 240
+    assert cm.hierarchical_lane_bits("8bit", 2, 4) == 8
+    assert _p("8bit", "hierarchical", 2, 4).nic_sent == 4 * (2 * 1 / 2 * 250_000)
+    # 1-bit counts of 16 × 16 ranks do not fit 8-bit lanes: int32 between the nodes
+    assert cm.hierarchical_lane_bits("1bit", 16, 16) is None
+    d = 16 * 1000
+    assert _p("1bit", "hierarchical", 16, 16, d=d).nic_sent == pytest.approx(16 * 2 * 15 / 16 * 4 * 1000)
+
+
+def test_server_root_takes_the_remote_ranks_through_its_nic() -> None:
+    p = _p("dlion-mavo", "flat", 2, 2, d=8000)
+    up, down = 1000, 2000  # 1-bit votes up, 2-bit lanes back
+    gather, scatter = p.phases
+    assert (gather.nic_recv, gather.nic_sent, gather.intra_recv) == (2 * up, 2 * up, up)
+    assert (scatter.nic_sent, scatter.nic_recv, scatter.intra_sent) == (2 * down, 2 * down, down)
+    assert (p.bytes_sent, p.bytes_recv) == (3 * down, 3 * up)  # the root's, as predict() counts it
+
+
+@pytest.mark.parametrize(("m", "ell"), [(2, 2), (2, 4), (4, 4), (3, 2), (2, 8), (8, 8)])
+def test_the_issues_formulas(m: int, ell: int) -> None:
+    d = 8 * m * ell * ell * 1000  # no padding anywhere
+    flat = _p("1bit", "flat", m, ell, d=d).nic_sent
+    hier = _p("1bit", "hierarchical", m, ell, d=d).nic_sent
+    node = _p("1bit", "node-majority", m, ell, d=d).nic_sent
+    b = cm.hierarchical_lane_bits("1bit", m, ell)
+    assert b is not None and (1 << b) - 1 >= m * ell
+    assert flat == pytest.approx(2 * ell * (m - 1) / m * d / 8, rel=1e-12)
+    assert hier == pytest.approx(2 * (m - 1) / m * d * b / 8, rel=1e-12)
+    assert node == pytest.approx(2 * (m - 1) / m * d / 8, rel=1e-12)
+    assert hier / flat == pytest.approx(b / ell)  # hierarchical helps only when b < L
+    assert node * ell == pytest.approx(flat)  # node-majority: L× fewer bytes than flat
+
+
+@pytest.mark.parametrize("variant", list(cm.PRESET_SCHEMES))
+def test_one_rank_per_node_is_the_flat_model(variant: str) -> None:
+    options = {"sync_every": 10, "sync_params": 10_000, "bucket_numel": 300_001}
+    flat = cm.predict(variant, 1_000_003, 6, NIC, cm.DEFAULT_CPU_COMPUTE, **options)
+    mine = cm.predict_cluster(variant, 1_000_003, _cluster(6, 1), "flat", cm.DEFAULT_CPU_COMPUTE, **options)
+    assert mine.allowed == flat.allowed
+    for attr in ("latency_s", "bandwidth_s", "compute_s", "sync_s", "bytes_sent", "bytes_recv"):
+        assert getattr(mine, attr) == pytest.approx(getattr(flat, attr), rel=1e-12), attr
+    assert mine.intra_sent == 0.0
+
+
+@pytest.mark.parametrize("variant", list(cm.PRESET_SCHEMES))
+def test_one_node_sends_nothing_through_its_nic(variant: str) -> None:
+    for topology in cm.TOPOLOGIES:
+        p = _p(variant, topology, 1, 4)
+        if p.allowed:
+            assert p.nic_sent == p.nic_recv == 0.0, topology
+            assert p.intra_sent > 0
+
+
+def test_topologies_that_do_not_apply_say_why() -> None:
+    p = _p("32bit", "hierarchical", 2, 2)
+    assert not p.allowed and "no hierarchical form" in p.reason and math.isnan(p.total_s)
+    assert "1-bit vote among node majorities" in _p("4bit", "node-majority", 2, 2).reason
+    assert "4-bit lanes cannot hold" in _p("4bit", "hierarchical", 4, 4).reason  # the flat vote must exist
+    with pytest.raises(ValueError, match="topology='ring'"):
+        cm.topology_allowed("1bit", "ring", 4)
+    rows = cm.cluster_table(1000, _cluster(2, 2), variants=["1bit", "32bit"])
+    assert [(r.variant, r.topology) for r in rows][:3] == [("1bit", t) for t in cm.TOPOLOGIES]
+
+
+# --------------------------------------------------------------------------------------------- CLI
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="lioncub cost")
+    cost_cli.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_cost_ranks_every_preset_and_topology(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--params", "774M", "--nnodes", "2", "--nproc-per-node", "4", "--bandwidth", "10gbit",
+            "--intra-bandwidth", "400gbit", "--compute", "none"]  # fmt: skip
+    assert cost_cli.run(_args(argv)) == 0
+    out = capsys.readouterr().out
+    assert "2 nodes × 4 ranks" in out
+    assert "1bit" in out and "node-majority" in out and "hierarchical" in out
+    assert "not allowed" in out and "no hierarchical form" in out
+    assert "fastest exact:" in out and "fastest overall:" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--nnodes", "2"], "--nnodes 2: needs --nproc-per-node L"),
+        (["--nproc-per-node", "2"], "--nproc-per-node: applies only with --nnodes"),
+        (["--nnodes", "2", "--nproc-per-node", "2", "--workers", "4"], "give either --workers N"),
+        (["--workers", "4", "--intra-bandwidth", "1gbit"], "--intra-bandwidth: applies only with --nnodes"),
+        ([], "give either --workers N"),
+        (
+            ["--nnodes", "2", "--nproc-per-node", "2", "--plot", "x.png"],
+            "--plot: applies only with --workers",
+        ),
+        (["--nnodes", "2", "--nproc-per-node", "2", "--topologies", "flat,ring"], "allowed values"),
+    ],
+)
+def test_cost_node_options_are_checked(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    try:
+        code = cost_cli.run(_args(["--params", "1M", *argv]))
+    except SystemExit as exc:  # argparse's own refusal
+        code = int(exc.code or 0)
+    assert code == 2
+    assert message in capsys.readouterr().err

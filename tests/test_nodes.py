@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from lioncub.cli import launch as launch_cli
+from lioncub.cli import train as train_cli
+from lioncub.cli.options import config_from_args
 from lioncub.launch import (
     EmulatedNetwork,
     LaunchConfig,
@@ -164,6 +166,44 @@ def test_cli_refuses_nproc_with_nnodes_and_dry_runs_torchrun(capsys: pytest.Capt
         r"--rdzv-endpoint (10\.\d+\.\d+)\.100:29500 .*--local-addr \1\.101 .*--no-python \S+ -m m"
     )
     assert re.search(node1, out), out
+
+
+def _train_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="lioncub train")
+    train_cli.add_arguments(parser)
+    return parser.parse_args(["--out", "unused", *argv])
+
+
+def test_train_options_become_nodes_of_the_run() -> None:
+    from lioncub.train.runs import _launch_config, format_summary
+
+    config = config_from_args(
+        _train_args(["--nnodes", "2", "--nproc-per-node", "3", "--link", "1gbit", "--intra-link", "10gbit"])
+    )
+    assert (config.nnodes, config.nproc, config.nproc_per_node, config.intra_link) == (2, 6, 3, "10gbit")
+    launch_config = _launch_config(config, ["-m", "lioncub.train.loop"], 60.0)
+    assert (launch_config.nnodes, launch_config.nproc_per_node, launch_config.nproc) == (2, 3, 6)
+    assert (launch_config.link_rate_bps, launch_config.intra_link_rate_bps) == (1e9, 1e10)
+    flat = config_from_args(_train_args(["--nproc", "4"]), base=config)  # --nproc N: one node per rank again
+    assert (flat.nnodes, flat.intra_link, flat.nproc) == (None, None, 4)
+    assert "nnodes" not in flat.to_json()  # runs without nodes keep their config.json as before
+    summary = {"config": config.to_json(), "world_size": 6, "steps_run": 1}
+    assert "on 2 nodes × 3 ranks, 1gbit NICs, 10gbit inside a node:" in format_summary(summary)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--nnodes", "2", "--link", "1gbit"], "--nnodes 2: needs --nproc-per-node L"),
+        (["--nproc-per-node", "2"], "--nproc-per-node 2: applies only with --nnodes M"),
+        (["--nnodes", "2", "--nproc-per-node", "2", "--nproc", "4"], "--nproc 4 with --nnodes 2"),
+        (["--nnodes", "2", "--nproc-per-node", "2"], "--nnodes 2: emulates nodes .* needs --link RATE"),
+        (["--nproc", "2", "--intra-link", "1gbit"], "--intra-link 1gbit: applies only with --nnodes"),
+    ],
+)
+def test_train_node_options_are_checked(argv: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        config_from_args(_train_args(argv))
 
 
 # ------------------------------------------------------------------------------- emulated network
@@ -313,12 +353,7 @@ def test_two_nodes_of_two_ranks_wire_bytes_match_the_node_nic() -> None:
 @pytest.mark.root
 @pytest.mark.slow
 def test_a_failed_rank_on_a_node_is_named_and_every_node_stops() -> None:
-    code = (
-        "import datetime, os, sys, time, torch.distributed as dist\n"
-        "dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=60))\n"
-        "if os.environ['RANK'] == '3':\n    sys.exit(3)\n"
-        "time.sleep(60)\n"
-    )
+    code = "import os, sys, time\nif os.environ['RANK'] == '3':\n    sys.exit(3)\ntime.sleep(60)\n"
     out, err = io.StringIO(), io.StringIO()
     config = LaunchConfig([PY, "-c", code], nnodes=2, nproc_per_node=2, link_rate_bps=1e8, timeout_s=90)
     result = launch(config, out=out, err=err)
@@ -327,3 +362,19 @@ def test_a_failed_rank_on_a_node_is_named_and_every_node_stops() -> None:
     assert "[lioncub] rank 3 (node 1, local rank 1) exited with code 3; stopping node 0" in err.getvalue()
     assert result.rank_returncodes[3] == 3 and result.wall_s < 40  # rank 0..2 sleep 60 s: they were stopped
     _assert_nothing_left(result.launch_id)
+
+
+@needs_root
+@pytest.mark.root
+@pytest.mark.slow
+def test_lioncub_train_on_two_nodes(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    argv = ["train", "--workload", "gpt", "--size", "tiny", "--variant", "1bit", "--nnodes", "2",
+            "--nproc-per-node", "2", "--link", "1gbit", "--steps", "2", "--eval-every", "0", "--no-progress",
+            "--out", str(out)]  # fmt: skip
+    proc = subprocess.run([PY, "-m", "lioncub.cli", *argv], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "gpt/tiny 1bit on 2 nodes × 2 ranks, 1gbit NICs: 2 steps" in proc.stdout
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["nnodes"], saved["nproc"]) == (2, 4)
+    assert json.loads((out / "summary.json").read_text())["world_size"] == 4

@@ -19,6 +19,7 @@ DEFAULT_VARIANTS = "32bit,16bit,1bit,4bit,8bit"
 EPILOG = """\
 examples:
   lioncub compare --workload gpt --size small --nproc 4 --link 100mbit --steps 300 --out runs/cmp
+  lioncub compare --variants 32bit,1bit --nnodes 2 --nproc-per-node 2 --link 100mbit --out runs/nodes
   lioncub compare --variants 32bit,1bit --steps 50 --out runs/quick       # 1 rank, loopback, tiny GPT
   lioncub compare --out runs/cmp --report-only --target-loss 2.2           # redo the report
   lioncub compare --variants 32bit,1bit,1bit+overlap --nproc 4 --link 1gbit --out runs/ov  # overlap

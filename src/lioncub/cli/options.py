@@ -67,6 +67,17 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, variant: bool = True) 
         help="allow up to N ranks (default: as many as 80%% of the available memory holds)",
     )
     parser.add_argument("--link", metavar="RATE", help="shape every rank's link, e.g. 1gbit (root)")
+    parser.add_argument(
+        "--nnodes",
+        type=int,
+        metavar="M",
+        help="instead of --nproc: M emulated nodes of --nproc-per-node ranks, one --link NIC per node, "
+        "started by a multi-node torchrun (root)",
+    )
+    parser.add_argument("--nproc-per-node", type=int, metavar="L", help="with --nnodes: ranks on each node")
+    parser.add_argument(
+        "--intra-link", metavar="RATE", help="with --nnodes: shape each node's loopback (default unshaped)"
+    )
     parser.add_argument("--steps", type=int, help="optimizer steps (default 200)")
     parser.add_argument(
         "--warmup", type=int, metavar="STEPS", help="lr warm-up (default 10%% of steps, ≤ 100)"
@@ -145,11 +156,42 @@ def parse_set(items: list[str]) -> dict[str, Any]:
     return out
 
 
+def node_layout(args: argparse.Namespace) -> tuple[int | None, int | None]:
+    """``(nnodes, nproc)`` from ``--nnodes M --nproc-per-node L`` (``(None, None)`` when not given), or a
+    ``ValueError`` naming the option: --nnodes needs --nproc-per-node and excludes --nproc."""
+    nnodes, per_node = getattr(args, "nnodes", None), getattr(args, "nproc_per_node", None)
+    if nnodes is None:
+        if per_node is not None:
+            raise ValueError(
+                f"--nproc-per-node {per_node}: applies only with --nnodes M (M emulated nodes of L ranks); "
+                "for N ranks, each with its own link, use --nproc N"
+            )
+        return None, None
+    if per_node is None:
+        raise ValueError(f"--nnodes {nnodes}: needs --nproc-per-node L, the ranks on each node")
+    if args.nproc is not None:
+        raise ValueError(
+            f"--nproc {args.nproc} with --nnodes {nnodes}: give either --nproc N (N ranks, each its own "
+            "node) or --nnodes M --nproc-per-node L (M nodes of L ranks)"
+        )
+    for option, value in (("--nnodes", nnodes), ("--nproc-per-node", per_node)):
+        if value < 1:
+            raise ValueError(f"{option} {value} must be an integer >= 1")
+    return nnodes, nnodes * per_node
+
+
 def config_from_args(args: argparse.Namespace, base: Any = None) -> Any:
-    """A :class:`~lioncub.train.config.TrainConfig`: ``base`` (or the defaults) with every given option."""
+    """A :class:`~lioncub.train.config.TrainConfig`: ``base`` (or the defaults) with every given option
+    (``--nnodes M --nproc-per-node L`` become ``nnodes = M``, ``nproc = M·L``)."""
     from lioncub.train.config import TrainConfig
 
+    nnodes, nproc = node_layout(args)
+    if nnodes is not None:
+        args = argparse.Namespace(**{**vars(args), "nproc": nproc})
     doc = base.to_json() if base is not None else {}
+    if nnodes is None and args.nproc is not None:  # --nproc N: one node per rank, whatever base had
+        doc.pop("nnodes", None)
+        doc.pop("intra_link", None)
     for f in dataclasses.fields(TrainConfig):
         value = getattr(args, OPTION_OF_FIELD.get(f.name, f.name), None)
         if value is not None and f.name != "overrides":

@@ -17,6 +17,7 @@ from lioncub.cli.options import add_run_arguments, config_from_args
 EPILOG = """\
 examples:
   lioncub train --workload gpt --size small --variant 8bit --nproc 4 --link 1gbit --steps 500 --out runs/g8
+  lioncub train --variant 1bit --nnodes 2 --nproc-per-node 2 --link 100mbit --out runs/n2x2  # 2 nodes × 2
   lioncub train --out runs/g8 --resume --steps 800        # continue (and extend) a run
   torchrun --nproc-per-node 4 -m lioncub.cli train --workload gpt --size small --variant 1bit --out runs/x
 

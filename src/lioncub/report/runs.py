@@ -310,12 +310,15 @@ def make_report(
             hit = next((e for e in run.evals if float(e["val_loss"]) <= target_loss), None)
             row.time_to_target_s = run.eval_time(hit) if hit is not None else None
     config = runs[0].config
+    where = f"N = {config.get('world_size', '?')}, link {config.get('link', '?')}"
+    if config.get("nnodes") and isinstance(config.get("world_size"), int):
+        nodes, world = config["nnodes"], config["world_size"]
+        where = f"N = {world} ({nodes} nodes × {world // nodes}), NIC {config.get('link')}"
     title = (
-        f"{config.get('workload', '?')} {config.get('size', '?')}, N = {config.get('world_size', '?')}, "
-        f"link {config.get('link', '?')}, seed {config.get('seed', '?')}"
+        f"{config.get('workload', '?')} {config.get('size', '?')}, {where}, seed {config.get('seed', '?')}"
     )
     notes = []
-    for key in ("workload", "size", "world_size", "link", "seed"):
+    for key in ("workload", "size", "world_size", "nnodes", "link", "seed"):
         values = {json.dumps(run.config.get(key)) for run in runs}
         if len(values) > 1:
             notes.append(f"warning: the runs differ in {key}: {', '.join(sorted(values))}")

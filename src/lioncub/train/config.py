@@ -45,8 +45,10 @@ class TrainConfig:
     nonfinite: str = "skip"  # NaN/Inf gradients on any rank: "skip" the step on every rank, or "raise"
     overlap: bool = False  # LionCub: start each DDP bucket's vote during the backward (a comm hook)
     # recorded for the report; the launcher applies them
-    nproc: int = 1
-    link: str = "loopback"
+    nproc: int = 1  # the world size (with nnodes: nnodes × ranks per node)
+    link: str = "loopback"  # each rank's link, or with nnodes each node's NIC
+    nnodes: int | None = None  # None: one emulated node per rank; M: M nodes of nproc / M ranks (torchrun)
+    intra_link: str | None = None  # with nnodes: the shaping of each node's loopback (None: unshaped)
 
     def __post_init__(self) -> None:
         names = workload_names()
@@ -74,6 +76,7 @@ class TrainConfig:
                     f"--{name.replace('_', '-')} {value!r} must be an integer >= "
                     f"{1 if name in ('steps', 'nproc') else 0}"
                 )
+        self._check_nodes()
         if self.warmup_steps is not None and not (
             isinstance(self.warmup_steps, int) and self.warmup_steps >= 0
         ):
@@ -119,12 +122,40 @@ class TrainConfig:
                 f"{list(checkpoint.CONVERSIONS)}"
             )
 
+    def _check_nodes(self) -> None:
+        """``nnodes`` divides ``nproc``, needs a link; ``intra_link`` needs ``nnodes``."""
+        if self.nnodes is None:
+            if self.intra_link is not None:
+                raise ValueError(
+                    f"--intra-link {self.intra_link}: applies only with --nnodes M --nproc-per-node L"
+                )
+            return
+        if not (isinstance(self.nnodes, int) and self.nnodes >= 1) or self.nproc % self.nnodes:
+            raise ValueError(
+                f"--nnodes {self.nnodes!r} must be an integer >= 1 that divides the {self.nproc} ranks "
+                "(give --nnodes M --nproc-per-node L)"
+            )
+        if self.link in (None, "loopback"):
+            raise ValueError(
+                f"--nnodes {self.nnodes}: emulates nodes behind shaped NICs and needs --link RATE (root); "
+                "without a link use --nproc N"
+            )
+
+    @property
+    def nproc_per_node(self) -> int:
+        """Ranks per node: ``nproc / nnodes``, or 1 (one emulated node per rank)."""
+        return self.nproc // self.nnodes if self.nnodes else 1
+
     @property
     def warmup(self) -> int:
         return min(100, self.steps // 10) if self.warmup_steps is None else self.warmup_steps
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        doc = dataclasses.asdict(self)
+        for name in ("nnodes", "intra_link"):  # absent when unused: the documents of earlier runs stay equal
+            if doc[name] is None:
+                del doc[name]
+        return doc
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> TrainConfig:

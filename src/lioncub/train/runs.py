@@ -82,13 +82,11 @@ def check_before_launch(config: TrainConfig, timeout_s: float | None, max_nproc:
     ``--link``, ``--timeout``, ``--bucket-mb``, ``--sync-every``, ``--diagnostics-every``, an empty
     ``--momentum-sync``, ``--warmup`` beyond ``--steps``, ``--seed``, the ``--set`` values and the workload's
     data (files, optional packages, sizes)."""
-    from lioncub.launch import LaunchConfig, PrivilegeError, check_privileges
+    from lioncub.launch import PrivilegeError, check_privileges
     from lioncub.train.workloads import check_workload
-    from lioncub.units import parse_rate
 
-    rate = None if config.link in (None, "loopback") else parse_rate(config.link)
-    LaunchConfig(["-m", "lioncub.train.loop"], nproc=config.nproc, link_rate_bps=rate, timeout_s=timeout_s)
-    if rate is not None:
+    _launch_config(config, ["-m", "lioncub.train.loop"], timeout_s)  # validates the launch options
+    if config.link not in (None, "loopback"):
         try:
             check_privileges()
         except PrivilegeError as exc:
@@ -136,6 +134,33 @@ def check_before_launch(config: TrainConfig, timeout_s: float | None, max_nproc:
             f"--nproc {config.nproc}: {why}; more would make the kernel kill processes (perhaps not ours). "
             "Pass --max-nproc N to allow N ranks on purpose"
         )
+
+
+def _launch_config(
+    config: TrainConfig,
+    cmd: list[str],
+    timeout_s: float | None,
+    *,
+    restarts: int = 0,
+    env: dict[str, str] | None = None,
+) -> Any:
+    """The :class:`~lioncub.launch.LaunchConfig` of a run: ``config.nproc`` ranks, or ``config.nnodes``
+    emulated nodes of ``config.nproc_per_node`` ranks (``ValueError`` naming the option if invalid)."""
+    from lioncub.launch import LaunchConfig
+    from lioncub.units import parse_rate
+
+    rate = None if config.link in (None, "loopback") else parse_rate(config.link)
+    intra = None if config.intra_link is None else parse_rate(config.intra_link, "--intra-link")
+    layout: dict[str, Any] = {"nproc": config.nproc}
+    if config.nnodes is not None:
+        layout = {
+            "nnodes": config.nnodes,
+            "nproc_per_node": config.nproc_per_node,
+            "intra_link_rate_bps": intra,
+        }
+    return LaunchConfig(
+        cmd, link_rate_bps=rate, timeout_s=timeout_s, restarts=restarts, env=dict(env or {}), **layout
+    )
 
 
 class Progress(threading.Thread):
@@ -336,12 +361,10 @@ def run_training(
     restart (``restarts``) reruns every rank, which resumes from the last checkpoint. ``env`` is added to
     the ranks' environment."""
     check_launch_options(restarts, collective_timeout_s)
-    from lioncub.launch import LaunchConfig, launch
+    from lioncub.launch import launch
     from lioncub.train import checkpoint
-    from lioncub.units import parse_rate
 
     err = err or sys.stderr
-    rate = None if config.link in (None, "loopback") else parse_rate(config.link)
     meta = checkpoint.latest(run_dir)
     start = meta.step if meta is not None else 0
     next_config = run_dir / NEXT_CONFIG  # a resume: its configuration becomes config.json on success
@@ -354,9 +377,7 @@ def run_training(
         bar.start()
     try:
         rank_env = {"LIONCUB_PG_TIMEOUT": f"{collective_timeout_s:g}", **(env or {})}
-        launch_config = LaunchConfig(
-            cmd, nproc=config.nproc, link_rate_bps=rate, timeout_s=timeout_s, restarts=restarts, env=rank_env
-        )
+        launch_config = _launch_config(config, cmd, timeout_s, restarts=restarts, env=rank_env)
         result = launch(launch_config, out=out, err=err)
     finally:
         if bar is not None:
@@ -385,10 +406,14 @@ def format_summary(summary: dict[str, Any]) -> str:
     final = summary.get("final") or {}
     metrics = ", ".join(f"{k} {v:.4f}" for k, v in final.items() if k.startswith("val_"))
     cfg = summary["config"]
+    where = f"{summary['world_size']} rank(s), {cfg['link']}"
+    if cfg.get("nnodes"):
+        inside = f", {cfg['intra_link']} inside a node" if cfg.get("intra_link") else ""
+        per_node = summary["world_size"] // cfg["nnodes"]
+        where = f"{cfg['nnodes']} nodes × {per_node} ranks, {cfg['link']} NICs{inside}"
     return (
         f"{cfg['workload']}/{cfg['size']} {cfg['variant']}{'+overlap' if cfg.get('overlap') else ''} on "
-        f"{summary['world_size']} rank(s), "
-        f"{cfg['link']}: "
+        f"{where}: "
         f"{summary['steps_run']} steps, median step {ms('median_step_s')} (compute {ms('median_compute_s')}, "
         f"communication {ms('median_comm_s')}, apply {ms('median_apply_s')}), "
         f"{(summary.get('median_bytes_sent') or 0) / 1e6:.3f} MB sent per rank per step"

@@ -29,6 +29,19 @@ A calibration (``lioncub calibrate``) measures α and the efficiency of every co
 (:class:`OpCost`), folds the local reduction into them (``reduce_s_per_byte = 0``) and measures the
 compute costs of this CPU; :func:`load_calibration` reads it.
 
+On M nodes of L ranks (:class:`Cluster`: α/β of each node's NIC and of each rank's link inside its node),
+:func:`predict_cluster` splits every collective by level and charges the slower of the two (they run at
+once) or, for the topologies of :mod:`lioncub.collectives.hierarchical`, the intra- and inter-node phases
+one after the other. Per node's NIC and step:
+
+=======================  ===================================================================================
+flat ring allreduce      ``2(N−1)/N · B``: the ring over node-ordered ranks crosses each node boundary once
+flat 1-bit               ``2·L·(N−L)/N · d_pad/8 = 2·L·(M−1)/M · d_pad/8``: every rank to every remote rank
+hierarchical (exact)     ``L · 2(M−1)/M · ⌈⌈d/L⌉·b/8⌉ ≈ 2(M−1)/M · d·b/8``, b the narrowest of 2/4/8 bits that
+                         holds the M-node sum (:func:`hierarchical_lane_bits`; 32 when none does)
+node-majority (1-bit)    ``L · 2(M−1)/M · pad(⌈d/L⌉, 8M)/8 ≈ 2(M−1)/M · d/8``
+=======================  ===================================================================================
+
 This module does not import torch.
 """
 

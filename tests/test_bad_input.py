@@ -633,6 +633,8 @@ COMPARE_CASES = [
     case(["--variants", "32bit,3bit"], ["--variants", "3bit", "'8bit'"], id="variants-unknown"),
     case(["--variants", "1bit,1bit"], ["--variants", "distinct"], id="variants-twice"),
     case(["--variants", ","], ["--variants", "'32bit'"], id="variants-empty"),
+    case(["--variants", "1bit@ring"], ["--variants", "@TOPOLOGY", "'node-majority'"], id="variants-topology"),
+    case(["--variants", "32bit@hierarchical"], ["--topology hierarchical", "DDP"], id="variants-topology-ddp"),
     case(["--target-loss", "nan"], ["--target-loss", "> 0"], id="target-loss-nan"),
     case(["--target-loss", "-1"], ["--target-loss", "> 0"], id="target-loss-negative"),
 ]

@@ -105,3 +105,63 @@ def test_bytes_per_level_match_the_wire_formats(topology: str) -> None:
     for s in stats:
         assert s["intra_node_bytes_sent"] == intra and s["inter_node_bytes_sent"] == inter
         assert s["bytes_sent"] == intra + inter + 3 * 4 * 6  # and the step check on the flat group
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (
+            ["--variant", "32bit", "--topology", "hierarchical"],
+            "--topology hierarchical: --variant 32bit is DDP",
+        ),
+        (
+            ["--variant", "8bit", "--topology", "node-majority"],
+            "--topology node-majority: topology='node-majority'",
+        ),
+        (["--variant", "1bit", "--topology", "ring"], "--topology ring: topology='ring': allowed values"),
+        (["--variant", "1bit", "--topology", "hierarchical", "--overlap"], "--overlap votes flat"),
+    ],
+)
+def test_train_refuses_a_topology_that_does_not_apply(argv: list[str], fragment: str) -> None:
+    import argparse
+
+    from lioncub.cli.options import add_run_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    with pytest.raises(ValueError) as err:
+        config_from_args(parser.parse_args(argv))
+    assert fragment in str(err.value)
+
+
+def _group(world: int) -> object:
+    """A stand-in for rank 0's view of a group of ``world`` ranks (only its size and rank are read)."""
+    from lioncub.collectives import Comm
+
+    comm = Comm.single()
+    comm.world_size = world
+    return comm
+
+
+@pytest.mark.parametrize(
+    ("preset", "topology"), [*[(p, "hierarchical") for p in VOTES], ("1bit", "node-majority")]
+)
+@pytest.mark.parametrize(("nodes", "per_node"), [(2, 2), (2, 3), (3, 2), (4, 8)])
+def test_the_cost_model_charges_the_bytes_the_vote_sends(
+    topology: str, preset: str, nodes: int, per_node: int
+) -> None:
+    """The two-level cost model (lioncub.planning.costmodel.topology_phases) and the votes of
+    lioncub.collectives.hierarchical agree on every rank's bytes per level."""
+    from lioncub.optim.voting import make_vote
+    from lioncub.planning import costmodel
+
+    d = 100_003
+    wide = {"bits": "auto"} if preset == "4bit" else {}  # 4-bit lanes hold at most 15 workers
+    config = resolve_variant(preset, topology=topology, **wide)
+    vote = make_vote(_group(nodes * per_node), config, (_group(per_node), _group(nodes)))
+    phases, _ = costmodel.topology_phases(config, d, nodes, per_node, topology)
+    charged = {
+        level: sum(p.sent * p.count for p in phases if p.level == level) for level in ("intra", "inter")
+    }
+    intra, inter = vote.level_bytes(d)
+    assert charged["intra"] == pytest.approx(intra) and charged["inter"] == pytest.approx(inter)

@@ -371,10 +371,10 @@ def test_lioncub_train_on_two_nodes(tmp_path: Path) -> None:
     out = tmp_path / "run"
     argv = ["train", "--workload", "gpt", "--size", "tiny", "--variant", "1bit", "--nnodes", "2",
             "--nproc-per-node", "2", "--link", "1gbit", "--steps", "2", "--eval-every", "0", "--no-progress",
-            "--out", str(out)]  # fmt: skip
+            "--topology", "hierarchical", "--out", str(out)]  # fmt: skip
     proc = subprocess.run([PY, "-m", "lioncub.cli", *argv], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "gpt/tiny 1bit on 2 nodes × 2 ranks, 1gbit NICs: 2 steps" in proc.stdout
+    assert "gpt/tiny 1bit@hierarchical on 2 nodes × 2 ranks, 1gbit NICs: 2 steps" in proc.stdout
     saved = json.loads((out / "config.json").read_text())
-    assert (saved["nnodes"], saved["nproc"]) == (2, 4)
+    assert (saved["nnodes"], saved["nproc"], saved["topology"]) == (2, 4, "hierarchical")
     assert json.loads((out / "summary.json").read_text())["world_size"] == 4

@@ -29,7 +29,11 @@ again); a finished report lists OUT/summary.md, OUT/summary.json and the PNG plo
 and --momentum-sync/--sync-every apply to the voting variants only (the DDP baselines have no vote); with
 diagnostics the report adds OUT/diagnostics_vs_step.png (match, flip, tie rate, momentum spread per variant).
 A LionCub variant named NAME+overlap (or every LionCub variant, with --overlap) starts its votes during the
-backward pass (DDP communication hook; bitwise the same training as NAME).
+backward pass (DDP communication hook; bitwise the same training as NAME). NAME@hierarchical votes node by
+node (bitwise NAME's training, other bytes per NIC) and 1bit@node-majority takes the majority of the
+nodes' majorities (another estimator); with --nnodes M --nproc-per-node L, e.g.
+  lioncub compare --variants 32bit,1bit,1bit@hierarchical,1bit@node-majority --nnodes 2 --nproc-per-node 2 \
+      --link 100mbit --out runs/topo
 """
 
 
@@ -49,6 +53,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 VOTING_ONLY = ("diagnostics_every", "momentum_sync", "sync_every", "overlap")
 OVERLAP_SUFFIX = "+overlap"
+
+
+def _base(variant: str) -> str:
+    """The preset of a compare variant ``NAME[@TOPOLOGY][+overlap]``."""
+    return variant.removesuffix(OVERLAP_SUFFIX).partition("@")[0]
+
+
+def _topology(variant: str) -> str:
+    """The vote over nodes of a compare variant ``NAME@TOPOLOGY`` (``"flat"`` without one)."""
+    return variant.removesuffix(OVERLAP_SUFFIX).partition("@")[2] or "flat"
 
 
 def _without_voting_options(args: argparse.Namespace) -> argparse.Namespace:
@@ -84,6 +98,7 @@ def _runs_in(out: Path) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from lioncub.optim import PRESETS
+    from lioncub.optim.config import TOPOLOGIES
     from lioncub.report import runs as report
     from lioncub.train.config import BASELINES
     from lioncub.train.rundir import check_out_path, claim, foreign_entries, is_marked, remove_owned
@@ -106,13 +121,15 @@ def run(args: argparse.Namespace) -> int:
         args.variants = DEFAULT_VARIANTS
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     allowed = sorted({*PRESETS, *BASELINES})
-    bad = [v for v in variants if v.removesuffix(OVERLAP_SUFFIX) not in allowed]
-    bad += [v for v in variants if v.endswith(OVERLAP_SUFFIX) and v.removesuffix(OVERLAP_SUFFIX) in BASELINES]
+    bad = [v for v in variants if _base(v) not in allowed]
+    bad += [v for v in variants if v.endswith(OVERLAP_SUFFIX) and _base(v) in BASELINES]
+    bad += [v for v in variants if _topology(v) not in TOPOLOGIES]
     if bad or not variants or len(set(variants)) != len(variants):
         print(
             f"lioncub compare: error: --variants {args.variants!r}: give distinct names from {allowed}; "
             f"a LionCub variant may carry {OVERLAP_SUFFIX!r} (e.g. 1bit{OVERLAP_SUFFIX}: its vote overlapped "
-            "with the backward pass; 32bit/16bit, DDP, always overlap)",
+            "with the backward pass; 32bit/16bit, DDP, always overlap) or @TOPOLOGY (e.g. 1bit@hierarchical, "
+            f"1bit@node-majority; topologies {list(TOPOLOGIES)})",
             file=sys.stderr,
         )
         return 2
@@ -128,10 +145,12 @@ def run(args: argparse.Namespace) -> int:
         try:
             configs = []
             for v in variants:
-                args.variant = v.removesuffix(OVERLAP_SUFFIX)
+                args.variant = _base(v)
                 per_run = _without_voting_options(args) if args.variant in BASELINES else args
                 if v.endswith(OVERLAP_SUFFIX):
                     per_run = argparse.Namespace(**{**vars(per_run), "overlap": True})
+                if "@" in v:
+                    per_run = argparse.Namespace(**{**vars(per_run), "topology": _topology(v)})
                 configs.append(config_from_args(per_run))
             for config in configs:
                 check_before_launch(config, args.timeout or None, args.max_nproc)

@@ -100,6 +100,10 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, variant: bool = True) 
     parser.add_argument("--sync-every", type=int, metavar="STEPS", help="momentum sync interval (default 10)")
     parser.add_argument("--quantizer", help="with --variant 8bit: l1 (default), l0, linf, lp, qsgd or log")
     parser.add_argument(
+        "--topology",
+        help="the vote over nodes: flat (default), hierarchical (exact) or node-majority (1bit only)",
+    )
+    parser.add_argument(
         "--diagnostics-every",
         type=int,
         metavar="STEPS",

@@ -3,8 +3,8 @@
 
 Ranks are numbered node by node (rank = node·L + local), as torchrun numbers them: a
 :class:`torch.distributed.device_mesh.DeviceMesh` of shape ``(M, L)`` with dimension names
-``("node", "local")`` is passed as ``LionCub(process_group=mesh)``, or built here from torchrun's
-``$LOCAL_WORLD_SIZE`` over the default group.
+``("node", "local")`` is passed as ``LionCub(process_group=mesh)``, or built here over the default group
+from the launcher's environment (:func:`mesh_from_environment`).
 """
 
 from __future__ import annotations
@@ -27,9 +27,16 @@ def is_mesh(value: object) -> bool:
 
 
 def mesh_from_environment(topology: str) -> DeviceMesh:
-    """The ``(M, L)`` node mesh of the default group, L from ``$LOCAL_WORLD_SIZE`` (collective)."""
-    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    """The ``(M, L)`` node mesh of the default group (collective): M from ``$LIONCUB_NNODES`` where
+    ``lioncub launch`` emulates the nodes (with ``--nproc N --link`` every rank is a node of its own),
+    else L from torchrun's ``$LOCAL_WORLD_SIZE``."""
     world = dist.get_world_size()
+    nodes = os.environ.get("LIONCUB_NNODES", "")
+    local = (
+        str(world // int(nodes))
+        if nodes.isdigit() and int(nodes) >= 1
+        else os.environ.get("LOCAL_WORLD_SIZE", "")
+    )
     if not local.isdigit() or int(local) < 1 or world % int(local):
         raise ValueError(
             f"topology={topology!r}: pass process_group=a DeviceMesh with dims {MESH_DIMS}, or launch with "

@@ -42,6 +42,7 @@ class TrainConfig:
     sync_every: int = 10
     diagnostics_every: int = 0  # LionCub: vote diagnostics every k steps into log.jsonl ("diag" records)
     quantizer: str | None = None  # LionCub: the quantizer of the "8bit" preset (l1, l0, linf, lp, qsgd, log)
+    topology: str = "flat"  # LionCub: the vote over nodes: flat, hierarchical (exact) or node-majority (1bit)
     nonfinite: str = "skip"  # NaN/Inf gradients on any rank: "skip" the step on every rank, or "raise"
     overlap: bool = False  # LionCub: start each DDP bucket's vote during the backward (a comm hook)
     # recorded for the report; the launcher applies them
@@ -110,6 +111,20 @@ class TrainConfig:
                 raise ValueError(f"--quantizer {self.quantizer!r}: allowed values are {sorted(QUANTIZERS)}")
             if self.variant != "8bit":
                 raise ValueError(f"--quantizer: only --variant 8bit quantizes (this run is {self.variant})")
+        if self.topology != "flat":
+            if self.variant in BASELINES:
+                raise ValueError(
+                    f"--topology {self.topology}: --variant {self.variant} is DDP + Lion (the backend's "
+                    "allreduce); --topology applies to the LionCub votes"
+                )
+            from lioncub.optim.config import resolve_variant
+
+            try:
+                resolve_variant(self.variant, quantizer=self.quantizer, topology=self.topology)
+            except ValueError as exc:
+                raise ValueError(f"--topology {self.topology}: {exc}") from None
+            if self.overlap:
+                raise ValueError(f"--topology {self.topology}: --overlap votes flat (use --topology flat)")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"--min-lr-ratio {self.min_lr_ratio!r} must be within [0, 1]")
         if self.data_mode not in ("random", "shard"):

@@ -98,7 +98,7 @@ def build_optimizer(config: TrainConfig, wl: Workload, model: torch.nn.Module, w
     opt = LionCub(
         groups,
         betas=wl.betas,
-        variant=resolve_variant(config.variant, quantizer=config.quantizer),
+        variant=resolve_variant(config.variant, quantizer=config.quantizer, topology=config.topology),
         bucket_mb=config.bucket_mb,
         momentum_sync=MomentumSync(config.momentum_sync, every=config.sync_every),
         model=getattr(model, "module", model),

@@ -412,7 +412,9 @@ def format_summary(summary: dict[str, Any]) -> str:
         per_node = summary["world_size"] // cfg["nnodes"]
         where = f"{cfg['nnodes']} nodes × {per_node} ranks, {cfg['link']} NICs{inside}"
     return (
-        f"{cfg['workload']}/{cfg['size']} {cfg['variant']}{'+overlap' if cfg.get('overlap') else ''} on "
+        f"{cfg['workload']}/{cfg['size']} {cfg['variant']}"
+        f"{'@' + cfg['topology'] if cfg.get('topology', 'flat') != 'flat' else ''}"
+        f"{'+overlap' if cfg.get('overlap') else ''} on "
         f"{where}: "
         f"{summary['steps_run']} steps, median step {ms('median_step_s')} (compute {ms('median_compute_s')}, "
         f"communication {ms('median_comm_s')}, apply {ms('median_apply_s')}), "

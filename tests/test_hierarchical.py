@@ -165,3 +165,23 @@ def test_the_cost_model_charges_the_bytes_the_vote_sends(
     }
     intra, inter = vote.level_bytes(d)
     assert charged["intra"] == pytest.approx(intra) and charged["inter"] == pytest.approx(inter)
+
+
+@pytest.mark.parametrize(
+    ("variant", "want"), [("1bit", "flat"), ("8bit", "hierarchical"), ("4bit", "hierarchical")]
+)
+def test_auto_picks_the_exact_topology_with_fewer_bytes_per_nic(variant: str, want: str) -> None:
+    """2 nodes × 2 ranks behind 100 Mbit/s NICs, bytes through a NIC per step of d parameters:
+    1bit flat d/4 (the pairwise exchange) vs hierarchical d/2 (node counts ≤ 4 in 4-bit lanes);
+    8bit flat 1.5·d (the int8 ring) vs hierarchical d (8-bit lanes); 4bit flat 0.75·d (4-bit lanes in a
+    ring) vs hierarchical d/2 (4-bit lanes, ring over 2 nodes)."""
+    from lioncub.planning import costmodel
+    from lioncub.planning.auto import choose_topology
+
+    inter = costmodel.Network.from_rate(100e6, 50e-6)
+    cluster = costmodel.Cluster(2, 2, inter, costmodel.Network.from_rate(400e9, 5e-6))
+    d = 10_000_000
+    choice, reason = choose_topology(variant, d, cluster)
+    flat, hier = (costmodel.predict_cluster(variant, d, cluster, t) for t in ("flat", "hierarchical"))
+    assert choice == ("flat" if flat.total_s <= hier.total_s else "hierarchical") == want, reason
+    assert f"topology='auto' chose {want!r} for {variant}" in reason

@@ -369,12 +369,14 @@ def test_a_failed_rank_on_a_node_is_named_and_every_node_stops() -> None:
 @pytest.mark.slow
 def test_lioncub_train_on_two_nodes(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    argv = ["train", "--workload", "gpt", "--size", "tiny", "--variant", "1bit", "--nnodes", "2",
+    argv = ["train", "--workload", "gpt", "--size", "tiny", "--variant", "8bit", "--nnodes", "2",
             "--nproc-per-node", "2", "--link", "1gbit", "--steps", "2", "--eval-every", "0", "--no-progress",
-            "--topology", "hierarchical", "--out", str(out)]  # fmt: skip
+            "--topology", "auto", "--out", str(out)]  # fmt: skip
     proc = subprocess.run([PY, "-m", "lioncub.cli", *argv], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "gpt/tiny 1bit@hierarchical on 2 nodes × 2 ranks, 1gbit NICs: 2 steps" in proc.stdout
+    # 8bit at 2×2: a NIC carries 1.5·d bytes of the flat int8 ring, d of the hierarchical 8-bit lanes
+    assert "topology='auto' chose 'hierarchical' for 8bit" in proc.stdout
+    assert "gpt/tiny 8bit@auto on 2 nodes × 2 ranks, 1gbit NICs: 2 steps" in proc.stdout
     saved = json.loads((out / "config.json").read_text())
-    assert (saved["nnodes"], saved["nproc"], saved["topology"]) == (2, 4, "hierarchical")
+    assert (saved["nnodes"], saved["nproc"], saved["topology"]) == (2, 4, "auto")
     assert json.loads((out / "summary.json").read_text())["world_size"] == 4

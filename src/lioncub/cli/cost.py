@@ -34,8 +34,8 @@ node's NIC (ranks numbered node by node, as torchrun numbers them).
 """
 
 #: defaults of the link inside a node (NVLink-class) when --nnodes is given
-DEFAULT_INTRA_BANDWIDTH = "400gbit"
-DEFAULT_INTRA_LATENCY = "5us"
+DEFAULT_INTRA_BANDWIDTH = cm.DEFAULT_INTRA_BANDWIDTH
+DEFAULT_INTRA_LATENCY = cm.DEFAULT_INTRA_LATENCY
 
 
 def _arg(parse: Any, option: str) -> Any:

@@ -33,7 +33,15 @@ if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
 
-__all__ = ["AUTO_ENV", "AutoChoice", "auto_variant", "check_candidates", "choose_variant", "resolve_network"]
+__all__ = [
+    "AUTO_ENV",
+    "AutoChoice",
+    "auto_variant",
+    "check_candidates",
+    "choose_topology",
+    "choose_variant",
+    "resolve_network",
+]
 
 _log = logging.getLogger("lioncub")
 
@@ -186,3 +194,31 @@ def auto_variant(
         return AutoChoice(variant, f"variant='auto': rank 0 chose {variant!r}", ())
     _log.info("%s", choice.reason)
     return choice
+
+
+def choose_topology(
+    variant: str,
+    d: int,
+    cluster: costmodel.Cluster,
+    compute: Compute | None = None,
+    *,
+    bucket_numel: int | None = None,
+) -> tuple[str, str]:
+    """``topology="auto"``: the exact topology (``"flat"`` or ``"hierarchical"``, which give the same
+    updates bit for bit) with the smaller predicted time per step of ``variant`` on ``cluster``, and why.
+    ``"node-majority"`` changes the estimator, so it is never chosen here. A pure function of its
+    arguments: every rank computes the same answer without communicating."""
+    rows = [
+        costmodel.predict_cluster(variant, d, cluster, t, compute, bucket_numel=bucket_numel)
+        for t in ("flat", "hierarchical")
+    ]
+    ok = [r for r in rows if r.allowed]
+    best = min(ok, key=lambda r: r.total_s)
+    shown = ", ".join(f"{r.topology} {r.total_s * 1e3:.3g} ms" for r in ok)
+    refused = "; ".join(f"{r.topology}: {r.reason}" for r in rows if not r.allowed)
+    reason = (
+        f"topology='auto' chose {best.topology!r} for {variant} with {d:,} parameters on {cluster.nnodes} "
+        f"nodes × {cluster.nproc_per_node} ranks: predicted {shown} per step"
+        + (f"; not allowed: {refused}" if refused else "")
+    )
+    return best.topology, reason

@@ -408,6 +408,9 @@ def wire_bytes(variant: str | Scheme | Any, d: int, n_workers: int, rank: int = 
 
 #: how a vote is laid over M nodes of L ranks (``lioncub.collectives.hierarchical``)
 TOPOLOGIES = ("flat", "hierarchical", "node-majority")
+#: the link inside a node (NVLink-class) where none is given: rate and latency
+DEFAULT_INTRA_BANDWIDTH = "400gbit"
+DEFAULT_INTRA_LATENCY = "5us"
 #: the level of a :class:`Phase`: inside each node, between the nodes, or the whole group at once
 LEVELS = ("intra", "inter", "flat")
 _HIERARCHICAL_TRANSPORTS = ("1bit", "lanes", "int8", "quantized")

@@ -42,7 +42,9 @@ class TrainConfig:
     sync_every: int = 10
     diagnostics_every: int = 0  # LionCub: vote diagnostics every k steps into log.jsonl ("diag" records)
     quantizer: str | None = None  # LionCub: the quantizer of the "8bit" preset (l1, l0, linf, lp, qsgd, log)
-    topology: str = "flat"  # LionCub: the vote over nodes: flat, hierarchical (exact) or node-majority (1bit)
+    topology: str = (
+        "flat"  # LionCub's vote over nodes: flat, hierarchical (exact), node-majority (1bit), auto
+    )
     nonfinite: str = "skip"  # NaN/Inf gradients on any rank: "skip" the step on every rank, or "raise"
     overlap: bool = False  # LionCub: start each DDP bucket's vote during the backward (a comm hook)
     # recorded for the report; the launcher applies them
@@ -119,8 +121,14 @@ class TrainConfig:
                 )
             from lioncub.optim.config import resolve_variant
 
-            try:
-                resolve_variant(self.variant, quantizer=self.quantizer, topology=self.topology)
+            try:  # auto: the cost model's exact choice (flat or hierarchical), made when the run starts
+                topology = "hierarchical" if self.topology == "auto" else self.topology
+                if self.topology not in ("auto", "flat", "hierarchical", "node-majority"):
+                    raise ValueError(
+                        f"topology={self.topology!r}: allowed values are "
+                        "['flat', 'hierarchical', 'node-majority', 'auto']"
+                    )
+                resolve_variant(self.variant, quantizer=self.quantizer, topology=topology)
             except ValueError as exc:
                 raise ValueError(f"--topology {self.topology}: {exc}") from None
             if self.overlap:

@@ -62,9 +62,12 @@ from lioncub.optim.ddp import (
 from lioncub.optim.lion import Lion
 from lioncub.optim.lioncub import Checks, LionCub, NonFiniteGradientError
 from lioncub.optim.sync import MomentumSync
+from lioncub.planning import costmodel
+from lioncub.planning.auto import DEFAULT_LATENCY_S, choose_topology
 from lioncub.train import checkpoint
 from lioncub.train.config import BASELINES, TrainConfig, lr_factor
 from lioncub.train.workloads import Workload, make_workload
+from lioncub.units import parse_rate
 
 __all__ = ["build_optimizer", "device_for", "format_final", "init_distributed", "main", "seed_rank", "train"]
 
@@ -78,6 +81,31 @@ class Optimizer:
     opt: torch.optim.Optimizer
     model: torch.nn.Module  # DDP-wrapped when world size > 1
     traffic: GradientTraffic | None  # DDP baselines: bytes of the gradient allreduce
+
+
+def _topology(config: TrainConfig, wl: Workload, model: torch.nn.Module) -> str:
+    """``config.topology``, with ``"auto"`` resolved by :func:`lioncub.planning.auto.choose_topology` for the
+    emulated cluster (``--link`` per node NIC, ``--intra-link`` or an NVLink-class link inside a node);
+    on loopback there is nothing to choose between: flat."""
+    if config.topology != "auto":
+        return config.topology
+    nnodes = config.nnodes or config.nproc
+    if config.link == "loopback" or nnodes == 1 or nnodes == config.nproc:
+        choice, reason = "flat", "topology='auto' chose 'flat': one rank per node or no emulated network"
+    else:
+        latency = costmodel.parse_duration(costmodel.DEFAULT_INTRA_LATENCY)
+        inter = costmodel.Network.from_rate(parse_rate(config.link), DEFAULT_LATENCY_S)
+        intra_rate = parse_rate(config.intra_link or costmodel.DEFAULT_INTRA_BANDWIDTH, "--intra-link")
+        cluster = costmodel.Cluster(
+            nnodes, config.nproc // nnodes, inter, costmodel.Network.from_rate(intra_rate, latency)
+        )
+        d = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        choice, reason = choose_topology(
+            config.variant, d, cluster, bucket_numel=int(config.bucket_mb * 2**20) // 4
+        )
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"[lioncub] {reason}", flush=True)
+    return choice
 
 
 def build_optimizer(config: TrainConfig, wl: Workload, model: torch.nn.Module, world_size: int) -> Optimizer:
@@ -98,7 +126,9 @@ def build_optimizer(config: TrainConfig, wl: Workload, model: torch.nn.Module, w
     opt = LionCub(
         groups,
         betas=wl.betas,
-        variant=resolve_variant(config.variant, quantizer=config.quantizer, topology=config.topology),
+        variant=resolve_variant(
+            config.variant, quantizer=config.quantizer, topology=_topology(config, wl, model)
+        ),
         bucket_mb=config.bucket_mb,
         momentum_sync=MomentumSync(config.momentum_sync, every=config.sync_every),
         model=getattr(model, "module", model),

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import background
-from lioncub.ops import kernels, packing, quantize
+from lioncub.ops import kernels, native, packing, quantize
 from lioncub.optim.lion import apply_update_, update_momentum_
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -162,12 +162,14 @@ def test_l1_divisors_is_pass_one_of_quantize():
 # ----------------------------------------------------------------------------- backend choice
 
 
-def test_auto_backend_is_torch_for_cpu_tensors_without_the_interpreter():
+def test_auto_backend_for_cpu_tensors_without_the_interpreter():
     x = torch.zeros(8)
-    want = "triton" if (kernels.HAVE_TRITON and kernels.interpreting()) else "torch"
+    cpu = "cpu" if native.available() else "torch"  # the C kernels where they compiled
+    want = "triton" if (kernels.HAVE_TRITON and kernels.interpreting()) else cpu
     assert kernels.backend_for(x) == want
     assert kernels.backend_for(x, backend="torch") == "torch"
-    assert kernels.backend_for(x.double()) == "torch"  # float64 is not a Triton kernel dtype
+    assert kernels.backend_for(x.double()) == cpu  # float64 is not a Triton kernel dtype, a C one
+    assert kernels.backend_for(x.half()) == ("triton" if want == "triton" else "torch")  # no C float16
     assert kernels.backend_for(torch.zeros(4, 4).t()) == "torch"  # non-contiguous
     with pytest.raises(ValueError, match="backend="):
         kernels.backend_for(x, backend="cuda")
@@ -283,7 +285,9 @@ def test_lioncub_step_with_kernels_equals_the_torch_step() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     interp = torch.load(background.workdir("lioncub_kernels_interp") / "interp.pt", weights_only=False)
     assert interp["backend"] == "triton"
-    plain = run_workers(worker_lioncub_kernels, 2, presets, None)[0]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LIONCUB_CPU_KERNELS", "0")  # the ranks take the caller's environment
+        plain = run_workers(worker_lioncub_kernels, 2, presets, None)[0]
     assert plain["backend"] == "torch" and plain["calls"] == {}
     # 3 steps × (1bit: 1 repack + 2 applies; 8bit: 1 quantize + 2 applies; 8bit-sign: 2 applies)
     assert interp["calls"] == {"majority_pack": 3, "quantize_l1": 3, "apply_votes_": 18}

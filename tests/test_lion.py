@@ -218,6 +218,7 @@ def test_foreach_and_per_tensor_bitwise_identical(dtypes, momentum_dtype, maximi
 
 
 def test_default_foreach_uses_foreach_kernels(monkeypatch):
+    monkeypatch.setenv("LIONCUB_CPU_KERNELS", "0")  # the torch path (float32 CPU takes the C kernel)
     calls = []
     real = torch._foreach_sign_
     monkeypatch.setattr(torch, "_foreach_sign_", lambda xs: (calls.append(len(xs)), real(xs))[1])

@@ -22,6 +22,13 @@ Exact zeros of ``c`` vote "+" wherever a vote is one bit (1-bit, lanes, server),
 the int8 and quantized paths carry them as 0. With ``N = 1`` there is nothing to exchange and every
 sign vote is ``sign(c)`` (plain Lion).
 
+Fused CPU step (:mod:`lioncub.ops.native`): a vote's :meth:`~VoteAlgorithm.encoding` says what its first
+step makes of ``c`` (votes in bit lanes, or ``sign(c)`` in int8); the optimizer then writes that payload
+straight from the momentum and the gradient into :meth:`~VoteAlgorithm.payload` and passes it to
+``start(..., encoded=)``, and :meth:`Pending.wait_raw` hands over the result before its decode (the packed
+majority bits, or the integer sums whose sign is the vote) for an apply that decodes as it goes. Both give
+the bits of the plain path.
+
 Non-finite ``c`` (the optimizer skips such steps before voting) still gives a defined, in-range result:
 a one-bit vote of NaN is "−" (``NaN ≥ 0`` is false) and of ±Inf is ±; ``sign(NaN)`` is 0 on the int8
 paths and for ``N = 1``; a quantized vote abstains (levels 0) on a tensor or chunk holding NaN or ±Inf
@@ -43,6 +50,7 @@ from lioncub.ops import kernels, packing, quantize
 __all__ = [
     "AverageVote",
     "DenseMean",
+    "Encoding",
     "LaneVote",
     "OneBitVote",
     "Pending",
@@ -66,16 +74,58 @@ def auto_lane_bits(n_workers: int, max_lane_value: int = 1) -> int:
     raise AssertionError("unreachable")
 
 
+@dataclass(frozen=True)
+class Encoding:
+    """The payload a vote's first step makes of the local direction ``c`` (d elements), which the fused
+    CPU direction kernels write straight from the momentum and the gradient.
+
+    ``kind="lanes"``: the votes ``[c ≥ 0]`` in ``bits``-bit lanes, uint8 — ``bits=1`` as
+    :func:`lioncub.ops.packing.pack_signs` (padding votes "+" up to a multiple of ``pad_to`` bits), wider
+    lanes as :func:`lioncub.ops.packing.pack_lanes` (zero lanes up to a whole byte). ``kind="sign"``:
+    ``sign(c)`` as int8 (NaN → 0)."""
+
+    kind: Literal["lanes", "sign"]
+    bits: int = 1
+    pad_to: int = 8
+
+    def numel(self, d: int) -> int:
+        """Payload elements for d directions."""
+        if self.kind == "sign":
+            return d
+        if self.bits == 1:
+            return -(-d // self.pad_to) * self.pad_to // 8
+        return packing.packed_size(d, self.bits)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.int8 if self.kind == "sign" else torch.uint8
+
+
+def _once(fn: Any) -> Any:
+    """``fn()`` evaluated on the first call only (the result is kept)."""
+    box: list[Any] = []
+
+    def call() -> Any:
+        if not box:
+            box.append(fn())
+        return box[0]
+
+    return call
+
+
 @dataclass
 class Pending:
     """A vote in flight. ``advance()`` runs the work between phases of a multi-phase vote and posts the
     next phase without waiting for it (call it on every pending vote before waiting on the first, so
     that phase 2 of one bucket overlaps the work of the next); ``wait()`` finishes and returns the
-    aggregated update."""
+    aggregated update; ``wait_raw()`` (where ``raw`` is set) finishes and returns it before its decode:
+    ``("bits", packed)`` — the update is +1 where a bit of the packed uint8 result is set, −1 elsewhere —
+    or ``("sum", values)`` — the update is the sign of the int8 values."""
 
     finish: Any  # Callable[[], torch.Tensor]
     value: torch.Tensor | None = None
     middle: Any = None  # Callable[[], None]: the between-phases step of a two-phase vote
+    raw: Any = None  # Callable[[], tuple[str, torch.Tensor]] (kept after the first call), or None
 
     def advance(self) -> None:
         if self.middle is not None:
@@ -87,6 +137,12 @@ class Pending:
             self.advance()
             self.value = self.finish()
         return self.value
+
+    def wait_raw(self) -> tuple[str, torch.Tensor] | None:
+        if self.raw is None:
+            return None
+        self.advance()
+        return self.raw()
 
 
 class VoteAlgorithm(ABC):
@@ -123,10 +179,24 @@ class VoteAlgorithm(ABC):
         step: int,
         key: Hashable | None = None,
         segments: Sequence[int] | None = None,
+        encoded: torch.Tensor | None = None,
     ) -> Pending:
         """Start aggregating ``local`` (1-D). ``step`` (≥ 1) drives the tie rule; ``key`` names the
         bucket (reusable buffers; buckets in flight at once need distinct keys); ``segments`` are the
-        lengths of the parameter tensors in ``local`` (per-tensor quantizer normalisation)."""
+        lengths of the parameter tensors in ``local`` (per-tensor quantizer normalisation); ``encoded``:
+        the :meth:`encoding` of ``local`` already made (then ``local`` is only read for its length)."""
+
+    def encoding(self) -> Encoding | None:
+        """The payload :meth:`start` takes as ``encoded=`` instead of computing it from ``local``, or
+        ``None`` (the vote needs ``c`` itself)."""
+        return None
+
+    def payload(self, key: Hashable | None, d: int) -> torch.Tensor:
+        """The reusable buffer of :meth:`encoding` for a bucket of ``d`` elements."""
+        enc = self.encoding()
+        if enc is None:
+            raise ValueError(f"{self!r} takes no encoded payload")
+        return self.buffer(key, "payload", enc.numel(d), enc.dtype)
 
     def wire_bytes(self, numel: int) -> tuple[float, float]:
         """(sent, received) bytes per rank for one ``start`` of ``numel`` elements (the formula)."""
@@ -166,13 +236,19 @@ class OneBitVote(VoteAlgorithm):
 
     name = "1bit"
 
-    def start(self, local, *, step, key=None, segments=None):
+    def encoding(self):
+        return Encoding("lanes", 1, 8 * self.world_size) if self.world_size > 1 else None
+
+    def start(self, local, *, step, key=None, segments=None, encoded=None):
         n = self.world_size
         d = local.numel()
         if n == 1:
             return Pending(lambda: _sign_int8(local))
         nbytes = -(-d // (8 * n)) * n  # padded bits / 8
-        packed = packing.pack_signs(local, pad_to=8 * n, out=self.buffer(key, "packed", nbytes, torch.uint8))
+        if encoded is None:
+            packed = packing.pack_signs(local, pad_to=8 * n, out=self.payload(key, d))
+        else:
+            packed = encoded
         recv = self.buffer(key, "recv", nbytes, torch.uint8)
         slice_bytes = nbytes // n
         handle = self.comm.all_to_all(
@@ -185,18 +261,24 @@ class OneBitVote(VoteAlgorithm):
         def middle() -> None:  # count this rank's slice, post the all-gather of its result
             handle.wait()
             rows = recv.view(n, slice_bytes)
-            if kernels.backend_for(rows) == "triton":  # GPU: unpack, count, tie rule, repack in one pass
-                mine = kernels.majority_pack(rows, tie_positive, n_workers=n)
+            if kernels.backend_for(rows) != "torch":  # GPU, CPU: unpack, count, tie rule, repack in one pass
+                mine = kernels.majority_pack(
+                    rows, tie_positive, n_workers=n, out=self.buffer(key, "mine", slice_bytes, torch.uint8)
+                )
             else:
                 mine = packing.pack_majority(packing.count_votes(rows, slice_bytes * 8), n, tie_positive)
             phase2.append(self.comm.all_gather(gathered, mine, "1-bit all-gather"))
 
-        def finish() -> torch.Tensor:
+        @_once
+        def raw() -> tuple[str, torch.Tensor]:
             phase2[0].wait()
-            out = self.buffer(key, "result", d, torch.int8)
-            return packing.unpack_signs(gathered, d, torch.int8, out=out)
+            return "bits", gathered.view(-1)
 
-        return Pending(finish, middle=middle)
+        def finish() -> torch.Tensor:
+            out = self.buffer(key, "result", d, torch.int8)
+            return packing.unpack_signs(raw()[1], d, torch.int8, out=out)
+
+        return Pending(finish, middle=middle, raw=raw)
 
     def wire_bytes(self, numel):
         n = self.world_size
@@ -230,12 +312,18 @@ class LaneVote(VoteAlgorithm):
         self.bits = bits
         self.name = f"{bits}bit-vote"
 
-    def start(self, local, *, step, key=None, segments=None):
+    def encoding(self):
+        return Encoding("lanes", self.bits) if self.world_size > 1 else None
+
+    def start(self, local, *, step, key=None, segments=None, encoded=None):
         n, d = self.world_size, local.numel()
         if n == 1:
             return Pending(lambda: _sign_int8(local))
-        votes = torch.ge(local, 0).view(torch.uint8)
-        lanes = packing.pack_lanes(votes, self.bits)
+        if encoded is None:
+            votes = torch.ge(local, 0).view(torch.uint8)
+            lanes = packing.pack_lanes(votes, self.bits)
+        else:
+            lanes = encoded
         handle = self.comm.all_reduce(lanes, f"{self.bits}-bit vote allreduce")
 
         def finish() -> torch.Tensor:
@@ -262,12 +350,16 @@ class SignSumVote(VoteAlgorithm):
         super().__init__(comm)
         quantize.level_budget(comm.world_size, 8, "signed")  # raises beyond 127 workers
 
-    def start(self, local, *, step, key=None, segments=None):
-        signs = _sign_int8(local)
+    def encoding(self):
+        return Encoding("sign") if self.world_size > 1 else None
+
+    def start(self, local, *, step, key=None, segments=None, encoded=None):
+        signs = _sign_int8(local) if encoded is None else encoded
         if self.world_size == 1:
             return Pending(lambda: signs)
         handle = self.comm.all_reduce(signs, "int8 sign allreduce")
-        return Pending(lambda: _sign_of_sum(handle.wait()))
+        raw = _once(lambda: ("sum", handle.wait()))
+        return Pending(lambda: _sign_of_sum(raw()[1]), raw=raw)
 
     def wire_bytes(self, numel):
         each = 2 * (self.world_size - 1) / self.world_size * numel
@@ -281,8 +373,8 @@ class AverageVote(SignSumVote):
     name = "dlion-avg"
     result = "value"
 
-    def start(self, local, *, step, key=None, segments=None):
-        signs = _sign_int8(local)
+    def start(self, local, *, step, key=None, segments=None, encoded=None):
+        signs = _sign_int8(local) if encoded is None else encoded
         n = self.world_size
         if n == 1:
             return Pending(lambda: signs.to(local.dtype))
@@ -341,19 +433,23 @@ class QuantizedVote(VoteAlgorithm):
             self.options["generator"] = self.generator
         self.name = f"{bits}bit-{quantizer}"
 
-    def levels_of(self, local: torch.Tensor, segments: Sequence[int] | None) -> torch.Tensor:
-        """This worker's integer levels (int8) for ``local``, normalised per segment."""
+    def levels_of(
+        self, local: torch.Tensor, segments: Sequence[int] | None, key: Hashable | None = None
+    ) -> torch.Tensor:
+        """This worker's integer levels (int8) for ``local``, normalised per segment (``key``: the bucket,
+        whose level buffer the fused quantizer reuses)."""
         if (
             self.quantizer == "l1"
             and set(self.options) <= {"clip_multiple", "chunk_size"}
-            and kernels.backend_for(local) == "triton"
-        ):  # GPU: the fused quantizer (bit for bit the same levels)
+            and kernels.backend_for(local) != "torch"
+        ):  # GPU (Triton), CPU (C): the fused quantizer (bit for bit the same levels)
             return kernels.quantize_l1(
                 local,
                 self.levels,
                 clip_multiple=self.options["clip_multiple"],
                 chunk_size=self.options["chunk_size"],
                 segments=segments,
+                out=self.buffer(key, "levels", local.numel(), quantize.level_dtype(self.levels)),
             )
         out = torch.empty(local.numel(), dtype=torch.int8, device=local.device)
         pos = 0
@@ -368,14 +464,15 @@ class QuantizedVote(VoteAlgorithm):
             raise ValueError(f"segments add up to {pos}, but the tensor has {local.numel()} elements")
         return out
 
-    def start(self, local, *, step, key=None, segments=None):
+    def start(self, local, *, step, key=None, segments=None, encoded=None):
         n, d = self.world_size, local.numel()
-        levels = self.levels_of(local, segments)
+        levels = self.levels_of(local, segments, key)
         if n == 1:
             return Pending(lambda: _sign_of_sum(levels))
         if self.bits == 8:
             handle = self.comm.all_reduce(levels, f"int8 {self.quantizer} allreduce")
-            return Pending(lambda: _sign_of_sum(handle.wait()))
+            raw = _once(lambda: ("sum", handle.wait()))
+            return Pending(lambda: _sign_of_sum(raw()[1]), raw=raw)
         lanes = packing.pack_lanes(packing.offset_encode(levels, self.levels), self.bits)
         handle = self.comm.all_reduce(lanes, f"{self.bits}-bit {self.quantizer} allreduce")
 
@@ -434,11 +531,14 @@ class ServerVote(VoteAlgorithm):
             return _sign_int8(local)
         return _sign_int8(local).to(local.dtype)
 
-    def start(self, local, *, step, key=None, segments=None):
+    def encoding(self):
+        return Encoding("lanes", 1, 8) if self.world_size > 1 else None
+
+    def start(self, local, *, step, key=None, segments=None, encoded=None):
         n, d, r = self.world_size, local.numel(), self.comm.rank
         if n == 1:
             return Pending(lambda: self._finish_local(local))
-        up = packing.pack_signs(local)
+        up = packing.pack_signs(local) if encoded is None else encoded
         down = self.buffer(key, "down", packing.packed_size(d, self.down_bits), torch.uint8)
         if r == self.root:
             inbox = self.buffer(key, "inbox", n * up.numel(), torch.uint8).view(n, up.numel())
@@ -498,7 +598,7 @@ class DenseMean(VoteAlgorithm):
         self.wire_dtype = wire_dtype
         self.name = {None: "dense", torch.float32: "32bit", torch.bfloat16: "16bit"}.get(wire_dtype, "dense")
 
-    def start(self, local, *, step, key=None, segments=None):
+    def start(self, local, *, step, key=None, segments=None, encoded=None):
         n, d = self.world_size, local.numel()
         if n == 1:  # nothing travels, nothing is rounded: plain Lion
             return Pending(lambda: local)

@@ -1,10 +1,14 @@
-r"""Fused kernels for the GPU path of a vote step, with a plain-torch fallback.
+r"""Fused kernels of a vote step: Triton on GPUs, C on CPUs, with a plain-torch fallback.
 
-Four kernels, each a Triton kernel (``backend="triton"``) and a torch reference (``backend="torch"``)
-that give bit-for-bit the same result; ``backend="auto"`` (the default) takes Triton when it can run the
-tensors (Triton is importable and they are CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``,
-Triton's interpreter) and torch otherwise, and also for inputs the Triton kernels do not take (other
-dtypes, non-contiguous tensors): :func:`backend_for` says which one a call takes.
+Four kernels, each a Triton kernel (``backend="triton"``), a C kernel (``backend="cpu"``,
+:mod:`lioncub.ops.native`) and a torch reference (``backend="torch"``) that give bit-for-bit the same
+result; ``backend="auto"`` (the default) takes Triton when it can run the tensors (Triton is importable
+and they are CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``, Triton's interpreter), else the C
+kernels for CPU tensors (when they compiled, see :func:`lioncub.ops.native.reason`, and unless
+``LIONCUB_CPU_KERNELS=0``), and torch otherwise, also for inputs the fused kernels do not take (other
+dtypes, non-contiguous tensors): :func:`backend_for` says which one a call takes. The C kernels take
+contiguous float32, float64 and bfloat16 tensors (int8 votes for :func:`apply_votes_`) and follow the
+arithmetic below (float64 as float32, with double scalars).
 
 * :func:`direction_pack` — ``c = β1·m + (1−β1)·g``, the 1-bit pack of ``[c ≥ 0]`` (bit order, ``pad_to``
   and "+" padding of :func:`lioncub.ops.packing.pack_signs`), optionally ``c`` itself, a non-finite flag
@@ -49,7 +53,8 @@ Arithmetic, so that both backends round identically:
 
 The Triton kernels take contiguous float32, bfloat16 and float16 tensors (float64 and other dtypes go to
 the torch backend under ``"auto"``, and raise under ``"triton"``). This module sits in the lowest layer:
-it imports torch, numpy, triton, :mod:`lioncub.ops.packing` and :mod:`lioncub.ops.quantize` only.
+it imports torch, numpy, triton, :mod:`lioncub.ops.native`, :mod:`lioncub.ops.packing` and
+:mod:`lioncub.ops.quantize` only.
 """
 
 from __future__ import annotations
@@ -62,7 +67,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from lioncub.ops import packing, quantize
+from lioncub.ops import native, packing, quantize
 
 __all__ = [
     "HAVE_TRITON",
@@ -76,10 +81,11 @@ __all__ = [
     "interpreting",
     "majority_pack",
     "quantize_l1",
+    "step_backend_for",
 ]
 
-Backend = Literal["auto", "triton", "torch"]
-BACKENDS = ("auto", "triton", "torch")
+Backend = Literal["auto", "triton", "cpu", "torch"]
+BACKENDS = ("auto", "triton", "cpu", "torch")
 
 try:  # the torch backend serves everything when Triton is missing or broken
     import triton
@@ -134,23 +140,67 @@ def _why_not(tensors: Sequence[torch.Tensor], floats: Sequence[torch.Tensor]) ->
     return ""
 
 
+def _why_not_cpu(tensors: Sequence[torch.Tensor], floats: Sequence[torch.Tensor]) -> str:
+    """Why the C kernels cannot run these tensors ("" if they can)."""
+    if not native.available():
+        return f"the fused CPU kernels are unavailable ({native.reason()})"
+    for t in tensors:
+        if t.device.type != "cpu":
+            return f"a {t.device.type} tensor: the C kernels take CPU tensors"
+        if not t.is_contiguous():
+            return "a non-contiguous tensor"
+    for t in floats:
+        if t.dtype not in native.DTYPES:
+            return f"dtype {t.dtype} (the C kernels take float32, float64 and bfloat16)"
+    if floats and len({t.dtype for t in floats}) > 1:
+        return f"mixed dtypes {sorted(str(t.dtype) for t in floats)}"
+    return ""
+
+
 def _resolve(backend: str, tensors: Sequence[torch.Tensor], floats: Sequence[torch.Tensor] = ()) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     if backend == "torch":
         return "torch"
+    if backend == "cpu":
+        why = _why_not_cpu(tensors, floats)
+        if why:
+            raise RuntimeError(f"backend='cpu' cannot run this call: {why}")
+        return "cpu"
     why = _why_not(tensors, floats)
     if not why:
         return "triton"
     if backend == "triton":
         raise RuntimeError(f"backend='triton' cannot run this call: {why}")
-    return "torch"
+    return "cpu" if not _why_not_cpu(tensors, floats) else "torch"
 
 
 def backend_for(*tensors: torch.Tensor, backend: Backend = "auto") -> str:
-    """The backend (``"triton"`` or ``"torch"``) a kernel of this module takes for these tensors."""
+    """The backend (``"triton"``, ``"cpu"`` or ``"torch"``) a kernel of this module takes for these
+    tensors."""
     floats = [t for t in tensors if t.dtype.is_floating_point]
     return _resolve(backend, tensors, floats)
+
+
+#: the dtypes the optimizer steps hand to the C kernels: their torch steps compute bfloat16 in ATen's own
+#: bfloat16 kernels, not in the float32 "opmath" of this module's reference, so bfloat16 stays on torch
+STEP_DTYPES = (torch.float32, torch.float64)
+
+
+def step_backend_for(*tensors: torch.Tensor | None) -> str:
+    """The backend of an optimizer step's fused CPU passes for these tensors (``None`` entries, a missing
+    gradient, are skipped): ``"triton"`` where Triton takes them (the step's own Triton branches run
+    then), ``"cpu"`` where the C kernels may (CPU, contiguous, dense, one dtype among
+    :data:`STEP_DTYPES`, integer votes aside, the kernels available), else ``"torch"``."""
+    present = [t for t in tensors if t is not None]
+    if any(t.layout != torch.strided for t in present):
+        return "torch"
+    floats = [t for t in present if t.dtype.is_floating_point]
+    if not _why_not(present, floats):
+        return "triton"
+    if not floats or floats[0].dtype not in STEP_DTYPES:
+        return "torch"
+    return "cpu" if not _why_not_cpu(present, floats) else "torch"
 
 
 def _f32(x: float) -> float:
@@ -477,6 +527,17 @@ def direction_pack(
         raise ValueError(f"direction_out must hold {n} elements of {m.dtype}")
     tensors = [exp_avg, grad, out] + ([c_out] if c_out is not None else [])
     which = _resolve(backend, tensors, [exp_avg, grad] + ([c_out] if c_out is not None else []))
+    if which == "cpu":
+        if c_out is not None:
+            peak = native.direction(m, g, beta1, out=c_out, negate=negate_grad)
+            packing.pack_signs(c_out, pad_to=pad_to, out=out)
+        else:
+            peak = native.direction_lanes(m, g, beta1, out=out, position=0, bits=1, negate=negate_grad)
+            native.fill_lanes(out, n, nbytes * 8, 1, 1)  # padding votes "+"
+        if update_momentum:
+            native.momentum(m, g, beta2, negate=negate_grad)  # type: ignore[arg-type]
+        finite = torch.tensor(math.isfinite(peak)) if check_finite else None
+        return DirectionPack(out, c_out, finite)
     if which == "torch":
         g_eff = -g if negate_grad else g
         c = _lerp_ref(m, g_eff, beta1)
@@ -577,6 +638,22 @@ def quantize_l1(
         if backend == "triton":
             raise RuntimeError(f"backend='triton' takes levels in [1, {_MAX_LEVELS}], got {levels!r}")
         which = "torch"
+    if which == "cpu":
+        quantize.check_levels(levels)
+        quantize.check_clip_multiple(clip_multiple)
+        pos = 0
+        for length in segs:
+            if length:  # pass 1: torch's reduction (as the reference); pass 2: the C kernel
+                piece = flat[pos : pos + length]
+                divisor, wide = quantize.l1_divisors(
+                    piece, levels, clip_multiple=clip_multiple, chunk_size=chunk_size
+                )
+                native.quantize(
+                    piece, divisor, chunk=chunk_size, wide=bool(wide), scale=levels / clip_multiple,
+                    levels=levels, out=out[pos : pos + length],
+                )  # fmt: skip
+            pos += length
+        return out
     if which == "torch":
         pos = 0
         for length in segs:
@@ -651,6 +728,9 @@ def majority_pack(
         return packing.out_buffer(out, out_bytes, torch.uint8, rows.device).copy_(result)
     out = packing.out_buffer(out, out_bytes, torch.uint8, rows.device)
     threshold = (n_workers + 1) // 2 if tie_positive else n_workers // 2 + 1
+    if which == "cpu":
+        native.majority(rows, out, n_bits=n_bits, threshold=threshold)
+        return out
     if out_bytes:
         grid = -(-out_bytes // _BLOCK_B)
         _majority_kernel[(grid,)](rows, out, n, row_bytes, out_bytes, n_bits, threshold, BLOCK_B=_BLOCK_B)
@@ -687,6 +767,16 @@ def _apply(
         raise ValueError(f"votes has {source.numel()} elements, the parameter {n}")
     tensors = [param, source] + ([exp_avg, grad] if momentum else [])
     which = _resolve(backend, tensors, [param] + ([exp_avg, grad] if momentum else []))
+    if which == "cpu" and not packed and source.dtype != torch.int8:
+        if backend == "cpu":
+            raise RuntimeError(f"backend='cpu' takes int8 votes, got {source.dtype}")
+        which = "torch"
+    if which == "cpu":
+        native.apply(
+            param, source, kind="bits" if packed else "int8", position=bit_offset, lr=lr,
+            weight_decay=weight_decay, exp_avg=exp_avg, grad=grad, beta2=beta2 or 0.0, negate=negate_grad,
+        )  # fmt: skip
+        return param
     if which == "torch":
         if packed:
             u = packing.unpack_signs(source.reshape(-1), bit_offset + n, torch.int8)[bit_offset:]

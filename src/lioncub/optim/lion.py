@@ -18,17 +18,23 @@ example by replacing ``sign(c)`` with a vote over workers):
 
 and :func:`lion_update_` applies the whole step to lists of tensors, either tensor by tensor or with
 ``torch._foreach_*`` kernels. Both paths run the same sequence of floating-point operations, so they
-give bitwise identical results.
+give bitwise identical results. On CPU, float32 and float64 tensors (parameter, gradient and momentum
+of one dtype, contiguous) take a fused C kernel instead (:func:`lioncub.ops.native.lion`: one pass over
+``p``, ``g`` and ``m``, the same operations, bit for bit; chosen by
+:func:`lioncub.ops.kernels.step_backend_for`, switched off by ``LIONCUB_CPU_KERNELS=0``).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from lioncub.ops import kernels, native
 
 __all__ = ["Lion", "apply_update_", "default_foreach", "lion_direction", "lion_update_", "update_momentum_"]
 
@@ -176,11 +182,31 @@ def lion_update_(
         lr, beta1, beta2, weight_decay: hyperparameters (not validated here).
         maximize: ascend instead of descend (uses ``-grad``).
         foreach: use the multi-tensor ``torch._foreach_*`` kernels (grouped by device and dtypes)
-            instead of a loop over tensors. Both give bitwise identical results.
+            instead of a loop over tensors. Both give bitwise identical results. Tensors that the fused
+            CPU kernel takes (see the module docstring) run it whatever ``foreach`` says.
     """
     _check_lists(params, grads, exp_avgs)
     if not params:
         return
+    fused = [
+        kernels.step_backend_for(p, g, m) == "cpu" for p, g, m in zip(params, grads, exp_avgs, strict=True)
+    ]
+    if any(fused):  # CPU: one pass over (p, g, m) per tensor
+        for p, g, m in itertools.compress(zip(params, grads, exp_avgs, strict=True), fused):
+            native.lion(
+                p.data,
+                g.detach(),
+                m,
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=weight_decay,
+                negate=maximize,
+            )
+        rest = [i for i, f in enumerate(fused) if not f]
+        if not rest:
+            return
+        params, grads, exp_avgs = ([xs[i] for i in rest] for xs in (params, grads, exp_avgs))
     impl = _lion_update_foreach_ if foreach else _lion_update_single_
     impl(
         params,
@@ -304,6 +330,8 @@ class Lion(torch.optim.Optimizer):
         }
         _check_hyperparameters(defaults)
         super().__init__(params, defaults)
+        if any(p.device.type == "cpu" for g in self.param_groups for p in g["params"]):
+            native.available()  # builds or loads the fused CPU kernel now, not in the first step
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (validated like the constructor arguments; complex parameters are rejected)."""

@@ -15,6 +15,14 @@ buffer, see :func:`flat_views`):
    then ``m_i ← β2·m_i + (1−β2)·g_i``. For the dense presets ``u`` is the mean gradient and the step is
    global Lion (``m`` the same on every rank).
 
+On CPU (float32/float64, :func:`lioncub.ops.kernels.step_backend_for`) the passes are fused C kernels
+(:mod:`lioncub.ops.native`), bit for bit the torch code they replace: step 1 writes the vote's payload
+(packed votes, lanes or int8 signs, :meth:`lioncub.collectives.VoteAlgorithm.encoding`) straight from
+``(m, g)`` in one pass, or ``c`` where the vote needs it (the quantizers); the 1-bit count and the L1
+quantizer's second pass are C kernels; step 3 applies the undecoded result (packed bits, integer sums)
+with the weight decay and the momentum update in one pass over ``(p, m, g)``; the dense presets' global
+Lion step is one pass too. ``LIONCUB_CPU_KERNELS=0`` runs the torch code instead.
+
 :class:`~lioncub.optim.LionCub`'s ``step()`` calls 1–3 on its own buckets; the DDP hook of
 :mod:`lioncub.optim.overlap` calls 1 and 2 on DDP's buckets during the backward and ``step()`` calls 3.
 Both give the same bits: every vote is elementwise, with quantizer normalisation per parameter tensor.
@@ -26,6 +34,7 @@ reads the optimizer's ``param_groups`` and ``state`` at every call, so LR schedu
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -46,7 +55,7 @@ from lioncub.collectives import (
     VoteAlgorithm,
     make_topology_vote,
 )
-from lioncub.ops import kernels
+from lioncub.ops import kernels, native
 from lioncub.optim.config import VoteConfig, check_workers
 from lioncub.optim.lion import apply_update_, lion_direction, update_momentum_
 
@@ -159,8 +168,9 @@ class StepTimes:
 @dataclass
 class BucketVote:
     """One bucket of one step: its parameters (in the flat layout's order), this rank's flat contribution
-    ``local`` and its max-abs ``peak`` (float32 scalar), the vote once posted, and (diagnostics steps) a
-    copy of the contribution."""
+    ``local`` and its max-abs ``peak`` (float32 scalar; NaN or Inf when some element is not finite), the
+    vote once posted, (diagnostics steps) a copy of the contribution, and (fused CPU path) the vote's
+    payload ``encoded`` written instead of ``local``, which then holds no values."""
 
     key: int
     params: list[torch.Tensor]
@@ -168,6 +178,7 @@ class BucketVote:
     peak: torch.Tensor
     direction: torch.Tensor | None = None
     pending: Pending | None = None
+    encoded: torch.Tensor | None = None
 
 
 class Voting:
@@ -194,6 +205,8 @@ class Voting:
         self._optimizer = optimizer
         self._group_of: dict[int, int] = {}
         self.refresh()
+        if any(p.device.type == "cpu" for g in optimizer.param_groups for p in g["params"]):
+            native.available()  # builds or loads the fused CPU kernels now, not in the first step
 
     def refresh(self) -> None:
         """Re-read which param group each parameter belongs to (after ``add_param_group``)."""
@@ -235,7 +248,10 @@ class Voting:
         keep_copy: bool = False,
     ) -> BucketVote:
         """Write this rank's contribution of ``params`` (with gradients ``grads``) into the flat buffer
-        ``out`` and take its max-abs; ``keep_copy`` keeps a copy for the diagnostics."""
+        ``out`` and take its max-abs; ``keep_copy`` keeps a copy for the diagnostics. On the fused CPU path
+        the vote's payload is written instead (``BucketVote.encoded``) where the vote takes one."""
+        if not self.dense and self._fused(out, params, grads):
+            return self._contribute_fused(key, params, grads, out, keep_copy)
         for p, g, view in zip(params, grads, flat_views(out, params), strict=True):
             grad = self.grad(p, g)
             if self.dense:
@@ -246,14 +262,64 @@ class Voting:
         peak = torch.linalg.vector_norm(out, float("inf")).float()
         return BucketVote(key, list(params), out, peak, out.clone() if keep_copy else None)
 
+    def _fused(
+        self, out: torch.Tensor, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]
+    ) -> bool:
+        """Whether the fused CPU kernels take this bucket: every parameter, momentum and gradient a dense
+        contiguous CPU tensor of ``out``'s dtype (float32/float64), the kernels available."""
+        if kernels.step_backend_for(out) != "cpu":
+            return False
+        for p, g in zip(params, grads, strict=True):
+            if kernels.step_backend_for(out, p, self.momentum(p), g) != "cpu":
+                return False
+        return True
+
+    def _contribute_fused(
+        self,
+        key: int,
+        params: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor | None],
+        out: torch.Tensor,
+        keep_copy: bool,
+    ) -> BucketVote:
+        d = out.numel()
+        enc = None if keep_copy or sum(p.numel() for p in params) != d else self.vote.encoding()
+        payload = self.vote.payload(key, d) if enc is not None else None
+        peaks, pos = [], 0
+        for p, g, view in zip(params, grads, flat_views(out, params), strict=True):
+            group = self.group(p)
+            beta1, neg = float(group["betas"][0]), bool(group["maximize"])
+            m, gr = self.momentum(p), (None if g is None else g.detach())
+            if enc is None:
+                peaks.append(native.direction(m, gr, beta1, out=view, negate=neg))
+            elif enc.kind == "sign":
+                signs = payload[pos : pos + p.numel()]  # type: ignore[index]
+                peaks.append(native.direction_sign(m, gr, beta1, out=signs, negate=neg))
+            else:
+                peaks.append(
+                    native.direction_lanes(m, gr, beta1, out=payload, position=pos, bits=enc.bits, negate=neg)
+                )
+            pos += p.numel()
+        if enc is not None and enc.kind == "lanes":  # the padding: "+" votes (1 bit), zero lanes (wider)
+            lanes = payload.numel() * 8 // enc.bits  # type: ignore[union-attr]
+            native.fill_lanes(payload, d, lanes, enc.bits, 1 if enc.bits == 1 else 0)  # type: ignore[arg-type]
+        peak = max(peaks, default=0.0)
+        if any(math.isnan(v) for v in peaks):
+            peak = math.nan
+        return BucketVote(
+            key, list(params), out, torch.tensor(peak, dtype=torch.float32),
+            out.clone() if keep_copy else None, encoded=payload,
+        )  # fmt: skip
+
     # -- 2. the vote -------------------------------------------------------------------------------
 
     def post(self, bucket: BucketVote, step: int) -> None:
         """Quantize / pack ``bucket`` and post its vote for optimizer step ``step`` (the step also names
         the step in the error of a failing collective)."""
         self.comm.step = step
+        extra = {} if bucket.encoded is None else {"encoded": bucket.encoded}
         bucket.pending = self.vote.start(
-            bucket.local, step=step, key=bucket.key, segments=[p.numel() for p in bucket.params]
+            bucket.local, step=step, key=bucket.key, segments=[p.numel() for p in bucket.params], **extra
         )
 
     # -- 3. the apply ------------------------------------------------------------------------------
@@ -278,13 +344,24 @@ class Voting:
         updates: list[torch.Tensor] = []
         for b in buckets:
             t0 = time.perf_counter()
-            update = b.pending.wait()  # type: ignore[union-attr]
-            if keep_updates:
-                updates.append(update.clone())
-            t1 = time.perf_counter()
-            for p, u in zip(b.params, flat_views(update, b.params), strict=True):
-                if id(p) not in untouched:
-                    self._apply_one(p, u)
+            assert b.pending is not None
+            raw = None if keep_updates or not self._fused_apply(b.params) else b.pending.wait_raw()
+            if raw is not None:  # fused CPU path: decoded as it is applied
+                t1 = time.perf_counter()
+                kind, source = raw
+                pos = 0
+                for p in b.params:
+                    if id(p) not in untouched:
+                        self._apply_raw(p, kind, source, pos)
+                    pos += p.numel()
+            else:
+                update = b.pending.wait()
+                if keep_updates:
+                    updates.append(update.clone())
+                t1 = time.perf_counter()
+                for p, u in zip(b.params, flat_views(update, b.params), strict=True):
+                    if id(p) not in untouched:
+                        self._apply_one(p, u)
             times.exchange += t1 - t0
             times.apply += time.perf_counter() - t1
         return updates
@@ -295,11 +372,46 @@ class Voting:
             if b.pending is not None:
                 b.pending.wait()
 
+    def _fused_apply(self, params: Sequence[torch.Tensor]) -> bool:
+        """Whether the fused CPU apply takes every parameter of a bucket (with its momentum and gradient)."""
+        return all(kernels.step_backend_for(p, self.momentum(p), p.grad) == "cpu" for p in params)
+
+    def _apply_raw(self, p: torch.Tensor, kind: str, source: torch.Tensor, pos: int) -> None:
+        """The apply of :meth:`_apply_one` from an undecoded result (:meth:`Pending.wait_raw`): ``"bits"``
+        (packed, this parameter's bits from ``pos``) or ``"sum"`` (int8, the update is its sign)."""
+        group = self.group(p)
+        g = None if p.grad is None else p.grad.detach()
+        common = {
+            "lr": float(group["lr"]),
+            "weight_decay": float(group["weight_decay"]),
+            "exp_avg": self.momentum(p),
+            "grad": g,
+            "beta2": float(group["betas"][1]),
+            "negate": bool(group["maximize"]),
+        }
+        if kind == "bits":
+            native.apply(p.data, source, kind="bits", position=pos, **common)
+        else:
+            native.apply(p.data, source[pos : pos + p.numel()], kind="int8", sign_of=True, **common)
+
     def _apply_one(self, p: torch.Tensor, u: torch.Tensor) -> None:
         group = self.group(p)
         beta1, beta2 = group["betas"]
         lr, wd = group["lr"], group["weight_decay"]
         m = self.momentum(p)
+        g = None if self.dense else p.grad
+        fused = kernels.step_backend_for(p, m, u if u.dtype.is_floating_point else None, g) == "cpu"
+        if fused and self.dense:  # global Lion in one pass: the mean gradient u as the gradient
+            hyper = {"lr": float(lr), "beta1": float(beta1), "beta2": float(beta2), "weight_decay": float(wd)}
+            native.lion(p.data, u, m, **hyper)
+            return
+        if fused and (u.dtype == torch.int8 or u.dtype == p.dtype):
+            kind = "int8" if u.dtype == torch.int8 else "values"
+            native.apply(
+                p.data, u, kind=kind, lr=float(lr), weight_decay=float(wd), exp_avg=m,
+                grad=None if g is None else g.detach(), beta2=float(beta2), negate=bool(group["maximize"]),
+            )  # fmt: skip
+            return
         if self.dense:  # u is the mean gradient: global Lion, the same on every rank
             c = lion_direction(m, u, beta1)
             apply_update_(p, c.sign_(), lr=lr, weight_decay=wd)

@@ -1,0 +1,417 @@
+/* Fused CPU passes of a Lion / LionCub step (lioncub.ops.native loads this file, compiled on first use).
+ *
+ * Every function works on contiguous arrays of one floating type, named by its suffix: _f32 (float),
+ * _f64 (double) or _bf16 (bfloat16 stored as uint16, computed in float). The arithmetic repeats, operation
+ * for operation, what the torch code of lioncub does on CPU, so that the results are bit for bit the same:
+ *
+ *   x.mul(b)             one rounding to the storage type:          ROUND(x * b)
+ *   x.add_(y, alpha=a)   ATen's fused multiply-add (vectorised and scalar tail): ROUND(fma(y, a, x))
+ *   bf16                 float32 "opmath", rounded to bfloat16 after each op (lioncub.ops.kernels' reference)
+ *   sign                 (x > 0) - (x < 0): +0 for zeros and NaN, as torch.sign
+ *
+ * The file is compiled with -ffp-contract=off: the only fused multiply-adds are the fma() calls written
+ * here. Scalars come from Python already rounded to the work type (float32 for _f32 and _bf16).
+ *
+ * Bit layout of the 1-bit and lane encodings: lioncub.ops.packing (element 8j+i is bit 7-i of byte j;
+ * p-bit lanes, first element in the high lane). Positions are absolute in the output (an element offset
+ * into a bucket), so that a bucket's parameters can be encoded one call each.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define LC_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define LC_CLONES
+#endif
+
+#define LC_EXPORT __attribute__((visibility("default")))
+
+static inline float bf16_load(const uint16_t *p, int64_t i) {
+    uint32_t u = (uint32_t)p[i] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t bf16_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (f != f) return 0x7FC0; /* c10::BFloat16's NaN */
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float bf16_round(float f) {
+    uint32_t u = (uint32_t)bf16_bits(f) << 16;
+    float r;
+    memcpy(&r, &u, 4);
+    return r;
+}
+
+#define LOAD_f32(p, i) ((p)[i])
+#define LOAD_f64(p, i) ((p)[i])
+#define LOAD_bf16(p, i) bf16_load((p), (i))
+#define STORE_f32(p, i, x) ((p)[i] = (x))
+#define STORE_f64(p, i, x) ((p)[i] = (x))
+#define STORE_bf16(p, i, x) ((p)[i] = bf16_bits(x))
+#define ROUND_f32(x) (x)
+#define ROUND_f64(x) (x)
+#define ROUND_bf16(x) bf16_round(x)
+#define FMA_f32(a, b, c) fmaf((a), (b), (c))
+#define FMA_f64(a, b, c) fma((a), (b), (c))
+#define FMA_bf16(a, b, c) fmaf((a), (b), (c))
+
+/* the elements of one encoding step: a byte of 8/bits lanes holds `per` votes */
+static inline uint8_t vote_byte(const uint8_t *v, int per, int bits) {
+    uint8_t b = 0;
+    for (int j = 0; j < per; j++) b |= (uint8_t)(v[j] << (8 - bits * (j + 1)));
+    return b;
+}
+
+/* Set lanes [start, end) of `out` (bits-bit lanes at absolute lane positions) to value (0/1 per lane),
+ * keeping the other lanes of the bytes at the two ends. */
+LC_EXPORT void lc_fill_lanes(uint8_t *out, int64_t start, int64_t end, int bits, int value) {
+    const int per = 8 / bits;
+    for (int64_t pos = start; pos < end; pos++) {
+        int shift = 8 - bits * (int)(pos % per + 1);
+        uint8_t mask = (uint8_t)(((1u << bits) - 1u) << shift);
+        out[pos / per] = (uint8_t)((out[pos / per] & ~mask) | ((value ? 1u : 0u) << shift));
+    }
+}
+
+/* ---------------------------------------------------------------------------------- the direction
+ * c = ROUND(fma(g, a1, ROUND(m * b1))), g negated when neg, +0 when has_g == 0. Every variant returns
+ * the number of non-finite c and writes the largest |c| to *peak (+Inf counts, NaN does not). The work
+ * is done in blocks of BLOCK elements whose temporaries stay in L1: one vectorised loop computes c (and
+ * the votes), a second one encodes the block. */
+
+#define BLOCK 512
+#define GATHER 0x8040201008040201ULL /* (eight 0/1 bytes, little-endian) * GATHER >> 56: MSB-first byte */
+
+#define ALWAYS static inline __attribute__((always_inline))
+
+/* mode 0: c to cout; 1: sign(c) to sout (int8); 2: [c >= 0] to vout (uint8 0/1) */
+#define DIRECTION_CORE(SUF, T, W, U, ABS)                                                                \
+    ALWAYS U dir_core_##SUF(const T *m, const T *g, int64_t n, W b1, W a1, const int neg,              \
+                            const int has_g, const int mode, T *cout, int8_t *sout, uint8_t *vout,       \
+                            U top) {                                                                     \
+        for (int64_t i = 0; i < n; i++) {                                                                \
+            W gi = has_g ? (neg ? -LOAD_##SUF(g, i) : LOAD_##SUF(g, i)) : (W)0;                          \
+            W c = ROUND_##SUF(FMA_##SUF(gi, a1, ROUND_##SUF(LOAD_##SUF(m, i) * b1)));                    \
+            if (mode == 0)                                                                               \
+                STORE_##SUF(cout, i, c);                                                                 \
+            else if (mode == 1)                                                                          \
+                sout[i] = (int8_t)((c > 0) - (c < 0));                                                   \
+            else                                                                                         \
+                vout[i] = (uint8_t)(c >= 0);                                                             \
+            U a;                                                                                         \
+            memcpy(&a, &c, sizeof a);                                                                    \
+            a &= ABS; /* |c| as bits: ordered like |c|; Inf and NaN lie above every finite value */      \
+            top = a > top ? a : top;                                                                     \
+        }                                                                                                \
+        return top;                                                                                      \
+    }                                                                                                    \
+                                                                                                         \
+    /* the four (neg, has_g) specialisations of one mode */                                              \
+    ALWAYS U dir_any_##SUF(const T *m, const T *g, int64_t n, W b1, W a1, int neg, int has_g,           \
+                           const int mode, T *cout, int8_t *sout, uint8_t *vout, U top) {                \
+        if (!has_g) return dir_core_##SUF(m, g, n, b1, a1, 0, 0, mode, cout, sout, vout, top);          \
+        if (neg) return dir_core_##SUF(m, g, n, b1, a1, 1, 1, mode, cout, sout, vout, top);             \
+        return dir_core_##SUF(m, g, n, b1, a1, 0, 1, mode, cout, sout, vout, top);                      \
+    }                                                                                                    \
+                                                                                                         \
+    ALWAYS double peak_##SUF(U top) { /* the largest |c| (+Inf, NaN when some c is) as a double */      \
+        W w;                                                                                             \
+        memcpy(&w, &top, sizeof w);                                                                      \
+        return (double)w;                                                                                \
+    }                                                                                                    \
+                                                                                                         \
+    /* c written to out (n elements); returns the largest |c| (NaN or Inf when some c is not finite) */   \
+    LC_EXPORT LC_CLONES double lc_direction_##SUF(const T *m, const T *g, int64_t n, W b1, W a1,        \
+                                                  int neg, int has_g, T *out) {                          \
+        return peak_##SUF(dir_any_##SUF(m, g, n, b1, a1, neg, has_g, 0, out, 0, 0, 0));                  \
+    }                                                                                                    \
+                                                                                                         \
+    /* sign(c) as int8 (NaN -> 0) */                                                                     \
+    LC_EXPORT LC_CLONES double lc_direction_sign_##SUF(const T *m, const T *g, int64_t n, W b1, W a1,   \
+                                                       int neg, int has_g, int8_t *out) {                \
+        return peak_##SUF(dir_any_##SUF(m, g, n, b1, a1, neg, has_g, 1, 0, out, 0, 0));                  \
+    }                                                                                                    \
+                                                                                                         \
+    /* the votes [c >= 0] in bits-bit lanes (bits 1, 2, 4, 8) at lane positions [pos, pos + n) */        \
+    LC_EXPORT LC_CLONES double lc_direction_lanes_##SUF(const T *m, const T *g, int64_t n, W b1, W a1,  \
+                                                        int neg, int has_g, uint8_t *out, int64_t pos,   \
+                                                        int bits) {                                      \
+        const int per = 8 / bits;                                                                        \
+        uint8_t v[BLOCK];                                                                                \
+        int64_t i = 0;                                                                                   \
+        U top = 0;                                                                                       \
+        int64_t head = (per - pos % per) % per; /* lanes up to the first whole byte */                   \
+        if (head > n) head = n;                                                                          \
+        if (head) {                                                                                      \
+            top = dir_any_##SUF(m, g, head, b1, a1, neg, has_g, 2, 0, 0, v, top);                        \
+            for (int64_t j = 0; j < head; j++) lc_fill_lanes(out, pos + j, pos + j + 1, bits, v[j]);    \
+            i = head;                                                                                    \
+        }                                                                                                \
+        uint8_t *dst = out + (pos + i) / per;                                                            \
+        while (i < n) {                                                                                  \
+            int64_t len = n - i < BLOCK ? n - i : BLOCK;                                                 \
+            top = dir_any_##SUF(m + i, has_g ? g + i : g, len, b1, a1, neg, has_g, 2, 0, 0, v, top);     \
+            int64_t whole = len / per * per, j = 0;                                                      \
+            if (per == 8) {                                                                              \
+                for (; j < whole; j += 8) {                                                              \
+                    uint64_t w;                                                                          \
+                    memcpy(&w, v + j, 8);                                                                \
+                    *dst++ = (uint8_t)((w * GATHER) >> 56);                                              \
+                }                                                                                        \
+            } else {                                                                                     \
+                for (; j < whole; j += per) *dst++ = vote_byte(v + j, per, bits);                        \
+            }                                                                                            \
+            for (; j < len; j++) lc_fill_lanes(out, pos + i + j, pos + i + j + 1, bits, v[j]);          \
+            i += len;                                                                                    \
+        }                                                                                                \
+        return peak_##SUF(top);                                                                          \
+    }
+
+DIRECTION_CORE(f32, float, float, uint32_t, 0x7FFFFFFFu)
+DIRECTION_CORE(f64, double, double, uint64_t, 0x7FFFFFFFFFFFFFFFull)
+DIRECTION_CORE(bf16, uint16_t, float, uint32_t, 0x7FFFFFFFu)
+
+/* ---------------------------------------------------------------------------------- the apply
+ * p <- ROUND(fma(u, neg_lr, decay ? ROUND(p * decay_factor) : p)) with u from
+ *   kind 0: packed bits at bit positions [pos, pos + n): 1 -> +1, 0 -> -1;
+ *   kind 1: int8 values u (sign_of: their sign);
+ *   kind 2: values of the parameter's own type;
+ * then, when momentum, m <- ROUND(fma(g, a2, ROUND(m * b2))) (g negated when neg, +0 when has_g == 0).
+ * The update of a block is first written to u[] in the work type (bits: eight values per byte from a
+ * table), then one vectorised loop updates p and m. */
+
+static float SIGNS_F32[256][8];
+static double SIGNS_F64[256][8];
+
+__attribute__((constructor)) static void lc_init_tables(void) {
+    for (int b = 0; b < 256; b++)
+        for (int j = 0; j < 8; j++) {
+            SIGNS_F32[b][j] = ((b >> (7 - j)) & 1) ? 1.0f : -1.0f;
+            SIGNS_F64[b][j] = ((b >> (7 - j)) & 1) ? 1.0 : -1.0;
+        }
+}
+
+#define SIGNS_f32 SIGNS_F32
+#define SIGNS_bf16 SIGNS_F32
+#define SIGNS_f64 SIGNS_F64
+
+#define APPLY(SUF, T, W)                                                                                 \
+    ALWAYS void apply_core_##SUF(T *p, const W *u, int64_t n, W neg_lr, const int decay,                 \
+                                 W decay_factor, const int momentum, T *m, const T *g, W b2, W a2,       \
+                                 const int neg, const int has_g) {                                       \
+        for (int64_t i = 0; i < n; i++) {                                                                \
+            W w = LOAD_##SUF(p, i);                                                                      \
+            if (decay) w = ROUND_##SUF(w * decay_factor);                                                \
+            STORE_##SUF(p, i, ROUND_##SUF(FMA_##SUF(u[i], neg_lr, w)));                                  \
+            if (momentum) {                                                                              \
+                W gi = has_g ? (neg ? -LOAD_##SUF(g, i) : LOAD_##SUF(g, i)) : (W)0;                      \
+                W t = ROUND_##SUF(LOAD_##SUF(m, i) * b2);                                                \
+                STORE_##SUF(m, i, ROUND_##SUF(FMA_##SUF(gi, a2, t)));                                    \
+            }                                                                                            \
+        }                                                                                                \
+    }                                                                                                    \
+                                                                                                         \
+    ALWAYS void apply_any_##SUF(T *p, const W *u, int64_t n, W neg_lr, int decay, W decay_factor,       \
+                                int momentum, T *m, const T *g, W b2, W a2, int neg, int has_g) {        \
+        if (!momentum) {                                                                                 \
+            if (decay)                                                                                   \
+                apply_core_##SUF(p, u, n, neg_lr, 1, decay_factor, 0, m, g, b2, a2, 0, 0);               \
+            else                                                                                         \
+                apply_core_##SUF(p, u, n, neg_lr, 0, decay_factor, 0, m, g, b2, a2, 0, 0);               \
+        } else if (!has_g) {                                                                             \
+            if (decay)                                                                                   \
+                apply_core_##SUF(p, u, n, neg_lr, 1, decay_factor, 1, m, g, b2, a2, 0, 0);               \
+            else                                                                                         \
+                apply_core_##SUF(p, u, n, neg_lr, 0, decay_factor, 1, m, g, b2, a2, 0, 0);               \
+        } else if (neg) {                                                                                \
+            if (decay)                                                                                   \
+                apply_core_##SUF(p, u, n, neg_lr, 1, decay_factor, 1, m, g, b2, a2, 1, 1);               \
+            else                                                                                         \
+                apply_core_##SUF(p, u, n, neg_lr, 0, decay_factor, 1, m, g, b2, a2, 1, 1);               \
+        } else {                                                                                         \
+            if (decay)                                                                                   \
+                apply_core_##SUF(p, u, n, neg_lr, 1, decay_factor, 1, m, g, b2, a2, 0, 1);               \
+            else                                                                                         \
+                apply_core_##SUF(p, u, n, neg_lr, 0, decay_factor, 1, m, g, b2, a2, 0, 1);               \
+        }                                                                                                \
+    }                                                                                                    \
+                                                                                                         \
+    LC_EXPORT LC_CLONES void lc_apply_##SUF(T *p, int64_t n, int kind, const void *src, int64_t pos,    \
+                                            int sign_of, W neg_lr, int decay, W decay_factor,            \
+                                            int momentum, T *m, const T *g, W b2, W a2, int neg,         \
+                                            int has_g) {                                                 \
+        const uint8_t *bits = (const uint8_t *)src;                                                      \
+        const int8_t *votes = (const int8_t *)src;                                                       \
+        const T *values = (const T *)src;                                                                \
+        W u[BLOCK];                                                                                      \
+        for (int64_t i = 0; i < n;) {                                                                    \
+            int64_t len = n - i < BLOCK ? n - i : BLOCK;                                                 \
+            if (kind == 0) {                                                                             \
+                int64_t j = 0, k = pos + i;                                                              \
+                for (; j < len && (k & 7); j++, k++) u[j] = ((bits[k >> 3] >> (7 - (k & 7))) & 1) ? 1 : -1; \
+                for (; j + 8 <= len; j += 8, k += 8) memcpy(u + j, SIGNS_##SUF[bits[k >> 3]], 8 * sizeof(W)); \
+                for (; j < len; j++, k++) u[j] = ((bits[k >> 3] >> (7 - (k & 7))) & 1) ? 1 : -1;         \
+            } else if (kind == 1) {                                                                      \
+                if (sign_of)                                                                             \
+                    for (int64_t j = 0; j < len; j++) u[j] = (W)((votes[i + j] > 0) - (votes[i + j] < 0)); \
+                else                                                                                     \
+                    for (int64_t j = 0; j < len; j++) u[j] = (W)votes[i + j];                            \
+            } else {                                                                                     \
+                for (int64_t j = 0; j < len; j++) u[j] = LOAD_##SUF(values, i + j);                      \
+            }                                                                                            \
+            apply_any_##SUF(p + i, u, len, neg_lr, decay, decay_factor, momentum, momentum ? m + i : m,  \
+                            momentum && has_g ? g + i : g, b2, a2, neg, has_g);                          \
+            i += len;                                                                                    \
+        }                                                                                                \
+    }                                                                                                    \
+                                                                                                         \
+    /* the momentum alone: m <- ROUND(fma(g, a2, ROUND(m * b2))) */                                     \
+    LC_EXPORT LC_CLONES void lc_momentum_##SUF(T *m, const T *g, int64_t n, W b2, W a2, int neg,        \
+                                               int has_g) {                                              \
+        for (int64_t i = 0; i < n; i++) {                                                                \
+            W gi = has_g ? (neg ? -LOAD_##SUF(g, i) : LOAD_##SUF(g, i)) : (W)0;                          \
+            STORE_##SUF(m, i, ROUND_##SUF(FMA_##SUF(gi, a2, ROUND_##SUF(LOAD_##SUF(m, i) * b2))));       \
+        }                                                                                                \
+    }                                                                                                    \
+                                                                                                         \
+    /* one Lion step: c = ROUND(fma(g, a1, ROUND(m * b1))), u = sign(c), the apply above, then m */      \
+    ALWAYS void lion_core_##SUF(T *p, const T *g, T *m, int64_t n, W b1, W a1, W b2, W a2, W neg_lr,    \
+                                const int decay, W decay_factor, const int neg) {                        \
+        for (int64_t i = 0; i < n; i++) {                                                                \
+            W gi = neg ? -LOAD_##SUF(g, i) : LOAD_##SUF(g, i);                                           \
+            W mi = LOAD_##SUF(m, i);                                                                     \
+            W c = ROUND_##SUF(FMA_##SUF(gi, a1, ROUND_##SUF(mi * b1)));                                  \
+            W u = (W)((c > 0) - (c < 0));                                                                \
+            W w = LOAD_##SUF(p, i);                                                                      \
+            if (decay) w = ROUND_##SUF(w * decay_factor);                                                \
+            STORE_##SUF(p, i, ROUND_##SUF(FMA_##SUF(u, neg_lr, w)));                                     \
+            STORE_##SUF(m, i, ROUND_##SUF(FMA_##SUF(gi, a2, ROUND_##SUF(mi * b2))));                     \
+        }                                                                                                \
+    }                                                                                                    \
+                                                                                                         \
+    LC_EXPORT LC_CLONES void lc_lion_##SUF(T *p, const T *g, T *m, int64_t n, W b1, W a1, W b2, W a2,   \
+                                           W neg_lr, int decay, W decay_factor, int neg) {               \
+        if (decay && neg)                                                                                \
+            lion_core_##SUF(p, g, m, n, b1, a1, b2, a2, neg_lr, 1, decay_factor, 1);                     \
+        else if (decay)                                                                                  \
+            lion_core_##SUF(p, g, m, n, b1, a1, b2, a2, neg_lr, 1, decay_factor, 0);                     \
+        else if (neg)                                                                                    \
+            lion_core_##SUF(p, g, m, n, b1, a1, b2, a2, neg_lr, 0, decay_factor, 1);                     \
+        else                                                                                             \
+            lion_core_##SUF(p, g, m, n, b1, a1, b2, a2, neg_lr, 0, decay_factor, 0);                     \
+    }
+
+APPLY(f32, float, float)
+APPLY(f64, double, double)
+APPLY(bf16, uint16_t, float)
+
+/* ---------------------------------------------------------------------------------- L1 quantizer, pass 2
+ * levels = clip(rint((x / d) * scale), -levels, levels), NaN -> 0, in float (wide == 0: d and scale
+ * already rounded to float) or double; d per group of `chunk` elements (chunk == 0: one divisor).
+ * out_bytes: 1, 2 or 4 (int8, int16, int32). */
+
+#define QUANTIZE(SUF, T)                                                                                 \
+    LC_EXPORT LC_CLONES void lc_quantize_##SUF(const T *x, int64_t n, const double *divisors,           \
+                                               int64_t chunk, int wide, double scale, int64_t levels,    \
+                                               void *out, int out_bytes) {                               \
+        int8_t *o8 = (int8_t *)out;                                                                      \
+        int16_t *o16 = (int16_t *)out;                                                                   \
+        int32_t *o32 = (int32_t *)out;                                                                   \
+        const float s32 = (float)scale, top32 = (float)levels;                                           \
+        const double top64 = (double)levels;                                                             \
+        int64_t start = 0;                                                                               \
+        for (int64_t grp = 0; start < n; grp++) {                                                        \
+            int64_t end = chunk > 0 && start + chunk < n ? start + chunk : n;                            \
+            for (int64_t i = start; i < end; i++) {                                                      \
+                int32_t q;                                                                               \
+                if (wide) {                                                                              \
+                    double t = rint(((double)LOAD_##SUF(x, i) / divisors[grp]) * scale);                 \
+                    t = t > top64 ? top64 : (t < -top64 ? -top64 : t);                                   \
+                    q = t == t ? (int32_t)t : 0;                                                         \
+                } else {                                                                                 \
+                    float t = rintf(((float)LOAD_##SUF(x, i) / (float)divisors[grp]) * s32);             \
+                    t = t > top32 ? top32 : (t < -top32 ? -top32 : t);                                   \
+                    q = t == t ? (int32_t)t : 0;                                                         \
+                }                                                                                        \
+                if (out_bytes == 1)                                                                      \
+                    o8[i] = (int8_t)q;                                                                   \
+                else if (out_bytes == 2)                                                                 \
+                    o16[i] = (int16_t)q;                                                                 \
+                else                                                                                     \
+                    o32[i] = q;                                                                          \
+            }                                                                                            \
+            start = end;                                                                                 \
+        }                                                                                                \
+    }
+
+QUANTIZE(f32, float)
+QUANTIZE(f64, double)
+QUANTIZE(bf16, uint16_t)
+
+/* ---------------------------------------------------------------------------------- 1-bit majority
+ * rows: n_rows x row_bytes packed votes; out[j] (out_bytes bytes): bit set where the count of set bits
+ * over the rows reaches `threshold`; bits at positions >= n_bits are 0. Bit-sliced: the counts of 64
+ * positions at a time live in bit planes, added with ripple carries and compared with the threshold. */
+
+static inline uint64_t ge_threshold(const uint64_t *plane, int planes, uint64_t threshold) {
+    uint64_t gt = 0, eq = ~(uint64_t)0;
+    for (int k = planes - 1; k >= 0; k--) {
+        if ((threshold >> k) & 1) {
+            eq &= plane[k];
+        } else {
+            gt |= eq & plane[k];
+            eq &= ~plane[k];
+        }
+    }
+    return gt | eq;
+}
+
+LC_EXPORT LC_CLONES void lc_majority(const uint8_t *rows, int64_t n_rows, int64_t row_bytes,
+                                     uint8_t *out, int64_t out_bytes, int64_t n_bits,
+                                     int64_t threshold) {
+    int planes = 1;
+    while ((1LL << planes) <= n_rows) planes++;
+    if ((1LL << planes) <= threshold) { /* no count reaches it */
+        memset(out, 0, (size_t)out_bytes);
+        return;
+    }
+    uint64_t plane[64];
+    int64_t j = 0;
+    for (; j + 8 <= out_bytes; j += 8) {
+        memset(plane, 0, sizeof(uint64_t) * (size_t)planes);
+        for (int64_t r = 0; r < n_rows; r++) {
+            uint64_t carry;
+            memcpy(&carry, rows + r * row_bytes + j, 8);
+            for (int k = 0; k < planes; k++) {
+                uint64_t t = plane[k] & carry;
+                plane[k] ^= carry;
+                carry = t;
+            }
+        }
+        uint64_t word = ge_threshold(plane, planes, (uint64_t)threshold);
+        memcpy(out + j, &word, 8);
+    }
+    for (; j < out_bytes; j++) {
+        memset(plane, 0, sizeof(uint64_t) * (size_t)planes);
+        for (int64_t r = 0; r < n_rows; r++) {
+            uint64_t carry = rows[r * row_bytes + j];
+            for (int k = 0; k < planes; k++) {
+                uint64_t t = plane[k] & carry;
+                plane[k] ^= carry;
+                carry = t;
+            }
+        }
+        out[j] = (uint8_t)ge_threshold(plane, planes, (uint64_t)threshold);
+    }
+    int64_t tail = n_bits % 8;
+    if (out_bytes && tail) out[out_bytes - 1] &= (uint8_t)(0xFF << (8 - tail));
+}
+
+LC_EXPORT int lc_abi_version(void) { return 1; }

@@ -1,0 +1,443 @@
+r"""The fused CPU kernels (``_cpu_kernels.c``): compiled once per machine, loaded with :mod:`ctypes`.
+
+The C file is compiled on first use with the system's C compiler (``$CC``, else ``cc``/``gcc``/``clang``;
+``-O3 -ffp-contract=off``, and on x86-64 with gcc one clone per instruction set, AVX-512/AVX2/baseline,
+chosen when loaded) into a cache folder (``$LIONCUB_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/lioncub`` or
+``~/.cache/lioncub``), named by a hash of the source, the flags and the compiler, under a file lock (ranks
+starting together build it once). :func:`load` builds or loads it and checks it against torch on a probe;
+it takes ~3 s the first time on a machine, milliseconds after.
+
+Where no compiler exists, the build fails, the probe disagrees with torch (ATen built without fused
+multiply-adds) or ``LIONCUB_CPU_KERNELS=0`` is set, :func:`available` is False and :func:`reason` says why;
+:mod:`lioncub.ops.kernels` then takes its torch backend (``backend="auto"``), which gives the same bits.
+
+The wrappers below take contiguous CPU tensors of one dtype (float32, float64 or bfloat16; the caller
+checks, as :func:`lioncub.ops.kernels.backend_for` does) and Python floats for the scalars, rounded to the
+work type as torch rounds them (float32 for float32 and bfloat16 tensors). Functions operate in place on
+their outputs; the direction functions return the largest ``|c|`` (``inf``/``nan`` when some ``c`` is not
+finite). Large tensors are split over ``torch.get_num_threads()`` threads (ctypes releases the GIL).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import itertools
+import logging
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "DTYPES",
+    "apply",
+    "available",
+    "build_seconds",
+    "direction",
+    "direction_lanes",
+    "direction_sign",
+    "enabled",
+    "fill_lanes",
+    "lion",
+    "load",
+    "majority",
+    "momentum",
+    "quantize",
+    "reason",
+]
+
+_log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("_cpu_kernels.c")
+FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
+FLAGS += ["-fvisibility=hidden"]
+ENV_SWITCH = "LIONCUB_CPU_KERNELS"
+
+#: the dtypes the kernels take, and their suffix in the C file
+DTYPES = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "lib", "error", "build_s"
+
+
+def enabled() -> bool:
+    """False when ``LIONCUB_CPU_KERNELS=0`` (read at every call: tests switch it per call)."""
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "off", "false", "no", "")
+
+
+def available() -> bool:
+    """Whether the kernels can run (loads them on first call; False when switched off)."""
+    return enabled() and load() is not None
+
+
+def reason() -> str:
+    """Why the kernels are not used ("" when they are)."""
+    if not enabled():
+        return f"switched off by {ENV_SWITCH}={os.environ.get(ENV_SWITCH)!r}"
+    load()
+    return str(_state.get("error", ""))
+
+
+def build_seconds() -> float:
+    """Seconds the first :func:`load` of this process took (compiling included when it compiled)."""
+    load()
+    return float(_state.get("build_s", 0.0))  # type: ignore[arg-type]
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC")
+    if cc:
+        return shutil.which(cc) or None
+    for name in ("cc", "gcc", "clang"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def _cache_dir() -> Path:
+    explicit = os.environ.get("LIONCUB_KERNEL_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "lioncub"
+
+
+def _build(cc: str) -> Path:
+    """The compiled library for this source, flags and compiler (built under a file lock if missing)."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + repr((FLAGS, version, platform.machine(), sys.platform)).encode()
+    ).hexdigest()[:16]
+    folder = _cache_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError:
+        folder = Path(tempfile.gettempdir()) / f"lioncub-kernels-{os.getuid()}"
+        folder.mkdir(parents=True, exist_ok=True)
+    lib = folder / f"cpu_kernels-{key}.so"
+    if lib.exists():
+        return lib
+    with open(folder / f"cpu_kernels-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        t0 = time.perf_counter()
+        if lib.exists():  # another process built it while this one waited
+            return lib
+        tmp = folder / f"cpu_kernels-{key}.{os.getpid()}.tmp.so"
+        cmd = [cc, *FLAGS, str(SOURCE), "-o", str(tmp), "-lm"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()[-2000:]}")
+        os.replace(tmp, lib)
+        _log.info("lioncub: compiled the fused CPU kernels into %s (%.1f s)", lib, time.perf_counter() - t0)
+    return lib
+
+
+_P, _I, _L, _D = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_double
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    for suffix in DTYPES.values():
+        w = ctypes.c_double if suffix == "f64" else ctypes.c_float
+        sig = {
+            "direction": ([_P, _P, _L, w, w, _I, _I, _P], _D),
+            "direction_sign": ([_P, _P, _L, w, w, _I, _I, _P], _D),
+            "direction_lanes": ([_P, _P, _L, w, w, _I, _I, _P, _L, _I], _D),
+            "apply": ([_P, _L, _I, _P, _L, _I, w, _I, w, _I, _P, _P, w, w, _I, _I], None),
+            "momentum": ([_P, _P, _L, w, w, _I, _I], None),
+            "lion": ([_P, _P, _P, _L, w, w, w, w, w, _I, w, _I], None),
+            "quantize": ([_P, _L, _P, _L, _I, _D, _L, _P, _I], None),
+        }
+        for name, (args, res) in sig.items():
+            fn = getattr(lib, f"lc_{name}_{suffix}")
+            fn.argtypes, fn.restype = args, res
+    lib.lc_fill_lanes.argtypes, lib.lc_fill_lanes.restype = [_P, _L, _L, _I, _I], None
+    lib.lc_majority.argtypes, lib.lc_majority.restype = [_P, _L, _L, _P, _L, _L, _L], None
+    lib.lc_abi_version.argtypes, lib.lc_abi_version.restype = [], _I
+
+
+def load() -> ctypes.CDLL | None:
+    """The loaded library (built on first use), or None (see :func:`reason`)."""
+    if "lib" in _state or "error" in _state:
+        return _state.get("lib")  # type: ignore[return-value]
+    with _lock:
+        if "lib" in _state or "error" in _state:
+            return _state.get("lib")  # type: ignore[return-value]
+        t0 = time.perf_counter()
+        try:
+            if sys.byteorder != "little":
+                raise RuntimeError("the kernels' bit layouts assume a little-endian host")
+            cc = _compiler()
+            if cc is None:
+                raise RuntimeError("no C compiler found ($CC, cc, gcc or clang); install gcc to use them")
+            lib = ctypes.CDLL(str(_build(cc)))
+            _declare(lib)
+            if lib.lc_abi_version() != 1:
+                raise RuntimeError("the compiled library is of another version")
+            _state["lib"] = lib
+            _probe()
+        except Exception as exc:  # no compiler, a failed build, a probe that disagrees with torch
+            _state.pop("lib", None)
+            _state["error"] = f"{type(exc).__name__}: {exc}"
+            _log.info("lioncub: fused CPU kernels unavailable (%s); the torch path runs", _state["error"])
+        _state["build_s"] = time.perf_counter() - t0
+    return _state.get("lib")  # type: ignore[return-value]
+
+
+def _probe() -> None:
+    """Check the kernels against torch's own ops on values where a fused multiply-add rounds differently
+    from a multiply then an add (raises if ATen does not fuse them on this machine)."""
+    gen = torch.Generator().manual_seed(12345)
+    for dtype in (torch.float32, torch.float64):
+        m = torch.randn(1031, generator=gen, dtype=dtype)
+        g = torch.randn(1031, generator=gen, dtype=dtype) * 1e-3
+        p = torch.randn(1031, generator=gen, dtype=dtype)
+        c = torch.empty_like(m)
+        direction(m, g, 0.9, out=c)
+        want = torch.mul(m, 0.9).add_(g, alpha=1.0 - 0.9)
+        p1, m1 = p.clone(), m.clone()
+        lion(p1, g, m1, lr=0.0123, beta1=0.9, beta2=0.99, weight_decay=0.1)
+        p2, m2 = p.clone(), m.clone()
+        p2.mul_(1.0 - 0.0123 * 0.1).add_(torch.mul(m, 0.9).add_(g, alpha=0.1).sign_(), alpha=-0.0123)
+        m2.mul_(0.99).add_(g, alpha=1.0 - 0.99)
+        if not (torch.equal(c, want) and torch.equal(p1, p2) and torch.equal(m1, m2)):
+            raise RuntimeError(
+                f"the kernels round differently from torch's {dtype} ops on this machine (ATen CPU "
+                f"capability {torch.backends.cpu.get_cpu_capability()}, without fused multiply-adds?)"
+            )
+
+
+# ------------------------------------------------------------------------------------------- threads
+
+#: elements per thread below which a call runs on the calling thread only
+MIN_PER_THREAD = 1 << 20
+_pools: dict[int, ThreadPoolExecutor] = {}
+
+
+def _parts(n: int, align: int = 64, first: int = 0) -> list[tuple[int, int]]:
+    """``[start, stop)`` pieces of ``range(n)`` for ``torch.get_num_threads()`` threads; every start but the
+    first is ≡ ``-first`` modulo ``align`` (``first``: the position of element 0 in a packed output)."""
+    threads = min(torch.get_num_threads(), n // MIN_PER_THREAD)
+    if threads <= 1:
+        return [(0, n)]
+    bounds = [0]
+    for k in range(1, threads):
+        cut = n * k // threads
+        cut -= (first + cut) % align
+        if bounds[-1] < cut < n:
+            bounds.append(cut)
+    bounds.append(n)
+    return list(itertools.pairwise(bounds))
+
+
+def _run(parts: list[tuple[int, int]], fn: Callable[[int, int], object]) -> list[object]:
+    if len(parts) == 1:
+        return [fn(*parts[0])]
+    pool = _pools.get(len(parts))
+    if pool is None:
+        pool = _pools[len(parts)] = ThreadPoolExecutor(len(parts), thread_name_prefix="lioncub-kernels")
+    futures = [pool.submit(fn, a, b) for a, b in parts[1:]]
+    results = [fn(*parts[0])]
+    return results + [f.result() for f in futures]
+
+
+def _peak(parts: list[object]) -> float:
+    values = [float(v) for v in parts]  # type: ignore[arg-type]
+    return math.nan if any(math.isnan(v) for v in values) else max(values)
+
+
+# ------------------------------------------------------------------------------------------- wrappers
+
+
+def _lib() -> ctypes.CDLL:
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"the fused CPU kernels are unavailable: {reason()}")
+    return lib
+
+
+def _suffix(t: torch.Tensor) -> str:
+    return DTYPES[t.dtype]
+
+
+def _ptr(t: torch.Tensor | None, offset: int = 0) -> int | None:
+    return None if t is None else t.data_ptr() + offset * t.element_size()
+
+
+def direction(
+    exp_avg: torch.Tensor, grad: torch.Tensor | None, beta1: float, *, out: torch.Tensor, negate: bool = False
+) -> float:
+    """``out ← β1·m + (1−β1)·g`` (``g`` negated when ``negate``; ``None`` = zeros); returns max ``|c|``."""
+    fn = getattr(_lib(), f"lc_direction_{_suffix(exp_avg)}")
+    n, has_g = exp_avg.numel(), grad is not None
+    return _peak(
+        _run(
+            _parts(n),
+            lambda a, b: fn(
+                _ptr(exp_avg, a), _ptr(grad, a), b - a, beta1, 1.0 - beta1, negate, has_g, _ptr(out, a)
+            ),
+        )
+    )
+
+
+def direction_sign(
+    exp_avg: torch.Tensor, grad: torch.Tensor | None, beta1: float, *, out: torch.Tensor, negate: bool = False
+) -> float:
+    """``out ← sign(c)`` as int8 (``c`` as :func:`direction`, NaN → 0); returns max ``|c|``."""
+    fn = getattr(_lib(), f"lc_direction_sign_{_suffix(exp_avg)}")
+    n, has_g = exp_avg.numel(), grad is not None
+    return _peak(
+        _run(
+            _parts(n),
+            lambda a, b: fn(
+                _ptr(exp_avg, a), _ptr(grad, a), b - a, beta1, 1.0 - beta1, negate, has_g, _ptr(out, a)
+            ),
+        )
+    )
+
+
+def direction_lanes(
+    exp_avg: torch.Tensor,
+    grad: torch.Tensor | None,
+    beta1: float,
+    *,
+    out: torch.Tensor,
+    position: int,
+    bits: int = 1,
+    negate: bool = False,
+) -> float:
+    """The votes ``[c ≥ 0]`` into ``bits``-bit lanes ``[position, position + n)`` of ``out`` (uint8, the
+    layout of :func:`lioncub.ops.packing.pack_lanes`; the other lanes of the two end bytes are kept);
+    returns max ``|c|``."""
+    fn = getattr(_lib(), f"lc_direction_lanes_{_suffix(exp_avg)}")
+    n, has_g = exp_avg.numel(), grad is not None
+    base = out.data_ptr()
+
+    def part(a: int, b: int) -> float:
+        m, g = _ptr(exp_avg, a), _ptr(grad, a)
+        return fn(m, g, b - a, beta1, 1.0 - beta1, negate, has_g, base, position + a, bits)
+
+    return _peak(_run(_parts(n, align=8 // bits, first=position), part))
+
+
+def fill_lanes(out: torch.Tensor, start: int, stop: int, bits: int, value: int) -> None:
+    """Set the ``bits``-bit lanes ``[start, stop)`` of ``out`` (uint8) to ``value`` (0 or 1)."""
+    if stop > start:
+        _lib().lc_fill_lanes(out.data_ptr(), start, stop, bits, int(value))
+
+
+#: what the apply reads (``kind`` of ``lc_apply``)
+_KINDS = {"bits": 0, "int8": 1, "values": 2}
+
+
+def apply(
+    param: torch.Tensor,
+    source: torch.Tensor,
+    *,
+    kind: str,
+    lr: float,
+    weight_decay: float,
+    position: int = 0,
+    sign_of: bool = False,
+    exp_avg: torch.Tensor | None = None,
+    grad: torch.Tensor | None = None,
+    beta2: float = 0.0,
+    negate: bool = False,
+) -> None:
+    """``p ← p·(1 − lr·wd) − lr·u`` (the decay skipped when ``lr·wd == 0``), then, with ``exp_avg``,
+    ``m ← β2·m + (1−β2)·g`` (``grad`` ``None`` = zeros), in one pass. ``u``: ``kind="bits"`` — packed bits
+    ``[position, position + n)`` of ``source`` (1 → +1, 0 → −1); ``"int8"`` — int8 values (their sign when
+    ``sign_of``); ``"values"`` — ``source`` in the parameter's dtype."""
+    lib = _lib()
+    fn = getattr(lib, f"lc_apply_{_suffix(param)}")
+    n, k = param.numel(), _KINDS[kind]
+    momentum, has_g = exp_avg is not None, grad is not None
+    decay = lr * weight_decay != 0
+
+    def part(a: int, b: int) -> None:
+        src = source.data_ptr() if k == 0 else _ptr(source, a)
+        fn(
+            _ptr(param, a), b - a, k, src, position + a, sign_of, -lr, decay, 1.0 - lr * weight_decay,
+            momentum, _ptr(exp_avg, a), _ptr(grad, a), beta2, 1.0 - beta2, negate, has_g,
+        )  # fmt: skip
+
+    _run(_parts(n), part)
+
+
+def momentum(exp_avg: torch.Tensor, grad: torch.Tensor | None, beta2: float, *, negate: bool = False) -> None:
+    """``m ← β2·m + (1−β2)·g`` in place (``grad`` ``None`` = zeros)."""
+    fn = getattr(_lib(), f"lc_momentum_{_suffix(exp_avg)}")
+    has_g = grad is not None
+    _run(
+        _parts(exp_avg.numel()),
+        lambda a, b: fn(_ptr(exp_avg, a), _ptr(grad, a), b - a, beta2, 1.0 - beta2, negate, has_g),
+    )
+
+
+def lion(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    negate: bool = False,
+) -> None:
+    """One Lion step in one pass over (p, g, m): :func:`lioncub.optim.lion.lion_update_` bit for bit."""
+    fn = getattr(_lib(), f"lc_lion_{_suffix(param)}")
+    decay, factor = lr * weight_decay != 0, 1.0 - lr * weight_decay
+
+    def part(a: int, b: int) -> None:
+        p, g, m = _ptr(param, a), _ptr(grad, a), _ptr(exp_avg, a)
+        fn(p, g, m, b - a, beta1, 1.0 - beta1, beta2, 1.0 - beta2, -lr, decay, factor, negate)
+
+    _run(_parts(param.numel()), part)
+
+
+def quantize(
+    x: torch.Tensor,
+    divisors: torch.Tensor,
+    *,
+    chunk: int | None,
+    wide: bool,
+    scale: float,
+    levels: int,
+    out: torch.Tensor,
+) -> None:
+    """Pass 2 of the L1 quantizer: ``out ← clip(rint((x / d) · scale), ±levels)``, NaN → 0, in float32
+    (``wide``: float64); ``divisors`` float64, one per ``chunk`` elements (``None``: one for all)."""
+    fn = getattr(_lib(), f"lc_quantize_{_suffix(x)}")
+    d = divisors.to(torch.float64).contiguous()
+    n, size = x.numel(), out.element_size()
+    if chunk is None:
+        _run(
+            _parts(n),
+            lambda a, b: fn(_ptr(x, a), b - a, d.data_ptr(), 0, wide, scale, levels, _ptr(out, a), size),
+        )
+        return
+    fn(x.data_ptr(), n, d.data_ptr(), chunk, wide, scale, levels, out.data_ptr(), size)
+
+
+def majority(rows: torch.Tensor, out: torch.Tensor, *, n_bits: int, threshold: int) -> None:
+    """``out`` (uint8) ← bit set where at least ``threshold`` of the rows (uint8 ``[N, B]``) have it set;
+    bits from ``n_bits`` on are 0."""
+    n, row_bytes = rows.shape
+    _lib().lc_majority(rows.data_ptr(), n, row_bytes, out.data_ptr(), out.numel(), n_bits, threshold)

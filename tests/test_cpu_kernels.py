@@ -1,0 +1,451 @@
+"""The fused CPU kernels (lioncub.ops.native, ``backend="cpu"`` of lioncub.ops.kernels) bit for bit against
+the torch backend and the torch step code they replace: every kernel on odd, empty and short lengths, NaN/Inf,
+float32/float64/bfloat16 and hypothesis inputs; Lion's fused step; LionCub's presets on gloo ranks with the
+fused path against the torch path (``LIONCUB_CPU_KERNELS=0``) and against the N-worker simulation."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lioncub.collectives.votes import _sign_int8
+from lioncub.ops import kernels, native, packing
+from lioncub.optim import PRESETS, Lion, LionCub
+from lioncub.optim.lion import update_momentum_
+from lioncub.optim.voting import _apply_chunked_
+from profiles import examples
+
+from dist_utils import run_workers
+
+ROOT = Path(__file__).resolve().parent.parent
+LENGTHS = [0, 1, 7, 8, 9, 15, 17, 63, 64, 65, 1000, 4097]
+DTYPES = [torch.float32, torch.float64, torch.bfloat16]
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"no fused CPU kernels: {native.reason()}")
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal (so +0.0 ≠ −0.0), NaN-aware: a NaN matches a NaN of any sign or payload (which operand
+    an x86 multiply-add propagates is the compiler's choice; NaN results are skipped steps anyway)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+    view = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16}[a.dtype]
+    return torch.equal(nan_a, nan_b) and torch.equal(a.view(view)[~nan_a], b.view(view)[~nan_b])
+
+
+def draw(n: int, dtype: torch.dtype, seed: int, specials: bool = True) -> torch.Tensor:
+    """Normal values with exact zeros, −0.0, tiny and huge ones and (``specials``) NaN/±Inf."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g, dtype=torch.float64)
+    x[::5] = 0.0
+    x[1::7] = -0.0
+    x[2::11] *= 1e-40
+    x[3::13] *= 1e30
+    if specials and n > 20:
+        x[4], x[9], x[16] = float("nan"), float("inf"), float("-inf")
+    return x.to(dtype)
+
+
+# ------------------------------------------------------------------------------------------ the choice
+
+
+def test_switched_off_by_the_environment(monkeypatch) -> None:
+    x = torch.zeros(8)
+    assert kernels.backend_for(x) in ("cpu", "triton")
+    monkeypatch.setenv("LIONCUB_CPU_KERNELS", "0")
+    assert not native.available() and "LIONCUB_CPU_KERNELS" in native.reason()
+    assert kernels.backend_for(x) in ("torch", "triton") and kernels.step_backend_for(x) in (
+        "torch",
+        "triton",
+    )
+    with pytest.raises(RuntimeError, match="LIONCUB_CPU_KERNELS"):
+        kernels.direction_pack(x, x, 0.9, backend="cpu")
+
+
+def test_step_backend_keeps_bfloat16_and_odd_layouts_on_torch() -> None:
+    x = torch.zeros(8)
+    assert kernels.step_backend_for(x, x, None) == "cpu"
+    assert kernels.step_backend_for(x.double(), x.double()) == "cpu"
+    assert kernels.step_backend_for(x.bfloat16()) == "torch"  # the step's bf16 ops are ATen's own
+    assert kernels.step_backend_for(x, x.double()) == "torch"  # mixed dtypes
+    assert kernels.step_backend_for(torch.zeros(4, 4).t()) == "torch"
+    assert kernels.step_backend_for(torch.zeros(4).to_sparse()) == "torch"
+
+
+@pytest.mark.slow
+def test_no_compiler_falls_back_with_a_reason(tmp_path) -> None:
+    code = (
+        "import torch\nfrom lioncub.ops import kernels, native\nfrom lioncub.optim import Lion\n"
+        "p = torch.nn.Parameter(torch.ones(10)); p.grad = torch.ones(10)\n"
+        "Lion([p], lr=0.5).step()\n"
+        "print(native.available(), kernels.backend_for(p.detach()), float(p[0]))\nprint(native.reason())\n"
+    )
+    env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "LIONCUB_KERNEL_CACHE": str(tmp_path / "cache")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    env.pop("LIONCUB_CPU_KERNELS", None)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, why = done.stdout.splitlines()[:2]
+    assert first == "False torch 0.5"
+    assert "no C compiler found" in why
+
+
+# ------------------------------------------------------------------------------------------ kernels
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", LENGTHS)
+def test_direction_pack_equals_torch(dtype: torch.dtype, n: int) -> None:
+    m, g = draw(n, dtype, n), draw(n, dtype, n + 1)
+    for neg, pad_to, update, with_c in [
+        (False, 8, True, False),
+        (True, 24, False, True),
+        (False, 64, True, True),
+    ]:
+        out = {}
+        for backend in ("torch", "cpu"):
+            mm = m.clone()
+            r = kernels.direction_pack(
+                mm, g, 0.9, beta2=0.99, update_momentum=update, negate_grad=neg, pad_to=pad_to,
+                return_direction=with_c, check_finite=True, backend=backend,
+            )  # fmt: skip
+            out[backend] = (r, mm)
+        (a, ma), (b, mb) = out["torch"], out["cpu"]
+        assert torch.equal(a.packed, b.packed)
+        assert bool(a.finite) == bool(b.finite) == (n <= 20)
+        assert same(ma, mb)
+        if with_c:
+            assert same(a.direction, b.direction)
+
+
+def test_direction_encodings_at_bucket_positions() -> None:
+    """direction / direction_sign / direction_lanes of a bucket's parameters, one call each at its offset,
+    equal the torch direction of the flat bucket encoded by pack_signs, pack_lanes and the int8 sign."""
+    sizes = [13, 0, 1, 64, 37, 7, 100]
+    d = sum(sizes)
+    for dtype in (torch.float32, torch.float64):
+        ms = [draw(k, dtype, 10 + i, specials=False) for i, k in enumerate(sizes)]
+        gs = [draw(k, dtype, 20 + i) if i != 2 else None for i, k in enumerate(sizes)]
+        c = torch.cat(
+            [
+                torch.mul(m, 0.9).add_(g if g is not None else torch.zeros_like(m), alpha=1 - 0.9)
+                for m, g in zip(ms, gs, strict=True)
+            ]
+        )
+        flat, signs = torch.empty(d, dtype=dtype), torch.empty(d, dtype=torch.int8)
+        for bits in (1, 2, 4, 8):
+            per = 8 // bits
+            pad_to = 8 * 3 if bits == 1 else per
+            lanes = torch.full((-(-d // pad_to) * pad_to * bits // 8,), 0xA5, dtype=torch.uint8)
+            pos, peaks = 0, []
+            for m, g, k in zip(ms, gs, sizes, strict=True):
+                peaks.append(native.direction_lanes(m, g, 0.9, out=lanes, position=pos, bits=bits))
+                if bits == 1:
+                    native.direction(m, g, 0.9, out=flat[pos : pos + k])
+                    native.direction_sign(m, g, 0.9, out=signs[pos : pos + k])
+                pos += k
+            native.fill_lanes(lanes, d, lanes.numel() * per, bits, 1 if bits == 1 else 0)
+            if bits == 1:
+                assert torch.equal(lanes, packing.pack_signs(c, pad_to=pad_to))
+                assert same(flat, c) and torch.equal(signs, _sign_int8(c))
+            else:
+                assert torch.equal(lanes, packing.pack_lanes(torch.ge(c, 0).view(torch.uint8), bits))
+            finite = [p for p in peaks if p == p and p != float("inf")]
+            assert len(finite) < len(peaks)  # the gradients hold NaN and Inf
+        clean = [draw(k, dtype, 30 + i, specials=False) for i, k in enumerate(sizes)]
+        for m, g in zip(ms, clean, strict=True):
+            want = torch.mul(m, 0.9).add_(g, alpha=1 - 0.9).abs().max().item() if m.numel() else 0.0
+            assert native.direction(m, g, 0.9, out=torch.empty_like(m)) == want
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", LENGTHS)
+def test_quantize_l1_equals_torch(dtype: torch.dtype, n: int) -> None:
+    x = draw(n, dtype, 3 * n, specials=n % 2 == 1)
+    if n > 3:
+        x[: n // 3] = 1e-41  # a denormal first chunk: pass 2 in float64 for that segment
+    segments = [n // 2, 0, n - n // 2]
+    for levels in (1, 7, 15, 63, 127, 1000, 70000):
+        for chunk in (None, 16):
+            want = kernels.quantize_l1(x, levels, chunk_size=chunk, segments=segments, backend="torch")
+            got = kernels.quantize_l1(x, levels, chunk_size=chunk, segments=segments, backend="cpu")
+            assert torch.equal(want, got), (levels, chunk)
+
+
+def test_quantize_l1_halfway_values() -> None:
+    """1-element tensors land exactly half-way between two levels (x / M = ±1, s / k = 31.5)."""
+    x = torch.tensor([0.8797774, -0.3, 1.0, -1.0, 3.0])
+    got = kernels.quantize_l1(x, 63, segments=[1] * 5, backend="cpu")
+    assert got.tolist() == [32, -32, 32, -32, 32]
+    assert torch.equal(got, kernels.quantize_l1(x, 63, segments=[1] * 5, backend="torch"))
+
+
+@pytest.mark.parametrize("n_workers", [1, 2, 3, 4, 5, 8, 15, 16, 127, 255, 300])
+def test_majority_pack_equals_torch(n_workers: int) -> None:
+    gen = torch.Generator().manual_seed(n_workers)
+    for row_bytes in (0, 1, 7, 8, 9, 100):
+        rows = torch.randint(0, 256, (n_workers, row_bytes), dtype=torch.uint8, generator=gen)
+        if row_bytes > 2:
+            rows[:, 1] = 0xFF  # unanimous and ...
+            rows[: n_workers // 2, 2] = 0xFF  # ... tied (even N) columns
+            rows[n_workers // 2 :, 2] = 0
+        for tie in (True, False):
+            for n_bits in sorted({0, row_bytes * 8, max(0, row_bytes * 8 - 5)}):
+                want = kernels.majority_pack(rows, tie, n_bits=n_bits, backend="torch")
+                assert torch.equal(kernels.majority_pack(rows, tie, n_bits=n_bits, backend="cpu"), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", LENGTHS)
+def test_apply_equals_torch(dtype: torch.dtype, n: int) -> None:
+    p, m, g = draw(n, dtype, n), draw(n, dtype, n + 7, specials=False), draw(n, dtype, n + 9)
+    gen = torch.Generator().manual_seed(n)
+    packed = torch.randint(0, 256, ((n + 13) // 8 + 1,), dtype=torch.uint8, generator=gen)
+    votes = torch.randint(-1, 2, (n,), dtype=torch.int8, generator=gen)
+    cases = [(5e-3, 0.1, True, False, 0), (1e-3, 0.0, False, False, 5), (0.02, 0.5, True, True, 13)]
+    for lr, wd, momentum, neg, offset in cases:
+        results = {}
+        for backend in ("torch", "cpu"):
+            extra = {"exp_avg": m.clone(), "grad": g, "beta2": 0.99, "negate_grad": neg} if momentum else {}
+            a = kernels.apply_signs_(
+                p.clone(), packed, lr=lr, weight_decay=wd, bit_offset=offset, backend=backend, **extra
+            )
+            extra2 = {**extra, "exp_avg": m.clone()} if momentum else {}
+            b = kernels.apply_votes_(p.clone(), votes, lr=lr, weight_decay=wd, backend=backend, **extra2)
+            results[backend] = (a, b, extra.get("exp_avg"), extra2.get("exp_avg"))
+        for want, got in zip(results["torch"], results["cpu"], strict=True):
+            assert (want is None and got is None) or same(want, got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_raw_apply_equals_the_step_code(dtype: torch.dtype) -> None:
+    """native.apply from int8 sums (sign taken) and from values of the parameter's dtype: the step's torch
+    code (``_apply_chunked_`` then ``update_momentum_``), with and without a gradient."""
+    n = 3001
+    p, m, g = draw(n, dtype, 1), draw(n, dtype, 2, specials=False), draw(n, dtype, 3)
+    sums = torch.randint(-9, 10, (n,), dtype=torch.int8)
+    values = draw(n, dtype, 4, specials=False)
+    for grad in (g, None):
+        for kind, source, u in (("int8", sums, torch.sign(sums)), ("values", values, values)):
+            pa, ma = p.clone(), m.clone()
+            _apply_chunked_(pa, u, lr=3e-3, weight_decay=0.2)
+            update_momentum_(ma, -grad if grad is not None else torch.zeros_like(ma), 0.95)
+            pb, mb = p.clone(), m.clone()
+            native.apply(
+                pb, source, kind=kind, sign_of=kind == "int8", lr=3e-3, weight_decay=0.2, exp_avg=mb,
+                grad=grad, beta2=0.95, negate=True,
+            )  # fmt: skip
+            assert same(pa, pb) and same(ma, mb)
+
+
+def test_threads_split_large_tensors_alike(monkeypatch) -> None:
+    """The pieces of a tensor over several threads (aligned to the packed bytes) give the one-thread bits."""
+    n, pos = 10_001, 5
+    m, g, p = draw(n, torch.float32, 1), draw(n, torch.float32, 2), draw(n, torch.float32, 3)
+
+    def run() -> list[torch.Tensor]:
+        lanes = torch.zeros(n // 8 + 3, dtype=torch.uint8)
+        peak = native.direction_lanes(m, g, 0.9, out=lanes, position=pos, bits=1)
+        c = torch.empty_like(m)
+        native.direction(m, g, 0.9, out=c)
+        pp, mm = p.clone(), m.clone()
+        native.lion(pp, g, mm, lr=1e-2, beta1=0.9, beta2=0.99, weight_decay=0.1)
+        pq, mq = p.clone(), m.clone()
+        native.apply(
+            pq, lanes, kind="bits", position=pos, lr=1e-2, weight_decay=0.1, exp_avg=mq, grad=g, beta2=0.9
+        )
+        return [lanes, c, pp, mm, pq, mq, torch.tensor(peak)]
+
+    one = run()
+    monkeypatch.setattr(native, "MIN_PER_THREAD", 997)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        assert len(native._parts(n, align=8, first=pos)) == 3
+        three = run()
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one, three, strict=True):
+        assert same(a, b)
+
+
+finite32 = st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True)
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(
+    st.lists(st.tuples(finite32, finite32, finite32), min_size=0, max_size=40),
+    st.sampled_from([0.0, 0.5, 0.9, 0.99]),
+    st.integers(0, 15),
+    st.booleans(),
+)
+def test_hypothesis_kernels_equal_torch(rows, beta, offset, neg) -> None:
+    m = torch.tensor([r[0] for r in rows], dtype=torch.float32)
+    g = torch.tensor([r[1] for r in rows], dtype=torch.float32)
+    p = torch.tensor([r[2] for r in rows], dtype=torch.float32)
+    a = kernels.direction_pack(m.clone(), g, beta, negate_grad=neg, check_finite=True, backend="torch")
+    b = kernels.direction_pack(m.clone(), g, beta, negate_grad=neg, check_finite=True, backend="cpu")
+    assert torch.equal(a.packed, b.packed) and bool(a.finite) == bool(b.finite)
+    packed = torch.cat([torch.tensor([0x5A, 0xC3], dtype=torch.uint8), a.packed])
+    for backend_pair in (("torch", "cpu"),):
+        outs = []
+        for backend in backend_pair:
+            mm = m.clone()
+            q = kernels.apply_signs_(
+                p.clone(), packed, lr=0.01, weight_decay=0.1, bit_offset=offset, exp_avg=mm, grad=g,
+                beta2=beta, negate_grad=neg, backend=backend,
+            )  # fmt: skip
+            outs.append((q, mm))
+        assert same(outs[0][0], outs[1][0]) and same(outs[0][1], outs[1][1])
+    if rows:
+        want = kernels.quantize_l1(p, 15, backend="torch")
+        assert torch.equal(want, kernels.quantize_l1(p, 15, backend="cpu"))
+
+
+# ------------------------------------------------------------------------------------------ Lion
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("maximize", [False, True])
+def test_lion_fused_step_equals_the_torch_step(monkeypatch, dtype: torch.dtype, maximize: bool) -> None:
+    shapes = [(37, 11), (1,), (0,), (4097,), (5, 3)]
+
+    def run() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=dtype)) for s in shapes]
+        opt = Lion(
+            [
+                {"params": params[:3], "weight_decay": 0.1},
+                {"params": params[3:], "lr": 0.0, "betas": (0.5, 0.0)},
+            ],
+            lr=3e-3,
+            maximize=maximize,
+        )
+        for step in range(5):
+            for i, p in enumerate(params):
+                p.grad = None if (i == 1 and step == 2) else torch.randn(p.shape, generator=gen, dtype=dtype)
+                if p.grad is not None and p.numel() > 10 and step == 3:
+                    p.grad.view(-1)[:4] = torch.tensor([0.0, -0.0, float("inf"), float("nan")])
+            opt.step()
+        return [p.detach().clone() for p in params], [opt.state[p]["exp_avg"].clone() for p in params]
+
+    fused = run()
+    monkeypatch.setenv("LIONCUB_CPU_KERNELS", "0")
+    plain = run()
+    for a, b in zip(fused[0] + fused[1], plain[0] + plain[1], strict=True):
+        assert same(a, b)
+
+
+def test_lion_takes_the_fused_kernel(monkeypatch) -> None:
+    calls = []
+    real = native.lion
+    monkeypatch.setattr(native, "lion", lambda *a, **k: (calls.append(a[0].dtype), real(*a, **k))[1])
+    ps = [torch.nn.Parameter(torch.ones(9, dtype=t)) for t in (torch.float32, torch.float64, torch.bfloat16)]
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    Lion(ps, lr=0.1).step()
+    assert calls == [torch.float32, torch.float64]  # bfloat16: torch's own bf16 ops
+
+
+# ------------------------------------------------------------------------------------------ LionCub
+
+
+def worker_fused_presets(rank: int, world: int, presets: list[str], dtype: torch.dtype) -> dict:
+    """5 steps of every preset (two param groups, maximize in one, a missing gradient, exact zeros);
+    returns parameters and momenta per preset and which fused kernels the steps called."""
+    calls: dict[str, int] = {}
+    names = ("direction", "direction_sign", "direction_lanes", "apply", "lion", "majority", "quantize")
+    originals = {name: getattr(native, name) for name in names}
+    for name, original in originals.items():
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _original(*args, **kwargs)
+
+        setattr(native, name, counted)
+    try:
+        out: dict = {}
+        for preset in presets:
+            gen = torch.Generator().manual_seed(7)
+            params = [
+                torch.nn.Parameter(torch.randn(s, generator=gen, dtype=dtype))
+                for s in ((61, 3), (5,), (130,))
+            ]
+            opt = LionCub(
+                [
+                    {"params": params[:2], "weight_decay": 0.1},
+                    {"params": params[2:], "maximize": True, "lr": 0.02},
+                ],
+                lr=0.01,
+                variant=preset,
+                bucket_mb=0.0005,
+            )
+            for step in range(1, 6):
+                g = torch.Generator().manual_seed(1000 * rank + step)
+                for i, p in enumerate(params):
+                    p.grad = (
+                        None if (i == 1 and step == 2) else torch.randn(p.shape, generator=g, dtype=dtype)
+                    )
+                    if p.grad is not None and step == 1:
+                        p.grad.view(-1)[:3] = 0.0
+                opt.step()
+            out[preset] = [p.detach().clone() for p in params] + [
+                opt.state[p]["exp_avg"].clone() for p in params
+            ]
+        out["calls"] = calls
+        return out
+    finally:
+        for name, original in originals.items():
+            setattr(native, name, original)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "dtype"), [(2, torch.float32), (3, torch.float64)])
+def test_lioncub_presets_fused_equal_the_torch_path(monkeypatch, world: int, dtype: torch.dtype) -> None:
+    presets = sorted(PRESETS)
+    fused = run_workers(worker_fused_presets, world, presets, dtype, timeout=240)
+    monkeypatch.setenv("LIONCUB_CPU_KERNELS", "0")
+    plain = run_workers(worker_fused_presets, world, presets, dtype, timeout=240)
+    for rank in range(world):
+        assert plain[rank]["calls"] == {}
+        calls = fused[rank]["calls"]
+        for name in (
+            "direction",
+            "direction_sign",
+            "direction_lanes",
+            "apply",
+            "lion",
+            "majority",
+            "quantize",
+        ):
+            assert calls.get(name, 0) > 0, f"the fused step never called native.{name}: {calls}"
+        for preset in presets:
+            for i, (a, b) in enumerate(zip(fused[rank][preset], plain[rank][preset], strict=True)):
+                assert same(a, b), (
+                    f"{preset}: rank {rank} tensor {i} differs between the fused and torch steps"
+                )
+
+
+@pytest.mark.slow
+def test_torch_path_matches_the_simulation(monkeypatch) -> None:
+    """The fallback (``LIONCUB_CPU_KERNELS=0``) still agrees with the N-worker simulation (the fused path
+    is what tests/test_lioncub.py runs by default)."""
+    from test_lioncub import ALL_PRESETS, simulate, worker_run_presets
+
+    monkeypatch.setenv("LIONCUB_CPU_KERNELS", "0")
+    results = run_workers(worker_run_presets, 3, ALL_PRESETS, 0.0008, timeout=240)
+    for preset in ALL_PRESETS:
+        want = simulate(preset, 3)
+        for rank in range(3):
+            for i, (g, w) in enumerate(zip(results[rank][preset]["params"], want, strict=True)):
+                assert torch.equal(g, w), f"{preset}: rank {rank} parameter {i} differs from simulation"

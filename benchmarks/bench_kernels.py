@@ -39,6 +39,24 @@ that return a freshly allocated output, since first-touch page faults of a new b
 Targets (issue 2), judged on ``× copy``: pack_signs and unpack_signs (fp32, the parameter dtype here)
 within 2× of the copy, quantize_l1 with s = 15 within 4×; the ``target`` column marks those rows ✓/✗.
 
+Fused CPU passes (issue 20; :mod:`lioncub.ops.native`, float32, each against the torch code it replaces in
+the step, which it equals bit for bit; ``--no-fused`` leaves them out), bytes as the fused pass moves them:
+
+* ``lion fused`` (p, g, m → p, m: 12n read + 8n written) and ``lion torch`` (``lion_update_``'s foreach
+  path, the ops one by one);
+* ``dir+pack fused`` (m, g → packed votes, max-abs: 8n + n/8) and ``dir+pack torch`` (``c = β1·m +
+  (1−β1)·g`` into a buffer, its max-abs, ``pack_signs``); ``dir c fused`` (m, g → c: 8n + 4n);
+* ``majority fused`` / ``majority torch``: 4 rows of n/32 packed bytes (one rank's slice of a 4-rank 1-bit
+  vote of n elements) counted, tie rule, repacked (n/8 + n/32);
+* ``apply bits fused`` (packed bits, p, m, g → p, m: n/8 + 12n + 8n) and ``apply bits torch`` (unpack to
+  int8, ``_apply_chunked_``, ``update_momentum_``); ``apply int8 fused`` / ``apply int8 torch`` (the int8
+  sums of an 8-bit vote, their sign taken: n + 12n + 8n);
+* ``quantize_l1 cpu`` (``kernels.quantize_l1(backend="cpu")``: torch's pass 1, the C pass 2: 8n + n);
+* ``1bit local fused``: dir+pack + majority + apply bits, LionCub's local work of a 1-bit step on one rank,
+  whose ratio to ``lion fused`` is printed as "local beyond Lion".
+
+The ``target`` column marks the fused rows against ≤ 1.5× copy (issue 20).
+
 Correctness is checked once per size before timing (pack_signs against numpy.packbits of ``x >= 0``
 padded with ones to a multiple of 8; unpack round trip against ``where(x >= 0, 1, -1)``); a mismatch
 aborts with a non-zero exit status.
@@ -62,10 +80,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from lioncub.ops import packing
 from lioncub.ops.packing import pack_signs, unpack_signs
 from lioncub.ops.quantize import quantize_l1
 
 TARGETS = {"pack_signs": 2.0, "unpack_signs fp32": 2.0, "quantize_l1 s=15": 4.0}
+FUSED_TARGET = 1.5  # issue 20: each fused pass within 1.5x of one fp32 copy of the same tensor
 
 
 @dataclass
@@ -140,7 +160,79 @@ def verify(x: torch.Tensor, x_np: np.ndarray) -> None:
             sys.exit(f"FAILED: unpack_signs(pack_signs(x), n, {dtype}) != where(x >= 0, 1, -1) (n={n})")
 
 
-def bench_size(label: str, n: int, repeats: int) -> list[Row]:
+def fused_ops(x: torch.Tensor) -> list[tuple[str, Callable[[], object], int]]:
+    """The fused CPU passes and the torch code each replaces (float32, n elements)."""
+    from lioncub.ops import kernels, native
+    from lioncub.optim.lion import _lion_update_foreach_, update_momentum_
+    from lioncub.optim.voting import _apply_chunked_
+
+    n = x.numel()
+    gen = torch.Generator().manual_seed(1)
+    m, g, p = torch.randn(n, generator=gen), torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    c, packed = torch.empty(n), torch.empty(n // 8 + 1, dtype=torch.uint8)
+    rows = torch.randint(0, 256, (4, n // 32), dtype=torch.uint8, generator=gen)
+    mine = torch.empty(n // 32, dtype=torch.uint8)
+    sums = torch.randint(-4, 5, (n,), dtype=torch.int8, generator=gen)
+    levels = torch.empty(n, dtype=torch.int8)
+    hyper = {"lr": 1e-5, "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.1}
+
+    def dir_pack_torch() -> None:
+        torch.mul(m, 0.9, out=c).add_(g, alpha=0.1)
+        torch.linalg.vector_norm(c, float("inf"))
+        pack_signs(c, out=packed[: n // 8] if n % 8 == 0 else None)
+
+    def apply_bits_torch() -> None:
+        u = unpack_signs(packed, n, torch.int8)
+        _apply_chunked_(p, u, lr=1e-5, weight_decay=0.1)
+        update_momentum_(m, g, 0.99)
+
+    def apply_int8_torch() -> None:
+        _apply_chunked_(p, torch.sign(sums), lr=1e-5, weight_decay=0.1)
+        update_momentum_(m, g, 0.99)
+
+    def majority_fused() -> None:
+        kernels.majority_pack(rows, True, n_workers=4, out=mine, backend="cpu")
+
+    def apply_bits() -> None:
+        native.apply(p, packed, kind="bits", lr=1e-5, weight_decay=0.1, exp_avg=m, grad=g, beta2=0.99)
+
+    def local_1bit() -> None:
+        native.direction_lanes(m, g, 0.9, out=packed, position=0, bits=1)
+        majority_fused()
+        apply_bits()
+
+    return [
+        ("lion fused", lambda: native.lion(p, g, m, **hyper), 20 * n),
+        ("lion torch", lambda: _lion_update_foreach_([p], [g], [m], maximize=False, **hyper), 20 * n),
+        ("dir+pack fused", lambda: native.direction_lanes(m, g, 0.9, out=packed, position=0), 8 * n + n // 8),
+        ("dir+pack torch", dir_pack_torch, 8 * n + n // 8),
+        ("dir c fused", lambda: native.direction(m, g, 0.9, out=c), 12 * n),
+        ("majority fused", majority_fused, n // 8 + n // 32),
+        (
+            "majority torch",
+            lambda: packing.pack_majority(packing.count_votes(rows, rows.shape[1] * 8), 4, True),
+            n // 8 + n // 32,
+        ),
+        ("apply bits fused", apply_bits, 20 * n + n // 8),
+        ("apply bits torch", apply_bits_torch, 20 * n + n // 8),
+        (
+            "apply int8 fused",
+            lambda: native.apply(
+                p, sums, kind="int8", sign_of=True, lr=1e-5, weight_decay=0.1, exp_avg=m, grad=g, beta2=0.99
+            ),
+            21 * n,
+        ),
+        ("apply int8 torch", apply_int8_torch, 21 * n),
+        ("quantize_l1 cpu", lambda: kernels.quantize_l1(x, 15, out=levels, backend="cpu"), 9 * n),
+        ("1bit local fused", local_1bit, 28 * n + n // 4),
+    ]
+
+
+FUSED_ROWS = ("lion fused", "dir+pack fused", "dir c fused", "majority fused", "apply bits fused")
+FUSED_ROWS += ("apply int8 fused", "quantize_l1 cpu")
+
+
+def bench_size(label: str, n: int, repeats: int, fused: bool = True) -> list[Row]:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(n, generator=gen, dtype=torch.float32)
     x_np = x.numpy()
@@ -169,12 +261,14 @@ def bench_size(label: str, n: int, repeats: int) -> list[Row]:
         ("np.unpackbits u8", lambda: np.unpackbits(packed_np), nb + n),
         ("np.unpackbits ±1 fp32", lambda: np.unpackbits(packed_np).astype(np.float32) * 2 - 1, nb + 4 * n),
     ]
+    if fused:
+        ops += fused_ops(x)
     timed = [(name, *time_op(fn, repeats), nbytes) for name, fn, nbytes in ops]
     copy_median, clone_median = timed[0][1], timed[1][1]
     rows = []
     for name, med, mn, nbytes in timed:
         ratio = med / copy_median
-        target = TARGETS.get(name)
+        target = FUSED_TARGET if name in FUSED_ROWS else TARGETS.get(name)
         met = None if target is None else ratio <= target
         rows.append(
             Row(label, n, name, nbytes, med, mn, nbytes / med / 1e9, ratio, med / clone_median, target, met)
@@ -242,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=7, help="timed runs per op (after one warm-up)")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     parser.add_argument("--json", metavar="PATH", help="also write machine info and rows as JSON")
+    parser.add_argument("--no-fused", action="store_true", help="leave out the fused CPU passes")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.threads < 1:
         parser.error("--repeats and --threads must be >= 1")
@@ -261,10 +356,15 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     for label, n in sizes:
         console.print(f"[dim]size {label} (n={n}): verifying and timing...[/dim]")
-        rows.extend(bench_size(label, n, args.repeats))
+        rows.extend(bench_size(label, n, args.repeats, fused=not args.no_fused))
     console.print(rich_table(rows, args.threads))
     print("\nMarkdown:\n")
     print(markdown_table(rows))
+    for size in dict.fromkeys(r.size for r in rows):
+        by = {r.op: r for r in rows if r.size == size}
+        if "1bit local fused" in by:
+            local, lion = by["1bit local fused"].median_s, by["lion fused"].median_s
+            print(f"{size}: 1bit local work beyond the Lion step: {100 * (local - lion) / lion:+.0f}% of it")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(

@@ -227,6 +227,46 @@ def test_apply_equals_torch(dtype: torch.dtype, n: int) -> None:
             assert (want is None and got is None) or same(want, got)
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_apply_from_lanes_equals_map_lanes(bits: int) -> None:
+    """native.apply from bits-bit lanes at any lane position, lane value v → table[v]: the decode of
+    ``packing.map_lanes`` followed by the step's apply."""
+    n, per = 1001, 8 // bits
+    gen = torch.Generator().manual_seed(bits)
+    lanes = torch.randint(0, 256, (n // per + 3,), dtype=torch.uint8, generator=gen)
+    table = tuple(int(v) for v in torch.randint(-1, 2, (1 << bits,), generator=gen))
+    p, m, g = draw(n, torch.float32, 1), draw(n, torch.float32, 2, specials=False), draw(n, torch.float32, 3)
+    for pos in (0, 1, per - 1, per + 1):
+        u = packing.map_lanes(lanes, bits, pos + n, table)[pos:]
+        pa, ma = p.clone(), m.clone()
+        _apply_chunked_(pa, u, lr=1e-2, weight_decay=0.1)
+        update_momentum_(ma, g, 0.9)
+        pb, mb = p.clone(), m.clone()
+        native.apply(
+            pb, lanes, kind="lanes", position=pos, lane_bits=bits, table=table, lr=1e-2, weight_decay=0.1,
+            exp_avg=mb, grad=g, beta2=0.9,
+        )  # fmt: skip
+        assert same(pa, pb) and same(ma, mb), pos
+    with pytest.raises(ValueError, match="table"):
+        native.apply(p, lanes, kind="lanes", lane_bits=bits, table=(1, -1), lr=1.0, weight_decay=0.0)
+
+
+@pytest.mark.parametrize("n_workers", [2, 3, 4, 5, 8, 16])
+def test_server_majority_equals_the_torch_count(n_workers: int) -> None:
+    """The parameter server's count + sign + 2-bit lanes in one pass: ServerVote's torch code."""
+    gen = torch.Generator().manual_seed(n_workers)
+    for d in (0, 1, 7, 8, 9, 63, 1000):
+        rows = torch.randint(0, 256, (n_workers, (d + 7) // 8), dtype=torch.uint8, generator=gen)
+        if d > 16:
+            rows[: n_workers // 2, 1] = 0xFF  # ties for even N
+            rows[n_workers // 2 :, 1] = 0
+        count = packing.count_votes(rows, d).to(torch.int16)
+        want = packing.pack_lanes((torch.sign(2 * count - n_workers) + 1).to(torch.uint8), 2)
+        got = torch.full((packing.packed_size(d, 2),), 0xEE, dtype=torch.uint8)
+        native.server_majority(rows, got, n_bits=d)
+        assert torch.equal(got, want), d
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_raw_apply_equals_the_step_code(dtype: torch.dtype) -> None:
     """native.apply from int8 sums (sign taken) and from values of the parameter's dtype: the step's torch
@@ -360,11 +400,24 @@ def test_lion_takes_the_fused_kernel(monkeypatch) -> None:
 # ------------------------------------------------------------------------------------------ LionCub
 
 
+NATIVE_STEP_CALLS = (
+    "direction",
+    "direction_sign",
+    "direction_lanes",
+    "apply",
+    "lion",
+    "majority",
+    "quantize",
+)
+NATIVE_STEP_CALLS += ("server_majority",)
+
+
 def worker_fused_presets(rank: int, world: int, presets: list[str], dtype: torch.dtype) -> dict:
-    """5 steps of every preset (two param groups, maximize in one, a missing gradient, exact zeros);
+    """6 steps of every preset (two param groups, maximize in one, a missing gradient, exact zeros, a NaN
+    on one rank that skips step 4 on every rank);
     returns parameters and momenta per preset and which fused kernels the steps called."""
     calls: dict[str, int] = {}
-    names = ("direction", "direction_sign", "direction_lanes", "apply", "lion", "majority", "quantize")
+    names = NATIVE_STEP_CALLS
     originals = {name: getattr(native, name) for name in names}
     for name, original in originals.items():
 
@@ -390,18 +443,23 @@ def worker_fused_presets(rank: int, world: int, presets: list[str], dtype: torch
                 variant=preset,
                 bucket_mb=0.0005,
             )
-            for step in range(1, 6):
+            momenta: list[torch.Tensor] = []
+            for step in range(1, 7):
                 g = torch.Generator().manual_seed(1000 * rank + step)
                 for i, p in enumerate(params):
-                    p.grad = (
-                        None if (i == 1 and step == 2) else torch.randn(p.shape, generator=g, dtype=dtype)
-                    )
+                    missing = i == 1 and step == 2
+                    p.grad = None if missing else torch.randn(p.shape, generator=g, dtype=dtype)
                     if p.grad is not None and step == 1:
                         p.grad.view(-1)[:3] = 0.0
+                    if step == 4 and rank == world - 1 and i == 2:
+                        p.grad[7] = float("nan")  # step 4 is skipped on every rank
                 opt.step()
-            out[preset] = [p.detach().clone() for p in params] + [
-                opt.state[p]["exp_avg"].clone() for p in params
-            ]
+                momenta = momenta or [opt.state[p]["exp_avg"] for p in params]
+            # the momenta stay the optimizer's tensor objects (the fused apply swaps their storage)
+            assert all(m is opt.state[p]["exp_avg"] for m, p in zip(momenta, params, strict=True))
+            assert opt.comm_stats()["total"]["skipped_steps"] == 1
+            moms = [opt.state[p]["exp_avg"].clone() for p in params]
+            out[preset] = [p.detach().clone() for p in params] + moms
         out["calls"] = calls
         return out
     finally:

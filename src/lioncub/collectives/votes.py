@@ -40,12 +40,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 
 from lioncub.collectives.base import Comm, Handle
-from lioncub.ops import kernels, packing, quantize
+from lioncub.ops import kernels, native, packing, quantize
 
 __all__ = [
     "AverageVote",
@@ -55,6 +55,7 @@ __all__ = [
     "OneBitVote",
     "Pending",
     "QuantizedVote",
+    "RawResult",
     "ServerVote",
     "SignSumVote",
     "VoteAlgorithm",
@@ -101,6 +102,19 @@ class Encoding:
         return torch.int8 if self.kind == "sign" else torch.uint8
 
 
+class RawResult(NamedTuple):
+    """A vote's result before its decode (:meth:`Pending.wait_raw`), for an apply that decodes as it goes.
+
+    ``kind="bits"``: ``data`` packed uint8, the update is +1 where a bit is set, −1 elsewhere;
+    ``kind="sum"``: ``data`` int8, the update is its sign; ``kind="lanes"``: ``data`` uint8 of ``bits``-bit
+    lanes (:func:`lioncub.ops.packing.pack_lanes`), the update of a lane holding v is ``table[v]``."""
+
+    kind: Literal["bits", "sum", "lanes"]
+    data: torch.Tensor
+    bits: int = 1
+    table: tuple[int, ...] = ()
+
+
 def _once(fn: Any) -> Any:
     """``fn()`` evaluated on the first call only (the result is kept)."""
     box: list[Any] = []
@@ -118,14 +132,13 @@ class Pending:
     """A vote in flight. ``advance()`` runs the work between phases of a multi-phase vote and posts the
     next phase without waiting for it (call it on every pending vote before waiting on the first, so
     that phase 2 of one bucket overlaps the work of the next); ``wait()`` finishes and returns the
-    aggregated update; ``wait_raw()`` (where ``raw`` is set) finishes and returns it before its decode:
-    ``("bits", packed)`` — the update is +1 where a bit of the packed uint8 result is set, −1 elsewhere —
-    or ``("sum", values)`` — the update is the sign of the int8 values."""
+    aggregated update; ``wait_raw()`` (where ``raw`` is set) finishes and returns it before its decode, a
+    :class:`RawResult`."""
 
     finish: Any  # Callable[[], torch.Tensor]
     value: torch.Tensor | None = None
     middle: Any = None  # Callable[[], None]: the between-phases step of a two-phase vote
-    raw: Any = None  # Callable[[], tuple[str, torch.Tensor]] (kept after the first call), or None
+    raw: Any = None  # Callable[[], RawResult] (kept after the first call), or None
 
     def advance(self) -> None:
         if self.middle is not None:
@@ -138,7 +151,7 @@ class Pending:
             self.value = self.finish()
         return self.value
 
-    def wait_raw(self) -> tuple[str, torch.Tensor] | None:
+    def wait_raw(self) -> RawResult | None:
         if self.raw is None:
             return None
         self.advance()
@@ -270,13 +283,13 @@ class OneBitVote(VoteAlgorithm):
             phase2.append(self.comm.all_gather(gathered, mine, "1-bit all-gather"))
 
         @_once
-        def raw() -> tuple[str, torch.Tensor]:
+        def raw() -> RawResult:
             phase2[0].wait()
-            return "bits", gathered.view(-1)
+            return RawResult("bits", gathered.view(-1))
 
         def finish() -> torch.Tensor:
             out = self.buffer(key, "result", d, torch.int8)
-            return packing.unpack_signs(raw()[1], d, torch.int8, out=out)
+            return packing.unpack_signs(raw().data, d, torch.int8, out=out)
 
         return Pending(finish, middle=middle, raw=raw)
 
@@ -325,12 +338,9 @@ class LaneVote(VoteAlgorithm):
         else:
             lanes = encoded
         handle = self.comm.all_reduce(lanes, f"{self.bits}-bit vote allreduce")
-
-        def finish() -> torch.Tensor:
-            handle.wait()  # each lane holds a count of "+" votes; map it to sign(2·count − N)
-            return packing.map_lanes(lanes, self.bits, d, _signs_of(range(1 << self.bits), 2, -n))
-
-        return Pending(finish)
+        table = _signs_of(range(1 << self.bits), 2, -n)  # a lane counts "+" votes: sign(2·count − N)
+        raw = _once(lambda: (handle.wait(), RawResult("lanes", lanes, self.bits, table))[1])
+        return Pending(lambda: packing.map_lanes(raw().data, self.bits, d, table), raw=raw)
 
     def wire_bytes(self, numel):
         n = self.world_size
@@ -358,8 +368,8 @@ class SignSumVote(VoteAlgorithm):
         if self.world_size == 1:
             return Pending(lambda: signs)
         handle = self.comm.all_reduce(signs, "int8 sign allreduce")
-        raw = _once(lambda: ("sum", handle.wait()))
-        return Pending(lambda: _sign_of_sum(raw()[1]), raw=raw)
+        raw = _once(lambda: RawResult("sum", handle.wait()))
+        return Pending(lambda: _sign_of_sum(raw().data), raw=raw)
 
     def wire_bytes(self, numel):
         each = 2 * (self.world_size - 1) / self.world_size * numel
@@ -471,17 +481,13 @@ class QuantizedVote(VoteAlgorithm):
             return Pending(lambda: _sign_of_sum(levels))
         if self.bits == 8:
             handle = self.comm.all_reduce(levels, f"int8 {self.quantizer} allreduce")
-            raw = _once(lambda: ("sum", handle.wait()))
-            return Pending(lambda: _sign_of_sum(raw()[1]), raw=raw)
+            raw = _once(lambda: RawResult("sum", handle.wait()))
+            return Pending(lambda: _sign_of_sum(raw().data), raw=raw)
         lanes = packing.pack_lanes(packing.offset_encode(levels, self.levels), self.bits)
         handle = self.comm.all_reduce(lanes, f"{self.bits}-bit {self.quantizer} allreduce")
-
-        def finish() -> torch.Tensor:
-            handle.wait()  # each lane holds Σ(q_i + s); map it to sign(Σ q_i)
-            lane_values = range(1 << self.bits)
-            return packing.map_lanes(lanes, self.bits, d, _signs_of(lane_values, 1, -n * self.levels))
-
-        return Pending(finish)
+        table = _signs_of(range(1 << self.bits), 1, -n * self.levels)  # lane Σ(q_i + s) → sign(Σ q_i)
+        raw = _once(lambda: (handle.wait(), RawResult("lanes", lanes, self.bits, table))[1])
+        return Pending(lambda: packing.map_lanes(raw().data, self.bits, d, table), raw=raw)
 
     def wire_bytes(self, numel):
         each = 2 * (self.world_size - 1) / self.world_size * packing.packed_size(numel, self.bits)
@@ -547,21 +553,34 @@ class ServerVote(VoteAlgorithm):
         else:
             handle = self.comm.exchange_p2p([(self.root, up)], [], "server gather")
 
-        def finish() -> torch.Tensor:
+        majority = self.aggregation == "majority"
+
+        @_once
+        def receive() -> None:
             handle.wait()
             if r == self.root:
-                count = packing.count_votes(inbox, d).to(torch.int16)
-                lanes = (torch.sign(2 * count - n) + 1) if self.aggregation == "majority" else count
-                down.copy_(packing.pack_lanes(lanes.to(torch.uint8), self.down_bits))
+                if majority and kernels.backend_for(inbox, down) == "cpu":  # count, sign, lanes in one pass
+                    native.server_majority(inbox, down, n_bits=d)
+                else:
+                    count = packing.count_votes(inbox, d).to(torch.int16)
+                    lanes = (torch.sign(2 * count - n) + 1) if majority else count
+                    down.copy_(packing.pack_lanes(lanes.to(torch.uint8), self.down_bits))
                 self.comm.exchange_p2p([(j, down) for j in range(n) if j != r], [], "server broadcast").wait()
             else:
                 self.comm.exchange_p2p([], [(self.root, down)], "server broadcast").wait()
+
+        def finish() -> torch.Tensor:
+            receive()
             lanes = packing.unpack_lanes(down, self.down_bits, d).to(torch.int16)
-            if self.aggregation == "majority":
+            if majority:
                 return (lanes - 1).to(torch.int8)
             return (2 * lanes - n).to(local.dtype) / n
 
-        return Pending(finish)
+        if not majority:
+            return Pending(finish)
+        table = tuple(v - 1 for v in range(1 << self.down_bits))  # lanes hold u + 1
+        raw = _once(lambda: (receive(), RawResult("lanes", down, self.down_bits, table))[1])
+        return Pending(finish, raw=raw)
 
     def wire_bytes(self, numel):
         n = self.world_size

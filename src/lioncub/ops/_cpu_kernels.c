@@ -81,7 +81,8 @@ LC_EXPORT void lc_fill_lanes(uint8_t *out, int64_t start, int64_t end, int bits,
 }
 
 /* ---------------------------------------------------------------------------------- the direction
- * c = ROUND(fma(g, a1, ROUND(m * b1))), g negated when neg, +0 when has_g == 0. Every variant returns
+ * c = ROUND(fma(g, a1, ROUND(m * b1))), g negated when neg, +0 when has_g == 0; with mout (else NULL)
+ * also the next momentum mout = ROUND(fma(g, a2, ROUND(m * b2))) (m is left as it is). Every variant returns
  * the number of non-finite c and writes the largest |c| to *peak (+Inf counts, NaN does not). The work
  * is done in blocks of BLOCK elements whose temporaries stay in L1: one vectorised loop computes c (and
  * the votes), a second one encodes the block. */
@@ -95,16 +96,18 @@ LC_EXPORT void lc_fill_lanes(uint8_t *out, int64_t start, int64_t end, int bits,
 #define DIRECTION_CORE(SUF, T, W, U, ABS)                                                                \
     ALWAYS U dir_core_##SUF(const T *m, const T *g, int64_t n, W b1, W a1, const int neg,              \
                             const int has_g, const int mode, T *cout, int8_t *sout, uint8_t *vout,       \
-                            U top) {                                                                     \
+                            U top, const int mom, T *mout, W b2, W a2) {                                 \
         for (int64_t i = 0; i < n; i++) {                                                                \
             W gi = has_g ? (neg ? -LOAD_##SUF(g, i) : LOAD_##SUF(g, i)) : (W)0;                          \
-            W c = ROUND_##SUF(FMA_##SUF(gi, a1, ROUND_##SUF(LOAD_##SUF(m, i) * b1)));                    \
+            W mi = LOAD_##SUF(m, i);                                                                     \
+            W c = ROUND_##SUF(FMA_##SUF(gi, a1, ROUND_##SUF(mi * b1)));                                  \
             if (mode == 0)                                                                               \
                 STORE_##SUF(cout, i, c);                                                                 \
             else if (mode == 1)                                                                          \
                 sout[i] = (int8_t)((c > 0) - (c < 0));                                                   \
             else                                                                                         \
                 vout[i] = (uint8_t)(c >= 0);                                                             \
+            if (mom) STORE_##SUF(mout, i, ROUND_##SUF(FMA_##SUF(gi, a2, ROUND_##SUF(mi * b2))));         \
             U a;                                                                                         \
             memcpy(&a, &c, sizeof a);                                                                    \
             a &= ABS; /* |c| as bits: ordered like |c|; Inf and NaN lie above every finite value */      \
@@ -113,12 +116,18 @@ LC_EXPORT void lc_fill_lanes(uint8_t *out, int64_t start, int64_t end, int bits,
         return top;                                                                                      \
     }                                                                                                    \
                                                                                                          \
-    /* the four (neg, has_g) specialisations of one mode */                                              \
+    /* the (neg, has_g, momentum) specialisations of one mode */                                         \
     ALWAYS U dir_any_##SUF(const T *m, const T *g, int64_t n, W b1, W a1, int neg, int has_g,           \
-                           const int mode, T *cout, int8_t *sout, uint8_t *vout, U top) {                \
-        if (!has_g) return dir_core_##SUF(m, g, n, b1, a1, 0, 0, mode, cout, sout, vout, top);          \
-        if (neg) return dir_core_##SUF(m, g, n, b1, a1, 1, 1, mode, cout, sout, vout, top);             \
-        return dir_core_##SUF(m, g, n, b1, a1, 0, 1, mode, cout, sout, vout, top);                      \
+                           const int mode, T *cout, int8_t *sout, uint8_t *vout, U top, T *mout, W b2,   \
+                           W a2) {                                                                       \
+        if (mout) {                                                                                      \
+            if (!has_g) return dir_core_##SUF(m, g, n, b1, a1, 0, 0, mode, cout, sout, vout, top, 1, mout, b2, a2); \
+            if (neg) return dir_core_##SUF(m, g, n, b1, a1, 1, 1, mode, cout, sout, vout, top, 1, mout, b2, a2); \
+            return dir_core_##SUF(m, g, n, b1, a1, 0, 1, mode, cout, sout, vout, top, 1, mout, b2, a2);  \
+        }                                                                                                \
+        if (!has_g) return dir_core_##SUF(m, g, n, b1, a1, 0, 0, mode, cout, sout, vout, top, 0, 0, b2, a2); \
+        if (neg) return dir_core_##SUF(m, g, n, b1, a1, 1, 1, mode, cout, sout, vout, top, 0, 0, b2, a2); \
+        return dir_core_##SUF(m, g, n, b1, a1, 0, 1, mode, cout, sout, vout, top, 0, 0, b2, a2);         \
     }                                                                                                    \
                                                                                                          \
     ALWAYS double peak_##SUF(U top) { /* the largest |c| (+Inf, NaN when some c is) as a double */      \
@@ -129,20 +138,21 @@ LC_EXPORT void lc_fill_lanes(uint8_t *out, int64_t start, int64_t end, int bits,
                                                                                                          \
     /* c written to out (n elements); returns the largest |c| (NaN or Inf when some c is not finite) */   \
     LC_EXPORT LC_CLONES double lc_direction_##SUF(const T *m, const T *g, int64_t n, W b1, W a1,        \
-                                                  int neg, int has_g, T *out) {                          \
-        return peak_##SUF(dir_any_##SUF(m, g, n, b1, a1, neg, has_g, 0, out, 0, 0, 0));                  \
+                                                  int neg, int has_g, T *out, T *mout, W b2, W a2) {     \
+        return peak_##SUF(dir_any_##SUF(m, g, n, b1, a1, neg, has_g, 0, out, 0, 0, 0, mout, b2, a2));    \
     }                                                                                                    \
                                                                                                          \
     /* sign(c) as int8 (NaN -> 0) */                                                                     \
     LC_EXPORT LC_CLONES double lc_direction_sign_##SUF(const T *m, const T *g, int64_t n, W b1, W a1,   \
-                                                       int neg, int has_g, int8_t *out) {                \
-        return peak_##SUF(dir_any_##SUF(m, g, n, b1, a1, neg, has_g, 1, 0, out, 0, 0));                  \
+                                                       int neg, int has_g, int8_t *out, T *mout, W b2,   \
+                                                       W a2) {                                           \
+        return peak_##SUF(dir_any_##SUF(m, g, n, b1, a1, neg, has_g, 1, 0, out, 0, 0, mout, b2, a2));    \
     }                                                                                                    \
                                                                                                          \
     /* the votes [c >= 0] in bits-bit lanes (bits 1, 2, 4, 8) at lane positions [pos, pos + n) */        \
     LC_EXPORT LC_CLONES double lc_direction_lanes_##SUF(const T *m, const T *g, int64_t n, W b1, W a1,  \
                                                         int neg, int has_g, uint8_t *out, int64_t pos,   \
-                                                        int bits) {                                      \
+                                                        int bits, T *mout, W b2, W a2) {                 \
         const int per = 8 / bits;                                                                        \
         uint8_t v[BLOCK];                                                                                \
         int64_t i = 0;                                                                                   \
@@ -150,14 +160,15 @@ LC_EXPORT void lc_fill_lanes(uint8_t *out, int64_t start, int64_t end, int bits,
         int64_t head = (per - pos % per) % per; /* lanes up to the first whole byte */                   \
         if (head > n) head = n;                                                                          \
         if (head) {                                                                                      \
-            top = dir_any_##SUF(m, g, head, b1, a1, neg, has_g, 2, 0, 0, v, top);                        \
+            top = dir_any_##SUF(m, g, head, b1, a1, neg, has_g, 2, 0, 0, v, top, mout, b2, a2);          \
             for (int64_t j = 0; j < head; j++) lc_fill_lanes(out, pos + j, pos + j + 1, bits, v[j]);    \
             i = head;                                                                                    \
         }                                                                                                \
         uint8_t *dst = out + (pos + i) / per;                                                            \
         while (i < n) {                                                                                  \
             int64_t len = n - i < BLOCK ? n - i : BLOCK;                                                 \
-            top = dir_any_##SUF(m + i, has_g ? g + i : g, len, b1, a1, neg, has_g, 2, 0, 0, v, top);     \
+            top = dir_any_##SUF(m + i, has_g ? g + i : g, len, b1, a1, neg, has_g, 2, 0, 0, v, top,      \
+                                mout ? mout + i : mout, b2, a2);                                         \
             int64_t whole = len / per * per, j = 0;                                                      \
             if (per == 8) {                                                                              \
                 for (; j < whole; j += 8) {                                                              \
@@ -183,6 +194,7 @@ DIRECTION_CORE(bf16, uint16_t, float, uint32_t, 0x7FFFFFFFu)
  *   kind 0: packed bits at bit positions [pos, pos + n): 1 -> +1, 0 -> -1;
  *   kind 1: int8 values u (sign_of: their sign);
  *   kind 2: values of the parameter's own type;
+ *   kind 3: lane_bits-bit lanes (2, 4, 8) at lane positions [pos, pos + n), lane value v -> table[v];
  * then, when momentum, m <- ROUND(fma(g, a2, ROUND(m * b2))) (g negated when neg, +0 when has_g == 0).
  * The update of a block is first written to u[] in the work type (bits: eight values per byte from a
  * table), then one vectorised loop updates p and m. */
@@ -246,11 +258,18 @@ __attribute__((constructor)) static void lc_init_tables(void) {
     LC_EXPORT LC_CLONES void lc_apply_##SUF(T *p, int64_t n, int kind, const void *src, int64_t pos,    \
                                             int sign_of, W neg_lr, int decay, W decay_factor,            \
                                             int momentum, T *m, const T *g, W b2, W a2, int neg,         \
-                                            int has_g) {                                                 \
+                                            int has_g, int lane_bits, const int8_t *table) {             \
         const uint8_t *bits = (const uint8_t *)src;                                                      \
         const int8_t *votes = (const int8_t *)src;                                                       \
         const T *values = (const T *)src;                                                                \
         W u[BLOCK];                                                                                      \
+        W lanes[256 * 4]; /* kind 3: the update of every lane of every byte value (bits 2, 4, 8) */     \
+        const int per = kind == 3 ? 8 / lane_bits : 1;                                                   \
+        const unsigned mask = kind == 3 ? (1u << lane_bits) - 1u : 0u;                                   \
+        if (kind == 3)                                                                                   \
+            for (int b = 0; b < 256; b++)                                                                \
+                for (int j = 0; j < per; j++)                                                            \
+                    lanes[b * per + j] = (W)table[(b >> (8 - lane_bits * (j + 1))) & mask];              \
         for (int64_t i = 0; i < n;) {                                                                    \
             int64_t len = n - i < BLOCK ? n - i : BLOCK;                                                 \
             if (kind == 0) {                                                                             \
@@ -263,6 +282,12 @@ __attribute__((constructor)) static void lc_init_tables(void) {
                     for (int64_t j = 0; j < len; j++) u[j] = (W)((votes[i + j] > 0) - (votes[i + j] < 0)); \
                 else                                                                                     \
                     for (int64_t j = 0; j < len; j++) u[j] = (W)votes[i + j];                            \
+            } else if (kind == 3) {                                                                      \
+                int64_t j = 0, k = pos + i;                                                              \
+                for (; j < len && k % per; j++, k++) u[j] = lanes[bits[k / per] * per + k % per];        \
+                for (; j + per <= len; j += per, k += per)                                               \
+                    memcpy(u + j, lanes + bits[k / per] * per, (size_t)per * sizeof(W));                 \
+                for (; j < len; j++, k++) u[j] = lanes[bits[k / per] * per + k % per];                   \
             } else {                                                                                     \
                 for (int64_t j = 0; j < len; j++) u[j] = LOAD_##SUF(values, i + j);                      \
             }                                                                                            \
@@ -318,36 +343,51 @@ APPLY(bf16, uint16_t, float)
  * out_bytes: 1, 2 or 4 (int8, int16, int32). */
 
 #define QUANTIZE(SUF, T)                                                                                 \
+    ALWAYS void quantize_core_##SUF(const T *x, int64_t n, double d64, const int wide, double scale,     \
+                                    int64_t levels, void *out, const int out_bytes) {                    \
+        const float d32 = (float)d64, s32 = (float)scale, top32 = (float)levels;                         \
+        const double top64 = (double)levels;                                                             \
+        for (int64_t i = 0; i < n; i++) {                                                                \
+            int32_t q;                                                                                   \
+            if (wide) {                                                                                  \
+                double t = rint(((double)LOAD_##SUF(x, i) / d64) * scale);                               \
+                t = t > top64 ? top64 : (t < -top64 ? -top64 : t);                                       \
+                q = t == t ? (int32_t)t : 0;                                                             \
+            } else {                                                                                     \
+                float t = rintf(((float)LOAD_##SUF(x, i) / d32) * s32);                                  \
+                t = t > top32 ? top32 : (t < -top32 ? -top32 : t);                                       \
+                q = t == t ? (int32_t)t : 0;                                                             \
+            }                                                                                            \
+            if (out_bytes == 1)                                                                          \
+                ((int8_t *)out)[i] = (int8_t)q;                                                          \
+            else if (out_bytes == 2)                                                                     \
+                ((int16_t *)out)[i] = (int16_t)q;                                                        \
+            else                                                                                         \
+                ((int32_t *)out)[i] = q;                                                                 \
+        }                                                                                                \
+    }                                                                                                    \
+                                                                                                         \
     LC_EXPORT LC_CLONES void lc_quantize_##SUF(const T *x, int64_t n, const double *divisors,           \
                                                int64_t chunk, int wide, double scale, int64_t levels,    \
                                                void *out, int out_bytes) {                               \
-        int8_t *o8 = (int8_t *)out;                                                                      \
-        int16_t *o16 = (int16_t *)out;                                                                   \
-        int32_t *o32 = (int32_t *)out;                                                                   \
-        const float s32 = (float)scale, top32 = (float)levels;                                           \
-        const double top64 = (double)levels;                                                             \
+        char *o = (char *)out;                                                                           \
         int64_t start = 0;                                                                               \
         for (int64_t grp = 0; start < n; grp++) {                                                        \
-            int64_t end = chunk > 0 && start + chunk < n ? start + chunk : n;                            \
-            for (int64_t i = start; i < end; i++) {                                                      \
-                int32_t q;                                                                               \
-                if (wide) {                                                                              \
-                    double t = rint(((double)LOAD_##SUF(x, i) / divisors[grp]) * scale);                 \
-                    t = t > top64 ? top64 : (t < -top64 ? -top64 : t);                                   \
-                    q = t == t ? (int32_t)t : 0;                                                         \
-                } else {                                                                                 \
-                    float t = rintf(((float)LOAD_##SUF(x, i) / (float)divisors[grp]) * s32);             \
-                    t = t > top32 ? top32 : (t < -top32 ? -top32 : t);                                   \
-                    q = t == t ? (int32_t)t : 0;                                                         \
-                }                                                                                        \
-                if (out_bytes == 1)                                                                      \
-                    o8[i] = (int8_t)q;                                                                   \
-                else if (out_bytes == 2)                                                                 \
-                    o16[i] = (int16_t)q;                                                                 \
+            int64_t len = chunk > 0 && chunk < n - start ? chunk : n - start;                            \
+            const T *xs = x + start;                                                                     \
+            void *os = o + start * out_bytes;                                                            \
+            double d = divisors[grp];                                                                    \
+            if (out_bytes == 1) {                                                                        \
+                if (wide)                                                                                \
+                    quantize_core_##SUF(xs, len, d, 1, scale, levels, os, 1);                            \
                 else                                                                                     \
-                    o32[i] = q;                                                                          \
+                    quantize_core_##SUF(xs, len, d, 0, scale, levels, os, 1);                            \
+            } else if (out_bytes == 2) {                                                                 \
+                quantize_core_##SUF(xs, len, d, wide, scale, levels, os, 2);                             \
+            } else {                                                                                     \
+                quantize_core_##SUF(xs, len, d, wide, scale, levels, os, 4);                             \
             }                                                                                            \
-            start = end;                                                                                 \
+            start += len;                                                                                \
         }                                                                                                \
     }
 
@@ -360,7 +400,7 @@ QUANTIZE(bf16, uint16_t)
  * over the rows reaches `threshold`; bits at positions >= n_bits are 0. Bit-sliced: the counts of 64
  * positions at a time live in bit planes, added with ripple carries and compared with the threshold. */
 
-static inline uint64_t ge_threshold(const uint64_t *plane, int planes, uint64_t threshold) {
+ALWAYS uint64_t ge_threshold(const uint64_t *plane, int planes, uint64_t threshold) {
     uint64_t gt = 0, eq = ~(uint64_t)0;
     for (int k = planes - 1; k >= 0; k--) {
         if ((threshold >> k) & 1) {
@@ -373,19 +413,12 @@ static inline uint64_t ge_threshold(const uint64_t *plane, int planes, uint64_t 
     return gt | eq;
 }
 
-LC_EXPORT LC_CLONES void lc_majority(const uint8_t *rows, int64_t n_rows, int64_t row_bytes,
-                                     uint8_t *out, int64_t out_bytes, int64_t n_bits,
-                                     int64_t threshold) {
-    int planes = 1;
-    while ((1LL << planes) <= n_rows) planes++;
-    if ((1LL << planes) <= threshold) { /* no count reaches it */
-        memset(out, 0, (size_t)out_bytes);
-        return;
-    }
-    uint64_t plane[64];
-    int64_t j = 0;
-    for (; j + 8 <= out_bytes; j += 8) {
-        memset(plane, 0, sizeof(uint64_t) * (size_t)planes);
+/* the words [j0, j1) of 8 bytes, with `planes` known at compile time where it is small */
+ALWAYS void majority_words(const uint8_t *rows, int64_t n_rows, int64_t row_bytes, uint8_t *out,
+                           int64_t j0, int64_t j1, const int planes, uint64_t threshold) {
+    for (int64_t j = j0; j + 8 <= j1; j += 8) {
+        uint64_t plane[64];
+        for (int k = 0; k < planes; k++) plane[k] = 0;
         for (int64_t r = 0; r < n_rows; r++) {
             uint64_t carry;
             memcpy(&carry, rows + r * row_bytes + j, 8);
@@ -395,10 +428,31 @@ LC_EXPORT LC_CLONES void lc_majority(const uint8_t *rows, int64_t n_rows, int64_
                 carry = t;
             }
         }
-        uint64_t word = ge_threshold(plane, planes, (uint64_t)threshold);
+        uint64_t word = ge_threshold(plane, planes, threshold);
         memcpy(out + j, &word, 8);
     }
-    for (; j < out_bytes; j++) {
+}
+
+LC_EXPORT LC_CLONES void lc_majority(const uint8_t *rows, int64_t n_rows, int64_t row_bytes,
+                                     uint8_t *out, int64_t out_bytes, int64_t n_bits,
+                                     int64_t threshold) {
+    int planes = 1;
+    while ((1LL << planes) <= n_rows) planes++;
+    if ((1LL << planes) <= threshold) { /* no count reaches it */
+        memset(out, 0, (size_t)out_bytes);
+        return;
+    }
+    const int64_t words = out_bytes / 8 * 8;
+    const uint64_t th = (uint64_t)threshold;
+    switch (planes) { /* N = 1, 2-3, 4-7, 8-15: the plane loops unrolled */
+    case 1: majority_words(rows, n_rows, row_bytes, out, 0, words, 1, th); break;
+    case 2: majority_words(rows, n_rows, row_bytes, out, 0, words, 2, th); break;
+    case 3: majority_words(rows, n_rows, row_bytes, out, 0, words, 3, th); break;
+    case 4: majority_words(rows, n_rows, row_bytes, out, 0, words, 4, th); break;
+    default: majority_words(rows, n_rows, row_bytes, out, 0, words, planes, th); break;
+    }
+    uint64_t plane[64];
+    for (int64_t j = words; j < out_bytes; j++) {
         memset(plane, 0, sizeof(uint64_t) * (size_t)planes);
         for (int64_t r = 0; r < n_rows; r++) {
             uint64_t carry = rows[r * row_bytes + j];
@@ -408,10 +462,53 @@ LC_EXPORT LC_CLONES void lc_majority(const uint8_t *rows, int64_t n_rows, int64_
                 carry = t;
             }
         }
-        out[j] = (uint8_t)ge_threshold(plane, planes, (uint64_t)threshold);
+        out[j] = (uint8_t)ge_threshold(plane, planes, th);
     }
     int64_t tail = n_bits % 8;
     if (out_bytes && tail) out[out_bytes - 1] &= (uint8_t)(0xFF << (8 - tail));
 }
 
-LC_EXPORT int lc_abi_version(void) { return 1; }
+/* The parameter server's count (Distributed Lion's majority): rows as lc_majority; out: 2-bit lanes
+ * (lioncub.ops.packing.pack_lanes) holding sign(2 * count - N) + 1 for positions < n_bits, 0 beyond. */
+LC_EXPORT LC_CLONES void lc_server_majority(const uint8_t *rows, int64_t n_rows, int64_t row_bytes,
+                                            uint8_t *out, int64_t out_bytes, int64_t n_bits) {
+    static uint16_t spread[256]; /* bit 7-i of a byte to bit 15-2i */
+    static int ready = 0;
+    if (!ready) {
+        for (int b = 0; b < 256; b++) {
+            uint16_t v = 0;
+            for (int i = 0; i < 8; i++) v |= (uint16_t)(((b >> (7 - i)) & 1) << (15 - 2 * i));
+            spread[b] = v;
+        }
+        ready = 1;
+    }
+    int planes = 1;
+    while ((1LL << planes) <= n_rows) planes++;
+    const uint64_t plus_at = (uint64_t)(n_rows / 2 + 1), not_minus_at = (uint64_t)((n_rows + 1) / 2);
+    const int64_t in_bytes = (n_bits + 7) / 8;
+    uint64_t plane[64];
+    for (int64_t j = 0; j < in_bytes; j++) {
+        memset(plane, 0, sizeof(uint64_t) * (size_t)planes);
+        for (int64_t r = 0; r < n_rows; r++) {
+            uint64_t carry = rows[r * row_bytes + j];
+            for (int k = 0; k < planes; k++) {
+                uint64_t t = plane[k] & carry;
+                plane[k] ^= carry;
+                carry = t;
+            }
+        }
+        uint8_t plus = (uint8_t)ge_threshold(plane, planes, plus_at);
+        uint8_t tie = (uint8_t)(ge_threshold(plane, planes, not_minus_at) & ~plus);
+        if (j == in_bytes - 1 && n_bits % 8) { /* lanes past n_bits are 0 */
+            uint8_t keep = (uint8_t)(0xFF << (8 - n_bits % 8));
+            plus &= keep;
+            tie &= keep;
+        }
+        uint16_t v = (uint16_t)(spread[plus] | (spread[tie] >> 1));
+        if (2 * j < out_bytes) out[2 * j] = (uint8_t)(v >> 8);
+        if (2 * j + 1 < out_bytes) out[2 * j + 1] = (uint8_t)(v & 0xFF);
+    }
+    for (int64_t j = 2 * in_bytes; j < out_bytes; j++) out[j] = 0;
+}
+
+LC_EXPORT int lc_abi_version(void) { return 3; }

@@ -56,6 +56,7 @@ __all__ = [
     "momentum",
     "quantize",
     "reason",
+    "server_majority",
 ]
 
 _log = logging.getLogger(__name__)
@@ -156,10 +157,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     for suffix in DTYPES.values():
         w = ctypes.c_double if suffix == "f64" else ctypes.c_float
         sig = {
-            "direction": ([_P, _P, _L, w, w, _I, _I, _P], _D),
-            "direction_sign": ([_P, _P, _L, w, w, _I, _I, _P], _D),
-            "direction_lanes": ([_P, _P, _L, w, w, _I, _I, _P, _L, _I], _D),
-            "apply": ([_P, _L, _I, _P, _L, _I, w, _I, w, _I, _P, _P, w, w, _I, _I], None),
+            "direction": ([_P, _P, _L, w, w, _I, _I, _P, _P, w, w], _D),
+            "direction_sign": ([_P, _P, _L, w, w, _I, _I, _P, _P, w, w], _D),
+            "direction_lanes": ([_P, _P, _L, w, w, _I, _I, _P, _L, _I, _P, w, w], _D),
+            "apply": ([_P, _L, _I, _P, _L, _I, w, _I, w, _I, _P, _P, w, w, _I, _I, _I, _P], None),
             "momentum": ([_P, _P, _L, w, w, _I, _I], None),
             "lion": ([_P, _P, _P, _L, w, w, w, w, w, _I, w, _I], None),
             "quantize": ([_P, _L, _P, _L, _I, _D, _L, _P, _I], None),
@@ -169,6 +170,7 @@ def _declare(lib: ctypes.CDLL) -> None:
             fn.argtypes, fn.restype = args, res
     lib.lc_fill_lanes.argtypes, lib.lc_fill_lanes.restype = [_P, _L, _L, _I, _I], None
     lib.lc_majority.argtypes, lib.lc_majority.restype = [_P, _L, _L, _P, _L, _L, _L], None
+    lib.lc_server_majority.argtypes, lib.lc_server_majority.restype = [_P, _L, _L, _P, _L, _L], None
     lib.lc_abi_version.argtypes, lib.lc_abi_version.restype = [], _I
 
 
@@ -188,7 +190,7 @@ def load() -> ctypes.CDLL | None:
                 raise RuntimeError("no C compiler found ($CC, cc, gcc or clang); install gcc to use them")
             lib = ctypes.CDLL(str(_build(cc)))
             _declare(lib)
-            if lib.lc_abi_version() != 1:
+            if lib.lc_abi_version() != 3:
                 raise RuntimeError("the compiled library is of another version")
             _state["lib"] = lib
             _probe()
@@ -281,35 +283,48 @@ def _ptr(t: torch.Tensor | None, offset: int = 0) -> int | None:
 
 
 def direction(
-    exp_avg: torch.Tensor, grad: torch.Tensor | None, beta1: float, *, out: torch.Tensor, negate: bool = False
+    exp_avg: torch.Tensor,
+    grad: torch.Tensor | None,
+    beta1: float,
+    *,
+    out: torch.Tensor,
+    negate: bool = False,
+    next_momentum: torch.Tensor | None = None,
+    beta2: float = 0.0,
 ) -> float:
-    """``out ← β1·m + (1−β1)·g`` (``g`` negated when ``negate``; ``None`` = zeros); returns max ``|c|``."""
+    """``out ← β1·m + (1−β1)·g`` (``g`` negated when ``negate``; ``None`` = zeros); returns max ``|c|``.
+    With ``next_momentum`` (a tensor like ``m``) also ``next_momentum ← β2·m + (1−β2)·g``, in the same pass
+    (``m`` itself is not written: a skipped step keeps it)."""
     fn = getattr(_lib(), f"lc_direction_{_suffix(exp_avg)}")
     n, has_g = exp_avg.numel(), grad is not None
-    return _peak(
-        _run(
-            _parts(n),
-            lambda a, b: fn(
-                _ptr(exp_avg, a), _ptr(grad, a), b - a, beta1, 1.0 - beta1, negate, has_g, _ptr(out, a)
-            ),
-        )
-    )
+
+    def part(a: int, b: int) -> float:
+        m, g, mn = _ptr(exp_avg, a), _ptr(grad, a), _ptr(next_momentum, a)
+        return fn(m, g, b - a, beta1, 1.0 - beta1, negate, has_g, _ptr(out, a), mn, beta2, 1.0 - beta2)
+
+    return _peak(_run(_parts(n), part))
 
 
 def direction_sign(
-    exp_avg: torch.Tensor, grad: torch.Tensor | None, beta1: float, *, out: torch.Tensor, negate: bool = False
+    exp_avg: torch.Tensor,
+    grad: torch.Tensor | None,
+    beta1: float,
+    *,
+    out: torch.Tensor,
+    negate: bool = False,
+    next_momentum: torch.Tensor | None = None,
+    beta2: float = 0.0,
 ) -> float:
-    """``out ← sign(c)`` as int8 (``c`` as :func:`direction`, NaN → 0); returns max ``|c|``."""
+    """``out ← sign(c)`` as int8 (``c`` and ``next_momentum`` as :func:`direction`, NaN → 0); returns max
+    ``|c|``."""
     fn = getattr(_lib(), f"lc_direction_sign_{_suffix(exp_avg)}")
     n, has_g = exp_avg.numel(), grad is not None
-    return _peak(
-        _run(
-            _parts(n),
-            lambda a, b: fn(
-                _ptr(exp_avg, a), _ptr(grad, a), b - a, beta1, 1.0 - beta1, negate, has_g, _ptr(out, a)
-            ),
-        )
-    )
+
+    def part(a: int, b: int) -> float:
+        m, g, mn = _ptr(exp_avg, a), _ptr(grad, a), _ptr(next_momentum, a)
+        return fn(m, g, b - a, beta1, 1.0 - beta1, negate, has_g, _ptr(out, a), mn, beta2, 1.0 - beta2)
+
+    return _peak(_run(_parts(n), part))
 
 
 def direction_lanes(
@@ -321,17 +336,21 @@ def direction_lanes(
     position: int,
     bits: int = 1,
     negate: bool = False,
+    next_momentum: torch.Tensor | None = None,
+    beta2: float = 0.0,
 ) -> float:
     """The votes ``[c ≥ 0]`` into ``bits``-bit lanes ``[position, position + n)`` of ``out`` (uint8, the
     layout of :func:`lioncub.ops.packing.pack_lanes`; the other lanes of the two end bytes are kept);
-    returns max ``|c|``."""
+    ``next_momentum`` as :func:`direction`; returns max ``|c|``."""
     fn = getattr(_lib(), f"lc_direction_lanes_{_suffix(exp_avg)}")
     n, has_g = exp_avg.numel(), grad is not None
     base = out.data_ptr()
 
     def part(a: int, b: int) -> float:
-        m, g = _ptr(exp_avg, a), _ptr(grad, a)
-        return fn(m, g, b - a, beta1, 1.0 - beta1, negate, has_g, base, position + a, bits)
+        m, g, mn = _ptr(exp_avg, a), _ptr(grad, a), _ptr(next_momentum, a)
+        return fn(
+            m, g, b - a, beta1, 1.0 - beta1, negate, has_g, base, position + a, bits, mn, beta2, 1.0 - beta2
+        )
 
     return _peak(_run(_parts(n, align=8 // bits, first=position), part))
 
@@ -343,7 +362,16 @@ def fill_lanes(out: torch.Tensor, start: int, stop: int, bits: int, value: int) 
 
 
 #: what the apply reads (``kind`` of ``lc_apply``)
-_KINDS = {"bits": 0, "int8": 1, "values": 2}
+_KINDS = {"bits": 0, "int8": 1, "values": 2, "lanes": 3}
+_TABLES: dict[tuple[int, ...], torch.Tensor] = {}
+
+
+def _table(values: tuple[int, ...]) -> torch.Tensor:
+    """``values`` as an int8 tensor (kept: the C side reads it while the call runs)."""
+    t = _TABLES.get(values)
+    if t is None:
+        t = _TABLES[values] = torch.tensor(values, dtype=torch.int8)
+    return t
 
 
 def apply(
@@ -359,22 +387,29 @@ def apply(
     grad: torch.Tensor | None = None,
     beta2: float = 0.0,
     negate: bool = False,
+    lane_bits: int = 1,
+    table: tuple[int, ...] = (),
 ) -> None:
     """``p ← p·(1 − lr·wd) − lr·u`` (the decay skipped when ``lr·wd == 0``), then, with ``exp_avg``,
     ``m ← β2·m + (1−β2)·g`` (``grad`` ``None`` = zeros), in one pass. ``u``: ``kind="bits"`` — packed bits
     ``[position, position + n)`` of ``source`` (1 → +1, 0 → −1); ``"int8"`` — int8 values (their sign when
-    ``sign_of``); ``"values"`` — ``source`` in the parameter's dtype."""
+    ``sign_of``); ``"values"`` — ``source`` in the parameter's dtype; ``"lanes"`` — ``lane_bits``-bit lanes
+    (2, 4, 8) ``[position, position + n)`` of ``source`` (uint8, the layout of ``pack_lanes``), lane value
+    ``v`` → ``table[v]`` (``2**lane_bits`` int8 values)."""
     lib = _lib()
     fn = getattr(lib, f"lc_apply_{_suffix(param)}")
     n, k = param.numel(), _KINDS[kind]
     momentum, has_g = exp_avg is not None, grad is not None
     decay = lr * weight_decay != 0
+    if kind == "lanes" and (lane_bits not in (2, 4, 8) or len(table) != 1 << lane_bits):
+        raise ValueError(f"{lane_bits}-bit lanes need a table of {1 << lane_bits} values, got {len(table)}")
+    lut = _table(tuple(table)).data_ptr() if kind == "lanes" else None
 
     def part(a: int, b: int) -> None:
-        src = source.data_ptr() if k == 0 else _ptr(source, a)
+        src = source.data_ptr() if k in (0, 3) else _ptr(source, a)
         fn(
             _ptr(param, a), b - a, k, src, position + a, sign_of, -lr, decay, 1.0 - lr * weight_decay,
-            momentum, _ptr(exp_avg, a), _ptr(grad, a), beta2, 1.0 - beta2, negate, has_g,
+            momentum, _ptr(exp_avg, a), _ptr(grad, a), beta2, 1.0 - beta2, negate, has_g, lane_bits, lut,
         )  # fmt: skip
 
     _run(_parts(n), part)
@@ -434,6 +469,13 @@ def quantize(
         )
         return
     fn(x.data_ptr(), n, d.data_ptr(), chunk, wide, scale, levels, out.data_ptr(), size)
+
+
+def server_majority(rows: torch.Tensor, out: torch.Tensor, *, n_bits: int) -> None:
+    """The parameter server's majority: ``out`` (uint8, 2-bit lanes as ``pack_lanes``) ← ``sign(2·count −
+    N) + 1`` of the rows' (uint8 ``[N, B]``) set bits at positions ``< n_bits``, 0 beyond."""
+    n, row_bytes = rows.shape
+    _lib().lc_server_majority(rows.data_ptr(), n, row_bytes, out.data_ptr(), out.numel(), n_bits)
 
 
 def majority(rows: torch.Tensor, out: torch.Tensor, *, n_bits: int, threshold: int) -> None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,7 @@ from lioncub.collectives import (
     OneBitVote,
     Pending,
     QuantizedVote,
+    RawResult,
     ServerVote,
     SignSumVote,
     VoteAlgorithm,
@@ -170,7 +172,8 @@ class BucketVote:
     """One bucket of one step: its parameters (in the flat layout's order), this rank's flat contribution
     ``local`` and its max-abs ``peak`` (float32 scalar; NaN or Inf when some element is not finite), the
     vote once posted, (diagnostics steps) a copy of the contribution, and (fused CPU path) the vote's
-    payload ``encoded`` written instead of ``local``, which then holds no values."""
+    payload ``encoded`` written instead of ``local``, which then holds no values, and each parameter's next
+    momentum ``β2·m + (1−β2)·g`` with the ``β2`` it used (``next_momenta``), computed in the same pass."""
 
     key: int
     params: list[torch.Tensor]
@@ -179,6 +182,7 @@ class BucketVote:
     direction: torch.Tensor | None = None
     pending: Pending | None = None
     encoded: torch.Tensor | None = None
+    next_momenta: list[tuple[torch.Tensor, float] | None] | None = None
 
 
 class Voting:
@@ -204,6 +208,7 @@ class Voting:
         self.dense = config.transport == "dense"
         self._optimizer = optimizer
         self._group_of: dict[int, int] = {}
+        self._scratch: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}  # id(m): (m, scratch)
         self.refresh()
         if any(p.device.type == "cpu" for g in optimizer.param_groups for p in g["params"]):
             native.available()  # builds or loads the fused CPU kernels now, not in the first step
@@ -285,31 +290,57 @@ class Voting:
         d = out.numel()
         enc = None if keep_copy or sum(p.numel() for p in params) != d else self.vote.encoding()
         payload = self.vote.payload(key, d) if enc is not None else None
-        peaks, pos = [], 0
+        peaks: list[float] = []
+        nexts: list[tuple[torch.Tensor, float] | None] = []
+        pos = 0
         for p, g, view in zip(params, grads, flat_views(out, params), strict=True):
             group = self.group(p)
-            beta1, neg = float(group["betas"][0]), bool(group["maximize"])
+            (beta1, beta2), neg = (float(b) for b in group["betas"]), bool(group["maximize"])
             m, gr = self.momentum(p), (None if g is None else g.detach())
+            nxt = self._scratch_momentum(m)
+            nexts.append(None if nxt is None else (nxt, beta2))
+            more = {"negate": neg, "next_momentum": nxt, "beta2": beta2}
             if enc is None:
-                peaks.append(native.direction(m, gr, beta1, out=view, negate=neg))
+                peaks.append(native.direction(m, gr, beta1, out=view, **more))
             elif enc.kind == "sign":
                 signs = payload[pos : pos + p.numel()]  # type: ignore[index]
-                peaks.append(native.direction_sign(m, gr, beta1, out=signs, negate=neg))
+                peaks.append(native.direction_sign(m, gr, beta1, out=signs, **more))
             else:
-                peaks.append(
-                    native.direction_lanes(m, gr, beta1, out=payload, position=pos, bits=enc.bits, negate=neg)
-                )
+                lanes = {"out": payload, "position": pos, "bits": enc.bits}
+                peaks.append(native.direction_lanes(m, gr, beta1, **lanes, **more))  # type: ignore[arg-type]
             pos += p.numel()
         if enc is not None and enc.kind == "lanes":  # the padding: "+" votes (1 bit), zero lanes (wider)
-            lanes = payload.numel() * 8 // enc.bits  # type: ignore[union-attr]
-            native.fill_lanes(payload, d, lanes, enc.bits, 1 if enc.bits == 1 else 0)  # type: ignore[arg-type]
-        peak = max(peaks, default=0.0)
-        if any(math.isnan(v) for v in peaks):
-            peak = math.nan
+            lanes_total = payload.numel() * 8 // enc.bits  # type: ignore[union-attr]
+            native.fill_lanes(payload, d, lanes_total, enc.bits, 1 if enc.bits == 1 else 0)  # type: ignore[arg-type]
+        peak = math.nan if any(math.isnan(v) for v in peaks) else max(peaks, default=0.0)
         return BucketVote(
             key, list(params), out, torch.tensor(peak, dtype=torch.float32),
-            out.clone() if keep_copy else None, encoded=payload,
+            out.clone() if keep_copy else None, encoded=payload, next_momenta=nexts,
         )  # fmt: skip
+
+    def _scratch_momentum(self, m: torch.Tensor) -> torch.Tensor | None:
+        """A reusable tensor like ``m`` for its next value (the fused apply then swaps the two storages:
+        the momentum is written once, in the contribution pass, and a skipped step keeps the old one);
+        ``None`` where ``m`` does not own its whole storage (a view: its storage is not swapped)."""
+        if m.storage_offset() != 0 or m.untyped_storage().nbytes() != m.numel() * m.element_size():
+            return None
+        entry = self._scratch.get(id(m))
+        if entry is not None and entry[0]() is m and entry[1].shape == m.shape and entry[1].dtype == m.dtype:
+            return entry[1]
+        for key in [k for k, (ref, _) in self._scratch.items() if ref() is None]:
+            del self._scratch[key]  # momenta replaced since (load_state_dict)
+        scratch = torch.empty_like(m, memory_format=torch.contiguous_format)
+        self._scratch[id(m)] = (weakref.ref(m), scratch)
+        return scratch
+
+    @staticmethod
+    def _swap_momentum(m: torch.Tensor, fresh: torch.Tensor) -> None:
+        """``m`` takes ``fresh``'s storage (its next value); ``fresh`` keeps ``m``'s old storage as the next
+        step's scratch. The tensor object ``m`` (the optimizer's ``state[p]["exp_avg"]``) stays the same."""
+        old = torch.empty(0, dtype=m.dtype)
+        old.set_(m)
+        m.set_(fresh)
+        fresh.set_(old)
 
     # -- 2. the vote -------------------------------------------------------------------------------
 
@@ -348,20 +379,19 @@ class Voting:
             raw = None if keep_updates or not self._fused_apply(b.params) else b.pending.wait_raw()
             if raw is not None:  # fused CPU path: decoded as it is applied
                 t1 = time.perf_counter()
-                kind, source = raw
                 pos = 0
-                for p in b.params:
+                for i, p in enumerate(b.params):
                     if id(p) not in untouched:
-                        self._apply_raw(p, kind, source, pos)
+                        self._apply_raw(p, raw, pos, b.next_momenta[i] if b.next_momenta else None)
                     pos += p.numel()
             else:
                 update = b.pending.wait()
                 if keep_updates:
                     updates.append(update.clone())
                 t1 = time.perf_counter()
-                for p, u in zip(b.params, flat_views(update, b.params), strict=True):
+                for i, (p, u) in enumerate(zip(b.params, flat_views(update, b.params), strict=True)):
                     if id(p) not in untouched:
-                        self._apply_one(p, u)
+                        self._apply_one(p, u, b.next_momenta[i] if b.next_momenta else None)
             times.exchange += t1 - t0
             times.apply += time.perf_counter() - t1
         return updates
@@ -376,25 +406,46 @@ class Voting:
         """Whether the fused CPU apply takes every parameter of a bucket (with its momentum and gradient)."""
         return all(kernels.step_backend_for(p, self.momentum(p), p.grad) == "cpu" for p in params)
 
-    def _apply_raw(self, p: torch.Tensor, kind: str, source: torch.Tensor, pos: int) -> None:
-        """The apply of :meth:`_apply_one` from an undecoded result (:meth:`Pending.wait_raw`): ``"bits"``
-        (packed, this parameter's bits from ``pos``) or ``"sum"`` (int8, the update is its sign)."""
+    def _momentum_args(
+        self, p: torch.Tensor, nxt: tuple[torch.Tensor, float] | None
+    ) -> tuple[dict[str, Any], torch.Tensor | None]:
+        """The momentum arguments of :func:`lioncub.ops.native.apply` for ``p``, and the next momentum to
+        swap in afterwards (then the apply leaves the momentum alone); a next momentum computed with
+        another ``β2`` than the group's now is not used."""
         group = self.group(p)
+        beta2 = float(group["betas"][1])
+        if nxt is not None and nxt[1] == beta2:
+            return {}, nxt[0]
         g = None if p.grad is None else p.grad.detach()
-        common = {
-            "lr": float(group["lr"]),
-            "weight_decay": float(group["weight_decay"]),
+        return {
             "exp_avg": self.momentum(p),
             "grad": g,
-            "beta2": float(group["betas"][1]),
+            "beta2": beta2,
             "negate": bool(group["maximize"]),
-        }
-        if kind == "bits":
-            native.apply(p.data, source, kind="bits", position=pos, **common)
-        else:
-            native.apply(p.data, source[pos : pos + p.numel()], kind="int8", sign_of=True, **common)
+        }, None
 
-    def _apply_one(self, p: torch.Tensor, u: torch.Tensor) -> None:
+    def _apply_raw(
+        self, p: torch.Tensor, raw: RawResult, pos: int, nxt: tuple[torch.Tensor, float] | None = None
+    ) -> None:
+        """The apply of :meth:`_apply_one` from an undecoded result (:meth:`Pending.wait_raw`) whose element
+        ``pos`` is this parameter's first."""
+        group = self.group(p)
+        mom, fresh = self._momentum_args(p, nxt)
+        common = {"lr": float(group["lr"]), "weight_decay": float(group["weight_decay"]), **mom}
+        if raw.kind == "bits":
+            native.apply(p.data, raw.data, kind="bits", position=pos, **common)
+        elif raw.kind == "lanes":
+            native.apply(
+                p.data, raw.data, kind="lanes", position=pos, lane_bits=raw.bits, table=raw.table, **common
+            )
+        else:
+            native.apply(p.data, raw.data[pos : pos + p.numel()], kind="int8", sign_of=True, **common)
+        if fresh is not None:
+            self._swap_momentum(self.momentum(p), fresh)
+
+    def _apply_one(
+        self, p: torch.Tensor, u: torch.Tensor, nxt: tuple[torch.Tensor, float] | None = None
+    ) -> None:
         group = self.group(p)
         beta1, beta2 = group["betas"]
         lr, wd = group["lr"], group["weight_decay"]
@@ -407,10 +458,10 @@ class Voting:
             return
         if fused and (u.dtype == torch.int8 or u.dtype == p.dtype):
             kind = "int8" if u.dtype == torch.int8 else "values"
-            native.apply(
-                p.data, u, kind=kind, lr=float(lr), weight_decay=float(wd), exp_avg=m,
-                grad=None if g is None else g.detach(), beta2=float(beta2), negate=bool(group["maximize"]),
-            )  # fmt: skip
+            mom, fresh = self._momentum_args(p, nxt)
+            native.apply(p.data, u, kind=kind, lr=float(lr), weight_decay=float(wd), **mom)
+            if fresh is not None:
+                self._swap_momentum(m, fresh)
             return
         if self.dense:  # u is the mean gradient: global Lion, the same on every rank
             c = lion_direction(m, u, beta1)

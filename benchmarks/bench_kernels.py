@@ -18,8 +18,9 @@ For each size n (``K`` = 2**10, ``M`` = 2**20 elements; a plain integer also wor
 * numpy references: ``np.packbits(x_np >= 0)`` (comparison included), ``np.packbits(bool_array)``,
   ``np.unpackbits(packed)`` (to uint8) and ``np.unpackbits(packed).astype(np.float32) * 2 - 1``.
 
-Method: ``torch.set_num_threads(--threads)``; each op runs once as warm-up, then ``--repeats`` times,
-each timed with ``time.perf_counter``; the median and the min are reported. Outputs are allocated by
+Method: ``torch.set_num_threads(--threads)``; the ops of a size take turns (paired): one warm-up round,
+then ``--repeats`` rounds of one call of each op, each timed with ``time.perf_counter``; the median and
+the min are reported. Outputs are allocated by
 the op itself (as a caller would get them), except for ``copy``, the quantize rows without ``new`` and
 ``unpack_signs``, which write into a buffer allocated once (as :class:`lioncub.LionCub` does).
 
@@ -44,16 +45,20 @@ the step, which it equals bit for bit; ``--no-fused`` leaves them out), bytes as
 
 * ``lion fused`` (p, g, m → p, m: 12n read + 8n written) and ``lion torch`` (``lion_update_``'s foreach
   path, the ops one by one);
-* ``dir+pack fused`` (m, g → packed votes, max-abs: 8n + n/8) and ``dir+pack torch`` (``c = β1·m +
-  (1−β1)·g`` into a buffer, its max-abs, ``pack_signs``); ``dir c fused`` (m, g → c: 8n + 4n);
+* ``dir+pack+m fused`` (m, g → packed votes, the next momentum, max-abs: 8n + 4n + n/8; what LionCub's
+  1-bit contribution pass does) and ``dir+pack torch`` (``c = β1·m + (1−β1)·g`` into a buffer, its
+  max-abs, ``pack_signs``); ``dir c fused`` (m, g → c: 8n + 4n);
 * ``majority fused`` / ``majority torch``: 4 rows of n/32 packed bytes (one rank's slice of a 4-rank 1-bit
   vote of n elements) counted, tie rule, repacked (n/8 + n/32);
-* ``apply bits fused`` (packed bits, p, m, g → p, m: n/8 + 12n + 8n) and ``apply bits torch`` (unpack to
-  int8, ``_apply_chunked_``, ``update_momentum_``); ``apply int8 fused`` / ``apply int8 torch`` (the int8
-  sums of an 8-bit vote, their sign taken: n + 12n + 8n);
-* ``quantize_l1 cpu`` (``kernels.quantize_l1(backend="cpu")``: torch's pass 1, the C pass 2: 8n + n);
-* ``1bit local fused``: dir+pack + majority + apply bits, LionCub's local work of a 1-bit step on one rank,
-  whose ratio to ``lion fused`` is printed as "local beyond Lion".
+* ``apply bits fused`` (packed bits, p → p: n/8 + 4n + 4n; the momentum was written by the contribution
+  pass) and ``apply bits torch`` (unpack to int8, ``_apply_chunked_``, ``update_momentum_``); ``apply
+  bits+m fused`` (bits, p, m, g → p, m: n/8 + 12n + 8n; the apply where no next momentum was made);
+  ``apply int8 fused`` / ``apply int8 torch`` (the int8 sums of an 8-bit vote, their sign taken, with the
+  momentum update: n + 12n + 8n);
+* ``quantize pass2 fused`` (c → int8 levels with the divisor known: 4n + n) and ``quantize_l1 cpu``
+  (``kernels.quantize_l1(backend="cpu")``: torch's pass 1, then the C pass 2: 8n + n);
+* ``1bit local fused``: dir+pack+m + majority + apply bits, LionCub's local work of a 1-bit step on one
+  rank, whose ratio to ``lion fused`` is printed as "local beyond Lion".
 
 The ``target`` column marks the fused rows against ≤ 1.5× copy (issue 20).
 
@@ -135,15 +140,19 @@ def machine_info(threads: int) -> dict[str, object]:
     }
 
 
-def time_op(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
-    fn()  # warm-up
-    times = []
+def time_paired(ops: list[tuple[str, Callable[[], object], int]], repeats: int) -> list[tuple[float, float]]:
+    """(median, min) seconds of every op, the ops taking turns: one warm-up round, then ``repeats`` rounds
+    of one call each (the drifts of a shared machine hit every op alike)."""
+    for _, fn, _ in ops:
+        fn()
+    times: list[list[float]] = [[] for _ in ops]
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-        del out
-    return statistics.median(times), min(times)
+        for i, (_, fn, _) in enumerate(ops):
+            t0 = time.perf_counter()
+            out = fn()
+            times[i].append(time.perf_counter() - t0)
+            del out
+    return [(statistics.median(t), min(t)) for t in times]
 
 
 def verify(x: torch.Tensor, x_np: np.ndarray) -> None:
@@ -162,7 +171,7 @@ def verify(x: torch.Tensor, x_np: np.ndarray) -> None:
 
 def fused_ops(x: torch.Tensor) -> list[tuple[str, Callable[[], object], int]]:
     """The fused CPU passes and the torch code each replaces (float32, n elements)."""
-    from lioncub.ops import kernels, native
+    from lioncub.ops import kernels, native, quantize
     from lioncub.optim.lion import _lion_update_foreach_, update_momentum_
     from lioncub.optim.voting import _apply_chunked_
 
@@ -193,18 +202,30 @@ def fused_ops(x: torch.Tensor) -> list[tuple[str, Callable[[], object], int]]:
     def majority_fused() -> None:
         kernels.majority_pack(rows, True, n_workers=4, out=mine, backend="cpu")
 
+    def dir_pack() -> None:
+        native.direction_lanes(m, g, 0.9, out=packed, position=0, next_momentum=m_next, beta2=0.99)
+
     def apply_bits() -> None:
+        native.apply(p, packed, kind="bits", lr=1e-5, weight_decay=0.1)
+
+    def apply_bits_m() -> None:
         native.apply(p, packed, kind="bits", lr=1e-5, weight_decay=0.1, exp_avg=m, grad=g, beta2=0.99)
 
     def local_1bit() -> None:
-        native.direction_lanes(m, g, 0.9, out=packed, position=0, bits=1)
+        dir_pack()
         majority_fused()
         apply_bits()
+
+    m_next = torch.empty(n)
+    divisor, _ = quantize.l1_divisors(x, 15)
+
+    def pass2() -> None:
+        native.quantize(x, divisor, chunk=None, wide=False, scale=7.5, levels=15, out=levels)
 
     return [
         ("lion fused", lambda: native.lion(p, g, m, **hyper), 20 * n),
         ("lion torch", lambda: _lion_update_foreach_([p], [g], [m], maximize=False, **hyper), 20 * n),
-        ("dir+pack fused", lambda: native.direction_lanes(m, g, 0.9, out=packed, position=0), 8 * n + n // 8),
+        ("dir+pack+m fused", dir_pack, 12 * n + n // 8),
         ("dir+pack torch", dir_pack_torch, 8 * n + n // 8),
         ("dir c fused", lambda: native.direction(m, g, 0.9, out=c), 12 * n),
         ("majority fused", majority_fused, n // 8 + n // 32),
@@ -213,7 +234,8 @@ def fused_ops(x: torch.Tensor) -> list[tuple[str, Callable[[], object], int]]:
             lambda: packing.pack_majority(packing.count_votes(rows, rows.shape[1] * 8), 4, True),
             n // 8 + n // 32,
         ),
-        ("apply bits fused", apply_bits, 20 * n + n // 8),
+        ("apply bits fused", apply_bits, 8 * n + n // 8),
+        ("apply bits+m fused", apply_bits_m, 20 * n + n // 8),
         ("apply bits torch", apply_bits_torch, 20 * n + n // 8),
         (
             "apply int8 fused",
@@ -223,13 +245,14 @@ def fused_ops(x: torch.Tensor) -> list[tuple[str, Callable[[], object], int]]:
             21 * n,
         ),
         ("apply int8 torch", apply_int8_torch, 21 * n),
+        ("quantize pass2 fused", pass2, 5 * n),
         ("quantize_l1 cpu", lambda: kernels.quantize_l1(x, 15, out=levels, backend="cpu"), 9 * n),
-        ("1bit local fused", local_1bit, 28 * n + n // 4),
+        ("1bit local fused", local_1bit, 20 * n + n // 4),
     ]
 
 
-FUSED_ROWS = ("lion fused", "dir+pack fused", "dir c fused", "majority fused", "apply bits fused")
-FUSED_ROWS += ("apply int8 fused", "quantize_l1 cpu")
+FUSED_ROWS = ("lion fused", "dir+pack+m fused", "dir c fused", "majority fused", "apply bits fused")
+FUSED_ROWS += ("apply bits+m fused", "apply int8 fused", "quantize pass2 fused", "quantize_l1 cpu")
 
 
 def bench_size(label: str, n: int, repeats: int, fused: bool = True) -> list[Row]:
@@ -263,7 +286,10 @@ def bench_size(label: str, n: int, repeats: int, fused: bool = True) -> list[Row
     ]
     if fused:
         ops += fused_ops(x)
-    timed = [(name, *time_op(fn, repeats), nbytes) for name, fn, nbytes in ops]
+    timed = [
+        (name, *stats, nbytes)
+        for (name, _, nbytes), stats in zip(ops, time_paired(ops, repeats), strict=True)
+    ]
     copy_median, clone_median = timed[0][1], timed[1][1]
     rows = []
     for name, med, mn, nbytes in timed:

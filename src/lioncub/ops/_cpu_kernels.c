@@ -19,6 +19,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define LC_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -88,9 +91,56 @@ LC_EXPORT void lc_fill_lanes(uint8_t *out, int64_t start, int64_t end, int bits,
  * the votes), a second one encodes the block. */
 
 #define BLOCK 512
+#define AHEAD (4 * BLOCK) /* software prefetch distance, elements */
 #define GATHER 0x8040201008040201ULL /* (eight 0/1 bytes, little-endian) * GATHER >> 56: MSB-first byte */
 
 #define ALWAYS static inline __attribute__((always_inline))
+
+/* Copy a block to its place in a large output with non-temporal stores where possible (no read for
+ * ownership of lines that are overwritten whole: the next momentum is written, never read, by its pass). */
+ALWAYS void stream_f32(float *dst, const float *src, int64_t n) {
+#if defined(__x86_64__)
+    int64_t i = 0;
+    for (; i < n && ((uintptr_t)(dst + i) & 15); i++) dst[i] = src[i];
+    for (; i + 4 <= n; i += 4) _mm_stream_ps(dst + i, _mm_loadu_ps(src + i));
+    for (; i < n; i++) dst[i] = src[i];
+#else
+    memcpy(dst, src, (size_t)n * sizeof(float));
+#endif
+}
+
+ALWAYS void stream_f64(double *dst, const double *src, int64_t n) {
+#if defined(__x86_64__)
+    int64_t i = 0;
+    for (; i < n && ((uintptr_t)(dst + i) & 15); i++) dst[i] = src[i];
+    for (; i + 2 <= n; i += 2) _mm_stream_pd(dst + i, _mm_loadu_pd(src + i));
+    for (; i < n; i++) dst[i] = src[i];
+#else
+    memcpy(dst, src, (size_t)n * sizeof(double));
+#endif
+}
+
+ALWAYS void stream_bf16(uint16_t *dst, const uint16_t *src, int64_t n) {
+    memcpy(dst, src, (size_t)n * sizeof(uint16_t));
+}
+
+ALWAYS void stream_fence(void) {
+#if defined(__x86_64__)
+    _mm_sfence();
+#endif
+}
+
+ALWAYS void prefetch_block(const void *a, const void *b, int64_t bytes, int write) {
+    for (int64_t q = 0; q < bytes; q += 64) {
+        if (a) {
+            if (write)
+                __builtin_prefetch((const char *)a + q, 1);
+            else
+                __builtin_prefetch((const char *)a + q, 0);
+        }
+        if (b) __builtin_prefetch((const char *)b + q, 0);
+    }
+}
 
 /* mode 0: c to cout; 1: sign(c) to sout (int8); 2: [c >= 0] to vout (uint8 0/1) */
 #define DIRECTION_CORE(SUF, T, W, U, ABS)                                                                \
@@ -136,17 +186,34 @@ LC_EXPORT void lc_fill_lanes(uint8_t *out, int64_t start, int64_t end, int bits,
         return (double)w;                                                                                \
     }                                                                                                    \
                                                                                                          \
+    /* the blocks of one mode: m, g prefetched ahead, the next momentum streamed out */                  \
+    ALWAYS U dir_blocks_##SUF(const T *m, const T *g, int64_t n, W b1, W a1, int neg, int has_g,        \
+                              const int mode, T *cout, int8_t *sout, U top, T *mout, W b2, W a2) {       \
+        T mbuf[BLOCK];                                                                                   \
+        for (int64_t i = 0; i < n; i += BLOCK) {                                                         \
+            int64_t len = n - i < BLOCK ? n - i : BLOCK;                                                 \
+            if (i + AHEAD < n)                                                                           \
+                prefetch_block(m + i + AHEAD, has_g ? g + i + AHEAD : 0, BLOCK * (int64_t)sizeof(T), 0); \
+            top = dir_any_##SUF(m + i, has_g ? g + i : g, len, b1, a1, neg, has_g, mode,                 \
+                                cout ? cout + i : cout, sout ? sout + i : sout, 0, top, mout ? mbuf : 0, \
+                                b2, a2);                                                                 \
+            if (mout) stream_##SUF(mout + i, mbuf, len);                                                 \
+        }                                                                                                \
+        if (mout) stream_fence();                                                                        \
+        return top;                                                                                      \
+    }                                                                                                    \
+                                                                                                         \
     /* c written to out (n elements); returns the largest |c| (NaN or Inf when some c is not finite) */   \
     LC_EXPORT LC_CLONES double lc_direction_##SUF(const T *m, const T *g, int64_t n, W b1, W a1,        \
                                                   int neg, int has_g, T *out, T *mout, W b2, W a2) {     \
-        return peak_##SUF(dir_any_##SUF(m, g, n, b1, a1, neg, has_g, 0, out, 0, 0, 0, mout, b2, a2));    \
+        return peak_##SUF(dir_blocks_##SUF(m, g, n, b1, a1, neg, has_g, 0, out, 0, 0, mout, b2, a2));    \
     }                                                                                                    \
                                                                                                          \
     /* sign(c) as int8 (NaN -> 0) */                                                                     \
     LC_EXPORT LC_CLONES double lc_direction_sign_##SUF(const T *m, const T *g, int64_t n, W b1, W a1,   \
                                                        int neg, int has_g, int8_t *out, T *mout, W b2,   \
                                                        W a2) {                                           \
-        return peak_##SUF(dir_any_##SUF(m, g, n, b1, a1, neg, has_g, 1, 0, out, 0, 0, mout, b2, a2));    \
+        return peak_##SUF(dir_blocks_##SUF(m, g, n, b1, a1, neg, has_g, 1, 0, out, 0, mout, b2, a2));    \
     }                                                                                                    \
                                                                                                          \
     /* the votes [c >= 0] in bits-bit lanes (bits 1, 2, 4, 8) at lane positions [pos, pos + n) */        \
@@ -155,6 +222,7 @@ LC_EXPORT void lc_fill_lanes(uint8_t *out, int64_t start, int64_t end, int bits,
                                                         int bits, T *mout, W b2, W a2) {                 \
         const int per = 8 / bits;                                                                        \
         uint8_t v[BLOCK];                                                                                \
+        T mbuf[BLOCK];                                                                                   \
         int64_t i = 0;                                                                                   \
         U top = 0;                                                                                       \
         int64_t head = (per - pos % per) % per; /* lanes up to the first whole byte */                   \
@@ -167,8 +235,11 @@ LC_EXPORT void lc_fill_lanes(uint8_t *out, int64_t start, int64_t end, int bits,
         uint8_t *dst = out + (pos + i) / per;                                                            \
         while (i < n) {                                                                                  \
             int64_t len = n - i < BLOCK ? n - i : BLOCK;                                                 \
+            if (i + AHEAD < n)                                                                           \
+                prefetch_block(m + i + AHEAD, has_g ? g + i + AHEAD : 0, BLOCK * (int64_t)sizeof(T), 0); \
             top = dir_any_##SUF(m + i, has_g ? g + i : g, len, b1, a1, neg, has_g, 2, 0, 0, v, top,      \
-                                mout ? mout + i : mout, b2, a2);                                         \
+                                mout ? mbuf : 0, b2, a2);                                                \
+            if (mout) stream_##SUF(mout + i, mbuf, len);                                                 \
             int64_t whole = len / per * per, j = 0;                                                      \
             if (per == 8) {                                                                              \
                 for (; j < whole; j += 8) {                                                              \
@@ -182,6 +253,7 @@ LC_EXPORT void lc_fill_lanes(uint8_t *out, int64_t start, int64_t end, int bits,
             for (; j < len; j++) lc_fill_lanes(out, pos + i + j, pos + i + j + 1, bits, v[j]);          \
             i += len;                                                                                    \
         }                                                                                                \
+        if (mout) stream_fence();                                                                        \
         return peak_##SUF(top);                                                                          \
     }
 
@@ -272,6 +344,10 @@ __attribute__((constructor)) static void lc_init_tables(void) {
                     lanes[b * per + j] = (W)table[(b >> (8 - lane_bits * (j + 1))) & mask];              \
         for (int64_t i = 0; i < n;) {                                                                    \
             int64_t len = n - i < BLOCK ? n - i : BLOCK;                                                 \
+            if (i + AHEAD < n) {                                                                         \
+                prefetch_block(p + i + AHEAD, momentum ? m + i + AHEAD : 0, BLOCK * (int64_t)sizeof(T), 1); \
+                if (momentum && has_g) prefetch_block(g + i + AHEAD, 0, BLOCK * (int64_t)sizeof(T), 0); \
+            }                                                                                            \
             if (kind == 0) {                                                                             \
                 int64_t j = 0, k = pos + i;                                                              \
                 for (; j < len && (k & 7); j++, k++) u[j] = ((bits[k >> 3] >> (7 - (k & 7))) & 1) ? 1 : -1; \

@@ -3,8 +3,12 @@
     python benchmarks/bench_fused.py --links 1gbit,100mbit --workloads mlp,gpt --rounds 8
 
 For every (workload, link): one ``lioncub launch --nproc 4 --link RATE`` (root) in which every rank (one
-intra-op thread) builds the workload once and steps these configurations **in turns, one step each per
-round**, on the same batches (pairing: the drifts of a shared machine hit all alike):
+intra-op thread) builds the workload once and steps these configurations **in turns**, on the same
+batches (pairing: the drifts of a shared machine hit all alike). A turn is ``--turn`` (2) consecutive steps
+of one configuration of which the last is timed: on this VM memory left untouched for a few seconds is
+several times slower to touch again (a copy of 128 MiB: 20 ms hot, 50–80 ms after 5–10 s idle), so a
+configuration's own buffers (the votes' payloads, the next momenta, the exchange buffers) would be cold at
+every single-step turn, which a training run never sees.
 
 * ``floor``: forward + backward + a local :class:`lioncub.Lion` step, no communication at all (the Lion
   step is also timed alone: ``lion ms``);
@@ -123,13 +127,14 @@ def worker(args: argparse.Namespace) -> None:
 
     for step in range(args.rounds + 1):  # round 0: warm-up (first-touch pages, DDP's bucket rebuild)
         for name, (net, opt) in runs.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss_of(net, step).backward()
-            t1 = time.perf_counter()
-            opt.step()
-            t2 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
+            for _ in range(args.turn):  # the last step of a turn is timed: its buffers are warm
+                dist.barrier()
+                t0 = time.perf_counter()
+                loss_of(net, step).backward()
+                t1 = time.perf_counter()
+                opt.step()
+                t2 = time.perf_counter()
+                opt.zero_grad(set_to_none=True)
             if step == 0:
                 continue
             note(name, "step_s", time.perf_counter() - t0)
@@ -169,7 +174,7 @@ def run_job(args: argparse.Namespace, workload: str, link: str) -> dict:
         cmd = [sys.executable, "-m", "lioncub.cli", "launch", "--nproc", str(args.nproc), "--timeout", "7200"]
         cmd += ["--link", link]
         cmd += ["--", sys.executable, __file__, "--worker-out", str(result), "--rounds", str(args.rounds)]
-        cmd += ["--workload", workload]
+        cmd += ["--workload", workload, "--turn", str(args.turn)]
         env = dict(os.environ)
         if args.torch:
             env["LIONCUB_CPU_KERNELS"] = "0"
@@ -256,6 +261,7 @@ def main() -> int:
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--rounds", type=int, default=8, help="measured steps of each configuration")
     p.add_argument("--torch", action="store_true", help="LIONCUB_CPU_KERNELS=0: the torch passes")
+    p.add_argument("--turn", type=int, default=2, help="consecutive steps per turn; the last one is timed")
     p.add_argument("--json", help="write the rows here too")
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)

@@ -361,8 +361,12 @@ __attribute__((constructor)) static void lc_init_tables(void) {
             } else if (kind == 3) {                                                                      \
                 int64_t j = 0, k = pos + i;                                                              \
                 for (; j < len && k % per; j++, k++) u[j] = lanes[bits[k / per] * per + k % per];        \
-                for (; j + per <= len; j += per, k += per)                                               \
-                    memcpy(u + j, lanes + bits[k / per] * per, (size_t)per * sizeof(W));                 \
+                if (per == 4) /* constant sizes: the copies inline */                                    \
+                    for (; j + 4 <= len; j += 4, k += 4) memcpy(u + j, lanes + bits[k / 4] * 4, 4 * sizeof(W)); \
+                else if (per == 2)                                                                       \
+                    for (; j + 2 <= len; j += 2, k += 2) memcpy(u + j, lanes + bits[k / 2] * 2, 2 * sizeof(W)); \
+                else                                                                                     \
+                    for (; j < len; j++, k++) u[j] = lanes[bits[k]];                                     \
                 for (; j < len; j++, k++) u[j] = lanes[bits[k / per] * per + k % per];                   \
             } else {                                                                                     \
                 for (int64_t j = 0; j < len; j++) u[j] = LOAD_##SUF(values, i + j);                      \

@@ -634,7 +634,9 @@ COMPARE_CASES = [
     case(["--variants", "1bit,1bit"], ["--variants", "distinct"], id="variants-twice"),
     case(["--variants", ","], ["--variants", "'32bit'"], id="variants-empty"),
     case(["--variants", "1bit@ring"], ["--variants", "@TOPOLOGY", "'node-majority'"], id="variants-topology"),
-    case(["--variants", "32bit@hierarchical"], ["--topology hierarchical", "DDP"], id="variants-topology-ddp"),
+    case(
+        ["--variants", "32bit@hierarchical"], ["--topology hierarchical", "DDP"], id="variants-topology-ddp"
+    ),
     case(["--target-loss", "nan"], ["--target-loss", "> 0"], id="target-loss-nan"),
     case(["--target-loss", "-1"], ["--target-loss", "> 0"], id="target-loss-negative"),
 ]

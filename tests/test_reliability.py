@@ -252,9 +252,7 @@ def test_a_dead_or_stalled_rank_makes_the_others_fail_within_the_timeout(how: st
             if how == "stall":  # nothing tells the others but the timeout
                 assert report["elapsed"] > PG_TIMEOUT_S - 1.0, report
             # the first collective of step 3 is the non-finite check; the error names it and the step
-            assert report["error"].startswith(
-                f"rank {r}/3: step check failed at optimizer step 3"
-            )
+            assert report["error"].startswith(f"rank {r}/3: step check failed at optimizer step 3")
     finally:
         for p in procs:
             p.kill()

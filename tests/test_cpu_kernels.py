@@ -227,6 +227,23 @@ def test_apply_equals_torch(dtype: torch.dtype, n: int) -> None:
             assert (want is None and got is None) or same(want, got)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n_workers", [2, 3, 4, 7])
+def test_apply_of_the_mean_of_signs_equals_the_torch_code(dtype: torch.dtype, n_workers: int) -> None:
+    """dlion-avg: ``u = sum / N`` (AverageVote's ``out.copy_(sums).div_(N)``) applied in the same pass."""
+    n = 2049
+    sums = torch.randint(-n_workers, n_workers + 1, (n,), dtype=torch.int8)
+    p, m, g = draw(n, dtype, 5), draw(n, dtype, 6, specials=False), draw(n, dtype, 7)
+    pa, ma = p.clone(), m.clone()
+    _apply_chunked_(pa, torch.empty(n, dtype=dtype).copy_(sums).div_(n_workers), lr=7e-3, weight_decay=0.3)
+    update_momentum_(ma, g, 0.99)
+    pb, mb = p.clone(), m.clone()
+    native.apply(
+        pb, sums, kind="mean", divisor=n_workers, lr=7e-3, weight_decay=0.3, exp_avg=mb, grad=g, beta2=0.99
+    )
+    assert same(pa, pb) and same(ma, mb)
+
+
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_apply_from_lanes_equals_map_lanes(bits: int) -> None:
     """native.apply from bits-bit lanes at any lane position, lane value v → table[v]: the decode of

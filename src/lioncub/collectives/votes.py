@@ -107,12 +107,14 @@ class RawResult(NamedTuple):
 
     ``kind="bits"``: ``data`` packed uint8, the update is +1 where a bit is set, −1 elsewhere;
     ``kind="sum"``: ``data`` int8, the update is its sign; ``kind="lanes"``: ``data`` uint8 of ``bits``-bit
-    lanes (:func:`lioncub.ops.packing.pack_lanes`), the update of a lane holding v is ``table[v]``."""
+    lanes (:func:`lioncub.ops.packing.pack_lanes`), the update of a lane holding v is ``table[v]``;
+    ``kind="mean"``: ``data`` int8, the update is ``data / divisor`` in the parameter's dtype."""
 
-    kind: Literal["bits", "sum", "lanes"]
+    kind: Literal["bits", "sum", "lanes", "mean"]
     data: torch.Tensor
     bits: int = 1
     table: tuple[int, ...] = ()
+    divisor: int = 1
 
 
 def _once(fn: Any) -> Any:
@@ -389,12 +391,13 @@ class AverageVote(SignSumVote):
         if n == 1:
             return Pending(lambda: signs.to(local.dtype))
         handle = self.comm.all_reduce(signs, "int8 sign allreduce (average)")
+        raw = _once(lambda: RawResult("mean", handle.wait(), divisor=n))
 
         def finish() -> torch.Tensor:  # the sum / N, into a reused buffer (no fresh pages per step)
             out = self.buffer(key, "average", local.numel(), local.dtype)
-            return out.copy_(handle.wait()).div_(n)
+            return out.copy_(raw().data).div_(n)
 
-        return Pending(finish)
+        return Pending(finish, raw=raw)
 
 
 class QuantizedVote(VoteAlgorithm):

@@ -267,6 +267,7 @@ DIRECTION_CORE(bf16, uint16_t, float, uint32_t, 0x7FFFFFFFu)
  *   kind 1: int8 values u (sign_of: their sign);
  *   kind 2: values of the parameter's own type;
  *   kind 3: lane_bits-bit lanes (2, 4, 8) at lane positions [pos, pos + n), lane value v -> table[v];
+ *   kind 4: int8 values divided by lane_bits (the mean of N signs: their sum / N);
  * then, when momentum, m <- ROUND(fma(g, a2, ROUND(m * b2))) (g negated when neg, +0 when has_g == 0).
  * The update of a block is first written to u[] in the work type (bits: eight values per byte from a
  * table), then one vectorised loop updates p and m. */
@@ -358,6 +359,9 @@ __attribute__((constructor)) static void lc_init_tables(void) {
                     for (int64_t j = 0; j < len; j++) u[j] = (W)((votes[i + j] > 0) - (votes[i + j] < 0)); \
                 else                                                                                     \
                     for (int64_t j = 0; j < len; j++) u[j] = (W)votes[i + j];                            \
+            } else if (kind == 4) {                                                                      \
+                const W divisor = (W)lane_bits;                                                          \
+                for (int64_t j = 0; j < len; j++) u[j] = (W)votes[i + j] / divisor;                      \
             } else if (kind == 3) {                                                                      \
                 int64_t j = 0, k = pos + i;                                                              \
                 for (; j < len && k % per; j++, k++) u[j] = lanes[bits[k / per] * per + k % per];        \

@@ -362,7 +362,7 @@ def fill_lanes(out: torch.Tensor, start: int, stop: int, bits: int, value: int) 
 
 
 #: what the apply reads (``kind`` of ``lc_apply``)
-_KINDS = {"bits": 0, "int8": 1, "values": 2, "lanes": 3}
+_KINDS = {"bits": 0, "int8": 1, "values": 2, "lanes": 3, "mean": 4}
 _TABLES: dict[tuple[int, ...], torch.Tensor] = {}
 
 
@@ -389,13 +389,15 @@ def apply(
     negate: bool = False,
     lane_bits: int = 1,
     table: tuple[int, ...] = (),
+    divisor: int = 1,
 ) -> None:
     """``p ← p·(1 − lr·wd) − lr·u`` (the decay skipped when ``lr·wd == 0``), then, with ``exp_avg``,
     ``m ← β2·m + (1−β2)·g`` (``grad`` ``None`` = zeros), in one pass. ``u``: ``kind="bits"`` — packed bits
     ``[position, position + n)`` of ``source`` (1 → +1, 0 → −1); ``"int8"`` — int8 values (their sign when
     ``sign_of``); ``"values"`` — ``source`` in the parameter's dtype; ``"lanes"`` — ``lane_bits``-bit lanes
     (2, 4, 8) ``[position, position + n)`` of ``source`` (uint8, the layout of ``pack_lanes``), lane value
-    ``v`` → ``table[v]`` (``2**lane_bits`` int8 values)."""
+    ``v`` → ``table[v]`` (``2**lane_bits`` int8 values); ``"mean"`` — int8 values divided by ``divisor``
+    in the parameter's dtype (``u.copy_(source).div_(divisor)``)."""
     lib = _lib()
     fn = getattr(lib, f"lc_apply_{_suffix(param)}")
     n, k = param.numel(), _KINDS[kind]
@@ -404,12 +406,13 @@ def apply(
     if kind == "lanes" and (lane_bits not in (2, 4, 8) or len(table) != 1 << lane_bits):
         raise ValueError(f"{lane_bits}-bit lanes need a table of {1 << lane_bits} values, got {len(table)}")
     lut = _table(tuple(table)).data_ptr() if kind == "lanes" else None
+    arg = divisor if kind == "mean" else lane_bits
 
     def part(a: int, b: int) -> None:
         src = source.data_ptr() if k in (0, 3) else _ptr(source, a)
         fn(
             _ptr(param, a), b - a, k, src, position + a, sign_of, -lr, decay, 1.0 - lr * weight_decay,
-            momentum, _ptr(exp_avg, a), _ptr(grad, a), beta2, 1.0 - beta2, negate, has_g, lane_bits, lut,
+            momentum, _ptr(exp_avg, a), _ptr(grad, a), beta2, 1.0 - beta2, negate, has_g, arg, lut,
         )  # fmt: skip
 
     _run(_parts(n), part)

@@ -438,6 +438,8 @@ class Voting:
             native.apply(
                 p.data, raw.data, kind="lanes", position=pos, lane_bits=raw.bits, table=raw.table, **common
             )
+        elif raw.kind == "mean":
+            native.apply(p.data, raw.data[pos : pos + p.numel()], kind="mean", divisor=raw.divisor, **common)
         else:
             native.apply(p.data, raw.data[pos : pos + p.numel()], kind="int8", sign_of=True, **common)
         if fresh is not None:

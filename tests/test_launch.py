@@ -285,7 +285,11 @@ def test_grace_period_then_sigkill() -> None:
 
 
 def test_restarts_rerun_all_ranks() -> None:
-    code = "import os, sys\nsys.exit(0 if os.environ['LIONCUB_RESTART_COUNT'] == '2' else 5)"
+    # rank 0 fails until the second restart; rank 1 waits to be stopped, so the failed rank is always 0
+    code = (
+        "import os, sys, time\nrc = 0 if os.environ['LIONCUB_RESTART_COUNT'] == '2' else 5\n"
+        "if rc and os.environ['RANK'] == '1':\n    time.sleep(30)\nsys.exit(rc)"
+    )
     result, _, err = _run(LaunchConfig([PY, "-c", code], nproc=2, restarts=3, timeout_s=60))
     assert result.ok and result.restarts == 2
     assert "restarting all ranks (2/3)" in err

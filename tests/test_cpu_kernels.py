@@ -244,6 +244,22 @@ def test_apply_of_the_mean_of_signs_equals_the_torch_code(dtype: torch.dtype, n_
     assert same(pa, pb) and same(ma, mb)
 
 
+@pytest.mark.parametrize(("dtype", "wire"), sorted(native.SCALE_DTYPES, key=str))
+def test_dense_scale_equals_copy_and_div(dtype: torch.dtype, wire: torch.dtype) -> None:
+    """The dense presets' contribution: ``send.copy_(−g or g).div_(N)`` (DenseMean.start) in one pass."""
+    for n in (0, 1, 17, 4099):
+        g = draw(n, dtype, n)
+        if n > 20:
+            g[:5] = torch.tensor([3.0, 1e-39, 7.0e38, -2.5, 1.0], dtype=dtype)  # halfway, subnormal, huge
+        for workers, neg in ((2, False), (3, True), (7, False)):
+            want = torch.empty(n, dtype=wire).copy_(-g if neg else g).div_(workers)
+            got = torch.empty(n, dtype=wire)
+            peak = native.scale(g, got, divisor=workers, negate=neg)
+            assert same(want, got), (n, workers)
+            finite = bool(torch.isfinite(g).all())
+            assert (peak == float(g.abs().max()) if n else peak == 0.0) if finite else peak == float("inf")
+
+
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_apply_from_lanes_equals_map_lanes(bits: int) -> None:
     """native.apply from bits-bit lanes at any lane position, lane value v → table[v]: the decode of
@@ -426,7 +442,7 @@ NATIVE_STEP_CALLS = (
     "majority",
     "quantize",
 )
-NATIVE_STEP_CALLS += ("server_majority",)
+NATIVE_STEP_CALLS += ("server_majority", "scale")
 
 
 def worker_fused_presets(rank: int, world: int, presets: list[str], dtype: torch.dtype) -> dict:

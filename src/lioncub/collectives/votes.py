@@ -83,14 +83,17 @@ class Encoding:
     ``kind="lanes"``: the votes ``[c ≥ 0]`` in ``bits``-bit lanes, uint8 — ``bits=1`` as
     :func:`lioncub.ops.packing.pack_signs` (padding votes "+" up to a multiple of ``pad_to`` bits), wider
     lanes as :func:`lioncub.ops.packing.pack_lanes` (zero lanes up to a whole byte). ``kind="sign"``:
-    ``sign(c)`` as int8 (NaN → 0)."""
+    ``sign(c)`` as int8 (NaN → 0). ``kind="scaled"`` (:class:`DenseMean`): the gradient itself, converted
+    to the wire dtype and divided by ``bits`` (N), padded to a multiple of ``pad_to`` (N) elements."""
 
-    kind: Literal["lanes", "sign"]
+    kind: Literal["lanes", "sign", "scaled"]
     bits: int = 1
     pad_to: int = 8
 
     def numel(self, d: int) -> int:
         """Payload elements for d directions."""
+        if self.kind == "scaled":
+            return -(-d // self.pad_to) * self.pad_to
         if self.kind == "sign":
             return d
         if self.bits == 1:
@@ -206,8 +209,8 @@ class VoteAlgorithm(ABC):
         ``None`` (the vote needs ``c`` itself)."""
         return None
 
-    def payload(self, key: Hashable | None, d: int) -> torch.Tensor:
-        """The reusable buffer of :meth:`encoding` for a bucket of ``d`` elements."""
+    def payload(self, key: Hashable | None, d: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The reusable buffer of :meth:`encoding` for a bucket of ``d`` elements (of ``dtype``)."""
         enc = self.encoding()
         if enc is None:
             raise ValueError(f"{self!r} takes no encoded payload")
@@ -620,6 +623,14 @@ class DenseMean(VoteAlgorithm):
         self.wire_dtype = wire_dtype
         self.name = {None: "dense", torch.float32: "32bit", torch.bfloat16: "16bit"}.get(wire_dtype, "dense")
 
+    def encoding(self):
+        n = self.world_size
+        return Encoding("scaled", n, n) if n > 1 else None
+
+    def payload(self, key, d, dtype=None):
+        n = self.world_size
+        return self.buffer(key, "send", -(-d // n) * n, self.wire_dtype or dtype or torch.float32)
+
     def start(self, local, *, step, key=None, segments=None, encoded=None):
         n, d = self.world_size, local.numel()
         if n == 1:  # nothing travels, nothing is rounded: plain Lion
@@ -628,7 +639,10 @@ class DenseMean(VoteAlgorithm):
         piece = -(-d // n)  # elements of the slice each rank sums
         send = self.buffer(key, "send", n * piece, dtype)
         send[d:].zero_()
-        send[:d].copy_(local).div_(n)  # cast, then divide in the wire dtype, as DDP's hooks
+        if encoded is None:
+            send[:d].copy_(local).div_(n)  # cast, then divide in the wire dtype, as DDP's hooks
+        elif encoded.data_ptr() != send.data_ptr():
+            raise ValueError("DenseMean: the encoded contribution must be written into payload()")
         recv = self.buffer(key, "recv", n * piece, dtype).view(n, piece)
         handle = self.comm.all_to_all(recv, send.view(n, piece), f"{self.name} gradient reduce-scatter")
         gathered = self.buffer(key, "gathered", n * piece, dtype).view(n, piece)

@@ -595,4 +595,41 @@ LC_EXPORT LC_CLONES void lc_server_majority(const uint8_t *rows, int64_t n_rows,
     for (int64_t j = 2 * in_bytes; j < out_bytes; j++) out[j] = 0;
 }
 
+/* ---------------------------------------------------------------------------------- dense contribution
+ * The dense presets' wire buffer from the gradient in one pass: out = ROUND_wire(wire(g) / n), wire()
+ * the conversion to the wire type (float32, float64 or bfloat16; double -> bfloat16 through float, as
+ * c10 converts), then the division in the wire type's opmath (float for bfloat16); g negated when neg.
+ * Returns the largest |g| (NaN or Inf when some g is not finite). in: 0 float, 1 double; wire: 0 float,
+ * 1 double, 2 bfloat16. */
+
+#define SCALE_CORE(NAME, TIN, TOUT, CONV)                                                                \
+    ALWAYS double NAME(const TIN *g, int64_t n, const int neg, double divisor, TOUT *out) {               \
+        double top = 0;                                                                                  \
+        int bad = 0;                                                                                     \
+        for (int64_t i = 0; i < n; i++) {                                                                \
+            TIN x = neg ? -g[i] : g[i];                                                                  \
+            TIN a = x < 0 ? -x : x;                                                                      \
+            bad |= (x - x) != 0;                                                                         \
+            top = (double)a > top ? (double)a : top;                                                     \
+            CONV;                                                                                        \
+        }                                                                                                \
+        return bad ? (double)INFINITY : top;                                                             \
+    }
+
+SCALE_CORE(scale_f32_f32, float, float, out[i] = x / (float)divisor)
+SCALE_CORE(scale_f64_f64, double, double, out[i] = x / divisor)
+SCALE_CORE(scale_f64_f32, double, float, out[i] = (float)x / (float)divisor)
+SCALE_CORE(scale_f32_bf16, float, uint16_t, out[i] = bf16_bits(bf16_round(x) / (float)divisor))
+SCALE_CORE(scale_f64_bf16, double, uint16_t, out[i] = bf16_bits(bf16_round((float)x) / (float)divisor))
+
+LC_EXPORT LC_CLONES double lc_scale(const void *g, int64_t n, int in, int neg, double divisor, void *out,
+                                    int wire) {
+    if (in == 0 && wire == 0) return neg ? scale_f32_f32(g, n, 1, divisor, out) : scale_f32_f32(g, n, 0, divisor, out);
+    if (in == 1 && wire == 1) return neg ? scale_f64_f64(g, n, 1, divisor, out) : scale_f64_f64(g, n, 0, divisor, out);
+    if (in == 1 && wire == 0) return scale_f64_f32(g, n, neg, divisor, out);
+    if (in == 0 && wire == 2) return scale_f32_bf16(g, n, neg, divisor, out);
+    if (in == 1 && wire == 2) return scale_f64_bf16(g, n, neg, divisor, out);
+    return -1.0; /* not a combination of this file */
+}
+
 LC_EXPORT int lc_abi_version(void) { return 3; }

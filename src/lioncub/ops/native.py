@@ -56,6 +56,7 @@ __all__ = [
     "momentum",
     "quantize",
     "reason",
+    "scale",
     "server_majority",
 ]
 
@@ -171,6 +172,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.lc_fill_lanes.argtypes, lib.lc_fill_lanes.restype = [_P, _L, _L, _I, _I], None
     lib.lc_majority.argtypes, lib.lc_majority.restype = [_P, _L, _L, _P, _L, _L, _L], None
     lib.lc_server_majority.argtypes, lib.lc_server_majority.restype = [_P, _L, _L, _P, _L, _L], None
+    lib.lc_scale.argtypes, lib.lc_scale.restype = [_P, _L, _I, _I, _D, _P, _I], _D
     lib.lc_abi_version.argtypes, lib.lc_abi_version.restype = [], _I
 
 
@@ -472,6 +474,34 @@ def quantize(
         )
         return
     fn(x.data_ptr(), n, d.data_ptr(), chunk, wide, scale, levels, out.data_ptr(), size)
+
+
+#: the (gradient, wire) dtypes of :func:`scale`
+SCALE_DTYPES = {
+    (torch.float32, torch.float32),
+    (torch.float64, torch.float64),
+    (torch.float64, torch.float32),
+    (torch.float32, torch.bfloat16),
+    (torch.float64, torch.bfloat16),
+}
+_IN = {torch.float32: 0, torch.float64: 1}
+_WIRE = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2}
+
+
+def scale(grad: torch.Tensor, out: torch.Tensor, *, divisor: int, negate: bool = False) -> float:
+    """A dense contribution in one pass: ``out ← (g converted to out's dtype) / divisor`` (``−g`` with
+    ``negate``), as ``out.copy_(g).div_(divisor)``; returns max ``|g|`` (``inf`` when some ``g`` is not
+    finite). ``(grad.dtype, out.dtype)`` must be one of :data:`SCALE_DTYPES`."""
+    if (grad.dtype, out.dtype) not in SCALE_DTYPES:
+        raise ValueError(f"scale takes {sorted(map(str, SCALE_DTYPES))}, got {grad.dtype} -> {out.dtype}")
+    fn = _lib().lc_scale
+    kin, kw = _IN[grad.dtype], _WIRE[out.dtype]
+    return _peak(
+        _run(
+            _parts(grad.numel()),
+            lambda a, b: fn(_ptr(grad, a), b - a, kin, negate, divisor, _ptr(out, a), kw),
+        )
+    )
 
 
 def server_majority(rows: torch.Tensor, out: torch.Tensor, *, n_bits: int) -> None:

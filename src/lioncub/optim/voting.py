@@ -255,8 +255,12 @@ class Voting:
         """Write this rank's contribution of ``params`` (with gradients ``grads``) into the flat buffer
         ``out`` and take its max-abs; ``keep_copy`` keeps a copy for the diagnostics. On the fused CPU path
         the vote's payload is written instead (``BucketVote.encoded``) where the vote takes one."""
-        if not self.dense and self._fused(out, params, grads):
-            return self._contribute_fused(key, params, grads, out, keep_copy)
+        if self._fused(out, params, grads):
+            if not self.dense:
+                return self._contribute_fused(key, params, grads, out, keep_copy)
+            bucket = self._contribute_dense(key, params, grads, out, keep_copy)
+            if bucket is not None:
+                return bucket
         for p, g, view in zip(params, grads, flat_views(out, params), strict=True):
             grad = self.grad(p, g)
             if self.dense:
@@ -317,6 +321,37 @@ class Voting:
             key, list(params), out, torch.tensor(peak, dtype=torch.float32),
             out.clone() if keep_copy else None, encoded=payload, next_momenta=nexts,
         )  # fmt: skip
+
+    def _contribute_dense(
+        self,
+        key: int,
+        params: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor | None],
+        out: torch.Tensor,
+        keep_copy: bool,
+    ) -> BucketVote | None:
+        """The dense presets' contribution written straight into the vote's send buffer (the gradient in the
+        wire dtype, divided by N) in one pass; ``None`` where the vote or the dtypes do not take it."""
+        enc = self.vote.encoding()
+        d = out.numel()
+        if keep_copy or enc is None or enc.kind != "scaled" or sum(p.numel() for p in params) != d:
+            return None
+        payload = self.vote.payload(key, d, out.dtype)
+        if (out.dtype, payload.dtype) not in native.SCALE_DTYPES:
+            return None
+        peaks, pos, n = [], 0, enc.bits
+        for p, g in zip(params, grads, strict=True):
+            view = payload[pos : pos + p.numel()]
+            if g is None:
+                view.zero_()
+                peaks.append(0.0)
+            else:
+                peaks.append(
+                    native.scale(g.detach(), view, divisor=n, negate=bool(self.group(p)["maximize"]))
+                )
+            pos += p.numel()
+        peak = math.nan if any(math.isnan(v) for v in peaks) else max(peaks, default=0.0)
+        return BucketVote(key, list(params), out, torch.tensor(peak, dtype=torch.float32), encoded=payload)
 
     def _scratch_momentum(self, m: torch.Tensor) -> torch.Tensor | None:
         """A reusable tensor like ``m`` for its next value (the fused apply then swaps the two storages:

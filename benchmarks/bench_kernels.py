@@ -55,6 +55,8 @@ the step, which it equals bit for bit; ``--no-fused`` leaves them out), bytes as
   bits+m fused`` (bits, p, m, g → p, m: n/8 + 12n + 8n; the apply where no next momentum was made);
   ``apply int8 fused`` / ``apply int8 torch`` (the int8 sums of an 8-bit vote, their sign taken, with the
   momentum update: n + 12n + 8n);
+* ``dense scale fused`` (g → g / N into the send buffer of the dense presets, max-abs: 4n + 4n) and
+  ``dense scale torch`` (the copy into the flat buffer, its max-abs, ``send.copy_(local).div_(N)``);
 * ``quantize pass2 fused`` (c → int8 levels with the divisor known: 4n + n) and ``quantize_l1 cpu``
   (``kernels.quantize_l1(backend="cpu")``: torch's pass 1, then the C pass 2: 8n + n);
 * ``1bit local fused``: dir+pack+m + majority + apply bits, LionCub's local work of a 1-bit step on one
@@ -219,6 +221,12 @@ def fused_ops(x: torch.Tensor) -> list[tuple[str, Callable[[], object], int]]:
     m_next = torch.empty(n)
     divisor, _ = quantize.l1_divisors(x, 15)
 
+    def dense_torch() -> None:  # LionCub's dense contribution: the copy, its max-abs, the send buffer
+        torch.linalg.vector_norm(c.copy_(g), float("inf"))
+        packed_c.copy_(c).div_(4)
+
+    packed_c = torch.empty(n)
+
     def pass2() -> None:
         native.quantize(x, divisor, chunk=None, wide=False, scale=7.5, levels=15, out=levels)
 
@@ -245,6 +253,8 @@ def fused_ops(x: torch.Tensor) -> list[tuple[str, Callable[[], object], int]]:
             21 * n,
         ),
         ("apply int8 torch", apply_int8_torch, 21 * n),
+        ("dense scale fused", lambda: native.scale(g, c, divisor=4), 8 * n),
+        ("dense scale torch", dense_torch, 8 * n),
         ("quantize pass2 fused", pass2, 5 * n),
         ("quantize_l1 cpu", lambda: kernels.quantize_l1(x, 15, out=levels, backend="cpu"), 9 * n),
         ("1bit local fused", local_1bit, 20 * n + n // 4),
@@ -252,7 +262,8 @@ def fused_ops(x: torch.Tensor) -> list[tuple[str, Callable[[], object], int]]:
 
 
 FUSED_ROWS = ("lion fused", "dir+pack+m fused", "dir c fused", "majority fused", "apply bits fused")
-FUSED_ROWS += ("apply bits+m fused", "apply int8 fused", "quantize pass2 fused", "quantize_l1 cpu")
+FUSED_ROWS += ("apply bits+m fused", "apply int8 fused", "dense scale fused", "quantize pass2 fused")
+FUSED_ROWS += ("quantize_l1 cpu",)
 
 
 def bench_size(label: str, n: int, repeats: int, fused: bool = True) -> list[Row]:

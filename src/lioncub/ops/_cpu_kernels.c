@@ -602,25 +602,29 @@ LC_EXPORT LC_CLONES void lc_server_majority(const uint8_t *rows, int64_t n_rows,
  * Returns the largest |g| (NaN or Inf when some g is not finite). in: 0 float, 1 double; wire: 0 float,
  * 1 double, 2 bfloat16. */
 
-#define SCALE_CORE(NAME, TIN, TOUT, CONV)                                                                \
+#define SCALE_CORE(NAME, TIN, TOUT, U, ABS, CONV)                                                       \
     ALWAYS double NAME(const TIN *g, int64_t n, const int neg, double divisor, TOUT *out) {               \
-        double top = 0;                                                                                  \
-        int bad = 0;                                                                                     \
+        U top = 0;                                                                                       \
         for (int64_t i = 0; i < n; i++) {                                                                \
             TIN x = neg ? -g[i] : g[i];                                                                  \
-            TIN a = x < 0 ? -x : x;                                                                      \
-            bad |= (x - x) != 0;                                                                         \
-            top = (double)a > top ? (double)a : top;                                                     \
+            U a;                                                                                         \
+            memcpy(&a, &x, sizeof a);                                                                    \
+            a &= ABS; /* |g| as bits: Inf and NaN above every finite value */                            \
+            top = a > top ? a : top;                                                                     \
             CONV;                                                                                        \
         }                                                                                                \
-        return bad ? (double)INFINITY : top;                                                             \
+        TIN peak;                                                                                        \
+        memcpy(&peak, &top, sizeof peak);                                                                \
+        return (double)peak;                                                                             \
     }
 
-SCALE_CORE(scale_f32_f32, float, float, out[i] = x / (float)divisor)
-SCALE_CORE(scale_f64_f64, double, double, out[i] = x / divisor)
-SCALE_CORE(scale_f64_f32, double, float, out[i] = (float)x / (float)divisor)
-SCALE_CORE(scale_f32_bf16, float, uint16_t, out[i] = bf16_bits(bf16_round(x) / (float)divisor))
-SCALE_CORE(scale_f64_bf16, double, uint16_t, out[i] = bf16_bits(bf16_round((float)x) / (float)divisor))
+SCALE_CORE(scale_f32_f32, float, float, uint32_t, 0x7FFFFFFFu, out[i] = x / (float)divisor)
+SCALE_CORE(scale_f64_f64, double, double, uint64_t, 0x7FFFFFFFFFFFFFFFull, out[i] = x / divisor)
+SCALE_CORE(scale_f64_f32, double, float, uint64_t, 0x7FFFFFFFFFFFFFFFull, out[i] = (float)x / (float)divisor)
+SCALE_CORE(scale_f32_bf16, float, uint16_t, uint32_t, 0x7FFFFFFFu,
+           out[i] = bf16_bits(bf16_round(x) / (float)divisor))
+SCALE_CORE(scale_f64_bf16, double, uint16_t, uint64_t, 0x7FFFFFFFFFFFFFFFull,
+           out[i] = bf16_bits(bf16_round((float)x) / (float)divisor))
 
 LC_EXPORT LC_CLONES double lc_scale(const void *g, int64_t n, int in, int neg, double divisor, void *out,
                                     int wire) {

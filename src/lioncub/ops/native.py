@@ -490,8 +490,8 @@ _WIRE = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2}
 
 def scale(grad: torch.Tensor, out: torch.Tensor, *, divisor: int, negate: bool = False) -> float:
     """A dense contribution in one pass: ``out ← (g converted to out's dtype) / divisor`` (``−g`` with
-    ``negate``), as ``out.copy_(g).div_(divisor)``; returns max ``|g|`` (``inf`` when some ``g`` is not
-    finite). ``(grad.dtype, out.dtype)`` must be one of :data:`SCALE_DTYPES`."""
+    ``negate``), as ``out.copy_(g).div_(divisor)``; returns max ``|g|`` (``inf``/``nan`` when some ``g``
+    is not finite). ``(grad.dtype, out.dtype)`` must be one of :data:`SCALE_DTYPES`."""
     if (grad.dtype, out.dtype) not in SCALE_DTYPES:
         raise ValueError(f"scale takes {sorted(map(str, SCALE_DTYPES))}, got {grad.dtype} -> {out.dtype}")
     fn = _lib().lc_scale

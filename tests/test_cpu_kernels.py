@@ -420,6 +420,18 @@ def test_lion_fused_step_equals_the_torch_step(monkeypatch, dtype: torch.dtype, 
         assert same(a, b)
 
 
+def test_lion_with_a_bfloat16_gradient_equals_the_widened_one() -> None:
+    """The 16-bit dense preset's apply: the mean gradient read in bfloat16 = ``grad.float()`` first."""
+    n = 5003
+    p, m = draw(n, torch.float32, 1), draw(n, torch.float32, 2, specials=False)
+    g = draw(n, torch.float32, 3).to(torch.bfloat16)
+    hyper = {"lr": 3e-3, "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.1}
+    pa, ma, pb, mb = p.clone(), m.clone(), p.clone(), m.clone()
+    native.lion(pa, g.float(), ma, **hyper)
+    native.lion(pb, g, mb, **hyper)
+    assert same(pa, pb) and same(ma, mb)
+
+
 def test_lion_takes_the_fused_kernel(monkeypatch) -> None:
     calls = []
     real = native.lion

@@ -111,9 +111,10 @@ class RawResult(NamedTuple):
     ``kind="bits"``: ``data`` packed uint8, the update is +1 where a bit is set, −1 elsewhere;
     ``kind="sum"``: ``data`` int8, the update is its sign; ``kind="lanes"``: ``data`` uint8 of ``bits``-bit
     lanes (:func:`lioncub.ops.packing.pack_lanes`), the update of a lane holding v is ``table[v]``;
-    ``kind="mean"``: ``data`` int8, the update is ``data / divisor`` in the parameter's dtype."""
+    ``kind="mean"``: ``data`` int8, the update is ``data / divisor`` in the parameter's dtype;
+    ``kind="values"``: ``data`` is the mean gradient of the dense presets in the wire dtype."""
 
-    kind: Literal["bits", "sum", "lanes", "mean"]
+    kind: Literal["bits", "sum", "lanes", "mean", "values"]
     data: torch.Tensor
     bits: int = 1
     table: tuple[int, ...] = ()
@@ -659,7 +660,11 @@ class DenseMean(VoteAlgorithm):
             phase2[0].wait()
             return gathered.view(-1)[:d].to(local.dtype)
 
-        return Pending(finish, middle=middle)
+        def raw() -> RawResult:  # the mean in the wire dtype (a fused apply widens it as it reads)
+            phase2[0].wait()
+            return RawResult("values", gathered.view(-1)[:d])
+
+        return Pending(finish, middle=middle, raw=raw)
 
     def wire_bytes(self, numel, dtype: torch.dtype = torch.float32):
         n = self.world_size

@@ -636,4 +636,18 @@ LC_EXPORT LC_CLONES double lc_scale(const void *g, int64_t n, int in, int neg, d
     return -1.0; /* not a combination of this file */
 }
 
+/* One Lion step of a float32 parameter whose gradient is bfloat16 (the 16-bit dense preset's mean
+ * gradient, widened exactly): lc_lion_f32 with g read from bfloat16. */
+LC_EXPORT LC_CLONES void lc_lion_f32_bf16g(float *p, const uint16_t *g, float *m, int64_t n, float b1, float a1,
+                                           float b2, float a2, float neg_lr, int decay, float decay_factor) {
+    for (int64_t i = 0; i < n; i++) {
+        float gi = bf16_load(g, i), mi = m[i];
+        float c = fmaf(gi, a1, mi * b1);
+        float u = (float)((c > 0) - (c < 0));
+        float w = decay ? p[i] * decay_factor : p[i];
+        p[i] = fmaf(u, neg_lr, w);
+        m[i] = fmaf(gi, a2, mi * b2);
+    }
+}
+
 LC_EXPORT int lc_abi_version(void) { return 3; }

@@ -173,6 +173,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.lc_majority.argtypes, lib.lc_majority.restype = [_P, _L, _L, _P, _L, _L, _L], None
     lib.lc_server_majority.argtypes, lib.lc_server_majority.restype = [_P, _L, _L, _P, _L, _L], None
     lib.lc_scale.argtypes, lib.lc_scale.restype = [_P, _L, _I, _I, _D, _P, _I], _D
+    _F = ctypes.c_float
+    lib.lc_lion_f32_bf16g.argtypes = [_P, _P, _P, _L, _F, _F, _F, _F, _F, _I, _F]
+    lib.lc_lion_f32_bf16g.restype = None
     lib.lc_abi_version.argtypes, lib.lc_abi_version.restype = [], _I
 
 
@@ -441,9 +444,21 @@ def lion(
     weight_decay: float,
     negate: bool = False,
 ) -> None:
-    """One Lion step in one pass over (p, g, m): :func:`lioncub.optim.lion.lion_update_` bit for bit."""
-    fn = getattr(_lib(), f"lc_lion_{_suffix(param)}")
+    """One Lion step in one pass over (p, g, m): :func:`lioncub.optim.lion.lion_update_` bit for bit. A
+    float32 parameter may take a bfloat16 ``grad`` (widened exactly, as ``grad.float()``)."""
     decay, factor = lr * weight_decay != 0, 1.0 - lr * weight_decay
+    if param.dtype == torch.float32 and grad.dtype == torch.bfloat16:
+        mixed = _lib().lc_lion_f32_bf16g
+        if negate:
+            raise ValueError("a bfloat16 gradient is not negated here")
+
+        def half(a: int, b: int) -> None:
+            p, g, m = _ptr(param, a), _ptr(grad, a), _ptr(exp_avg, a)
+            mixed(p, g, m, b - a, beta1, 1.0 - beta1, beta2, 1.0 - beta2, -lr, decay, factor)
+
+        _run(_parts(param.numel()), half)
+        return
+    fn = getattr(_lib(), f"lc_lion_{_suffix(param)}")
 
     def part(a: int, b: int) -> None:
         p, g, m = _ptr(param, a), _ptr(grad, a), _ptr(exp_avg, a)

@@ -411,7 +411,11 @@ class Voting:
         for b in buckets:
             t0 = time.perf_counter()
             assert b.pending is not None
-            raw = None if keep_updates or not self._fused_apply(b.params) else b.pending.wait_raw()
+            raw = None
+            if not keep_updates and b.pending.raw is not None:
+                wire = self.vote.wire_dtype or b.local.dtype if self.dense else None  # type: ignore[attr-defined]
+                if self._fused_apply(b.params, wire):
+                    raw = b.pending.wait_raw()
             if raw is not None:  # fused CPU path: decoded as it is applied
                 t1 = time.perf_counter()
                 pos = 0
@@ -437,8 +441,14 @@ class Voting:
             if b.pending is not None:
                 b.pending.wait()
 
-    def _fused_apply(self, params: Sequence[torch.Tensor]) -> bool:
-        """Whether the fused CPU apply takes every parameter of a bucket (with its momentum and gradient)."""
+    def _fused_apply(self, params: Sequence[torch.Tensor], raw_dtype: torch.dtype | None = None) -> bool:
+        """Whether the fused CPU apply takes every parameter of a bucket (with its momentum and gradient;
+        dense: the mean gradient of dtype ``raw_dtype``, the parameter's or bfloat16 for float32)."""
+        if self.dense:
+            ok = {p.dtype for p in params} <= {raw_dtype} or (
+                raw_dtype == torch.bfloat16 and {p.dtype for p in params} <= {torch.float32}
+            )
+            return ok and all(kernels.step_backend_for(p, self.momentum(p)) == "cpu" for p in params)
         return all(kernels.step_backend_for(p, self.momentum(p), p.grad) == "cpu" for p in params)
 
     def _momentum_args(
@@ -465,6 +475,12 @@ class Voting:
         """The apply of :meth:`_apply_one` from an undecoded result (:meth:`Pending.wait_raw`) whose element
         ``pos`` is this parameter's first."""
         group = self.group(p)
+        if raw.kind == "values":  # dense: global Lion with the mean gradient, read in the wire dtype
+            u = raw.data[pos : pos + p.numel()]
+            beta1, beta2 = (float(b) for b in group["betas"])
+            hyper = {"lr": float(group["lr"]), "weight_decay": float(group["weight_decay"])}
+            native.lion(p.data, u, self.momentum(p), beta1=beta1, beta2=beta2, **hyper)
+            return
         mom, fresh = self._momentum_args(p, nxt)
         common = {"lr": float(group["lr"]), "weight_decay": float(group["weight_decay"]), **mom}
         if raw.kind == "bits":

@@ -21,7 +21,10 @@ On CPU (float32/float64, :func:`lioncub.ops.kernels.step_backend_for`) the passe
 ``(m, g)`` in one pass, or ``c`` where the vote needs it (the quantizers); the 1-bit count and the L1
 quantizer's second pass are C kernels; step 3 applies the undecoded result (packed bits, integer sums)
 with the weight decay and the momentum update in one pass over ``(p, m, g)``; the dense presets' global
-Lion step is one pass too. ``LIONCUB_CPU_KERNELS=0`` runs the torch code instead.
+Lion step is one pass too. ``LIONCUB_CPU_KERNELS=0`` runs the torch code instead. The contribution pass
+also writes each momentum's next value into a second buffer, and the apply swaps the two storages: the
+optimizer's ``exp_avg`` tensors keep their identity, but a view of one taken before a step does not follow
+it (read ``state[p]["exp_avg"]`` again after ``step()``).
 
 :class:`~lioncub.optim.LionCub`'s ``step()`` calls 1–3 on its own buckets; the DDP hook of
 :mod:`lioncub.optim.overlap` calls 1 and 2 on DDP's buckets during the backward and ``step()`` calls 3.

@@ -10,11 +10,18 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+from cli_stub import cli_runner
 from lioncub.cli import cost as cost_cli
 from lioncub.planning import costmodel as cm
+
+from dist_utils import run_workers
 
 NIC = cm.Network(20e-6, 1.25e9, 1.0)  # 10 Gbit/s, α = 20 us
 INTRA = cm.Network(2e-6, 50e9, 1.0)  # 400 Gbit/s, α = 2 us
@@ -182,3 +189,175 @@ def test_cost_node_options_are_checked(
         code = int(exc.code or 0)
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+# ------------------------------------------------------------ two-level calibration (both levels measured)
+
+
+def _two_level(nnodes: int = 2, world: int = 4) -> cm.Calibration:
+    return cm.Calibration(NIC, cm.Compute(), world, 1e10, {}, INTRA, nnodes, None)
+
+
+def test_a_two_level_calibration_round_trips_and_lays_out_the_cluster(tmp_path: Path) -> None:
+    calib = _two_level()
+    assert calib.nproc_per_node == 2
+    cluster = calib.cluster()
+    assert (cluster.nnodes, cluster.nproc_per_node, cluster.inter, cluster.intra) == (2, 2, NIC, INTRA)
+    assert calib.cluster(4, 8).n_workers == 32  # the measured levels, another layout
+    path = tmp_path / "nodes.json"
+    calib.save(path)
+    back = cm.load_calibration(path)
+    assert (back.nnodes, back.world_size, back.network, back.intra) == (2, 4, NIC, INTRA)
+    want = cm.predict_cluster("1bit", 10**6, cluster, "hierarchical")
+    assert cm.predict_cluster("1bit", 10**6, back.cluster(), "hierarchical").total_s == want.total_s
+
+
+@pytest.mark.parametrize(
+    ("nnodes", "world", "fragment"),
+    [(1, 4, "nnodes=1"), (3, 4, "dividing world_size=4"), (4, 4, "at least 2 ranks")],
+)
+def test_a_two_level_calibration_needs_nodes_of_several_ranks(nnodes: int, world: int, fragment: str) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        _two_level(nnodes, world)
+    with pytest.raises(ValueError, match="intra and nnodes go together"):
+        cm.Calibration(NIC, cm.Compute(), 4, None, {}, INTRA, None)
+
+
+def test_a_one_level_calibration_has_no_cluster_and_a_bad_node_count_in_json_is_refused(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(ValueError, match="calibrate --nnodes M --nproc-per-node L"):
+        cm.Calibration(NIC, cm.Compute(), 4).cluster()
+    doc = _two_level().to_json()
+    doc["nnodes"] = 3
+    with pytest.raises(ValueError, match="'nnodes'"):
+        cm.calibration_from_json(doc, "x.json")
+    doc["nnodes"] = 2
+    del doc["intra_network"]
+    with pytest.raises(ValueError, match="intra_network"):
+        cm.calibration_from_json(doc, "x.json")
+
+
+def test_cost_predicts_with_both_measured_levels(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "nodes.json"
+    slow_inside = cm.Network(1e-3, 1e8, 1.0)  # the calibration says: 800 Mbit/s inside a node, α 1 ms
+    cm.Calibration(NIC, cm.Compute(), 4, 1e10, {}, slow_inside, 2, None).save(path)
+    argv = ["--params", "8M", "--nnodes", "2", "--nproc-per-node", "2", "--calibration", str(path)]
+    assert cost_cli.run(_args(argv)) == 0
+    out = capsys.readouterr().out
+    assert "2 nodes × 2 ranks, both levels" in out and "800 Mbit/s" in out and "α = 1 ms" in out
+    assert cost_cli.run(_args([*argv, "--intra-bandwidth", "400gbit"])) == 0
+    assert "400 Gbit/s" in capsys.readouterr().out
+    assert cost_cli.run(_args(["--params", "8M", "--workers", "4", "--calibration", str(path)])) == 2
+    assert "predict with --nnodes M --nproc-per-node L" in capsys.readouterr().err
+
+
+def worker_two_level_calibration(rank: int, world: int) -> dict:
+    """2 nodes × 2 ranks on loopback: the NIC level told 1 Gbit/s, the node level unknown."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lioncub.planning.calibrate import calibrate
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local"))
+    calib = calibrate(
+        [1 << 20, 4 << 20], 2, 1, ops=["allreduce_f32", "all_gather"], compute_numel=0, link_bps=1e9,
+        nodes=mesh,
+    )  # fmt: skip
+    return calib.to_json()
+
+
+@pytest.mark.slow
+def test_calibrate_measures_the_nic_and_the_node_separately() -> None:
+    docs = run_workers(worker_two_level_calibration, 4, timeout=120)
+    assert all(d["per_op"] == docs[0]["per_op"] for d in docs)  # every rank gets the same result
+    doc = docs[0]
+    assert doc["nnodes"] == 2 and doc["world_size"] == 4 and doc["link_bps"] == 1e9
+    assert doc["network"]["bandwidth_Bps"] == 1e9 / 8  # the NIC's rate as told
+    assert doc["intra_link_bps"] is None and doc["intra_network"]["efficiency"] == 1.0  # fp32 ring: reference
+    for size, (nic, _), (node, _) in zip(
+        (1 << 20, 4 << 20),
+        doc["per_op"]["allreduce_f32"]["points"],
+        doc["intra_per_op"]["allreduce_f32"]["points"],
+        strict=True,
+    ):
+        # ring over M = 2 nodes: 2·(M−1)/M·size per rank, the node's L = 2 rings share its NIC; inside: over L
+        assert nic == 2 * size and node == size
+    for size, (nic, _), (node, _) in zip(
+        (1 << 20, 4 << 20),
+        doc["per_op"]["all_gather"]["points"],
+        doc["intra_per_op"]["all_gather"]["points"],
+        strict=True,
+    ):
+        assert nic == 2 * (size // 2) and node == size // 2  # (n−1)·size/n per rank, n = 2 at each level
+    calib = cm.calibration_from_json(doc)
+    assert calib.cluster().n_workers == 4 and calib.intra is not None and calib.intra.bandwidth_Bps > 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragments"),
+    [
+        (["--nnodes", "2"], ["--nnodes 2", "--nproc-per-node L"]),
+        (["--nnodes", "1", "--nproc-per-node", "2"], ["--nnodes", ">= 2"]),
+        (["--nnodes", "2", "--nproc-per-node", "2"], ["--nnodes 2", "--link RATE"]),
+        (["--nnodes", "2", "--nproc-per-node", "2", "--link", "1gbit", "--nproc", "4"], ["give either"]),
+        (["--nproc", "4", "--nproc-per-node", "2"], ["--nproc-per-node", "only with --nnodes"]),
+        (["--nproc", "4", "--intra-link", "1gbit"], ["--intra-link", "only with --nnodes"]),
+        (["--nnodes", "2", "--nproc-per-node", "2", "--link", "1gbit", "--flat"], ["--flat", "--nproc N"]),
+        (
+            ["--nnodes", "2", "--nproc-per-node", "2", "--link", "1gbit", "--intra-link", "x"],
+            ["--intra-link"],
+        ),
+    ],
+)
+def test_calibrate_node_options_are_checked(
+    argv: list[str], fragments: list[str], tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch
+) -> None:
+    run = cli_runner(capsys, monkeypatch)
+    rc, err = run(["calibrate", "--out", str(tmp_path / "c.json"), *argv])
+    assert rc == 2, (rc, err)
+    assert all(f in err for f in fragments), err
+
+
+def test_calibrate_on_nodes_reaches_the_launcher_and_refuses_layout_options_inside_a_job(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = cli_runner(capsys, monkeypatch)
+    argv = ["calibrate", "--out", str(tmp_path / "c.json"), "--nnodes", "2", "--nproc-per-node", "2"]
+    assert run([*argv, "--link", "1gbit"])[0] == -1  # valid: it would launch 2 emulated nodes
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    rc, err = run(argv)
+    assert rc == 2 and "--nnodes, --nproc-per-node: start a job from outside one" in err
+
+
+def _netns_usable() -> bool:
+    from lioncub.launch import netns
+
+    try:
+        netns.list_netns()
+    except netns.NetnsError:
+        return False
+    return os.geteuid() == 0
+
+
+@pytest.mark.slow
+@pytest.mark.root
+@pytest.mark.skipif(not _netns_usable(), reason="needs root for network namespaces")
+def test_calibrate_two_emulated_nodes_measures_the_nic_rate(tmp_path: Path) -> None:
+    """`lioncub calibrate --nnodes 2 --nproc-per-node 2 --link 1gbit`: the NIC's fitted payload rate is the
+    shaped rate (both ranks of a node share it), the node's loopback is far faster."""
+    out = tmp_path / "nodes.json"
+    argv = ["calibrate", "--out", str(out), "--nnodes", "2", "--nproc-per-node", "2", "--link", "1gbit",
+            "--ops", "allreduce_f32", "--sizes", "1mb,4mb,8mb", "--repeats", "2",
+            "--compute-numel", "0"]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "lioncub", *argv], capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "NIC:" in proc.stdout and "inside a node:" in proc.stdout
+    calib = cm.load_calibration(out)
+    assert calib.nnodes == 2 and calib.world_size == 4 and calib.link_bps == 1e9
+    assert 0.8 < calib.network.rate("allreduce_f32") * 8 / 1e9 < 1.15
+    assert calib.intra is not None and calib.intra.rate("allreduce_f32") > 2 * calib.network.rate(
+        "allreduce_f32"
+    )

@@ -3,6 +3,12 @@
 Run it on every rank of a job (``lioncub launch --nproc 4 --link 1gbit -- python -m
 lioncub.cli.calibrate --out calib.json``), or let it start the job itself with ``--nproc``
 (``lioncub calibrate --nproc 4 --link 1gbit --out calib.json``). Rank 0 writes the JSON.
+
+On nodes of several ranks (``--nnodes M --nproc-per-node L``, or a torchrun job of M ≥ 2 nodes whose
+``$LOCAL_WORLD_SIZE`` is L ≥ 2) both levels are measured: each node's NIC (the ranks of one local rank
+across the nodes, all L groups at once) and a rank's link inside its node; ``lioncub cost --nnodes M
+--nproc-per-node L --calibration calib.json`` then predicts every topology from them. ``--flat``
+measures one level over the whole job instead.
 """
 
 from __future__ import annotations
@@ -11,13 +17,19 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lioncub.cli.options import real_number, whole_number
 from lioncub.planning.costmodel import OPS, parse_count
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 EPILOG = """\
 examples:
   lioncub calibrate --nproc 4 --link 1gbit --out calib.json     # starts 4 ranks behind 1 Gbit/s links (root)
+  lioncub calibrate --nnodes 2 --nproc-per-node 2 --link 1gbit --out nodes.json  # both levels
+  lioncub cost --params 774M --nnodes 2 --nproc-per-node 4 --calibration nodes.json
   lioncub launch --nproc 4 -- -m lioncub.cli.calibrate --out calib.json   # inside a job (loopback)
   lioncub cost --params 774M --workers 4 --calibration calib.json
 
@@ -109,7 +121,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="start N ranks with `lioncub launch` (unless inside a job)",
     )
-    parser.add_argument("--link", metavar="RATE", help="with --nproc: shape each rank's link (needs root)")
+    parser.add_argument(
+        "--link",
+        metavar="RATE",
+        help="with --nproc: shape each rank's link; with --nnodes: each node's NIC (needs root)",
+    )
+    parser.add_argument(
+        "--nnodes",
+        type=whole_number(2),
+        metavar="M",
+        help="start M emulated nodes of --nproc-per-node ranks (with --link; unless inside a job) and "
+        "measure both levels",
+    )
+    parser.add_argument(
+        "--nproc-per-node", type=whole_number(2), metavar="L", help="with --nnodes: ranks on each node"
+    )
+    parser.add_argument(
+        "--intra-link",
+        metavar="RATE",
+        help="with --nnodes: shape each node's loopback, which its ranks share (default unshaped)",
+    )
+    parser.add_argument(
+        "--flat",
+        action="store_true",
+        help="inside a job of nodes of several ranks: measure one level over the whole job (as if every "
+        "rank had its own link) instead of the NIC and the node separately",
+    )
 
 
 def _launch_self(args: argparse.Namespace) -> int:
@@ -133,12 +170,18 @@ def _launch_self(args: argparse.Namespace) -> int:
     ]
     if args.sizes is not None:
         argv += ["--sizes", ",".join(str(s) for s in args.sizes)]
+    if args.flat:
+        argv.append("--flat")
     try:
+        nodes = args.nnodes is not None
         config = LaunchConfig(
             argv,
-            nproc=args.nproc,
+            nproc=1 if nodes else args.nproc,
             link_rate_bps=parse_rate(args.link) if args.link else None,
             timeout_s=args.timeout + 60,
+            nnodes=args.nnodes,
+            nproc_per_node=args.nproc_per_node,
+            intra_link_rate_bps=parse_rate(args.intra_link, "--intra-link") if args.intra_link else None,
         )
         result = launch(config)
     except (ValueError, RuntimeError) as exc:
@@ -147,6 +190,49 @@ def _launch_self(args: argparse.Namespace) -> int:
     if not result.ok:  # the launcher has named the failed rank or the signal already
         print(f"lioncub calibrate: no calibration written (exit code {result.returncode})", file=sys.stderr)
     return result.returncode
+
+
+def _check_layout(args: argparse.Namespace) -> str:
+    """Why the layout options outside a job do not fit together ('' if they do)."""
+    if args.nnodes is None:
+        for option, value in (("--nproc-per-node", args.nproc_per_node), ("--intra-link", args.intra_link)):
+            if value is not None:
+                return f"{option}: applies only with --nnodes M (M nodes of L ranks)"
+        return ""
+    if args.nproc is not None:
+        return (
+            f"--nproc {args.nproc} with --nnodes {args.nnodes}: give either --nproc N (N ranks, each its own "
+            "link) or --nnodes M --nproc-per-node L (M nodes of L ranks)"
+        )
+    if args.nproc_per_node is None:
+        return f"--nnodes {args.nnodes}: needs --nproc-per-node L (L >= 2), the ranks on each node"
+    if not args.link:
+        return f"--nnodes {args.nnodes}: needs --link RATE, the rate of each node's NIC (root)"
+    if args.flat:
+        return "--flat with --nnodes: emulated nodes are calibrated per level; use --nproc N for one level"
+    return ""
+
+
+def _node_mesh() -> DeviceMesh | None:
+    """The job's ``("node", "local")`` mesh when it has M >= 2 nodes of L >= 2 ranks (collective), else
+    None: from ``$LIONCUB_NNODES`` (``lioncub launch``) or torchrun's ``$LOCAL_WORLD_SIZE``."""
+    import torch.distributed as dist
+
+    from lioncub.optim.topology import mesh_from_environment
+
+    world = dist.get_world_size()
+    nodes = os.environ.get("LIONCUB_NNODES", "")
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    ell = (
+        world // int(nodes)
+        if nodes.isdigit() and int(nodes) >= 1
+        else int(local)
+        if local.isdigit()
+        else world
+    )
+    if 2 <= ell < world and world % ell == 0:
+        return mesh_from_environment("hierarchical")
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -162,6 +248,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"lioncub calibrate: error: {exc}", file=sys.stderr)
         return 2
     if not in_job:
+        layout = _check_layout(args)
+        if layout:
+            print(f"lioncub calibrate: error: {layout}", file=sys.stderr)
+            return 2
+        if args.nnodes is not None:
+            return _launch_self(args)
         if args.nproc is not None and args.nproc < 2:
             print(
                 f"lioncub calibrate: error: --nproc {args.nproc}: calibrating the network needs at least "
@@ -178,8 +270,23 @@ def run(args: argparse.Namespace) -> int:
             )
             return 2
         return _launch_self(args)
-    if args.link:
-        print("lioncub calibrate: error: --link only applies with --nproc outside a job", file=sys.stderr)
+    given = [
+        option
+        for option, value in (
+            ("--link", args.link),
+            ("--nproc", args.nproc),
+            ("--nnodes", args.nnodes),
+            ("--nproc-per-node", args.nproc_per_node),
+            ("--intra-link", args.intra_link),
+        )
+        if value is not None
+    ]
+    if given:
+        print(
+            f"lioncub calibrate: error: {', '.join(given)}: start a job from outside one; inside a job the "
+            "launcher has set the ranks and links",
+            file=sys.stderr,
+        )
         return 2
     import torch
     import torch.distributed as dist
@@ -197,21 +304,27 @@ def run(args: argparse.Namespace) -> int:
         log = print if rank == 0 else None
         if log is not None:
             log(f"calibrating on {dist.get_world_size()} ranks, {args.repeats} repeats per size")
+        mesh = None if args.flat else _node_mesh()
         result = calibrate(
             args.sizes,
             args.repeats,
             args.warmup,
             ops=args.ops,
             compute_numel=args.compute_numel,
+            nodes=mesh,
             log=log,
         )
         if rank == 0:
             result.save(args.out)
-            net = result.network
-            print(
-                f"wrote {args.out}: α {net.latency_s * 1e6:.1f} us, link "
-                f"{net.bandwidth_Bps * 8 / 1e6:.1f} Mbit/s x efficiency {net.efficiency:.3f} (fp32 allreduce)"
+            levels = [("NIC" if result.intra is not None else "link", result.network)]
+            if result.intra is not None:
+                levels.append(("inside a node", result.intra))
+            said = "; ".join(
+                f"{name}: α {net.latency_s * 1e6:.1f} us, {net.bandwidth_Bps * 8 / 1e6:.1f} Mbit/s x "
+                f"efficiency {net.efficiency:.3f}"
+                for name, net in levels
             )
+            print(f"wrote {args.out}: {said} (fp32 allreduce)")
     except ValueError as exc:
         print(f"lioncub calibrate: error: {exc}", file=sys.stderr)
         return 2

@@ -5,7 +5,8 @@ which variant wins over the range of link rates and where the winner crosses the
 saves the cost against the link rate and against N (like Fig. 2 of the Lion Cub paper). With ``--nnodes M
 --nproc-per-node L`` it ranks every variant × topology (flat, hierarchical, node-majority) on M nodes of L
 ranks: one NIC per node (``--bandwidth``, ``--latency``) and a link per rank inside the node
-(``--intra-bandwidth``, ``--intra-latency``).
+(``--intra-bandwidth``, ``--intra-latency``), or both levels as ``lioncub calibrate --nnodes`` measured
+them (``--calibration``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ examples:
   lioncub cost --params 125M --workers 16 --bandwidth 10gbit --sync-every 10 --plot cost.png
   lioncub cost --params 25M --workers 4 --calibration calib.json    # constants from `lioncub calibrate`
   lioncub cost --params 774M --nnodes 2 --nproc-per-node 4 --bandwidth 10gbit --intra-bandwidth 400gbit
+  lioncub cost --params 25M --nnodes 2 --nproc-per-node 2 --calibration nodes.json   # both levels measured
 
 Rates are bits/s (100mbit, 2.5gbit, 1Gbps); latencies take s, ms, us, ns; counts take K, M, B (SI).
 Compute is charged on the critical path (not overlapped with communication). With --workers 1 nothing is
@@ -101,13 +103,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--intra-bandwidth",
         type=_arg(cm.parse_bandwidth, "--intra-bandwidth"),
         metavar="RATE",
-        help=f"with --nnodes: each worker's link inside its node (default {DEFAULT_INTRA_BANDWIDTH})",
+        help=f"with --nnodes: each worker's link inside its node (default {DEFAULT_INTRA_BANDWIDTH}, or a "
+        "two-level calibration's)",
     )
     parser.add_argument(
         "--intra-latency",
         type=_arg(cm.parse_duration, "--intra-latency"),
         metavar="TIME",
-        help=f"with --nnodes: α inside a node (default {DEFAULT_INTRA_LATENCY})",
+        help=f"with --nnodes: α inside a node (default {DEFAULT_INTRA_LATENCY}, or a two-level "
+        "calibration's)",
     )
     parser.add_argument(
         "--topologies",
@@ -173,8 +177,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------------------------------------- run
 
 
-def _setup(args: argparse.Namespace) -> tuple[cm.Network, cm.Compute, str]:
-    """The network and compute to use, and a line saying where they come from."""
+def _setup(args: argparse.Namespace) -> tuple[cm.Network, cm.Network | None, cm.Compute, str]:
+    """The network (a node's NIC with --nnodes), the link inside a node where a two-level calibration
+    measured it, the compute to use, and a line saying where they come from."""
     if args.calibration:
         try:
             calib = cm.load_calibration(args.calibration)
@@ -182,20 +187,36 @@ def _setup(args: argparse.Namespace) -> tuple[cm.Network, cm.Compute, str]:
             raise ValueError(
                 f"--calibration {args.calibration}: {exc} (expected a `lioncub calibrate` JSON file)"
             ) from None
-        network, compute = calib.network, calib.compute
-        source = f"calibration {args.calibration} (N = {calib.world_size})"
+        network, intra, compute = calib.network, calib.intra, calib.compute
+        if calib.nnodes is not None and args.nnodes is None:
+            raise ValueError(
+                f"--calibration {args.calibration}: measured on {calib.nnodes} nodes × "
+                f"{calib.nproc_per_node} ranks (a node's NIC and the links inside a node); predict with "
+                "--nnodes M --nproc-per-node L, or calibrate with --nproc N for --workers N"
+            )
+        layout = (
+            f"{calib.nnodes} nodes × {calib.nproc_per_node} ranks, both levels"
+            if calib.nnodes is not None
+            else f"N = {calib.world_size}"
+        )
+        source = f"calibration {args.calibration} ({layout})"
         if args.bandwidth is not None:
             network = network.with_bandwidth(args.bandwidth)
         if args.latency is not None:
             network = network.with_latency(args.latency)
-        return network, compute, source
+        return network, intra, compute, source
     network = cm.Network(
         50e-6 if args.latency is None else args.latency,
         1e9 / 8 if args.bandwidth is None else args.bandwidth,
         cm.TCP_EFFICIENCY if args.efficiency is None else args.efficiency,
     )
     compute = cm.DEFAULT_CPU_COMPUTE if args.compute == "cpu" else cm.Compute()
-    return network, compute, "typical CPU compute costs" if args.compute == "cpu" else "no compute costs"
+    return (
+        network,
+        None,
+        compute,
+        "typical CPU compute costs" if args.compute == "cpu" else "no compute costs",
+    )
 
 
 def _check_layout(args: argparse.Namespace) -> int:
@@ -296,19 +317,26 @@ def run(args: argparse.Namespace) -> int:
         console = Console(width=max(console.width, 132))
     try:
         _check_layout(args)
-        network, compute, source = _setup(args)
+        network, measured_intra, compute, source = _setup(args)
         options = _options(args)
         _check_plot(args.plot)
         if args.nnodes is not None:
-            intra = cm.Network(
-                cm.parse_duration(DEFAULT_INTRA_LATENCY)
-                if args.intra_latency is None
-                else args.intra_latency,
-                cm.parse_bandwidth(DEFAULT_INTRA_BANDWIDTH)
-                if args.intra_bandwidth is None
-                else args.intra_bandwidth,
-                cm.TCP_EFFICIENCY if args.efficiency is None else args.efficiency,
-            )
+            if measured_intra is not None:
+                intra = measured_intra
+                if args.intra_bandwidth is not None:
+                    intra = intra.with_bandwidth(args.intra_bandwidth)
+                if args.intra_latency is not None:
+                    intra = intra.with_latency(args.intra_latency)
+            else:
+                intra = cm.Network(
+                    cm.parse_duration(DEFAULT_INTRA_LATENCY)
+                    if args.intra_latency is None
+                    else args.intra_latency,
+                    cm.parse_bandwidth(DEFAULT_INTRA_BANDWIDTH)
+                    if args.intra_bandwidth is None
+                    else args.intra_bandwidth,
+                    cm.TCP_EFFICIENCY if args.efficiency is None else args.efficiency,
+                )
             cluster = cm.Cluster(args.nnodes, args.nproc_per_node, network, intra)
             topologies = args.topologies or list(cm.TOPOLOGIES)
             report_cluster(

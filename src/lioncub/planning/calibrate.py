@@ -37,10 +37,12 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from lioncub._validate import is_int, is_number
 from lioncub.collectives import Comm
 from lioncub.ops import packing, quantize
+from lioncub.optim.topology import node_groups
 from lioncub.planning.costmodel import OPS, Calibration, Compute, Network, OpCost
 
 __all__ = [
@@ -201,22 +203,35 @@ def _op_runner(op: str, comm: Comm, size: int) -> tuple[Callable[[], None], floa
 
 
 def _time_op(
-    op: str, comm: Comm, sizes: Sequence[int], repeats: int, warmup: int
+    op: str,
+    comm: Comm,
+    sizes: Sequence[int],
+    repeats: int,
+    warmup: int,
+    *,
+    streams: int = 1,
+    everyone: Comm | None = None,
 ) -> list[tuple[float, float]]:
-    """(link bytes, median over repeats of the max over ranks, s) per size."""
+    """(link bytes, median over repeats of the max over ranks, s) per size.
+
+    Every rank of ``everyone`` (default ``comm``; the whole job when ``comm`` is one level of a node
+    mesh) runs ``op`` on its own ``comm`` at once, after a barrier of ``everyone``: ``streams`` groups
+    share each link (the L ranks of a node sharing its NIC), so the link bytes are ``streams`` times one
+    rank's."""
+    sync = (comm if everyone is None else everyone).group
     runs: list[float] = []
     link: list[float] = []
     for size in sizes:
         fn, nbytes = _op_runner(op, comm, size)
-        link.append(nbytes)
+        link.append(streams * nbytes)
         for i in range(warmup + repeats):
-            dist.barrier(group=comm.group)
+            dist.barrier(group=sync)
             t0 = time.perf_counter()
             fn()
             if i >= warmup:
                 runs.append(time.perf_counter() - t0)
     times = torch.tensor(runs, dtype=torch.float64)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=comm.group)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=sync)
     per_size = times.view(len(sizes), repeats)
     return [(link[k], statistics.median(per_size[k].tolist())) for k in range(len(sizes))]
 
@@ -296,89 +311,45 @@ def measure_compute(
 # ------------------------------------------------------------------------------------------- driver
 
 
-def calibrate(
-    sizes: Sequence[int] | None = None,
-    repeats: int = 5,
-    warmup: int = 1,
+def _fit_level(
+    comm: Comm,
+    ops: Sequence[str],
+    sizes: Sequence[int],
+    repeats: int,
+    warmup: int,
+    link_bps: float | None,
     *,
-    ops: Sequence[str] = OPS,
-    compute_numel: int = 1 << 22,
-    link_bps: float | None = None,
-    group: dist.ProcessGroup | None = None,
+    streams: int = 1,
+    everyone: Comm | None = None,
+    label: str = "",
     log: Callable[[str], None] | None = None,
-) -> Calibration:
-    """Measure on ``group`` (collective: every rank calls it; every rank gets the same result).
-
-    Args:
-        sizes: payload sizes in bytes, at least two distinct ones (default :data:`LINK_SIZES` under a
-            link, :data:`DEFAULT_SIZES` otherwise).
-        repeats, warmup: timed and untimed runs per size.
-        ops: the collectives to time (a subset of :data:`lioncub.planning.costmodel.OPS`; must include
-            ``allreduce_f32`` unless ``link_bps`` is known).
-        compute_numel: elements of the compute benchmarks (0: skip them; the compute costs are then 0).
-        link_bps: the link rate in bits/s (default ``$LIONCUB_LINK_BPS``; None: unknown).
-        log: called with a line per measured op (e.g. ``print`` on rank 0).
-    """
-    if not is_int(repeats, 1):
-        raise ValueError(f"repeats={repeats!r} must be an int >= 1 (timed runs per size)")
-    if not is_int(warmup, 0):
-        raise ValueError(f"warmup={warmup!r} must be an int >= 0 (untimed runs per size)")
-    if not is_int(compute_numel, 0):
-        raise ValueError(
-            f"compute_numel={compute_numel!r} must be an int >= 0 (0: skip the compute benchmarks)"
-        )
-    if link_bps is not None and not (isinstance(link_bps, (int, float)) and 0 < link_bps < math.inf):
-        raise ValueError(f"link_bps={link_bps!r} must be None or a finite number of bits/s > 0")
-    unknown = set(ops) - set(OPS)
-    if unknown:
-        raise ValueError(f"unknown collectives {sorted(unknown)}; known: {list(OPS)}")
-    if link_bps is None and os.environ.get("LIONCUB_LINK_BPS"):
-        try:
-            link_bps = float(os.environ["LIONCUB_LINK_BPS"])
-        except ValueError:
-            link_bps = math.nan
-        if not 0 < link_bps < math.inf:
-            raise ValueError(
-                f"LIONCUB_LINK_BPS={os.environ['LIONCUB_LINK_BPS']!r} must be a positive number of bits/s "
-                "(set by `lioncub launch --link`)"
-            )
-    if sizes is None:
-        sizes = LINK_SIZES if link_bps is not None else DEFAULT_SIZES
-    if len(set(sizes)) < 2 or min(sizes) < 1:
-        raise ValueError(f"sizes={list(sizes)} must hold at least two distinct positive sizes")
-    if link_bps is None and "allreduce_f32" not in ops:
-        raise ValueError("without a known link rate, ops must include allreduce_f32 (the reference)")
-    comm = Comm(group, exchange="p2p")
-    n = comm.world_size
-    if n < 2:
-        raise ValueError("calibrating the network needs at least 2 ranks (lioncub launch --nproc 2 or more)")
-    sizes = sorted(set(int(s) for s in sizes))
-    if log is not None:
-        link = f"{link_bps / 1e6:g} Mbit/s links" if link_bps is not None else "no known link rate"
-        log(f"{n} ranks, {link}; payloads {', '.join(f'{s / 1024:g} KiB' for s in sizes)}")
+) -> tuple[Network, dict[str, Any]]:
+    """Time ``ops`` on ``comm`` and fit one level's :class:`Network` (α and efficiency per op) and the
+    per-op JSON details. ``link_bps``: the level's link rate (None: the fp32 allreduce's fitted rate is
+    the reference, efficiency 1)."""
     fits: dict[str, tuple[OpFit, list[tuple[float, float]]]] = {}
     for op in ops:
-        points = _time_op(op, comm, sizes, repeats, warmup)
+        points = _time_op(op, comm, sizes, repeats, warmup, streams=streams, everyone=everyone)
         fits[op] = (fit_alpha_beta(points), points)
         if log is not None:
-            log(format_fit(op, fits[op][0]))
+            log(label + format_fit(op, fits[op][0]))
     if log is not None:
         for line in fit_warnings({op: fit for op, (fit, _) in fits.items()}, len(sizes)):
-            log(line)
+            log(label + line)
     if link_bps is not None:
         bandwidth_Bps = link_bps / 8
     else:
         ref = fits["allreduce_f32"][0]
         if not ref.ok:  # a ValueError: `lioncub calibrate` reports it in one line (exit 2)
             raise ValueError(
-                "the fp32 allreduce fit has no positive slope, so the link rate is unknown: use larger "
-                "--sizes or more --repeats (or give --link)"
+                f"{label}the fp32 allreduce fit has no positive slope, so the link rate is unknown: use "
+                "larger --sizes or more --repeats (or give the link's rate)"
             )
         bandwidth_Bps = 1 / ref.seconds_per_byte
     per_op: dict[str, OpCost] = {}
     per_op_doc: dict[str, Any] = {}
     for op, (fit, points) in fits.items():
-        m = _messages(op, n)
+        m = _messages(op, comm.world_size)
         doc: dict[str, Any] = {
             "ok": fit.ok,
             "messages": m,
@@ -402,26 +373,149 @@ def calibrate(
         ref_op.efficiency if ref_op else 1.0,
         per_op,
     )
+    return network, per_op_doc
+
+
+def _rate_from_env(name: str, option: str) -> float | None:
+    text = os.environ.get(name)
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise ValueError(
+            f"{name}={text!r} must be a positive number of bits/s (set by `lioncub launch {option}`)"
+        )
+    return value
+
+
+def calibrate(
+    sizes: Sequence[int] | None = None,
+    repeats: int = 5,
+    warmup: int = 1,
+    *,
+    ops: Sequence[str] = OPS,
+    compute_numel: int = 1 << 22,
+    link_bps: float | None = None,
+    group: dist.ProcessGroup | None = None,
+    nodes: DeviceMesh | None = None,
+    intra_link_bps: float | None = None,
+    log: Callable[[str], None] | None = None,
+) -> Calibration:
+    """Measure on ``group`` (collective: every rank calls it; every rank gets the same result).
+
+    Args:
+        sizes: payload sizes in bytes, at least two distinct ones (default :data:`LINK_SIZES` under a
+            link, :data:`DEFAULT_SIZES` otherwise).
+        repeats, warmup: timed and untimed runs per size.
+        ops: the collectives to time (a subset of :data:`lioncub.planning.costmodel.OPS`; must include
+            ``allreduce_f32`` unless ``link_bps`` is known).
+        compute_numel: elements of the compute benchmarks (0: skip them; the compute costs are then 0).
+        link_bps: the link rate in bits/s (default ``$LIONCUB_LINK_BPS``; None: unknown). With ``nodes``:
+            each node's NIC.
+        group: the process group (default: the whole job); not with ``nodes``.
+        nodes: a ``("node", "local")`` DeviceMesh of M nodes of L ranks (M, L >= 2) over the whole job
+            (:func:`lioncub.optim.topology.mesh_from_environment` builds it from the launcher's
+            environment): both levels are measured. The NIC level times every op among the ranks of the
+            same local rank, all L groups at once (they share the NIC; its bytes are L times a rank's);
+            the node level among the ranks of each node, all M nodes at once. The result's ``network`` is
+            the NIC's, ``intra`` a rank's link inside its node.
+        intra_link_bps: with ``nodes``, the rate of a rank's link inside its node (default
+            ``$LIONCUB_INTRA_LINK_BPS``; None: the fitted fp32 allreduce rate is the reference).
+        log: called with a line per measured op (e.g. ``print`` on rank 0).
+    """
+    if not is_int(repeats, 1):
+        raise ValueError(f"repeats={repeats!r} must be an int >= 1 (timed runs per size)")
+    if not is_int(warmup, 0):
+        raise ValueError(f"warmup={warmup!r} must be an int >= 0 (untimed runs per size)")
+    if not is_int(compute_numel, 0):
+        raise ValueError(
+            f"compute_numel={compute_numel!r} must be an int >= 0 (0: skip the compute benchmarks)"
+        )
+    for name, rate in (("link_bps", link_bps), ("intra_link_bps", intra_link_bps)):
+        if rate is not None and not (isinstance(rate, (int, float)) and 0 < rate < math.inf):
+            raise ValueError(f"{name}={rate!r} must be None or a finite number of bits/s > 0")
+    unknown = set(ops) - set(OPS)
+    if unknown:
+        raise ValueError(f"unknown collectives {sorted(unknown)}; known: {list(OPS)}")
+    if link_bps is None:
+        link_bps = _rate_from_env("LIONCUB_LINK_BPS", "--link")
+    if nodes is not None:
+        if group is not None:
+            raise ValueError("calibrate: give either group= or nodes= (a node mesh over the whole job)")
+        if intra_link_bps is None:
+            intra_link_bps = _rate_from_env("LIONCUB_INTRA_LINK_BPS", "--intra-link")
+        if intra_link_bps is None and "allreduce_f32" not in ops:
+            raise ValueError(
+                "without a known intra-node link rate, ops must include allreduce_f32 (the reference)"
+            )
+    elif intra_link_bps is not None:
+        raise ValueError("intra_link_bps applies only with nodes= (a node mesh)")
+    if sizes is None:
+        sizes = LINK_SIZES if link_bps is not None else DEFAULT_SIZES
+    if len(set(sizes)) < 2 or min(sizes) < 1:
+        raise ValueError(f"sizes={list(sizes)} must hold at least two distinct positive sizes")
+    if link_bps is None and "allreduce_f32" not in ops:
+        raise ValueError("without a known link rate, ops must include allreduce_f32 (the reference)")
+    sizes = sorted(set(int(s) for s in sizes))
+    payloads = ", ".join(f"{s / 1024:g} KiB" for s in sizes)
+    if nodes is None:
+        comm = Comm(group, exchange="p2p")
+        n = comm.world_size
+        if n < 2:
+            raise ValueError(
+                "calibrating the network needs at least 2 ranks (lioncub launch --nproc 2 or more)"
+            )
+        if log is not None:
+            link = f"{link_bps / 1e6:g} Mbit/s links" if link_bps is not None else "no known link rate"
+            log(f"{n} ranks, {link}; payloads {payloads}")
+        network, per_op_doc = _fit_level(comm, ops, sizes, repeats, warmup, link_bps, log=log)
+        levels: dict[str, Any] = {"per_op": per_op_doc}
+        intra_net, nnodes, everyone = None, None, comm
+    else:
+        flat, intra, inter = node_groups(nodes, "p2p")
+        everyone = Comm(flat, exchange="p2p")
+        n, nnodes, ell = everyone.world_size, inter.world_size, intra.world_size
+        if nnodes < 2 or ell < 2 or n != nnodes * ell:
+            raise ValueError(
+                f"nodes: a mesh of {nnodes} nodes × {ell} ranks; a two-level calibration needs at least 2 "
+                "nodes of at least 2 ranks (calibrate one link per rank without nodes=)"
+            )
+        if log is not None:
+            nic = f"{link_bps / 1e6:g} Mbit/s" if link_bps is not None else "an unknown rate"
+            inside = f"{intra_link_bps / 1e6:g} Mbit/s" if intra_link_bps is not None else "an unknown rate"
+            log(f"{nnodes} nodes × {ell} ranks, NIC {nic}, links inside a node {inside}; payloads {payloads}")
+        network, per_op_doc = _fit_level(
+            inter, ops, sizes, repeats, warmup, link_bps,
+            streams=ell, everyone=everyone, label="[NIC] ", log=log,
+        )  # fmt: skip
+        intra_net, intra_doc = _fit_level(
+            intra, ops, sizes, repeats, warmup, intra_link_bps,
+            everyone=everyone, label="[node] ", log=log,
+        )  # fmt: skip
+        levels = {"per_op": per_op_doc, "intra_per_op": intra_doc}
     measured: dict[str, float] = {}
     if compute_numel > 0:
         local = measure_compute(
-            compute_numel, n, max(3, repeats), sync=lambda: dist.barrier(group=comm.group)
+            compute_numel, n, max(3, repeats), sync=lambda: dist.barrier(group=everyone.group)
         )
         keys = sorted(local)
         vals = torch.tensor([local[k] for k in keys], dtype=torch.float64)
-        dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=comm.group)
+        dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=everyone.group)
         measured = dict(zip(keys, vals.tolist(), strict=True))
     compute = Compute(**{k: v for k, v in measured.items() if k in Compute.__dataclass_fields__})
     raw = {
-        "per_op": per_op_doc,
+        **levels,
         "compute_info": {k: v for k, v in measured.items() if k not in Compute.__dataclass_fields__},
         "settings": {
             "sizes": list(sizes),
             "repeats": repeats,
             "warmup": warmup,
             "compute_numel": compute_numel,
-            "backend": comm.backend,
-            "exchange": comm.exchange,
+            "backend": everyone.backend,
+            "exchange": everyone.exchange,
         },
         "environment": {
             "torch": torch.__version__,
@@ -431,4 +525,4 @@ def calibrate(
         },
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    return Calibration(network, compute, n, link_bps, raw)
+    return Calibration(network, compute, n, link_bps, raw, intra_net, nnodes, intra_link_bps)

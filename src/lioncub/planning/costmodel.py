@@ -1001,13 +1001,52 @@ CALIBRATION_VERSION = 1
 
 @dataclass(frozen=True)
 class Calibration:
-    """What ``lioncub calibrate`` measured: the network (with per-op fits) and the compute costs."""
+    """What ``lioncub calibrate`` measured: the network (with per-op fits) and the compute costs.
+
+    A calibration of M nodes of L ranks (``nnodes`` set, ``intra`` not None) has two levels: ``network``
+    is a node's NIC to the other nodes (the rate of all its ranks together) and ``intra`` a rank's link to
+    the ranks of its own node; :meth:`cluster` lays them out as a :class:`Cluster`. Otherwise ``network``
+    is each rank's own link and ``intra`` is None.
+    """
 
     network: Network
     compute: Compute
     world_size: int
     link_bps: float | None = None
     raw: Mapping[str, Any] = field(default_factory=dict)
+    intra: Network | None = None
+    nnodes: int | None = None
+    intra_link_bps: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.intra is None) != (self.nnodes is None):
+            raise ValueError("Calibration: intra and nnodes go together (a two-level calibration has both)")
+        if self.nnodes is not None and not (
+            is_int(self.nnodes, 2) and self.world_size % self.nnodes == 0 and self.world_size > self.nnodes
+        ):
+            raise ValueError(
+                f"Calibration: nnodes={self.nnodes!r} must be an int >= 2 dividing world_size="
+                f"{self.world_size} into nodes of at least 2 ranks"
+            )
+
+    @property
+    def nproc_per_node(self) -> int | None:
+        return None if self.nnodes is None else self.world_size // self.nnodes
+
+    def cluster(self, nnodes: int | None = None, nproc_per_node: int | None = None) -> Cluster:
+        """The two levels as a :class:`Cluster` of ``nnodes`` × ``nproc_per_node`` (default: the layout
+        calibrated). Needs a two-level calibration."""
+        if self.intra is None or self.nnodes is None:
+            raise ValueError(
+                "this calibration has one level (a link per rank); calibrate on nodes of several ranks "
+                "(`lioncub calibrate --nnodes M --nproc-per-node L`) for both levels"
+            )
+        return Cluster(
+            self.nnodes if nnodes is None else nnodes,
+            int(self.nproc_per_node) if nproc_per_node is None else nproc_per_node,
+            self.network,
+            self.intra,
+        )
 
     def to_json(self) -> dict[str, Any]:
         """The JSON document (``raw`` entries such as fit details are kept)."""
@@ -1016,21 +1055,61 @@ class Calibration:
             version=CALIBRATION_VERSION,
             world_size=self.world_size,
             link_bps=self.link_bps,
-            network={
-                "latency_s": self.network.latency_s,
-                "bandwidth_Bps": self.network.bandwidth_Bps,
-                "efficiency": self.network.efficiency,
-            },
+            network=_network_json(self.network),
         )
-        per_op = {k: dict(v) for k, v in dict(doc.get("per_op", {})).items()}
-        for op, cost in self.network.per_op.items():
-            per_op.setdefault(op, {}).update(latency_s=cost.latency_s, efficiency=cost.efficiency)
-        doc["per_op"] = per_op
+        doc["per_op"] = _per_op_json(doc.get("per_op", {}), self.network)
+        if self.intra is not None:
+            doc.update(
+                nnodes=self.nnodes,
+                intra_link_bps=self.intra_link_bps,
+                intra_network=_network_json(self.intra),
+            )
+            doc["intra_per_op"] = _per_op_json(doc.get("intra_per_op", {}), self.intra)
         doc["compute"] = dataclasses.asdict(self.compute)
         return doc
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n")
+
+
+def _network_json(network: Network) -> dict[str, float]:
+    return {
+        "latency_s": network.latency_s,
+        "bandwidth_Bps": network.bandwidth_Bps,
+        "efficiency": network.efficiency,
+    }
+
+
+def _per_op_json(fits: Any, network: Network) -> dict[str, dict[str, Any]]:
+    """The per-op fit details of ``fits`` with each op's α and efficiency from ``network``."""
+    per_op = {k: dict(v) for k, v in dict(fits).items()}
+    for op, cost in network.per_op.items():
+        per_op.setdefault(op, {}).update(latency_s=cost.latency_s, efficiency=cost.efficiency)
+    return per_op
+
+
+def _network_from_json(doc: Mapping[str, Any], net_key: str, ops_key: str, where: str) -> Network:
+    net = doc.get(net_key)
+    if not isinstance(net, Mapping):
+        raise ValueError(f"{where}: {net_key!r} must be an object with latency_s and bandwidth_Bps")
+    per_op: dict[str, OpCost] = {}
+    for op, fit in dict(doc.get(ops_key) or {}).items():
+        if op not in OPS:
+            continue  # written by a newer calibrate: not used by this model
+        if not isinstance(fit, Mapping):
+            raise ValueError(f"{where}: {ops_key}[{op!r}] must be an object")
+        if fit.get("ok", True) is False:
+            continue  # the fit failed (e.g. a slope <= 0): fall back to the network's values
+        per_op[op] = OpCost(
+            _number(fit, "latency_s", f"{where}: {ops_key}[{op!r}]"),
+            _number(fit, "efficiency", f"{where}: {ops_key}[{op!r}]", positive=True),
+        )
+    return Network(
+        _number(net, "latency_s", f"{where}: {net_key}"),
+        _number(net, "bandwidth_Bps", f"{where}: {net_key}", positive=True),
+        _number(net, "efficiency", f"{where}: {net_key}", positive=True) if "efficiency" in net else 1.0,
+        per_op,
+    )
 
 
 def _number(doc: Mapping[str, Any], key: str, where: str, *, positive: bool = False) -> float:
@@ -1048,27 +1127,7 @@ def calibration_from_json(doc: Mapping[str, Any], where: str = "calibration") ->
         raise ValueError(f"{where}: expected a JSON object")
     if doc.get("version") != CALIBRATION_VERSION:
         raise ValueError(f"{where}: version {doc.get('version')!r} is not {CALIBRATION_VERSION}")
-    net = doc.get("network")
-    if not isinstance(net, Mapping):
-        raise ValueError(f"{where}: 'network' must be an object with latency_s and bandwidth_Bps")
-    per_op: dict[str, OpCost] = {}
-    for op, fit in dict(doc.get("per_op") or {}).items():
-        if op not in OPS:
-            continue  # written by a newer calibrate: not used by this model
-        if not isinstance(fit, Mapping):
-            raise ValueError(f"{where}: per_op[{op!r}] must be an object")
-        if fit.get("ok", True) is False:
-            continue  # the fit failed (e.g. a slope <= 0): fall back to the network's values
-        per_op[op] = OpCost(
-            _number(fit, "latency_s", f"{where}: per_op[{op!r}]"),
-            _number(fit, "efficiency", f"{where}: per_op[{op!r}]", positive=True),
-        )
-    network = Network(
-        _number(net, "latency_s", f"{where}: network"),
-        _number(net, "bandwidth_Bps", f"{where}: network", positive=True),
-        _number(net, "efficiency", f"{where}: network", positive=True) if "efficiency" in net else 1.0,
-        per_op,
-    )
+    network = _network_from_json(doc, "network", "per_op", where)
     comp = doc.get("compute") or {}
     if not isinstance(comp, Mapping):
         raise ValueError(f"{where}: 'compute' must be an object")
@@ -1079,7 +1138,18 @@ def calibration_from_json(doc: Mapping[str, Any], where: str = "calibration") ->
         raise ValueError(f"{where}: 'world_size' must be an int >= 1, got {world!r}")
     link = doc.get("link_bps")
     link_bps = None if link is None else _number(doc, "link_bps", where, positive=True)
-    return Calibration(network, compute, world, link_bps, dict(doc))
+    if doc.get("nnodes") is None:
+        return Calibration(network, compute, world, link_bps, dict(doc))
+    nnodes = doc["nnodes"]
+    if not (is_int(nnodes, 2) and world % nnodes == 0 and world > nnodes):
+        raise ValueError(
+            f"{where}: 'nnodes' must be an int >= 2 dividing world_size={world} into nodes of at least 2 "
+            f"ranks, got {nnodes!r}"
+        )
+    intra = _network_from_json(doc, "intra_network", "intra_per_op", where)
+    intra_link = doc.get("intra_link_bps")
+    intra_bps = None if intra_link is None else _number(doc, "intra_link_bps", where, positive=True)
+    return Calibration(network, compute, world, link_bps, dict(doc), intra, nnodes, intra_bps)
 
 
 def load_calibration(path: str | Path) -> Calibration:

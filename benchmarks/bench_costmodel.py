@@ -15,6 +15,14 @@ need root (``lioncub launch --link``).
 Printed: a row per (link, N, size, preset) with the prediction, the measurement and the error; per
 configuration the predicted and the measured winner; a summary against the targets (every prediction
 within 25 %, the winner right everywhere).
+
+Nodes of several ranks (issue 19): ``--nodes 2x2`` runs M emulated nodes of L ranks instead of
+``--nprocs`` (each node's ranks in one namespace behind one shaped NIC, ``lioncub launch --nnodes``),
+calibrates both levels (``lioncub calibrate --nnodes``), times every preset laid over the nodes as each
+topology it allows (``flat``, ``hierarchical``, ``node-majority``; a row per ``preset@topology``) and
+compares with :func:`lioncub.planning.costmodel.predict_cluster` on the calibrated cluster::
+
+    python benchmarks/bench_costmodel.py --links 100mbit,1gbit --nodes 2x2 --params 8M,32M
 """
 
 from __future__ import annotations
@@ -35,13 +43,38 @@ import bench_presets  # a sibling script, not a package
 TOLERANCE = 0.25
 
 
-def calibrate(link: str, nproc: int, path: str, timeout: float) -> None:
-    cmd = [sys.executable, "-m", "lioncub.cli.calibrate", "--out", path, "--nproc", str(nproc)]
+def parse_nodes(text: str) -> tuple[int, int]:
+    """``"2x2"`` → (M, L)."""
+    try:
+        m, ell = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--nodes {text!r}: give MxL, e.g. 2x2 (M nodes of L ranks)") from None
+    if m < 2 or ell < 2:
+        raise SystemExit(f"--nodes {text!r}: M and L must be at least 2")
+    return m, ell
+
+
+def calibrate(link: str, nproc: int, path: str, timeout: float, nodes: tuple[int, int] | None = None) -> None:
+    cmd = [sys.executable, "-m", "lioncub.cli.calibrate", "--out", path]
+    if nodes is not None:
+        cmd += ["--nnodes", str(nodes[0]), "--nproc-per-node", str(nodes[1])]
+    else:
+        cmd += ["--nproc", str(nproc)]
     if link != "loopback":
         cmd += ["--link", link]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise SystemExit(f"calibration on {nproc} ranks, {link} failed:\n{proc.stdout}\n{proc.stderr}")
+    print(proc.stdout, file=sys.stderr, flush=True)
+
+
+def node_combos(presets: list[str], n: int) -> list[str]:
+    """``preset@topology`` for every topology each preset allows on N workers."""
+    from lioncub.planning import costmodel
+
+    return [
+        f"{p}@{t}" for p in presets for t in costmodel.TOPOLOGIES if costmodel.topology_allowed(p, t, n)[0]
+    ]
 
 
 def buckets(sizes: list[int], cap: int) -> list[list[int]]:
@@ -63,17 +96,23 @@ def worker(args: argparse.Namespace) -> None:
 
     from lioncub.collectives import Comm
     from lioncub.optim import make_vote, resolve_variant
+    from lioncub.optim.topology import mesh_from_environment, node_groups
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     comm = Comm()
     rank = comm.rank
+    levels = None
+    if args.nodes:  # the launcher's emulated nodes: the (intra-node, inter-node) groups of this rank
+        _, intra, inter = node_groups(mesh_from_environment("hierarchical"), "auto")
+        levels = (intra, inter)
     layout = buckets(bench_presets.tensor_sizes(bench_presets.parse_count(args.params)), args.cap)
     gen = torch.Generator().manual_seed(1000 + rank)
     locals_ = [torch.randn(sum(b), generator=gen) for b in layout]
     results = {}
     for preset in args.presets.split(","):
-        vote = make_vote(comm, resolve_variant(preset))
+        name, _, topology = preset.partition("@")
+        vote = make_vote(comm, resolve_variant(name, topology=topology or "flat"), levels)
         times = []
         for step in range(1, args.steps + 2):
             dist.barrier()
@@ -93,7 +132,7 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def measure(link: str, nproc: int, params: str, args: argparse.Namespace) -> dict:
+def measure(link: str, nproc: int, params: str, args: argparse.Namespace, presets: str) -> dict:
     from lioncub.launch import LaunchConfig, launch
     from lioncub.units import parse_rate
 
@@ -101,8 +140,16 @@ def measure(link: str, nproc: int, params: str, args: argparse.Namespace) -> dic
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--out", out, "--params", params]
-        cmd += ["--presets", args.presets, "--steps", str(args.steps), "--cap", str(args.cap)]
-        res = launch(LaunchConfig(cmd, nproc=nproc, link_rate_bps=rate, timeout_s=args.timeout))
+        cmd += ["--presets", presets, "--steps", str(args.steps), "--cap", str(args.cap)]
+        if args.nodes:
+            m, ell = parse_nodes(args.nodes)
+            cmd += ["--nodes", args.nodes]
+            config = LaunchConfig(
+                cmd, link_rate_bps=rate, timeout_s=args.timeout, nnodes=m, nproc_per_node=ell
+            )
+        else:
+            config = LaunchConfig(cmd, nproc=nproc, link_rate_bps=rate, timeout_s=args.timeout)
+        res = launch(config)
         if not res.ok:
             raise SystemExit(f"benchmark on {nproc} ranks, {link}, {params} failed: {res.message}")
         with open(out) as f:
@@ -116,7 +163,11 @@ def compare(link: str, nproc: int, data: dict, cal_path: str, cap: int) -> list[
     d = data["params"]
     rows = []
     for preset, r in data["results"].items():
-        p = costmodel.predict(preset, d, nproc, cal.network, cal.compute, bucket_numel=cap)
+        if cal.nnodes is not None:  # preset@topology on the calibrated nodes
+            name, _, topology = preset.partition("@")
+            p = costmodel.predict_cluster(name, d, cal.cluster(), topology, cal.compute, bucket_numel=cap)
+        else:
+            p = costmodel.predict(preset, d, nproc, cal.network, cal.compute, bucket_numel=cap)
         rows.append(
             {
                 "link": link,
@@ -183,6 +234,7 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--timeout", type=float, default=1800.0)
     ap.add_argument("--json", help="write all rows here")
+    ap.add_argument("--nodes", help="MxL: M emulated nodes of L ranks (replaces --nprocs; every topology)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--cap", type=int, help=argparse.SUPPRESS)
@@ -194,12 +246,16 @@ def main() -> None:
     started = datetime.datetime.now(datetime.timezone.utc)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
+        nodes = parse_nodes(args.nodes) if args.nodes else None
+        nprocs = [nodes[0] * nodes[1]] if nodes else [int(n) for n in args.nprocs.split(",")]
         for link in args.links.split(","):
-            for nproc in (int(n) for n in args.nprocs.split(",")):
+            for nproc in nprocs:
                 cal_path = os.path.join(tmp, f"cal-{link}-{nproc}.json")
-                calibrate(link, nproc, cal_path, args.timeout)
+                calibrate(link, nproc, cal_path, args.timeout, nodes)
+                presets = args.presets.split(",")
+                combos = ",".join(node_combos(presets, nproc) if nodes else presets)
                 for params in args.params.split(","):
-                    data = measure(link, nproc, params, args)
+                    data = measure(link, nproc, params, args, combos)
                     rows += compare(link, nproc, data, cal_path, args.cap)
                     print(f"[bench] {link} N={nproc} {params}: done", file=sys.stderr, flush=True)
     import torch
@@ -207,7 +263,9 @@ def main() -> None:
     table, summary = markdown(rows)
     print(
         f"# bench_costmodel {started:%Y-%m-%d %H:%M} UTC, {platform.node()}, {os.cpu_count()} CPUs, "
-        f"torch {torch.__version__}, links {args.links}, N {args.nprocs}, params {args.params}, "
+        f"torch {torch.__version__}, links {args.links}, "
+        + (f"nodes {args.nodes}" if args.nodes else f"N {args.nprocs}")
+        + f", params {args.params}, "
         f"{args.steps} timed steps, bucket {args.bucket_mb} MB"
     )
     print(table)

@@ -8,6 +8,13 @@ shaped link; root). Then, per variant, the ideal step time by Amdahl's law is it
 (0.956 · rate at MTU 1500), and the ideal speedup over ``32bit`` is the ratio of the ideal times. The
 achieved fraction is the measured speedup over the ideal one. Prints markdown for BENCHMARKS.md and
 copies the report's PNGs to ``--plots DIR/<link>/``.
+
+``--nodes MxL`` (issue 19) runs the comparison on M emulated nodes of L ranks (one shaped NIC per node,
+``lioncub compare --nnodes M --nproc-per-node L``; variants may name a topology, ``1bit@hierarchical``).
+The wire term of the ideal is then the bytes through a node's NIC per step (the busier direction) over
+the NIC's payload rate — the traffic inside a node rides the loopback and is not charged. Those bytes
+come from :func:`lioncub.planning.costmodel.predict_cluster` for the model's parameter count, whose
+per-level bytes the tests hold equal to what the votes count; the table shows them per node.
 """
 
 from __future__ import annotations
@@ -30,7 +37,12 @@ def run_compare(args: argparse.Namespace, link: str) -> Path:
     cmd = [sys.executable, "-m", "lioncub.cli", "compare", "--workload", "gpt", "--size", args.size]
     for item in args.set:
         cmd += ["--set", item]
-    cmd += ["--variants", args.variants, "--nproc", str(args.nproc), "--steps", str(args.steps)]
+    cmd += ["--variants", args.variants, "--steps", str(args.steps)]
+    if args.nodes:
+        m, ell = parse_nodes(args.nodes)
+        cmd += ["--nnodes", str(m), "--nproc-per-node", str(ell)]
+    else:
+        cmd += ["--nproc", str(args.nproc)]
     cmd += ["--eval-every", str(args.eval_every), "--out", str(out), "--no-progress"]
     if link != "loopback":
         cmd += ["--link", link]
@@ -41,7 +53,40 @@ def run_compare(args: argparse.Namespace, link: str) -> Path:
     return out
 
 
-def amdahl_rows(report_dir: Path, link: str) -> list[dict]:
+def parse_nodes(text: str) -> tuple[int, int]:
+    """``"2x2"`` → (M, L)."""
+    try:
+        m, ell = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--nodes {text!r}: give MxL, e.g. 2x2 (M nodes of L ranks)") from None
+    return m, ell
+
+
+def param_count(args: argparse.Namespace) -> int:
+    """Parameters of the compared GPT (built once here with the same --set fields)."""
+    from lioncub.train.workloads import make_workload
+
+    overrides: dict = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        overrides[key] = json.loads(value) if value[:1].isdigit() or value in ("true", "false") else value
+    workload = make_workload("gpt", args.size, **overrides)
+    model = workload.build_model()
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def nic_bytes(variant: str, d: int, nodes: tuple[int, int]) -> float:
+    """Bytes through a node's NIC per step (the busier direction) of ``variant`` (``name@topology``)."""
+    from lioncub.planning import costmodel as cm
+
+    name, _, topology = variant.partition("@")
+    name = name.removesuffix("+overlap")
+    net = cm.Network.from_rate(1e9, 0.0)  # the rates do not change the bytes
+    p = cm.predict_cluster(name, d, cm.Cluster(*nodes, net, net), topology or "flat")
+    return max(p.nic_sent, p.nic_recv)
+
+
+def amdahl_rows(report_dir: Path, link: str, nodes: tuple[int, int] | None = None, d: int = 0) -> list[dict]:
     from lioncub.units import parse_rate
 
     summary = json.loads((report_dir / "summary.json").read_text())
@@ -49,7 +94,10 @@ def amdahl_rows(report_dir: Path, link: str) -> list[dict]:
     rate = None if link == "loopback" else parse_rate(link) * PAYLOAD_EFFICIENCY / 8  # bytes/s
     ideal = {}
     for r in rows:
-        wire = r["bytes_sent_per_step"] / rate if rate else 0.0
+        if nodes is not None:
+            r["nic_bytes_per_step"] = nic_bytes(r["variant"], d, nodes)
+        wire_bytes = r["nic_bytes_per_step"] if nodes is not None else r["bytes_sent_per_step"]
+        wire = wire_bytes / rate if rate else 0.0
         ideal[r["variant"]] = r["compute_s"] + wire
     base = next((r for r in rows if r["variant"] == "32bit"), None)
     out = []
@@ -73,19 +121,23 @@ def amdahl_rows(report_dir: Path, link: str) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
+    nodes = any("nic_bytes_per_step" in r for r in rows)
     lines = [
-        "| link | variant | step ms | compute ms | comm ms | MB/step/rank | speedup | ideal (Amdahl) | "
-        "of ideal | val loss (step) | vs 32bit | time to target s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| link | variant | step ms | compute ms | comm ms | MB/step/rank | "
+        + ("NIC MB/step/node | " if nodes else "")
+        + "speedup | ideal (Amdahl) | of ideal | val loss (step) | vs 32bit | time to target s |",
+        "|---|---|---:|---:|---:|---:|" + ("---:|" if nodes else "") + "---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
 
         def f(v: float | None, spec: str) -> str:
             return "—" if v is None else format(v, spec)
 
+        nic = f"{r['nic_bytes_per_step'] / 1e6:.3f} | " if nodes else ""
         lines.append(
             f"| {r['link']} | {r['variant']} | {r['step_s'] * 1e3:.0f} | {r['compute_s'] * 1e3:.0f} | "
-            f"{r['comm_s'] * 1e3:.0f} | {r['bytes_sent_per_step'] / 1e6:.3f} | {f(r['speedup'], '.2f')}× | "
+            f"{r['comm_s'] * 1e3:.0f} | {r['bytes_sent_per_step'] / 1e6:.3f} | {nic}"
+            f"{f(r['speedup'], '.2f')}× | "
             f"{f(r['ideal_speedup'], '.2f')}× | {f(r['fraction_of_ideal'], '.0%')} | "
             f"{f(r['val_loss_equal_step'], '.4f')} ({r['equal_step']}) | "
             f"{f(r['val_loss_vs_32bit'], '+.2%')} | "
@@ -106,12 +158,15 @@ def main() -> None:
     ap.add_argument("--out", default="runs/bench-train")
     ap.add_argument("--plots", help="copy the PNGs to PLOTS/<link>/")
     ap.add_argument("--overwrite", action="store_true")
+    ap.add_argument("--nodes", help="MxL: M emulated nodes of L ranks, one NIC each (replaces --nproc)")
     args = ap.parse_args()
     started = datetime.datetime.now(datetime.timezone.utc)
+    nodes = parse_nodes(args.nodes) if args.nodes else None
+    d = param_count(args) if nodes else 0
     rows: list[dict] = []
     for link in args.links.split(","):
         report_dir = run_compare(args, link)
-        rows += amdahl_rows(report_dir, link)
+        rows += amdahl_rows(report_dir, link, nodes, d)
         if args.plots:
             dest = Path(args.plots) / link
             dest.mkdir(parents=True, exist_ok=True)
@@ -122,7 +177,9 @@ def main() -> None:
 
     print(
         f"# bench_train {started:%Y-%m-%d %H:%M} UTC, {platform.node()}, {os.cpu_count()} CPUs, torch "
-        f"{torch.__version__}; gpt {args.size} {' '.join(args.set)}, {args.nproc} ranks, {args.steps} steps, "
+        f"{torch.__version__}; gpt {args.size} {' '.join(args.set)}, "
+        f"{f'{args.nodes} nodes x ranks' if nodes else f'{args.nproc} ranks'} ({d:,} parameters), "
+        f"{args.steps} steps, "
         f"eval every {args.eval_every}; wall {wall.total_seconds() / 60:.1f} min"
     )
     print(markdown(rows))

@@ -63,13 +63,17 @@ def _check_layout(flat: Comm, intra: Comm, inter: Comm) -> tuple[int, int]:
     return m, ell
 
 
-def _slices(values: torch.Tensor, ell: int) -> tuple[torch.Tensor, int]:
-    """``values`` zero-padded to a multiple of ``ell`` and viewed as ``[ell, k]``; returns (view, k)."""
+def _slice(values: torch.Tensor, ell: int, index: int) -> tuple[torch.Tensor, int]:
+    """Slice ``index`` of ``ell`` of ``values`` (1-D, length d): ``k = ⌈d / L⌉`` elements from
+    ``index·k``, zero-padded past d (a view when it needs no padding); returns (slice, k)."""
     d = values.numel()
     k = -(-d // ell)
-    padded = torch.zeros(ell * k, dtype=values.dtype, device=values.device)
-    padded[:d] = values
-    return padded.view(ell, k), k
+    lo, hi = min(index * k, d), min((index + 1) * k, d)
+    if hi - lo == k:
+        return values[lo:hi], k
+    padded = torch.zeros(k, dtype=values.dtype, device=values.device)
+    padded[: hi - lo] = values[lo:hi]
+    return padded, k
 
 
 def _int_dtype(max_abs: int) -> torch.dtype:
@@ -120,11 +124,9 @@ class HierarchicalVote(VoteAlgorithm):
         """The flat algorithm's update from the exact sum ``total`` over all N ranks."""
         n = self.world_size
         if isinstance(self.flat, OneBitVote):
-            margin = 2 * total.to(torch.int32) - n
-            tie = 1 if step % 2 == 1 else -1
-            return torch.where(margin == 0, tie, torch.sign(margin)).to(torch.int8)
+            return packing.majority_signs(total, n, step % 2 == 1)
         if isinstance(self.flat, LaneVote):
-            return torch.sign(2 * total.to(torch.int32) - n).to(torch.int8)
+            return packing.margin_signs(total, n)
         if isinstance(self.flat, AverageVote):
             out = self.buffer(key, "average", local.numel(), local.dtype)
             return out.copy_(total).div_(n)
@@ -140,12 +142,14 @@ class HierarchicalVote(VoteAlgorithm):
 
         def middle() -> None:  # this rank's slice of the node sum, summed over the nodes
             first.wait()
-            rows, k = _slices(node_sum, ell)
-            mine = rows[self.intra.rank]
+            mine, k = _slice(node_sum, ell, self.intra.rank)
             if self.lane_bits is not None:
-                lanes = packing.pack_lanes(
-                    (mine.to(torch.int16) + ell * self.offset).to(torch.uint8), self.lane_bits
+                encoded = (  # offset-encoded node sums in [0, span ≤ 255]; 0/1 votes need no offset
+                    mine.view(torch.uint8)
+                    if self.offset == 0 and mine.dtype == torch.int8
+                    else (mine.to(torch.int16) + ell * self.offset).to(torch.uint8)
                 )
+                lanes = packing.pack_lanes(encoded, self.lane_bits)
                 state["lanes"], state["k"] = lanes, k
                 state["inter"] = self.inter.all_reduce(
                     lanes, f"hierarchical vote: {self.lane_bits}-bit inter-node sum"
@@ -160,8 +164,9 @@ class HierarchicalVote(VoteAlgorithm):
             handle.wait()
             k = int(state["k"])  # type: ignore[call-overload]
             if self.lane_bits is not None:
-                summed = packing.unpack_lanes(state["lanes"], self.lane_bits, k).to(torch.int32)  # type: ignore[arg-type]
-                summed = summed - m * ell * self.offset
+                summed = packing.unpack_lanes(state["lanes"], self.lane_bits, k)  # type: ignore[arg-type]
+                if self.offset:
+                    summed = summed.to(torch.int32) - m * ell * self.offset
             else:
                 summed = state["wide"]  # type: ignore[assignment]
             gathered = torch.empty(ell, k, dtype=total_dtype, device=local.device)
@@ -210,12 +215,10 @@ class NodeMajorityVote(VoteAlgorithm):
 
         def middle() -> None:
             first.wait()
-            margin = 2 * counts.to(torch.int32) - ell
-            tie = 1 if step % 2 == 1 else -1
-            node_vote = torch.where(margin == 0, tie, torch.sign(margin)).to(torch.float32)
-            rows, k = _slices(node_vote, ell)
+            mine, k = _slice(counts, ell, self.intra.rank)
+            node_vote = packing.majority_signs(mine, ell, step % 2 == 1).to(torch.float32)
             state["k"] = k
-            state["pending"] = self.among_nodes.start(rows[self.intra.rank].contiguous(), step=step)
+            state["pending"] = self.among_nodes.start(node_vote, step=step)
             state["pending"].advance()  # type: ignore[attr-defined]
 
         def finish() -> torch.Tensor:

@@ -28,7 +28,9 @@ __all__ = [
     "LANE_BITS",
     "count_votes",
     "lane_sum_fits",
+    "majority_signs",
     "map_lanes",
+    "margin_signs",
     "max_lane_workers",
     "offset_decode",
     "offset_encode",
@@ -351,6 +353,20 @@ def pack_majority(counts: torch.Tensor, n_workers: int, tie_positive: bool) -> t
     if _numpy_path(counts):
         return torch.from_numpy(np.packbits(counts.numpy() >= threshold, bitorder="big"))
     return pack_bits(counts >= threshold)
+
+
+def majority_signs(counts: torch.Tensor, n_workers: int, tie_positive: bool) -> torch.Tensor:
+    """int8 ±1 per element of a vote's ``counts`` (integers in ``[0, N]``): +1 where ``2·count > N`` or, on
+    a tie, where ``tie_positive`` (as :func:`pack_majority`, unpacked). One comparison and two int8 passes."""
+    threshold = (n_workers + 1) // 2 if tie_positive else n_workers // 2 + 1  # smallest count that wins
+    return torch.ge(counts, threshold).to(torch.int8).mul_(2).sub_(1)
+
+
+def margin_signs(counts: torch.Tensor, n_workers: int) -> torch.Tensor:
+    """int8 ``sign(2·count − N)`` per element of ``counts`` (integers in ``[0, N]``), 0 at a tie:
+    ``[count > ⌊N/2⌋] − [count < ⌈N/2⌉]``."""
+    above = torch.gt(counts, n_workers // 2).to(torch.int8)
+    return above.sub_(torch.lt(counts, (n_workers + 1) // 2).view(torch.int8))
 
 
 def _lane_table(bits: int, values: tuple[int, ...], device: torch.device) -> torch.Tensor:

@@ -18,8 +18,17 @@ in the JSON; ``lioncub cost`` then uses the network's values for that op), with 
 JSON keeps every field (``rel_rms_residual`` stays a number) and adds ``dof``.
 
 The link rate comes from ``$LIONCUB_LINK_BPS`` (set by ``lioncub launch --link``); without one the
-fitted fp32 allreduce rate is the reference (its efficiency is 1). The local reduction of the allreduces
-is part of their measured rate, so the calibration sets ``reduce_s_per_byte = 0``.
+fitted fp32 allreduce rate is the reference (its efficiency is 1).
+
+On M nodes of L ranks (``nodes=`` a ``("node", "local")`` mesh) each level is fitted on its own: the NIC
+from every op run among the ranks of one local rank across the nodes — all L such groups at once, since
+they share each node's NIC, so a point's bytes are L times one rank's — and the node from every op run
+among the ranks of each node, all nodes at once (rate ``$LIONCUB_INTRA_LINK_BPS``, set by ``lioncub
+launch --intra-link``, or the fitted fp32 allreduce's). :meth:`Calibration.cluster
+<lioncub.planning.costmodel.Calibration.cluster>` gives the two-level model.
+
+The local reduction of the allreduces is part of their measured rate, so the calibration sets
+``reduce_s_per_byte = 0``.
 """
 
 from __future__ import annotations

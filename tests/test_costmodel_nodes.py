@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from cli_stub import cli_runner
 from lioncub.cli import cost as cost_cli
@@ -361,3 +362,58 @@ def test_calibrate_two_emulated_nodes_measures_the_nic_rate(tmp_path: Path) -> N
     assert calib.intra is not None and calib.intra.rate("allreduce_f32") > 2 * calib.network.rate(
         "allreduce_f32"
     )
+
+
+# ------------------------------------------------------------------- topology="auto" in the library
+
+
+def test_auto_topology_follows_the_two_level_model(tmp_path: Path) -> None:
+    from lioncub.optim import resolve_variant
+    from lioncub.planning.auto import auto_topology, choose_topology
+
+    params = [torch.nn.Parameter(torch.zeros(2_000_000))]
+    slow_nic, fast_inside = cm.Network.from_rate(1e8, 50e-6), cm.Network.from_rate(4e11, 5e-6)
+    for variant in ("1bit", "8bit"):
+        want, _ = choose_topology(variant, 2_000_000, cm.Cluster(2, 4, slow_nic, fast_inside), cm.Compute(),
+                                  bucket_numel=25 * 2**20 // 4)  # fmt: skip
+        path = tmp_path / f"{variant}.json"
+        cm.Calibration(slow_nic, cm.Compute(), 8, 1e8, {}, fast_inside, 2).save(path)
+        got, why = auto_topology(params, variant, network=str(path), nnodes=2, nproc_per_node=4)
+        assert got == want and f"calibration {variant}.json" in why, why
+        assert auto_topology(params, variant, network=str(path), nnodes=4, nproc_per_node=1)[0] == "flat"
+    # 8bit: the int8 ring puts 1.5·d through each NIC, the hierarchical lanes d → hierarchical at 100 Mbit/s
+    assert auto_topology(params, "8bit", network="100mbit", nnodes=2, nproc_per_node=2)[0] == "hierarchical"
+    assert auto_topology(params, "1bit", network="100mbit", nnodes=2, nproc_per_node=2)[0] == "flat"
+    assert auto_topology(params, "32bit", network="100mbit", nnodes=2, nproc_per_node=2)[0] == "flat"
+    with pytest.raises(ValueError, match="auto_topology"):
+        resolve_variant("1bit", topology="auto")
+
+
+def test_auto_topology_reads_the_layout_from_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lioncub.planning.auto import auto_topology
+
+    params = [torch.nn.Parameter(torch.zeros(1_000_000))]
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: 2 nodes of 2
+    monkeypatch.delenv("LIONCUB_NNODES", raising=False)
+    assert auto_topology(params, "8bit", network="100mbit")[0] == "hierarchical"
+    monkeypatch.setenv("LIONCUB_NNODES", "4")  # lioncub launch --nproc 4 --link: a node per rank
+    choice, why = auto_topology(params, "8bit", network="100mbit")
+    assert choice == "flat" and "4 node(s) of 1 rank(s)" in why
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"nnodes": 2}, "give both"),
+        ({"nnodes": 0, "nproc_per_node": 2}, "nnodes=0"),
+        ({"nnodes": 2, "nproc_per_node": 2, "network": "/nonexistent/x.json"}, "lioncub calibrate"),
+        ({"nnodes": 2, "nproc_per_node": 2, "network": "1gbit", "bucket_mb": 0}, "bucket_mb"),
+        ({"nnodes": 2, "nproc_per_node": 2, "network": "1gbit", "intra": "fast"}, "intra"),
+    ],
+)
+def test_auto_topology_refuses_bad_input(kwargs: dict, fragment: str) -> None:
+    from lioncub.planning.auto import auto_topology
+
+    with pytest.raises(ValueError, match=fragment):
+        auto_topology([torch.nn.Parameter(torch.zeros(10))], "1bit", **kwargs)

@@ -161,7 +161,13 @@ class VoteConfig:
         if self.exchange not in EXCHANGES:
             raise ValueError(f"exchange={self.exchange!r}: allowed values are {list(EXCHANGES)}")
         if self.topology not in TOPOLOGIES:
-            raise ValueError(f"topology={self.topology!r}: allowed values are {list(TOPOLOGIES)}")
+            auto = (
+                " (topology='auto' is lioncub.planning.auto.auto_topology(params, variant, network=...), "
+                "called before the optimizer: it returns the exact topology the cost model predicts faster)"
+                if self.topology == "auto"
+                else ""
+            )
+            raise ValueError(f"topology={self.topology!r}: allowed values are {list(TOPOLOGIES)}{auto}")
         if self.topology == "hierarchical" and self.transport in ("dense", "server"):
             raise ValueError(
                 f"topology='hierarchical' applies to the votes, not to transport={self.transport!r} (the "

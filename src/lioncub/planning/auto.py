@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lioncub._validate import is_number
+from lioncub._validate import is_int, is_number
 from lioncub.planning import costmodel
 from lioncub.planning.costmodel import Calibration, Compute, Network, Prediction
 
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AUTO_ENV",
     "AutoChoice",
+    "auto_topology",
     "auto_variant",
     "check_candidates",
     "choose_topology",
@@ -222,3 +223,104 @@ def choose_topology(
         + (f"; not allowed: {refused}" if refused else "")
     )
     return best.topology, reason
+
+
+def _node_layout(nnodes: int | None, nproc_per_node: int | None) -> tuple[int, int]:
+    """(M, L): as given, else from the job (``$LIONCUB_NNODES`` of ``lioncub launch``, else torchrun's
+    ``$LOCAL_WORLD_SIZE``; the world size from the default group or ``$WORLD_SIZE``)."""
+    if (nnodes is None) != (nproc_per_node is None):
+        raise ValueError(
+            f"nnodes={nnodes!r}, nproc_per_node={nproc_per_node!r}: give both (M nodes of L ranks) or "
+            "neither (read from the job's environment)"
+        )
+    if nnodes is not None and nproc_per_node is not None:
+        for name, value in (("nnodes", nnodes), ("nproc_per_node", nproc_per_node)):
+            if not is_int(value, 1):
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        return nnodes, nproc_per_node
+    import torch.distributed as dist
+
+    world_text = str(dist.get_world_size()) if dist.is_initialized() else os.environ.get("WORLD_SIZE", "1")
+    nodes, local = os.environ.get("LIONCUB_NNODES", ""), os.environ.get("LOCAL_WORLD_SIZE", "")
+    world = int(world_text) if world_text.isdigit() else 1
+    if nodes.isdigit() and int(nodes) >= 1 and world % int(nodes) == 0:
+        return int(nodes), world // int(nodes)
+    if local.isdigit() and int(local) >= 1 and world % int(local) == 0:
+        return world // int(local), int(local)
+    return world, 1
+
+
+def auto_topology(
+    params: Iterable[torch.Tensor] | Iterable[dict],
+    variant: str,
+    *,
+    network: NetworkSpec = None,
+    intra: str | Network | None = None,
+    latency_s: float = DEFAULT_LATENCY_S,
+    nnodes: int | None = None,
+    nproc_per_node: int | None = None,
+    bucket_mb: float = 25.0,
+) -> tuple[str, str]:
+    """``topology="auto"`` for the library: the exact topology (``"flat"`` or ``"hierarchical"``) the
+    two-level cost model predicts faster for ``variant`` on the parameters that require grad, and why.
+    Call it before the optimizer, on every rank (a pure function of its arguments and the environment, so
+    every rank gets the same answer without communicating)::
+
+        topology, why = auto_topology(model.parameters(), "8bit", network="nodes.json")
+        opt = LionCub(model.parameters(), lr=3e-4, variant=resolve_variant("8bit", topology=topology))
+
+    Args:
+        network: the NIC between the nodes, as :func:`resolve_network` takes it; a two-level calibration
+            (``lioncub calibrate --nnodes``) gives both levels.
+        intra: a rank's link inside its node, a rate such as ``"400gbit"`` or a ``Network`` (default: a
+            two-level calibration's, else 400 Gbit/s at 5 µs).
+        nnodes, nproc_per_node: M and L (default: the job's — ``$LIONCUB_NNODES`` of ``lioncub launch``,
+            else torchrun's ``$LOCAL_WORLD_SIZE``); with one rank per node or one node there is nothing to
+            choose: ``"flat"``.
+    """
+    m, ell = _node_layout(nnodes, nproc_per_node)
+    ok, why = costmodel.topology_allowed(variant, "flat", m * ell)
+    if not ok:
+        raise ValueError(f"variant={variant!r}: {why}")
+    if m == 1 or ell == 1:
+        return "flat", f"topology='auto' chose 'flat': {m} node(s) of {ell} rank(s), nothing to lay out"
+    if not is_number(bucket_mb, gt=0):
+        raise ValueError(f"bucket_mb={bucket_mb!r} must be a finite number of MiB > 0")
+    path = os.environ.get(AUTO_ENV) if network is None else network
+    source = None
+    if isinstance(path, os.PathLike) or (isinstance(path, str) and path.endswith(".json")):
+        try:  # loaded here: a two-level calibration also gives the link inside a node
+            network = costmodel.load_calibration(path)
+        except ValueError as exc:
+            option = "network" if network is not None else f"${AUTO_ENV}"
+            raise ValueError(
+                f"{option}={str(path)!r}: {exc} (expected a JSON file written by `lioncub calibrate`)"
+            ) from None
+        source = f"calibration {Path(path).name}"
+    inter, compute, where = resolve_network(network, latency_s)
+    where = source or where
+    if isinstance(intra, str):
+        intra_net = Network.from_rate(
+            costmodel.parse_bandwidth(intra, "intra") * 8,
+            costmodel.parse_duration(costmodel.DEFAULT_INTRA_LATENCY),
+        )
+    elif isinstance(intra, Network):
+        intra_net = intra
+    elif intra is None and isinstance(network, Calibration) and network.intra is not None:
+        intra_net = network.intra
+    elif intra is None:
+        intra_net = Network.from_rate(
+            costmodel.parse_bandwidth(costmodel.DEFAULT_INTRA_BANDWIDTH) * 8,
+            costmodel.parse_duration(costmodel.DEFAULT_INTRA_LATENCY),
+        )
+    else:
+        raise TypeError(f"intra={intra!r} must be None, a rate such as '400gbit' or a Network")
+    tensors = [t for item in params for t in (item["params"] if isinstance(item, dict) else [item])]
+    d = sum(t.numel() for t in tensors if t.requires_grad)
+    if d < 1:
+        raise ValueError("params: no parameter requires grad, so there is nothing to vote on")
+    cluster = costmodel.Cluster(m, ell, inter, intra_net)
+    choice, reason = choose_topology(
+        variant, d, cluster, compute, bucket_numel=max(1, int(bucket_mb * 2**20) // 4)
+    )
+    return choice, f"{reason} ({where})"

@@ -32,6 +32,7 @@ _EXPORTS = {
     "VoteConfig": "lioncub.optim.config",
     "resolve_variant": "lioncub.optim.config",
     "auto_variant": "lioncub.planning.auto",
+    "auto_topology": "lioncub.planning.auto",
     "CollectiveError": "lioncub.collectives",
 }
 

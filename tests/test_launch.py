@@ -217,21 +217,29 @@ dist.destroy_process_group()
 """
 
 
-LISTENERS = """
-import os, torch.distributed as dist
-dist.init_process_group("gloo")
-port = int(os.environ["MASTER_PORT"])
-if dist.get_rank() == 0:  # every socket listening on the rendezvous port, as (local address, port) in hex
+#: rank 0 also prints every socket listening on the rendezvous port, as (local address, port) in hex
+ALLREDUCE_AND_LISTENERS = ALLREDUCE.replace(
+    "t = torch.tensor(",
+    """port = int(os.environ["MASTER_PORT"])
+if dist.get_rank() == 0:
     paths = ("/proc/net/tcp", "/proc/net/tcp6")
     rows = [line.split() for path in paths for line in open(path).readlines()[1:]]
     print("listen", sorted({r[1] for r in rows if r[3] == "0A" and int(r[1].split(":")[1], 16) == port}))
-dist.destroy_process_group()
-"""
+t = torch.tensor(""",
+    1,
+)
+
+
+@pytest.fixture(scope="module")
+def loopback_three_ranks() -> tuple:
+    """One launch of 3 ranks on loopback serves the two tests below: (result, stdout, stderr)."""
+    assert ALLREDUCE_AND_LISTENERS != ALLREDUCE
+    return _run(LaunchConfig([PY, "-c", ALLREDUCE_AND_LISTENERS], nproc=3, timeout_s=120))
 
 
 @pytest.mark.slow
-def test_the_rendezvous_store_listens_on_loopback_only() -> None:
-    result, out, err = _run(LaunchConfig([PY, "-c", LISTENERS], nproc=2, timeout_s=120))
+def test_the_rendezvous_store_listens_on_loopback_only(loopback_three_ranks: tuple) -> None:
+    result, out, err = loopback_three_ranks
     assert result.ok, err
     listening = re.search(r"\[r0\] listen \[(.*)\]", out).group(1)
     # 127.0.0.1 in /proc/net/tcp's little-endian hex; torch's own store would be 00000000 (every interface)
@@ -239,8 +247,8 @@ def test_the_rendezvous_store_listens_on_loopback_only() -> None:
 
 
 @pytest.mark.slow
-def test_loopback_allreduce_three_ranks() -> None:
-    result, out, err = _run(LaunchConfig([PY, "-c", ALLREDUCE], nproc=3, timeout_s=120))
+def test_loopback_allreduce_three_ranks(loopback_three_ranks: tuple) -> None:
+    result, out, err = loopback_three_ranks
     assert result.ok, err
     assert result.rank_returncodes == [0, 0, 0] and result.failed_rank is None and result.traffic is None
     for k in range(3):

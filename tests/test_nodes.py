@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import background
 from lioncub.cli import launch as launch_cli
 from lioncub.cli import train as train_cli
 from lioncub.cli.options import config_from_args
@@ -364,15 +365,27 @@ def test_a_failed_rank_on_a_node_is_named_and_every_node_stops() -> None:
     _assert_nothing_left(result.launch_id)
 
 
+def _train_on_two_nodes(workdir: Path) -> list[str]:
+    argv = ["train", "--workload", "gpt", "--size", "tiny", "--variant", "8bit", "--nnodes", "2",
+            "--nproc-per-node", "2", "--link", "1gbit", "--steps", "2", "--eval-every", "0", "--no-progress",
+            "--topology", "auto", "--out", str(workdir / "run")]  # fmt: skip
+    return [PY, "-m", "lioncub.cli", *argv]
+
+
+#: subprocess.run(command, capture_output=True, text=True, timeout=180), started in the background when
+#: collection ends (tests/background.py); nothing to run without root
+BACKGROUND = {
+    "train_on_two_nodes": lambda: background.Subprocess(_train_on_two_nodes, 180) if _netns_usable() else None
+}
+
+
 @needs_root
 @pytest.mark.root
 @pytest.mark.slow
-def test_lioncub_train_on_two_nodes(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    argv = ["train", "--workload", "gpt", "--size", "tiny", "--variant", "8bit", "--nnodes", "2",
-            "--nproc-per-node", "2", "--link", "1gbit", "--steps", "2", "--eval-every", "0", "--no-progress",
-            "--topology", "auto", "--out", str(out)]  # fmt: skip
-    proc = subprocess.run([PY, "-m", "lioncub.cli", *argv], capture_output=True, text=True, timeout=180)
+@pytest.mark.background("train_on_two_nodes")
+def test_lioncub_train_on_two_nodes() -> None:
+    proc = background.result("train_on_two_nodes", BACKGROUND["train_on_two_nodes"])
+    out = background.workdir("train_on_two_nodes") / "run"
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # 8bit at 2×2: a NIC carries 1.5·d bytes of the flat int8 ring, d of the hierarchical 8-bit lanes
     assert "topology='auto' chose 'hierarchical' for 8bit" in proc.stdout

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import background
 from cli_stub import cli_runner
 from lioncub.train.rundir import MARKER, check_out_path, claim, foreign_entries, is_marked, remove_owned
 
@@ -148,18 +149,37 @@ def test_train_refuses_a_directory_with_user_files(run_cli: Callable, tmp_path: 
     assert not (tmp_path / "y").exists()
 
 
-@pytest.fixture(scope="module")
-def stopped_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real 1-rank run of the tiny GPT stopped at step 2 of 4 (a checkpoint to resume from)."""
-    run = tmp_path_factory.mktemp("runs") / "part"
+def _stopped_run(workdir: Path) -> list[str]:
     cmd = [sys.executable, "-m", "lioncub", "train", "--nproc", "1", "--steps", "4", "--stop-at", "2"]
-    cmd += ["--eval-every", "0", "--set", "batch_size=4", "--out", str(run), "--no-progress"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    cmd += ["--eval-every", "0", "--set", "batch_size=4", "--no-progress"]
+    return [*cmd, "--out", str(workdir / "part")]
+
+
+def _failed_new_run(workdir: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "lioncub", "train", "--nproc", "2", "--steps", "3"]
+    return [*cmd, "--out", str(workdir / "x"), "--no-progress"]
+
+
+#: subprocess.run(command, capture_output=True, text=True, timeout=120[, env=env]), started in the
+#: background when collection ends (tests/background.py)
+BACKGROUND = {
+    "stopped_run": lambda: background.Subprocess(_stopped_run, 120),
+    "failed_new_run": lambda: background.Subprocess(
+        _failed_new_run, 120, {**os.environ, "LIONCUB_FAULT_KILL": "1:2"}
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def stopped_run() -> Path:
+    """A real 1-rank run of the tiny GPT stopped at step 2 of 4 (a checkpoint to resume from)."""
+    out = background.result("stopped_run", BACKGROUND["stopped_run"])
     assert out.returncode == 0, out.stderr
-    return run
+    return background.workdir("stopped_run") / "part"
 
 
 @pytest.mark.slow
+@pytest.mark.background("stopped_run")
 def test_a_refused_resume_leaves_the_run_as_it_was(run_cli: Callable, stopped_run: Path) -> None:
     before = snapshot(stopped_run)
     for argv, fragment in (
@@ -181,6 +201,7 @@ def test_a_refused_resume_leaves_the_run_as_it_was(run_cli: Callable, stopped_ru
 
 
 @pytest.mark.slow
+@pytest.mark.background("stopped_run")
 def test_report_only_reports_the_runs_in_out(run_cli: Callable, stopped_run: Path, tmp_path: Path) -> None:
     out = tmp_path / "cmp"
     out.mkdir()
@@ -243,16 +264,10 @@ def test_workload_data_is_checked_before_writing(
 
 
 @pytest.mark.slow
-def test_a_failed_new_run_leaves_nothing_in_the_way(tmp_path: Path) -> None:
-    out = tmp_path / "x"
-    cmd = [sys.executable, "-m", "lioncub", "train", "--nproc", "2", "--steps", "3", "--out", str(out)]
-    res = subprocess.run(
-        [*cmd, "--no-progress"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "LIONCUB_FAULT_KILL": "1:2"},
-    )
+@pytest.mark.background("failed_new_run")
+def test_a_failed_new_run_leaves_nothing_in_the_way() -> None:
+    res = background.result("failed_new_run", BACKGROUND["failed_new_run"])
+    out = background.workdir("failed_new_run") / "x"
     assert res.returncode != 0 and "killed by SIGKILL" in res.stderr, res.stderr
     assert out.is_dir() and list(out.iterdir()) == []  # no config.json blocking a rerun
 

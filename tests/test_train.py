@@ -7,10 +7,14 @@ mean of the saved momenta for a world-size conversion (numpy).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import itertools
 import json
 import math
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -116,13 +120,40 @@ def test_momentum_conversion_is_the_mean(tmp_path: Path) -> None:
 # -- end to end --------------------------------------------------------------------------------------
 
 
+#: the runs of test_every_variant_trains_through_the_cli: 7 steps (evaluated at 4 and, as the last, at 7), a
+#: checkpoint at step 5. test_resume_equals_uninterrupted stops and resumes the same runs of its variants
+#: (dropout on for 32bit and 1bit), so one launch of each serves both tests.
+STEPS, EVAL_EVERY, CHECKPOINT_AT = 7, 4, 5
+DROPOUT = {"32bit": ["--set", "dropout=0.1"], "1bit": ["--set", "dropout=0.1"]}
+
+
+def run_args(variant: str) -> list[str]:
+    """Everything but ``--checkpoint-every`` of the uninterrupted run of ``variant`` (2 ranks)."""
+    return ["--variant", variant, "--nproc", "2", "--steps", str(STEPS), "--eval-every", str(EVAL_EVERY),
+            *DROPOUT.get(variant, [])]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``variant -> run directory`` of its uninterrupted run (launched on first use; tests only read it)."""
+    runs: dict[str, Path] = {}
+
+    def get(variant: str) -> Path:
+        if variant not in runs:
+            out = tmp_path_factory.mktemp("whole") / variant
+            assert train(out, *run_args(variant), "--checkpoint-every", str(CHECKPOINT_AT)) == 0
+            runs[variant] = out
+        return runs[variant]
+
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ALL_VARIANTS)
-def test_every_variant_trains_through_the_cli(tmp_path: Path, variant: str) -> None:
-    out = tmp_path / variant
-    assert train(out, "--variant", variant, "--nproc", "2", "--steps", "3", "--eval-every", "2") == 0
+def test_every_variant_trains_through_the_cli(whole_run: Callable[[str], Path], variant: str) -> None:
+    out = whole_run(variant)
     steps = records(out, "step")
-    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     summary = json.loads((out / "summary.json").read_text())
     d = summary["params"]
     for r in steps:
@@ -130,10 +161,10 @@ def test_every_variant_trains_through_the_cli(tmp_path: Path, variant: str) -> N
         assert r["bytes_sent"] == pytest.approx(expected_bytes(variant, d, 2))
         parts = r["compute_s"] + r["comm_s"] + r["apply_s"]
         assert parts <= r["step_s"] * 1.0001 + 1e-6
-    assert [e["step"] for e in records(out, "eval")] == [2, 3]
-    assert summary["final"]["val_loss"] > 0 and summary["steps_run"] == 3
+    assert [e["step"] for e in records(out, "eval")] == [EVAL_EVERY, STEPS]  # and the last step's
+    assert summary["final"]["val_loss"] > 0 and summary["steps_run"] == STEPS
     meta = checkpoint.latest(out)
-    assert meta is not None and (meta.step, meta.variant, meta.world_size) == (3, variant, 2)
+    assert meta is not None and (meta.step, meta.variant, meta.world_size) == (STEPS, variant, 2)
 
 
 @pytest.mark.slow
@@ -160,25 +191,19 @@ def assert_same_checkpoint(a: Path, b: Path, ranks: int = 2) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("variant", "extra"),
-    [("32bit", ["--set", "dropout=0.1"]), ("1bit", ["--set", "dropout=0.1"]), ("8bit", [])],
-    ids=["32bit-dropout", "1bit-dropout", "8bit"],
-)
-def test_resume_equals_uninterrupted(tmp_path: Path, variant: str, extra: list[str]) -> None:
+@pytest.mark.parametrize("variant", ["32bit", "1bit", "8bit"], ids=["32bit-dropout", "1bit-dropout", "8bit"])
+def test_resume_equals_uninterrupted(whole_run: Callable[[str], Path], tmp_path: Path, variant: str) -> None:
     """Stopped at step 5 and resumed = uninterrupted, bitwise; with dropout drawing from each rank's global
     generator (seeded from ``(seed, rank)``, saved and restored by the checkpoints) this also shows that two
     runs of one seed agree: ``whole`` and the first part of ``parts`` are two such runs up to step 5. The
     32bit baseline measures its forward + backward before training (dropout draws there too)."""
-    common = ["--variant", variant, "--nproc", "2", "--steps", "8", "--eval-every", "4", *extra]
-    whole, parts = tmp_path / "whole", tmp_path / "parts"
-    assert train(whole, *common, "--checkpoint-every", "5") == 0
-    assert train(parts, *common, "--stop-at", "5") == 0
-    assert checkpoint.latest(parts).step == 5
-    assert_same_checkpoint(whole / "checkpoints" / "step_00000005", checkpoint.latest(parts).path)
+    whole, parts = whole_run(variant), tmp_path / "parts"
+    assert train(parts, *run_args(variant), "--stop-at", str(CHECKPOINT_AT)) == 0
+    assert checkpoint.latest(parts).step == CHECKPOINT_AT
+    assert_same_checkpoint(whole / "checkpoints" / f"step_{CHECKPOINT_AT:08d}", checkpoint.latest(parts).path)
     assert train(parts, "--resume", "--no-progress") == 0
     a, b = checkpoint.latest(whole), checkpoint.latest(parts)
-    assert a.step == b.step == 8
+    assert a.step == b.step == STEPS
     assert_same_checkpoint(a.path, b.path)
     key = ("step", "loss", "lr", "bytes_sent")
     assert [tuple(r[k] for k in key) for r in records(whole, "step")] == [
@@ -190,9 +215,11 @@ def test_resume_equals_uninterrupted(tmp_path: Path, variant: str, extra: list[s
 
 
 @pytest.mark.slow
-def test_resume_refuses_another_world_size_or_variant(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_resume_refuses_another_world_size_or_variant(
+    whole_run: Callable[[str], Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     out = tmp_path / "run"
-    assert train(out, "--variant", "1bit", "--nproc", "2", "--steps", "4", "--stop-at", "2") == 0
+    shutil.copytree(whole_run("1bit"), out)  # 2 ranks, ended at step 7: a resume goes on to --steps 9
     capsys.readouterr()
     assert train(out, "--resume", "--nproc", "1") == 2
     assert "written by 2 ranks; this run has 1" in capsys.readouterr().err
@@ -200,20 +227,33 @@ def test_resume_refuses_another_world_size_or_variant(tmp_path: Path, capsys: py
     assert "written by --variant 1bit; this run is --variant 8bit" in capsys.readouterr().err
     assert train(out, "--variant", "1bit") == 2  # without --resume an existing run is not overwritten
     assert "already holds a run; pass --resume" in capsys.readouterr().err
-    assert train(out, "--resume", "--nproc", "1", "--convert-momenta", "average") == 0
-    assert [r["step"] for r in records(out, "step")] == [1, 2, 3, 4]
+    assert train(out, "--resume", "--nproc", "1", "--convert-momenta", "average", "--steps", "9") == 0
+    assert [r["step"] for r in records(out, "step")] == list(range(1, 10))
+    assert json.loads((out / "summary.json").read_text())["world_size"] == 1
+
+
+#: one ``lioncub compare`` serves test_compare_writes_table_and_plots and
+#: test_compare_with_an_overlapped_variant
+COMPARE = ["compare", *TINY, "--variants", "32bit,1bit,1bit+overlap", "--nproc", "2", "--steps", "4"]
+COMPARE += ["--eval-every", "2", "--diagnostics-every", "2"]  # diagnostics: the votes only (no DDP baseline)
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The compare's output directory and what it printed (stdout)."""
+    out = tmp_path_factory.mktemp("compare") / "cmp"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(io.StringIO()):
+        assert cli.main([*COMPARE, "--out", str(out)]) == 0
+    return out, printed.getvalue()
 
 
 @pytest.mark.slow
-def test_compare_writes_table_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    out = tmp_path / "cmp"
-    argv = ["compare", *TINY, "--variants", "32bit,1bit", "--nproc", "2", "--steps", "4", "--eval-every", "2"]
-    argv += ["--diagnostics-every", "2"]  # applies to 1bit only: the DDP baseline has no vote
-    assert cli.main([*argv, "--out", str(out)]) == 0
+def test_compare_writes_table_and_plots(compared: tuple[Path, str], capsys: pytest.CaptureFixture) -> None:
+    out, printed = compared
     assert json.loads((out / "32bit" / "config.json").read_text())["diagnostics_every"] == 0
     assert [r["step"] for r in records(out / "1bit", "diag")] == [2, 4]
     assert (out / "diagnostics_vs_step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    printed = capsys.readouterr().out
     assert "32bit" in printed and "1bit" in printed and str(out / "summary.md") in printed
     table = (out / "summary.md").read_text()
     assert "| 32bit" in table and "| 1bit" in table
@@ -221,7 +261,8 @@ def test_compare_writes_table_and_plots(tmp_path: Path, capsys: pytest.CaptureFi
         png = (out / f"{name}.png").read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n", name
     # a second call reuses the finished runs instead of training again
-    assert cli.main([*argv, "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert cli.main([*COMPARE, "--out", str(out)]) == 0
     assert "reusing the finished run" in capsys.readouterr().err
 
 
@@ -287,15 +328,16 @@ def test_report_command_plots_the_diagnostics(tmp_path: Path, capsys: pytest.Cap
 
 
 @pytest.mark.slow
-def test_compare_with_an_overlapped_variant(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_compare_with_an_overlapped_variant(
+    compared: tuple[Path, str], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """``1bit+overlap`` trains bitwise like ``1bit`` (model, losses, bytes) and is its own row."""
-    out = tmp_path / "cmp"
-    argv = ["compare", *TINY, "--variants", "1bit,1bit+overlap", "--nproc", "2", "--steps", "4"]
-    assert cli.main([*argv, "--eval-every", "2", "--out", str(out)]) == 0
+    out, _ = compared
     assert json.loads((out / "1bit+overlap" / "config.json").read_text())["overlap"] is True
     assert json.loads((out / "1bit" / "config.json").read_text())["overlap"] is False
     key = ("step", "loss", "bytes_sent")
     plain, over = records(out / "1bit", "step"), records(out / "1bit+overlap", "step")
+    assert [r["step"] for r in plain] == [1, 2, 3, 4]
     assert [tuple(r[k] for k in key) for r in plain] == [tuple(r[k] for k in key) for r in over]
     assert all(r["overlapped_s"] > 0 for r in over) and all(r["overlapped_s"] == 0 for r in plain)
     a, b = checkpoint.latest(out / "1bit"), checkpoint.latest(out / "1bit+overlap")

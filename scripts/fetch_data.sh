@@ -23,10 +23,19 @@ log() { printf '[fetch-data] %s\n' "$*"; }
 die() { printf '[fetch-data] error: %s\n' "$*" >&2; exit 1; }
 
 [[ -x $PY ]] || die "python not found at $PY (set PY=..., or run ./run once to create .venv)"
-"$PY" -c 'import lioncub.train.fetch' 2>/dev/null ||
-  die "$PY cannot import lioncub.train.fetch (install the repo: pip install -e .)"
+# lioncub.train.fetch (standard library only) is loaded from its file: importing it by name would import the
+# lioncub.train package, and with it torch (a second or more per call, on every `./run test`)
+FETCH_PY=$("$PY" -c 'import importlib.util as u, pathlib; s = u.find_spec("lioncub")
+print(pathlib.Path(s.origin).parent / "train" / "fetch.py")' 2>/dev/null) && [[ -f $FETCH_PY ]] ||
+  die "$PY cannot find lioncub.train.fetch (install the repo: pip install -e .)"
 
-prepare() { "$PY" -c 'import sys; from lioncub.train.fetch import main; sys.exit(main(sys.argv[1:]))' "$@"; }
+prepare() {
+  "$PY" -c 'import importlib.util as u, sys
+spec = u.spec_from_file_location("lioncub.train.fetch", sys.argv[1])
+fetch = sys.modules[spec.name] = u.module_from_spec(spec)
+spec.loader.exec_module(fetch)
+sys.exit(fetch.main(sys.argv[2:]))' "$FETCH_PY" "$@"
+}
 
 FMNIST_FILES=(train-images-idx3-ubyte.gz train-labels-idx1-ubyte.gz t10k-images-idx3-ubyte.gz
   t10k-labels-idx1-ubyte.gz)

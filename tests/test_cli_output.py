@@ -171,7 +171,7 @@ def test_two_size_calibration_says_the_fit_is_underdetermined(monkeypatch: pytes
         "all_to_all": [(1e6, 2e-3), (4e6, 1e-3)],  # time falls with the payload: no positive slope
     }
     monkeypatch.setattr(cal, "Comm", FakeComm)
-    monkeypatch.setattr(cal, "_time_op", lambda op, comm, sizes, repeats, warmup: points[op])
+    monkeypatch.setattr(cal, "_time_op", lambda op, comm, sizes, repeats, warmup, **_: points[op])
     lines: list[str] = []
     calib = cal.calibrate(
         [1 << 20, 4 << 20], ops=list(points), compute_numel=0, log=lines.append, link_bps=None

@@ -548,9 +548,15 @@ def test_calibrate_on_two_loopback_ranks(tmp_path: Path) -> None:
     assert doc["version"] == 1 and doc["world_size"] == 2 and doc["link_bps"] is None
     assert set(doc["per_op"]) == {"allreduce_f32", "allreduce_u8", "all_to_all", "gather_root"}
     for op, fit in doc["per_op"].items():
-        assert fit["seconds_per_byte"] > 0 and fit["ok"], op
-        assert len(fit["points"]) == 3
-    # loopback on a shared CPU is noisy; the ring allreduce is the steadiest
+        assert len(fit["points"]) == 3 and [b for b, _ in fit["points"]] == sorted(
+            b for b, _ in fit["points"]
+        )
+        # a fit is usable exactly when the time grew with the payload (else the network's values stand in)
+        assert fit["ok"] == (fit["seconds_per_byte"] > 0), op
+        assert ("efficiency" in fit) == fit["ok"], op
+    # loopback on a shared CPU is noisy (another op's slope may come out <= 0 under load); the ring
+    # allreduce is the steadiest and is the reference
+    assert doc["per_op"]["allreduce_f32"]["ok"]
     assert doc["per_op"]["allreduce_f32"]["rel_rms_residual"] < 0.5
     assert doc["network"]["bandwidth_Bps"] > 0 and doc["network"]["efficiency"] == pytest.approx(1.0)
     assert all(v > 0 for k, v in doc["compute"].items() if k != "reduce_s_per_byte")

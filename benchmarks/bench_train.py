@@ -48,6 +48,8 @@ def run_compare(args: argparse.Namespace, link: str) -> Path:
         cmd += ["--link", link]
     if args.overwrite:
         cmd.append("--overwrite")
+    if args.report_only:
+        cmd.append("--report-only")
     print(f"[bench] {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True, stdout=sys.stderr)
     return out
@@ -159,6 +161,7 @@ def main() -> None:
     ap.add_argument("--plots", help="copy the PNGs to PLOTS/<link>/")
     ap.add_argument("--overwrite", action="store_true")
     ap.add_argument("--nodes", help="MxL: M emulated nodes of L ranks, one NIC each (replaces --nproc)")
+    ap.add_argument("--report-only", action="store_true", help="rebuild the tables from the runs in --out")
     args = ap.parse_args()
     started = datetime.datetime.now(datetime.timezone.utc)
     nodes = parse_nodes(args.nodes) if args.nodes else None
@@ -178,7 +181,7 @@ def main() -> None:
     print(
         f"# bench_train {started:%Y-%m-%d %H:%M} UTC, {platform.node()}, {os.cpu_count()} CPUs, torch "
         f"{torch.__version__}; gpt {args.size} {' '.join(args.set)}, "
-        f"{f'{args.nodes} nodes x ranks' if nodes else f'{args.nproc} ranks'} ({d:,} parameters), "
+        f"{f'{args.nodes} nodes x ranks ({d:,} parameters)' if nodes else f'{args.nproc} ranks'}, "
         f"{args.steps} steps, "
         f"eval every {args.eval_every}; wall {wall.total_seconds() / 60:.1f} min"
     )

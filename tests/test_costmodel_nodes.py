@@ -9,6 +9,7 @@ flat 1-bit ``2·L·(M−1)/M · d/8`` per node, hierarchical ``2·(M−1)/M · d
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import subprocess
@@ -199,16 +200,44 @@ def _two_level(nnodes: int = 2, world: int = 4) -> cm.Calibration:
     return cm.Calibration(NIC, cm.Compute(), world, 1e10, {}, INTRA, nnodes, None)
 
 
+@pytest.mark.parametrize(("m", "ell"), [(2, 2), (2, 4), (4, 2), (3, 3)])
+def test_nic_share_is_the_models_split_of_each_flat_collective(m: int, ell: int) -> None:
+    seen = set()
+    for variant in ("32bit", "16bit", "1bit", "8bit-sign", "dlion-mavo"):
+        phases, _ = cm.topology_phases(variant, 1_000_003, m, ell, "flat")
+        for p in phases:
+            seen.add(p.op)
+            assert max(p.nic_sent, p.nic_recv) == pytest.approx(
+                cm.nic_share(p.op, m, ell) * max(p.sent, p.recv), rel=1e-12
+            ), (variant, p.op)
+    assert seen == {"allreduce_f32", "allreduce_bf16", "all_to_all", "all_gather", "allreduce_i8",
+                    "gather_root", "scatter_root"}  # fmt: skip
+    assert cm.nic_share("all_to_all", 1, 4) == 0.0
+    with pytest.raises(ValueError, match="unknown collective"):
+        cm.nic_share("broadcast", m, ell)
+
+
+def test_the_flat_level_prices_only_the_flat_schemes() -> None:
+    slow_flat = cm.Network(20e-6, 0.625e9, 1.0)  # the same NIC at half the rate under the flat collectives
+    base, with_flat = _cluster(2, 4), cm.Cluster(2, 4, NIC, INTRA, slow_flat)
+    flat = [cm.predict_cluster("32bit", 10**6, c, "flat") for c in (base, with_flat)]
+    assert flat[1].bandwidth_s == pytest.approx(2 * flat[0].bandwidth_s)
+    hier = [cm.predict_cluster("8bit", 10**6, c, "hierarchical") for c in (base, with_flat)]
+    assert hier[1].total_s == hier[0].total_s
+
+
 def test_a_two_level_calibration_round_trips_and_lays_out_the_cluster(tmp_path: Path) -> None:
-    calib = _two_level()
+    flat_nic = cm.Network(30e-6, 1.25e9, 0.8)
+    calib = dataclasses.replace(_two_level(), flat=flat_nic)
     assert calib.nproc_per_node == 2
     cluster = calib.cluster()
     assert (cluster.nnodes, cluster.nproc_per_node, cluster.inter, cluster.intra) == (2, 2, NIC, INTRA)
+    assert cluster.flat == flat_nic
     assert calib.cluster(4, 8).n_workers == 32  # the measured levels, another layout
     path = tmp_path / "nodes.json"
     calib.save(path)
     back = cm.load_calibration(path)
-    assert (back.nnodes, back.world_size, back.network, back.intra) == (2, 4, NIC, INTRA)
+    assert (back.nnodes, back.world_size, back.network, back.intra, back.flat) == (2, 4, NIC, INTRA, flat_nic)
     want = cm.predict_cluster("1bit", 10**6, cluster, "hierarchical")
     assert cm.predict_cluster("1bit", 10**6, back.cluster(), "hierarchical").total_s == want.total_s
 
@@ -292,8 +321,15 @@ def test_calibrate_measures_the_nic_and_the_node_separately() -> None:
         strict=True,
     ):
         assert nic == 2 * (size // 2) and node == size // 2  # (n−1)·size/n per rank, n = 2 at each level
+    for size, (flat, _) in zip(
+        (1 << 20, 4 << 20), doc["flat_per_op"]["allreduce_f32"]["points"], strict=True
+    ):
+        assert flat == 1.5 * size  # the 4-rank ring: 2·(N−1)/N·size through each NIC, once
+    for size, (flat, _) in zip((1 << 20, 4 << 20), doc["flat_per_op"]["all_gather"]["points"], strict=True):
+        assert flat == pytest.approx(4 * (size // 4))  # L·(N−L) = 4 slices of size/N through a NIC
     calib = cm.calibration_from_json(doc)
     assert calib.cluster().n_workers == 4 and calib.intra is not None and calib.intra.bandwidth_Bps == 1e9
+    assert calib.flat is not None and calib.cluster().flat == calib.flat
 
 
 @pytest.mark.parametrize(

@@ -307,3 +307,20 @@ def test_module_does_not_import_torch() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_runs_of_one_preset_on_several_topologies_are_told_apart(tmp_path: Path) -> None:
+    """``compare --variants 1bit,1bit@hierarchical,1bit@node-majority``: every row and legend entry names
+    its topology (the flat run keeps the bare preset name)."""
+    runs = []
+    for topology in ("flat", "hierarchical", "node-majority"):
+        run = write_run(tmp_path, "1bit", [0.3] * 3, name=f"1bit-{topology}")
+        config = json.loads((run / "config.json").read_text())
+        (run / "config.json").write_text(json.dumps({**config, "topology": topology, "overlap": False}))
+        runs.append(run)
+    report = rp.make_report(runs, tmp_path / "out", baseline="1bit")
+    assert [r.variant for r in report.rows] == ["1bit", "1bit@hierarchical", "1bit@node-majority"]
+    assert [r.speedup for r in report.rows] == [1.0, 1.0, 1.0]
+    table = (tmp_path / "out" / "summary.md").read_text()
+    assert "| 1bit@hierarchical |" in table and "| 1bit@node-majority |" in table
+

@@ -319,6 +319,8 @@ def run(args: argparse.Namespace) -> int:
             levels = [("NIC" if result.intra is not None else "link", result.network)]
             if result.intra is not None:
                 levels.append(("inside a node", result.intra))
+            if result.flat is not None:
+                levels.append(("NIC under all ranks' collectives", result.flat))
             said = "; ".join(
                 f"{name}: α {net.latency_s * 1e6:.1f} us, {net.bandwidth_Bps * 8 / 1e6:.1f} Mbit/s x "
                 f"efficiency {net.efficiency:.3f}"

@@ -144,11 +144,14 @@ class HierarchicalVote(VoteAlgorithm):
             first.wait()
             mine, k = _slice(node_sum, ell, self.intra.rank)
             if self.lane_bits is not None:
-                encoded = (  # offset-encoded node sums in [0, span ≤ 255]; 0/1 votes need no offset
-                    mine.view(torch.uint8)
-                    if self.offset == 0 and mine.dtype == torch.int8
-                    else (mine.to(torch.int16) + ell * self.offset).to(torch.uint8)
-                )
+                if (
+                    mine.dtype == torch.int8
+                ):  # node sums + L·offset lie in [0, span ≤ 255]: uint8 wraps to them
+                    encoded = mine.view(torch.uint8)
+                    if self.offset:
+                        encoded = encoded.add(ell * self.offset)
+                else:
+                    encoded = (mine.to(torch.int16) + ell * self.offset).to(torch.uint8)
                 lanes = packing.pack_lanes(encoded, self.lane_bits)
                 state["lanes"], state["k"] = lanes, k
                 state["inter"] = self.inter.all_reduce(
@@ -165,7 +168,9 @@ class HierarchicalVote(VoteAlgorithm):
             k = int(state["k"])  # type: ignore[call-overload]
             if self.lane_bits is not None:
                 summed = packing.unpack_lanes(state["lanes"], self.lane_bits, k)  # type: ignore[arg-type]
-                if self.offset:
+                if self.offset and total_dtype == torch.int8:  # the total lies in int8: uint8 wraps to it
+                    summed = summed.sub(m * ell * self.offset).view(torch.int8)
+                elif self.offset:
                     summed = summed.to(torch.int32) - m * ell * self.offset
             else:
                 summed = state["wide"]  # type: ignore[assignment]

@@ -24,7 +24,11 @@ On M nodes of L ranks (``nodes=`` a ``("node", "local")`` mesh) each level is fi
 from every op run among the ranks of one local rank across the nodes — all L such groups at once, since
 they share each node's NIC, so a point's bytes are L times one rank's — and the node from every op run
 among the ranks of each node, all nodes at once (rate ``$LIONCUB_INTRA_LINK_BPS``, set by ``lioncub
-launch --intra-link``, or the fitted fp32 allreduce's). :meth:`Calibration.cluster
+launch --intra-link``, or the fitted fp32 allreduce's); and the NIC once more as the flat schemes use it,
+from every op run over all M·L ranks (a point's bytes: those through the busiest NIC,
+:func:`~lioncub.planning.costmodel.nic_share`) — a ring over node-ordered ranks sends one flow through each
+NIC where the inter-node groups send L, and TCP through a shaped NIC does not reach the same rate with
+one flow as with several. :meth:`Calibration.cluster
 <lioncub.planning.costmodel.Calibration.cluster>` gives the two-level model.
 
 The local reduction of the allreduces is part of their measured rate, so the calibration sets
@@ -52,7 +56,7 @@ from lioncub._validate import is_int, is_number
 from lioncub.collectives import Comm
 from lioncub.ops import packing, quantize
 from lioncub.optim.topology import node_groups
-from lioncub.planning.costmodel import OPS, Calibration, Compute, Network, OpCost
+from lioncub.planning.costmodel import OPS, Calibration, Compute, Network, OpCost, nic_share
 
 __all__ = [
     "DEFAULT_SIZES",
@@ -218,21 +222,21 @@ def _time_op(
     repeats: int,
     warmup: int,
     *,
-    streams: int = 1,
+    scale: float = 1.0,
     everyone: Comm | None = None,
 ) -> list[tuple[float, float]]:
     """(link bytes, median over repeats of the max over ranks, s) per size.
 
     Every rank of ``everyone`` (default ``comm``; the whole job when ``comm`` is one level of a node
-    mesh) runs ``op`` on its own ``comm`` at once, after a barrier of ``everyone``: ``streams`` groups
-    share each link (the L ranks of a node sharing its NIC), so the link bytes are ``streams`` times one
-    rank's."""
+    mesh) runs ``op`` on its own ``comm`` at once, after a barrier of ``everyone``. The link bytes are
+    ``scale`` times one rank's: the bytes through the busiest shared link (a node's NIC) per byte of a
+    rank's traffic."""
     sync = (comm if everyone is None else everyone).group
     runs: list[float] = []
     link: list[float] = []
     for size in sizes:
         fn, nbytes = _op_runner(op, comm, size)
-        link.append(streams * nbytes)
+        link.append(scale * nbytes)
         for i in range(warmup + repeats):
             dist.barrier(group=sync)
             t0 = time.perf_counter()
@@ -328,17 +332,17 @@ def _fit_level(
     warmup: int,
     link_bps: float | None,
     *,
-    streams: int = 1,
+    scale: Callable[[str], float] = lambda op: 1.0,
     everyone: Comm | None = None,
     label: str = "",
     log: Callable[[str], None] | None = None,
 ) -> tuple[Network, dict[str, Any]]:
     """Time ``ops`` on ``comm`` and fit one level's :class:`Network` (α and efficiency per op) and the
     per-op JSON details. ``link_bps``: the level's link rate (None: the fp32 allreduce's fitted rate is
-    the reference, efficiency 1)."""
+    the reference, efficiency 1); ``scale(op)``: the shared link's bytes per byte of a rank's traffic."""
     fits: dict[str, tuple[OpFit, list[tuple[float, float]]]] = {}
     for op in ops:
-        points = _time_op(op, comm, sizes, repeats, warmup, streams=streams, everyone=everyone)
+        points = _time_op(op, comm, sizes, repeats, warmup, scale=scale(op), everyone=everyone)
         fits[op] = (fit_alpha_beta(points), points)
         if log is not None:
             log(label + format_fit(op, fits[op][0]))
@@ -429,8 +433,9 @@ def calibrate(
             (:func:`lioncub.optim.topology.mesh_from_environment` builds it from the launcher's
             environment): both levels are measured. The NIC level times every op among the ranks of the
             same local rank, all L groups at once (they share the NIC; its bytes are L times a rank's);
-            the node level among the ranks of each node, all M nodes at once. The result's ``network`` is
-            the NIC's, ``intra`` a rank's link inside its node.
+            the node level among the ranks of each node, all M nodes at once; then the NIC as the flat
+            schemes use it, every op over all ranks. The result's ``network`` is the NIC's, ``intra`` a
+            rank's link inside its node, ``flat`` the NIC under the whole group's collectives.
         intra_link_bps: with ``nodes``, the rate of a rank's link inside its node (default
             ``$LIONCUB_INTRA_LINK_BPS``; None: the fitted fp32 allreduce rate is the reference).
         log: called with a line per measured op (e.g. ``print`` on rank 0).
@@ -482,7 +487,7 @@ def calibrate(
             log(f"{n} ranks, {link}; payloads {payloads}")
         network, per_op_doc = _fit_level(comm, ops, sizes, repeats, warmup, link_bps, log=log)
         levels: dict[str, Any] = {"per_op": per_op_doc}
-        intra_net, nnodes, everyone = None, None, comm
+        intra_net, flat_net, nnodes, everyone = None, None, None, comm
     else:
         flat, intra, inter = node_groups(nodes, "p2p")
         everyone = Comm(flat, exchange="p2p")
@@ -498,13 +503,17 @@ def calibrate(
             log(f"{nnodes} nodes × {ell} ranks, NIC {nic}, links inside a node {inside}; payloads {payloads}")
         network, per_op_doc = _fit_level(
             inter, ops, sizes, repeats, warmup, link_bps,
-            streams=ell, everyone=everyone, label="[NIC] ", log=log,
+            scale=lambda op: ell, everyone=everyone, label="[NIC] ", log=log,
         )  # fmt: skip
         intra_net, intra_doc = _fit_level(
             intra, ops, sizes, repeats, warmup, intra_link_bps,
             everyone=everyone, label="[node] ", log=log,
         )  # fmt: skip
-        levels = {"per_op": per_op_doc, "intra_per_op": intra_doc}
+        flat_net, flat_doc = _fit_level(
+            everyone, ops, sizes, repeats, warmup, link_bps,
+            scale=lambda op: nic_share(op, nnodes, ell), label="[all ranks, NIC] ", log=log,
+        )  # fmt: skip
+        levels = {"per_op": per_op_doc, "intra_per_op": intra_doc, "flat_per_op": flat_doc}
     measured: dict[str, float] = {}
     if compute_numel > 0:
         local = measure_compute(
@@ -534,4 +543,4 @@ def calibrate(
         },
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    return Calibration(network, compute, n, link_bps, raw, intra_net, nnodes, intra_link_bps)
+    return Calibration(network, compute, n, link_bps, raw, intra_net, nnodes, intra_link_bps, flat_net)

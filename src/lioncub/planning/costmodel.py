@@ -84,6 +84,7 @@ __all__ = [
     "crossover_bandwidth",
     "hierarchical_lane_bits",
     "load_calibration",
+    "nic_share",
     "parse_bandwidth",
     "parse_count",
     "parse_duration",
@@ -99,7 +100,7 @@ __all__ = [
     "wire_bytes",
 ]
 
-#: TCP payload per byte of line rate at MTU 1500 (1448 B of payload per 1514 B frame; notes/netem.md).
+#: TCP payload per byte of line rate at MTU 1500 (1448 B of payload per 1514 B frame; docs/network.md).
 TCP_EFFICIENCY = 1448 / 1514
 
 #: collectives the transports use (keys of :attr:`Network.per_op` and of a calibration's ``per_op``)
@@ -425,12 +426,17 @@ class Cluster:
         nproc_per_node: L.
         inter: each node's NIC to the other nodes (α per message, rate per direction), shared by its L ranks.
         intra: each rank's link to the ranks of its own node (NVLink, PCIe, shared memory), per direction.
+        flat: optional: the NIC as the whole group's collectives use it (α per message and rate per op of
+            the flat schemes over all M·L ranks, as ``lioncub calibrate --nnodes`` measures them; their
+            flows through a NIC differ in number and pattern from the inter-node collectives'); default
+            ``inter``.
     """
 
     nnodes: int
     nproc_per_node: int
     inter: Network
     intra: Network
+    flat: Network | None = None
 
     def __post_init__(self) -> None:
         for name in ("nnodes", "nproc_per_node"):
@@ -469,8 +475,9 @@ class Phase:
         """(latency, bandwidth, reduction) seconds per step. The links of both levels run at once, so the
         bandwidth term is the slower of the NIC's and a rank's intra-node link."""
         inter = self.level == "inter" or (self.level == "flat" and cluster.nnodes > 1)
-        alpha = (cluster.inter if inter else cluster.intra).alpha(self.op)
-        nic = max(self.nic_sent, self.nic_recv) / cluster.inter.rate(self.op)
+        nic_net = cluster.flat if self.level == "flat" and cluster.flat is not None else cluster.inter
+        alpha = (nic_net if inter else cluster.intra).alpha(self.op)
+        nic = max(self.nic_sent, self.nic_recv) / nic_net.rate(self.op)
         local = max(self.intra_sent, self.intra_recv) / cluster.intra.rate(self.op)
         return (
             self.count * self.messages * alpha,
@@ -521,6 +528,24 @@ def _split(c: Collective, m: int, ell: int) -> Phase:
         c.recv,
         count=c.count,
     )
+
+
+def nic_share(op: str, nnodes: int, nproc_per_node: int) -> float:
+    """Bytes through the busiest node's NIC (its busier direction) per byte one rank puts on its links, for
+    the flat collective ``op`` over M×L node-ordered ranks, as :class:`Phase` splits it: 1 for a ring
+    allreduce (it crosses each node boundary once), ``L·(N−L)/(N−1)`` for the pairwise all-to-all and
+    all-gather, ``(N−L)/(N−1)`` for the root's side of gather/scatter; 0 on one node."""
+    m, ell = nnodes, nproc_per_node
+    n = m * ell
+    if m == 1:
+        return 0.0
+    if op.startswith("allreduce"):
+        return 1.0
+    if op in ("all_to_all", "all_gather"):
+        return ell * (n - ell) / (n - 1)
+    if op in ("gather_root", "scatter_root"):
+        return (n - ell) / (n - 1)
+    raise ValueError(f"unknown collective {op!r}; known: {list(OPS)}")
 
 
 def _quantized_levels(scheme: Scheme, n: int) -> int:
@@ -1017,6 +1042,7 @@ class Calibration:
     intra: Network | None = None
     nnodes: int | None = None
     intra_link_bps: float | None = None
+    flat: Network | None = None
 
     def __post_init__(self) -> None:
         if (self.intra is None) != (self.nnodes is None):
@@ -1046,6 +1072,7 @@ class Calibration:
             int(self.nproc_per_node) if nproc_per_node is None else nproc_per_node,
             self.network,
             self.intra,
+            self.flat,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -1065,6 +1092,9 @@ class Calibration:
                 intra_network=_network_json(self.intra),
             )
             doc["intra_per_op"] = _per_op_json(doc.get("intra_per_op", {}), self.intra)
+        if self.flat is not None:
+            doc["flat_network"] = _network_json(self.flat)
+            doc["flat_per_op"] = _per_op_json(doc.get("flat_per_op", {}), self.flat)
         doc["compute"] = dataclasses.asdict(self.compute)
         return doc
 
@@ -1149,7 +1179,8 @@ def calibration_from_json(doc: Mapping[str, Any], where: str = "calibration") ->
     intra = _network_from_json(doc, "intra_network", "intra_per_op", where)
     intra_link = doc.get("intra_link_bps")
     intra_bps = None if intra_link is None else _number(doc, "intra_link_bps", where, positive=True)
-    return Calibration(network, compute, world, link_bps, dict(doc), intra, nnodes, intra_bps)
+    flat = _network_from_json(doc, "flat_network", "flat_per_op", where) if "flat_network" in doc else None
+    return Calibration(network, compute, world, link_bps, dict(doc), intra, nnodes, intra_bps, flat)
 
 
 def load_calibration(path: str | Path) -> Calibration:

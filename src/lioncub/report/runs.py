@@ -104,7 +104,12 @@ class RunLog:
 
     @property
     def variant(self) -> str:
+        """The run's name in tables and legends, as ``lioncub compare --variants`` spells it:
+        ``NAME[@TOPOLOGY][+overlap]`` (the topology when it is not flat)."""
         name = str(self.config.get("variant", self.run_dir.name))
+        topology = self.config.get("topology")
+        if topology not in (None, "flat"):
+            name += f"@{topology}"
         return name + "+overlap" if self.config.get("overlap") else name
 
     def eval_time(self, ev: dict[str, Any]) -> float | None:

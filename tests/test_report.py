@@ -323,4 +323,3 @@ def test_runs_of_one_preset_on_several_topologies_are_told_apart(tmp_path: Path)
     assert [r.speedup for r in report.rows] == [1.0, 1.0, 1.0]
     table = (tmp_path / "out" / "summary.md").read_text()
     assert "| 1bit@hierarchical |" in table and "| 1bit@node-majority |" in table
-

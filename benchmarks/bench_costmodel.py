@@ -20,7 +20,10 @@ Nodes of several ranks (issue 19): ``--nodes 2x2`` runs M emulated nodes of L ra
 ``--nprocs`` (each node's ranks in one namespace behind one shaped NIC, ``lioncub launch --nnodes``),
 calibrates both levels (``lioncub calibrate --nnodes``), times every preset laid over the nodes as each
 topology it allows (``flat``, ``hierarchical``, ``node-majority``; a row per ``preset@topology``) and
-compares with :func:`lioncub.planning.costmodel.predict_cluster` on the calibrated cluster::
+compares with :func:`lioncub.planning.costmodel.predict_cluster` on the calibrated cluster. There
+``32bit``/``16bit`` time what the model's dense rows describe, the DDP baseline's ring allreduce of each
+bucket (fp32 / bf16), not LionCub's own dense mean, whose pairwise exchange puts 4/3 as many bytes through
+a NIC at 2 × 2::
 
     python benchmarks/bench_costmodel.py --links 100mbit,1gbit --nodes 2x2 --params 8M,32M
 """
@@ -35,12 +38,16 @@ import platform
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_presets  # a sibling script, not a package
 
 TOLERANCE = 0.25
+#: the DDP baselines' wire dtypes (``--nodes``: their ring allreduce is timed, see ``worker``)
+DDP_DTYPES = {"32bit": "float32", "16bit": "bfloat16"}
 
 
 def parse_nodes(text: str) -> tuple[int, int]:
@@ -110,21 +117,47 @@ def worker(args: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(1000 + rank)
     locals_ = [torch.randn(sum(b), generator=gen) for b in layout]
     results = {}
+    n = comm.world_size
+
+    def ddp_allreduce(dtype: torch.dtype) -> Callable[[int], None]:
+        """The baseline the model's dense rows describe, DDP's step: each bucket's gradient (cast to the
+        wire dtype) ring-allreduced by the backend and averaged."""
+        wires = [torch.empty_like(local, dtype=dtype) for local in locals_]
+        means = [torch.empty_like(local) for local in locals_]
+
+        def run(step: int) -> None:
+            for local, wire, mean in zip(locals_, wires, means, strict=True):
+                wire.copy_(local)
+                dist.all_reduce(wire)
+                mean.copy_(wire).div_(n)
+
+        return run
+
     for preset in args.presets.split(","):
         name, _, topology = preset.partition("@")
-        vote = make_vote(comm, resolve_variant(name, topology=topology or "flat"), levels)
+        if args.nodes and name in DDP_DTYPES:
+            # LionCub's own dense mean (DenseMean: pairwise reduce-scatter + all-gather) puts
+            # L·(N−L)/(N−1) of a rank's bytes through a NIC where the ring puts 1 (4/3 more at 2×2);
+            # "32bit"/"16bit" in the model are the DDP baselines, so the ring is what is timed here
+            run = ddp_allreduce(getattr(torch, DDP_DTYPES[name]))
+        else:
+            vote = make_vote(comm, resolve_variant(name, topology=topology or "flat"), levels)
+
+            def run(step: int, vote: Any = vote) -> None:
+                for key, (local, segments) in enumerate(zip(locals_, layout, strict=True)):
+                    vote.start(local, step=step, key=key, segments=segments).wait()
+
         times = []
         for step in range(1, args.steps + 2):
             dist.barrier()
             t0 = time.perf_counter()
-            for key, (local, segments) in enumerate(zip(locals_, layout, strict=True)):
-                vote.start(local, step=step, key=key, segments=segments).wait()
+            run(step)
             dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             if step > 1:  # the first one allocates the buffers
                 times.append(float(dt))
         results[preset] = {"communication_s": statistics.median(times), "min_s": min(times)}
-        del vote
+        del run
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump({"params": sum(map(sum, layout)), "results": results}, f)

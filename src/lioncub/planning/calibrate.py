@@ -26,9 +26,10 @@ they share each node's NIC, so a point's bytes are L times one rank's — and th
 among the ranks of each node, all nodes at once (rate ``$LIONCUB_INTRA_LINK_BPS``, set by ``lioncub
 launch --intra-link``, or the fitted fp32 allreduce's); and the NIC once more as the flat schemes use it,
 from every op run over all M·L ranks (a point's bytes: those through the busiest NIC,
-:func:`~lioncub.planning.costmodel.nic_share`) — a ring over node-ordered ranks sends one flow through each
-NIC where the inter-node groups send L, and TCP through a shaped NIC does not reach the same rate with
-one flow as with several. :meth:`Calibration.cluster
+:func:`~lioncub.planning.costmodel.nic_share`): a ring over node-ordered ranks sends one flow each way
+through a NIC where the inter-node groups send L, and the pairwise exchanges send L·(N−L), so each
+pattern gets its own α and rate (at 2 × 2 and 100 Mbit/s: 89.6 % of the line for the inter-node fp32
+allreduce, 92.8 % for the flat one). :meth:`Calibration.cluster
 <lioncub.planning.costmodel.Calibration.cluster>` gives the two-level model.
 
 The local reduction of the allreduces is part of their measured rate, so the calibration sets

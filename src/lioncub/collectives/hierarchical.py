@@ -144,9 +144,8 @@ class HierarchicalVote(VoteAlgorithm):
             first.wait()
             mine, k = _slice(node_sum, ell, self.intra.rank)
             if self.lane_bits is not None:
-                if (
-                    mine.dtype == torch.int8
-                ):  # node sums + L·offset lie in [0, span ≤ 255]: uint8 wraps to them
+                # offset-encoded node sums, in [0, span ≤ 255]: from int8 sums, uint8 arithmetic wraps to them
+                if mine.dtype == torch.int8:
                     encoded = mine.view(torch.uint8)
                     if self.offset:
                         encoded = encoded.add(ell * self.offset)

@@ -534,7 +534,7 @@ def test_calibrate_on_two_loopback_ranks(tmp_path: Path) -> None:
         "--sizes",
         "1mb,4mb,16mb",
         "--repeats",
-        "5",
+        "3",
         "--ops",
         "allreduce_f32,allreduce_u8,all_to_all,gather_root",
         "--compute-numel",

@@ -174,6 +174,7 @@ def verify(x: torch.Tensor, x_np: np.ndarray) -> None:
 def fused_ops(x: torch.Tensor) -> list[tuple[str, Callable[[], object], int]]:
     """The fused CPU passes and the torch code each replaces (float32, n elements)."""
     from lioncub.ops import kernels, native, quantize
+    from lioncub.optim import LionCub
     from lioncub.optim.lion import _lion_update_foreach_, update_momentum_
     from lioncub.optim.voting import _apply_chunked_
 
@@ -226,6 +227,9 @@ def fused_ops(x: torch.Tensor) -> list[tuple[str, Callable[[], object], int]]:
         packed_c.copy_(c).div_(4)
 
     packed_c = torch.empty(n)
+    param = torch.nn.Parameter(p.clone())
+    param.grad = g
+    one_process = LionCub([param], lr=1e-5, weight_decay=0.1, betas=(0.9, 0.99), variant="1bit")
 
     def pass2() -> None:
         native.quantize(x, divisor, chunk=None, wide=False, scale=7.5, levels=15, out=levels)
@@ -258,6 +262,9 @@ def fused_ops(x: torch.Tensor) -> list[tuple[str, Callable[[], object], int]]:
         ("quantize pass2 fused", pass2, 5 * n),
         ("quantize_l1 cpu", lambda: kernels.quantize_l1(x, 15, out=levels, backend="cpu"), 9 * n),
         ("1bit local fused", local_1bit, 20 * n + n // 4),
+        ("max-abs aminmax", lambda: quantize.max_abs(g), 4 * n),
+        ("max-abs vector_norm", lambda: torch.linalg.vector_norm(g, float("inf")), 4 * n),
+        ("LionCub N=1 step", one_process.step, 24 * n),  # its max-abs check, then the Lion step
     ]
 
 

@@ -12,6 +12,7 @@ plain N-worker simulation of ``test_lioncub`` and ``lioncub.Lion``):
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -230,6 +231,27 @@ def test_one_process_is_exactly_lion(preset: str) -> None:
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x, y)
         assert torch.equal(cub.state[x]["exp_avg"], lion.state[y]["exp_avg"])
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+@pytest.mark.parametrize("where", [0, 37])  # in the vectorised body, in the scalar tail
+def test_one_process_skips_a_non_finite_step(bad: float, where: int) -> None:
+    """No process group: a NaN/Inf gradient anywhere skips the step (nothing applied, the momentum kept)
+    and the next finite step is Lion's again."""
+    p = torch.nn.Parameter(torch.randn(38, generator=torch.Generator().manual_seed(1)))
+    q = torch.nn.Parameter(p.detach().clone())
+    cub, lion = LionCub([p], lr=0.01, variant="1bit"), Lion([q], lr=0.01)
+    p.grad, q.grad = torch.ones(38), torch.ones(38)
+    cub.step(), lion.step()
+    before = p.detach().clone(), cub.state[p]["exp_avg"].clone()
+    p.grad = torch.ones(38)
+    p.grad[where] = bad
+    cub.step()
+    assert torch.equal(p.detach(), before[0]) and torch.equal(cub.state[p]["exp_avg"], before[1])
+    assert cub.comm_stats()["total"]["skipped_steps"] == 1
+    p.grad, q.grad = -torch.ones(38), -torch.ones(38)
+    cub.step(), lion.step()
+    assert torch.equal(p, q) and torch.equal(cub.state[p]["exp_avg"], lion.state[q]["exp_avg"])
 
 
 def worker_grad_scaler(rank: int, world: int, agreeing: bool) -> dict:

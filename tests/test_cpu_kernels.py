@@ -73,6 +73,49 @@ def test_switched_off_by_the_environment(monkeypatch) -> None:
         kernels.direction_pack(x, x, 0.9, backend="cpu")
 
 
+def test_prefetch_is_chosen_by_vendor_or_the_environment(monkeypatch) -> None:
+    monkeypatch.delenv("LIONCUB_CPU_PREFETCH", raising=False)
+    on, why = native.prefetch_choice()
+    assert on == ("AMD" not in why) and why
+    for value, want in (("0", False), ("off", False), ("1", True), ("yes", True)):
+        monkeypatch.setenv("LIONCUB_CPU_PREFETCH", value)
+        assert native.prefetch_choice() == (want, f"LIONCUB_CPU_PREFETCH={value!r}")
+    monkeypatch.setenv("LIONCUB_CPU_PREFETCH", "2")
+    with pytest.raises(ValueError, match=r"LIONCUB_CPU_PREFETCH='2': must be 1 or 0"):
+        native.prefetch_choice()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefetch_changes_no_bit(dtype: torch.dtype) -> None:
+    """Every streaming pass (direction: c, signs, 1-bit lanes, each with the next momentum; the apply with
+    the momentum update) gives the same bits with and without the software prefetch, on a length past
+    several prefetch distances."""
+    n, was = 3 * 4096 + 13, native.prefetch()[0]
+    m, g, p = draw(n, dtype, 1), draw(n, dtype, 2), draw(n, dtype, 3)
+    results = []
+    for on in (True, False):
+        native.set_prefetch(on)
+        c, signs = torch.zeros_like(m), torch.zeros(n, dtype=torch.int8)
+        lanes = torch.zeros(n // 8 + 1, dtype=torch.uint8)
+        nexts = [torch.zeros_like(m) for _ in range(3)]
+        peaks = [
+            native.direction(m, g, 0.9, out=c, next_momentum=nexts[0], beta2=0.99),
+            native.direction_sign(m, g, 0.9, out=signs, next_momentum=nexts[1], beta2=0.99),
+            native.direction_lanes(
+                m, g, 0.9, out=lanes, position=3, bits=1, next_momentum=nexts[2], beta2=0.99
+            ),
+        ]
+        q, mom = p.clone(), m.clone()
+        native.apply(
+            q, signs, kind="int8", sign_of=True, lr=0.01, weight_decay=0.1, exp_avg=mom, grad=g, beta2=0.99
+        )
+        results.append((peaks, [c, signs, lanes, *nexts, q, mom]))
+    native.set_prefetch(was)
+    (peaks_on, on), (peaks_off, off) = results
+    assert str(peaks_on) == str(peaks_off)
+    assert all(same(a, b) for a, b in zip(on, off, strict=True))
+
+
 def test_step_backend_keeps_bfloat16_and_odd_layouts_on_torch() -> None:
     x = torch.zeros(8)
     assert kernels.step_backend_for(x, x, None) == "cpu"

@@ -292,3 +292,31 @@ def test_torch_kernel_equals_numpy_kernel(chunk: int | None, monkeypatch) -> Non
     monkeypatch.setattr(Q, "_numpy_path", lambda t: False)
     for (v, s), want in zip(cases, fast, strict=True):
         assert torch.equal(Q.quantize_l1(v, s, chunk_size=chunk), want)
+
+
+SPECIALS = [math.nan, math.inf, -math.inf, -0.0]
+
+
+@settings(max_examples=examples(200))
+@given(
+    st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+    st.integers(0, 300),
+    st.lists(st.tuples(st.integers(0, 299), st.sampled_from(SPECIALS)), max_size=3),
+    st.integers(0, 2**31 - 1),
+)
+def test_max_abs_is_numpy_max_of_abs(dtype: torch.dtype, n: int, specials: list, seed: int) -> None:
+    """``max_abs`` (aminmax) against numpy's ``max(|x|)`` in float64: NaN/±Inf/−0 anywhere, in the vector
+    body or the tail, every length from 0; and per row with ``dim=-1``."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    for i, v in specials:
+        if i < n:
+            x[i] = v
+    x = x.to(dtype)
+    ref = x.double().numpy()
+    got = Q.max_abs(x)
+    assert got.dtype == dtype and got.shape == ()
+    np.testing.assert_array_equal(got.double().numpy(), np.max(np.abs(ref)) if n else 0.0)
+    if n:
+        rows = x.reshape(1, n).expand(3, n).contiguous()
+        rows[1] = -rows[1]
+        np.testing.assert_array_equal(Q.max_abs(rows, dim=-1).double().numpy(), np.max(np.abs(ref)).repeat(3))

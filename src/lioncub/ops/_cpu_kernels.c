@@ -130,6 +130,12 @@ ALWAYS void stream_fence(void) {
 #endif
 }
 
+/* The software prefetch distance in elements, 0 for none: AHEAD, or 0 where the hardware prefetchers do
+ * better on their own (lioncub.ops.native chooses, lc_set_prefetch sets it once per process). */
+static int64_t lc_ahead = AHEAD;
+
+LC_EXPORT void lc_set_prefetch(int on) { lc_ahead = on ? AHEAD : 0; }
+
 ALWAYS void prefetch_block(const void *a, const void *b, int64_t bytes, int write) {
     for (int64_t q = 0; q < bytes; q += 64) {
         if (a) {
@@ -192,8 +198,8 @@ ALWAYS void prefetch_block(const void *a, const void *b, int64_t bytes, int writ
         T mbuf[BLOCK];                                                                                   \
         for (int64_t i = 0; i < n; i += BLOCK) {                                                         \
             int64_t len = n - i < BLOCK ? n - i : BLOCK;                                                 \
-            if (i + AHEAD < n)                                                                           \
-                prefetch_block(m + i + AHEAD, has_g ? g + i + AHEAD : 0, BLOCK * (int64_t)sizeof(T), 0); \
+            if (lc_ahead && i + lc_ahead < n)                                                            \
+                prefetch_block(m + i + lc_ahead, has_g ? g + i + lc_ahead : 0, BLOCK * (int64_t)sizeof(T), 0); \
             top = dir_any_##SUF(m + i, has_g ? g + i : g, len, b1, a1, neg, has_g, mode,                 \
                                 cout ? cout + i : cout, sout ? sout + i : sout, 0, top, mout ? mbuf : 0, \
                                 b2, a2);                                                                 \
@@ -235,8 +241,8 @@ ALWAYS void prefetch_block(const void *a, const void *b, int64_t bytes, int writ
         uint8_t *dst = out + (pos + i) / per;                                                            \
         while (i < n) {                                                                                  \
             int64_t len = n - i < BLOCK ? n - i : BLOCK;                                                 \
-            if (i + AHEAD < n)                                                                           \
-                prefetch_block(m + i + AHEAD, has_g ? g + i + AHEAD : 0, BLOCK * (int64_t)sizeof(T), 0); \
+            if (lc_ahead && i + lc_ahead < n)                                                            \
+                prefetch_block(m + i + lc_ahead, has_g ? g + i + lc_ahead : 0, BLOCK * (int64_t)sizeof(T), 0); \
             top = dir_any_##SUF(m + i, has_g ? g + i : g, len, b1, a1, neg, has_g, 2, 0, 0, v, top,      \
                                 mout ? mbuf : 0, b2, a2);                                                \
             if (mout) stream_##SUF(mout + i, mbuf, len);                                                 \
@@ -345,9 +351,9 @@ __attribute__((constructor)) static void lc_init_tables(void) {
                     lanes[b * per + j] = (W)table[(b >> (8 - lane_bits * (j + 1))) & mask];              \
         for (int64_t i = 0; i < n;) {                                                                    \
             int64_t len = n - i < BLOCK ? n - i : BLOCK;                                                 \
-            if (i + AHEAD < n) {                                                                         \
-                prefetch_block(p + i + AHEAD, momentum ? m + i + AHEAD : 0, BLOCK * (int64_t)sizeof(T), 1); \
-                if (momentum && has_g) prefetch_block(g + i + AHEAD, 0, BLOCK * (int64_t)sizeof(T), 0); \
+            if (lc_ahead && i + lc_ahead < n) {                                                          \
+                prefetch_block(p + i + lc_ahead, momentum ? m + i + lc_ahead : 0, BLOCK * (int64_t)sizeof(T), 1); \
+                if (momentum && has_g) prefetch_block(g + i + lc_ahead, 0, BLOCK * (int64_t)sizeof(T), 0); \
             }                                                                                            \
             if (kind == 0) {                                                                             \
                 int64_t j = 0, k = pos + i;                                                              \
@@ -650,4 +656,4 @@ LC_EXPORT LC_CLONES void lc_lion_f32_bf16g(float *p, const uint16_t *g, float *m
     }
 }
 
-LC_EXPORT int lc_abi_version(void) { return 3; }
+LC_EXPORT int lc_abi_version(void) { return 4; }

@@ -5,7 +5,9 @@ The C file is compiled on first use with the system's C compiler (``$CC``, else 
 chosen when loaded) into a cache folder (``$LIONCUB_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/lioncub`` or
 ``~/.cache/lioncub``), named by a hash of the source, the flags and the compiler, under a file lock (ranks
 starting together build it once). :func:`load` builds or loads it and checks it against torch on a probe;
-it takes ~9 s the first time on a machine (gcc 12, three clones), milliseconds after.
+it takes ~9 s the first time on a machine (gcc 12, three clones), milliseconds after. The streaming passes
+prefetch ahead in software where that pays (:func:`prefetch` says whether and why; ``LIONCUB_CPU_PREFETCH``
+overrides); it changes speed only.
 
 Where no compiler exists, the build fails, the probe disagrees with torch (ATen built without fused
 multiply-adds) or ``LIONCUB_CPU_KERNELS=0`` is set, :func:`available` is False and :func:`reason` says why;
@@ -56,10 +58,13 @@ __all__ = [
     "load",
     "majority",
     "momentum",
+    "prefetch",
+    "prefetch_choice",
     "quantize",
     "reason",
     "scale",
     "server_majority",
+    "set_prefetch",
 ]
 
 _log = logging.getLogger(__name__)
@@ -68,6 +73,7 @@ SOURCE = Path(__file__).with_name("_cpu_kernels.c")
 FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
 FLAGS += ["-fvisibility=hidden"]
 ENV_SWITCH = "LIONCUB_CPU_KERNELS"
+PREFETCH_SWITCH = "LIONCUB_CPU_PREFETCH"
 
 #: the dtypes the kernels take, and their suffix in the C file
 DTYPES = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}
@@ -92,6 +98,48 @@ def reason() -> str:
         return f"switched off by {ENV_SWITCH}={os.environ.get(ENV_SWITCH)!r}"
     load()
     return str(_state.get("error", ""))
+
+
+def prefetch() -> tuple[bool, str]:
+    """Whether the streaming kernels prefetch ahead in software, and why (loads the kernels)."""
+    load()
+    return _state.get("prefetch", (False, "the kernels are not loaded"))  # type: ignore[return-value]
+
+
+def set_prefetch(on: bool) -> None:
+    """Switch the software prefetch of the loaded kernels (for tests and benchmarks; results are the same
+    bits either way)."""
+    _lib().lc_set_prefetch(int(bool(on)))
+    _state["prefetch"] = (bool(on), "set_prefetch")
+
+
+def prefetch_choice() -> tuple[bool, str]:
+    """``LIONCUB_CPU_PREFETCH`` (``1``/``0``) if set, else by CPU vendor: off on AMD, where the hardware
+    prefetchers alone make the direction and momentum passes 15–25 % faster (BENCHMARKS.md, AMD EPYC),
+    on elsewhere (the Intel Xeon the kernels were first tuned on). Only speed depends on it, never bits."""
+    value = os.environ.get(PREFETCH_SWITCH)
+    if value is not None:
+        word = value.strip().lower()
+        if word in ("1", "on", "true", "yes"):
+            return True, f"{PREFETCH_SWITCH}={value!r}"
+        if word in ("0", "off", "false", "no"):
+            return False, f"{PREFETCH_SWITCH}={value!r}"
+        raise ValueError(f"{PREFETCH_SWITCH}={value!r}: must be 1 or 0 (unset: chosen by the CPU's vendor)")
+    vendor = _cpu_vendor()
+    if vendor == "AuthenticAMD":
+        return False, "AMD CPU: its hardware prefetchers do better alone"
+    return True, f"{vendor or 'unknown'} CPU"
+
+
+def _cpu_vendor() -> str:
+    """``vendor_id`` of ``/proc/cpuinfo`` ("" where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def build_seconds() -> float:
@@ -179,6 +227,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.lc_lion_f32_bf16g.argtypes = [_P, _P, _P, _L, _F, _F, _F, _F, _F, _I, _F]
     lib.lc_lion_f32_bf16g.restype = None
     lib.lc_abi_version.argtypes, lib.lc_abi_version.restype = [], _I
+    lib.lc_set_prefetch.argtypes, lib.lc_set_prefetch.restype = [_I], None
 
 
 def load() -> ctypes.CDLL | None:
@@ -188,6 +237,7 @@ def load() -> ctypes.CDLL | None:
     with _lock:
         if "lib" in _state or "error" in _state:
             return _state.get("lib")  # type: ignore[return-value]
+        choice = prefetch_choice()  # a bad LIONCUB_CPU_PREFETCH raises here, not as "unavailable"
         t0 = time.perf_counter()
         try:
             if sys.byteorder != "little":
@@ -197,9 +247,10 @@ def load() -> ctypes.CDLL | None:
                 raise RuntimeError("no C compiler found ($CC, cc, gcc or clang); install gcc to use them")
             lib = ctypes.CDLL(str(_build(cc)))
             _declare(lib)
-            if lib.lc_abi_version() != 3:
+            if lib.lc_abi_version() != 4:
                 raise RuntimeError("the compiled library is of another version")
-            _state["lib"] = lib
+            lib.lc_set_prefetch(int(choice[0]))
+            _state["lib"], _state["prefetch"] = lib, choice
             _probe()
         except Exception as exc:  # no compiler, a failed build, a probe that disagrees with torch
             _state.pop("lib", None)

@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from lioncub._validate import is_int, is_number
 from lioncub.collectives import Comm, CommCounter
+from lioncub.ops.quantize import max_abs
 from lioncub.optim import diagnostics, topology
 from lioncub.optim.config import PRESETS, VoteConfig, resolve_variant
 from lioncub.optim.lion import check_lion_hyperparameters, default_foreach, lion_update_
@@ -435,10 +436,10 @@ class LionCub(torch.optim.Optimizer):
         """One process: :class:`~lioncub.optim.Lion`'s step (the same functions, bit for bit), with the
         non-finite check of :class:`Checks` (``nonfinite``) and a GradScaler's overflow."""
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if grads and default_foreach(grads):
+        if grads and default_foreach(grads) and grads[0].device.type != "cpu":
             peaks = [t.float() for t in torch._foreach_norm(grads, float("inf"))]
-        else:
-            peaks = [torch.linalg.vector_norm(g, float("inf")).float() for g in grads]
+        else:  # on CPU the inf norm (foreach or not) is ~11x slower than aminmax, the same values
+            peaks = [max_abs(g).float() for g in grads]
         if self.checks.nonfinite == "raise":  # raises NonFiniteGradientError on NaN/Inf
             check_step(self.comm, peaks, step=self._global_step, layout=0, missing_grads=0, nonfinite="raise")
         skip = overflow or bool(peaks and not torch.isfinite(torch.stack(peaks)).all())

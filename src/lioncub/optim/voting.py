@@ -61,6 +61,7 @@ from lioncub.collectives import (
     make_topology_vote,
 )
 from lioncub.ops import kernels, native
+from lioncub.ops.quantize import max_abs
 from lioncub.optim.config import VoteConfig, check_workers
 from lioncub.optim.lion import apply_update_, lion_direction, update_momentum_
 
@@ -271,7 +272,7 @@ class Voting:
             else:
                 beta1 = self.group(p)["betas"][0]
                 torch.mul(self.momentum(p), beta1, out=view).add_(grad, alpha=1.0 - beta1)
-        peak = torch.linalg.vector_norm(out, float("inf")).float()
+        peak = max_abs(out).float()
         return BucketVote(key, list(params), out, peak, out.clone() if keep_copy else None)
 
     def _fused(

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from lioncub.launch.launcher import interrupt_as_one_line
+from lioncub.ops.quantize import max_abs
 from lioncub.optim.config import resolve_variant
 from lioncub.optim.ddp import (
     GradientTraffic,
@@ -327,7 +328,7 @@ def _optimizer_step(o: Optimizer, nonfinite: str, step: int) -> int:
         o.opt.step()
         return int(o.opt.comm_stats()["last"]["skipped_steps"])
     grads = [p.grad for g in o.opt.param_groups for p in g["params"] if p.grad is not None]
-    peaks = torch.stack([torch.linalg.vector_norm(g, float("inf")).float() for g in grads]) if grads else None
+    peaks = torch.stack([max_abs(g).float() for g in grads]) if grads else None
     if peaks is None or bool(torch.isfinite(peaks).all()):
         o.opt.step()
         return 0

@@ -175,7 +175,7 @@ def test_direction_pack_equals_torch(dtype: torch.dtype, n: int) -> None:
 def test_direction_encodings_at_bucket_positions() -> None:
     """direction / direction_sign / direction_lanes of a bucket's parameters, one call each at its offset,
     equal the torch direction of the flat bucket encoded by pack_signs, pack_lanes and the int8 sign."""
-    sizes = [13, 0, 1, 64, 37, 7, 100]
+    sizes = [13, 0, 1, 64, 37, 7, 100, 1537]  # the last: several blocks of the kernels
     d = sum(sizes)
     for dtype in (torch.float32, torch.float64):
         ms = [draw(k, dtype, 10 + i, specials=False) for i, k in enumerate(sizes)]

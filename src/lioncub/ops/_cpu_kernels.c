@@ -65,13 +65,6 @@ static inline float bf16_round(float f) {
 #define FMA_f64(a, b, c) fma((a), (b), (c))
 #define FMA_bf16(a, b, c) fmaf((a), (b), (c))
 
-/* the elements of one encoding step: a byte of 8/bits lanes holds `per` votes */
-static inline uint8_t vote_byte(const uint8_t *v, int per, int bits) {
-    uint8_t b = 0;
-    for (int j = 0; j < per; j++) b |= (uint8_t)(v[j] << (8 - bits * (j + 1)));
-    return b;
-}
-
 /* Set lanes [start, end) of `out` (bits-bit lanes at absolute lane positions) to value (0/1 per lane),
  * keeping the other lanes of the bytes at the two ends. */
 LC_EXPORT void lc_fill_lanes(uint8_t *out, int64_t start, int64_t end, int bits, int value) {
@@ -253,8 +246,15 @@ ALWAYS void prefetch_block(const void *a, const void *b, int64_t bytes, int writ
                     memcpy(&w, v + j, 8);                                                                \
                     *dst++ = (uint8_t)((w * GATHER) >> 56);                                              \
                 }                                                                                        \
-            } else {                                                                                     \
-                for (; j < whole; j += per) *dst++ = vote_byte(v + j, per, bits);                        \
+            } else if (per == 2) { /* constant lane counts: loops the compiler vectorises */             \
+                for (; j < whole; j += 2) *dst++ = (uint8_t)(v[j] << 4 | v[j + 1]);                      \
+            } else if (per == 4) {                                                                       \
+                for (; j < whole; j += 4)                                                                \
+                    *dst++ = (uint8_t)(v[j] << 6 | v[j + 1] << 4 | v[j + 2] << 2 | v[j + 3]);            \
+            } else { /* 8-bit lanes: the votes themselves */                                             \
+                memcpy(dst, v, (size_t)whole);                                                           \
+                dst += whole;                                                                            \
+                j = whole;                                                                               \
             }                                                                                            \
             for (; j < len; j++) lc_fill_lanes(out, pos + i + j, pos + i + j + 1, bits, v[j]);          \
             i += len;                                                                                    \

@@ -182,6 +182,7 @@ def fused_ops(x: torch.Tensor) -> list[tuple[str, Callable[[], object], int]]:
     gen = torch.Generator().manual_seed(1)
     m, g, p = torch.randn(n, generator=gen), torch.randn(n, generator=gen), torch.randn(n, generator=gen)
     c, packed = torch.empty(n), torch.empty(n // 8 + 1, dtype=torch.uint8)
+    lanes4 = torch.empty(n // 2 + 1, dtype=torch.uint8)
     rows = torch.randint(0, 256, (4, n // 32), dtype=torch.uint8, generator=gen)
     mine = torch.empty(n // 32, dtype=torch.uint8)
     sums = torch.randint(-4, 5, (n,), dtype=torch.int8, generator=gen)
@@ -207,6 +208,9 @@ def fused_ops(x: torch.Tensor) -> list[tuple[str, Callable[[], object], int]]:
 
     def dir_pack() -> None:
         native.direction_lanes(m, g, 0.9, out=packed, position=0, next_momentum=m_next, beta2=0.99)
+
+    def dir_lanes4() -> None:  # the 4bit preset's contribution: votes in 4-bit lanes
+        native.direction_lanes(m, g, 0.9, out=lanes4, position=0, bits=4, next_momentum=m_next, beta2=0.99)
 
     def apply_bits() -> None:
         native.apply(p, packed, kind="bits", lr=1e-5, weight_decay=0.1)
@@ -240,6 +244,7 @@ def fused_ops(x: torch.Tensor) -> list[tuple[str, Callable[[], object], int]]:
         ("dir+pack+m fused", dir_pack, 12 * n + n // 8),
         ("dir+pack torch", dir_pack_torch, 8 * n + n // 8),
         ("dir c fused", lambda: native.direction(m, g, 0.9, out=c), 12 * n),
+        ("dir+4bit lanes+m fused", dir_lanes4, 12 * n + n // 2),
         ("majority fused", majority_fused, n // 8 + n // 32),
         (
             "majority torch",

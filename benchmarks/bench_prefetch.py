@@ -12,15 +12,19 @@ The results are the same bits either way (tests/test_cpu_kernels.py).
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 from lioncub.ops import native
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_kernels import cpu_model, parse_size  # a sibling script, not a package
 
 
 def passes(n: int) -> dict[str, Callable[[], object]]:
@@ -46,12 +50,6 @@ def passes(n: int) -> dict[str, Callable[[], object]]:
     }
 
 
-def parse_size(text: str) -> int:
-    text = text.strip().upper()
-    scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
-    return int(text.rstrip("KM")) * scale
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="16M,64M", help="element counts (K/M = 2**10/2**20)")
@@ -61,9 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"the fused CPU kernels are unavailable: {native.reason()}")
     torch.set_num_threads(1)
     chosen = native.prefetch()
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    vendor = next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), "")
-    print(f"{platform.node()}: {vendor or platform.processor()}, torch {torch.__version__}, 1 thread; "
+    print(f"{platform.node()}: {cpu_model()}, torch {torch.__version__}, 1 thread; "
           f"the library's choice here: prefetch {'on' if chosen[0] else 'off'} ({chosen[1]})")  # fmt: skip
     print("\n| size | pass | on ms | off ms | off / on |\n|---|---|---:|---:|---:|")
     for size in args.sizes.split(","):

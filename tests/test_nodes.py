@@ -324,6 +324,19 @@ dist.destroy_process_group()
 """
 
 
+def payload(counts: list[int]) -> tuple[int, int]:
+    """(tx, rx) TCP payload of NODE_STEPS' counter deltas: the frames' bytes less their headers."""
+    tx, rx, tx_frames, rx_frames, _ = counts
+    return tx - FRAME_HEADER_BYTES * tx_frames, rx - FRAME_HEADER_BYTES * rx_frames
+
+
+def less_idle(record: dict, name: str) -> tuple[float, float]:
+    """Interface ``name``'s (tx, rx) payload over the steps less the idle window's rate times their time."""
+    busy, idle = payload(record["delta"][name]), payload(record["idle"][name])
+    scale = record["window_s"] / record["idle_s"]
+    return busy[0] - scale * idle[0], busy[1] - scale * idle[1]
+
+
 @needs_root
 @pytest.mark.root
 @pytest.mark.slow
@@ -363,18 +376,9 @@ def test_two_nodes_of_two_ranks_wire_bytes_match_the_node_nic() -> None:
         r0 = by_rank[node * ell]
         nic = f"{result.launch_id}v{node}"
 
-        def payload(counts: list[int]) -> tuple[int, int]:  # (tx, rx) TCP payload: frames less headers
-            tx, rx, tx_frames, rx_frames, _ = counts
-            return tx - FRAME_HEADER_BYTES * tx_frames, rx - FRAME_HEADER_BYTES * rx_frames
-
-        def less_idle(name: str, r0: dict = r0) -> tuple[float, float]:  # less the idle rate's share
-            busy, idle = payload(r0["delta"][name]), payload(r0["idle"][name])
-            scale = r0["window_s"] / r0["idle_s"]
-            return busy[0] - scale * idle[0], busy[1] - scale * idle[1]
-
         remote = sent * (n - ell) / (n - 1)  # each rank sends as much to every other rank: 2 of 3 are remote
         local = sent * (ell - 1) / (n - 1)
-        (nic_tx, nic_rx), (lo_tx, _) = less_idle(nic), less_idle("lo")
+        (nic_tx, nic_rx), (lo_tx, _) = less_idle(r0, nic), less_idle(r0, "lo")
         assert r0["sockets"] >= n  # gloo's n − 1 pairs and the store's: `ss` was read
         again_nic, again_lo = r0["delta"][nic][4], r0["delta"]["lo"][4]  # sent again: on the wire twice
         idle_nic, idle_lo = payload(r0["idle"][nic]), payload(r0["idle"]["lo"])

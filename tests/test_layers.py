@@ -24,6 +24,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS = {
     "lioncub._validate": 0,
     "lioncub.units": 0,
+    "lioncub.transports": 0,
     "lioncub.ops": 1,
     "lioncub.collectives": 2,
     "lioncub.optim": 3,
@@ -191,7 +192,8 @@ def test_python_dash_m(module: str) -> None:
 
 def test_cost_model_and_configs_do_not_import_torch() -> None:
     code = (
-        "import sys, lioncub.planning.costmodel, lioncub.optim.config, lioncub.units, lioncub._validate;"
+        "import sys, lioncub.planning.costmodel, lioncub.optim.config, lioncub.units, lioncub._validate, "
+        "lioncub.transports;"
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

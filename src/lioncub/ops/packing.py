@@ -24,6 +24,8 @@ import sys
 import numpy as np
 import torch
 
+from lioncub import transports
+
 __all__ = [
     "LANE_BITS",
     "count_votes",
@@ -64,8 +66,7 @@ def packed_size(n: int, bits: int = 1) -> int:
     _check_bits(bits)
     if n < 0:
         raise ValueError(f"n={n} must be >= 0")
-    per_byte = 8 // bits
-    return (n + per_byte - 1) // per_byte
+    return transports.packed_size(n, bits)
 
 
 def _gather_bytes(bits01: torch.Tensor) -> torch.Tensor:
@@ -295,14 +296,15 @@ def offset_decode(lane_sums: torch.Tensor, n_workers: int, max_level: int) -> to
 def lane_sum_fits(n_workers: int, bits: int, max_lane_value: int) -> bool:
     """Whether N lanes each holding at most ``max_lane_value`` can be summed in a ``bits``-bit lane.
 
-    True exactly when ``n_workers · max_lane_value ≤ 2**bits − 1`` (the largest possible sum fits).
+    True exactly when ``n_workers · max_lane_value ≤ 2**bits − 1`` (the largest possible sum fits; the
+    rule of :func:`lioncub.transports.lane_sum_fits`).
     """
     _check_bits(bits)
     if n_workers < 1:
         raise ValueError(f"n_workers={n_workers} must be >= 1")
     if max_lane_value < 0:
         raise ValueError(f"max_lane_value={max_lane_value} must be >= 0")
-    return n_workers * max_lane_value <= (1 << bits) - 1
+    return transports.lane_sum_fits(n_workers, bits, max_lane_value)
 
 
 def max_lane_workers(bits: int, max_lane_value: int) -> int:
@@ -310,7 +312,7 @@ def max_lane_workers(bits: int, max_lane_value: int) -> int:
     _check_bits(bits)
     if max_lane_value < 1:
         raise ValueError(f"max_lane_value={max_lane_value} must be >= 1")
-    return ((1 << bits) - 1) // max_lane_value
+    return transports.max_lane_workers(bits, max_lane_value)
 
 
 def require_lane_sum_fits(n_workers: int, bits: int, max_lane_value: int, *, what: str = "lane") -> None:

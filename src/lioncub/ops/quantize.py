@@ -51,6 +51,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from lioncub import transports
 from lioncub._validate import check_int, check_number, is_int
 
 __all__ = [
@@ -70,7 +71,7 @@ __all__ = [
     "quantize_sign",
 ]
 
-Encoding = Literal["signed", "offset", "vote"]
+Encoding = transports.Encoding
 
 # Elements per piece when quantizing: keeps temporaries in cache (4 passes over ~1 MiB instead of over
 # the whole tensor).
@@ -78,28 +79,14 @@ _PIECE = 1 << 18
 
 
 def level_budget(n_workers: int, bits: int, encoding: Encoding = "signed") -> int:
-    """Largest per-worker level s such that the integer SUM over N workers cannot overflow p bits.
-
-    * ``"signed"``: two's-complement p-bit sum of levels in [−s, s] (the int8 allreduce of Lion Cub
-      8-bit): ``s = ⌊(2^(p−1) − 1) / N⌋`` (p = 8: ⌊127/N⌋).
-    * ``"offset"``: unsigned p-bit lanes holding ``q + s ∈ [0, 2s]``: ``s = ⌊(2^p − 1) / (2N)⌋``.
-    * ``"vote"``: unsigned lanes holding 0/1 votes: returns 1 when ``N ≤ 2^p − 1``.
+    """The per-worker level budget ``s`` of :func:`lioncub.transports.level_budget` (``"signed"``: the int8
+    allreduce of Lion Cub 8-bit; ``"offset"``: p-bit lanes holding ``q + s``; ``"vote"``: 0/1 votes).
 
     Raises ``ValueError`` (naming N, p and the largest N that works) when the budget would be 0.
     """
     check_int("n_workers", n_workers, 1)
     check_int("bits", bits, 1)
-    if encoding == "signed":
-        top = (1 << (bits - 1)) - 1
-        s, max_n = top // n_workers, top
-    elif encoding == "offset":
-        top = (1 << bits) - 1
-        s, max_n = top // (2 * n_workers), top // 2
-    elif encoding == "vote":
-        top = (1 << bits) - 1
-        s, max_n = (1 if n_workers <= top else 0), top
-    else:
-        raise ValueError(f"encoding={encoding!r} is not one of 'signed', 'offset', 'vote'")
+    s, max_n = transports.level_budget(n_workers, bits, encoding)
     if s < 1:
         raise ValueError(
             f"no level budget: {bits}-bit {encoding} lanes summed over n_workers={n_workers} can overflow "

@@ -33,7 +33,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from lioncub import transports
 from lioncub._validate import is_int, is_number
+from lioncub.transports import AGGREGATIONS, TOPOLOGIES, TRANSPORTS
 
 __all__ = [
     "EXCHANGES",
@@ -48,12 +50,8 @@ __all__ = [
     "server_down_bits",
 ]
 
-TRANSPORTS = ("dense", "1bit", "lanes", "int8", "quantized", "server")
-AGGREGATIONS = ("mean", "majority", "average")
 #: implementations of the all-to-all / all-gather (:class:`lioncub.collectives.Comm`)
 EXCHANGES = ("auto", "p2p", "native")
-#: how a vote is laid over nodes (:mod:`lioncub.collectives.hierarchical`, which checks the same names)
-TOPOLOGIES = ("flat", "hierarchical", "node-majority")
 #: the dense transport's wire dtypes, by name, and their bits per element
 _WIRE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16, "float64": 64}
 
@@ -103,14 +101,8 @@ class VoteConfig:
             raise ValueError(f"transport={self.transport!r} is not one of {TRANSPORTS}")
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation={self.aggregation!r} is not one of {AGGREGATIONS}")
-        allowed = {
-            "dense": ("mean",),
-            "1bit": ("majority",),
-            "lanes": ("majority",),
-            "int8": ("majority", "average"),
-            "quantized": ("majority",),
-            "server": ("majority", "average"),
-        }[self.transport]
+        facts = transports.FACTS[self.transport]
+        allowed = facts.aggregations
         if self.aggregation not in allowed:
             raise ValueError(
                 f"aggregation={self.aggregation!r} is not available with transport={self.transport!r}; "
@@ -118,15 +110,15 @@ class VoteConfig:
             )
         if self.transport == "quantized" and self.quantizer not in quantize.QUANTIZERS:
             raise ValueError(f"quantizer={self.quantizer!r} is not one of {sorted(quantize.QUANTIZERS)}")
-        if self.transport in ("lanes", "quantized"):
-            if isinstance(self.bits, bool) or self.bits not in (2, 4, 8, "auto"):
+        if facts.widths:
+            if isinstance(self.bits, bool) or self.bits not in (*facts.widths, "auto"):
                 raise ValueError(
                     f"bits={self.bits!r} must be 2, 4, 8 or 'auto' for transport={self.transport!r}"
                 )
-        elif self.bits not in _FIXED_BITS[self.transport] or isinstance(self.bits, bool):
+        elif self.bits not in facts.fixed_bits or isinstance(self.bits, bool):
             raise ValueError(
                 f"bits={self.bits!r}: transport={self.transport!r} has a fixed width "
-                f"(allowed: {_FIXED_BITS[self.transport]}); bits applies to transport 'lanes' or 'quantized'"
+                f"(allowed: {facts.fixed_bits}); bits applies to transport 'lanes' or 'quantized'"
             )
         if self.transport != "quantized":
             for name in ("quantizer", "quantizer_options"):
@@ -168,26 +160,42 @@ class VoteConfig:
                 else ""
             )
             raise ValueError(f"topology={self.topology!r}: allowed values are {list(TOPOLOGIES)}{auto}")
-        if self.topology == "hierarchical" and self.transport in ("dense", "server"):
-            raise ValueError(
-                f"topology='hierarchical' applies to the votes, not to transport={self.transport!r} (the "
-                "dense presets leave the gradient allreduce to the backend; the parameter server is a star)"
-            )
-        if self.topology == "node-majority" and self.transport != "1bit":
+        if self.topology == "node-majority" and self.topology not in facts.topologies:
             raise ValueError(
                 f"topology='node-majority' applies to the 1-bit vote (variant '1bit'), not to "
                 f"transport={self.transport!r}"
             )
+        if self.topology not in facts.topologies:
+            raise ValueError(
+                f"topology={self.topology!r} applies to the votes, not to transport={self.transport!r} (the "
+                "dense presets leave the gradient allreduce to the backend; the parameter server is a star)"
+            )
         return self
 
+    def lane_bits(self, n_workers: int) -> int | None:
+        """The lane width this vote uses for N workers (``"lanes"``/``"quantized"``; ``None`` otherwise,
+        or when no width up to 8 bits holds the sum): :func:`lioncub.transports.lane_bits`."""
+        return transports.lane_bits(self.transport, self.bits, n_workers)
 
-#: transports whose lane width is fixed: the ``bits`` values they accept (``None``: not stated)
-_FIXED_BITS: dict[str, tuple[int | None, ...]] = {
-    "dense": (None,),
-    "1bit": (None, 1),
-    "int8": (None, 8),
-    "server": (None, 1),
-}
+    def capacity(self, n_workers: int) -> tuple[bool, str]:
+        """Whether this vote's integer lanes hold the N-way sum; ``(False, why)`` otherwise."""
+        if not is_int(n_workers, 1):
+            raise ValueError(f"n_workers={n_workers!r}: the number of workers must be an int >= 1")
+        return transports.capacity(self.transport, self.aggregation, self.bits, n_workers)
+
+    def wire_bytes(self, d: int, n_workers: int, rank: int = 0) -> tuple[float, float]:
+        """(sent, received) bytes of ``rank`` for one flat vote of ``d`` elements over N workers."""
+        return transports.flat_wire_bytes(
+            self.transport,
+            self.aggregation,
+            self.bits,
+            d,
+            n_workers,
+            wire_bits=self.wire_bits,
+            rank=rank,
+            root=self.server_root,
+        )
+
 
 #: explicit knobs that only the quantized transport reads
 _QUANTIZED_KNOBS = ("quantizer", "clip_multiple", "chunk_size")
@@ -224,7 +232,8 @@ def resolve_variant(variant: str, **overrides: Any) -> VoteConfig:
     if new_transport not in (None, PRESETS[variant].transport):
         # switching transport: the preset's quantizer and lane width belong to the old one
         changes.setdefault("quantizer", "l1" if new_transport == "quantized" else None)
-        changes.setdefault("bits", {"quantized": 8, "lanes": 4}.get(new_transport))
+        facts = transports.FACTS.get(new_transport)  # an unknown transport: validate() names it
+        changes.setdefault("bits", None if facts is None else facts.default_bits)
     transport = changes.get("transport", PRESETS[variant].transport)
     if transport != "quantized":
         given = [k for k in _QUANTIZED_KNOBS if overrides.get(k) is not None]
@@ -234,10 +243,12 @@ def resolve_variant(variant: str, **overrides: Any) -> VoteConfig:
                 f"(variant '8bit', or transport='quantized'); variant={variant!r} has transport={transport!r}"
             )
     bits = overrides.get("bits")
+    facts = transports.FACTS.get(transport)
     if (
-        transport in _FIXED_BITS
+        facts is not None
+        and not facts.widths
         and bits is not None
-        and (bits not in _FIXED_BITS[transport] or isinstance(bits, bool))
+        and (bits not in facts.fixed_bits or isinstance(bits, bool))
     ):
         raise ValueError(
             f"bits={bits!r}: variant={variant!r} has transport={transport!r}, whose width is "
@@ -246,39 +257,15 @@ def resolve_variant(variant: str, **overrides: Any) -> VoteConfig:
     return dataclasses.replace(PRESETS[variant], **changes).validate()
 
 
-def _lane_fits(n: int, bits: int, max_value: int) -> bool:
-    return n * max_value <= (1 << bits) - 1
-
-
-def _quant_levels(n: int, bits: int) -> int:
-    """Per-worker level budget of a quantized vote (``lioncub.ops.quantize.level_budget``; 0: overflow)."""
-    if bits == 8:
-        return 127 // n
-    return ((1 << bits) - 1) // (2 * n)
-
-
 def lane_bits(config: Any, n: int) -> int | None:
-    """The lane width the vote of ``config`` (anything with ``transport`` and ``bits``) uses for N workers:
-    ``"lanes"`` and ``"quantized"`` only (``None`` otherwise, or when no width up to 8 bits works)."""
-    bits = config.bits
-    if config.transport == "lanes":
-        if bits in (None, "auto"):
-            if n == 1:
-                return 8
-            return next((b for b in (2, 4, 8) if _lane_fits(n, b, 1)), None)
-        return int(bits)
-    if config.transport == "quantized":
-        if bits in (None, "auto"):
-            return next((b for b in (2, 4, 8) if _quant_levels(n, b) >= 1), 8)
-        return int(bits)
-    return None
+    """The lane width the vote of ``config`` (anything with ``transport`` and ``bits``) uses for N workers
+    (:func:`lioncub.transports.lane_bits`)."""
+    return transports.lane_bits(config.transport, config.bits, n)
 
 
 def server_down_bits(config: Any, n: int) -> int | None:
     """Lane width of the parameter server's reply for N workers (``None``: no width works)."""
-    if config.aggregation != "average":
-        return 2  # majority: u + 1 ∈ {0, 1, 2}
-    return next((b for b in (2, 4, 8) if _lane_fits(n + 1, b, 1)), None)  # the count lanes, as ServerVote
+    return transports.server_down_bits(config.aggregation, n)
 
 
 def capacity(config: Any, n_workers: int) -> tuple[bool, str]:
@@ -286,23 +273,7 @@ def capacity(config: Any, n_workers: int) -> tuple[bool, str]:
     ``aggregation`` and ``bits``) can hold the N-way sum; ``(False, why)`` otherwise."""
     if not is_int(n_workers, 1):
         raise ValueError(f"n_workers={n_workers!r}: the number of workers must be an int >= 1")
-    n, t = n_workers, config.transport
-    if t == "lanes":
-        bits = lane_bits(config, n)
-        if bits is None or not _lane_fits(n, bits, 1):
-            width = "no lane width up to 8 bits" if bits is None else f"{bits}-bit lanes"
-            top = (1 << (bits or 8)) - 1
-            return False, f"{width} cannot hold the vote count of {n} workers (at most {top} workers)"
-    elif t == "int8" and n > 127:
-        return False, f"an int8 sum of {n} signs can overflow (at most 127 workers)"
-    elif t == "quantized":
-        bits = lane_bits(config, n) or 8
-        if _quant_levels(n, bits) < 1:
-            top = 127 if bits == 8 else ((1 << bits) - 1) // 2
-            return False, f"{bits}-bit quantized levels summed over {n} workers can overflow (at most {top})"
-    elif t == "server" and server_down_bits(config, n) is None:
-        return False, f"the server's count lanes cannot hold {n} workers (at most 254)"
-    return True, ""
+    return transports.capacity(config.transport, config.aggregation, config.bits, n_workers)
 
 
 def check_workers(config: VoteConfig, n_workers: int) -> None:

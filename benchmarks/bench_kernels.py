@@ -51,7 +51,7 @@ the step, which it equals bit for bit; ``--no-fused`` leaves them out), bytes as
 * ``majority fused`` / ``majority torch``: 4 rows of n/32 packed bytes (one rank's slice of a 4-rank 1-bit
   vote of n elements) counted, tie rule, repacked (n/8 + n/32);
 * ``apply bits fused`` (packed bits, p → p: n/8 + 4n + 4n; the momentum was written by the contribution
-  pass) and ``apply bits torch`` (unpack to int8, ``_apply_chunked_``, ``update_momentum_``); ``apply
+  pass) and ``apply bits torch`` (unpack to int8, ``apply_update_converting_``, ``update_momentum_``); ``apply
   bits+m fused`` (bits, p, m, g → p, m: n/8 + 12n + 8n; the apply where no next momentum was made);
   ``apply int8 fused`` / ``apply int8 torch`` (the int8 sums of an 8-bit vote, their sign taken, with the
   momentum update: n + 12n + 8n);
@@ -174,9 +174,9 @@ def verify(x: torch.Tensor, x_np: np.ndarray) -> None:
 def fused_ops(x: torch.Tensor) -> list[tuple[str, Callable[[], object], int]]:
     """The fused CPU passes and the torch code each replaces (float32, n elements)."""
     from lioncub.ops import kernels, native, quantize
+    from lioncub.ops.update import apply_update_converting_
     from lioncub.optim import LionCub
     from lioncub.optim.lion import _lion_update_foreach_, update_momentum_
-    from lioncub.optim.voting import _apply_chunked_
 
     n = x.numel()
     gen = torch.Generator().manual_seed(1)
@@ -196,11 +196,11 @@ def fused_ops(x: torch.Tensor) -> list[tuple[str, Callable[[], object], int]]:
 
     def apply_bits_torch() -> None:
         u = unpack_signs(packed, n, torch.int8)
-        _apply_chunked_(p, u, lr=1e-5, weight_decay=0.1)
+        apply_update_converting_(p, u, lr=1e-5, weight_decay=0.1)
         update_momentum_(m, g, 0.99)
 
     def apply_int8_torch() -> None:
-        _apply_chunked_(p, torch.sign(sums), lr=1e-5, weight_decay=0.1)
+        apply_update_converting_(p, torch.sign(sums), lr=1e-5, weight_decay=0.1)
         update_momentum_(m, g, 0.99)
 
     def majority_fused() -> None:
@@ -213,10 +213,10 @@ def fused_ops(x: torch.Tensor) -> list[tuple[str, Callable[[], object], int]]:
         native.direction_lanes(m, g, 0.9, out=lanes4, position=0, bits=4, next_momentum=m_next, beta2=0.99)
 
     def apply_bits() -> None:
-        native.apply(p, packed, kind="bits", lr=1e-5, weight_decay=0.1)
+        native.apply_bits(p, packed, lr=1e-5, weight_decay=0.1)
 
     def apply_bits_m() -> None:
-        native.apply(p, packed, kind="bits", lr=1e-5, weight_decay=0.1, exp_avg=m, grad=g, beta2=0.99)
+        native.apply_bits(p, packed, lr=1e-5, weight_decay=0.1, momentum=native.Momentum(m, g, 0.99))
 
     def local_1bit() -> None:
         dir_pack()
@@ -256,8 +256,8 @@ def fused_ops(x: torch.Tensor) -> list[tuple[str, Callable[[], object], int]]:
         ("apply bits torch", apply_bits_torch, 20 * n + n // 8),
         (
             "apply int8 fused",
-            lambda: native.apply(
-                p, sums, kind="int8", sign_of=True, lr=1e-5, weight_decay=0.1, exp_avg=m, grad=g, beta2=0.99
+            lambda: native.apply_int8(
+                p, sums, sign_of=True, lr=1e-5, weight_decay=0.1, momentum=native.Momentum(m, g, 0.99)
             ),
             21 * n,
         ),

@@ -40,12 +40,12 @@ def passes(n: int) -> dict[str, Callable[[], object]]:
             m, g, 0.9, out=packed, position=0, bits=1, next_momentum=nxt, beta2=0.99
         ),
         "direction c": lambda: native.direction(m, g, 0.9, out=c),
-        "apply from bits (p)": lambda: native.apply(p, packed, kind="bits", **wd),
-        "apply from bits + momentum": lambda: native.apply(
-            p, packed, kind="bits", exp_avg=m, grad=g, beta2=0.99, **wd
+        "apply from bits (p)": lambda: native.apply_bits(p, packed, **wd),
+        "apply from bits + momentum": lambda: native.apply_bits(
+            p, packed, momentum=native.Momentum(m, g, 0.99), **wd
         ),
-        "apply from int8 + momentum": lambda: native.apply(
-            p, sums, kind="int8", sign_of=True, exp_avg=m, grad=g, beta2=0.99, **wd
+        "apply from int8 + momentum": lambda: native.apply_int8(
+            p, sums, sign_of=True, momentum=native.Momentum(m, g, 0.99), **wd
         ),
     }
 

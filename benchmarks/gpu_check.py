@@ -92,29 +92,15 @@ def correctness(device: torch.device, n: int) -> None:
         for emulate in (True,) if DRY else (False, True):  # the interpreter's tl.fma is not fused
             tag = f"{str(dtype)[6:]}{' emulated fma' if emulate else ''}"
             for k in (n, n + 13, 5):
-                m, g = rnd(k, dtype), rnd(k, dtype, 3.0)
-                res = []
-                for backend in ("torch", "triton"):
-                    mm = m.clone()
-                    emu = emulate if backend == "triton" else None
-                    r = kernels.direction_pack(
-                        mm, g, 0.9, beta2=0.99, update_momentum=True, pad_to=64, return_direction=True,
-                        check_finite=True, backend=backend, emulate_fma=emu,
-                    )  # fmt: skip
-                    res.append((r, mm))
-                (a, ma), (b, mb) = res
-                diff = same(a.packed, b.packed) + same(a.direction, b.direction) + same(ma, mb)
-                diff += int(bool(a.finite) != bool(b.finite))
-                check("correctness", f"direction_pack {tag} n={k}", diff)
-                p, mo = rnd(k, dtype), rnd(k, dtype)
-                packed = a.packed
+                p, mo, g = rnd(k, dtype), rnd(k, dtype), rnd(k, dtype, 3.0)
+                signs = torch.randint(0, 2, (k,), dtype=torch.int8, generator=gen).mul_(2).sub_(1).to(device)
                 votes = torch.randint(-1, 2, (k,), dtype=torch.int8, generator=gen).to(device)
                 outs = []
                 for backend in ("torch", "triton"):
                     ps, ms, pv = p.clone(), mo.clone(), p.clone()
                     emu = emulate if backend == "triton" else None
-                    kernels.apply_signs_(
-                        ps, packed, lr=3e-4, weight_decay=0.1, bit_offset=0, exp_avg=ms, grad=g, beta2=0.99,
+                    kernels.apply_votes_(
+                        ps, signs, lr=3e-4, weight_decay=0.1, exp_avg=ms, grad=g, beta2=0.99,
                         backend=backend, emulate_fma=emu,
                     )  # fmt: skip
                     kernels.apply_votes_(
@@ -122,7 +108,7 @@ def correctness(device: torch.device, n: int) -> None:
                     )
                     outs.append((ps, ms, pv))
                 diff = sum(same(x, y) for x, y in zip(*outs, strict=True))
-                check("correctness", f"apply_signs_/apply_votes_ {tag} n={k}", diff)
+                check("correctness", f"apply_votes_ {tag} n={k}", diff)
         c = rnd(n, dtype)
         c[n // 2] = float("nan")
         segments = [n // 3, 1, n - n // 3 - 1]
@@ -214,38 +200,20 @@ def bandwidth(device: torch.device, n: int, runs: int) -> None:
     copy_bw = 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), device, runs)
     row("bandwidth", "device-to-device copy (fp32)", f"{copy_bw / 1e9:.0f} GB/s")
     m, g, p = torch.randn(n, device=device), torch.randn(n, device=device), torch.randn(n, device=device)
-    packed = torch.empty(n // 8, dtype=torch.uint8, device=device)
     levels = torch.empty(n, dtype=torch.int8, device=device)
     votes = torch.randint(-1, 2, (n,), dtype=torch.int8, device=device)
     rows8 = torch.randint(0, 256, (8, n // 8), dtype=torch.uint8, device=device)
     maj = torch.empty(n // 8, dtype=torch.uint8, device=device)
     f4 = 4 * n
     cases = [
-        (
-            "direction_pack (m,g -> bits)",
-            lambda: kernels.direction_pack(m, g, 0.9, out=packed),
-            2 * f4 + n / 8,
-        ),
-        (
-            "direction_pack + momentum + finite",
-            lambda: kernels.direction_pack(
-                m, g, 0.9, beta2=0.99, update_momentum=True, check_finite=True, out=packed
-            ),
-            3 * f4 + n / 8,
-        ),
         ("quantize_l1 pass 2 (fp32 -> int8)", lambda: kernels.quantize_l1(m, 127, out=levels), f4 + n),
         ("majority_pack N=8", lambda: kernels.majority_pack(rows8, True, out=maj), 9 * n / 8),
-        (
-            "apply_signs_ (p, bits)",
-            lambda: kernels.apply_signs_(p, packed, lr=1e-9, weight_decay=0.1),
-            2 * f4 + n / 8,
-        ),
-        (
-            "apply_signs_ + momentum",
-            lambda: kernels.apply_signs_(p, packed, lr=1e-9, exp_avg=m, grad=g, beta2=0.99),
-            4 * f4 + n / 8,
-        ),
         ("apply_votes_ (p, int8)", lambda: kernels.apply_votes_(p, votes, lr=1e-9), 2 * f4 + n),
+        (
+            "apply_votes_ + momentum",
+            lambda: kernels.apply_votes_(p, votes, lr=1e-9, exp_avg=m, grad=g, beta2=0.99),
+            4 * f4 + n,
+        ),
     ]
     for name, fn, nbytes in cases:
         t = timed(fn, device, runs)
@@ -374,7 +342,6 @@ def gpt_shapes(layers: int, d: int, vocab: int, ctx: int) -> list[tuple[int, ...
 
 
 def step_overhead(device: torch.device, layers: int, d: int, vocab: int, ctx: int, runs: int) -> None:
-    from lioncub.ops import kernels
     from lioncub.optim import Lion, LionCub
 
     shapes = gpt_shapes(layers, d, vocab, ctx)
@@ -420,30 +387,6 @@ def step_overhead(device: torch.device, layers: int, d: int, vocab: int, ctx: in
             _verdict(over <= 25),
         )
         del opt, params
-    # What the fused kernels give: direction+pack+finite check, then apply with the fused momentum update
-    params = make()
-    moms = [torch.zeros_like(p) for p in params]
-
-    def fused_step():
-        finite = []
-        packs = []
-        for p, m in zip(params, moms, strict=True):
-            r = kernels.direction_pack(m, p.grad, 0.9, check_finite=True)
-            packs.append(r.packed)
-            finite.append(r.finite)
-        bool(torch.stack(finite).all())  # the one host sync of the non-finite check
-        for p, m, bits in zip(params, moms, packs, strict=True):
-            kernels.apply_signs_(p, bits, lr=1e-4, weight_decay=0.1, exp_avg=m, grad=p.grad, beta2=0.99)
-
-    t = sync_time(fused_step)
-    over = 100 * (t / t_lion - 1)
-    row(
-        "350M step",
-        "fused kernels per tensor (direction_pack + apply_signs_)",
-        f"{t * 1e3:.2f} ms, {over:+.0f} % over Lion",
-        "<= 25 %",
-        _verdict(over <= 25),
-    )
 
 
 # ------------------------------------------------------------------------------------ main

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from lioncub.optim import Lion, LionCub
-from lioncub.optim.voting import GradientChangedError, StepMismatchError
+from lioncub.optim.step_check import GradientChangedError, StepMismatchError
 from test_lioncub import ALL_PRESETS, BETAS, DENSE, local_grad, sim_vote
 
 from dist_utils import run_workers

@@ -34,7 +34,7 @@ from lioncub.collectives import (
 )
 from lioncub.launch import LaunchConfig, launch
 from lioncub.optim.config import PRESETS, VoteConfig
-from lioncub.optim.voting import make_vote
+from lioncub.optim.factory import make_vote
 from lioncub.planning import costmodel as cm
 from lioncub.planning.calibrate import fit_alpha_beta
 from lioncub.report import cost as cost_report

@@ -16,11 +16,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lioncub.collectives.votes import _sign_int8
+from lioncub.collectives.formats import sign_int8
 from lioncub.ops import kernels, native, packing
+from lioncub.ops.update import apply_update_converting_, update_momentum_
 from lioncub.optim import PRESETS, Lion, LionCub
-from lioncub.optim.lion import update_momentum_
-from lioncub.optim.voting import _apply_chunked_
 from profiles import examples
 
 from dist_utils import run_workers
@@ -70,7 +69,7 @@ def test_switched_off_by_the_environment(monkeypatch) -> None:
         "triton",
     )
     with pytest.raises(RuntimeError, match="LIONCUB_CPU_KERNELS"):
-        kernels.direction_pack(x, x, 0.9, backend="cpu")
+        kernels.apply_votes_(x, torch.zeros(8, dtype=torch.int8), lr=1.0, backend="cpu")
 
 
 def test_prefetch_is_chosen_by_vendor_or_the_environment(monkeypatch) -> None:
@@ -106,9 +105,8 @@ def test_prefetch_changes_no_bit(dtype: torch.dtype) -> None:
             ),
         ]
         q, mom = p.clone(), m.clone()
-        native.apply(
-            q, signs, kind="int8", sign_of=True, lr=0.01, weight_decay=0.1, exp_avg=mom, grad=g, beta2=0.99
-        )
+        momentum = native.Momentum(mom, g, 0.99)
+        native.apply_int8(q, signs, sign_of=True, lr=0.01, weight_decay=0.1, momentum=momentum)
         results.append((peaks, [c, signs, lanes, *nexts, q, mom]))
     native.set_prefetch(was)
     (peaks_on, on), (peaks_off, off) = results
@@ -147,29 +145,38 @@ def test_no_compiler_falls_back_with_a_reason(tmp_path) -> None:
 # ------------------------------------------------------------------------------------------ kernels
 
 
+def lerp(a: torch.Tensor, b: torch.Tensor, beta: float) -> torch.Tensor:
+    """``a·β + (1−β)·b`` as torch's step rounds it: two float ops for float32/float64, each op in float32
+    and rounded to the storage dtype ("opmath") for bfloat16."""
+    if a.dtype in (torch.float32, torch.float64):
+        return torch.mul(a, beta).add_(b, alpha=1.0 - beta)
+    t = torch.mul(a.float(), beta).to(a.dtype).float()
+    return t.add_(b.float(), alpha=1.0 - beta).to(a.dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", LENGTHS)
-def test_direction_pack_equals_torch(dtype: torch.dtype, n: int) -> None:
+def test_direction_and_next_momentum_equal_torch(dtype: torch.dtype, n: int) -> None:
+    """The contribution pass (c, its 1-bit votes with "+" padding, the next momentum, max |c|) against
+    torch's direction, pack_signs and momentum update."""
     m, g = draw(n, dtype, n), draw(n, dtype, n + 1)
-    for neg, pad_to, update, with_c in [
-        (False, 8, True, False),
-        (True, 24, False, True),
-        (False, 64, True, True),
-    ]:
-        out = {}
-        for backend in ("torch", "cpu"):
-            mm = m.clone()
-            r = kernels.direction_pack(
-                mm, g, 0.9, beta2=0.99, update_momentum=update, negate_grad=neg, pad_to=pad_to,
-                return_direction=with_c, check_finite=True, backend=backend,
-            )  # fmt: skip
-            out[backend] = (r, mm)
-        (a, ma), (b, mb) = out["torch"], out["cpu"]
-        assert torch.equal(a.packed, b.packed)
-        assert bool(a.finite) == bool(b.finite) == (n <= 20)
-        assert same(ma, mb)
-        if with_c:
-            assert same(a.direction, b.direction)
+    for neg, pad_to in [(False, 8), (True, 24), (False, 64)]:
+        gg = -g if neg else g
+        c = lerp(m, gg, 0.9)
+        nbytes = -(-n // pad_to) * pad_to // 8
+        lanes, nxt, got_c = (
+            torch.full((nbytes,), 0xA5, dtype=torch.uint8),
+            torch.empty_like(m),
+            torch.empty_like(m),
+        )
+        more = {"negate": neg, "next_momentum": nxt, "beta2": 0.99}
+        peak = native.direction_lanes(m, g, 0.9, out=lanes, position=0, bits=1, **more)
+        native.fill_lanes(lanes, n, nbytes * 8, 1, 1)
+        assert torch.equal(lanes, packing.pack_signs(c, pad_to=pad_to))
+        assert same(nxt, lerp(m, gg, 0.99))
+        assert math.isfinite(peak) == bool(torch.isfinite(c).all()) == (n <= 20)
+        native.direction(m, g, 0.9, out=got_c, negate=neg)
+        assert same(got_c, c)
 
 
 def test_direction_encodings_at_bucket_positions() -> None:
@@ -201,7 +208,7 @@ def test_direction_encodings_at_bucket_positions() -> None:
             native.fill_lanes(lanes, d, lanes.numel() * per, bits, 1 if bits == 1 else 0)
             if bits == 1:
                 assert torch.equal(lanes, packing.pack_signs(c, pad_to=pad_to))
-                assert same(flat, c) and torch.equal(signs, _sign_int8(c))
+                assert same(flat, c) and torch.equal(signs, sign_int8(c))
             else:
                 assert torch.equal(lanes, packing.pack_lanes(torch.ge(c, 0).view(torch.uint8), bits))
             finite = [p for p in peaks if p == p and p != float("inf")]
@@ -252,19 +259,24 @@ def test_majority_pack_equals_torch(n_workers: int) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", LENGTHS)
 def test_apply_equals_torch(dtype: torch.dtype, n: int) -> None:
+    """The apply from packed bits at a bit offset (native.apply_bits) and from int8 votes (apply_votes_,
+    backend "cpu") against the torch backend of apply_votes_ on the decoded votes."""
     p, m, g = draw(n, dtype, n), draw(n, dtype, n + 7, specials=False), draw(n, dtype, n + 9)
     gen = torch.Generator().manual_seed(n)
     packed = torch.randint(0, 256, ((n + 13) // 8 + 1,), dtype=torch.uint8, generator=gen)
     votes = torch.randint(-1, 2, (n,), dtype=torch.int8, generator=gen)
     cases = [(5e-3, 0.1, True, False, 0), (1e-3, 0.0, False, False, 5), (0.02, 0.5, True, True, 13)]
     for lr, wd, momentum, neg, offset in cases:
+        bits = packing.unpack_signs(packed, offset + n, torch.int8)[offset:]
         results = {}
         for backend in ("torch", "cpu"):
             extra = {"exp_avg": m.clone(), "grad": g, "beta2": 0.99, "negate_grad": neg} if momentum else {}
-            a = kernels.apply_signs_(
-                p.clone(), packed, lr=lr, weight_decay=wd, bit_offset=offset, backend=backend, **extra
-            )
             extra2 = {**extra, "exp_avg": m.clone()} if momentum else {}
+            if backend == "cpu":
+                a, mom = p.clone(), native.Momentum(extra["exp_avg"], g, 0.99, neg) if momentum else None
+                native.apply_bits(a, packed, position=offset, lr=lr, weight_decay=wd, momentum=mom)
+            else:
+                a = kernels.apply_votes_(p.clone(), bits, lr=lr, weight_decay=wd, backend="torch", **extra)
             b = kernels.apply_votes_(p.clone(), votes, lr=lr, weight_decay=wd, backend=backend, **extra2)
             results[backend] = (a, b, extra.get("exp_avg"), extra2.get("exp_avg"))
         for want, got in zip(results["torch"], results["cpu"], strict=True):
@@ -279,12 +291,13 @@ def test_apply_of_the_mean_of_signs_equals_the_torch_code(dtype: torch.dtype, n_
     sums = torch.randint(-n_workers, n_workers + 1, (n,), dtype=torch.int8)
     p, m, g = draw(n, dtype, 5), draw(n, dtype, 6, specials=False), draw(n, dtype, 7)
     pa, ma = p.clone(), m.clone()
-    _apply_chunked_(pa, torch.empty(n, dtype=dtype).copy_(sums).div_(n_workers), lr=7e-3, weight_decay=0.3)
+    apply_update_converting_(
+        pa, torch.empty(n, dtype=dtype).copy_(sums).div_(n_workers), lr=7e-3, weight_decay=0.3
+    )
     update_momentum_(ma, g, 0.99)
     pb, mb = p.clone(), m.clone()
-    native.apply(
-        pb, sums, kind="mean", divisor=n_workers, lr=7e-3, weight_decay=0.3, exp_avg=mb, grad=g, beta2=0.99
-    )
+    momentum = native.Momentum(mb, g, 0.99)
+    native.apply_mean(pb, sums, divisor=n_workers, lr=7e-3, weight_decay=0.3, momentum=momentum)
     assert same(pa, pb) and same(ma, mb)
 
 
@@ -306,7 +319,7 @@ def test_dense_scale_equals_copy_and_div(dtype: torch.dtype, wire: torch.dtype) 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_apply_from_lanes_equals_map_lanes(bits: int) -> None:
-    """native.apply from bits-bit lanes at any lane position, lane value v → table[v]: the decode of
+    """native.apply_lanes from bits-bit lanes at any lane position, lane value v → table[v]: the decode of
     ``packing.map_lanes`` followed by the step's apply."""
     n, per = 1001, 8 // bits
     gen = torch.Generator().manual_seed(bits)
@@ -316,16 +329,16 @@ def test_apply_from_lanes_equals_map_lanes(bits: int) -> None:
     for pos in (0, 1, per - 1, per + 1):
         u = packing.map_lanes(lanes, bits, pos + n, table)[pos:]
         pa, ma = p.clone(), m.clone()
-        _apply_chunked_(pa, u, lr=1e-2, weight_decay=0.1)
+        apply_update_converting_(pa, u, lr=1e-2, weight_decay=0.1)
         update_momentum_(ma, g, 0.9)
         pb, mb = p.clone(), m.clone()
-        native.apply(
-            pb, lanes, kind="lanes", position=pos, lane_bits=bits, table=table, lr=1e-2, weight_decay=0.1,
-            exp_avg=mb, grad=g, beta2=0.9,
+        native.apply_lanes(
+            pb, lanes, position=pos, bits=bits, table=table, lr=1e-2, weight_decay=0.1,
+            momentum=native.Momentum(mb, g, 0.9),
         )  # fmt: skip
         assert same(pa, pb) and same(ma, mb), pos
     with pytest.raises(ValueError, match="table"):
-        native.apply(p, lanes, kind="lanes", lane_bits=bits, table=(1, -1), lr=1.0, weight_decay=0.0)
+        native.apply_lanes(p, lanes, bits=bits, table=(1, -1), lr=1.0, weight_decay=0.0)
 
 
 @pytest.mark.parametrize("n_workers", [2, 3, 4, 5, 8, 16])
@@ -346,8 +359,9 @@ def test_server_majority_equals_the_torch_count(n_workers: int) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_raw_apply_equals_the_step_code(dtype: torch.dtype) -> None:
-    """native.apply from int8 sums (sign taken) and from values of the parameter's dtype: the step's torch
-    code (``_apply_chunked_`` then ``update_momentum_``), with and without a gradient."""
+    """native.apply_int8 from int8 sums (sign taken) and apply_values from values of the parameter's dtype:
+    the step's torch
+    code (``apply_update_converting_`` then ``update_momentum_``), with and without a gradient."""
     n = 3001
     p, m, g = draw(n, dtype, 1), draw(n, dtype, 2, specials=False), draw(n, dtype, 3)
     sums = torch.randint(-9, 10, (n,), dtype=torch.int8)
@@ -355,13 +369,14 @@ def test_raw_apply_equals_the_step_code(dtype: torch.dtype) -> None:
     for grad in (g, None):
         for kind, source, u in (("int8", sums, torch.sign(sums)), ("values", values, values)):
             pa, ma = p.clone(), m.clone()
-            _apply_chunked_(pa, u, lr=3e-3, weight_decay=0.2)
+            apply_update_converting_(pa, u, lr=3e-3, weight_decay=0.2)
             update_momentum_(ma, -grad if grad is not None else torch.zeros_like(ma), 0.95)
             pb, mb = p.clone(), m.clone()
-            native.apply(
-                pb, source, kind=kind, sign_of=kind == "int8", lr=3e-3, weight_decay=0.2, exp_avg=mb,
-                grad=grad, beta2=0.95, negate=True,
-            )  # fmt: skip
+            hyper = {"lr": 3e-3, "weight_decay": 0.2, "momentum": native.Momentum(mb, grad, 0.95, True)}
+            if kind == "int8":
+                native.apply_int8(pb, source, sign_of=True, **hyper)
+            else:
+                native.apply_values(pb, source, **hyper)
             assert same(pa, pb) and same(ma, mb)
 
 
@@ -378,8 +393,8 @@ def test_threads_split_large_tensors_alike(monkeypatch) -> None:
         pp, mm = p.clone(), m.clone()
         native.lion(pp, g, mm, lr=1e-2, beta1=0.9, beta2=0.99, weight_decay=0.1)
         pq, mq = p.clone(), m.clone()
-        native.apply(
-            pq, lanes, kind="bits", position=pos, lr=1e-2, weight_decay=0.1, exp_avg=mq, grad=g, beta2=0.9
+        native.apply_bits(
+            pq, lanes, position=pos, lr=1e-2, weight_decay=0.1, momentum=native.Momentum(mq, g, 0.9)
         )
         return [lanes, c, pp, mm, pq, mq, torch.tensor(peak)]
 
@@ -410,20 +425,22 @@ def test_hypothesis_kernels_equal_torch(rows, beta, offset, neg) -> None:
     m = torch.tensor([r[0] for r in rows], dtype=torch.float32)
     g = torch.tensor([r[1] for r in rows], dtype=torch.float32)
     p = torch.tensor([r[2] for r in rows], dtype=torch.float32)
-    a = kernels.direction_pack(m.clone(), g, beta, negate_grad=neg, check_finite=True, backend="torch")
-    b = kernels.direction_pack(m.clone(), g, beta, negate_grad=neg, check_finite=True, backend="cpu")
-    assert torch.equal(a.packed, b.packed) and bool(a.finite) == bool(b.finite)
-    packed = torch.cat([torch.tensor([0x5A, 0xC3], dtype=torch.uint8), a.packed])
-    for backend_pair in (("torch", "cpu"),):
-        outs = []
-        for backend in backend_pair:
-            mm = m.clone()
-            q = kernels.apply_signs_(
-                p.clone(), packed, lr=0.01, weight_decay=0.1, bit_offset=offset, exp_avg=mm, grad=g,
-                beta2=beta, negate_grad=neg, backend=backend,
-            )  # fmt: skip
-            outs.append((q, mm))
-        assert same(outs[0][0], outs[1][0]) and same(outs[0][1], outs[1][1])
+    n = len(rows)
+    c = lerp(m, -g if neg else g, beta)
+    lanes = torch.empty(-(-n // 8), dtype=torch.uint8)
+    peak = native.direction_lanes(m, g, beta, out=lanes, position=0, bits=1, negate=neg)
+    native.fill_lanes(lanes, n, lanes.numel() * 8, 1, 1)
+    assert torch.equal(lanes, packing.pack_signs(c)) and math.isfinite(peak) == bool(torch.isfinite(c).all())
+    packed = torch.cat([torch.tensor([0x5A, 0xC3], dtype=torch.uint8), lanes])
+    u = packing.unpack_signs(packed, offset + n, torch.int8)[offset:]
+    pa, ma = p.clone(), m.clone()
+    kernels.apply_votes_(
+        pa, u, lr=0.01, weight_decay=0.1, exp_avg=ma, grad=g, beta2=beta, negate_grad=neg, backend="torch"
+    )
+    pb, mb = p.clone(), m.clone()
+    momentum = native.Momentum(mb, g, beta, neg)
+    native.apply_bits(pb, packed, position=offset, lr=0.01, weight_decay=0.1, momentum=momentum)
+    assert same(pa, pb) and same(ma, mb)
     if rows:
         want = kernels.quantize_l1(p, 15, backend="torch")
         assert torch.equal(want, kernels.quantize_l1(p, 15, backend="cpu"))
@@ -493,12 +510,16 @@ NATIVE_STEP_CALLS = (
     "direction",
     "direction_sign",
     "direction_lanes",
-    "apply",
+    "apply_bits",
+    "apply_lanes",
+    "apply_int8",
+    "apply_mean",
     "lion",
     "majority",
     "quantize",
+    "server_majority",
+    "scale",
 )
-NATIVE_STEP_CALLS += ("server_majority", "scale")
 
 
 def worker_fused_presets(rank: int, world: int, presets: list[str], dtype: torch.dtype) -> dict:
@@ -566,15 +587,9 @@ def test_lioncub_presets_fused_equal_the_torch_path(monkeypatch, world: int, dty
     for rank in range(world):
         assert plain[rank]["calls"] == {}
         calls = fused[rank]["calls"]
-        for name in (
-            "direction",
-            "direction_sign",
-            "direction_lanes",
-            "apply",
-            "lion",
-            "majority",
-            "quantize",
-        ):
+        for name in NATIVE_STEP_CALLS:
+            if name == "server_majority" and rank != 0:
+                continue  # the parameter server's count runs on its root only
             assert calls.get(name, 0) > 0, f"the fused step never called native.{name}: {calls}"
         for preset in presets:
             for i, (a, b) in enumerate(zip(fused[rank][preset], plain[rank][preset], strict=True)):

@@ -152,7 +152,7 @@ def test_the_cost_model_charges_the_bytes_the_vote_sends(
 ) -> None:
     """The two-level cost model (lioncub.planning.costmodel.topology_phases) and the votes of
     lioncub.collectives.hierarchical agree on every rank's bytes per level."""
-    from lioncub.optim.voting import make_vote
+    from lioncub.optim.factory import make_vote
     from lioncub.planning import costmodel
 
     d = 100_003

@@ -21,9 +21,6 @@ ROOT = Path(__file__).resolve().parent.parent
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 NO_TRITON = "triton is not installed (pip install -c constraints.txt -e .[dev] brings it)"
 INTERP_CASES = [
-    "direction_pack_float32",
-    "direction_pack_bfloat16",
-    "direction_pack_float16",
     "quantize_l1_float32",
     "quantize_l1_bfloat16",
     "quantize_l1_halfway",
@@ -108,20 +105,6 @@ def test_triton_interpreter_equals_torch(interpreter_results, case):
 # ----------------------------------------------------------------------------- torch backend = reference
 
 
-def test_direction_pack_torch_is_the_reference():
-    gen = torch.Generator().manual_seed(0)
-    m, g = torch.randn(1037, generator=gen), torch.randn(1037, generator=gen)
-    mm = m.clone()
-    r = kernels.direction_pack(
-        mm, g, 0.9, beta2=0.99, update_momentum=True, pad_to=16, return_direction=True, backend="torch"
-    )
-    c = torch.mul(m, 0.9).add_(g, alpha=1.0 - 0.9)  # LionCub._local
-    assert torch.equal(r.direction, c)
-    assert torch.equal(r.packed, packing.pack_signs(c, pad_to=16))
-    assert torch.equal(mm, update_momentum_(m.clone(), g, 0.99))
-    assert r.finite is None
-
-
 def test_quantize_torch_is_the_reference():
     x = torch.randn(300)
     out = kernels.quantize_l1(x, 63, segments=[100, 0, 200], chunk_size=64, backend="torch")
@@ -139,11 +122,14 @@ def test_majority_and_apply_torch_are_the_reference():
     for tie in (True, False):
         want = packing.pack_majority(packing.count_votes(rows, 96), 5, tie)
         assert torch.equal(kernels.majority_pack(rows, tie, backend="torch"), want)
-    p = torch.randn(4, 10)
-    packed = torch.randint(0, 256, (8,), dtype=torch.uint8)
-    got = kernels.apply_signs_(p.clone(), packed, lr=1e-3, weight_decay=0.1, bit_offset=5, backend="torch")
-    u = packing.unpack_signs(packed, 45, torch.float32)[5:].view(4, 10)
-    assert torch.equal(got, apply_update_(p.clone(), u, lr=1e-3, weight_decay=0.1))
+    p, m, g = torch.randn(4, 10), torch.randn(4, 10), torch.randn(4, 10)
+    votes = torch.randint(-1, 2, (4, 10), dtype=torch.int8)
+    pa, ma = p.clone(), m.clone()
+    kernels.apply_votes_(
+        pa, votes, lr=1e-3, weight_decay=0.1, exp_avg=ma, grad=g, beta2=0.99, backend="torch"
+    )
+    assert torch.equal(pa, apply_update_(p.clone(), votes.float(), lr=1e-3, weight_decay=0.1))
+    assert torch.equal(ma, update_momentum_(m.clone(), g, 0.99))
 
 
 def test_l1_divisors_is_pass_one_of_quantize():
@@ -178,18 +164,16 @@ def test_auto_backend_for_cpu_tensors_without_the_interpreter():
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter takes CPU tensors")
 def test_explicit_triton_on_cpu_says_why():
     with pytest.raises(RuntimeError, match="triton"):
-        kernels.direction_pack(torch.zeros(8), torch.zeros(8), 0.9, backend="triton")
+        kernels.majority_pack(torch.zeros(2, 8, dtype=torch.uint8), True, backend="triton")
 
 
 def test_input_checks():
-    with pytest.raises(ValueError, match="pad_to"):
-        kernels.direction_pack(torch.zeros(8), torch.zeros(8), 0.9, pad_to=12)
     with pytest.raises(ValueError, match="beta2"):
-        kernels.direction_pack(torch.zeros(8), torch.zeros(8), 0.9, update_momentum=True)
+        kernels.apply_votes_(torch.zeros(8), torch.zeros(8, dtype=torch.int8), lr=1.0, exp_avg=torch.zeros(8))
     with pytest.raises(ValueError, match="segments"):
         kernels.quantize_l1(torch.zeros(8), 127, segments=[3, 4])
-    with pytest.raises(ValueError, match="bits"):
-        kernels.apply_signs_(torch.zeros(9), torch.zeros(1, dtype=torch.uint8), lr=1.0)
+    with pytest.raises(ValueError, match="elements"):
+        kernels.apply_votes_(torch.zeros(9), torch.zeros(8, dtype=torch.int8), lr=1.0)
     with pytest.raises(TypeError, match="integer"):
         kernels.apply_votes_(torch.zeros(3), torch.zeros(3), lr=1.0)
 
@@ -205,10 +189,9 @@ def test_gpu_check_dry_run():
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "all correctness checks passed" in proc.stdout
     for item in (
-        "direction_pack",
         "quantize_l1",
         "majority_pack",
-        "apply_signs_",
+        "apply_votes_",
         "LionCub 8bit",
         "plain Lion",
         "LionCub 1bit: overlap_with vs plain step, 3 steps: equal",

@@ -95,7 +95,7 @@ def worker_run_presets(
             "params": [p.detach().clone() for p in params],
             "stats": opt.comm_stats(),
             "buckets": opt.bucket_numels,
-            "vote": type(opt.voting.vote).__name__,
+            "vote": type(opt.engine.vote).__name__,
         }
     return out
 

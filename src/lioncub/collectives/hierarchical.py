@@ -13,7 +13,7 @@ formed in any grouping:
 1. intra-node allreduce SUM of this rank's integer values (int8 or int32, exact);
 2. local rank ℓ takes slice ℓ of the node sum (d/L elements) and sums it over the nodes with the peers of
    the same local rank, offset-encoded in the narrowest p-bit lanes that hold the M-node sum
-   (:func:`lioncub.ops.packing.lane_sum_fits`), or int32 where none does;
+   (:func:`lioncub.transports.hierarchical_lane_bits`), or int32 where none does;
 3. intra-node all-gather of the summed slices; the flat algorithm's final rule (sign, tie rule,
    ÷N) makes the update.
 
@@ -22,7 +22,7 @@ Inter-node bytes per node: ``2·(M−1)/M · d·p/8`` — better than the flat 1
 
 :class:`NodeMajorityVote` — a **different estimator**, for the 1-bit vote: each node takes the exact
 majority of its L ranks (ties by the alternating rule), then the nodes hold a 1-bit vote
-(:class:`~lioncub.collectives.votes.OneBitVote` among same-local-rank peers on slice ℓ), and the
+(:class:`~lioncub.collectives.onebit.OneBitVote` among same-local-rank peers on slice ℓ), and the
 slices are all-gathered in the node. Inter-node bytes per node ``2·(M−1)/M · d/8``: L× fewer than
 flat, but a majority of node majorities is not the global majority.
 """
@@ -33,22 +33,18 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
+from lioncub import transports
 from lioncub.collectives.base import Comm, Handle
-from lioncub.collectives.votes import (
-    AverageVote,
-    LaneVote,
-    OneBitVote,
-    Pending,
-    QuantizedVote,
-    SignSumVote,
-    VoteAlgorithm,
-)
+from lioncub.collectives.formats import Decoded, sign_int8
+from lioncub.collectives.lanes import LaneVote
+from lioncub.collectives.onebit import OneBitVote
+from lioncub.collectives.protocol import Pending, Vote
+from lioncub.collectives.quantized import QuantizedVote
+from lioncub.collectives.signsum import AverageVote, SignSumVote
+from lioncub.collectives.signvote import SignVote
 from lioncub.ops import packing
 
-__all__ = ["TOPOLOGIES", "HierarchicalVote", "NodeMajorityVote", "make_topology_vote"]
-
-#: how a vote is laid over the ranks (:class:`~lioncub.optim.config.VoteConfig` ``topology``)
-TOPOLOGIES = ("flat", "hierarchical", "node-majority")
+__all__ = ["HierarchicalVote", "NodeMajorityVote", "make_topology_vote"]
 
 
 def _check_layout(flat: Comm, intra: Comm, inter: Comm) -> tuple[int, int]:
@@ -77,10 +73,10 @@ def _slice(values: torch.Tensor, ell: int, index: int) -> tuple[torch.Tensor, in
 
 
 def _int_dtype(max_abs: int) -> torch.dtype:
-    return torch.int8 if max_abs <= 127 else torch.int32
+    return torch.int8 if transports.int_bytes(max_abs) == 1 else torch.int32
 
 
-class HierarchicalVote(VoteAlgorithm):
+class HierarchicalVote(SignVote):
     """The flat vote ``flat`` (a :class:`OneBitVote`, :class:`LaneVote`, :class:`SignSumVote`,
     :class:`AverageVote` or :class:`QuantizedVote` on the whole group), computed node by node with the
     same result bit for bit (see the module docstring).
@@ -91,7 +87,7 @@ class HierarchicalVote(VoteAlgorithm):
         inter: the ranks of the same local rank on every node (the mesh's ``"node"`` dimension).
     """
 
-    def __init__(self, flat: VoteAlgorithm, intra: Comm, inter: Comm) -> None:
+    def __init__(self, flat: Vote, intra: Comm, inter: Comm) -> None:
         super().__init__(flat.comm)
         if not isinstance(flat, (OneBitVote, LaneVote, SignSumVote, QuantizedVote)):
             raise ValueError(
@@ -102,13 +98,11 @@ class HierarchicalVote(VoteAlgorithm):
         self.nodes, self.per_node = _check_layout(flat.comm, intra, inter)
         self.result = flat.result
         self.name = f"hierarchical-{flat.name}"
-        #: the largest |value| one rank contributes
-        self.max_value = flat.levels if isinstance(flat, QuantizedVote) else 1
-        self.offset = 0 if isinstance(flat, (OneBitVote, LaneVote)) else self.max_value
-        span = self.per_node * (self.max_value + self.offset)  # a node sum, offset-encoded: [0, span]
-        self.lane_bits = next(
-            (b for b in (2, 4, 8) if span <= 255 and packing.lane_sum_fits(self.nodes, b, span)), None
-        )
+        transport, bits = _transport_of(flat)
+        #: the largest |value| one rank contributes, and the offset of its unsigned lane encoding
+        self.max_value, self.offset = transports.vote_values(transport, bits, self.world_size)
+        self.lane_bits = transports.hierarchical_lane_bits(transport, bits, self.nodes, self.per_node)
+        self._transport = (transport, bits)
 
     def _values(self, local: torch.Tensor, segments: Sequence[int] | None) -> torch.Tensor:
         """This rank's integer contribution (int8): the flat algorithm's vote, sign or level."""
@@ -116,7 +110,7 @@ class HierarchicalVote(VoteAlgorithm):
             return self.flat.levels_of(local, segments)
         if isinstance(self.flat, (OneBitVote, LaneVote)):
             return torch.ge(local, 0).view(torch.int8)
-        return torch.gt(local, 0).view(torch.int8) - torch.lt(local, 0).view(torch.int8)
+        return sign_int8(local)
 
     def _final(
         self, total: torch.Tensor, local: torch.Tensor, step: int, key: Hashable | None
@@ -132,7 +126,7 @@ class HierarchicalVote(VoteAlgorithm):
             return out.copy_(total).div_(n)
         return torch.sign(total).to(torch.int8)
 
-    def start(self, local, *, step, key=None, segments=None):
+    def start(self, local, *, step, key=None, segments=None, encoded=None):
         d, m, ell = local.numel(), self.nodes, self.per_node
         values = self._values(local, segments)
         node_sum = values.to(_int_dtype(ell * self.max_value))
@@ -161,7 +155,7 @@ class HierarchicalVote(VoteAlgorithm):
                 state["wide"], state["k"] = wide, k
                 state["inter"] = self.inter.all_reduce(wide, "hierarchical vote: int32 inter-node sum")
 
-        def finish() -> torch.Tensor:
+        def finish() -> Decoded:
             handle: Handle = state["inter"]  # type: ignore[assignment]
             handle.wait()
             k = int(state["k"])  # type: ignore[call-overload]
@@ -177,7 +171,7 @@ class HierarchicalVote(VoteAlgorithm):
             self.intra.all_gather(
                 gathered, summed.to(total_dtype), "hierarchical vote: intra-node all-gather"
             ).wait()
-            return self._final(gathered.reshape(-1)[:d], local, step, key)
+            return Decoded(self._final(gathered.reshape(-1)[:d], local, step, key))
 
         return Pending(finish, middle=middle)
 
@@ -187,17 +181,13 @@ class HierarchicalVote(VoteAlgorithm):
         return intra + inter, intra + inter
 
     def level_bytes(self, numel: int) -> tuple[float, float]:
-        """Bytes one rank sends per vote (intra-node, inter-node)."""
-        m, ell = self.nodes, self.per_node
-        k = -(-numel // ell)
-        node_item = torch.empty(0, dtype=_int_dtype(ell * self.max_value)).element_size()
-        total_item = torch.empty(0, dtype=_int_dtype(self.world_size * self.max_value)).element_size()
-        intra = 2 * (ell - 1) / ell * numel * node_item + (ell - 1) * k * total_item
-        inter_each = packing.packed_size(k, self.lane_bits) if self.lane_bits is not None else 4 * k
-        return intra, 2 * (m - 1) / m * inter_each
+        """Bytes one rank sends per vote (intra-node, inter-node):
+        :func:`lioncub.transports.hierarchical_level_bytes`."""
+        transport, bits = self._transport
+        return transports.hierarchical_level_bytes(transport, bits, numel, self.nodes, self.per_node)
 
 
-class NodeMajorityVote(VoteAlgorithm):
+class NodeMajorityVote(SignVote):
     """Each node's exact majority of its ranks' 1-bit votes (``c ≥ 0``; ties by the alternating rule),
     then a 1-bit vote among the nodes (:class:`OneBitVote` on the ``inter`` group, slice by slice), then an
     intra-node all-gather. Result: int8 ±1. A different estimator from the global majority (module
@@ -211,7 +201,7 @@ class NodeMajorityVote(VoteAlgorithm):
         self.nodes, self.per_node = _check_layout(flat, intra, inter)
         self.among_nodes = OneBitVote(inter)
 
-    def start(self, local, *, step, key=None, segments=None):
+    def start(self, local, *, step, key=None, segments=None, encoded=None):
         d, ell = local.numel(), self.per_node
         counts = torch.ge(local, 0).view(torch.int8).to(_int_dtype(ell))
         first = self.intra.all_reduce(counts, "node-majority vote: intra-node count")
@@ -225,12 +215,12 @@ class NodeMajorityVote(VoteAlgorithm):
             state["pending"] = self.among_nodes.start(node_vote, step=step)
             state["pending"].advance()  # type: ignore[attr-defined]
 
-        def finish() -> torch.Tensor:
+        def finish() -> Decoded:
             mine: torch.Tensor = state["pending"].wait()  # type: ignore[attr-defined]
             k = int(state["k"])  # type: ignore[call-overload]
             gathered = torch.empty(ell, k, dtype=torch.int8, device=local.device)
             self.intra.all_gather(gathered, mine, "node-majority vote: intra-node all-gather").wait()
-            return gathered.reshape(-1)[:d].clone()
+            return Decoded(gathered.reshape(-1)[:d].clone())
 
         return Pending(finish, middle=middle)
 
@@ -239,20 +229,27 @@ class NodeMajorityVote(VoteAlgorithm):
         return intra + inter, intra + inter
 
     def level_bytes(self, numel: int) -> tuple[float, float]:
-        """Bytes one rank sends per vote (intra-node, inter-node)."""
-        ell = self.per_node
-        k = -(-numel // ell)
-        intra = 2 * (ell - 1) / ell * numel + (ell - 1) * k
-        return intra, self.among_nodes.wire_bytes(k)[0]
+        """Bytes one rank sends per vote (intra-node, inter-node):
+        :func:`lioncub.transports.node_majority_level_bytes`."""
+        return transports.node_majority_level_bytes(numel, self.nodes, self.per_node)
 
 
-def make_topology_vote(
-    topology: str, flat: VoteAlgorithm, groups: Callable[[], tuple[Comm, Comm]]
-) -> VoteAlgorithm:
+def _transport_of(flat: Vote) -> tuple[str, int | None]:
+    """The transport and lane width of a flat vote (the names of :mod:`lioncub.transports`)."""
+    if isinstance(flat, QuantizedVote):
+        return "quantized", flat.bits
+    if isinstance(flat, LaneVote):
+        return "lanes", flat.bits
+    if isinstance(flat, SignSumVote):
+        return "int8", 8
+    return "1bit", 1
+
+
+def make_topology_vote(topology: str, flat: Vote, groups: Callable[[], tuple[Comm, Comm]]) -> Vote:
     """``flat`` laid over the nodes as ``topology`` (``"flat"``: itself); ``groups()`` gives the
     (intra-node, inter-node) groups of this rank."""
-    if topology not in TOPOLOGIES:
-        raise ValueError(f"topology={topology!r}: allowed values are {list(TOPOLOGIES)}")
+    if topology not in transports.TOPOLOGIES:
+        raise ValueError(f"topology={topology!r}: allowed values are {list(transports.TOPOLOGIES)}")
     if topology == "flat":
         return flat
     intra, inter = groups()

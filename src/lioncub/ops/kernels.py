@@ -1,6 +1,6 @@
 r"""Fused kernels of a vote step: Triton on GPUs, C on CPUs, with a plain-torch fallback.
 
-Four kernels, each a Triton kernel (``backend="triton"``), a C kernel (``backend="cpu"``,
+Three kernels, each a Triton kernel (``backend="triton"``), a C kernel (``backend="cpu"``,
 :mod:`lioncub.ops.native`) and a torch reference (``backend="torch"``) that give bit-for-bit the same
 result; ``backend="auto"`` (the default) takes Triton when it can run the tensors (Triton is importable
 and they are CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``, Triton's interpreter), else the C
@@ -10,10 +10,6 @@ dtypes, non-contiguous tensors): :func:`backend_for` says which one a call takes
 contiguous float32, float64 and bfloat16 tensors (int8 votes for :func:`apply_votes_`) and follow the
 arithmetic below (float64 as float32, with double scalars).
 
-* :func:`direction_pack` — ``c = β1·m + (1−β1)·g``, the 1-bit pack of ``[c ≥ 0]`` (bit order, ``pad_to``
-  and "+" padding of :func:`lioncub.ops.packing.pack_signs`), optionally ``c`` itself, a non-finite flag
-  (what ``LionCub._all_finite`` checks) and the momentum update ``m ← β2·m + (1−β2)·g`` in place, in one
-  pass over ``m`` and ``g``.
 * :func:`quantize_l1` — the L1 quantizer of :mod:`lioncub.ops.quantize` (``quantize("l1", ...)`` per segment,
   as ``QuantizedVote.levels_of``), its NaN/Inf/zero/denormal behaviour included. Pass 1 (the normaliser
   ``mean |c|`` of each tensor or chunk) runs the *same torch reduction* in both backends: a Triton sum
@@ -24,8 +20,8 @@ arithmetic below (float64 as float32, with double scalars).
 * :func:`majority_pack` — the middle step of the 1-bit vote: unpack the N received rows, count the "+"
   votes per bit, apply the tie rule and repack (:func:`lioncub.ops.packing.count_votes` followed by
   :func:`lioncub.ops.packing.pack_majority`).
-* :func:`apply_signs_` / :func:`apply_votes_` — ``p ← p·(1 − lr·wd) − lr·u`` from packed 1-bit results
-  (at any bit offset into a bucket) or from int8 votes, optionally with the momentum update fused in.
+* :func:`apply_votes_` — ``p ← p·(1 − lr·wd) − lr·u`` from int8 votes, optionally with the momentum
+  update fused in.
 
 Arithmetic, so that both backends round identically:
 
@@ -43,8 +39,8 @@ Arithmetic, so that both backends round identically:
   spells this out in float32 (``m.float()·β``, then ``.to(bf16)``, …) instead of calling
   ``Tensor.add_(alpha=)`` on the bf16 tensors: on CPU, ATen's bf16 ``add_`` rounds ``alpha`` to bf16 in
   its vectorised loop but not in its scalar tail, so its result depends on an element's position.
-  For float32 the torch backend *is* the existing code (``torch.mul(m, β1).add_(g, alpha=1−β1)``,
-  :func:`lioncub.optim.lion.apply_update_` semantics, :func:`lioncub.optim.lion.update_momentum_`).
+  For float32 the torch backend *is* :mod:`lioncub.ops.update` (``apply_update_``,
+  ``update_momentum_``).
   Triton's interpreter rounds float32 → bfloat16 by truncation, so the kernels round bf16 themselves
   on the raw bits (round half to even, NaN → ``0x7FC0`` as ``c10::BFloat16``; CUDA's conversion gives
   ``0x7FFF`` for NaN: compare NaN-aware).
@@ -63,7 +59,7 @@ import math
 import os
 import struct
 from collections.abc import Sequence
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import torch
 
@@ -73,11 +69,8 @@ __all__ = [
     "HAVE_TRITON",
     "TRITON_ERROR",
     "Backend",
-    "DirectionPack",
-    "apply_signs_",
     "apply_votes_",
     "backend_for",
-    "direction_pack",
     "interpreting",
     "majority_pack",
     "quantize_l1",
@@ -229,7 +222,7 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 def _lerp_ref(a: torch.Tensor, b: torch.Tensor, beta: float) -> torch.Tensor:
     """``a·β + (1−β)·b`` as a new tensor of a's dtype, rounded as documented in the module docstring."""
     if a.dtype == torch.float32 or a.dtype == torch.float64:
-        return torch.mul(a, beta).add_(b, alpha=1.0 - beta)  # = LionCub._local / lion_direction
+        return torch.mul(a, beta).add_(b, alpha=1.0 - beta)  # = lioncub.ops.update.lion_direction
     t = torch.mul(a.float(), beta).to(a.dtype).float()
     return t.add_(b.float(), alpha=1.0 - beta).to(a.dtype)
 
@@ -313,50 +306,6 @@ if HAVE_TRITON:
             return tl.fma(a, b, c)
 
     @triton.jit
-    def _direction_pack_kernel(
-        m_ptr,
-        g_ptr,
-        c_ptr,
-        packed_ptr,
-        flags_ptr,
-        n,
-        nbytes,
-        beta1,
-        alpha1,
-        beta2,
-        alpha2,
-        BLOCK_B: tl.constexpr,
-        KIND: tl.constexpr,
-        NEG: tl.constexpr,
-        UPDATE_M: tl.constexpr,
-        WRITE_C: tl.constexpr,
-        CHECK: tl.constexpr,
-        EMULATE: tl.constexpr,
-    ):
-        pid = tl.program_id(0)
-        rows = pid.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)  # packed byte indices
-        cols = tl.arange(0, 8)
-        offs = rows[:, None] * 8 + cols[None, :]
-        mask = offs < n
-        m = _load_f32(m_ptr, offs, mask, KIND)
-        g = _load_f32(g_ptr, offs, mask, KIND)
-        if NEG:
-            g = g * -1.0  # not -g: Triton negates as 0 - g, which turns -(+0.0) into +0.0
-        t = _round(m * beta1, KIND)
-        c = _round(_fma(g, alpha1, t, EMULATE), KIND)
-        vote = (c >= 0) | (offs >= n)  # padding votes "+"
-        byte = tl.sum(vote.to(tl.int32) << (7 - cols)[None, :], axis=1)
-        tl.store(packed_ptr + rows, byte.to(tl.uint8), mask=rows < nbytes)
-        if WRITE_C:
-            _store_f32(c_ptr, offs, c, mask, KIND)
-        if UPDATE_M:
-            t2 = _round(m * beta2, KIND)
-            _store_f32(m_ptr, offs, _round(_fma(g, alpha2, t2, EMULATE), KIND), mask, KIND)
-        if CHECK:
-            bad = (mask & ((c - c) != 0)).to(tl.int32)  # NaN or ±Inf
-            tl.store(flags_ptr + pid, tl.max(tl.max(bad, axis=1), axis=0).to(tl.int8))
-
-    @triton.jit
     def _quantize_kernel(
         x_ptr,
         out_ptr,
@@ -429,14 +378,12 @@ if HAVE_TRITON:
         m_ptr,
         g_ptr,
         n,
-        bit_offset,
         neg_lr,
         decay,
         beta2,
         alpha2,
         BLOCK: tl.constexpr,
         KIND: tl.constexpr,
-        PACKED: tl.constexpr,
         DECAY: tl.constexpr,
         MOMENTUM: tl.constexpr,
         NEG: tl.constexpr,
@@ -445,12 +392,7 @@ if HAVE_TRITON:
         pid = tl.program_id(0)
         offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        if PACKED:
-            bit = offs + bit_offset
-            byte = tl.load(u_ptr + (bit >> 3), mask=mask, other=0).to(tl.int32)
-            u = (((byte >> (7 - (bit & 7)).to(tl.int32)) & 1) * 2 - 1).to(tl.float32)
-        else:
-            u = tl.load(u_ptr + offs, mask=mask, other=0).to(tl.float32)
+        u = tl.load(u_ptr + offs, mask=mask, other=0).to(tl.float32)
         p = _load_f32(p_ptr, offs, mask, KIND)
         if DECAY:
             p = _round(p * decay, KIND)
@@ -467,114 +409,6 @@ if HAVE_TRITON:
 
 _BLOCK_B = 128  # packed bytes per program (1024 elements)
 _BLOCK = 1024  # elements per program
-
-
-# ------------------------------------------------------------------------------------ direction + pack
-
-
-class DirectionPack(NamedTuple):
-    """What :func:`direction_pack` returns."""
-
-    packed: torch.Tensor  #: ``uint8``, as ``packing.pack_signs(c, pad_to=pad_to)``
-    direction: torch.Tensor | None  #: ``c`` (when ``direction_out`` was given or ``return_direction``)
-    finite: torch.Tensor | None  #: 0-dim bool on the device: every ``c`` finite (when ``check_finite``)
-
-
-def direction_pack(
-    exp_avg: torch.Tensor,
-    grad: torch.Tensor,
-    beta1: float,
-    *,
-    beta2: float | None = None,
-    update_momentum: bool = False,
-    negate_grad: bool = False,
-    pad_to: int = 8,
-    out: torch.Tensor | None = None,
-    direction_out: torch.Tensor | None = None,
-    return_direction: bool = False,
-    check_finite: bool = False,
-    backend: Backend = "auto",
-    emulate_fma: bool | None = None,
-) -> DirectionPack:
-    """``c = β1·m + (1−β1)·g`` and its packed votes ``[c ≥ 0]`` in one pass (flattened tensors).
-
-    Args:
-        exp_avg: momentum ``m`` (any shape; flattened); with ``update_momentum`` updated in place to
-            ``β2·m + (1−β2)·g`` (from the old ``m``) — leave it off when the step may still be skipped
-            (non-finite gradients) and update the momentum in :func:`apply_signs_` instead.
-        grad: ``g``, same number of elements and dtype; ``negate_grad`` uses ``−g`` (``maximize``).
-        beta1, beta2: Lion's coefficients (``beta2`` only with ``update_momentum``).
-        pad_to, out: as :func:`lioncub.ops.packing.pack_signs` (padding votes "+").
-        direction_out: where to write ``c`` (flat, ``exp_avg``'s dtype); ``return_direction`` allocates it.
-        check_finite: also return whether every ``c`` is finite (a device tensor: no host sync).
-        backend: ``"auto"``, ``"triton"`` or ``"torch"`` (see the module docstring).
-        emulate_fma: Triton only: ``None`` emulates ``fma`` exactly under the interpreter only.
-    """
-    m, g = exp_avg.reshape(-1), grad.reshape(-1)
-    n = m.numel()
-    if g.numel() != n:
-        raise ValueError(f"grad has {g.numel()} elements, exp_avg {n}")
-    if update_momentum and beta2 is None:
-        raise ValueError("update_momentum=True needs beta2")
-    if pad_to <= 0 or pad_to % 8:
-        raise ValueError(f"pad_to={pad_to} must be a positive multiple of 8")
-    nbytes = -(-n // pad_to) * pad_to // 8
-    out = packing.out_buffer(out, nbytes, torch.uint8, m.device)
-    c_out = direction_out.reshape(-1) if direction_out is not None else None
-    if c_out is None and return_direction:
-        c_out = torch.empty(n, dtype=m.dtype, device=m.device)
-    if c_out is not None and (c_out.numel() != n or c_out.dtype != m.dtype):
-        raise ValueError(f"direction_out must hold {n} elements of {m.dtype}")
-    tensors = [exp_avg, grad, out] + ([c_out] if c_out is not None else [])
-    which = _resolve(backend, tensors, [exp_avg, grad] + ([c_out] if c_out is not None else []))
-    if which == "cpu":
-        if c_out is not None:
-            peak = native.direction(m, g, beta1, out=c_out, negate=negate_grad)
-            packing.pack_signs(c_out, pad_to=pad_to, out=out)
-        else:
-            peak = native.direction_lanes(m, g, beta1, out=out, position=0, bits=1, negate=negate_grad)
-            native.fill_lanes(out, n, nbytes * 8, 1, 1)  # padding votes "+"
-        if update_momentum:
-            native.momentum(m, g, beta2, negate=negate_grad)  # type: ignore[arg-type]
-        finite = torch.tensor(math.isfinite(peak)) if check_finite else None
-        return DirectionPack(out, c_out, finite)
-    if which == "torch":
-        g_eff = -g if negate_grad else g
-        c = _lerp_ref(m, g_eff, beta1)
-        packing.pack_signs(c, pad_to=pad_to, out=out)
-        finite = torch.isfinite(c).all() if check_finite else None
-        if c_out is not None:
-            c_out.copy_(c)
-        if update_momentum:
-            _momentum_ref_(m, g_eff, beta2)
-        return DirectionPack(out, c_out, finite)
-    grid = max(1, -(-nbytes // _BLOCK_B))
-    flags = torch.zeros(grid if check_finite else 1, dtype=torch.int8, device=m.device)
-    if nbytes:
-        b2 = beta2 if beta2 is not None else 0.0
-        _direction_pack_kernel[(grid,)](
-            _raw(m),
-            _raw(g),
-            _raw(c_out) if c_out is not None else out,
-            out,
-            flags,
-            n,
-            nbytes,
-            _f32(beta1),
-            _f32(1.0 - beta1),
-            _f32(b2),
-            _f32(1.0 - b2),
-            BLOCK_B=_BLOCK_B,
-            KIND=_TRITON_DTYPES[m.dtype],
-            NEG=bool(negate_grad),
-            UPDATE_M=bool(update_momentum),
-            WRITE_C=c_out is not None,
-            CHECK=bool(check_finite),
-            EMULATE=_emulate(emulate_fma),
-            **_launch_options(),
-        )
-    finite = (flags == 0).all() if check_finite else None
-    return DirectionPack(out, c_out, finite)
 
 
 # ------------------------------------------------------------------------------------ L1 quantizer
@@ -740,102 +574,6 @@ def majority_pack(
 # ------------------------------------------------------------------------------------ apply
 
 
-def _apply(
-    param: torch.Tensor,
-    source: torch.Tensor,
-    packed: bool,
-    lr: float,
-    weight_decay: float,
-    bit_offset: int,
-    exp_avg: torch.Tensor | None,
-    grad: torch.Tensor | None,
-    beta2: float | None,
-    negate_grad: bool,
-    backend: str,
-    emulate_fma: bool | None,
-) -> torch.Tensor:
-    n = param.numel()
-    momentum = exp_avg is not None
-    if momentum and (grad is None or beta2 is None):
-        raise ValueError("the fused momentum update needs exp_avg, grad and beta2")
-    if momentum and (exp_avg.numel() != n or grad.numel() != n):
-        raise ValueError("exp_avg and grad must have the parameter's number of elements")
-    if packed:
-        if source.dtype != torch.uint8 or bit_offset < 0 or (bit_offset + n + 7) // 8 > source.numel():
-            raise ValueError(f"packed must be uint8 holding bits [{bit_offset}, {bit_offset + n})")
-    elif source.numel() != n:
-        raise ValueError(f"votes has {source.numel()} elements, the parameter {n}")
-    tensors = [param, source] + ([exp_avg, grad] if momentum else [])
-    which = _resolve(backend, tensors, [param] + ([exp_avg, grad] if momentum else []))
-    if which == "cpu" and not packed and source.dtype != torch.int8:
-        if backend == "cpu":
-            raise RuntimeError(f"backend='cpu' takes int8 votes, got {source.dtype}")
-        which = "torch"
-    if which == "cpu":
-        native.apply(
-            param, source, kind="bits" if packed else "int8", position=bit_offset, lr=lr,
-            weight_decay=weight_decay, exp_avg=exp_avg, grad=grad, beta2=beta2 or 0.0, negate=negate_grad,
-        )  # fmt: skip
-        return param
-    if which == "torch":
-        if packed:
-            u = packing.unpack_signs(source.reshape(-1), bit_offset + n, torch.int8)[bit_offset:]
-        else:
-            u = source.reshape(-1)
-        _apply_ref_(param, u.reshape(param.shape), lr, weight_decay)
-        if momentum:
-            _momentum_ref_(exp_avg, -grad if negate_grad else grad, beta2)
-        return param
-    if n:
-        b2 = beta2 if beta2 is not None else 0.0
-        grid = -(-n // _BLOCK)
-        _apply_kernel[(grid,)](
-            _raw(param),
-            source,
-            _raw(exp_avg) if momentum else param,
-            _raw(grad) if momentum else param,
-            n,
-            bit_offset,
-            _f32(-lr),
-            _f32(1.0 - lr * weight_decay),
-            _f32(b2),
-            _f32(1.0 - b2),
-            BLOCK=_BLOCK,
-            KIND=_TRITON_DTYPES[param.dtype],
-            PACKED=packed,
-            DECAY=lr * weight_decay != 0,
-            MOMENTUM=momentum,
-            NEG=bool(negate_grad),
-            EMULATE=_emulate(emulate_fma),
-            **_launch_options(),
-        )
-    return param
-
-
-def apply_signs_(
-    param: torch.Tensor,
-    packed: torch.Tensor,
-    *,
-    lr: float,
-    weight_decay: float = 0.0,
-    bit_offset: int = 0,
-    exp_avg: torch.Tensor | None = None,
-    grad: torch.Tensor | None = None,
-    beta2: float | None = None,
-    negate_grad: bool = False,
-    backend: Backend = "auto",
-    emulate_fma: bool | None = None,
-) -> torch.Tensor:
-    """In place: ``p ← p·(1 − lr·wd) − lr·u`` with ``u = ±1`` from the packed bits
-    ``[bit_offset, bit_offset + p.numel())`` of ``packed`` (bit 1 → +1); with ``exp_avg``/``grad``/
-    ``beta2`` also ``m ← β2·m + (1−β2)·g`` (``−g`` with ``negate_grad``) in the same pass. Equals
-    ``apply_update_(p, unpack_signs(packed, ...)[bit_offset:])`` then ``update_momentum_``."""
-    return _apply(
-        param, packed.reshape(-1), True, lr, weight_decay, bit_offset, exp_avg, grad, beta2, negate_grad,
-        backend, emulate_fma,
-    )  # fmt: skip
-
-
 def apply_votes_(
     param: torch.Tensor,
     votes: torch.Tensor,
@@ -850,10 +588,54 @@ def apply_votes_(
     emulate_fma: bool | None = None,
 ) -> torch.Tensor:
     """In place: ``p ← p·(1 − lr·wd) − lr·u`` for integer votes ``u`` (int8 ``{−1, 0, +1}`` from a
-    vote, ``p.numel()`` elements), optionally with the fused momentum update (see :func:`apply_signs_`)."""
+    vote, ``p.numel()`` elements); with ``exp_avg``/``grad``/``beta2`` also ``m ← β2·m + (1−β2)·g``
+    (``−g`` with ``negate_grad``) in the same pass. Equals :func:`lioncub.ops.update.apply_update_` then
+    :func:`lioncub.ops.update.update_momentum_`."""
     if votes.dtype not in (torch.int8, torch.uint8, torch.int16, torch.int32):
         raise TypeError(f"votes must be an integer tensor, got {votes.dtype}")
-    return _apply(
-        param, votes.reshape(-1), False, lr, weight_decay, 0, exp_avg, grad, beta2, negate_grad,
-        backend, emulate_fma,
-    )  # fmt: skip
+    source = votes.reshape(-1)
+    n = param.numel()
+    momentum = exp_avg is not None
+    if momentum and (grad is None or beta2 is None):
+        raise ValueError("the fused momentum update needs exp_avg, grad and beta2")
+    if momentum and (exp_avg.numel() != n or grad.numel() != n):
+        raise ValueError("exp_avg and grad must have the parameter's number of elements")
+    if source.numel() != n:
+        raise ValueError(f"votes has {source.numel()} elements, the parameter {n}")
+    tensors = [param, source] + ([exp_avg, grad] if momentum else [])
+    which = _resolve(backend, tensors, [param] + ([exp_avg, grad] if momentum else []))
+    if which == "cpu" and source.dtype != torch.int8:
+        if backend == "cpu":
+            raise RuntimeError(f"backend='cpu' takes int8 votes, got {source.dtype}")
+        which = "torch"
+    if which == "cpu":
+        mom = native.Momentum(exp_avg, grad, beta2 or 0.0, negate_grad) if momentum else None
+        native.apply_int8(param, source, lr=lr, weight_decay=weight_decay, momentum=mom)
+        return param
+    if which == "torch":
+        _apply_ref_(param, source.reshape(param.shape), lr, weight_decay)
+        if momentum:
+            _momentum_ref_(exp_avg, -grad if negate_grad else grad, beta2)
+        return param
+    if n:
+        b2 = beta2 if beta2 is not None else 0.0
+        grid = -(-n // _BLOCK)
+        _apply_kernel[(grid,)](
+            _raw(param),
+            source,
+            _raw(exp_avg) if momentum else param,
+            _raw(grad) if momentum else param,
+            n,
+            _f32(-lr),
+            _f32(1.0 - lr * weight_decay),
+            _f32(b2),
+            _f32(1.0 - b2),
+            BLOCK=_BLOCK,
+            KIND=_TRITON_DTYPES[param.dtype],
+            DECAY=lr * weight_decay != 0,
+            MOMENTUM=momentum,
+            NEG=bool(negate_grad),
+            EMULATE=_emulate(emulate_fma),
+            **_launch_options(),
+        )
+    return param

@@ -13,9 +13,11 @@ Where no compiler exists, the build fails, the probe disagrees with torch (ATen 
 multiply-adds) or ``LIONCUB_CPU_KERNELS=0`` is set, :func:`available` is False and :func:`reason` says why;
 :mod:`lioncub.ops.kernels` then takes its torch backend (``backend="auto"``), which gives the same bits.
 
-The wrappers below take contiguous CPU tensors of one dtype (float32, float64 or bfloat16; the caller
-checks, as :func:`lioncub.ops.kernels.backend_for` does) and Python floats for the scalars, rounded to the
-work type as torch rounds them (float32 for float32 and bfloat16 tensors). Functions operate in place on
+The wrappers below take contiguous CPU tensors of one dtype (float32, float64 or bfloat16) and Python
+floats for the scalars, rounded to the work type as torch rounds them (float32 for float32 and bfloat16
+tensors). Each checks what it is handed before a pointer reaches C — a plain dense contiguous CPU tensor of
+the right dtype and length, else ``ValueError`` — so that no input from Python can make a kernel read or
+write out of bounds (a tensor subclass such as DTensor is refused). Functions operate in place on
 their outputs; the direction functions return the largest ``|c|`` (``inf``/``nan`` when some ``c`` is not
 finite). Large tensors are split over ``torch.get_num_threads()`` threads (ctypes releases the GIL).
 Results equal torch's bit for bit, except that a NaN result may carry another sign or payload (which
@@ -40,13 +42,20 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 __all__ = [
     "DTYPES",
-    "apply",
+    "SCALE_DTYPES",
+    "Momentum",
+    "apply_bits",
+    "apply_int8",
+    "apply_lanes",
+    "apply_mean",
+    "apply_values",
     "available",
     "build_seconds",
     "direction",
@@ -332,6 +341,41 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
+#: the tensor types the kernels read through ``data_ptr()`` (a subclass such as DTensor may hold its data
+#: elsewhere: refused)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _check(
+    t: torch.Tensor | None,
+    name: str,
+    dtypes: tuple[torch.dtype, ...] | None = None,
+    numel: int | None = None,
+) -> None:
+    """``ValueError`` unless ``t`` (``None`` passes) is what a kernel may read through its pointer: a plain
+    dense contiguous CPU tensor (of one of ``dtypes``, with at least ``numel`` elements)."""
+    if t is None:
+        return
+    if type(t) not in _PLAIN:
+        raise ValueError(f"{name}: a {type(t).__name__}; the fused CPU kernels take plain torch tensors")
+    if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized or not t.is_contiguous():
+        raise ValueError(
+            f"{name}: a {t.device.type} {t.layout} tensor (contiguous: {t.is_contiguous()}); the fused CPU "
+            "kernels take dense contiguous CPU tensors"
+        )
+    if dtypes is not None and t.dtype not in dtypes:
+        raise ValueError(f"{name}: dtype {t.dtype}; this kernel takes {[str(d) for d in dtypes]}")
+    if numel is not None and t.numel() < numel:
+        raise ValueError(f"{name}: {t.numel()} elements, the kernel reads {numel}")
+
+
+def _check_step(param: torch.Tensor, *others: tuple[torch.Tensor | None, str]) -> None:
+    """``param`` (``"param"``) and the same-dtype float tensors ``others`` of its elementwise step."""
+    _check(param, "param", tuple(DTYPES))
+    for t, name in others:
+        _check(t, name, (param.dtype,), param.numel())
+
+
 def _suffix(t: torch.Tensor) -> str:
     return DTYPES[t.dtype]
 
@@ -353,6 +397,7 @@ def direction(
     """``out ← β1·m + (1−β1)·g`` (``g`` negated when ``negate``; ``None`` = zeros); returns max ``|c|``.
     With ``next_momentum`` (a tensor like ``m``) also ``next_momentum ← β2·m + (1−β2)·g``, in the same pass
     (``m`` itself is not written: a skipped step keeps it)."""
+    _check_step(exp_avg, (grad, "grad"), (out, "out"), (next_momentum, "next_momentum"))
     fn = getattr(_lib(), f"lc_direction_{_suffix(exp_avg)}")
     n, has_g = exp_avg.numel(), grad is not None
 
@@ -375,6 +420,8 @@ def direction_sign(
 ) -> float:
     """``out ← sign(c)`` as int8 (``c`` and ``next_momentum`` as :func:`direction`, NaN → 0); returns max
     ``|c|``."""
+    _check_step(exp_avg, (grad, "grad"), (next_momentum, "next_momentum"))
+    _check(out, "out", (torch.int8,), exp_avg.numel())
     fn = getattr(_lib(), f"lc_direction_sign_{_suffix(exp_avg)}")
     n, has_g = exp_avg.numel(), grad is not None
 
@@ -383,6 +430,11 @@ def direction_sign(
         return fn(m, g, b - a, beta1, 1.0 - beta1, negate, has_g, _ptr(out, a), mn, beta2, 1.0 - beta2)
 
     return _peak(_run(_parts(n), part))
+
+
+def _lanes_bytes(start: int, stop: int, bits: int) -> int:
+    """Bytes that hold lanes ``[start, stop)`` of ``bits`` bits (from byte 0)."""
+    return -(-stop * bits // 8) if stop > start else 0
 
 
 def direction_lanes(
@@ -400,8 +452,12 @@ def direction_lanes(
     """The votes ``[c ≥ 0]`` into ``bits``-bit lanes ``[position, position + n)`` of ``out`` (uint8, the
     layout of :func:`lioncub.ops.packing.pack_lanes`; the other lanes of the two end bytes are kept);
     ``next_momentum`` as :func:`direction`; returns max ``|c|``."""
-    fn = getattr(_lib(), f"lc_direction_lanes_{_suffix(exp_avg)}")
     n, has_g = exp_avg.numel(), grad is not None
+    if bits not in (1, 2, 4, 8) or position < 0:
+        raise ValueError(f"bits={bits} must be 1, 2, 4 or 8 and position={position} >= 0")
+    _check_step(exp_avg, (grad, "grad"), (next_momentum, "next_momentum"))
+    _check(out, "out", (torch.uint8,), _lanes_bytes(position, position + n, bits))
+    fn = getattr(_lib(), f"lc_direction_lanes_{_suffix(exp_avg)}")
     base = out.data_ptr()
 
     def part(a: int, b: int) -> float:
@@ -416,11 +472,14 @@ def direction_lanes(
 def fill_lanes(out: torch.Tensor, start: int, stop: int, bits: int, value: int) -> None:
     """Set the ``bits``-bit lanes ``[start, stop)`` of ``out`` (uint8) to ``value`` (0 or 1)."""
     if stop > start:
+        if bits not in (1, 2, 4, 8) or start < 0 or value not in (0, 1):
+            raise ValueError(f"bits={bits}, start={start}, value={value}: 1/2/4/8 bits, start >= 0, 0 or 1")
+        _check(out, "out", (torch.uint8,), _lanes_bytes(start, stop, bits))
         _lib().lc_fill_lanes(out.data_ptr(), start, stop, bits, int(value))
 
 
 #: what the apply reads (``kind`` of ``lc_apply``)
-_KINDS = {"bits": 0, "int8": 1, "values": 2, "lanes": 3, "mean": 4}
+_BITS, _INT8, _VALUES, _LANES, _MEAN = 0, 1, 2, 3, 4
 _TABLES: dict[tuple[int, ...], torch.Tensor] = {}
 
 
@@ -432,52 +491,133 @@ def _table(values: tuple[int, ...]) -> torch.Tensor:
     return t
 
 
-def apply(
+@dataclass(frozen=True)
+class Momentum:
+    """The momentum update an apply fuses in: ``exp_avg ← β2·exp_avg + (1−β2)·g`` with ``g = grad``
+    (``None`` = zeros), negated when ``negate``."""
+
+    exp_avg: torch.Tensor
+    grad: torch.Tensor | None
+    beta2: float
+    negate: bool = False
+
+
+def _apply(
     param: torch.Tensor,
     source: torch.Tensor,
+    kind: int,
     *,
-    kind: str,
     lr: float,
     weight_decay: float,
+    momentum: Momentum | None,
     position: int = 0,
     sign_of: bool = False,
-    exp_avg: torch.Tensor | None = None,
-    grad: torch.Tensor | None = None,
-    beta2: float = 0.0,
-    negate: bool = False,
-    lane_bits: int = 1,
-    table: tuple[int, ...] = (),
-    divisor: int = 1,
+    arg: int = 1,
+    table: torch.Tensor | None = None,
 ) -> None:
-    """``p ← p·(1 − lr·wd) − lr·u`` (the decay skipped when ``lr·wd == 0``), then, with ``exp_avg``,
-    ``m ← β2·m + (1−β2)·g`` (``grad`` ``None`` = zeros), in one pass. ``u``: ``kind="bits"`` — packed bits
-    ``[position, position + n)`` of ``source`` (1 → +1, 0 → −1); ``"int8"`` — int8 values (their sign when
-    ``sign_of``); ``"values"`` — ``source`` in the parameter's dtype; ``"lanes"`` — ``lane_bits``-bit lanes
-    (2, 4, 8) ``[position, position + n)`` of ``source`` (uint8, the layout of ``pack_lanes``), lane value
-    ``v`` → ``table[v]`` (``2**lane_bits`` int8 values); ``"mean"`` — int8 values divided by ``divisor``
-    in the parameter's dtype (``u.copy_(source).div_(divisor)``)."""
-    lib = _lib()
-    fn = getattr(lib, f"lc_apply_{_suffix(param)}")
-    n, k = param.numel(), _KINDS[kind]
-    momentum, has_g = exp_avg is not None, grad is not None
+    """``lc_apply``: the update read from ``source`` as ``kind`` (the public functions below check
+    ``source``), then the ``momentum`` update."""
+    m = momentum
+    exp_avg, grad = (None, None) if m is None else (m.exp_avg, m.grad)
+    _check_step(param, (exp_avg, "exp_avg"), (grad, "grad"))
+    fn = getattr(_lib(), f"lc_apply_{_suffix(param)}")
+    beta2, negate = (0.0, False) if m is None else (float(m.beta2), bool(m.negate))
     decay = lr * weight_decay != 0
-    if kind == "lanes" and (lane_bits not in (2, 4, 8) or len(table) != 1 << lane_bits):
-        raise ValueError(f"{lane_bits}-bit lanes need a table of {1 << lane_bits} values, got {len(table)}")
-    lut = _table(tuple(table)).data_ptr() if kind == "lanes" else None
-    arg = divisor if kind == "mean" else lane_bits
+    lut = None if table is None else table.data_ptr()
 
     def part(a: int, b: int) -> None:
-        src = source.data_ptr() if k in (0, 3) else _ptr(source, a)
+        src = source.data_ptr() if kind in (_BITS, _LANES) else _ptr(source, a)
         fn(
-            _ptr(param, a), b - a, k, src, position + a, sign_of, -lr, decay, 1.0 - lr * weight_decay,
-            momentum, _ptr(exp_avg, a), _ptr(grad, a), beta2, 1.0 - beta2, negate, has_g, arg, lut,
+            _ptr(param, a), b - a, kind, src, position + a, sign_of, -lr, decay, 1.0 - lr * weight_decay,
+            m is not None, _ptr(exp_avg, a), _ptr(grad, a), beta2, 1.0 - beta2, negate, grad is not None,
+            arg, lut,
         )  # fmt: skip
 
-    _run(_parts(n), part)
+    _run(_parts(param.numel()), part)
+
+
+def apply_bits(
+    param: torch.Tensor,
+    packed: torch.Tensor,
+    *,
+    position: int = 0,
+    lr: float,
+    weight_decay: float,
+    momentum: Momentum | None = None,
+) -> None:
+    """``p ← p·(1 − lr·wd) − lr·u`` (the decay skipped when ``lr·wd == 0``) with ``u = ±1`` from the packed
+    bits ``[position, position + n)`` of ``packed`` (uint8, MSB first; 1 → +1), then the ``momentum``
+    update, in one pass."""
+    _check(packed, "packed", (torch.uint8,), _lanes_bytes(position, position + param.numel(), 1))
+    _apply(param, packed, _BITS, position=position, lr=lr, weight_decay=weight_decay, momentum=momentum)
+
+
+def apply_lanes(
+    param: torch.Tensor,
+    lanes: torch.Tensor,
+    *,
+    bits: int,
+    table: tuple[int, ...],
+    position: int = 0,
+    lr: float,
+    weight_decay: float,
+    momentum: Momentum | None = None,
+) -> None:
+    """:func:`apply_bits` with ``u = table[v]`` for the ``bits``-bit lane value ``v`` (2, 4 or 8 bits;
+    lanes ``[position, position + n)`` of ``lanes``, uint8 in the layout of ``pack_lanes``; ``table``:
+    ``2**bits`` int8 values)."""
+    if bits not in (2, 4, 8) or len(table) != 1 << bits:
+        raise ValueError(f"{bits}-bit lanes need a table of {1 << bits} values, got {len(table)}")
+    _check(lanes, "lanes", (torch.uint8,), _lanes_bytes(position, position + param.numel(), bits))
+    extra = {"arg": bits, "table": _table(tuple(table)), "position": position}
+    _apply(param, lanes, _LANES, lr=lr, weight_decay=weight_decay, momentum=momentum, **extra)
+
+
+def apply_int8(
+    param: torch.Tensor,
+    votes: torch.Tensor,
+    *,
+    sign_of: bool = False,
+    lr: float,
+    weight_decay: float,
+    momentum: Momentum | None = None,
+) -> None:
+    """:func:`apply_bits` with ``u`` the int8 ``votes`` (their sign when ``sign_of``: an integer sum)."""
+    _check(votes, "votes", (torch.int8,), param.numel())
+    _apply(param, votes, _INT8, sign_of=sign_of, lr=lr, weight_decay=weight_decay, momentum=momentum)
+
+
+def apply_mean(
+    param: torch.Tensor,
+    sums: torch.Tensor,
+    *,
+    divisor: int,
+    lr: float,
+    weight_decay: float,
+    momentum: Momentum | None = None,
+) -> None:
+    """:func:`apply_bits` with ``u = sums / divisor`` in the parameter's dtype (int8 ``sums``; as
+    ``u.copy_(sums).div_(divisor)``)."""
+    _check(sums, "sums", (torch.int8,), param.numel())
+    _apply(param, sums, _MEAN, arg=int(divisor), lr=lr, weight_decay=weight_decay, momentum=momentum)
+
+
+def apply_values(
+    param: torch.Tensor,
+    update: torch.Tensor,
+    *,
+    lr: float,
+    weight_decay: float,
+    momentum: Momentum | None = None,
+) -> None:
+    """:func:`apply_bits` with ``u`` the floating ``update`` of the parameter's dtype."""
+    _check(update, "update", (param.dtype,), param.numel())
+    _apply(param, update, _VALUES, lr=lr, weight_decay=weight_decay, momentum=momentum)
 
 
 def momentum(exp_avg: torch.Tensor, grad: torch.Tensor | None, beta2: float, *, negate: bool = False) -> None:
     """``m ← β2·m + (1−β2)·g`` in place (``grad`` ``None`` = zeros)."""
+    _check_step(exp_avg, (grad, "grad"))
     fn = getattr(_lib(), f"lc_momentum_{_suffix(exp_avg)}")
     has_g = grad is not None
     _run(
@@ -501,6 +641,8 @@ def lion(
     float32 parameter may take a bfloat16 ``grad`` (widened exactly, as ``grad.float()``)."""
     decay, factor = lr * weight_decay != 0, 1.0 - lr * weight_decay
     if param.dtype == torch.float32 and grad.dtype == torch.bfloat16:
+        _check_step(param, (exp_avg, "exp_avg"))
+        _check(grad, "grad", (torch.bfloat16,), param.numel())
         mixed = _lib().lc_lion_f32_bf16g
         if negate:
             raise ValueError("a bfloat16 gradient is not negated here")
@@ -511,6 +653,7 @@ def lion(
 
         _run(_parts(param.numel()), half)
         return
+    _check_step(param, (grad, "grad"), (exp_avg, "exp_avg"))
     fn = getattr(_lib(), f"lc_lion_{_suffix(param)}")
 
     def part(a: int, b: int) -> None:
@@ -518,6 +661,10 @@ def lion(
         fn(p, g, m, b - a, beta1, 1.0 - beta1, beta2, 1.0 - beta2, -lr, decay, factor, negate)
 
     _run(_parts(param.numel()), part)
+
+
+#: the integer level dtypes :func:`quantize` writes
+_LEVEL_DTYPES = (torch.int8, torch.int16, torch.int32)
 
 
 def quantize(
@@ -532,9 +679,15 @@ def quantize(
 ) -> None:
     """Pass 2 of the L1 quantizer: ``out ← clip(rint((x / d) · scale), ±levels)``, NaN → 0, in float32
     (``wide``: float64); ``divisors`` float64, one per ``chunk`` elements (``None``: one for all)."""
+    n = x.numel()
+    _check(x, "x", tuple(DTYPES))
+    _check(out, "out", _LEVEL_DTYPES, n)
+    groups = 1 if chunk is None else -(-n // chunk)
+    if divisors.numel() < groups:
+        raise ValueError(f"divisors: {divisors.numel()} values for {groups} groups")
     fn = getattr(_lib(), f"lc_quantize_{_suffix(x)}")
     d = divisors.to(torch.float64).contiguous()
-    n, size = x.numel(), out.element_size()
+    size = out.element_size()
     if chunk is None:
         _run(
             _parts(n),
@@ -562,6 +715,8 @@ def scale(grad: torch.Tensor, out: torch.Tensor, *, divisor: int, negate: bool =
     is not finite). ``(grad.dtype, out.dtype)`` must be one of :data:`SCALE_DTYPES`."""
     if (grad.dtype, out.dtype) not in SCALE_DTYPES:
         raise ValueError(f"scale takes {sorted(map(str, SCALE_DTYPES))}, got {grad.dtype} -> {out.dtype}")
+    _check(grad, "grad")
+    _check(out, "out", None, grad.numel())
     fn = _lib().lc_scale
     kin, kw = _IN[grad.dtype], _WIRE[out.dtype]
     return _peak(
@@ -572,15 +727,27 @@ def scale(grad: torch.Tensor, out: torch.Tensor, *, divisor: int, negate: bool =
     )
 
 
+def _check_rows(rows: torch.Tensor, out: torch.Tensor, out_bytes: int) -> tuple[int, int]:
+    if rows.dim() != 2:
+        raise ValueError(f"rows: shape {tuple(rows.shape)}, expected [N, B]")
+    _check(rows, "rows", (torch.uint8,))
+    _check(out, "out", (torch.uint8,), out_bytes)
+    return rows.shape[0], rows.shape[1]
+
+
 def server_majority(rows: torch.Tensor, out: torch.Tensor, *, n_bits: int) -> None:
     """The parameter server's majority: ``out`` (uint8, 2-bit lanes as ``pack_lanes``) ← ``sign(2·count −
     N) + 1`` of the rows' (uint8 ``[N, B]``) set bits at positions ``< n_bits``, 0 beyond."""
-    n, row_bytes = rows.shape
+    n, row_bytes = _check_rows(rows, out, 0)
+    if not 0 <= n_bits <= row_bytes * 8:
+        raise ValueError(f"n_bits={n_bits} does not fit in rows of {row_bytes} bytes")
     _lib().lc_server_majority(rows.data_ptr(), n, row_bytes, out.data_ptr(), out.numel(), n_bits)
 
 
 def majority(rows: torch.Tensor, out: torch.Tensor, *, n_bits: int, threshold: int) -> None:
     """``out`` (uint8) ← bit set where at least ``threshold`` of the rows (uint8 ``[N, B]``) have it set;
     bits from ``n_bits`` on are 0."""
-    n, row_bytes = rows.shape
+    n, row_bytes = _check_rows(rows, out, 0)
+    if not 0 <= n_bits <= row_bytes * 8:
+        raise ValueError(f"n_bits={n_bits} does not fit in rows of {row_bytes} bytes")
     _lib().lc_majority(rows.data_ptr(), n, row_bytes, out.data_ptr(), out.numel(), n_bits, threshold)

@@ -3,13 +3,21 @@
 Modules, each importing only those above it in this list:
 
 * :mod:`~lioncub.optim.config` — :class:`VoteConfig`, the presets, the lane-capacity limits (no torch);
-* :mod:`~lioncub.optim.lion` — Lion's formulas and :class:`Lion`;
+* :mod:`~lioncub.optim.lion` — Lion's step and :class:`Lion`;
 * :mod:`~lioncub.optim.sync` — :class:`MomentumSync`: which momenta are averaged over the ranks, and when;
 * :mod:`~lioncub.optim.diagnostics` — match/flip, ties, momentum spread of a vote;
-* :mod:`~lioncub.optim.voting` — :class:`Voting`: flat buckets' contributions, the votes, the apply;
+* :mod:`~lioncub.optim.topology` — the ``("node", "local")`` mesh of a vote laid over nodes;
+* :mod:`~lioncub.optim.replicas` — identical replicas: the same parameters, rank 0's values, checksums;
+* :mod:`~lioncub.optim.step_check` — :class:`Checks`, the ranks' agreement before a step, its errors;
+* :mod:`~lioncub.optim.factory` — :func:`make_vote`: the vote of a configuration;
+* :mod:`~lioncub.optim.engine` — the buckets and the walk of a step over them (:class:`StepEngine`);
+* :mod:`~lioncub.optim.layout` — which parameters a step votes on, in which buckets;
+* :mod:`~lioncub.optim.accounting` — :meth:`LionCub.comm_stats`;
+* :mod:`~lioncub.optim.state_dict` — per-rank state, consolidation for one-rank saves;
+* :mod:`~lioncub.optim.amp` — a GradScaler whose overflow decision every rank shares;
 * :mod:`~lioncub.optim.ddp` — DDP hooks that keep or count the gradient allreduce;
 * :mod:`~lioncub.optim.overlap` — the vote as a DDP communication hook;
-* :mod:`~lioncub.optim.lioncub` — :class:`LionCub`.
+* :mod:`~lioncub.optim.lioncub` — :class:`LionCub` (its module docstring describes the step).
 
 Names are imported lazily, so ``lioncub.optim.config`` (and the torch-free cost model above it) does not
 import torch.
@@ -26,8 +34,11 @@ _EXPORTS = {
     "resolve_variant": "lioncub.optim.config",
     "Lion": "lioncub.optim.lion",
     "MomentumSync": "lioncub.optim.sync",
-    "make_vote": "lioncub.optim.voting",
-    "Checks": "lioncub.optim.lioncub",
+    "make_vote": "lioncub.optim.factory",
+    "Checks": "lioncub.optim.step_check",
+    "NonFiniteGradientError": "lioncub.optim.step_check",
+    "StepMismatchError": "lioncub.optim.step_check",
+    "GradientChangedError": "lioncub.optim.step_check",
     "LionCub": "lioncub.optim.lioncub",
     "ReplicaDivergenceError": "lioncub.optim.lioncub",
 }

@@ -9,19 +9,14 @@ coefficients :math:`(\beta_1, \beta_2)` and decoupled weight decay :math:`\lambd
     p = p - lr * sign(c)                     # sign(0) == 0, as torch.sign
     m = beta2 * m + (1 - beta2) * g          # momentum update from the OLD m
 
-The update is composed of three reusable pieces, which a distributed optimizer can recombine (for
-example by replacing ``sign(c)`` with a vote over workers):
-
-* :func:`lion_direction` -- ``c`` as a new tensor,
-* :func:`apply_update_` -- ``p <- p * (1 - lr * wd) - lr * update`` in place,
-* :func:`update_momentum_` -- ``m <- beta2 * m + (1 - beta2) * g`` in place,
-
-and :func:`lion_update_` applies the whole step to lists of tensors, either tensor by tensor or with
-``torch._foreach_*`` kernels. Both paths run the same sequence of floating-point operations, so they
-give bitwise identical results. On CPU, float32 and float64 tensors (parameter, gradient and momentum
-of one dtype, contiguous) take a fused C kernel instead (:func:`lioncub.ops.native.lion`: one pass over
-``p``, ``g`` and ``m``, the same operations, bit for bit; chosen by
-:func:`lioncub.ops.kernels.step_backend_for`, switched off by ``LIONCUB_CPU_KERNELS=0``).
+The update is composed of the three pieces of :mod:`lioncub.ops.update` (``lion_direction``,
+``apply_update_``, ``update_momentum_``; a distributed optimizer recombines them, replacing ``sign(c)`` by a
+vote over workers), and :func:`lion_update_` applies the whole step to lists of tensors, either tensor by
+tensor or with ``torch._foreach_*`` kernels. Both paths run the same sequence of floating-point operations, so
+they give bitwise identical results. On CPU, float32 and float64 tensors (parameter, gradient and momentum of
+one dtype, contiguous) take a fused C kernel instead (:func:`lioncub.ops.native.lion`: one pass over ``p``,
+``g`` and ``m``, the same operations, bit for bit; chosen by :func:`lioncub.ops.kernels.step_backend_for`,
+switched off by ``LIONCUB_CPU_KERNELS=0``).
 """
 
 from __future__ import annotations
@@ -35,43 +30,9 @@ import torch
 from torch import Tensor
 
 from lioncub.ops import kernels, native
+from lioncub.ops.update import apply_update_, lion_direction, update_momentum_
 
 __all__ = ["Lion", "apply_update_", "default_foreach", "lion_direction", "lion_update_", "update_momentum_"]
-
-
-# --------------------------------------------------------------------------------------------------
-# Functional pieces
-# --------------------------------------------------------------------------------------------------
-
-
-def lion_direction(exp_avg: Tensor, grad: Tensor, beta1: float) -> Tensor:
-    """Return ``c = beta1 * exp_avg + (1 - beta1) * grad`` as a new tensor.
-
-    Args:
-        exp_avg: momentum, any shape, floating dtype; not modified.
-        grad: gradient of the same shape (already negated for maximisation).
-        beta1: interpolation coefficient in ``[0, 1)``.
-
-    Returns:
-        A new tensor with the shape and dtype of ``exp_avg``. The Lion update direction is its sign.
-    """
-    return exp_avg.mul(beta1).add_(grad, alpha=1.0 - beta1)
-
-
-def apply_update_(param: Tensor, update: Tensor, *, lr: float, weight_decay: float) -> Tensor:
-    """In place: ``param <- param * (1 - lr * weight_decay) - lr * update``; returns ``param``.
-
-    The weight-decay multiplication is skipped when ``lr * weight_decay == 0``. ``update`` has the
-    shape of ``param`` (for Lion it is ``sign(c)``, values in ``{-1, 0, 1}``).
-    """
-    if lr * weight_decay != 0:
-        param.mul_(1.0 - lr * weight_decay)
-    return param.add_(update, alpha=-lr)
-
-
-def update_momentum_(exp_avg: Tensor, grad: Tensor, beta2: float) -> Tensor:
-    """In place: ``exp_avg <- beta2 * exp_avg + (1 - beta2) * grad``; returns ``exp_avg``."""
-    return exp_avg.mul_(beta2).add_(grad, alpha=1.0 - beta2)
 
 
 def _check_lists(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor]) -> None:

@@ -1,25 +1,32 @@
 r"""``LionCub``: Lion for data-parallel training where the workers vote on the update.
 
-Design note (what happens in one ``step()`` on rank i of N):
+What happens in one ``step()`` on rank i of N (the one description of the step; the modules it names
+point back here):
 
-1. **Local direction.** For every parameter, ``c_i = β1·m_i + (1−β1)·g_i`` from this rank's *local*
+1. **Buckets.** The parameters that require grad are grouped, in ``param_groups`` order, into dtype- and
+   device-homogeneous buckets of at most ``bucket_mb`` MiB (:mod:`lioncub.optim.layout`); each bucket's
+   contributions are written into one flat buffer and travel in one vote, so a step issues a few
+   collectives, not one per tensor. Each bucket's backend (fused C kernels, Triton, torch) is chosen when
+   the buckets are built.
+2. **Contribution.** For every parameter, ``c_i = β1·m_i + (1−β1)·g_i`` from this rank's *local*
    gradient ``g_i`` and this rank's own momentum ``m_i`` (never communicated). The ``"32bit"`` /
-   ``"16bit"`` presets instead allreduce the gradient first and run global Lion (``m`` identical on all
+   ``"16bit"`` presets contribute the gradient instead and run global Lion (``m`` identical on all
    ranks), exactly as DDP + :class:`~lioncub.optim.lion.Lion`.
-2. **Buckets.** Parameters are grouped, in ``param_groups`` order, into dtype- and device-homogeneous
-   buckets of at most ``bucket_mb`` MiB; each bucket's directions are written into one flat buffer and
-   travel in one vote, so a step issues a few collectives, not one per tensor.
-3. **Vote, overlapped.** Every bucket's vote is started (quantize, pack, post the asynchronous
-   collective) before the first one is awaited, so the quantize/pack of bucket b+1 overlaps the
-   communication of bucket b. The vote algorithm (:mod:`lioncub.collectives`) returns the same update
-   ``u`` on every rank: ``{−1, 0, +1}`` for majority votes, the mean of the signs for D-Lion Avg.
-4. **Apply.** ``p ← p·(1 − lr·wd) − lr·u`` with each parameter's own group ``lr`` and
-   ``weight_decay`` read at every step (LR schedulers work), then ``m_i ← β2·m_i + (1−β2)·g_i``.
+3. **Check.** One all-gather of a few int32 per rank (:mod:`lioncub.optim.step_check`): the ranks agree
+   on the step number and the parameter layout, and a step with NaN/Inf on any rank is skipped (or
+   raises) on every rank before anything is sent.
+4. **Vote, overlapped.** Every bucket's vote is posted (quantize, pack, the asynchronous collective)
+   before the first one is awaited, so the encoding of bucket b+1 overlaps the communication of bucket
+   b. The vote (:mod:`lioncub.collectives`) returns the same update ``u`` on every rank: ``{−1, 0, +1}``
+   for majority votes, the mean of the signs for D-Lion Avg.
+5. **Apply.** ``p ← p·(1 − lr·wd) − lr·u`` with each parameter's own group ``lr`` and ``weight_decay``
+   read at every step (LR schedulers work), then ``m_i ← β2·m_i + (1−β2)·g_i``.
 
-Steps 1–4 are :class:`lioncub.optim.voting.Voting`. With :meth:`LionCub.overlap_with` (a DDP model) steps
-1–3 run during the backward pass instead, per DDP gradient bucket as backward produces it
-(:mod:`lioncub.optim.overlap`), and ``step()`` waits for the votes and does step 4; the result is bit for
-bit the same.
+Steps 2, 4 and 5 are the vote's protocol (:mod:`lioncub.collectives.protocol`), walked bucket by bucket by
+:class:`~lioncub.optim.engine.StepEngine`. With :meth:`LionCub.overlap_with` (a DDP model) steps 2 and 4
+run during the backward pass instead, per DDP gradient bucket as backward produces it
+(:mod:`lioncub.optim.overlap`), and ``step()`` checks, waits for the votes and applies them; the result is
+bit for bit the same.
 
 The tie rule of the 1-bit vote alternates with the optimizer step (+1 on odd steps, −1 on even steps);
 the step counter is part of the state dict, so resuming keeps the phase. A parameter whose gradient is
@@ -35,22 +42,25 @@ the process group, never from launcher variables.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import warnings
-import zlib
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from lioncub._validate import is_int, is_number
-from lioncub.collectives import Comm, CommCounter
+from lioncub.collectives import Ballot, Comm, flat_views
 from lioncub.ops.quantize import max_abs
 from lioncub.optim import diagnostics, topology
+from lioncub.optim.accounting import Accounting
 from lioncub.optim.config import PRESETS, VoteConfig, resolve_variant
+from lioncub.optim.engine import StepEngine, StepTimes
+from lioncub.optim.factory import make_vote
+from lioncub.optim.layout import ParamLayout, named_parameters
 from lioncub.optim.lion import check_lion_hyperparameters, default_foreach, lion_update_
 from lioncub.optim.overlap import OverlapHook
 from lioncub.optim.replicas import (
@@ -61,20 +71,18 @@ from lioncub.optim.replicas import (
     check_same_parameters,
     parameter_checksum,
 )
-from lioncub.optim.sync import MomentumSync, select_parameters
-from lioncub.optim.voting import (
+from lioncub.optim.state_dict import PerRankState
+from lioncub.optim.step_check import (
     NONFINITE_MODES,
-    BucketVote,
+    Checks,
     GradientChangedError,
     NonFiniteGradientError,
     StepCheck,
     StepMismatchError,
-    StepTimes,
-    Voting,
     check_step,
-    flat_views,
     grad_checksum,
 )
+from lioncub.optim.sync import MomentumSync, select_parameters
 
 __all__ = [
     "NONFINITE_MODES",
@@ -87,56 +95,10 @@ __all__ = [
     "StepMismatchError",
 ]
 
-STATE_VERSION = 1
-
 _log = logging.getLogger("lioncub")
 
 
-@dataclass(frozen=True)
-class Checks:
-    """What :class:`LionCub` checks and does to keep the replicas identical.
-
-    Args:
-        broadcast_init: copy rank 0's parameters to every rank at construction.
-        replica_check_every: every k steps compare a checksum of the parameters across ranks and raise
-            :class:`ReplicaDivergenceError` on a mismatch (0 = never).
-        nonfinite: what a step does when any rank's gradients hold NaN or Inf: ``"skip"`` (every rank
-            leaves parameters and momenta untouched, counted in ``comm_stats()["total"]["skipped_steps"]``)
-            or ``"raise"`` (:class:`NonFiniteGradientError` on every rank, naming the ranks). Checked
-            before anything is quantized or sent: one max-abs reduction per bucket and one all-gather of N
-            int32 per step (counted in :meth:`LionCub.comm_stats`).
-    """
-
-    broadcast_init: bool = True
-    replica_check_every: int = 0
-    nonfinite: str = "skip"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.broadcast_init, bool):
-            raise ValueError(f"broadcast_init={self.broadcast_init!r} must be True or False")
-        if not is_int(self.replica_check_every, 0):
-            raise ValueError(f"replica_check_every={self.replica_check_every!r} must be an int >= 0")
-        if self.nonfinite not in NONFINITE_MODES:
-            raise ValueError(f"nonfinite={self.nonfinite!r}: allowed values are {list(NONFINITE_MODES)}")
-
-
-@dataclass
-class _Bucket:
-    """Parameters of one dtype and device, voted on together from one flat buffer."""
-
-    params: list[torch.Tensor]
-    dtype: torch.dtype
-    device: torch.device
-    numel: int = 0
-    flat: torch.Tensor | None = field(default=None, repr=False)  # reused buffer of the contributions
-
-    def buffer(self) -> torch.Tensor:
-        if self.flat is None:
-            self.flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
-        return self.flat
-
-
-class LionCub(torch.optim.Optimizer):
+class LionCub(PerRankState, torch.optim.Optimizer):
     """Distributed Lion / Lion Cub: each rank keeps its own momentum and the ranks vote on the update.
 
     Args:
@@ -145,7 +107,7 @@ class LionCub(torch.optim.Optimizer):
         variant: a preset of :data:`lioncub.optim.config.PRESETS` — ``"32bit"``, ``"16bit"``, ``"1bit"``,
             ``"4bit"``, ``"8bit"`` (default), ``"8bit-sign"``, ``"dlion-mavo"``, ``"dlion-avg"`` — or a
             :class:`~lioncub.optim.config.VoteConfig`, e.g. ``resolve_variant("8bit", quantizer="l0")``.
-            The cost model's choice for a network is :func:`lioncub.planning.auto.choose_variant`.
+            The cost model's choice for a network is :func:`lioncub.planning.auto.auto_variant`.
         process_group: the data-parallel group (default: the default group); for a ``variant`` whose
             ``topology`` is not ``"flat"``, a ``DeviceMesh`` with dims ``("node", "local")``
             (:mod:`lioncub.optim.topology`; default: built from torchrun's ``$LOCAL_WORLD_SIZE``).
@@ -185,116 +147,47 @@ class LionCub(torch.optim.Optimizer):
         maximize: bool = False,
     ) -> None:
         config, self.variant = _vote_config(variant)
-        if not is_number(bucket_mb, gt=0):
-            raise ValueError(f"bucket_mb={bucket_mb!r} must be a finite number of MiB > 0")
-        if model is not None and not isinstance(model, torch.nn.Module):
-            raise TypeError(
-                f"model={model!r} must be the torch.nn.Module whose parameters are optimized, or None"
-            )
-        if not isinstance(checks, Checks):
-            raise TypeError(f"checks={checks!r} must be a lioncub.optim.Checks(...)")
-        if not isinstance(momentum_sync, MomentumSync):
-            momentum_sync = MomentumSync(momentum_sync)
-        if not is_int(diagnostics_every, 0):
-            raise ValueError(f"diagnostics_every={diagnostics_every!r} must be an int >= 0 (0: off)")
-        if diagnostics_every and config.transport == "dense":
-            raise ValueError(
-                f"diagnostics_every: variant={self.variant!r} does not vote (global Lion); the vote "
-                "diagnostics apply to the voting variants"
-            )
+        _check_options(config, self.variant, bucket_mb, model, checks, diagnostics_every)
         self._ready = False  # add_param_group: the base constructor calls it before the rest exists
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize))
         for group in self.param_groups:
             _check_group(group)
         self.config: VoteConfig = config
         self.checks = checks
+        if not isinstance(momentum_sync, MomentumSync):
+            momentum_sync = MomentumSync(momentum_sync)
         self.momentum_sync = momentum_sync
         self.diagnostics_every = diagnostics_every
         self.bucket_mb = bucket_mb
-        alone = process_group is None and not (dist.is_available() and dist.is_initialized())
-        levels = None
-        if config.topology != "flat" and not alone:
-            mesh = process_group if topology.is_mesh(process_group) else None
-            if mesh is None and process_group is not None:
-                raise ValueError(
-                    f"topology={config.topology!r}: process_group must be a DeviceMesh with dims "
-                    f"{topology.MESH_DIMS} (or None: built from torchrun's $LOCAL_WORLD_SIZE)"
-                )
-            mesh = mesh or topology.mesh_from_environment(config.topology)
-            process_group, intra, inter = topology.node_groups(mesh, config.exchange)
-            levels = (intra, inter)
-        elif topology.is_mesh(process_group):
-            raise ValueError(
-                "process_group: a DeviceMesh is for a topology other than 'flat' (VoteConfig.topology)"
-            )
-        self.comm = Comm.single() if alone else Comm(process_group, exchange=config.exchange)  # type: ignore[arg-type]
+        group, levels = _groups(config, process_group)
+        self.comm = Comm.single() if group is False else Comm(group, exchange=config.exchange)  # type: ignore[arg-type]
         #: one process (no process group, or a group of one): every step is :class:`~lioncub.optim.Lion`'s
         self.single_process = self.comm.world_size == 1
         if self.single_process:
             _log.info("LionCub: one process (world size 1): no vote, every step is lioncub.Lion's step")
-        named = self._named_parameters(model)
+            config, levels = dataclasses.replace(config, topology="flat"), None  # nothing is laid over nodes
+        named = named_parameters(self.param_groups, model)
         if not self.single_process:
             check_same_parameters(self.comm, named, self.param_groups)
-        #: contributions, votes and the apply (:mod:`lioncub.optim.voting`)
-        self.voting = Voting(self.comm, config, self, None if self.single_process else levels)
+        #: the contributions, votes and apply of the step (:mod:`lioncub.optim.engine`)
+        self.engine = StepEngine(make_vote(self.comm, config, levels), self)
         self._global_step = 0
-        self._model_names = {id(p): n for n, p in named}
-        self._buckets: list[_Bucket] = []
-        self._names: dict[int, str] = {}
-        self._order: dict[int, int] = {}
-        self._layout: tuple[int, ...] | None = None
-        self._layout_hash = 0
+        self.layout = ParamLayout(bucket_mb, {id(p): n for n, p in named})
         self._broadcast: set[int] = set()  # parameters rank 0's values were copied to (broadcast_init)
+        self._overlap: OverlapHook | None = None
         self._refresh_layout()
         self._grads_compared = False  # the one-time "already averaged?" check of the first step
         self._consolidated: list[dict[str, Any]] | None = None
         self._ready = True
-        self._last = (CommCounter(), StepTimes())
-        self._total = (CommCounter(), StepTimes())
-        #: the (intra-node, inter-node) groups of a topology other than flat, and their bytes per step
-        self._levels: tuple[Comm, ...] = () if self.single_process or levels is None else levels
-        self._level_marks = [c.counter.snapshot() for c in self._levels]
-        self._level_last = [CommCounter() for _ in self._levels]
-        self._level_total = [CommCounter() for _ in self._levels]
-        self._skipped = (0, 0)  # (last step, total): steps skipped for non-finite gradients
+        self.accounting = Accounting(self.comm, () if levels is None else levels)
         #: names of the parameters whose momenta are synchronized (see :mod:`lioncub.optim.sync`)
         self.sync_names, self._sync_params = self._select_sync(named, model)
-        self._overlap: OverlapHook | None = None
         #: the diagnostics of the last step that computed them: ``(step, {name: {...}, "overall": {...}})``
         self.last_diagnostics: tuple[int, dict[str, dict[str, float]]] | None = None
         if checks.broadcast_init and not self.single_process:
             self._broadcast_new()
 
-    def _broadcast_new(self) -> None:
-        """Copy rank 0's values to every rank for the optimized parameters that have not had them yet
-        (at construction, and those that join later: add_param_group, unfrozen). Collective."""
-        if not self._broadcast:  # construction: every parameter, also those frozen now (unfrozen later)
-            frozen = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
-            if frozen:
-                broadcast_parameters(self.comm, [frozen])
-                self._broadcast.update(id(p) for p in frozen)
-        new = [[p for p in b.params if id(p) not in self._broadcast] for b in self._buckets]
-        if any(new):
-            broadcast_parameters(self.comm, [ps for ps in new if ps])
-            self._broadcast.update(id(p) for ps in new for p in ps)
-
     # -- construction --------------------------------------------------------------------------------
-
-    def _named_parameters(self, model: torch.nn.Module | None) -> list[tuple[str, torch.Tensor]]:
-        """The optimized parameters with names: ``model``'s, else ``param_groups[g][i]``."""
-        mine = {id(p) for g in self.param_groups for p in g["params"] if p.requires_grad}
-        if model is None:
-            return [
-                (f"param_groups[{gi}][{i}]", p)
-                for gi, g in enumerate(self.param_groups)
-                for i, p in enumerate(g["params"])
-                if p.requires_grad
-            ]
-        named = [(n, p) for n, p in model.named_parameters() if id(p) in mine]
-        missing = len(mine) - len({id(p) for _, p in named})
-        if missing:
-            raise ValueError(f"model=: {missing} optimized parameters are not parameters of the model")
-        return named
 
     def _select_sync(
         self, named: list[tuple[str, torch.Tensor]], model: torch.nn.Module | None
@@ -333,30 +226,29 @@ class LionCub(torch.optim.Optimizer):
         """Rebuild the buckets when the parameters that require grad changed (``requires_grad_``,
         :meth:`add_param_group`); the layout hash travels in every step's check, so ranks that changed
         differently are named instead of voting on different layouts."""
-        active = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-        layout = tuple(id(p) for p in active)
-        if layout == self._layout:
+        if not self.layout.changed(self.param_groups):
             return
-        if self._layout is not None and self._overlap is not None:
+        if self.layout.built and self._overlap is not None:
             raise RuntimeError(
                 f"rank {self.comm.rank}: LionCub: the trainable parameters changed (requires_grad_ or "
                 "add_param_group) after overlap_with(): DDP's buckets are fixed; freeze or add parameters "
                 "before wrapping the model in DDP and calling overlap_with, or use the plain step"
             )
-        self._buckets = _make_buckets(self.param_groups, self.bucket_mb)
-        self.voting.refresh()
-        self._names = {
-            id(p): self._model_names.get(id(p), f"param_groups[{gi}][{i}]")
-            for gi, g in enumerate(self.param_groups)
-            for i, p in enumerate(g["params"])
-        }
-        self._order = {id(p): i for i, p in enumerate(p for b in self._buckets for p in b.params)}
-        described = [
-            (gi, i, tuple(p.shape), str(p.dtype), p.requires_grad)
-            for gi, g in enumerate(self.param_groups)
-            for i, p in enumerate(g["params"])
-        ]
-        self._layout, self._layout_hash = layout, zlib.crc32(repr(described).encode())
+        self.layout.rebuild(self.param_groups)
+        self.engine.state.refresh()
+
+    def _broadcast_new(self) -> None:
+        """Copy rank 0's values to every rank for the optimized parameters that have not had them yet
+        (at construction, and those that join later: add_param_group, unfrozen). Collective."""
+        if not self._broadcast:  # construction: every parameter, also those frozen now (unfrozen later)
+            frozen = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
+            if frozen:
+                broadcast_parameters(self.comm, [frozen])
+                self._broadcast.update(id(p) for p in frozen)
+        new = [[p for p in b.params if id(p) not in self._broadcast] for b in self.layout.buckets]
+        if any(new):
+            broadcast_parameters(self.comm, [ps for ps in new if ps])
+            self._broadcast.update(id(p) for ps in new for p in ps)
 
     # -- the step ------------------------------------------------------------------------------------
 
@@ -375,6 +267,18 @@ class LionCub(torch.optim.Optimizer):
         for group in self.param_groups:
             _check_group(group)
         self._consolidated = None
+        overflow = self._unscale()
+        self._refresh_layout()
+        self._global_step += 1
+        self.comm.step = self._global_step
+        if self.single_process:
+            self._lion_step(overflow)
+        else:
+            self._vote_step(overflow)
+        return loss
+
+    def _unscale(self) -> bool:
+        """Under a GradScaler: unscale the gradients in place; returns whether it found an overflow."""
         scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         if (scale is not None or found_inf is not None) and self._overlap is not None:
             raise RuntimeError(
@@ -386,42 +290,35 @@ class LionCub(torch.optim.Optimizer):
             grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
             if grads:
                 torch._foreach_mul_(grads, scale.double().reciprocal().float().to(grads[0].device))
-        overflow = found_inf is not None and bool(found_inf.item() > 0)
-        self._refresh_layout()
-        self._global_step += 1
+        return found_inf is not None and bool(found_inf.item() > 0)
+
+    def _vote_step(self, overflow: bool) -> None:
         step = self._global_step
-        self.comm.step = step
-        if self.single_process:
-            self._lion_step(overflow)
-            return loss
-        before = self.comm.counter.snapshot()
-        times = StepTimes()
+        before, times = self.accounting.snapshot(), StepTimes()
         diagnose = bool(self.diagnostics_every) and step % self.diagnostics_every == 0
-        buckets = self._overlap.collect(step, times) if self._overlap is not None else None
-        posted = buckets is not None  # overlapped: contributed and posted during the backward
-        if buckets is None:
+        ballots = self._overlap.collect(step, times) if self._overlap is not None else None
+        posted = ballots is not None  # overlapped: contributed and posted during the backward
+        if ballots is None:
             t0 = time.perf_counter()
-            buckets = [
-                self.voting.contribute(
-                    i, b.params, [p.grad for p in b.params], b.buffer(), keep_copy=diagnose
-                )
-                for i, b in enumerate(self._buckets)
+            ballots = [
+                self.engine.contribute(b, [p.grad for p in b.params], keep_copy=diagnose)
+                for b in self.layout.buckets
             ]
             times.direction += time.perf_counter() - t0
-        check = self._check_step(buckets, posted, overflow)
+        check = self._check_step(ballots, posted, overflow)
         if not check.ok:  # skipped: nothing is applied on any rank
             self._finish_step(before, times, skipped=True)
-            return loss
+            return
         untouched = self._without_gradient() if check.missing_grads else frozenset()
         if self.checks.broadcast_init:  # parameters that joined since the last step (the ranks agree)
             self._broadcast_new()
         if not posted:
             t0 = time.perf_counter()
-            for b in buckets:
-                self.voting.post(b, step)
+            for ballot in ballots:
+                self.engine.post(ballot, step)
             times.encode += time.perf_counter() - t0
-        updates = self.voting.apply(buckets, times, keep_updates=diagnose, untouched=untouched)
-        if self._sync_params and self.comm.world_size > 1 and self.momentum_sync.due(step):
+        updates = self.engine.apply(ballots, times, keep_updates=diagnose, untouched=untouched)
+        if self._sync_params and self.momentum_sync.due(step):
             t0 = time.perf_counter()
             self._sync_momenta(untouched)
             times.sync += time.perf_counter() - t0
@@ -429,8 +326,11 @@ class LionCub(torch.optim.Optimizer):
             self.check_replicas()
         self._finish_step(before, times, skipped=False)
         if diagnose:  # after the accounting: its collectives are not the step's
-            self.last_diagnostics = (step, self._diagnose(buckets, updates))
-        return loss
+            self.last_diagnostics = (step, self._diagnose(ballots, updates))
+
+    def _finish_step(self, before: Any, times: StepTimes, *, skipped: bool) -> None:
+        overlapped = self._overlap.take_traffic() if self._overlap is not None else (0.0, 0.0, 0)
+        self.accounting.finish_step(before, times, skipped=skipped, overlapped=overlapped)
 
     def _lion_step(self, overflow: bool) -> None:
         """One process: :class:`~lioncub.optim.Lion`'s step (the same functions, bit for bit), with the
@@ -443,7 +343,7 @@ class LionCub(torch.optim.Optimizer):
         if self.checks.nonfinite == "raise":  # raises NonFiniteGradientError on NaN/Inf
             check_step(self.comm, peaks, step=self._global_step, layout=0, missing_grads=0, nonfinite="raise")
         skip = overflow or bool(peaks and not torch.isfinite(torch.stack(peaks)).all())
-        self._skipped = (int(skip), self._skipped[1] + int(skip))
+        self.accounting.count_skip(skip)
         if skip:
             _log.warning("step %d skipped: non-finite gradients (NaN or Inf)", self._global_step)
             return
@@ -455,7 +355,7 @@ class LionCub(torch.optim.Optimizer):
             lion_update_(
                 params,
                 [p.grad for p in params],
-                [self.voting.momentum(p) for p in params],
+                [self.engine.state.momentum(p) for p in params],
                 lr=float(group["lr"]),
                 beta1=float(beta1),
                 beta2=float(beta2),
@@ -464,12 +364,12 @@ class LionCub(torch.optim.Optimizer):
                 foreach=default_foreach(params),
             )
 
-    def _check_step(self, buckets: Sequence[BucketVote], posted: bool, overflow: bool) -> StepCheck:
-        """:func:`lioncub.optim.voting.check_step` on the optimizer's group (step numbers, layouts,
+    def _check_step(self, ballots: Sequence[Ballot], posted: bool, overflow: bool) -> StepCheck:
+        """:func:`lioncub.optim.step_check.check_step` on the optimizer's group (step numbers, layouts,
         NaN/Inf, gradients changed after an overlapped backward, the first step's "already averaged?"
         check); votes already posted (overlap) are waited for before the step is dropped or raises, so none
         stays in flight."""
-        params = [p for b in self._buckets for p in b.params]
+        params = self.layout.params()
         checksum = None
         if not self._grads_compared and self.config.transport != "dense":
             checksum = grad_checksum([p.grad for p in params if p.grad is not None])
@@ -477,9 +377,9 @@ class LionCub(torch.optim.Optimizer):
         try:
             check = check_step(
                 self.comm,
-                [b.peak for b in buckets],
+                [b.peak for b in ballots],
                 step=self._global_step,
-                layout=self._layout_hash,
+                layout=self.layout.hash,
                 missing_grads=sum(p.grad is None for p in params),
                 overflow=overflow,
                 changed=changed,
@@ -488,7 +388,7 @@ class LionCub(torch.optim.Optimizer):
             )
         except (NonFiniteGradientError, StepMismatchError, GradientChangedError):
             if posted:
-                self.voting.wait_all(buckets)
+                self.engine.discard(ballots)
             raise
         if checksum is not None:
             self._grads_compared = True
@@ -499,7 +399,7 @@ class LionCub(torch.optim.Optimizer):
                     "Lion plus a pointless vote, and the allreduce's bytes). Register "
                     "lioncub.optim.ddp.skip_gradient_allreduce(model) or call opt.overlap_with(model) on "
                     "the DDP model (identical data on every rank also gives identical gradients)",
-                    stacklevel=3,
+                    stacklevel=4,
                 )
         if not check.ok:
             _log.warning(
@@ -509,13 +409,13 @@ class LionCub(torch.optim.Optimizer):
                 check.bad_ranks,
             )
             if posted:
-                self.voting.wait_all(buckets)
+                self.engine.discard(ballots)
         return check
 
     def _without_gradient(self) -> frozenset[int]:
         """``id`` of the optimized parameters whose gradient is ``None`` on every rank (one allreduce of
         one int32 per parameter tensor; only on steps where some rank lacks a gradient)."""
-        params = [p for b in self._buckets for p in b.params]
+        params = self.layout.params()
         have = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=self.comm.device)
         self.comm.all_reduce(have, "missing-gradient check").wait()
         return frozenset(id(p) for p, n in zip(params, have.tolist(), strict=True) if n == 0)
@@ -526,9 +426,9 @@ class LionCub(torch.optim.Optimizer):
         n = self.comm.world_size
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for p in self._sync_params:
-            if id(p) in untouched or id(p) not in self._order:
+            if id(p) in untouched or id(p) not in self.layout.order:
                 continue
-            m = self.voting.momentum(p)
+            m = self.engine.state.momentum(p)
             by_dtype.setdefault(m.dtype, []).append(m)
         for moms in by_dtype.values():
             flat = torch.cat([m.reshape(-1) for m in moms]).to(self.momentum_sync.dtype)
@@ -536,6 +436,8 @@ class LionCub(torch.optim.Optimizer):
             flat.div_(n)
             for m, view in zip(moms, flat_views(flat, moms), strict=True):
                 m.copy_(view)
+
+    # -- overlap ---------------------------------------------------------------------------------------
 
     def overlap_with(
         self, model: torch.nn.parallel.DistributedDataParallel, process_group: dist.ProcessGroup | None = None
@@ -550,81 +452,48 @@ class LionCub(torch.optim.Optimizer):
         if self.single_process:
             _log.info("LionCub.overlap_with: one process, no vote to overlap: the plain step runs")
             return None
-        if self._overlap is not None:
-            raise RuntimeError("overlap_with: this optimizer already overlaps its votes with a model")
-        if self.config.topology != "flat":
-            raise ValueError(
-                f"overlap_with: topology={self.config.topology!r} votes run after the backward (the overlap "
-                "hook votes flat); use the plain step, or topology='flat'"
-            )
-        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            raise TypeError(
-                f"overlap_with(model): expected a DistributedDataParallel model, got {type(model).__name__}"
-            )
-        if dist.get_world_size(model.process_group) != self.comm.world_size:
-            raise ValueError(
-                f"overlap_with: the DDP model's process group has {dist.get_world_size(model.process_group)} "
-                f"ranks, the optimizer's {self.comm.world_size}; they must be the same data-parallel group"
-            )
+        _check_overlap(self, model)
         if process_group is None:
             ranks = dist.get_process_group_ranks(self.comm.group or dist.group.WORLD)
             process_group = dist.new_group(ranks=ranks, backend=self.comm.backend)
         comm = Comm(process_group, exchange=self.comm.exchange)
         if comm.world_size != self.comm.world_size or comm.rank != self.comm.rank:
             raise ValueError("overlap_with: process_group must have the optimizer's ranks, in its order")
-        ordered = sorted(self._order, key=self._order.__getitem__)
+        ordered = sorted(self.layout.order, key=self.layout.order.__getitem__)
         self._overlap = OverlapHook(
             model,
-            Voting(comm, self.config, self),
+            StepEngine(make_vote(comm, self.config), self),
             next_step=lambda: self._global_step + 1,
             diagnostics_every=self.diagnostics_every,
-            names={i: self._names[i] for i in ordered},
+            names={i: self.layout.names[i] for i in ordered},
         )
         return self._overlap
 
-    def _finish_step(self, before: CommCounter, times: StepTimes, *, skipped: bool) -> None:
-        """The step's accounting: its bytes, collectives and times, and whether it was skipped."""
-        delta = self.comm.counter.minus(before)
-        for i, comm in enumerate(self._levels):  # the votes' own node groups
-            level = comm.counter.minus(self._level_marks[i])
-            self._level_marks[i] = comm.counter.snapshot()
-            self._level_last[i] = level
-            self._level_total[i].add(level.bytes_sent, level.bytes_recv, level.collectives)
-            delta.add(level.bytes_sent, level.bytes_recv, level.collectives)
-        if self._overlap is not None:  # the votes posted during the backward, on the hook's group
-            sent, recv, colls = self._overlap.take_traffic()
-            delta.add(sent, recv, colls)
-        self._last = (delta, times)
-        total_c, total_t = self._total
-        total_c.add(delta.bytes_sent, delta.bytes_recv, delta.collectives)
-        total_t.add(times)
-        self._skipped = (int(skipped), self._skipped[1] + int(skipped))
-
-    # -- diagnostics -----------------------------------------------------------------------------------
+    # -- diagnostics, accounting -----------------------------------------------------------------------
 
     def _diagnose(
-        self, buckets: Sequence[BucketVote], updates: list[torch.Tensor]
+        self, ballots: Sequence[Ballot], updates: list[torch.Tensor]
     ) -> dict[str, dict[str, float]]:
         """:func:`lioncub.optim.diagnostics.collect` per parameter tensor, in the optimizer's parameter
         order (whatever the buckets were: the overlapped path's diagnostics are those of the plain step)."""
         pieces = []
-        for b, u in zip(buckets, updates, strict=True):
+        for b, u in zip(ballots, updates, strict=True):
             assert b.direction is not None
             cs, us = flat_views(b.direction, b.params), flat_views(u, b.params)
             for p, c, v in zip(b.params, cs, us, strict=True):
-                pieces.append((self._order[id(p)], p, c.reshape(-1), v.reshape(-1)))
+                pieces.append((self.layout.order[id(p)], p, c.reshape(-1), v.reshape(-1)))
         pieces.sort(key=lambda piece: piece[0])
         return diagnostics.collect(
             self.comm,
-            [self._names[id(p)] for _, p, _, _ in pieces],
+            [self.layout.names[id(p)] for _, p, _, _ in pieces],
             [c for _, _, c, _ in pieces],
             [u for _, _, _, u in pieces],
-            [self.voting.momentum(p) for _, p, _, _ in pieces],
+            [self.engine.state.momentum(p) for _, p, _, _ in pieces],
         )
 
     def parameter_checksum(self) -> torch.Tensor:
         """int64 ``[2]``: :func:`lioncub.optim.replicas.parameter_checksum` of the optimized parameters."""
-        return parameter_checksum([p for b in self._buckets for p in b.params], self.comm.device)
+        return parameter_checksum(self.layout.params(), self.comm.device)
 
     def check_replicas(self) -> None:
         """Compare parameter checksums across ranks; raise :class:`ReplicaDivergenceError` on a mismatch."""
@@ -639,129 +508,19 @@ class LionCub(torch.optim.Optimizer):
         construction. With a ``topology`` other than flat, ``intra_node_bytes_sent/recv`` and
         ``inter_node_bytes_sent/recv`` split the vote's bytes by level (the step check travels on the flat
         group and is in ``bytes_sent`` only)."""
-        out: dict[str, dict[str, float | int]] = {}
-        for name, (counter, times) in (("last", self._last), ("total", self._total)):
-            out[name] = {
-                "bytes_sent": counter.bytes_sent,
-                "bytes_recv": counter.bytes_recv,
-                "collectives": counter.collectives,
-                **times.as_dict(),
-            }
-        for i, level in enumerate(("intra_node", "inter_node")[: len(self._levels)]):
-            for name, counter in (("last", self._level_last[i]), ("total", self._level_total[i])):
-                out[name][f"{level}_bytes_sent"] = counter.bytes_sent
-                out[name][f"{level}_bytes_recv"] = counter.bytes_recv
-        out["last"]["skipped_steps"], out["total"]["skipped_steps"] = self._skipped
-        out["total"]["steps"] = self._global_step
-        return out
+        return self.accounting.stats(self._global_step)
 
-    # -- state -----------------------------------------------------------------------------------------
+    # -- properties ------------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's state (momenta, step, variant, rank, world size). After
-        :meth:`consolidate_state_dict` on the rank it gathered to, ``sd["lioncub"]["ranks"]`` also holds
-        every rank's own state dict (index = rank), until the next ``step()``."""
-        sd = super().state_dict()
-        sd["lioncub"] = {
-            "version": STATE_VERSION,
-            "step": self._global_step,
-            "variant": self.variant,
-            "config": {
-                "transport": self.config.transport,
-                "aggregation": self.config.aggregation,
-                "quantizer": self.config.quantizer,
-                "bits": self.config.bits,
-            },
-            "world_size": self.comm.world_size,
-            "rank": self.comm.rank,
-            # a stochastic quantizer's stream: the overlap hook's vote draws from its own when overlapping
-            "generator": _generator_state(self._votings()[-1].vote),
-        }
-        if self._consolidated is not None:
-            sd["lioncub"]["ranks"] = self._consolidated
-        return sd
-
-    def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather every rank's :meth:`state_dict` on rank ``to`` (a rank of the optimizer's group), so that
-        a framework that saves the optimizer from one rank only keeps every rank's momenta (the convention
-        of ``torch.distributed.optim.ZeroRedundancyOptimizer``; Lightning calls it before saving).
-        Collective: every rank calls it. Costs ``N`` times one rank's state in ``to``'s memory and file."""
-        if not (is_int(to, 0) and to < self.comm.world_size):
-            raise ValueError(
-                f"consolidate_state_dict(to={to!r}): to must be a rank in 0..{self.comm.world_size - 1}"
-            )
-        self._consolidated = None
-        own = self.state_dict()
-        if self.single_process:
-            self._consolidated = [own]
-            return
-        gathered: list[Any] | None = [None] * self.comm.world_size if self.comm.rank == to else None
-        try:
-            dist.gather_object(own, gathered, dst=self.comm.global_rank(to), group=self.comm.group)
-        except Exception as err:
-            raise RuntimeError(
-                f"rank {self.comm.rank}/{self.comm.world_size}: consolidate_state_dict(to={to}) failed at "
-                f"optimizer step {self._global_step}: {type(err).__name__}: {err}"
-            ) from err
-        if gathered is not None:
-            self._consolidated = [_to_cpu(sd) for sd in gathered]
-
-    def load_state_dict(self, state_dict: dict[str, Any], *, allow_world_size_change: bool = False) -> None:
-        """Load this rank's state: from a consolidated state dict (:meth:`consolidate_state_dict`) the
-        entry of this rank, else a state dict this rank wrote. Refuses another variant, another world size,
-        or another rank's state, unless ``allow_world_size_change`` (the documented conversions of
-        ``lioncub train --convert-momenta``: the momenta are then taken as given — from a consolidated
-        state dict, rank r takes entry ``r mod K`` of the K saved)."""
-        sd = dict(state_dict)
-        meta = sd.pop("lioncub", None)
-        if meta is not None and "ranks" in meta:
-            ranks = meta["ranks"]
-            if len(ranks) != self.comm.world_size and not allow_world_size_change:
-                raise ValueError(
-                    f"rank {self.comm.rank}: the optimizer state holds the momenta of {len(ranks)} ranks, "
-                    f"this job has world_size={self.comm.world_size}; per-rank momenta do not carry over "
-                    "(pass allow_world_size_change=True to accept)"
-                )
-            self.load_state_dict(ranks[self.comm.rank % len(ranks)], allow_world_size_change=True)
-            return
-        if meta is not None:
-            if meta.get("version") != STATE_VERSION:
-                raise ValueError(f"optimizer state version {meta.get('version')} is not {STATE_VERSION}")
-            if meta["variant"] != self.variant:
-                raise ValueError(
-                    f"the checkpoint was written by variant={meta['variant']!r}, this optimizer is "
-                    f"variant={self.variant!r}"
-                )
-            if meta["world_size"] != self.comm.world_size and not allow_world_size_change:
-                raise ValueError(
-                    f"the checkpoint was written with world_size={meta['world_size']}, this job has "
-                    f"world_size={self.comm.world_size}; per-rank momenta do not carry over "
-                    "(pass allow_world_size_change=True to accept)"
-                )
-            if meta.get("rank", self.comm.rank) != self.comm.rank and not allow_world_size_change:
-                raise ValueError(
-                    f"rank {self.comm.rank}: this optimizer state was saved by rank {meta['rank']}: each "
-                    "rank has its own momenta and must load its own. A framework that saves from rank 0 only "
-                    "must call opt.consolidate_state_dict(to=0) on every rank before saving (lioncub's "
-                    "integrations do), or save one file per rank"
-                )
-            self._global_step = int(meta["step"])
-            for voting in self._votings():
-                generator = getattr(voting.vote, "generator", None)
-                if meta.get("generator") is not None and generator is not None:
-                    generator.set_state(meta["generator"])
-        super().load_state_dict(sd)
-        self._consolidated = None
+    def _engines(self) -> list[StepEngine]:
+        """The plain step's engine, then the overlap hook's (whose stochastic quantizer draws when
+        overlapping)."""
+        return [self.engine] + ([self._overlap.engine] if self._overlap is not None else [])
 
     @property
     def bucket_numels(self) -> list[int]:
         """Elements per bucket, in the order the buckets are voted on."""
-        return [b.numel for b in self._buckets]
-
-    def _votings(self) -> list[Voting]:
-        """The plain step's :class:`Voting`, then the overlap hook's (whose stochastic quantizer draws
-        when overlapping)."""
-        return [self.voting] + ([self._overlap.voting] if self._overlap is not None else [])
+        return [b.numel for b in self.layout.buckets]
 
     @property
     def overlap_hook(self) -> OverlapHook | None:
@@ -783,46 +542,77 @@ def _vote_config(variant: str | VoteConfig) -> tuple[VoteConfig, str]:
     return resolve_variant(variant), variant
 
 
-def _make_buckets(param_groups: list[dict[str, Any]], bucket_mb: float) -> list[_Bucket]:
-    """The parameters that require grad, in ``param_groups`` order, in dtype- and device-homogeneous
-    buckets of at most ``bucket_mb`` MiB (a larger parameter gets a bucket of its own)."""
-    cap = int(bucket_mb * 2**20)
-    open_buckets: dict[tuple[torch.dtype, torch.device], _Bucket] = {}
-    buckets: list[_Bucket] = []
-    for group in param_groups:
-        for p in group["params"]:
-            if not p.requires_grad:
-                continue
-            if p.is_complex():
-                raise ValueError("LionCub does not support complex parameters")
-            key = (p.dtype, p.device)
-            b = open_buckets.get(key)
-            if b is None or ((b.numel + p.numel()) * p.element_size() > cap and b.params):
-                b = _Bucket([], p.dtype, p.device)
-                open_buckets[key] = b
-                buckets.append(b)
-            b.params.append(p)
-            b.numel += p.numel()
-    return buckets
+def _check_options(
+    config: VoteConfig,
+    variant: str,
+    bucket_mb: float,
+    model: torch.nn.Module | None,
+    checks: Checks,
+    diagnostics_every: int,
+) -> None:
+    """The constructor's checks of its keyword options (each error names the option)."""
+    if not is_number(bucket_mb, gt=0):
+        raise ValueError(f"bucket_mb={bucket_mb!r} must be a finite number of MiB > 0")
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"model={model!r} must be the torch.nn.Module whose parameters are optimized, or None"
+        )
+    if not isinstance(checks, Checks):
+        raise TypeError(f"checks={checks!r} must be a lioncub.optim.Checks(...)")
+    if not is_int(diagnostics_every, 0):
+        raise ValueError(f"diagnostics_every={diagnostics_every!r} must be an int >= 0 (0: off)")
+    if diagnostics_every and config.transport == "dense":
+        raise ValueError(
+            f"diagnostics_every: variant={variant!r} does not vote (global Lion); the vote "
+            "diagnostics apply to the voting variants"
+        )
+
+
+def _groups(
+    config: VoteConfig, process_group: Any
+) -> tuple[dist.ProcessGroup | bool | None, tuple[Comm, Comm] | None]:
+    """(the flat group — ``False`` when there is no process group at all —, the (intra-node, inter-node)
+    groups of a topology other than flat) for the ``process_group`` argument."""
+    if process_group is None and not (dist.is_available() and dist.is_initialized()):
+        return False, None
+    if config.topology == "flat":
+        if topology.is_mesh(process_group):
+            raise ValueError(
+                "process_group: a DeviceMesh is for a topology other than 'flat' (VoteConfig.topology)"
+            )
+        return process_group, None
+    mesh = process_group if topology.is_mesh(process_group) else None
+    if mesh is None and process_group is not None:
+        raise ValueError(
+            f"topology={config.topology!r}: process_group must be a DeviceMesh with dims "
+            f"{topology.MESH_DIMS} (or None: built from torchrun's $LOCAL_WORLD_SIZE)"
+        )
+    mesh = mesh or topology.mesh_from_environment(config.topology)
+    flat, intra, inter = topology.node_groups(mesh, config.exchange)
+    return flat, (intra, inter)
+
+
+def _check_overlap(opt: LionCub, model: Any) -> None:
+    """:meth:`LionCub.overlap_with`'s refusals (a second registration, a topology, not DDP, another group)."""
+    if opt.overlap_hook is not None:
+        raise RuntimeError("overlap_with: this optimizer already overlaps its votes with a model")
+    if opt.config.topology != "flat":
+        raise ValueError(
+            f"overlap_with: topology={opt.config.topology!r} votes run after the backward (the overlap "
+            "hook votes flat); use the plain step, or topology='flat'"
+        )
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(
+            f"overlap_with(model): expected a DistributedDataParallel model, got {type(model).__name__}"
+        )
+    if dist.get_world_size(model.process_group) != opt.comm.world_size:
+        raise ValueError(
+            f"overlap_with: the DDP model's process group has {dist.get_world_size(model.process_group)} "
+            f"ranks, the optimizer's {opt.comm.world_size}; they must be the same data-parallel group"
+        )
 
 
 def _check_group(group: dict[str, Any]) -> None:
     check_lion_hyperparameters(group)
     if not isinstance(group["maximize"], bool):
         raise ValueError(f"Invalid maximize: {group['maximize']!r} (expected True or False)")
-
-
-def _to_cpu(obj: Any) -> Any:
-    """``obj`` with every tensor in it (nested dicts, lists, tuples) moved to the CPU."""
-    if isinstance(obj, torch.Tensor):
-        return obj.cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
-
-
-def _generator_state(vote: Any) -> torch.Tensor | None:
-    gen = getattr(vote, "generator", None)
-    return None if gen is None else gen.get_state()

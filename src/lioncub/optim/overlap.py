@@ -12,22 +12,21 @@ vote starts as soon as backward has produced the bucket::
         opt.step()                         # waits for them, applies lr and weight decay
         opt.zero_grad()
 
-What happens, per bucket, in DDP's bucket order (the same on every rank):
+What changes against the step of :mod:`lioncub.optim.lioncub` (whose module docstring describes it),
+per bucket, in DDP's bucket order (the same on every rank):
 
-1. **The hook** (the backward's thread) writes this rank's contribution ``c = β1·m + (1−β1)·g`` of every
-   parameter of the bucket into a flat buffer (``g`` for the ``"32bit"``/``"16bit"`` presets), takes its
-   max-abs for the non-finite check, queues the bucket for the vote thread, and returns the bucket's
-   gradient untouched: DDP's future completes at once and ``p.grad`` stays this rank's own gradient,
-   which :meth:`LionCub.step` needs for ``m ← β2·m + (1−β2)·g``. The momenta are keyed by parameter in
-   the optimizer's state, so DDP's bucket rebuild after the first iteration changes nothing.
-2. **The vote thread** quantizes/packs the bucket and posts its vote (:meth:`VoteAlgorithm.start`), then
-   finishes the first phase of the previous bucket's vote and posts its second phase (``advance``). The
-   schedule ``start(0), start(1), advance(0), start(2), advance(1), …`` is fixed, so every rank posts the
-   same collectives in the same order, on a process group of their own (a duplicate of the optimizer's,
-   made at registration): collectives of the main thread on the optimizer's group — DDP's buffer
-   broadcast, a logged loss allreduce — cannot interleave with them.
-3. **step()** waits until the vote thread is idle, posts the last bucket's second phase, runs the
-   step check (one all-gather of six int32 per rank, as without overlap, which also carries whether the
+1. **The hook** (the backward's thread) makes this rank's contribution of the bucket's parameters (step 2
+   of the step) into a flat buffer, queues it for the vote thread, and returns the bucket's gradient
+   untouched: DDP's future completes at once and ``p.grad`` stays this rank's own gradient, which the
+   apply needs for the momentum. The momenta are keyed by parameter in the optimizer's state, so DDP's
+   bucket rebuild after the first iteration changes nothing.
+2. **The vote thread** posts the bucket's vote (:meth:`~lioncub.collectives.Vote.post`), then finishes
+   the first phase of the previous bucket's vote and posts its second phase (``advance``). The schedule
+   ``post(0), post(1), advance(0), post(2), advance(1), …`` is fixed, so every rank posts the same
+   collectives in the same order, on a process group of their own (a duplicate of the optimizer's, made
+   at registration): collectives of the main thread on the optimizer's group — DDP's buffer broadcast, a
+   logged loss allreduce — cannot interleave with them.
+3. **step()** waits until the vote thread is idle, runs the step check (which also carries whether the
    gradients changed since the backward), waits for every vote and applies it with each group's current
    lr and weight decay; then momentum sync, replica check and diagnostics as without overlap.
 
@@ -40,7 +39,7 @@ its random numbers in bucket order: same distribution, not the same bits.
 **Non-finite gradients.** Without overlap nothing non-finite is quantized or sent. With overlap the votes
 have started before the last bucket exists, so a step with NaN/Inf on any rank is still voted on (the
 quantizers give defined, in-range results for NaN/Inf) but its result is dropped on every rank:
-parameters and momenta untouched (``"skip"``), or :class:`~lioncub.optim.voting.NonFiniteGradientError`
+parameters and momenta untouched (``"skip"``), or :class:`~lioncub.optim.step_check.NonFiniteGradientError`
 on every rank after the votes have finished (``"raise"``).
 
 **Rules.** One synchronised backward per step: accumulate gradients inside ``model.no_sync()`` (the hook
@@ -49,7 +48,7 @@ the next one starts: its votes are waited for and discarded (every rank must ski
 collective). A ``step()`` without a backward since the last one (no hook ran) is the plain step.
 ``.grad`` must stay as the backward left it: the votes already used it, so gradient clipping, a
 ``GradScaler`` or an edit of ``.grad`` between backward and ``step()`` raises
-:class:`~lioncub.optim.voting.GradientChangedError` on every rank (the version counters of the gradients
+:class:`~lioncub.optim.step_check.GradientChangedError` on every rank (the version counters of the gradients
 are compared, no pass over the data); use the plain step for those. Errors of the vote thread (a failed
 or timed-out collective, naming the rank and the operation) are raised by the next ``step()``.
 """
@@ -65,7 +64,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from lioncub.optim.voting import BucketVote, StepTimes, Voting
+from lioncub.collectives import Ballot
+from lioncub.optim.engine import Bucket, StepEngine, StepTimes, bucket_backend
 
 __all__ = ["OverlapHook"]
 
@@ -77,8 +77,8 @@ class OverlapHook:
 
     Args:
         model: the DDP model whose trainable parameters are exactly the optimizer's.
-        voting: the optimizer's :class:`~lioncub.optim.voting.Voting` on the group the votes travel on
-            (a group of their own, with the optimizer's ranks in its order).
+        engine: the optimizer's :class:`~lioncub.optim.engine.StepEngine` on the group the votes travel
+            on (a group of their own, with the optimizer's ranks in its order).
         next_step: the optimizer step the coming backward is for.
         diagnostics_every: the optimizer's (the hook keeps a copy of the contributions on those steps).
         names: the optimizer's parameters (``id`` → name), in its order.
@@ -87,7 +87,7 @@ class OverlapHook:
     def __init__(
         self,
         model: DistributedDataParallel,
-        voting: Voting,
+        engine: StepEngine,
         *,
         next_step: Callable[[], int],
         diagnostics_every: int,
@@ -98,24 +98,24 @@ class OverlapHook:
                 f"overlap_with(model): expected a DistributedDataParallel model, got {type(model).__name__}"
             )
         _check_same_parameters(model, names)
-        self.voting = voting
+        self.engine = engine
         #: the votes' own view of the group (bytes counted here, added to the step's in comm_stats)
-        self.comm = voting.comm
+        self.comm = engine.comm
         self._next_step = next_step
         self._diagnostics_every = diagnostics_every
         self._names = names
-        self._inflight: list[BucketVote] = []
+        self._inflight: list[Ballot] = []
         self._step = 0  # the optimizer step the buckets in flight are for
         self._generation = 0  # one per synchronised backward: the vote thread pairs phases within one
         self._grad_versions: dict[int, tuple[int, int] | None] = {}  # id(p) -> (id(grad), grad._version)
-        self._buffers: dict[int, torch.Tensor] = {}
+        self._buckets: dict[int, Bucket] = {}  # DDP's bucket index -> its bucket (rebuilt with DDP's)
         self._times = StepTimes()  # the hook's and the vote thread's work since the last step
         self._mark = self.comm.counter.snapshot()
         self._error: BaseException | None = None
         self._closed = False
-        self._inflight_at_collect: list[BucketVote] = []
+        self._inflight_at_collect: list[Ballot] = []
         self.bucket_numels: list[int] = []
-        self._queue: queue.Queue[tuple[BucketVote, int, int] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[Ballot, int, int] | None] = queue.Queue()
         self._thread = threading.Thread(
             target=self._vote_thread, name=f"lioncub-overlap-rank{self.comm.rank}", daemon=True
         )
@@ -148,26 +148,35 @@ class OverlapHook:
             engine.queue_callback(lambda: engine.queue_callback(self._record_grad_versions))
         t0 = time.perf_counter()
         params, grads, flat = bucket.parameters(), bucket.gradients(), bucket.buffer()
-        unknown = [p for p in params if not self.voting.holds(p)]
+        unknown = [p for p in params if not self.engine.state.holds(p)]
         if unknown:
             raise ValueError(
                 f"rank {rank}: LionCub overlap: DDP bucket {index} holds a parameter "
                 f"{tuple(unknown[0].shape)} that the optimizer does not optimize"
             )
-        local = self._buffers.get(index)
-        if local is None or local.numel() != flat.numel() or local.dtype != flat.dtype:
-            local = self._buffers[index] = torch.empty_like(flat)
         diagnose = bool(self._diagnostics_every) and step % self._diagnostics_every == 0
-        item = self.voting.contribute(index, params, grads, local, keep_copy=diagnose)
+        item = self.engine.contribute(self._bucket(index, params, flat), grads, keep_copy=diagnose)
         self._times.direction += time.perf_counter() - t0
         self._inflight.append(item)
         self._queue.put((item, step, self._generation))
+
+    def _bucket(self, index: int, params: list[torch.Tensor], flat: torch.Tensor) -> Bucket:
+        """The :class:`~lioncub.optim.engine.Bucket` of DDP's bucket ``index`` (its backend chosen once,
+        when DDP's bucket is first seen or rebuilt)."""
+        bucket = self._buckets.get(index)
+        same = bucket is not None and [id(p) for p in bucket.params] == [id(p) for p in params]
+        if not same or bucket.numel != flat.numel() or bucket.dtype != flat.dtype:  # type: ignore[union-attr]
+            bucket = Bucket(
+                index, list(params), flat.dtype, flat.device, flat.numel(), bucket_backend(params)
+            )
+            self._buckets[index] = bucket
+        return bucket  # type: ignore[return-value]
 
     def _drop_inflight(self, step: int) -> None:
         """Wait for the votes of a backward that no ``step()`` followed and discard them."""
         self._queue.join()
         if self._error is None:
-            self.voting.wait_all(self._inflight)
+            self.engine.discard(self._inflight)
         _log.warning(
             "rank %d: LionCub overlap: a synchronised backward was not followed by step() (optimizer step "
             "%d); its votes were discarded",
@@ -197,7 +206,7 @@ class OverlapHook:
     # -- the vote thread -----------------------------------------------------------------------------
 
     def _vote_thread(self) -> None:
-        previous: tuple[BucketVote, int, int] | None = None
+        previous: tuple[Ballot, int, int] | None = None
         while True:
             entry = self._queue.get()
             try:
@@ -207,9 +216,9 @@ class OverlapHook:
                     continue
                 t0 = time.perf_counter()
                 item, step, generation = entry
-                self.voting.post(item, step)
+                self.engine.post(item, step)
                 if previous is not None and previous[2] == generation and previous[0].pending is not None:
-                    previous[0].pending.advance()  # waits for its first phase, posts its second
+                    self.engine.vote.advance(previous[0])  # waits for its first phase, posts its second
                 self._times.overlapped += time.perf_counter() - t0
                 previous = entry
             except BaseException as err:  # raised by the next step()
@@ -219,7 +228,7 @@ class OverlapHook:
 
     # -- what step() calls -----------------------------------------------------------------------------
 
-    def collect(self, step: int, times: StepTimes) -> list[BucketVote] | None:
+    def collect(self, step: int, times: StepTimes) -> list[Ballot] | None:
         """The posted votes of ``step`` (``None`` if no backward ran since the last step: the plain step),
         once the vote thread is idle; adds the hook's times to ``times`` (the wait for the vote thread to
         ``exchange``: it is communication the backward did not hide). Raises the vote thread's error."""

@@ -13,8 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lioncub.collectives import Comm
-from lioncub.optim.voting import flat_views
+from lioncub.collectives import Comm, flat_views
 
 __all__ = [
     "ReplicaDivergenceError",

@@ -1,0 +1,82 @@
+"""What :meth:`lioncub.optim.LionCub.comm_stats` reports: bytes, collectives and phase times of the last
+step and since construction, split by level for votes laid over nodes, and the skipped steps."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from lioncub.collectives import Comm, CommCounter
+from lioncub.optim.engine import StepTimes
+
+__all__ = ["Accounting"]
+
+
+class Accounting:
+    """The step accounting of one optimizer.
+
+    Args:
+        comm: the optimizer's group (the step check, the flat votes, momentum sync, ...).
+        levels: the (intra-node, inter-node) groups of a vote laid over nodes (``()`` for a flat vote):
+            their bytes are added to the step's and also reported apart.
+    """
+
+    def __init__(self, comm: Comm, levels: Sequence[Comm] = ()) -> None:
+        self.comm = comm
+        self.levels = tuple(levels)
+        self._marks = [c.counter.snapshot() for c in self.levels]
+        self._level_last = [CommCounter() for _ in self.levels]
+        self._level_total = [CommCounter() for _ in self.levels]
+        self._last = (CommCounter(), StepTimes())
+        self._total = (CommCounter(), StepTimes())
+        self._skipped = (0, 0)  # (last step, total): steps skipped for non-finite gradients
+
+    def snapshot(self) -> CommCounter:
+        """The optimizer group's counter now (pass it to :meth:`finish_step` at the step's end)."""
+        return self.comm.counter.snapshot()
+
+    def finish_step(
+        self,
+        before: CommCounter,
+        times: StepTimes,
+        *,
+        skipped: bool,
+        overlapped: tuple[float, float, int] = (0.0, 0.0, 0),
+    ) -> None:
+        """Book one step: the optimizer group's traffic since ``before``, the node levels' since the last
+        step, the ``overlapped`` (bytes sent, received, collectives) posted on the overlap hook's group,
+        the phase ``times``, and whether it was ``skipped``."""
+        delta = self.comm.counter.minus(before)
+        for i, comm in enumerate(self.levels):
+            level = comm.counter.minus(self._marks[i])
+            self._marks[i] = comm.counter.snapshot()
+            self._level_last[i] = level
+            self._level_total[i].add(level.bytes_sent, level.bytes_recv, level.collectives)
+            delta.add(level.bytes_sent, level.bytes_recv, level.collectives)
+        delta.add(*overlapped)
+        self._last = (delta, times)
+        total_c, total_t = self._total
+        total_c.add(delta.bytes_sent, delta.bytes_recv, delta.collectives)
+        total_t.add(times)
+        self.count_skip(skipped)
+
+    def count_skip(self, skipped: bool) -> None:
+        """Book whether the last step was skipped (one process books only this)."""
+        self._skipped = (int(skipped), self._skipped[1] + int(skipped))
+
+    def stats(self, steps: int) -> dict[str, dict[str, float | int]]:
+        """See :meth:`lioncub.optim.LionCub.comm_stats` (``steps``: optimizer steps taken)."""
+        out: dict[str, dict[str, float | int]] = {}
+        for name, (counter, times) in (("last", self._last), ("total", self._total)):
+            out[name] = {
+                "bytes_sent": counter.bytes_sent,
+                "bytes_recv": counter.bytes_recv,
+                "collectives": counter.collectives,
+                **times.as_dict(),
+            }
+        for i, level in enumerate(("intra_node", "inter_node")[: len(self.levels)]):
+            for name, counter in (("last", self._level_last[i]), ("total", self._level_total[i])):
+                out[name][f"{level}_bytes_sent"] = counter.bytes_sent
+                out[name][f"{level}_bytes_recv"] = counter.bytes_recv
+        out["last"]["skipped_steps"], out["total"]["skipped_steps"] = self._skipped
+        out["total"]["steps"] = steps
+        return out

@@ -1,0 +1,207 @@
+"""The step engine of :class:`~lioncub.optim.LionCub`: the optimizer's buckets, and the walk over them.
+
+The engine knows nothing of any wire format: for every bucket it calls the vote's protocol
+(:mod:`lioncub.collectives.protocol`) — contribute, post, advance, wait, apply — and times the phases. It
+hands the vote the optimizer's state through :class:`OptimizerState` (each parameter's momentum
+``exp_avg`` and param group, read at every call, so LR schedules, ``load_state_dict`` and DDP's bucket
+rebuild change nothing). :class:`~lioncub.optim.LionCub`'s ``step()`` walks its own :class:`Bucket` s; the
+DDP hook of :mod:`lioncub.optim.overlap` walks DDP's buckets during the backward and ``step()`` applies
+them. Both give the same bits (every vote is elementwise, with quantizer normalisation per tensor).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lioncub.collectives import Ballot, Comm, Hyper, Vote
+from lioncub.ops import kernels, native
+
+__all__ = ["Bucket", "OptimizerState", "StepEngine", "StepTimes", "make_buckets"]
+
+
+@dataclass
+class StepTimes:
+    """Wall time of one step's phases, in seconds."""
+
+    direction: float = 0.0  # the local contributions (c_i, or the gradient copy of the dense presets)
+    encode: float = 0.0  # quantize / pack and posting the collectives
+    exchange: float = 0.0  # waiting for the exchanges, incl. the work between phases (count, repack)
+    apply: float = 0.0  # decoding and applying the update and the momentum
+    sync: float = 0.0  # momentum synchronization (on the steps it is due)
+    overlapped: float = 0.0  # overlap: contributions, quantize/pack and between-phase work in the backward
+
+    def add(self, other: StepTimes) -> None:
+        for name in ("direction", "encode", "exchange", "apply", "sync", "overlapped"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "direction_s": self.direction,
+            "encode_s": self.encode,
+            "exchange_s": self.exchange,
+            "apply_s": self.apply,
+            "sync_s": self.sync,
+            "overlapped_s": self.overlapped,
+            "communication_s": self.encode + self.exchange + self.sync,  # quantize/pack + wire + unpack
+        }
+
+
+class OptimizerState:
+    """A vote's view of an optimizer (:class:`lioncub.collectives.ParamState`): each parameter's momentum
+    ``state[p]["exp_avg"]`` and param group, read from the optimizer at every call."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self._optimizer = optimizer
+        self._group_of: dict[int, int] = {}
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Re-read which param group each parameter belongs to (after ``add_param_group``)."""
+        groups = self._optimizer.param_groups
+        self._group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
+
+    def holds(self, p: torch.Tensor) -> bool:
+        return id(p) in self._group_of
+
+    def group(self, p: torch.Tensor) -> dict[str, Any]:
+        """The param group of ``p`` (``KeyError`` if the optimizer does not hold ``p``)."""
+        return self._optimizer.param_groups[self._group_of[id(p)]]
+
+    def momentum(self, p: torch.Tensor) -> torch.Tensor:
+        """This rank's momentum of ``p`` (created as zeros on first use)."""
+        state = self._optimizer.state[p]
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state["exp_avg"]
+
+    def hyper(self, p: torch.Tensor) -> Hyper:
+        group = self.group(p)
+        beta1, beta2 = group["betas"]
+        return Hyper(
+            float(group["lr"]),
+            float(beta1),
+            float(beta2),
+            float(group["weight_decay"]),
+            bool(group["maximize"]),
+        )
+
+
+def bucket_backend(params: Sequence[torch.Tensor]) -> str:
+    """The backend of a bucket's fused passes, chosen once when the bucket is built: ``"triton"`` where
+    Triton takes its tensors, ``"cpu"`` where the C kernels of :mod:`lioncub.ops.native` may (dense
+    contiguous CPU float32/float64 tensors, the kernels available; see
+    :func:`lioncub.ops.kernels.step_backend_for`), else ``"torch"``."""
+    return kernels.step_backend_for(*params) if params else "torch"
+
+
+@dataclass
+class Bucket:
+    """Parameters of one dtype and device, voted on together from one flat buffer (``key``: its index)."""
+
+    key: Hashable
+    params: list[torch.Tensor]
+    dtype: torch.dtype
+    device: torch.device
+    numel: int = 0
+    backend: str = "torch"
+    flat: torch.Tensor | None = field(default=None, repr=False)  # reused buffer of the contributions
+
+    def ballot(self) -> Ballot:
+        """This bucket's ballot of one step (its contribution buffer allocated on first use)."""
+        if self.flat is None or self.flat.numel() != self.numel:
+            self.flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        return Ballot(self.key, self.params, self.backend, self.flat)
+
+
+def make_buckets(param_groups: list[dict[str, Any]], bucket_mb: float) -> list[Bucket]:
+    """The parameters that require grad, in ``param_groups`` order, in dtype- and device-homogeneous
+    buckets of at most ``bucket_mb`` MiB (a larger parameter gets a bucket of its own), each with its
+    backend."""
+    cap = int(bucket_mb * 2**20)
+    open_buckets: dict[tuple[torch.dtype, torch.device], Bucket] = {}
+    buckets: list[Bucket] = []
+    for group in param_groups:
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            if p.is_complex():
+                raise ValueError("LionCub does not support complex parameters")
+            key = (p.dtype, p.device)
+            b = open_buckets.get(key)
+            if b is None or ((b.numel + p.numel()) * p.element_size() > cap and b.params):
+                b = Bucket(len(buckets), [], p.dtype, p.device)
+                open_buckets[key] = b
+                buckets.append(b)
+            b.params.append(p)
+            b.numel += p.numel()
+    for b in buckets:
+        b.backend = bucket_backend(b.params)
+    return buckets
+
+
+class StepEngine:
+    """Walks the buckets of one step through ``vote``'s protocol on behalf of ``optimizer``.
+
+    Args:
+        vote: the vote on the group the ballots travel on (:func:`lioncub.optim.factory.make_vote`).
+        optimizer: whose ``param_groups`` and ``state`` (momenta) are read at every call.
+    """
+
+    def __init__(self, vote: Vote, optimizer: torch.optim.Optimizer) -> None:
+        self.vote = vote
+        self.comm: Comm = vote.comm
+        self.state = OptimizerState(optimizer)
+        if any(p.device.type == "cpu" for g in optimizer.param_groups for p in g["params"]):
+            native.available()  # builds or loads the fused CPU kernels now, not in the first step
+
+    @torch.no_grad()
+    def contribute(
+        self, bucket: Bucket, grads: Sequence[torch.Tensor | None], *, keep_copy: bool = False
+    ) -> Ballot:
+        """Step 1 for one bucket (``grads``: its parameters' gradients, ``None`` = zeros)."""
+        ballot = bucket.ballot()
+        self.vote.contribute(ballot, grads, self.state, keep_copy=keep_copy)
+        return ballot
+
+    def post(self, ballot: Ballot, step: int) -> None:
+        """Step 2: encode and post the vote for optimizer step ``step``."""
+        self.vote.post(ballot, step)
+
+    @torch.no_grad()
+    def apply(
+        self,
+        ballots: Sequence[Ballot],
+        times: StepTimes,
+        *,
+        keep_updates: bool = False,
+        untouched: frozenset[int] = frozenset(),
+    ) -> list[torch.Tensor]:
+        """Steps 3 and 4 for every ballot: the work between phases of every vote before waiting for the
+        first (phase 2 of one bucket overlaps the wait for the next), then each vote's wait and apply. The
+        parameters whose ``id`` is in ``untouched`` (no gradient on any rank) keep their value and
+        momentum. Returns copies of the flat updates if ``keep_updates`` (diagnostics), else ``[]``."""
+        t0 = time.perf_counter()
+        for ballot in ballots:
+            self.vote.advance(ballot)
+        times.exchange += time.perf_counter() - t0
+        updates: list[torch.Tensor] = []
+        for ballot in ballots:
+            t0 = time.perf_counter()
+            self.vote.wait(ballot)
+            t1 = time.perf_counter()
+            update = self.vote.apply(ballot, self.state, untouched=untouched, keep_update=keep_updates)
+            if update is not None:
+                updates.append(update)
+            times.exchange += t1 - t0
+            times.apply += time.perf_counter() - t1
+        return updates
+
+    def discard(self, ballots: Sequence[Ballot]) -> None:
+        """Wait for every posted vote without applying it (a dropped step: none stays in flight)."""
+        for ballot in ballots:
+            self.vote.discard(ballot)

@@ -1,0 +1,65 @@
+"""The vote of a :class:`~lioncub.optim.config.VoteConfig` on a group: :func:`make_vote`."""
+
+from __future__ import annotations
+
+import torch
+
+from lioncub.collectives import (
+    AverageVote,
+    Comm,
+    DenseMean,
+    LaneVote,
+    OneBitVote,
+    QuantizedVote,
+    ServerVote,
+    SignSumVote,
+    Vote,
+    make_topology_vote,
+)
+from lioncub.optim.config import VoteConfig, check_workers
+
+__all__ = ["make_vote"]
+
+
+def make_vote(comm: Comm, config: VoteConfig, levels: tuple[Comm, Comm] | None = None) -> Vote:
+    """The vote for ``config`` on ``comm`` (raises when N workers could overflow a lane: the message names
+    ``bits``, the transport and the widths or presets that fit N, see
+    :func:`lioncub.optim.config.check_workers`), laid over the nodes as ``config.topology`` with
+    ``levels`` = (intra-node, inter-node) groups of this rank (:mod:`lioncub.collectives.hierarchical`)."""
+    config.validate()
+    if config.topology != "flat" and levels is None:
+        raise ValueError(f"topology={config.topology!r} needs the (node, local) groups of this rank")
+    try:
+        flat = _flat_vote(comm, config)
+    except ValueError as exc:
+        try:
+            check_workers(config, comm.world_size)  # an overflow for N workers: say which option to change
+        except ValueError as named:
+            raise named from exc
+        raise
+    return make_topology_vote(config.topology, flat, lambda: levels)  # type: ignore[arg-type,return-value]
+
+
+def _flat_vote(comm: Comm, config: VoteConfig) -> Vote:
+    t, agg = config.transport, config.aggregation
+    if t == "dense":
+        wire = None if config.wire_dtype_name is None else getattr(torch, config.wire_dtype_name)
+        return DenseMean(comm, wire)
+    if t == "1bit":
+        return OneBitVote(comm)
+    bits = config.bits if config.bits is not None else config.lane_bits(comm.world_size)
+    if t == "lanes":
+        return LaneVote(comm, bits)  # type: ignore[arg-type]
+    if t == "int8":
+        return AverageVote(comm) if agg == "average" else SignSumVote(comm)
+    if t == "server":
+        return ServerVote(comm, "average" if agg == "average" else "majority", root=config.server_root)
+    return QuantizedVote(
+        comm,
+        config.quantizer or "l1",
+        bits,  # type: ignore[arg-type]
+        clip_multiple=config.clip_multiple,
+        chunk_size=config.chunk_size,
+        options=config.quantizer_options,
+        seed=config.seed,
+    )

@@ -1,0 +1,83 @@
+"""Which parameters a :class:`~lioncub.optim.LionCub` step votes on, in which buckets, under which names —
+and the hash of that layout the ranks compare at every step (:class:`ParamLayout`)."""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import torch
+
+from lioncub.optim.engine import Bucket, make_buckets
+
+__all__ = ["ParamLayout", "named_parameters"]
+
+
+def named_parameters(
+    param_groups: list[dict[str, Any]], model: torch.nn.Module | None
+) -> list[tuple[str, torch.Tensor]]:
+    """The optimized parameters that require grad, with names: ``model``'s, else ``param_groups[g][i]``."""
+    mine = {id(p) for g in param_groups for p in g["params"] if p.requires_grad}
+    if model is None:
+        return [
+            (f"param_groups[{gi}][{i}]", p)
+            for gi, g in enumerate(param_groups)
+            for i, p in enumerate(g["params"])
+            if p.requires_grad
+        ]
+    named = [(n, p) for n, p in model.named_parameters() if id(p) in mine]
+    missing = len(mine) - len({id(p) for _, p in named})
+    if missing:
+        raise ValueError(f"model=: {missing} optimized parameters are not parameters of the model")
+    return named
+
+
+class ParamLayout:
+    """The parameters that require grad, in ``param_groups`` order, bucketed by :func:`make_buckets`.
+
+    Args:
+        bucket_mb: the bucket size cap (MiB of parameter bytes).
+        model_names: ``id(p)`` → the model's name of ``p`` (others are named ``param_groups[g][i]``).
+    """
+
+    def __init__(self, bucket_mb: float, model_names: dict[int, str]) -> None:
+        self.bucket_mb = bucket_mb
+        self.model_names = model_names
+        self.buckets: list[Bucket] = []
+        #: ``id(p)`` → name, for every parameter of the groups
+        self.names: dict[int, str] = {}
+        #: ``id(p)`` → position in the vote order (bucket by bucket)
+        self.order: dict[int, int] = {}
+        #: an int32 hash of the groups' shapes, dtypes and ``requires_grad`` (compared by the step check)
+        self.hash = 0
+        self._ids: tuple[int, ...] | None = None
+
+    @property
+    def built(self) -> bool:
+        return self._ids is not None
+
+    def params(self) -> list[torch.Tensor]:
+        """The voted parameters, in vote order."""
+        return [p for b in self.buckets for p in b.params]
+
+    def changed(self, param_groups: list[dict[str, Any]]) -> bool:
+        """Whether the parameters that require grad differ from the layout's (``requires_grad_``,
+        ``add_param_group``)."""
+        return tuple(id(p) for g in param_groups for p in g["params"] if p.requires_grad) != self._ids
+
+    def rebuild(self, param_groups: list[dict[str, Any]]) -> None:
+        """Buckets, names, order and hash of the parameters that require grad now."""
+        self.buckets = make_buckets(param_groups, self.bucket_mb)
+        self.names = {
+            id(p): self.model_names.get(id(p), f"param_groups[{gi}][{i}]")
+            for gi, g in enumerate(param_groups)
+            for i, p in enumerate(g["params"])
+        }
+        self.order = {id(p): i for i, p in enumerate(self.params())}
+        described = [
+            (gi, i, tuple(p.shape), str(p.dtype), p.requires_grad)
+            for gi, g in enumerate(param_groups)
+            for i, p in enumerate(g["params"])
+        ]
+        self._ids = tuple(id(p) for g in param_groups for p in g["params"] if p.requires_grad)
+        self.hash = zlib.crc32(repr(described).encode())

@@ -1,0 +1,154 @@
+""":class:`~lioncub.optim.LionCub`'s state across a save: each rank's own momenta, the step (the tie
+rule's phase), and the checks that refuse a state that is not this job's (:class:`PerRankState`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lioncub._validate import is_int
+from lioncub.collectives import Comm
+from lioncub.optim.config import VoteConfig
+from lioncub.optim.engine import StepEngine
+
+__all__ = ["STATE_VERSION", "PerRankState"]
+
+STATE_VERSION = 1
+
+
+class PerRankState:
+    """The state-dict methods of :class:`~lioncub.optim.LionCub` (a mixin over ``torch.optim.Optimizer``:
+    it reads the attributes declared here)."""
+
+    comm: Comm
+    variant: str
+    config: VoteConfig
+    single_process: bool
+    _global_step: int
+    _consolidated: list[dict[str, Any]] | None
+
+    def _engines(self) -> list[StepEngine]:
+        """The step engines whose votes hold state (a stochastic quantizer's generator)."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state (momenta, step, variant, rank, world size). After
+        :meth:`consolidate_state_dict` on the rank it gathered to, ``sd["lioncub"]["ranks"]`` also holds
+        every rank's own state dict (index = rank), until the next ``step()``."""
+        sd = super().state_dict()  # type: ignore[misc]
+        config = self.config
+        sd["lioncub"] = {
+            "version": STATE_VERSION,
+            "step": self._global_step,
+            "variant": self.variant,
+            "config": {
+                "transport": config.transport,
+                "aggregation": config.aggregation,
+                "quantizer": config.quantizer,
+                "bits": config.bits,
+            },
+            "world_size": self.comm.world_size,
+            "rank": self.comm.rank,
+            # a stochastic quantizer's stream: the overlap hook's vote draws from its own when overlapping
+            "generator": _generator_state(self._engines()[-1].vote),
+        }
+        if self._consolidated is not None:
+            sd["lioncub"]["ranks"] = self._consolidated
+        return sd
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's :meth:`state_dict` on rank ``to`` (a rank of the optimizer's group), so that
+        a framework that saves the optimizer from one rank only keeps every rank's momenta (the convention
+        of ``torch.distributed.optim.ZeroRedundancyOptimizer``; Lightning calls it before saving).
+        Collective: every rank calls it. Costs ``N`` times one rank's state in ``to``'s memory and file."""
+        comm = self.comm
+        if not (is_int(to, 0) and to < comm.world_size):
+            raise ValueError(
+                f"consolidate_state_dict(to={to!r}): to must be a rank in 0..{comm.world_size - 1}"
+            )
+        self._consolidated = None
+        own = self.state_dict()
+        if self.single_process:
+            self._consolidated = [own]
+            return
+        gathered: list[Any] | None = [None] * comm.world_size if comm.rank == to else None
+        try:
+            dist.gather_object(own, gathered, dst=comm.global_rank(to), group=comm.group)
+        except Exception as err:
+            raise RuntimeError(
+                f"rank {comm.rank}/{comm.world_size}: consolidate_state_dict(to={to}) failed at optimizer "
+                f"step {self._global_step}: {type(err).__name__}: {err}"
+            ) from err
+        if gathered is not None:
+            self._consolidated = [_to_cpu(sd) for sd in gathered]
+
+    def load_state_dict(self, state_dict: dict[str, Any], *, allow_world_size_change: bool = False) -> None:
+        """Load this rank's state: from a consolidated state dict (:meth:`consolidate_state_dict`) the
+        entry of this rank, else a state dict this rank wrote. Refuses another variant, another world size,
+        or another rank's state, unless ``allow_world_size_change`` (the documented conversions of
+        ``lioncub train --convert-momenta``: the momenta are then taken as given — from a consolidated
+        state dict, rank r takes entry ``r mod K`` of the K saved)."""
+        comm = self.comm
+        sd = dict(state_dict)
+        meta = sd.pop("lioncub", None)
+        if meta is not None and "ranks" in meta:
+            ranks = meta["ranks"]
+            if len(ranks) != comm.world_size and not allow_world_size_change:
+                raise ValueError(
+                    f"rank {comm.rank}: the optimizer state holds the momenta of {len(ranks)} ranks, "
+                    f"this job has world_size={comm.world_size}; per-rank momenta do not carry over "
+                    "(pass allow_world_size_change=True to accept)"
+                )
+            self.load_state_dict(ranks[comm.rank % len(ranks)], allow_world_size_change=True)
+            return
+        if meta is not None:
+            self._check_meta(meta, allow_world_size_change)
+            self._global_step = int(meta["step"])
+            for engine in self._engines():
+                generator = getattr(engine.vote, "generator", None)
+                if meta.get("generator") is not None and generator is not None:
+                    generator.set_state(meta["generator"])
+        super().load_state_dict(sd)  # type: ignore[misc]
+        self._consolidated = None
+
+    def _check_meta(self, meta: dict[str, Any], allow_world_size_change: bool) -> None:
+        """Refuse a state of another version, variant, world size or rank (see :meth:`load_state_dict`)."""
+        comm, variant = self.comm, self.variant
+        if meta.get("version") != STATE_VERSION:
+            raise ValueError(f"optimizer state version {meta.get('version')} is not {STATE_VERSION}")
+        if meta["variant"] != variant:
+            raise ValueError(
+                f"the checkpoint was written by variant={meta['variant']!r}, this optimizer is "
+                f"variant={variant!r}"
+            )
+        if meta["world_size"] != comm.world_size and not allow_world_size_change:
+            raise ValueError(
+                f"the checkpoint was written with world_size={meta['world_size']}, this job has "
+                f"world_size={comm.world_size}; per-rank momenta do not carry over "
+                "(pass allow_world_size_change=True to accept)"
+            )
+        if meta.get("rank", comm.rank) != comm.rank and not allow_world_size_change:
+            raise ValueError(
+                f"rank {comm.rank}: this optimizer state was saved by rank {meta['rank']}: each "
+                "rank has its own momenta and must load its own. A framework that saves from rank 0 only "
+                "must call opt.consolidate_state_dict(to=0) on every rank before saving (lioncub's "
+                "integrations do), or save one file per rank"
+            )
+
+
+def _to_cpu(obj: Any) -> Any:
+    """``obj`` with every tensor in it (nested dicts, lists, tuples) moved to the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _generator_state(vote: Any) -> torch.Tensor | None:
+    gen = getattr(vote, "generator", None)
+    return None if gen is None else gen.get_state()

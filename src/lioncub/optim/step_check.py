@@ -1,0 +1,191 @@
+"""The ranks' agreement before a step is applied: one all-gather of a few int32 per rank
+(:func:`check_step`), and the errors it raises on every rank when the ranks would apply different
+updates."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lioncub._validate import is_int
+from lioncub.collectives import Comm
+
+__all__ = [
+    "NONFINITE_MODES",
+    "STEP_CHECK_WORDS",
+    "Checks",
+    "GradientChangedError",
+    "NonFiniteGradientError",
+    "StepCheck",
+    "StepMismatchError",
+    "check_step",
+    "grad_checksum",
+]
+
+#: what a step does when a rank's gradients hold NaN or Inf (:class:`Checks`)
+NONFINITE_MODES = ("skip", "raise")
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A rank's gradients held NaN or Inf and ``nonfinite="raise"``."""
+
+
+@dataclass(frozen=True)
+class Checks:
+    """What :class:`~lioncub.optim.LionCub` checks and does to keep the replicas identical.
+
+    Args:
+        broadcast_init: copy rank 0's parameters to every rank at construction.
+        replica_check_every: every k steps compare a checksum of the parameters across ranks and raise
+            :class:`~lioncub.optim.replicas.ReplicaDivergenceError` on a mismatch (0 = never).
+        nonfinite: what a step does when any rank's gradients hold NaN or Inf: ``"skip"`` (every rank
+            leaves parameters and momenta untouched, counted in ``comm_stats()["total"]["skipped_steps"]``)
+            or ``"raise"`` (:class:`NonFiniteGradientError` on every rank, naming the ranks). Checked
+            before anything is quantized or sent: one max-abs reduction per bucket and one all-gather of N
+            int32 per step (counted in :meth:`~lioncub.optim.LionCub.comm_stats`).
+    """
+
+    broadcast_init: bool = True
+    replica_check_every: int = 0
+    nonfinite: str = "skip"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.broadcast_init, bool):
+            raise ValueError(f"broadcast_init={self.broadcast_init!r} must be True or False")
+        if not is_int(self.replica_check_every, 0):
+            raise ValueError(f"replica_check_every={self.replica_check_every!r} must be an int >= 0")
+        if self.nonfinite not in NONFINITE_MODES:
+            raise ValueError(f"nonfinite={self.nonfinite!r}: allowed values are {list(NONFINITE_MODES)}")
+
+
+#: int32 words every rank all-gathers once per step (:func:`check_step`)
+STEP_CHECK_WORDS = 6
+
+
+class StepMismatchError(RuntimeError):
+    """The ranks called ``step()`` a different number of times, or optimize different parameter lists."""
+
+
+class GradientChangedError(RuntimeError):
+    """With the overlap hook, ``.grad`` changed between the backward (whose gradients the votes used) and
+    ``step()``: gradient clipping, ``GradScaler.unscale_`` or an edit of ``.grad``."""
+
+
+@dataclass(frozen=True)
+class StepCheck:
+    """What every rank learns from :func:`check_step`, the same on every rank.
+
+    Attributes:
+        ok: no rank had NaN/Inf (or a GradScaler overflow): the step is applied.
+        bad_ranks: the ranks with NaN/Inf or an overflow.
+        missing_grads: some rank has a parameter without a gradient (``.grad is None``).
+        identical_grads: the gradient checksums sent were equal and non-zero on every rank (only asked
+            for on one step: see ``grad_checksum``); ``False`` when not asked.
+    """
+
+    ok: bool
+    bad_ranks: list[int]
+    missing_grads: bool
+    identical_grads: bool
+
+
+def check_step(
+    comm: Comm,
+    peaks: Sequence[torch.Tensor],
+    *,
+    step: int,
+    layout: int,
+    missing_grads: int,
+    overflow: bool = False,
+    changed: Sequence[str] = (),
+    grad_checksum: int | None = None,
+    nonfinite: str,
+) -> StepCheck:
+    """The ranks' agreement before a step is applied: one all-gather of :data:`STEP_CHECK_WORDS` int32 per
+    rank — flags (non-finite: from this rank's max-abs per bucket, ``peaks``, or a GradScaler ``overflow``;
+    gradients ``changed`` after the overlapped votes used them: this rank's parameter names),
+    optimizer step number, parameter ``layout`` hash (int32), number of this rank's optimized parameters
+    without a gradient, and an int64 ``grad_checksum`` (0 when not asked).
+
+    Raises on every rank: :class:`StepMismatchError` when the step numbers or layouts differ (naming
+    the ranks and both values), :class:`GradientChangedError` when any rank's gradients changed, and
+    with ``nonfinite="raise"`` :class:`NonFiniteGradientError` instead of returning ``ok=False``."""
+    bad = bool(overflow)
+    if peaks:
+        bad = bad or bool((~torch.isfinite(torch.stack(list(peaks)))).any())
+    checksum = 0 if grad_checksum is None else grad_checksum
+    mine = torch.tensor(
+        [
+            int(bad) | int(bool(changed)) << 1,
+            step,
+            layout,
+            missing_grads,
+            checksum >> 32,
+            checksum & 0xFFFFFFFF,
+        ],
+        dtype=torch.int64,
+    )
+    mine = ((mine + 2**31) % 2**32 - 2**31).to(torch.int32)  # each word as a signed int32
+    step, layout = int(mine[1]), int(mine[2])
+    n = comm.world_size
+    if n > 1:
+        rows = torch.empty(n, STEP_CHECK_WORDS, dtype=torch.int32, device=comm.device)
+        comm.all_gather(rows, mine.to(comm.device), "step check").wait()
+        rows = rows.cpu()
+    else:
+        rows = mine.reshape(1, -1)
+    steps, layouts = rows[:, 1].tolist(), rows[:, 2].tolist()
+    if len(set(steps)) > 1:
+        others = [r for r, s in enumerate(steps) if s != step]
+        raise StepMismatchError(
+            f"rank {comm.rank}: this rank is at optimizer step {step}, rank(s) {others} at step(s) "
+            f"{[steps[r] for r in others]}: a rank skipped or repeated step(). Call step() once per "
+            "iteration on every rank, also when this rank's gradients overflowed: LionCub skips a step with "
+            "NaN/Inf on any rank on every rank by itself (and takes a GradScaler's decision)"
+        )
+    if len(set(layouts)) > 1:
+        others = [r for r, h in enumerate(layouts) if h != layout]
+        raise StepMismatchError(
+            f"rank {comm.rank}: rank(s) {others} optimize a different list of parameters at step {step} "
+            "(parameters frozen/unfrozen with requires_grad_ or add_param_group on some ranks only, or with "
+            "other shapes/dtypes); every rank must change the trainable parameters the same way"
+        )
+    flags = rows[:, 0]
+    if bool((flags & 2).any()):
+        ranks = (flags & 2).nonzero().flatten().tolist()
+        mine_names = f" (here: {list(changed)[:5]})" if changed else ""
+        raise GradientChangedError(
+            f"rank {comm.rank}: .grad changed between backward and step() {step} on rank(s) {ranks}"
+            f"{mine_names}, but the overlapped votes already used the gradients backward produced "
+            "(gradient clipping, GradScaler.unscale_ or an edit of .grad). Use the plain step instead of "
+            "overlap_with (lioncub.optim.ddp.skip_gradient_allreduce(model)), or leave .grad as backward "
+            "wrote it"
+        )
+    flags = flags & 1
+    sums = rows[:, 4:].to(torch.int64)
+    sums = sums[:, 0] * 2**32 + (sums[:, 1] & 0xFFFFFFFF)
+    identical = grad_checksum is not None and n > 1 and bool((sums == sums[0]).all()) and grad_checksum != 0
+    missing = bool(rows[:, 3].any())
+    if not bool(flags.any()):
+        return StepCheck(True, [], missing, identical)
+    ranks = flags.nonzero().flatten().tolist()
+    if nonfinite == "raise":
+        raise NonFiniteGradientError(
+            f"rank {comm.rank}: non-finite gradients (NaN or Inf) at step {step} on rank(s) {ranks}; nothing "
+            "was applied (nonfinite='raise')"
+        )
+    return StepCheck(False, ranks, missing, identical)
+
+
+def grad_checksum(grads: Sequence[torch.Tensor], sample: int = 1 << 16) -> int:
+    """An int64 fingerprint of the gradients' bits (the first ``sample`` elements of each), equal on two
+    ranks only if those elements are bitwise equal (up to hash collisions)."""
+    total = 0
+    for g in grads:
+        head = g.detach().reshape(-1)[:sample].float().contiguous()
+        bits = head.view(torch.int32).to(torch.int64)
+        weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64)
+        total = (total * 1_000_003 + int((bits * weights).sum())) % (2**61 - 1)
+    return total

@@ -249,12 +249,18 @@ def measure_compute(
 # ------------------------------------------------------------------------------------------- driver
 
 
+class _Timing(NamedTuple):
+    """What each level times: the collectives, the payload sizes (bytes), timed and untimed runs per size."""
+
+    ops: Sequence[str]
+    sizes: Sequence[int]
+    repeats: int
+    warmup: int
+
+
 def _fit_level(
     comm: Comm,
-    ops: Sequence[str],
-    sizes: Sequence[int],
-    repeats: int,
-    warmup: int,
+    timing: _Timing,
     link_bps: float | None,
     *,
     scale: Callable[[str], float] = lambda op: 1.0,
@@ -262,9 +268,10 @@ def _fit_level(
     label: str = "",
     log: Callable[[str], None] | None = None,
 ) -> tuple[Network, dict[str, Any]]:
-    """Time ``ops`` on ``comm`` and fit one level's :class:`Network` (α and efficiency per op) and the
+    """Time ``timing.ops`` on ``comm`` and fit one level's :class:`Network` (α and efficiency per op) and the
     per-op JSON details. ``link_bps``: the level's link rate (None: the fp32 allreduce's fitted rate is
     the reference, efficiency 1); ``scale(op)``: the shared link's bytes per byte of a rank's traffic."""
+    ops, sizes, repeats, warmup = timing
     fits: dict[str, tuple[OpFit, list[tuple[float, float]]]] = {}
     for op in ops:
         points = _time_op(op, comm, sizes, repeats, warmup, scale=scale(op), everyone=everyone)
@@ -368,10 +375,11 @@ def calibrate(
     sizes, link_bps, intra_link_bps = _settings(
         sizes, repeats, warmup, ops, compute_numel, link_bps, group, nodes, intra_link_bps
     )
+    timing = _Timing(ops, sizes, repeats, warmup)
     if nodes is None:
-        fitted = _one_level(Comm(group, exchange="p2p"), ops, sizes, repeats, warmup, link_bps, log)
+        fitted = _one_level(Comm(group, exchange="p2p"), timing, link_bps, log)
     else:
-        fitted = _two_levels(nodes, ops, sizes, repeats, warmup, link_bps, intra_link_bps, log)
+        fitted = _two_levels(nodes, timing, link_bps, intra_link_bps, log)
     everyone = fitted.everyone
     n = everyone.world_size
     measured: dict[str, float] = {}
@@ -474,13 +482,7 @@ def _payloads(sizes: Sequence[int]) -> str:
 
 
 def _one_level(
-    comm: Comm,
-    ops: Sequence[str],
-    sizes: Sequence[int],
-    repeats: int,
-    warmup: int,
-    link_bps: float | None,
-    log: Callable[[str], None] | None,
+    comm: Comm, timing: _Timing, link_bps: float | None, log: Callable[[str], None] | None
 ) -> _Fitted:
     """Every rank's own link: every op over all the ranks of ``comm``."""
     n = comm.world_size
@@ -488,17 +490,14 @@ def _one_level(
         raise ValueError("calibrating the network needs at least 2 ranks (lioncub launch --nproc 2 or more)")
     if log is not None:
         link = f"{link_bps / 1e6:g} Mbit/s links" if link_bps is not None else "no known link rate"
-        log(f"{n} ranks, {link}; payloads {_payloads(sizes)}")
-    network, per_op_doc = _fit_level(comm, ops, sizes, repeats, warmup, link_bps, log=log)
+        log(f"{n} ranks, {link}; payloads {_payloads(timing.sizes)}")
+    network, per_op_doc = _fit_level(comm, timing, link_bps, log=log)
     return _Fitted(network, {"per_op": per_op_doc}, comm)
 
 
 def _two_levels(
     nodes: DeviceMesh,
-    ops: Sequence[str],
-    sizes: Sequence[int],
-    repeats: int,
-    warmup: int,
+    timing: _Timing,
     link_bps: float | None,
     intra_link_bps: float | None,
     log: Callable[[str], None] | None,
@@ -517,18 +516,20 @@ def _two_levels(
         nic = f"{link_bps / 1e6:g} Mbit/s" if link_bps is not None else "an unknown rate"
         inside = f"{intra_link_bps / 1e6:g} Mbit/s" if intra_link_bps is not None else "an unknown rate"
         layout = f"{nnodes} nodes × {ell} ranks, NIC {nic}, links inside a node {inside}"
-        log(f"{layout}; payloads {_payloads(sizes)}")
+        log(f"{layout}; payloads {_payloads(timing.sizes)}")
     network, per_op_doc = _fit_level(
-        inter, ops, sizes, repeats, warmup, link_bps,
-        scale=lambda op: ell, everyone=everyone, label="[NIC] ", log=log,
-    )  # fmt: skip
+        inter, timing, link_bps, scale=lambda op: ell, everyone=everyone, label="[NIC] ", log=log
+    )
     intra_net, intra_doc = _fit_level(
-        intra, ops, sizes, repeats, warmup, intra_link_bps,
-        everyone=everyone, label="[node] ", log=log,
-    )  # fmt: skip
+        intra, timing, intra_link_bps, everyone=everyone, label="[node] ", log=log
+    )
     flat_net, flat_doc = _fit_level(
-        everyone, ops, sizes, repeats, warmup, link_bps,
-        scale=lambda op: nic_share(op, nnodes, ell), label="[all ranks, NIC] ", log=log,
-    )  # fmt: skip
+        everyone,
+        timing,
+        link_bps,
+        scale=lambda op: nic_share(op, nnodes, ell),
+        label="[all ranks, NIC] ",
+        log=log,
+    )
     docs = {"per_op": per_op_doc, "intra_per_op": intra_doc, "flat_per_op": flat_doc}
     return _Fitted(network, docs, everyone, intra_net, flat_net, nnodes)

@@ -236,9 +236,10 @@ def topology_allowed(variant: Variant, topology: str, n_workers: int) -> tuple[b
     if topology in transports.FACTS[config.transport].topologies:
         return True, ""
     if topology == "hierarchical":
+        votes = [k for k, c in PRESETS.items() if topology in transports.FACTS[c.transport].topologies]
         return False, (
-            f"the {config.transport} transport has no hierarchical form; it applies to the votes (1bit, "
-            "4bit, 8bit, 8bit-sign, dlion-avg)"
+            f"the {config.transport} transport has no hierarchical form; it applies to the votes "
+            f"({', '.join(votes)})"
         )
     return False, "node-majority is a 1-bit vote among node majorities; it applies to the 1bit variant only"
 

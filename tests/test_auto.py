@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from lioncub.optim import LionCub
+from lioncub.optim.config import PRESETS
 from lioncub.planning import costmodel as cm
 from lioncub.planning.auto import AUTO_ENV, auto_variant, choose_variant
 
@@ -39,7 +40,7 @@ def test_fewest_bytes_win_without_compute_or_latency(n: int, rate_bps: float) ->
     cal = cm.Calibration(cm.Network.from_rate(rate_bps, 0.0), NO_COMPUTE, n)
     choice = choose_variant(10**6 + 7, n, cal)
     assert choice.variant == "1bit"
-    assert len(choice.predictions) == len(cm.PRESET_SCHEMES)
+    assert len(choice.predictions) == len(PRESETS)
     assert "chose '1bit'" in choice.reason and f"on {n} workers over" in choice.reason
 
 

@@ -40,7 +40,7 @@ from lioncub.planning.calibrate import fit_alpha_beta
 from lioncub.report import cost as cost_report
 from profiles import examples
 
-PRESET_NAMES = list(cm.PRESET_SCHEMES)
+PRESET_NAMES = list(PRESETS)
 NO_COMPUTE = cm.Compute()
 
 
@@ -190,14 +190,14 @@ def test_parameter_server_cost_is_linear_in_n(d: int, n: int, rate: float, lat: 
         ("8bit", 127),
         ("8bit-sign", 127),
         ("dlion-avg", 127),
-        (cm.Scheme("lanes", bits=2), 3),
-        (cm.Scheme("lanes", bits="auto"), 255),
-        (cm.Scheme("quantized", bits=4), 7),
-        (cm.Scheme("quantized", bits="auto"), 127),
-        (cm.Scheme("server", "average"), 254),
+        (VoteConfig("lanes", "majority", None, 2), 3),
+        (VoteConfig("lanes", "majority", None, "auto"), 255),
+        (VoteConfig("quantized", "majority", "l1", 4), 7),
+        (VoteConfig("quantized", "majority", "l1", "auto"), 127),
+        (VoteConfig("server", "average", None, None), 254),
     ],
 )
-def test_lane_limits(variant: str | cm.Scheme, limit: int) -> None:
+def test_lane_limits(variant: str | VoteConfig, limit: int) -> None:
     assert cm.allowed(variant, limit) == (True, "")
     ok, why = cm.allowed(variant, limit + 1)
     assert not ok and str(limit) in why
@@ -259,11 +259,35 @@ def test_vote_classes_cover_every_transport() -> None:
     assert kinds == {DenseMean, OneBitVote, LaneVote, SignSumVote, AverageVote, QuantizedVote, ServerVote}
 
 
-def test_preset_schemes_mirror_the_optimizer_presets() -> None:
-    assert list(cm.PRESET_SCHEMES) == list(PRESETS)
+def test_variants_are_named_by_what_they_put_on_the_wire() -> None:
     for name, config in PRESETS.items():
-        assert cm.Scheme.from_config(config) == cm.PRESET_SCHEMES[name], name
-        assert cm.resolve_scheme(config)[0] == name
+        assert cm.resolve_config(name) == (name, config)
+        assert cm.resolve_config(config)[0] == name
+        assert (
+            cm.resolve_config(dataclasses.replace(config, seed=7))[0] == name
+        )  # the seed is not on the wire
+    assert cm.resolve_config(VoteConfig("lanes", "majority", None, None))[0] == "4bit"  # the default width
+    assert cm.resolve_config(VoteConfig("dense", "mean", None, None, torch.float16))[0] == "16bit"
+    assert cm.resolve_config(VoteConfig("lanes", "majority", None, 2))[0] == "lanes-majority-2bit"
+    assert cm.resolve_config(VoteConfig("dense", "mean", None, None, "float64"))[0] == "dense-mean-64bit"
+    with pytest.raises(ValueError, match="bits=3"):
+        cm.resolve_config(VoteConfig("lanes", "majority", None, 3))
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_model_bytes_are_the_configs_wire_bytes(name: str) -> None:
+    config = PRESETS[name]
+    for n in (2, 3, 8, 15, 100):
+        if not config.capacity(n)[0]:
+            assert not cm.allowed(name, n)[0]
+            continue
+        root = config.server_root
+        ranks = (root, root + 1, n - 1) if config.transport == "server" else (0, n - 1)
+        for d in (1, 7, 1000, 12_345, 1 << 20):
+            for rank in ranks:
+                assert cm.wire_bytes(name, d, n, rank) == config.wire_bytes(d, n, rank), (d, n, rank)
+            p = cm.predict(name, d, n, net())  # the busiest rank: the server's root
+            assert (p.bytes_sent, p.bytes_recv) == config.wire_bytes(d, n, root), (d, n)
 
 
 # ------------------------------------------------------------------------ winner and crossovers

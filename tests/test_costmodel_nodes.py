@@ -20,7 +20,9 @@ import pytest
 import torch
 
 from cli_stub import cli_runner
+from lioncub import transports
 from lioncub.cli import cost as cost_cli
+from lioncub.optim.config import PRESETS, VoteConfig
 from lioncub.planning import costmodel as cm
 
 from dist_utils import run_workers
@@ -116,7 +118,7 @@ def test_the_issues_formulas(m: int, ell: int) -> None:
     assert node * ell == pytest.approx(flat)  # node-majority: L× fewer bytes than flat
 
 
-@pytest.mark.parametrize("variant", list(cm.PRESET_SCHEMES))
+@pytest.mark.parametrize("variant", list(PRESETS))
 def test_one_rank_per_node_is_the_flat_model(variant: str) -> None:
     options = {"sync_every": 10, "sync_params": 10_000, "bucket_numel": 300_001}
     flat = cm.predict(variant, 1_000_003, 6, NIC, cm.DEFAULT_CPU_COMPUTE, **options)
@@ -127,13 +129,31 @@ def test_one_rank_per_node_is_the_flat_model(variant: str) -> None:
     assert mine.intra_sent == 0.0
 
 
-@pytest.mark.parametrize("variant", list(cm.PRESET_SCHEMES))
+@pytest.mark.parametrize("variant", list(PRESETS))
 def test_one_node_sends_nothing_through_its_nic(variant: str) -> None:
     for topology in cm.TOPOLOGIES:
         p = _p(variant, topology, 1, 4)
         if p.allowed:
             assert p.nic_sent == p.nic_recv == 0.0, topology
             assert p.intra_sent > 0
+
+
+@pytest.mark.parametrize(("m", "ell"), [(1, 4), (2, 1), (2, 2), (2, 4), (3, 3), (16, 16), (2, 200)])
+def test_level_bytes_are_the_transports(m: int, ell: int) -> None:
+    def by_level(phases: list[cm.Phase]) -> tuple[float, float]:
+        return tuple(sum(p.sent for p in phases if p.level == level) for level in ("intra", "inter"))
+
+    configs = [*PRESETS.values(), VoteConfig("lanes", "majority", None, "auto")]
+    configs.append(VoteConfig("quantized", "majority", "l1", 2))
+    for config in configs:
+        t, bits = config.transport, config.bits
+        for d in (1, 7, 1000, 1_000_003):
+            if cm.topology_allowed(config, "hierarchical", m * ell)[0]:
+                phases, _ = cm.topology_phases(config, d, m, ell, "hierarchical")
+                assert by_level(phases) == transports.hierarchical_level_bytes(t, bits, d, m, ell), (t, d)
+            if cm.topology_allowed(config, "node-majority", m * ell)[0]:
+                phases, _ = cm.topology_phases(config, d, m, ell, "node-majority")
+                assert by_level(phases) == transports.node_majority_level_bytes(d, m, ell), d
 
 
 def test_topologies_that_do_not_apply_say_why() -> None:

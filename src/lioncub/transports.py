@@ -42,12 +42,15 @@ __all__ = [
     "flat_wire_bytes",
     "hierarchical_lane_bits",
     "hierarchical_level_bytes",
+    "hierarchical_payloads",
     "lane_bits",
     "lane_sum_fits",
     "level_budget",
     "max_lane_workers",
     "node_majority_level_bytes",
+    "node_majority_payloads",
     "packed_size",
+    "padded_numel",
     "server_down_bits",
     "vote_values",
 ]
@@ -193,6 +196,17 @@ def capacity(transport: str, aggregation: str, bits: int | str | None, n_workers
 # ----------------------------------------------------------------------------------------- wire bytes
 
 
+def padded_numel(transport: str, d: int, n_workers: int) -> int:
+    """Elements a flat vote of ``d`` elements over N workers exchanges: the dense mean pads to a multiple
+    of N (``⌈d/N⌉N``), the 1-bit vote to whole bytes per worker's slice (``⌈d/8N⌉8N``); the others ``d``."""
+    n = n_workers
+    if transport == "dense":
+        return -(-d // n) * n
+    if transport == "1bit":
+        return -(-d // (8 * n)) * 8 * n
+    return d
+
+
 def flat_wire_bytes(
     transport: str,
     aggregation: str,
@@ -211,9 +225,9 @@ def flat_wire_bytes(
         return 0.0, 0.0
     ring = 2 * (n - 1) / n
     if transport == "dense":
-        each = ring * (-(-d // n) * n) * wire_bits / 8
+        each = ring * padded_numel(transport, d, n) * wire_bits / 8
     elif transport == "1bit":
-        each = ring * (-(-d // (8 * n)) * 8 * n) / 8
+        each = ring * padded_numel(transport, d, n) / 8
     elif transport in ("lanes", "quantized"):
         each = ring * packed_size(d, lane_bits(transport, bits, n) or 8)
     elif transport == "int8":
@@ -250,25 +264,47 @@ def hierarchical_lane_bits(transport: str, bits: int | str | None, nnodes: int, 
     return next((b for b in LANE_WIDTHS if span <= 255 and lane_sum_fits(nnodes, b, span)), None)
 
 
+def hierarchical_payloads(
+    transport: str, bits: int | str | None, d: int, nnodes: int, per_node: int
+) -> tuple[int, int, int]:
+    """Bytes one rank puts into each collective of a hierarchical vote of ``d`` elements: (its ``d``
+    integer values, allreduced inside the node: int8 while a node sum fits, else int32; its slice of
+    ``⌈d/L⌉`` node sums, allreduced among the nodes in lanes of :func:`hierarchical_lane_bits`, int32
+    when none; its summed slice, all-gathered inside the node: int8 while the total fits, else int32)."""
+    m, ell = nnodes, per_node
+    top, _ = vote_values(transport, bits, m * ell)
+    k = -(-d // ell)
+    width = hierarchical_lane_bits(transport, bits, m, ell)
+    inter = packed_size(k, width) if width is not None else 4 * k
+    return d * int_bytes(ell * top), inter, k * int_bytes(m * ell * top)
+
+
 def hierarchical_level_bytes(
     transport: str, bits: int | str | None, d: int, nnodes: int, per_node: int
 ) -> tuple[float, float]:
     """Bytes one rank sends per hierarchical vote of ``d`` elements (intra-node, inter-node): the
     intra-node allreduce of the integer values and all-gather of the summed slices, and the inter-node
-    allreduce of this rank's slice of ``⌈d/L⌉`` node sums."""
+    allreduce of this rank's slice of ``⌈d/L⌉`` node sums (:func:`hierarchical_payloads`)."""
     m, ell = nnodes, per_node
-    top, _ = vote_values(transport, bits, m * ell)
-    k = -(-d // ell)
-    intra = 2 * (ell - 1) / ell * d * int_bytes(ell * top) + (ell - 1) * k * int_bytes(m * ell * top)
-    width = hierarchical_lane_bits(transport, bits, m, ell)
-    inter_each = packed_size(k, width) if width is not None else 4 * k
-    return intra, 2 * (m - 1) / m * inter_each
+    node, inter, gathered = hierarchical_payloads(transport, bits, d, m, ell)
+    return 2 * (ell - 1) / ell * node + (ell - 1) * gathered, 2 * (m - 1) / m * inter
+
+
+def node_majority_payloads(d: int, nnodes: int, per_node: int) -> tuple[int, int, int]:
+    """What one rank puts into each step of a node-majority vote of ``d`` elements: (bytes of its ``d``
+    0/1 votes, counted inside the node: int8 while L ≤ 127, else int32; the elements of its slice,
+    ``⌈d/L⌉``, voted on among the nodes by a 1-bit vote; bytes of its slice of node majorities (int8),
+    all-gathered inside the node)."""
+    k = -(-d // per_node)
+    return d * int_bytes(per_node), k, k
 
 
 def node_majority_level_bytes(d: int, nnodes: int, per_node: int) -> tuple[float, float]:
     """Bytes one rank sends per node-majority vote of ``d`` elements (intra-node, inter-node): the
-    intra-node count (int8) and all-gather, and a 1-bit vote of ``⌈d/L⌉`` elements among the nodes."""
+    intra-node count (int8) and all-gather, and a 1-bit vote of ``⌈d/L⌉`` elements among the nodes
+    (:func:`node_majority_payloads`)."""
     m, ell = nnodes, per_node
-    k = -(-d // ell)
-    intra = 2 * (ell - 1) / ell * d * int_bytes(ell) + (ell - 1) * k
-    return intra, flat_wire_bytes("1bit", "majority", None, k, m)[0]
+    node, k, gathered = node_majority_payloads(d, m, ell)
+    return 2 * (ell - 1) / ell * node + (ell - 1) * gathered, flat_wire_bytes("1bit", "majority", None, k, m)[
+        0
+    ]

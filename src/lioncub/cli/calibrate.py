@@ -25,6 +25,8 @@ from lioncub.planning.costmodel import OPS, parse_count
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from lioncub.planning.calibration import Calibration
+
 EPILOG = """\
 examples:
   lioncub calibrate --nproc 4 --link 1gbit --out calib.json     # starts 4 ranks behind 1 Gbit/s links (root)
@@ -185,8 +187,7 @@ def _launch_self(args: argparse.Namespace) -> int:
         )
         result = launch(config)
     except (ValueError, RuntimeError) as exc:
-        print(f"lioncub calibrate: error: {exc}", file=sys.stderr)
-        return 2
+        return _fail(str(exc))
     if not result.ok:  # the launcher has named the failed rank or the signal already
         print(f"lioncub calibrate: no calibration written (exit code {result.returncode})", file=sys.stderr)
     return result.returncode
@@ -235,41 +236,45 @@ def _node_mesh() -> DeviceMesh | None:
     return None
 
 
-def run(args: argparse.Namespace) -> int:
-    in_job = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    try:
-        check_out(args.out)
-        if not in_job and not args.link and "allreduce_f32" not in args.ops:
-            raise ValueError(
-                f"--ops {','.join(args.ops)}: without --link the link rate is unknown, so the ops must "
-                "include allreduce_f32 (the reference)"
-            )
-    except ValueError as exc:
-        print(f"lioncub calibrate: error: {exc}", file=sys.stderr)
-        return 2
-    if not in_job:
-        layout = _check_layout(args)
-        if layout:
-            print(f"lioncub calibrate: error: {layout}", file=sys.stderr)
-            return 2
-        if args.nnodes is not None:
-            return _launch_self(args)
-        if args.nproc is not None and args.nproc < 2:
-            print(
-                f"lioncub calibrate: error: --nproc {args.nproc}: calibrating the network needs at least "
-                "2 ranks",
-                file=sys.stderr,
-            )
-            return 2
-        if args.nproc is None:
-            print(
-                "lioncub calibrate: error: no process group: pass --nproc N (N >= 2), or run it on every "
-                "rank of a job: lioncub launch --nproc 4 [--link 1gbit] -- -m lioncub.cli.calibrate "
-                "--out calib.json",
-                file=sys.stderr,
-            )
-            return 2
+def _fail(message: str) -> int:
+    """Print ``message`` as the command's error; the exit code 2."""
+    print(f"lioncub calibrate: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _start_job(args: argparse.Namespace) -> int:
+    """Outside a job: check the layout options and launch the ranks (or the emulated nodes)."""
+    layout = _check_layout(args)
+    if layout:
+        return _fail(layout)
+    if args.nnodes is not None:
         return _launch_self(args)
+    if args.nproc is not None and args.nproc < 2:
+        return _fail(f"--nproc {args.nproc}: calibrating the network needs at least 2 ranks")
+    if args.nproc is None:
+        return _fail(
+            "no process group: pass --nproc N (N >= 2), or run it on every rank of a job: lioncub launch "
+            "--nproc 4 [--link 1gbit] -- -m lioncub.cli.calibrate --out calib.json"
+        )
+    return _launch_self(args)
+
+
+def _said(result: Calibration) -> str:
+    """What was measured, a level per clause: α, link rate and efficiency of the fp32 allreduce."""
+    levels = [("NIC" if result.intra is not None else "link", result.network)]
+    if result.intra is not None:
+        levels.append(("inside a node", result.intra))
+    if result.flat is not None:
+        levels.append(("NIC under all ranks' collectives", result.flat))
+    return "; ".join(
+        f"{name}: α {net.latency_s * 1e6:.1f} us, {net.bandwidth_Bps * 8 / 1e6:.1f} Mbit/s x "
+        f"efficiency {net.efficiency:.3f}"
+        for name, net in levels
+    )
+
+
+def _in_job(args: argparse.Namespace) -> int:
+    """On every rank of a job: measure; rank 0 writes the JSON."""
     given = [
         option
         for option, value in (
@@ -282,12 +287,10 @@ def run(args: argparse.Namespace) -> int:
         if value is not None
     ]
     if given:
-        print(
-            f"lioncub calibrate: error: {', '.join(given)}: start a job from outside one; inside a job the "
-            "launcher has set the ranks and links",
-            file=sys.stderr,
+        return _fail(
+            f"{', '.join(given)}: start a job from outside one; inside a job the launcher has set the ranks "
+            "and links"
         )
-        return 2
     import torch
     import torch.distributed as dist
 
@@ -297,8 +300,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         created = init_from_env(args.timeout)
     except RuntimeError as exc:
-        print(f"lioncub calibrate: error: {exc}", file=sys.stderr)
-        return 2
+        return _fail(str(exc))
     try:
         rank = dist.get_rank()
         log = print if rank == 0 else None
@@ -316,24 +318,27 @@ def run(args: argparse.Namespace) -> int:
         )
         if rank == 0:
             result.save(args.out)
-            levels = [("NIC" if result.intra is not None else "link", result.network)]
-            if result.intra is not None:
-                levels.append(("inside a node", result.intra))
-            if result.flat is not None:
-                levels.append(("NIC under all ranks' collectives", result.flat))
-            said = "; ".join(
-                f"{name}: α {net.latency_s * 1e6:.1f} us, {net.bandwidth_Bps * 8 / 1e6:.1f} Mbit/s x "
-                f"efficiency {net.efficiency:.3f}"
-                for name, net in levels
-            )
-            print(f"wrote {args.out}: {said} (fp32 allreduce)")
+            print(f"wrote {args.out}: {_said(result)} (fp32 allreduce)")
     except ValueError as exc:
-        print(f"lioncub calibrate: error: {exc}", file=sys.stderr)
-        return 2
+        return _fail(str(exc))
     finally:
         if created:
             dist.destroy_process_group()
     return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    in_job = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    try:
+        check_out(args.out)
+        if not in_job and not args.link and "allreduce_f32" not in args.ops:
+            raise ValueError(
+                f"--ops {','.join(args.ops)}: without --link the link rate is unknown, so the ops must "
+                "include allreduce_f32 (the reference)"
+            )
+    except ValueError as exc:
+        return _fail(str(exc))
+    return _in_job(args) if in_job else _start_job(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 from lioncub.cli.options import real_number, whole_number
+from lioncub.optim.config import PRESETS
 from lioncub.planning import costmodel as cm
 from lioncub.report.cost import figure, format_count, report, report_cluster
 
@@ -53,16 +54,13 @@ def _arg(parse: Any, option: str) -> Any:
 
 def _variants(text: str) -> list[str]:
     names = [s.strip() for s in text.split(",") if s.strip()]
-    unknown = [v for v in names if v not in cm.PRESET_SCHEMES]
+    unknown = [v for v in names if v not in PRESETS]
     if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown variants {unknown}; choose from {', '.join(cm.PRESET_SCHEMES)}"
-        )
+        raise argparse.ArgumentTypeError(f"unknown variants {unknown}; choose from {', '.join(PRESETS)}")
     twice = sorted({v for v in names if names.count(v) > 1}, key=names.index)
     if twice:
         raise argparse.ArgumentTypeError(
-            f"{text!r} names {', '.join(twice)} more than once; give distinct names from "
-            f"{', '.join(cm.PRESET_SCHEMES)}"
+            f"{text!r} names {', '.join(twice)} more than once; give distinct names from {', '.join(PRESETS)}"
         )
     return names
 
@@ -269,7 +267,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
                 f"--sync-params {format_count(args.sync_params)} exceeds --params "
                 f"{format_count(args.params)}; give at most the model's parameter count"
             )
-    names = list(args.variants or cm.PRESET_SCHEMES)
+    names = list(args.variants or PRESETS)
     n = args.workers if args.workers is not None else args.nnodes * args.nproc_per_node
     where = (
         f"--workers {n}"
@@ -278,7 +276,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     )
     checks = {v: cm.allowed(v, n) for v in names}
     if not any(ok for ok, _ in checks.values()):
-        fits = [v for v in cm.PRESET_SCHEMES if cm.allowed(v, n)[0]]
+        fits = [v for v in PRESETS if cm.allowed(v, n)[0]]
         why = "; ".join(f"{v}: {reason}" for v, (_, reason) in checks.items())
         raise ValueError(
             f"--variants {','.join(names)}: none is allowed for {where} ({why}); "

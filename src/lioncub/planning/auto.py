@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lioncub._validate import is_int, is_number
+from lioncub.optim.config import PRESETS
 from lioncub.planning import costmodel
 from lioncub.planning.costmodel import Calibration, Compute, Network, Prediction
 
@@ -98,12 +99,11 @@ def resolve_network(spec: NetworkSpec, latency_s: float = DEFAULT_LATENCY_S) -> 
 
 def check_candidates(candidates: Sequence[str] | None) -> tuple[str, ...]:
     """The candidate presets as a tuple (default: every preset); unknown names are refused."""
-    names = tuple(costmodel.PRESET_SCHEMES) if candidates is None else tuple(candidates)
-    unknown = [c for c in names if c not in costmodel.PRESET_SCHEMES]
+    names = tuple(PRESETS) if candidates is None else tuple(candidates)
+    unknown = [c for c in names if c not in PRESETS]
     if unknown or not names or isinstance(candidates, str):
         raise ValueError(
-            f"candidates={candidates!r}: give a non-empty list of presets from "
-            f"{sorted(costmodel.PRESET_SCHEMES)}"
+            f"candidates={candidates!r}: give a non-empty list of presets from {sorted(PRESETS)}"
         )
     return names
 

@@ -2,7 +2,7 @@
 the per-element compute costs of this CPU.
 
 Every rank calls :func:`calibrate` (collectively). For each collective of
-:data:`lioncub.planning.costmodel.OPS` and each payload size it times ``warmup`` + ``repeats`` runs, each
+:data:`lioncub.planning.machine.OPS` and each payload size it times ``warmup`` + ``repeats`` runs, each
 started after a barrier, takes the maximum over the ranks (allreduce MAX) and the median over the repeats,
 and fits ``time = a + b·bytes`` by least squares on the relative error (every size weighs the same), with
 ``bytes`` the bytes through the busiest link direction as the model counts them and ``a >= 0``. Then ``α = a
@@ -10,12 +10,11 @@ and fits ``time = a + b·bytes`` by least squares on the relative error (every s
 ring allreduce (``dist.all_reduce``), pairwise all-to-all and all-gather through
 :class:`~lioncub.collectives.Comm`, and point-to-point sends into and out of rank 0.
 
-A fit needs more sizes than parameters to say how well the line fits: with two sizes the line passes
-through both points and its residual is 0 whatever was measured. Such a fit is *underdetermined*
-(``OpFit.dof == 0``): the log shows its residual as ``n/a`` and warns once, naming the ops. A fit whose
-slope is not positive (the time did not grow with the payload) has no payload rate (``n/a``, ``ok`` false
-in the JSON; ``lioncub cost`` then uses the network's values for that op), with one warning too. The
-JSON keeps every field (``rel_rms_residual`` stays a number) and adds ``dof``.
+A fit (:mod:`lioncub.planning.fit`) with no more sizes than parameters is *underdetermined*
+(``OpFit.dof == 0``: residual ``n/a`` in the log, one warning naming the ops). A fit whose slope is not
+positive has no payload rate (``n/a``, ``ok`` false in the JSON; ``lioncub cost`` then uses the network's
+values for that op), with one warning too. The JSON keeps every field (``rel_rms_residual`` stays a
+number) and adds ``dof``.
 
 The link rate comes from ``$LIONCUB_LINK_BPS`` (set by ``lioncub launch --link``); without one the
 fitted fp32 allreduce rate is the reference (its efficiency is 1).
@@ -26,11 +25,11 @@ they share each node's NIC, so a point's bytes are L times one rank's — and th
 among the ranks of each node, all nodes at once (rate ``$LIONCUB_INTRA_LINK_BPS``, set by ``lioncub
 launch --intra-link``, or the fitted fp32 allreduce's); and the NIC once more as the flat schemes use it,
 from every op run over all M·L ranks (a point's bytes: those through the busiest NIC,
-:func:`~lioncub.planning.costmodel.nic_share`): a ring over node-ordered ranks sends one flow each way
+:func:`~lioncub.planning.nodes.nic_share`): a ring over node-ordered ranks sends one flow each way
 through a NIC where the inter-node groups send L, and the pairwise exchanges send L·(N−L), so each
 pattern gets its own α and rate (at 2 × 2 and 100 Mbit/s: 89.6 % of the line for the inter-node fp32
 allreduce, 92.8 % for the flat one). :meth:`Calibration.cluster
-<lioncub.planning.costmodel.Calibration.cluster>` gives the two-level model.
+<lioncub.planning.calibration.Calibration.cluster>` gives the two-level model.
 
 The local reduction of the allreduces is part of their measured rate, so the calibration sets
 ``reduce_s_per_byte = 0``.
@@ -45,10 +44,8 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -57,7 +54,11 @@ from lioncub._validate import is_int, is_number
 from lioncub.collectives import Comm
 from lioncub.ops import packing, quantize
 from lioncub.optim.topology import node_groups
-from lioncub.planning.costmodel import OPS, Calibration, Compute, Network, OpCost, nic_share
+from lioncub.planning.calibration import Calibration
+from lioncub.planning.fit import OpFit, fit_alpha_beta, fit_warnings, format_fit
+from lioncub.planning.machine import OPS, Compute, Network, OpCost
+from lioncub.planning.nodes import nic_share
+from lioncub.transports import level_budget
 
 __all__ = [
     "DEFAULT_SIZES",
@@ -76,83 +77,6 @@ DEFAULT_SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 #: payload sizes under a shaped link: well above tbf's bucket (2 ms of the rate by default), whose burst makes
 #: smaller transfers look faster than the link
 LINK_SIZES = (1 << 20, 4 << 20, 16 << 20)
-
-
-@dataclass(frozen=True)
-class OpFit:
-    """``time = intercept_s + seconds_per_byte · bytes`` for one collective, and how well it fits."""
-
-    intercept_s: float
-    seconds_per_byte: float
-    rel_rms_residual: float  # sqrt(mean(((t − fit) / t)²)) over the sizes
-    dof: int | None = None  # points − fitted parameters; 0: the line passes through every point
-
-    @property
-    def ok(self) -> bool:
-        """The slope is positive and finite: the op has a payload rate."""
-        return self.seconds_per_byte > 0 and math.isfinite(self.seconds_per_byte)
-
-    @property
-    def has_residual(self) -> bool:
-        """More points than parameters: the residual says how well the line fits (unknown dof: assumed)."""
-        return self.dof is None or self.dof > 0
-
-
-def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> OpFit:
-    """Least-squares fit of ``t = a + b·x`` to ``(x bytes, t seconds)`` minimising relative errors, a ≥ 0.
-
-    Needs at least two distinct sizes; with a negative intercept the line is refitted through 0 (one
-    parameter). ``dof`` is the number of points minus the parameters fitted: with 0 (two sizes, both
-    parameters) the line passes through every point and the residual of 0 says nothing.
-    """
-    x = np.array([p[0] for p in points], dtype=np.float64)
-    t = np.array([p[1] for p in points], dtype=np.float64)
-    if len(set(x.tolist())) < 2:
-        raise ValueError("fitting a + b·bytes needs at least two distinct sizes")
-    if np.any(t <= 0):
-        raise ValueError("every measured time must be > 0")
-    w = 1.0 / t  # rows scaled by 1/t: least squares on the relative error
-    design = np.stack([w, x * w], axis=1)
-    (a, b), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
-    params = 2
-    if a < 0:
-        a, b = 0.0, float(np.sum(x * w * 1.0) / np.sum((x * w) ** 2))
-        params = 1
-    resid = (t - (a + b * x)) / t
-    return OpFit(float(a), float(b), float(math.sqrt(np.mean(resid**2))), len(points) - params)
-
-
-def format_fit(op: str, fit: OpFit) -> str:
-    """The log line of one op's fit; ``n/a`` where the fit cannot tell (no slope, no residual)."""
-    rate = f"{8 / fit.seconds_per_byte / 1e6:9.1f} Mbit/s" if fit.ok else "n/a (no positive slope)"
-    resid = f"{fit.rel_rms_residual:6.1%}" if fit.has_residual else "n/a (underdetermined)"
-    return f"{op:>14}: intercept {fit.intercept_s * 1e3:8.3f} ms, payload {rate}, residual {resid}"
-
-
-def fit_warnings(fits: dict[str, OpFit], n_sizes: int) -> list[str]:
-    """At most one warning line for the underdetermined fits and one for those without a payload rate."""
-    lines = []
-    flat = [op for op, fit in fits.items() if not fit.has_residual]
-    if flat:
-        if len(flat) == len(fits):
-            which = "every fit is"
-        elif len(flat) == 1:
-            which = f"the fit of {flat[0]} is"
-        else:
-            which = f"the fits of {', '.join(flat)} are"
-        lines.append(
-            f"warning: {which} underdetermined: with {n_sizes} payload sizes the line time = a + b·bytes "
-            "passes through every point, so no residual tells how well it fits (shown n/a); give at least "
-            "3 --sizes"
-        )
-    bad = [op for op, fit in fits.items() if not fit.ok]
-    if bad:
-        lines.append(
-            f"warning: no positive slope for {', '.join(bad)} (the time did not grow with the payload): no "
-            "payload rate (n/a), and `lioncub cost` uses the network's values for "
-            f"{'it' if len(bad) == 1 else 'them'}; use larger --sizes or more --repeats"
-        )
-    return lines
 
 
 def init_from_env(timeout_s: float = 300.0) -> bool:
@@ -275,14 +199,14 @@ def measure_compute(
     ``sync`` (e.g. a barrier) runs before every timed call, so that ranks sharing a machine run each
     kernel at the same time and compete for cores and memory bandwidth as they do in a step.
 
-    Keys: the :class:`~lioncub.planning.costmodel.Compute` fields (``reduce_s_per_byte`` = 0, see the module
+    Keys: the :class:`~lioncub.planning.machine.Compute` fields (``reduce_s_per_byte`` = 0, see the module
     docstring) and ``add_s_per_byte`` (an fp32 ``add_``, for reference).
     """
     n = max(2, n_workers)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(numel, generator=gen)
     y = torch.randn(numel, generator=gen)
-    levels = max(1, 127 // n)  # the int8 level budget (1 where N > 127 would not allow int8 at all)
+    levels = max(1, level_budget(n, 8)[0])  # the int8 level budget (1 where N > 127 allows none)
     level_buf = torch.empty(numel, dtype=torch.int8)
     packed = packing.pack_signs(x, pad_to=8 * n)
     slice_bytes = packed.numel() // n
@@ -325,12 +249,18 @@ def measure_compute(
 # ------------------------------------------------------------------------------------------- driver
 
 
+class _Timing(NamedTuple):
+    """What each level times: the collectives, the payload sizes (bytes), timed and untimed runs per size."""
+
+    ops: Sequence[str]
+    sizes: Sequence[int]
+    repeats: int
+    warmup: int
+
+
 def _fit_level(
     comm: Comm,
-    ops: Sequence[str],
-    sizes: Sequence[int],
-    repeats: int,
-    warmup: int,
+    timing: _Timing,
     link_bps: float | None,
     *,
     scale: Callable[[str], float] = lambda op: 1.0,
@@ -338,9 +268,10 @@ def _fit_level(
     label: str = "",
     log: Callable[[str], None] | None = None,
 ) -> tuple[Network, dict[str, Any]]:
-    """Time ``ops`` on ``comm`` and fit one level's :class:`Network` (α and efficiency per op) and the
+    """Time ``timing.ops`` on ``comm`` and fit one level's :class:`Network` (α and efficiency per op) and the
     per-op JSON details. ``link_bps``: the level's link rate (None: the fp32 allreduce's fitted rate is
     the reference, efficiency 1); ``scale(op)``: the shared link's bytes per byte of a rank's traffic."""
+    ops, sizes, repeats, warmup = timing
     fits: dict[str, tuple[OpFit, list[tuple[float, float]]]] = {}
     for op in ops:
         points = _time_op(op, comm, sizes, repeats, warmup, scale=scale(op), everyone=everyone)
@@ -424,7 +355,7 @@ def calibrate(
         sizes: payload sizes in bytes, at least two distinct ones (default :data:`LINK_SIZES` under a
             link, :data:`DEFAULT_SIZES` otherwise).
         repeats, warmup: timed and untimed runs per size.
-        ops: the collectives to time (a subset of :data:`lioncub.planning.costmodel.OPS`; must include
+        ops: the collectives to time (a subset of :data:`lioncub.planning.machine.OPS`; must include
             ``allreduce_f32`` unless ``link_bps`` is known).
         compute_numel: elements of the compute benchmarks (0: skip them; the compute costs are then 0).
         link_bps: the link rate in bits/s (default ``$LIONCUB_LINK_BPS``; None: unknown). With ``nodes``:
@@ -441,6 +372,63 @@ def calibrate(
             ``$LIONCUB_INTRA_LINK_BPS``; None: the fitted fp32 allreduce rate is the reference).
         log: called with a line per measured op (e.g. ``print`` on rank 0).
     """
+    sizes, link_bps, intra_link_bps = _settings(
+        sizes, repeats, warmup, ops, compute_numel, link_bps, group, nodes, intra_link_bps
+    )
+    timing = _Timing(ops, sizes, repeats, warmup)
+    if nodes is None:
+        fitted = _one_level(Comm(group, exchange="p2p"), timing, link_bps, log)
+    else:
+        fitted = _two_levels(nodes, timing, link_bps, intra_link_bps, log)
+    everyone = fitted.everyone
+    n = everyone.world_size
+    measured: dict[str, float] = {}
+    if compute_numel > 0:
+        local = measure_compute(
+            compute_numel, n, max(3, repeats), sync=lambda: dist.barrier(group=everyone.group)
+        )
+        keys = sorted(local)
+        vals = torch.tensor([local[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=everyone.group)
+        measured = dict(zip(keys, vals.tolist(), strict=True))
+    compute = Compute(**{k: v for k, v in measured.items() if k in Compute.__dataclass_fields__})
+    raw = {
+        **fitted.docs,
+        "compute_info": {k: v for k, v in measured.items() if k not in Compute.__dataclass_fields__},
+        "settings": {
+            "sizes": list(sizes),
+            "repeats": repeats,
+            "warmup": warmup,
+            "compute_numel": compute_numel,
+            "backend": everyone.backend,
+            "exchange": everyone.exchange,
+        },
+        "environment": {
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+            "threads": torch.get_num_threads(),
+        },
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    return Calibration(
+        fitted.network, compute, n, link_bps, raw, fitted.intra, fitted.nnodes, intra_link_bps, fitted.flat
+    )
+
+
+def _settings(
+    sizes: Sequence[int] | None,
+    repeats: int,
+    warmup: int,
+    ops: Sequence[str],
+    compute_numel: int,
+    link_bps: float | None,
+    group: dist.ProcessGroup | None,
+    nodes: DeviceMesh | None,
+    intra_link_bps: float | None,
+) -> tuple[list[int], float | None, float | None]:
+    """:func:`calibrate`'s arguments checked: (the sizes sorted, the link rate and the intra-node link
+    rate in bits/s, from the environment where not given)."""
     if not is_int(repeats, 1):
         raise ValueError(f"repeats={repeats!r} must be an int >= 1 (timed runs per size)")
     if not is_int(warmup, 0):
@@ -474,74 +462,74 @@ def calibrate(
         raise ValueError(f"sizes={list(sizes)} must hold at least two distinct positive sizes")
     if link_bps is None and "allreduce_f32" not in ops:
         raise ValueError("without a known link rate, ops must include allreduce_f32 (the reference)")
-    sizes = sorted(set(int(s) for s in sizes))
-    payloads = ", ".join(f"{s / 1024:g} KiB" for s in sizes)
-    if nodes is None:
-        comm = Comm(group, exchange="p2p")
-        n = comm.world_size
-        if n < 2:
-            raise ValueError(
-                "calibrating the network needs at least 2 ranks (lioncub launch --nproc 2 or more)"
-            )
-        if log is not None:
-            link = f"{link_bps / 1e6:g} Mbit/s links" if link_bps is not None else "no known link rate"
-            log(f"{n} ranks, {link}; payloads {payloads}")
-        network, per_op_doc = _fit_level(comm, ops, sizes, repeats, warmup, link_bps, log=log)
-        levels: dict[str, Any] = {"per_op": per_op_doc}
-        intra_net, flat_net, nnodes, everyone = None, None, None, comm
-    else:
-        flat, intra, inter = node_groups(nodes, "p2p")
-        everyone = Comm(flat, exchange="p2p")
-        n, nnodes, ell = everyone.world_size, inter.world_size, intra.world_size
-        if nnodes < 2 or ell < 2 or n != nnodes * ell:
-            raise ValueError(
-                f"nodes: a mesh of {nnodes} nodes × {ell} ranks; a two-level calibration needs at least 2 "
-                "nodes of at least 2 ranks (calibrate one link per rank without nodes=)"
-            )
-        if log is not None:
-            nic = f"{link_bps / 1e6:g} Mbit/s" if link_bps is not None else "an unknown rate"
-            inside = f"{intra_link_bps / 1e6:g} Mbit/s" if intra_link_bps is not None else "an unknown rate"
-            log(f"{nnodes} nodes × {ell} ranks, NIC {nic}, links inside a node {inside}; payloads {payloads}")
-        network, per_op_doc = _fit_level(
-            inter, ops, sizes, repeats, warmup, link_bps,
-            scale=lambda op: ell, everyone=everyone, label="[NIC] ", log=log,
-        )  # fmt: skip
-        intra_net, intra_doc = _fit_level(
-            intra, ops, sizes, repeats, warmup, intra_link_bps,
-            everyone=everyone, label="[node] ", log=log,
-        )  # fmt: skip
-        flat_net, flat_doc = _fit_level(
-            everyone, ops, sizes, repeats, warmup, link_bps,
-            scale=lambda op: nic_share(op, nnodes, ell), label="[all ranks, NIC] ", log=log,
-        )  # fmt: skip
-        levels = {"per_op": per_op_doc, "intra_per_op": intra_doc, "flat_per_op": flat_doc}
-    measured: dict[str, float] = {}
-    if compute_numel > 0:
-        local = measure_compute(
-            compute_numel, n, max(3, repeats), sync=lambda: dist.barrier(group=everyone.group)
+    return sorted(set(int(s) for s in sizes)), link_bps, intra_link_bps
+
+
+class _Fitted(NamedTuple):
+    """The fitted levels: the network (a node's NIC on nodes), the per-op JSON of every level, the whole
+    job's ranks, and on nodes the link inside a node, the NIC under the flat collectives and M."""
+
+    network: Network
+    docs: dict[str, Any]
+    everyone: Comm
+    intra: Network | None = None
+    flat: Network | None = None
+    nnodes: int | None = None
+
+
+def _payloads(sizes: Sequence[int]) -> str:
+    return ", ".join(f"{s / 1024:g} KiB" for s in sizes)
+
+
+def _one_level(
+    comm: Comm, timing: _Timing, link_bps: float | None, log: Callable[[str], None] | None
+) -> _Fitted:
+    """Every rank's own link: every op over all the ranks of ``comm``."""
+    n = comm.world_size
+    if n < 2:
+        raise ValueError("calibrating the network needs at least 2 ranks (lioncub launch --nproc 2 or more)")
+    if log is not None:
+        link = f"{link_bps / 1e6:g} Mbit/s links" if link_bps is not None else "no known link rate"
+        log(f"{n} ranks, {link}; payloads {_payloads(timing.sizes)}")
+    network, per_op_doc = _fit_level(comm, timing, link_bps, log=log)
+    return _Fitted(network, {"per_op": per_op_doc}, comm)
+
+
+def _two_levels(
+    nodes: DeviceMesh,
+    timing: _Timing,
+    link_bps: float | None,
+    intra_link_bps: float | None,
+    log: Callable[[str], None] | None,
+) -> _Fitted:
+    """M nodes of L ranks: the NIC (the L groups of one local rank each, at once), the node (every
+    node's ranks, at once) and the NIC under the flat collectives (all ranks)."""
+    flat, intra, inter = node_groups(nodes, "p2p")
+    everyone = Comm(flat, exchange="p2p")
+    n, nnodes, ell = everyone.world_size, inter.world_size, intra.world_size
+    if nnodes < 2 or ell < 2 or n != nnodes * ell:
+        raise ValueError(
+            f"nodes: a mesh of {nnodes} nodes × {ell} ranks; a two-level calibration needs at least 2 "
+            "nodes of at least 2 ranks (calibrate one link per rank without nodes=)"
         )
-        keys = sorted(local)
-        vals = torch.tensor([local[k] for k in keys], dtype=torch.float64)
-        dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=everyone.group)
-        measured = dict(zip(keys, vals.tolist(), strict=True))
-    compute = Compute(**{k: v for k, v in measured.items() if k in Compute.__dataclass_fields__})
-    raw = {
-        **levels,
-        "compute_info": {k: v for k, v in measured.items() if k not in Compute.__dataclass_fields__},
-        "settings": {
-            "sizes": list(sizes),
-            "repeats": repeats,
-            "warmup": warmup,
-            "compute_numel": compute_numel,
-            "backend": everyone.backend,
-            "exchange": everyone.exchange,
-        },
-        "environment": {
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "machine": platform.machine(),
-            "threads": torch.get_num_threads(),
-        },
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-    return Calibration(network, compute, n, link_bps, raw, intra_net, nnodes, intra_link_bps, flat_net)
+    if log is not None:
+        nic = f"{link_bps / 1e6:g} Mbit/s" if link_bps is not None else "an unknown rate"
+        inside = f"{intra_link_bps / 1e6:g} Mbit/s" if intra_link_bps is not None else "an unknown rate"
+        layout = f"{nnodes} nodes × {ell} ranks, NIC {nic}, links inside a node {inside}"
+        log(f"{layout}; payloads {_payloads(timing.sizes)}")
+    network, per_op_doc = _fit_level(
+        inter, timing, link_bps, scale=lambda op: ell, everyone=everyone, label="[NIC] ", log=log
+    )
+    intra_net, intra_doc = _fit_level(
+        intra, timing, intra_link_bps, everyone=everyone, label="[node] ", log=log
+    )
+    flat_net, flat_doc = _fit_level(
+        everyone,
+        timing,
+        link_bps,
+        scale=lambda op: nic_share(op, nnodes, ell),
+        label="[all ranks, NIC] ",
+        log=log,
+    )
+    docs = {"per_op": per_op_doc, "intra_per_op": intra_doc, "flat_per_op": flat_doc}
+    return _Fitted(network, docs, everyone, intra_net, flat_net, nnodes)

@@ -13,11 +13,13 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from lioncub.optim.config import PRESETS
 from lioncub.planning import costmodel as cm
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
     from rich.console import Console
+    from rich.table import Table
 
 __all__ = [
     "figure",
@@ -75,44 +77,42 @@ def _equal(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-15)
 
 
-def report(
-    console: Console,
-    d: int,
-    n: int,
-    network: cm.Network,
-    compute: cm.Compute,
-    variants: Sequence[str] | None = None,
-    source: str = "",
-    **options: Any,
-) -> None:
-    """Print the prediction table, the winner, the winner by link rate and the crossovers."""
+def _table(title: str, options: dict[str, Any], columns: Sequence[str], left: Sequence[str]) -> Table:
+    """A rich table titled ``title`` (and the momentum sync of ``options``), its ``left`` columns
+    left-aligned and the others right-aligned."""
     from rich.table import Table
 
-    rows = cm.table(d, n, network, compute, variants, **options)
-    base = next((p for p in rows if p.variant == "32bit" and p.allowed), None)
-    # with N = 1 (or a 32bit that costs nothing) a ratio to 32bit's time says nothing
-    speed = cm.speedups(rows) if n > 1 and base is not None and base.total_s > 0 else {}
-    buckets = options.get("bucket_numel")
-    nbuckets = 1 if buckets is None else math.ceil(d / buckets)
-    title = (
-        f"d = {format_count(d)} parameters, N = {n} workers, {format_bitrate(network.bandwidth_Bps)} links "
-        f"(payload {network.efficiency:.1%}), α = {format_seconds(network.latency_s)}, {nbuckets} bucket(s)"
-    )
     if options.get("sync_every"):
         title += f", momentum sync every {options['sync_every']} steps"
     table = Table(title=title, title_justify="left")
-    for col in ("variant", "transport", "latency", "bandwidth", "compute", "time / step", "sent / rank"):
-        table.add_column(col, justify="left" if col in ("variant", "transport") else "right")
-    table.add_column("vs 32bit", justify="right")
+    for col in columns:
+        table.add_column(col, justify="left" if col in left else "right")
+    return table
+
+
+def _transport(variant: str, n: int) -> str:
+    """The wire of a preset, e.g. ``"lanes 4-bit"``, ``"dense bf16"``."""
+    config = PRESETS[variant]
+    bits = config.lane_bits(n)
+    transport = config.transport + (f" {bits}-bit" if bits else "")
+    if config.transport == "dense":
+        wire = config.wire_bits
+        transport += f" fp{wire}" if wire == 32 else f" bf{wire}"
+    return transport
+
+
+def _prediction_table(
+    rows: Sequence[cm.Prediction], speed: dict[str, float], title: str, options: dict[str, Any]
+) -> tuple[Table, list[str]]:
+    """The table of :func:`report` and a note for every variant that is not allowed."""
+    columns = ("variant", "transport", "latency", "bandwidth", "compute", "time / step", "sent / rank")
+    table = _table(title, options, (*columns, "vs 32bit"), ("variant", "transport"))
     notes = []
     for p in rows:
-        scheme = cm.PRESET_SCHEMES[p.variant]
-        transport = scheme.transport + (f" {scheme.bits}-bit" if scheme.bits else "")
-        if scheme.transport == "dense":
-            transport += f" fp{scheme.wire_bits}" if scheme.wire_bits == 32 else f" bf{scheme.wire_bits}"
+        transport = _transport(p.variant, p.n_workers)
         if not p.allowed:
             table.add_row(p.variant, transport, "", "", "", "[dim]not allowed[/dim]", "", "")
-            notes.append(f"{p.variant} is not allowed for N = {n}: {p.reason}")
+            notes.append(f"{p.variant} is not allowed for N = {p.n_workers}: {p.reason}")
             continue
         table.add_row(
             p.variant,
@@ -124,6 +124,31 @@ def report(
             format_bytes(p.bytes_sent),
             f"{speed[p.variant]:.2f}x" if p.variant in speed else "",
         )
+    return table, notes
+
+
+def report(
+    console: Console,
+    d: int,
+    n: int,
+    network: cm.Network,
+    compute: cm.Compute,
+    variants: Sequence[str] | None = None,
+    source: str = "",
+    **options: Any,
+) -> None:
+    """Print the prediction table, the winner, the winner by link rate and the crossovers."""
+    rows = cm.table(d, n, network, compute, variants, **options)
+    base = next((p for p in rows if p.variant == "32bit" and p.allowed), None)
+    # with N = 1 (or a 32bit that costs nothing) a ratio to 32bit's time says nothing
+    speed = cm.speedups(rows) if n > 1 and base is not None and base.total_s > 0 else {}
+    buckets = options.get("bucket_numel")
+    nbuckets = 1 if buckets is None else math.ceil(d / buckets)
+    title = (
+        f"d = {format_count(d)} parameters, N = {n} workers, {format_bitrate(network.bandwidth_Bps)} links "
+        f"(payload {network.efficiency:.1%}), α = {format_seconds(network.latency_s)}, {nbuckets} bucket(s)"
+    )
+    table, notes = _prediction_table(rows, speed, title, options)
     console.print(table)
     for note in notes:
         console.print(note)
@@ -139,23 +164,46 @@ def report(
     best = cm.winner(d, n, network, compute, variants, **options)
     allowed = [p for p in rows if p.allowed]
     tied = [p.variant for p in allowed if _equal(p.total_s, best.total_s)]
-    if len(tied) > 1:
-        names = ", ".join(f"[bold]{v}[/bold]" for v in tied)
-        console.print(f"winner: {names} (equal, {format_seconds(best.total_s)} per step{_vs(speed, best)})")
-    else:
-        console.print(
-            f"winner: [bold]{best.variant}[/bold] ({format_seconds(best.total_s)} per step{_vs(speed, best)})"
-        )
+    names = ", ".join(f"[bold]{v}[/bold]" for v in tied)
+    equal = "equal, " if len(tied) > 1 else ""
+    console.print(f"winner: {names} ({equal}{format_seconds(best.total_s)} per step{_vs(speed, best)})")
+    console.print(
+        "fastest by link rate: " + "; ".join(_regimes(allowed, network, compute, variants, options))
+    )
+    lines = _crossovers(best, allowed, network, compute, options)
+    if lines:
+        console.print("crossovers with the winner:\n" + "\n".join(lines))
+
+
+def _regimes(
+    allowed: Sequence[cm.Prediction],
+    network: cm.Network,
+    compute: cm.Compute,
+    variants: Sequence[str] | None,
+    options: dict[str, Any],
+) -> list[str]:
+    """``"rate–rate: winner[ = equal ones]"`` over the link rates of :data:`SWEEP_BPS`."""
+    d, n = allowed[0].d, allowed[0].n_workers
     lo, hi = SWEEP_BPS[0] / 8, SWEEP_BPS[1] / 8
-    spans = cm.regimes(d, n, network, compute, variants, lo, hi, **options)
     labels = []
-    for a, b, v in spans:
+    for a, b, v in cm.regimes(d, n, network, compute, variants, lo, hi, **options):
         at = network.with_bandwidth(math.sqrt(a * b))
         t = cm.predict(v, d, n, at, compute, **options).total_s
         same = [p.variant for p in allowed if p.variant != v]
         same = [w for w in same if _equal(cm.predict(w, d, n, at, compute, **options).total_s, t)]
         labels.append(f"{format_bitrate(a)}–{format_bitrate(b)}: {' = '.join([v, *same])}")
-    console.print("fastest by link rate: " + "; ".join(labels))
+    return labels
+
+
+def _crossovers(
+    best: cm.Prediction,
+    allowed: Sequence[cm.Prediction],
+    network: cm.Network,
+    compute: cm.Compute,
+    options: dict[str, Any],
+) -> list[str]:
+    """A line per other allowed variant: where it and the winner cost the same, or which is always faster."""
+    d, n = best.d, best.n_workers
     lines = []
     for p in allowed:
         if p.variant == best.variant:
@@ -175,8 +223,7 @@ def report(
             f"  {best.variant} vs {p.variant}: equal at {format_bitrate(rate)}, "
             f"{best.variant} faster {'below' if below_side else 'above'}"
         )
-    if lines:
-        console.print("crossovers with the winner:\n" + "\n".join(lines))
+    return lines
 
 
 def report_cluster(
@@ -191,8 +238,6 @@ def report_cluster(
 ) -> None:
     """Print every variant × topology on M nodes of L ranks, fastest first, then the fastest exact one
     (the flat vote's result) and the fastest overall (node-majority is another estimator)."""
-    from rich.table import Table
-
     rows = cm.cluster_table(d, cluster, compute, variants, topologies, **options)
     ok = sorted((p for p in rows if p.allowed), key=lambda p: p.total_s)
     base = next((p for p in rows if p.variant == "32bit" and p.topology == "flat" and p.allowed), None)
@@ -204,13 +249,10 @@ def report_cluster(
         f"{format_bitrate(cluster.intra.bandwidth_Bps)} link inside the node "
         f"(α = {format_seconds(cluster.intra.latency_s)})"
     )
-    if options.get("sync_every"):
-        title += f", momentum sync every {options['sync_every']} steps"
-    table = Table(title=title, title_justify="left")
-    for col in ("#", "variant", "topology", "latency", "bandwidth", "compute", "time / step"):
-        table.add_column(col, justify="left" if col in ("variant", "topology") else "right")
-    for col in ("NIC / node", "intra / rank", "vs 32bit"):
-        table.add_column(col, justify="right")
+    columns = ("#", "variant", "topology", "latency", "bandwidth", "compute", "time / step")
+    table = _table(
+        title, options, (*columns, "NIC / node", "intra / rank", "vs 32bit"), ("variant", "topology")
+    )
     for i, p in enumerate(ok, 1):
         speed = f"{base.total_s / p.total_s:.2f}x" if base is not None and p.total_s > 0 else ""
         table.add_row(
@@ -270,7 +312,7 @@ def figure(
     import numpy as np
     from matplotlib.figure import Figure
 
-    names = list(variants or cm.PRESET_SCHEMES)
+    names = list(variants or PRESETS)
     fig = Figure(figsize=(12, 4.8), layout="constrained")  # no pyplot: no global backend state
     ax_bw, ax_n = fig.subplots(1, 2)
     rates = np.geomspace(SWEEP_BPS[0] / 8, SWEEP_BPS[1] / 8, 160)

@@ -32,7 +32,15 @@ from torch import Tensor
 from lioncub.ops import kernels, native
 from lioncub.ops.update import apply_update_, lion_direction, update_momentum_
 
-__all__ = ["Lion", "apply_update_", "default_foreach", "lion_direction", "lion_update_", "update_momentum_"]
+__all__ = [
+    "Lion",
+    "apply_update_",
+    "default_foreach",
+    "lion_direction",
+    "lion_update_",
+    "update_group_",
+    "update_momentum_",
+]
 
 
 def _check_lists(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor]) -> None:
@@ -385,22 +393,27 @@ class Lion(torch.optim.Optimizer):
                 grads.append(grad)
                 exp_avgs.append(state["exp_avg"])
 
-            if not params:
-                continue
-            foreach = group["foreach"]
-            if foreach is None:
-                foreach = default_foreach(params)
-            lr = group["lr"]
-            beta1, beta2 = group["betas"]
-            lion_update_(
-                params,
-                grads,
-                exp_avgs,
-                lr=float(lr),
-                beta1=float(beta1),
-                beta2=float(beta2),
-                weight_decay=float(group["weight_decay"]),
-                maximize=bool(group["maximize"]),
-                foreach=foreach,
-            )
+            if params:
+                update_group_(group, params, grads, exp_avgs)
         return loss
+
+
+def update_group_(
+    group: dict[str, Any], params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor]
+) -> None:
+    """:func:`lion_update_` of ``params`` with the hyperparameters of their param group (``lr``,
+    ``betas``, ``weight_decay``, ``maximize``; ``foreach`` where the group sets it, else
+    :func:`default_foreach`)."""
+    foreach = group.get("foreach")
+    beta1, beta2 = group["betas"]
+    lion_update_(
+        params,
+        grads,
+        exp_avgs,
+        lr=float(group["lr"]),
+        beta1=float(beta1),
+        beta2=float(beta2),
+        weight_decay=float(group["weight_decay"]),
+        maximize=bool(group["maximize"]),
+        foreach=default_foreach(params) if foreach is None else foreach,
+    )

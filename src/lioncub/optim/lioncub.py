@@ -61,8 +61,8 @@ from lioncub.optim.config import PRESETS, VoteConfig, resolve_variant
 from lioncub.optim.engine import StepEngine, StepTimes
 from lioncub.optim.factory import make_vote
 from lioncub.optim.layout import ParamLayout, named_parameters
-from lioncub.optim.lion import check_lion_hyperparameters, default_foreach, lion_update_
-from lioncub.optim.overlap import OverlapHook
+from lioncub.optim.lion import check_lion_hyperparameters, default_foreach, update_group_
+from lioncub.optim.overlap import OverlapHook, overlap_group
 from lioncub.optim.replicas import (
     ReplicaDivergenceError,
     ReplicaMismatchError,
@@ -82,7 +82,7 @@ from lioncub.optim.step_check import (
     check_step,
     grad_checksum,
 )
-from lioncub.optim.sync import MomentumSync, select_parameters
+from lioncub.optim.sync import MomentumSync, select_parameters, synchronize
 
 __all__ = [
     "NONFINITE_MODES",
@@ -349,20 +349,9 @@ class LionCub(PerRankState, torch.optim.Optimizer):
             return
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            beta1, beta2 = group["betas"]
-            lion_update_(
-                params,
-                [p.grad for p in params],
-                [self.engine.state.momentum(p) for p in params],
-                lr=float(group["lr"]),
-                beta1=float(beta1),
-                beta2=float(beta2),
-                weight_decay=float(group["weight_decay"]),
-                maximize=bool(group["maximize"]),
-                foreach=default_foreach(params),
-            )
+            if params:
+                momenta = [self.engine.state.momentum(p) for p in params]
+                update_group_(group, params, [p.grad for p in params], momenta)
 
     def _check_step(self, ballots: Sequence[Ballot], posted: bool, overflow: bool) -> StepCheck:
         """:func:`lioncub.optim.step_check.check_step` on the optimizer's group (step numbers, layouts,
@@ -421,21 +410,10 @@ class LionCub(PerRankState, torch.optim.Optimizer):
         return frozenset(id(p) for p, n in zip(params, have.tolist(), strict=True) if n == 0)
 
     def _sync_momenta(self, untouched: frozenset[int]) -> None:
-        """Allreduce-mean the chosen momenta (one flat buffer per dtype) of the parameters being trained
-        (those frozen or without a gradient on every rank keep theirs)."""
-        n = self.comm.world_size
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in self._sync_params:
-            if id(p) in untouched or id(p) not in self.layout.order:
-                continue
-            m = self.engine.state.momentum(p)
-            by_dtype.setdefault(m.dtype, []).append(m)
-        for moms in by_dtype.values():
-            flat = torch.cat([m.reshape(-1) for m in moms]).to(self.momentum_sync.dtype)
-            self.comm.all_reduce(flat, "momentum sync").wait()
-            flat.div_(n)
-            for m, view in zip(moms, flat_views(flat, moms), strict=True):
-                m.copy_(view)
+        """Average the chosen momenta over the ranks (:func:`lioncub.optim.sync.synchronize`), of the
+        parameters being trained (those frozen or without a gradient on every rank keep theirs)."""
+        trained = [p for p in self._sync_params if id(p) not in untouched and id(p) in self.layout.order]
+        synchronize(self.comm, [self.engine.state.momentum(p) for p in trained], self.momentum_sync.dtype)
 
     # -- overlap ---------------------------------------------------------------------------------------
 
@@ -452,13 +430,14 @@ class LionCub(PerRankState, torch.optim.Optimizer):
         if self.single_process:
             _log.info("LionCub.overlap_with: one process, no vote to overlap: the plain step runs")
             return None
-        _check_overlap(self, model)
-        if process_group is None:
-            ranks = dist.get_process_group_ranks(self.comm.group or dist.group.WORLD)
-            process_group = dist.new_group(ranks=ranks, backend=self.comm.backend)
-        comm = Comm(process_group, exchange=self.comm.exchange)
-        if comm.world_size != self.comm.world_size or comm.rank != self.comm.rank:
-            raise ValueError("overlap_with: process_group must have the optimizer's ranks, in its order")
+        if self._overlap is not None:
+            raise RuntimeError("overlap_with: this optimizer already overlaps its votes with a model")
+        if self.config.topology != "flat":
+            raise ValueError(
+                f"overlap_with: topology={self.config.topology!r} votes run after the backward (the overlap "
+                "hook votes flat); use the plain step, or topology='flat'"
+            )
+        comm = overlap_group(model, self.comm, process_group)
         ordered = sorted(self.layout.order, key=self.layout.order.__getitem__)
         self._overlap = OverlapHook(
             model,
@@ -476,19 +455,16 @@ class LionCub(PerRankState, torch.optim.Optimizer):
     ) -> dict[str, dict[str, float]]:
         """:func:`lioncub.optim.diagnostics.collect` per parameter tensor, in the optimizer's parameter
         order (whatever the buckets were: the overlapped path's diagnostics are those of the plain step)."""
-        pieces = []
-        for b, u in zip(ballots, updates, strict=True):
-            assert b.direction is not None
-            cs, us = flat_views(b.direction, b.params), flat_views(u, b.params)
-            for p, c, v in zip(b.params, cs, us, strict=True):
-                pieces.append((self.layout.order[id(p)], p, c.reshape(-1), v.reshape(-1)))
-        pieces.sort(key=lambda piece: piece[0])
+        params = [p for b in ballots for p in b.params]
+        directions = [c for b in ballots for c in flat_views(b.direction, b.params)]  # type: ignore[arg-type]
+        votes = [u for b, update in zip(ballots, updates, strict=True) for u in flat_views(update, b.params)]
+        order = sorted(range(len(params)), key=lambda i: self.layout.order[id(params[i])])
         return diagnostics.collect(
             self.comm,
-            [self.layout.names[id(p)] for _, p, _, _ in pieces],
-            [c for _, _, c, _ in pieces],
-            [u for _, _, _, u in pieces],
-            [self.engine.state.momentum(p) for _, p, _, _ in pieces],
+            [self.layout.names[id(params[i])] for i in order],
+            [directions[i].reshape(-1) for i in order],
+            [votes[i].reshape(-1) for i in order],
+            [self.engine.state.momentum(params[i]) for i in order],
         )
 
     def parameter_checksum(self) -> torch.Tensor:
@@ -590,26 +566,6 @@ def _groups(
     mesh = mesh or topology.mesh_from_environment(config.topology)
     flat, intra, inter = topology.node_groups(mesh, config.exchange)
     return flat, (intra, inter)
-
-
-def _check_overlap(opt: LionCub, model: Any) -> None:
-    """:meth:`LionCub.overlap_with`'s refusals (a second registration, a topology, not DDP, another group)."""
-    if opt.overlap_hook is not None:
-        raise RuntimeError("overlap_with: this optimizer already overlaps its votes with a model")
-    if opt.config.topology != "flat":
-        raise ValueError(
-            f"overlap_with: topology={opt.config.topology!r} votes run after the backward (the overlap "
-            "hook votes flat); use the plain step, or topology='flat'"
-        )
-    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        raise TypeError(
-            f"overlap_with(model): expected a DistributedDataParallel model, got {type(model).__name__}"
-        )
-    if dist.get_world_size(model.process_group) != opt.comm.world_size:
-        raise ValueError(
-            f"overlap_with: the DDP model's process group has {dist.get_world_size(model.process_group)} "
-            f"ranks, the optimizer's {opt.comm.world_size}; they must be the same data-parallel group"
-        )
 
 
 def _check_group(group: dict[str, Any]) -> None:

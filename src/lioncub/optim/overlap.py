@@ -64,10 +64,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from lioncub.collectives import Ballot
+from lioncub.collectives import Ballot, Comm
 from lioncub.optim.engine import Bucket, StepEngine, StepTimes, bucket_backend
 
-__all__ = ["OverlapHook"]
+__all__ = ["OverlapHook", "overlap_group"]
 
 _log = logging.getLogger("lioncub")
 
@@ -273,6 +273,28 @@ class OverlapHook:
             self._closed = True
             self._queue.put(None)
             self._thread.join()
+
+
+def overlap_group(model: object, comm: Comm, process_group: dist.ProcessGroup | None) -> Comm:
+    """The group the overlapped votes travel on: ``process_group``, or a new duplicate of ``comm``'s
+    (collective), checked to hold the optimizer's ranks in its order and to match ``model``, a
+    :class:`~torch.nn.parallel.DistributedDataParallel` of the optimizer's data-parallel group."""
+    if not isinstance(model, DistributedDataParallel):
+        raise TypeError(
+            f"overlap_with(model): expected a DistributedDataParallel model, got {type(model).__name__}"
+        )
+    if dist.get_world_size(model.process_group) != comm.world_size:
+        raise ValueError(
+            f"overlap_with: the DDP model's process group has {dist.get_world_size(model.process_group)} "
+            f"ranks, the optimizer's {comm.world_size}; they must be the same data-parallel group"
+        )
+    if process_group is None:
+        ranks = dist.get_process_group_ranks(comm.group or dist.group.WORLD)
+        process_group = dist.new_group(ranks=ranks, backend=comm.backend)
+    votes = Comm(process_group, exchange=comm.exchange)
+    if votes.world_size != comm.world_size or votes.rank != comm.rank:
+        raise ValueError("overlap_with: process_group must have the optimizer's ranks, in its order")
+    return votes
 
 
 def _check_same_parameters(model: DistributedDataParallel, names: dict[int, str]) -> None:

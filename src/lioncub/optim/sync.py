@@ -31,8 +31,9 @@ import torch
 from torch import nn
 
 from lioncub._validate import is_int
+from lioncub.collectives import Comm, flat_views
 
-__all__ = ["MomentumSync", "find_io_parameters", "select_parameters"]
+__all__ = ["MomentumSync", "find_io_parameters", "select_parameters", "synchronize"]
 
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _NORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm, nn.LayerNorm)
@@ -154,6 +155,21 @@ class MomentumSync:
             else f"on the exponential schedule K={self.exp_k}"
         )
         return when + ("" if self.until is None else f" until step {self.until}")
+
+
+def synchronize(comm: Comm, momenta: Sequence[torch.Tensor], dtype: torch.dtype) -> None:
+    """Average ``momenta`` over ``comm``'s ranks in place: one allreduce per momentum dtype of the flattened
+    tensors, in ``dtype`` on the wire, divided by N. Collective."""
+    n = comm.world_size
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for m in momenta:
+        by_dtype.setdefault(m.dtype, []).append(m)
+    for moms in by_dtype.values():
+        flat = torch.cat([m.reshape(-1) for m in moms]).to(dtype)
+        comm.all_reduce(flat, "momentum sync").wait()
+        flat.div_(n)
+        for m, view in zip(moms, flat_views(flat, moms), strict=True):
+            m.copy_(view)
 
 
 def _exponential_steps(k: int, up_to: int) -> set[int]:

@@ -89,7 +89,7 @@ def test_lr_schedule_warmup_then_cosine() -> None:
 )
 def test_config_errors_name_the_option(fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        TrainConfig(**fields)
+        TrainConfig.from_json(fields)
 
 
 def test_momentum_conversion_is_the_mean(tmp_path: Path) -> None:
@@ -322,9 +322,9 @@ def test_report_command_plots_the_diagnostics(tmp_path: Path, capsys: pytest.Cap
     assert cli.main(["report", str(tmp_path)]) == 2  # not a run directory
     assert "no log.jsonl" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--quantizer 'l7': allowed values are"):
-        TrainConfig(quantizer="l7")
+        TrainConfig.from_json({"quantizer": "l7"})
     with pytest.raises(ValueError, match="--quantizer: only --variant 8bit quantizes"):
-        TrainConfig(variant="1bit", quantizer="l0")
+        TrainConfig.from_json({"variant": "1bit", "quantizer": "l0"})
 
 
 @pytest.mark.slow

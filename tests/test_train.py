@@ -92,6 +92,57 @@ def test_config_errors_name_the_option(fields: dict, message: str) -> None:
         TrainConfig.from_json(fields)
 
 
+#: a run directory's config.json as lioncub wrote it before TrainConfig had parts (one flat object)
+FLAT_CONFIG_JSON = """{
+ "workload": "gpt",
+ "size": "tiny",
+ "variant": "8bit",
+ "steps": 60,
+ "warmup_steps": null,
+ "min_lr_ratio": 0.1,
+ "eval_every": 20,
+ "checkpoint_every": 0,
+ "seed": 3,
+ "data_mode": "random",
+ "bucket_mb": 25.0,
+ "device": "auto",
+ "overrides": {
+  "batch_size": 8
+ },
+ "convert_momenta": null,
+ "stop_at": null,
+ "momentum_sync": [
+  "wte",
+  "lm_head"
+ ],
+ "sync_every": 5,
+ "diagnostics_every": 0,
+ "quantizer": "l0",
+ "topology": "hierarchical",
+ "nonfinite": "skip",
+ "overlap": false,
+ "nproc": 4,
+ "link": "1gbit",
+ "nnodes": 2,
+ "intra_link": "10gbit"
+}
+"""
+
+
+def test_a_flat_config_json_loads_into_the_parts_and_is_written_back_unchanged() -> None:
+    config = TrainConfig.from_json(json.loads(FLAT_CONFIG_JSON))
+    run, opt, cluster = config.run, config.optimizer, config.cluster
+    assert (run.workload, run.size, run.steps, run.eval_every, run.seed) == ("gpt", "tiny", 60, 20, 3)
+    assert (run.overrides, run.warmup, run.min_lr_ratio) == ({"batch_size": 8}, 6, 0.1)
+    assert (opt.variant, opt.quantizer, opt.topology, opt.sync_every) == ("8bit", "l0", "hierarchical", 5)
+    assert opt.momentum_sync == ["wte", "lm_head"]
+    assert (cluster.nproc, cluster.link, cluster.nnodes, cluster.intra_link) == (4, "1gbit", 2, "10gbit")
+    assert cluster.nproc_per_node == 2
+    assert json.dumps(config.to_json(), indent=1) + "\n" == FLAT_CONFIG_JSON  # byte for byte
+    without_nodes = TrainConfig.from_json({"nproc": 2})
+    assert "nnodes" not in without_nodes.to_json() and "intra_link" not in without_nodes.to_json()
+
+
 def test_momentum_conversion_is_the_mean(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     momenta = [rng.standard_normal((3, 5)).astype(np.float32) for _ in range(3)]

@@ -236,6 +236,7 @@ def _report(args: argparse.Namespace, out: Path, run_dirs: list[Path]) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``lioncub compare``: check everything, train the variants, write and print the report."""
     from lioncub.train.rundir import check_out_path, claim
 
     try:

@@ -93,6 +93,7 @@ class LaunchConfig:
         self.nproc = m * ell
 
     def link_spec(self) -> LinkSpec | None:
+        """The shaping of each rank's link (with ``nnodes``: each node's NIC); None on loopback."""
         if self.link_rate_bps is None:
             return None
         return LinkSpec(self.link_rate_bps, mtu=self.mtu, burst_bytes=self.burst_bytes)

@@ -67,6 +67,7 @@ class LaunchResult:
 
     @property
     def ok(self) -> bool:
+        """Every rank exited with code 0."""
         return self.returncode == 0
 
 
@@ -83,34 +84,36 @@ def describe_exit(rank: int, code: int) -> str:
 
 def format_node_traffic(traffic: Sequence[NodeTraffic]) -> str:
     """A small table of per-node NIC and loopback bytes, for the end-of-run report."""
-    lines = [
-        f"{'node':>4}  {'NIC':<12} {'sent MB':>10} {'received MB':>12} {'frames out':>11} {'frames in':>10} "
-        f"{'intra-node MB':>14}"
-    ]
-    for t in traffic:
-        lines.append(
-            f"{t.node:>4}  {t.interface:<12} {t.tx_bytes / 1e6:>10.3f} {t.rx_bytes / 1e6:>12.3f} "
-            f"{t.tx_packets:>11} {t.rx_packets:>10} {t.local_bytes / 1e6:>14.3f}"
-        )
-    tx, rx = sum(t.tx_bytes for t in traffic), sum(t.rx_bytes for t in traffic)
-    local = sum(t.local_bytes for t in traffic)
-    lines.append(
-        f"{'all':>4}  {'':<12} {tx / 1e6:>10.3f} {rx / 1e6:>12.3f} {'':>11} {'':>10} {local / 1e6:>14.3f}"
-    )
-    return "\n".join(lines)
+    return _traffic_table("node", "NIC", traffic, [t.node for t in traffic], [t.local_bytes for t in traffic])
 
 
 def format_traffic(traffic: Sequence[RankTraffic]) -> str:
     """A small table of per-rank interface bytes, for the end-of-run report."""
+    return _traffic_table("rank", "interface", traffic, [t.rank for t in traffic])
+
+
+def _traffic_table(
+    unit: str,
+    interface: str,
+    traffic: Sequence[RankTraffic] | Sequence[NodeTraffic],
+    index: list[int],
+    local: list[int] | None = None,
+) -> str:
+    """One row of bytes and frames per rank or node (``index``), then the totals; with ``local``, each
+    node's intra-node bytes in a last column."""
     lines = [
-        f"{'rank':>4}  {'interface':<12} {'sent MB':>10} {'received MB':>12} "
-        f"{'frames out':>11} {'frames in':>10}"
+        f"{unit:>4}  {interface:<12} {'sent MB':>10} {'received MB':>12} {'frames out':>11} {'frames in':>10}"
+        + (f" {'intra-node MB':>14}" if local is not None else "")
     ]
-    for t in traffic:
+    for k, t in enumerate(traffic):
         lines.append(
-            f"{t.rank:>4}  {t.interface:<12} {t.tx_bytes / 1e6:>10.3f} {t.rx_bytes / 1e6:>12.3f} "
+            f"{index[k]:>4}  {t.interface:<12} {t.tx_bytes / 1e6:>10.3f} {t.rx_bytes / 1e6:>12.3f} "
             f"{t.tx_packets:>11} {t.rx_packets:>10}"
+            + (f" {local[k] / 1e6:>14.3f}" if local is not None else "")
         )
     tx, rx = sum(t.tx_bytes for t in traffic), sum(t.rx_bytes for t in traffic)
-    lines.append(f"{'all':>4}  {'':<12} {tx / 1e6:>10.3f} {rx / 1e6:>12.3f}")
+    total = f"{'all':>4}  {'':<12} {tx / 1e6:>10.3f} {rx / 1e6:>12.3f}"
+    if local is not None:
+        total += f" {'':>11} {'':>10} {sum(local) / 1e6:>14.3f}"
+    lines.append(total)
     return "\n".join(lines)

@@ -74,9 +74,11 @@ class Output:
         self.width = len(str(nproc - 1)) + 2 + len(unit)
 
     def prefix(self, rank: int) -> str:
+        """``[r3] `` (or ``[n3] ``), padded to the widest rank number."""
         return f"[{self.unit}{rank}]".ljust(self.width) + " "
 
     def write(self, stream: TextIO, text: str) -> None:
+        """Write and flush ``text`` whole; a closed or broken ``stream`` drops it."""
         with self.lock:
             try:
                 stream.write(text)
@@ -85,6 +87,7 @@ class Output:
                 pass
 
     def note(self, text: str) -> None:
+        """A line of the launcher's own, ``[lioncub] text``, on the error stream."""
         self.write(self.err, f"[lioncub] {text}\n")
 
     def pump(
@@ -121,6 +124,7 @@ class TorchrunReport:
         self.exitcode: int | None = None
 
     def feed(self, line: str) -> None:
+        """Read one line of the agent's stderr."""
         if "Root Cause (first observed failure)" in line:
             self.in_root, self.rank, self.local_rank, self.exitcode = True, None, None, None
             return
@@ -173,6 +177,8 @@ class Supervisor:
     def run(
         self, argvs: list[list[str]], envs: list[dict[str, str]], cwd: str | None, deadline: float | None
     ) -> Attempt:
+        """Start ``argvs`` (with ``envs``, in ``cwd``), supervise them until all exit, one fails, the
+        ``deadline`` passes or a signal arrives, and return how the attempt ended."""
         procs: list[subprocess.Popen[bytes]] = []
         codes: list[int | None] = [None] * len(argvs)
         threads: list[threading.Thread] = []

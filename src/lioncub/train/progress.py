@@ -23,6 +23,7 @@ class Progress(threading.Thread):
         self.done = threading.Event()
 
     def run(self) -> None:
+        """Follow the log until :attr:`done` is set."""
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, TextColumn
         from rich.progress import Progress as RichProgress

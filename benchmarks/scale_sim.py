@@ -55,7 +55,7 @@ from torch import Tensor
 from lioncub.ops.quantize import level_budget, quantize_l1
 from lioncub.optim.diagnostics import agreement, momentum_spread
 from lioncub.optim.lion import apply_update_
-from lioncub.train.config import TrainConfig, lr_factor
+from lioncub.train.config import RunConfig, lr_factor
 from lioncub.train.workloads import make_workload
 
 IO_TENSORS = ("wte", "wpe", "lm_head")  # input/output layers, as benchmarks/findings.py counts them
@@ -177,7 +177,7 @@ def simulate(
     peak_lr = [group_of[id(p)]["lr"] for p in params]
     wd = [group_of[id(p)]["weight_decay"] for p in params]
     beta1, beta2 = wl.betas
-    warmup = TrainConfig(steps=steps).warmup
+    warmup = RunConfig(steps=steps).warmup
     d = sum(segments)
 
     G = torch.zeros(n, d)  # the workers' gradients

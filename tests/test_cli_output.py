@@ -223,7 +223,7 @@ def test_a_failed_rank_is_reported_once(
 
 RANK_SCRIPT = """
 import sys, time
-from lioncub.launch.launcher import interrupt_as_one_line
+from lioncub.train.rank import interrupt_as_one_line
 with interrupt_as_one_line(lambda: "at step 7"):
     print("ready", flush=True)
     time.sleep(30)
@@ -249,7 +249,7 @@ def test_an_interrupted_rank_ends_with_one_line(tmp_path: Path, sig: signal.Sign
 def test_the_rank_entry_point_has_no_keyboard_interrupt_traceback(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from lioncub.train import loop
+    from lioncub.train import rank
     from lioncub.train.config import TrainConfig
 
     (tmp_path / "config.json").write_text(json.dumps(TrainConfig().to_json()))
@@ -257,9 +257,9 @@ def test_the_rank_entry_point_has_no_keyboard_interrupt_traceback(
     def interrupted(config: object, run_dir: object) -> dict:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(loop, "run_rank", interrupted)
+    monkeypatch.setattr(rank, "train_in_job", interrupted)
     try:
-        rc = loop.main([str(tmp_path)])
+        rc = rank.main([str(tmp_path)])
     except KeyboardInterrupt:
         pytest.fail("KeyboardInterrupt escaped the rank entry point (a traceback per rank)")
     assert rc == 130
@@ -269,25 +269,25 @@ def test_the_rank_entry_point_has_no_keyboard_interrupt_traceback(
 RUN_RANK_SCRIPT = """
 import os, sys, time
 from pathlib import Path
-from lioncub.train import loop
+from lioncub.train import loop, rank
 from lioncub.train.config import TrainConfig
 
 def train(config, run_dir, **kwargs):
     for step in range(1, 100):
-        loop._PROGRESS["step"] = step
+        loop.PROGRESS["step"] = step
         if step == 7:
             print("ready", flush=True)
             time.sleep(30)
 
-loop.init_distributed = lambda config: None
+rank.init_distributed = lambda config: None
 loop.train = train
-loop.dist.barrier = loop.dist.destroy_process_group = lambda *a, **k: None
-loop.run_rank(TrainConfig(), Path("."))
+rank.dist.barrier = rank.dist.destroy_process_group = lambda *a, **k: None
+rank.run_rank(TrainConfig(), Path("."), driven=True)
 """
 
 
 @pytest.mark.slow
-def test_run_rank_ends_an_interrupted_rank_with_one_line(tmp_path: Path) -> None:
+def test_a_training_rank_ends_with_one_line_when_interrupted(tmp_path: Path) -> None:
     script = tmp_path / "rank.py"
     script.write_text(RUN_RANK_SCRIPT)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -311,14 +311,14 @@ def test_run_rank_ends_an_interrupted_rank_with_one_line(tmp_path: Path) -> None
 def test_final_validation_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from lioncub.train import loop
+    from lioncub.train import rank
     from lioncub.train.config import TrainConfig
 
     (tmp_path / "config.json").write_text(json.dumps(TrainConfig().to_json()))
     final = {"kind": "eval", "step": 8, "time_s": 1.5, "val_loss": 2.123449, "val_acc": 0.456}
-    monkeypatch.setattr(loop, "run_rank", lambda config, run_dir: {"final": final})
+    monkeypatch.setattr(rank, "train_in_job", lambda config, run_dir: {"final": final})
     monkeypatch.setenv("RANK", "0")
-    assert loop.main([str(tmp_path)]) == 0
+    assert rank.main([str(tmp_path)]) == 0
     assert capsys.readouterr().out == "final validation at step 8: val_loss 2.1234, val_acc 0.4560\n"
 
 

@@ -31,7 +31,7 @@ from lioncub.launch import (
     node_env,
     torchrun_command,
 )
-from lioncub.launch.launcher import _TorchrunReport
+from lioncub.launch.supervisor import TorchrunReport
 
 PY = sys.executable
 
@@ -120,7 +120,7 @@ Root Cause (first observed failure):
 
 
 def test_torchrun_root_cause_is_read_from_its_report() -> None:
-    report = _TorchrunReport()
+    report = TorchrunReport()
     for line in TORCHRUN_FAILURE.splitlines(keepends=True):
         report.feed(line)
     assert (report.rank, report.local_rank, report.exitcode) == (3, 1, 3)  # not the SIGTERMed rank 2
@@ -176,17 +176,18 @@ def _train_args(argv: list[str]) -> argparse.Namespace:
 
 
 def test_train_options_become_nodes_of_the_run() -> None:
-    from lioncub.train.runs import _launch_config, format_summary
+    from lioncub.train.driver import RANK_MODULE, format_summary, make_launch_config
 
     config = config_from_args(
         _train_args(["--nnodes", "2", "--nproc-per-node", "3", "--link", "1gbit", "--intra-link", "10gbit"])
     )
-    assert (config.nnodes, config.nproc, config.nproc_per_node, config.intra_link) == (2, 6, 3, "10gbit")
-    launch_config = _launch_config(config, ["-m", "lioncub.train.loop"], 60.0)
+    cluster = config.cluster
+    assert (cluster.nnodes, cluster.nproc, cluster.nproc_per_node, cluster.intra_link) == (2, 6, 3, "10gbit")
+    launch_config = make_launch_config(config, ["-m", RANK_MODULE], 60.0)
     assert (launch_config.nnodes, launch_config.nproc_per_node, launch_config.nproc) == (2, 3, 6)
     assert (launch_config.link_rate_bps, launch_config.intra_link_rate_bps) == (1e9, 1e10)
     flat = config_from_args(_train_args(["--nproc", "4"]), base=config)  # --nproc N: one node per rank again
-    assert (flat.nnodes, flat.intra_link, flat.nproc) == (None, None, 4)
+    assert (flat.cluster.nnodes, flat.cluster.intra_link, flat.cluster.nproc) == (None, None, 4)
     assert "nnodes" not in flat.to_json()  # runs without nodes keep their config.json as before
     summary = {"config": config.to_json(), "world_size": 6, "steps_run": 1}
     assert "on 2 nodes × 3 ranks, 1gbit NICs, 10gbit inside a node:" in format_summary(summary)

@@ -241,6 +241,50 @@ def test_print_table(three_runs: list[Path], tmp_path: Path) -> None:
     assert "2.00x" in text and "1.40x" in text and "target loss" in text
 
 
+# Compute floor: the runs' median compute 0.50 (32bit: 0.48 0.50 0.52), 0.49 (1bit: 0.47 0.49 0.60) and
+# 0.55 (8bit) -> their median 0.50 s. Every step's comm is the rest of it, so other = 0. With communication
+# free a step would take 0.50 + its apply: 32bit 1.3 / 0.52 = 2.50x, 1bit 1.3 / 0.55 = 2.36x, 8bit
+# 1.3 / 0.53 = 2.45x
+FLOOR_RUNS = (
+    ("32bit", [1.3] * 3, [0.48, 0.50, 0.52], 0.02),
+    ("1bit", [0.62] * 3, [0.47, 0.49, 0.60], 0.05),
+    ("8bit", [0.7] * 3, [0.55] * 3, 0.03),
+)
+
+
+def test_compute_floor_comes_from_the_logs(tmp_path: Path) -> None:
+    runs = [write_run(tmp_path, v, steps, compute=c, apply=a) for v, steps, c, a in FLOOR_RUNS]
+    report = rp.make_report(runs, tmp_path / "out")
+    floor = rp.compute_floor(report)
+    assert floor is not None and floor.compute_s == pytest.approx(0.50) and floor.runs == 3
+    assert floor.limits == pytest.approx({"32bit": 1.3 / 0.52, "1bit": 1.3 / 0.55, "8bit": 1.3 / 0.53})
+    buf = io.StringIO()
+    rp.print_table(report, Console(file=buf, width=400, color_system=None))
+    line = next(x for x in buf.getvalue().splitlines() if x.startswith("compute floor:"))
+    assert line.startswith("compute floor: 500.0 ms per step (the median forward+backward of the 3 runs")
+    assert line.endswith("the speedup over 32bit is at most: 32bit 2.50x, 1bit 2.36x, 8bit 2.45x")
+    assert line in (tmp_path / "out" / "summary.md").read_text()
+    alone = rp.make_report(runs[1:], tmp_path / "out2")  # no 32bit run: the floor, without limits
+    assert rp.compute_floor(alone).line().endswith("no 32bit run to compare against")  # type: ignore[union-attr]
+
+
+def test_compare_prints_the_compute_floor_next_to_its_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lioncub import cli
+    from lioncub.train.rundir import claim
+
+    out = tmp_path / "cmp"
+    for v, steps, c, a in FLOOR_RUNS:
+        claim(write_run(out, v, steps, compute=c, apply=a))
+    claim(out, "compare")
+    assert cli.main(["compare", "--out", str(out), "--report-only", "--variants", "32bit,1bit,8bit"]) == 0
+    printed = capsys.readouterr().out
+    table_end = printed.index("other ms = step − compute − comm − apply")
+    assert printed.index("compute floor: 500.0 ms per step") > table_end
+    assert "32bit 2.50x, 1bit 2.36x, 8bit 2.45x" in " ".join(printed.split())
+
+
 def test_missing_config_or_steps(tmp_path: Path) -> None:
     good = write_run(tmp_path, "32bit", [0.4] * 3)
     no_config = write_run(tmp_path, "1bit", [0.2] * 3)

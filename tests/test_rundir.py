@@ -275,7 +275,7 @@ def test_a_failed_new_run_leaves_nothing_in_the_way() -> None:
 def test_progress_rate_comes_from_the_log(tmp_path: Path) -> None:
     import io
 
-    from lioncub.train.runs import Progress
+    from lioncub.train.progress import Progress
 
     log = tmp_path / "log.jsonl"
     log.write_text("")

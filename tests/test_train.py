@@ -89,7 +89,58 @@ def test_lr_schedule_warmup_then_cosine() -> None:
 )
 def test_config_errors_name_the_option(fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        TrainConfig(**fields)
+        TrainConfig.from_json(fields)
+
+
+#: a run directory's config.json as lioncub wrote it before TrainConfig had parts (one flat object)
+FLAT_CONFIG_JSON = """{
+ "workload": "gpt",
+ "size": "tiny",
+ "variant": "8bit",
+ "steps": 60,
+ "warmup_steps": null,
+ "min_lr_ratio": 0.1,
+ "eval_every": 20,
+ "checkpoint_every": 0,
+ "seed": 3,
+ "data_mode": "random",
+ "bucket_mb": 25.0,
+ "device": "auto",
+ "overrides": {
+  "batch_size": 8
+ },
+ "convert_momenta": null,
+ "stop_at": null,
+ "momentum_sync": [
+  "wte",
+  "lm_head"
+ ],
+ "sync_every": 5,
+ "diagnostics_every": 0,
+ "quantizer": "l0",
+ "topology": "hierarchical",
+ "nonfinite": "skip",
+ "overlap": false,
+ "nproc": 4,
+ "link": "1gbit",
+ "nnodes": 2,
+ "intra_link": "10gbit"
+}
+"""
+
+
+def test_a_flat_config_json_loads_into_the_parts_and_is_written_back_unchanged() -> None:
+    config = TrainConfig.from_json(json.loads(FLAT_CONFIG_JSON))
+    run, opt, cluster = config.run, config.optimizer, config.cluster
+    assert (run.workload, run.size, run.steps, run.eval_every, run.seed) == ("gpt", "tiny", 60, 20, 3)
+    assert (run.overrides, run.warmup, run.min_lr_ratio) == ({"batch_size": 8}, 6, 0.1)
+    assert (opt.variant, opt.quantizer, opt.topology, opt.sync_every) == ("8bit", "l0", "hierarchical", 5)
+    assert opt.momentum_sync == ["wte", "lm_head"]
+    assert (cluster.nproc, cluster.link, cluster.nnodes, cluster.intra_link) == (4, "1gbit", 2, "10gbit")
+    assert cluster.nproc_per_node == 2
+    assert json.dumps(config.to_json(), indent=1) + "\n" == FLAT_CONFIG_JSON  # byte for byte
+    without_nodes = TrainConfig.from_json({"nproc": 2})
+    assert "nnodes" not in without_nodes.to_json() and "intra_link" not in without_nodes.to_json()
 
 
 def test_momentum_conversion_is_the_mean(tmp_path: Path) -> None:
@@ -322,9 +373,9 @@ def test_report_command_plots_the_diagnostics(tmp_path: Path, capsys: pytest.Cap
     assert cli.main(["report", str(tmp_path)]) == 2  # not a run directory
     assert "no log.jsonl" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--quantizer 'l7': allowed values are"):
-        TrainConfig(quantizer="l7")
+        TrainConfig.from_json({"quantizer": "l7"})
     with pytest.raises(ValueError, match="--quantizer: only --variant 8bit quantizes"):
-        TrainConfig(variant="1bit", quantizer="l0")
+        TrainConfig.from_json({"variant": "1bit", "quantizer": "l0"})
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@
 Each subcommand lives in its own module of this package exposing ``add_arguments(parser)`` and
 ``run(args) -> int``; only the module of the subcommand being run is imported, so ``lioncub --help`` and
 the launcher stay fast. Subcommand modules never import each other; what ``train`` and ``compare`` share
-is in :mod:`lioncub.cli.options` and :mod:`lioncub.train.runs`.
+is in :mod:`lioncub.cli.options` and :mod:`lioncub.train.driver`.
 """
 
 from __future__ import annotations

@@ -11,8 +11,12 @@ import argparse
 import math
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lioncub.cli.options import add_run_arguments, config_from_args
+
+if TYPE_CHECKING:
+    from lioncub.train.config import TrainConfig
 
 DEFAULT_VARIANTS = "32bit,16bit,1bit,4bit,8bit"
 
@@ -65,13 +69,7 @@ def _topology(variant: str) -> str:
     return variant.removesuffix(OVERLAP_SUFFIX).partition("@")[2] or "flat"
 
 
-def _without_voting_options(args: argparse.Namespace) -> argparse.Namespace:
-    """``args`` for a DDP baseline of the comparison: the options that only a vote has (diagnostics,
-    momentum sync) apply to the voting variants and are left out here."""
-    return argparse.Namespace(**{**vars(args), **dict.fromkeys(VOTING_ONLY)})
-
-
-def _finished(run_dir: Path, config: object) -> bool:
+def _finished(run_dir: Path, config: TrainConfig) -> bool:
     """True if ``run_dir`` holds a finished run of exactly ``config``."""
     import json
 
@@ -80,7 +78,7 @@ def _finished(run_dir: Path, config: object) -> bool:
         summary = json.loads((run_dir / "summary.json").read_text())
     except (OSError, ValueError):
         return False
-    return saved == config.to_json() and summary.get("steps_run", 0) > 0  # type: ignore[attr-defined]
+    return saved == config.to_json() and summary.get("steps_run", 0) > 0
 
 
 def _runs_in(out: Path) -> list[str]:
@@ -96,119 +94,126 @@ def _runs_in(out: Path) -> list[str]:
     return [v for v in order if v in present] + [v for v in present if v not in order]
 
 
-def run(args: argparse.Namespace) -> int:
+def _variants(args: argparse.Namespace, out: Path) -> list[str]:
+    """The variants to compare, in order: ``--variants``, or with ``--report-only`` the runs in ``out``
+    (default :data:`DEFAULT_VARIANTS`); ``ValueError`` if a name is unknown or given twice."""
     from lioncub.optim import PRESETS
     from lioncub.optim.config import TOPOLOGIES
-    from lioncub.report import runs as report
     from lioncub.train.config import BASELINES
-    from lioncub.train.rundir import check_out_path, claim, foreign_entries, is_marked, remove_owned
-    from lioncub.train.runs import (
-        check_before_launch,
-        check_launch_options,
-        format_summary,
-        prepare_run_dir,
-        run_training,
-    )
 
-    try:
-        out = check_out_path(args.out)
-    except ValueError as exc:
-        print(f"lioncub compare: error: {exc}", file=sys.stderr)
-        return 2
-    if args.variants is None and args.report_only:
-        args.variants = ",".join(_runs_in(out)) or DEFAULT_VARIANTS
-    elif args.variants is None:
-        args.variants = DEFAULT_VARIANTS
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    given = args.variants
+    if given is None:
+        given = (",".join(_runs_in(out)) if args.report_only else "") or DEFAULT_VARIANTS
+    variants = [v.strip() for v in given.split(",") if v.strip()]
     allowed = sorted({*PRESETS, *BASELINES})
     bad = [v for v in variants if _base(v) not in allowed]
     bad += [v for v in variants if v.endswith(OVERLAP_SUFFIX) and _base(v) in BASELINES]
     bad += [v for v in variants if _topology(v) not in TOPOLOGIES]
     if bad or not variants or len(set(variants)) != len(variants):
-        print(
-            f"lioncub compare: error: --variants {args.variants!r}: give distinct names from {allowed}; "
+        raise ValueError(
+            f"--variants {given!r}: give distinct names from {allowed}; "
             f"a LionCub variant may carry {OVERLAP_SUFFIX!r} (e.g. 1bit{OVERLAP_SUFFIX}: its vote overlapped "
             "with the backward pass; 32bit/16bit, DDP, always overlap) or @TOPOLOGY (e.g. 1bit@hierarchical, "
-            f"1bit@node-majority; topologies {list(TOPOLOGIES)})",
-            file=sys.stderr,
+            f"1bit@node-majority; topologies {list(TOPOLOGIES)})"
         )
-        return 2
-    if args.target_loss is not None and not 0 < args.target_loss < math.inf:
-        print(
-            f"lioncub compare: error: --target-loss {args.target_loss!r} must be a finite validation "
-            "loss > 0",
-            file=sys.stderr,
+    return variants
+
+
+def _config(args: argparse.Namespace, variant: str) -> TrainConfig:
+    """The :class:`~lioncub.train.config.TrainConfig` of one compared variant ``NAME[@TOPOLOGY][+overlap]``:
+    the shared options, without those only a vote has (:data:`VOTING_ONLY`) for a DDP baseline."""
+    from lioncub.train.config import BASELINES
+
+    base = _base(variant)
+    options = {**vars(args), "variant": base}
+    if base in BASELINES:
+        options.update(dict.fromkeys(VOTING_ONLY))
+    if variant.endswith(OVERLAP_SUFFIX):
+        options["overlap"] = True
+    if "@" in variant:
+        options["topology"] = _topology(variant)
+    return config_from_args(argparse.Namespace(**options))
+
+
+def _check_runs(
+    args: argparse.Namespace, out: Path, configs: list[TrainConfig], run_dirs: list[Path]
+) -> None:
+    """Every check before anything is trained, written or deleted: the runs' options and launch, and
+    that ``out`` and each run directory hold only lioncub's files (a run to redo, only with
+    ``--overwrite``). ``ValueError`` naming what to change."""
+    from lioncub.train.driver import check_before_launch, check_launch_options
+    from lioncub.train.rundir import foreign_entries, is_marked
+
+    for config in configs:
+        check_before_launch(config, args.timeout or None, args.max_nproc)
+    check_launch_options(args.restarts, args.collective_timeout)
+    foreign = foreign_entries(out, "compare", subruns=True)
+    if foreign:
+        raise ValueError(
+            f"--out {out} holds files lioncub did not write ({', '.join(foreign[:5])}); give a new "
+            "or empty directory, or one a previous `lioncub compare` wrote"
         )
-        return 2
-    run_dirs = [out / v for v in variants]
-    if not args.report_only:
+    for config, run_dir in zip(configs, run_dirs, strict=True):
+        if _finished(run_dir, config) and not args.overwrite:
+            continue
+        theirs = ", ".join(foreign_entries(run_dir)[:5])
+        if theirs:
+            raise ValueError(
+                f"{run_dir} holds files lioncub did not write ({theirs}); lioncub deletes only its "
+                "own files: move them, or choose another --out"
+            )
+        if is_marked(run_dir) and not args.overwrite:
+            raise ValueError(
+                f"{run_dir} holds another or an unfinished run; pass --overwrite to train it again, "
+                "or choose another --out"
+            )
+
+
+def _train(
+    args: argparse.Namespace, variants: list[str], configs: list[TrainConfig], run_dirs: list[Path]
+) -> int:
+    """Train every variant whose finished run cannot be reused, one after another; the exit status of
+    the first that fails (0 if none does)."""
+    from lioncub.train.driver import format_summary, prepare_run_dir, run_training
+    from lioncub.train.rundir import remove_owned
+
+    for i, (config, run_dir) in enumerate(zip(configs, run_dirs, strict=True)):
+        label = f"[{i + 1}/{len(variants)}] {variants[i]}"
+        if _finished(run_dir, config) and not args.overwrite:
+            print(f"{label}: reusing the finished run in {run_dir}", file=sys.stderr)
+            continue
         try:
-            configs = []
-            for v in variants:
-                args.variant = _base(v)
-                per_run = _without_voting_options(args) if args.variant in BASELINES else args
-                if v.endswith(OVERLAP_SUFFIX):
-                    per_run = argparse.Namespace(**{**vars(per_run), "overlap": True})
-                if "@" in v:
-                    per_run = argparse.Namespace(**{**vars(per_run), "topology": _topology(v)})
-                configs.append(config_from_args(per_run))
-            for config in configs:
-                check_before_launch(config, args.timeout or None, args.max_nproc)
-            check_launch_options(args.restarts, args.collective_timeout)
-            # every directory is checked before anything is trained, written or deleted
-            foreign = foreign_entries(out, "compare", subruns=True)
-            if foreign:
-                raise ValueError(
-                    f"--out {out} holds files lioncub did not write ({', '.join(foreign[:5])}); give a new "
-                    "or empty directory, or one a previous `lioncub compare` wrote"
-                )
-            for config, run_dir in zip(configs, run_dirs, strict=True):
-                if _finished(run_dir, config) and not args.overwrite:
-                    continue
-                theirs = ", ".join(foreign_entries(run_dir)[:5])
-                if theirs:
-                    raise ValueError(
-                        f"{run_dir} holds files lioncub did not write ({theirs}); lioncub deletes only its "
-                        "own files: move them, or choose another --out"
-                    )
-                if is_marked(run_dir) and not args.overwrite:
-                    raise ValueError(
-                        f"{run_dir} holds another or an unfinished run; pass --overwrite to train it again, "
-                        "or choose another --out"
-                    )
-        except (ValueError, TypeError) as exc:
+            remove_owned(run_dir)  # --overwrite of lioncub's own run (checked above)
+            prepare_run_dir(run_dir, config, resume=False)
+        except ValueError as exc:
             print(f"lioncub compare: error: {exc}", file=sys.stderr)
             return 2
-        claim(out, "compare")
-        for i, (config, run_dir) in enumerate(zip(configs, run_dirs, strict=True)):
-            label = f"[{i + 1}/{len(variants)}] {variants[i]}"
-            if _finished(run_dir, config) and not args.overwrite:
-                print(f"{label}: reusing the finished run in {run_dir}", file=sys.stderr)
-                continue
-            try:
-                remove_owned(run_dir)  # --overwrite of lioncub's own run (checked above)
-                prepare_run_dir(run_dir, config, resume=False)
-            except ValueError as exc:
-                print(f"lioncub compare: error: {exc}", file=sys.stderr)
-                return 2
-            print(f"{label}: training in {run_dir}", file=sys.stderr, flush=True)
-            outcome = run_training(
-                config,
-                run_dir,
-                timeout_s=args.timeout or None,
-                progress=not args.no_progress,
-                label=label,
-                restarts=args.restarts,
-                collective_timeout_s=args.collective_timeout,
+        print(f"{label}: training in {run_dir}", file=sys.stderr, flush=True)
+        outcome = run_training(
+            config,
+            run_dir,
+            timeout_s=args.timeout or None,
+            progress=not args.no_progress,
+            label=label,
+            restarts=args.restarts,
+            collective_timeout_s=args.collective_timeout,
+        )
+        if outcome.summary is None:
+            print(
+                f"lioncub compare: {variants[i]} failed (exit code {outcome.returncode}; the launcher "
+                "said why above)",
+                file=sys.stderr,
             )
-            if outcome.summary is None:
-                print(
-                    f"lioncub compare: {variants[i]} failed (exit code {outcome.returncode}; the launcher "
-                    "said why above)",
-                    file=sys.stderr,
-                )
-                return outcome.returncode or 1
-            print(f"{label}: {format_summary(outcome.summary)}", file=sys.stderr, flush=True)
+            return outcome.returncode or 1
+        print(f"{label}: {format_summary(outcome.summary)}", file=sys.stderr, flush=True)
+    return 0
+
+
+def _report(args: argparse.Namespace, out: Path, run_dirs: list[Path]) -> int:
+    """Write and print the comparison of the runs in ``run_dirs`` (into ``out``)."""
+    from lioncub.report import runs as report
+    from lioncub.train.rundir import claim, foreign_entries
+
     foreign = foreign_entries(out, "compare", subruns=True)
     if foreign:
         print(
@@ -228,3 +233,27 @@ def run(args: argparse.Namespace) -> int:
     for name, path in rep.plots.items():
         print(f"plot {name}: {path}")
     return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """``lioncub compare``: check everything, train the variants, write and print the report."""
+    from lioncub.train.rundir import check_out_path, claim
+
+    try:
+        out = check_out_path(args.out)
+        variants = _variants(args, out)
+        if args.target_loss is not None and not 0 < args.target_loss < math.inf:
+            raise ValueError(f"--target-loss {args.target_loss!r} must be a finite validation loss > 0")
+        run_dirs = [out / v for v in variants]
+        if not args.report_only:
+            configs = [_config(args, v) for v in variants]
+            _check_runs(args, out, configs, run_dirs)
+    except (ValueError, TypeError) as exc:
+        print(f"lioncub compare: error: {exc}", file=sys.stderr)
+        return 2
+    if not args.report_only:
+        claim(out, "compare")
+        rc = _train(args, variants, configs, run_dirs)
+        if rc:
+            return rc
+    return _report(args, out, run_dirs)

@@ -8,23 +8,25 @@ import os
 import shlex
 import sys
 
-from lioncub.launch.launcher import (
-    DEFAULT_LINK_PORT,
+from lioncub.launch import (
+    EmulatedNetwork,
     LaunchConfig,
+    NetnsError,
     build_command,
+    cleanup,
     format_node_traffic,
     format_traffic,
     launch,
     node_commands,
     rank_env,
 )
-from lioncub.launch.netns import EmulatedNetwork, NetnsError, cleanup
+from lioncub.launch.launcher import DEFAULT_LINK_PORT
 from lioncub.units import format_rate, parse_rate, parse_size
 
 EPILOG = """\
 examples:
   lioncub launch --nproc 4 -- train.py --steps 100          # loopback, no privileges needed
-  lioncub launch --nproc 4 --link 1gbit -- -m lioncub.demo  # each rank behind its own 1 Gbit/s link (root)
+  lioncub launch --nproc 4 --link 1gbit -- -m lioncub.cli train --out runs/x  # a 1 Gbit/s link each (root)
   lioncub launch --nnodes 2 --nproc-per-node 2 --link 1gbit -- train.py   # 2 nodes × 2 ranks, one NIC each
   lioncub launch --cleanup                                  # remove leftovers of killed launches
 

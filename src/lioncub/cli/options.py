@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 from collections.abc import Callable
@@ -187,7 +186,7 @@ def node_layout(args: argparse.Namespace) -> tuple[int | None, int | None]:
 def config_from_args(args: argparse.Namespace, base: Any = None) -> Any:
     """A :class:`~lioncub.train.config.TrainConfig`: ``base`` (or the defaults) with every given option
     (``--nnodes M --nproc-per-node L`` become ``nnodes = M``, ``nproc = M·L``)."""
-    from lioncub.train.config import TrainConfig
+    from lioncub.train.config import JSON_KEYS, TrainConfig
 
     nnodes, nproc = node_layout(args)
     if nnodes is not None:
@@ -196,10 +195,10 @@ def config_from_args(args: argparse.Namespace, base: Any = None) -> Any:
     if nnodes is None and args.nproc is not None:  # --nproc N: one node per rank, whatever base had
         doc.pop("nnodes", None)
         doc.pop("intra_link", None)
-    for f in dataclasses.fields(TrainConfig):
-        value = getattr(args, OPTION_OF_FIELD.get(f.name, f.name), None)
-        if value is not None and f.name != "overrides":
-            doc[f.name] = value
+    for name in JSON_KEYS:
+        value = getattr(args, OPTION_OF_FIELD.get(name, name), None)
+        if value is not None and name != "overrides":
+            doc[name] = value
     if args.set:
         doc["overrides"] = {**doc.get("overrides", {}), **parse_set(args.set)}
     return TrainConfig.from_json(doc)

@@ -1,8 +1,9 @@
 """``lioncub train``: train a workload with one variant on N ranks, optionally behind shaped links.
 
-The driver writes ``RUN_DIR/config.json``, starts the ranks with ``lioncub launch`` (each runs
-:mod:`lioncub.train.loop`), shows a progress bar fed by rank 0's ``log.jsonl`` and prints a summary.
-Inside a job started by ``torchrun`` (``RANK`` set) it trains as that rank instead.
+The driver (:mod:`lioncub.train.driver`) writes ``RUN_DIR/config.json``, starts the ranks with ``lioncub
+launch`` (each runs :mod:`lioncub.train.rank`), shows a progress bar fed by rank 0's ``log.jsonl`` and
+prints a summary. Inside a job started by ``torchrun`` (``RANK`` set) it trains as that rank instead
+(:func:`lioncub.train.rank.run_rank`).
 """
 
 from __future__ import annotations
@@ -47,15 +48,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from lioncub.train.config import TrainConfig
-    from lioncub.train.rundir import check_out_path
-    from lioncub.train.runs import (
+    from lioncub.train.driver import (
         check_before_launch,
         check_launch_options,
         format_summary,
         prepare_run_dir,
-        run_as_rank,
         run_training,
     )
+    from lioncub.train.rundir import check_out_path
 
     try:
         run_dir = check_out_path(args.out)
@@ -63,11 +63,12 @@ def run(args: argparse.Namespace) -> int:
         base = None
         if args.resume and (run_dir / "config.json").exists():
             base = TrainConfig.from_json(json.loads((run_dir / "config.json").read_text()))
-            base.convert_momenta = base.stop_at = None  # asked for anew each time
+            base.run.convert_momenta = base.run.stop_at = None  # asked for anew each time
         config = config_from_args(args, base)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            config.nproc = int(os.environ["WORLD_SIZE"])
-            return run_as_rank(config, run_dir)
+            from lioncub.train.rank import run_rank
+
+            return run_rank(config, run_dir, driven=False)
         check_before_launch(config, args.timeout or None, args.max_nproc)
         config = prepare_run_dir(run_dir, config, resume=args.resume)
     except (ValueError, TypeError, FileNotFoundError) as exc:

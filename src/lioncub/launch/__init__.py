@@ -12,24 +12,18 @@ Library use::
 
 Without a link the ranks run on loopback and need no privileges; with one, each rank (or node) runs in its
 own network namespace (root, or CAP_NET_ADMIN + CAP_SYS_ADMIN). The rendezvous listens only on loopback or
-on the launch's private bridge. See :mod:`lioncub.launch.netns` for the topology.
+on the launch's private bridge.
+
+Modules: :mod:`~lioncub.launch.launcher` (:func:`launch`: the network, the attempts, restarts, traffic),
+:mod:`~lioncub.launch.config` (:class:`LaunchConfig`), :mod:`~lioncub.launch.environment` (each rank's
+and node agent's argv and environment), :mod:`~lioncub.launch.supervisor` (one attempt: start, copy the
+output, stop on the first failure), :mod:`~lioncub.launch.result` (:class:`LaunchResult` and its tables)
+and :mod:`~lioncub.launch.netns` (the emulated network and its topology).
 """
 
-from lioncub.launch.launcher import (
-    LaunchConfig,
-    LaunchResult,
-    NodeTraffic,
-    RankTraffic,
-    build_command,
-    describe_exit,
-    format_node_traffic,
-    format_traffic,
-    launch,
-    node_commands,
-    node_env,
-    rank_env,
-    torchrun_command,
-)
+from lioncub.launch.config import LaunchConfig
+from lioncub.launch.environment import build_command, node_env, rank_env, torchrun_command
+from lioncub.launch.launcher import launch, node_commands
 from lioncub.launch.netns import (
     CleanupReport,
     EmulatedNetwork,
@@ -42,6 +36,14 @@ from lioncub.launch.netns import (
     cleanup,
     default_burst,
     new_launch_id,
+)
+from lioncub.launch.result import (
+    LaunchResult,
+    NodeTraffic,
+    RankTraffic,
+    describe_exit,
+    format_node_traffic,
+    format_traffic,
 )
 from lioncub.units import format_rate, parse_rate, parse_size
 

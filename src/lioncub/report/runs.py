@@ -22,6 +22,13 @@ counts 0), so that a row's parts add up to its step time. When the step times va
 slightly negative (the medians of the parts need not add up to the median of the whole); the bar plot
 then draws it as 0.
 
+Compute floor (:func:`compute_floor`, printed and written under the table): the median over the runs of
+their median ``compute_s``, the forward + backward time per step. It is the same model on every variant,
+and communication cannot make a step shorter than it: with communication free, a run's step would take
+the floor plus its own ``apply_s`` and ``other_s`` (the latter counted only when positive), so the
+baseline's step over that is the most speedup the machine allows that variant. On a slower CPU the floor
+is higher and the possible speedups lower, however slow the link.
+
 Target loss (for "time to target"): ``target_loss`` if given, else 1.02 × the final val loss of the
 ``baseline`` run (default ``32bit``), else (no baseline run, or it has no eval) the worst final val loss
 among the runs, so that every run with evals reaches it. Time to target = ``time_s`` of the first eval
@@ -48,9 +55,11 @@ from rich.console import Console
 __all__ = [
     "COLUMNS",
     "TABLE_NOTE",
+    "ComputeFloor",
     "Report",
     "RunLog",
     "RunSummary",
+    "compute_floor",
     "figure_bytes_per_step",
     "figure_step_time_split",
     "figure_val_loss_vs_step",
@@ -162,6 +171,43 @@ class Report:
     title: str
     notes: list[str] = field(default_factory=list)
     runs: list[RunLog] = field(default_factory=list, repr=False)
+
+
+@dataclass
+class ComputeFloor:
+    """The compute floor of a comparison: the median forward + backward time per step of its runs, and for
+    each run the speedup over the baseline it could reach if its communication took no time."""
+
+    compute_s: float
+    runs: int  # how many runs measured their compute
+    baseline: str
+    limits: dict[str, float]  # variant -> baseline step / (floor + its apply + its positive other)
+
+    def line(self) -> str:
+        """``compute floor: 512.3 ms per step (...); ... at most: 32bit 2.51x, 1bit 2.20x``."""
+        text = (
+            f"compute floor: {self.compute_s * 1e3:.1f} ms per step (the median forward+backward of the "
+            f"{self.runs} run{'s' if self.runs != 1 else ''}, on the CPU they trained on; no step is shorter)"
+        )
+        if not self.limits:
+            return text + f"; no {self.baseline} run to compare against"
+        limits = ", ".join(f"{variant} {limit:.2f}x" for variant, limit in self.limits.items())
+        return f"{text}; with communication free, the speedup over {self.baseline} is at most: {limits}"
+
+
+def compute_floor(report: Report) -> ComputeFloor | None:
+    """The :class:`ComputeFloor` of ``report``'s runs, from their logs (None: no run logged its compute)."""
+    computes = [row.compute_s for row in report.rows if row.compute_s is not None]
+    if not computes:
+        return None
+    floor = float(np.median(computes))
+    base = next((r for r in report.rows if r.variant == report.baseline and r.step_s), None)
+    limits = {}
+    if base is not None and base.step_s:
+        for row in report.rows:
+            local = floor + (row.apply_s or 0.0) + max(row.other_s or 0.0, 0.0)
+            limits[row.variant] = base.step_s / local
+    return ComputeFloor(floor, len(computes), report.baseline, limits)
 
 
 def _num(rec: dict[str, Any], key: str) -> float | None:
@@ -340,6 +386,7 @@ def _write(report: Report, out_dir: Path) -> None:
         report.table_markdown,
         TABLE_NOTE,
         "",
+        *([floor.line(), ""] if (floor := compute_floor(report)) is not None else []),
         f"Target loss: {report.target_rule}.",
         "",
     ]
@@ -497,6 +544,9 @@ def print_table(report: Report, console: Console | None = None) -> None:
         table.add_row(*row_cells)
     console.print(table)
     console.print(TABLE_NOTE)
+    floor = compute_floor(report)
+    if floor is not None:
+        console.print(floor.line())
     console.print(f"target loss: {report.target_rule}")
     for note in report.notes:
         console.print(note)

@@ -1,11 +1,21 @@
-"""Training workloads for lioncub: a nanoGPT-style char-level GPT and a small ResNet, with offline data.
+"""Training with lioncub: the workloads (a nanoGPT-style char-level GPT and a small ResNet, with offline
+data), the training loop of a rank and the driver of a run.
 
 * :mod:`lioncub.train.workloads` -- :func:`make_workload` (the interface a training loop uses);
 * :mod:`lioncub.train.gpt`, :mod:`lioncub.train.cnn` -- the models, their param groups and I/O layers;
 * :mod:`lioncub.train.data` -- corpora, image sets and step-indexed per-rank samplers;
-* :mod:`lioncub.train.loop` -- the training loop of one rank (``lioncub train`` launches it);
+* :mod:`lioncub.train.fetch` -- preparing the offline data sets (standard library only);
+* :mod:`lioncub.train.config` -- :class:`~lioncub.train.config.TrainConfig` (what a run is) and the lr
+  schedule;
+* :mod:`lioncub.train.loop` -- the training loop of one rank;
+* :mod:`lioncub.train.rank` -- a training rank's one entry point (``python -m lioncub.train.rank``, and
+  ``lioncub train`` under torchrun): join the job, train, one line when interrupted;
 * :mod:`lioncub.train.checkpoint` -- per-rank checkpoints, resume checks, momentum conversion;
-* :mod:`lioncub.report.runs` -- the ``lioncub compare`` table and plots (no torch).
+* :mod:`lioncub.train.rundir` -- where lioncub may write and delete; atomic file writes;
+* :mod:`lioncub.train.driver` -- a run's checks, its directory and the launch of its ranks (what
+  ``lioncub train`` and ``lioncub compare`` run), with :mod:`lioncub.train.progress`, its progress display.
+
+The ``lioncub compare`` table and plots are :mod:`lioncub.report.runs` (no torch).
 """
 
 from lioncub.train.workloads import SIZES, CNNWorkload, GPTWorkload, Workload, make_workload, workload_names

@@ -39,6 +39,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from lioncub.train.rundir import fsync_dir, write_atomically
+
 __all__ = [
     "CONVERSIONS",
     "VERSION",
@@ -103,31 +105,12 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` durably: temporary name, fsync, rename, fsync of the directory."""
-    tmp = path.with_name(path.name + ".part")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 def _atomic_torch_save(obj: Any, path: Path) -> str:
     """``torch.save`` ``obj`` atomically to ``path``; returns the SHA-256 (hex) of the bytes written."""
     buf = io.BytesIO()
     torch.save(obj, buf)
     data = buf.getvalue()
-    _atomic_write(path, data)
+    write_atomically(path, data)
     return hashlib.sha256(data).hexdigest()
 
 
@@ -187,10 +170,10 @@ def save(
     barrier()
     state = {"optimizer": optimizer.state_dict(), "rng": _rng_state(), "data": data_state, "rank": rank}
     digest = _atomic_torch_save(state, tmp / f"rank{rank}.pt")
-    _atomic_write(tmp / f"rank{rank}.pt.sha256", digest.encode())
+    write_atomically(tmp / f"rank{rank}.pt.sha256", digest.encode())
     if rank == 0:
         digest = _atomic_torch_save(getattr(model, "module", model).state_dict(), tmp / "model.pt")
-        _atomic_write(tmp / "model.pt.sha256", digest.encode())
+        write_atomically(tmp / "model.pt.sha256", digest.encode())
     barrier()
     if rank == 0:
         missing = [r for r in range(world_size) if not (tmp / f"rank{r}.pt.sha256").exists()]
@@ -201,11 +184,11 @@ def save(
             hashes[side.name.removesuffix(".sha256")] = side.read_text().strip()
             side.unlink()
         doc = {"version": VERSION, "step": step, "world_size": world_size, **meta, "sha256": hashes}
-        _atomic_write(tmp / "meta.json", (json.dumps(doc, indent=1) + "\n").encode())
+        write_atomically(tmp / "meta.json", (json.dumps(doc, indent=1) + "\n").encode())
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        _fsync_dir(root)
-        _atomic_write(root / "latest", (name + "\n").encode())
+        fsync_dir(root)
+        write_atomically(root / "latest", (name + "\n").encode())
         for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     barrier()

@@ -1,5 +1,12 @@
-"""What a training run is: :class:`TrainConfig` (every option of ``lioncub train``, validated once) and
-:func:`lr_factor`, the learning-rate schedule (linear warm-up, then a cosine)."""
+"""What a training run is: :class:`TrainConfig` (every option of ``lioncub train``, validated once) in three
+parts -- :class:`RunConfig` (what is trained, on which data, for how long), :class:`OptimizerConfig` (the
+variant and its options) and :class:`ClusterConfig` (the ranks and links the launcher sets up) -- and
+:func:`lr_factor`, the learning-rate schedule (linear warm-up, then a cosine).
+
+On disk (``config.json``, and ``summary.json``'s ``config``) a configuration is one flat JSON object,
+field name to value, as every lioncub version has written it (:meth:`TrainConfig.to_json`); run
+directories written before the configuration had parts load unchanged (:meth:`TrainConfig.from_json`).
+"""
 
 from __future__ import annotations
 
@@ -8,182 +15,288 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from lioncub.optim import PRESETS
+from lioncub.optim import PRESETS, resolve_variant
 from lioncub.optim.lioncub import NONFINITE_MODES
 from lioncub.train import checkpoint
 from lioncub.train.workloads import CNNWorkload, GPTWorkload, workload_names
 
-__all__ = ["BASELINES", "TrainConfig", "format_overrides", "lr_factor"]
+__all__ = [
+    "BASELINES",
+    "JSON_KEYS",
+    "ClusterConfig",
+    "OptimizerConfig",
+    "RunConfig",
+    "TrainConfig",
+    "format_overrides",
+    "lr_factor",
+]
 
 #: variants trained as DDP + Lion, as users run today (gradient allreduce in fp32 / 16-bit)
 BASELINES = ("32bit", "16bit")
 
 
 @dataclass
-class TrainConfig:
-    """One training run. ``overrides`` replace workload fields (e.g. ``{"batch_size": 8}``)."""
+class RunConfig:
+    """What is trained, on which data and for how long."""
 
     workload: str = "gpt"
+    """``gpt`` (the character-level nanoGPT-style decoder) or ``cnn`` (a small ResNet) (``--workload``)."""
     size: str = "tiny"
-    variant: str = "8bit"
-    steps: int = 200
-    warmup_steps: int | None = None  # None: 10 % of the steps, at most 100
-    min_lr_ratio: float = 0.1  # the cosine ends at this fraction of each group's peak lr
-    eval_every: int = 50  # 0: only at the end
-    checkpoint_every: int = 0  # 0: only at the end
-    seed: int = 0
-    data_mode: str = "random"
-    bucket_mb: float = 25.0
-    device: str = "auto"  # "auto": cuda if available (NCCL), else cpu (gloo)
+    """The workload's size, e.g. ``tiny``, ``small``, ``medium`` for the GPT (``--size``)."""
     overrides: dict[str, Any] = field(default_factory=dict)
+    """Workload fields replaced, e.g. ``{"batch_size": 8}`` (``--set batch_size=8``)."""
+    seed: int = 0
+    """Model initialisation, data order and dropout (``--seed``)."""
+    data_mode: str = "random"
+    """``random``: each rank its own random order of the training set; ``shard``: disjoint shards."""
+    device: str = "auto"
+    """``auto``: CUDA if available (NCCL), else the CPU (gloo); or ``cpu``, ``cuda`` (``--device``)."""
+    steps: int = 200
+    """Optimizer steps; the lr schedule ends at the last one (``--steps``)."""
+    warmup_steps: int | None = None
+    """Linear lr warm-up steps; None: 10 % of the steps, at most 100 (``--warmup``)."""
+    min_lr_ratio: float = 0.1
+    """The cosine ends at this fraction of each param group's peak lr (``--min-lr-ratio``)."""
+    eval_every: int = 50
+    """Validation every this many steps, and at the end; 0: only at the end (``--eval-every``)."""
+    checkpoint_every: int = 0
+    """A checkpoint every this many steps; 0: only at the end (``--checkpoint-every``)."""
+    stop_at: int | None = None
+    """Stop after this step with a checkpoint, keeping the lr schedule of ``steps`` (``--stop-at``)."""
     convert_momenta: str | None = None
-    stop_at: int | None = None  # stop after this step with a checkpoint, keeping the schedule of `steps`
-    momentum_sync: str | list[str] = "none"  # LionCub: "none", "all", "io" or name patterns / group names
+    """A resume on another world size: ``average`` starts every rank from the mean of the saved momenta."""
+
+    @property
+    def warmup(self) -> int:
+        """The warm-up steps in effect (``warmup_steps``, or its default)."""
+        return min(100, self.steps // 10) if self.warmup_steps is None else self.warmup_steps
+
+
+@dataclass
+class OptimizerConfig:
+    """The optimizer variant and its options."""
+
+    variant: str = "8bit"
+    """``32bit`` / ``16bit`` (DDP + Lion) or a LionCub preset: 1bit, 4bit, 8bit, ... (``--variant``)."""
+    quantizer: str | None = None
+    """The quantizer of the ``8bit`` preset: l1 (None: the preset's), l0, linf, lp, qsgd, log."""
+    topology: str = "flat"
+    """LionCub's vote over the nodes: flat, hierarchical (exact), node-majority (1bit), auto."""
+    bucket_mb: float = 25.0
+    """LionCub's bucket size in MiB; with ``overlap``, DDP's (``--bucket-mb``)."""
+    momentum_sync: str | list[str] = "none"
+    """LionCub: momenta averaged over the ranks: none, all, io, or name patterns / param-group names."""
     sync_every: int = 10
-    diagnostics_every: int = 0  # LionCub: vote diagnostics every k steps into log.jsonl ("diag" records)
-    quantizer: str | None = None  # LionCub: the quantizer of the "8bit" preset (l1, l0, linf, lp, qsgd, log)
-    topology: str = (
-        "flat"  # LionCub's vote over nodes: flat, hierarchical (exact), node-majority (1bit), auto
-    )
-    nonfinite: str = "skip"  # NaN/Inf gradients on any rank: "skip" the step on every rank, or "raise"
-    overlap: bool = False  # LionCub: start each DDP bucket's vote during the backward (a comm hook)
-    # recorded for the report; the launcher applies them
-    nproc: int = 1  # the world size (with nnodes: nnodes × ranks per node)
-    link: str = "loopback"  # each rank's link, or with nnodes each node's NIC
-    nnodes: int | None = None  # None: one emulated node per rank; M: M nodes of nproc / M ranks (torchrun)
-    intra_link: str | None = None  # with nnodes: the shaping of each node's loopback (None: unshaped)
+    """LionCub: the momentum sync interval in steps (``--sync-every``)."""
+    diagnostics_every: int = 0
+    """LionCub: vote diagnostics into ``log.jsonl`` (``diag`` records) every this many steps; 0: off."""
+    nonfinite: str = "skip"
+    """NaN/Inf gradients on any rank: ``skip`` the step on every rank, or ``raise``."""
+    overlap: bool = False
+    """LionCub: start each DDP bucket's vote during the backward pass (a communication hook)."""
 
-    def __post_init__(self) -> None:
-        names = workload_names()
-        if self.workload not in names:
-            raise ValueError(f"--workload {self.workload!r}: allowed values are {sorted(names)}")
-        if self.size not in names[self.workload]:
-            raise ValueError(
-                f"--size {self.size!r}: allowed values for {self.workload} are {names[self.workload]}"
-            )
-        fields = {f.name for f in dataclasses.fields({"gpt": GPTWorkload, "cnn": CNNWorkload}[self.workload])}
-        fields -= {"size", "rank", "world_size", "seed", "data_mode", "device"}  # set by the run itself
-        unknown = sorted(set(self.overrides) - fields)
-        if unknown:
-            raise ValueError(
-                f"--set {', '.join(unknown)}: not a field of the {self.workload} workload; "
-                f"fields: {sorted(fields)}"
-            )
-        allowed = sorted({*PRESETS, *BASELINES})
-        if self.variant not in allowed:
-            raise ValueError(f"--variant {self.variant!r}: allowed values are {allowed}")
-        for name in ("steps", "eval_every", "checkpoint_every", "nproc"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < (1 if name in ("steps", "nproc") else 0):
-                raise ValueError(
-                    f"--{name.replace('_', '-')} {value!r} must be an integer >= "
-                    f"{1 if name in ('steps', 'nproc') else 0}"
-                )
-        self._check_nodes()
-        if self.warmup_steps is not None and not (
-            isinstance(self.warmup_steps, int) and self.warmup_steps >= 0
-        ):
-            raise ValueError(f"--warmup {self.warmup_steps!r} must be an integer >= 0")
-        if self.stop_at is not None and not (
-            isinstance(self.stop_at, int) and 1 <= self.stop_at <= self.steps
-        ):
-            raise ValueError(
-                f"--stop-at {self.stop_at!r} must be an integer within [1, --steps {self.steps}]"
-            )
-        voting_only = {"--diagnostics-every": self.diagnostics_every, "--momentum-sync": self.momentum_sync}
-        for option, value in voting_only.items():
-            if value not in (0, "none") and self.variant in BASELINES:
-                raise ValueError(
-                    f"{option} {value!r}: --variant {self.variant} keeps one global momentum and does not "
-                    "vote; it applies to the voting variants"
-                )
-        if not isinstance(self.overlap, bool):
-            raise ValueError(f"--overlap {self.overlap!r} must be true or false")
-        if self.overlap and self.variant in BASELINES:
-            raise ValueError(
-                f"--overlap: --variant {self.variant} is DDP + Lion, which always overlaps its gradient "
-                "allreduce with the backward pass; --overlap applies to the LionCub variants"
-            )
-        if self.nonfinite not in NONFINITE_MODES:
-            raise ValueError(f"--nonfinite {self.nonfinite!r}: allowed values are {list(NONFINITE_MODES)}")
-        if self.quantizer is not None:
-            from lioncub.ops.quantize import QUANTIZERS
 
-            if self.quantizer not in QUANTIZERS:
-                raise ValueError(f"--quantizer {self.quantizer!r}: allowed values are {sorted(QUANTIZERS)}")
-            if self.variant != "8bit":
-                raise ValueError(f"--quantizer: only --variant 8bit quantizes (this run is {self.variant})")
-        if self.topology != "flat":
-            if self.variant in BASELINES:
-                raise ValueError(
-                    f"--topology {self.topology}: --variant {self.variant} is DDP + Lion (the backend's "
-                    "allreduce); --topology applies to the LionCub votes"
-                )
-            from lioncub.optim.config import resolve_variant
+@dataclass
+class ClusterConfig:
+    """Where the ranks run: recorded for the report and the resume checks; the launcher applies it."""
 
-            try:  # auto: the cost model's exact choice (flat or hierarchical), made when the run starts
-                topology = "hierarchical" if self.topology == "auto" else self.topology
-                if self.topology not in ("auto", "flat", "hierarchical", "node-majority"):
-                    raise ValueError(
-                        f"topology={self.topology!r}: allowed values are "
-                        "['flat', 'hierarchical', 'node-majority', 'auto']"
-                    )
-                resolve_variant(self.variant, quantizer=self.quantizer, topology=topology)
-            except ValueError as exc:
-                raise ValueError(f"--topology {self.topology}: {exc}") from None
-            if self.overlap:
-                raise ValueError(f"--topology {self.topology}: --overlap votes flat (use --topology flat)")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"--min-lr-ratio {self.min_lr_ratio!r} must be within [0, 1]")
-        if self.data_mode not in ("random", "shard"):
-            raise ValueError(f"--data-mode {self.data_mode!r}: allowed values are ['random', 'shard']")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"--device {self.device!r}: allowed values are ['auto', 'cpu', 'cuda']")
-        if self.convert_momenta not in (None, *checkpoint.CONVERSIONS):
-            raise ValueError(
-                f"--convert-momenta {self.convert_momenta!r}: allowed values are "
-                f"{list(checkpoint.CONVERSIONS)}"
-            )
-
-    def _check_nodes(self) -> None:
-        """``nnodes`` divides ``nproc``, needs a link; ``intra_link`` needs ``nnodes``."""
-        if self.nnodes is None:
-            if self.intra_link is not None:
-                raise ValueError(
-                    f"--intra-link {self.intra_link}: applies only with --nnodes M --nproc-per-node L"
-                )
-            return
-        if not (isinstance(self.nnodes, int) and self.nnodes >= 1) or self.nproc % self.nnodes:
-            raise ValueError(
-                f"--nnodes {self.nnodes!r} must be an integer >= 1 that divides the {self.nproc} ranks "
-                "(give --nnodes M --nproc-per-node L)"
-            )
-        if self.link in (None, "loopback"):
-            raise ValueError(
-                f"--nnodes {self.nnodes}: emulates nodes behind shaped NICs and needs --link RATE (root); "
-                "without a link use --nproc N"
-            )
+    nproc: int = 1
+    """The world size (with ``nnodes``: nodes × ranks per node)."""
+    link: str = "loopback"
+    """Each rank's link, or with ``nnodes`` each node's NIC, e.g. ``1gbit`` (``--link``)."""
+    nnodes: int | None = None
+    """None: one emulated node per rank; M: M nodes of ``nproc / M`` ranks, each node a torchrun agent."""
+    intra_link: str | None = None
+    """With ``nnodes``: the shaping of each node's loopback; None: unshaped (``--intra-link``)."""
 
     @property
     def nproc_per_node(self) -> int:
         """Ranks per node: ``nproc / nnodes``, or 1 (one emulated node per rank)."""
         return self.nproc // self.nnodes if self.nnodes else 1
 
-    @property
-    def warmup(self) -> int:
-        return min(100, self.steps // 10) if self.warmup_steps is None else self.warmup_steps
+
+#: the keys of ``config.json``, in the order they are written (the flat format of every lioncub version)
+JSON_KEYS = (
+    "workload", "size", "variant", "steps", "warmup_steps", "min_lr_ratio", "eval_every", "checkpoint_every",
+    "seed", "data_mode", "bucket_mb", "device", "overrides", "convert_momenta", "stop_at", "momentum_sync",
+    "sync_every", "diagnostics_every", "quantizer", "topology", "nonfinite", "overlap", "nproc", "link",
+    "nnodes", "intra_link",
+)  # fmt: skip
+#: the part of a :class:`TrainConfig` each field of ``config.json`` belongs to
+PART_OF = {
+    f.name: part
+    for part, cls in (("run", RunConfig), ("optimizer", OptimizerConfig), ("cluster", ClusterConfig))
+    for f in dataclasses.fields(cls)
+}
+
+
+@dataclass
+class TrainConfig:
+    """One training run, validated as a whole (the checks cross the parts): ``ValueError`` naming the
+    option at fault."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    """What is trained, on which data and for how long."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """The optimizer variant and its options."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """The ranks, nodes and links."""
+
+    def __post_init__(self) -> None:
+        self._check_what()
+        self._check_counts()
+        self._check_nodes()
+        self._check_warmup_and_stop()
+        self._check_vote_options()
+        self._check_choices()
+
+    def _check_what(self) -> None:
+        """The workload, its size and ``--set`` fields, the variant."""
+        run, names = self.run, workload_names()
+        if run.workload not in names:
+            raise ValueError(f"--workload {run.workload!r}: allowed values are {sorted(names)}")
+        if run.size not in names[run.workload]:
+            raise ValueError(
+                f"--size {run.size!r}: allowed values for {run.workload} are {names[run.workload]}"
+            )
+        fields = {f.name for f in dataclasses.fields({"gpt": GPTWorkload, "cnn": CNNWorkload}[run.workload])}
+        fields -= {"size", "rank", "world_size", "seed", "data_mode", "device"}  # set by the run itself
+        unknown = sorted(set(run.overrides) - fields)
+        if unknown:
+            raise ValueError(
+                f"--set {', '.join(unknown)}: not a field of the {run.workload} workload; "
+                f"fields: {sorted(fields)}"
+            )
+        allowed = sorted({*PRESETS, *BASELINES})
+        if self.optimizer.variant not in allowed:
+            raise ValueError(f"--variant {self.optimizer.variant!r}: allowed values are {allowed}")
+
+    def _check_counts(self) -> None:
+        for name, value in (
+            ("steps", self.run.steps),
+            ("eval_every", self.run.eval_every),
+            ("checkpoint_every", self.run.checkpoint_every),
+            ("nproc", self.cluster.nproc),
+        ):
+            if not isinstance(value, int) or value < (1 if name in ("steps", "nproc") else 0):
+                raise ValueError(
+                    f"--{name.replace('_', '-')} {value!r} must be an integer >= "
+                    f"{1 if name in ('steps', 'nproc') else 0}"
+                )
+
+    def _check_nodes(self) -> None:
+        """``nnodes`` divides ``nproc``, needs a link; ``intra_link`` needs ``nnodes``."""
+        cluster = self.cluster
+        if cluster.nnodes is None:
+            if cluster.intra_link is not None:
+                raise ValueError(
+                    f"--intra-link {cluster.intra_link}: applies only with --nnodes M --nproc-per-node L"
+                )
+            return
+        if not (isinstance(cluster.nnodes, int) and cluster.nnodes >= 1) or cluster.nproc % cluster.nnodes:
+            raise ValueError(
+                f"--nnodes {cluster.nnodes!r} must be an integer >= 1 that divides the {cluster.nproc} ranks "
+                "(give --nnodes M --nproc-per-node L)"
+            )
+        if cluster.link in (None, "loopback"):
+            raise ValueError(
+                f"--nnodes {cluster.nnodes}: emulates nodes behind shaped NICs and needs --link RATE (root); "
+                "without a link use --nproc N"
+            )
+
+    def _check_warmup_and_stop(self) -> None:
+        run = self.run
+        if run.warmup_steps is not None and not (isinstance(run.warmup_steps, int) and run.warmup_steps >= 0):
+            raise ValueError(f"--warmup {run.warmup_steps!r} must be an integer >= 0")
+        if run.stop_at is not None and not (isinstance(run.stop_at, int) and 1 <= run.stop_at <= run.steps):
+            raise ValueError(f"--stop-at {run.stop_at!r} must be an integer within [1, --steps {run.steps}]")
+
+    def _check_vote_options(self) -> None:
+        """What only the LionCub votes have: diagnostics, momentum sync, overlap, quantizer, topology."""
+        opt = self.optimizer
+        voting_only = {"--diagnostics-every": opt.diagnostics_every, "--momentum-sync": opt.momentum_sync}
+        for option, value in voting_only.items():
+            if value not in (0, "none") and opt.variant in BASELINES:
+                raise ValueError(
+                    f"{option} {value!r}: --variant {opt.variant} keeps one global momentum and does not "
+                    "vote; it applies to the voting variants"
+                )
+        if not isinstance(opt.overlap, bool):
+            raise ValueError(f"--overlap {opt.overlap!r} must be true or false")
+        if opt.overlap and opt.variant in BASELINES:
+            raise ValueError(
+                f"--overlap: --variant {opt.variant} is DDP + Lion, which always overlaps its gradient "
+                "allreduce with the backward pass; --overlap applies to the LionCub variants"
+            )
+        if opt.nonfinite not in NONFINITE_MODES:
+            raise ValueError(f"--nonfinite {opt.nonfinite!r}: allowed values are {list(NONFINITE_MODES)}")
+        if opt.quantizer is not None:
+            from lioncub.ops.quantize import QUANTIZERS
+
+            if opt.quantizer not in QUANTIZERS:
+                raise ValueError(f"--quantizer {opt.quantizer!r}: allowed values are {sorted(QUANTIZERS)}")
+            if opt.variant != "8bit":
+                raise ValueError(f"--quantizer: only --variant 8bit quantizes (this run is {opt.variant})")
+        if opt.topology != "flat":
+            self._check_topology()
+
+    def _check_topology(self) -> None:
+        opt = self.optimizer
+        if opt.variant in BASELINES:
+            raise ValueError(
+                f"--topology {opt.topology}: --variant {opt.variant} is DDP + Lion (the backend's "
+                "allreduce); --topology applies to the LionCub votes"
+            )
+        try:  # auto: the cost model's exact choice (flat or hierarchical), made when the run starts
+            topology = "hierarchical" if opt.topology == "auto" else opt.topology
+            if opt.topology not in ("auto", "flat", "hierarchical", "node-majority"):
+                raise ValueError(
+                    f"topology={opt.topology!r}: allowed values are "
+                    "['flat', 'hierarchical', 'node-majority', 'auto']"
+                )
+            resolve_variant(opt.variant, quantizer=opt.quantizer, topology=topology)
+        except ValueError as exc:
+            raise ValueError(f"--topology {opt.topology}: {exc}") from None
+        if opt.overlap:
+            raise ValueError(f"--topology {opt.topology}: --overlap votes flat (use --topology flat)")
+
+    def _check_choices(self) -> None:
+        run = self.run
+        if not 0.0 <= run.min_lr_ratio <= 1.0:
+            raise ValueError(f"--min-lr-ratio {run.min_lr_ratio!r} must be within [0, 1]")
+        if run.data_mode not in ("random", "shard"):
+            raise ValueError(f"--data-mode {run.data_mode!r}: allowed values are ['random', 'shard']")
+        if run.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device {run.device!r}: allowed values are ['auto', 'cpu', 'cuda']")
+        if run.convert_momenta not in (None, *checkpoint.CONVERSIONS):
+            raise ValueError(
+                f"--convert-momenta {run.convert_momenta!r}: allowed values are "
+                f"{list(checkpoint.CONVERSIONS)}"
+            )
 
     def to_json(self) -> dict[str, Any]:
-        doc = dataclasses.asdict(self)
-        for name in ("nnodes", "intra_link"):  # absent when unused: the documents of earlier runs stay equal
+        """The flat ``config.json`` object: :data:`JSON_KEYS` in order, ``nnodes`` and ``intra_link`` only
+        when set (so that the documents of runs without nodes stay as they were)."""
+        parts = {name: dataclasses.asdict(getattr(self, name)) for name in ("run", "optimizer", "cluster")}
+        doc = {key: parts[PART_OF[key]][key] for key in JSON_KEYS}
+        for name in ("nnodes", "intra_link"):
             if doc[name] is None:
                 del doc[name]
         return doc
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> TrainConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in doc.items() if k in known})
+        """The configuration of a flat ``config.json`` object (unknown keys are ignored, missing ones take
+        their defaults), validated."""
+        values: dict[str, dict[str, Any]] = {"run": {}, "optimizer": {}, "cluster": {}}
+        for key, value in doc.items():
+            if key in PART_OF:
+                values[PART_OF[key]][key] = value
+        return cls(
+            RunConfig(**values["run"]),
+            OptimizerConfig(**values["optimizer"]),
+            ClusterConfig(**values["cluster"]),
+        )
 
 
 def lr_factor(step: int, steps: int, warmup: int, min_ratio: float) -> float:

@@ -124,11 +124,6 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def num_params(self, non_embedding: bool = False) -> int:
-        """Parameter count (a tied matrix once); ``non_embedding`` drops the position embedding (nanoGPT)."""
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.transformer.wpe.weight.numel() if non_embedding else n
-
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         T = idx.size(1)
         if self.config.block_size < T:

@@ -1,9 +1,10 @@
-"""The training loop one rank runs: a workload, an optimizer variant, a JSONL log and checkpoints.
+"""The training loop of one rank: a workload, an optimizer variant, a JSONL log and checkpoints.
 
-Read it top to bottom: :class:`TrainConfig` (everything a run is), :func:`lr_factor` (warm-up + cosine),
-:func:`build_optimizer` (the variant: DDP baselines or ``LionCub``), :func:`train` (the loop), and
-:func:`main` (``python -m lioncub.train.loop RUN_DIR`` inside a ``torch.distributed`` job, which is what
-``lioncub train`` launches on every rank).
+Read it top to bottom: :func:`build_optimizer` (the variant: DDP baselines or ``LionCub``), then
+:func:`train` (the loop: set-up and resume, the step, its record, evaluation and checkpoints). What a run
+is comes from :mod:`lioncub.train.config` (:class:`~lioncub.train.config.TrainConfig`, the lr schedule
+:func:`~lioncub.train.config.lr_factor`); a rank joins its job and calls :func:`train` in
+:mod:`lioncub.train.rank`, which is what ``lioncub train`` launches on every rank.
 
 Variants. ``"32bit"`` is what users run today: ``DistributedDataParallel`` (bucketed fp32 gradient
 allreduce overlapped with the backward pass) + :class:`~lioncub.optim.Lion`; ``"16bit"`` the same with
@@ -33,13 +34,11 @@ record holds :mod:`lioncub.optim.diagnostics` overall and per parameter tensor.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import random
 import signal
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,96 +50,97 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from lioncub.launch.launcher import interrupt_as_one_line
 from lioncub.ops.quantize import max_abs
-from lioncub.optim.config import resolve_variant
+from lioncub.optim import Checks, Lion, LionCub, MomentumSync, resolve_variant
 from lioncub.optim.ddp import (
     GradientTraffic,
     compressed_allreduce_dtype,
     count_gradient_allreduce,
     skip_gradient_allreduce,
 )
-from lioncub.optim.lion import Lion
-from lioncub.optim.lioncub import Checks, LionCub, NonFiniteGradientError
-from lioncub.optim.sync import MomentumSync
+from lioncub.optim.lioncub import NonFiniteGradientError
 from lioncub.planning import costmodel
 from lioncub.planning.auto import DEFAULT_LATENCY_S, choose_topology
 from lioncub.train import checkpoint
 from lioncub.train.config import BASELINES, TrainConfig, lr_factor
+from lioncub.train.rundir import write_atomically
 from lioncub.train.workloads import Workload, make_workload
 from lioncub.units import parse_rate
 
-__all__ = ["build_optimizer", "device_for", "format_final", "init_distributed", "main", "seed_rank", "train"]
+__all__ = ["PROGRESS", "OptimizerSetup", "build_optimizer", "device_for", "seed_rank", "train", "where"]
 
 # ----------------------------------------------------------------------------------------- optimizer
 
 
 @dataclass
-class Optimizer:
-    """The optimizer of a run and how to read its communication of the last step."""
+class OptimizerSetup:
+    """What :func:`build_optimizer` sets up: the variant's optimizer, the model it steps, and for the DDP
+    baselines the meter of their gradient allreduce."""
 
     opt: torch.optim.Optimizer
     model: torch.nn.Module  # DDP-wrapped when world size > 1
     traffic: GradientTraffic | None  # DDP baselines: bytes of the gradient allreduce
 
 
-def _topology(config: TrainConfig, wl: Workload, model: torch.nn.Module) -> str:
-    """``config.topology``, with ``"auto"`` resolved by :func:`lioncub.planning.auto.choose_topology` for the
+def _topology(config: TrainConfig, model: torch.nn.Module) -> str:
+    """The vote's topology, with ``"auto"`` resolved by :func:`lioncub.planning.auto.choose_topology` for the
     emulated cluster (``--link`` per node NIC, ``--intra-link`` or an NVLink-class link inside a node);
     on loopback there is nothing to choose between: flat."""
-    if config.topology != "auto":
-        return config.topology
-    nnodes = config.nnodes or config.nproc
-    if config.link == "loopback" or nnodes == 1 or nnodes == config.nproc:
+    opt, cluster = config.optimizer, config.cluster
+    if opt.topology != "auto":
+        return opt.topology
+    nnodes = cluster.nnodes or cluster.nproc
+    if cluster.link == "loopback" or nnodes == 1 or nnodes == cluster.nproc:
         choice, reason = "flat", "topology='auto' chose 'flat': one rank per node or no emulated network"
     else:
         latency = costmodel.parse_duration(costmodel.DEFAULT_INTRA_LATENCY)
-        inter = costmodel.Network.from_rate(parse_rate(config.link), DEFAULT_LATENCY_S)
-        intra_rate = parse_rate(config.intra_link or costmodel.DEFAULT_INTRA_BANDWIDTH, "--intra-link")
-        cluster = costmodel.Cluster(
-            nnodes, config.nproc // nnodes, inter, costmodel.Network.from_rate(intra_rate, latency)
+        inter = costmodel.Network.from_rate(parse_rate(cluster.link), DEFAULT_LATENCY_S)
+        intra_rate = parse_rate(cluster.intra_link or costmodel.DEFAULT_INTRA_BANDWIDTH, "--intra-link")
+        nodes = costmodel.Cluster(
+            nnodes, cluster.nproc // nnodes, inter, costmodel.Network.from_rate(intra_rate, latency)
         )
         d = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        choice, reason = choose_topology(
-            config.variant, d, cluster, bucket_numel=int(config.bucket_mb * 2**20) // 4
-        )
+        choice, reason = choose_topology(opt.variant, d, nodes, bucket_numel=int(opt.bucket_mb * 2**20) // 4)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"[lioncub] {reason}", flush=True)
     return choice
 
 
-def build_optimizer(config: TrainConfig, wl: Workload, model: torch.nn.Module, world_size: int) -> Optimizer:
+def build_optimizer(
+    config: TrainConfig, wl: Workload, model: torch.nn.Module, world_size: int
+) -> OptimizerSetup:
     """Wrap ``model`` in DDP (world size > 1) and build the variant's optimizer over the workload's groups."""
+    options = config.optimizer
     if world_size > 1:
         # overlapped votes travel in DDP's buckets: --bucket-mb sizes them (DDP's default otherwise)
-        buckets = {"bucket_cap_mb": config.bucket_mb} if config.overlap else {}
+        buckets = {"bucket_cap_mb": options.bucket_mb} if options.overlap else {}
         model = DistributedDataParallel(
             model, device_ids=[wl.device.index] if wl.device.type == "cuda" else None, **buckets
         )
     groups = wl.param_groups(model)
-    if config.variant in BASELINES:
+    if options.variant in BASELINES:
         traffic = None
         if world_size > 1:
-            wire = torch.float32 if config.variant == "32bit" else compressed_allreduce_dtype()
+            wire = torch.float32 if options.variant == "32bit" else compressed_allreduce_dtype()
             traffic = count_gradient_allreduce(model, wire)  # type: ignore[arg-type]
-        return Optimizer(Lion(groups, betas=wl.betas), model, traffic)
+        return OptimizerSetup(Lion(groups, betas=wl.betas), model, traffic)
     opt = LionCub(
         groups,
         betas=wl.betas,
         variant=resolve_variant(
-            config.variant, quantizer=config.quantizer, topology=_topology(config, wl, model)
+            options.variant, quantizer=options.quantizer, topology=_topology(config, model)
         ),
-        bucket_mb=config.bucket_mb,
-        momentum_sync=MomentumSync(config.momentum_sync, every=config.sync_every),
+        bucket_mb=options.bucket_mb,
+        momentum_sync=MomentumSync(options.momentum_sync, every=options.sync_every),
         model=getattr(model, "module", model),
-        checks=Checks(broadcast_init=False, nonfinite=config.nonfinite),
-        diagnostics_every=config.diagnostics_every,
+        checks=Checks(broadcast_init=False, nonfinite=options.nonfinite),
+        diagnostics_every=options.diagnostics_every,
     )
-    if world_size > 1 and config.overlap:
+    if world_size > 1 and options.overlap:
         opt.overlap_with(model)  # type: ignore[arg-type]  # the votes start during the backward
     elif world_size > 1:
         skip_gradient_allreduce(model)  # type: ignore[arg-type]
-    return Optimizer(opt, model, None)
+    return OptimizerSetup(opt, model, None)
 
 
 def _compute_baseline(model: torch.nn.Module, wl: Workload, step: int) -> float:
@@ -166,18 +166,19 @@ def _compute_baseline(model: torch.nn.Module, wl: Workload, step: int) -> float:
 # ---------------------------------------------------------------------------------------------- loop
 
 #: the optimizer step this process is on (None before the first), for the line of an interrupted rank
-_PROGRESS: dict[str, int | None] = {"step": None}
+PROGRESS: dict[str, int | None] = {"step": None}
 
 
-def _where() -> str:
-    step = _PROGRESS["step"]
+def where() -> str:
+    """Where this rank is: ``at step 7``, or ``before the first step``."""
+    step = PROGRESS["step"]
     return "before the first step" if step is None else f"at step {step}"
 
 
 def device_for(config: TrainConfig) -> torch.device:
     """The device this rank trains on: ``cuda:LOCAL_RANK`` (``--device cuda``, or ``auto`` with CUDA), else
     the CPU."""
-    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+    if config.run.device == "cuda" or (config.run.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise RuntimeError("--device cuda: no CUDA device is available")
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -197,6 +198,21 @@ def seed_rank(seed: int, rank: int, *more: int) -> None:
     np.random.seed(words)
 
 
+@dataclass
+class _Rank:
+    """What one rank's loop works with, as :func:`_prepare` set it up."""
+
+    config: TrainConfig
+    run_dir: Path
+    rank: int
+    world: int
+    wl: Workload
+    setup: OptimizerSetup
+    start: int  # the step the run resumes after (0: a new run)
+    compute_ref: float | None  # DDP baselines: forward + backward without communication (s)
+    log: Callable[[str], None]
+
+
 def train(config: TrainConfig, run_dir: Path, *, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run (or resume) the training of ``config`` on this rank of the initialised process group; rank 0
     writes ``log.jsonl`` and ``summary.json`` in ``run_dir``. Returns the summary.
@@ -204,123 +220,146 @@ def train(config: TrainConfig, run_dir: Path, *, log: Callable[[str], None] = pr
     The global generators (dropout) are seeded from ``(seed, rank)`` (:func:`seed_rank`) and a resumed run
     restores the checkpoint's, so a run is a function of its seed and a resumed one equals the
     uninterrupted one."""
+    r = _prepare(config, run_dir, log)
+    log_path = run_dir / "log.jsonl"
+    elapsed = _elapsed_at(log_path, r.start) if r.rank == 0 else 0.0
+    records: list[dict[str, Any]] = []
+    evals: list[dict[str, Any]] = []
+    with open(log_path if r.rank == 0 else os.devnull, "a") as out:
+        for step in range(r.start + 1, config.run.steps + 1):
+            PROGRESS["step"] = step
+            rec = _train_step(r, step, elapsed)
+            elapsed = rec["time_s"]
+            records.append(rec)
+            _write(out, rec)
+            if _after_step(r, out, step, elapsed, evals):
+                break
+    summary = _summary(config, r.wl, r.setup.model, r.world, records, evals, r.compute_ref)
+    if r.rank == 0:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
+def _prepare(config: TrainConfig, run_dir: Path, log: Callable[[str], None]) -> _Rank:
+    """Build the workload, the model and the optimizer of this rank; on a resume, load the checkpoint and
+    cut ``log.jsonl`` back to its step."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = device_for(config)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    run = config.run
     wl = make_workload(
-        config.workload,
-        config.size,
+        run.workload,
+        run.size,
         rank=rank,
         world_size=world,
-        seed=config.seed,
-        data_mode=config.data_mode,
+        seed=run.seed,
+        data_mode=run.data_mode,
         device=device,
-        **config.overrides,
+        **run.overrides,
     )
     model = wl.build_model()
-    seed_rank(config.seed, rank)  # dropout draws from the global generators
-    start = 0
+    seed_rank(run.seed, rank)  # dropout draws from the global generators
     resume = checkpoint.latest(run_dir)
     state = None
     if resume is not None:
         checkpoint.check_compatible(
             resume,
-            variant=config.variant,
+            variant=config.optimizer.variant,
             world_size=world,
-            workload=config.workload,
-            size=config.size,
-            seed=config.seed,
-            convert_momenta=config.convert_momenta,
+            workload=run.workload,
+            size=run.size,
+            seed=run.seed,
+            convert_momenta=run.convert_momenta,
         )
         model.load_state_dict(checkpoint.model_state(resume))
         state = checkpoint.load_rank_state(resume, rank, world)
-        start = resume.step
-    o = build_optimizer(config, wl, model, world)
-    model = o.model
-    for group in o.opt.param_groups:
+    setup = build_optimizer(config, wl, model, world)
+    for group in setup.opt.param_groups:
         group.setdefault("initial_lr", group["lr"])
-    if state is not None:
-        if isinstance(o.opt, LionCub):
-            o.opt.load_state_dict(state["optimizer"], allow_world_size_change=world != resume.world_size)
+    start = resume.step if resume is not None else 0
+    if state is not None and resume is not None:
+        same_world = world == resume.world_size
+        if isinstance(setup.opt, LionCub):
+            setup.opt.load_state_dict(state["optimizer"], allow_world_size_change=not same_world)
         else:
-            o.opt.load_state_dict(state["optimizer"])
-        wl.load_state_dict(state["data"], strict=world == resume.world_size)
+            setup.opt.load_state_dict(state["optimizer"])
+        wl.load_state_dict(state["data"], strict=same_world)
     wl.sampler.position = start
-    compute_ref = _compute_baseline(model, wl, start) if o.traffic is not None else None
+    compute_ref = _compute_baseline(setup.model, wl, start) if setup.traffic is not None else None
     if state is not None and "converted_from" in state:  # rank 0's RNG states: each rank draws its own
-        seed_rank(config.seed, rank, start)
+        seed_rank(run.seed, rank, start)
     elif state is not None:  # after everything in the setup that may draw random numbers
         checkpoint.restore_rng(state)
-    log_path = run_dir / "log.jsonl"
     if rank == 0:
-        _truncate_log(log_path, start)
+        _truncate_log(run_dir / "log.jsonl", start)
         if resume is not None:
             log(f"resumed from {resume.path} at step {start}")
-    meta = {"variant": config.variant, "workload": config.workload, "size": config.size, "seed": config.seed}
-    elapsed = _elapsed_at(log_path, start) if rank == 0 else 0.0
-    records: list[dict[str, Any]] = []
-    evals: list[dict[str, Any]] = []
-    with open(log_path if rank == 0 else os.devnull, "a") as out:
-        for step in range(start + 1, config.steps + 1):
-            _PROGRESS["step"] = step
-            factor = lr_factor(step, config.steps, config.warmup, config.min_lr_ratio)
-            for group in o.opt.param_groups:
-                group["lr"] = group["initial_lr"] * factor
-            t0 = time.perf_counter()
-            loss = wl.loss(model, wl.train_batch(step - 1))
-            loss.backward()
-            _fault_injection(rank, step)
-            t1 = time.perf_counter()
-            skipped = _optimizer_step(o, config.nonfinite, step)
-            o.opt.zero_grad(set_to_none=True)
-            t2 = time.perf_counter()
-            rec = _step_record(o, step, t1 - t0, t2 - t1, compute_ref)
-            rec["skipped"] = skipped
-            if skipped and rank == 0:
-                log(f"step {step} skipped on every rank: non-finite gradients (--nonfinite skip)")
-            elapsed += rec["step_s"]
-            rec["time_s"] = elapsed
-            loss_sum = loss.detach().float().reshape(1)
-            dist.all_reduce(loss_sum)  # outside the timed region: the mean training loss of the ranks
-            rec["loss"] = float(loss_sum) / world
-            rec["lr"] = o.opt.param_groups[0]["lr"]
-            records.append(rec)
-            _write(out, rec)
-            diag = getattr(o.opt, "last_diagnostics", None)
-            if diag is not None and diag[0] == step:
-                layers = {k: v for k, v in diag[1].items() if k != "overall"}
-                _write(out, {"kind": "diag", "step": step, "overall": diag[1]["overall"], "layers": layers})
-            if step == config.steps or (config.eval_every and step % config.eval_every == 0):
-                ev = _evaluate(wl, model, rank, step, elapsed)
-                evals.append(ev)
-                _write(out, ev)
-            stop = step == config.stop_at
-            if (
-                stop
-                or step == config.steps
-                or (config.checkpoint_every and step % config.checkpoint_every == 0)
-            ):
-                checkpoint.save(
-                    run_dir,
-                    step=step,
-                    rank=rank,
-                    world_size=world,
-                    model=model,
-                    optimizer=o.opt,
-                    data_state=wl.state_dict(),
-                    meta=meta,
-                    barrier=dist.barrier,
-                )
-            if stop:
-                break
-    summary = _summary(config, wl, model, world, records, evals, compute_ref)
-    if rank == 0:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    return summary
+    return _Rank(config, run_dir, rank, world, wl, setup, start, compute_ref, log)
 
 
-def _optimizer_step(o: Optimizer, nonfinite: str, step: int) -> int:
+def _train_step(r: _Rank, step: int, elapsed: float) -> dict[str, Any]:
+    """One optimizer step at the lr of the schedule; its ``step`` record (``time_s``: ``elapsed`` + this
+    step, ``loss``: the mean training loss of the ranks)."""
+    run, setup = r.config.run, r.setup
+    factor = lr_factor(step, run.steps, run.warmup, run.min_lr_ratio)
+    for group in setup.opt.param_groups:
+        group["lr"] = group["initial_lr"] * factor
+    t0 = time.perf_counter()
+    loss = r.wl.loss(setup.model, r.wl.train_batch(step - 1))
+    loss.backward()
+    _fault_injection(r.rank, step)
+    t1 = time.perf_counter()
+    skipped = _optimizer_step(setup, r.config.optimizer.nonfinite, step)
+    setup.opt.zero_grad(set_to_none=True)
+    t2 = time.perf_counter()
+    rec = _step_record(setup, step, t1 - t0, t2 - t1, r.compute_ref)
+    rec["skipped"] = skipped
+    if skipped and r.rank == 0:
+        r.log(f"step {step} skipped on every rank: non-finite gradients (--nonfinite skip)")
+    rec["time_s"] = elapsed + rec["step_s"]
+    loss_sum = loss.detach().float().reshape(1)
+    dist.all_reduce(loss_sum)  # outside the timed region: the mean training loss of the ranks
+    rec["loss"] = float(loss_sum) / r.world
+    rec["lr"] = setup.opt.param_groups[0]["lr"]
+    return rec
+
+
+def _after_step(r: _Rank, out: Any, step: int, elapsed: float, evals: list[dict[str, Any]]) -> bool:
+    """The step's diagnostics, evaluation and checkpoint, as due; True if the run stops here
+    (``stop_at``)."""
+    run = r.config.run
+    diag = getattr(r.setup.opt, "last_diagnostics", None)
+    if diag is not None and diag[0] == step:
+        layers = {k: v for k, v in diag[1].items() if k != "overall"}
+        _write(out, {"kind": "diag", "step": step, "overall": diag[1]["overall"], "layers": layers})
+    if step == run.steps or (run.eval_every and step % run.eval_every == 0):
+        ev = _evaluate(r.wl, r.setup.model, r.rank, step, elapsed)
+        evals.append(ev)
+        _write(out, ev)
+    stop = step == run.stop_at
+    if stop or step == run.steps or (run.checkpoint_every and step % run.checkpoint_every == 0):
+        meta = {
+            "variant": r.config.optimizer.variant,
+            "workload": run.workload,
+            "size": run.size,
+            "seed": run.seed,
+        }
+        checkpoint.save(
+            r.run_dir,
+            step=step,
+            rank=r.rank,
+            world_size=r.world,
+            model=r.setup.model,
+            optimizer=r.setup.opt,
+            data_state=r.wl.state_dict(),
+            meta=meta,
+            barrier=dist.barrier,
+        )
+    return stop
+
+
+def _optimizer_step(o: OptimizerSetup, nonfinite: str, step: int) -> int:
     """``o.opt.step()``; returns 1 if the step was skipped for non-finite gradients (0 otherwise).
     :class:`LionCub` decides with its ranks (one all-gather); the DDP baselines' gradients are already the
     same allreduced mean on every rank, so each rank checks its own and all take the same decision."""
@@ -348,7 +387,9 @@ def _fault_injection(rank: int, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _step_record(o: Optimizer, step: int, fwd_bwd: float, opt_s: float, compute_ref: float | None) -> dict:
+def _step_record(
+    o: OptimizerSetup, step: int, fwd_bwd: float, opt_s: float, compute_ref: float | None
+) -> dict:
     rec: dict[str, Any] = {"kind": "step", "step": step, "step_s": fwd_bwd + opt_s}
     if isinstance(o.opt, LionCub):
         last = o.opt.comm_stats()["last"]
@@ -429,9 +470,7 @@ def _truncate_log(path: Path, step: int) -> None:
     if not path.exists():
         return
     kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-    tmp = path.with_name(path.name + ".part")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+    write_atomically(path, "".join(line + "\n" for line in kept))
 
 
 def _elapsed_at(path: Path, step: int) -> float:
@@ -439,83 +478,3 @@ def _elapsed_at(path: Path, step: int) -> float:
         return 0.0
     times = [json.loads(line).get("time_s", 0.0) for line in path.read_text().splitlines() if line]
     return max(times, default=0.0) if step else 0.0
-
-
-# ---------------------------------------------------------------------------------------------- main
-
-
-def init_distributed(config: TrainConfig) -> None:
-    """``init_process_group`` (NCCL on CUDA, else gloo) from the environment that ``lioncub launch`` or
-    ``torchrun`` sets, with ``$LIONCUB_PG_TIMEOUT`` seconds (default 600) as every collective's timeout.
-
-    Under torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE``) its keys outlive a restart (same port),
-    and a restarted rank may read a peer's address from the previous attempt and fail with "Connection
-    refused" (pytorch/pytorch#135712): the keys are put under a prefix per attempt
-    (``TORCHELASTIC_RESTART_COUNT``), which every worker of a restarted job shares."""
-    backend = "nccl" if device_for(config).type == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=float(os.environ.get("LIONCUB_PG_TIMEOUT", "600")))
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend, timeout=timeout)
-        return
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    agent = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
-    )
-    store = dist.PrefixStore(f"lioncub/attempt_{attempt}", agent)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-
-
-def run_rank(config: TrainConfig, run_dir: Path) -> dict[str, Any]:
-    """This process's whole part of a run: join the job (:func:`init_distributed`), :func:`train`, wait for
-    every rank and leave the group. Returns the summary.
-
-    SIGINT, SIGTERM or SIGHUP (what ``lioncub launch``/``train`` forward on Ctrl-C, or send to stop the
-    ranks) end the process with one line, ``interrupted (SIGINT) at step 7``, and exit status 128 + the
-    signal (:func:`lioncub.launch.launcher.interrupt_as_one_line`), not a traceback."""
-    torch.set_num_threads(int(os.environ.get("LIONCUB_THREADS", "1")))
-    _PROGRESS["step"] = None
-    with interrupt_as_one_line(_where):
-        init_distributed(config)
-        try:
-            summary = train(config, run_dir)
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
-    return summary
-
-
-def format_final(final: dict[str, Any]) -> str:
-    """``final validation at step 8: val_loss 2.1234, val_acc 0.4560`` from an ``eval`` record."""
-    metrics = ", ".join(
-        f"{k} {v:.4f}" for k, v in final.items() if k.startswith("val_") and isinstance(v, (int, float))
-    )
-    return f"final validation at step {final.get('step', '?')}: {metrics or 'no metrics'}"
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m lioncub.train.loop RUN_DIR [CONFIG]``: train ``CONFIG`` (default ``RUN_DIR/config.json``)
-    in ``RUN_DIR`` on this rank."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) not in (1, 2):
-        print(
-            "usage: python -m lioncub.train.loop RUN_DIR [CONFIG]  (inside a torch.distributed job)",
-            file=sys.stderr,
-        )
-        return 2
-    run_dir = Path(args[0])
-    config_path = Path(args[1]) if len(args) == 2 else run_dir / "config.json"
-    config = TrainConfig.from_json(json.loads(config_path.read_text()))
-    _PROGRESS["step"] = None
-    try:
-        summary = run_rank(config, run_dir)
-    except KeyboardInterrupt:  # a SIGINT outside run_rank's handler: one line, no traceback
-        print(f"interrupted (SIGINT) {_where()}", file=sys.stderr)
-        return 128 + signal.SIGINT
-    if summary["final"] is not None and int(os.environ.get("RANK", "0")) == 0:
-        print(format_final(summary["final"]))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -28,8 +28,10 @@ __all__ = [
     "check_out_path",
     "claim",
     "foreign_entries",
+    "fsync_dir",
     "is_marked",
     "remove_owned",
+    "write_atomically",
 ]
 
 #: the marker file lioncub writes into every directory it creates or claims (JSON: ``{"kind": ...}``)
@@ -170,3 +172,25 @@ def remove_owned(path: Path, kind: str = "run", *, subruns: bool = False, keep_d
             entry.unlink()
     if not keep_dir:
         path.rmdir()
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the entries of directory ``path`` (a file created or renamed in it) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomically(path: Path, data: bytes | str) -> None:
+    """Write ``data`` (``str``: as UTF-8) to ``path`` so that a reader, even after a crash, finds the old
+    file or the whole new one: a ``.part`` file beside it, fsynced, renamed over ``path``, then the
+    directory fsynced."""
+    tmp = path.with_name(path.name + ".part")
+    with open(tmp, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)

@@ -1,6 +1,6 @@
-"""A training run on disk and its launch: the run directory (``config.json``, ``log.jsonl``,
-``summary.json``, ``checkpoints/``), the checks made before anything is written or launched, the launch of
-``config.nproc`` ranks of :mod:`lioncub.train.loop` with a progress display, and the summary line.
+"""The driver of a training run: the checks made before anything is written or launched, the run directory
+(``config.json``, ``log.jsonl``, ``summary.json``, ``checkpoints/``), the launch of the ranks of
+:mod:`lioncub.train.rank` with a progress display (:mod:`lioncub.train.progress`), and the summary line.
 
 ``lioncub train`` and ``lioncub compare`` are thin command lines over this module.
 """
@@ -12,29 +12,39 @@ import json
 import math
 import os
 import sys
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 from lioncub._validate import is_int, is_number
 from lioncub.train.config import TrainConfig, format_overrides
-from lioncub.train.rundir import check_out_path, claim, foreign_entries, is_marked, remove_owned
+from lioncub.train.progress import Progress
+from lioncub.train.rundir import (
+    check_out_path,
+    claim,
+    foreign_entries,
+    is_marked,
+    remove_owned,
+    write_atomically,
+)
 
 __all__ = [
-    "Progress",
+    "RANK_MODULE",
     "RunOutcome",
     "check_before_launch",
     "check_launch_options",
     "check_resume",
     "estimate_params",
     "format_summary",
+    "make_launch_config",
     "max_ranks",
     "prepare_run_dir",
-    "run_as_rank",
     "run_training",
+    "write_config",
 ]
+
+#: what every rank runs: ``python -m lioncub.train.rank RUN_DIR [CONFIG]``
+RANK_MODULE = "lioncub.train.rank"
 
 
 def check_launch_options(restarts: int, collective_timeout_s: float) -> None:
@@ -85,58 +95,59 @@ def check_before_launch(config: TrainConfig, timeout_s: float | None, max_nproc:
     from lioncub.launch import PrivilegeError, check_privileges
     from lioncub.train.workloads import check_workload
 
-    _launch_config(config, ["-m", "lioncub.train.loop"], timeout_s)  # validates the launch options
-    if config.link not in (None, "loopback"):
+    make_launch_config(config, ["-m", RANK_MODULE], timeout_s)  # validates the launch options
+    run, opt, cluster = config.run, config.optimizer, config.cluster
+    if cluster.link not in (None, "loopback"):
         try:
             check_privileges()
         except PrivilegeError as exc:
-            raise ValueError(f"--link {config.link}: {exc}") from None
+            raise ValueError(f"--link {cluster.link}: {exc}") from None
     if max_nproc is not None and not is_int(max_nproc, 1):
         raise ValueError(f"--max-nproc {max_nproc!r} must be an integer >= 1")
-    bucket = config.bucket_mb
+    bucket = opt.bucket_mb
     if not is_number(bucket, gt=0):
         raise ValueError(f"--bucket-mb {bucket!r} must be a finite number of MiB > 0 (default 25)")
     for option, value, low in (
-        ("--sync-every", config.sync_every, 1),
-        ("--diagnostics-every", config.diagnostics_every, 0),
-        ("--seed", config.seed, 0),
+        ("--sync-every", opt.sync_every, 1),
+        ("--diagnostics-every", opt.diagnostics_every, 0),
+        ("--seed", run.seed, 0),
     ):
         if not is_int(value, low):
             raise ValueError(f"{option} {value!r} must be an integer >= {low}")
-    if not config.momentum_sync:
+    if not opt.momentum_sync:
         raise ValueError(
-            f"--momentum-sync {config.momentum_sync!r}: give none, all, io or comma-separated parameter-name "
+            f"--momentum-sync {opt.momentum_sync!r}: give none, all, io or comma-separated parameter-name "
             "patterns / param-group names"
         )
-    if config.warmup_steps is not None and config.warmup_steps > config.steps:
+    if run.warmup_steps is not None and run.warmup_steps > run.steps:
         raise ValueError(
-            f"--warmup {config.warmup_steps} must be at most --steps {config.steps} (the lr would never "
+            f"--warmup {run.warmup_steps} must be at most --steps {run.steps} (the lr would never "
             "reach its peak)"
         )
     try:
-        values = check_workload(config.workload, config.size, config.overrides)
+        values = check_workload(run.workload, run.size, run.overrides)
     except (ValueError, TypeError) as exc:
         raise ValueError(
-            f"--set {format_overrides(config.overrides)}: {exc}" if config.overrides else str(exc)
+            f"--set {format_overrides(run.overrides)}: {exc}" if run.overrides else str(exc)
         ) from None
     except OSError as exc:
-        raise ValueError(f"--workload {config.workload} --size {config.size}: {exc}") from None
-    rank_bytes = RANK_BASE_BYTES + RANK_BYTES_PER_PARAM * estimate_params(config.workload, values)
+        raise ValueError(f"--workload {run.workload} --size {run.size}: {exc}") from None
+    rank_bytes = RANK_BASE_BYTES + RANK_BYTES_PER_PARAM * estimate_params(run.workload, values)
     limit = max_nproc if max_nproc is not None else max_ranks(rank_bytes)
-    if config.nproc > limit:
+    if cluster.nproc > limit:
         why = (
             f"above --max-nproc {max_nproc}"
             if max_nproc is not None
             else f"this machine's available memory holds about {limit} ranks of "
-            f"~{rank_bytes / 2**30:.2f} GiB ({config.workload}/{config.size})"
+            f"~{rank_bytes / 2**30:.2f} GiB ({run.workload}/{run.size})"
         )
         raise ValueError(
-            f"--nproc {config.nproc}: {why}; more would make the kernel kill processes (perhaps not ours). "
+            f"--nproc {cluster.nproc}: {why}; more would make the kernel kill processes (perhaps not ours). "
             "Pass --max-nproc N to allow N ranks on purpose"
         )
 
 
-def _launch_config(
+def make_launch_config(
     config: TrainConfig,
     cmd: list[str],
     timeout_s: float | None,
@@ -144,98 +155,26 @@ def _launch_config(
     restarts: int = 0,
     env: dict[str, str] | None = None,
 ) -> Any:
-    """The :class:`~lioncub.launch.LaunchConfig` of a run: ``config.nproc`` ranks, or ``config.nnodes``
-    emulated nodes of ``config.nproc_per_node`` ranks (``ValueError`` naming the option if invalid)."""
+    """The :class:`~lioncub.launch.LaunchConfig` that runs ``cmd`` on the ranks of ``config.cluster``:
+    ``nproc`` ranks, or ``nnodes`` emulated nodes of ``nproc_per_node`` ranks (``ValueError`` naming the
+    option if invalid)."""
     from lioncub.launch import LaunchConfig
     from lioncub.units import parse_rate
 
-    rate = None if config.link in (None, "loopback") else parse_rate(config.link)
-    intra = None if config.intra_link is None else parse_rate(config.intra_link, "--intra-link")
-    layout: dict[str, Any] = {"nproc": config.nproc}
-    if config.nnodes is not None:
+    rate = None if config.cluster.link in (None, "loopback") else parse_rate(config.cluster.link)
+    intra = (
+        None if config.cluster.intra_link is None else parse_rate(config.cluster.intra_link, "--intra-link")
+    )
+    layout: dict[str, Any] = {"nproc": config.cluster.nproc}
+    if config.cluster.nnodes is not None:
         layout = {
-            "nnodes": config.nnodes,
-            "nproc_per_node": config.nproc_per_node,
+            "nnodes": config.cluster.nnodes,
+            "nproc_per_node": config.cluster.nproc_per_node,
             "intra_link_rate_bps": intra,
         }
     return LaunchConfig(
         cmd, link_rate_bps=rate, timeout_s=timeout_s, restarts=restarts, env=dict(env or {}), **layout
     )
-
-
-class Progress(threading.Thread):
-    """Follows ``log.jsonl`` and shows steps, rate, loss and ETA (a rich bar on a terminal, else a line
-    every 10 %). Rate and ETA come from the log's own training times (``time_s``), not from when the log
-    is read; nothing is printed for what is read after the run ended (its summary comes last)."""
-
-    def __init__(self, log_path: Path, label: str, start: int, total: int, stream: TextIO) -> None:
-        super().__init__(daemon=True)
-        self.log_path, self.label, self.start_step, self.total = log_path, label, start, total
-        self.stream = stream
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn
-        from rich.progress import Progress as RichProgress
-
-        console = Console(file=self.stream)
-        columns = [
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn(
-                "{task.fields[rate]}  loss {task.fields[loss]}  {task.fields[val]}  ETA {task.fields[eta]}"
-            ),
-        ]
-        pos, t0 = 0, time.monotonic()
-        first: tuple[int, float] | None = None  # (step, time_s) of the first step record read
-        next_line = self.start_step
-        with RichProgress(*columns, console=console, disable=not console.is_terminal) as bar:
-            task = bar.add_task(
-                self.label, total=self.total, completed=self.start_step, rate="-", loss="-", val="", eta="-"
-            )
-            while True:
-                finished = self.done.is_set()
-                if self.log_path.exists():
-                    with open(self.log_path) as f:
-                        f.seek(pos)
-                        chunk = f.read()
-                    complete = chunk[: chunk.rfind("\n") + 1]
-                    pos += len(complete.encode())
-                    for line in complete.splitlines():
-                        rec = json.loads(line)
-                        if rec["step"] <= self.start_step:
-                            continue
-                        if rec["kind"] == "eval" and "val_loss" in rec:
-                            bar.update(task, val=f"val {rec['val_loss']:.4f}")
-                            continue
-                        if rec["kind"] != "step":
-                            continue
-                        rate, eta = _rate_and_eta(first, rec, self.total)
-                        first = first or (rec["step"], rec.get("time_s", 0.0))
-                        bar.update(task, completed=rec["step"], rate=rate, loss=f"{rec['loss']:.4f}", eta=eta)
-                        if not console.is_terminal and not finished and rec["step"] >= next_line:
-                            print(
-                                f"[train] {self.label} step {rec['step']}/{self.total} "
-                                f"loss {rec['loss']:.4f} {rate}, ETA {eta}, "
-                                f"{time.monotonic() - t0:.0f} s so far",
-                                file=self.stream,
-                                flush=True,
-                            )
-                            next_line = rec["step"] + max(1, self.total // 10)
-                if finished:
-                    return
-                self.done.wait(0.5)
-
-
-def _rate_and_eta(first: tuple[int, float] | None, rec: dict[str, Any], total: int) -> tuple[str, str]:
-    """``("12.3 steps/s", "40 s")`` from the log's training time between the first step record seen and
-    ``rec`` (``"-"`` until two steps are known)."""
-    if first is None or rec["step"] <= first[0] or rec.get("time_s", 0.0) <= first[1]:
-        return "-", "-"
-    rate = (rec["step"] - first[0]) / (rec["time_s"] - first[1])
-    return f"{rate:.2f} steps/s", f"{(total - rec['step']) / rate:.0f} s"
 
 
 # ----------------------------------------------------------------------------------------------- runs
@@ -260,8 +199,9 @@ NEXT_CONFIG = "config.next.json"
 def check_resume(saved: TrainConfig, config: TrainConfig, run_dir: Path) -> None:
     """``ValueError`` naming the option if ``config`` changes what a resumed run must keep
     (:data:`FROZEN_ON_RESUME`) from ``saved``, the configuration in ``run_dir``."""
+    saved_doc, doc = saved.to_json(), config.to_json()
     for name in FROZEN_ON_RESUME:
-        old, new = getattr(saved, name), getattr(config, name)
+        old, new = saved_doc[name], doc[name]
         if old == new:
             continue
         if name == "overrides":
@@ -301,24 +241,24 @@ def prepare_run_dir(run_dir: Path, config: TrainConfig, *, resume: bool) -> Trai
         check_resume(TrainConfig.from_json(json.loads(saved_path.read_text())), config, run_dir)
         checkpoint.check_compatible(
             meta,
-            variant=config.variant,
-            world_size=config.nproc,
-            workload=config.workload,
-            size=config.size,
-            seed=config.seed,
-            convert_momenta=config.convert_momenta,
+            variant=config.optimizer.variant,
+            world_size=config.cluster.nproc,
+            workload=config.run.workload,
+            size=config.run.size,
+            seed=config.run.seed,
+            convert_momenta=config.run.convert_momenta,
         )
-        if config.stop_at is not None and config.stop_at <= meta.step:
-            raise ValueError(f"--stop-at {config.stop_at}: the checkpoint is already at step {meta.step}")
-        if meta.step >= config.steps:
+        if config.run.stop_at is not None and config.run.stop_at <= meta.step:
+            raise ValueError(f"--stop-at {config.run.stop_at}: the checkpoint is already at step {meta.step}")
+        if meta.step >= config.run.steps:
             raise ValueError(
                 f"--resume: the checkpoint is at step {meta.step}; pass --steps above it to go on"
             )
-        _write_json(run_dir / NEXT_CONFIG, config.to_json())
+        write_config(run_dir / NEXT_CONFIG, config)
         return config
-    if config.convert_momenta is not None:
+    if config.run.convert_momenta is not None:
         raise ValueError(
-            f"--convert-momenta {config.convert_momenta}: applies only with --resume (a new run has no "
+            f"--convert-momenta {config.run.convert_momenta}: applies only with --resume (a new run has no "
             "momenta to convert)"
         )
     if is_marked(run_dir) and saved_path.exists():
@@ -333,15 +273,13 @@ def prepare_run_dir(run_dir: Path, config: TrainConfig, *, resume: bool) -> Trai
             + "); give a new or empty directory"
         )
     claim(run_dir)
-    _write_json(saved_path, config.to_json())
+    write_config(saved_path, config)
     return config
 
 
-def _write_json(path: Path, doc: dict[str, Any]) -> None:
-    """Write ``doc`` to ``path`` atomically (a ``.part`` file renamed over it)."""
-    tmp = path.with_name(path.name + ".part")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, path)
+def write_config(path: Path, config: TrainConfig) -> None:
+    """Write ``config`` to ``path`` as ``config.json`` (atomically)."""
+    write_atomically(path, json.dumps(config.to_json(), indent=1) + "\n")
 
 
 def run_training(
@@ -357,7 +295,7 @@ def run_training(
     collective_timeout_s: float = 600.0,
     env: dict[str, str] | None = None,
 ) -> RunOutcome:
-    """Launch ``config.nproc`` ranks of :mod:`lioncub.train.loop` on ``run_dir`` (already prepared); a
+    """Launch the ranks of :mod:`lioncub.train.rank` on ``run_dir`` (already prepared); a
     restart (``restarts``) reruns every rank, which resumes from the last checkpoint. ``env`` is added to
     the ranks' environment."""
     check_launch_options(restarts, collective_timeout_s)
@@ -368,16 +306,16 @@ def run_training(
     meta = checkpoint.latest(run_dir)
     start = meta.step if meta is not None else 0
     next_config = run_dir / NEXT_CONFIG  # a resume: its configuration becomes config.json on success
-    cmd = [sys.executable, "-m", "lioncub.train.loop", str(run_dir)]
+    cmd = [sys.executable, "-m", RANK_MODULE, str(run_dir)]
     if next_config.exists():
         cmd.append(str(next_config))
     bar = None
     if progress:
-        bar = Progress(run_dir / "log.jsonl", label or config.variant, start, config.steps, err)
+        bar = Progress(run_dir / "log.jsonl", label or config.optimizer.variant, start, config.run.steps, err)
         bar.start()
     try:
         rank_env = {"LIONCUB_PG_TIMEOUT": f"{collective_timeout_s:g}", **(env or {})}
-        launch_config = _launch_config(config, cmd, timeout_s, restarts=restarts, env=rank_env)
+        launch_config = make_launch_config(config, cmd, timeout_s, restarts=restarts, env=rank_env)
         result = launch(launch_config, out=out, err=err)
     finally:
         if bar is not None:
@@ -421,25 +359,3 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"{(summary.get('median_bytes_sent') or 0) / 1e6:.3f} MB sent per rank per step"
         + (f"; at step {final.get('step')}: {metrics}" if metrics else "")
     )
-
-
-def run_as_rank(config: TrainConfig, run_dir: Path) -> int:
-    """Train as one rank of a job that ``torchrun`` started (``RANK`` and ``WORLD_SIZE`` set): rank 0
-    writes ``config.json``; every rank runs :func:`lioncub.train.loop.run_rank`, resuming from the run's
-    checkpoints if there are any (torchrun's restarts). A directory holding files lioncub did not write
-    is refused on every rank."""
-    from lioncub.train import loop
-
-    foreign = foreign_entries(run_dir)  # every rank decides alike (what rank 0 writes is lioncub's)
-    if foreign:
-        raise ValueError(
-            f"--out {run_dir} holds files lioncub did not write ({', '.join(foreign[:5])}); give a new or "
-            "empty directory"
-        )
-    if int(os.environ["RANK"]) == 0:
-        claim(run_dir)
-        _write_json(run_dir / "config.json", config.to_json())
-    summary = loop.run_rank(config, run_dir)
-    if int(os.environ["RANK"]) == 0:
-        print(format_summary(summary))
-    return 0

@@ -98,8 +98,8 @@ def _variants(args: argparse.Namespace, out: Path) -> list[str]:
     """The variants to compare, in order: ``--variants``, or with ``--report-only`` the runs in ``out``
     (default :data:`DEFAULT_VARIANTS`); ``ValueError`` if a name is unknown or given twice."""
     from lioncub.optim import PRESETS
-    from lioncub.optim.config import TOPOLOGIES
     from lioncub.train.config import BASELINES
+    from lioncub.transports import TOPOLOGIES
 
     given = args.variants
     if given is None:

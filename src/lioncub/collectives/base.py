@@ -17,6 +17,7 @@ uses the library collectives (the default on NCCL).
 
 from __future__ import annotations
 
+import collections
 import datetime
 import os
 from collections.abc import Callable, Sequence
@@ -80,6 +81,8 @@ class Handle:
                 if ok is False:
                     raise self._error(TimeoutError(f"no answer within {timeout}"))
             self.done = True
+            if self.comm is not None:
+                self.comm.retire(self.works)
         return self.result
 
     def _error(self, err: BaseException) -> CollectiveError:
@@ -134,6 +137,7 @@ class Comm:
         self.counter = CommCounter()
         self.step = 0
         self._tag = 0
+        self._retired: collections.deque = collections.deque(maxlen=256)
 
     @classmethod
     def single(cls) -> Comm:
@@ -144,12 +148,20 @@ class Comm:
         comm.device = torch.device("cpu")
         comm.exchange, comm.timeout = "p2p", None
         comm.counter, comm.step, comm._tag = CommCounter(), 0, 0
+        comm._retired = collections.deque(maxlen=256)
         return comm
 
     # -- helpers -------------------------------------------------------------------------------------
 
     def global_rank(self, group_rank: int) -> int:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
+
+    def retire(self, works: list) -> None:
+        """Keep the finished ``works`` referenced for a while: a gloo work whose last reference its worker
+        thread drops is destroyed there, and one destroyed during interpreter shutdown takes the GIL and
+        aborts the process ("terminate called without an active exception"); from here the last reference
+        goes with this rank's Python objects, under the GIL."""
+        self._retired.extend(works)
 
     def _next_tag(self) -> int:
         self._tag = (self._tag + 1) % (1 << 20)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lioncub.optim import PRESETS, resolve_variant
-from lioncub.optim.lioncub import NONFINITE_MODES
+from lioncub.optim.step_check import NONFINITE_MODES
 from lioncub.train import checkpoint
 from lioncub.train.workloads import CNNWorkload, GPTWorkload, workload_names
 

@@ -58,7 +58,7 @@ from lioncub.optim.ddp import (
     count_gradient_allreduce,
     skip_gradient_allreduce,
 )
-from lioncub.optim.lioncub import NonFiniteGradientError
+from lioncub.optim.step_check import NonFiniteGradientError
 from lioncub.planning import costmodel
 from lioncub.planning.auto import DEFAULT_LATENCY_S, choose_topology
 from lioncub.train import checkpoint

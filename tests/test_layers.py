@@ -1,6 +1,8 @@
 """The package's shape: layers that import only downwards, no import cycles, no private name used across
-modules, CLI subcommands that never import each other, a constructor a reader can hold in their head, and
-``python -m lioncub`` (the README's "Layout" section states the same).
+modules, CLI subcommands that never import each other, a constructor a reader can hold in their head, the
+step engine speaking to the votes only through their protocol (no dispatch on string kinds), modules and
+functions a reader holds in one sitting, and ``python -m lioncub`` (the README's "Layout" section states
+the same).
 
 Read from the source with :mod:`ast` (every import, including those inside functions), not by importing.
 """
@@ -158,6 +160,84 @@ def test_one_definition_of_the_shared_checks() -> None:
     }
     twins = [m for m, names in defined.items() if {"_is_int", "_is_number"} & set(names)]
     assert twins == []  # lioncub._validate.is_int / is_number
+
+
+#: the protocol the step engine walks every bucket through (lioncub.collectives.protocol.Vote)
+PROTOCOL = {"contribute", "post", "advance", "wait", "apply", "discard"}
+
+
+def test_the_engine_calls_the_votes_only_through_their_protocol() -> None:
+    """In ``lioncub.optim`` every call on a vote (``….vote.NAME(…)``) is one of the protocol's methods: the
+    engine walks buckets; each vote owns its encode, exchange, decode and apply."""
+    wrong = []
+    for module, path in MODULES.items():
+        if not module.startswith("lioncub.optim"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Attribute)
+                and node.func.value.attr == "vote"
+                and node.func.attr not in PROTOCOL
+            ):
+                wrong.append(f"{module}:{node.lineno} calls vote.{node.func.attr}")
+    assert wrong == []
+
+
+def test_no_dispatch_on_a_string_kind() -> None:
+    """No wire format is a string code: nothing in ops, collectives or optim compares a ``kind`` with a
+    string, and no kernel entry takes a ``kind`` argument (each format is a class with its own methods)."""
+    wrong = []
+    for module, path in MODULES.items():
+        if not module.startswith(("lioncub.ops", "lioncub.collectives", "lioncub.optim")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                named = [s for s in sides if getattr(s, "attr", getattr(s, "id", None)) == "kind"]
+                strings = [s for s in sides if isinstance(s, ast.Constant) and isinstance(s.value, str)]
+                if named and strings:
+                    wrong.append(f"{module}:{node.lineno} compares a kind with a string")
+            public = isinstance(node, ast.FunctionDef) and not node.name.startswith("_")
+            if public and "kind" in [a.arg for a in node.args.args + node.args.kwonlyargs]:  # type: ignore[union-attr]
+                wrong.append(f"{module}:{node.lineno} {node.name}(kind=...)")  # type: ignore[union-attr]
+    assert wrong == []
+
+
+#: modules over :data:`MODULE_LINES` lines, each with why it stays whole
+LONG_MODULES = {
+    "lioncub.ops.quantize": "seven quantizers sharing one normalise/scale/round pass (618 lines): the "
+    "pass and the quantizers that call it are one formula",
+}
+MODULE_LINES = 600
+#: functions over :data:`FUNCTION_LINES` lines are argparse tables of the CLI only (their names)
+FUNCTION_LINES = 80
+
+
+def test_modules_are_held_in_one_sitting() -> None:
+    long = {m: p.read_text().count("\n") for m, p in MODULES.items()}
+    over = {m: n for m, n in long.items() if n > MODULE_LINES and m not in LONG_MODULES}
+    assert over == {}
+    stale = [m for m in LONG_MODULES if long.get(m, 0) <= MODULE_LINES]
+    assert stale == [], "an exception that is no longer needed"
+
+
+def test_functions_are_held_in_one_sitting() -> None:
+    """No function over :data:`FUNCTION_LINES` lines (docstring included) but the CLI's argument tables."""
+    wrong = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+                table = (
+                    module.startswith("lioncub.cli")
+                    and node.name.startswith("add_")
+                    and "argument" in node.name
+                )
+                if length > FUNCTION_LINES and not table:
+                    wrong.append(f"{module}.{node.name}: {length} lines")
+    assert wrong == []
 
 
 def test_lioncub_constructor_is_small() -> None:

@@ -1,16 +1,15 @@
 """The argument checks every layer shares. Each answers one question about a value (``bool`` is never a
 number here, though Python says it is an ``int``); the caller raises with its own option name and allowed
-values, or uses :func:`check_int` / :func:`check_number` / :func:`check_choice`, which raise
+values, or uses :func:`check_int` / :func:`check_number`, which raise
 ``ValueError`` naming them. Imports nothing of lioncub and not torch.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
 from typing import Any
 
-__all__ = ["check_choice", "check_int", "check_number", "is_int", "is_number"]
+__all__ = ["check_int", "check_number", "is_int", "is_number"]
 
 
 def is_int(value: object, low: int | None = None, high: int | None = None) -> bool:
@@ -58,18 +57,4 @@ def check_number(option: str, value: Any, what: str, **bounds: float) -> float:
     {what}"`` (``what`` states the allowed values, e.g. ``"a finite number > 0"``)."""
     if not is_number(value, **bounds):
         raise ValueError(f"{option}={value!r} must be {what}")
-    return value
-
-
-def check_choice(option: str, value: Any, allowed: Collection[Any]) -> Any:
-    """``value`` if it is one of ``allowed``, else ``ValueError`` naming the option and the allowed values."""
-    if isinstance(value, bool) and not any(isinstance(a, bool) for a in allowed):
-        ok = False
-    else:
-        try:
-            ok = value in allowed
-        except TypeError:  # unhashable
-            ok = False
-    if not ok:
-        raise ValueError(f"{option}={value!r}: allowed values are {list(allowed)}")
     return value

@@ -112,23 +112,18 @@ def check_step(
     Raises on every rank: :class:`StepMismatchError` when the step numbers or layouts differ (naming
     the ranks and both values), :class:`GradientChangedError` when any rank's gradients changed, and
     with ``nonfinite="raise"`` :class:`NonFiniteGradientError` instead of returning ``ok=False``."""
-    bad = bool(overflow)
-    if peaks:
-        bad = bad or bool((~torch.isfinite(torch.stack(list(peaks)))).any())
+    bad = bool(overflow) or bool(peaks and (~torch.isfinite(torch.stack(list(peaks)))).any())
     checksum = 0 if grad_checksum is None else grad_checksum
-    mine = torch.tensor(
-        [
-            int(bad) | int(bool(changed)) << 1,
-            step,
-            layout,
-            missing_grads,
-            checksum >> 32,
-            checksum & 0xFFFFFFFF,
-        ],
-        dtype=torch.int64,
-    )
+    words = [
+        int(bad) | int(bool(changed)) << 1,
+        step,
+        layout,
+        missing_grads,
+        checksum >> 32,
+        checksum & 0xFFFFFFFF,
+    ]
+    mine = torch.tensor(words, dtype=torch.int64)
     mine = ((mine + 2**31) % 2**32 - 2**31).to(torch.int32)  # each word as a signed int32
-    step, layout = int(mine[1]), int(mine[2])
     n = comm.world_size
     if n > 1:
         rows = torch.empty(n, STEP_CHECK_WORDS, dtype=torch.int32, device=comm.device)
@@ -136,6 +131,29 @@ def check_step(
         rows = rows.cpu()
     else:
         rows = mine.reshape(1, -1)
+    _raise_on_disagreement(comm, rows, mine, changed)
+    flags = rows[:, 0] & 1
+    sums = rows[:, 4:].to(torch.int64)
+    sums = sums[:, 0] * 2**32 + (sums[:, 1] & 0xFFFFFFFF)
+    identical = grad_checksum is not None and n > 1 and bool((sums == sums[0]).all()) and grad_checksum != 0
+    missing = bool(rows[:, 3].any())
+    if not bool(flags.any()):
+        return StepCheck(True, [], missing, identical)
+    ranks = flags.nonzero().flatten().tolist()
+    if nonfinite == "raise":
+        raise NonFiniteGradientError(
+            f"rank {comm.rank}: non-finite gradients (NaN or Inf) at step {int(mine[1])} on rank(s) {ranks}; "
+            "nothing was applied (nonfinite='raise')"
+        )
+    return StepCheck(False, ranks, missing, identical)
+
+
+def _raise_on_disagreement(
+    comm: Comm, rows: torch.Tensor, mine: torch.Tensor, changed: Sequence[str]
+) -> None:
+    """:class:`StepMismatchError` when the ranks' step numbers or layouts (``rows``: every rank's words,
+    ``mine``: this rank's) differ, :class:`GradientChangedError` when a rank's gradients changed."""
+    step, layout = int(mine[1]), int(mine[2])
     steps, layouts = rows[:, 1].tolist(), rows[:, 2].tolist()
     if len(set(steps)) > 1:
         others = [r for r, s in enumerate(steps) if s != step]
@@ -163,20 +181,6 @@ def check_step(
             "overlap_with (lioncub.optim.ddp.skip_gradient_allreduce(model)), or leave .grad as backward "
             "wrote it"
         )
-    flags = flags & 1
-    sums = rows[:, 4:].to(torch.int64)
-    sums = sums[:, 0] * 2**32 + (sums[:, 1] & 0xFFFFFFFF)
-    identical = grad_checksum is not None and n > 1 and bool((sums == sums[0]).all()) and grad_checksum != 0
-    missing = bool(rows[:, 3].any())
-    if not bool(flags.any()):
-        return StepCheck(True, [], missing, identical)
-    ranks = flags.nonzero().flatten().tolist()
-    if nonfinite == "raise":
-        raise NonFiniteGradientError(
-            f"rank {comm.rank}: non-finite gradients (NaN or Inf) at step {step} on rank(s) {ranks}; nothing "
-            "was applied (nonfinite='raise')"
-        )
-    return StepCheck(False, ranks, missing, identical)
 
 
 def grad_checksum(grads: Sequence[torch.Tensor], sample: int = 1 << 16) -> int:

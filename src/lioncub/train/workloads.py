@@ -52,12 +52,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lioncub._validate import is_int, is_number
 from lioncub.train import cnn, gpt
 from lioncub.train.data import (
-    DATASETS,
-    MODES,
-    TEXTS,
     CharDataset,
     ImageDataset,
     Mode,
@@ -70,6 +66,7 @@ from lioncub.train.data import (
     load_text,
     text_files,
 )
+from lioncub.train.workload_checks import check_fields
 
 __all__ = [
     "SIZES",
@@ -504,73 +501,6 @@ def workload_names() -> dict[str, list[str]]:
 
 # ---------------------------------------------------------------------------------------- validation
 
-_INT_GE_1 = ("an int >= 1", lambda v: is_int(v) and v >= 1)
-_RATE = ("a finite number >= 0", lambda v: is_number(v, ge=0))
-_BOOL = ("true or false", lambda v: isinstance(v, bool))
-
-#: field -> (what is allowed, test); fields of every workload, then of each one
-_COMMON_CHECKS: dict[str, tuple[str, Any]] = {
-    "rank": ("an int >= 0", lambda v: is_int(v) and v >= 0),
-    "world_size": _INT_GE_1,
-    "seed": ("an int >= 0", lambda v: is_int(v) and v >= 0),
-    "data_mode": (f"one of {list(MODES)}", lambda v: v in MODES),
-    "device": ("a device name such as 'cpu' or 'cuda:0'", lambda v: isinstance(v, (str, torch.device))),
-    "batch_size": _INT_GE_1,
-    "lr": _RATE,
-    "betas": (
-        "a pair [beta1, beta2] with 0 <= beta < 1",
-        lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and all(is_number(b, ge=0, lt=1) for b in v),
-    ),
-    "weight_decay": _RATE,
-}
-_CHECKS: dict[str, dict[str, tuple[str, Any]]] = {
-    "gpt": {
-        "corpus": (
-            "one of austen_slice, shakespeare, austen, or several joined by '+'",
-            lambda v: isinstance(v, str) and all(p in TEXTS for p in v.split("+")),
-        ),
-        "tokenizer": ("'char' or 'gpt2'", lambda v: v in ("char", "gpt2")),
-        "val_fraction": ("a number in (0, 1)", lambda v: is_number(v, gt=0, lt=1)),
-        "n_layer": _INT_GE_1,
-        "n_head": _INT_GE_1,
-        "n_embd": _INT_GE_1,
-        "block_size": _INT_GE_1,
-        "bias": _BOOL,
-        "tie_embeddings": _BOOL,
-        "dropout": ("a number in [0, 1)", lambda v: is_number(v, ge=0, lt=1)),
-        "head_lr": _RATE,
-        "embed_lr": _RATE,
-        "scalar_lr": _RATE,
-        "eval_windows": _INT_GE_1,
-    },
-    "cnn": {
-        "dataset": (f"one of {list(DATASETS)}", lambda v: v in DATASETS),
-        "widths": (
-            "a non-empty list of ints >= 1, e.g. [16, 32, 64]",
-            lambda v: isinstance(v, (list, tuple)) and len(v) > 0 and all(is_int(w) and w >= 1 for w in v),
-        ),
-        "blocks_per_stage": _INT_GE_1,
-        "eval_examples": _INT_GE_1,
-        "recalibrate_bn": _BOOL,
-        "bn_calibration_examples": _INT_GE_1,
-    },
-}
-
-
-def check_fields(cls: type[Workload], values: dict[str, Any]) -> None:
-    """Raise ``ValueError`` naming the field, its value and what is allowed for the first bad field of
-    ``values`` (a workload's fields, as ``make_workload`` overrides or ``--set FIELD=VALUE`` give them)."""
-    for name, (allowed, ok) in {**_COMMON_CHECKS, **_CHECKS.get(cls.name, {})}.items():
-        if name in values and not ok(values[name]):
-            raise ValueError(f"{cls.name} workload: {name}={values[name]!r} must be {allowed}")
-    if not values["rank"] < values["world_size"]:
-        raise ValueError(f"rank {values['rank']} out of range for world size {values['world_size']}")
-    if cls.name == "gpt" and values["n_embd"] % values["n_head"]:
-        raise ValueError(
-            f"gpt workload: n_embd={values['n_embd']} must be a multiple of n_head={values['n_head']} "
-            "(every head gets n_embd / n_head dimensions)"
-        )
-
 
 def check_workload(
     name: str, size: str, overrides: dict[str, Any] | None = None, *, data: bool = True
@@ -584,15 +514,8 @@ def check_workload(
     starts any rank.
     """
     overrides = dict(overrides or {})
-    if name not in SIZES:
-        raise ValueError(f"unknown workload {name!r}; known: {', '.join(SIZES)}")
-    if size not in SIZES[name]:
-        raise ValueError(f"unknown size {size!r} for {name}; known: {', '.join(SIZES[name])}")
-    cls = _CLASSES[name]
+    cls = _workload_class(name, size, overrides)
     known = {f.name: f.default for f in fields(cls)}
-    unknown = sorted(set(overrides) - set(known))
-    if unknown:
-        raise TypeError(f"{name} workload has no field(s) {unknown}; fields: {sorted(known)}")
     values = {**known, "size": size, **SIZES[name][size], **overrides}
     check_fields(cls, values)
     if data:
@@ -607,6 +530,13 @@ def make_workload(name: str, size: str, **overrides: Any) -> Workload:
 
     Loads the data at once: raises ``FileNotFoundError`` naming the missing file and the fetch command.
     """
+    cls = _workload_class(name, size, overrides)
+    return cls(size=size, **{**SIZES[name][size], **overrides})
+
+
+def _workload_class(name: str, size: str, overrides: dict[str, Any]) -> type[Workload]:
+    """The class of workload ``name``; ``ValueError`` for an unknown name or size, ``TypeError`` naming
+    the fields it does not have among ``overrides``."""
     if name not in SIZES:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(SIZES)}")
     if size not in SIZES[name]:
@@ -616,4 +546,4 @@ def make_workload(name: str, size: str, **overrides: Any) -> Workload:
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise TypeError(f"{name} workload has no field(s) {unknown}; fields: {sorted(known)}")
-    return cls(size=size, **{**SIZES[name][size], **overrides})
+    return cls

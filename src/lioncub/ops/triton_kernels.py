@@ -1,0 +1,179 @@
+"""The Triton kernels of :mod:`lioncub.ops.kernels` (the L1 quantizer's second pass, the 1-bit majority,
+the apply from int8 votes), with the arithmetic helpers that make them round as torch does (see the
+:mod:`lioncub.ops.kernels` module docstring). ``HAVE_TRITON`` is False where Triton is not importable; the
+kernels then do not exist and :mod:`lioncub.ops.kernels` takes its other backends.
+"""
+
+from __future__ import annotations
+
+__all__ = ["HAVE_TRITON", "TRITON_ERROR", "apply_kernel", "majority_kernel", "quantize_kernel"]
+
+try:  # the torch backend serves everything when Triton is missing or broken
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+    TRITON_ERROR = ""
+except Exception as _err:  # ImportError, or an install whose import fails
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+    HAVE_TRITON = False
+    TRITON_ERROR = f"{type(_err).__name__}: {_err}"
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _load_f32(ptr, offs, mask, KIND: tl.constexpr):
+        if KIND == 1:  # bfloat16 stored as int16 bits: widen exactly
+            v = tl.load(ptr + offs, mask=mask, other=0)
+            return (v.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        else:
+            return tl.load(ptr + offs, mask=mask, other=0).to(tl.float32)
+
+    @triton.jit
+    def _bf16_bits(x):
+        """float32 → bfloat16 bits (int32 in [0, 65535]), round half to even, NaN → 0x7FC0."""
+        u = x.to(tl.uint32, bitcast=True)
+        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        return tl.where(x != x, 0x7FC0, r.to(tl.int32))
+
+    @triton.jit
+    def _round(x, KIND: tl.constexpr):
+        """Round a float32 value to the storage dtype and back (exact), as a torch op's output does."""
+        if KIND == 1:
+            return (_bf16_bits(x) << 16).to(tl.float32, bitcast=True)
+        elif KIND == 2:
+            return x.to(tl.float16).to(tl.float32)
+        else:
+            return x
+
+    @triton.jit
+    def _store_f32(ptr, offs, x, mask, KIND: tl.constexpr):
+        """Store an already rounded float32 value in the storage dtype (exact)."""
+        if KIND == 1:
+            tl.store(ptr + offs, (x.to(tl.int32, bitcast=True) >> 16).to(tl.int16), mask=mask)
+        elif KIND == 2:
+            tl.store(ptr + offs, x.to(tl.float16), mask=mask)
+        else:
+            tl.store(ptr + offs, x, mask=mask)
+
+    @triton.jit
+    def _fma(a, b, c, EMULATE: tl.constexpr):
+        """float32 ``a·b + c`` rounded once: ``tl.fma`` compiled, an exact emulation when EMULATE."""
+        if EMULATE:
+            p = a.to(tl.float64) * b  # exact (b: a float32 scalar)
+            c64 = c.to(tl.float64)
+            s = p + c64
+            bb = s - p  # TwoSum: p + c64 == s + e exactly
+            aa = s - bb
+            e = (p - aa) + (c64 - bb)
+            bits = s.to(tl.int64, bitcast=True)
+            finite = (s - s) == 0
+            fix = finite & (e != 0) & ((bits & 1) == 0)  # round to odd: move to the odd neighbour
+            step = tl.where((e > 0) == (s > 0), 1, -1).to(tl.int64)
+            bits = tl.where(fix, bits + step, bits)
+            return bits.to(tl.float64, bitcast=True).to(tl.float32)
+        else:
+            return tl.fma(a, b, c)
+
+    @triton.jit
+    def quantize_kernel(
+        x_ptr,
+        out_ptr,
+        divisor_ptr,
+        scale_ptr,
+        wide_ptr,
+        seg_start_ptr,
+        group_base_ptr,
+        n,
+        n_seg,
+        chunk,
+        levels,
+        BLOCK: tl.constexpr,
+        KIND: tl.constexpr,
+        SEARCH: tl.constexpr,
+        CHUNKED: tl.constexpr,
+        ANY_WIDE: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        seg = tl.zeros([BLOCK], dtype=tl.int32)
+        for k in tl.static_range(SEARCH):  # binary search: the last segment start <= offs
+            cand = seg + (1 << (SEARCH - 1 - k))
+            ok = cand < n_seg
+            start = tl.load(seg_start_ptr + cand, mask=ok & mask, other=0)
+            seg = tl.where(ok & (start <= offs), cand, seg)
+        group = tl.load(group_base_ptr + seg, mask=mask, other=0).to(tl.int64)
+        if CHUNKED:
+            local = offs - tl.load(seg_start_ptr + seg, mask=mask, other=0)
+            group += local // chunk
+        d = tl.load(divisor_ptr + group, mask=mask, other=1.0)  # float64: M, 1 (all zeros) or +Inf
+        scale = tl.load(scale_ptr)  # float64 levels / k
+        x = _load_f32(x_ptr, offs, mask, KIND)
+        t = tl.math.div_rn(x, d.to(tl.float32)) * scale.to(tl.float32)  # (x / M) · (s / k), as the torch path
+        t = tl.where(t != t, 0.0, t)
+        t = tl.minimum(tl.maximum(t, -levels), levels)  # levels: float32, integral
+        q = (t + 12582912.0) - 12582912.0  # round half to even (|t| <= 2^22)
+        if ANY_WIDE:  # float64 work for chunks whose normaliser is not a normal float32 (or levels > 2^24)
+            wide = tl.load(wide_ptr + group, mask=mask, other=0) != 0
+            if tl.max(wide.to(tl.int32), axis=0) > 0:  # only blocks holding such a chunk pay for it
+                t64 = (x.to(tl.float64) / d) * scale
+                t64 = tl.where(t64 != t64, 0.0, t64)
+                t64 = tl.minimum(tl.maximum(t64, -levels), levels)
+                q64 = (t64 + 6755399441055744.0) - 6755399441055744.0
+                q = tl.where(wide, q64.to(tl.float32), q)  # integral, |q| <= 2^22: exact
+        tl.store(out_ptr + offs, q.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def majority_kernel(
+        rows_ptr, out_ptr, n_rows, row_bytes, out_bytes, n_bits, threshold, BLOCK_B: tl.constexpr
+    ):
+        pid = tl.program_id(0)
+        rb = pid.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+        mask = rb < out_bytes
+        shifts = 7 - tl.arange(0, 8)
+        counts = tl.zeros([BLOCK_B, 8], dtype=tl.int32)
+        for r in range(0, n_rows):
+            v = tl.load(rows_ptr + r * row_bytes + rb, mask=mask, other=0).to(tl.int32)
+            counts += (v[:, None] >> shifts[None, :]) & 1
+        bitpos = rb[:, None] * 8 + tl.arange(0, 8)[None, :]
+        win = (counts >= threshold) & (bitpos < n_bits)
+        byte = tl.sum(win.to(tl.int32) << shifts[None, :], axis=1)
+        tl.store(out_ptr + rb, byte.to(tl.uint8), mask=mask)
+
+    @triton.jit
+    def apply_kernel(
+        p_ptr,
+        u_ptr,
+        m_ptr,
+        g_ptr,
+        n,
+        neg_lr,
+        decay,
+        beta2,
+        alpha2,
+        BLOCK: tl.constexpr,
+        KIND: tl.constexpr,
+        DECAY: tl.constexpr,
+        MOMENTUM: tl.constexpr,
+        NEG: tl.constexpr,
+        EMULATE: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        u = tl.load(u_ptr + offs, mask=mask, other=0).to(tl.float32)
+        p = _load_f32(p_ptr, offs, mask, KIND)
+        if DECAY:
+            p = _round(p * decay, KIND)
+        p = _round(_fma(u, neg_lr, p, EMULATE), KIND)
+        _store_f32(p_ptr, offs, p, mask, KIND)
+        if MOMENTUM:
+            m = _load_f32(m_ptr, offs, mask, KIND)
+            g = _load_f32(g_ptr, offs, mask, KIND)
+            if NEG:
+                g = g * -1.0  # not -g: Triton negates as 0 - g, which turns -(+0.0) into +0.0
+            t = _round(m * beta2, KIND)
+            _store_f32(m_ptr, offs, _round(_fma(g, alpha2, t, EMULATE), KIND), mask, KIND)

@@ -214,7 +214,7 @@ def measure_compute(
     lanes = packing.pack_lanes(torch.ge(x, 0).view(torch.uint8), 4)
     lane_signs = tuple(int(v > 0) - int(v < 0) for v in (2 * c - n for c in range(16)))
 
-    # the kernels the vote classes run (lioncub.collectives.votes), with their reused output buffers
+    # the kernels the vote classes run (lioncub.collectives), with their reused output buffers
     def count() -> torch.Tensor:  # OneBitVote's middle: count the N workers' votes of a slice, repack
         counts = packing.count_votes(packed.view(n, slice_bytes), slice_bytes * 8)
         return packing.pack_majority(counts, n, True)

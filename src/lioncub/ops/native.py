@@ -221,14 +221,7 @@ def direction(
     With ``next_momentum`` (a tensor like ``m``) also ``next_momentum ← β2·m + (1−β2)·g``, in the same pass
     (``m`` itself is not written: a skipped step keeps it)."""
     _check_step(exp_avg, (grad, "grad"), (out, "out"), (next_momentum, "next_momentum"))
-    fn = getattr(_lib(), f"lc_direction_{_suffix(exp_avg)}")
-    n, has_g = exp_avg.numel(), grad is not None
-
-    def part(a: int, b: int) -> float:
-        m, g, mn = _ptr(exp_avg, a), _ptr(grad, a), _ptr(next_momentum, a)
-        return fn(m, g, b - a, beta1, 1.0 - beta1, negate, has_g, _ptr(out, a), mn, beta2, 1.0 - beta2)
-
-    return _peak(_run(_parts(n), part))
+    return _elementwise_direction("direction", exp_avg, grad, beta1, out, negate, next_momentum, beta2)
 
 
 def direction_sign(
@@ -245,14 +238,28 @@ def direction_sign(
     ``|c|``."""
     _check_step(exp_avg, (grad, "grad"), (next_momentum, "next_momentum"))
     _check(out, "out", (torch.int8,), exp_avg.numel())
-    fn = getattr(_lib(), f"lc_direction_sign_{_suffix(exp_avg)}")
-    n, has_g = exp_avg.numel(), grad is not None
+    return _elementwise_direction("direction_sign", exp_avg, grad, beta1, out, negate, next_momentum, beta2)
+
+
+def _elementwise_direction(
+    kernel: str,
+    exp_avg: torch.Tensor,
+    grad: torch.Tensor | None,
+    beta1: float,
+    out: torch.Tensor,
+    negate: bool,
+    next_momentum: torch.Tensor | None,
+    beta2: float,
+) -> float:
+    """``lc_{kernel}`` over the checked tensors, one output element per input element; max ``|c|``."""
+    fn = getattr(_lib(), f"lc_{kernel}_{_suffix(exp_avg)}")
+    has_g = grad is not None
 
     def part(a: int, b: int) -> float:
         m, g, mn = _ptr(exp_avg, a), _ptr(grad, a), _ptr(next_momentum, a)
         return fn(m, g, b - a, beta1, 1.0 - beta1, negate, has_g, _ptr(out, a), mn, beta2, 1.0 - beta2)
 
-    return _peak(_run(_parts(n), part))
+    return _peak(_run(_parts(exp_avg.numel()), part))
 
 
 def _lanes_bytes(start: int, stop: int, bits: int) -> int:

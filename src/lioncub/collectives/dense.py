@@ -88,7 +88,7 @@ class DenseMean(Vote):
     # -- the protocol --------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def contribute(self, ballot, grads, state, *, keep_copy=False):
+    def contribute(self, ballot, grads, state, *, step, keep_copy=False):
         d = ballot.local.numel()
         fused = (
             ballot.backend == "cpu"

@@ -5,7 +5,7 @@ apply.
 ==============================  ==================================================  ====================
 payload                          written by (fused C, straight from ``m`` and ``g``)  used by
 ==============================  ==================================================  ====================
-:class:`PackedVotes` (1 bit)     votes ``[c ≥ 0]`` packed MSB first, "+" padding     1-bit vote, server
+:class:`PackedVotes` (1 bit)     votes ``[c > 0]`` packed MSB first, "+" padding     1-bit vote, server
 :class:`PackedVotes` (p bits)    votes in p-bit lanes, zero padding lanes           lane vote
 :class:`Int8Signs`               ``sign(c)`` as int8 (NaN → 0)                      sign sum, average
 ==============================  ==================================================  ====================
@@ -78,9 +78,11 @@ class Payload(ABC):
         negate: bool,
         next_momentum: torch.Tensor | None,
         beta2: float,
+        zeros_vote_plus: bool = True,
     ) -> float:
         """One parameter's payload at element ``position`` of the bucket (and, with ``next_momentum``,
-        ``β2·m + (1−β2)·g`` into it); returns max ``|c|``."""
+        ``β2·m + (1−β2)·g`` into it; ``zeros_vote_plus``: how an exact zero votes in a one-bit vote);
+        returns max ``|c|``."""
 
     def finish(self, out: torch.Tensor, d: int) -> None:  # noqa: B027 (most payloads have no padding)
         """After every parameter's :meth:`write`: the padding past element d."""
@@ -101,8 +103,11 @@ class PackedVotes(Payload):
             return -(-d // self.pad_to) * self.pad_to // 8
         return packing.packed_size(d, self.bits)
 
-    def write(self, exp_avg, grad, beta1, *, out, position, negate, next_momentum, beta2):
+    def write(
+        self, exp_avg, grad, beta1, *, out, position, negate, next_momentum, beta2, zeros_vote_plus=True
+    ):
         more = {"negate": negate, "next_momentum": next_momentum, "beta2": beta2}
+        more["zeros_vote_plus"] = zeros_vote_plus
         return native.direction_lanes(
             exp_avg, grad, beta1, out=out, position=position, bits=self.bits, **more
         )
@@ -120,7 +125,9 @@ class Int8Signs(Payload):
     def numel(self, d: int) -> int:
         return d
 
-    def write(self, exp_avg, grad, beta1, *, out, position, negate, next_momentum, beta2):
+    def write(
+        self, exp_avg, grad, beta1, *, out, position, negate, next_momentum, beta2, zeros_vote_plus=True
+    ):
         signs = out[position : position + exp_avg.numel()]
         more = {"negate": negate, "next_momentum": next_momentum, "beta2": beta2}
         return native.direction_sign(exp_avg, grad, beta1, out=signs, **more)

@@ -104,12 +104,12 @@ class HierarchicalVote(SignVote):
         self.lane_bits = transports.hierarchical_lane_bits(transport, bits, self.nodes, self.per_node)
         self._transport = (transport, bits)
 
-    def _values(self, local: torch.Tensor, segments: Sequence[int] | None) -> torch.Tensor:
+    def _values(self, local: torch.Tensor, segments: Sequence[int] | None, step: int) -> torch.Tensor:
         """This rank's integer contribution (int8): the flat algorithm's vote, sign or level."""
         if isinstance(self.flat, QuantizedVote):
             return self.flat.levels_of(local, segments)
         if isinstance(self.flat, (OneBitVote, LaneVote)):
-            return torch.ge(local, 0).view(torch.int8)
+            return self.flat.votes(local, step).view(torch.int8)
         return sign_int8(local)
 
     def _final(
@@ -128,7 +128,7 @@ class HierarchicalVote(SignVote):
 
     def start(self, local, *, step, key=None, segments=None, encoded=None):
         d, m, ell = local.numel(), self.nodes, self.per_node
-        values = self._values(local, segments)
+        values = self._values(local, segments, step)
         node_sum = values.to(_int_dtype(ell * self.max_value))
         first = self.intra.all_reduce(node_sum, "hierarchical vote: intra-node sum")
         total_dtype = _int_dtype(self.world_size * self.max_value)
@@ -188,22 +188,23 @@ class HierarchicalVote(SignVote):
 
 
 class NodeMajorityVote(SignVote):
-    """Each node's exact majority of its ranks' 1-bit votes (``c ≥ 0``; ties by the alternating rule),
+    """Each node's exact majority of its ranks' 1-bit votes (``c > 0``, exact zeros by
+    :meth:`~lioncub.collectives.signvote.SignVote.zeros_vote_plus`; ties by the alternating rule),
     then a 1-bit vote among the nodes (:class:`OneBitVote` on the ``inter`` group, slice by slice), then an
     intra-node all-gather. Result: int8 ±1. A different estimator from the global majority (module
     docstring)."""
 
     name = "node-majority-1bit"
 
-    def __init__(self, flat: Comm, intra: Comm, inter: Comm) -> None:
-        super().__init__(flat)
+    def __init__(self, flat: Comm, intra: Comm, inter: Comm, zero_vote: str = "split") -> None:
+        super().__init__(flat, zero_vote)
         self.intra, self.inter = intra, inter
         self.nodes, self.per_node = _check_layout(flat, intra, inter)
         self.among_nodes = OneBitVote(inter)
 
     def start(self, local, *, step, key=None, segments=None, encoded=None):
         d, ell = local.numel(), self.per_node
-        counts = torch.ge(local, 0).view(torch.int8).to(_int_dtype(ell))
+        counts = self.votes(local, step).view(torch.int8).to(_int_dtype(ell))
         first = self.intra.all_reduce(counts, "node-majority vote: intra-node count")
         state: dict[str, object] = {}
 
@@ -259,4 +260,4 @@ def make_topology_vote(topology: str, flat: Vote, groups: Callable[[], tuple[Com
         raise ValueError(
             f"topology='node-majority' applies to the 1-bit vote (variant '1bit'), not to {flat.name!r}"
         )
-    return NodeMajorityVote(flat.comm, intra, inter)
+    return NodeMajorityVote(flat.comm, intra, inter, flat.zero_vote)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-import torch
-
 from lioncub import transports
 from lioncub.collectives.base import Comm
 from lioncub.collectives.formats import Decoded, LaneTable, PackedVotes, sign_int8
@@ -32,14 +30,15 @@ class LaneVote(SignVote):
     PackedVotes`); a uint8 allreduce SUM leaves the count of "+" votes in each lane, which cannot carry
     into its neighbour while ``N ≤ 2^p − 1``; the update is ``sign(2·count − N)`` (ties stay 0; correct for
     odd N), read through a lane table (:class:`~lioncub.collectives.formats.LaneTable`). ``bits="auto"``
-    takes the narrowest lane that fits N. Exact zeros of ``c`` vote "+". Bytes per rank:
+    takes the narrowest lane that fits N. An exact zero of ``c`` votes by
+    :meth:`~lioncub.collectives.signvote.SignVote.zeros_vote_plus`. Bytes per rank:
     ``2·(N−1)/N · d·p/8``.
     """
 
     name = "lanes"
 
-    def __init__(self, comm: Comm, bits: int | Literal["auto"] = 4) -> None:
-        super().__init__(comm)
+    def __init__(self, comm: Comm, bits: int | Literal["auto"] = 4, zero_vote: str = "split") -> None:
+        super().__init__(comm, zero_vote)
         n = comm.world_size
         if bits == "auto":
             bits = 8 if n == 1 else auto_lane_bits(n)
@@ -56,10 +55,7 @@ class LaneVote(SignVote):
         n, d = self.world_size, local.numel()
         if n == 1:
             return Pending(lambda: Decoded(sign_int8(local)))
-        if encoded is None:
-            lanes = packing.pack_lanes(torch.ge(local, 0).view(torch.uint8), self.bits)
-        else:
-            lanes = encoded
+        lanes = packing.pack_lanes(self.votes(local, step), self.bits) if encoded is None else encoded
         handle = self.comm.all_reduce(lanes, f"{self.bits}-bit vote allreduce")
         table = LaneTable.signs(range(1 << self.bits), 2, -n)  # a lane counts "+" votes: sign(2·count − N)
         return Pending(lambda: LaneTable(handle.wait(), self.bits, table, d))  # type: ignore[arg-type]

@@ -17,7 +17,7 @@ __all__ = ["OneBitVote"]
 class OneBitVote(SignVote):
     """Lion Cub's 1-bit compressed allreduce for the majority vote.
 
-    1. votes ``b = [c ≥ 0]`` padded with "+" to a multiple of ``8·N``, packed 8 per byte, split in N
+    1. votes ``b = [c > 0]`` padded with "+" to a multiple of ``8·N``, packed 8 per byte, split in N
        slices (:class:`~lioncub.collectives.formats.PackedVotes`, written by the fused contribution);
     2. all-to-all: rank r receives slice r of every worker;
     3. rank r counts the "+" votes of its slice; a tie (``2·count = N``) becomes +1 on odd steps and −1 on
@@ -25,8 +25,8 @@ class OneBitVote(SignVote):
     4. the slice's result is packed and all-gathered
        (:class:`~lioncub.collectives.formats.PackedSigns`: ``int8`` ±1, never 0).
 
-    Exact zeros of ``c`` vote "+", as in the papers' code. Bytes per rank: ``2·(N−1)/N · d_pad / 8``
-    (``d_pad``: d rounded up to a multiple of 8N).
+    An exact zero of ``c`` votes by :meth:`~lioncub.collectives.signvote.SignVote.zeros_vote_plus`. Bytes
+    per rank: ``2·(N−1)/N · d_pad / 8`` (``d_pad``: d rounded up to a multiple of 8N).
     """
 
     name = "1bit"
@@ -41,7 +41,8 @@ class OneBitVote(SignVote):
             return Pending(lambda: Decoded(sign_int8(local)))
         nbytes = -(-d // (8 * n)) * n  # padded bits / 8
         if encoded is None:
-            packed = packing.pack_signs(local, pad_to=8 * n, out=self.payload(key, d))
+            zeros = self.zeros_vote_plus(step)
+            packed = packing.pack_signs(local, pad_to=8 * n, out=self.payload(key, d), zeros_vote_plus=zeros)
         else:
             packed = encoded
         recv = self.buffer(key, "recv", nbytes, torch.uint8)

@@ -208,11 +208,12 @@ class Vote(ABC):
         grads: Sequence[torch.Tensor | None],
         state: ParamState,
         *,
+        step: int,
         keep_copy: bool = False,
     ) -> None:
         """Step 1: this rank's contribution of ``ballot.params`` (gradients ``grads``, ``None`` = zeros)
-        into ``ballot.local`` or ``ballot.payload``, and ``ballot.peak``; ``keep_copy`` keeps a copy of it
-        in ``ballot.direction`` (diagnostics)."""
+        to optimizer step ``step`` into ``ballot.local`` or ``ballot.payload``, and ``ballot.peak``;
+        ``keep_copy`` keeps a copy of it in ``ballot.direction`` (diagnostics)."""
 
     def post(self, ballot: Ballot, step: int) -> None:
         """Step 2: encode and post the vote of ``ballot`` for optimizer step ``step``."""

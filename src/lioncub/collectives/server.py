@@ -22,8 +22,9 @@ class ServerVote(SignVote):
     (:class:`~lioncub.collectives.formats.PackedVotes`), which counts them and sends back the majority
     (2-bit lanes holding ``u + 1``, read through a :class:`~lioncub.collectives.formats.LaneTable`) or, for
     ``aggregation="average"``, the count (lanes wide enough for N) from which every rank forms
-    ``(2·count − N)/N``. Exact zeros of ``c`` vote "+". Root's ingress carries ``(N−1)·d/8`` bytes: the cost
-    grows linearly with N.
+    ``(2·count − N)/N``. An exact zero of ``c`` votes by
+    :meth:`~lioncub.collectives.signvote.SignVote.zeros_vote_plus`. Root's ingress carries ``(N−1)·d/8``
+    bytes: the cost grows linearly with N.
     """
 
     name = "server"
@@ -33,8 +34,9 @@ class ServerVote(SignVote):
         comm: Comm,
         aggregation: Literal["majority", "average"] = "majority",
         root: int = 0,
+        zero_vote: str = "split",
     ) -> None:
-        super().__init__(comm)
+        super().__init__(comm, zero_vote)
         if aggregation not in ("majority", "average"):
             raise ValueError(f"aggregation={aggregation!r} is not one of 'majority', 'average'")
         if not 0 <= root < comm.world_size:
@@ -58,7 +60,11 @@ class ServerVote(SignVote):
             return Pending(
                 lambda: Decoded(signs if self.aggregation == "majority" else signs.to(local.dtype))
             )
-        up = packing.pack_signs(local) if encoded is None else encoded
+        up = (
+            packing.pack_signs(local, zeros_vote_plus=self.zeros_vote_plus(step))
+            if encoded is None
+            else encoded
+        )
         down = self.buffer(key, "down", packing.packed_size(d, self.down_bits), torch.uint8)
         receive = self._exchange(up, down, d, key)
         if self.aggregation == "majority":

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from lioncub.collectives.base import Comm
 from lioncub.collectives.formats import Decoded, Payload
 from lioncub.collectives.protocol import Ballot, Hyper, ParamState, Vote
 from lioncub.ops import kernels, native
@@ -82,9 +83,23 @@ class SignVote(Vote):
     """A vote whose ranks contribute ``c = β1·m + (1−β1)·g`` and apply the agreed update ``u`` as Lion
     applies ``sign(c)`` (see the module docstring)."""
 
-    def __init__(self, comm) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, comm: Comm, zero_vote: str = "split") -> None:
         super().__init__(comm)
+        if zero_vote not in ("split", "plus"):
+            raise ValueError(f"zero_vote={zero_vote!r}: allowed values are ['split', 'plus']")
+        #: how an exact zero of ``c`` votes where a vote is one bit (:class:`lioncub.optim.VoteConfig`)
+        self.zero_vote = zero_vote
         self._scratch: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}  # id(m): (m, next)
+
+    def zeros_vote_plus(self, step: int) -> bool:
+        """Whether this rank's exact zeros vote "+" at optimizer step ``step`` in a one-bit vote: always
+        (``zero_vote="plus"``, the papers' code), or where rank + step is even (``"split"``)."""
+        return self.zero_vote == "plus" or (self.comm.rank + step) % 2 == 0
+
+    def votes(self, local: torch.Tensor, step: int) -> torch.Tensor:
+        """This rank's one-bit votes of ``local`` as uint8 0/1 (:meth:`zeros_vote_plus` for exact zeros)."""
+        vote = torch.ge if self.zeros_vote_plus(step) else torch.gt
+        return vote(local, 0).view(torch.uint8)
 
     def payload_format(self) -> Payload | None:
         """The payload the fused contribution writes from ``(m, g)`` (``None``: the vote needs ``c``)."""
@@ -100,9 +115,9 @@ class SignVote(Vote):
     # -- 1. the contribution -----------------------------------------------------------------------
 
     @torch.no_grad()
-    def contribute(self, ballot, grads, state, *, keep_copy=False):
+    def contribute(self, ballot, grads, state, *, step, keep_copy=False):
         if ballot.backend == "cpu" and fits_backend(ballot, state, grads):
-            self._contribute_fused(ballot, grads, state, keep_copy)
+            self._contribute_fused(ballot, grads, state, step, keep_copy)
             return
         for p, g, view in zip(ballot.params, grads, flat_views(ballot.local, ballot.params), strict=True):
             h = state.hyper(p)
@@ -112,7 +127,12 @@ class SignVote(Vote):
         ballot.direction = ballot.local.clone() if keep_copy else None
 
     def _contribute_fused(
-        self, ballot: Ballot, grads: Sequence[torch.Tensor | None], state: ParamState, keep_copy: bool
+        self,
+        ballot: Ballot,
+        grads: Sequence[torch.Tensor | None],
+        state: ParamState,
+        step: int,
+        keep_copy: bool,
     ) -> None:
         d = ballot.local.numel()
         whole = sum(ballot.segments) == d
@@ -130,7 +150,8 @@ class SignVote(Vote):
             if fmt is None:
                 peaks.append(native.direction(m, gr, h.beta1, out=view, **more))
             else:
-                peaks.append(fmt.write(m, gr, h.beta1, out=payload, position=pos, **more))
+                zeros = {"zeros_vote_plus": self.zeros_vote_plus(step)}
+                peaks.append(fmt.write(m, gr, h.beta1, out=payload, position=pos, **more, **zeros))
             pos += p.numel()
         if fmt is not None:
             fmt.finish(payload, d)  # type: ignore[arg-type]

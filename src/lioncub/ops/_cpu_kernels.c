@@ -141,11 +141,12 @@ ALWAYS void prefetch_block(const void *a, const void *b, int64_t bytes, int writ
     }
 }
 
-/* mode 0: c to cout; 1: sign(c) to sout (int8); 2: [c >= 0] to vout (uint8 0/1) */
+/* mode 0: c to cout; 1: sign(c) to sout (int8); 2: the vote [c > 0 or (c == 0 and zplus)] to vout
+ * (uint8 0/1; zplus = 1: [c >= 0], the papers' rule) */
 #define DIRECTION_CORE(SUF, T, W, U, ABS)                                                                \
     ALWAYS U dir_core_##SUF(const T *m, const T *g, int64_t n, W b1, W a1, const int neg,              \
-                            const int has_g, const int mode, T *cout, int8_t *sout, uint8_t *vout,       \
-                            U top, const int mom, T *mout, W b2, W a2) {                                 \
+                            const int has_g, const int mode, const int zplus, T *cout, int8_t *sout,     \
+                            uint8_t *vout, U top, const int mom, T *mout, W b2, W a2) {                  \
         for (int64_t i = 0; i < n; i++) {                                                                \
             W gi = has_g ? (neg ? -LOAD_##SUF(g, i) : LOAD_##SUF(g, i)) : (W)0;                          \
             W mi = LOAD_##SUF(m, i);                                                                     \
@@ -155,7 +156,7 @@ ALWAYS void prefetch_block(const void *a, const void *b, int64_t bytes, int writ
             else if (mode == 1)                                                                          \
                 sout[i] = (int8_t)((c > 0) - (c < 0));                                                   \
             else                                                                                         \
-                vout[i] = (uint8_t)(c >= 0);                                                             \
+                vout[i] = (uint8_t)((c > 0) | ((c == 0) & zplus));                                       \
             if (mom) STORE_##SUF(mout, i, ROUND_##SUF(FMA_##SUF(gi, a2, ROUND_##SUF(mi * b2))));         \
             U a;                                                                                         \
             memcpy(&a, &c, sizeof a);                                                                    \
@@ -167,16 +168,17 @@ ALWAYS void prefetch_block(const void *a, const void *b, int64_t bytes, int writ
                                                                                                          \
     /* the (neg, has_g, momentum) specialisations of one mode */                                         \
     ALWAYS U dir_any_##SUF(const T *m, const T *g, int64_t n, W b1, W a1, int neg, int has_g,           \
-                           const int mode, T *cout, int8_t *sout, uint8_t *vout, U top, T *mout, W b2,   \
-                           W a2) {                                                                       \
+                           const int mode, int zplus, T *cout, int8_t *sout, uint8_t *vout, U top,       \
+                           T *mout, W b2, W a2) {                                                        \
+        const int z = zplus ? 1 : 0;                                                                     \
         if (mout) {                                                                                      \
-            if (!has_g) return dir_core_##SUF(m, g, n, b1, a1, 0, 0, mode, cout, sout, vout, top, 1, mout, b2, a2); \
-            if (neg) return dir_core_##SUF(m, g, n, b1, a1, 1, 1, mode, cout, sout, vout, top, 1, mout, b2, a2); \
-            return dir_core_##SUF(m, g, n, b1, a1, 0, 1, mode, cout, sout, vout, top, 1, mout, b2, a2);  \
+            if (!has_g) return dir_core_##SUF(m, g, n, b1, a1, 0, 0, mode, z, cout, sout, vout, top, 1, mout, b2, a2); \
+            if (neg) return dir_core_##SUF(m, g, n, b1, a1, 1, 1, mode, z, cout, sout, vout, top, 1, mout, b2, a2); \
+            return dir_core_##SUF(m, g, n, b1, a1, 0, 1, mode, z, cout, sout, vout, top, 1, mout, b2, a2); \
         }                                                                                                \
-        if (!has_g) return dir_core_##SUF(m, g, n, b1, a1, 0, 0, mode, cout, sout, vout, top, 0, 0, b2, a2); \
-        if (neg) return dir_core_##SUF(m, g, n, b1, a1, 1, 1, mode, cout, sout, vout, top, 0, 0, b2, a2); \
-        return dir_core_##SUF(m, g, n, b1, a1, 0, 1, mode, cout, sout, vout, top, 0, 0, b2, a2);         \
+        if (!has_g) return dir_core_##SUF(m, g, n, b1, a1, 0, 0, mode, z, cout, sout, vout, top, 0, 0, b2, a2); \
+        if (neg) return dir_core_##SUF(m, g, n, b1, a1, 1, 1, mode, z, cout, sout, vout, top, 0, 0, b2, a2); \
+        return dir_core_##SUF(m, g, n, b1, a1, 0, 1, mode, z, cout, sout, vout, top, 0, 0, b2, a2);      \
     }                                                                                                    \
                                                                                                          \
     ALWAYS double peak_##SUF(U top) { /* the largest |c| (+Inf, NaN when some c is) as a double */      \
@@ -193,7 +195,7 @@ ALWAYS void prefetch_block(const void *a, const void *b, int64_t bytes, int writ
             int64_t len = n - i < BLOCK ? n - i : BLOCK;                                                 \
             if (lc_ahead && i + lc_ahead < n)                                                            \
                 prefetch_block(m + i + lc_ahead, has_g ? g + i + lc_ahead : 0, BLOCK * (int64_t)sizeof(T), 0); \
-            top = dir_any_##SUF(m + i, has_g ? g + i : g, len, b1, a1, neg, has_g, mode,                 \
+            top = dir_any_##SUF(m + i, has_g ? g + i : g, len, b1, a1, neg, has_g, mode, 0,              \
                                 cout ? cout + i : cout, sout ? sout + i : sout, 0, top, mout ? mbuf : 0, \
                                 b2, a2);                                                                 \
             if (mout) stream_##SUF(mout + i, mbuf, len);                                                 \
@@ -215,10 +217,11 @@ ALWAYS void prefetch_block(const void *a, const void *b, int64_t bytes, int writ
         return peak_##SUF(dir_blocks_##SUF(m, g, n, b1, a1, neg, has_g, 1, 0, out, 0, mout, b2, a2));    \
     }                                                                                                    \
                                                                                                          \
-    /* the votes [c >= 0] in bits-bit lanes (bits 1, 2, 4, 8) at lane positions [pos, pos + n) */        \
+    /* the votes [c > 0 or (c == 0 and zplus)] in bits-bit lanes (bits 1, 2, 4, 8) at lane positions    \
+     * [pos, pos + n) */                                                                                 \
     LC_EXPORT LC_CLONES double lc_direction_lanes_##SUF(const T *m, const T *g, int64_t n, W b1, W a1,  \
                                                         int neg, int has_g, uint8_t *out, int64_t pos,   \
-                                                        int bits, T *mout, W b2, W a2) {                 \
+                                                        int bits, int zplus, T *mout, W b2, W a2) {      \
         const int per = 8 / bits;                                                                        \
         uint8_t v[BLOCK];                                                                                \
         T mbuf[BLOCK];                                                                                   \
@@ -227,7 +230,7 @@ ALWAYS void prefetch_block(const void *a, const void *b, int64_t bytes, int writ
         int64_t head = (per - pos % per) % per; /* lanes up to the first whole byte */                   \
         if (head > n) head = n;                                                                          \
         if (head) {                                                                                      \
-            top = dir_any_##SUF(m, g, head, b1, a1, neg, has_g, 2, 0, 0, v, top, mout, b2, a2);          \
+            top = dir_any_##SUF(m, g, head, b1, a1, neg, has_g, 2, zplus, 0, 0, v, top, mout, b2, a2);   \
             for (int64_t j = 0; j < head; j++) lc_fill_lanes(out, pos + j, pos + j + 1, bits, v[j]);    \
             i = head;                                                                                    \
         }                                                                                                \
@@ -236,8 +239,8 @@ ALWAYS void prefetch_block(const void *a, const void *b, int64_t bytes, int writ
             int64_t len = n - i < BLOCK ? n - i : BLOCK;                                                 \
             if (lc_ahead && i + lc_ahead < n)                                                            \
                 prefetch_block(m + i + lc_ahead, has_g ? g + i + lc_ahead : 0, BLOCK * (int64_t)sizeof(T), 0); \
-            top = dir_any_##SUF(m + i, has_g ? g + i : g, len, b1, a1, neg, has_g, 2, 0, 0, v, top,      \
-                                mout ? mbuf : 0, b2, a2);                                                \
+            top = dir_any_##SUF(m + i, has_g ? g + i : g, len, b1, a1, neg, has_g, 2, zplus, 0, 0, v,    \
+                                top, mout ? mbuf : 0, b2, a2);                                           \
             if (mout) stream_##SUF(mout + i, mbuf, len);                                                 \
             int64_t whole = len / per * per, j = 0;                                                      \
             if (per == 8) {                                                                              \
@@ -656,4 +659,4 @@ LC_EXPORT LC_CLONES void lc_lion_f32_bf16g(float *p, const uint16_t *g, float *m
     }
 }
 
-LC_EXPORT int lc_abi_version(void) { return 4; }
+LC_EXPORT int lc_abi_version(void) { return 5; }

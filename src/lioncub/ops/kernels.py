@@ -107,8 +107,14 @@ def _triton_device_ok(tensors: Sequence[torch.Tensor]) -> str:
     return ""
 
 
+def _subclass(tensors: Sequence[torch.Tensor]) -> str:
+    """A tensor subclass among ``tensors`` (a DTensor, ...: its data is not behind its pointer), or ""."""
+    odd = [t for t in tensors if type(t) not in (torch.Tensor, torch.nn.Parameter)]
+    return f"a {type(odd[0]).__name__} (a tensor subclass)" if odd else ""
+
+
 def _why_not(tensors: Sequence[torch.Tensor], floats: Sequence[torch.Tensor]) -> str:
-    why = _triton_device_ok(tensors)
+    why = _subclass(tensors) or _triton_device_ok(tensors)
     if why:
         return why
     for t in tensors:
@@ -126,6 +132,8 @@ def _why_not_cpu(tensors: Sequence[torch.Tensor], floats: Sequence[torch.Tensor]
     """Why the C kernels cannot run these tensors ("" if they can)."""
     if not native.available():
         return f"the fused CPU kernels are unavailable ({native.reason()})"
+    if _subclass(tensors):
+        return _subclass(tensors)
     for t in tensors:
         if t.device.type != "cpu":
             return f"a {t.device.type} tensor: the C kernels take CPU tensors"

@@ -278,9 +278,11 @@ def direction_lanes(
     negate: bool = False,
     next_momentum: torch.Tensor | None = None,
     beta2: float = 0.0,
+    zeros_vote_plus: bool = True,
 ) -> float:
-    """The votes ``[c ≥ 0]`` into ``bits``-bit lanes ``[position, position + n)`` of ``out`` (uint8, the
-    layout of :func:`lioncub.ops.packing.pack_lanes`; the other lanes of the two end bytes are kept);
+    """The votes ``[c > 0]``, and ``[c == 0]`` where ``zeros_vote_plus`` (so ``[c ≥ 0]`` by default), into
+    ``bits``-bit lanes ``[position, position + n)`` of ``out`` (uint8, the layout of
+    :func:`lioncub.ops.packing.pack_lanes`; the other lanes of the two end bytes are kept);
     ``next_momentum`` as :func:`direction`; returns max ``|c|``."""
     n, has_g = exp_avg.numel(), grad is not None
     if bits not in (1, 2, 4, 8) or position < 0:
@@ -292,9 +294,11 @@ def direction_lanes(
 
     def part(a: int, b: int) -> float:
         m, g, mn = _ptr(exp_avg, a), _ptr(grad, a), _ptr(next_momentum, a)
+        zplus = int(bool(zeros_vote_plus))
         return fn(
-            m, g, b - a, beta1, 1.0 - beta1, negate, has_g, base, position + a, bits, mn, beta2, 1.0 - beta2
-        )
+            m, g, b - a, beta1, 1.0 - beta1, negate, has_g, base, position + a, bits, zplus, mn, beta2,
+            1.0 - beta2,
+        )  # fmt: skip
 
     return _peak(_run(_parts(n, align=8 // bits, first=position), part))
 

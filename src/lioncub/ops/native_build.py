@@ -179,7 +179,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         sig = {
             "direction": ([_P, _P, _L, w, w, _I, _I, _P, _P, w, w], _D),
             "direction_sign": ([_P, _P, _L, w, w, _I, _I, _P, _P, w, w], _D),
-            "direction_lanes": ([_P, _P, _L, w, w, _I, _I, _P, _L, _I, _P, w, w], _D),
+            "direction_lanes": ([_P, _P, _L, w, w, _I, _I, _P, _L, _I, _I, _P, w, w], _D),
             "apply": ([_P, _L, _I, _P, _L, _I, w, _I, w, _I, _P, _P, w, w, _I, _I, _I, _P], None),
             "momentum": ([_P, _P, _L, w, w, _I, _I], None),
             "lion": ([_P, _P, _P, _L, w, w, w, w, w, _I, w, _I], None),
@@ -217,7 +217,7 @@ def load(probe: Callable[[], None]) -> ctypes.CDLL | None:
                 raise RuntimeError("no C compiler found ($CC, cc, gcc or clang); install gcc to use them")
             lib = ctypes.CDLL(str(_build(cc)))
             _declare(lib)
-            if lib.lc_abi_version() != 4:
+            if lib.lc_abi_version() != 5:
                 raise RuntimeError("the compiled library is of another version")
             lib.lc_set_prefetch(int(choice[0]))
             _state["lib"], _state["prefetch"] = lib, choice

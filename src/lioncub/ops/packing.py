@@ -107,8 +107,11 @@ def out_buffer(out: torch.Tensor | None, n: int, dtype: torch.dtype, device: tor
     return out.view(-1)
 
 
-def pack_signs(x: torch.Tensor, *, pad_to: int = 8, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Pack the votes ``x ≥ 0`` of a real tensor into ``uint8`` (exact zeros vote "+").
+def pack_signs(
+    x: torch.Tensor, *, pad_to: int = 8, out: torch.Tensor | None = None, zeros_vote_plus: bool = True
+) -> torch.Tensor:
+    """Pack the votes ``x ≥ 0`` of a real tensor into ``uint8`` (exact zeros vote "+"; with
+    ``zeros_vote_plus=False`` the votes are ``x > 0``: zeros vote "−").
 
     Args:
         x: real tensor, any shape (flattened), any float or signed integer dtype. Callers check for
@@ -127,13 +130,14 @@ def pack_signs(x: torch.Tensor, *, pad_to: int = 8, out: torch.Tensor | None = N
     nbytes = -(-n // pad_to) * pad_to // 8
     out = out_buffer(out, nbytes, torch.uint8, flat.device)
     full = n // 8 * 8  # elements that fill whole bytes
+    vote = torch.ge if zeros_vote_plus else torch.gt
     if full and _numpy_path(flat) and flat.dtype in _NUMPY_VOTE:
-        _pack_signs_numpy(flat[:full], out[: full // 8])
+        _pack_signs_numpy(flat[:full], out[: full // 8], zeros_vote_plus)
     elif full:
-        out[: full // 8] = _gather_bytes(torch.ge(flat[:full], 0))
+        out[: full // 8] = _gather_bytes(vote(flat[:full], 0))
     tail = torch.ones((nbytes - full // 8) * 8, dtype=torch.bool, device=flat.device)
     if tail.numel():
-        torch.ge(flat[full:], 0, out=tail[: n - full])
+        vote(flat[full:], 0, out=tail[: n - full])
         out[full // 8 :] = _gather_bytes(tail)
     return out
 
@@ -159,7 +163,7 @@ _NUMPY_VOTE = {
 _BF16_POS_INF, _BF16_NEG_ZERO = 0x7F80, 0x8000
 
 
-def _pack_signs_numpy(flat: torch.Tensor, out: torch.Tensor) -> None:
+def _pack_signs_numpy(flat: torch.Tensor, out: torch.Tensor, zeros_vote_plus: bool = True) -> None:
     """CPU fast path: numpy's vectorised compare and ``packbits`` over cache-sized pieces."""
     view_dtype, raw_bits = _NUMPY_VOTE[flat.dtype]
     src = flat.contiguous().view(view_dtype).numpy()
@@ -172,9 +176,14 @@ def _pack_signs_numpy(flat: torch.Tensor, out: torch.Tensor) -> None:
         b = bits[: c1 - c0]
         if raw_bits:
             np.less_equal(src[c0:c1], _BF16_POS_INF, out=b)
-            b |= src[c0:c1] == _BF16_NEG_ZERO
-        else:
+            if zeros_vote_plus:
+                b |= src[c0:c1] == _BF16_NEG_ZERO
+            else:
+                b &= src[c0:c1] != 0  # +0.0 (−0.0 lies above +Inf as bits: already "−")
+        elif zeros_vote_plus:
             np.greater_equal(src[c0:c1], 0, out=b)
+        else:
+            np.greater(src[c0:c1], 0, out=b)
         dst[c0 // 8 : c1 // 8] = np.packbits(b, bitorder="big")
 
 

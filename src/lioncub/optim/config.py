@@ -42,16 +42,22 @@ __all__ = [
     "PRESETS",
     "TOPOLOGIES",
     "TRANSPORTS",
+    "ZERO_VOTES",
     "VoteConfig",
     "capacity",
     "check_workers",
     "lane_bits",
     "resolve_variant",
     "server_down_bits",
+    "variant_name",
 ]
 
 #: implementations of the all-to-all / all-gather (:class:`lioncub.collectives.Comm`)
 EXCHANGES = ("auto", "p2p", "native")
+#: how an exact zero of ``c`` votes in a one-bit vote (:class:`VoteConfig` ``zero_vote``)
+ZERO_VOTES = ("split", "plus")
+#: the transports whose votes are one bit (a zero must vote "+" or "−")
+ONE_BIT_VOTES = ("1bit", "lanes", "server")
 #: the dense transport's wire dtypes, by name, and their bits per element
 _WIRE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16, "float64": 64}
 
@@ -60,14 +66,22 @@ _WIRE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16, "float64": 64}
 class VoteConfig:
     """How one step's local directions are combined (see the module docstring for the presets).
 
-        ``wire_dtype`` (dense transport only): a ``torch`` floating dtype or its name (``"bfloat16"``);
-        ``None`` sends the gradient's own dtype, as DDP. ``seed`` seeds a stochastic quantizer (``"qsgd"``),
-        combined with the rank. ``exchange``: the all-to-all / all-gather implementation, ``"auto"``,
-        ``"p2p"`` or ``"native"`` (:class:`lioncub.collectives.Comm`). ``topology``: how the vote is laid over
+    ``wire_dtype`` (dense transport only): a ``torch`` floating dtype or its name (``"bfloat16"``);
+    ``None`` sends the gradient's own dtype, as DDP. ``seed`` seeds a stochastic quantizer (``"qsgd"``),
+    combined with the rank. ``exchange``: the all-to-all / all-gather implementation, ``"auto"``,
+    ``"p2p"`` or ``"native"`` (:class:`lioncub.collectives.Comm`). ``topology``: how the vote is laid over
     nodes of several ranks — ``"flat"`` (every rank alike), ``"hierarchical"`` (exact, bitwise the flat
-    result: :class:`lioncub.collectives.hierarchical.HierarchicalVote`) or ``"node-majority"`` (1-bit only, a
-    different estimator: :class:`~lioncub.collectives.hierarchical.NodeMajorityVote`). This module does not
-    import torch.
+    result: :class:`lioncub.collectives.hierarchical.HierarchicalVote`) or ``"node-majority"`` (1-bit only,
+    a different estimator: :class:`~lioncub.collectives.hierarchical.NodeMajorityVote`).
+
+    ``zero_vote`` (the one-bit votes: 1bit, 4bit, dlion-mavo): how an exact zero of ``c`` votes.
+    ``"split"`` (default): "+" on the ranks where rank + step is even, "−" on the others, so that an element
+    that is zero on every rank (an embedding row no batch used yet, a padding row) gets no net update —
+    a tie, 0, for an even number of ranks; +1 and −1 on alternate steps for an odd number — as Lion's
+    ``sign(0) = 0`` leaves it. ``"plus"``: zeros vote "+", the papers' code, which moves such an element by
+    −lr at every step (use it to reproduce their numbers). The same bytes travel either way.
+
+    This module does not import torch.
     """
 
     transport: str = "quantized"
@@ -82,6 +96,7 @@ class VoteConfig:
     seed: int = 0
     exchange: str = "auto"
     topology: str = "flat"
+    zero_vote: str = "split"
 
     @property
     def wire_dtype_name(self) -> str | None:
@@ -150,6 +165,14 @@ class VoteConfig:
             raise ValueError(f"server_root={self.server_root!r} must be an int >= 0 (a rank)")
         if not is_int(self.seed):
             raise ValueError(f"seed={self.seed!r} must be an int")
+        if self.zero_vote not in ZERO_VOTES:
+            raise ValueError(f"zero_vote={self.zero_vote!r}: allowed values are {list(ZERO_VOTES)}")
+        if self.zero_vote != "split" and self.transport not in ONE_BIT_VOTES:
+            raise ValueError(
+                f"zero_vote={self.zero_vote!r} applies to the one-bit votes (transports "
+                f"{list(ONE_BIT_VOTES)}: variants 1bit, 4bit, dlion-mavo); transport={self.transport!r} "
+                "carries an exact zero as 0"
+            )
         if self.exchange not in EXCHANGES:
             raise ValueError(f"exchange={self.exchange!r}: allowed values are {list(EXCHANGES)}")
         if self.topology not in TOPOLOGIES:
@@ -171,6 +194,27 @@ class VoteConfig:
                 "dense presets leave the gradient allreduce to the backend; the parameter server is a star)"
             )
         return self
+
+    def update_rule(self) -> dict[str, Any]:
+        """What decides the update bit for bit, JSON-friendly: every knob but those that only change how the
+        bytes travel (``exchange``, ``server_root``, and ``topology`` between ``"flat"`` and
+        ``"hierarchical"``, which computes the flat vote exactly); ``node-majority`` is another estimator.
+        Two configurations with equal rules give the same steps (a state of one resumes the other)."""
+        facts = transports.FACTS.get(self.transport)
+        bits = self.bits if self.bits is not None or facts is None else facts.default_bits
+        return {
+            "transport": self.transport,
+            "aggregation": self.aggregation,
+            "quantizer": self.quantizer,
+            "bits": bits,
+            "wire_dtype": self.wire_dtype_name,
+            "clip_multiple": float(self.clip_multiple),
+            "chunk_size": self.chunk_size,
+            "quantizer_options": repr(sorted(self.quantizer_options.items())),
+            "seed": self.seed if self.quantizer == "qsgd" else 0,
+            "estimator": "node-majority" if self.topology == "node-majority" else "exact",
+            "zero_vote": self.zero_vote if self.transport in ONE_BIT_VOTES else "none",
+        }
 
     def lane_bits(self, n_workers: int) -> int | None:
         """The lane width this vote uses for N workers (``"lanes"``/``"quantized"``; ``None`` otherwise,
@@ -211,6 +255,15 @@ PRESETS: dict[str, VoteConfig] = {
     "dlion-mavo": VoteConfig("server", "majority", None, 1),
     "dlion-avg": VoteConfig("int8", "average", None, 8),
 }
+
+
+def variant_name(config: VoteConfig) -> str:
+    """The name of ``config``: its preset's (``"1bit"``), with its topology when not flat
+    (``"1bit@hierarchical"``, as ``lioncub compare`` names rows), else ``"custom"``."""
+    for name, preset in PRESETS.items():
+        if dataclasses.replace(config, topology="flat") == preset:
+            return name if config.topology == "flat" else f"{name}@{config.topology}"
+    return "custom"
 
 
 def resolve_variant(variant: str, **overrides: Any) -> VoteConfig:

@@ -161,11 +161,12 @@ class StepEngine:
 
     @torch.no_grad()
     def contribute(
-        self, bucket: Bucket, grads: Sequence[torch.Tensor | None], *, keep_copy: bool = False
+        self, bucket: Bucket, grads: Sequence[torch.Tensor | None], *, step: int, keep_copy: bool = False
     ) -> Ballot:
-        """Step 1 for one bucket (``grads``: its parameters' gradients, ``None`` = zeros)."""
+        """Step 1 for one bucket (``grads``: its parameters' gradients, ``None`` = zeros) of optimizer step
+        ``step``."""
         ballot = bucket.ballot()
-        self.vote.contribute(ballot, grads, self.state, keep_copy=keep_copy)
+        self.vote.contribute(ballot, grads, self.state, step=step, keep_copy=keep_copy)
         return ballot
 
     def post(self, ballot: Ballot, step: int) -> None:

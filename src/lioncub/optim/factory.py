@@ -46,14 +46,15 @@ def _flat_vote(comm: Comm, config: VoteConfig) -> Vote:
         wire = None if config.wire_dtype_name is None else getattr(torch, config.wire_dtype_name)
         return DenseMean(comm, wire)
     if t == "1bit":
-        return OneBitVote(comm)
+        return OneBitVote(comm, config.zero_vote)
     bits = config.bits if config.bits is not None else config.lane_bits(comm.world_size)
     if t == "lanes":
-        return LaneVote(comm, bits)  # type: ignore[arg-type]
+        return LaneVote(comm, bits, config.zero_vote)  # type: ignore[arg-type]
     if t == "int8":
         return AverageVote(comm) if agg == "average" else SignSumVote(comm)
     if t == "server":
-        return ServerVote(comm, "average" if agg == "average" else "majority", root=config.server_root)
+        aggregation = "average" if agg == "average" else "majority"
+        return ServerVote(comm, aggregation, root=config.server_root, zero_vote=config.zero_vote)
     return QuantizedVote(
         comm,
         config.quantizer or "l1",

@@ -35,6 +35,7 @@ from lioncub.ops.update import apply_update_, lion_direction, update_momentum_
 __all__ = [
     "Lion",
     "apply_update_",
+    "check_no_duplicates",
     "default_foreach",
     "lion_direction",
     "lion_update_",
@@ -229,6 +230,20 @@ def check_lion_hyperparameters(group: dict[str, Any]) -> None:
     _check_nonneg_finite("weight_decay", group["weight_decay"])
 
 
+def check_no_duplicates(params: Sequence[Tensor], group_index: int) -> None:
+    """``ValueError`` naming both places when a param group lists one parameter twice (torch.optim only
+    warns; an optimizer would then update it twice per step, and a fused step would lose its momentum)."""
+    seen: dict[int, int] = {}
+    for i, p in enumerate(params):
+        if id(p) in seen:
+            first = _param_name(group_index, seen[id(p)])
+            raise ValueError(
+                f"{_param_name(group_index, i)} is the parameter already at {first}: list every parameter "
+                "once (model.parameters() does; a tied weight is one parameter)"
+            )
+        seen[id(p)] = i
+
+
 def _check_hyperparameters(group: dict[str, Any]) -> None:
     check_lion_hyperparameters(group)
     if group["foreach"] is not None and not isinstance(group["foreach"], bool):
@@ -308,13 +323,17 @@ class Lion(torch.optim.Optimizer):
             _check_hyperparameters({key: param_group.get(key, value) for key, value in self.defaults.items()})
         super().add_param_group(param_group)
         group_index = len(self.param_groups) - 1
-        for i, p in enumerate(self.param_groups[-1]["params"]):
-            if torch.is_complex(p):
-                self.param_groups.pop()
-                raise ValueError(
-                    f"Lion does not support complex parameters: {_param_name(group_index, i)} has dtype "
-                    f"{p.dtype}; view it as real with torch.view_as_real"
-                )
+        try:
+            check_no_duplicates(self.param_groups[-1]["params"], group_index)
+            for i, p in enumerate(self.param_groups[-1]["params"]):
+                if torch.is_complex(p):
+                    raise ValueError(
+                        f"Lion does not support complex parameters: {_param_name(group_index, i)} has dtype "
+                        f"{p.dtype}; view it as real with torch.view_as_real"
+                    )
+        except ValueError:
+            self.param_groups.pop()
+            raise
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore from a pickle or state dict, back-filling options missing in older versions."""

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -57,11 +58,11 @@ from lioncub.collectives import Ballot, Comm, flat_views
 from lioncub.ops.quantize import max_abs
 from lioncub.optim import diagnostics, topology
 from lioncub.optim.accounting import Accounting
-from lioncub.optim.config import PRESETS, VoteConfig, resolve_variant
+from lioncub.optim.config import VoteConfig, resolve_variant, variant_name
 from lioncub.optim.engine import StepEngine, StepTimes
 from lioncub.optim.factory import make_vote
 from lioncub.optim.layout import ParamLayout, named_parameters
-from lioncub.optim.lion import check_lion_hyperparameters, default_foreach, update_group_
+from lioncub.optim.lion import check_lion_hyperparameters, check_no_duplicates, default_foreach, update_group_
 from lioncub.optim.overlap import OverlapHook, overlap_group
 from lioncub.optim.replicas import (
     ReplicaDivergenceError,
@@ -81,6 +82,7 @@ from lioncub.optim.step_check import (
     StepMismatchError,
     check_step,
     grad_checksum,
+    step_settings,
 )
 from lioncub.optim.sync import MomentumSync, select_parameters, synchronize
 
@@ -150,8 +152,8 @@ class LionCub(PerRankState, torch.optim.Optimizer):
         _check_options(config, self.variant, bucket_mb, model, checks, diagnostics_every)
         self._ready = False  # add_param_group: the base constructor calls it before the rest exists
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize))
-        for group in self.param_groups:
-            _check_group(group)
+        for index, group in enumerate(self.param_groups):
+            _check_group(group, index)
         self.config: VoteConfig = config
         self.checks = checks
         if not isinstance(momentum_sync, MomentumSync):
@@ -175,6 +177,7 @@ class LionCub(PerRankState, torch.optim.Optimizer):
         self.layout = ParamLayout(bucket_mb, {id(p): n for n, p in named})
         self._broadcast: set[int] = set()  # parameters rank 0's values were copied to (broadcast_init)
         self._overlap: OverlapHook | None = None
+        self._grad_scale: torch.Tensor | None = None  # the GradScaler's scale handed to this step
         self._refresh_layout()
         self._grads_compared = False  # the one-time "already averaged?" check of the first step
         self._consolidated: list[dict[str, Any]] | None = None
@@ -217,8 +220,8 @@ class LionCub(PerRankState, torch.optim.Optimizer):
         super().add_param_group(param_group)
         if self._ready:
             try:
-                _check_group(self.param_groups[-1])
-            except ValueError:
+                _check_group(self.param_groups[-1], len(self.param_groups) - 1)
+            except (ValueError, TypeError):
                 self.param_groups.pop()
                 raise
 
@@ -264,8 +267,10 @@ class LionCub(PerRankState, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            _check_group(group)
+        for index, group in enumerate(self.param_groups):
+            check_lion_hyperparameters(group)
+            if not isinstance(group["maximize"], bool):
+                _check_group(group, index)  # names it
         self._consolidated = None
         overflow = self._unscale()
         self._refresh_layout()
@@ -286,6 +291,7 @@ class LionCub(PerRankState, torch.optim.Optimizer):
                 "started during the backward on scaled gradients. Use bf16 autocast (no scaler), or the "
                 "plain step (lioncub.optim.ddp.skip_gradient_allreduce(model) instead of overlap_with)"
             )
+        self._grad_scale = scale
         if scale is not None:
             grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
             if grads:
@@ -301,7 +307,7 @@ class LionCub(PerRankState, torch.optim.Optimizer):
         if ballots is None:
             t0 = time.perf_counter()
             ballots = [
-                self.engine.contribute(b, [p.grad for p in b.params], keep_copy=diagnose)
+                self.engine.contribute(b, [p.grad for p in b.params], step=step, keep_copy=diagnose)
                 for b in self.layout.buckets
             ]
             times.direction += time.perf_counter() - t0
@@ -374,6 +380,7 @@ class LionCub(PerRankState, torch.optim.Optimizer):
                 changed=changed,
                 grad_checksum=checksum,
                 nonfinite=self.checks.nonfinite,
+                settings=step_settings(self._grad_scale, self.param_groups),
             )
         except (NonFiniteGradientError, StepMismatchError, GradientChangedError):
             if posted:
@@ -387,7 +394,8 @@ class LionCub(PerRankState, torch.optim.Optimizer):
                     "already averaged by DDP's allreduce, so every rank votes on the same gradient (global "
                     "Lion plus a pointless vote, and the allreduce's bytes). Register "
                     "lioncub.optim.ddp.skip_gradient_allreduce(model) or call opt.overlap_with(model) on "
-                    "the DDP model (identical data on every rank also gives identical gradients)",
+                    f"the DDP model{_framework_hint()} (identical data on every rank also gives identical "
+                    "gradients)",
                     stacklevel=4,
                 )
         if not check.ok:
@@ -509,12 +517,25 @@ class LionCub(PerRankState, torch.optim.Optimizer):
         return self._global_step
 
 
+#: the frameworks lioncub integrates with (module imported → the integration that installs the vote)
+_FRAMEWORKS = {
+    "transformers": "the Trainer: lioncub.integrations.hf.LionCubTrainer or LionCubCallback",
+    "accelerate": "accelerate: lioncub.integrations.accelerate.prepare",
+    "lightning": "Lightning: lioncub.integrations.lightning.LionCubStrategy",
+}
+
+
+def _framework_hint() -> str:
+    """The integrations that make that fix for the frameworks imported in this process ("" when none)."""
+    used = [fix for module, fix in _FRAMEWORKS.items() if module in sys.modules]
+    return f"; with {', with '.join(used)}" if used else ""
+
+
 def _vote_config(variant: str | VoteConfig) -> tuple[VoteConfig, str]:
     """The validated vote configuration of ``variant`` and its name (the preset's, or ``"custom"``)."""
     if isinstance(variant, VoteConfig):
         config = variant.validate()
-        name = next((n for n, preset in PRESETS.items() if preset == config), "custom")
-        return config, name
+        return config, variant_name(config)
     return resolve_variant(variant), variant
 
 
@@ -568,7 +589,35 @@ def _groups(
     return flat, (intra, inter)
 
 
-def _check_group(group: dict[str, Any]) -> None:
+def _check_group(group: dict[str, Any], index: int) -> None:
+    """A param group's hyperparameters and parameters (``index``: its position, for the messages)."""
     check_lion_hyperparameters(group)
     if not isinstance(group["maximize"], bool):
         raise ValueError(f"Invalid maximize: {group['maximize']!r} (expected True or False)")
+    check_no_duplicates(group["params"], index)
+    for i, p in enumerate(group["params"]):
+        why = _unsupported(p)
+        if why:
+            raise TypeError(
+                f"LionCub: param_groups[{index}]['params'][{i}] is {why}. LionCub takes dense, real, "
+                "materialised parameters that every rank holds whole (a plain torch.Tensor or nn.Parameter "
+                "on CPU or CUDA, on one process or replicated as DDP replicates them): its ranks vote on "
+                "every element. FSDP, tensor parallelism and quantized weights are not supported"
+            )
+
+
+def _unsupported(p: torch.Tensor) -> str:
+    """Why LionCub cannot optimize ``p`` ("" when it can)."""
+    if type(p) not in (torch.Tensor, torch.nn.Parameter) or type(p.data) is not torch.Tensor:
+        return (
+            f"a {type(p.data).__name__} (a tensor subclass: DTensor under FSDP2 or tensor parallelism, ...)"
+        )
+    if p.layout != torch.strided:
+        return f"a {p.layout} tensor (sparse)"
+    if p.is_quantized:
+        return "a quantized tensor"
+    if p.is_meta:
+        return "on the meta device (not materialised: call to_empty() and initialise it first)"
+    if p.is_complex():
+        return f"complex ({p.dtype}); view it as real with torch.view_as_real"
+    return ""

@@ -155,7 +155,7 @@ class OverlapHook:
                 f"{tuple(unknown[0].shape)} that the optimizer does not optimize"
             )
         diagnose = bool(self._diagnostics_every) and step % self._diagnostics_every == 0
-        item = self.engine.contribute(self._bucket(index, params, flat), grads, keep_copy=diagnose)
+        item = self.engine.contribute(self._bucket(index, params, flat), grads, step=step, keep_copy=diagnose)
         self._times.direction += time.perf_counter() - t0
         self._inflight.append(item)
         self._queue.put((item, step, self._generation))

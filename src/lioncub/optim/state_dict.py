@@ -1,5 +1,12 @@
 """:class:`~lioncub.optim.LionCub`'s state across a save: each rank's own momenta, the step (the tie
-rule's phase), and the checks that refuse a state that is not this job's (:class:`PerRankState`)."""
+rule's phase), and the checks that refuse a state that is not this job's (:class:`PerRankState`).
+
+A state dict carries ``sd["lioncub"]``: the format ``version``, the ``step``, the ``variant`` name, the
+``rule`` that decides the update (:meth:`lioncub.optim.config.VoteConfig.update_rule`), ``world_size``,
+``rank``, whether it is ``consolidated`` and, when it is, ``ranks``: every rank's own state dict, each
+stored once (the entry of the rank that gathered them is ``None``: that rank's state is the dict's own
+top level).
+"""
 
 from __future__ import annotations
 
@@ -15,7 +22,10 @@ from lioncub.optim.engine import StepEngine
 
 __all__ = ["STATE_VERSION", "PerRankState"]
 
-STATE_VERSION = 1
+#: 2: ``rule`` (the update's knobs) instead of comparing variant names; ``ranks`` holds the gathering
+#: rank's entry as ``None``; ``consolidated``. Version 1 states load as before.
+STATE_VERSION = 2
+_READABLE = (1, 2)
 
 
 class PerRankState:
@@ -27,7 +37,7 @@ class PerRankState:
     config: VoteConfig
     single_process: bool
     _global_step: int
-    _consolidated: list[dict[str, Any]] | None
+    _consolidated: list[dict[str, Any] | None] | None
 
     def _engines(self) -> list[StepEngine]:
         """The step engines whose votes hold state (a stochastic quantizer's generator)."""
@@ -36,26 +46,29 @@ class PerRankState:
     def state_dict(self) -> dict[str, Any]:
         """This rank's state (momenta, step, variant, rank, world size). After
         :meth:`consolidate_state_dict` on the rank it gathered to, ``sd["lioncub"]["ranks"]`` also holds
-        every rank's own state dict (index = rank), until the next ``step()``."""
+        every rank's own state dict (index = rank; its own entry ``None``: the top level), until the next
+        ``step()``. In a job of several processes an unconsolidated state holds this rank's momenta only
+        (``sd["lioncub"]["consolidated"]`` is False): every rank saves its own, or all consolidate before one
+        rank saves; another rank refuses to load it, naming that."""
+        sd = self._own_state_dict()
+        if self._consolidated is not None:
+            sd["lioncub"]["consolidated"] = True
+            sd["lioncub"]["ranks"] = self._consolidated
+        return sd
+
+    def _own_state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()  # type: ignore[misc]
-        config = self.config
         sd["lioncub"] = {
             "version": STATE_VERSION,
             "step": self._global_step,
             "variant": self.variant,
-            "config": {
-                "transport": config.transport,
-                "aggregation": config.aggregation,
-                "quantizer": config.quantizer,
-                "bits": config.bits,
-            },
+            "rule": self.config.update_rule(),
             "world_size": self.comm.world_size,
             "rank": self.comm.rank,
+            "consolidated": False,
             # a stochastic quantizer's stream: the overlap hook's vote draws from its own when overlapping
             "generator": _generator_state(self._engines()[-1].vote),
         }
-        if self._consolidated is not None:
-            sd["lioncub"]["ranks"] = self._consolidated
         return sd
 
     def consolidate_state_dict(self, to: int = 0) -> None:
@@ -69,10 +82,10 @@ class PerRankState:
                 f"consolidate_state_dict(to={to!r}): to must be a rank in 0..{comm.world_size - 1}"
             )
         self._consolidated = None
-        own = self.state_dict()
         if self.single_process:
-            self._consolidated = [own]
+            self._consolidated = [None]
             return
+        own = self._own_state_dict()
         gathered: list[Any] | None = [None] * comm.world_size if comm.rank == to else None
         try:
             dist.gather_object(own, gathered, dst=comm.global_rank(to), group=comm.group)
@@ -82,13 +95,14 @@ class PerRankState:
                 f"step {self._global_step}: {type(err).__name__}: {err}"
             ) from err
         if gathered is not None:
-            self._consolidated = [_to_cpu(sd) for sd in gathered]
+            self._consolidated = [None if r == to else _to_cpu(sd) for r, sd in enumerate(gathered)]
 
     def load_state_dict(self, state_dict: dict[str, Any], *, allow_world_size_change: bool = False) -> None:
         """Load this rank's state: from a consolidated state dict (:meth:`consolidate_state_dict`) the
-        entry of this rank, else a state dict this rank wrote. Refuses another variant, another world size,
-        or another rank's state, unless ``allow_world_size_change`` (the documented conversions of
-        ``lioncub train --convert-momenta``: the momenta are then taken as given — from a consolidated
+        entry of this rank, else a state dict this rank wrote. Refuses a state whose update rule differs
+        (another preset, quantizer, width, ...; ``flat`` and ``hierarchical`` are the same update), another
+        world size, or another rank's state, unless ``allow_world_size_change`` (the documented conversions
+        of ``lioncub train --convert-momenta``: the momenta are then taken as given — from a consolidated
         state dict, rank r takes entry ``r mod K`` of the K saved)."""
         comm = self.comm
         sd = dict(state_dict)
@@ -101,7 +115,10 @@ class PerRankState:
                     f"this job has world_size={comm.world_size}; per-rank momenta do not carry over "
                     "(pass allow_world_size_change=True to accept)"
                 )
-            self.load_state_dict(ranks[comm.rank % len(ranks)], allow_world_size_change=True)
+            entry = ranks[comm.rank % len(ranks)]
+            if entry is None:  # the gathering rank's own state: this dict's top level
+                entry = {**sd, "lioncub": {k: v for k, v in meta.items() if k != "ranks"}}
+            self.load_state_dict(entry, allow_world_size_change=True)
             return
         if meta is not None:
             self._check_meta(meta, allow_world_size_change)
@@ -114,14 +131,16 @@ class PerRankState:
         self._consolidated = None
 
     def _check_meta(self, meta: dict[str, Any], allow_world_size_change: bool) -> None:
-        """Refuse a state of another version, variant, world size or rank (see :meth:`load_state_dict`)."""
+        """Refuse a state of another version, update rule, world size or rank (:meth:`load_state_dict`)."""
         comm, variant = self.comm, self.variant
-        if meta.get("version") != STATE_VERSION:
-            raise ValueError(f"optimizer state version {meta.get('version')} is not {STATE_VERSION}")
-        if meta["variant"] != variant:
+        if meta.get("version") not in _READABLE:
+            raise ValueError(f"optimizer state version {meta.get('version')} is not one of {_READABLE}")
+        rule = self.config.update_rule()
+        if (meta["rule"] != rule) if "rule" in meta else (meta["variant"] != variant):
+            detail = f": {meta['rule']} against {rule}" if "rule" in meta else ""
             raise ValueError(
                 f"the checkpoint was written by variant={meta['variant']!r}, this optimizer is "
-                f"variant={variant!r}"
+                f"variant={variant!r}; their updates differ{detail}"
             )
         if meta["world_size"] != comm.world_size and not allow_world_size_change:
             raise ValueError(
@@ -131,10 +150,13 @@ class PerRankState:
             )
         if meta.get("rank", comm.rank) != comm.rank and not allow_world_size_change:
             raise ValueError(
-                f"rank {comm.rank}: this optimizer state was saved by rank {meta['rank']}: each "
-                "rank has its own momenta and must load its own. A framework that saves from rank 0 only "
-                "must call opt.consolidate_state_dict(to=0) on every rank before saving (lioncub's "
-                "integrations do), or save one file per rank"
+                f"rank {comm.rank}: this optimizer state was saved by rank {meta['rank']} and holds its "
+                "momenta only: no opt.consolidate_state_dict(to=0) ran on every rank before the save (a "
+                "save made from one rank keeps that rank's state). Each rank has its own momenta: save one "
+                "file per rank, or consolidate on every rank right before rank 0 saves (LionCubTrainer / "
+                "LionCubCallback, lioncub.integrations.accelerate.prepare and LionCubStrategy do it for the "
+                "saves their framework makes); to start the other ranks from rank "
+                f"{meta['rank']}'s momenta on purpose pass allow_world_size_change=True"
             )
 
 

@@ -4,10 +4,12 @@ updates."""
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from lioncub._validate import is_int
 from lioncub.collectives import Comm
@@ -17,11 +19,13 @@ __all__ = [
     "STEP_CHECK_WORDS",
     "Checks",
     "GradientChangedError",
+    "HyperparameterMismatchError",
     "NonFiniteGradientError",
     "StepCheck",
     "StepMismatchError",
     "check_step",
     "grad_checksum",
+    "step_settings",
 ]
 
 #: what a step does when a rank's gradients hold NaN or Inf (:class:`Checks`)
@@ -61,11 +65,16 @@ class Checks:
 
 
 #: int32 words every rank all-gathers once per step (:func:`check_step`)
-STEP_CHECK_WORDS = 6
+STEP_CHECK_WORDS = 7
 
 
 class StepMismatchError(RuntimeError):
     """The ranks called ``step()`` a different number of times, or optimize different parameter lists."""
+
+
+class HyperparameterMismatchError(StepMismatchError):
+    """The ranks would apply one step with different learning rates, betas, weight decays or maximize
+    flags, or were handed different gradient scales (each rank's own GradScaler backing off on its own)."""
 
 
 class GradientChangedError(RuntimeError):
@@ -102,16 +111,21 @@ def check_step(
     changed: Sequence[str] = (),
     grad_checksum: int | None = None,
     nonfinite: str,
+    settings: str = "",
 ) -> StepCheck:
     """The ranks' agreement before a step is applied: one all-gather of :data:`STEP_CHECK_WORDS` int32 per
     rank — flags (non-finite: from this rank's max-abs per bucket, ``peaks``, or a GradScaler ``overflow``;
     gradients ``changed`` after the overlapped votes used them: this rank's parameter names),
     optimizer step number, parameter ``layout`` hash (int32), number of this rank's optimized parameters
-    without a gradient, and an int64 ``grad_checksum`` (0 when not asked).
+    without a gradient, an int64 ``grad_checksum`` (0 when not asked) and a hash of the step's
+    ``settings`` (:func:`step_settings`: what the step applies, the same on every rank unless something
+    diverged).
 
     Raises on every rank: :class:`StepMismatchError` when the step numbers or layouts differ (naming
-    the ranks and both values), :class:`GradientChangedError` when any rank's gradients changed, and
-    with ``nonfinite="raise"`` :class:`NonFiniteGradientError` instead of returning ``ok=False``."""
+    the ranks and both values), :class:`HyperparameterMismatchError` when the settings differ (naming the
+    ranks and their values: one more gather, on that step only), :class:`GradientChangedError` when any
+    rank's gradients changed, and with ``nonfinite="raise"`` :class:`NonFiniteGradientError` instead of
+    returning ``ok=False``."""
     bad = bool(overflow) or bool(peaks and (~torch.isfinite(torch.stack(list(peaks)))).any())
     checksum = 0 if grad_checksum is None else grad_checksum
     words = [
@@ -121,6 +135,7 @@ def check_step(
         missing_grads,
         checksum >> 32,
         checksum & 0xFFFFFFFF,
+        zlib.crc32(settings.encode()),
     ]
     mine = torch.tensor(words, dtype=torch.int64)
     mine = ((mine + 2**31) % 2**32 - 2**31).to(torch.int32)  # each word as a signed int32
@@ -132,6 +147,8 @@ def check_step(
     else:
         rows = mine.reshape(1, -1)
     _raise_on_disagreement(comm, rows, mine, changed)
+    if len(set(rows[:, 6].tolist())) > 1:
+        _raise_on_settings(comm, settings, int(mine[1]))
     flags = rows[:, 0] & 1
     sums = rows[:, 4:].to(torch.int64)
     sums = sums[:, 0] * 2**32 + (sums[:, 1] & 0xFFFFFFFF)
@@ -181,6 +198,33 @@ def _raise_on_disagreement(
             "overlap_with (lioncub.optim.ddp.skip_gradient_allreduce(model)), or leave .grad as backward "
             "wrote it"
         )
+
+
+def step_settings(grad_scale: torch.Tensor | None, param_groups: Sequence[dict]) -> str:
+    """What a step applies, as text every rank compares: the gradient scale it was handed (a GradScaler's)
+    and each param group's ``lr``, ``betas``, ``weight_decay`` and ``maximize``, as applied now."""
+    scale = "none" if grad_scale is None else repr(float(grad_scale))
+    groups = "; ".join(
+        f"group {i}: lr={float(g['lr'])!r} betas=({float(g['betas'][0])!r}, {float(g['betas'][1])!r}) "
+        f"weight_decay={float(g['weight_decay'])!r} maximize={bool(g['maximize'])}"
+        for i, g in enumerate(param_groups)
+    )
+    return f"grad scale {scale}; {groups}"
+
+
+def _raise_on_settings(comm: Comm, settings: str, step: int) -> None:
+    """Every rank's settings (a gather of the texts) and :class:`HyperparameterMismatchError` naming them."""
+    texts: list[str] = [""] * comm.world_size
+    dist.all_gather_object(texts, settings, group=comm.group)
+    differ = [r for r, t in enumerate(texts) if t != texts[0]]
+    lines = "\n".join(f"  rank {r}: {t}" for r, t in enumerate(texts))
+    raise HyperparameterMismatchError(
+        f"rank {comm.rank}: at optimizer step {step} rank(s) {differ} would apply other settings than rank 0 "
+        f"(every rank must apply one update):\n{lines}\nA per-rank GradScaler backs off on its own after an "
+        "overflow and a framework then skips the lr scheduler on some ranks only: use "
+        "lioncub.optim.amp.GradScaler (the ranks share the overflow decision) or lioncub's integrations, and "
+        "change lr/betas/weight_decay on every rank alike"
+    )
 
 
 def grad_checksum(grads: Sequence[torch.Tensor], sample: int = 1 << 16) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -29,22 +30,41 @@ def is_mesh(value: object) -> bool:
 def mesh_from_environment(topology: str) -> DeviceMesh:
     """The ``(M, L)`` node mesh of the default group (collective): M from ``$LIONCUB_NNODES`` where
     ``lioncub launch`` emulates the nodes (with ``--nproc N --link`` every rank is a node of its own),
-    else L from torchrun's ``$LOCAL_WORLD_SIZE``."""
+    else L from torchrun's ``$LOCAL_WORLD_SIZE``. Every rank's L is compared first (one all-gather of an
+    int32 per rank), so that nodes of uneven size, or a value some ranks lack, raise the same error on
+    every rank instead of leaving some waiting for a mesh the others never build."""
     world = dist.get_world_size()
-    nodes = os.environ.get("LIONCUB_NNODES", "")
-    local = (
-        str(world // int(nodes))
-        if nodes.isdigit() and int(nodes) >= 1
-        else os.environ.get("LOCAL_WORLD_SIZE", "")
-    )
-    if not local.isdigit() or int(local) < 1 or world % int(local):
-        raise ValueError(
-            f"topology={topology!r}: pass process_group=a DeviceMesh with dims {MESH_DIMS}, or launch with "
-            f"torchrun (or lioncub launch --nnodes M --nproc-per-node L), which sets $LOCAL_WORLD_SIZE; "
-            f"here $LOCAL_WORLD_SIZE={local!r} and the world has {world} ranks"
-        )
+    local, said = _ranks_per_node(world)
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    return init_device_mesh(device, (world // int(local), int(local)), mesh_dim_names=MESH_DIMS)
+    mine = torch.tensor([local], dtype=torch.int32, device=device)
+    every = torch.empty(world, dtype=torch.int32, device=device)
+    dist.all_gather_into_tensor(every, mine)
+    sizes = every.cpu().tolist()
+    if len(set(sizes)) > 1 or sizes[0] < 1:
+        seen: list[str] = [""] * world
+        dist.all_gather_object(seen, said)
+        table = "; ".join(f"rank {r}: {s}" for r, s in enumerate(seen))
+        raise ValueError(
+            f"topology={topology!r}: the ranks do not agree on one node size that divides the world of "
+            f"{world} ranks ({table}). Pass process_group=a DeviceMesh with dims {MESH_DIMS}, or launch "
+            "nodes of equal size with torchrun (which sets $LOCAL_WORLD_SIZE) or lioncub launch --nnodes M "
+            "--nproc-per-node L"
+        )
+    return init_device_mesh(device, (world // sizes[0], sizes[0]), mesh_dim_names=MESH_DIMS)
+
+
+def _ranks_per_node(world: int) -> tuple[int, str]:
+    """(L, what this rank's environment says), L = 0 where the environment gives no node size that divides
+    the world."""
+    nodes = os.environ.get("LIONCUB_NNODES")
+    if nodes is not None:
+        said = f"$LIONCUB_NNODES={nodes!r}"
+        ok = nodes.isdigit() and 1 <= int(nodes) <= world and world % int(nodes) == 0
+        return (world // int(nodes) if ok else 0), said
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    said = "$LOCAL_WORLD_SIZE unset" if local is None else f"$LOCAL_WORLD_SIZE={local!r}"
+    ok = local is not None and local.isdigit() and 1 <= int(local) <= world and world % int(local) == 0
+    return (int(local) if ok else 0), said  # type: ignore[arg-type]
 
 
 def node_groups(mesh: DeviceMesh, exchange: str) -> tuple[dist.ProcessGroup | None, Comm, Comm]:

@@ -203,7 +203,7 @@ class LionCubCallback(TrainerCallback):
             warnings.warn(
                 f"{self.where}: TrainingArguments({', '.join(ignored)}) is ignored: the Trainer trains with "
                 f"LionCub, whose options go in {self.option('variant=..., betas=..., ...')}",
-                stacklevel=4,
+                stacklevel=4 if self.where == "LionCubTrainer" else 3,  # the user's line
             )
 
     def _wrap_the_trainer(self) -> None:
@@ -224,13 +224,15 @@ class LionCubCallback(TrainerCallback):
             save(output_dir)
 
         def load_checked(checkpoint: str | None) -> None:
+            if checkpoint is None:
+                return load(checkpoint)
             opt = self.optimizer
             opt.load_state_dict = self._loader(opt, checkpoint)  # type: ignore[method-assign]
             try:
                 load(checkpoint)
             finally:
                 vars(opt).pop("load_state_dict", None)
-            if checkpoint is not None and opt.global_step == 0 and trainer.args.process_index == 0:
+            if opt.global_step == 0 and trainer.args.process_index == 0:
                 warnings.warn(
                     f"{self.where}: resuming at step {trainer.state.global_step} from {checkpoint}, which "
                     "holds no optimizer state (TrainingArguments(save_only_model=True) writes none): LionCub "

@@ -16,11 +16,14 @@ import contextlib
 import os
 import re
 import runpy
+import subprocess
 import sys
 import tempfile
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -146,14 +149,9 @@ class Recorder:
 
     def result(self, model: nn.Module, **extra: Any) -> dict[str, Any]:
         named = dict(model.named_parameters())
-        momenta = {
-            n: self.opt.state[p]["exp_avg"].clone()
-            for n, p in named.items()
-            if "exp_avg" in self.opt.state[p]
-        }
         return {
             "params": {n: p.detach().clone() for n, p in named.items()},
-            "momenta": momenta,
+            "momenta": momenta(self.opt, model),
             "opt_step": self.opt.global_step,
             "lrs": self.lrs,
             "deltas": self.deltas,
@@ -168,6 +166,12 @@ class Recorder:
             ],
             **extra,
         }
+
+
+def momenta(opt: LionCub, model: nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of this rank's momenta, by parameter name (those that have one)."""
+    named = model.named_parameters()
+    return {n: opt.state[p]["exp_avg"].clone() for n, p in named if "exp_avg" in opt.state[p]}
 
 
 def run_scenarios(scenarios: dict[str, Callable[[Path], dict[str, Any]]], out: Path, only: list[str]) -> None:
@@ -218,8 +222,10 @@ def expect_error(fn: Callable[[], Any]) -> str:
 # -- Hugging Face Trainer -----------------------------------------------------------------------------
 
 
-def hf_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+def hf_kit() -> SimpleNamespace:
+    """The Trainer runs: ``data``, ``model(dropout)``, ``args(out, **kw)``, ``train(out, variant, overlap,
+    ...)``, ``LionCubTrainer``."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
     from lioncub.integrations.hf import LionCubCallback, LionCubTrainer
 
@@ -265,6 +271,21 @@ def hf_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
     class OwnTrainer(Trainer):
         """A user's own Trainer subclass (the callback path)."""
 
+    class Probe(TrainerCallback):
+        """This rank's momenta when training begins (after a resume loaded them) and after step SAVE_AT."""
+
+        def __init__(self, opt: LionCub, model: nn.Module) -> None:
+            self.opt, self.model = opt, model
+            self.seen: dict[str, Any] = {}
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.seen["momenta_loaded"] = momenta(self.opt, self.model)
+            self.seen["opt_step_loaded"] = self.opt.global_step
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step == SAVE_AT:
+                self.seen["momenta_saved"] = momenta(self.opt, self.model)
+
     def train(
         out: Path,
         variant: str,
@@ -273,25 +294,50 @@ def hf_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
         callback: bool,
         resume: bool = False,
         dropout: float = 0.1,
+        lioncub: dict[str, Any] | None = None,
+        late: tuple[TrainerCallback, ...] = (),
+        evaluate: bool = False,
         **kw: Any,
     ) -> dict[str, Any]:
+        """A run of ``STEPS``: ``lioncub`` adds LionCubTrainer options, ``late`` are callbacks added after
+        the Trainer was built, ``evaluate`` gives it an eval set; ``resume`` starts from ``out``'s
+        checkpoint-SAVE_AT. Adds the wrapped model's type, the warnings and :class:`Probe`'s momenta."""
         m = model(dropout)
         a = args(out, **kw)
-        if callback:
-            trainer: Trainer = OwnTrainer(model=m, args=a, train_dataset=data)
-            cb = LionCubCallback(trainer, overlap=overlap, variant=variant)
-            trainer.add_callback(cb)
-        else:
-            trainer = LionCubTrainer(
-                model=m, args=a, train_dataset=data, lioncub=dict(variant=variant, overlap=overlap)
-            )
-            cb = trainer.lioncub_callback
-        trainer.create_optimizer()
-        opt = cb.optimizer
-        recorder = Recorder(opt, m)
-        trainer.train(resume_from_checkpoint=str(out / f"checkpoint-{SAVE_AT}") if resume else None)
+        extra: dict[str, Any] = {"eval_dataset": data[: 2 * BATCH]} if evaluate else {}
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            if callback:
+                trainer: Trainer = OwnTrainer(model=m, args=a, train_dataset=data, **extra)
+                cb = LionCubCallback(trainer, overlap=overlap, variant=variant)
+                trainer.add_callback(cb)
+            else:
+                options = dict(variant=variant, overlap=overlap, **(lioncub or {}))
+                trainer = LionCubTrainer(model=m, args=a, train_dataset=data, lioncub=options, **extra)
+                cb = trainer.lioncub_callback
+            for late_callback in late:
+                trainer.add_callback(late_callback)
+            trainer.create_optimizer()
+            opt = cb.optimizer
+            recorder, probe = Recorder(opt, m), Probe(opt, m)
+            trainer.add_callback(probe)
+            trainer.train(resume_from_checkpoint=str(out / f"checkpoint-{SAVE_AT}") if resume else None)
         logs = [e for e in trainer.state.log_history if "loss" in e]
-        return recorder.result(m, logs=logs, decay=sorted(trainer.get_decay_parameter_names(m)))
+        return recorder.result(
+            m,
+            logs=logs,
+            decay=sorted(trainer.get_decay_parameter_names(m)),
+            wrapped=type(trainer.model_wrapped).__name__,
+            warned=[str(w.message) for w in warned],
+            **probe.seen,
+        )
+
+    return SimpleNamespace(data=data, model=model, args=args, train=train, LionCubTrainer=LionCubTrainer)
+
+
+def hf_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
+    kit = hf_kit()
+    data, model, args, train, LionCubTrainer = kit.data, kit.model, kit.args, kit.train, kit.LionCubTrainer
 
     scenarios: dict[str, Callable[[Path], dict[str, Any]]] = {}
     for variant in ("1bit", "8bit"):
@@ -365,54 +411,63 @@ def hf_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
 # -- accelerate ---------------------------------------------------------------------------------------
 
 
-def accelerate_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
+def accelerate_train(
+    out: Path,
+    variant: str,
+    overlap: bool,
+    *,
+    resume: bool = False,
+    steps: int = STEPS,
+    accum: int = ACCUM,
+    batch: int = BATCH,
+    clip: bool = False,
+    **accelerator_kw: Any,
+) -> dict[str, Any]:
+    """A run of ``steps`` through ``Accelerator(cpu=True, **accelerator_kw)`` and :func:`prepare`, saving
+    its state after ``SAVE_AT`` steps (``resume``: starting from it); adds the prepared model's type."""
     from accelerate import Accelerator
-    from accelerate.utils import DistributedDataParallelKwargs
     from torch.utils.data import DataLoader
 
     import lioncub.integrations.accelerate as lioncub_accelerate
 
-    def train(
-        out: Path,
-        variant: str,
-        overlap: bool,
-        *,
-        resume: bool = False,
-        steps: int = STEPS,
-        accum: int = ACCUM,
-        batch: int = BATCH,
-        clip: bool = False,
-    ) -> dict[str, Any]:
-        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accum)
-        torch.manual_seed(7)  # the loader's shuffle: the same in both runs
-        m = tiny_lm()
-        opt = LionCub(param_groups(m), lr=LR, variant=variant, model=m)
-        total = STEPS * accelerator.num_processes  # accelerate steps the scheduler once per process
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / total)
-        loader = DataLoader(tokens(), batch_size=batch)
-        pm, popt, ploader, psched = accelerator.prepare(m, opt, loader, sched)
-        lioncub_accelerate.prepare(accelerator, pm, popt, overlap=overlap)
-        recorder = Recorder(opt, m)
-        done = 0
-        if resume:
-            accelerator.load_state(str(out / "state"))
-            done = SAVE_AT
-            ploader = accelerator.skip_first_batches(ploader, SAVE_AT * accum)
-        batches = iter(ploader)
-        while done < steps:
-            with accelerator.accumulate(pm):
-                accelerator.backward(lm_loss(pm, next(batches)))
-                if accelerator.sync_gradients and clip:
-                    accelerator.clip_grad_norm_(pm.parameters(), 1.0)
-                popt.step()
-                psched.step()
-                popt.zero_grad()
-            if accelerator.sync_gradients:
-                done += 1
-                if done == SAVE_AT and not resume and steps == STEPS:
-                    accelerator.save_state(str(out / "state"))
-        return recorder.result(m)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accum, **accelerator_kw)
+    torch.manual_seed(7)  # the loader's shuffle: the same in both runs
+    m = tiny_lm()
+    opt = LionCub(param_groups(m), lr=LR, variant=variant, model=m)
+    total = STEPS * accelerator.num_processes  # accelerate steps the scheduler once per process
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / total)
+    loader = DataLoader(tokens(), batch_size=batch)
+    pm, popt, ploader, psched = accelerator.prepare(m, opt, loader, sched)
+    lioncub_accelerate.prepare(accelerator, pm, popt, overlap=overlap)
+    recorder = Recorder(opt, m)
+    done = 0
+    if resume:
+        accelerator.load_state(str(out / "state"))
+        done = SAVE_AT
+        ploader = accelerator.skip_first_batches(ploader, SAVE_AT * accum)
+    batches = iter(ploader)
+    while done < steps:
+        with accelerator.accumulate(pm):
+            accelerator.backward(lm_loss(pm, next(batches)))
+            if accelerator.sync_gradients and clip:
+                accelerator.clip_grad_norm_(pm.parameters(), 1.0)
+            popt.step()
+            psched.step()
+            popt.zero_grad()
+        if accelerator.sync_gradients:
+            done += 1
+            if done == SAVE_AT and not resume and steps == STEPS:
+                accelerator.save_state(str(out / "state"))
+    return recorder.result(m, wrapped=type(pm).__name__)
 
+
+def accelerate_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    import lioncub.integrations.accelerate as lioncub_accelerate
+
+    train = accelerate_train
     scenarios: dict[str, Callable[[Path], dict[str, Any]]] = {}
     for variant in ("1bit", "8bit"):
         for overlap in (False, True):
@@ -453,7 +508,8 @@ def accelerate_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
 # -- Lightning ----------------------------------------------------------------------------------------
 
 
-def lightning_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
+def lightning_kit() -> SimpleNamespace:
+    """The Lightning runs: ``train(out, variant, overlap, ...)`` and ``LionCubStrategy``."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader
@@ -466,6 +522,17 @@ def lightning_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
             self.variant = variant
             self.net = tiny_lm()
             self.recorder: Recorder | None = None
+            self.clipped: list[float] = []  # the gradients' L2 norm after each step's clipping
+
+        def configure_gradient_clipping(
+            self,
+            optimizer: torch.optim.Optimizer,
+            gradient_clip_val: Any = None,
+            gradient_clip_algorithm: Any = None,
+        ) -> None:
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+            grads = [p.grad.double() for p in self.net.parameters() if p.grad is not None]
+            self.clipped.append(float(torch.stack([g.norm() for g in grads]).norm()))
 
         def training_step(self, batch: torch.Tensor, index: int) -> torch.Tensor:
             return lm_loss(self.net, batch)
@@ -495,7 +562,10 @@ def lightning_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
         steps: int = STEPS,
         accum: int = ACCUM,
         batch: int = BATCH,
+        **trainer_kw: Any,
     ) -> dict[str, Any]:
+        """A run of ``steps`` with ``LionCubStrategy``, checkpointed every ``SAVE_AT`` steps (``resume``: from
+        the first); ``trainer_kw`` go to ``pl.Trainer`` (``precision``, ``gradient_clip_algorithm``)."""
         module = Module(variant)
         trainer = pl.Trainer(
             accelerator="cpu",
@@ -519,14 +589,22 @@ def lightning_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
             ],
             use_distributed_sampler=True,
             num_sanity_val_steps=0,
+            **trainer_kw,
         )
         loader = DataLoader(tokens(per_epoch), batch_size=batch, shuffle=True)
         ckpt = str(out / "ckpt" / f"epoch=0-step={SAVE_AT}.ckpt") if resume else None
         pl.seed_everything(7, verbose=False)
         trainer.fit(module, loader, ckpt_path=ckpt)
         assert module.recorder is not None
-        return module.recorder.result(module.net)
+        scaler = type(getattr(trainer.precision_plugin, "scaler", None)).__name__
+        return module.recorder.result(module.net, clipped=module.clipped, scaler=scaler)
 
+    return SimpleNamespace(train=train, LionCubStrategy=LionCubStrategy)
+
+
+def lightning_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
+    kit = lightning_kit()
+    train, LionCubStrategy = kit.train, kit.LionCubStrategy
     scenarios: dict[str, Callable[[Path], dict[str, Any]]] = {}
     for variant in ("1bit", "8bit"):
         for overlap in (False, True):
@@ -553,6 +631,113 @@ def lightning_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
     return scenarios
 
 
+# -- the guards of tests/test_framework_guards.py -----------------------------------------------------
+
+CLIP = 0.05  # the Lightning guards' gradient_clip_val (below the tiny LM's gradient norm)
+
+
+def hf_guard_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
+    """Saves requested by a user's callback, torch_compile, ``optim=``, ``save_only_model`` (2 ranks)."""
+    from transformers import TrainerCallback
+
+    kit = hf_kit()
+
+    class SaveAfterEval(TrainerCallback):
+        """A user's "checkpoint after every evaluation"."""
+
+        def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            control.should_save = True
+
+    class SaveAt(TrainerCallback):
+        """A user's save at step SAVE_AT, added after the Trainer was built (it runs after lioncub's)."""
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            control.should_save = control.should_save or state.global_step == SAVE_AT
+
+    runs: dict[str, Callable[[], dict[str, Any]]] = {
+        # a Trainer subclass + LionCubCallback, 8bit; saved only where the user's callback says
+        "eval-save": lambda: dict(
+            variant="8bit",
+            callback=True,
+            late=(SaveAfterEval(),),
+            evaluate=True,
+            eval_strategy="steps",
+            eval_steps=SAVE_AT,
+            save_strategy="no",
+        ),
+        "late-save": lambda: dict(variant="1bit", callback=False, late=(SaveAt(),), save_strategy="no"),
+        "only-model": lambda: dict(variant="1bit", callback=False, save_only_model=True),
+    }
+    scenarios: dict[str, Callable[[Path], dict[str, Any]]] = {}
+    for name, kw in runs.items():
+        scenarios[name] = lambda w, n=name, kw=kw: kit.train(w / n, overlap=False, **kw())
+        scenarios[f"{name}-resume"] = lambda w, n=name, kw=kw: kit.train(
+            w / n, overlap=False, resume=True, **{**kw(), "output_dir": str(w / f"{n}-resume")}
+        )
+    scenarios["compile"] = lambda w: kit.train(
+        w / "compile",
+        "1bit",
+        False,
+        callback=False,
+        save_strategy="no",
+        torch_compile=True,
+        torch_compile_backend="eager",
+    )
+
+    def optim_arg(w: Path) -> dict[str, Any]:
+        warned = {}
+        for optim in ("adafactor", None):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                args = kit.args(w / "optim", **({"optim": optim} if optim else {}))
+                kit.LionCubTrainer(model=kit.model(), args=args, train_dataset=kit.data)
+            warned[str(optim)] = [str(c.message) for c in caught if "TrainingArguments(" in str(c.message)]
+        return warned
+
+    scenarios["optim-arg"] = optim_arg
+    return scenarios
+
+
+def hf_resize_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
+    """Resume hf-guards' 2-rank ``late-save`` checkpoint on this job's ranks (3): refused, then allowed."""
+    kit = hf_kit()
+
+    def resume(w: Path, name: str, **options: Any) -> dict[str, Any]:
+        return kit.train(
+            w / "late-save",
+            "1bit",
+            False,
+            callback=False,
+            resume=True,
+            lioncub=options,
+            save_strategy="no",
+            output_dir=str(w / name),
+        )
+
+    return {
+        "resize-refused": lambda w: {"message": expect_error(lambda: resume(w, "resize-refused"))},
+        "resize": lambda w: resume(w, "resize", allow_world_size_change=True),
+    }
+
+
+def accelerate_guard_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
+    return {"compile": lambda w: accelerate_train(w / "compile", "1bit", False, dynamo_backend="eager")}
+
+
+def lightning_guard_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
+    """gradient_clip_val under bf16-mixed (no scaler) and 16-mixed (a GradScaler; Lightning would make
+    16-mixed on CPU bf16-mixed, so the plugin is given)."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    kit = lightning_kit()
+    return {
+        "bf16-clip": lambda w: kit.train(w / "bf16", "1bit", False, clip=CLIP, precision="bf16-mixed"),
+        "16-clip": lambda w: kit.train(
+            w / "16", "8bit", False, clip=CLIP, plugins=[MixedPrecision("16-mixed", "cpu")]
+        ),
+    }
+
+
 def run_example(name: str, argv: list[str]) -> dict[str, Any]:
     """Run ``examples/<name>`` as ``__main__`` with ``argv``; what it printed is not captured."""
     saved = sys.argv
@@ -564,10 +749,49 @@ def run_example(name: str, argv: list[str]) -> dict[str, Any]:
     return {"ran": name}
 
 
-SCENARIOS = {"hf": hf_scenarios, "accelerate": accelerate_scenarios, "lightning": lightning_scenarios}
+SCENARIOS = {
+    "hf": hf_scenarios,
+    "accelerate": accelerate_scenarios,
+    "lightning": lightning_scenarios,
+    "hf-guards": hf_guard_scenarios,
+    "hf-resize": hf_resize_scenarios,
+    "accelerate-guards": accelerate_guard_scenarios,
+    "lightning-guards": lightning_guard_scenarios,
+}
+
+
+def sequence_command(out: Path, jobs: list[tuple[str, int]], timeout: int) -> list[str]:
+    """The command that launches ``jobs`` (scenario set, ranks) one after the other, all writing to ``out``
+    (a later job may start from an earlier one's checkpoints); it fails if any job failed."""
+    return [sys.executable, __file__, "--sequence", str(out), str(timeout), *(f"{n}:{k}" for n, k in jobs)]
+
+
+def run_sequence(out: str, timeout: str, *jobs: str) -> int:
+    """``--sequence``: ``lioncub launch --nproc K -- framework_jobs.py NAME OUT`` for each ``NAME:K``."""
+    failed = 0
+    for job in jobs:
+        name, nproc = job.split(":")
+        launch = [sys.executable, "-m", "lioncub", "launch", "--nproc", nproc, "--timeout", timeout, "--"]
+        code = subprocess.run([*launch, __file__, name, out], check=False).returncode
+        print(f"job {job}: exit code {code}", flush=True)
+        failed = failed or code
+    return failed
+
+
+def load_results(out: Path) -> dict[str, list[dict[str, Any]]]:
+    """scenario -> what each rank saw (rank order); every rank's entry is ``{"error": ...}`` if one failed."""
+    loaded: dict[str, list[dict[str, Any]]] = {}
+    for name in sorted({p.name.rsplit(".rank", 1)[0] for p in out.glob("*.rank*.pt")}):
+        paths = sorted(out.glob(f"{name}.rank*.pt"), key=lambda p: int(p.name.rsplit("rank", 1)[1][:-3]))
+        ranks = [torch.load(p, weights_only=False) for p in paths]
+        errors = [r["error"] for r in ranks if "error" in r]
+        loaded[name] = [{"error": "\n".join(errors)}] * len(ranks) if errors else [r["ok"] for r in ranks]
+    return loaded
 
 
 def main() -> None:
+    if sys.argv[1] == "--sequence":
+        sys.exit(run_sequence(*sys.argv[2:]))
     framework, out, *only = sys.argv[1:]
     torch.set_num_threads(1)
     scenarios = SCENARIOS[framework]()

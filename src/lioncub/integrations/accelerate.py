@@ -54,7 +54,7 @@ def prepare(
     Args:
         accelerator: the ``Accelerator`` that prepared ``model`` and ``optimizer``.
         model: the model ``accelerator.prepare`` returned (a ``DistributedDataParallel`` in a job of several
-            processes).
+            processes, or ``torch.compile``'s module around one with ``Accelerator(dynamo_backend=...)``).
         optimizer: the optimizer ``accelerator.prepare`` returned (an ``AcceleratedOptimizer`` around a
             :class:`LionCub`).
         overlap: vote during the backward pass (:meth:`LionCub.overlap_with`) instead of in ``step()``;

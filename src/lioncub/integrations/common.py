@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lioncub.optim import LionCub
 from lioncub.optim.ddp import skip_gradient_allreduce
 
-__all__ = ["CommLog", "find_lioncub", "install_vote", "require"]
+__all__ = ["CommLog", "find_lioncub", "install_vote", "require", "uncompiled"]
 
 _log = logging.getLogger("lioncub")
 
@@ -61,14 +61,28 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
+    """The module ``torch.compile`` wrapped, if ``model`` is its ``OptimizedModule`` (accelerate, and the
+    Trainer's ``torch_compile=True``, compile around the DDP model); else ``model``."""
+    if isinstance(model, DistributedDataParallel):
+        return model
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    while isinstance(model, OptimizedModule):
+        model = model._orig_mod
+    return model
+
+
 def install_vote(opt: LionCub, model: torch.nn.Module, *, overlap: bool, where: str) -> str:
-    """Make ``model`` (the framework's DDP model) leave the gradients to ``opt``'s vote: DDP's gradient
-    allreduce replaced by a no-op hook (:func:`lioncub.optim.ddp.skip_gradient_allreduce`), or, with
-    ``overlap``, by the vote itself (:meth:`LionCub.overlap_with`). Collective with ``overlap`` (every
-    rank calls it). Idempotent for the same model and optimizer. Returns ``"skip"``, ``"overlap"``, or
-    ``"single process"`` when there is no DDP model and one process."""
+    """Make ``model`` (the framework's DDP model, or ``torch.compile``'s module around it) leave the
+    gradients to ``opt``'s vote: DDP's gradient allreduce replaced by a no-op hook
+    (:func:`lioncub.optim.ddp.skip_gradient_allreduce`), or, with ``overlap``, by the vote itself
+    (:meth:`LionCub.overlap_with`). Collective with ``overlap`` (every rank calls it). Idempotent for the
+    same model and optimizer. Returns ``"skip"``, ``"overlap"``, or ``"single process"`` when there is no
+    DDP model and one process."""
     if not isinstance(overlap, bool):
         raise TypeError(f"{where}: overlap={overlap!r} must be True or False")
+    model = uncompiled(model)
     if not isinstance(model, DistributedDataParallel):
         if world_size() > 1:
             raise TypeError(

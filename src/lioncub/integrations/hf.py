@@ -19,22 +19,30 @@ What it does:
   parameters of ``trainer.get_decay_parameter_names(model)`` with ``args.weight_decay``, the others (biases,
   norms) without — at ``args.learning_rate``, with ``betas=(0.9, 0.99)`` (Lion's; the Trainer's Adam betas
   are not used) unless the options say otherwise. Any other :class:`LionCub` option goes in ``lioncub=``
-  (``variant``, ``betas``, ``bucket_mb``, ``momentum_sync``, ``checks``, ...). The Trainer's lr scheduler
-  drives the lr: LionCub reads each group's lr at every step.
+  (``variant``, ``betas``, ``bucket_mb``, ``momentum_sync``, ``checks``, ...); ``TrainingArguments(optim=,
+  optim_args=)`` are ignored, with a warning. The Trainer's lr scheduler drives the lr: LionCub reads each
+  group's lr at every step.
 * **No gradient allreduce.** DDP's allreduce is replaced by a no-op hook, so every rank's ``.grad`` is its
   local gradient and only the vote travels; with ``overlap=True`` the vote itself becomes DDP's hook and
   runs during the backward pass (:meth:`LionCub.overlap_with`). Overlap needs ``max_grad_norm=0``: clipping
   changes ``.grad`` after the votes have started.
-* **Checkpoints.** Before the Trainer saves (from rank 0 only), every rank's momenta are gathered into the
-  optimizer state rank 0 writes (:meth:`LionCub.consolidate_state_dict`); ``resume_from_checkpoint`` loads
-  that file on every rank and each takes its own.
+* **Checkpoints.** Wherever the Trainer saves the optimizer (``_save_optimizer_and_scheduler``, which every
+  rank runs before rank 0 writes, whoever set ``should_save``: ``save_strategy``, a callback of yours),
+  every rank's momenta are first gathered into the state rank 0 writes
+  (:meth:`LionCub.consolidate_state_dict`); ``resume_from_checkpoint`` loads that file on every rank and
+  each takes its own. Resuming on another number of ranks is refused unless
+  ``lioncub=dict(allow_world_size_change=True)`` (rank r then takes saved rank r mod K's momenta). A
+  checkpoint without optimizer state (``save_only_model=True``) resumes with zero momenta, with a warning.
+* **torch.compile.** ``TrainingArguments(torch_compile=True)`` compiles around the DDP model; the vote is
+  installed on the DDP model inside.
 * **Logs.** ``lioncub_bytes_sent_per_step`` and ``lioncub_skipped_steps`` join every log of the Trainer
   (:class:`~lioncub.integrations.common.CommLog`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import warnings
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from lioncub.integrations.common import require
@@ -82,19 +90,29 @@ class LionCubCallback(TrainerCallback):
         trainer: the Trainer (any subclass) this callback is added to.
         overlap: run the vote as DDP's communication hook, during the backward pass (needs
             ``TrainingArguments(max_grad_norm=0)``).
+        allow_world_size_change: let ``resume_from_checkpoint`` load a checkpoint written by another number
+            of ranks (rank r takes the momenta of saved rank r mod K; :meth:`LionCub.load_state_dict`).
         **lioncub: options of :class:`LionCub` (``variant``, ``betas``, ``bucket_mb``, ``momentum_sync``,
             ``checks``, ``diagnostics_every``, ``maximize``, ``process_group``); the lr and weight decay come
             from the Trainer's arguments. If the Trainer was given a LionCub (``optimizers=(opt, sched)``)
             or builds one in its own ``create_optimizer``, pass no options here.
     """
 
-    def __init__(self, trainer: Trainer, *, overlap: bool = False, **lioncub: Any) -> None:
+    def __init__(
+        self,
+        trainer: Trainer,
+        *,
+        overlap: bool = False,
+        allow_world_size_change: bool = False,
+        **lioncub: Any,
+    ) -> None:
         if not isinstance(trainer, Trainer):
             raise TypeError(
                 f"LionCubCallback(trainer): expected a transformers.Trainer, got {type(trainer).__name__}"
             )
-        if not isinstance(overlap, bool):
-            raise TypeError(f"LionCubCallback: overlap={overlap!r} must be True or False")
+        for name, value in (("overlap", overlap), ("allow_world_size_change", allow_world_size_change)):
+            if not isinstance(value, bool):
+                raise TypeError(f"LionCubCallback: {name}={value!r} must be True or False")
         wrong = sorted(set(lioncub) & set(_FROM_ARGS))
         if wrong:
             raise ValueError(
@@ -109,7 +127,10 @@ class LionCubCallback(TrainerCallback):
             )
         self.trainer = trainer
         self.overlap = overlap
+        self.allow_world_size_change = allow_world_size_change
         self.options = dict(lioncub)
+        #: how the user wrote it: ``"LionCubTrainer"`` or ``"LionCubCallback"`` (for messages)
+        self.where = "LionCubTrainer" if isinstance(trainer, LionCubTrainer) else "LionCubCallback"
         self.built: LionCub | None = None  # the optimizer this callback built, if it did
         #: LionCub's traffic for the logs (from the start of training)
         self.comm_log: CommLog | None = None
@@ -128,6 +149,8 @@ class LionCubCallback(TrainerCallback):
             )
         else:
             trainer.optimizer_cls_and_kwargs = (_Factory(self), {})  # type: ignore[assignment]
+        self._warn_ignored_args(trainer.args)
+        self._wrap_the_trainer()
 
     # -- the optimizer ----------------------------------------------------------------------------------
 
@@ -162,6 +185,86 @@ class LionCubCallback(TrainerCallback):
         """The Trainer's LionCub (the Trainer holds it wrapped in accelerate's ``AcceleratedOptimizer``)."""
         return find_lioncub(self.trainer.optimizer, "LionCubCallback")
 
+    def option(self, text: str) -> str:
+        """Where the user passes the option ``text`` (``"allow_world_size_change=True"``)."""
+        if self.where == "LionCubTrainer":
+            return f"LionCubTrainer(..., lioncub=dict({text}))"
+        return f"LionCubCallback(trainer, {text})"
+
+    # -- the Trainer's saves and loads ------------------------------------------------------------------
+
+    def _warn_ignored_args(self, args: TrainingArguments) -> None:
+        default = TrainingArguments.__dataclass_fields__["optim"].default
+        optim = getattr(args.optim, "value", args.optim)
+        ignored = [f"optim={optim!r}"] if optim != default else []
+        if args.optim_args:
+            ignored.append(f"optim_args={args.optim_args!r}")
+        if ignored:
+            warnings.warn(
+                f"{self.where}: TrainingArguments({', '.join(ignored)}) is ignored: the Trainer trains with "
+                f"LionCub, whose options go in {self.option('variant=..., betas=..., ...')}",
+                stacklevel=4 if self.where == "LionCubTrainer" else 3,  # the user's line
+            )
+
+    def _wrap_the_trainer(self) -> None:
+        """Wrap the Trainer's own optimizer save and load, which every rank runs (whoever asked for the
+        save): every rank's state is gathered on rank 0 before it writes; a resume's state is checked."""
+        trainer = self.trainer
+        names = ("_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler")
+        save, load = (getattr(trainer, name, None) for name in names)
+        if not (callable(save) and callable(load)):
+            raise RuntimeError(
+                f"{self.where}: this transformers Trainer has no {names[0]} / {names[1]}, where lioncub "
+                "gathers every rank's momenta into the checkpoint; install transformers>=5 (lioncub[hf])"
+            )
+
+        def save_every_rank(output_dir: str) -> None:
+            if world_size() > 1:
+                self.optimizer.consolidate_state_dict(to=0)
+            save(output_dir)
+
+        def load_checked(checkpoint: str | None) -> None:
+            if checkpoint is None:
+                return load(checkpoint)
+            opt = self.optimizer
+            opt.load_state_dict = self._loader(opt, checkpoint)  # type: ignore[method-assign]
+            try:
+                load(checkpoint)
+            finally:
+                vars(opt).pop("load_state_dict", None)
+            if opt.global_step == 0 and trainer.args.process_index == 0:
+                warnings.warn(
+                    f"{self.where}: resuming at step {trainer.state.global_step} from {checkpoint}, which "
+                    "holds no optimizer state (TrainingArguments(save_only_model=True) writes none): LionCub "
+                    "starts over with zero momenta on every rank, a fresh warm-up. Save with "
+                    "save_only_model=False to resume the momenta",
+                    stacklevel=2,
+                )
+
+        trainer._save_optimizer_and_scheduler = save_every_rank  # type: ignore[method-assign]
+        trainer._load_optimizer_and_scheduler = load_checked  # type: ignore[method-assign]
+
+    def _loader(self, opt: LionCub, checkpoint: str | None) -> Callable[[dict[str, Any]], None]:
+        """A one-time ``opt.load_state_dict`` for the Trainer's resume: with this callback's
+        ``allow_world_size_change``, and refusing another world size with a message naming that option."""
+
+        def load_state_dict(state_dict: dict[str, Any]) -> None:
+            del opt.load_state_dict  # the class's from now on
+            meta = state_dict.get("lioncub")
+            if isinstance(meta, Mapping) and not self.allow_world_size_change:
+                saved = len(meta["ranks"]) if "ranks" in meta else meta.get("world_size")
+                now = opt.comm.world_size
+                if saved is not None and saved != now:
+                    raise ValueError(
+                        f"{self.where}: the checkpoint {checkpoint} holds the optimizer state of {saved} "
+                        f"ranks, this job has {now}: each rank's momenta are its own. To resume anyway "
+                        f"(rank r takes the momenta of saved rank r mod {saved}), pass "
+                        f"{self.option('allow_world_size_change=True')}"
+                    )
+            opt.load_state_dict(state_dict, allow_world_size_change=self.allow_world_size_change)
+
+        return load_state_dict
+
     # -- events -----------------------------------------------------------------------------------------
 
     def on_train_begin(
@@ -181,25 +284,6 @@ class LionCubCallback(TrainerCallback):
         # fp16: every rank's scaler skips, backs off and grows together (lioncub.optim.amp)
         agree_on_overflow(getattr(self.trainer.accelerator, "scaler", None))
         self.comm_log = CommLog(opt)
-
-    def on_step_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        self._before_a_save(args, control)
-
-    def on_epoch_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        self._before_a_save(args, control)
-
-    def _before_a_save(self, args: TrainingArguments, control: TrainerControl) -> None:
-        """Gather every rank's state on rank 0 when the Trainer is about to write a checkpoint with the
-        optimizer in it (it decides that in the events before ``_maybe_log_save_evaluate``; with
-        ``save_strategy="best"`` after the evaluation, so then before every evaluation)."""
-        if args.save_only_model or world_size() == 1:
-            return
-        if control.should_save or (args.save_strategy == "best" and control.should_evaluate):
-            self.optimizer.consolidate_state_dict(to=0)
 
     def on_log(
         self,
@@ -222,7 +306,8 @@ class LionCubCallback(TrainerCallback):
 class LionCubTrainer(Trainer):
     """A ``transformers.Trainer`` that trains with :class:`~lioncub.optim.LionCub` (see the module's
     docstring). Takes the Trainer's arguments and ``lioncub=dict(...)``: LionCub's options (``variant``,
-    ``betas``, ...) and ``overlap`` (default False), as :class:`LionCubCallback`."""
+    ``betas``, ...), ``overlap`` and ``allow_world_size_change`` (default False), as
+    :class:`LionCubCallback`."""
 
     def __init__(self, *args: Any, lioncub: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         if lioncub is not None and not isinstance(lioncub, Mapping):
@@ -230,8 +315,11 @@ class LionCubTrainer(Trainer):
         super().__init__(*args, **kwargs)
         options = dict(lioncub or {})
         overlap = options.pop("overlap", False)
+        resize = options.pop("allow_world_size_change", False)
         #: the callback that does the work (see :class:`LionCubCallback`)
-        self.lioncub_callback = LionCubCallback(self, overlap=overlap, **options)
+        self.lioncub_callback = LionCubCallback(
+            self, overlap=overlap, allow_world_size_change=resize, **options
+        )
         self.add_callback(self.lioncub_callback)
 
     @property

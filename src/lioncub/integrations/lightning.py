@@ -13,11 +13,12 @@ The strategy wraps the model in DDP as ``DDPStrategy`` does, then replaces DDP's
 no-op hook (every rank's ``.grad`` stays its local gradient and only the vote travels), on CPU and on GPU
 alike (``DDPStrategy`` registers communication hooks on CUDA only), or, with ``overlap=True``, makes the
 vote DDP's hook, run during the backward pass (no ``gradient_clip_val`` then: clipping changes ``.grad``
-after the votes have started). Its checkpoints hold every rank's momenta: before rank 0 writes the
-optimizer state, every rank's is gathered into it (:meth:`LionCub.consolidate_state_dict`), and
-``fit(ckpt_path=...)`` loads that state on every rank, each taking its own. Everything else (accumulation
-with ``accumulate_grad_batches``, which runs the non-final backward passes in ``no_sync``, lr schedulers,
-loggers) is Lightning's.
+after the votes have started). ``gradient_clip_val`` works with ``precision="bf16-mixed"`` and
+``"16-mixed"`` (Lightning unscales before it clips; an overflow on any rank skips the step on every
+rank). Its checkpoints hold every rank's momenta: before rank 0 writes the optimizer state, every rank's
+is gathered into it (:meth:`LionCub.consolidate_state_dict`), and ``fit(ckpt_path=...)`` loads that state
+on every rank, each taking its own. Everything else (accumulation with ``accumulate_grad_batches``, which
+runs the non-final backward passes in ``no_sync``, lr schedulers, loggers) is Lightning's.
 """
 
 from __future__ import annotations
@@ -94,6 +95,12 @@ class LionCubStrategy(DDPStrategy):
         install_vote(opt, self.model, overlap=self.overlap, where="LionCubStrategy")
         # fp16: every rank's scaler skips, backs off and grows together (lioncub.optim.amp)
         agree_on_overflow(getattr(self.precision_plugin, "scaler", None))
+        if not self.overlap:
+            # Lightning refuses gradient_clip_val for an optimizer that unscales in its own step. Without a
+            # scaler (bf16-mixed) nothing is scaled; with one (16-mixed) Lightning then unscales before
+            # clipping, and the scaler skips an overflowed step on every rank (the flags agree, above).
+            # Overlap keeps LionCub's own unscaling, which refuses a scaler (the votes started scaled).
+            opt._step_supports_amp_scaling = False
         self.lioncub = opt
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

@@ -26,6 +26,7 @@ _EXPORTS = {
     "Checks": "lioncub.optim.lioncub",
     "Lion": "lioncub.optim.lion",
     "LionCub": "lioncub.optim.lioncub",
+    "LocalSteps": "lioncub.optim.local_steps",
     "MomentumSync": "lioncub.optim.sync",
     "PRESETS": "lioncub.optim.config",
     "ReplicaDivergenceError": "lioncub.optim.lioncub",

@@ -245,6 +245,12 @@ class Vote(ABC):
         ``untouched`` (no gradient on any rank: value and momentum kept). Returns a copy of the flat update
         when ``keep_update`` (diagnostics), else ``None``."""
 
+    def update(self, ballot: Ballot) -> torch.Tensor:
+        """The decoded update ``u`` of a ballot whose vote is done (flat, the ballot's length), for a rule
+        that applies it itself (DiLoCo's outer step applies the dense mean with Nesterov momentum)."""
+        assert ballot.pending is not None, "update() before post()"
+        return ballot.pending.wait()
+
     def discard(self, ballot: Ballot) -> None:
         """Wait for a posted vote without applying it (a dropped step: none stays in flight)."""
         if ballot.pending is not None:

@@ -40,6 +40,7 @@ _EXPORTS = {
     "StepMismatchError": "lioncub.optim.step_check",
     "GradientChangedError": "lioncub.optim.step_check",
     "LionCub": "lioncub.optim.lioncub",
+    "LocalSteps": "lioncub.optim.local_steps",
     "ReplicaDivergenceError": "lioncub.optim.lioncub",
 }
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from lioncub.collectives import Ballot, Comm, Hyper, Vote
+from lioncub.collectives import Ballot, Comm, Hyper, ParamState, Vote
 from lioncub.ops import kernels, native
 
 __all__ = ["Bucket", "OptimizerState", "StepEngine", "StepTimes", "make_buckets"]
@@ -161,12 +161,18 @@ class StepEngine:
 
     @torch.no_grad()
     def contribute(
-        self, bucket: Bucket, grads: Sequence[torch.Tensor | None], *, step: int, keep_copy: bool = False
+        self,
+        bucket: Bucket,
+        grads: Sequence[torch.Tensor | None],
+        *,
+        step: int,
+        keep_copy: bool = False,
+        state: ParamState | None = None,
     ) -> Ballot:
         """Step 1 for one bucket (``grads``: its parameters' gradients, ``None`` = zeros) of optimizer step
-        ``step``."""
+        ``step`` (``state``: whose momenta and hyperparameters, the optimizer's by default)."""
         ballot = bucket.ballot()
-        self.vote.contribute(ballot, grads, self.state, step=step, keep_copy=keep_copy)
+        self.vote.contribute(ballot, grads, state or self.state, step=step, keep_copy=keep_copy)
         return ballot
 
     def post(self, ballot: Ballot, step: int) -> None:
@@ -181,11 +187,13 @@ class StepEngine:
         *,
         keep_updates: bool = False,
         untouched: frozenset[int] = frozenset(),
+        state: ParamState | None = None,
     ) -> list[torch.Tensor]:
         """Steps 3 and 4 for every ballot: the work between phases of every vote before waiting for the
         first (phase 2 of one bucket overlaps the wait for the next), then each vote's wait and apply. The
         parameters whose ``id`` is in ``untouched`` (no gradient on any rank) keep their value and
         momentum. Returns copies of the flat updates if ``keep_updates`` (diagnostics), else ``[]``."""
+        state = state or self.state
         t0 = time.perf_counter()
         for ballot in ballots:
             self.vote.advance(ballot)
@@ -195,12 +203,23 @@ class StepEngine:
             t0 = time.perf_counter()
             self.vote.wait(ballot)
             t1 = time.perf_counter()
-            update = self.vote.apply(ballot, self.state, untouched=untouched, keep_update=keep_updates)
+            update = self.vote.apply(ballot, state, untouched=untouched, keep_update=keep_updates)
             if update is not None:
                 updates.append(update)
             times.exchange += t1 - t0
             times.apply += time.perf_counter() - t1
         return updates
+
+    def means(self, ballots: Sequence[Ballot], times: StepTimes) -> list[torch.Tensor]:
+        """Steps 3 and the wait for every ballot, and the decoded updates (for a rule that applies them
+        itself; with a dense variant, the mean of the ranks' contributions, flat)."""
+        t0 = time.perf_counter()
+        for ballot in ballots:
+            self.vote.advance(ballot)
+        for ballot in ballots:
+            self.vote.wait(ballot)
+        times.exchange += time.perf_counter() - t0
+        return [self.vote.update(ballot) for ballot in ballots]
 
     def discard(self, ballots: Sequence[Ballot]) -> None:
         """Wait for every posted vote without applying it (a dropped step: none stays in flight)."""

@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from lioncub._validate import is_int, is_number
-from lioncub.collectives import Ballot, Comm, flat_views
+from lioncub.collectives import Ballot, Comm, CommCounter, ParamState, flat_views
 from lioncub.ops.quantize import max_abs
 from lioncub.optim import diagnostics, topology
 from lioncub.optim.accounting import Accounting
@@ -63,6 +63,7 @@ from lioncub.optim.engine import StepEngine, StepTimes
 from lioncub.optim.factory import make_vote
 from lioncub.optim.layout import ParamLayout, named_parameters
 from lioncub.optim.lion import check_lion_hyperparameters, check_no_duplicates, default_foreach, update_group_
+from lioncub.optim.local_steps import LocalSteps, WindowedSteps
 from lioncub.optim.overlap import OverlapHook, overlap_group
 from lioncub.optim.replicas import (
     ReplicaDivergenceError,
@@ -100,7 +101,7 @@ __all__ = [
 _log = logging.getLogger("lioncub")
 
 
-class LionCub(PerRankState, torch.optim.Optimizer):
+class LionCub(PerRankState, WindowedSteps, torch.optim.Optimizer):
     """Distributed Lion / Lion Cub: each rank keeps its own momentum and the ranks vote on the update.
 
     Args:
@@ -124,6 +125,8 @@ class LionCub(PerRankState, torch.optim.Optimizer):
             full-precision vote, tie rate, momentum spread, update shape) into :attr:`last_diagnostics`;
             this costs extra collectives on those steps only (not counted in :meth:`comm_stats`). 0: off.
         maximize: maximise instead of minimise.
+        local_steps: :class:`~lioncub.optim.local_steps.LocalSteps`: H local Lion steps per rank, then one
+            outer step on the pseudo-gradients (a vote every H steps); ``None`` (default): a vote every step.
 
     At construction every rank checks that all ranks hold the same parameter list (names, shapes, dtypes,
     order: one hash all-gathered) and raises :class:`ReplicaMismatchError` naming the first difference.
@@ -147,9 +150,13 @@ class LionCub(PerRankState, torch.optim.Optimizer):
         checks: Checks = Checks(),
         diagnostics_every: int = 0,
         maximize: bool = False,
+        local_steps: LocalSteps | None = None,
     ) -> None:
         config, self.variant = _vote_config(variant)
         _check_options(config, self.variant, bucket_mb, model, checks, diagnostics_every)
+        _check_local_steps(local_steps, config, self.variant, momentum_sync, diagnostics_every)
+        #: H local steps per outer step (:mod:`lioncub.optim.local_steps`), or ``None``: a vote every step
+        self.local_steps = local_steps
         self._ready = False  # add_param_group: the base constructor calls it before the rest exists
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize))
         for index, group in enumerate(self.param_groups):
@@ -179,7 +186,8 @@ class LionCub(PerRankState, torch.optim.Optimizer):
         self._overlap: OverlapHook | None = None
         self._grad_scale: torch.Tensor | None = None  # the GradScaler's scale handed to this step
         self._refresh_layout()
-        self._grads_compared = False  # the one-time "already averaged?" check of the first step
+        # the one-time "already averaged?" check of the first step (local steps: the pseudo-gradients)
+        self._grads_compared = local_steps is not None
         self._consolidated: list[dict[str, Any]] | None = None
         self._ready = True
         self.accounting = Accounting(self.comm, () if levels is None else levels)
@@ -278,6 +286,8 @@ class LionCub(PerRankState, torch.optim.Optimizer):
         self.comm.step = self._global_step
         if self.single_process:
             self._lion_step(overflow)
+        elif self.local_steps is not None:
+            self._local_step(overflow)
         else:
             self._vote_step(overflow)
         return loss
@@ -298,32 +308,45 @@ class LionCub(PerRankState, torch.optim.Optimizer):
                 torch._foreach_mul_(grads, scale.double().reciprocal().float().to(grads[0].device))
         return found_inf is not None and bool(found_inf.item() > 0)
 
-    def _vote_step(self, overflow: bool) -> None:
+    def _vote_step(
+        self,
+        overflow: bool,
+        state: ParamState | None = None,
+        vote_step: int | None = None,
+        before: CommCounter | None = None,
+        times: StepTimes | None = None,
+    ) -> bool:
+        """One vote over the ranks, applied: ``p.grad`` as the gradients, ``state``'s momenta and
+        hyperparameters (the optimizer's by default), ``vote_step`` as the vote's step (its tie phase; the
+        optimizer step by default), booked as one step from ``before`` with ``times`` (from now by
+        default). Returns whether it was applied (not skipped)."""
         step = self._global_step
-        before, times = self.accounting.snapshot(), StepTimes()
+        vote_step = step if vote_step is None else vote_step
+        before = self.accounting.snapshot() if before is None else before
+        times = StepTimes() if times is None else times
         diagnose = bool(self.diagnostics_every) and step % self.diagnostics_every == 0
         ballots = self._overlap.collect(step, times) if self._overlap is not None else None
         posted = ballots is not None  # overlapped: contributed and posted during the backward
         if ballots is None:
             t0 = time.perf_counter()
+            grads = {"step": vote_step, "keep_copy": diagnose, "state": state}
             ballots = [
-                self.engine.contribute(b, [p.grad for p in b.params], step=step, keep_copy=diagnose)
-                for b in self.layout.buckets
+                self.engine.contribute(b, [p.grad for p in b.params], **grads) for b in self.layout.buckets
             ]
             times.direction += time.perf_counter() - t0
         check = self._check_step(ballots, posted, overflow)
         if not check.ok:  # skipped: nothing is applied on any rank
             self._finish_step(before, times, skipped=True)
-            return
+            return False
         untouched = self._without_gradient() if check.missing_grads else frozenset()
         if self.checks.broadcast_init:  # parameters that joined since the last step (the ranks agree)
             self._broadcast_new()
         if not posted:
             t0 = time.perf_counter()
             for ballot in ballots:
-                self.engine.post(ballot, step)
+                self.engine.post(ballot, vote_step)
             times.encode += time.perf_counter() - t0
-        updates = self.engine.apply(ballots, times, keep_updates=diagnose, untouched=untouched)
+        updates = self.engine.apply(ballots, times, keep_updates=diagnose, untouched=untouched, state=state)
         if self._sync_params and self.momentum_sync.due(step):
             t0 = time.perf_counter()
             self._sync_momenta(untouched)
@@ -333,31 +356,37 @@ class LionCub(PerRankState, torch.optim.Optimizer):
         self._finish_step(before, times, skipped=False)
         if diagnose:  # after the accounting: its collectives are not the step's
             self.last_diagnostics = (step, self._diagnose(ballots, updates))
+        return True
 
     def _finish_step(self, before: Any, times: StepTimes, *, skipped: bool) -> None:
         overlapped = self._overlap.take_traffic() if self._overlap is not None else (0.0, 0.0, 0)
         self.accounting.finish_step(before, times, skipped=skipped, overlapped=overlapped)
 
-    def _lion_step(self, overflow: bool) -> None:
-        """One process: :class:`~lioncub.optim.Lion`'s step (the same functions, bit for bit), with the
-        non-finite check of :class:`Checks` (``nonfinite``) and a GradScaler's overflow."""
+    def _lion_step(self, overflow: bool, local: bool = False) -> bool:
+        """:class:`~lioncub.optim.Lion`'s step on this rank (the same functions, bit for bit), with the
+        non-finite check of :class:`Checks` (``nonfinite``) and a GradScaler's overflow: one process, or
+        (``local``) an inner step of local steps, decided by this rank alone. Returns whether it skipped."""
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         if grads and default_foreach(grads) and grads[0].device.type != "cpu":
             peaks = [t.float() for t in torch._foreach_norm(grads, float("inf"))]
         else:  # on CPU the inf norm (foreach or not) is ~11x slower than aminmax, the same values
             peaks = [max_abs(g).float() for g in grads]
         if self.checks.nonfinite == "raise":  # raises NonFiniteGradientError on NaN/Inf
-            check_step(self.comm, peaks, step=self._global_step, layout=0, missing_grads=0, nonfinite="raise")
+            here = Comm.single() if local else self.comm
+            check_step(here, peaks, step=self._global_step, layout=0, missing_grads=0, nonfinite="raise")
         skip = overflow or bool(peaks and not torch.isfinite(torch.stack(peaks)).all())
-        self.accounting.count_skip(skip)
+        if not local:
+            self.accounting.count_skip(skip)
         if skip:
-            _log.warning("step %d skipped: non-finite gradients (NaN or Inf)", self._global_step)
-            return
+            where = f"rank {self.comm.rank}: local " if local else ""
+            _log.warning("%sstep %d skipped: non-finite gradients (NaN or Inf)", where, self._global_step)
+            return True
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if params:
                 momenta = [self.engine.state.momentum(p) for p in params]
                 update_group_(group, params, [p.grad for p in params], momenta)
+        return False
 
     def _check_step(self, ballots: Sequence[Ballot], posted: bool, overflow: bool) -> StepCheck:
         """:func:`lioncub.optim.step_check.check_step` on the optimizer's group (step numbers, layouts,
@@ -444,6 +473,11 @@ class LionCub(PerRankState, torch.optim.Optimizer):
             raise ValueError(
                 f"overlap_with: topology={self.config.topology!r} votes run after the backward (the overlap "
                 "hook votes flat); use the plain step, or topology='flat'"
+            )
+        if self.local_steps is not None:
+            raise ValueError(
+                "overlap_with: with local_steps there is no vote in the backward (the ranks vote every "
+                f"{self.local_steps.h} steps, in step()); use skip_gradient_allreduce(model)"
             )
         comm = overlap_group(model, self.comm, process_group)
         ordered = sorted(self.layout.order, key=self.layout.order.__getitem__)
@@ -587,6 +621,32 @@ def _groups(
     mesh = mesh or topology.mesh_from_environment(config.topology)
     flat, intra, inter = topology.node_groups(mesh, config.exchange)
     return flat, (intra, inter)
+
+
+def _check_local_steps(
+    local_steps: LocalSteps | None,
+    config: VoteConfig,
+    variant: str,
+    momentum_sync: Any,
+    diagnostics_every: int,
+) -> None:
+    """The refusals of ``local_steps=``: its type, a rule that needs a dense exchange, and the options that
+    have no meaning between outer steps."""
+    if local_steps is None:
+        return
+    if not isinstance(local_steps, LocalSteps):
+        raise TypeError(f"local_steps={local_steps!r} must be a lioncub.optim.LocalSteps(h=...) or None")
+    local_steps.check_variant(config.transport, variant)
+    sync = momentum_sync.params if isinstance(momentum_sync, MomentumSync) else momentum_sync
+    if sync != "none":
+        raise ValueError(
+            "local_steps with momentum_sync: the ranks' inner momenta are local between outer steps; "
+            "LocalSteps(inner_momentum='average') averages them at each outer step"
+        )
+    if diagnostics_every:
+        raise ValueError(
+            "local_steps with diagnostics_every: the vote diagnostics are per-step votes' (set 0)"
+        )
 
 
 def _check_group(group: dict[str, Any], index: int) -> None:

@@ -19,6 +19,7 @@ from lioncub._validate import is_int
 from lioncub.collectives import Comm
 from lioncub.optim.config import VoteConfig
 from lioncub.optim.engine import StepEngine
+from lioncub.optim.local_steps import LocalSteps
 
 __all__ = ["STATE_VERSION", "PerRankState"]
 
@@ -35,6 +36,7 @@ class PerRankState:
     comm: Comm
     variant: str
     config: VoteConfig
+    local_steps: LocalSteps | None
     single_process: bool
     _global_step: int
     _consolidated: list[dict[str, Any] | None] | None
@@ -66,6 +68,7 @@ class PerRankState:
             "world_size": self.comm.world_size,
             "rank": self.comm.rank,
             "consolidated": False,
+            "local_steps": None if self.local_steps is None else self.local_steps.describe(),
             # a stochastic quantizer's stream: the overlap hook's vote draws from its own when overlapping
             "generator": _generator_state(self._engines()[-1].vote),
         }
@@ -141,6 +144,12 @@ class PerRankState:
             raise ValueError(
                 f"the checkpoint was written by variant={meta['variant']!r}, this optimizer is "
                 f"variant={variant!r}; their updates differ{detail}"
+            )
+        local = None if self.local_steps is None else self.local_steps.describe()
+        if meta.get("local_steps") != local:
+            raise ValueError(
+                f"the checkpoint was written with local_steps={meta.get('local_steps')}, this optimizer has "
+                f"local_steps={local}: a resume keeps the windows and the outer step"
             )
         if meta["world_size"] != comm.world_size and not allow_world_size_change:
             raise ValueError(

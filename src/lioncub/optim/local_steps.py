@@ -1,0 +1,228 @@
+r"""Votes needed less often: H local Lion steps on every rank, then one outer step on the pseudo-gradients
+(``LionCub(..., local_steps=LocalSteps(h=16))``; the formulas and the choices are in ``docs/local-steps.md``).
+
+From the shared parameters θ_t every rank r takes H inner steps of Lion on its own batches (the param
+groups' ``lr``, ``betas``, ``weight_decay``, schedule included; its own inner momentum; no communication),
+reaching θ_r. Its pseudo-gradient is Δ_r = θ_t − θ_r. The outer step, on every rank alike:
+
+* ``"vote"``: each rank keeps its own outer momentum M_r; ``c_r = β1ᵒ·M_r + (1−β1ᵒ)·Δ_r`` goes through
+  the optimizer's vote (its ``variant``: 1bit, 4bit, 8bit, 8bit-sign, dlion-avg, …, and its topology) to
+  the update u; ``θ_{t+1} = θ_t·(1 − ηᵒ·λᵒ) − ηᵒ·u``; ``M_r ← β2ᵒ·M_r + (1−β2ᵒ)·Δ_r``. One vote every H steps:
+  with ``1bit``, 1/H bit per parameter and inner step.
+* ``"dsm"`` (Yu et al. 2024, distributed sign momentum): the same sign step on the mean Δ̄ = mean_r Δ_r
+  (an fp32 or bf16 allreduce: ``variant="32bit"`` or ``"16bit"``), one outer momentum shared by every
+  rank — the dense variants' global Lion step, applied to the pseudo-gradients.
+* ``"diloco"`` (Douillard et al. 2023): Nesterov SGD on Δ̄: ``v ← μ·v + Δ̄``, ``θ_{t+1} = θ_t − ηᵒ·(Δ̄ +
+  μ·v)`` (``torch.optim.SGD(nesterov=True)``; DiLoCo's ηᵒ = 0.7, μ = 0.9), the allreduce fp32 or bf16.
+
+The outer learning rate ``outer_lr`` is dimensionless: for the sign steps (vote, dsm) ``ηᵒ = outer_lr ·
+H · lr`` with each group's ``lr`` as the schedule has it at the outer step (a window of H inner steps
+moves a parameter by at most H·lr), for DiLoCo ``ηᵒ = outer_lr``. The inner momentum at the outer step is
+``"keep"`` (each rank's own, as it was), ``"reset"`` (zeros) or ``"average"`` (the ranks' mean: an fp32
+allreduce of the momenta, counted). With H = 1 the ``vote`` rule is *not* the per-step vote: it votes on
+the inner Lion step itself, ``Δ_r = lr·(sign(β1·m_r + (1−β1)·g_r) + wd·θ_t)``, blended with the outer
+momentum, where the per-step vote votes on ``β1·m_r + (1−β1)·g_r``.
+
+State (every rank its own, in ``state[p]``): ``exp_avg`` (inner momentum), ``anchor`` (θ_t), and
+``outer_exp_avg`` (vote, dsm) or ``outer_buf`` (diloco); the position in the window is the optimizer step
+modulo H, so a resume in the middle of a window continues it bitwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lioncub._validate import is_int, is_number
+from lioncub.collectives import Hyper, flat_views
+from lioncub.optim.engine import StepTimes
+from lioncub.optim.sync import synchronize
+
+__all__ = ["INNER_MOMENTA", "OUTER_RULES", "LocalSteps", "OuterState", "WindowedSteps"]
+
+#: the outer steps (module docstring)
+OUTER_RULES = ("vote", "dsm", "diloco")
+#: what the inner momentum becomes at an outer step
+INNER_MOMENTA = ("keep", "reset", "average")
+#: ``outer_lr`` where none is given
+DEFAULT_OUTER_LR = {"vote": 1.0, "dsm": 1.0, "diloco": 0.7}
+#: ``outer_betas`` where none are given (DiLoCo: the Nesterov momentum μ = β1ᵒ)
+DEFAULT_OUTER_BETAS = {"vote": (0.9, 0.99), "dsm": (0.9, 0.99), "diloco": (0.9, 0.0)}
+
+
+@dataclass(frozen=True)
+class LocalSteps:
+    """H local steps per outer step (see the module docstring).
+
+    Args:
+        h: inner steps per outer step (≥ 1).
+        outer: ``"vote"``, ``"dsm"`` (needs ``variant="32bit"`` or ``"16bit"``) or ``"diloco"`` (the same).
+        outer_lr: dimensionless (module docstring); ``None``: 1.0 for the sign steps, 0.7 for DiLoCo.
+        outer_betas: (β1ᵒ, β2ᵒ) of the outer momentum; DiLoCo's Nesterov momentum is β1ᵒ. ``None``: (0.9,
+            0.99), DiLoCo (0.9, unused).
+        outer_weight_decay: λᵒ of the sign steps (the inner steps decay already; default 0).
+        inner_momentum: ``"keep"``, ``"reset"`` or ``"average"`` at each outer step.
+    """
+
+    h: int
+    outer: str = "vote"
+    outer_lr: float | None = None
+    outer_betas: tuple[float, float] | None = None
+    outer_weight_decay: float = 0.0
+    inner_momentum: str = "keep"
+
+    def __post_init__(self) -> None:
+        if not is_int(self.h, 1):
+            raise ValueError(f"LocalSteps: h={self.h!r} must be an int >= 1 (inner steps per outer step)")
+        if self.outer not in OUTER_RULES:
+            raise ValueError(f"LocalSteps: outer={self.outer!r}: allowed values are {list(OUTER_RULES)}")
+        if self.outer_lr is not None and not is_number(self.outer_lr, gt=0):
+            raise ValueError(f"LocalSteps: outer_lr={self.outer_lr!r} must be a finite number > 0")
+        betas = self.outer_betas
+        if betas is not None and not (
+            isinstance(betas, (tuple, list))
+            and len(betas) == 2
+            and all(is_number(b, ge=0, lt=1) for b in betas)
+        ):
+            raise ValueError(f"LocalSteps: outer_betas={betas!r} must be two numbers in [0, 1)")
+        if not is_number(self.outer_weight_decay, ge=0):
+            raise ValueError(
+                f"LocalSteps: outer_weight_decay={self.outer_weight_decay!r} must be a number >= 0"
+            )
+        if self.inner_momentum not in INNER_MOMENTA:
+            allowed = list(INNER_MOMENTA)
+            raise ValueError(
+                f"LocalSteps: inner_momentum={self.inner_momentum!r}: allowed values are {allowed}"
+            )
+
+    @property
+    def lr(self) -> float:
+        """``outer_lr``, or the rule's default."""
+        return DEFAULT_OUTER_LR[self.outer] if self.outer_lr is None else float(self.outer_lr)
+
+    @property
+    def betas(self) -> tuple[float, float]:
+        """``outer_betas``, or the rule's default."""
+        b = DEFAULT_OUTER_BETAS[self.outer] if self.outer_betas is None else self.outer_betas
+        return float(b[0]), float(b[1])
+
+    def check_variant(self, transport: str, variant: str) -> None:
+        """``ValueError`` when the rule needs a dense exchange and ``variant`` (``transport``) is not one."""
+        if self.outer in ("dsm", "diloco") and transport != "dense":
+            raise ValueError(
+                f"local_steps: outer={self.outer!r} averages the pseudo-gradients in fp32 or bf16: use "
+                f"variant='32bit' or '16bit', not {variant!r} (outer='vote' takes the votes)"
+            )
+
+    def describe(self) -> dict[str, Any]:
+        """The settings as plain values (the state dict records them)."""
+        return {**dataclasses.asdict(self), "outer_lr": self.lr, "outer_betas": list(self.betas)}
+
+
+class OuterState:
+    """The outer step's view of the optimizer (:class:`lioncub.collectives.ParamState`): each parameter's
+    outer momentum ``state[p]["outer_exp_avg"]``, and the outer hyperparameters (``ηᵒ = outer_lr · H ·
+    lr`` with the group's current lr, β1ᵒ, β2ᵒ, λᵒ)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: LocalSteps, group_of: Any) -> None:
+        self._optimizer, self._config, self._group_of = optimizer, config, group_of
+
+    def momentum(self, p: torch.Tensor) -> torch.Tensor:
+        state = self._optimizer.state[p]
+        if "outer_exp_avg" not in state:
+            state["outer_exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state["outer_exp_avg"]
+
+    def hyper(self, p: torch.Tensor) -> Hyper:
+        c = self._config
+        beta1, beta2 = c.betas
+        lr = c.lr * c.h * float(self._group_of(p)["lr"])
+        return Hyper(lr, beta1, beta2, float(c.outer_weight_decay), False)
+
+
+class WindowedSteps:
+    """The step of :class:`~lioncub.optim.LionCub` with local steps (a mixin: it calls the optimizer's
+    ``_refresh_layout``, ``_broadcast_new``, ``_lion_step``, ``_vote_step``, ``_check_step`` and
+    ``_finish_step``, and reads its ``local_steps``, ``layout``, ``engine``, ``comm``, ``state`` and
+    ``accounting``)."""
+
+    local_steps: LocalSteps
+    state: Any
+
+    @torch.no_grad()
+    def _local_step(self, overflow: bool) -> None:
+        """One inner step on this rank, and after every H of them the outer step (collective then)."""
+        self._refresh_layout()  # type: ignore[attr-defined]
+        params = self.layout.params()  # type: ignore[attr-defined]
+        if any(id(p) not in self._broadcast for p in params):  # type: ignore[attr-defined]
+            self._broadcast_new()  # type: ignore[attr-defined]  # joined since: rank 0's values (collective)
+        for p in params:
+            if "anchor" not in self.state[p]:  # a window starts: θ_t
+                self.state[p]["anchor"] = p.detach().clone(memory_format=torch.preserve_format)
+        before = self.accounting.snapshot()  # type: ignore[attr-defined]
+        skipped = self._lion_step(overflow, local=True)  # type: ignore[attr-defined]
+        self.accounting.finish_step(before, StepTimes(), skipped=skipped)  # type: ignore[attr-defined]
+        step, h = self._global_step, self.local_steps.h  # type: ignore[attr-defined]
+        if step % h == 0:
+            self._outer_step(step // h, params)
+
+    def _outer_step(self, outer_step: int, params: list[torch.Tensor]) -> None:
+        """Δ_r = θ_t − θ_r into ``.grad`` (the user's gradients are put back after), the parameters back to
+        θ_t, the rule's step, the inner momentum's policy, and a new window from the result."""
+        user_grads = [p.grad for p in params]
+        for p in params:
+            anchor = self.state[p]["anchor"]
+            p.grad = anchor - p.detach()
+            p.copy_(anchor)
+        config = self.local_steps
+        before, times = self.accounting.snapshot(), StepTimes()  # type: ignore[attr-defined]
+        momenta = [self.engine.state.momentum(p) for p in params]  # type: ignore[attr-defined]
+        if config.inner_momentum == "reset":
+            for m in momenta:
+                m.zero_()
+        elif config.inner_momentum == "average":
+            t0 = time.perf_counter()
+            synchronize(self.comm, momenta, torch.float32)  # type: ignore[attr-defined]
+            times.sync += time.perf_counter() - t0
+        outer = OuterState(self, config, self.engine.state.group)  # type: ignore[arg-type,attr-defined]
+        booked = {"before": before, "times": times}
+        try:
+            if config.outer == "diloco":
+                self._diloco_step(outer_step, **booked)
+            else:
+                self._vote_step(False, state=outer, vote_step=outer_step, **booked)  # type: ignore[attr-defined]
+        finally:
+            for p, g in zip(params, user_grads, strict=True):
+                p.grad = g
+        for p in params:  # the next window starts from θ_{t+1} (θ_t where the outer step was skipped)
+            self.state[p]["anchor"].copy_(p)
+
+    def _diloco_step(self, outer_step: int, before: Any, times: StepTimes) -> None:
+        """DiLoCo's outer step: the mean pseudo-gradient (the dense variant's exchange), then Nesterov SGD
+        with each parameter's ``outer_buf`` (bit for bit ``torch.optim.SGD(nesterov=True)``); booked as
+        one step from ``before`` with ``times``."""
+        engine, lr, (mu, _) = self.engine, self.local_steps.lr, self.local_steps.betas  # type: ignore[attr-defined]
+        ballots = [
+            engine.contribute(b, [p.grad for p in b.params], step=outer_step)
+            for b in self.layout.buckets  # type: ignore[attr-defined]
+        ]
+        check = self._check_step(ballots, False, False)  # type: ignore[attr-defined]
+        if check.ok:
+            for ballot in ballots:
+                engine.post(ballot, outer_step)
+            means = engine.means(ballots, times)
+            t0 = time.perf_counter()
+            for ballot, mean in zip(ballots, means, strict=True):
+                for p, d in zip(ballot.params, flat_views(mean, ballot.params), strict=True):
+                    buf = self.state[p].get("outer_buf")
+                    if buf is None:
+                        buf = self.state[p]["outer_buf"] = d.clone().detach()
+                    else:
+                        buf.mul_(mu).add_(d)
+                    p.add_(d.add(buf, alpha=mu), alpha=-lr)
+            times.apply += time.perf_counter() - t0
+        self._finish_step(before, times, skipped=not check.ok)  # type: ignore[attr-defined]

@@ -1,0 +1,268 @@
+"""N simulated workers with local steps in one process: validation loss against inner steps and against
+bytes, for H local Lion steps per outer step and the outer rules of ``lioncub.optim.local_steps``.
+
+One process plays N workers training the tiny GPT workload (``gpt``/``tiny`` of ``lioncub train``: its
+model, param groups with their lrs and weight decay, per-rank data, validation and lr schedule). Every
+worker r holds its own parameters θ_r and inner Lion momentum; each inner step it draws its own batch
+(rank r of N: ``--data-mode random`` samples the whole text, ``shard`` its contiguous 1/N) and takes a
+Lion step alone. Every H steps the outer step combines the pseudo-gradients Δ_r = θ_t − θ_r:
+
+* ``vote-1bit``: 1-bit majority of ``c_r = β1ᵒ·M_r + (1−β1ᵒ)·Δ_r`` (zeros split by rank and step parity,
+  ties by the alternating rule), ``θ ← θ_t·(1 − ηᵒλᵒ) − ηᵒ·u``, ``ηᵒ = outer_lr · H · lr``;
+* ``vote-8bit``: the sign of the sum of the workers' L1 levels of ``c_r`` (budget ⌊127/N⌋ per tensor);
+* ``dsm``: the same sign step on the mean Δ̄ with one shared outer momentum (fp32);
+* ``diloco``: Nesterov SGD on Δ̄ (``v ← μv + Δ̄``, ``θ ← θ_t − ηᵒ(Δ̄ + μv)``, ηᵒ = outer_lr).
+
+and the per-step baselines ``1bit`` (a 1-bit vote every step) and ``lion`` (global Lion on the mean
+gradient: ``32bit``). Bytes per inner step and parameter: 1/H bit (vote-1bit), 8/H (vote-8bit), 32/H
+(dsm, diloco fp32), 1 (1bit), 32 (lion). With one model copy per worker, one thread, the step-keyed
+samplers and the seeded init, every run is a function of its settings.
+
+    .venv/bin/python benchmarks/local_sim.py --n 4 --rules vote-1bit,diloco --h 16 --outer-lr 0.5,1 \\
+        --seeds 0 --steps 256 --out runs/local_sim/results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from lioncub.ops.quantize import level_budget, quantize_l1
+from lioncub.train.config import RunConfig, lr_factor
+from lioncub.train.workloads import make_workload
+
+RULES = ("vote-1bit", "vote-8bit", "dsm", "diloco", "1bit", "lion")
+#: bits per parameter one outer exchange of a rule sends (per-step rules: per step)
+BITS = {"vote-1bit": 1, "vote-8bit": 8, "dsm": 32, "diloco": 32, "1bit": 1, "lion": 32}
+
+
+def majority_split(C: Tensor, step: int) -> Tensor:
+    """The 1-bit majority of ``C`` [N, D] with lioncub's zero rule (rank + step even: a zero votes "+")
+    and the alternating tie rule (+1 on odd steps)."""
+    n = C.shape[0]
+    plus_zero = (torch.arange(n) + step) % 2 == 0
+    votes = (C > 0) | ((C == 0) & plus_zero[:, None])
+    margin = 2 * votes.sum(0, dtype=torch.int32) - n
+    tie = 1 if step % 2 == 1 else -1
+    return torch.where(margin == 0, tie, torch.sign(margin)).to(torch.float32)
+
+
+def levels_vote(C: Tensor, segments: list[int]) -> Tensor:
+    """``sign(Σ_r Q(c_r))`` with the 8-bit L1 levels (budget ⌊127/N⌋) per parameter tensor."""
+    levels = level_budget(C.shape[0], 8, "signed")
+    total = torch.zeros(C.shape[1], dtype=torch.int64)
+    for row in C:
+        pos = 0
+        for length in segments:
+            total[pos : pos + length] += quantize_l1(row[pos : pos + length], levels).to(torch.int64)
+            pos += length
+    return torch.sign(total).to(torch.float32)
+
+
+def simulate(
+    n: int,
+    rule: str,
+    *,
+    h: int,
+    outer_lr: float,
+    seed: int,
+    steps: int,
+    data_mode: str = "random",
+    inner_momentum: str = "keep",
+    eval_every: int = 32,
+) -> dict[str, Any]:
+    """Train the tiny GPT with ``n`` simulated workers, ``rule`` and ``h`` inner steps per outer step (the
+    per-step rules ignore ``h``); returns the run's record (validation losses, bytes)."""
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    wl = make_workload("gpt", "tiny", rank=0, world_size=n, seed=seed, data_mode=data_mode)
+    model = wl.build_model()
+    params = list(model.parameters())
+    samplers = [
+        wl.data.sampler(wl.batch_size, wl.block_size, rank=r, world_size=n, seed=seed, mode=data_mode)  # type: ignore[attr-defined]
+        for r in range(n)
+    ]
+    segments = [p.numel() for p in params]
+    group_of = {id(p): g for g in wl.param_groups(model) for p in g["params"]}
+    peak = torch.cat([torch.full((p.numel(),), float(group_of[id(p)]["lr"])) for p in params])
+    wd = torch.cat([torch.full((p.numel(),), float(group_of[id(p)]["weight_decay"])) for p in params])
+    beta1, beta2 = wl.betas
+    warmup = RunConfig(steps=steps).warmup
+    per_step = rule in ("1bit", "lion")
+    h = 1 if per_step else h
+    theta = parameters_to_vector(params).detach()
+    d = theta.numel()
+    thetas = theta.repeat(n, 1)  # [N, D] every worker's parameters
+    m_in = torch.zeros(n, d)  # inner momenta
+    m_out = torch.zeros(n, d)  # outer momenta (vote rules; row 0 for the shared ones)
+    anchor = theta.clone()
+    grads = torch.zeros(n, d)
+    record: dict[str, Any] = {"evals": [], "losses": []}
+
+    def evaluate(step: int) -> None:
+        vector_to_parameters(anchor if not per_step else thetas[0], params)
+        record["evals"].append({"step": step, "val_loss": wl.evaluate(model)["val_loss"]})
+
+    for step in range(1, steps + 1):
+        lr = peak * lr_factor(step, steps, warmup, 0.1)
+        loss_sum = 0.0
+        for r in range(n):
+            vector_to_parameters(thetas[r], params)
+            x, y = wl.data.windows("train", samplers[r].indices(step - 1), wl.block_size)  # type: ignore[attr-defined]
+            model.zero_grad(set_to_none=True)
+            loss = wl.loss(model, (x, y))
+            loss.backward()
+            loss_sum += loss.item()
+            grads[r] = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
+        record["losses"].append(loss_sum / n)
+        c = m_in.mul(beta1).add_(grads, alpha=1 - beta1)
+        if rule == "lion":
+            g_mean = grads.sum(0) / n
+            u = torch.sign(m_out[0].mul(beta1).add_(g_mean, alpha=1 - beta1))
+            m_out[0].mul_(beta2).add_(g_mean, alpha=1 - beta2)
+            thetas[:] = thetas[0].mul(1 - lr * wd).sub_(lr * u)
+        elif rule == "1bit":
+            u = majority_split(c, step)
+            thetas[:] = thetas[0].mul(1 - lr * wd).sub_(lr * u)
+            m_in.mul_(beta2).add_(grads, alpha=1 - beta2)
+        else:  # local: every worker's own Lion step
+            thetas.mul_(1 - lr * wd).sub_(lr * torch.sign(c))
+            m_in.mul_(beta2).add_(grads, alpha=1 - beta2)
+            if step % h == 0:
+                outer(rule, step // h, thetas, anchor, m_out, m_in, lr, h, outer_lr, inner_momentum, segments)
+        if per_step:
+            anchor = thetas[0]
+        if (step % eval_every == 0 or step == steps) and (per_step or step % h == 0):
+            evaluate(step)
+    bits = BITS[rule] / (1 if per_step else h)
+    record.update(
+        n=n, rule=rule, h=h, outer_lr=outer_lr, seed=seed, steps=steps, data_mode=data_mode,
+        inner_momentum=inner_momentum, bits_per_param_step=bits, params=d,
+        final_val_loss=record["evals"][-1]["val_loss"], seconds=time.perf_counter() - t0,
+        train_loss_tail=statistics.mean(record["losses"][-max(1, steps // 10) :]),
+    )  # fmt: skip
+    return record
+
+
+def outer(
+    rule: str,
+    t: int,
+    thetas: Tensor,
+    anchor: Tensor,
+    m_out: Tensor,
+    m_in: Tensor,
+    lr: Tensor,
+    h: int,
+    outer_lr: float,
+    inner_momentum: str,
+    segments: list[int],
+) -> None:
+    """The outer step ``t`` of ``rule`` in place: the new θ in ``anchor`` and every row of ``thetas``."""
+    beta1, beta2 = 0.9, 0.99
+    delta = anchor - thetas  # [N, D]
+    if rule in ("vote-1bit", "vote-8bit"):
+        c = m_out.mul(beta1).add_(delta, alpha=1 - beta1)
+        u = majority_split(c, t) if rule == "vote-1bit" else levels_vote(c, segments)
+        anchor.sub_(outer_lr * h * lr * u)
+        m_out.mul_(beta2).add_(delta, alpha=1 - beta2)
+    elif rule == "dsm":
+        mean = delta.sum(0) / delta.shape[0]
+        u = torch.sign(m_out[0].mul(beta1).add_(mean, alpha=1 - beta1))
+        anchor.sub_(outer_lr * h * lr * u)
+        m_out[0].mul_(beta2).add_(mean, alpha=1 - beta2)
+    else:  # diloco: Nesterov SGD, momentum 0.9
+        mean = delta.sum(0) / delta.shape[0]
+        mu = 0.9
+        if t == 1:
+            m_out[0].copy_(mean)
+        else:
+            m_out[0].mul_(mu).add_(mean)
+        anchor.sub_(outer_lr * mean.add(m_out[0], alpha=mu))
+    thetas[:] = anchor
+    if inner_momentum == "reset":
+        m_in.zero_()
+    elif inner_momentum == "average":
+        m_in[:] = m_in.mean(0)
+
+
+def summary(runs: list[dict[str, Any]]) -> str:
+    """A markdown table: final validation loss (mean ± std over seeds) per setting."""
+    keys: dict[tuple, list[dict[str, Any]]] = {}
+    for run in runs:
+        key = (run["n"], run["data_mode"], run["rule"], run["h"], run["outer_lr"], run["inner_momentum"])
+        keys.setdefault(key, []).append(run)
+    lines = [
+        "| N | data | rule | H | outer lr | inner m | bits/param/step | val loss | seeds |",
+        "|---:|---|---|---:|---:|---|---:|---|---:|",
+    ]
+    for (n, mode, rule, h, olr, im), group in sorted(keys.items()):
+        vals = [r["final_val_loss"] for r in group]
+        sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
+        bits = group[0]["bits_per_param_step"]
+        lines.append(
+            f"| {n} | {mode} | {rule} | {h} | {olr:g} | {im} | {bits:.4g} | "
+            f"{statistics.mean(vals):.4f} ± {sd:.4f} | {len(vals)} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n", default="4", help="worker counts, comma-separated")
+    ap.add_argument("--rules", default="vote-1bit,vote-8bit,dsm,diloco,1bit,lion")
+    ap.add_argument("--h", default="16", help="inner steps per outer step, comma-separated")
+    ap.add_argument("--outer-lr", default="1", help="outer lrs, comma-separated (per rule meaning)")
+    ap.add_argument("--inner-momentum", default="keep", help="keep, reset, average (comma-separated)")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--steps", type=int, default=256)
+    ap.add_argument("--data-mode", default="random", help="random, shard (comma-separated)")
+    ap.add_argument("--out", default="runs/local_sim/results.json")
+    ap.add_argument("--table", action="store_true", help="print the table of --out and exit")
+    args = ap.parse_args()
+    out = Path(args.out)
+    runs: list[dict[str, Any]] = json.loads(out.read_text()) if out.exists() else []
+    if args.table:
+        print(summary(runs))
+        return
+    done = {json.dumps(_key(r), sort_keys=True) for r in runs}
+    for n in map(int, args.n.split(",")):
+        for mode in args.data_mode.split(","):
+            for rule in args.rules.split(","):
+                if rule not in RULES:
+                    sys.exit(f"unknown rule {rule!r}: {RULES}")
+                for h in [1] if rule in ("1bit", "lion") else map(int, args.h.split(",")):
+                    lrs = ["1"] if rule in ("1bit", "lion") else args.outer_lr.split(",")
+                    for olr in map(float, lrs):
+                        for im in args.inner_momentum.split(","):
+                            for seed in map(int, args.seeds.split(",")):
+                                spec = dict(n=n, rule=rule, h=h, outer_lr=olr, seed=seed, steps=args.steps,
+                                            data_mode=mode, inner_momentum=im)  # fmt: skip
+                                if json.dumps(_key(spec), sort_keys=True) in done:
+                                    continue
+                                run = simulate(**spec)  # type: ignore[arg-type]
+                                runs.append(run)
+                                out.parent.mkdir(parents=True, exist_ok=True)
+                                out.write_text(json.dumps(runs))
+                                said = f"N={n} {mode} {rule} H={h} lr={olr:g} {im} seed={seed}"
+                                print(
+                                    f"{said}: val {run['final_val_loss']:.4f} ({run['seconds']:.0f} s)",
+                                    flush=True,
+                                )
+    print(summary(runs))
+
+
+def _key(run: dict[str, Any]) -> dict[str, Any]:
+    return {k: run[k] for k in ("n", "rule", "h", "outer_lr", "seed", "steps", "data_mode", "inner_momentum")}
+
+
+if __name__ == "__main__":
+    main()

@@ -158,8 +158,9 @@ class WindowedSteps:
         """One inner step on this rank, and after every H of them the outer step (collective then)."""
         self._refresh_layout()  # type: ignore[attr-defined]
         params = self.layout.params()  # type: ignore[attr-defined]
-        if any(id(p) not in self._broadcast for p in params):  # type: ignore[attr-defined]
-            self._broadcast_new()  # type: ignore[attr-defined]  # joined since: rank 0's values (collective)
+        joined = any(id(p) not in self._broadcast for p in params)  # type: ignore[attr-defined]
+        if joined and self.checks.broadcast_init:  # type: ignore[attr-defined]
+            self._broadcast_new()  # type: ignore[attr-defined]  # rank 0's values, every rank alike
         for p in params:
             if "anchor" not in self.state[p]:  # a window starts: θ_t
                 self.state[p]["anchor"] = p.detach().clone(memory_format=torch.preserve_format)

@@ -1,7 +1,7 @@
 """The two-level cost model (:func:`lioncub.planning.costmodel.predict_cluster`): M nodes × L ranks, α/β of
 the node's NIC and of a rank's link inside its node, and ``lioncub cost --nnodes M --nproc-per-node L``.
 
-Bytes are checked in float64 against closed forms worked out by hand (issue 19's back-of-envelope formulas:
+Bytes are checked in float64 against closed forms worked out by hand (the back-of-envelope NIC bytes:
 flat 1-bit ``2·L·(M−1)/M · d/8`` per node, hierarchical ``2·(M−1)/M · d·b/8``, node-majority
 ``2·(M−1)/M · d/8``).
 """
@@ -104,7 +104,9 @@ def test_server_root_takes_the_remote_ranks_through_its_nic() -> None:
 
 
 @pytest.mark.parametrize(("m", "ell"), [(2, 2), (2, 4), (4, 4), (3, 2), (2, 8), (8, 8)])
-def test_the_issues_formulas(m: int, ell: int) -> None:
+def test_nic_bytes_per_node_of_each_one_bit_topology(m: int, ell: int) -> None:
+    """NIC bytes per node: flat ``2·L·(M−1)/M · d/8``, hierarchical ``2·(M−1)/M · d·b/8`` (b-bit lanes),
+    node-majority ``2·(M−1)/M · d/8``."""
     d = 8 * m * ell * ell * 1000  # no padding anywhere
     flat = _p("1bit", "flat", m, ell, d=d).nic_sent
     hier = _p("1bit", "hierarchical", m, ell, d=d).nic_sent

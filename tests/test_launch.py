@@ -454,7 +454,7 @@ def test_interface_counters_agree_with_the_optimizers_accounting() -> None:
         m = re.search(rf"\[r{t.rank}\] ACCOUNTED sent=(\d+) recv=(\d+)", out)
         assert m is not None, out
         sent, recv = int(m.group(1)), int(m.group(2))
-        assert sent == recv == pytest.approx(expected, abs=8 * nproc)  # the formula of the issue
+        assert sent == recv == pytest.approx(expected, abs=8 * nproc)  # the 1-bit wire bytes above
         # the interface's TCP payload: L2 bytes minus the headers of every frame (data and ACKs alike)
         tx_payload = t.tx_bytes - FRAME_HEADER_BYTES * t.tx_packets
         rx_payload = t.rx_bytes - FRAME_HEADER_BYTES * t.rx_packets

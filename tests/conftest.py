@@ -7,16 +7,24 @@
   single-threaded tests leave idle.
 * The ranks of ``dist_utils.run_workers`` run in a session-wide pool of worker processes
   (``tests/dist_utils.py``).
+* Tests marked ``@pytest.mark.root`` build emulated networks: skipped, saying what is missing, where this
+  process cannot (``emulated_network.netns_missing``).
+* The ``run_cli`` fixture: ``lioncub ARGV`` in-process with launching refused (``tests/cli_stub.py``).
 
-The quick local loop: ``./run test -m "not slow"``; everything: ``./run test``.
+The map of the suite: tests/README.md. The quick local loop: ``./run test -m "not slow"``; everything:
+``./run test``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 from hypothesis import settings
 
 import background
+from cli_stub import cli_runner
+from emulated_network import netns_missing
 from profiles import selected_profile
 
 settings.load_profile(selected_profile())
@@ -24,6 +32,12 @@ settings.load_profile(selected_profile())
 
 def pytest_report_header() -> str:
     return f"hypothesis profile: {selected_profile()} (ci when $CI is set, else dev: tests/profiles.py)"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("root") is not None and (missing := netns_missing()) is not None:
+            item.add_marker(pytest.mark.skip(reason=f"needs network namespaces: {missing}"))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -37,3 +51,12 @@ def pytest_runtest_logfinish() -> None:
 
 def pytest_sessionfinish() -> None:
     background.stop_all()
+
+
+@pytest.fixture
+def run_cli(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> Callable[[list[str]], tuple[int, str]]:
+    """``lioncub ARGV`` in-process: (exit code, stderr); -1 if the command reached the launcher (nothing is
+    launched)."""
+    return cli_runner(capsys, monkeypatch)

@@ -5,15 +5,23 @@ tests/test_halfway.py).
 and executes each collective once every rank has posted it, with the wire arithmetic of gloo/NCCL: an
 integer SUM wraps around modulo 2^bits, so a lane or int8 overflow shows up as a wrong vote.
 tests/test_fuzz.py checks it against real gloo ranks. :func:`run_vote` runs one vote on all ranks.
+:func:`fake_comm` is less: what the vote classes read in ``__init__`` and ``wire_bytes``, for N workers
+without any communication.
 """
 
 from __future__ import annotations
 
+import types
 from collections import defaultdict, deque
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+
+def fake_comm(n: int, rank: int = 0) -> types.SimpleNamespace:
+    """Enough of a Comm for the vote classes' constructors and wire-byte formulas (no communication)."""
+    return types.SimpleNamespace(world_size=n, rank=rank, device=torch.device("cpu"))
 
 
 class _SimHandle:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cli_stub import cli_runner
 from lioncub.ops import quantize
 from lioncub.optim import PRESETS, Lion, LionCub, make_vote, resolve_variant
 from lioncub.optim.config import VoteConfig
@@ -31,6 +29,7 @@ from lioncub.planning import costmodel as cm
 from lioncub.planning.auto import AUTO_ENV, auto_variant, resolve_network
 from lioncub.train.workloads import check_workload, make_workload
 from lioncub.units import parse_count, parse_duration, parse_rate, parse_size
+from sim_comm import fake_comm
 
 
 def case(*values: Any, id: str) -> Any:
@@ -276,11 +275,6 @@ def test_auto_variant_refuses(
     assert_names(str(err.value), fragments)
 
 
-def _fake_comm(n: int) -> types.SimpleNamespace:
-    """What the vote classes read in ``__init__``: N workers without starting N processes."""
-    return types.SimpleNamespace(world_size=n, rank=0, device=torch.device("cpu"))
-
-
 @pytest.mark.parametrize(
     ("config", "n", "fragments"),
     [
@@ -295,7 +289,7 @@ def _fake_comm(n: int) -> types.SimpleNamespace:
 )
 def test_bits_not_supported_for_n_workers(config: VoteConfig, n: int, fragments: list[str]) -> None:
     with pytest.raises(ValueError) as err:
-        make_vote(_fake_comm(n), config)  # type: ignore[arg-type]
+        make_vote(fake_comm(n), config)  # type: ignore[arg-type]
     assert_names(str(err.value), fragments)
 
 
@@ -318,7 +312,7 @@ def test_bits_not_supported_for_n_workers(config: VoteConfig, n: int, fragments:
 )
 def test_vote_config_refuses(make: Callable[[], Any], fragments: list[str]) -> None:
     with pytest.raises((ValueError, TypeError)) as err:
-        make_vote(_fake_comm(2), make())  # type: ignore[arg-type]
+        make_vote(fake_comm(2), make())  # type: ignore[arg-type]
     assert_names(str(err.value), fragments)
 
 
@@ -518,14 +512,6 @@ def test_costmodel_refuses(call: Callable[[], Any], fragments: list[str]) -> Non
 
 
 # ----------------------------------------------------------------------------------------------- CLIs
-
-
-@pytest.fixture
-def run_cli(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> Callable[[list[str]], tuple[int, str]]:
-    """``lioncub ARGV`` in-process: (exit code, stderr); launching anything fails the case."""
-    return cli_runner(capsys, monkeypatch)
 
 
 def check_cli(run_cli: Callable, argv: list[str], fragments: list[str]) -> None:

@@ -11,15 +11,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from cli_stub import cli_runner
 from lioncub import transports
 from lioncub.cli import cost as cost_cli
 from lioncub.optim.config import PRESETS, VoteConfig
@@ -371,18 +370,17 @@ def test_calibrate_measures_the_nic_and_the_node_separately() -> None:
     ],
 )
 def test_calibrate_node_options_are_checked(
-    argv: list[str], fragments: list[str], tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch
+    argv: list[str], fragments: list[str], tmp_path: Path, run_cli: Callable[[list[str]], tuple[int, str]]
 ) -> None:
-    run = cli_runner(capsys, monkeypatch)
-    rc, err = run(["calibrate", "--out", str(tmp_path / "c.json"), *argv])
+    rc, err = run_cli(["calibrate", "--out", str(tmp_path / "c.json"), *argv])
     assert rc == 2, (rc, err)
     assert all(f in err for f in fragments), err
 
 
 def test_calibrate_on_nodes_reaches_the_launcher_and_refuses_layout_options_inside_a_job(
-    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, run_cli: Callable[[list[str]], tuple[int, str]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    run = cli_runner(capsys, monkeypatch)
+    run = run_cli
     argv = ["calibrate", "--out", str(tmp_path / "c.json"), "--nnodes", "2", "--nproc-per-node", "2"]
     assert run([*argv, "--link", "1gbit"])[0] == -1  # valid: it would launch 2 emulated nodes
     monkeypatch.setenv("RANK", "0")
@@ -391,19 +389,8 @@ def test_calibrate_on_nodes_reaches_the_launcher_and_refuses_layout_options_insi
     assert rc == 2 and "--nnodes, --nproc-per-node: start a job from outside one" in err
 
 
-def _netns_usable() -> bool:
-    from lioncub.launch import netns
-
-    try:
-        netns.list_netns()
-    except netns.NetnsError:
-        return False
-    return os.geteuid() == 0
-
-
 @pytest.mark.slow
 @pytest.mark.root
-@pytest.mark.skipif(not _netns_usable(), reason="needs root for network namespaces")
 def test_calibrate_two_emulated_nodes_measures_the_nic_rate(tmp_path: Path) -> None:
     """`lioncub calibrate --nnodes 2 --nproc-per-node 2 --link 1gbit`: the NIC's fitted payload rate is the
     shaped rate (both ranks of a node share it), the node's loopback is far faster."""

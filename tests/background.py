@@ -6,18 +6,25 @@ uses the other. A test marked ``@pytest.mark.background("KEY")`` names a job of 
 ``BACKGROUND`` dict (``KEY`` -> a factory returning a :class:`Job`, or ``None`` when there is nothing to
 run, e.g. a missing optional dependency); the test calls :func:`result` to get what the job produced,
 which waits for it (or starts it at once, if its turn has not come). What the test asserts on that result
-is unchanged: only *when* the work happens moves. Deselected tests start nothing; ``--collect-only``
-starts nothing; the jobs still running when the session ends are killed.
+is unchanged: only *when* the work happens moves. Deselected (or skipped) tests start nothing;
+``--collect-only`` starts nothing; the jobs still running when the session ends are killed.
+
+Kinds of job: :class:`Subprocess` (one command), :class:`LioncubRuns` (``lioncub`` commands one after
+another in one process: launched runs that several tests read). With ``-v`` or ``--durations`` the
+session ends with each job's start, end and how long tests waited for it (:func:`timings`).
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +37,8 @@ class Job:
     def __init__(self) -> None:
         self.workdir = Path(tempfile.mkdtemp(prefix="lioncub-bg-"))
         self.started_at: float | None = None
+        self.ended_at: float | None = None  #: when it was first seen done (or its wait returned)
+        self.waited_s = 0.0  #: how long tests blocked in :func:`result` for it
 
     def start(self) -> None:
         self.started_at = time.monotonic()
@@ -93,6 +102,76 @@ class Subprocess(Job):
             self.err.close()
 
 
+#: the script of :class:`LioncubRuns`: ``argv[1]`` its steps (JSON), ``argv[2]`` the results file
+_LIONCUB_RUNS = """
+import contextlib, io, json, os, shutil, sys
+from lioncub import cli
+results = []
+for step in json.loads(sys.argv[1]):
+    if "copy" in step:
+        shutil.copytree(*step["copy"])
+        continue
+    saved = dict(os.environ)
+    os.environ.update(step["env"])
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = cli.main(step["argv"])
+        except SystemExit as exc:
+            rc = exc.code if isinstance(exc.code, int) else 2
+    os.environ.clear()
+    os.environ.update(saved)
+    results.append({"argv": step["argv"], "rc": rc, "out": out.getvalue(), "err": err.getvalue()})
+    with open(sys.argv[2], "w") as f:
+        json.dump(results, f)
+"""
+
+
+@dataclass
+class Run:
+    """A step of :class:`LioncubRuns`: ``lioncub ARGV`` with the environment variables ``env`` set."""
+
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Copy:
+    """A step of :class:`LioncubRuns`: copy the directory ``src`` to ``dst`` (a snapshot between runs)."""
+
+    src: Path
+    dst: Path
+
+
+class LioncubRuns(Subprocess):
+    """``lioncub`` commands run one after another in one process, by ``lioncub.cli.main`` as a test calls it
+    in-process (torch imported once), in the background. ``steps(workdir)`` lists them (:class:`Run`,
+    :class:`Copy`; their paths under the job's ``workdir``); :meth:`wait` returns a ``CompletedProcess``
+    (returncode, stdout, stderr) per :class:`Run`, in order, or raises if the job did not get through."""
+
+    def __init__(self, steps: Callable[[Path], list[Run | Copy]], timeout: float) -> None:
+        def cmd(workdir: Path) -> list[str]:
+            self.runs = steps(workdir)
+            listed = [
+                {"copy": [str(s.src), str(s.dst)]} if isinstance(s, Copy) else {"argv": s.argv, "env": s.env}
+                for s in self.runs
+            ]
+            return [sys.executable, "-c", _LIONCUB_RUNS, json.dumps(listed), str(workdir / "runs.json")]
+
+        super().__init__(cmd, timeout)
+
+    def wait(self) -> list[subprocess.CompletedProcess[str]]:  # type: ignore[override]
+        proc = super().wait()
+        path = self.workdir / "runs.json"
+        done = json.loads(path.read_text()) if path.exists() else []
+        if proc.returncode != 0 or len(done) != sum(isinstance(s, Run) for s in self.runs):
+            raise AssertionError(
+                f"the lioncub commands stopped after {len(done)} (exit code {proc.returncode}): "
+                f"{proc.stderr[-3000:]}"
+            )
+        return [subprocess.CompletedProcess(r["argv"], r["rc"], r["out"], r["err"]) for r in done]
+
+
 _JOBS: dict[str, Job] = {}
 _QUEUE: list[str] = []  # keys not started yet, in the order of the tests
 _RUNNING: list[str] = []  # keys started by pump() and not yet seen done
@@ -114,10 +193,17 @@ def start_for(items: Iterable[pytest.Item]) -> None:
     pump()
 
 
+def _ended(key: str) -> bool:
+    job = _JOBS[key]
+    if job.ended_at is None and job.done():
+        job.ended_at = time.monotonic()
+    return job.ended_at is not None
+
+
 def pump(slots: int = 1) -> None:
     """Start queued jobs until ``slots`` are running (called after every test with one slot; with two
     while a test waits for a job, as the pytest process then leaves its core idle)."""
-    _RUNNING[:] = [key for key in _RUNNING if not _JOBS[key].done()]
+    _RUNNING[:] = [key for key in _RUNNING if not _ended(key)]
     while _QUEUE and len(_RUNNING) < slots:
         key = _QUEUE.pop(0)
         _JOBS[key].start()
@@ -139,15 +225,34 @@ def result(key: str, factory: Callable[[], Job | None]) -> Any:
         job.start()
         _RUNNING.append(key)
     pump(slots=2)
+    t0 = time.monotonic()
     try:
         return job.wait()
     finally:
+        job.waited_s += time.monotonic() - t0
+        if job.ended_at is None:
+            job.ended_at = time.monotonic()
         pump()
 
 
 def workdir(key: str) -> Path:
     """The scratch directory of job ``key`` (removed when the session ends)."""
     return _JOBS[key].workdir
+
+
+def timings() -> list[str]:
+    """One line per job of this session: when it started and ended (seconds after the first start), and
+    how long tests waited for it."""
+    starts = [job.started_at for job in _JOBS.values() if job.started_at is not None]
+    origin = min(starts, default=0.0)
+    lines = []
+    for key, job in sorted(_JOBS.items(), key=lambda kv: kv[1].started_at or float("inf")):
+        if job.started_at is None:
+            lines.append(f"{key}: never started")
+            continue
+        end = f"{job.ended_at - origin:6.1f}" if job.ended_at is not None else "   ..."
+        lines.append(f"{key}: {job.started_at - origin:6.1f} -> {end} s, tests waited {job.waited_s:5.1f} s")
+    return lines
 
 
 def stop_all() -> None:

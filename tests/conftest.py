@@ -49,7 +49,16 @@ def pytest_runtest_logfinish() -> None:
     background.pump()
 
 
-def pytest_sessionfinish() -> None:
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """With ``-v`` (or ``--durations``): when each background job ran and how long tests waited for it."""
+    config = terminalreporter.config
+    if (config.option.verbose > 0 or config.option.durations is not None) and (lines := background.timings()):
+        terminalreporter.write_sep("=", "background jobs (tests/background.py)")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
+def pytest_unconfigure() -> None:  # after the terminal summary, which reports the jobs
     background.stop_all()
 
 

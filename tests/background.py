@@ -9,15 +9,18 @@ which waits for it (or starts it at once, if its turn has not come). What the te
 is unchanged: only *when* the work happens moves. Deselected (or skipped) tests start nothing;
 ``--collect-only`` starts nothing; the jobs still running when the session ends are killed.
 
-Kinds of job: :class:`Subprocess` (one command), :class:`LioncubRuns` (``lioncub`` commands one after
-another in one process: launched runs that several tests read). With ``-v`` or ``--durations`` the
-session ends with each job's start, end and how long tests waited for it (:func:`timings`).
+Kinds of job: :class:`Subprocess` (one command), :class:`Spawned` (a function on N spawned processes),
+:class:`LioncubRuns` (``lioncub`` commands one after another in one process: launched runs that several
+tests read). With ``-v`` or ``--durations`` the session ends with each job's start, end and how long
+tests waited for it (:func:`timings`).
 """
 
 from __future__ import annotations
 
 import atexit
 import json
+import multiprocessing
+import multiprocessing.process
 import shutil
 import subprocess
 import sys
@@ -100,6 +103,53 @@ class Subprocess(Job):
         if self.proc is not None:
             self.out.close()
             self.err.close()
+
+
+class Spawned(Job):
+    """``target(rank, world, workdir, *args)`` on ``world`` newly spawned processes (``multiprocessing``'s
+    spawn), in the background; done once the ranks ``wait_for`` (default: all) have exited. :meth:`wait`
+    waits for those until ``timeout`` seconds after the start, then kills what still runs and returns
+    every rank's exit code as it was (None: was still running)."""
+
+    def __init__(
+        self,
+        target: Callable[..., Any],
+        world: int,
+        args: tuple = (),
+        timeout: float = 90.0,
+        wait_for: Iterable[int] | None = None,
+    ) -> None:
+        super().__init__()
+        self.target, self.world, self.args, self.timeout = target, world, args, timeout
+        self.wait_for = list(range(world) if wait_for is None else wait_for)
+        self.procs: list[multiprocessing.process.BaseProcess] = []
+
+    def start(self) -> None:
+        super().start()
+        ctx = multiprocessing.get_context("spawn")
+        self.procs = [
+            ctx.Process(target=self.target, args=(r, self.world, self.workdir, *self.args), daemon=True)
+            for r in range(self.world)
+        ]
+        for proc in self.procs:
+            proc.start()
+
+    def done(self) -> bool:
+        return bool(self.procs) and not any(self.procs[r].is_alive() for r in self.wait_for)
+
+    def wait(self) -> list[int | None]:
+        assert self.started_at is not None
+        for r in self.wait_for:
+            self.procs[r].join(max(0.0, self.timeout - (time.monotonic() - self.started_at)))
+        codes = [proc.exitcode for proc in self.procs]
+        self.stop()
+        return codes
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
 
 
 #: the script of :class:`LioncubRuns`: ``argv[1]`` its steps (JSON), ``argv[2]`` the results file

@@ -9,25 +9,21 @@ which waits for it (or starts it at once, if its turn has not come). What the te
 is unchanged: only *when* the work happens moves. Deselected (or skipped) tests start nothing;
 ``--collect-only`` starts nothing; the jobs still running when the session ends are killed.
 
-Kinds of job: :class:`Subprocess` (one command), :class:`Spawned` (a function on N spawned processes),
-:class:`LioncubRuns` (``lioncub`` commands one after another in one process: launched runs that several
-tests read). With ``-v`` or ``--durations`` the session ends with each job's start, end and how long
-tests waited for it (:func:`timings`).
+Kinds of job: :class:`Subprocess` (one command) and :class:`Spawned` (a function on N spawned processes).
+With ``-v`` or ``--durations`` the session ends with each job's start, end and how long tests waited for
+it (:func:`timings`).
 """
 
 from __future__ import annotations
 
 import atexit
-import json
 import multiprocessing
 import multiprocessing.process
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -150,76 +146,6 @@ class Spawned(Job):
             if proc.is_alive():
                 proc.kill()
             proc.join(5)
-
-
-#: the script of :class:`LioncubRuns`: ``argv[1]`` its steps (JSON), ``argv[2]`` the results file
-_LIONCUB_RUNS = """
-import contextlib, io, json, os, shutil, sys
-from lioncub import cli
-results = []
-for step in json.loads(sys.argv[1]):
-    if "copy" in step:
-        shutil.copytree(*step["copy"])
-        continue
-    saved = dict(os.environ)
-    os.environ.update(step["env"])
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = cli.main(step["argv"])
-        except SystemExit as exc:
-            rc = exc.code if isinstance(exc.code, int) else 2
-    os.environ.clear()
-    os.environ.update(saved)
-    results.append({"argv": step["argv"], "rc": rc, "out": out.getvalue(), "err": err.getvalue()})
-    with open(sys.argv[2], "w") as f:
-        json.dump(results, f)
-"""
-
-
-@dataclass
-class Run:
-    """A step of :class:`LioncubRuns`: ``lioncub ARGV`` with the environment variables ``env`` set."""
-
-    argv: list[str]
-    env: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
-class Copy:
-    """A step of :class:`LioncubRuns`: copy the directory ``src`` to ``dst`` (a snapshot between runs)."""
-
-    src: Path
-    dst: Path
-
-
-class LioncubRuns(Subprocess):
-    """``lioncub`` commands run one after another in one process, by ``lioncub.cli.main`` as a test calls it
-    in-process (torch imported once), in the background. ``steps(workdir)`` lists them (:class:`Run`,
-    :class:`Copy`; their paths under the job's ``workdir``); :meth:`wait` returns a ``CompletedProcess``
-    (returncode, stdout, stderr) per :class:`Run`, in order, or raises if the job did not get through."""
-
-    def __init__(self, steps: Callable[[Path], list[Run | Copy]], timeout: float) -> None:
-        def cmd(workdir: Path) -> list[str]:
-            self.runs = steps(workdir)
-            listed = [
-                {"copy": [str(s.src), str(s.dst)]} if isinstance(s, Copy) else {"argv": s.argv, "env": s.env}
-                for s in self.runs
-            ]
-            return [sys.executable, "-c", _LIONCUB_RUNS, json.dumps(listed), str(workdir / "runs.json")]
-
-        super().__init__(cmd, timeout)
-
-    def wait(self) -> list[subprocess.CompletedProcess[str]]:  # type: ignore[override]
-        proc = super().wait()
-        path = self.workdir / "runs.json"
-        done = json.loads(path.read_text()) if path.exists() else []
-        if proc.returncode != 0 or len(done) != sum(isinstance(s, Run) for s in self.runs):
-            raise AssertionError(
-                f"the lioncub commands stopped after {len(done)} (exit code {proc.returncode}): "
-                f"{proc.stderr[-3000:]}"
-            )
-        return [subprocess.CompletedProcess(r["argv"], r["rc"], r["out"], r["err"]) for r in done]
 
 
 _JOBS: dict[str, Job] = {}

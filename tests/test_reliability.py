@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import background
-from background import Run
+from lioncub import cli
 from lioncub.optim import Lion, LionCub
 from lioncub.optim.lioncub import Checks, NonFiniteGradientError, ReplicaMismatchError
 from lioncub.train import checkpoint
@@ -338,33 +338,22 @@ def _same_final_model(a: Path, b: Path) -> None:
         assert all(torch.equal(oa[i]["exp_avg"], ob[i]["exp_avg"]) for i in oa)
 
 
-FAULT_KILL = {"LIONCUB_FAULT_KILL": "1:5"}  # rank 1 SIGKILLs itself after the backward of step 5
-
-
-def _killed_runs(workdir: Path) -> list[Run]:
-    """The uninterrupted run (``whole``), the run whose rank 1 is killed (``fails``) and the same with a
-    restart (``restarted``)."""
-    return [
-        Run([*TINY_RUN, "--out", str(workdir / "whole")]),
-        Run([*TINY_RUN, "--out", str(workdir / "fails")], FAULT_KILL),  # without a restart the job fails
-        Run([*TINY_RUN, "--out", str(workdir / "restarted"), "--restarts", "1"], FAULT_KILL),
-    ]
-
-
 @pytest.fixture(scope="module")
-def uninterrupted() -> Path:
-    whole = background.result("killed_rank", BACKGROUND["killed_rank"])[0]
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    return background.workdir("killed_rank") / "whole"
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("whole") / "run"
+    assert cli.main([*TINY_RUN, "--out", str(out)]) == 0
+    return out
 
 
 @pytest.mark.slow
-@pytest.mark.background("killed_rank")
-def test_killed_rank_restarts_from_the_checkpoint_bitwise(uninterrupted: Path) -> None:
-    _, fails, restarted = background.result("killed_rank", BACKGROUND["killed_rank"])
-    assert fails.returncode != 0 and "rank 1" in fails.stderr
-    assert restarted.returncode == 0, restarted.stderr[-3000:]
-    out = background.workdir("killed_rank") / "restarted"
+def test_killed_rank_restarts_from_the_checkpoint_bitwise(
+    uninterrupted: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.setenv("LIONCUB_FAULT_KILL", "1:5")  # rank 1 SIGKILLs itself after the backward of step 5
+    assert cli.main([*TINY_RUN, "--out", str(tmp_path / "fails")]) != 0  # without a restart the job fails
+    assert "rank 1" in capsys.readouterr().err
+    out = tmp_path / "restarted"
+    assert cli.main([*TINY_RUN, "--out", str(out), "--restarts", "1"]) == 0
     _same_final_model(uninterrupted, out)
     steps = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in steps if r["kind"] == "step"] == list(range(1, 9))  # steps 4-5 rewritten
@@ -377,21 +366,20 @@ def _torchrun_cmd(workdir: Path) -> list[str]:
 
 #: started in the background when collection ends (tests/background.py), in the order of the tests: 3 spawned
 #: ranks of _die_or_stall per fault (the test waits for ranks 0 and 2; spawning and importing torch included
-#: in the 90 s), the lioncub runs of the killed-rank test, and the torchrun job (ranks: torchrun's)
+#: in the 90 s), and the torchrun job (ranks: torchrun's)
 BACKGROUND = {
     **{
         f"rank_{how}": lambda how=how: background.Spawned(_die_or_stall, 3, (how,), 90.0, wait_for=(0, 2))
         for how in FAULTS
     },
-    "killed_rank": lambda: background.LioncubRuns(_killed_runs, 300),
     "torchrun_kill": lambda: background.Subprocess(
-        _torchrun_cmd, 300, {**os.environ, **FAULT_KILL, "OMP_NUM_THREADS": "1"}
+        _torchrun_cmd, 300, {**os.environ, "LIONCUB_FAULT_KILL": "1:5", "OMP_NUM_THREADS": "1"}
     ),
 }
 
 
 @pytest.mark.slow
-@pytest.mark.background("killed_rank", "torchrun_kill")
+@pytest.mark.background("torchrun_kill")
 def test_killed_rank_under_torchrun_max_restarts_bitwise(uninterrupted: Path) -> None:
     proc = background.result("torchrun_kill", BACKGROUND["torchrun_kill"])
     out = background.workdir("torchrun_kill") / "torchrun"

@@ -1,8 +1,5 @@
 """``lioncub train`` / ``lioncub compare`` end to end on the tiny workloads (2 gloo ranks on loopback).
 
-The runs are launched in background jobs (tests/background.py, :class:`background.LioncubRuns`: the commands
-of a job one after another in one process) when collection ends; several tests read each run.
-
 Oracles: the bytes each variant hands to its collectives per step (closed form in the parameter count),
 the lr schedule (closed form), an uninterrupted run against a stopped-and-resumed one (bitwise), and the
 mean of the saved momenta for a world-size conversion (numpy).
@@ -10,19 +7,20 @@ mean of the saved momenta for a world-size conversion (numpy).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import itertools
 import json
 import math
-import subprocess
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-import background
-from background import Copy, Run
 from lioncub import cli
 from lioncub.optim import PRESETS
 from lioncub.train import checkpoint
@@ -33,12 +31,7 @@ TINY = ["--workload", "gpt", "--size", "tiny", "--no-progress"]
 
 
 def train(out: Path, *extra: str) -> int:
-    return cli.main(train_argv(out, *extra))
-
-
-def train_argv(out: Path, *extra: str) -> list[str]:
-    """``lioncub train`` of the tiny GPT into ``out``."""
-    return ["train", *TINY, "--out", str(out), *extra]
+    return cli.main(["train", *TINY, "--out", str(out), *extra])
 
 
 def records(run_dir: Path, kind: str) -> list[dict]:
@@ -183,7 +176,6 @@ def test_momentum_conversion_is_the_mean(tmp_path: Path) -> None:
 #: (dropout on for 32bit and 1bit), so one launch of each serves both tests.
 STEPS, EVAL_EVERY, CHECKPOINT_AT = 7, 4, 5
 DROPOUT = {"32bit": ["--set", "dropout=0.1"], "1bit": ["--set", "dropout=0.1"]}
-RESUMED = ["32bit", "1bit", "8bit"]
 
 
 def run_args(variant: str) -> list[str]:
@@ -192,98 +184,25 @@ def run_args(variant: str) -> list[str]:
             *DROPOUT.get(variant, [])]  # fmt: skip
 
 
-def _whole_runs(workdir: Path) -> list[Run | Copy]:
-    """The uninterrupted run of every variant (``workdir/VARIANT``); then, on a copy of 1bit's (2 ranks,
-    ended at step 7), test_resume_refuses_another_world_size_or_variant's commands."""
-    steps: list[Run | Copy] = [
-        Run(train_argv(workdir / v, *run_args(v), "--checkpoint-every", str(CHECKPOINT_AT)))
-        for v in ALL_VARIANTS
-    ]
-    out = workdir / "refused"
-    steps.append(Copy(workdir / "1bit", out))
-    for extra in REFUSED_RESUMES:
-        steps.append(Run(train_argv(out, *extra)))
-    return steps
-
-
-#: the commands of test_resume_refuses_another_world_size_or_variant, on a copy of 1bit's whole run: three
-#: refused, then a resume on 1 rank from the mean of the 2 ranks' momenta that goes on to --steps 9
-REFUSED_RESUMES = [
-    ["--resume", "--nproc", "1"],
-    ["--resume", "--variant", "8bit"],
-    ["--variant", "1bit"],  # without --resume an existing run is not overwritten
-    ["--resume", "--nproc", "1", "--convert-momenta", "average", "--steps", "9"],
-]
-
-
-def _resumed_runs(workdir: Path) -> list[Run | Copy]:
-    """Each of RESUMED stopped at CHECKPOINT_AT (a copy of it as it stopped: ``VARIANT-stopped``), then
-    resumed to STEPS (``workdir/VARIANT``)."""
-    steps: list[Run | Copy] = []
-    for variant in RESUMED:
-        parts = workdir / variant
-        steps += [
-            Run(train_argv(parts, *run_args(variant), "--stop-at", str(CHECKPOINT_AT))),
-            Copy(parts, workdir / f"{variant}-stopped"),
-            Run(train_argv(parts, "--resume", "--no-progress")),
-        ]
-    return steps
-
-
-#: one ``lioncub compare`` serves test_compare_writes_table_and_plots, test_compare_with_an_overlapped_variant
-#: and test_diagnostics_and_momentum_sync_through_the_cli (its 1bit run)
-COMPARE = ["compare", *TINY, "--variants", "32bit,1bit,1bit+overlap", "--nproc", "2", "--steps", "4"]
-COMPARE += ["--eval-every", "2", "--diagnostics-every", "2"]  # diagnostics: the votes only (no DDP baseline)
-COMPARE += ["--momentum-sync", "io", "--sync-every", "2"]  # the votes only too
-#: the runs of test_loss_falls_on_the_tiny_gpt, test_cnn_trains_with_batchnorm_and_reports_accuracy and
-#: test_report_command_plots_the_diagnostics (``lioncub train`` options besides --out)
-LOSS_RUN = ["--variant", "1bit", "--nproc", "2", "--steps", "40", "--eval-every", "0"]
-CNN_RUN = ["--workload", "cnn", "--variant", "4bit", "--nproc", "2", "--steps", "30", "--eval-every", "15"]
-REPORT_RUN = ["--variant", "8bit", "--quantizer", "l0", "--nproc", "2", "--steps", "4"]
-REPORT_RUN += ["--diagnostics-every", "2"]
-
-
-def _one_run(out: str, *options: str) -> background.LioncubRuns:
-    """A background job of one ``lioncub train`` of the tiny GPT (or what ``options`` say) into
-    ``workdir/out``."""
-    return background.LioncubRuns(lambda workdir: [Run(train_argv(workdir / out, *options))], 180)
-
-
-#: the launches of this module, started when collection ends (tests/background.py), in the order of the tests
-BACKGROUND = {
-    "whole_runs": lambda: background.LioncubRuns(_whole_runs, 600),
-    "loss_falls": lambda: _one_run("run", *LOSS_RUN),
-    "resumed_runs": lambda: background.LioncubRuns(_resumed_runs, 600),
-    "compare": lambda: background.LioncubRuns(lambda w: [Run([*COMPARE, "--out", str(w / "cmp")])], 300),
-    "cnn": lambda: _one_run("cnn", *CNN_RUN),
-    "report_run": lambda: _one_run("run", *REPORT_RUN),
-}
-
-
-def launched(key: str) -> tuple[Path, list[subprocess.CompletedProcess[str]]]:
-    """Background job ``key``'s directory and its commands' results (waits for them)."""
-    return background.workdir(key), background.result(key, BACKGROUND[key])
-
-
-def succeeded(proc: subprocess.CompletedProcess[str]) -> None:
-    assert proc.returncode == 0, f"{proc.args}: exit code {proc.returncode}\n{proc.stderr[-3000:]}"
-
-
 @pytest.fixture(scope="module")
-def whole_runs() -> Path:
-    """The directory holding the uninterrupted run of every variant (``VARIANT/``), each checked to have
-    succeeded."""
-    workdir, procs = launched("whole_runs")
-    for proc in procs[: len(ALL_VARIANTS)]:
-        succeeded(proc)
-    return workdir
+def whole_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``variant -> run directory`` of its uninterrupted run (launched on first use; tests only read it)."""
+    runs: dict[str, Path] = {}
+
+    def get(variant: str) -> Path:
+        if variant not in runs:
+            out = tmp_path_factory.mktemp("whole") / variant
+            assert train(out, *run_args(variant), "--checkpoint-every", str(CHECKPOINT_AT)) == 0
+            runs[variant] = out
+        return runs[variant]
+
+    return get
 
 
 @pytest.mark.slow
-@pytest.mark.background("whole_runs")
 @pytest.mark.parametrize("variant", ALL_VARIANTS)
-def test_every_variant_trains_through_the_cli(whole_runs: Path, variant: str) -> None:
-    out = whole_runs / variant
+def test_every_variant_trains_through_the_cli(whole_run: Callable[[str], Path], variant: str) -> None:
+    out = whole_run(variant)
     steps = records(out, "step")
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     summary = json.loads((out / "summary.json").read_text())
@@ -300,11 +219,10 @@ def test_every_variant_trains_through_the_cli(whole_runs: Path, variant: str) ->
 
 
 @pytest.mark.slow
-@pytest.mark.background("loss_falls")
-def test_loss_falls_on_the_tiny_gpt() -> None:
-    workdir, (proc,) = launched("loss_falls")
-    succeeded(proc)
-    losses = [r["loss"] for r in records(workdir / "run", "step")]
+def test_loss_falls_on_the_tiny_gpt(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    assert train(out, "--variant", "1bit", "--nproc", "2", "--steps", "40", "--eval-every", "0") == 0
+    losses = [r["loss"] for r in records(out, "step")]
     assert losses[0] > math.log(40)  # about uniform over the ~60 characters at the start
     assert np.mean(losses[-5:]) < losses[0] - 0.8, losses
 
@@ -324,22 +242,17 @@ def assert_same_checkpoint(a: Path, b: Path, ranks: int = 2) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.background("whole_runs", "resumed_runs")
-@pytest.mark.parametrize("variant", RESUMED, ids=["32bit-dropout", "1bit-dropout", "8bit"])
-def test_resume_equals_uninterrupted(whole_runs: Path, variant: str) -> None:
+@pytest.mark.parametrize("variant", ["32bit", "1bit", "8bit"], ids=["32bit-dropout", "1bit-dropout", "8bit"])
+def test_resume_equals_uninterrupted(whole_run: Callable[[str], Path], tmp_path: Path, variant: str) -> None:
     """Stopped at step 5 and resumed = uninterrupted, bitwise; with dropout drawing from each rank's global
     generator (seeded from ``(seed, rank)``, saved and restored by the checkpoints) this also shows that two
     runs of one seed agree: ``whole`` and the first part of ``parts`` are two such runs up to step 5. The
     32bit baseline measures its forward + backward before training (dropout draws there too)."""
-    workdir, procs = launched("resumed_runs")
-    stop, resume = procs[2 * RESUMED.index(variant) :][:2]
-    whole, parts, stopped = whole_runs / variant, workdir / variant, workdir / f"{variant}-stopped"
-    succeeded(stop)
-    assert checkpoint.latest(stopped).step == CHECKPOINT_AT
-    assert_same_checkpoint(
-        whole / "checkpoints" / f"step_{CHECKPOINT_AT:08d}", checkpoint.latest(stopped).path
-    )
-    succeeded(resume)
+    whole, parts = whole_run(variant), tmp_path / "parts"
+    assert train(parts, *run_args(variant), "--stop-at", str(CHECKPOINT_AT)) == 0
+    assert checkpoint.latest(parts).step == CHECKPOINT_AT
+    assert_same_checkpoint(whole / "checkpoints" / f"step_{CHECKPOINT_AT:08d}", checkpoint.latest(parts).path)
+    assert train(parts, "--resume", "--no-progress") == 0
     a, b = checkpoint.latest(whole), checkpoint.latest(parts)
     assert a.step == b.step == STEPS
     assert_same_checkpoint(a.path, b.path)
@@ -353,31 +266,41 @@ def test_resume_equals_uninterrupted(whole_runs: Path, variant: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.background("whole_runs")
-def test_resume_refuses_another_world_size_or_variant(whole_runs: Path) -> None:
-    """On a copy of 1bit's run (2 ranks, ended at step 7), the commands of REFUSED_RESUMES."""
-    _, procs = launched("whole_runs")
-    nproc, variant, again, converted = procs[len(ALL_VARIANTS) :]
-    assert nproc.returncode == 2 and "written by 2 ranks; this run has 1" in nproc.stderr
-    assert variant.returncode == 2
-    assert "written by --variant 1bit; this run is --variant 8bit" in variant.stderr
-    assert again.returncode == 2 and "already holds a run; pass --resume" in again.stderr
-    succeeded(converted)
-    out = whole_runs / "refused"
+def test_resume_refuses_another_world_size_or_variant(
+    whole_run: Callable[[str], Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "run"
+    shutil.copytree(whole_run("1bit"), out)  # 2 ranks, ended at step 7: a resume goes on to --steps 9
+    capsys.readouterr()
+    assert train(out, "--resume", "--nproc", "1") == 2
+    assert "written by 2 ranks; this run has 1" in capsys.readouterr().err
+    assert train(out, "--resume", "--variant", "8bit") == 2
+    assert "written by --variant 1bit; this run is --variant 8bit" in capsys.readouterr().err
+    assert train(out, "--variant", "1bit") == 2  # without --resume an existing run is not overwritten
+    assert "already holds a run; pass --resume" in capsys.readouterr().err
+    assert train(out, "--resume", "--nproc", "1", "--convert-momenta", "average", "--steps", "9") == 0
     assert [r["step"] for r in records(out, "step")] == list(range(1, 10))
     assert json.loads((out / "summary.json").read_text())["world_size"] == 1
 
 
+#: one ``lioncub compare`` serves test_compare_writes_table_and_plots, test_compare_with_an_overlapped_variant
+#: and test_diagnostics_and_momentum_sync_through_the_cli (its 1bit run)
+COMPARE = ["compare", *TINY, "--variants", "32bit,1bit,1bit+overlap", "--nproc", "2", "--steps", "4"]
+COMPARE += ["--eval-every", "2", "--diagnostics-every", "2"]  # diagnostics: the votes only (no DDP baseline)
+COMPARE += ["--momentum-sync", "io", "--sync-every", "2"]  # the votes only too
+
+
 @pytest.fixture(scope="module")
-def compared() -> tuple[Path, str]:
+def compared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """The compare's output directory and what it printed (stdout)."""
-    workdir, (proc,) = launched("compare")
-    succeeded(proc)
-    return workdir / "cmp", proc.stdout
+    out = tmp_path_factory.mktemp("compare") / "cmp"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(io.StringIO()):
+        assert cli.main([*COMPARE, "--out", str(out)]) == 0
+    return out, printed.getvalue()
 
 
 @pytest.mark.slow
-@pytest.mark.background("compare")
 def test_compare_writes_table_and_plots(compared: tuple[Path, str], capsys: pytest.CaptureFixture) -> None:
     out, printed = compared
     assert json.loads((out / "32bit" / "config.json").read_text())["diagnostics_every"] == 0
@@ -396,20 +319,19 @@ def test_compare_writes_table_and_plots(compared: tuple[Path, str], capsys: pyte
 
 
 @pytest.mark.slow
-@pytest.mark.background("cnn")
-def test_cnn_trains_with_batchnorm_and_reports_accuracy() -> None:
-    workdir, (proc,) = launched("cnn")
-    succeeded(proc)
-    evals = records(workdir / "cnn", "eval")
+def test_cnn_trains_with_batchnorm_and_reports_accuracy(tmp_path: Path) -> None:
+    out = tmp_path / "cnn"
+    argv = ["train", "--workload", "cnn", "--size", "tiny", "--no-progress", "--variant", "4bit"]
+    assert cli.main([*argv, "--nproc", "2", "--steps", "30", "--eval-every", "15", "--out", str(out)]) == 0
+    evals = records(out, "eval")
     assert [e["step"] for e in evals] == [15, 30]
     assert 0.0 <= evals[0]["val_acc"] <= 1.0
     assert evals[-1]["val_acc"] > 0.5  # ten digit classes: chance is 0.1
 
 
 @pytest.mark.slow
-@pytest.mark.background("compare")
 def test_diagnostics_and_momentum_sync_through_the_cli(compared: tuple[Path, str]) -> None:
-    """The compare's 1bit run: diagnostics every 2 steps, the io momenta synced every 2 steps."""
+    """The compare's 1bit run (2 ranks, 4 steps): diagnostics every 2 steps, the io momenta synced every 2."""
     out = compared[0] / "1bit"
     assert json.loads((out / "config.json").read_text())["momentum_sync"] == "io"
     diags = records(out, "diag")
@@ -427,11 +349,21 @@ def test_diagnostics_and_momentum_sync_through_the_cli(compared: tuple[Path, str
 
 
 @pytest.mark.slow
-@pytest.mark.background("report_run")
 def test_report_command_plots_the_diagnostics(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    workdir, (proc,) = launched("report_run")
-    succeeded(proc)
-    out = workdir / "run"
+    out = tmp_path / "run"
+    extra = [
+        "--variant",
+        "8bit",
+        "--quantizer",
+        "l0",
+        "--nproc",
+        "2",
+        "--steps",
+        "4",
+        "--diagnostics-every",
+        "2",
+    ]
+    assert train(out, *extra) == 0
     capsys.readouterr()
     assert cli.main(["report", str(out)]) == 0
     printed = capsys.readouterr().out
@@ -448,7 +380,6 @@ def test_report_command_plots_the_diagnostics(tmp_path: Path, capsys: pytest.Cap
 
 
 @pytest.mark.slow
-@pytest.mark.background("compare")
 def test_compare_with_an_overlapped_variant(
     compared: tuple[Path, str], tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

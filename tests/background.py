@@ -17,7 +17,6 @@ it (:func:`timings`).
 from __future__ import annotations
 
 import atexit
-import multiprocessing
 import multiprocessing.process
 import shutil
 import subprocess
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+import dist_utils
 
 
 class Job:
@@ -102,10 +103,11 @@ class Subprocess(Job):
 
 
 class Spawned(Job):
-    """``target(rank, world, workdir, *args)`` on ``world`` newly spawned processes (``multiprocessing``'s
-    spawn), in the background; done once the ranks ``wait_for`` (default: all) have exited. :meth:`wait`
-    waits for those until ``timeout`` seconds after the start, then kills what still runs and returns
-    every rank's exit code as it was (None: was still running)."""
+    """``target(rank, world, workdir, *args)`` on ``world`` new processes (forks of the fork server of
+    ``dist_utils.context``: torch imported, the session's environment), in the background; done once the
+    ranks ``wait_for`` (default: all) have exited. :meth:`wait` waits for those until ``timeout`` seconds
+    after the start, then kills what still runs and returns every rank's exit code as it was (None: was
+    still running)."""
 
     def __init__(
         self,
@@ -122,7 +124,7 @@ class Spawned(Job):
 
     def start(self) -> None:
         super().start()
-        ctx = multiprocessing.get_context("spawn")
+        ctx = dist_utils.context()  # forks of a process that has imported torch
         self.procs = [
             ctx.Process(target=self.target, args=(r, self.world, self.workdir, *self.args), daemon=True)
             for r in range(self.world)

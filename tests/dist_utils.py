@@ -4,9 +4,11 @@ Usage: ``results = run_workers(fn, world_size, *args)`` where ``fn(rank, world_s
 module-level function; ``results[r]`` is what rank r returned (anything ``torch.save`` can store). A
 failing rank's traceback is re-raised in the test process; a hung group is killed after ``timeout``.
 
-The ranks run in a pool of persistent worker processes (spawned once per test session, grown to the
+The ranks run in a pool of persistent worker processes (started once per test session, grown to the
 largest world size asked for): spawning a process and importing torch costs ~2.5 s of CPU each, which
-used to be most of the time of the tests on gloo ranks. Every call still gets a fresh gloo group (a new
+used to be most of the time of the tests on gloo ranks. The workers are forks of ``multiprocessing``'s
+fork server, which imports torch once (:func:`context`: :data:`PRELOAD`), so a new worker costs
+milliseconds rather than an interpreter importing torch. Every call still gets a fresh gloo group (a new
 file store, ``init_process_group`` before ``fn`` and ``destroy_process_group`` after it), the caller's
 environment variables, torch's default generator as a new process has it, one intra-op thread, and the
 logging and warnings configuration as it was before the call. Workers of a call in which any rank failed,
@@ -36,6 +38,31 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+#: what the fork server of :func:`context` imports before it forks: torch, its distributed package and
+#: torch._dynamo (which torch.optim.Optimizer.add_param_group imports on first use, ~1.3 s of CPU), never
+#: lioncub (a test may set its environment, e.g. ``TRITON_INTERPRET``, before lioncub is imported)
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
+
+
+def context() -> mp.context.BaseContext:
+    """The ``forkserver`` context whose processes start with :data:`PRELOAD` imported: for the pool's
+    workers and the background jobs' ranks (``background.Spawned``); ``fresh=True`` calls still spawn
+    clean interpreters."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def start_fork_server() -> None:
+    """Start :func:`context`'s fork server now (it imports :data:`PRELOAD` in its own process), from the
+    session's environment and working directory, which every process forked from it inherits (a server
+    first started inside a test would hand on that test's ``monkeypatch.chdir`` or ``setenv``)."""
+    from multiprocessing import forkserver
+
+    context()
+    forkserver.ensure_running()
+
 
 # ----------------------------------------------------------------------------------------- one rank
 
@@ -149,7 +176,7 @@ def _serve(conn: mpc.Connection) -> None:
 
 class _Worker:
     def __init__(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = context()
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_serve, args=(child,), daemon=True, name="lioncub-test-worker")
         self.proc.start()

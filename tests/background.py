@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing.process
+import os
 import shutil
 import subprocess
 import tempfile
@@ -102,12 +103,20 @@ class Subprocess(Job):
             self.err.close()
 
 
+def _as_caller(env: dict[str, str], cwd: str, target: Callable[..., Any], *args: Any) -> None:
+    """``target(*args)`` in the environment and working directory the test process had."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    target(*args)
+
+
 class Spawned(Job):
     """``target(rank, world, workdir, *args)`` on ``world`` new processes (forks of the fork server of
-    ``dist_utils.context``: torch imported, the session's environment), in the background; done once the
-    ranks ``wait_for`` (default: all) have exited. :meth:`wait` waits for those until ``timeout`` seconds
-    after the start, then kills what still runs and returns every rank's exit code as it was (None: was
-    still running)."""
+    ``dist_utils.context``, torch imported; in the environment and working directory of the test process
+    when the job starts), in the background; done once the ranks ``wait_for`` (default: all) have exited.
+    :meth:`wait` waits for those until ``timeout`` seconds after the start, then kills what still runs and
+    returns every rank's exit code as it was (None: was still running)."""
 
     def __init__(
         self,
@@ -125,8 +134,11 @@ class Spawned(Job):
     def start(self) -> None:
         super().start()
         ctx = dist_utils.context()  # forks of a process that has imported torch
+        caller = (dict(os.environ), os.getcwd(), self.target)
         self.procs = [
-            ctx.Process(target=self.target, args=(r, self.world, self.workdir, *self.args), daemon=True)
+            ctx.Process(
+                target=_as_caller, args=(*caller, r, self.world, self.workdir, *self.args), daemon=True
+            )
             for r in range(self.world)
         ]
         for proc in self.procs:

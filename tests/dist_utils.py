@@ -10,9 +10,10 @@ used to be most of the time of the tests on gloo ranks. The workers are forks of
 fork server, which imports torch once (:func:`context`: :data:`PRELOAD`), so a new worker costs
 milliseconds rather than an interpreter importing torch. Every call still gets a fresh gloo group (a new
 file store, ``init_process_group`` before ``fn`` and ``destroy_process_group`` after it), the caller's
-environment variables, torch's default generator as a new process has it, one intra-op thread, and the
-logging and warnings configuration as it was before the call. Workers of a call in which any rank failed,
-died or hung are killed and replaced, so a failure never leaks into the next test.
+environment variables and working directory, torch's default generator as a new process has it, one
+intra-op thread, and the logging and warnings configuration as it was before the call. Workers of a call
+in which any rank failed, died or hung are killed and replaced, so a failure never leaks into the next
+test.
 
 ``fresh=True`` runs the call on newly spawned processes instead (the behaviour before the pool): for a
 function that must start in a clean interpreter (module state it changes and cannot undo, a rank that
@@ -135,7 +136,6 @@ def _serve(conn: mpc.Connection) -> None:
 
     torch.set_num_threads(1)
     seed = torch.initial_seed()  # what a new process's default generator starts from
-    cwd = os.getcwd()
     dtype = torch.get_default_dtype()
     while True:
         try:
@@ -144,9 +144,10 @@ def _serve(conn: mpc.Connection) -> None:
             return
         if task is None:
             return
-        rank, world_size, tmp, payload, pg_timeout, env = task
+        rank, world_size, tmp, payload, pg_timeout, env, cwd = task
         os.environ.clear()
         os.environ.update(env)
+        os.chdir(cwd)
         torch.manual_seed(seed)
         torch.set_num_threads(1)
         saved_logging = _logging_state()
@@ -163,7 +164,6 @@ def _serve(conn: mpc.Connection) -> None:
             if dist.is_initialized():
                 dist.destroy_process_group()
             _restore_logging(saved_logging)
-            os.chdir(cwd)
             torch.set_default_dtype(dtype)
             torch.set_grad_enabled(True)
             sys.stdout.flush()
@@ -231,12 +231,12 @@ def _run_pooled(
     while len(_POOL) < world_size:
         _POOL.append(_Worker())
     workers = _POOL[:world_size]
-    env = dict(os.environ)
+    env, cwd = dict(os.environ), os.getcwd()
     clean = False
     with tempfile.TemporaryDirectory() as tmp:
         try:
             for r, w in enumerate(workers):
-                w.conn.send_bytes(pickle.dumps((r, world_size, tmp, payload, pg_timeout, env)))
+                w.conn.send_bytes(pickle.dumps((r, world_size, tmp, payload, pg_timeout, env, cwd)))
             pending = dict(enumerate(workers))
             replies: dict[int, bool] = {}
             while pending and (left := deadline - time.monotonic()) > 0:

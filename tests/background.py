@@ -6,13 +6,19 @@ uses the other. A test marked ``@pytest.mark.background("KEY")`` names a job of 
 ``BACKGROUND`` dict (``KEY`` -> a factory returning a :class:`Job`, or ``None`` when there is nothing to
 run, e.g. a missing optional dependency); the test calls :func:`result` to get what the job produced,
 which waits for it (or starts it at once, if its turn has not come). What the test asserts on that result
-is unchanged: only *when* the work happens moves. Deselected tests start nothing; ``--collect-only``
-starts nothing; the jobs still running when the session ends are killed.
+is unchanged: only *when* the work happens moves. Deselected (or skipped) tests start nothing;
+``--collect-only`` starts nothing; the jobs still running when the session ends are killed.
+
+Kinds of job: :class:`Subprocess` (one command) and :class:`Spawned` (a function on N spawned processes).
+With ``-v`` or ``--durations`` the session ends with each job's start, end and how long tests waited for
+it (:func:`timings`).
 """
 
 from __future__ import annotations
 
 import atexit
+import multiprocessing.process
+import os
 import shutil
 import subprocess
 import tempfile
@@ -23,6 +29,8 @@ from typing import Any
 
 import pytest
 
+import dist_utils
+
 
 class Job:
     """Work started by :meth:`start`, finished when :meth:`done`; :meth:`wait` returns its result."""
@@ -30,6 +38,8 @@ class Job:
     def __init__(self) -> None:
         self.workdir = Path(tempfile.mkdtemp(prefix="lioncub-bg-"))
         self.started_at: float | None = None
+        self.ended_at: float | None = None  #: when it was first seen done (or its wait returned)
+        self.waited_s = 0.0  #: how long tests blocked in :func:`result` for it
 
     def start(self) -> None:
         self.started_at = time.monotonic()
@@ -93,6 +103,65 @@ class Subprocess(Job):
             self.err.close()
 
 
+def _as_caller(env: dict[str, str], cwd: str, target: Callable[..., Any], *args: Any) -> None:
+    """``target(*args)`` in the environment and working directory the test process had."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    target(*args)
+
+
+class Spawned(Job):
+    """``target(rank, world, workdir, *args)`` on ``world`` new processes (forks of the fork server of
+    ``dist_utils.context``, torch imported; in the environment and working directory of the test process
+    when the job starts), in the background; done once the ranks ``wait_for`` (default: all) have exited.
+    :meth:`wait` waits for those until ``timeout`` seconds after the start, then kills what still runs and
+    returns every rank's exit code as it was (None: was still running)."""
+
+    def __init__(
+        self,
+        target: Callable[..., Any],
+        world: int,
+        args: tuple = (),
+        timeout: float = 90.0,
+        wait_for: Iterable[int] | None = None,
+    ) -> None:
+        super().__init__()
+        self.target, self.world, self.args, self.timeout = target, world, args, timeout
+        self.wait_for = list(range(world) if wait_for is None else wait_for)
+        self.procs: list[multiprocessing.process.BaseProcess] = []
+
+    def start(self) -> None:
+        super().start()
+        ctx = dist_utils.context()  # forks of a process that has imported torch
+        caller = (dict(os.environ), os.getcwd(), self.target)
+        self.procs = [
+            ctx.Process(
+                target=_as_caller, args=(*caller, r, self.world, self.workdir, *self.args), daemon=True
+            )
+            for r in range(self.world)
+        ]
+        for proc in self.procs:
+            proc.start()
+
+    def done(self) -> bool:
+        return bool(self.procs) and not any(self.procs[r].is_alive() for r in self.wait_for)
+
+    def wait(self) -> list[int | None]:
+        assert self.started_at is not None
+        for r in self.wait_for:
+            self.procs[r].join(max(0.0, self.timeout - (time.monotonic() - self.started_at)))
+        codes = [proc.exitcode for proc in self.procs]
+        self.stop()
+        return codes
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
+
+
 _JOBS: dict[str, Job] = {}
 _QUEUE: list[str] = []  # keys not started yet, in the order of the tests
 _RUNNING: list[str] = []  # keys started by pump() and not yet seen done
@@ -101,6 +170,8 @@ _RUNNING: list[str] = []  # keys started by pump() and not yet seen done
 def start_for(items: Iterable[pytest.Item]) -> None:
     """Queue the jobs of the selected tests (in their order) and start the first."""
     for item in items:
+        if item.get_closest_marker("skip") is not None:  # e.g. a root test where namespaces cannot be built
+            continue
         for mark in item.iter_markers("background"):
             for key in mark.args:
                 if key in _JOBS:
@@ -112,10 +183,17 @@ def start_for(items: Iterable[pytest.Item]) -> None:
     pump()
 
 
+def _ended(key: str) -> bool:
+    job = _JOBS[key]
+    if job.ended_at is None and job.done():
+        job.ended_at = time.monotonic()
+    return job.ended_at is not None
+
+
 def pump(slots: int = 1) -> None:
     """Start queued jobs until ``slots`` are running (called after every test with one slot; with two
     while a test waits for a job, as the pytest process then leaves its core idle)."""
-    _RUNNING[:] = [key for key in _RUNNING if not _JOBS[key].done()]
+    _RUNNING[:] = [key for key in _RUNNING if not _ended(key)]
     while _QUEUE and len(_RUNNING) < slots:
         key = _QUEUE.pop(0)
         _JOBS[key].start()
@@ -137,15 +215,34 @@ def result(key: str, factory: Callable[[], Job | None]) -> Any:
         job.start()
         _RUNNING.append(key)
     pump(slots=2)
+    t0 = time.monotonic()
     try:
         return job.wait()
     finally:
+        job.waited_s += time.monotonic() - t0
+        if job.ended_at is None:
+            job.ended_at = time.monotonic()
         pump()
 
 
 def workdir(key: str) -> Path:
     """The scratch directory of job ``key`` (removed when the session ends)."""
     return _JOBS[key].workdir
+
+
+def timings() -> list[str]:
+    """One line per job of this session: when it started and ended (seconds after the first start), and
+    how long tests waited for it."""
+    starts = [job.started_at for job in _JOBS.values() if job.started_at is not None]
+    origin = min(starts, default=0.0)
+    lines = []
+    for key, job in sorted(_JOBS.items(), key=lambda kv: kv[1].started_at or float("inf")):
+        if job.started_at is None:
+            lines.append(f"{key}: never started")
+            continue
+        end = f"{job.ended_at - origin:6.1f}" if job.ended_at is not None else "   ..."
+        lines.append(f"{key}: {job.started_at - origin:6.1f} -> {end} s, tests waited {job.waited_s:5.1f} s")
+    return lines
 
 
 def stop_all() -> None:

@@ -6,18 +6,29 @@
   ``@pytest.mark.background(KEY)`` start one at a time once collection ends, on the core that the mostly
   single-threaded tests leave idle.
 * The ranks of ``dist_utils.run_workers`` run in a session-wide pool of worker processes
-  (``tests/dist_utils.py``).
+  (``tests/dist_utils.py``), forks of a fork server that has imported torch, started when collection
+  ends if a selected test's module uses the pool.
+* Tests marked ``@pytest.mark.root`` build emulated networks: skipped, saying what is missing, where this
+  process cannot (``emulated_network.netns_missing``).
+* The ``run_cli`` fixture: ``lioncub ARGV`` in-process with launching refused (``tests/cli_stub.py``).
 
-The quick local loop: ``./run test -m "not slow"``; everything: ``./run test``.
+The map of the suite: tests/README.md. The quick local loop: ``./run test -m "not slow"``; everything:
+``./run test``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 from hypothesis import settings
 
 import background
+from cli_stub import cli_runner
+from emulated_network import netns_missing
 from profiles import selected_profile
+
+import dist_utils
 
 settings.load_profile(selected_profile())
 
@@ -26,8 +37,16 @@ def pytest_report_header() -> str:
     return f"hypothesis profile: {selected_profile()} (ci when $CI is set, else dev: tests/profiles.py)"
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("root") is not None and (missing := netns_missing()) is not None:
+            item.add_marker(pytest.mark.skip(reason=f"needs network namespaces: {missing}"))
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     if not session.config.option.collectonly:
+        if any(getattr(getattr(item, "module", None), "run_workers", None) for item in session.items):
+            dist_utils.start_fork_server()  # the worker pool's processes fork from it
         background.start_for(session.items)
 
 
@@ -35,5 +54,23 @@ def pytest_runtest_logfinish() -> None:
     background.pump()
 
 
-def pytest_sessionfinish() -> None:
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """With ``-v`` (or ``--durations``): when each background job ran and how long tests waited for it."""
+    config = terminalreporter.config
+    if (config.option.verbose > 0 or config.option.durations is not None) and (lines := background.timings()):
+        terminalreporter.write_sep("=", "background jobs (tests/background.py)")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
+def pytest_unconfigure() -> None:  # after the terminal summary, which reports the jobs
     background.stop_all()
+
+
+@pytest.fixture
+def run_cli(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> Callable[[list[str]], tuple[int, str]]:
+    """``lioncub ARGV`` in-process: (exit code, stderr); -1 if the command reached the launcher (nothing is
+    launched)."""
+    return cli_runner(capsys, monkeypatch)

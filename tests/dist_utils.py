@@ -4,13 +4,16 @@ Usage: ``results = run_workers(fn, world_size, *args)`` where ``fn(rank, world_s
 module-level function; ``results[r]`` is what rank r returned (anything ``torch.save`` can store). A
 failing rank's traceback is re-raised in the test process; a hung group is killed after ``timeout``.
 
-The ranks run in a pool of persistent worker processes (spawned once per test session, grown to the
+The ranks run in a pool of persistent worker processes (started once per test session, grown to the
 largest world size asked for): spawning a process and importing torch costs ~2.5 s of CPU each, which
-used to be most of the time of the tests on gloo ranks. Every call still gets a fresh gloo group (a new
+used to be most of the time of the tests on gloo ranks. The workers are forks of ``multiprocessing``'s
+fork server, which imports torch once (:func:`context`: :data:`PRELOAD`), so a new worker costs
+milliseconds rather than an interpreter importing torch. Every call still gets a fresh gloo group (a new
 file store, ``init_process_group`` before ``fn`` and ``destroy_process_group`` after it), the caller's
-environment variables, torch's default generator as a new process has it, one intra-op thread, and the
-logging and warnings configuration as it was before the call. Workers of a call in which any rank failed,
-died or hung are killed and replaced, so a failure never leaks into the next test.
+environment variables and working directory, torch's default generator as a new process has it, one
+intra-op thread, and the logging and warnings configuration as it was before the call. Workers of a call
+in which any rank failed, died or hung are killed and replaced, so a failure never leaks into the next
+test.
 
 ``fresh=True`` runs the call on newly spawned processes instead (the behaviour before the pool): for a
 function that must start in a clean interpreter (module state it changes and cannot undo, a rank that
@@ -36,6 +39,31 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+#: what the fork server of :func:`context` imports before it forks: torch, its distributed package and
+#: torch._dynamo (which torch.optim.Optimizer.add_param_group imports on first use, ~1.3 s of CPU), never
+#: lioncub (a test may set its environment, e.g. ``TRITON_INTERPRET``, before lioncub is imported)
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
+
+
+def context() -> mp.context.BaseContext:
+    """The ``forkserver`` context whose processes start with :data:`PRELOAD` imported: for the pool's
+    workers and the background jobs' ranks (``background.Spawned``); ``fresh=True`` calls still spawn
+    clean interpreters."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def start_fork_server() -> None:
+    """Start :func:`context`'s fork server now (it imports :data:`PRELOAD` in its own process), from the
+    session's environment and working directory, which every process forked from it inherits (a server
+    first started inside a test would hand on that test's ``monkeypatch.chdir`` or ``setenv``)."""
+    from multiprocessing import forkserver
+
+    context()
+    forkserver.ensure_running()
+
 
 # ----------------------------------------------------------------------------------------- one rank
 
@@ -108,7 +136,6 @@ def _serve(conn: mpc.Connection) -> None:
 
     torch.set_num_threads(1)
     seed = torch.initial_seed()  # what a new process's default generator starts from
-    cwd = os.getcwd()
     dtype = torch.get_default_dtype()
     while True:
         try:
@@ -117,9 +144,10 @@ def _serve(conn: mpc.Connection) -> None:
             return
         if task is None:
             return
-        rank, world_size, tmp, payload, pg_timeout, env = task
+        rank, world_size, tmp, payload, pg_timeout, env, cwd = task
         os.environ.clear()
         os.environ.update(env)
+        os.chdir(cwd)
         torch.manual_seed(seed)
         torch.set_num_threads(1)
         saved_logging = _logging_state()
@@ -136,7 +164,6 @@ def _serve(conn: mpc.Connection) -> None:
             if dist.is_initialized():
                 dist.destroy_process_group()
             _restore_logging(saved_logging)
-            os.chdir(cwd)
             torch.set_default_dtype(dtype)
             torch.set_grad_enabled(True)
             sys.stdout.flush()
@@ -149,7 +176,7 @@ def _serve(conn: mpc.Connection) -> None:
 
 class _Worker:
     def __init__(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = context()
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_serve, args=(child,), daemon=True, name="lioncub-test-worker")
         self.proc.start()
@@ -204,12 +231,12 @@ def _run_pooled(
     while len(_POOL) < world_size:
         _POOL.append(_Worker())
     workers = _POOL[:world_size]
-    env = dict(os.environ)
+    env, cwd = dict(os.environ), os.getcwd()
     clean = False
     with tempfile.TemporaryDirectory() as tmp:
         try:
             for r, w in enumerate(workers):
-                w.conn.send_bytes(pickle.dumps((r, world_size, tmp, payload, pg_timeout, env)))
+                w.conn.send_bytes(pickle.dumps((r, world_size, tmp, payload, pg_timeout, env, cwd)))
             pending = dict(enumerate(workers))
             replies: dict[int, bool] = {}
             while pending and (left := deadline - time.monotonic()) > 0:

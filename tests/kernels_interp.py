@@ -81,15 +81,15 @@ def quantize_case(dtype: torch.dtype) -> None:
 
 
 def quantize_halfway_case() -> None:
-    """Exact half-way levels (tests/test_halfway.py): the Triton kernel and the torch backend both give the
-    exact level ``round((x / M) · (s / k))``; plus 1-element segments and chunks (x / M = ±1), the issue's
-    minimal example, and chunks whose M is just above float32's smallest normal with subnormal entries
+    """Exact half-way levels (tests/halfway_cases.py): the Triton kernel and the torch backend both give the
+    exact level ``round((x / M) · (s / k))``; plus 1-element segments and chunks (x / M = ±1), the minimal
+    example (``MINIMAL``), and chunks whose M is just above float32's smallest normal with subnormal entries
     (an IEEE division keeps them; a flush-to-zero one would not)."""
     import numpy as np
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from test_halfway import MINIMAL, halfway_cases
+    from halfway_cases import MINIMAL, halfway_cases
 
     for dtype in (F32, BF16, F16):
         x = torch.tensor(MINIMAL).to(dtype)

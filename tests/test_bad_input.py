@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cli_stub import cli_runner
 from lioncub.ops import quantize
 from lioncub.optim import PRESETS, Lion, LionCub, make_vote, resolve_variant
 from lioncub.optim.config import VoteConfig
@@ -31,6 +29,7 @@ from lioncub.planning import costmodel as cm
 from lioncub.planning.auto import AUTO_ENV, auto_variant, resolve_network
 from lioncub.train.workloads import check_workload, make_workload
 from lioncub.units import parse_count, parse_duration, parse_rate, parse_size
+from sim_comm import fake_comm
 
 
 def case(*values: Any, id: str) -> Any:
@@ -40,6 +39,17 @@ def case(*values: Any, id: str) -> Any:
 def assert_names(message: str, fragments: list[str]) -> None:
     missing = [f for f in fragments if f not in message]
     assert not missing, f"{missing} not in the message: {message!r}"
+
+
+def assert_refused(
+    call: Callable[[], Any],
+    fragments: list[str],
+    exc: type[BaseException] | tuple[type[BaseException], ...] = ValueError,
+) -> None:
+    """``call()`` raises ``exc`` with a message naming every one of ``fragments``."""
+    with pytest.raises(exc) as err:
+        call()
+    assert_names(str(err.value), fragments)
 
 
 # ------------------------------------------------------------------------------------------------ Lion
@@ -61,19 +71,13 @@ LION_CASES = [
     case({"foreach": 1}, ["foreach", "None, True or False"], id="foreach-int"),
     case({"maximize": "yes"}, ["maximize", "True or False"], id="maximize-text"),
     case({"momentum_dtype": torch.int32}, ["momentum_dtype", "floating"], id="momentum-dtype-int"),
-    case(
-        {"lr": True},
-        ["lr", "True", ">= 0"],
-        id="lr-bool",
-    ),
+    case({"lr": True}, ["lr", "True", ">= 0"], id="lr-bool"),
 ]
 
 
 @pytest.mark.parametrize(("kwargs", "fragments"), LION_CASES)
 def test_lion_refuses(kwargs: dict, fragments: list[str]) -> None:
-    with pytest.raises(ValueError) as err:
-        Lion(_params(), **kwargs)
-    assert_names(str(err.value), fragments)
+    assert_refused(lambda: Lion(_params(), **kwargs), fragments)
 
 
 # --------------------------------------------------------------------------------------------- LionCub
@@ -160,42 +164,12 @@ LIONCUB_CASES = [
     case({"variant": "auto"}, ValueError, ["variant='auto'", "auto_variant"], id="auto-is-a-function"),
     case({"bucket_mb": 0}, ValueError, ["bucket_mb=0", "> 0"], id="bucket-0"),
     case({"bucket_mb": -5.0}, ValueError, ["bucket_mb=-5", "> 0"], id="bucket-negative"),
-    case(
-        {"bucket_mb": math.inf},
-        ValueError,
-        ["bucket_mb=inf", "finite"],
-        id="bucket-inf",
-    ),
-    case(
-        {"momentum_sync": sync(every=0)},
-        ValueError,
-        ["every=0", ">= 1"],
-        id="sync-every-0",
-    ),
-    case(
-        {"momentum_sync": sync(every=True)},
-        ValueError,
-        ["every=True", ">= 1"],
-        id="sync-every-bool",
-    ),
-    case(
-        {"momentum_sync": sync(until=-1)},
-        ValueError,
-        ["until=-1", ">= 0"],
-        id="sync-until",
-    ),
-    case(
-        {"momentum_sync": sync(exp_k=0)},
-        ValueError,
-        ["exp_k=0", ">= 1"],
-        id="sync-exp-k",
-    ),
-    case(
-        {"momentum_sync": sync(dtype=torch.int8)},
-        ValueError,
-        ["dtype", "torch.float32"],
-        id="sync-dtype",
-    ),
+    case({"bucket_mb": math.inf}, ValueError, ["bucket_mb=inf", "finite"], id="bucket-inf"),
+    case({"momentum_sync": sync(every=0)}, ValueError, ["every=0", ">= 1"], id="sync-every-0"),
+    case({"momentum_sync": sync(every=True)}, ValueError, ["every=True", ">= 1"], id="sync-every-bool"),
+    case({"momentum_sync": sync(until=-1)}, ValueError, ["until=-1", ">= 0"], id="sync-until"),
+    case({"momentum_sync": sync(exp_k=0)}, ValueError, ["exp_k=0", ">= 1"], id="sync-exp-k"),
+    case({"momentum_sync": sync(dtype=torch.int8)}, ValueError, ["dtype", "torch.float32"], id="sync-dtype"),
     case({"momentum_sync": "bogus"}, ValueError, ["momentum_sync='bogus'", "'io'"], id="sync-bogus"),
     case({"momentum_sync": []}, ValueError, ["momentum_sync=[]", "non-empty"], id="sync-empty"),
     case({"momentum_sync": 123}, ValueError, ["momentum_sync=123", "'all'"], id="sync-int"),
@@ -215,12 +189,7 @@ LIONCUB_CASES = [
         ["nonfinite='ignore'", "'skip'"],
         id="nonfinite",
     ),
-    case(
-        {"checks": checks(broadcast_init=1)},
-        ValueError,
-        ["broadcast_init=1", "True or False"],
-        id="bcast",
-    ),
+    case({"checks": checks(broadcast_init=1)}, ValueError, ["broadcast_init=1", "True or False"], id="bcast"),
     case({"checks": "strict"}, TypeError, ["checks='strict'", "Checks("], id="checks-not-checks"),
     case({"diagnostics_every": -1}, ValueError, ["diagnostics_every=-1", ">= 0"], id="diagnostics"),
     case(
@@ -230,20 +199,17 @@ LIONCUB_CASES = [
         id="diag-32",
     ),
     case({"maximize": 1}, ValueError, ["maximize", "True or False"], id="maximize"),
-    case(
-        {"model": "not a module"},
-        TypeError,
-        ["model", "Module"],
-        id="model-not-module",
-    ),
+    case({"model": "not a module"}, TypeError, ["model", "Module"], id="model-not-module"),
 ]
 
 
 @pytest.mark.parametrize(("kwargs", "exc", "fragments"), LIONCUB_CASES)
 def test_lioncub_refuses(group: Any, kwargs: dict, exc: type[Exception], fragments: list[str]) -> None:
-    with pytest.raises(exc) as err:
-        LionCub(_params(), **{k: v() if isinstance(v, Later) else v for k, v in kwargs.items()})
-    assert_names(str(err.value), fragments)
+    assert_refused(
+        lambda: LionCub(_params(), **{k: v() if isinstance(v, Later) else v for k, v in kwargs.items()}),
+        fragments,
+        exc,
+    )
 
 
 AUTO_CASES = [
@@ -271,14 +237,7 @@ def test_auto_variant_refuses(
     group: Any, monkeypatch: pytest.MonkeyPatch, kwargs: dict, exc: type[Exception], fragments: list[str]
 ) -> None:
     monkeypatch.delenv(AUTO_ENV, raising=False)
-    with pytest.raises(exc) as err:
-        auto_variant(_params(), **kwargs)
-    assert_names(str(err.value), fragments)
-
-
-def _fake_comm(n: int) -> types.SimpleNamespace:
-    """What the vote classes read in ``__init__``: N workers without starting N processes."""
-    return types.SimpleNamespace(world_size=n, rank=0, device=torch.device("cpu"))
+    assert_refused(lambda: auto_variant(_params(), **kwargs), fragments, exc)
 
 
 @pytest.mark.parametrize(
@@ -294,9 +253,7 @@ def _fake_comm(n: int) -> types.SimpleNamespace:
     ids=["4bit-16", "8bit-128", "quantized-2bit-2", "lanes-2bit-4", "8bit-sign-200", "dlion-avg-128"],
 )
 def test_bits_not_supported_for_n_workers(config: VoteConfig, n: int, fragments: list[str]) -> None:
-    with pytest.raises(ValueError) as err:
-        make_vote(_fake_comm(n), config)  # type: ignore[arg-type]
-    assert_names(str(err.value), fragments)
+    assert_refused(lambda: make_vote(fake_comm(n), config), fragments)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -317,9 +274,7 @@ def test_bits_not_supported_for_n_workers(config: VoteConfig, n: int, fragments:
     ids=["dense-int8-wire", "wire-dtype-on-1bit", "server-root", "options-on-int8", "unknown-knob"],
 )
 def test_vote_config_refuses(make: Callable[[], Any], fragments: list[str]) -> None:
-    with pytest.raises((ValueError, TypeError)) as err:
-        make_vote(_fake_comm(2), make())  # type: ignore[arg-type]
-    assert_names(str(err.value), fragments)
+    assert_refused(lambda: make_vote(fake_comm(2), make()), fragments, (ValueError, TypeError))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -332,16 +287,14 @@ def test_vote_config_refuses(make: Callable[[], Any], fragments: list[str]) -> N
     ids=["every-bool", "non-string-pattern", "empty-tuple"],
 )
 def test_momentum_sync_refuses(call: Callable[[], Any], fragments: list[str]) -> None:
-    with pytest.raises(ValueError) as err:
-        call()
-    assert_names(str(err.value), fragments)
+    assert_refused(call, fragments)
 
 
 def test_auto_calibration_from_the_environment_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LIONCUB_CALIBRATION", "/nonexistent/cal.json")
-    with pytest.raises(ValueError) as err:
-        resolve_network(None)
-    assert_names(str(err.value), ["$LIONCUB_CALIBRATION", "/nonexistent/cal.json", "lioncub calibrate"])
+    assert_refused(
+        lambda: resolve_network(None), ["$LIONCUB_CALIBRATION", "/nonexistent/cal.json", "lioncub calibrate"]
+    )
 
 
 # ------------------------------------------------------------------------------------------ quantizers
@@ -377,9 +330,7 @@ QUANTIZER_CASES = [
 
 @pytest.mark.parametrize(("call", "fragments"), QUANTIZER_CASES)
 def test_quantizers_refuse(call: Callable[[], Any], fragments: list[str]) -> None:
-    with pytest.raises((ValueError, TypeError)) as err:
-        call()
-    assert_names(str(err.value), fragments)
+    assert_refused(call, fragments, (ValueError, TypeError))
 
 
 # --------------------------------------------------------------------------------------- unit parsers
@@ -411,9 +362,7 @@ def test_quantizers_refuse(call: Callable[[], Any], fragments: list[str]) -> Non
     ],
 )
 def test_unit_parsers_refuse(call: Callable[[], Any], fragments: list[str]) -> None:
-    with pytest.raises(ValueError) as err:
-        call()
-    assert_names(str(err.value), fragments)
+    assert_refused(call, fragments)
 
 
 # ------------------------------------------------------------------------------------------ workloads
@@ -441,17 +390,13 @@ WORKLOAD_CASES = [
 def test_workload_fields_refused_without_loading_data(
     name: str, overrides: dict, fragments: list[str]
 ) -> None:
-    with pytest.raises(ValueError) as err:
-        check_workload(name, "tiny", overrides)
-    assert_names(str(err.value), fragments)
+    assert_refused(lambda: check_workload(name, "tiny", overrides), fragments)
     with pytest.raises(ValueError):  # the ranks refuse them too, before reading any data
         make_workload(name, "tiny", **overrides)
 
 
 def test_workload_names_and_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(TypeError) as err:
-        check_workload("gpt", "tiny", {"n_layers": 3})
-    assert_names(str(err.value), ["n_layers", "n_layer"])
+    assert_refused(lambda: check_workload("gpt", "tiny", {"n_layers": 3}), ["n_layers", "n_layer"], TypeError)
     with pytest.raises(ValueError) as err2:
         check_workload("gpt", "huge")
     assert_names(str(err2.value), ["huge", "tiny"])
@@ -470,9 +415,9 @@ def test_unreadable_data_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     (tmp_path / "shakespeare.txt").write_text("to be")
     (tmp_path / "shakespeare.txt").chmod(0)
     monkeypatch.setenv("LIONCUB_DATA", str(tmp_path))
-    with pytest.raises(PermissionError) as err:
-        check_workload("gpt", "small")
-    assert_names(str(err.value), ["shakespeare.txt", "not readable"])
+    assert_refused(
+        lambda: check_workload("gpt", "small"), ["shakespeare.txt", "not readable"], PermissionError
+    )
 
 
 # ----------------------------------------------------------------------------------------- cost model
@@ -512,20 +457,10 @@ def test_unreadable_data_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     ],
 )
 def test_costmodel_refuses(call: Callable[[], Any], fragments: list[str]) -> None:
-    with pytest.raises(ValueError) as err:
-        call()
-    assert_names(str(err.value), fragments)
+    assert_refused(call, fragments)
 
 
 # ----------------------------------------------------------------------------------------------- CLIs
-
-
-@pytest.fixture
-def run_cli(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> Callable[[list[str]], tuple[int, str]]:
-    """``lioncub ARGV`` in-process: (exit code, stderr); launching anything fails the case."""
-    return cli_runner(capsys, monkeypatch)
 
 
 def check_cli(run_cli: Callable, argv: list[str], fragments: list[str]) -> None:

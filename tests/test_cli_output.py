@@ -19,19 +19,11 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from cli_stub import cli_runner
 from lioncub import cli
 from lioncub.report import runs as rp
 from lioncub.units import parse_rate
 
 PY = sys.executable
-
-
-@pytest.fixture
-def run_cli(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> Callable[[list[str]], tuple[int, str]]:
-    return cli_runner(capsys, monkeypatch)
 
 
 # ----------------------------------------------------------------------- 1. lioncub compare's table

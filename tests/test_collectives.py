@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import types
 
 import pytest
 import torch
@@ -11,13 +10,9 @@ import torch
 from lioncub.collectives import LaneVote, QuantizedVote, ServerVote, SignSumVote, auto_lane_bits
 from lioncub.ops import packing
 from lioncub.optim import PRESETS, Checks, VoteConfig, resolve_variant
+from sim_comm import fake_comm
 
 from dist_utils import run_workers
-
-
-def fake_comm(n: int, rank: int = 0) -> types.SimpleNamespace:
-    """Enough of a Comm for constructors and wire-byte formulas (no communication happens)."""
-    return types.SimpleNamespace(world_size=n, rank=rank, device=torch.device("cpu"))
 
 
 @pytest.mark.parametrize("n, bits", [(16, 4), (4, 2), (256, 8)])

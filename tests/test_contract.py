@@ -1,5 +1,5 @@
 """LionCub keeps the ``torch.optim`` contract that training frameworks rely on (2–3 gloo ranks, against the
-plain N-worker simulation of ``test_lioncub`` and ``lioncub.Lion``):
+plain N-worker simulation of ``tests/oracles.py`` and ``lioncub.Lion``):
 
 * a parameter whose gradient is ``None`` on every rank is not touched; frozen (``requires_grad_(False)``)
   mid-run, added with ``add_param_group``, unfrozen later, and partly-missing gradients (zero votes);
@@ -20,7 +20,7 @@ import torch
 
 from lioncub.optim import Lion, LionCub
 from lioncub.optim.step_check import GradientChangedError, StepMismatchError
-from test_lioncub import ALL_PRESETS, BETAS, DENSE, local_grad, sim_vote
+from oracles import ALL_PRESETS, BETAS, DENSE, local_grad, sim_vote
 
 from dist_utils import run_workers
 

@@ -13,7 +13,6 @@ import json
 import math
 import struct
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -39,6 +38,7 @@ from lioncub.planning import costmodel as cm
 from lioncub.planning.calibrate import fit_alpha_beta
 from lioncub.report import cost as cost_report
 from profiles import examples
+from sim_comm import fake_comm
 
 PRESET_NAMES = list(PRESETS)
 NO_COMPUTE = cm.Compute()
@@ -213,11 +213,6 @@ def test_variants_without_lanes_are_always_allowed(name: str) -> None:
 
 
 # ------------------------------------------------------- model bytes = the vote classes' own counts
-
-
-def fake_comm(n: int, rank: int = 0) -> types.SimpleNamespace:
-    """What the vote classes read in ``__init__`` and ``wire_bytes``."""
-    return types.SimpleNamespace(world_size=n, rank=rank, device=torch.device("cpu"))
 
 
 CUSTOM = [

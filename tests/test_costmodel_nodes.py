@@ -1,7 +1,7 @@
 """The two-level cost model (:func:`lioncub.planning.costmodel.predict_cluster`): M nodes × L ranks, α/β of
 the node's NIC and of a rank's link inside its node, and ``lioncub cost --nnodes M --nproc-per-node L``.
 
-Bytes are checked in float64 against closed forms worked out by hand (issue 19's back-of-envelope formulas:
+Bytes are checked in float64 against closed forms worked out by hand (the back-of-envelope NIC bytes:
 flat 1-bit ``2·L·(M−1)/M · d/8`` per node, hierarchical ``2·(M−1)/M · d·b/8``, node-majority
 ``2·(M−1)/M · d/8``).
 """
@@ -11,15 +11,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from cli_stub import cli_runner
 from lioncub import transports
 from lioncub.cli import cost as cost_cli
 from lioncub.optim.config import PRESETS, VoteConfig
@@ -104,7 +103,9 @@ def test_server_root_takes_the_remote_ranks_through_its_nic() -> None:
 
 
 @pytest.mark.parametrize(("m", "ell"), [(2, 2), (2, 4), (4, 4), (3, 2), (2, 8), (8, 8)])
-def test_the_issues_formulas(m: int, ell: int) -> None:
+def test_nic_bytes_per_node_of_each_one_bit_topology(m: int, ell: int) -> None:
+    """NIC bytes per node: flat ``2·L·(M−1)/M · d/8``, hierarchical ``2·(M−1)/M · d·b/8`` (b-bit lanes),
+    node-majority ``2·(M−1)/M · d/8``."""
     d = 8 * m * ell * ell * 1000  # no padding anywhere
     flat = _p("1bit", "flat", m, ell, d=d).nic_sent
     hier = _p("1bit", "hierarchical", m, ell, d=d).nic_sent
@@ -369,18 +370,17 @@ def test_calibrate_measures_the_nic_and_the_node_separately() -> None:
     ],
 )
 def test_calibrate_node_options_are_checked(
-    argv: list[str], fragments: list[str], tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch
+    argv: list[str], fragments: list[str], tmp_path: Path, run_cli: Callable[[list[str]], tuple[int, str]]
 ) -> None:
-    run = cli_runner(capsys, monkeypatch)
-    rc, err = run(["calibrate", "--out", str(tmp_path / "c.json"), *argv])
+    rc, err = run_cli(["calibrate", "--out", str(tmp_path / "c.json"), *argv])
     assert rc == 2, (rc, err)
     assert all(f in err for f in fragments), err
 
 
 def test_calibrate_on_nodes_reaches_the_launcher_and_refuses_layout_options_inside_a_job(
-    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, run_cli: Callable[[list[str]], tuple[int, str]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    run = cli_runner(capsys, monkeypatch)
+    run = run_cli
     argv = ["calibrate", "--out", str(tmp_path / "c.json"), "--nnodes", "2", "--nproc-per-node", "2"]
     assert run([*argv, "--link", "1gbit"])[0] == -1  # valid: it would launch 2 emulated nodes
     monkeypatch.setenv("RANK", "0")
@@ -389,19 +389,8 @@ def test_calibrate_on_nodes_reaches_the_launcher_and_refuses_layout_options_insi
     assert rc == 2 and "--nnodes, --nproc-per-node: start a job from outside one" in err
 
 
-def _netns_usable() -> bool:
-    from lioncub.launch import netns
-
-    try:
-        netns.list_netns()
-    except netns.NetnsError:
-        return False
-    return os.geteuid() == 0
-
-
 @pytest.mark.slow
 @pytest.mark.root
-@pytest.mark.skipif(not _netns_usable(), reason="needs root for network namespaces")
 def test_calibrate_two_emulated_nodes_measures_the_nic_rate(tmp_path: Path) -> None:
     """`lioncub calibrate --nnodes 2 --nproc-per-node 2 --link 1gbit`: the NIC's fitted payload rate is the
     shaped rate (both ranks of a node share it), the node's loopback is far faster."""

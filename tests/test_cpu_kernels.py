@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kernel_steps import counted_calls
 from lioncub.collectives.formats import sign_int8
 from lioncub.ops import kernels, native, packing
 from lioncub.ops.update import apply_update_converting_, update_momentum_
@@ -526,17 +527,7 @@ def worker_fused_presets(rank: int, world: int, presets: list[str], dtype: torch
     """6 steps of every preset (two param groups, maximize in one, a missing gradient, exact zeros, a NaN
     on one rank that skips step 4 on every rank);
     returns parameters and momenta per preset and which fused kernels the steps called."""
-    calls: dict[str, int] = {}
-    names = NATIVE_STEP_CALLS
-    originals = {name: getattr(native, name) for name in names}
-    for name, original in originals.items():
-
-        def counted(*args, _name=name, _original=original, **kwargs):
-            calls[_name] = calls.get(_name, 0) + 1
-            return _original(*args, **kwargs)
-
-        setattr(native, name, counted)
-    try:
+    with counted_calls(native, NATIVE_STEP_CALLS) as calls:
         out: dict = {}
         for preset in presets:
             gen = torch.Generator().manual_seed(7)
@@ -570,11 +561,8 @@ def worker_fused_presets(rank: int, world: int, presets: list[str], dtype: torch
             assert opt.comm_stats()["total"]["skipped_steps"] == 1
             moms = [opt.state[p]["exp_avg"].clone() for p in params]
             out[preset] = [p.detach().clone() for p in params] + moms
-        out["calls"] = calls
-        return out
-    finally:
-        for name, original in originals.items():
-            setattr(native, name, original)
+    out["calls"] = calls
+    return out
 
 
 @pytest.mark.slow
@@ -602,7 +590,7 @@ def test_lioncub_presets_fused_equal_the_torch_path(monkeypatch, world: int, dty
 def test_torch_path_matches_the_simulation(monkeypatch) -> None:
     """The fallback (``LIONCUB_CPU_KERNELS=0``) still agrees with the N-worker simulation (the fused path
     is what tests/test_lioncub.py runs by default)."""
-    from test_lioncub import ALL_PRESETS, simulate, worker_run_presets
+    from oracles import ALL_PRESETS, simulate, worker_run_presets
 
     monkeypatch.setenv("LIONCUB_CPU_KERNELS", "0")
     results = run_workers(worker_run_presets, 3, ALL_PRESETS, 0.0008, timeout=240)

@@ -94,7 +94,7 @@ def test_diagnostics_on_real_ranks_match_the_recomputation() -> None:
     assert 0.5 < diag["overall"]["match"] < 1.0  # 3 workers with independent gradients: mostly agree
 
 
-def test_diagnostics_off_issue_no_collective_and_on_are_not_charged_to_the_step() -> None:
+def test_diagnostics_add_no_collective_when_off_and_are_not_charged_to_the_step_when_on() -> None:
     off, on = run_workers(worker_diag, 2, 0)[0], run_workers(worker_diag, 2, 2)[0]
     # layout check + initial broadcast + 2 steps × (non-finite check + all-to-all + all-gather);
     # diagnostics add 3 allreduces on step 2

@@ -1,23 +1,21 @@
 """Exact half-way inputs: the normalised quantizers compute ``round((x / M) · (s / k))``, as the authors'
-code, in every backend (issue 20).
+code, in every backend (round half to even, never a precomputed float32 scale).
 
 A level ``(x / M) · (s / k)`` that lies exactly half-way between two integers must round to the even one.
 Scaling by a precomputed ``float32(s / (k·M))`` instead lands a hair above or below such points and
 rounds them either way: every 1-element tensor with an odd level budget s and k = 2 (x / M = ±1, level
 ±s/2; s = 63, 31, 15 for 2, 4, 8 workers at 8 bits) got a level off by one in 12-15 % of cases.
 
-The inputs here are built so that M = μ·2^p (μ a small odd integer) is known in advance and ``x / M``
-is a dyadic ratio with few bits: the exact level is computed in float64 without rounding, and every
+The inputs (``tests/halfway_cases.py``) are built so that M = μ·2^p (μ a small odd integer) is known in
+advance and ``x / M`` is a dyadic ratio with few bits: the exact level is computed in float64, and every
 backend (the numpy CPU path, the torch path that CUDA runs, ``lioncub.ops.kernels.quantize_l1``'s torch
 backend; the Triton kernel in ``tests/kernels_interp.py``, case ``quantize_l1_halfway``) must give it bit
 for bit. Then the vote (simulated ranks) and ``LionCub`` on two gloo ranks with a scalar parameter (the
-issue's minimal example).
+minimal example, ``MINIMAL``).
 """
 
 from __future__ import annotations
 
-import math
-from typing import NamedTuple
 from unittest import mock
 
 import numpy as np
@@ -25,120 +23,18 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from halfway_cases import BUDGETS, FLOATS, MINIMAL, Case, halfway_cases, level_budget
 from lioncub.collectives import QuantizedVote
 from lioncub.ops import kernels
 from lioncub.ops import quantize as Q
 from profiles import examples
+from sim_comm import run_vote
 
 from dist_utils import run_workers
-
-FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-#: significand bits of each dtype (a dyadic ratio o / 2^E with o < 2^bits is exact)
-BITS = {torch.float32: 24, torch.bfloat16: 8, torch.float16: 11, torch.float64: 53}
-#: exponents p of M = μ·2^p (narrowed per case: every value normal, every sum finite)
-EXPONENTS = {
-    torch.float32: (-100, 100),
-    torch.bfloat16: (-100, 100),
-    torch.float16: (-14, 15),
-    torch.float64: (-900, 900),
-}
-
-
-#: the level budgets of 2/4/8-bit votes for 1..16 workers (odd, even, powers of two), and a few more
-def _budget(n: int, bits: int) -> int:
-    """The level budget of a quantized vote (0: none)."""
-    try:
-        return Q.level_budget(n, bits, "signed" if bits == 8 else "offset")
-    except ValueError:
-        return 0
-
-
-BUDGETS = sorted(
-    {_budget(n, bits) for n in range(1, 17) for bits in (2, 4, 8)} - {0} | {255, 1000, 3000, 32767}
-)
-#: the issue's minimal example: 8bit, N = 2 (s = 63), a scalar parameter, c = (+0.8797774, −0.3)
-MINIMAL = (0.8797774, -0.3)
 
 
 def settings_for(count: int) -> settings:
     return settings(max_examples=examples(count), deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-def halfway_exponent(s: int, k: float) -> int:
-    """E such that the ratios ``x / M = o / 2^E`` (o odd) are exactly the half-way points of
-    ``(x / M) · (s / k)`` for k ∈ {1, 2}: with ``s = 2^a·b`` (b odd), E = a − log2(k) + 1 and the level
-    is ``o·b/2``."""
-    a = (s & -s).bit_length() - 1
-    return a - int(math.log2(k)) + 1
-
-
-class Case(NamedTuple):
-    x: torch.Tensor  #: the input, ``chunks · chunk`` elements
-    chunk: int  #: elements per normalised group (each group has its own M)
-    s: int
-    k: float
-    want: np.ndarray  #: the exact levels (int64)
-    halfway: np.ndarray  #: bool: the entries whose exact level is half-way and inside (−s, s)
-
-
-def _exact(ratios: np.ndarray, s: int, k: float) -> tuple[np.ndarray, np.ndarray]:
-    """Exact levels of the signed ratios ``x / M`` (float64, exact: few-bit dyadic ratios and s / k)."""
-    t = ratios * (s / k)
-    frac = np.abs(t - np.trunc(t))
-    return np.clip(np.rint(t), -s, s).astype(np.int64), (frac == 0.5) & (np.abs(t) < s)
-
-
-@st.composite
-def halfway_cases(draw, name: str = "l1", dtypes=FLOATS) -> Case:
-    """Groups of ``chunk`` values with a normaliser M = μ·2^p (μ odd) and many entries at exact half-way
-    ratios. L1: pairs of ratios (r, 2 − r) around 1 (mean |x| = M exactly); L∞: ratios ≤ 1 and one 1;
-    Lp and L0: equal magnitudes (the only inputs whose M is exact for them)."""
-    dtype = draw(st.sampled_from(dtypes))
-    k = draw(st.sampled_from([2.0, 1.0]))
-    s = draw(st.sampled_from(BUDGETS))
-    e = halfway_exponent(s, k)
-    assume(e + 1 <= BITS[dtype] and e <= 20)
-    if name in ("lp", "l0"):  # equal magnitudes: a half-way level needs s / k = j + 1/2
-        assume(e == 0)
-    pairs = draw(st.integers(1, 12))
-    chunk = 2 * pairs
-    lo, hi = EXPONENTS[dtype]
-    values, ratios = [], []
-    # M = μ·2^p with μ odd: s / (k·M) is then (in general) no float32, which is what the issue is about;
-    # μ small enough that every value, and every partial sum of the L1 mean, is exact in the dtype
-    sums = chunk.bit_length() if name == "l1" else 0
-    others = name == "l1" and BITS[dtype] - 8 - sums >= 1  # ratios q/128 (8 bits) besides o/2^E
-    spare = BITS[dtype] - max(e + 1, 8 if others else 0) - sums
-    assume(spare >= 1)
-    for _ in range(draw(st.integers(1, 3))):
-        mu = 2 * draw(st.integers(0, (1 << min(spare, 12)) // 2 - 1)) + 1
-        # every value r·M (r >= 2^-E, or 1/128) normal, and 2·M·chunk (the L1 sum) finite
-        info = torch.finfo(dtype)
-        low = max(lo, math.ceil(math.log2(info.tiny)) + max(e, 7 if others else 0))
-        high = min(hi, math.floor(math.log2(info.max)) - 1 - mu.bit_length() - chunk.bit_length())
-        assume(low <= high)
-        m = mu * 2.0 ** draw(st.integers(low, high))
-        if name == "l1":
-            odd = st.integers(0, (1 << e) - 1).map(lambda i: 2 * i + 1)  # o / 2^E in (0, 2)
-            other = st.integers(1, 255).map(lambda q: q / 128)  # not half-way (in general)
-            ratio = odd.map(lambda o: o / 2**e) | other if others else odd.map(lambda o: o / 2**e)
-            rs = draw(st.lists(ratio, min_size=pairs, max_size=pairs))
-            group = [v for r in rs for v in (r, 2.0 - r)]
-        elif name == "linf":
-            odd = st.integers(0, max(1, (1 << e) // 2) - 1).map(lambda i: (2 * i + 1) / 2**e)  # <= 1
-            group = [1.0, *draw(st.lists(odd, min_size=chunk - 1, max_size=chunk - 1))]
-        else:
-            group = [1.0] * chunk
-        group = np.array(group)
-        signs = np.where(np.array(draw(st.lists(st.booleans(), min_size=chunk, max_size=chunk))), -1.0, 1.0)
-        order = np.random.default_rng(draw(st.integers(0, 2**16))).permutation(chunk)
-        r = (signs * group)[order]
-        ratios.append(r)
-        values.append(r * m)
-    x = torch.from_numpy(np.concatenate(values)).to(dtype)
-    assert np.array_equal(x.double().numpy(), np.concatenate(values)), "the values must be exact"
-    want, halfway = _exact(np.concatenate(ratios), s, k)
-    return Case(x, chunk, s, k, want, halfway)
 
 
 def backends(case: Case, name: str, **options) -> dict[str, torch.Tensor]:
@@ -176,7 +72,7 @@ def assert_levels(case: Case, got: dict[str, torch.Tensor]) -> None:
 
 
 def test_the_minimal_example() -> None:
-    """Issue 20: 8bit, N = 2 (s = 63): each scalar lands on ±31.5 and rounds to the even ±32."""
+    """8bit, N = 2 (s = 63): each scalar lands on ±31.5 and rounds to the even ±32."""
     for dtype in FLOATS:
         x = torch.tensor(MINIMAL, dtype=dtype)
         assert Q.quantize_l1(x, 63, chunk_size=1).tolist() == [32, -32]
@@ -246,8 +142,6 @@ def test_scalar_groups_land_on_s_over_k(dtype, name, s, values) -> None:
 
 def _vote(values: list[float], bits: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The quantized L1 vote of N simulated ranks, each holding one vector of scalar parameters."""
-    from test_fuzz import run_vote  # the simulated ranks of the fuzz tests (SimComm)
-
     locals_ = [torch.tensor(v, dtype=dtype).reshape(-1) for v in values]
     segments = [1] * locals_[0].numel()
     return run_vote(lambda comm: QuantizedVote(comm, "l1", bits), locals_, step=1, segments=segments)[0]
@@ -263,7 +157,7 @@ def test_the_minimal_example_through_the_vote() -> None:
 def test_scalar_parameters_vote_the_majority_of_signs(n: int, bits: int, d: int, data) -> None:
     """Every rank's scalar lands on ±round(s/2): the vote is the sign of the sum of the signs (0 on a
     tie), whatever the magnitudes (and 0 where round(s/2) is 0)."""
-    assume(_budget(n, bits) > 0)
+    assume(level_budget(n, bits) > 0)
     dtype = data.draw(st.sampled_from(FLOATS[:3]))
     info = torch.finfo(dtype)
     floats = st.floats(info.tiny, info.max) | st.floats(0.5, 2.0)  # normal: nonzero and finite in dtype
@@ -272,7 +166,7 @@ def test_scalar_parameters_vote_the_majority_of_signs(n: int, bits: int, d: int,
     values = [
         [-m if neg else m for m, neg in zip(ms, ss, strict=True)] for ms, ss in zip(mags, signs, strict=True)
     ]
-    level = np.rint(_budget(n, bits) / 2)  # s = 1 (e.g. 4 bits, 4 workers): 0.5 rounds to 0, no vote
+    level = np.rint(level_budget(n, bits) / 2)  # s = 1 (e.g. 4 bits, 4 workers): 0.5 rounds to 0, no vote
     want = np.sign(level * np.sign(np.array(values)).sum(0)).astype(np.int8)
     got = _vote(values, bits, dtype)
     assert got.tolist() == want.tolist(), f"N={n} bits={bits}: {got.tolist()} for {values}"
@@ -294,7 +188,7 @@ def worker_scalar_parameter(rank: int, world: int, variant: str) -> list[torch.T
 
 
 def test_lioncub_scalar_parameter_on_two_ranks() -> None:
-    """The issue's minimal example end to end: 8bit, 2 gloo ranks, a scalar parameter with
+    """The minimal example end to end: 8bit, 2 gloo ranks, a scalar parameter with
     c = (+0.8797774, −0.3): levels (32, −32), u = 0, the parameter stays (it moved by −lr before)."""
     results = run_workers(worker_scalar_parameter, 2, "8bit")
     for scalar, vector in results:

@@ -1,5 +1,5 @@
 """Votes laid over nodes (``VoteConfig.topology``, :mod:`lioncub.collectives.hierarchical`) on real gloo
-ranks in an ``(M, L)`` device mesh, against the plain N-worker simulation of ``test_lioncub``:
+ranks in an ``(M, L)`` device mesh, against the plain N-worker simulation (``tests/oracles.py``):
 
 * ``hierarchical`` is bitwise the flat vote for every voting preset, at 2×2, 2×3 and 3×2;
 * ``node-majority`` (1bit) is its own estimator: each node's majority with the tie rule, then the
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lioncub.optim import resolve_variant
-from test_lioncub import simulate, worker_run_presets
+from oracles import node_majority_oracle, simulate, worker_run_presets
 
 from dist_utils import run_workers
 
@@ -33,20 +33,6 @@ def test_hierarchical_is_bitwise_the_flat_vote(nodes: int, per_node: int) -> Non
             assert results[rank][preset]["vote"] == "HierarchicalVote"
             for i, (g, w) in enumerate(zip(results[rank][preset]["params"], want, strict=True)):
                 assert torch.equal(g, w), f"{preset} {nodes}x{per_node}: rank {rank} parameter {i} differs"
-
-
-def node_majority_oracle(nodes: int) -> object:
-    def vote(preset: str, cs: list[torch.Tensor], step: int, n: int) -> torch.Tensor:
-        per_node, tie = n // nodes, 1 if step % 2 == 1 else -1
-        node_votes = []
-        for j in range(nodes):
-            plus = sum((c >= 0).to(torch.int64) for c in cs[j * per_node : (j + 1) * per_node])
-            margin = 2 * plus - per_node
-            node_votes.append(torch.where(margin == 0, tie, torch.sign(margin)))
-        margin = 2 * sum((v > 0).to(torch.int64) for v in node_votes) - nodes
-        return torch.where(margin == 0, tie, torch.sign(margin)).to(torch.float64)
-
-    return vote
 
 
 @pytest.mark.slow

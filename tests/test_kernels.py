@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import background
+from kernel_steps import worker_lioncub_kernels
 from lioncub.ops import kernels, native, packing, quantize
 from lioncub.optim.lion import apply_update_, update_momentum_
 
@@ -48,7 +49,7 @@ _LIONCUB_INTERP = """
 import sys
 sys.path.insert(0, {tests!r})
 from dist_utils import run_workers
-from test_kernels import worker_lioncub_kernels
+from kernel_steps import worker_lioncub_kernels
 run_workers(worker_lioncub_kernels, 2, {presets!r}, {out!r}, timeout=200, fresh=True)
 """
 KERNEL_STEP_PRESETS = ["1bit", "8bit", "8bit-sign"]
@@ -209,49 +210,6 @@ def test_gpu_check_without_cuda_says_so():
 
 
 # -- LionCub with the kernels in its step (what a CUDA run takes), against the plain torch step --------
-
-
-def worker_lioncub_kernels(rank: int, world: int, presets: list[str], out: str | None) -> dict:
-    """3 steps of every preset on two fp32 tensors with rank-dependent gradients; counts the kernel calls
-    the step made (under ``TRITON_INTERPRET=1`` the kernels take CPU tensors, as they take CUDA ones)."""
-    calls: dict[str, int] = {}
-    originals = {name: getattr(kernels, name) for name in ("majority_pack", "quantize_l1", "apply_votes_")}
-    for name, original in originals.items():
-
-        def counted(*args, _name=name, _original=original, **kwargs):
-            calls[_name] = calls.get(_name, 0) + 1
-            return _original(*args, **kwargs)
-
-        setattr(kernels, name, counted)
-    try:
-        return _kernel_steps(rank, presets, out, calls)
-    finally:  # the rank may be a pooled worker (tests/dist_utils.py) that runs other tests afterwards
-        for name, original in originals.items():
-            setattr(kernels, name, original)
-
-
-def _kernel_steps(rank: int, presets: list[str], out: str | None, calls: dict[str, int]) -> dict:
-    from lioncub.optim import LionCub
-
-    results = {}
-    for preset in presets:
-        torch.manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(37, 11)), torch.nn.Parameter(torch.randn(5))]
-        opt = LionCub(params, lr=0.01, weight_decay=0.1, variant=preset)
-        for step in range(1, 4):
-            g = torch.Generator().manual_seed(100 * step + rank)
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=g)
-            opt.step()
-        results[preset] = {
-            "params": [p.detach().clone() for p in params],
-            "momenta": [opt.state[p]["exp_avg"].clone() for p in params],
-        }
-    results["calls"] = calls
-    results["backend"] = kernels.backend_for(torch.zeros(1))
-    if out is not None and rank == 0:
-        torch.save(results, out)
-    return results
 
 
 @pytest.mark.slow

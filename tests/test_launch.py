@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
 import re
 import signal
 import subprocess
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from emulated_network import assert_nothing_left, tcp_payload
 from lioncub.cli import launch as launch_cli
 from lioncub.launch import (
     EmulatedNetwork,
@@ -348,22 +348,6 @@ def test_sigint_is_forwarded_to_the_ranks(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------- emulated network
 
 
-def _netns_usable() -> bool:
-    if os.geteuid() != 0:
-        return False
-    try:
-        check_privileges()
-        netns.list_netns()
-    except netns.NetnsError:
-        return False
-    return True
-
-
-needs_root = pytest.mark.skipif(not _netns_usable(), reason="needs root for network namespaces")
-
-#: Ethernet (14) + IPv4 (20) + TCP with timestamps (32) bytes of header per frame
-FRAME_HEADER_BYTES = 66
-
 TIMED_ALLREDUCE = """
 import datetime, time, torch, torch.distributed as dist
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -383,15 +367,6 @@ dist.destroy_process_group()
 """
 
 
-def _assert_nothing_left(launch_id: str) -> None:
-    assert not [ns for ns in netns.list_netns() if ns.startswith(launch_id)]
-    for cmd in (["ip", "-o", "link", "show"], ["tc", "qdisc", "show"]):  # nothing ever in the root namespace
-        assert launch_id not in subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    assert not (netns.state_dir() / f"{launch_id}.json").exists()
-    assert not list(Path("/etc/netns").glob(f"{launch_id}*"))
-
-
-@needs_root
 @pytest.mark.root
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 4])
@@ -412,12 +387,12 @@ def test_allreduce_over_100mbit_links_matches_bandwidth(nproc: int) -> None:
     # bytes on the wire: 4 allreduces of 4 MB, plus small barriers and rendezvous traffic
     assert result.traffic is not None and len(result.traffic) == nproc
     for t in result.traffic:  # TCP payload: the frames' bytes less their headers
-        tx_payload = t.tx_bytes - FRAME_HEADER_BYTES * t.tx_packets
-        rx_payload = t.rx_bytes - FRAME_HEADER_BYTES * t.rx_packets
+        tx_payload = tcp_payload(t.tx_bytes, t.tx_packets)
+        rx_payload = tcp_payload(t.rx_bytes, t.rx_packets)
         assert 4 * wire_bytes <= tx_payload <= 1.01 * 4 * wire_bytes + 300e3, t
         assert 4 * wire_bytes <= rx_payload <= 1.01 * 4 * wire_bytes + 300e3, t
     assert "hostname of the client socket" not in err  # /etc/netns/<ns>/hosts silences the c10d warning
-    _assert_nothing_left(result.launch_id)
+    assert_nothing_left(result.launch_id)
 
 
 ONE_BIT_STEPS = """
@@ -437,7 +412,6 @@ dist.destroy_process_group()
 """
 
 
-@needs_root
 @pytest.mark.root
 @pytest.mark.slow
 def test_interface_counters_agree_with_the_optimizers_accounting() -> None:
@@ -454,18 +428,17 @@ def test_interface_counters_agree_with_the_optimizers_accounting() -> None:
         m = re.search(rf"\[r{t.rank}\] ACCOUNTED sent=(\d+) recv=(\d+)", out)
         assert m is not None, out
         sent, recv = int(m.group(1)), int(m.group(2))
-        assert sent == recv == pytest.approx(expected, abs=8 * nproc)  # the formula of the issue
+        assert sent == recv == pytest.approx(expected, abs=8 * nproc)  # the 1-bit wire bytes above
         # the interface's TCP payload: L2 bytes minus the headers of every frame (data and ACKs alike)
-        tx_payload = t.tx_bytes - FRAME_HEADER_BYTES * t.tx_packets
-        rx_payload = t.rx_bytes - FRAME_HEADER_BYTES * t.rx_packets
+        tx_payload = tcp_payload(t.tx_bytes, t.tx_packets)
+        rx_payload = tcp_payload(t.rx_bytes, t.rx_packets)
         print(f"rank {t.rank}: accounted {sent} B, interface payload tx {tx_payload} rx {rx_payload} B")
         assert tx_payload == pytest.approx(sent, rel=0.05)  # rendezvous, gloo headers: well under 5 %
         assert rx_payload == pytest.approx(recv, rel=0.05)
         assert tx_payload >= sent and rx_payload >= recv
-    _assert_nothing_left(result.launch_id)
+    assert_nothing_left(result.launch_id)
 
 
-@needs_root
 @pytest.mark.root
 def test_rank_failure_under_link_tears_down_the_network() -> None:
     code = "import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit(3)\ntime.sleep(60)"
@@ -473,10 +446,9 @@ def test_rank_failure_under_link_tears_down_the_network() -> None:
     assert (result.returncode, result.failed_rank) == (3, 1), err
     assert result.wall_s < 15
     assert result.rank_returncodes == [-signal.SIGTERM, 3, -signal.SIGTERM]
-    _assert_nothing_left(result.launch_id)
+    assert_nothing_left(result.launch_id)
 
 
-@needs_root
 @pytest.mark.root
 def test_cleanup_removes_leftovers_of_dead_launchers_only() -> None:
     import atexit
@@ -501,7 +473,7 @@ def test_cleanup_removes_leftovers_of_dead_launchers_only() -> None:
         assert live.launch_id in report.live
         assert orphan in report.orphans and orphan in netns.list_netns()  # only `--cleanup --all` removes it
         assert straggler.wait(timeout=5) == -signal.SIGKILL
-        _assert_nothing_left(leftover.launch_id)
+        assert_nothing_left(leftover.launch_id)
         assert set(live.namespaces) <= set(netns.list_netns())
     finally:
         if straggler is not None and straggler.poll() is None:
@@ -509,4 +481,4 @@ def test_cleanup_removes_leftovers_of_dead_launchers_only() -> None:
         live.close()
         leftover.close()
         subprocess.run(["ip", "netns", "del", orphan], check=False)
-    _assert_nothing_left(live.launch_id)
+    assert_nothing_left(live.launch_id)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import background
+from emulated_network import assert_nothing_left, netns_usable, tcp_payload
 from lioncub.cli import launch as launch_cli
 from lioncub.cli import train as train_cli
 from lioncub.cli.options import config_from_args
@@ -25,9 +26,7 @@ from lioncub.launch import (
     EmulatedNetwork,
     LaunchConfig,
     LinkSpec,
-    check_privileges,
     launch,
-    netns,
     node_env,
     torchrun_command,
 )
@@ -211,30 +210,6 @@ def test_train_node_options_are_checked(argv: list[str], message: str) -> None:
 # ------------------------------------------------------------------------------- emulated network
 
 
-def _netns_usable() -> bool:
-    try:
-        check_privileges()
-        netns.list_netns()
-    except netns.NetnsError:
-        return False
-    return True
-
-
-needs_root = pytest.mark.skipif(not _netns_usable(), reason="needs root for network namespaces")
-
-#: Ethernet (14) + IPv4 (20) + TCP with timestamps (32) bytes of header per frame
-FRAME_HEADER_BYTES = 66
-
-
-def _assert_nothing_left(launch_id: str) -> None:
-    assert not [ns for ns in netns.list_netns() if ns.startswith(launch_id)]
-    for cmd in (["ip", "-o", "link", "show"], ["tc", "qdisc", "show"]):  # nothing ever in the root namespace
-        assert launch_id not in subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    assert not (netns.state_dir() / f"{launch_id}.json").exists()
-    assert not list(Path("/etc/netns").glob(f"{launch_id}*"))
-
-
-@needs_root
 @pytest.mark.root
 def test_node_network_shapes_each_nic_and_the_loopback_inside() -> None:
     net = EmulatedNetwork(2, LinkSpec(1e8), nodes=True, intra_link=LinkSpec(2e9)).up()
@@ -251,7 +226,7 @@ def test_node_network_shapes_each_nic_and_the_loopback_inside() -> None:
         assert len(net.loopback_counters()) == len(net.counters()) == 2
     finally:
         net.close()
-    _assert_nothing_left(net.launch_id)
+    assert_nothing_left(net.launch_id)
 
 
 NODE_STEPS = """
@@ -328,7 +303,7 @@ dist.destroy_process_group()
 def payload(counts: list[int]) -> tuple[int, int]:
     """(tx, rx) TCP payload of NODE_STEPS' counter deltas: the frames' bytes less their headers."""
     tx, rx, tx_frames, rx_frames, _ = counts
-    return tx - FRAME_HEADER_BYTES * tx_frames, rx - FRAME_HEADER_BYTES * rx_frames
+    return tcp_payload(tx, tx_frames), tcp_payload(rx, rx_frames)
 
 
 def less_idle(record: dict, name: str) -> tuple[float, float]:
@@ -338,7 +313,6 @@ def less_idle(record: dict, name: str) -> tuple[float, float]:
     return busy[0] - scale * idle[0], busy[1] - scale * idle[1]
 
 
-@needs_root
 @pytest.mark.root
 @pytest.mark.slow
 def test_two_nodes_of_two_ranks_wire_bytes_match_the_node_nic() -> None:
@@ -392,10 +366,9 @@ def test_two_nodes_of_two_ranks_wire_bytes_match_the_node_nic() -> None:
         assert nic_rx - again_in == pytest.approx(remote, rel=0.01)  # the NIC is symmetric here
         assert lo_tx - again_lo == pytest.approx(local, rel=0.01)
         assert result.node_traffic[node].tx_bytes >= r0["delta"][nic][0]  # the launcher's: the whole run
-    _assert_nothing_left(result.launch_id)
+    assert_nothing_left(result.launch_id)
 
 
-@needs_root
 @pytest.mark.root
 @pytest.mark.slow
 def test_a_failed_rank_on_a_node_is_named_and_every_node_stops() -> None:
@@ -407,7 +380,7 @@ def test_a_failed_rank_on_a_node_is_named_and_every_node_stops() -> None:
     assert result.message == "rank 3 (node 1, local rank 1) exited with code 3"
     assert "[lioncub] rank 3 (node 1, local rank 1) exited with code 3; stopping node 0" in err.getvalue()
     assert result.rank_returncodes[3] == 3 and result.wall_s < 40  # rank 0..2 sleep 60 s: they were stopped
-    _assert_nothing_left(result.launch_id)
+    assert_nothing_left(result.launch_id)
 
 
 def _train_on_two_nodes(workdir: Path) -> list[str]:
@@ -420,11 +393,10 @@ def _train_on_two_nodes(workdir: Path) -> list[str]:
 #: subprocess.run(command, capture_output=True, text=True, timeout=180), started in the background when
 #: collection ends (tests/background.py); nothing to run without root
 BACKGROUND = {
-    "train_on_two_nodes": lambda: background.Subprocess(_train_on_two_nodes, 180) if _netns_usable() else None
+    "train_on_two_nodes": lambda: background.Subprocess(_train_on_two_nodes, 180) if netns_usable() else None
 }
 
 
-@needs_root
 @pytest.mark.root
 @pytest.mark.slow
 @pytest.mark.background("train_on_two_nodes")

@@ -184,13 +184,13 @@ def test_nonfinite_on_one_rank_and_bad_option() -> None:
 # ------------------------------------------------------------------------------------------ a rank dies
 
 PG_TIMEOUT_S = 4.0  # what the stalled case waits for: short, but well above a step's few ms
+FAULTS = ("kill", "stall")
 
 
-def _die_or_stall(rank: int, world_size: int, store: str, how: str, out: str) -> None:
+def _die_or_stall(rank: int, world_size: int, workdir: Path, how: str) -> None:
     """Rank 1 dies (SIGKILL) or stalls at step 3; the others must fail in a bounded time, naming the
-    operation and the step. Writes ``{"error", "elapsed"}`` of this rank to ``out``."""
+    operation and the step. Writes ``{"error", "elapsed"}`` of this rank to ``workdir/rank{rank}.json``."""
     import datetime
-    import json
     import os
     import signal
     import time
@@ -205,7 +205,7 @@ def _die_or_stall(rank: int, world_size: int, store: str, how: str, out: str) ->
     os.environ["LIONCUB_PG_TIMEOUT"] = str(PG_TIMEOUT_S)
     timeout = datetime.timedelta(seconds=120)
     dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=timeout
+        "gloo", init_method=f"file://{workdir / 'store'}", rank=rank, world_size=world_size, timeout=timeout
     )
     params = _params()
     opt = LionCub(params, lr=0.01, variant="1bit")
@@ -221,42 +221,26 @@ def _die_or_stall(rank: int, world_size: int, store: str, how: str, out: str) ->
             t0 = time.monotonic()
             opt.step()
     except CollectiveError as err:
-        with open(out, "w") as f:
-            json.dump({"error": str(err), "elapsed": time.monotonic() - t0}, f)
+        (workdir / f"rank{rank}.json").write_text(
+            json.dumps({"error": str(err), "elapsed": time.monotonic() - t0})
+        )
         os._exit(3)
     os._exit(0)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["kill", "stall"])
-def test_a_dead_or_stalled_rank_makes_the_others_fail_within_the_timeout(how: str, tmp_path) -> None:
-    import json
-    import multiprocessing as mp
-    import time
-
-    ctx = mp.get_context("spawn")
-    outs = [tmp_path / f"rank{r}.json" for r in range(3)]
-    procs = [
-        ctx.Process(target=_die_or_stall, args=(r, 3, str(tmp_path / "store"), how, str(outs[r])))
-        for r in range(3)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        deadline = time.monotonic() + 90.0  # spawning and importing torch included
-        for r in (0, 2):
-            procs[r].join(max(0.0, deadline - time.monotonic()))
-            assert procs[r].exitcode == 3, f"rank {r} did not fail (exit code {procs[r].exitcode})"
-            report = json.loads(outs[r].read_text())
-            assert report["elapsed"] < PG_TIMEOUT_S + 5.0, report  # bounded by the group's timeout
-            if how == "stall":  # nothing tells the others but the timeout
-                assert report["elapsed"] > PG_TIMEOUT_S - 1.0, report
-            # the first collective of step 3 is the non-finite check; the error names it and the step
-            assert report["error"].startswith(f"rank {r}/3: step check failed at optimizer step 3")
-    finally:
-        for p in procs:
-            p.kill()
-            p.join(5)
+@pytest.mark.parametrize("how", [pytest.param(h, marks=pytest.mark.background(f"rank_{h}")) for h in FAULTS])
+def test_a_dead_or_stalled_rank_makes_the_others_fail_within_the_timeout(how: str) -> None:
+    key = f"rank_{how}"
+    codes = background.result(key, BACKGROUND[key])
+    for r in (0, 2):
+        assert codes[r] == 3, f"rank {r} did not fail (exit code {codes[r]})"
+        report = json.loads((background.workdir(key) / f"rank{r}.json").read_text())
+        assert report["elapsed"] < PG_TIMEOUT_S + 5.0, report  # bounded by the group's timeout
+        if how == "stall":  # nothing tells the others but the timeout
+            assert report["elapsed"] > PG_TIMEOUT_S - 1.0, report
+        # the first collective of step 3 is the non-finite check; the error names it and the step
+        assert report["error"].startswith(f"rank {r}/3: step check failed at optimizer step 3")
 
 
 # ------------------------------------------------------------------------------ checkpoints and restarts
@@ -380,12 +364,17 @@ def _torchrun_cmd(workdir: Path) -> list[str]:
     return [*cmd, "--max-restarts", "1", "-m", "lioncub.cli", *TINY, "--out", str(workdir / "torchrun")]
 
 
-#: the torchrun job (subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)) starts in the
-#: background when collection ends (tests/background.py); ranks: torchrun's
+#: started in the background when collection ends (tests/background.py), in the order of the tests: 3 spawned
+#: ranks of _die_or_stall per fault (the test waits for ranks 0 and 2; spawning and importing torch included
+#: in the 90 s), and the torchrun job (ranks: torchrun's)
 BACKGROUND = {
+    **{
+        f"rank_{how}": lambda how=how: background.Spawned(_die_or_stall, 3, (how,), 90.0, wait_for=(0, 2))
+        for how in FAULTS
+    },
     "torchrun_kill": lambda: background.Subprocess(
         _torchrun_cmd, 300, {**os.environ, "LIONCUB_FAULT_KILL": "1:5", "OMP_NUM_THREADS": "1"}
-    )
+    ),
 }
 
 

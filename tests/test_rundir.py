@@ -17,16 +17,9 @@ from pathlib import Path
 import pytest
 
 import background
-from cli_stub import cli_runner
 from lioncub.train.rundir import MARKER, check_out_path, claim, foreign_entries, is_marked, remove_owned
 
 THESIS = b"irreplaceable\n"
-
-
-@pytest.fixture
-def run_cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Callable:
-    """``lioncub ARGV`` in-process: (exit code, stderr); -1 if it reached the launcher."""
-    return cli_runner(capsys, monkeypatch)
 
 
 def snapshot(root: Path) -> dict[str, bytes]:

@@ -1,6 +1,6 @@
 """The vote rules of benchmarks/scale_sim.py (N workers simulated in one process) against the plain
-simulations the optimizer is tested with: ``sim_vote`` of test_lioncub (flat 1-bit with the tie rule,
-8bit L1, dlion-avg) and ``node_majority_oracle`` of test_hierarchical."""
+simulations the optimizer is tested with (``tests/oracles.py``): ``sim_vote`` (flat 1-bit with the tie rule,
+8bit L1, dlion-avg) and ``node_majority_oracle``."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_hierarchical import node_majority_oracle
-from test_lioncub import sim_vote
+from oracles import node_majority_oracle, sim_vote
 
 _spec = importlib.util.spec_from_file_location(
     "scale_sim", Path(__file__).resolve().parents[1] / "benchmarks" / "scale_sim.py"

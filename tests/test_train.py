@@ -283,10 +283,11 @@ def test_resume_refuses_another_world_size_or_variant(
     assert json.loads((out / "summary.json").read_text())["world_size"] == 1
 
 
-#: one ``lioncub compare`` serves test_compare_writes_table_and_plots and
-#: test_compare_with_an_overlapped_variant
+#: one ``lioncub compare`` serves test_compare_writes_table_and_plots, test_compare_with_an_overlapped_variant
+#: and test_diagnostics_and_momentum_sync_through_the_cli (its 1bit run)
 COMPARE = ["compare", *TINY, "--variants", "32bit,1bit,1bit+overlap", "--nproc", "2", "--steps", "4"]
 COMPARE += ["--eval-every", "2", "--diagnostics-every", "2"]  # diagnostics: the votes only (no DDP baseline)
+COMPARE += ["--momentum-sync", "io", "--sync-every", "2"]  # the votes only too
 
 
 @pytest.fixture(scope="module")
@@ -329,10 +330,10 @@ def test_cnn_trains_with_batchnorm_and_reports_accuracy(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_diagnostics_and_momentum_sync_through_the_cli(tmp_path: Path) -> None:
-    out = tmp_path / "diag"
-    extra = ["--momentum-sync", "io", "--sync-every", "2", "--diagnostics-every", "2"]
-    assert train(out, "--variant", "1bit", "--nproc", "2", "--steps", "4", *extra) == 0
+def test_diagnostics_and_momentum_sync_through_the_cli(compared: tuple[Path, str]) -> None:
+    """The compare's 1bit run (2 ranks, 4 steps): diagnostics every 2 steps, the io momenta synced every 2."""
+    out = compared[0] / "1bit"
+    assert json.loads((out / "config.json").read_text())["momentum_sync"] == "io"
     diags = records(out, "diag")
     assert [d["step"] for d in diags] == [2, 4]
     layers = diags[0]["layers"]

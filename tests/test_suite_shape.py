@@ -1,0 +1,41 @@
+"""The shape of the test suite: no module under tests/ imports a test module (``test_*``), not even in a
+script it runs in a subprocess. What several files share lives in helper modules (``oracles.py``,
+``sim_comm.py``, ``dist_utils.py``, ``conftest.py``, ...; tests/README.md has the map)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+#: an import statement inside a string (a script run with ``python -c``)
+SCRIPT_IMPORT = re.compile(r"^\s*(?:from\s+([\w.]+)\s+import|import\s+([\w., ]+))", re.MULTILINE)
+
+
+def imported_modules(source: str) -> set[str]:
+    """Top-level names of the modules ``source`` imports, in its code and in the scripts its strings hold."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            for found in SCRIPT_IMPORT.finditer(node.value):
+                names.update((found.group(1) or found.group(2)).split(","))
+    return {name.strip().split(".")[0] for name in names}
+
+
+def test_imports_in_code_and_in_scripts_are_found() -> None:
+    source = "import os.path, test_a\nfrom test_b.c import d\n"
+    source += 'S = """\nimport sys\nfrom test_e import f\n"""\n'  # a script for python -c
+    assert imported_modules(source) == {"os", "test_a", "test_b", "sys", "test_e"}
+
+
+def test_no_module_imports_a_test_module() -> None:
+    paths = [p for p in sorted(TESTS.glob("*.py")) if p.name != Path(__file__).name]  # not the sample above
+    found = {path.name: imported_modules(path.read_text()) for path in paths}
+    offenders = {name: sorted(m for m in modules if m.startswith("test_")) for name, modules in found.items()}
+    assert {name: modules for name, modules in offenders.items() if modules} == {}
+    assert "oracles" in found["test_lioncub.py"]  # the check reads what the files import

@@ -61,9 +61,18 @@ def local_grad(
 # -------------------------------------------------------------------------------------- the simulation
 
 
+def one_bit_votes(cs: list[torch.Tensor], step: int, zeros: str = "split") -> list[torch.Tensor]:
+    """Each worker's one-bit vote (int64 0/1) of its direction: ``c > 0``, and an exact zero "+" where
+    ``rank + step`` is even (``zeros="split"``, lioncub's default) or always (``"plus"``, the papers')."""
+    return [
+        ((c > 0) | ((c == 0) & (zeros == "plus" or (r + step) % 2 == 0))).to(torch.int64)
+        for r, c in enumerate(cs)
+    ]
+
+
 def sim_vote(preset: str, cs: list[torch.Tensor], step: int, n: int) -> torch.Tensor:
     """The update of one parameter tensor from the N workers' directions ``cs`` (float64)."""
-    plus = sum((c >= 0).to(torch.int64) for c in cs)  # one-bit votes: exact zeros vote "+"
+    plus = sum(one_bit_votes(cs, step))  # the one-bit votes: exact zeros split by rank and step
     margin = 2 * plus - n
     if preset == "1bit":
         if n == 1:
@@ -128,8 +137,9 @@ def node_majority_oracle(nodes: int) -> Vote:
     def vote(preset: str, cs: list[torch.Tensor], step: int, n: int) -> torch.Tensor:
         per_node, tie = n // nodes, 1 if step % 2 == 1 else -1
         node_votes = []
+        votes = one_bit_votes(cs, step)  # the ranks' own votes (rank = node·L + local)
         for j in range(nodes):
-            plus = sum((c >= 0).to(torch.int64) for c in cs[j * per_node : (j + 1) * per_node])
+            plus = sum(votes[j * per_node : (j + 1) * per_node])
             margin = 2 * plus - per_node
             node_votes.append(torch.where(margin == 0, tie, torch.sign(margin)))
         margin = 2 * sum((v > 0).to(torch.int64) for v in node_votes) - nodes

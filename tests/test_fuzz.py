@@ -678,8 +678,9 @@ def expected_votes(
     """The vote from first principles: per-worker votes/levels in numpy, their count/sum, the rule."""
     n, dtype = len(locals_), locals_[0].dtype
     c = np.stack([x.double().numpy() for x in locals_]) if locals_[0].numel() else np.zeros((n, 0))
-    with np.errstate(invalid="ignore"):
-        count = (c >= 0).sum(0)  # NaN votes "-"
+    with np.errstate(invalid="ignore"):  # NaN votes "-"; an exact zero "+" where rank + step is even
+        zero_plus = (np.arange(n) + step) % 2 == 0
+        count = ((c > 0) | ((c == 0) & zero_plus[:, None])).sum(0)
     majority = np.sign(2 * count - n)
     if kind == "quantized":
         total = 0

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lioncub.optim import resolve_variant
+from lioncub.optim.step_check import STEP_CHECK_WORDS
 from oracles import node_majority_oracle, simulate, worker_run_presets
 
 from dist_utils import run_workers
@@ -90,7 +91,9 @@ def test_bytes_per_level_match_the_wire_formats(topology: str) -> None:
     inter = (k + 1) // 2 if topology == "hierarchical" else (-(-k // 16) * 16) / 8
     for s in stats:
         assert s["intra_node_bytes_sent"] == intra and s["inter_node_bytes_sent"] == inter
-        assert s["bytes_sent"] == intra + inter + 3 * 4 * 6  # and the step check on the flat group
+        assert (
+            s["bytes_sent"] == intra + inter + 3 * 4 * STEP_CHECK_WORDS
+        )  # and the step check on the flat group
 
 
 @pytest.mark.parametrize(

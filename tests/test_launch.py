@@ -34,6 +34,7 @@ from lioncub.launch import (
     parse_size,
     rank_env,
 )
+from lioncub.optim.step_check import STEP_CHECK_WORDS
 
 PY = sys.executable
 
@@ -422,7 +423,7 @@ def test_interface_counters_agree_with_the_optimizers_accounting() -> None:
     assert result.ok, out + err
     d_pad = -(-d // (8 * nproc)) * 8 * nproc
     expected = 4 * 2 * (nproc - 1) / nproc * d_pad / 8  # 4 steps of all-to-all + all-gather of packed bits
-    expected += 4 * (nproc - 1) * 4 * 6  # and of the step check: six int32 all-gathered per step
+    expected += 4 * (nproc - 1) * 4 * STEP_CHECK_WORDS  # and of the step check, all-gathered per step
     assert result.traffic is not None
     for t in result.traffic:
         m = re.search(rf"\[r{t.rank}\] ACCOUNTED sent=(\d+) recv=(\d+)", out)

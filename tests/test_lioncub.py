@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lioncub.optim import Lion, LionCub
+from lioncub.optim.step_check import STEP_CHECK_WORDS
 from oracles import ALL_PRESETS, SHAPES, initial_params, local_grad, simulate, worker_run_presets
 
 from dist_utils import run_workers
@@ -55,7 +56,7 @@ def test_every_preset_matches_simulation_on_every_rank(world: int) -> None:
             buckets = results[0][preset]["buckets"]
             for rank in range(world):
                 sent = results[rank][preset]["stats"]["last"]["bytes_sent"]
-                check = (world - 1) * 4 * 6  # the step check all-gathers six int32 per rank
+                check = (world - 1) * 4 * STEP_CHECK_WORDS  # the step check all-gathers these int32 per rank
                 want = expected_bytes(preset, world, buckets, rank) + check
                 assert sent == pytest.approx(want, abs=len(buckets))
             assert stats["collectives"] >= len(buckets)

@@ -23,6 +23,7 @@ import torch
 
 from lioncub import cli
 from lioncub.optim import PRESETS
+from lioncub.optim.step_check import STEP_CHECK_WORDS
 from lioncub.train import checkpoint
 from lioncub.train.config import BASELINES, TrainConfig, lr_factor
 
@@ -46,7 +47,7 @@ def expected_bytes(variant: str, d: int, n: int) -> float:
         return ring * 4 * d
     if variant == "16bit":
         return ring * 2 * d
-    return (n - 1) * 4 * 6 + vote_bytes(variant, d, n)  # LionCub: the step check all-gathers six int32
+    return (n - 1) * 4 * STEP_CHECK_WORDS + vote_bytes(variant, d, n)  # LionCub: and the step check
 
 
 def vote_bytes(variant: str, d: int, n: int) -> float:

@@ -152,27 +152,7 @@ class VoteConfig:
                 f"wire_dtype={self.wire_dtype} applies only to transport='dense', "
                 f"not transport={self.transport!r}"
             )
-        if not is_number(self.clip_multiple, gt=0):
-            raise ValueError(
-                f"clip_multiple={self.clip_multiple!r} must be a finite number > 0 "
-                "(authors' code: 2, paper: 1)"
-            )
-        if self.chunk_size is not None and not (is_int(self.chunk_size) and self.chunk_size >= 1):
-            raise ValueError(f"chunk_size={self.chunk_size!r} must be None (per tensor) or an int >= 1")
-        if not isinstance(self.quantizer_options, dict):
-            raise ValueError(f"quantizer_options={self.quantizer_options!r} must be a dict")
-        if not is_int(self.server_root, 0):
-            raise ValueError(f"server_root={self.server_root!r} must be an int >= 0 (a rank)")
-        if not is_int(self.seed):
-            raise ValueError(f"seed={self.seed!r} must be an int")
-        if self.zero_vote not in ZERO_VOTES:
-            raise ValueError(f"zero_vote={self.zero_vote!r}: allowed values are {list(ZERO_VOTES)}")
-        if self.zero_vote != "split" and self.transport not in ONE_BIT_VOTES:
-            raise ValueError(
-                f"zero_vote={self.zero_vote!r} applies to the one-bit votes (transports "
-                f"{list(ONE_BIT_VOTES)}: variants 1bit, 4bit, dlion-mavo); transport={self.transport!r} "
-                "carries an exact zero as 0"
-            )
+        self._validate_knobs()
         if self.exchange not in EXCHANGES:
             raise ValueError(f"exchange={self.exchange!r}: allowed values are {list(EXCHANGES)}")
         if self.topology not in TOPOLOGIES:
@@ -194,6 +174,30 @@ class VoteConfig:
                 "dense presets leave the gradient allreduce to the backend; the parameter server is a star)"
             )
         return self
+
+    def _validate_knobs(self) -> None:
+        """:meth:`validate`'s checks of the numeric and per-transport knobs."""
+        if not is_number(self.clip_multiple, gt=0):
+            raise ValueError(
+                f"clip_multiple={self.clip_multiple!r} must be a finite number > 0 "
+                "(authors' code: 2, paper: 1)"
+            )
+        if self.chunk_size is not None and not (is_int(self.chunk_size) and self.chunk_size >= 1):
+            raise ValueError(f"chunk_size={self.chunk_size!r} must be None (per tensor) or an int >= 1")
+        if not isinstance(self.quantizer_options, dict):
+            raise ValueError(f"quantizer_options={self.quantizer_options!r} must be a dict")
+        if not is_int(self.server_root, 0):
+            raise ValueError(f"server_root={self.server_root!r} must be an int >= 0 (a rank)")
+        if not is_int(self.seed):
+            raise ValueError(f"seed={self.seed!r} must be an int")
+        if self.zero_vote not in ZERO_VOTES:
+            raise ValueError(f"zero_vote={self.zero_vote!r}: allowed values are {list(ZERO_VOTES)}")
+        if self.zero_vote != "split" and self.transport not in ONE_BIT_VOTES:
+            raise ValueError(
+                f"zero_vote={self.zero_vote!r} applies to the one-bit votes (transports "
+                f"{list(ONE_BIT_VOTES)}: variants 1bit, 4bit, dlion-mavo); transport={self.transport!r} "
+                "carries an exact zero as 0"
+            )
 
     def update_rule(self) -> dict[str, Any]:
         """What decides the update bit for bit, JSON-friendly: every knob but those that only change how the

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -53,16 +52,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lioncub._validate import is_int, is_number
 from lioncub.collectives import Ballot, Comm, CommCounter, ParamState, flat_views
 from lioncub.ops.quantize import max_abs
 from lioncub.optim import diagnostics, topology
 from lioncub.optim.accounting import Accounting
-from lioncub.optim.config import VoteConfig, resolve_variant, variant_name
+from lioncub.optim.arguments import check_group, check_local_steps, check_options, framework_hint, vote_config
+from lioncub.optim.config import VoteConfig
 from lioncub.optim.engine import StepEngine, StepTimes
 from lioncub.optim.factory import make_vote
 from lioncub.optim.layout import ParamLayout, named_parameters
-from lioncub.optim.lion import check_lion_hyperparameters, check_no_duplicates, default_foreach, update_group_
+from lioncub.optim.lion import check_lion_hyperparameters, default_foreach, update_group_
 from lioncub.optim.local_steps import LocalSteps, WindowedSteps
 from lioncub.optim.overlap import OverlapHook, overlap_group
 from lioncub.optim.replicas import (
@@ -152,15 +151,15 @@ class LionCub(PerRankState, WindowedSteps, torch.optim.Optimizer):
         maximize: bool = False,
         local_steps: LocalSteps | None = None,
     ) -> None:
-        config, self.variant = _vote_config(variant)
-        _check_options(config, self.variant, bucket_mb, model, checks, diagnostics_every)
-        _check_local_steps(local_steps, config, self.variant, momentum_sync, diagnostics_every)
+        config, self.variant = vote_config(variant)
+        check_options(config, self.variant, bucket_mb, model, checks, diagnostics_every)
+        check_local_steps(local_steps, config, self.variant, momentum_sync, diagnostics_every)
         #: H local steps per outer step (:mod:`lioncub.optim.local_steps`), or ``None``: a vote every step
         self.local_steps = local_steps
         self._ready = False  # add_param_group: the base constructor calls it before the rest exists
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize))
         for index, group in enumerate(self.param_groups):
-            _check_group(group, index)
+            check_group(group, index)
         self.config: VoteConfig = config
         self.checks = checks
         if not isinstance(momentum_sync, MomentumSync):
@@ -228,7 +227,7 @@ class LionCub(PerRankState, WindowedSteps, torch.optim.Optimizer):
         super().add_param_group(param_group)
         if self._ready:
             try:
-                _check_group(self.param_groups[-1], len(self.param_groups) - 1)
+                check_group(self.param_groups[-1], len(self.param_groups) - 1)
             except (ValueError, TypeError):
                 self.param_groups.pop()
                 raise
@@ -278,7 +277,7 @@ class LionCub(PerRankState, WindowedSteps, torch.optim.Optimizer):
         for index, group in enumerate(self.param_groups):
             check_lion_hyperparameters(group)
             if not isinstance(group["maximize"], bool):
-                _check_group(group, index)  # names it
+                check_group(group, index)  # names it
         self._consolidated = None
         overflow = self._unscale()
         self._refresh_layout()
@@ -423,7 +422,7 @@ class LionCub(PerRankState, WindowedSteps, torch.optim.Optimizer):
                     "already averaged by DDP's allreduce, so every rank votes on the same gradient (global "
                     "Lion plus a pointless vote, and the allreduce's bytes). Register "
                     "lioncub.optim.ddp.skip_gradient_allreduce(model) or call opt.overlap_with(model) on "
-                    f"the DDP model{_framework_hint()} (identical data on every rank also gives identical "
+                    f"the DDP model{framework_hint()} (identical data on every rank also gives identical "
                     "gradients)",
                     stacklevel=4,
                 )
@@ -551,54 +550,6 @@ class LionCub(PerRankState, WindowedSteps, torch.optim.Optimizer):
         return self._global_step
 
 
-#: the frameworks lioncub integrates with (module imported → the integration that installs the vote)
-_FRAMEWORKS = {
-    "transformers": "the Trainer: lioncub.integrations.hf.LionCubTrainer or LionCubCallback",
-    "accelerate": "accelerate: lioncub.integrations.accelerate.prepare",
-    "lightning": "Lightning: lioncub.integrations.lightning.LionCubStrategy",
-}
-
-
-def _framework_hint() -> str:
-    """The integrations that make that fix for the frameworks imported in this process ("" when none)."""
-    used = [fix for module, fix in _FRAMEWORKS.items() if module in sys.modules]
-    return f"; with {', with '.join(used)}" if used else ""
-
-
-def _vote_config(variant: str | VoteConfig) -> tuple[VoteConfig, str]:
-    """The validated vote configuration of ``variant`` and its name (the preset's, or ``"custom"``)."""
-    if isinstance(variant, VoteConfig):
-        config = variant.validate()
-        return config, variant_name(config)
-    return resolve_variant(variant), variant
-
-
-def _check_options(
-    config: VoteConfig,
-    variant: str,
-    bucket_mb: float,
-    model: torch.nn.Module | None,
-    checks: Checks,
-    diagnostics_every: int,
-) -> None:
-    """The constructor's checks of its keyword options (each error names the option)."""
-    if not is_number(bucket_mb, gt=0):
-        raise ValueError(f"bucket_mb={bucket_mb!r} must be a finite number of MiB > 0")
-    if model is not None and not isinstance(model, torch.nn.Module):
-        raise TypeError(
-            f"model={model!r} must be the torch.nn.Module whose parameters are optimized, or None"
-        )
-    if not isinstance(checks, Checks):
-        raise TypeError(f"checks={checks!r} must be a lioncub.optim.Checks(...)")
-    if not is_int(diagnostics_every, 0):
-        raise ValueError(f"diagnostics_every={diagnostics_every!r} must be an int >= 0 (0: off)")
-    if diagnostics_every and config.transport == "dense":
-        raise ValueError(
-            f"diagnostics_every: variant={variant!r} does not vote (global Lion); the vote "
-            "diagnostics apply to the voting variants"
-        )
-
-
 def _groups(
     config: VoteConfig, process_group: Any
 ) -> tuple[dist.ProcessGroup | bool | None, tuple[Comm, Comm] | None]:
@@ -621,63 +572,3 @@ def _groups(
     mesh = mesh or topology.mesh_from_environment(config.topology)
     flat, intra, inter = topology.node_groups(mesh, config.exchange)
     return flat, (intra, inter)
-
-
-def _check_local_steps(
-    local_steps: LocalSteps | None,
-    config: VoteConfig,
-    variant: str,
-    momentum_sync: Any,
-    diagnostics_every: int,
-) -> None:
-    """The refusals of ``local_steps=``: its type, a rule that needs a dense exchange, and the options that
-    have no meaning between outer steps."""
-    if local_steps is None:
-        return
-    if not isinstance(local_steps, LocalSteps):
-        raise TypeError(f"local_steps={local_steps!r} must be a lioncub.optim.LocalSteps(h=...) or None")
-    local_steps.check_variant(config.transport, variant)
-    sync = momentum_sync.params if isinstance(momentum_sync, MomentumSync) else momentum_sync
-    if sync != "none":
-        raise ValueError(
-            "local_steps with momentum_sync: the ranks' inner momenta are local between outer steps; "
-            "LocalSteps(inner_momentum='average') averages them at each outer step"
-        )
-    if diagnostics_every:
-        raise ValueError(
-            "local_steps with diagnostics_every: the vote diagnostics are per-step votes' (set 0)"
-        )
-
-
-def _check_group(group: dict[str, Any], index: int) -> None:
-    """A param group's hyperparameters and parameters (``index``: its position, for the messages)."""
-    check_lion_hyperparameters(group)
-    if not isinstance(group["maximize"], bool):
-        raise ValueError(f"Invalid maximize: {group['maximize']!r} (expected True or False)")
-    check_no_duplicates(group["params"], index)
-    for i, p in enumerate(group["params"]):
-        why = _unsupported(p)
-        if why:
-            raise TypeError(
-                f"LionCub: param_groups[{index}]['params'][{i}] is {why}. LionCub takes dense, real, "
-                "materialised parameters that every rank holds whole (a plain torch.Tensor or nn.Parameter "
-                "on CPU or CUDA, on one process or replicated as DDP replicates them): its ranks vote on "
-                "every element. FSDP, tensor parallelism and quantized weights are not supported"
-            )
-
-
-def _unsupported(p: torch.Tensor) -> str:
-    """Why LionCub cannot optimize ``p`` ("" when it can)."""
-    if type(p) not in (torch.Tensor, torch.nn.Parameter) or type(p.data) is not torch.Tensor:
-        return (
-            f"a {type(p.data).__name__} (a tensor subclass: DTensor under FSDP2 or tensor parallelism, ...)"
-        )
-    if p.layout != torch.strided:
-        return f"a {p.layout} tensor (sparse)"
-    if p.is_quantized:
-        return "a quantized tensor"
-    if p.is_meta:
-        return "on the meta device (not materialised: call to_empty() and initialise it first)"
-    if p.is_complex():
-        return f"complex ({p.dtype}); view it as real with torch.view_as_real"
-    return ""

@@ -1,0 +1,134 @@
+"""The checks of :class:`~lioncub.optim.LionCub`'s arguments, each naming the option at fault: the
+variant, the keyword options, local steps, and every parameter of a param group (what LionCub can vote on),
+and the framework hint of its first-step warning."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from lioncub._validate import is_int, is_number
+from lioncub.optim.config import VoteConfig, resolve_variant, variant_name
+from lioncub.optim.lion import check_lion_hyperparameters, check_no_duplicates
+from lioncub.optim.local_steps import LocalSteps
+from lioncub.optim.step_check import Checks
+from lioncub.optim.sync import MomentumSync
+
+__all__ = [
+    "check_group",
+    "check_local_steps",
+    "check_options",
+    "framework_hint",
+    "unsupported",
+    "vote_config",
+]
+
+
+#: the frameworks lioncub integrates with (module imported → the integration that installs the vote)
+_FRAMEWORKS = {
+    "transformers": "the Trainer: lioncub.integrations.hf.LionCubTrainer or LionCubCallback",
+    "accelerate": "accelerate: lioncub.integrations.accelerate.prepare",
+    "lightning": "Lightning: lioncub.integrations.lightning.LionCubStrategy",
+}
+
+
+def framework_hint() -> str:
+    """The integrations that make that fix for the frameworks imported in this process ("" when none)."""
+    used = [fix for module, fix in _FRAMEWORKS.items() if module in sys.modules]
+    return f"; with {', with '.join(used)}" if used else ""
+
+
+def vote_config(variant: str | VoteConfig) -> tuple[VoteConfig, str]:
+    """The validated vote configuration of ``variant`` and its name (the preset's, or ``"custom"``)."""
+    if isinstance(variant, VoteConfig):
+        config = variant.validate()
+        return config, variant_name(config)
+    return resolve_variant(variant), variant
+
+
+def check_options(
+    config: VoteConfig,
+    variant: str,
+    bucket_mb: float,
+    model: torch.nn.Module | None,
+    checks: Checks,
+    diagnostics_every: int,
+) -> None:
+    """The constructor's checks of its keyword options (each error names the option)."""
+    if not is_number(bucket_mb, gt=0):
+        raise ValueError(f"bucket_mb={bucket_mb!r} must be a finite number of MiB > 0")
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"model={model!r} must be the torch.nn.Module whose parameters are optimized, or None"
+        )
+    if not isinstance(checks, Checks):
+        raise TypeError(f"checks={checks!r} must be a lioncub.optim.Checks(...)")
+    if not is_int(diagnostics_every, 0):
+        raise ValueError(f"diagnostics_every={diagnostics_every!r} must be an int >= 0 (0: off)")
+    if diagnostics_every and config.transport == "dense":
+        raise ValueError(
+            f"diagnostics_every: variant={variant!r} does not vote (global Lion); the vote "
+            "diagnostics apply to the voting variants"
+        )
+
+
+def check_local_steps(
+    local_steps: LocalSteps | None,
+    config: VoteConfig,
+    variant: str,
+    momentum_sync: Any,
+    diagnostics_every: int,
+) -> None:
+    """The refusals of ``local_steps=``: its type, a rule that needs a dense exchange, and the options that
+    have no meaning between outer steps."""
+    if local_steps is None:
+        return
+    if not isinstance(local_steps, LocalSteps):
+        raise TypeError(f"local_steps={local_steps!r} must be a lioncub.optim.LocalSteps(h=...) or None")
+    local_steps.check_variant(config.transport, variant)
+    sync = momentum_sync.params if isinstance(momentum_sync, MomentumSync) else momentum_sync
+    if sync != "none":
+        raise ValueError(
+            "local_steps with momentum_sync: the ranks' inner momenta are local between outer steps; "
+            "LocalSteps(inner_momentum='average') averages them at each outer step"
+        )
+    if diagnostics_every:
+        raise ValueError(
+            "local_steps with diagnostics_every: the vote diagnostics are per-step votes' (set 0)"
+        )
+
+
+def check_group(group: dict[str, Any], index: int) -> None:
+    """A param group's hyperparameters and parameters (``index``: its position, for the messages)."""
+    check_lion_hyperparameters(group)
+    if not isinstance(group["maximize"], bool):
+        raise ValueError(f"Invalid maximize: {group['maximize']!r} (expected True or False)")
+    check_no_duplicates(group["params"], index)
+    for i, p in enumerate(group["params"]):
+        why = unsupported(p)
+        if why:
+            raise TypeError(
+                f"LionCub: param_groups[{index}]['params'][{i}] is {why}. LionCub takes dense, real, "
+                "materialised parameters that every rank holds whole (a plain torch.Tensor or nn.Parameter "
+                "on CPU or CUDA, on one process or replicated as DDP replicates them): its ranks vote on "
+                "every element. FSDP, tensor parallelism and quantized weights are not supported"
+            )
+
+
+def unsupported(p: torch.Tensor) -> str:
+    """Why LionCub cannot optimize ``p`` ("" when it can)."""
+    if type(p) not in (torch.Tensor, torch.nn.Parameter) or type(p.data) is not torch.Tensor:
+        return (
+            f"a {type(p.data).__name__} (a tensor subclass: DTensor under FSDP2 or tensor parallelism, ...)"
+        )
+    if p.layout != torch.strided:
+        return f"a {p.layout} tensor (sparse)"
+    if p.is_quantized:
+        return "a quantized tensor"
+    if p.is_meta:
+        return "on the meta device (not materialised: call to_empty() and initialise it first)"
+    if p.is_complex():
+        return f"complex ({p.dtype}); view it as real with torch.view_as_real"
+    return ""

@@ -10,7 +10,8 @@ directions into one update, which every worker applies (one model copy stands fo
 replicas), with ``lioncub train``'s warm-up + cosine schedule:
 
 * ``lion``: global full-precision Lion on the mean gradient (one momentum; the reference, = ``32bit``);
-* ``1bit``: flat 1-bit majority of the votes ``c_r ≥ 0``, ties +1 on odd steps and −1 on even steps;
+* ``1bit``: flat 1-bit majority of the votes ``c_r > 0`` (an exact zero "+" where r + step is even, as
+  lioncub's ``zero_vote="split"``), ties +1 on odd steps and −1 on even steps;
 * ``nm<L>``: node-majority with L ranks per node (N/L nodes): each node's 1-bit majority with the tie
   rule, then a 1-bit majority of the nodes with the same rule (``topology="node-majority"``);
 * ``8bit``: sign of the sum of L1 levels, ``quantize_l1`` per parameter tensor with the budget ⌊127/N⌋
@@ -20,7 +21,7 @@ replicas), with ``lioncub train``'s warm-up + cosine schedule:
 * ``avg``: Distributed Lion's average of signs, ``Σ sign(c_r) / N`` (``dlion-avg``).
 
 Measured (definitions of ``lioncub.optim.diagnostics``): the tie rate of the 1-bit majority
-(``2·#{c_r ≥ 0} = N``) and of the sign vote (``Σ sign c_r = 0``); *match* and *flip* of every rule's
+(``2·#{votes "+"} = N``) and of the sign vote (``Σ sign c_r = 0``); *match* and *flip* of every rule's
 update against ``sign(Σ_r c_r)`` — the run's own rule on its own trajectory, and every rule of
 ``--shadow`` on the same directions (the momenta depend on the trajectory only, so all rules can be
 scored on one); the momentum spread per tensor at the end; the mean training loss of the workers and
@@ -70,10 +71,17 @@ def tie_sign(step: int) -> int:
     return 1 if step % 2 == 1 else -1
 
 
+def one_bit_votes(C: Tensor, step: int) -> Tensor:
+    """The workers' one-bit votes (bool ``[N, D]``): ``c > 0``, an exact zero "+" where worker + step is
+    even (lioncub's ``zero_vote="split"``)."""
+    zero_plus = (torch.arange(C.shape[0]) + step) % 2 == 0
+    return (C > 0) | ((C == 0) & zero_plus[:, None])
+
+
 def majority_1bit(C: Tensor, step: int) -> Tensor:
-    """Flat 1-bit majority of the votes ``c ≥ 0`` (exact zeros vote +), ties by the alternating rule."""
+    """Flat 1-bit majority of the one-bit votes, ties by the alternating rule."""
     n = C.shape[0]
-    margin = 2 * (C >= 0).sum(0, dtype=torch.int32) - n
+    margin = 2 * one_bit_votes(C, step).sum(0, dtype=torch.int32) - n
     return torch.where(margin == 0, tie_sign(step), torch.sign(margin)).to(torch.int8)
 
 
@@ -82,7 +90,7 @@ def node_majority(C: Tensor, step: int, per_node: int) -> Tensor:
     majority of the nodes; both with the alternating tie rule."""
     n, d = C.shape
     nodes, tie = n // per_node, tie_sign(step)
-    margin = 2 * (C >= 0).view(nodes, per_node, d).sum(1, dtype=torch.int32) - per_node
+    margin = 2 * one_bit_votes(C, step).view(nodes, per_node, d).sum(1, dtype=torch.int32) - per_node
     node_votes = torch.where(margin == 0, tie, torch.sign(margin))  # [nodes, D], ±1
     margin = 2 * (node_votes > 0).sum(0, dtype=torch.int32) - nodes
     return torch.where(margin == 0, tie, torch.sign(margin)).to(torch.int8)
@@ -211,7 +219,7 @@ def simulate(
         # 3. diagnostics, on the directions of this step (before the momenta move)
         if step == steps or (diag_every and step % diag_every == 0):
             total = C.double().sum(0)  # the full-precision vote Σ c_r
-            plus = (C >= 0).sum(0, dtype=torch.int32)
+            plus = one_bit_votes(C, step).sum(0, dtype=torch.int32)
             match, flip = agreement(u, total)
             diag: dict[str, Any] = {
                 "step": step,

@@ -21,8 +21,10 @@ switched off by ``LIONCUB_CPU_KERNELS=0``).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -269,7 +271,30 @@ def _param_name(group_index: int, param_index: int) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
-class Lion(torch.optim.Optimizer):
+def _without_dynamo(name: str) -> Callable[..., Any]:
+    """``torch.optim.Optimizer.<name>`` without the lazy ``torch._dynamo`` import of its decorator while no
+    one has imported dynamo (importing it costs ~1.2 s of CPU per process, at an optimizer's construction
+    and first ``zero_grad``); the decorated method once it is imported (under ``torch.compile``)."""
+    decorated = getattr(torch.optim.Optimizer, name)
+    raw = getattr(decorated, "__wrapped__", decorated)
+
+    def method(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        return (decorated if "torch._dynamo" in sys.modules else raw)(self, *args, **kwargs)
+
+    return functools.wraps(decorated)(method)
+
+
+class LeanOptimizer(torch.optim.Optimizer):
+    """``torch.optim.Optimizer`` whose ``add_param_group``, ``zero_grad``, ``state_dict`` and
+    ``load_state_dict`` import ``torch._dynamo`` only where something else did (the same methods)."""
+
+    add_param_group = _without_dynamo("add_param_group")
+    zero_grad = _without_dynamo("zero_grad")
+    state_dict = _without_dynamo("state_dict")
+    load_state_dict = _without_dynamo("load_state_dict")
+
+
+class Lion(LeanOptimizer):
     """Lion: ``p <- p * (1 - lr * wd) - lr * sign(beta1 * m + (1 - beta1) * g)``, then
     ``m <- beta2 * m + (1 - beta2) * g``.
 

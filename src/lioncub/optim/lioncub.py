@@ -61,7 +61,7 @@ from lioncub.optim.config import VoteConfig
 from lioncub.optim.engine import StepEngine, StepTimes
 from lioncub.optim.factory import make_vote
 from lioncub.optim.layout import ParamLayout, named_parameters
-from lioncub.optim.lion import check_lion_hyperparameters, default_foreach, update_group_
+from lioncub.optim.lion import LeanOptimizer, check_lion_hyperparameters, default_foreach, update_group_
 from lioncub.optim.local_steps import LocalSteps, WindowedSteps
 from lioncub.optim.overlap import OverlapHook, overlap_group
 from lioncub.optim.replicas import (
@@ -100,7 +100,7 @@ __all__ = [
 _log = logging.getLogger("lioncub")
 
 
-class LionCub(PerRankState, WindowedSteps, torch.optim.Optimizer):
+class LionCub(PerRankState, WindowedSteps, LeanOptimizer):
     """Distributed Lion / Lion Cub: each rank keeps its own momentum and the ranks vote on the update.
 
     Args:

@@ -49,26 +49,26 @@ Arithmetic, so that both backends round identically:
 
 The Triton kernels take contiguous float32, bfloat16 and float16 tensors (float64 and other dtypes go to
 the torch backend under ``"auto"``, and raise under ``"triton"``). This module sits in the lowest layer:
-it imports torch, numpy, triton, :mod:`lioncub.ops.native`, :mod:`lioncub.ops.packing` and
-:mod:`lioncub.ops.quantize` only.
+it imports torch, numpy, :mod:`lioncub.ops.native`, :mod:`lioncub.ops.packing` and
+:mod:`lioncub.ops.quantize`, and :mod:`lioncub.ops.triton_kernels` (Triton) only when a tensor is on
+Triton's device.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import struct
 from collections.abc import Sequence
-from typing import Literal
+from types import ModuleType
+from typing import Any, Literal
 
 import torch
 
-from lioncub.ops import native, packing, quantize, triton_kernels
-from lioncub.ops.triton_kernels import HAVE_TRITON, TRITON_ERROR
+from lioncub.ops import native, packing, quantize
 
-__all__ = [
-    "HAVE_TRITON",
-    "TRITON_ERROR",
+__all__ = [  # and, imported when first asked, HAVE_TRITON, TRITON_ERROR and triton (module __getattr__)
     "Backend",
     "apply_votes_",
     "backend_for",
@@ -91,10 +91,23 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _triton() -> ModuleType:
+    """:mod:`lioncub.ops.triton_kernels`, imported on first use (importing Triton costs ~0.2 s per process,
+    which a run on CPU tensors never needs)."""
+    return importlib.import_module("lioncub.ops.triton_kernels")
+
+
+def __getattr__(name: str) -> Any:
+    """``HAVE_TRITON``, ``TRITON_ERROR`` and ``triton``: from :mod:`lioncub.ops.triton_kernels`, imported
+    when first asked."""
+    if name in ("HAVE_TRITON", "TRITON_ERROR", "triton"):
+        return getattr(_triton(), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _triton_device_ok(tensors: Sequence[torch.Tensor]) -> str:
-    """Why Triton cannot run these tensors ("" if it can)."""
-    if not HAVE_TRITON:
-        return f"triton is not importable ({TRITON_ERROR})"
+    """Why Triton cannot run these tensors ("" if it can); Triton is imported only for tensors on its
+    device."""
     want = "cpu" if interpreting() else "cuda"
     for t in tensors:
         if t.device.type != want:
@@ -104,6 +117,8 @@ def _triton_device_ok(tensors: Sequence[torch.Tensor]) -> str:
                 else ("compiled Triton takes CUDA tensors (set TRITON_INTERPRET=1 for CPU tensors)")
             )
             return f"a {t.device.type} tensor: {mode}"
+    if not _triton().HAVE_TRITON:
+        return f"triton is not importable ({_triton().TRITON_ERROR})"
     return ""
 
 
@@ -347,7 +362,7 @@ def _quantize_triton(
     n_seg = len(segs)
     search = max(0, (n_seg - 1).bit_length())
     grid = -(-n // _BLOCK)
-    triton_kernels.quantize_kernel[(grid,)](
+    _triton().quantize_kernel[(grid,)](
         _raw(flat),
         out,
         divisor,
@@ -404,7 +419,7 @@ def majority_pack(
         return out
     if out_bytes:
         grid = -(-out_bytes // _BLOCK_B)
-        triton_kernels.majority_kernel[(grid,)](
+        _triton().majority_kernel[(grid,)](
             rows, out, n, row_bytes, out_bytes, n_bits, threshold, BLOCK_B=_BLOCK_B
         )
     return out
@@ -459,7 +474,7 @@ def apply_votes_(
     if n:
         b2 = beta2 if beta2 is not None else 0.0
         grid = -(-n // _BLOCK)
-        triton_kernels.apply_kernel[(grid,)](
+        _triton().apply_kernel[(grid,)](
             _raw(param),
             source,
             _raw(exp_avg) if momentum else param,

@@ -1,0 +1,210 @@
+"""Local steps (``LionCub(local_steps=LocalSteps(...))``) on gloo ranks against a plain simulation of N
+workers, bit for bit: H inner Lion steps per rank, then the outer step of each rule (vote through every
+voting preset, hierarchical at 2×2, dsm, diloco), H = 1 included; every rank's parameters and states
+after a resume in the middle of a window; a non-finite inner step on one rank; one process is Lion."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lioncub import Lion, LionCub, LocalSteps, resolve_variant
+from oracles import BETAS, GROUPS, initial_params, local_grad, lr_factor, sim_vote
+
+from dist_utils import run_workers
+
+VOTES = ["1bit", "4bit", "8bit", "8bit-sign", "dlion-avg", "dlion-mavo"]
+STEPS = 7  # windows of H = 3 end at steps 3 and 6; step 7 is inside the third
+
+
+def simulate_local(variant: str, outer: str, n: int, h: int, outer_lr: float, steps: int = STEPS) -> list:
+    """Every rank's parameters after ``steps`` steps (float64): H inner Lion steps per rank (a None gradient
+    leaves a parameter alone, as Lion), then the outer step on Δ_r = θ_t − θ_r."""
+    theta = [initial_params(0) for _ in range(n)]  # rank 0's values, broadcast
+    anchor = [p.clone() for p in theta[0]]
+    m_in = [[torch.zeros_like(p) for p in theta[0]] for _ in range(n)]
+    m_out = [[torch.zeros_like(p) for p in theta[0]] for _ in range(n)]
+    buf: list[torch.Tensor | None] = [None] * len(anchor)
+    group_of = {i: (lr, wd) for idx, lr, wd in GROUPS for i in idx}
+    for step in range(1, steps + 1):
+        for r in range(n):
+            for i, p in enumerate(theta[r]):
+                g = local_grad(r, step, i, p)
+                if g is None:
+                    continue
+                lr, wd = group_of[i][0] * lr_factor(step - 1), group_of[i][1]
+                u = torch.sign(torch.mul(m_in[r][i], BETAS[0]).add_(g, alpha=1 - BETAS[0]))
+                theta[r][i] = (
+                    (p * (1 - lr * wd)).add_(u, alpha=-lr) if lr * wd else p.clone().add_(u, alpha=-lr)
+                )
+                m_in[r][i] = torch.mul(m_in[r][i], BETAS[1]).add_(g, alpha=1 - BETAS[1])
+        if step % h:
+            continue
+        t = step // h
+        for i in range(len(anchor)):
+            deltas = [anchor[i] - theta[r][i] for r in range(n)]
+            lr = group_of[i][0] * lr_factor(step - 1)
+            eta = outer_lr * h * lr
+            if outer == "diloco":
+                mean = _dense_mean(deltas, variant)
+                buf[i] = mean.clone() if buf[i] is None else buf[i].mul_(0.9).add_(mean)  # type: ignore[union-attr]
+                anchor[i] = anchor[i].add(mean.add(buf[i], alpha=0.9), alpha=-outer_lr)
+                continue
+            if outer == "dsm":
+                mean = _dense_mean(deltas, variant)
+                u = torch.sign(torch.mul(m_out[0][i], 0.9).add_(mean, alpha=0.1))
+                m_out[0][i] = torch.mul(m_out[0][i], 0.99).add_(mean, alpha=0.01)
+            else:
+                cs = [torch.mul(m_out[r][i], 0.9).add_(deltas[r], alpha=0.1) for r in range(n)]
+                u = sim_vote(variant, cs, t, n)
+                for r in range(n):
+                    m_out[r][i] = torch.mul(m_out[r][i], 0.99).add_(deltas[r], alpha=0.01)
+            anchor[i] = anchor[i].add(u, alpha=-eta)
+        theta = [[a.clone() for a in anchor] for _ in range(n)]
+    return theta
+
+
+def _dense_mean(deltas: list[torch.Tensor], variant: str) -> torch.Tensor:
+    """DenseMean's mean: each Δ_r in the wire dtype divided by N, summed in rank order, back to float64."""
+    wire = torch.float64 if variant == "32bit" else torch.bfloat16
+    n = len(deltas)
+    total = deltas[0].to(wire).div(n)
+    for d in deltas[1:]:
+        total = total.add(d.to(wire).div(n))
+    return total.to(torch.float64)
+
+
+def worker_local(
+    rank: int, world: int, variant: str, outer: str, h: int, outer_lr: float, topology: str, stop: int
+) -> dict:
+    """``STEPS`` steps of local steps on this rank (a resume after ``stop`` steps when ``stop``)."""
+    group = None
+    if topology != "flat":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        group = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("node", "local"))
+
+    def build() -> tuple[list[torch.nn.Parameter], LionCub, torch.optim.lr_scheduler.LambdaLR]:
+        params = [torch.nn.Parameter(p) for p in initial_params(rank)]
+        groups = [
+            {"params": [params[i] for i in idx], "lr": lr, "weight_decay": wd} for idx, lr, wd in GROUPS
+        ]
+        opt = LionCub(
+            groups,
+            betas=BETAS,
+            variant=resolve_variant(variant, topology=topology),
+            process_group=group,
+            local_steps=LocalSteps(h=h, outer=outer, outer_lr=outer_lr),
+        )
+        return params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+
+    params, opt, sched = build()
+    for step in range(1, STEPS + 1):
+        if step == stop + 1 and stop:  # a resume in the middle of a window: new objects, saved states
+            states = (opt.state_dict(), sched.state_dict(), [p.detach().clone() for p in params])
+            params, opt, sched = build()
+            with torch.no_grad():
+                for p, saved in zip(params, states[2], strict=True):
+                    p.copy_(saved)
+            opt.load_state_dict(states[0])
+            sched.load_state_dict(states[1])
+        for i, p in enumerate(params):
+            p.grad = local_grad(rank, step, i, p.detach())
+        opt.step()
+        sched.step()
+    state = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    return {"params": [p.detach().clone() for p in params], "state": state, "stats": opt.comm_stats()}
+
+
+CASES = [
+    *[(v, "vote", 3, 2) for v in VOTES],
+    *[(v, "vote", 3, 3) for v in ("1bit", "4bit", "8bit")],
+    ("1bit", "vote", 1, 2),  # H = 1: a vote on each rank's own Lion step, not the per-step vote
+    ("32bit", "dsm", 3, 3),
+    ("16bit", "dsm", 2, 2),
+    ("32bit", "diloco", 3, 3),
+    ("16bit", "diloco", 3, 2),
+]
+
+
+@pytest.mark.parametrize(
+    ("variant", "outer", "h", "world"), CASES, ids=[f"{v}-{o}-h{h}-n{n}" for v, o, h, n in CASES]
+)
+def test_local_steps_match_the_simulation_on_every_rank(variant: str, outer: str, h: int, world: int) -> None:
+    outer_lr = 0.7 if outer == "diloco" else 0.5
+    results = run_workers(worker_local, world, variant, outer, h, outer_lr, "flat", 0, timeout=120)
+    want = simulate_local(variant, outer, world, h, outer_lr)
+    for rank, res in enumerate(results):
+        for i, (got, exp) in enumerate(zip(res["params"], want[rank], strict=True)):
+            assert torch.equal(got, exp), f"rank {rank} parameter {i} differs from the simulation"
+    outer_steps = STEPS // h
+    assert results[0]["stats"]["total"]["steps"] == STEPS
+    assert results[0]["stats"]["total"]["collectives"] > 0 and outer_steps >= 2
+
+
+def test_hierarchical_local_votes_match_the_flat_simulation_at_2x2() -> None:
+    results = run_workers(worker_local, 4, "1bit", "vote", 3, 0.5, "hierarchical", 0, timeout=120)
+    want = simulate_local("1bit", "vote", 4, 3, 0.5)
+    for rank, res in enumerate(results):
+        assert all(torch.equal(a, b) for a, b in zip(res["params"], want[rank], strict=True)), rank
+
+
+@pytest.mark.parametrize(("variant", "outer"), [("1bit", "vote"), ("8bit", "vote"), ("32bit", "diloco")])
+def test_a_resume_in_the_middle_of_a_window_is_bitwise(variant: str, outer: str) -> None:
+    """Saved after step 4 (one step into the second window of H = 3) and resumed: every rank's parameters,
+    inner and outer momenta and anchor equal the uninterrupted run's."""
+    args = (variant, outer, 3, 0.5, "flat")
+    whole = run_workers(worker_local, 2, *args, 0, timeout=120)
+    resumed = run_workers(worker_local, 2, *args, 4, timeout=120)
+    for rank in range(2):
+        for a, b in zip(whole[rank]["params"], resumed[rank]["params"], strict=True):
+            assert torch.equal(a, b), rank
+        for sa, sb in zip(whole[rank]["state"], resumed[rank]["state"], strict=True):
+            assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa), rank
+
+
+def worker_nan_inner(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    opt = LionCub(model.parameters(), lr=0.01, variant="1bit", local_steps=LocalSteps(h=2))
+    for step in range(1, 5):
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(10 * step + rank))
+        loss = model(x).square().mean()
+        if step == 1 and rank == 1:
+            loss = loss * float("nan")  # this rank's first inner step is skipped, on this rank only
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {"params": [p.detach().clone() for p in model.parameters()], "stats": opt.comm_stats()}
+
+
+def test_a_non_finite_inner_step_is_skipped_on_its_rank_and_the_replicas_agree_after_the_window() -> None:
+    res = run_workers(worker_nan_inner, 2, timeout=60)
+    assert res[1]["stats"]["total"]["skipped_steps"] == 1 and res[0]["stats"]["total"]["skipped_steps"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(res[0]["params"], res[1]["params"], strict=True))
+
+
+def test_one_process_with_local_steps_is_lion() -> None:
+    ps = [torch.nn.Parameter(torch.randn(7, generator=torch.Generator().manual_seed(3))) for _ in range(2)]
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    cub = LionCub(ps, lr=0.01, variant="1bit", local_steps=LocalSteps(h=2))
+    lion = Lion(qs, lr=0.01)
+    for step in range(5):
+        for p, q in zip(ps, qs, strict=True):
+            p.grad = torch.randn(7, generator=torch.Generator().manual_seed(step))
+            q.grad = p.grad.clone()
+        cub.step()
+        lion.step()
+    assert all(torch.equal(p, q) for p, q in zip(ps, qs, strict=True))
+
+
+def test_local_steps_refuse_what_has_no_meaning_between_outer_steps() -> None:
+    p = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="outer='diloco' averages the pseudo-gradients in fp32 or bf16"):
+        LionCub([p], lr=0.1, variant="1bit", local_steps=LocalSteps(h=4, outer="diloco"))
+    with pytest.raises(ValueError, match="inner_momentum='average'"):
+        LionCub([p], lr=0.1, variant="1bit", momentum_sync="all", local_steps=LocalSteps(h=4))
+    with pytest.raises(ValueError, match=r"LocalSteps: h=0 must be an int >= 1"):
+        LocalSteps(h=0)
+    with pytest.raises(ValueError, match=r"outer='sgd': allowed values are \['vote', 'dsm', 'diloco'\]"):
+        LocalSteps(h=2, outer="sgd")

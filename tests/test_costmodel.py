@@ -127,6 +127,35 @@ def test_buckets_pay_latency_and_padding_each() -> None:
     assert p.latency_s == pytest.approx(6.0)
 
 
+def test_local_steps_divide_the_vote_by_h_by_hand() -> None:
+    # 1bit, d = 1e6, N = 4, one vote every 16 steps: a vote is 2·3/4·1e6/8 = 187500 B and 2·3 = 6 α
+    # (all-to-all + all-gather, N−1 messages each); per inner step 187500/16 = 11718.75 B, 6/16 α
+    p = cm.predict("1bit", 1_000_000, 4, net(1e-3, 1e6), local_steps=16)
+    assert p.bytes_sent == pytest.approx(187_500 / 16)
+    assert p.latency_s == pytest.approx(6e-3 / 16)
+    assert p.bandwidth_s == pytest.approx(0.1875 / 16)
+    fp16 = cm.predict("16bit", 1_000_000, 4, net(1e-3, 1e6))
+    assert p.bytes_sent <= fp16.bytes_sent / 100  # the floor: 1bit/h16 moves <= 1/100 of 16bit
+
+
+@pytest.mark.parametrize("name", ["1bit", "8bit", "32bit", "dlion-mavo"])
+@pytest.mark.parametrize("h", [1, 4, 64])
+def test_local_steps_scale_every_part_of_the_vote(name: str, h: int) -> None:
+    compute = cm.DEFAULT_CPU_COMPUTE
+    every, once = (cm.predict(name, 123_457, 6, net(1e-4, 1e7), compute, local_steps=k) for k in (h, None))
+    for field in ("latency_s", "bandwidth_s", "compute_s", "bytes_sent", "bytes_recv"):
+        assert getattr(every, field) == pytest.approx(getattr(once, field) / h), field
+    cluster = cm.Cluster(2, 3, net(1e-4, 1e7), net(1e-6, 1e9))
+    pair = [cm.predict_cluster(name, 123_457, cluster, "flat", compute, local_steps=k) for k in (h, None)]
+    assert pair[0].total_s == pytest.approx(pair[1].total_s / h)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "4"])
+def test_local_steps_must_be_a_whole_number(bad: object) -> None:
+    with pytest.raises(ValueError, match="local_steps"):
+        cm.predict("1bit", 1000, 2, net(), local_steps=bad)  # type: ignore[arg-type]
+
+
 def test_single_worker_sends_nothing() -> None:
     for name in PRESET_NAMES:
         p = cm.predict(name, 1000, 1, net(1.0, 1.0), cm.DEFAULT_CPU_COMPUTE)
@@ -417,6 +446,17 @@ def test_cost_command_prints_table_winner_and_crossovers(capsys: pytest.CaptureF
     assert "1.00x" in out  # 32bit against itself
     assert "fastest by link rate:" in out and "crossovers with the winner:" in out
     assert "1bit vs 8bit-sign: equal at" in out
+
+
+def test_cost_command_with_local_steps(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["cost", "--params", "124M", "--workers", "4", "--variants", "1bit,16bit"]
+    argv += ["--bandwidth", "100mbit"]
+    assert cli.main([*argv, "--local-steps", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "one vote every 16 local steps (per inner step)" in out
+    with pytest.raises(SystemExit):
+        cli.main([*argv, "--local-steps", "0"])
+    assert "argument --local-steps:" in capsys.readouterr().err
 
 
 def test_cost_command_reports_variants_that_are_not_allowed(capsys: pytest.CaptureFixture[str]) -> None:

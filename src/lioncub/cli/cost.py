@@ -167,6 +167,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="parameters synchronised (default: all; e.g. embedding + head)",
     )
     parser.add_argument(
+        "--local-steps",
+        type=whole_number(1),
+        metavar="H",
+        help="one vote every H local steps (LionCub local_steps): times and bytes per inner step",
+    )
+    parser.add_argument(
         "--variants", type=_variants, metavar="LIST", help="comma-separated presets (default all)"
     )
     parser.add_argument("--plot", metavar="FILE.png", help="save cost vs link rate and vs N (Fig. 2 style)")
@@ -282,7 +288,8 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
             f"--variants {','.join(names)}: none is allowed for {where} ({why}); "
             f"presets that allow {n} workers: {', '.join(fits)}"
         )
-    return {"sync_every": args.sync_every, "sync_params": args.sync_params, "bucket_numel": bucket}
+    options = {"sync_every": args.sync_every, "sync_params": args.sync_params, "bucket_numel": bucket}
+    return {**options, "local_steps": args.local_steps}
 
 
 def _check_plot(path: str | None) -> None:

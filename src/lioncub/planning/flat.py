@@ -240,18 +240,23 @@ def charge(
     sync_every: int | None = None,
     sync_params: int | None = None,
     bucket_numel: int | None = None,
+    local_steps: int | None = None,
 ) -> Step:
     """One step of ``d`` elements on N ranks: ``bucket_plan(size)`` (the collectives and the compute of one
-    bucket) for every bucket, and the momentum sync, a flat fp32 ring allreduce of ``sync_params`` every
+    bucket) for every bucket — once every ``local_steps`` steps with local steps (the vote's bytes and time
+    per inner step) —, and the momentum sync, a flat fp32 ring allreduce of ``sync_params`` every
     ``sync_every`` steps (``lift`` turns it into the caller's item); ``seconds(item)`` prices an item
     (latency, bandwidth, reduction seconds)."""
     d_sync = sync_params_of(d, sync_every, sync_params)
+    if local_steps is not None and not is_int(local_steps, 1):
+        raise ValueError(f"local_steps={local_steps!r} must be None or an int >= 1 (inner steps per vote)")
+    every = local_steps or 1
     items: list[Item] = []
     compute_s = 0.0
     for size, count in buckets(d, bucket_numel):
         bucket, work = bucket_plan(size)
-        items += [dataclasses.replace(c, count=c.count * count) for c in bucket]
-        compute_s += count * sum(getattr(compute, k) * v for k, v in work.items())
+        items += [dataclasses.replace(c, count=c.count * count / every) for c in bucket]
+        compute_s += count * sum(getattr(compute, k) * v for k, v in work.items()) / every
     sync: list[Item] = []
     if sync_every is not None and n > 1 and d_sync:
         fp32 = ring("allreduce_f32", ring_bytes(4 * d_sync, n), n)
@@ -325,8 +330,10 @@ def predict(
     sync_every: int | None = None,
     sync_params: int | None = None,
     bucket_numel: int | None = None,
+    local_steps: int | None = None,
 ) -> Prediction:
-    """Predicted per-step cost of ``variant`` (preset name or ``VoteConfig``).
+    """Predicted per-step cost of ``variant`` (preset name or ``VoteConfig``); with ``local_steps`` H, per
+    inner step: one vote every H steps.
 
     Args:
         d: parameters voted on per step.
@@ -355,5 +362,6 @@ def predict(
         sync_every=sync_every,
         sync_params=sync_params,
         bucket_numel=bucket_numel,
+        local_steps=local_steps,
     )
     return Prediction(name, d, True, "", **cost_fields(step), n_workers=n, collectives=step.items)

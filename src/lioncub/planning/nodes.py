@@ -300,10 +300,12 @@ def predict_cluster(
     sync_every: int | None = None,
     sync_params: int | None = None,
     bucket_numel: int | None = None,
+    local_steps: int | None = None,
 ) -> ClusterPrediction:
     """Predicted per-step cost of ``variant`` laid over ``cluster`` as ``topology`` (options as
-    :func:`~lioncub.planning.flat.predict`; the momentum sync is a flat fp32 ring allreduce in every
-    topology). With one rank per node and ``topology="flat"`` this is ``predict`` on the NIC's network."""
+    :func:`~lioncub.planning.flat.predict`, ``local_steps`` included; the momentum sync is a flat fp32 ring
+    allreduce in every topology). With one rank per node and ``topology="flat"`` this is ``predict`` on the
+    NIC's network."""
     name, config = resolve_config(variant)
     check_d(d)
     m, ell = cluster.nnodes, cluster.nproc_per_node
@@ -323,6 +325,7 @@ def predict_cluster(
         sync_every=sync_every,
         sync_params=sync_params,
         bucket_numel=bucket_numel,
+        local_steps=local_steps,
     )
     levels = {k: step.total(k) for k in LEVEL_BYTES}
     return ClusterPrediction(name, d, True, "", **cost_fields(step), **layout, **levels, phases=step.items)

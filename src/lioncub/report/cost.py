@@ -84,6 +84,8 @@ def _table(title: str, options: dict[str, Any], columns: Sequence[str], left: Se
 
     if options.get("sync_every"):
         title += f", momentum sync every {options['sync_every']} steps"
+    if options.get("local_steps"):
+        title += f", one vote every {options['local_steps']} local steps (per inner step)"
     table = Table(title=title, title_justify="left")
     for col in columns:
         table.add_column(col, justify="left" if col in left else "right")

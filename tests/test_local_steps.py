@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from lioncub import Lion, LionCub, LocalSteps, resolve_variant
 from oracles import BETAS, GROUPS, initial_params, local_grad, lr_factor, sim_vote
@@ -101,10 +102,14 @@ def worker_local(
     params, opt, sched = build()
     for step in range(1, STEPS + 1):
         if step == stop + 1 and stop:  # a resume in the middle of a window: new objects, saved states
-            states = (opt.state_dict(), sched.state_dict(), [p.detach().clone() for p in params])
+            states = (opt.state_dict(), sched.state_dict())
+            # the model as a framework saves it, once for all ranks: rank 0's replica, loaded on every rank
+            # before the optimizer; the optimizer's state puts back this rank's own
+            model_file = [p.detach().clone() for p in params]
+            dist.broadcast_object_list(holder := [model_file], src=0, group=None)
             params, opt, sched = build()
             with torch.no_grad():
-                for p, saved in zip(params, states[2], strict=True):
+                for p, saved in zip(params, holder[0], strict=True):
                     p.copy_(saved)
             opt.load_state_dict(states[0])
             sched.load_state_dict(states[1])
@@ -151,8 +156,9 @@ def test_hierarchical_local_votes_match_the_flat_simulation_at_2x2() -> None:
 
 @pytest.mark.parametrize(("variant", "outer"), [("1bit", "vote"), ("8bit", "vote"), ("32bit", "diloco")])
 def test_a_resume_in_the_middle_of_a_window_is_bitwise(variant: str, outer: str) -> None:
-    """Saved after step 4 (one step into the second window of H = 3) and resumed: every rank's parameters,
-    inner and outer momenta and anchor equal the uninterrupted run's."""
+    """Saved after step 4 (one step into the second window of H = 3) and resumed from rank 0's model (one
+    model file) and each rank's optimizer state: every rank's parameters, inner and outer momenta and
+    anchor equal the uninterrupted run's."""
     args = (variant, outer, 3, 0.5, "flat")
     whole = run_workers(worker_local, 2, *args, 0, timeout=120)
     resumed = run_workers(worker_local, 2, *args, 4, timeout=120)

@@ -6,6 +6,11 @@ A state dict carries ``sd["lioncub"]``: the format ``version``, the ``step``, th
 ``rank``, whether it is ``consolidated`` and, when it is, ``ranks``: every rank's own state dict, each
 stored once (the entry of the rank that gathered them is ``None``: that rank's state is the dict's own
 top level).
+
+With local steps, a state saved in the middle of a window also holds this rank's parameters (each
+parameter's ``state["replica"]``: the ranks' replicas differ until the outer step), and loading it writes
+them back into the parameters: a framework that saves one model file for all ranks (rank 0's replica) and
+loads it on every rank before the optimizer still resumes every rank's own window.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ class PerRankState:
     single_process: bool
     _global_step: int
     _consolidated: list[dict[str, Any] | None] | None
+    state: Any  # torch.optim.Optimizer's
+    param_groups: list[dict[str, Any]]
 
     def _engines(self) -> list[StepEngine]:
         """The step engines whose votes hold state (a stochastic quantizer's generator)."""
@@ -72,7 +79,19 @@ class PerRankState:
             # a stochastic quantizer's stream: the overlap hook's vote draws from its own when overlapping
             "generator": _generator_state(self._engines()[-1].vote),
         }
+        if self.local_steps is not None and self._global_step % self.local_steps.h:
+            self._add_replicas(sd)
         return sd
+
+    def _add_replicas(self, sd: dict[str, Any]) -> None:
+        """Each windowed parameter's value on this rank as ``sd["state"][i]["replica"]`` (new dicts:
+        ``self.state``'s own are left alone); the indices are ``torch.optim.Optimizer.state_dict``'s."""
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if "anchor" in self.state.get(p, {}):
+                    sd["state"][index] = {**sd["state"][index], "replica": p.detach()}
+                index += 1
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's :meth:`state_dict` on rank ``to`` (a rank of the optimizer's group), so that
@@ -132,6 +151,12 @@ class PerRankState:
                     generator.set_state(meta["generator"])
         super().load_state_dict(sd)  # type: ignore[misc]
         self._consolidated = None
+        with torch.no_grad():  # a window's replica, saved in its middle (local steps)
+            for group in self.param_groups:
+                for p in group["params"]:
+                    replica = self.state.get(p, {}).pop("replica", None)
+                    if replica is not None:
+                        p.copy_(replica)
 
     def _check_meta(self, meta: dict[str, Any], allow_world_size_change: bool) -> None:
         """Refuse a state of another version, update rule, world size or rank (:meth:`load_state_dict`)."""

@@ -39,6 +39,7 @@ BATCH = 2  # per rank and micro-batch ("-big": ACCUM * BATCH, no accumulation)
 LR = 1e-3
 WEIGHT_DECAY = 0.1
 VOCAB, SEQ = 64, 8
+LOCAL_H = 2  # the local-steps runs' H: SAVE_AT is in the middle of a window
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -352,6 +353,12 @@ def hf_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
             )
     # one step of ACCUM micro-batches, and one of the same samples in one batch (no clipping)
     one_step = dict(callback=False, max_steps=1, max_grad_norm=0.0, save_strategy="no", dropout=0.0)
+    # local steps, H = 2: the save after step 3 is in the middle of a window (the replicas differ there)
+    local = dict(callback=False, lioncub={"local_steps": LOCAL_H})
+    scenarios["local"] = lambda w: train(w / "local", "1bit", False, **local)
+    scenarios["local-resume"] = lambda w: train(
+        w / "local", "1bit", False, resume=True, output_dir=str(w / "local-resume"), **local
+    )
     scenarios["accum"] = lambda w: train(w / "accum", "1bit", False, **one_step)
     scenarios["big"] = lambda w: train(
         w / "big",
@@ -421,6 +428,7 @@ def accelerate_train(
     accum: int = ACCUM,
     batch: int = BATCH,
     clip: bool = False,
+    local_steps: int | None = None,
     **accelerator_kw: Any,
 ) -> dict[str, Any]:
     """A run of ``steps`` through ``Accelerator(cpu=True, **accelerator_kw)`` and :func:`prepare`, saving
@@ -433,7 +441,7 @@ def accelerate_train(
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accum, **accelerator_kw)
     torch.manual_seed(7)  # the loader's shuffle: the same in both runs
     m = tiny_lm()
-    opt = LionCub(param_groups(m), lr=LR, variant=variant, model=m)
+    opt = LionCub(param_groups(m), lr=LR, variant=variant, model=m, local_steps=local_steps)
     total = STEPS * accelerator.num_processes  # accelerate steps the scheduler once per process
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / total)
     loader = DataLoader(tokens(), batch_size=batch)
@@ -477,6 +485,8 @@ def accelerate_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
             scenarios[f"{name}-resume"] = lambda w, v=variant, o=overlap, c=clip, n=name: train(
                 w / n, v, o, clip=c, resume=True
             )
+    scenarios["local"] = lambda w: train(w / "local", "1bit", False, local_steps=LOCAL_H)
+    scenarios["local-resume"] = lambda w: train(w / "local", "1bit", False, local_steps=LOCAL_H, resume=True)
     scenarios["accum"] = lambda w: train(w / "accum", "1bit", False, steps=1)
     scenarios["big"] = lambda w: train(w / "big", "1bit", False, steps=1, accum=1, batch=ACCUM * BATCH)
 
@@ -517,9 +527,9 @@ def lightning_kit() -> SimpleNamespace:
     from lioncub.integrations.lightning import LionCubStrategy
 
     class Module(pl.LightningModule):
-        def __init__(self, variant: str) -> None:
+        def __init__(self, variant: str, local_steps: int | None) -> None:
             super().__init__()
-            self.variant = variant
+            self.variant, self.local_steps = variant, local_steps
             self.net = tiny_lm()
             self.recorder: Recorder | None = None
             self.clipped: list[float] = []  # the gradients' L2 norm after each step's clipping
@@ -542,7 +552,13 @@ def lightning_kit() -> SimpleNamespace:
             self.recorder.grads_now()
 
         def configure_optimizers(self) -> dict[str, Any]:
-            opt = LionCub(param_groups(self.net), lr=LR, variant=self.variant, model=self.net)
+            opt = LionCub(
+                param_groups(self.net),
+                lr=LR,
+                variant=self.variant,
+                model=self.net,
+                local_steps=self.local_steps,
+            )
             self.recorder = Recorder(
                 opt, self.net, grads_at_step=False
             )  # the closure's backward is in step()
@@ -562,11 +578,12 @@ def lightning_kit() -> SimpleNamespace:
         steps: int = STEPS,
         accum: int = ACCUM,
         batch: int = BATCH,
+        local_steps: int | None = None,
         **trainer_kw: Any,
     ) -> dict[str, Any]:
         """A run of ``steps`` with ``LionCubStrategy``, checkpointed every ``SAVE_AT`` steps (``resume``: from
         the first); ``trainer_kw`` go to ``pl.Trainer`` (``precision``, ``gradient_clip_algorithm``)."""
-        module = Module(variant)
+        module = Module(variant, local_steps)
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=2,
@@ -614,6 +631,10 @@ def lightning_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
             scenarios[f"{name}-resume"] = lambda w, v=variant, o=overlap, c=clip, n=name: train(
                 w / n, v, o, clip=c, resume=True
             )
+    scenarios["local"] = lambda w: train(w / "local", "1bit", False, clip=1.0, local_steps=LOCAL_H)
+    scenarios["local-resume"] = lambda w: train(
+        w / "local", "1bit", False, clip=1.0, local_steps=LOCAL_H, resume=True
+    )
     scenarios["accum"] = lambda w: train(w / "accum", "1bit", False, steps=1)
     scenarios["big"] = lambda w: train(w / "big", "1bit", False, steps=1, accum=1, batch=ACCUM * BATCH)
     scenarios["refusals"] = lambda w: {
@@ -695,6 +716,19 @@ def hf_guard_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
         return warned
 
     scenarios["optim-arg"] = optim_arg
+    # local steps with max_steps and eval_steps that are not multiples of H: the Trainer warns
+    scenarios["local-odd"] = lambda w: kit.train(
+        w / "local-odd",
+        "1bit",
+        False,
+        callback=False,
+        lioncub={"local_steps": LOCAL_H},
+        max_steps=SAVE_AT,
+        evaluate=True,
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="no",
+    )
     return scenarios
 
 

@@ -6,6 +6,7 @@
 * ``torch.compile`` through the frameworks: ``TrainingArguments(torch_compile=True)`` and
   ``Accelerator(dynamo_backend=...)`` compile around the DDP model (with the ``"eager"`` backend, the
   cheapest that still makes an ``OptimizedModule``: inductor would compile C++ on this CPU).
+* Local steps: the Trainer warns of a ``max_steps`` or an ``eval_steps`` that ends or evaluates mid-window.
 * Lightning's ``gradient_clip_val`` under ``bf16-mixed`` (no scaler) and ``16-mixed`` (a GradScaler).
 * ``allow_world_size_change`` through ``trainer.train(resume_from_checkpoint=...)``; a warning for
   ``TrainingArguments(optim=...)``, which LionCubTrainer ignores; one warning for a resume from a
@@ -163,6 +164,20 @@ def test_a_resume_without_optimizer_state_warns_once() -> None:
     assert all(r["opt_step_loaded"] == 0 for r in resumed)
     full = scenario("hf", "late-save-resume")
     assert not any("holds no optimizer state" in w for r in full for w in r["warned"])
+
+
+@pytest.mark.slow
+@pytest.mark.background("guards:hf")
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_trainer_warns_of_local_steps_that_end_or_evaluate_mid_window() -> None:
+    """``local_steps=2`` with ``max_steps=3`` and ``eval_steps=1``: rank 0 warns once that the final model
+    is a replica and once that step 1's evaluation is of each rank's own replica (not at step 2)."""
+    ranks = scenario("hf", "local-odd")
+    ends = [[w for w in r["warned"] if "is not a multiple of local_steps h=2" in w] for r in ranks]
+    evals = [[w for w in r["warned"] if "in the middle of a window" in w] for r in ranks]
+    assert [len(e) for e in ends] == [1, 0] and "max_steps=3" in ends[0][0]
+    assert [len(e) for e in evals] == [1, 0] and "evaluating at step 1" in evals[0][0]
+    assert "set eval_steps to a multiple of 2" in evals[0][0]
 
 
 def test_the_guard_jobs_exist() -> None:

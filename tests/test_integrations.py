@@ -142,6 +142,21 @@ def test_resume_through_the_framework_is_bitwise(framework: str, run: str) -> No
 
 
 @pytest.mark.parametrize("framework", [pytest.param(f, marks=_marks(f)) for f in NEEDS])
+def test_local_steps_through_the_framework_resume_in_the_middle_of_a_window(framework: str) -> None:
+    """``local_steps=2``: after the window of steps 5–6 the replicas are one again, each rank's inner
+    momentum its own; the checkpoint after step 3 (mid-window: the framework saved rank 0's replica as the
+    model) resumes bitwise on every rank, its own replica restored from its optimizer state."""
+    full, resumed = scenario(framework, "local"), scenario(framework, "local-resume")
+    assert _equal(full[0]["first_grads"], full[1]["first_grads"]) == sorted(full[0]["first_grads"])
+    assert _equal(full[0]["params"], full[1]["params"]) == []
+    assert _equal(full[0]["momenta"], full[1]["momenta"]) != []
+    for rank in (0, 1):
+        assert resumed[rank]["opt_step"] == full[rank]["opt_step"] == jobs.STEPS
+        assert _equal(full[rank]["params"], resumed[rank]["params"]) == [], f"rank {rank}"
+        assert _equal(full[rank]["momenta"], resumed[rank]["momenta"]) == [], f"rank {rank}"
+
+
+@pytest.mark.parametrize("framework", [pytest.param(f, marks=_marks(f)) for f in NEEDS])
 def test_accumulation_keeps_every_micro_batch(framework: str) -> None:
     """One step of 2 accumulated micro-batches against one batch of the same samples (per rank or, where
     the framework shards batch by batch, over both ranks): the no-sync micro-batch kept its gradient."""

@@ -214,3 +214,15 @@ def test_local_steps_refuse_what_has_no_meaning_between_outer_steps() -> None:
         LocalSteps(h=0)
     with pytest.raises(ValueError, match=r"outer='sgd': allowed values are \['vote', 'dsm', 'diloco'\]"):
         LocalSteps(h=2, outer="sgd")
+
+
+def test_local_steps_given_as_an_int_or_a_dict() -> None:
+    p = torch.nn.Parameter(torch.zeros(3))
+    assert LionCub([p], lr=0.1, local_steps=8).local_steps == LocalSteps(h=8)
+    config = {"h": 4, "outer": "vote", "outer_lr": 0.5, "inner_momentum": "reset"}
+    assert LionCub([p], lr=0.1, local_steps=config).local_steps == LocalSteps(**config)
+    with pytest.raises(ValueError, match=r"unknown keys \['H'\]; the keys are \['h', 'outer'"):
+        LionCub([p], lr=0.1, local_steps={"H": 4})
+    for bad in (True, 2.5, "16"):
+        with pytest.raises(TypeError, match=r"must be a lioncub\.LocalSteps"):
+            LionCub([p], lr=0.1, local_steps=bad)  # type: ignore[arg-type]

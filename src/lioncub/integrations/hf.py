@@ -37,6 +37,10 @@ What it does:
   installed on the DDP model inside.
 * **Logs.** ``lioncub_bytes_sent_per_step`` and ``lioncub_skipped_steps`` join every log of the Trainer
   (:class:`~lioncub.integrations.common.CommLog`).
+* **Local steps** (``lioncub=dict(local_steps=16)``): each rank trains its own replica between outer
+  steps. A checkpoint in the middle of a window resumes bitwise (each rank's replica is in its optimizer
+  state); its model file is rank 0's replica. ``max_steps`` and ``eval_steps`` that are not multiples of H
+  are warned about: the final model, or an evaluation, would be the replicas', not the common parameters.
 """
 
 from __future__ import annotations
@@ -134,6 +138,7 @@ class LionCubCallback(TrainerCallback):
         self.built: LionCub | None = None  # the optimizer this callback built, if it did
         #: LionCub's traffic for the logs (from the start of training)
         self.comm_log: CommLog | None = None
+        self._warned_eval = False
         _check_overlap(trainer.args, overlap)
         if trainer.optimizer is not None:
             find_lioncub(trainer.optimizer, "LionCubCallback: Trainer(optimizers=(optimizer, ...))")
@@ -281,9 +286,34 @@ class LionCubCallback(TrainerCallback):
                 f"callback's options {sorted(self.options)} were not used: pass them to that LionCub(...)"
             )
         install_vote(opt, self.trainer.model_wrapped, overlap=self.overlap, where="LionCubCallback")
+        h = opt.local_steps.h if opt.local_steps is not None else 1
+        if state.max_steps % h and args.process_index == 0:
+            warnings.warn(
+                f"{self.where}: max_steps={state.max_steps} is not a multiple of local_steps h={h}: the last "
+                f"{state.max_steps % h} inner steps end without an outer step, and the final model (the "
+                "one the Trainer saves) is rank 0's replica, not the ranks' common parameters",
+                stacklevel=2,
+            )
         # fp16: every rank's scaler skips, backs off and grows together (lioncub.optim.amp)
         agree_on_overflow(getattr(self.trainer.accelerator, "scaler", None))
         self.comm_log = CommLog(opt)
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """With local steps, an evaluation the Trainer is about to run in the middle of a window (each rank
+        would evaluate its own replica) is warned about, once."""
+        opt = self.optimizer
+        h = opt.local_steps.h if opt.local_steps is not None else 1
+        if control.should_evaluate and state.global_step % h and not self._warned_eval:
+            self._warned_eval = True
+            if args.process_index == 0:
+                warnings.warn(
+                    f"{self.where}: evaluating at step {state.global_step}, in the middle of a window of "
+                    f"local_steps h={h}: each rank evaluates its own replica (they agree at multiples of "
+                    f"{h}); set eval_steps to a multiple of {h}",
+                    stacklevel=2,
+                )
 
     def on_log(
         self,

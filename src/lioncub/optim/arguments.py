@@ -4,7 +4,9 @@ and the framework hint of its first-step warning."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -75,18 +77,32 @@ def check_options(
 
 
 def check_local_steps(
-    local_steps: LocalSteps | None,
+    local_steps: LocalSteps | int | Mapping[str, Any] | None,
     config: VoteConfig,
     variant: str,
     momentum_sync: Any,
     diagnostics_every: int,
-) -> None:
-    """The refusals of ``local_steps=``: its type, a rule that needs a dense exchange, and the options that
-    have no meaning between outer steps."""
+) -> LocalSteps | None:
+    """``local_steps=`` as a :class:`LocalSteps` (an int H is ``LocalSteps(h=H)``, a mapping its fields: a
+    config file's form), after the refusals: a rule that needs a dense exchange, and the options that have
+    no meaning between outer steps."""
     if local_steps is None:
-        return
+        return None
+    if isinstance(local_steps, int) and not isinstance(local_steps, bool):
+        local_steps = LocalSteps(h=local_steps)
+    elif isinstance(local_steps, Mapping):
+        known = [f.name for f in dataclasses.fields(LocalSteps)]
+        unknown = sorted(set(local_steps) - set(known))
+        if unknown:
+            raise ValueError(
+                f"local_steps={dict(local_steps)!r}: unknown keys {unknown}; the keys are {known}"
+            )
+        local_steps = LocalSteps(**local_steps)
     if not isinstance(local_steps, LocalSteps):
-        raise TypeError(f"local_steps={local_steps!r} must be a lioncub.optim.LocalSteps(h=...) or None")
+        raise TypeError(
+            f"local_steps={local_steps!r} must be a lioncub.LocalSteps(h=...), an int H, a dict of "
+            "LocalSteps' fields, or None"
+        )
     local_steps.check_variant(config.transport, variant)
     sync = momentum_sync.params if isinstance(momentum_sync, MomentumSync) else momentum_sync
     if sync != "none":
@@ -98,6 +114,7 @@ def check_local_steps(
         raise ValueError(
             "local_steps with diagnostics_every: the vote diagnostics are per-step votes' (set 0)"
         )
+    return local_steps
 
 
 def check_group(group: dict[str, Any], index: int) -> None:

@@ -46,7 +46,7 @@ import dataclasses
 import logging
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -125,7 +125,8 @@ class LionCub(PerRankState, WindowedSteps, LeanOptimizer):
             this costs extra collectives on those steps only (not counted in :meth:`comm_stats`). 0: off.
         maximize: maximise instead of minimise.
         local_steps: :class:`~lioncub.optim.local_steps.LocalSteps`: H local Lion steps per rank, then one
-            outer step on the pseudo-gradients (a vote every H steps); ``None`` (default): a vote every step.
+            outer step on the pseudo-gradients (a vote every H steps); an int H is ``LocalSteps(h=H)``, a
+            dict its fields; ``None`` (default): a vote every step.
 
     At construction every rank checks that all ranks hold the same parameter list (names, shapes, dtypes,
     order: one hash all-gathered) and raises :class:`ReplicaMismatchError` naming the first difference.
@@ -149,13 +150,14 @@ class LionCub(PerRankState, WindowedSteps, LeanOptimizer):
         checks: Checks = Checks(),
         diagnostics_every: int = 0,
         maximize: bool = False,
-        local_steps: LocalSteps | None = None,
+        local_steps: LocalSteps | int | Mapping[str, Any] | None = None,
     ) -> None:
         config, self.variant = vote_config(variant)
         check_options(config, self.variant, bucket_mb, model, checks, diagnostics_every)
-        check_local_steps(local_steps, config, self.variant, momentum_sync, diagnostics_every)
         #: H local steps per outer step (:mod:`lioncub.optim.local_steps`), or ``None``: a vote every step
-        self.local_steps = local_steps
+        self.local_steps = check_local_steps(
+            local_steps, config, self.variant, momentum_sync, diagnostics_every
+        )
         self._ready = False  # add_param_group: the base constructor calls it before the rest exists
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize))
         for index, group in enumerate(self.param_groups):

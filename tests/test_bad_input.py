@@ -200,6 +200,43 @@ LIONCUB_CASES = [
     ),
     case({"maximize": 1}, ValueError, ["maximize", "True or False"], id="maximize"),
     case({"model": "not a module"}, TypeError, ["model", "Module"], id="model-not-module"),
+    case({"local_steps": 0}, ValueError, ["LocalSteps: h=0", ">= 1"], id="local-h-0"),
+    case({"local_steps": "16"}, TypeError, ["local_steps='16'", "LocalSteps(h=...)"], id="local-text"),
+    case({"local_steps": {"H": 4}}, ValueError, ["unknown keys ['H']", "'outer'"], id="local-key"),
+    case(
+        {"local_steps": {"h": 4, "outer": "sgd"}}, ValueError, ["outer='sgd'", "'diloco'"], id="local-outer"
+    ),
+    case({"local_steps": {"h": 4, "outer_lr": 0}}, ValueError, ["outer_lr=0", "> 0"], id="local-outer-lr"),
+    case(
+        {"local_steps": {"h": 4, "outer_betas": (1.0, 0.9)}},
+        ValueError,
+        ["outer_betas=(1.0, 0.9)", "[0, 1)"],
+        id="local-betas",
+    ),
+    case(
+        {"local_steps": {"h": 4, "inner_momentum": "zero"}},
+        ValueError,
+        ["inner_momentum='zero'", "'reset'"],
+        id="local-inner",
+    ),
+    case(
+        {"local_steps": {"h": 4, "outer": "dsm"}},
+        ValueError,
+        ["outer='dsm'", "variant='32bit' or '16bit'"],
+        id="local-dsm-1bit",
+    ),
+    case(
+        {"local_steps": 4, "momentum_sync": "all"},
+        ValueError,
+        ["local_steps with momentum_sync", "inner_momentum='average'"],
+        id="local-sync",
+    ),
+    case(
+        {"local_steps": 4, "diagnostics_every": 2},
+        ValueError,
+        ["diagnostics_every", "(set 0)"],
+        id="local-diag",
+    ),
 ]
 
 

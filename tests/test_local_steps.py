@@ -226,3 +226,16 @@ def test_local_steps_given_as_an_int_or_a_dict() -> None:
     for bad in (True, 2.5, "16"):
         with pytest.raises(TypeError, match=r"must be a lioncub\.LocalSteps"):
             LionCub([p], lr=0.1, local_steps=bad)  # type: ignore[arg-type]
+
+
+def test_a_state_of_other_local_steps_settings_and_overlap_are_refused() -> None:
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 0.5)
+    opt = LionCub([p], lr=0.1, local_steps=4)
+    opt.step()
+    sd = opt.state_dict()
+    for other in (None, LocalSteps(h=8), LocalSteps(h=4, inner_momentum="reset")):
+        with pytest.raises(ValueError, match="a resume keeps the windows and the outer step"):
+            LionCub([torch.nn.Parameter(torch.ones(3))], lr=0.1, local_steps=other).load_state_dict(sd)
+    with pytest.raises(ValueError, match="no vote in the backward"):
+        opt.overlap_with(torch.nn.Linear(2, 2))

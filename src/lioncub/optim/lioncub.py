@@ -465,6 +465,11 @@ class LionCub(PerRankState, WindowedSteps, LeanOptimizer):
         applies them. Results are bitwise those of the step without overlap. Collective: every rank calls
         it (it creates ``process_group``, the group the votes travel on, if not given). Returns the hook
         (``None`` on one process, where there is no vote to overlap)."""
+        if self.local_steps is not None:
+            raise ValueError(
+                "overlap_with: with local_steps there is no vote in the backward (the ranks vote every "
+                f"{self.local_steps.h} steps, in step()); use skip_gradient_allreduce(model)"
+            )
         if self.single_process:
             _log.info("LionCub.overlap_with: one process, no vote to overlap: the plain step runs")
             return None
@@ -474,11 +479,6 @@ class LionCub(PerRankState, WindowedSteps, LeanOptimizer):
             raise ValueError(
                 f"overlap_with: topology={self.config.topology!r} votes run after the backward (the overlap "
                 "hook votes flat); use the plain step, or topology='flat'"
-            )
-        if self.local_steps is not None:
-            raise ValueError(
-                "overlap_with: with local_steps there is no vote in the backward (the ranks vote every "
-                f"{self.local_steps.h} steps, in step()); use skip_gradient_allreduce(model)"
             )
         comm = overlap_group(model, self.comm, process_group)
         ordered = sorted(self.layout.order, key=self.layout.order.__getitem__)

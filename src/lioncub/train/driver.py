@@ -266,7 +266,10 @@ def run_training(
         if bar is not None:
             bar.done.set()
             bar.join(timeout=5)
-    finish_run(run_dir, result.ok)
+    try:
+        finish_run(run_dir, result.ok)
+    except OSError as exc:  # e.g. a full disk: the directory stays as the ranks left it, and can be resumed
+        print(f"lioncub: could not finish {run_dir} ({exc}); it stays as the ranks left it", file=err)
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if result.ok and summary_path.exists() else None
     return RunOutcome(result.returncode, result.message, summary)

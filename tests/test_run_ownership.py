@@ -99,19 +99,11 @@ def make_run(
 
 
 def save_tiny(run_dir: Path, step: int, variant: str = "8bit") -> None:
+    """A checkpoint of a one-rank run of a tiny linear model, as the training loop saves one."""
     model = torch.nn.Linear(3, 2)
+    parts = {"model": model, "optimizer": Lion(model.parameters(), lr=0.1), "data_state": {}}
     meta = {"variant": variant, "workload": "gpt", "size": "tiny", "seed": 0}
-    checkpoint.save(
-        run_dir,
-        step=step,
-        rank=0,
-        world_size=1,
-        model=model,
-        optimizer=Lion(model.parameters(), lr=0.1),
-        data_state={},
-        meta=meta,
-        barrier=lambda: None,
-    )
+    checkpoint.save(run_dir, step=step, rank=0, world_size=1, meta=meta, barrier=lambda: None, **parts)
 
 
 # ----------------------------------------------------------------------------- ownership: the record

@@ -18,7 +18,15 @@ import pytest
 
 import background
 from cli_stub import cli_runner
-from lioncub.train.rundir import MARKER, check_out_path, claim, foreign_entries, is_marked, record, remove_owned
+from lioncub.train.rundir import (
+    MARKER,
+    check_out_path,
+    claim,
+    foreign_entries,
+    is_marked,
+    record,
+    remove_owned,
+)
 
 THESIS = b"irreplaceable\n"
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lioncub.cli.options import add_run_arguments, config_from_args
+from lioncub.cli.options import add_run_arguments, config_from_args, train_run
 
 if TYPE_CHECKING:
     from lioncub.train.config import TrainConfig
@@ -184,7 +184,7 @@ def _train(
 ) -> int:
     """Train every variant whose finished run cannot be reused, one after another (each under its run
     directory's writer lock); the exit status of the first that fails (0 if none does)."""
-    from lioncub.train.driver import format_summary, run_training
+    from lioncub.train.driver import format_summary
     from lioncub.train.prepare import prepare_run_dir
 
     for i, (config, run_dir) in enumerate(zip(configs, run_dirs, strict=True)):
@@ -198,18 +198,7 @@ def _train(
             print(f"lioncub compare: error: {exc}", file=sys.stderr)
             return 2
         print(f"{label}: training in {run_dir}", file=sys.stderr, flush=True)
-        try:
-            outcome = run_training(
-                config,
-                run_dir,
-                timeout_s=args.timeout or None,
-                progress=not args.no_progress,
-                label=label,
-                restarts=args.restarts,
-                collective_timeout_s=args.collective_timeout,
-            )
-        finally:
-            lock.release()
+        outcome = train_run(args, config, run_dir, lock, label)
         if outcome.summary is None:
             print(
                 f"lioncub compare: {variants[i]} failed (exit code {outcome.returncode}; the launcher "

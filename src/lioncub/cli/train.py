@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 
-from lioncub.cli.options import add_run_arguments, config_from_args
+from lioncub.cli.options import add_run_arguments, config_from_args, train_run
 
 EPILOG = """\
 examples:
@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lioncub.train.driver import check_before_launch, check_launch_options, format_summary, run_training
+    from lioncub.train.driver import check_before_launch, check_launch_options, format_summary
     from lioncub.train.prepare import load_saved_config, prepare_run_dir
     from lioncub.train.rundir import check_out_path
 
@@ -67,17 +67,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, FileNotFoundError) as exc:
         print(f"lioncub train: error: {exc}", file=sys.stderr)
         return 2
-    try:
-        outcome = run_training(
-            config,
-            run_dir,
-            timeout_s=args.timeout or None,
-            progress=not args.no_progress,
-            restarts=args.restarts,
-            collective_timeout_s=args.collective_timeout,
-        )
-    finally:
-        lock.release()
+    outcome = train_run(args, config, run_dir, lock)
     if outcome.summary is None:
         print(
             f"lioncub train: failed (exit code {outcome.returncode}; the launcher said why above)",

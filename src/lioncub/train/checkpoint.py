@@ -36,7 +36,6 @@ import json
 import os
 import random
 import re
-import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +45,16 @@ import numpy as np
 import torch
 
 from lioncub.train.config import CONVERSIONS
-from lioncub.train.rundir import Record, fsync_dir, is_marked, read_record, record, write_atomically
+from lioncub.train.rundir import (
+    Record,
+    fsync_dir,
+    is_marked,
+    meta_files,
+    read_record,
+    record,
+    regular_file,
+    write_atomically,
+)
 
 __all__ = [
     "CONVERSIONS",
@@ -166,20 +174,13 @@ def _final_names(world_size: int) -> list[str]:
     return ["meta.json", "model.pt", *(f"rank{r}.pt" for r in range(world_size))]
 
 
-def _regular(path: Path) -> bool:
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    except OSError:
-        return False
-
-
 def _empty_out(path: Path, names: list[str]) -> None:
     """Delete the files ``names`` of lioncub's directory ``path`` (a leftover of an earlier save) and the
     directory; ``ValueError`` naming what else is there (nothing of it is touched)."""
     if not os.path.lexists(path):
         return
     for name in names:
-        if _regular(path / name):
+        if regular_file(path / name):
             os.unlink(path / name)
     rest = sorted(os.listdir(path)) if path.is_dir() and not path.is_symlink() else [path.name]
     if rest:
@@ -200,9 +201,9 @@ def _drop_old(run_dir: Path, keep: int, marked: bool) -> list[str]:
         if rec is not None:
             files = [f.rsplit("/", 1)[1] for f in rec.files if f.startswith(rel + "/") and f.count("/") == 2]
         else:
-            files = ["meta.json", *_meta_files(root / name)]
+            files = ["meta.json", *meta_files(root / name)]
         for file in files:
-            if _regular(root / name / file):
+            if regular_file(root / name / file):
                 os.unlink(root / name / file)
             gone.append(f"{rel}/{file}")
         try:
@@ -211,14 +212,6 @@ def _drop_old(run_dir: Path, keep: int, marked: bool) -> list[str]:
         except OSError:  # files of the user's are in it: they and the directory stay
             pass
     return gone
-
-
-def _meta_files(path: Path) -> list[str]:
-    try:
-        names = json.loads((path / "meta.json").read_bytes()).get("sha256", {})
-    except (OSError, ValueError, AttributeError):
-        return []
-    return [n for n in names if isinstance(n, str) and "/" not in n] if isinstance(names, dict) else []
 
 
 def save(
@@ -336,7 +329,7 @@ def _complete(path: Path) -> tuple[CheckpointMeta | None, str]:
         )
     except (KeyError, TypeError, ValueError) as err:
         return None, f"checkpoint {path}: meta.json lacks or garbles {err}"
-    missing = [n for n in meta.sha256 if not _regular(path / n)]
+    missing = [n for n in meta.sha256 if not regular_file(path / n)]
     if missing:
         return None, f"checkpoint {path} lacks {', '.join(missing)}"
     return meta, ""

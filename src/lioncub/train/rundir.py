@@ -65,9 +65,11 @@ __all__ = [
     "foreign_entries",
     "fsync_dir",
     "is_marked",
+    "meta_files",
     "open_append",
     "read_record",
     "record",
+    "regular_file",
     "remove_owned",
     "survey",
     "write_atomically",
@@ -186,7 +188,8 @@ def is_marked(path: Path, kind: str = "run") -> bool:
     return doc is not None and doc["kind"] == kind
 
 
-def _regular(path: Path) -> bool:
+def regular_file(path: Path) -> bool:
+    """Whether ``path`` is a regular file itself (not a symbolic link to one)."""
     try:
         return stat.S_ISREG(os.lstat(path).st_mode)
     except OSError:
@@ -229,41 +232,41 @@ def _adopt_v1(path: Path, kind: str) -> Record:
     """The record of a marker without a list: what that lioncub always wrote, by exact name."""
     rec = Record(kind, version=1)
     if kind == "compare":
-        rec.files = {name: [] for name in COMPARE_FILES if _regular(path / name)}
+        rec.files = {name: [] for name in COMPARE_FILES if regular_file(path / name)}
         with contextlib.suppress(OSError):
             rec.dirs = {
                 e.name for e in os.scandir(path) if _real_dir(Path(e.path)) and is_marked(Path(e.path))
             }
         return rec
-    if kind != "run" or not _regular(path / "config.json") or not _lioncub_config(path / "config.json"):
+    if kind != "run" or not regular_file(path / "config.json") or not _lioncub_config(path / "config.json"):
         return rec
-    rec.files = {name: [] for name in _V1_RUN_FILES if _regular(path / name)}
+    rec.files = {name: [] for name in _V1_RUN_FILES if regular_file(path / name)}
     rec.files["config.json"] = [str(_sha256(path / "config.json"))]
     root = path / "checkpoints"
     if not _real_dir(root):
         return rec
     rec.dirs.add("checkpoints")
-    rec.files.update({f"checkpoints/{n}": [] for n in ("latest", "latest.part") if _regular(root / n)})
+    rec.files.update({f"checkpoints/{n}": [] for n in ("latest", "latest.part") if regular_file(root / n)})
     for entry in sorted(os.scandir(root), key=lambda e: e.name):
         sub = Path(entry.path)
         if _real_dir(sub) and _STEP.fullmatch(entry.name):
-            names = ["meta.json", *(n for n in _meta_names(sub) if _CHECKPOINT_FILE.fullmatch(n))]
+            names = ["meta.json", *(n for n in meta_files(sub) if _CHECKPOINT_FILE.fullmatch(n))]
         elif _real_dir(sub) and _TMP_STEP.fullmatch(entry.name):
             names = [e.name for e in os.scandir(sub) if _TMP_FILE.fullmatch(e.name)]
         else:
             continue
         rec.dirs.add(f"checkpoints/{entry.name}")
-        rec.files.update({f"checkpoints/{entry.name}/{n}": [] for n in names if _regular(sub / n)})
+        rec.files.update({f"checkpoints/{entry.name}/{n}": [] for n in names if regular_file(sub / n)})
     return rec
 
 
-def _meta_names(step_dir: Path) -> list[str]:
-    """The files a checkpoint's ``meta.json`` lists ([] if it cannot be read)."""
+def meta_files(step_dir: Path) -> list[str]:
+    """The files a checkpoint's ``meta.json`` lists, in its directory ([] if it cannot be read)."""
     try:
         names = json.loads((step_dir / "meta.json").read_bytes()).get("sha256", {})
     except (OSError, ValueError, AttributeError):
         return []
-    return [n for n in names if isinstance(n, str)] if isinstance(names, dict) else []
+    return [n for n in names if isinstance(n, str) and "/" not in n] if isinstance(names, dict) else []
 
 
 def write_record(path: Path, rec: Record) -> None:
@@ -398,7 +401,12 @@ def _walk(root: Path, rel_dir: str, rec: Record | None, subruns: bool, out: Surv
     for entry in sorted(os.scandir(root / rel_dir), key=lambda e: e.name):
         rel = rel_dir + entry.name
         recorded = rec is not None and (rel in rec.files or rel in rec.dirs)
-        if not rel_dir and out.record is not None and entry.name in OWN_FILES and _regular(Path(entry.path)):
+        if (
+            not rel_dir
+            and out.record is not None
+            and entry.name in OWN_FILES
+            and regular_file(Path(entry.path))
+        ):
             continue
         if entry.is_symlink():
             out.foreign.append(rel)
@@ -473,7 +481,7 @@ def remove_owned(
         write_record(path, Record(kind))
         return
     for name in (*OWN_FILES[1:], MARKER):
-        if _regular(path / name):
+        if regular_file(path / name):
             os.unlink(path / name)
     if not keep_dir:
         path.rmdir()
@@ -498,7 +506,7 @@ def write_atomically(path: Path, data: bytes | str) -> str:
     Returns the SHA-256 (hex) of the bytes."""
     raw = data.encode() if isinstance(data, str) else data
     tmp = Path(path).with_name(Path(path).name + ".part")
-    if _regular(tmp):
+    if regular_file(tmp):
         os.unlink(tmp)  # a leftover of an interrupted write
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     with os.fdopen(fd, "wb") as f:

@@ -379,9 +379,10 @@ class Survey:
 def survey(path: Path, kind: str = "run", *, subruns: bool = False) -> Survey:
     """Sort what ``path`` holds into lioncub's and the user's (:class:`Survey`); nothing for a missing
     directory. With ``subruns`` (a compare directory) a subdirectory that is a marked run directory (its
-    own record says what it holds) or empty is lioncub's."""
+    own record says what it holds) or empty is lioncub's. ``path`` itself may be a link to a directory
+    (the user named it); nothing below it is followed."""
     path = Path(path)
-    if not _real_dir(path):
+    if not path.is_dir():
         return Survey(None)
     rec = read_record(path, kind)
     out = Survey(rec)
@@ -483,7 +484,7 @@ def remove_owned(
     for name in (*OWN_FILES[1:], MARKER):
         if regular_file(path / name):
             os.unlink(path / name)
-    if not keep_dir:
+    if not keep_dir and not path.is_symlink():
         path.rmdir()
 
 

@@ -1,37 +1,21 @@
 """Run directories: which paths are lioncub's, how it writes them, and what it may delete.
 
-lioncub writes into three kinds of directories: a **run directory** (``lioncub train --out``, ``lioncub
-compare``'s ``OUT/<variant>``), a **compare directory** (``lioncub compare --out``: its report and one run
-directory per variant) and a **plots directory** (``lioncub report --out``).
+lioncub writes into **run directories** (``lioncub train --out``, ``lioncub compare``'s ``OUT/<variant>``),
+**compare directories** (``lioncub compare --out``) and **plots directories** (``lioncub report --out``).
+Ownership is lioncub's own record, never a guess from names: the marker :data:`MARKER` names the kind and
+lists every path lioncub wrote there (:class:`Record`), each file with the SHA-256 of its content where
+lioncub writes it whole. A path enters the record *before* it is created (:func:`record`); a recorded path
+that is now a link, another kind of entry or other content is the user's, as is everything unrecorded
+(:func:`survey`), and a run's record counts for nothing once its ``config.json`` is gone (``rm -r RUN/*``
+leaves the dotfiles). A marker of lioncub before the record (no list) is read as listing what that lioncub
+always wrote, by exact name, and for a run only when ``config.json`` parses as lioncub's
+(:func:`read_record`; docs/errors.md lists the names); :func:`claim` stores that list.
 
-**Ownership is lioncub's own record, never a guess from names.** The marker file :data:`MARKER` names the
-directory's kind and lists every path lioncub wrote there (:class:`Record`): each file -- with the SHA-256
-of its content where lioncub writes it whole (``config.json``, ``summary.json``, reports, plots) -- and
-each directory it created. A path enters the record *before* lioncub creates it (:func:`record`), so a
-crash leaves nothing of lioncub's unrecorded. A recorded path that is now a symbolic link, another kind of
-entry or (where a SHA-256 is recorded) other content is the user's, as is everything unrecorded
-(:func:`survey`). A run directory's record holds only while its ``config.json`` is there: once that is
-gone (``rm -r RUN/*`` leaves the dotfile) nothing recorded counts any more.
-
-Markers of lioncub versions before the record (``{"kind": ..., "by": "lioncub"}``, no list) are read as
-listing what those versions always wrote, by exact name -- ``config.json``, ``config.next.json``,
-``log.jsonl``, ``summary.json``, the diagnostics plots, ``checkpoints/latest``, every ``step_NNNNNNNN``
-checkpoint with its ``meta.json`` and the files that names, an interrupted checkpoint's ``.tmp_step_*``
-files, the ``.part`` files of these; for a compare directory its report files and marked run
-subdirectories -- and for a run directory only when ``config.json`` parses as lioncub's
-(:func:`read_record`); :func:`claim` stores that list as the record.
-
-**Deleting.** :func:`remove_owned` deletes only recorded paths, and nothing at all while anything else is
-there (it names what is in the way); files first, ``config.json`` last, a directory once it is empty, the
-marker at the very end, so an interrupted removal can be run again. Nothing is deleted through a symbolic
-link.
-
-**Writing.** :func:`write_atomically` writes a file beside its name and renames it into place: a reader or
-a crash finds the old file or the whole new one, and a symbolic link at the name is replaced, never
-followed. :func:`open_append` opens a log with ``O_NOFOLLOW``. :func:`record` refuses a path under a
-symbolic link or one that holds what lioncub did not write.
-
-:func:`check_out_path` refuses what can never be an output directory. One writer at a time:
+:func:`remove_owned` deletes only recorded paths, nothing while anything else is there, ``config.json`` last
+and the marker at the very end (an interrupted removal can be run again), never through a link.
+:func:`write_atomically` writes beside the name and renames into place (a link at the name is replaced,
+never followed); :func:`open_append` opens with ``O_NOFOLLOW``. :func:`check_out_path`
+(:mod:`lioncub.train.outpath`) refuses what can never be an output directory; one writer at a time:
 :mod:`lioncub.train.runlock`.
 """
 

@@ -17,7 +17,15 @@ from pathlib import Path
 import pytest
 
 import background
-from lioncub.train.rundir import MARKER, check_out_path, claim, foreign_entries, is_marked, remove_owned
+from lioncub.train.rundir import (
+    MARKER,
+    check_out_path,
+    claim,
+    foreign_entries,
+    is_marked,
+    record,
+    remove_owned,
+)
 
 THESIS = b"irreplaceable\n"
 
@@ -73,26 +81,29 @@ def test_only_marked_directories_are_lioncubs(tmp_path: Path) -> None:
     assert not is_marked(user) and foreign_entries(user) == ["log.jsonl", "summary.json"]
     ours = tmp_path / "ours"
     claim(ours)
+    record(ours, files=["config.json", "log.jsonl", "summary.json", "diag_rates.png"], dirs=["checkpoints"])
     for name in ("config.json", "log.jsonl", "summary.json", "diag_rates.png"):
         (ours / name).write_text("{}")
     (ours / "checkpoints").mkdir()
     assert is_marked(ours) and foreign_entries(ours) == []
     (ours / "notes.txt").write_bytes(THESIS)
     assert foreign_entries(ours) == ["notes.txt"]
-    legacy = tmp_path / "legacy"  # a run written before the marker: config.json is lioncub's
+    legacy = tmp_path / "legacy"  # a config.json alike without lioncub's marker is the user's (issue 25)
     legacy.mkdir()
     (legacy / "config.json").write_text(
         json.dumps({"workload": "gpt", "size": "tiny", "variant": "1bit", "steps": 3})
     )
-    assert is_marked(legacy) and foreign_entries(legacy) == []
+    assert not is_marked(legacy) and foreign_entries(legacy) == ["config.json"]
 
 
 def test_remove_owned_deletes_only_its_own_files(tmp_path: Path) -> None:
     out = tmp_path / "cmp"
     claim(out, "compare")
+    record(out, files=["summary.md"])
     (out / "summary.md").write_text("# report\n")
     run = out / "1bit"
     claim(run)
+    record(run, files=["log.jsonl"], dirs=["checkpoints"])
     (run / "log.jsonl").write_text("{}\n")
     (run / "checkpoints").mkdir()
     (run / "thesis.tex").write_bytes(THESIS)

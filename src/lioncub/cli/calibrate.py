@@ -236,6 +236,21 @@ def _node_mesh() -> DeviceMesh | None:
     return None
 
 
+#: the option that gives the rate of each level a calibration fits (by the label of its lines)
+RATE_OPTIONS = {"[node] ": "--intra-link RATE", "[NIC] ": "--link RATE", "[all ranks, NIC] ": "--link RATE"}
+
+
+def name_the_rate_option(message: str) -> str:
+    """A calibration's error with "(or give the link's rate)" naming the option that gives that level's
+    rate: ``--intra-link`` for the link inside a node, ``--link`` for a NIC or a flat job's link."""
+    vague = "(or give the link's rate)"
+    if vague not in message:
+        return message
+    option = next((o for label, o in RATE_OPTIONS.items() if message.startswith(label)), "--link RATE")
+    where = "inside a node" if option.startswith("--intra") else "of the link"
+    return message.replace(vague, f"(or give the rate {where}: lioncub calibrate … {option})")
+
+
 def _fail(message: str) -> int:
     """Print ``message`` as the command's error; the exit code 2."""
     print(f"lioncub calibrate: error: {message}", file=sys.stderr)
@@ -320,7 +335,7 @@ def _in_job(args: argparse.Namespace) -> int:
             result.save(args.out)
             print(f"wrote {args.out}: {_said(result)} (fp32 allreduce)")
     except ValueError as exc:
-        return _fail(str(exc))
+        return _fail(name_the_rate_option(str(exc)))
     finally:
         if created:
             dist.destroy_process_group()

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lioncub.cli.options import add_run_arguments, config_from_args
+from lioncub.cli.options import add_run_arguments, config_from_args, train_run
 
 if TYPE_CHECKING:
     from lioncub.train.config import TrainConfig
@@ -70,22 +71,24 @@ def _topology(variant: str) -> str:
 
 
 def _finished(run_dir: Path, config: TrainConfig) -> bool:
-    """True if ``run_dir`` holds a finished run of exactly ``config``."""
-    import json
+    """True if ``run_dir`` holds a finished run of exactly ``config`` that lioncub wrote."""
+    from lioncub.train.prepare import finished_run
 
-    try:
-        saved = json.loads((run_dir / "config.json").read_text())
-        summary = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return saved == config.to_json() and summary.get("steps_run", 0) > 0
+    found = finished_run(run_dir)
+    return found is not None and found[0] == config.to_json()
 
 
 def _runs_in(out: Path) -> list[str]:
-    """The variants whose runs ``out`` holds, in the order of its last report (else by name)."""
+    """The variants whose runs ``out`` holds (run directories lioncub marked, with a log), in the order of
+    its last report (else by name)."""
     import json
 
-    present = [d.name for d in sorted(out.iterdir()) if (d / "log.jsonl").is_file()] if out.is_dir() else []
+    from lioncub.train.rundir import is_marked
+
+    present = []
+    if out.is_dir():
+        dirs = [d for d in sorted(out.iterdir()) if d.is_dir() and not d.is_symlink()]
+        present = [d.name for d in dirs if is_marked(d) and (d / "log.jsonl").is_file()]
     try:
         rows = json.loads((out / "summary.json").read_text())["rows"]
         order = [r["variant"] for r in rows]
@@ -142,62 +145,60 @@ def _check_runs(
     that ``out`` and each run directory hold only lioncub's files (a run to redo, only with
     ``--overwrite``). ``ValueError`` naming what to change."""
     from lioncub.train.driver import check_before_launch, check_launch_options
-    from lioncub.train.rundir import foreign_entries, is_marked
+    from lioncub.train.rundir import survey
 
     for config in configs:
         check_before_launch(config, args.timeout or None, args.max_nproc)
     check_launch_options(args.restarts, args.collective_timeout)
-    foreign = foreign_entries(out, "compare", subruns=True)
-    if foreign:
-        raise ValueError(
-            f"--out {out} holds files lioncub did not write ({', '.join(foreign[:5])}); give a new "
-            "or empty directory, or one a previous `lioncub compare` wrote"
-        )
+    _check_out(out)
     for config, run_dir in zip(configs, run_dirs, strict=True):
         if _finished(run_dir, config) and not args.overwrite:
             continue
-        theirs = ", ".join(foreign_entries(run_dir)[:5])
-        if theirs:
+        found = survey(run_dir, "run")
+        if found.foreign:
             raise ValueError(
-                f"{run_dir} holds files lioncub did not write ({theirs}); lioncub deletes only its "
-                "own files: move them, or choose another --out"
+                f"{run_dir} holds files lioncub did not write ({', '.join(found.foreign[:5])}); lioncub "
+                "deletes only its own files: move them, or choose another --out"
             )
-        if is_marked(run_dir) and not args.overwrite:
+        if found.owned and not args.overwrite:
             raise ValueError(
                 f"{run_dir} holds another or an unfinished run; pass --overwrite to train it again, "
                 "or choose another --out"
             )
 
 
+def _check_out(out: Path) -> None:
+    """``ValueError`` if ``out`` holds anything but lioncub's report and run directories."""
+    from lioncub.train.rundir import foreign_entries
+
+    foreign = foreign_entries(out, "compare", subruns=True)
+    if foreign:
+        raise ValueError(
+            f"--out {out} holds files lioncub did not write ({', '.join(foreign[:5])}); give a new "
+            "or empty directory, or one a previous `lioncub compare` wrote"
+        )
+
+
 def _train(
     args: argparse.Namespace, variants: list[str], configs: list[TrainConfig], run_dirs: list[Path]
 ) -> int:
-    """Train every variant whose finished run cannot be reused, one after another; the exit status of
-    the first that fails (0 if none does)."""
-    from lioncub.train.driver import format_summary, prepare_run_dir, run_training
-    from lioncub.train.rundir import remove_owned
+    """Train every variant whose finished run cannot be reused, one after another (each under its run
+    directory's writer lock); the exit status of the first that fails (0 if none does)."""
+    from lioncub.train.driver import format_summary
+    from lioncub.train.prepare import prepare_run_dir
 
     for i, (config, run_dir) in enumerate(zip(configs, run_dirs, strict=True)):
         label = f"[{i + 1}/{len(variants)}] {variants[i]}"
         if _finished(run_dir, config) and not args.overwrite:
             print(f"{label}: reusing the finished run in {run_dir}", file=sys.stderr)
             continue
-        try:
-            remove_owned(run_dir)  # --overwrite of lioncub's own run (checked above)
-            prepare_run_dir(run_dir, config, resume=False)
+        try:  # --overwrite: lioncub's own run is deleted first (refused if anything else is there)
+            config, lock = prepare_run_dir(run_dir, config, resume=False, replace=args.overwrite)
         except ValueError as exc:
             print(f"lioncub compare: error: {exc}", file=sys.stderr)
             return 2
         print(f"{label}: training in {run_dir}", file=sys.stderr, flush=True)
-        outcome = run_training(
-            config,
-            run_dir,
-            timeout_s=args.timeout or None,
-            progress=not args.no_progress,
-            label=label,
-            restarts=args.restarts,
-            collective_timeout_s=args.collective_timeout,
-        )
+        outcome = train_run(args, config, run_dir, lock, label)
         if outcome.summary is None:
             print(
                 f"lioncub compare: {variants[i]} failed (exit code {outcome.returncode}; the launcher "
@@ -210,24 +211,19 @@ def _train(
 
 
 def _report(args: argparse.Namespace, out: Path, run_dirs: list[Path]) -> int:
-    """Write and print the comparison of the runs in ``run_dirs`` (into ``out``)."""
+    """Write and print the comparison of the runs in ``run_dirs`` into ``out`` (whose lock the caller
+    holds), every file recorded as lioncub's."""
     from lioncub.report import runs as report
-    from lioncub.train.rundir import claim, foreign_entries
+    from lioncub.train.rundir import claim, write_owned
 
-    foreign = foreign_entries(out, "compare", subruns=True)
-    if foreign:
-        print(
-            f"lioncub compare: error: --out {out} holds files lioncub did not write "
-            f"({', '.join(foreign[:5])}); the report would overwrite summary.md, summary.json and its plots",
-            file=sys.stderr,
-        )
-        return 2
     missing = [str(d) for d in run_dirs if not (d / "log.jsonl").exists()]
     if missing:
         print(f"lioncub compare: error: no runs in {', '.join(missing)}", file=sys.stderr)
         return 2
     claim(out, "compare")
-    rep = report.make_report(run_dirs, out, target_loss=args.target_loss)
+    rep = report.make_report(
+        run_dirs, out, target_loss=args.target_loss, write=lambda name, data: write_owned(out, name, data)
+    )
     report.print_table(rep)
     print(f"report: {out / 'summary.md'}")
     for name, path in rep.plots.items():
@@ -236,24 +232,39 @@ def _report(args: argparse.Namespace, out: Path, run_dirs: list[Path]) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``lioncub compare``: check everything, train the variants, write and print the report."""
-    from lioncub.train.rundir import check_out_path, claim
+    """``lioncub compare``: check everything, take ``--out``'s writer lock, train the variants, write and
+    print the report."""
+    from lioncub.train.rundir import DEEPEST, check_out_path, claim
+    from lioncub.train.runlock import lock_writer
 
     try:
         out = check_out_path(args.out)
         variants = _variants(args, out)
+        check_out_path(out, below=len(DEEPEST) + 1 + max(len(os.fsencode(v)) for v in variants))
         if args.target_loss is not None and not 0 < args.target_loss < math.inf:
             raise ValueError(f"--target-loss {args.target_loss!r} must be a finite validation loss > 0")
         run_dirs = [out / v for v in variants]
-        if not args.report_only:
+        if args.report_only:
+            _check_out(out)
+            missing = [str(d) for d in run_dirs if not (d / "log.jsonl").exists()]
+            if missing:
+                raise ValueError(f"no runs in {', '.join(missing)}")
+        else:
             configs = [_config(args, v) for v in variants]
             _check_runs(args, out, configs, run_dirs)
+        lock = lock_writer(out)
     except (ValueError, TypeError) as exc:
         print(f"lioncub compare: error: {exc}", file=sys.stderr)
         return 2
-    if not args.report_only:
-        claim(out, "compare")
-        rc = _train(args, variants, configs, run_dirs)
-        if rc:
-            return rc
-    return _report(args, out, run_dirs)
+    try:
+        if not args.report_only:
+            claim(out, "compare")
+            rc = _train(args, variants, configs, run_dirs)
+            if rc:
+                return rc
+        return _report(args, out, run_dirs)
+    except ValueError as exc:  # a file of the user's appeared meanwhile, where lioncub writes
+        print(f"lioncub compare: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        lock.release()

@@ -9,7 +9,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["OPTION_OF_FIELD", "add_run_arguments", "config_from_args", "parse_set", "sync_spec"]
+__all__ = ["OPTION_OF_FIELD", "add_run_arguments", "config_from_args", "parse_set", "sync_spec", "train_run"]
 
 #: options whose name differs from their TrainConfig field (the others are spelt alike)
 OPTION_OF_FIELD = {"warmup_steps": "warmup"}
@@ -204,4 +204,23 @@ def config_from_args(args: argparse.Namespace, base: Any = None) -> Any:
     return TrainConfig.from_json(doc)
 
 
-# -------------------------------------------------------------------------------------------- progress
+def train_run(
+    args: argparse.Namespace, config: Any, run_dir: Any, lock: Any, label: str | None = None
+) -> Any:
+    """:func:`lioncub.train.driver.run_training` of ``config`` in ``run_dir`` with the launch options of
+    ``args`` (``--timeout``, ``--no-progress``, ``--restarts``, ``--collective-timeout``); ``lock``, the run
+    directory's writer lock, is released when the run has ended."""
+    from lioncub.train.driver import run_training
+
+    try:
+        return run_training(
+            config,
+            run_dir,
+            timeout_s=args.timeout or None,
+            progress=not args.no_progress,
+            label=label,
+            restarts=args.restarts,
+            collective_timeout_s=args.collective_timeout,
+        )
+    finally:
+        lock.release()

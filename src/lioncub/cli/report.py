@@ -1,5 +1,7 @@
 """``lioncub report RUN_DIR``: the vote diagnostics of a run (``lioncub train --diagnostics-every K``) as a
-table and plots (:mod:`lioncub.report.diagnostics`)."""
+table and plots (:mod:`lioncub.report.diagnostics`). The plots go into the run directory, or ``--out DIR``:
+a new or empty directory (then lioncub's, :mod:`lioncub.train.rundir`), or one lioncub made for plots or a
+run; never over a file lioncub did not write."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 
@@ -33,6 +36,37 @@ def check_paths(run_dir: Path, out: Path | None) -> None:
         raise ValueError(f"{option} {target}: {existing} is not writable")
 
 
+def _store(run_dir: Path, out: Path | None, plots: dict[str, bytes]) -> dict[str, Path]:
+    """Write the PNGs into ``out`` -- a new or empty directory (marked as lioncub's plots), or one lioncub
+    made for plots or a run -- or, without ``out``, into ``run_dir`` if lioncub made it; each file
+    recorded as lioncub's, never over a file it did not write, under the directory's writer lock.
+    ``ValueError`` naming the option otherwise."""
+    from lioncub.train.rundir import claim, is_marked, write_owned
+    from lioncub.train.runlock import lock_writer
+
+    target, option = (out, "--out") if out is not None else (run_dir, "RUN_DIR")
+    if not (is_marked(target, "run") or is_marked(target, "plots")):
+        if out is None:
+            raise ValueError(
+                f"RUN_DIR {run_dir}: lioncub did not mark it as a run directory (no .lioncub), so it writes "
+                "nothing into it; pass --out DIR for the plots"
+            )
+        if target.is_dir() and any(target.iterdir()):
+            raise ValueError(
+                f"--out {target} holds files lioncub did not write; lioncub writes plots only into a new or "
+                "empty directory, or one it made for plots or a run: choose another --out"
+            )
+    lock = lock_writer(target, option)
+    try:
+        if not is_marked(target, "run"):
+            claim(target, "plots")
+        for name, data in plots.items():
+            write_owned(target, f"{name}.png", data)
+    finally:
+        lock.release()
+    return {name: target / f"{name}.png" for name in plots}
+
+
 def run(args: argparse.Namespace) -> int:
     from lioncub.report import diagnostics as diag_report
 
@@ -41,7 +75,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         check_paths(run_dir, out)
         diag_report.print_table(run_dir)
-        paths = diag_report.write_plots(run_dir, out)
+        with tempfile.TemporaryDirectory(prefix="lioncub-report-") as tmp:
+            drawn = diag_report.write_plots(run_dir, Path(tmp))  # drawn apart, then stored as lioncub's
+            paths = _store(run_dir, out, {name: path.read_bytes() for name, path in drawn.items()})
     except json.JSONDecodeError as exc:
         print(
             f"lioncub report: error: RUN_DIR {run_dir}: a line of log.jsonl is not JSON: {exc}",

@@ -1,19 +1,19 @@
 """``lioncub train``: train a workload with one variant on N ranks, optionally behind shaped links.
 
-The driver (:mod:`lioncub.train.driver`) writes ``RUN_DIR/config.json``, starts the ranks with ``lioncub
-launch`` (each runs :mod:`lioncub.train.rank`), shows a progress bar fed by rank 0's ``log.jsonl`` and
-prints a summary. Inside a job started by ``torchrun`` (``RANK`` set) it trains as that rank instead
-(:func:`lioncub.train.rank.run_rank`).
+The driver (:mod:`lioncub.train.driver`) takes the run directory's writer lock and writes
+``RUN_DIR/config.json`` (:mod:`lioncub.train.prepare`), starts the ranks with ``lioncub launch`` (each runs
+:mod:`lioncub.train.rank`), shows a progress bar fed by rank 0's ``log.jsonl`` and prints a summary.
+Inside a job started by ``torchrun`` or ``lioncub launch`` (``RANK`` set) it trains as that rank instead
+(:func:`lioncub.train.rank.run_rank`), rank 0 taking the lock and making the same checks.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
-from lioncub.cli.options import add_run_arguments, config_from_args
+from lioncub.cli.options import add_run_arguments, config_from_args, train_run
 
 EPILOG = """\
 examples:
@@ -47,41 +47,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lioncub.train.config import TrainConfig
-    from lioncub.train.driver import (
-        check_before_launch,
-        check_launch_options,
-        format_summary,
-        prepare_run_dir,
-        run_training,
-    )
+    from lioncub.train.driver import check_before_launch, check_launch_options, format_summary
+    from lioncub.train.prepare import load_saved_config, prepare_run_dir
     from lioncub.train.rundir import check_out_path
 
     try:
         run_dir = check_out_path(args.out)
         check_launch_options(args.restarts, args.collective_timeout)
-        base = None
-        if args.resume and (run_dir / "config.json").exists():
-            base = TrainConfig.from_json(json.loads((run_dir / "config.json").read_text()))
+        base = load_saved_config(run_dir) if args.resume else None
+        if base is not None:
             base.run.convert_momenta = base.run.stop_at = None  # asked for anew each time
         config = config_from_args(args, base)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             from lioncub.train.rank import run_rank
 
-            return run_rank(config, run_dir, driven=False)
+            return run_rank(config, run_dir, driven=False, resume=args.resume)
         check_before_launch(config, args.timeout or None, args.max_nproc)
-        config = prepare_run_dir(run_dir, config, resume=args.resume)
+        config, lock = prepare_run_dir(run_dir, config, resume=args.resume)
     except (ValueError, TypeError, FileNotFoundError) as exc:
         print(f"lioncub train: error: {exc}", file=sys.stderr)
         return 2
-    outcome = run_training(
-        config,
-        run_dir,
-        timeout_s=args.timeout or None,
-        progress=not args.no_progress,
-        restarts=args.restarts,
-        collective_timeout_s=args.collective_timeout,
-    )
+    outcome = train_run(args, config, run_dir, lock)
     if outcome.summary is None:
         print(
             f"lioncub train: failed (exit code {outcome.returncode}; the launcher said why above)",

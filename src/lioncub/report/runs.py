@@ -34,33 +34,48 @@ Target loss (for "time to target"): ``target_loss`` if given, else 1.02 × the f
 among the runs, so that every run with evals reaches it. Time to target = ``time_s`` of the first eval
 with ``val_loss <= target``. "At equal steps" = the largest step evaluated by every run that has evals.
 
-Plots use :class:`matplotlib.figure.Figure` directly (the Agg renderer, no pyplot state), so nothing
-leaks and the importing program's backend is untouched. No torch is imported here.
+The plots are drawn by :mod:`lioncub.report.figures`. On emulated nodes the table shows the bytes through a
+node's NIC and a rank's bytes inside its node apart (:data:`NODE_COLUMNS`); a partial run (its log ends
+before its configured last step: a stopped compare) is marked in the table and noted, and does not set
+the default target loss. No torch is imported here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from matplotlib.figure import Figure
 from rich.console import Console
+
+from lioncub.report.figures import (
+    FIGURES,
+    figure_bytes_per_step,
+    figure_diagnostics,
+    figure_step_time_split,
+    figure_val_loss_vs_step,
+    figure_val_loss_vs_time,
+    plot_series,
+)
 
 __all__ = [
     "COLUMNS",
+    "NODE_COLUMNS",
     "TABLE_NOTE",
     "ComputeFloor",
     "Report",
     "RunLog",
     "RunSummary",
+    "columns",
     "compute_floor",
     "figure_bytes_per_step",
+    "figure_diagnostics",
     "figure_step_time_split",
     "figure_val_loss_vs_step",
     "figure_val_loss_vs_time",
@@ -83,6 +98,9 @@ COLUMNS = (
     "final val loss",
     "time to target s",
 )
+#: on emulated nodes "MB/step/rank" mixes a node's NIC and the links inside it: the table shows these two
+#: instead (``nic_bytes``, ``intra_bytes`` of the step records, :mod:`lioncub.train.nodebytes`)
+NODE_COLUMNS = ("NIC MB/step/node", "in-node MB/step/rank")
 SPLITS = ("compute_s", "comm_s", "apply_s")
 #: what the "other ms" column is, printed under the table and written into summary.md
 TABLE_NOTE = (
@@ -93,12 +111,6 @@ TABLE_NOTE = (
 )
 TARGET_FACTOR = 1.02
 DPI = 100
-BAR_PARTS = (
-    ("compute", "compute_s"),
-    ("communication (incl. quantize/pack)", "comm_s"),
-    ("apply", "apply_s"),
-    ("other", "other_s"),
-)
 
 
 @dataclass
@@ -149,6 +161,22 @@ class RunSummary:
     val_loss_equal_step: float | None
     time_to_target_s: float | None
     run_dir: Path
+    target_steps: int | None = None  # the steps the run was to take (``stop_at`` or ``steps``), if known
+    nic_bytes_per_step: float | None = None  # on emulated nodes: bytes a node sends through its NIC
+    intra_bytes_per_step: float | None = None  # on emulated nodes: bytes a rank sends inside its node
+
+    @property
+    def partial(self) -> bool:
+        """The run stopped before it finished: its log ends before its configured last step."""
+        return self.target_steps is not None and self.steps < self.target_steps
+
+    def label(self) -> str:
+        """The variant, marked when the run is partial: ``1bit (partial: step 33 of 60)``."""
+        return (
+            f"{self.variant} (partial: step {self.steps} of {self.target_steps})"
+            if self.partial
+            else self.variant
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "run_dir": str(self.run_dir)}
@@ -263,6 +291,7 @@ def load_run(run_dir: Path) -> RunLog:
 
 def _summarize(run: RunLog) -> RunSummary:
     numbers = [s for s in (rec.get("step") for rec in run.steps) if isinstance(s, int)]
+    target = run.config.get("stop_at") or run.config.get("steps")
     last = run.evals[-1] if run.evals else None
     step_s = _median([_num(rec, "step_s") for rec in run.steps])
     splits = {key: _median([_num(rec, key) for rec in run.steps]) for key in SPLITS}
@@ -288,10 +317,15 @@ def _summarize(run: RunLog) -> RunSummary:
         val_loss_equal_step=None,
         time_to_target_s=None,
         run_dir=run.run_dir,
+        target_steps=target if isinstance(target, int) and not isinstance(target, bool) else None,
+        nic_bytes_per_step=_median([_num(rec, "nic_bytes") for rec in run.steps]),
+        intra_bytes_per_step=_median([_num(rec, "intra_bytes") for rec in run.steps]),
     )
 
 
 def _default_target(rows: list[RunSummary], baseline: str) -> tuple[float | None, str]:
+    """The target loss and its rule, from the finished runs only (a partial run's last loss is not final)."""
+    rows = [r for r in rows if not r.partial]
     base = next((r for r in rows if r.variant == baseline and r.final_val_loss is not None), None)
     if base is not None and math.isfinite(base.final_val_loss):
         target = base.final_val_loss * TARGET_FACTOR
@@ -299,15 +333,24 @@ def _default_target(rows: list[RunSummary], baseline: str) -> tuple[float | None
     finals = [r.final_val_loss for r in rows if r.final_val_loss is not None]
     worst = max((v for v in finals if math.isfinite(v)), default=None)
     if worst is None:
-        return None, "none: no run has a finite validation loss"
-    return worst, f"worst final val loss among the runs (no {baseline} run with evals) = {worst:.4g}"
+        return None, "none: no finished run has a finite validation loss"
+    return worst, f"worst final val loss among the finished runs (no {baseline} run with evals) = {worst:.4g}"
 
 
 def _fmt(value: float | None, scale: float = 1.0, spec: str = ".3g", suffix: str = "") -> str:
     return "—" if value is None else f"{value * scale:{spec}}{suffix}"
 
 
-def _cells(row: RunSummary) -> list[str]:
+def columns(rows: Sequence[RunSummary]) -> tuple[str, ...]:
+    """The table's columns: :data:`COLUMNS`, with :data:`NODE_COLUMNS` for "MB/step/rank" when a run was on
+    emulated nodes."""
+    if all(row.nic_bytes_per_step is None for row in rows):
+        return COLUMNS
+    i = COLUMNS.index("MB/step/rank")
+    return (*COLUMNS[:i], *NODE_COLUMNS, *COLUMNS[i + 1 :])
+
+
+def _cells(row: RunSummary, nodes: bool = False) -> list[str]:
     final = _fmt(row.final_val_loss, spec=".4f")
     if row.final_val_acc is not None:
         final += f" (acc {row.final_val_acc:.3f})"
@@ -315,14 +358,18 @@ def _cells(row: RunSummary) -> list[str]:
     if row.val_loss_equal_step is not None:
         equal += f" ({row.equal_step})"
     return [
-        row.variant,
+        row.label(),
         _fmt(row.step_s, 1e3, ".1f"),
         _fmt(row.compute_s, 1e3, ".1f"),
         _fmt(row.comm_s, 1e3, ".1f"),
         _fmt(row.apply_s, 1e3, ".1f"),
         _fmt(row.other_s, 1e3, ".1f"),
         _fmt(row.speedup, spec=".2f", suffix="x"),
-        _fmt(row.bytes_sent_per_step, 1e-6, ".3g"),
+        *(
+            [_fmt(row.nic_bytes_per_step, 1e-6, ".3g"), _fmt(row.intra_bytes_per_step, 1e-6, ".3g")]
+            if nodes
+            else [_fmt(row.bytes_sent_per_step, 1e-6, ".3g")]
+        ),
         equal,
         final,
         _fmt(row.time_to_target_s, spec=".1f"),
@@ -330,15 +377,24 @@ def _cells(row: RunSummary) -> list[str]:
 
 
 def _markdown(rows: list[RunSummary]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join(["---"] + ["---:"] * (len(COLUMNS) - 1)) + "|"]
-    lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
+    names = columns(rows)
+    lines = ["| " + " | ".join(names) + " |", "|" + "|".join(["---"] + ["---:"] * (len(names) - 1)) + "|"]
+    lines += ["| " + " | ".join(_cells(row, names != COLUMNS)) + " |" for row in rows]
     return "\n".join(lines) + "\n"
 
 
 def make_report(
-    run_dirs: Sequence[Path], out_dir: Path, *, target_loss: float | None = None, baseline: str = "32bit"
+    run_dirs: Sequence[Path],
+    out_dir: Path,
+    *,
+    target_loss: float | None = None,
+    baseline: str = "32bit",
+    write: Callable[[str, bytes], None] | None = None,
 ) -> Report:
-    """Summarize the runs (in the given order), write summary.md/json and the PNGs into ``out_dir``."""
+    """Summarize the runs (in the given order), write summary.md/json and the PNGs into ``out_dir``
+    (``write(name, data)`` writes one file there; default: replace the file, never writing through a
+    symbolic link). A partial run (its log ends before its last step) is marked in the table and noted,
+    and does not set the default target loss."""
     if not run_dirs:
         raise ValueError("make_report: no run directories given")
     runs = [load_run(Path(d)) for d in run_dirs]
@@ -373,13 +429,31 @@ def make_report(
         values = {json.dumps(run.config.get(key)) for run in runs}
         if len(values) > 1:
             notes.append(f"warning: the runs differ in {key}: {', '.join(sorted(values))}")
+    notes += [
+        f"warning: {row.variant} is partial: its log ends at step {row.steps} of {row.target_steps} (the run "
+        "was stopped before it finished); its final numbers are not comparable with finished runs'"
+        for row in rows
+        if row.partial
+    ]
     report = Report(rows, _markdown(rows), {}, target_loss, rule, baseline, title, notes, runs)
-    _write(report, Path(out_dir))
+    _write(report, Path(out_dir), write or _writer(Path(out_dir)))
     return report
 
 
-def _write(report: Report, out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
+def _writer(out_dir: Path) -> Callable[[str, bytes], None]:
+    """Write a file into ``out_dir`` (created if missing), replacing a symbolic link, never following it."""
+
+    def write(name: str, data: bytes) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / name
+        if path.is_symlink():
+            path.unlink()
+        path.write_bytes(data)
+
+    return write
+
+
+def _write(report: Report, out_dir: Path, write: Callable[[str, bytes], None]) -> None:
     text = [
         f"# {report.title}",
         "",
@@ -392,7 +466,7 @@ def _write(report: Report, out_dir: Path) -> None:
     ]
     text += [*report.notes, "", "Run directories:", ""]
     text += [f"- {row.variant}: `{row.run_dir}`" for row in report.rows]
-    (out_dir / "summary.md").write_text("\n".join(text) + "\n")
+    write("summary.md", ("\n".join(text) + "\n").encode())
     data = {
         "title": report.title,
         "baseline": report.baseline,
@@ -400,132 +474,17 @@ def _write(report: Report, out_dir: Path) -> None:
         "target_rule": report.target_rule,
         "rows": [row.to_json() for row in report.rows],
     }
-    (out_dir / "summary.json").write_text(json.dumps(data, indent=2) + "\n")
+    write("summary.json", (json.dumps(data, indent=2) + "\n").encode())
     figures = dict(FIGURES)
     if any(run.diags for run in report.runs):
         figures["diagnostics_vs_step"] = figure_diagnostics
     for name, make in figures.items():
         fig = make(report)
-        path = out_dir / f"{name}.png"
-        fig.savefig(path, dpi=DPI)
+        png = io.BytesIO()
+        fig.savefig(png, dpi=DPI, format="png")
         fig.clear()
-        report.plots[name] = path
-
-
-def plot_series(report: Report) -> dict[str, dict[str, tuple[list[float], list[float]]]]:
-    """The plotted lines: ``{"val_loss_vs_step" | "val_loss_vs_time": {variant: (x, val_loss)}}``.
-
-    x is the optimizer step or the training wall time (s). Runs without evals are left out; on the time
-    plot, evals without a known time are left out.
-    """
-    by_step, by_time = {}, {}
-    for run in report.runs:
-        if not run.evals:
-            continue
-        by_step[run.variant] = (
-            [float(e["step"]) for e in run.evals],
-            [float(e["val_loss"]) for e in run.evals],
-        )
-        timed = [(t, float(e["val_loss"])) for e in run.evals if (t := run.eval_time(e)) is not None]
-        if timed:
-            by_time[run.variant] = ([t for t, _ in timed], [v for _, v in timed])
-    return {"val_loss_vs_step": by_step, "val_loss_vs_time": by_time}
-
-
-def _line_figure(report: Report, name: str, xlabel: str) -> Figure:
-    fig = Figure(figsize=(6.4, 4.0))
-    ax = fig.subplots()
-    for variant, (x, y) in plot_series(report)[name].items():
-        ax.plot(x, y, marker="o", markersize=3, label=variant)
-    target = report.target_loss
-    if target is not None and math.isfinite(target):
-        ax.axhline(
-            target, color="gray", linestyle="--", linewidth=1, gid="target", label=f"target {target:.4g}"
-        )
-    ax.set(xlabel=xlabel, ylabel="validation loss", title=report.title)
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend()
-    fig.tight_layout()
-    return fig
-
-
-def figure_val_loss_vs_step(report: Report) -> Figure:
-    """Validation loss vs optimizer step, one line per variant (label = variant); dashed: target loss."""
-    return _line_figure(report, "val_loss_vs_step", "optimizer step")
-
-
-def figure_val_loss_vs_time(report: Report) -> Figure:
-    """Validation loss vs training wall time (s, evaluation excluded), one line per variant."""
-    return _line_figure(report, "val_loss_vs_time", "training wall time (s)")
-
-
-def figure_step_time_split(report: Report) -> Figure:
-    """Stacked horizontal bars: median ms per step in compute, communication, apply and other."""
-    fig = Figure(figsize=(6.4, 0.5 * len(report.rows) + 2.0), layout="constrained")
-    ax = fig.subplots()
-    names = [row.variant for row in report.rows]
-    left = np.zeros(len(names))
-    for label, attr in BAR_PARTS:
-        ms = np.array([max(0.0, getattr(row, attr) or 0.0) * 1e3 for row in report.rows])
-        ax.barh(range(len(names)), ms, left=left, label=label)
-        left += ms
-    ax.set_yticks(range(len(names)), names)
-    ax.invert_yaxis()
-    ax.set(xlabel="median time per step (ms)", title=report.title)
-    fig.legend(loc="outside lower center", ncols=2, fontsize="small")
-    return fig
-
-
-def figure_bytes_per_step(report: Report) -> Figure:
-    """Bars: median MB (1e6 bytes) sent per rank per step; log scale if the values span more than 10×."""
-    fig = Figure(figsize=(6.4, 4.0))
-    ax = fig.subplots()
-    mb = [(row.bytes_sent_per_step or 0.0) / 1e6 for row in report.rows]
-    ax.bar_label(ax.bar(range(len(mb)), mb, color="tab:blue"), fmt="%.3g")
-    ax.set_xticks(range(len(mb)), [row.variant for row in report.rows], rotation=30, ha="right")
-    positive = [v for v in mb if v > 0]
-    if positive and max(positive) > 10 * min(positive):
-        ax.set_yscale("log")
-    ax.margins(y=0.1)
-    ax.set(ylabel="MB sent per rank per step", title=report.title)
-    fig.tight_layout()
-    return fig
-
-
-DIAG_PANELS = (
-    ("match", "match sign(Σc)"),
-    ("flip", "flip"),
-    ("tie", "tie rate of the sign vote"),
-    ("momentum_max_std", "max std of m between workers"),
-)
-
-
-def figure_diagnostics(report: Report) -> Figure:
-    """The overall vote diagnostics of every run that has them (``--diagnostics-every``), side by side:
-    match / flip / tie rate and momentum spread against the step, one line per variant."""
-    fig = Figure(figsize=(12.8, 7.0))
-    axes = fig.subplots(2, 2).ravel()
-    for ax, (key, label) in zip(axes, DIAG_PANELS, strict=True):
-        for run in report.runs:
-            points = [(d["step"], d["overall"][key]) for d in run.diags if d["overall"].get(key) is not None]
-            if points:
-                ax.plot(*zip(*points, strict=True), marker=".", label=run.variant)
-        ax.set(xlabel="optimizer step", ylabel=label)
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-    fig.suptitle(f"vote diagnostics — {report.title}")
-    fig.tight_layout()
-    return fig
-
-
-FIGURES = {
-    "val_loss_vs_step": figure_val_loss_vs_step,
-    "val_loss_vs_time": figure_val_loss_vs_time,
-    "step_time_split": figure_step_time_split,
-    "bytes_per_step": figure_bytes_per_step,
-}
+        write(f"{name}.png", png.getvalue())
+        report.plots[name] = out_dir / f"{name}.png"
 
 
 def print_table(report: Report, console: Console | None = None) -> None:
@@ -536,9 +495,10 @@ def print_table(report: Report, console: Console | None = None) -> None:
         console = Console()
         if not console.is_terminal:
             console = Console(width=max(console.width, 160))
-    cells = [_cells(row) for row in report.rows]
+    names = columns(report.rows)
+    cells = [_cells(row, names != COLUMNS) for row in report.rows]
     table = Table(title=report.title, title_justify="left")
-    for i, col in enumerate(COLUMNS):
+    for i, col in enumerate(names):
         table.add_column(col, justify="left" if i == 0 else "right", overflow="fold")
     for row_cells in cells:
         table.add_row(*row_cells)

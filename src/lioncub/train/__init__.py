@@ -11,9 +11,14 @@ data), the training loop of a rank and the driver of a run.
 * :mod:`lioncub.train.rank` -- a training rank's one entry point (``python -m lioncub.train.rank``, and
   ``lioncub train`` under torchrun): join the job, train, one line when interrupted;
 * :mod:`lioncub.train.checkpoint` -- per-rank checkpoints, resume checks, momentum conversion;
-* :mod:`lioncub.train.rundir` -- where lioncub may write and delete; atomic file writes;
-* :mod:`lioncub.train.driver` -- a run's checks, its directory and the launch of its ranks (what
-  ``lioncub train`` and ``lioncub compare`` run), with :mod:`lioncub.train.progress`, its progress display.
+* :mod:`lioncub.train.rundir` -- what is lioncub's in a directory (its record), what it may delete;
+  atomic file writes; :mod:`lioncub.train.outpath` -- what can never be an output directory;
+* :mod:`lioncub.train.runlock` -- one writer per directory (advisory locks);
+* :mod:`lioncub.train.prepare` -- a run directory made ready for a run or a resume, and what a run's end
+  leaves; :mod:`lioncub.train.runlog` -- ``log.jsonl``, cut back to its last whole record on resume;
+* :mod:`lioncub.train.nodebytes` -- a step's bytes through a node's NIC and inside it (emulated nodes);
+* :mod:`lioncub.train.driver` -- a run's checks and the launch of its ranks (what ``lioncub train`` and
+  ``lioncub compare`` run), with :mod:`lioncub.train.progress`, its progress display.
 
 The ``lioncub compare`` table and plots are :mod:`lioncub.report.runs` (no torch).
 """

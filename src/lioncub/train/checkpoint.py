@@ -12,6 +12,10 @@ A checkpoint is written into ``.tmp_step_...`` by all ranks (each file: temporar
 and renamed into place by rank 0 only when every rank's file is there; ``latest`` then moves to it (again
 written, fsynced and renamed), and only after that are checkpoints older than the newest ``keep``
 removed, so a crash at any point leaves the previous checkpoint intact and never one that looks complete.
+In a run directory lioncub marked, rank 0 records every path in the directory's record before it is
+created and deletes only recorded files (:mod:`lioncub.train.rundir`): a file of the user's in
+``checkpoints/`` stays, and nothing is written through a symbolic link. :func:`latest` finds the newest
+complete checkpoint even when ``latest`` is missing or names a broken one.
 ``meta.json`` records the format version and the SHA-256 of every file; loading verifies the hash before
 it unpickles anything and loads with ``torch.load(weights_only=True)`` (tensors and plain containers only),
 so a truncated or corrupted file raises :class:`CorruptCheckpointError` (naming the file and the
@@ -25,12 +29,13 @@ the mean is exact), and its data order starts afresh at the saved step.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
 import os
 import random
-import shutil
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +44,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from lioncub.train.rundir import fsync_dir, write_atomically
+from lioncub.train.config import CONVERSIONS
+from lioncub.train.rundir import (
+    Record,
+    fsync_dir,
+    is_marked,
+    meta_files,
+    read_record,
+    record,
+    regular_file,
+    write_atomically,
+)
 
 __all__ = [
     "CONVERSIONS",
@@ -54,8 +69,8 @@ __all__ = [
     "save",
 ]
 
+_STEP = re.compile(r"step_\d{8}")
 VERSION = 2  # 2: SHA-256 of every file in meta.json, numpy RNG state as tensors (weights_only loading)
-CONVERSIONS = ("average",)
 
 
 class CorruptCheckpointError(ValueError):
@@ -74,6 +89,7 @@ class CheckpointMeta:
     size: str
     seed: int
     sha256: dict[str, str] = field(default_factory=dict, repr=False)  # file name -> SHA-256 (hex)
+    note: str = field(default="", compare=False)  # how it was found, when ``latest`` did not name it
 
 
 def _rng_state() -> dict[str, Any]:
@@ -143,6 +159,61 @@ def _previous(meta: CheckpointMeta) -> str:
     )
 
 
+def _tmp_names(world_size: int) -> list[str]:
+    """Every file a save of ``world_size`` ranks may create in its ``.tmp_step_*`` directory."""
+    names = [
+        n + side
+        for n in ("model.pt", *(f"rank{r}.pt" for r in range(world_size)))
+        for side in ("", ".sha256")
+    ]
+    return [n + part for n in (*names, "meta.json") for part in ("", ".part")]
+
+
+def _final_names(world_size: int) -> list[str]:
+    """The files of a complete checkpoint of ``world_size`` ranks."""
+    return ["meta.json", "model.pt", *(f"rank{r}.pt" for r in range(world_size))]
+
+
+def _empty_out(path: Path, names: list[str]) -> None:
+    """Delete the files ``names`` of lioncub's directory ``path`` (a leftover of an earlier save) and the
+    directory; ``ValueError`` naming what else is there (nothing of it is touched)."""
+    if not os.path.lexists(path):
+        return
+    for name in names:
+        if regular_file(path / name):
+            os.unlink(path / name)
+    rest = sorted(os.listdir(path)) if path.is_dir() and not path.is_symlink() else [path.name]
+    if rest:
+        raise ValueError(f"{path} holds files lioncub did not write ({', '.join(rest[:5])}): move them away")
+    path.rmdir()
+
+
+def _drop_old(run_dir: Path, keep: int, marked: bool) -> list[str]:
+    """Delete all but the newest ``keep`` checkpoints: only the files lioncub recorded in them (or, in a
+    directory without its record, those their ``meta.json`` lists), each directory once it is empty.
+    Returns the paths deleted (relative to ``run_dir``)."""
+    root = run_dir / "checkpoints"
+    rec = read_record(run_dir, "run") if marked else None
+    steps = _steps(root, rec)
+    gone: list[str] = []
+    for name in sorted(steps)[:-keep]:
+        rel = f"checkpoints/{name}"
+        if rec is not None:
+            files = [f.rsplit("/", 1)[1] for f in rec.files if f.startswith(rel + "/") and f.count("/") == 2]
+        else:
+            files = ["meta.json", *meta_files(root / name)]
+        for file in files:
+            if regular_file(root / name / file):
+                os.unlink(root / name / file)
+            gone.append(f"{rel}/{file}")
+        try:
+            (root / name).rmdir()
+            gone.append(rel)
+        except OSError:  # files of the user's are in it: they and the directory stay
+            pass
+    return gone
+
+
 def save(
     run_dir: Path,
     *,
@@ -159,13 +230,19 @@ def save(
     """Write this rank's part of the checkpoint of ``step`` (collective: every rank calls it).
 
     ``meta`` must hold ``variant``, ``workload``, ``size`` and ``seed``; ``barrier`` synchronises the
-    ranks (e.g. ``torch.distributed.barrier``). Returns the final checkpoint directory.
+    ranks (e.g. ``torch.distributed.barrier``). Returns the final checkpoint directory. In a run directory
+    lioncub marked, rank 0 records every path before it is created and deletes only recorded ones
+    (:mod:`lioncub.train.rundir`).
     """
     root = run_dir / "checkpoints"
     name = f"step_{step:08d}"
     tmp, final = root / f".tmp_{name}", root / name
+    marked = rank == 0 and is_marked(run_dir)
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if marked:
+            tmp_files = [f"checkpoints/.tmp_{name}/{n}" for n in _tmp_names(world_size)]
+            record(run_dir, dirs=["checkpoints", f"checkpoints/.tmp_{name}"], files=tmp_files)
+        _empty_out(tmp, _tmp_names(world_size))  # a leftover of an interrupted save
         tmp.mkdir(parents=True)
     barrier()
     state = {"optimizer": optimizer.state_dict(), "rng": _rng_state(), "data": data_state, "rank": rank}
@@ -176,50 +253,129 @@ def save(
         write_atomically(tmp / "model.pt.sha256", digest.encode())
     barrier()
     if rank == 0:
-        missing = [r for r in range(world_size) if not (tmp / f"rank{r}.pt.sha256").exists()]
-        if missing:
-            raise RuntimeError(f"checkpoint {tmp}: ranks {missing} wrote no state")
-        hashes = {}
-        for side in sorted(tmp.glob("*.sha256")):
-            hashes[side.name.removesuffix(".sha256")] = side.read_text().strip()
-            side.unlink()
-        doc = {"version": VERSION, "step": step, "world_size": world_size, **meta, "sha256": hashes}
-        write_atomically(tmp / "meta.json", (json.dumps(doc, indent=1) + "\n").encode())
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        fsync_dir(root)
-        write_atomically(root / "latest", (name + "\n").encode())
-        for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        _complete_save(run_dir, name, step, world_size, meta, marked)
+        gone = _drop_old(run_dir, keep, marked)
+        if marked:
+            tmp_files = [f"checkpoints/.tmp_{name}/{n}" for n in _tmp_names(world_size)]
+            record(run_dir, drop=[*tmp_files, f"checkpoints/.tmp_{name}", *gone])
     barrier()
     return final
 
 
-def latest(run_dir: Path) -> CheckpointMeta | None:
-    """The newest complete checkpoint of ``run_dir`` (None if there is none)."""
+def _complete_save(run_dir: Path, name: str, step: int, world_size: int, meta: dict, marked: bool) -> None:
+    """Rank 0, once every rank's file is in ``.tmp_<name>``: ``meta.json``, the rename into place, then
+    ``latest`` (each written, fsynced and renamed)."""
     root = run_dir / "checkpoints"
-    pointer = root / "latest"
-    if not pointer.exists():
-        return None
-    path = root / pointer.read_text().strip()
+    tmp, final = root / f".tmp_{name}", root / name
+    missing = [r for r in range(world_size) if not (tmp / f"rank{r}.pt.sha256").exists()]
+    if missing:
+        raise RuntimeError(f"checkpoint {tmp}: ranks {missing} wrote no state")
+    hashes = {}
+    for side in sorted(tmp.glob("*.sha256")):
+        hashes[side.name.removesuffix(".sha256")] = side.read_text().strip()
+        side.unlink()
+    doc = {"version": VERSION, "step": step, "world_size": world_size, **meta, "sha256": hashes}
+    write_atomically(tmp / "meta.json", (json.dumps(doc, indent=1) + "\n").encode())
+    if marked:
+        files = {f"checkpoints/{name}/{n}": [] for n in _final_names(world_size)}
+        record(
+            run_dir,
+            dirs=[f"checkpoints/{name}"],
+            files={**files, "checkpoints/latest": [], "checkpoints/latest.part": []},
+        )
+    _empty_out(final, _final_names(world_size))  # this step saved before (a restarted run)
+    os.replace(tmp, final)
+    fsync_dir(root)
+    write_atomically(root / "latest", (name + "\n").encode())
+
+
+def _steps(root: Path, rec: Record | None) -> list[str]:
+    """The checkpoint directories ``step_NNNNNNNN`` of ``root`` (the recorded ones, in a marked run)."""
     try:
-        doc = json.loads((path / "meta.json").read_text())
-    except (OSError, json.JSONDecodeError) as err:
+        entries = list(os.scandir(root))
+    except OSError:
+        return []
+    return [
+        e.name
+        for e in entries
+        if _STEP.fullmatch(e.name)
+        and e.is_dir(follow_symlinks=False)
+        and (rec is None or f"checkpoints/{e.name}" in rec.dirs)
+    ]
+
+
+def _complete(path: Path) -> tuple[CheckpointMeta | None, str]:
+    """The checkpoint in ``path`` if it is complete (its ``meta.json`` readable, of this version, and every
+    file it lists there); else None and why not."""
+    try:
+        fd = os.open(path / "meta.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            doc = json.loads(f.read())
+    except (OSError, ValueError) as err:
+        return None, f"checkpoint {path} is unreadable ({err})"
+    if not isinstance(doc, dict) or doc.get("version") != VERSION:
+        version = doc.get("version") if isinstance(doc, dict) else None
+        return None, f"checkpoint {path} has version {version}, this lioncub reads {VERSION}"
+    try:
+        meta = CheckpointMeta(
+            path,
+            int(doc["step"]),
+            doc["variant"],
+            int(doc["world_size"]),
+            doc["workload"],
+            doc["size"],
+            doc["seed"],
+            dict(doc["sha256"]),
+        )
+    except (KeyError, TypeError, ValueError) as err:
+        return None, f"checkpoint {path}: meta.json lacks or garbles {err}"
+    missing = [n for n in meta.sha256 if not regular_file(path / n)]
+    if missing:
+        return None, f"checkpoint {path} lacks {', '.join(missing)}"
+    return meta, ""
+
+
+def latest(run_dir: Path) -> CheckpointMeta | None:
+    """The newest complete checkpoint of ``run_dir`` (None if there is none): the one
+    ``checkpoints/latest`` names; if that file is missing or names no complete checkpoint, the newest
+    complete one there is, whose :attr:`CheckpointMeta.note` says so. In a marked run directory only the
+    checkpoints lioncub recorded count. ``ValueError`` if ``checkpoints`` is a link or a file, or if
+    ``latest`` names a checkpoint and none is complete."""
+    root = run_dir / "checkpoints"
+    if not os.path.lexists(root):
+        return None
+    if root.is_symlink() or not root.is_dir():
         raise ValueError(
-            f"checkpoint {path} is unreadable ({err}); remove {pointer} to start afresh"
-        ) from err
-    if doc.get("version") != VERSION:
-        raise ValueError(f"checkpoint {path} has version {doc.get('version')}, this lioncub reads {VERSION}")
-    return CheckpointMeta(
-        path,
-        int(doc["step"]),
-        doc["variant"],
-        int(doc["world_size"]),
-        doc["workload"],
-        doc["size"],
-        doc["seed"],
-        dict(doc["sha256"]),
-    )
+            f"{root} is not a directory lioncub made (a symbolic link or a file): lioncub reads and writes "
+            "no checkpoint through it"
+        )
+    steps = sorted(_steps(root, read_record(run_dir, "run")), reverse=True)
+    pointer = root / "latest"
+    named, why = None, f"{pointer} is missing"
+    if os.path.lexists(pointer):
+        try:
+            fd = os.open(pointer, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as f:
+                named = f.read(256).decode().strip()
+        except (OSError, UnicodeDecodeError) as err:
+            why = f"{pointer} cannot be read ({err})"
+        else:
+            why = f"{pointer} names {named!r}, which is no checkpoint lioncub wrote here"
+            if named in steps:
+                meta, why = _complete(root / named)
+                if meta is not None:
+                    return meta
+    for name in steps:
+        meta, _ = _complete(root / name)
+        if meta is not None and name != named:
+            return dataclasses.replace(
+                meta, note=f"{why}; resuming from {name}, the newest complete checkpoint"
+            )
+    if named is not None:
+        raise ValueError(
+            f"{why}, and no other checkpoint in {root} is complete: there is nothing to resume from"
+        )
+    return None
 
 
 def check_compatible(

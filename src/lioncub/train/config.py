@@ -17,11 +17,11 @@ from typing import Any
 
 from lioncub.optim import PRESETS, resolve_variant
 from lioncub.optim.step_check import NONFINITE_MODES
-from lioncub.train import checkpoint
 from lioncub.train.workloads import CNNWorkload, GPTWorkload, workload_names
 
 __all__ = [
     "BASELINES",
+    "CONVERSIONS",
     "JSON_KEYS",
     "ClusterConfig",
     "OptimizerConfig",
@@ -33,6 +33,9 @@ __all__ = [
 
 #: variants trained as DDP + Lion, as users run today (gradient allreduce in fp32 / 16-bit)
 BASELINES = ("32bit", "16bit")
+#: how a resume on another world size starts every rank's momenta (``--convert-momenta``; see
+#: :mod:`lioncub.train.checkpoint`)
+CONVERSIONS = ("average",)
 
 
 @dataclass
@@ -268,10 +271,9 @@ class TrainConfig:
             raise ValueError(f"--data-mode {run.data_mode!r}: allowed values are ['random', 'shard']")
         if run.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device {run.device!r}: allowed values are ['auto', 'cpu', 'cuda']")
-        if run.convert_momenta not in (None, *checkpoint.CONVERSIONS):
+        if run.convert_momenta not in (None, *CONVERSIONS):
             raise ValueError(
-                f"--convert-momenta {run.convert_momenta!r}: allowed values are "
-                f"{list(checkpoint.CONVERSIONS)}"
+                f"--convert-momenta {run.convert_momenta!r}: allowed values are {list(CONVERSIONS)}"
             )
 
     def to_json(self) -> dict[str, Any]:

@@ -1,13 +1,12 @@
-"""The driver of a training run: the checks made before anything is written or launched, the run directory
-(``config.json``, ``log.jsonl``, ``summary.json``, ``checkpoints/``), the launch of the ranks of
-:mod:`lioncub.train.rank` with a progress display (:mod:`lioncub.train.progress`), and the summary line.
+"""The driver of a training run: the checks made before anything is written or launched, the launch of the
+ranks of :mod:`lioncub.train.rank` on a run directory made ready by :mod:`lioncub.train.prepare` (under
+its writer's lock) with a progress display (:mod:`lioncub.train.progress`), and the summary line.
 
 ``lioncub train`` and ``lioncub compare`` are thin command lines over this module.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -17,30 +16,24 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from lioncub._validate import is_int, is_number
-from lioncub.train.config import TrainConfig, format_overrides
+from lioncub.train.config import BASELINES, TrainConfig, format_overrides
+from lioncub.train.prepare import NEXT_CONFIG, finish_run
 from lioncub.train.progress import Progress
-from lioncub.train.rundir import (
-    check_out_path,
-    claim,
-    foreign_entries,
-    is_marked,
-    remove_owned,
-    write_atomically,
-)
 
 __all__ = [
+    "MAX_SEED",
     "RANK_MODULE",
     "RunOutcome",
+    "available_bytes",
     "check_before_launch",
+    "check_lanes",
     "check_launch_options",
-    "check_resume",
+    "check_run_options",
     "estimate_params",
     "format_summary",
     "make_launch_config",
     "max_ranks",
-    "prepare_run_dir",
     "run_training",
-    "write_config",
 ]
 
 #: what every rank runs: ``python -m lioncub.train.rank RUN_DIR [CONFIG]``
@@ -71,42 +64,37 @@ def estimate_params(workload: str, values: dict[str, Any]) -> int:
     return 12 * layers * d * d + (1 if values["tie_embeddings"] else 2) * vocab * d + values["block_size"] * d
 
 
-def max_ranks(rank_bytes: int) -> int:
-    """How many ranks of ``rank_bytes`` fit in 80 % of this machine's available memory (at least 1)."""
-    available = None
+def available_bytes() -> int:
+    """This machine's available memory (``MemAvailable``, else the physical memory)."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024
+                return int(line.split()[1]) * 1024
     except OSError:
         pass
-    if available is None:
-        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return max(1, int(0.8 * available) // rank_bytes)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check_before_launch(config: TrainConfig, timeout_s: float | None, max_nproc: int | None = None) -> None:
-    """Refuse, naming the option, what :class:`~lioncub.train.config.TrainConfig` lets through and the ranks
-    would only find after the launch: the link rate and the privileges ``--link`` needs, ``--nproc`` beyond
-    what the machine's memory holds (``max_nproc`` overrides the bound from :func:`max_ranks`) or under
-    ``--link``, ``--timeout``, ``--bucket-mb``, ``--sync-every``, ``--diagnostics-every``, an empty
-    ``--momentum-sync``, ``--warmup`` beyond ``--steps``, ``--seed``, the ``--set`` values and the workload's
-    data (files, optional packages, sizes)."""
-    from lioncub.launch import PrivilegeError, check_privileges
+def max_ranks(rank_bytes: int) -> int:
+    """How many ranks of ``rank_bytes`` fit in 80 % of this machine's available memory (0: not one)."""
+    return int(0.8 * available_bytes()) // rank_bytes
+
+
+#: the largest ``--seed``: torch's generators take 64-bit seeds
+MAX_SEED = 2**63 - 1
+
+
+def check_run_options(config: TrainConfig) -> dict[str, Any]:
+    """Refuse, naming the option, what :class:`~lioncub.train.config.TrainConfig` lets through and a rank
+    would only find once it runs: ``--bucket-mb``, ``--sync-every``, ``--diagnostics-every``, ``--seed``
+    (at most :data:`MAX_SEED`), an empty ``--momentum-sync``, ``--warmup`` beyond ``--steps``, the ``--set``
+    values and the workload's data (files, optional packages, sizes). A rank of a job (``torchrun``) checks
+    this and :func:`check_lanes` itself. Returns the workload's field values."""
     from lioncub.train.workloads import check_workload
 
-    make_launch_config(config, ["-m", RANK_MODULE], timeout_s)  # validates the launch options
-    run, opt, cluster = config.run, config.optimizer, config.cluster
-    if cluster.link not in (None, "loopback"):
-        try:
-            check_privileges()
-        except PrivilegeError as exc:
-            raise ValueError(f"--link {cluster.link}: {exc}") from None
-    if max_nproc is not None and not is_int(max_nproc, 1):
-        raise ValueError(f"--max-nproc {max_nproc!r} must be an integer >= 1")
-    bucket = opt.bucket_mb
-    if not is_number(bucket, gt=0):
-        raise ValueError(f"--bucket-mb {bucket!r} must be a finite number of MiB > 0 (default 25)")
+    run, opt = config.run, config.optimizer
+    if not is_number(opt.bucket_mb, gt=0):
+        raise ValueError(f"--bucket-mb {opt.bucket_mb!r} must be a finite number of MiB > 0 (default 25)")
     for option, value, low in (
         ("--sync-every", opt.sync_every, 1),
         ("--diagnostics-every", opt.diagnostics_every, 0),
@@ -114,6 +102,8 @@ def check_before_launch(config: TrainConfig, timeout_s: float | None, max_nproc:
     ):
         if not is_int(value, low):
             raise ValueError(f"{option} {value!r} must be an integer >= {low}")
+    if run.seed > MAX_SEED:
+        raise ValueError(f"--seed {run.seed} must be at most 2**63 - 1 = {MAX_SEED} (a generator's seed)")
     if not opt.momentum_sync:
         raise ValueError(
             f"--momentum-sync {opt.momentum_sync!r}: give none, all, io or comma-separated parameter-name "
@@ -125,26 +115,70 @@ def check_before_launch(config: TrainConfig, timeout_s: float | None, max_nproc:
             "reach its peak)"
         )
     try:
-        values = check_workload(run.workload, run.size, run.overrides)
+        return check_workload(run.workload, run.size, run.overrides)
     except (ValueError, TypeError) as exc:
         raise ValueError(
             f"--set {format_overrides(run.overrides)}: {exc}" if run.overrides else str(exc)
         ) from None
     except OSError as exc:
         raise ValueError(f"--workload {run.workload} --size {run.size}: {exc}") from None
+
+
+def check_lanes(config: TrainConfig) -> None:
+    """``ValueError`` if the variant's integer lanes cannot hold the vote's sum over ``nproc`` ranks (what
+    the optimizer would refuse inside every rank), naming the variants that can."""
+    from lioncub.optim import PRESETS, resolve_variant
+    from lioncub.optim.config import capacity, check_workers
+
+    opt, n = config.optimizer, config.cluster.nproc
+    if opt.variant in BASELINES:
+        return
+    topology = "flat" if opt.topology == "auto" else opt.topology
+    try:
+        check_workers(resolve_variant(opt.variant, quantizer=opt.quantizer, topology=topology), n)
+    except ValueError as exc:
+        fits = [name for name, preset in PRESETS.items() if name in BASELINES or capacity(preset, n)[0]]
+        fix = "" if "presets that do" in str(exc) else f"; the variants that serve {n} ranks: {fits}"
+        raise ValueError(f"--variant {opt.variant} with {n} ranks: {exc}{fix}") from None
+
+
+def check_before_launch(config: TrainConfig, timeout_s: float | None, max_nproc: int | None = None) -> None:
+    """Refuse, naming the option, what a launch of ``config`` would only find once it started: the launch
+    options, the link rate and the privileges ``--link`` needs, ``--nproc`` beyond what the machine's
+    memory holds (even a single rank; ``max_nproc`` replaces the bound from :func:`max_ranks`), and all
+    that :func:`check_run_options` and :func:`check_lanes` check."""
+    from lioncub.launch import PrivilegeError, check_privileges
+
+    make_launch_config(config, ["-m", RANK_MODULE], timeout_s)  # validates the launch options
+    run, cluster = config.run, config.cluster
+    if cluster.link not in (None, "loopback"):
+        try:
+            check_privileges()
+        except PrivilegeError as exc:
+            raise ValueError(f"--link {cluster.link}: {exc}") from None
+    if max_nproc is not None and not is_int(max_nproc, 1):
+        raise ValueError(f"--max-nproc {max_nproc!r} must be an integer >= 1")
+    values = check_run_options(config)
     rank_bytes = RANK_BASE_BYTES + RANK_BYTES_PER_PARAM * estimate_params(run.workload, values)
     limit = max_nproc if max_nproc is not None else max_ranks(rank_bytes)
-    if cluster.nproc > limit:
+    if cluster.nproc <= limit:
+        check_lanes(config)
+        return
+    model = f"{run.workload}/{run.size}" + (f" {format_overrides(run.overrides)}" if run.overrides else "")
+    if max_nproc is not None:
+        why = f"above --max-nproc {max_nproc}"
+    elif limit == 0:
         why = (
-            f"above --max-nproc {max_nproc}"
-            if max_nproc is not None
-            else f"this machine's available memory holds about {limit} ranks of "
-            f"~{rank_bytes / 2**30:.2f} GiB ({run.workload}/{run.size})"
+            f"a single rank needs ~{rank_bytes / 2**30:.2f} GiB ({model}), more than 80 % of this machine's "
+            f"available memory (~{available_bytes() / 2**30:.1f} GiB)"
         )
-        raise ValueError(
-            f"--nproc {cluster.nproc}: {why}; more would make the kernel kill processes (perhaps not ours). "
-            "Pass --max-nproc N to allow N ranks on purpose"
-        )
+    else:
+        each = f"~{rank_bytes / 2**30:.2f} GiB ({model})"
+        why = f"this machine's available memory holds about {limit} ranks of {each}"
+    raise ValueError(
+        f"--nproc {cluster.nproc}: {why}; more would make the kernel kill processes (perhaps not ours). "
+        "Pass --max-nproc N to allow N ranks on purpose"
+    )
 
 
 def make_launch_config(
@@ -189,99 +223,6 @@ class RunOutcome:
     summary: dict[str, Any] | None
 
 
-#: what a resumed run keeps from the run it continues, besides what its checkpoint records and
-#: :func:`lioncub.train.checkpoint.check_compatible` checks (workload, size, seed, variant, ranks)
-FROZEN_ON_RESUME = ("data_mode", "overrides", "quantizer")
-#: the configuration a resumed run trains with until it succeeds (then it becomes ``config.json``)
-NEXT_CONFIG = "config.next.json"
-
-
-def check_resume(saved: TrainConfig, config: TrainConfig, run_dir: Path) -> None:
-    """``ValueError`` naming the option if ``config`` changes what a resumed run must keep
-    (:data:`FROZEN_ON_RESUME`) from ``saved``, the configuration in ``run_dir``."""
-    saved_doc, doc = saved.to_json(), config.to_json()
-    for name in FROZEN_ON_RESUME:
-        old, new = saved_doc[name], doc[name]
-        if old == new:
-            continue
-        if name == "overrides":
-            keys = sorted(k for k in {*old, *new} if old.get(k, "(default)") != new.get(k, "(default)"))
-            asked = " ".join(f"{k}={new[k]!r}" if k in new else f"{k} (its default)" for k in keys)
-            was = " ".join(f"{k}={old[k]!r}" if k in old else f"{k} at its default" for k in keys)
-            raise ValueError(
-                f"--resume: --set {asked}: the run in {run_dir} has {was}; a resumed run keeps its workload "
-                "fields (start a new --out to change them)"
-            )
-        option = {"data_mode": "--data-mode"}.get(name, f"--{name}")
-        raise ValueError(
-            f"--resume: {option} {new!r}: the run in {run_dir} has {option} {old!r}; a resumed run keeps it "
-            "(start a new --out to change it)"
-        )
-
-
-def prepare_run_dir(run_dir: Path, config: TrainConfig, *, resume: bool) -> TrainConfig:
-    """Check that ``run_dir`` may hold this run (:mod:`lioncub.train.rundir`) and, for a new run, create it
-    with ``config.json``; for ``resume``, check it can continue and write the new configuration to
-    :data:`NEXT_CONFIG` (it replaces ``config.json`` once the run succeeds, so a failed resume leaves the
-    run as it was). Returns the config to run. Raises ``ValueError`` naming the option to change; nothing
-    is written before every check has passed."""
-    from lioncub.train import checkpoint
-
-    check_out_path(run_dir)
-    saved_path = run_dir / "config.json"
-    if resume:
-        if not saved_path.exists() or not is_marked(run_dir):
-            raise ValueError(f"--resume: {run_dir} holds no lioncub run (no config.json written by lioncub)")
-        meta = checkpoint.latest(run_dir)
-        if meta is None:
-            raise ValueError(
-                f"--resume: {run_dir} has no complete checkpoint to resume from (delete the directory to "
-                "start afresh)"
-            )
-        check_resume(TrainConfig.from_json(json.loads(saved_path.read_text())), config, run_dir)
-        checkpoint.check_compatible(
-            meta,
-            variant=config.optimizer.variant,
-            world_size=config.cluster.nproc,
-            workload=config.run.workload,
-            size=config.run.size,
-            seed=config.run.seed,
-            convert_momenta=config.run.convert_momenta,
-        )
-        if config.run.stop_at is not None and config.run.stop_at <= meta.step:
-            raise ValueError(f"--stop-at {config.run.stop_at}: the checkpoint is already at step {meta.step}")
-        if meta.step >= config.run.steps:
-            raise ValueError(
-                f"--resume: the checkpoint is at step {meta.step}; pass --steps above it to go on"
-            )
-        write_config(run_dir / NEXT_CONFIG, config)
-        return config
-    if config.run.convert_momenta is not None:
-        raise ValueError(
-            f"--convert-momenta {config.run.convert_momenta}: applies only with --resume (a new run has no "
-            "momenta to convert)"
-        )
-    if is_marked(run_dir) and saved_path.exists():
-        raise ValueError(
-            f"--out {run_dir} already holds a run; pass --resume to continue it, or choose another --out"
-        )
-    foreign = foreign_entries(run_dir)
-    if foreign:
-        raise ValueError(
-            f"--out {run_dir} holds files lioncub did not write ({', '.join(foreign[:5])}"
-            + (" …" if len(foreign) > 5 else "")
-            + "); give a new or empty directory"
-        )
-    claim(run_dir)
-    write_config(saved_path, config)
-    return config
-
-
-def write_config(path: Path, config: TrainConfig) -> None:
-    """Write ``config`` to ``path`` as ``config.json`` (atomically)."""
-    write_atomically(path, json.dumps(config.to_json(), indent=1) + "\n")
-
-
 def run_training(
     config: TrainConfig,
     run_dir: Path,
@@ -295,15 +236,19 @@ def run_training(
     collective_timeout_s: float = 600.0,
     env: dict[str, str] | None = None,
 ) -> RunOutcome:
-    """Launch the ranks of :mod:`lioncub.train.rank` on ``run_dir`` (already prepared); a
-    restart (``restarts``) reruns every rank, which resumes from the last checkpoint. ``env`` is added to
-    the ranks' environment."""
+    """Launch the ranks of :mod:`lioncub.train.rank` on ``run_dir``, made ready by
+    :func:`lioncub.train.prepare.prepare_run_dir` (the caller holds its lock until this returns); a restart
+    (``restarts``) reruns every rank, which resumes from the last checkpoint. ``env`` is added to the
+    ranks' environment. Ends with :func:`lioncub.train.prepare.finish_run`."""
     check_launch_options(restarts, collective_timeout_s)
     from lioncub.launch import launch
     from lioncub.train import checkpoint
 
     err = err or sys.stderr
-    meta = checkpoint.latest(run_dir)
+    try:
+        meta = checkpoint.latest(run_dir)
+    except ValueError:
+        meta = None
     start = meta.step if meta is not None else 0
     next_config = run_dir / NEXT_CONFIG  # a resume: its configuration becomes config.json on success
     cmd = [sys.executable, "-m", RANK_MODULE, str(run_dir)]
@@ -321,14 +266,10 @@ def run_training(
         if bar is not None:
             bar.done.set()
             bar.join(timeout=5)
-    if next_config.exists():
-        if result.ok:
-            os.replace(next_config, run_dir / "config.json")
-        else:
-            next_config.unlink()  # the run goes on from its previous configuration and checkpoints
-    elif not result.ok and checkpoint.latest(run_dir) is None:
-        with contextlib.suppress(ValueError):  # files of the user's appeared meanwhile: leave it all
-            remove_owned(run_dir, keep_dir=True)  # a new run that left nothing to resume: rerun it as it was
+    try:
+        finish_run(run_dir, result.ok)
+    except OSError as exc:  # e.g. a full disk: the directory stays as the ranks left it, and can be resumed
+        print(f"lioncub: could not finish {run_dir} ({exc}); it stays as the ranks left it", file=err)
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if result.ok and summary_path.exists() else None
     return RunOutcome(result.returncode, result.message, summary)

@@ -27,6 +27,9 @@ Step time split (seconds, rank 0, in every ``step`` record of ``log.jsonl``):
 * ``step_s``: the whole step; ``time_s``: the training wall time so far (evaluation and checkpoints
   excluded). ``bytes_sent``/``bytes_recv``: this rank's bytes handed to the collectives in the step.
 
+On emulated nodes (``--nnodes``) a ``step`` record also holds ``nic_bytes`` (sent through a node's NIC)
+and ``intra_bytes`` (sent by a rank inside its node): :mod:`lioncub.train.nodebytes`.
+
 ``eval`` records hold ``val_loss`` (and ``val_acc``) at ``eval_every`` steps and at the end; rank 0
 evaluates (the replicas are identical) while the others wait. With ``diagnostics_every`` a ``diag``
 record holds :mod:`lioncub.optim.diagnostics` overall and per parameter tensor.
@@ -63,7 +66,9 @@ from lioncub.planning import costmodel
 from lioncub.planning.auto import DEFAULT_LATENCY_S, choose_topology
 from lioncub.train import checkpoint
 from lioncub.train.config import BASELINES, TrainConfig, lr_factor
-from lioncub.train.rundir import write_atomically
+from lioncub.train.nodebytes import flat_shares, node_bytes
+from lioncub.train.rundir import is_marked, open_append, record, write_atomically, write_owned
+from lioncub.train.runlog import append_record, elapsed_at, truncate_log
 from lioncub.train.workloads import Workload, make_workload
 from lioncub.units import parse_rate
 
@@ -211,6 +216,7 @@ class _Rank:
     start: int  # the step the run resumes after (0: a new run)
     compute_ref: float | None  # DDP baselines: forward + backward without communication (s)
     log: Callable[[str], None]
+    shares: tuple[float, float] | None = None  # on emulated nodes: a flat step's NIC and in-node shares
 
 
 def train(config: TrainConfig, run_dir: Path, *, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -222,21 +228,28 @@ def train(config: TrainConfig, run_dir: Path, *, log: Callable[[str], None] = pr
     uninterrupted one."""
     r = _prepare(config, run_dir, log)
     log_path = run_dir / "log.jsonl"
-    elapsed = _elapsed_at(log_path, r.start) if r.rank == 0 else 0.0
+    elapsed = elapsed_at(log_path, r.start) if r.rank == 0 else 0.0
     records: list[dict[str, Any]] = []
     evals: list[dict[str, Any]] = []
-    with open(log_path if r.rank == 0 else os.devnull, "a") as out:
+    out = open_append(log_path) if r.rank == 0 else os.open(os.devnull, os.O_WRONLY)
+    try:
         for step in range(r.start + 1, config.run.steps + 1):
             PROGRESS["step"] = step
             rec = _train_step(r, step, elapsed)
             elapsed = rec["time_s"]
             records.append(rec)
-            _write(out, rec)
+            append_record(out, rec)
             if _after_step(r, out, step, elapsed, evals):
                 break
+    finally:
+        os.close(out)
     summary = _summary(config, r.wl, r.setup.model, r.world, records, evals, r.compute_ref)
     if r.rank == 0:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        text = json.dumps(summary, indent=1) + "\n"
+        if is_marked(run_dir):
+            write_owned(run_dir, "summary.json", text)  # recorded, never written through a link
+        else:
+            write_atomically(run_dir / "summary.json", text)
     return summary
 
 
@@ -292,10 +305,20 @@ def _prepare(config: TrainConfig, run_dir: Path, log: Callable[[str], None]) -> 
     elif state is not None:  # after everything in the setup that may draw random numbers
         checkpoint.restore_rng(state)
     if rank == 0:
-        _truncate_log(run_dir / "log.jsonl", start)
+        if is_marked(run_dir):
+            record(run_dir, files=["log.jsonl", "log.jsonl.part"])  # before it is created
+        truncate_log(run_dir / "log.jsonl", start, log)
         if resume is not None:
             log(f"resumed from {resume.path} at step {start}")
-    return _Rank(config, run_dir, rank, world, wl, setup, start, compute_ref, log)
+    shares = None
+    if config.cluster.nnodes:  # where the bytes go: lioncub.train.nodebytes
+        opt = config.optimizer
+        vote = (
+            opt.variant if opt.variant in BASELINES else resolve_variant(opt.variant, quantizer=opt.quantizer)
+        )
+        d = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        shares = flat_shares(vote, d, config.cluster.nnodes, config.cluster.nproc_per_node)
+    return _Rank(config, run_dir, rank, world, wl, setup, start, compute_ref, log, shares)
 
 
 def _train_step(r: _Rank, step: int, elapsed: float) -> dict[str, Any]:
@@ -314,6 +337,9 @@ def _train_step(r: _Rank, step: int, elapsed: float) -> dict[str, Any]:
     setup.opt.zero_grad(set_to_none=True)
     t2 = time.perf_counter()
     rec = _step_record(setup, step, t1 - t0, t2 - t1, r.compute_ref)
+    if r.shares is not None:
+        last = setup.opt.comm_stats()["last"] if isinstance(setup.opt, LionCub) else {}
+        rec.update(node_bytes(last, rec["bytes_sent"], r.shares, r.config.cluster.nproc_per_node))
     rec["skipped"] = skipped
     if skipped and r.rank == 0:
         r.log(f"step {step} skipped on every rank: non-finite gradients (--nonfinite skip)")
@@ -332,11 +358,11 @@ def _after_step(r: _Rank, out: Any, step: int, elapsed: float, evals: list[dict[
     diag = getattr(r.setup.opt, "last_diagnostics", None)
     if diag is not None and diag[0] == step:
         layers = {k: v for k, v in diag[1].items() if k != "overall"}
-        _write(out, {"kind": "diag", "step": step, "overall": diag[1]["overall"], "layers": layers})
+        append_record(out, {"kind": "diag", "step": step, "overall": diag[1]["overall"], "layers": layers})
     if step == run.steps or (run.eval_every and step % run.eval_every == 0):
         ev = _evaluate(r.wl, r.setup.model, r.rank, step, elapsed)
         evals.append(ev)
-        _write(out, ev)
+        append_record(out, ev)
     stop = step == run.stop_at
     if stop or step == run.steps or (run.checkpoint_every and step % run.checkpoint_every == 0):
         meta = {
@@ -458,23 +484,3 @@ def _summary(
         "compute_reference_s": compute_ref,
         "final": last_eval,
     }
-
-
-def _write(out: Any, rec: dict[str, Any]) -> None:
-    out.write(json.dumps(rec) + "\n")
-    out.flush()
-
-
-def _truncate_log(path: Path, step: int) -> None:
-    """Keep the records of steps ≤ ``step`` (a resumed run rewrites what came after its checkpoint)."""
-    if not path.exists():
-        return
-    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-    write_atomically(path, "".join(line + "\n" for line in kept))
-
-
-def _elapsed_at(path: Path, step: int) -> float:
-    if not path.exists():
-        return 0.0
-    times = [json.loads(line).get("time_s", 0.0) for line in path.read_text().splitlines() if line]
-    return max(times, default=0.0) if step else 0.0

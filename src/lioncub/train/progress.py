@@ -53,8 +53,8 @@ class Progress(threading.Thread):
                     complete = chunk[: chunk.rfind("\n") + 1]
                     pos += len(complete.encode())
                     for line in complete.splitlines():
-                        rec = json.loads(line)
-                        if rec["step"] <= self.start_step:
+                        rec = _record(line)
+                        if rec is None or rec["step"] <= self.start_step:
                             continue
                         if rec["kind"] == "eval" and "val_loss" in rec:
                             bar.update(task, val=f"val {rec['val_loss']:.4f}")
@@ -76,6 +76,16 @@ class Progress(threading.Thread):
                 if finished:
                     return
                 self.done.wait(0.5)
+
+
+def _record(line: str) -> dict[str, Any] | None:
+    """A log line as a record with a step number; None for anything else (a line a crash cut short, which
+    the resumed run cuts off the log)."""
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    return rec if isinstance(rec, dict) and isinstance(rec.get("step"), int) and "kind" in rec else None
 
 
 def _rate_and_eta(first: tuple[int, float] | None, rec: dict[str, Any], total: int) -> tuple[str, str]:

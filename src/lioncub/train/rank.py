@@ -3,7 +3,8 @@
 Two command lines reach it. ``python -m lioncub.train.rank RUN_DIR [CONFIG]`` is what the driver
 (:mod:`lioncub.train.driver`, behind ``lioncub train`` and ``lioncub compare``) starts on every rank of a
 run directory it has prepared; ``lioncub train`` inside a job that ``torchrun`` started (``RANK`` and
-``WORLD_SIZE`` set) has no driver, and its ranks prepare the run directory themselves.
+``WORLD_SIZE`` set, or ``lioncub launch -- -m lioncub.cli train``) has no driver: its rank 0 takes the
+run directory's writer lock and prepares it as the driver would, before any rank trains.
 """
 
 from __future__ import annotations
@@ -25,30 +26,37 @@ import torch.distributed as dist
 from lioncub.launch.supervisor import FORWARDED_SIGNALS
 from lioncub.train import loop
 from lioncub.train.config import TrainConfig
-from lioncub.train.driver import format_summary, write_config
-from lioncub.train.rundir import claim, foreign_entries
+from lioncub.train.driver import check_lanes, check_run_options, format_summary
+from lioncub.train.rundir import is_marked
+from lioncub.train.runlock import hold_ranks
 
 __all__ = ["format_final", "init_distributed", "interrupt_as_one_line", "main", "run_rank", "train_in_job"]
 
 
-def run_rank(config: TrainConfig, run_dir: Path, *, driven: bool) -> int:
+def run_rank(config: TrainConfig, run_dir: Path, *, driven: bool, resume: bool = False) -> int:
     """Train as this rank of the job its environment describes (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
     ...), resuming from the run's checkpoints if there are any (a restart); returns the exit status.
 
-    ``driven``: the driver prepared ``run_dir`` and prints the summary; rank 0 ends with the final
-    validation line. Otherwise (under torchrun) the world size is the job's, every rank refuses (with a
-    ``ValueError``) a directory holding files lioncub did not write, rank 0 writes ``config.json`` and ends
-    with the summary line.
+    ``driven``: the driver prepared ``run_dir`` (and holds its writer lock) and prints the summary; rank 0
+    holds the directory's ranks lock while it lives (:func:`lioncub.train.runlock.hold_ranks`) and ends
+    with the final validation line. Otherwise (``torchrun``, ``lioncub launch``) the world size is the
+    job's, every rank checks the options (:func:`lioncub.train.driver.check_run_options`), rank 0 takes the
+    writer lock and makes the directory ready as the driver does (a new run, or ``resume``:
+    :func:`lioncub.train.prepare.prepare_run_dir`), every rank refuses alike with its ``ValueError``, and
+    rank 0 ends with the summary line.
 
     SIGINT, SIGTERM or SIGHUP (what ``lioncub launch``/``train`` forward on Ctrl-C, or send to stop the
     ranks) end the process with one line, ``interrupted (SIGINT) at step 7``, and exit status 128 + the
     signal (:func:`interrupt_as_one_line`), not a traceback."""
-    if not driven:
-        config.cluster.nproc = int(os.environ["WORLD_SIZE"])
-        _claim_run_dir(config, run_dir)
     loop.PROGRESS["step"] = None
     try:
-        summary = train_in_job(config, run_dir)
+        if driven:
+            summary = train_in_job(config, run_dir)
+        else:
+            config.cluster.nproc = int(os.environ["WORLD_SIZE"])
+            check_run_options(config)  # every rank alike, before anything is written
+            check_lanes(config)
+            summary = train_in_job(config, run_dir, prepare=lambda: _prepare_in_job(config, run_dir, resume))
     except KeyboardInterrupt:  # a SIGINT outside interrupt_as_one_line's handler: one line, no traceback
         print(f"interrupted (SIGINT) {loop.where()}", file=sys.stderr)
         return 128 + signal.SIGINT
@@ -60,33 +68,66 @@ def run_rank(config: TrainConfig, run_dir: Path, *, driven: bool) -> int:
     return 0
 
 
-def _claim_run_dir(config: TrainConfig, run_dir: Path) -> None:
-    """A run directory without a driver: every rank decides alike whether it may write there (what rank 0
-    writes is lioncub's); rank 0 claims it and writes ``config.json``."""
-    foreign = foreign_entries(run_dir)
-    if foreign:
-        raise ValueError(
-            f"--out {run_dir} holds files lioncub did not write ({', '.join(foreign[:5])}); give a new or "
-            "empty directory"
-        )
-    if int(os.environ["RANK"]) == 0:
-        claim(run_dir)
-        write_config(run_dir / "config.json", config)
+def _prepare_in_job(config: TrainConfig, run_dir: Path, resume: bool) -> Callable[[bool], None]:
+    """Collective, in a job without a driver: rank 0 takes ``run_dir``'s writer lock and makes it ready
+    (:func:`lioncub.train.prepare.prepare_run_dir`, recording this job so that its restarts go on with the
+    run); every rank learns rank 0's verdict and raises its ``ValueError`` alike. Returns what rank 0 does
+    when the run ends (``finish(ok)``: :func:`lioncub.train.prepare.finish_run`, then the lock is let go)."""
+    from lioncub.train.prepare import finish_run, job_identity, prepare_run_dir
+
+    device = loop.device_for(config)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # the broadcast below runs on this rank's device under NCCL
+    verdict, lock = [""], None
+    if dist.get_rank() == 0:
+        try:
+            _, lock = prepare_run_dir(run_dir, config, resume=resume, job=job_identity())
+        except (ValueError, TypeError, OSError) as exc:
+            verdict[0] = str(exc) or repr(exc)
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        raise ValueError(verdict[0])
+
+    def finish(ok: bool) -> None:
+        if lock is not None:
+            try:
+                finish_run(run_dir, ok)
+            finally:
+                lock.release()
+
+    return finish
 
 
-def train_in_job(config: TrainConfig, run_dir: Path) -> dict[str, Any]:
-    """This process's whole part of a run: join the job (:func:`init_distributed`),
-    :func:`lioncub.train.loop.train`, wait for every rank and leave the group, the signals handled by
-    :func:`interrupt_as_one_line`. Returns the summary."""
+def train_in_job(
+    config: TrainConfig, run_dir: Path, prepare: Callable[[], Callable[[bool], None]] | None = None
+) -> dict[str, Any]:
+    """This process's whole part of a run: join the job (:func:`init_distributed`), ``prepare`` the run
+    directory (a job without a driver), :func:`lioncub.train.loop.train`, wait for every rank and leave the
+    group, the signals handled by :func:`interrupt_as_one_line`. Returns the summary. Rank 0 of a driven
+    run holds the directory's ranks lock meanwhile."""
     torch.set_num_threads(int(os.environ.get("LIONCUB_THREADS", "1")))
     loop.PROGRESS["step"] = None
-    with interrupt_as_one_line(loop.where):
-        init_distributed(config)
-        try:
-            summary = loop.train(config, run_dir)
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
+    ranks = None
+    if prepare is None and os.environ.get("RANK", "0") == "0" and is_marked(run_dir):
+        ranks = hold_ranks(run_dir)
+    try:
+        with interrupt_as_one_line(loop.where):
+            init_distributed(config)
+            try:
+                finish = prepare() if prepare is not None else None
+                ok = False
+                try:
+                    summary = loop.train(config, run_dir)
+                    dist.barrier()
+                    ok = True
+                finally:
+                    if finish is not None:
+                        finish(ok)
+            finally:
+                dist.destroy_process_group()
+    finally:
+        if ranks is not None:
+            ranks.release()
     return summary
 
 

@@ -25,6 +25,7 @@ samplers and the seeded init, every run is a function of its settings.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -78,10 +79,12 @@ def simulate(
     steps: int,
     data_mode: str = "random",
     inner_momentum: str = "keep",
+    lr_scale: float = 1.0,
     eval_every: int = 32,
 ) -> dict[str, Any]:
     """Train the tiny GPT with ``n`` simulated workers, ``rule`` and ``h`` inner steps per outer step (the
-    per-step rules ignore ``h``); returns the run's record (validation losses, bytes)."""
+    per-step rules ignore ``h``), every param group's lr times ``lr_scale``; returns the run's record
+    (validation losses, bytes)."""
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     wl = make_workload("gpt", "tiny", rank=0, world_size=n, seed=seed, data_mode=data_mode)
@@ -93,7 +96,7 @@ def simulate(
     ]
     segments = [p.numel() for p in params]
     group_of = {id(p): g for g in wl.param_groups(model) for p in g["params"]}
-    peak = torch.cat([torch.full((p.numel(),), float(group_of[id(p)]["lr"])) for p in params])
+    peak = torch.cat([torch.full((p.numel(),), lr_scale * float(group_of[id(p)]["lr"])) for p in params])
     wd = torch.cat([torch.full((p.numel(),), float(group_of[id(p)]["weight_decay"])) for p in params])
     beta1, beta2 = wl.betas
     warmup = RunConfig(steps=steps).warmup
@@ -146,7 +149,7 @@ def simulate(
     bits = BITS[rule] / (1 if per_step else h)
     record.update(
         n=n, rule=rule, h=h, outer_lr=outer_lr, seed=seed, steps=steps, data_mode=data_mode,
-        inner_momentum=inner_momentum, bits_per_param_step=bits, params=d,
+        inner_momentum=inner_momentum, lr_scale=lr_scale, bits_per_param_step=bits, params=d,
         final_val_loss=record["evals"][-1]["val_loss"], seconds=time.perf_counter() - t0,
         train_loss_tail=statistics.mean(record["losses"][-max(1, steps // 10) :]),
     )  # fmt: skip
@@ -198,18 +201,19 @@ def summary(runs: list[dict[str, Any]]) -> str:
     """A markdown table: final validation loss (mean ± std over seeds) per setting."""
     keys: dict[tuple, list[dict[str, Any]]] = {}
     for run in runs:
-        key = (run["n"], run["data_mode"], run["rule"], run["h"], run["outer_lr"], run["inner_momentum"])
+        key = (run["n"], run["data_mode"], run["rule"], run["h"], run.get("lr_scale", 1.0), run["outer_lr"],
+               run["inner_momentum"])  # fmt: skip
         keys.setdefault(key, []).append(run)
     lines = [
-        "| N | data | rule | H | outer lr | inner m | bits/param/step | val loss | seeds |",
-        "|---:|---|---|---:|---:|---|---:|---|---:|",
+        "| N | data | rule | H | lr × | outer lr | inner m | bits/param/step | val loss | seeds |",
+        "|---:|---|---|---:|---:|---:|---|---:|---|---:|",
     ]
-    for (n, mode, rule, h, olr, im), group in sorted(keys.items()):
+    for (n, mode, rule, h, scale, olr, im), group in sorted(keys.items()):
         vals = [r["final_val_loss"] for r in group]
         sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
         bits = group[0]["bits_per_param_step"]
         lines.append(
-            f"| {n} | {mode} | {rule} | {h} | {olr:g} | {im} | {bits:.4g} | "
+            f"| {n} | {mode} | {rule} | {h} | {scale:g} | {olr:g} | {im} | {bits:.4g} | "
             f"{statistics.mean(vals):.4f} ± {sd:.4f} | {len(vals)} |"
         )
     return "\n".join(lines)
@@ -222,6 +226,7 @@ def main() -> None:
     ap.add_argument("--h", default="16", help="inner steps per outer step, comma-separated")
     ap.add_argument("--outer-lr", default="1", help="outer lrs, comma-separated (per rule meaning)")
     ap.add_argument("--inner-momentum", default="keep", help="keep, reset, average (comma-separated)")
+    ap.add_argument("--lr-scale", default="1", help="multipliers of the workload's lrs, comma-separated")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--steps", type=int, default=256)
     ap.add_argument("--data-mode", default="random", help="random, shard (comma-separated)")
@@ -242,26 +247,28 @@ def main() -> None:
                 for h in [1] if rule in ("1bit", "lion") else map(int, args.h.split(",")):
                     lrs = ["1"] if rule in ("1bit", "lion") else args.outer_lr.split(",")
                     for olr in map(float, lrs):
-                        for im in args.inner_momentum.split(","):
-                            for seed in map(int, args.seeds.split(",")):
-                                spec = dict(n=n, rule=rule, h=h, outer_lr=olr, seed=seed, steps=args.steps,
-                                            data_mode=mode, inner_momentum=im)  # fmt: skip
-                                if json.dumps(_key(spec), sort_keys=True) in done:
-                                    continue
-                                run = simulate(**spec)  # type: ignore[arg-type]
-                                runs.append(run)
-                                out.parent.mkdir(parents=True, exist_ok=True)
-                                out.write_text(json.dumps(runs))
-                                said = f"N={n} {mode} {rule} H={h} lr={olr:g} {im} seed={seed}"
-                                print(
-                                    f"{said}: val {run['final_val_loss']:.4f} ({run['seconds']:.0f} s)",
-                                    flush=True,
-                                )
+                        for im, scale, seed in itertools.product(
+                            args.inner_momentum.split(","),
+                            map(float, args.lr_scale.split(",")),
+                            map(int, args.seeds.split(",")),
+                        ):
+                            spec = dict(n=n, rule=rule, h=h, outer_lr=olr, seed=seed, steps=args.steps,
+                                        data_mode=mode, inner_momentum=im, lr_scale=scale)  # fmt: skip
+                            if json.dumps(_key(spec), sort_keys=True) in done:
+                                continue
+                            run = simulate(**spec)  # type: ignore[arg-type]
+                            runs.append(run)
+                            out.parent.mkdir(parents=True, exist_ok=True)
+                            out.write_text(json.dumps(runs))
+                            said = f"N={n} {mode} {rule} H={h} lr×{scale:g} outer {olr:g} {im} seed={seed}"
+                            loss, seconds = run["final_val_loss"], run["seconds"]
+                            print(f"{said}: val {loss:.4f} ({seconds:.0f} s)", flush=True)
     print(summary(runs))
 
 
 def _key(run: dict[str, Any]) -> dict[str, Any]:
-    return {k: run[k] for k in ("n", "rule", "h", "outer_lr", "seed", "steps", "data_mode", "inner_momentum")}
+    keys = ("n", "rule", "h", "outer_lr", "seed", "steps", "data_mode", "inner_momentum")
+    return {**{k: run[k] for k in keys}, "lr_scale": run.get("lr_scale", 1.0)}
 
 
 if __name__ == "__main__":

@@ -569,6 +569,26 @@ RUN_CASES = [  # (options, fragments): refused by `lioncub train` and `lioncub c
     (["--set", "corpus=nonexist"], ["--set", "corpus='nonexist'", "shakespeare"]),
     (["--set", "dropout=1.5"], ["--set", "dropout=1.5", "[0, 1)"]),
     (["--size", "small", NO_DATA], ["--size small", "shakespeare.txt", "LIONCUB_DATA="]),
+    (["--variant", "8bit", "--zero-vote", "plus"], ["--zero-vote plus", "8bit", "one-bit votes"]),
+    (["--inner-momentum", "average"], ["--inner-momentum", "only with --local-steps"]),
+]
+#: refused by `lioncub train` only (compare names local steps in --variants: COMPARE_CASES)
+TRAIN_CASES = [
+    (["--local-steps", "0"], ["--local-steps", ">= 1"]),
+    (["--outer", "diloco"], ["--outer", "only with --local-steps"]),
+    (["--outer-lr", "2"], ["--outer-lr", "only with --local-steps"]),
+    (["--local-steps", "4", "--outer-lr", "-1"], ["--outer-lr", "> 0"]),
+    (["--local-steps", "16"], ["--steps 200 with --local-steps 16", "multiple of 16"]),
+    (["--local-steps", "4", "--eval-every", "10"], ["--eval-every 10", "multiple of 4"]),
+    (
+        ["--variant", "1bit", "--local-steps", "4", "--outer", "dsm"],
+        ["--outer dsm", "--variant 32bit or 16bit"],
+    ),
+    (
+        ["--variant", "1bit", "--local-steps", "4", "--momentum-sync", "all"],
+        ["--momentum-sync", "--local-steps"],
+    ),
+    (["--variant", "1bit", "--local-steps", "4", "--overlap"], ["--overlap with --local-steps 4"]),
 ]
 
 
@@ -581,7 +601,7 @@ def _run_options(options: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 @pytest.mark.parametrize(
     ("options", "fragments"),
-    [case(o, f, id=" ".join(o)[:40]) for o, f in RUN_CASES],
+    [case(o, f, id=" ".join(o)[:40]) for o, f in RUN_CASES + TRAIN_CASES],
 )
 def test_train_cli_refuses_before_writing_or_launching(
     run_cli: Callable,
@@ -608,6 +628,16 @@ COMPARE_CASES = [
     case(["--variants", "1bit@ring"], ["--variants", "@TOPOLOGY", "'node-majority'"], id="variants-topology"),
     case(
         ["--variants", "32bit@hierarchical"], ["--topology hierarchical", "DDP"], id="variants-topology-ddp"
+    ),
+    case(["--variants", "1bit/16"], ["--variants", "hH", "1bit/h16"], id="variants-local-h"),
+    case(["--variants", "1bit/h4/x2"], ["--variants", "/lrX"], id="variants-local-lr"),
+    case(["--variants", "32bit/h4"], ["--variants", "dsm/h4", "diloco/h4"], id="variants-local-32bit"),
+    case(
+        ["--variants", "8bit/h16"], ["--variants 8bit/h16", "--steps 200", "multiple of 16"], id="local-steps"
+    ),
+    case(["--variants", "dsm/h4/lr0"], ["--variants dsm/h4/lr0", "--outer-lr", "> 0"], id="local-outer-lr"),
+    case(
+        ["--variants", "diloco-8bit/h4"], ["diloco-8bit/h4", "--outer diloco", "32bit or 16bit"], id="dil-8"
     ),
     case(["--target-loss", "nan"], ["--target-loss", "> 0"], id="target-loss-nan"),
     case(["--target-loss", "-1"], ["--target-loss", "> 0"], id="target-loss-negative"),

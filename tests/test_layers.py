@@ -27,6 +27,7 @@ LAYERS = {
     "lioncub._validate": 0,
     "lioncub.units": 0,
     "lioncub.transports": 0,
+    "lioncub.names": 0,
     "lioncub.ops": 1,
     "lioncub.collectives": 2,
     "lioncub.optim": 3,

@@ -239,3 +239,28 @@ def test_a_state_of_other_local_steps_settings_and_overlap_are_refused() -> None
             LionCub([torch.nn.Parameter(torch.ones(3))], lr=0.1, local_steps=other).load_state_dict(sd)
     with pytest.raises(ValueError, match="no vote in the backward"):
         opt.overlap_with(torch.nn.Linear(2, 2))
+
+
+def worker_stats(rank: int, world: int) -> list[dict]:
+    p = torch.nn.Parameter(torch.ones(1000))
+    opt = LionCub([p], lr=0.01, variant="1bit", local_steps=LocalSteps(h=2))
+    seen = []
+    for step in range(1, 5):
+        p.grad = torch.full((1000,), float("nan") if (step, rank) == (2, 1) else 1.0 + rank)
+        opt.step()
+        seen.append({k: opt.comm_stats()[k] for k in ("last", "total")})
+    return seen
+
+
+def test_comm_stats_book_the_inner_and_the_outer_step_together() -> None:
+    """H = 2, 2 ranks, 1000 parameters: an inner step sends nothing and books its arithmetic; the step
+    that ends a window books the inner step and the outer vote together in ``"last"`` (and a NaN inner
+    step on rank 1 at step 2 shows there on rank 1 alone), and the totals count every byte once."""
+    for rank, seen in enumerate(run_workers(worker_stats, 2, timeout=60)):
+        inner, outer = seen[0]["last"], seen[1]["last"]
+        assert inner["bytes_sent"] == 0 and inner["collectives"] == 0 and inner["apply_s"] > 0
+        assert outer["bytes_sent"] > 1000 / 8 / 2  # the 1-bit vote of 1000 elements, and the step check
+        assert outer["apply_s"] > 0 and outer["skipped_steps"] == (1 if rank == 1 else 0)
+        assert seen[3]["last"]["bytes_sent"] == outer["bytes_sent"]
+        assert seen[3]["total"]["bytes_sent"] == 2 * outer["bytes_sent"]
+        assert seen[3]["total"]["skipped_steps"] == (1 if rank == 1 else 0)

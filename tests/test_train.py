@@ -286,7 +286,7 @@ def test_resume_refuses_another_world_size_or_variant(
 
 #: one ``lioncub compare`` serves test_compare_writes_table_and_plots, test_compare_with_an_overlapped_variant
 #: and test_diagnostics_and_momentum_sync_through_the_cli (its 1bit run)
-COMPARE = ["compare", *TINY, "--variants", "32bit,1bit,1bit+overlap", "--nproc", "2", "--steps", "4"]
+COMPARE = ["compare", *TINY, "--variants", "32bit,1bit,1bit+overlap,1bit/h2", "--nproc", "2", "--steps", "4"]
 COMPARE += ["--eval-every", "2", "--diagnostics-every", "2"]  # diagnostics: the votes only (no DDP baseline)
 COMPARE += ["--momentum-sync", "io", "--sync-every", "2"]  # the votes only too
 
@@ -403,3 +403,20 @@ def test_compare_with_an_overlapped_variant(
     assert "'+overlap'" in capsys.readouterr().err
     assert train(tmp_path / "bad2", "--variant", "16bit", "--overlap") == 2
     assert "--overlap: --variant 16bit is DDP + Lion, which always overlaps" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_compare_has_a_local_steps_row(compared: tuple[Path, str], capsys: pytest.CaptureFixture) -> None:
+    """test_train's compare has ``1bit/h2`` (its run in ``1bit_h2``): no diagnostics or momentum sync there
+    (they apply to a vote every step), bytes at the outer steps, and the per-window median in the table."""
+    out = compared[0]
+    config = json.loads((out / "1bit_h2" / "config.json").read_text())
+    assert (config["local_steps"], config["diagnostics_every"], config["momentum_sync"]) == (2, 0, "none")
+    steps = records(out / "1bit_h2", "step")
+    assert [r["bytes_sent"] > 0 for r in steps] == [False, True, False, True]
+    rows = {r["variant"]: r for r in json.loads((out / "summary.json").read_text())["rows"]}
+    assert rows["1bit/h2"]["bytes_sent_per_step"] == pytest.approx(steps[1]["bytes_sent"] / 2)
+    assert "| 1bit/h2" in (out / "summary.md").read_text()
+    capsys.readouterr()
+    assert cli.main(["compare", "--out", str(out), "--report-only"]) == 0
+    assert "1bit/h2" in capsys.readouterr().out

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lioncub.cli.options import add_run_arguments, config_from_args, train_run
+from lioncub.names import OVERLAP_SUFFIX
 
 if TYPE_CHECKING:
     from lioncub.train.config import TrainConfig
@@ -31,14 +32,19 @@ examples:
 
 Runs that finished before are reused when their configuration is the same (--overwrite trains them
 again); a finished report lists OUT/summary.md, OUT/summary.json and the PNG plots. --diagnostics-every
-and --momentum-sync/--sync-every apply to the voting variants only (the DDP baselines have no vote); with
-diagnostics the report adds OUT/diagnostics_vs_step.png (match, flip, tie rate, momentum spread per variant).
+and --momentum-sync/--sync-every apply to the variants that vote every step (not to the DDP baselines, nor
+to runs with local steps); with diagnostics the report adds OUT/diagnostics_vs_step.png (match, flip, tie
+rate, momentum spread per variant).
 A LionCub variant named NAME+overlap (or every LionCub variant, with --overlap) starts its votes during the
 backward pass (DDP communication hook; bitwise the same training as NAME). NAME@hierarchical votes node by
 node (bitwise NAME's training, other bytes per NIC) and 1bit@node-majority takes the majority of the
 nodes' majorities (another estimator); with --nnodes M --nproc-per-node L, e.g.
   lioncub compare --variants 32bit,1bit,1bit@hierarchical,1bit@node-majority --nnodes 2 --nproc-per-node 2 \
       --link 100mbit --out runs/topo
+Local steps (docs/local-steps.md): NAME/hH votes every H steps -- 1bit/h16, 8bit/h16; dsm/h16 and
+diloco/h16 average the pseudo-gradients in fp32 (diloco-16bit/h16: bf16); /lrX sets the outer lr, e.g.
+  lioncub compare --variants 32bit,1bit,1bit/h16,1bit/h16/lr2,diloco/h16 --nproc 4 --link 20mbit \
+      --steps 512 --eval-every 32 --out runs/local
 """
 
 
@@ -57,17 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 VOTING_ONLY = ("diagnostics_every", "momentum_sync", "sync_every", "overlap")
-OVERLAP_SUFFIX = "+overlap"
-
-
-def _base(variant: str) -> str:
-    """The preset of a compare variant ``NAME[@TOPOLOGY][+overlap]``."""
-    return variant.removesuffix(OVERLAP_SUFFIX).partition("@")[0]
-
-
-def _topology(variant: str) -> str:
-    """The vote over nodes of a compare variant ``NAME@TOPOLOGY`` (``"flat"`` without one)."""
-    return variant.removesuffix(OVERLAP_SUFFIX).partition("@")[2] or "flat"
+#: what a row without local steps does not take
+LOCAL_ONLY = ("inner_momentum",)
 
 
 def _finished(run_dir: Path, config: TrainConfig) -> bool:
@@ -83,12 +80,13 @@ def _runs_in(out: Path) -> list[str]:
     its last report (else by name)."""
     import json
 
+    from lioncub.names import name_of_run_dir
     from lioncub.train.rundir import is_marked
 
     present = []
     if out.is_dir():
         dirs = [d for d in sorted(out.iterdir()) if d.is_dir() and not d.is_symlink()]
-        present = [d.name for d in dirs if is_marked(d) and (d / "log.jsonl").is_file()]
+        present = [name_of_run_dir(d.name) for d in dirs if is_marked(d) and (d / "log.jsonl").is_file()]
     try:
         rows = json.loads((out / "summary.json").read_text())["rows"]
         order = [r["variant"] for r in rows]
@@ -98,8 +96,10 @@ def _runs_in(out: Path) -> list[str]:
 
 
 def _variants(args: argparse.Namespace, out: Path) -> list[str]:
-    """The variants to compare, in order: ``--variants``, or with ``--report-only`` the runs in ``out``
-    (default :data:`DEFAULT_VARIANTS`); ``ValueError`` if a name is unknown or given twice."""
+    """The runs to compare, in order: ``--variants``, or with ``--report-only`` the runs in ``out``
+    (default :data:`DEFAULT_VARIANTS`); ``ValueError`` if a name is not understood or given twice (whether
+    its options go together is :func:`_config`'s check)."""
+    from lioncub.names import parse_run_name
     from lioncub.optim import PRESETS
     from lioncub.train.config import BASELINES
     from lioncub.transports import TOPOLOGIES
@@ -109,33 +109,56 @@ def _variants(args: argparse.Namespace, out: Path) -> list[str]:
         given = (",".join(_runs_in(out)) if args.report_only else "") or DEFAULT_VARIANTS
     variants = [v.strip() for v in given.split(",") if v.strip()]
     allowed = sorted({*PRESETS, *BASELINES})
-    bad = [v for v in variants if _base(v) not in allowed]
-    bad += [v for v in variants if v.endswith(OVERLAP_SUFFIX) and _base(v) in BASELINES]
-    bad += [v for v in variants if _topology(v) not in TOPOLOGIES]
-    if bad or not variants or len(set(variants)) != len(variants):
+    grammar = (
+        f"give distinct names from {allowed}; a LionCub variant may carry {OVERLAP_SUFFIX!r} (e.g. "
+        f"1bit{OVERLAP_SUFFIX}: its vote overlapped with the backward pass; 32bit/16bit, DDP, always "
+        f"overlap) or @TOPOLOGY (e.g. 1bit@hierarchical, 1bit@node-majority; topologies {list(TOPOLOGIES)}); "
+        "local steps: NAME/hH[/lrX] (1bit/h16, 8bit/h16/lr2, dsm/h16, diloco/h16, diloco-16bit/h16)"
+    )
+    for v in variants:
+        try:
+            fields = parse_run_name(v)
+        except ValueError as exc:
+            raise ValueError(f"--variants {given!r}: {exc}; {grammar}") from None
+        bad = fields["variant"] not in allowed or fields.get("topology", "flat") not in TOPOLOGIES
+        bad |= fields.get("overlap", False) and fields["variant"] in BASELINES
+        if bad:
+            raise ValueError(f"--variants {given!r}: {v!r} is not understood; {grammar}")
+        if "local_steps" in fields and fields["variant"] in BASELINES and "outer" not in fields:
+            wire = "" if fields["variant"] == "32bit" else f"-{fields['variant']}"
+            rest = v.partition("/")[2]
+            raise ValueError(
+                f"--variants {given!r}: {v!r}: local steps on {fields['variant']} take the sign of the mean "
+                f"pseudo-gradient: name it dsm{wire}/{rest} (or diloco{wire}/{rest})"
+            )
+    if not variants or len(set(variants)) != len(variants):
+        raise ValueError(f"--variants {given!r}: {grammar}")
+    if getattr(args, "inner_momentum", None) and not any("/" in v for v in variants):
         raise ValueError(
-            f"--variants {given!r}: give distinct names from {allowed}; "
-            f"a LionCub variant may carry {OVERLAP_SUFFIX!r} (e.g. 1bit{OVERLAP_SUFFIX}: its vote overlapped "
-            "with the backward pass; 32bit/16bit, DDP, always overlap) or @TOPOLOGY (e.g. 1bit@hierarchical, "
-            f"1bit@node-majority; topologies {list(TOPOLOGIES)})"
+            f"--inner-momentum {args.inner_momentum}: applies only with --local-steps: runs named NAME/hH in "
+            "--variants (e.g. 1bit/h16); none is given"
         )
     return variants
 
 
 def _config(args: argparse.Namespace, variant: str) -> TrainConfig:
-    """The :class:`~lioncub.train.config.TrainConfig` of one compared variant ``NAME[@TOPOLOGY][+overlap]``:
-    the shared options, without those only a vote has (:data:`VOTING_ONLY`) for a DDP baseline."""
+    """The :class:`~lioncub.train.config.TrainConfig` of one compared run (:mod:`lioncub.names`): the
+    shared options, without those only a vote has (:data:`VOTING_ONLY`) for a DDP baseline and those only
+    local steps have (:data:`LOCAL_ONLY`) for a vote every step. ``ValueError`` naming the run."""
+    from lioncub.names import parse_run_name
     from lioncub.train.config import BASELINES
 
-    base = _base(variant)
-    options = {**vars(args), "variant": base}
-    if base in BASELINES:
+    fields = parse_run_name(variant)
+    options = {**vars(args), **fields}
+    if fields["variant"] in BASELINES or "local_steps" in fields:  # no vote every step
         options.update(dict.fromkeys(VOTING_ONLY))
-    if variant.endswith(OVERLAP_SUFFIX):
-        options["overlap"] = True
-    if "@" in variant:
-        options["topology"] = _topology(variant)
-    return config_from_args(argparse.Namespace(**options))
+        options.update({k: v for k, v in fields.items() if k in VOTING_ONLY})
+    if "local_steps" not in fields:
+        options.update(dict.fromkeys(LOCAL_ONLY))
+    try:
+        return config_from_args(argparse.Namespace(**options))
+    except ValueError as exc:
+        raise ValueError(f"--variants {variant}: {exc}") from None
 
 
 def _check_runs(
@@ -234,6 +257,7 @@ def _report(args: argparse.Namespace, out: Path, run_dirs: list[Path]) -> int:
 def run(args: argparse.Namespace) -> int:
     """``lioncub compare``: check everything, take ``--out``'s writer lock, train the variants, write and
     print the report."""
+    from lioncub.names import run_dir_name
     from lioncub.train.rundir import DEEPEST, check_out_path, claim
     from lioncub.train.runlock import lock_writer
 
@@ -243,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
         check_out_path(out, below=len(DEEPEST) + 1 + max(len(os.fsencode(v)) for v in variants))
         if args.target_loss is not None and not 0 < args.target_loss < math.inf:
             raise ValueError(f"--target-loss {args.target_loss!r} must be a finite validation loss > 0")
-        run_dirs = [out / v for v in variants]
+        run_dirs = [out / run_dir_name(v) for v in variants]
         if args.report_only:
             _check_out(out)
             missing = [str(d) for d in run_dirs if not (d / "log.jsonl").exists()]

@@ -123,6 +123,35 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, variant: bool = True) 
         help="LionCub variants: start each DDP bucket's vote during the backward pass (bitwise the same "
         "result)",
     )
+    parser.add_argument(
+        "--zero-vote",
+        choices=["split", "plus"],
+        help="one-bit votes: an exact zero votes + on half the ranks (split, default) or always (plus: the "
+        "papers' rule)",
+    )
+    if variant:  # compare names them in --variants (1bit/h16, diloco/h16/lr0.7)
+        parser.add_argument(
+            "--local-steps",
+            type=whole_number(1),
+            metavar="H",
+            help="H local Lion steps per rank, then one outer step (docs/local-steps.md)",
+        )
+        parser.add_argument(
+            "--outer",
+            choices=["vote", "dsm", "diloco"],
+            help="with --local-steps: vote (the variant's vote; default), dsm or diloco (32bit/16bit)",
+        )
+        parser.add_argument(
+            "--outer-lr",
+            type=real_number("a number > 0", 0.0, low_open=True),
+            metavar="X",
+            help="with --local-steps: vote/dsm: X·H·lr per outer step (default 1); diloco: X (default 0.7)",
+        )
+    parser.add_argument(
+        "--inner-momentum",
+        choices=["keep", "reset", "average"],
+        help="with local steps: each rank's inner momentum at an outer step (default keep)",
+    )
     parser.add_argument("--timeout", type=float, default=7200.0, metavar="SECONDS", help="per run")
     parser.add_argument(
         "--collective-timeout",
@@ -185,8 +214,9 @@ def node_layout(args: argparse.Namespace) -> tuple[int | None, int | None]:
 
 def config_from_args(args: argparse.Namespace, base: Any = None) -> Any:
     """A :class:`~lioncub.train.config.TrainConfig`: ``base`` (or the defaults) with every given option
-    (``--nnodes M --nproc-per-node L`` become ``nnodes = M``, ``nproc = M·L``)."""
-    from lioncub.train.config import JSON_KEYS, TrainConfig
+    (``--nnodes M --nproc-per-node L`` become ``nnodes = M``, ``nproc = M·L``; with ``--local-steps H`` and
+    no ``--eval-every``, the evaluation interval is the multiple of H nearest the default 50)."""
+    from lioncub.train.config import JSON_KEYS, RunConfig, TrainConfig
 
     nnodes, nproc = node_layout(args)
     if nnodes is not None:
@@ -199,6 +229,13 @@ def config_from_args(args: argparse.Namespace, base: Any = None) -> Any:
         value = getattr(args, OPTION_OF_FIELD.get(name, name), None)
         if value is not None and name != "overrides":
             doc[name] = value
+    if base is None:  # a new run: the current rule (a document without the key ran the papers' rule)
+        doc.setdefault("zero_vote", "split")
+    h = doc.get("local_steps")
+    if (
+        h and getattr(args, "eval_every", None) is None and base is None
+    ):  # evaluations where the replicas agree
+        doc["eval_every"] = h * max(1, round(RunConfig.eval_every / h))
     if args.set:
         doc["overrides"] = {**doc.get("overrides", {}), **parse_set(args.set)}
     return TrainConfig.from_json(doc)

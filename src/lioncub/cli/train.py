@@ -21,6 +21,10 @@ examples:
   lioncub train --variant 1bit --nnodes 2 --nproc-per-node 2 --link 100mbit --out runs/n2x2  # 2 nodes × 2
   lioncub train --out runs/g8 --resume --steps 800        # continue (and extend) a run
   torchrun --nproc-per-node 4 -m lioncub.cli train --workload gpt --size small --variant 1bit --out runs/x
+  lioncub train --variant 1bit --local-steps 16 --nproc 4 --link 20mbit --steps 512 --eval-every 32 \\
+      --out runs/h16                   # a 1-bit vote every 16 local steps (docs/local-steps.md)
+  lioncub train --variant 32bit --local-steps 16 --outer diloco --nproc 4 --link 20mbit --steps 512 \\
+      --out runs/diloco                # DiLoCo: fp32 mean of the pseudo-gradients, Nesterov outer step
 
 Variants: 32bit (DDP + Lion), 16bit (DDP, bf16/fp16 gradients + Lion), and the LionCub presets 1bit, 4bit,
 8bit, 8bit-sign, dlion-mavo, dlion-avg. Workload fields can be changed with --set, e.g. --set batch_size=8.

@@ -3,6 +3,7 @@ step and since construction, split by level for votes laid over nodes, and the s
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from lioncub.collectives import Comm, CommCounter
@@ -29,6 +30,12 @@ class Accounting:
         self._last = (CommCounter(), StepTimes())
         self._total = (CommCounter(), StepTimes())
         self._skipped = (0, 0)  # (last step, total): steps skipped for non-finite gradients
+        self._continues = False  # the next booking is the second part of the last step
+
+    def continue_step(self) -> None:
+        """The next :meth:`finish_step` books the second part of the step just booked (local steps: the
+        outer step after the inner one): ``"last"`` then holds both parts, the totals count each once."""
+        self._continues = True
 
     def snapshot(self) -> CommCounter:
         """The optimizer group's counter now (pass it to :meth:`finish_step` at the step's end)."""
@@ -49,19 +56,30 @@ class Accounting:
         for i, comm in enumerate(self.levels):
             level = comm.counter.minus(self._marks[i])
             self._marks[i] = comm.counter.snapshot()
-            self._level_last[i] = level
             self._level_total[i].add(level.bytes_sent, level.bytes_recv, level.collectives)
             delta.add(level.bytes_sent, level.bytes_recv, level.collectives)
+            if self._continues:
+                prev = self._level_last[i]
+                level.add(prev.bytes_sent, prev.bytes_recv, prev.collectives)
+            self._level_last[i] = level
         delta.add(*overlapped)
-        self._last = (delta, times)
         total_c, total_t = self._total
         total_c.add(delta.bytes_sent, delta.bytes_recv, delta.collectives)
         total_t.add(times)
+        if self._continues:
+            last_c, last_t = self._last
+            delta.add(last_c.bytes_sent, last_c.bytes_recv, last_c.collectives)
+            times = dataclasses.replace(times)
+            times.add(last_t)
+        self._last = (delta, times)
         self.count_skip(skipped)
 
     def count_skip(self, skipped: bool) -> None:
-        """Book whether the last step was skipped (one process books only this)."""
-        self._skipped = (int(skipped), self._skipped[1] + int(skipped))
+        """Book whether the last step was skipped (one process books only this; the second part of a step
+        adds to its first)."""
+        last = int(skipped) | (self._skipped[0] if self._continues else 0)
+        self._skipped = (last, self._skipped[1] + int(skipped))
+        self._continues = False
 
     def stats(self, steps: int) -> dict[str, dict[str, float | int]]:
         """See :meth:`lioncub.optim.LionCub.comm_stats` (``steps``: optimizer steps taken)."""

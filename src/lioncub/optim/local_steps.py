@@ -164,11 +164,14 @@ class WindowedSteps:
         for p in params:
             if "anchor" not in self.state[p]:  # a window starts: θ_t
                 self.state[p]["anchor"] = p.detach().clone(memory_format=torch.preserve_format)
-        before = self.accounting.snapshot()  # type: ignore[attr-defined]
+        before, times = self.accounting.snapshot(), StepTimes()  # type: ignore[attr-defined]
+        t0 = time.perf_counter()
         skipped = self._lion_step(overflow, local=True)  # type: ignore[attr-defined]
-        self.accounting.finish_step(before, StepTimes(), skipped=skipped)  # type: ignore[attr-defined]
+        times.apply = time.perf_counter() - t0
+        self.accounting.finish_step(before, times, skipped=skipped)  # type: ignore[attr-defined]
         step, h = self._global_step, self.local_steps.h  # type: ignore[attr-defined]
         if step % h == 0:
+            self.accounting.continue_step()  # type: ignore[attr-defined]  # "last": inner + outer
             self._outer_step(step // h, params)
 
     def _outer_step(self, outer_step: int, params: list[torch.Tensor]) -> None:

@@ -15,7 +15,8 @@ Output of :func:`make_report` (a :class:`Report`, one :class:`RunSummary` per ru
 written into ``out_dir``: ``summary.md`` (markdown table, the target-loss rule, the run dirs),
 ``summary.json`` (the rows), ``val_loss_vs_step.png``, ``val_loss_vs_time.png``, ``step_time_split.png``
 (median compute / communication incl. quantize+pack / apply / other per step, as Fig. 15 of the Lion Cub
-paper) and ``bytes_per_step.png``. Per-step numbers are medians over all step records. ``other`` is the rest
+paper) and ``bytes_per_step.png``. Per-step numbers are medians over all step records (a run with local steps:
+over its windows of H steps, of each window's mean per step: :func:`per_step_median`). ``other`` is the rest
 of the step that no split covers (:data:`TABLE_NOTE`, printed under the table, says what that is in a
 ``lioncub train`` log): the median ``step_s`` minus the median compute, comm and apply (a missing split
 counts 0), so that a row's parts add up to its step time. When the step times vary a lot it can come out
@@ -54,6 +55,7 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
+from lioncub.names import run_label
 from lioncub.report.figures import (
     FIGURES,
     figure_bytes_per_step,
@@ -106,7 +108,8 @@ SPLITS = ("compute_s", "comm_s", "apply_s")
 TABLE_NOTE = (
     "other ms = step − compute − comm − apply: the part of a step that no split covers (in lioncub train "
     "logs the optimizer step's own bookkeeping and zero_grad; data loading counts as compute, logging and "
-    "evaluation are outside the step). Every column is a median over the steps, so a row's parts add up "
+    "evaluation are outside the step). Every column is a median over the steps (local steps /hH: over the "
+    "windows of H steps, of the window's mean per step, the outer step included), so a row's parts add up "
     "to its step time."
 )
 TARGET_FACTOR = 1.02
@@ -125,13 +128,15 @@ class RunLog:
 
     @property
     def variant(self) -> str:
-        """The run's name in tables and legends, as ``lioncub compare --variants`` spells it:
-        ``NAME[@TOPOLOGY][+overlap]`` (the topology when it is not flat)."""
-        name = str(self.config.get("variant", self.run_dir.name))
-        topology = self.config.get("topology")
-        if topology not in (None, "flat"):
-            name += f"@{topology}"
-        return name + "+overlap" if self.config.get("overlap") else name
+        """The run's name in tables and legends, as ``lioncub compare --variants`` spells it
+        (:func:`lioncub.names.run_label`: ``1bit@hierarchical``, ``8bit+overlap``, ``1bit/h16``)."""
+        return run_label(self.config) if "variant" in self.config else self.run_dir.name
+
+    @property
+    def local_steps(self) -> int:
+        """H of a run with local steps (1 without)."""
+        h = self.config.get("local_steps")
+        return h if isinstance(h, int) and not isinstance(h, bool) and h >= 1 else 1
 
     def eval_time(self, ev: dict[str, Any]) -> float | None:
         """Training wall time (s) of an eval record; falls back to ``time_s`` of the step with its number."""
@@ -289,12 +294,27 @@ def load_run(run_dir: Path) -> RunLog:
     )
 
 
+def per_step_median(run: RunLog, key: str) -> float | None:
+    """The median per step of ``key`` in the run's step records; with local steps (H > 1) the median over
+    the complete windows of H steps of the window's mean, so that the outer step's time and bytes count
+    (a median over steps would drop them: most steps send nothing)."""
+    h = run.local_steps
+    if h == 1:
+        return _median([_num(rec, key) for rec in run.steps])
+    windows: dict[int, list[float]] = {}
+    for rec in run.steps:
+        value, step = _num(rec, key), rec.get("step")
+        if value is not None and isinstance(step, int):
+            windows.setdefault((step - 1) // h, []).append(value)
+    return _median([sum(v) / h for v in windows.values() if len(v) == h])
+
+
 def _summarize(run: RunLog) -> RunSummary:
     numbers = [s for s in (rec.get("step") for rec in run.steps) if isinstance(s, int)]
     target = run.config.get("stop_at") or run.config.get("steps")
     last = run.evals[-1] if run.evals else None
-    step_s = _median([_num(rec, "step_s") for rec in run.steps])
-    splits = {key: _median([_num(rec, key) for rec in run.steps]) for key in SPLITS}
+    step_s = per_step_median(run, "step_s")
+    splits = {key: per_step_median(run, key) for key in SPLITS}
     other = None
     if step_s is not None:
         other = step_s - sum(v or 0.0 for v in splits.values())
@@ -309,7 +329,7 @@ def _summarize(run: RunLog) -> RunSummary:
         apply_s=splits["apply_s"],
         other_s=other,
         speedup=None,
-        bytes_sent_per_step=_median([_num(rec, "bytes_sent") for rec in run.steps]),
+        bytes_sent_per_step=per_step_median(run, "bytes_sent"),
         final_step=last["step"] if last else None,
         final_val_loss=_num(last, "val_loss") if last else None,
         final_val_acc=_num(last, "val_acc") if last else None,
@@ -318,8 +338,8 @@ def _summarize(run: RunLog) -> RunSummary:
         time_to_target_s=None,
         run_dir=run.run_dir,
         target_steps=target if isinstance(target, int) and not isinstance(target, bool) else None,
-        nic_bytes_per_step=_median([_num(rec, "nic_bytes") for rec in run.steps]),
-        intra_bytes_per_step=_median([_num(rec, "intra_bytes") for rec in run.steps]),
+        nic_bytes_per_step=per_step_median(run, "nic_bytes"),
+        intra_bytes_per_step=per_step_median(run, "intra_bytes"),
     )
 
 

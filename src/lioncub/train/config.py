@@ -5,7 +5,9 @@ variant and its options) and :class:`ClusterConfig` (the ranks and links the lau
 
 On disk (``config.json``, and ``summary.json``'s ``config``) a configuration is one flat JSON object,
 field name to value, as every lioncub version has written it (:meth:`TrainConfig.to_json`); run
-directories written before the configuration had parts load unchanged (:meth:`TrainConfig.from_json`).
+directories written before the configuration had parts load unchanged (:meth:`TrainConfig.from_json`). A
+one-bit run's ``config.json`` written before ``zero_vote`` existed lacks the key: it ran the papers' rule,
+``"plus"``, and resumes with it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lioncub.optim import PRESETS, resolve_variant
+from lioncub.optim.config import ONE_BIT_VOTES, ZERO_VOTES
+from lioncub.optim.local_steps import INNER_MOMENTA, OUTER_RULES
 from lioncub.optim.step_check import NONFINITE_MODES
 from lioncub.train.workloads import CNNWorkload, GPTWorkload, workload_names
 
@@ -97,6 +101,25 @@ class OptimizerConfig:
     """NaN/Inf gradients on any rank: ``skip`` the step on every rank, or ``raise``."""
     overlap: bool = False
     """LionCub: start each DDP bucket's vote during the backward pass (a communication hook)."""
+    zero_vote: str = "split"
+    """The one-bit votes (1bit, 4bit, dlion-*): an exact zero votes + on half the ranks (``split``) or
+    always + (``plus``, the papers' rule) (``--zero-vote``)."""
+    local_steps: int | None = None
+    """H local steps per rank, then one outer step (:mod:`lioncub.optim.local_steps`); None: a vote every
+    step (``--local-steps``)."""
+    outer: str = "vote"
+    """With ``local_steps``: ``vote`` (the variant's vote; with 32bit/16bit that is ``dsm``), ``dsm`` or
+    ``diloco`` (``--outer``)."""
+    outer_lr: float | None = None
+    """With ``local_steps``: the outer lr (vote, dsm: times H · lr; diloco: as is); None: the rule's
+    default (``--outer-lr``)."""
+    inner_momentum: str = "keep"
+    """With ``local_steps``: the inner momentum at an outer step: keep, reset or average."""
+
+    @property
+    def one_bit(self) -> bool:
+        """The variant's vote is one bit per element (``zero_vote`` applies)."""
+        return self.variant in PRESETS and resolve_variant(self.variant).transport in ONE_BIT_VOTES
 
 
 @dataclass
@@ -123,7 +146,7 @@ JSON_KEYS = (
     "workload", "size", "variant", "steps", "warmup_steps", "min_lr_ratio", "eval_every", "checkpoint_every",
     "seed", "data_mode", "bucket_mb", "device", "overrides", "convert_momenta", "stop_at", "momentum_sync",
     "sync_every", "diagnostics_every", "quantizer", "topology", "nonfinite", "overlap", "nproc", "link",
-    "nnodes", "intra_link",
+    "nnodes", "intra_link", "zero_vote", "local_steps", "outer", "outer_lr", "inner_momentum",
 )  # fmt: skip
 #: the part of a :class:`TrainConfig` each field of ``config.json`` belongs to
 PART_OF = {
@@ -151,6 +174,7 @@ class TrainConfig:
         self._check_nodes()
         self._check_warmup_and_stop()
         self._check_vote_options()
+        self._check_local_steps()
         self._check_choices()
 
     def _check_what(self) -> None:
@@ -243,6 +267,59 @@ class TrainConfig:
         if opt.topology != "flat":
             self._check_topology()
 
+    def _check_local_steps(self) -> None:
+        """``--zero-vote``; ``--local-steps`` and its options (a vote with 32bit/16bit becomes ``dsm``)."""
+        opt, run = self.optimizer, self.run
+        if opt.zero_vote not in ZERO_VOTES:
+            raise ValueError(f"--zero-vote {opt.zero_vote!r}: allowed values are {list(ZERO_VOTES)}")
+        if opt.zero_vote != "split" and not opt.one_bit:
+            raise ValueError(
+                f"--zero-vote {opt.zero_vote}: --variant {opt.variant} carries an exact zero as 0; "
+                "--zero-vote applies to the one-bit votes (1bit, 4bit, dlion-mavo, dlion-avg)"
+            )
+        if opt.local_steps is None:
+            given = {"--outer": opt.outer != "vote", "--outer-lr": opt.outer_lr is not None}
+            given["--inner-momentum"] = opt.inner_momentum != "keep"
+            for option in (o for o, set_ in given.items() if set_):
+                raise ValueError(f"{option}: applies only with --local-steps H")
+            return
+        h = opt.local_steps
+        if not (isinstance(h, int) and not isinstance(h, bool) and h >= 1):
+            raise ValueError(f"--local-steps {h!r} must be an integer >= 1 (inner steps per outer step)")
+        if opt.outer not in OUTER_RULES:
+            raise ValueError(f"--outer {opt.outer!r}: allowed values are {list(OUTER_RULES)}")
+        if opt.variant in BASELINES and opt.outer == "vote":
+            opt.outer = "dsm"  # the dense variants' outer step: the sign of the mean (docs/local-steps.md)
+        if opt.outer != "vote" and opt.variant not in BASELINES:
+            raise ValueError(
+                f"--outer {opt.outer}: averages the pseudo-gradients in fp32 or bf16: use --variant 32bit or "
+                f"16bit, not {opt.variant} (--outer vote takes the variant's vote)"
+            )
+        if opt.outer_lr is not None and not (
+            isinstance(opt.outer_lr, (int, float)) and math.isfinite(opt.outer_lr) and opt.outer_lr > 0
+        ):
+            raise ValueError(f"--outer-lr {opt.outer_lr!r} must be a finite number > 0")
+        if opt.inner_momentum not in INNER_MOMENTA:
+            raise ValueError(
+                f"--inner-momentum {opt.inner_momentum!r}: allowed values are {list(INNER_MOMENTA)}"
+            )
+        refused = {
+            "--momentum-sync": opt.momentum_sync not in ("none", None),
+            "--diagnostics-every": bool(opt.diagnostics_every),
+            "--overlap": opt.overlap,
+        }
+        for option in (o for o, on in refused.items() if on):
+            raise ValueError(
+                f"{option} with --local-steps {h}: the ranks vote every {h} steps, in the optimizer step "
+                "(--inner-momentum average averages the momenta at each outer step)"
+            )
+        for option, value in (("--steps", run.steps), ("--eval-every", run.eval_every)):
+            if value % h:
+                raise ValueError(
+                    f"{option} {value} with --local-steps {h}: must be a multiple of {h}, where the ranks "
+                    "hold the same parameters (between outer steps each rank has its own replica)"
+                )
+
     def _check_topology(self) -> None:
         opt = self.optimizer
         if opt.variant in BASELINES:
@@ -277,14 +354,20 @@ class TrainConfig:
             )
 
     def to_json(self) -> dict[str, Any]:
-        """The flat ``config.json`` object: :data:`JSON_KEYS` in order, ``nnodes`` and ``intra_link`` only
-        when set (so that the documents of runs without nodes stay as they were)."""
+        """The flat ``config.json`` object: :data:`JSON_KEYS` in order; ``nnodes``, ``intra_link`` and the
+        local steps' keys only when set, ``zero_vote`` only for the one-bit variants (so that the documents
+        of runs without them stay as they were)."""
         parts = {name: dataclasses.asdict(getattr(self, name)) for name in ("run", "optimizer", "cluster")}
         doc = {key: parts[PART_OF[key]][key] for key in JSON_KEYS}
-        for name in ("nnodes", "intra_link"):
-            if doc[name] is None:
-                del doc[name]
-        return doc
+        unset = {
+            "nnodes": doc["nnodes"] is None,
+            "intra_link": doc["intra_link"] is None,
+            "zero_vote": not self.optimizer.one_bit,
+            **dict.fromkeys(
+                ("local_steps", "outer", "outer_lr", "inner_momentum"), doc["local_steps"] is None
+            ),
+        }
+        return {key: value for key, value in doc.items() if not unset.get(key, False)}
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> TrainConfig:
@@ -294,6 +377,8 @@ class TrainConfig:
         for key, value in doc.items():
             if key in PART_OF:
                 values[PART_OF[key]][key] = value
+        if "zero_vote" not in doc and OptimizerConfig(**values["optimizer"]).one_bit:
+            values["optimizer"]["zero_vote"] = "plus"  # written before zero_vote: the papers' rule
         return cls(
             RunConfig(**values["run"]),
             OptimizerConfig(**values["optimizer"]),

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from lioncub._validate import is_int, is_number
+from lioncub.names import run_label
 from lioncub.train.config import BASELINES, TrainConfig, format_overrides
 from lioncub.train.prepare import NEXT_CONFIG, finish_run
 from lioncub.train.progress import Progress
@@ -278,25 +279,25 @@ def run_training(
 def format_summary(summary: dict[str, Any]) -> str:
     """One paragraph: step time and its split, bytes per step, final validation metrics."""
 
+    cfg = summary["config"]
+    # local steps: the mean per inner step (most steps send nothing; the medians would hide the outer step)
+    stat = "mean" if cfg.get("local_steps") and "mean_step_s" in summary else "median"
+
     def ms(key: str) -> str:
-        value = summary.get(key)
+        value = summary.get(f"{stat}_{key}")
         return "-" if value is None else f"{value * 1e3:.1f} ms"
 
     final = summary.get("final") or {}
     metrics = ", ".join(f"{k} {v:.4f}" for k, v in final.items() if k.startswith("val_"))
-    cfg = summary["config"]
     where = f"{summary['world_size']} rank(s), {cfg['link']}"
     if cfg.get("nnodes"):
         inside = f", {cfg['intra_link']} inside a node" if cfg.get("intra_link") else ""
         per_node = summary["world_size"] // cfg["nnodes"]
         where = f"{cfg['nnodes']} nodes × {per_node} ranks, {cfg['link']} NICs{inside}"
     return (
-        f"{cfg['workload']}/{cfg['size']} {cfg['variant']}"
-        f"{'@' + cfg['topology'] if cfg.get('topology', 'flat') != 'flat' else ''}"
-        f"{'+overlap' if cfg.get('overlap') else ''} on "
-        f"{where}: "
-        f"{summary['steps_run']} steps, median step {ms('median_step_s')} (compute {ms('median_compute_s')}, "
-        f"communication {ms('median_comm_s')}, apply {ms('median_apply_s')}), "
-        f"{(summary.get('median_bytes_sent') or 0) / 1e6:.3f} MB sent per rank per step"
+        f"{cfg['workload']}/{cfg['size']} {run_label(cfg)} on {where}: "
+        f"{summary['steps_run']} steps, {stat} step {ms('step_s')} (compute {ms('compute_s')}, "
+        f"communication {ms('comm_s')}, apply {ms('apply_s')}), "
+        f"{(summary.get(f'{stat}_bytes_sent') or 0) / 1e6:.3f} MB sent per rank per step"
         + (f"; at step {final.get('step')}: {metrics}" if metrics else "")
     )

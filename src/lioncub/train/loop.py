@@ -11,7 +11,10 @@ allreduce overlapped with the backward pass) + :class:`~lioncub.optim.Lion`; ``"
 DDP's bf16 compression hook (fp16 where the backend cannot allreduce bf16). Every other variant is a
 :class:`~lioncub.optim.LionCub` preset; the model is still wrapped in DDP (initial broadcast, buffer
 sync) with its gradient allreduce skipped (:func:`lioncub.optim.ddp.skip_gradient_allreduce`), or, with
-``overlap``, replaced by the vote itself (:meth:`~lioncub.optim.LionCub.overlap_with`).
+``overlap``, replaced by the vote itself (:meth:`~lioncub.optim.LionCub.overlap_with`). With
+``local_steps`` H every variant is a ``LionCub`` with :class:`~lioncub.optim.LocalSteps` (``32bit`` and
+``16bit``: its dense exchange, for ``dsm`` and ``diloco``): each rank steps alone and the ranks meet every
+H steps, so a step record's ``bytes_sent`` and ``comm_s`` are 0 but at the outer steps.
 
 Step time split (seconds, rank 0, in every ``step`` record of ``log.jsonl``):
 
@@ -54,7 +57,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from lioncub.ops.quantize import max_abs
-from lioncub.optim import Checks, Lion, LionCub, MomentumSync, resolve_variant
+from lioncub.optim import Checks, Lion, LionCub, LocalSteps, MomentumSync, resolve_variant
 from lioncub.optim.ddp import (
     GradientTraffic,
     compressed_allreduce_dtype,
@@ -123,23 +126,35 @@ def build_optimizer(
             model, device_ids=[wl.device.index] if wl.device.type == "cuda" else None, **buckets
         )
     groups = wl.param_groups(model)
-    if options.variant in BASELINES:
+    local = None
+    if options.local_steps is not None:
+        local = LocalSteps(
+            h=options.local_steps,
+            outer=options.outer,
+            outer_lr=options.outer_lr,
+            inner_momentum=options.inner_momentum,
+        )
+    if options.variant in BASELINES and local is None:
         traffic = None
         if world_size > 1:
             wire = torch.float32 if options.variant == "32bit" else compressed_allreduce_dtype()
             traffic = count_gradient_allreduce(model, wire)  # type: ignore[arg-type]
         return OptimizerSetup(Lion(groups, betas=wl.betas), model, traffic)
+    knobs = {"zero_vote": options.zero_vote} if options.one_bit else {}
     opt = LionCub(
         groups,
         betas=wl.betas,
-        variant=resolve_variant(
-            options.variant, quantizer=options.quantizer, topology=_topology(config, model)
+        variant=options.variant
+        if options.variant in BASELINES  # local steps' dsm / diloco: the dense exchange
+        else resolve_variant(
+            options.variant, quantizer=options.quantizer, topology=_topology(config, model), **knobs
         ),
         bucket_mb=options.bucket_mb,
         momentum_sync=MomentumSync(options.momentum_sync, every=options.sync_every),
         model=getattr(model, "module", model),
         checks=Checks(broadcast_init=False, nonfinite=options.nonfinite),
         diagnostics_every=options.diagnostics_every,
+        local_steps=local,
     )
     if world_size > 1 and options.overlap:
         opt.overlap_with(model)  # type: ignore[arg-type]  # the votes start during the backward
@@ -467,6 +482,10 @@ def _summary(
         vals = [r[key] for r in records if key in r]
         return statistics.median(vals) if vals else None
 
+    def mean(key: str) -> float | None:  # local steps: per inner step, the outer steps included
+        vals = [r[key] for r in records if key in r]
+        return statistics.fmean(vals) if vals else None
+
     last_eval = next((e for e in reversed(evals) if "val_loss" in e), None)
     return {
         "config": config.to_json(),
@@ -481,6 +500,7 @@ def _summary(
         "median_apply_s": med("apply_s"),
         "median_overlapped_s": med("overlapped_s"),
         "median_bytes_sent": med("bytes_sent"),
+        **{f"mean_{key}": mean(key) for key in ("step_s", "compute_s", "comm_s", "apply_s", "bytes_sent")},
         "compute_reference_s": compute_ref,
         "final": last_eval,
     }

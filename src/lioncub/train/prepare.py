@@ -69,7 +69,9 @@ __all__ = [
 
 #: what a resumed run keeps from the run it continues, besides what its checkpoint records and
 #: :func:`lioncub.train.checkpoint.check_compatible` checks (workload, size, seed, variant, ranks)
-FROZEN_ON_RESUME = ("data_mode", "overrides", "quantizer")
+FROZEN_ON_RESUME = (
+    "data_mode", "overrides", "quantizer", "zero_vote", "local_steps", "outer", "outer_lr", "inner_momentum",
+)  # fmt: skip
 #: the configuration a resumed run trains with until it succeeds (then it becomes ``config.json``)
 NEXT_CONFIG = "config.next.json"
 
@@ -165,7 +167,7 @@ def check_resume(saved: TrainConfig, config: TrainConfig, run_dir: Path) -> None
     (:data:`FROZEN_ON_RESUME`) from ``saved``, the configuration in ``run_dir``."""
     saved_doc, doc = saved.to_json(), config.to_json()
     for name in FROZEN_ON_RESUME:
-        old, new = saved_doc[name], doc[name]
+        old, new = saved_doc.get(name), doc.get(name)
         if old == new:
             continue
         if name == "overrides":
@@ -176,7 +178,7 @@ def check_resume(saved: TrainConfig, config: TrainConfig, run_dir: Path) -> None
                 f"--resume: --set {asked}: the run in {run_dir} has {was}; a resumed run keeps its workload "
                 "fields (start a new --out to change them)"
             )
-        option = {"data_mode": "--data-mode"}.get(name, f"--{name}")
+        option = f"--{name.replace('_', '-')}"
         raise ValueError(
             f"--resume: {option} {new!r}: the run in {run_dir} has {option} {old!r}; a resumed run keeps it "
             "(start a new --out to change it)"

@@ -118,7 +118,9 @@ def train(out: Path, *extra: str) -> int:
 
 
 @pytest.mark.slow
-def test_train_with_local_steps_resumes_from_the_middle_of_a_window_bitwise(tmp_path: Path) -> None:
+def test_train_with_local_steps_resumes_from_the_middle_of_a_window_bitwise(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """A stop after step 3 and a resume give the uninterrupted run bit for bit: every rank's replica comes
     back from its optimizer state (the checkpoint's model file is rank 0's); the ranks send only at the
     outer steps, the 1-bit vote of the model and the step check."""
@@ -146,3 +148,9 @@ def test_train_with_local_steps_resumes_from_the_middle_of_a_window_bitwise(tmp_
     d = json.loads((whole / "summary.json").read_text())["params"]
     sent = [r["bytes_sent"] for r in records(whole, "step")]
     assert sent == [0, expected_bytes("1bit", d, 2)] * (STEPS // 2)  # the vote and the step check
+    capsys.readouterr()
+    assert (
+        train(parts, "--resume", "--no-progress", "--local-steps", "4", "--steps", "8", "--eval-every", "4")
+        == 2
+    )
+    assert "--resume: --local-steps 4: the run in" in capsys.readouterr().err

@@ -144,7 +144,7 @@ def test_summary_files(three_runs: list[Path], tmp_path: Path) -> None:
 
 def test_pngs_are_valid(three_runs: list[Path], tmp_path: Path) -> None:
     report = rp.make_report(three_runs, tmp_path / "out")
-    names = {"val_loss_vs_step", "val_loss_vs_time", "step_time_split", "bytes_per_step"}
+    names = {"val_loss_vs_step", "val_loss_vs_time", "val_loss_vs_bytes", "step_time_split", "bytes_per_step"}
     assert set(report.plots) == names
     for name, path in report.plots.items():
         assert path == tmp_path / "out" / f"{name}.png"
@@ -173,9 +173,22 @@ def test_figure_series(three_runs: list[Path], tmp_path: Path) -> None:
         v: ([t for _, _, t in ev], [val for _, val, _ in ev])
         for v, ev in [("32bit", A_EVALS), ("1bit", B_EVALS), ("8bit", C_EVALS)]
     }
-    assert rp.plot_series(report) == {"val_loss_vs_step": by_step, "val_loss_vs_time": by_time}
+    # MB sent up to each eval: 32bit 4 MB a step (evals at 2, 4, 6); 1bit B_BYTES summed to steps 2 and 4;
+    # 8bit 1 MB a step (evals at 2, 3, 4)
+    by_bytes = {
+        "32bit": ([8.0, 16.0, 24.0], [2.0, 1.6, 1.5]),
+        "1bit": ([0.25, 0.505], [2.1, 1.52]),
+        "8bit": ([2.0, 3.0, 4.0], [2.05, 1.9, 1.7]),
+    }
+    series = rp.plot_series(report)
+    assert series.keys() == {"val_loss_vs_step", "val_loss_vs_time", "val_loss_vs_bytes"}
+    assert (series["val_loss_vs_step"], series["val_loss_vs_time"]) == (by_step, by_time)
+    assert series["val_loss_vs_bytes"].keys() == by_bytes.keys()
+    for variant, (x, y) in by_bytes.items():
+        assert series["val_loss_vs_bytes"][variant] == (pytest.approx(x), y), variant
     assert _lines(rp.figure_val_loss_vs_step(report)) == by_step
     assert _lines(rp.figure_val_loss_vs_time(report)) == by_time
+    assert rp.figure_val_loss_vs_bytes(report).axes[0].get_xscale() == "log"
     target = [ln for ln in rp.figure_val_loss_vs_step(report).axes[0].get_lines() if ln.get_gid() == "target"]
     assert target[0].get_ydata()[0] == pytest.approx(1.53)
 

@@ -310,7 +310,13 @@ def test_compare_writes_table_and_plots(compared: tuple[Path, str], capsys: pyte
     assert "32bit" in printed and "1bit" in printed and str(out / "summary.md") in printed
     table = (out / "summary.md").read_text()
     assert "| 32bit" in table and "| 1bit" in table
-    for name in ("val_loss_vs_step", "val_loss_vs_time", "step_time_split", "bytes_per_step"):
+    for name in (
+        "val_loss_vs_step",
+        "val_loss_vs_time",
+        "val_loss_vs_bytes",
+        "step_time_split",
+        "bytes_per_step",
+    ):
         png = (out / f"{name}.png").read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n", name
     # a second call reuses the finished runs instead of training again

@@ -1,7 +1,7 @@
-"""The PNG plots of a comparison (:class:`lioncub.report.runs.Report`): validation loss against steps and
-time, the step time split, bytes per step and the vote diagnostics. :class:`matplotlib.figure.Figure`
-directly (the Agg renderer, no pyplot state), so nothing leaks and the importing program's backend is
-untouched."""
+"""The PNG plots of a comparison (:class:`lioncub.report.runs.Report`): validation loss against steps,
+time and bytes sent, the step time split, bytes per step and the vote diagnostics.
+:class:`matplotlib.figure.Figure` directly (the Agg renderer, no pyplot state), so nothing leaks and the
+importing program's backend is untouched."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ __all__ = [
     "figure_bytes_per_step",
     "figure_diagnostics",
     "figure_step_time_split",
+    "figure_val_loss_vs_bytes",
     "figure_val_loss_vs_step",
     "figure_val_loss_vs_time",
     "plot_series",
@@ -32,12 +33,14 @@ BAR_PARTS = (
 
 
 def plot_series(report: Any) -> dict[str, dict[str, tuple[list[float], list[float]]]]:
-    """The plotted lines: ``{"val_loss_vs_step" | "val_loss_vs_time": {variant: (x, val_loss)}}``.
+    """The plotted lines: ``{"val_loss_vs_step" | "val_loss_vs_time" | "val_loss_vs_bytes": {variant:
+    (x, val_loss)}}``.
 
-    x is the optimizer step or the training wall time (s). Runs without evals are left out; on the time
-    plot, evals without a known time are left out.
+    x is the optimizer step, the training wall time (s), or the MB (1e6 bytes) a rank sent up to and with
+    the evaluated step. Runs without evals are left out; on the time plot, evals without a known time; on
+    the bytes plot, runs whose steps record no bytes and evals before the first byte (a log axis).
     """
-    by_step, by_time = {}, {}
+    by_step, by_time, by_bytes = {}, {}, {}
     for run in report.runs:
         if not run.evals:
             continue
@@ -48,7 +51,22 @@ def plot_series(report: Any) -> dict[str, dict[str, tuple[list[float], list[floa
         timed = [(t, float(e["val_loss"])) for e in run.evals if (t := run.eval_time(e)) is not None]
         if timed:
             by_time[run.variant] = ([t for t, _ in timed], [v for _, v in timed])
-    return {"val_loss_vs_step": by_step, "val_loss_vs_time": by_time}
+        sent = _cumulative_mb(run.steps)
+        spent = [(sent[e["step"]], float(e["val_loss"])) for e in run.evals if sent.get(e["step"], 0) > 0]
+        if spent:
+            by_bytes[run.variant] = ([b for b, _ in spent], [v for _, v in spent])
+    return {"val_loss_vs_step": by_step, "val_loss_vs_time": by_time, "val_loss_vs_bytes": by_bytes}
+
+
+def _cumulative_mb(steps: list[dict[str, Any]]) -> dict[int, float]:
+    """Step -> MB sent by a rank in the steps up to and with it (steps whose record has ``bytes_sent``)."""
+    total, out = 0.0, {}
+    for rec in sorted((r for r in steps if isinstance(r.get("step"), int)), key=lambda r: r["step"]):
+        value = rec.get("bytes_sent")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            total += float(value) / 1e6
+            out[rec["step"]] = total
+    return out
 
 
 def _line_figure(report: Any, name: str, xlabel: str) -> Figure:
@@ -77,6 +95,15 @@ def figure_val_loss_vs_step(report: Any) -> Figure:
 def figure_val_loss_vs_time(report: Any) -> Figure:
     """Validation loss vs training wall time (s, evaluation excluded), one line per variant."""
     return _line_figure(report, "val_loss_vs_time", "training wall time (s)")
+
+
+def figure_val_loss_vs_bytes(report: Any) -> Figure:
+    """Validation loss vs the MB a rank sent so far (log axis), one line per variant: what a link's data
+    cap buys (local steps send every H steps)."""
+    fig = _line_figure(report, "val_loss_vs_bytes", "MB sent per rank so far (log scale)")
+    if plot_series(report)["val_loss_vs_bytes"]:
+        fig.axes[0].set_xscale("log")
+    return fig
 
 
 def figure_step_time_split(report: Any) -> Figure:
@@ -149,6 +176,7 @@ def figure_diagnostics(report: Any) -> Figure:
 FIGURES = {
     "val_loss_vs_step": figure_val_loss_vs_step,
     "val_loss_vs_time": figure_val_loss_vs_time,
+    "val_loss_vs_bytes": figure_val_loss_vs_bytes,
     "step_time_split": figure_step_time_split,
     "bytes_per_step": figure_bytes_per_step,
 }

@@ -13,15 +13,15 @@ Input: run directories written by the training loop, one per variant, same workl
 
 Output of :func:`make_report` (a :class:`Report`, one :class:`RunSummary` per run, in the given order),
 written into ``out_dir``: ``summary.md`` (markdown table, the target-loss rule, the run dirs),
-``summary.json`` (the rows), ``val_loss_vs_step.png``, ``val_loss_vs_time.png``, ``step_time_split.png``
-(median compute / communication incl. quantize+pack / apply / other per step, as Fig. 15 of the Lion Cub
-paper) and ``bytes_per_step.png``. Per-step numbers are medians over all step records (a run with local steps:
-over its windows of H steps, of each window's mean per step: :func:`per_step_median`). ``other`` is the rest
-of the step that no split covers (:data:`TABLE_NOTE`, printed under the table, says what that is in a
-``lioncub train`` log): the median ``step_s`` minus the median compute, comm and apply (a missing split
-counts 0), so that a row's parts add up to its step time. When the step times vary a lot it can come out
-slightly negative (the medians of the parts need not add up to the median of the whole); the bar plot
-then draws it as 0.
+``summary.json`` (the rows), ``val_loss_vs_step.png``, ``val_loss_vs_time.png``, ``val_loss_vs_bytes.png``
+(against the MB a rank sent so far), ``step_time_split.png`` (median compute / communication incl.
+quantize+pack / apply / other per step, as Fig. 15 of the Lion Cub paper) and ``bytes_per_step.png``. Per-step
+numbers are medians over all step records (a run with local steps: over its windows of H steps, of each
+window's mean per step: :func:`per_step_median`). ``other`` is the rest of the step that no split covers
+(:data:`TABLE_NOTE`, printed under the table, says what that is in a ``lioncub train`` log): the median
+``step_s`` minus the median compute, comm and apply (a missing split counts 0), so that a row's parts add up
+to its step time. When the step times vary a lot it can come out slightly negative (the medians of the parts
+need not add up to the median of the whole); the bar plot then draws it as 0.
 
 Compute floor (:func:`compute_floor`, printed and written under the table): the median over the runs of
 their median ``compute_s``, the forward + backward time per step. It is the same model on every variant,
@@ -61,6 +61,7 @@ from lioncub.report.figures import (
     figure_bytes_per_step,
     figure_diagnostics,
     figure_step_time_split,
+    figure_val_loss_vs_bytes,
     figure_val_loss_vs_step,
     figure_val_loss_vs_time,
     plot_series,
@@ -79,6 +80,7 @@ __all__ = [
     "figure_bytes_per_step",
     "figure_diagnostics",
     "figure_step_time_split",
+    "figure_val_loss_vs_bytes",
     "figure_val_loss_vs_step",
     "figure_val_loss_vs_time",
     "load_run",

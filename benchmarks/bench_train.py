@@ -78,13 +78,17 @@ def param_count(args: argparse.Namespace) -> int:
 
 
 def nic_bytes(variant: str, d: int, nodes: tuple[int, int]) -> float:
-    """Bytes through a node's NIC per step (the busier direction) of ``variant`` (``name@topology``)."""
+    """Bytes through a node's NIC per step (the busier direction) of the compared run ``variant``
+    (``name@topology``, ``name/hH``: per inner step)."""
+    from lioncub.names import parse_run_name
     from lioncub.planning import costmodel as cm
 
-    name, _, topology = variant.partition("@")
-    name = name.removesuffix("+overlap")
+    fields = parse_run_name(variant)
     net = cm.Network.from_rate(1e9, 0.0)  # the rates do not change the bytes
-    p = cm.predict_cluster(name, d, cm.Cluster(*nodes, net, net), topology or "flat")
+    cluster = cm.Cluster(*nodes, net, net)
+    p = cm.predict_cluster(
+        fields["variant"], d, cluster, fields.get("topology", "flat"), local_steps=fields.get("local_steps")
+    )
     return max(p.nic_sent, p.nic_recv)
 
 

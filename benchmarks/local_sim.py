@@ -199,11 +199,7 @@ def outer(
 
 def summary(runs: list[dict[str, Any]]) -> str:
     """A markdown table: final validation loss (mean ± std over seeds) per setting."""
-    keys: dict[tuple, list[dict[str, Any]]] = {}
-    for run in runs:
-        key = (run["n"], run["data_mode"], run["rule"], run["h"], run.get("lr_scale", 1.0), run["outer_lr"],
-               run["inner_momentum"])  # fmt: skip
-        keys.setdefault(key, []).append(run)
+    keys = _group(runs)
     lines = [
         "| N | data | rule | H | lr × | outer lr | inner m | bits/param/step | val loss | seeds |",
         "|---:|---|---|---:|---:|---:|---|---:|---|---:|",
@@ -219,6 +215,59 @@ def summary(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _group(runs: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
+    """Runs by setting (all but the seed)."""
+    keys: dict[tuple, list[dict[str, Any]]] = {}
+    for run in runs:
+        key = (run["n"], run["data_mode"], run["rule"], run["h"], run.get("lr_scale", 1.0), run["outer_lr"],
+               run["inner_momentum"])  # fmt: skip
+        keys.setdefault(key, []).append(run)
+    return keys
+
+
+def best(runs: list[dict[str, Any]], seeds: int = 1) -> dict[tuple, list[dict[str, Any]]]:
+    """Per (N, data, rule, H, inner momentum): the runs of the lr setting (``lr_scale``, ``outer_lr``) with
+    the lowest mean final validation loss among the settings run with at least ``seeds`` seeds."""
+    chosen: dict[tuple, list[dict[str, Any]]] = {}
+    for (n, mode, rule, h, _scale, _olr, im), group in _group(runs).items():
+        if len(group) < seeds:
+            continue
+        key = (n, mode, rule, h, im)
+        mean = statistics.mean(r["final_val_loss"] for r in group)
+        if key not in chosen or mean < statistics.mean(r["final_val_loss"] for r in chosen[key]):
+            chosen[key] = group
+    return chosen
+
+
+def plot(runs: list[dict[str, Any]], n: int, mode: str, path: Path, seeds: int) -> None:
+    """Validation loss against inner steps and against bits sent per parameter (log), mean over seeds, of
+    the best lr setting per rule and H (inner momentum ``keep``) at ``n`` workers and data ``mode``."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 4.6))
+    by_step, by_bits = fig.subplots(1, 2)
+    colors = {"vote-1bit": "C0", "vote-8bit": "C1", "dsm": "C2", "diloco": "C3", "1bit": "k", "lion": "0.5"}
+    styles = {1: ":", 4: "-.", 16: "-", 64: "--"}
+    for (n_, mode_, rule, h, im), group in sorted(best(runs, seeds).items()):
+        if (n_, mode_, im) != (n, mode, "keep"):
+            continue
+        steps = [e["step"] for e in group[0]["evals"]]
+        losses = [statistics.mean(r["evals"][i]["val_loss"] for r in group) for i in range(len(steps))]
+        bits = [group[0]["bits_per_param_step"] * s for s in steps]
+        label = rule if rule in ("1bit", "lion") else f"{rule} H={h}"
+        style = dict(color=colors[rule], linestyle="-" if rule in ("1bit", "lion") else styles.get(h, "-"))
+        by_step.plot(steps, losses, label=label, **style)
+        by_bits.plot(bits, losses, label=label, **style)
+    by_step.set(xlabel="inner step", ylabel="validation loss", title=f"N = {n}, {mode} data: loss vs steps")
+    by_bits.set(xlabel="bits sent per parameter so far (log)", title="loss vs bits sent", xscale="log")
+    for ax in (by_step, by_bits):
+        ax.grid(alpha=0.3)
+        ax.set_ylim(top=min(3.2, ax.get_ylim()[1]))
+    by_bits.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", default="4", help="worker counts, comma-separated")
@@ -231,13 +280,21 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=256)
     ap.add_argument("--data-mode", default="random", help="random, shard (comma-separated)")
     ap.add_argument("--out", default="runs/local_sim/results.json")
-    ap.add_argument("--table", action="store_true", help="print the table of --out and exit")
+    ap.add_argument("--table", action="store_true", help="print the table of --out (comma-separated files)")
+    ap.add_argument("--plot", metavar="PNG", help="plot the best settings of --out at --n and --data-mode")
+    ap.add_argument(
+        "--min-seeds", type=int, default=1, help="--plot/--table: settings run with this many seeds"
+    )
     args = ap.parse_args()
-    out = Path(args.out)
-    runs: list[dict[str, Any]] = json.loads(out.read_text()) if out.exists() else []
-    if args.table:
-        print(summary(runs))
+    if args.table or args.plot:
+        runs = [r for path in args.out.split(",") for r in json.loads(Path(path).read_text())]
+        if args.plot:
+            plot(runs, int(args.n), args.data_mode, Path(args.plot), args.min_seeds)
+        else:
+            print(summary([r for g in _group(runs).values() if len(g) >= args.min_seeds for r in g]))
         return
+    out = Path(args.out)
+    runs = json.loads(out.read_text()) if out.exists() else []
     done = {json.dumps(_key(r), sort_keys=True) for r in runs}
     for n in map(int, args.n.split(",")):
         for mode in args.data_mode.split(","):

@@ -37,36 +37,14 @@ import torch
 from torch import Tensor
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from lioncub.ops.quantize import level_budget, quantize_l1
+from lioncub.ops.quantize import level_budget
 from lioncub.train.config import RunConfig, lr_factor
 from lioncub.train.workloads import make_workload
+from scale_sim import majority_1bit, quantized_l1  # the per-step votes' oracles, as scale_sim runs them
 
 RULES = ("vote-1bit", "vote-8bit", "dsm", "diloco", "1bit", "lion")
 #: bits per parameter one outer exchange of a rule sends (per-step rules: per step)
 BITS = {"vote-1bit": 1, "vote-8bit": 8, "dsm": 32, "diloco": 32, "1bit": 1, "lion": 32}
-
-
-def majority_split(C: Tensor, step: int) -> Tensor:
-    """The 1-bit majority of ``C`` [N, D] with lioncub's zero rule (rank + step even: a zero votes "+")
-    and the alternating tie rule (+1 on odd steps)."""
-    n = C.shape[0]
-    plus_zero = (torch.arange(n) + step) % 2 == 0
-    votes = (C > 0) | ((C == 0) & plus_zero[:, None])
-    margin = 2 * votes.sum(0, dtype=torch.int32) - n
-    tie = 1 if step % 2 == 1 else -1
-    return torch.where(margin == 0, tie, torch.sign(margin)).to(torch.float32)
-
-
-def levels_vote(C: Tensor, segments: list[int]) -> Tensor:
-    """``sign(Σ_r Q(c_r))`` with the 8-bit L1 levels (budget ⌊127/N⌋) per parameter tensor."""
-    levels = level_budget(C.shape[0], 8, "signed")
-    total = torch.zeros(C.shape[1], dtype=torch.int64)
-    for row in C:
-        pos = 0
-        for length in segments:
-            total[pos : pos + length] += quantize_l1(row[pos : pos + length], levels).to(torch.int64)
-            pos += length
-    return torch.sign(total).to(torch.float32)
 
 
 def simulate(
@@ -134,7 +112,7 @@ def simulate(
             m_out[0].mul_(beta2).add_(g_mean, alpha=1 - beta2)
             thetas[:] = thetas[0].mul(1 - lr * wd).sub_(lr * u)
         elif rule == "1bit":
-            u = majority_split(c, step)
+            u = majority_1bit(c, step).float()
             thetas[:] = thetas[0].mul(1 - lr * wd).sub_(lr * u)
             m_in.mul_(beta2).add_(grads, alpha=1 - beta2)
         else:  # local: every worker's own Lion step
@@ -174,7 +152,11 @@ def outer(
     delta = anchor - thetas  # [N, D]
     if rule in ("vote-1bit", "vote-8bit"):
         c = m_out.mul(beta1).add_(delta, alpha=1 - beta1)
-        u = majority_split(c, t) if rule == "vote-1bit" else levels_vote(c, segments)
+        u = (
+            majority_1bit(c, t)
+            if rule == "vote-1bit"
+            else quantized_l1(c, segments, level_budget(c.shape[0], 8, "signed"))
+        ).float()
         anchor.sub_(outer_lr * h * lr * u)
         m_out.mul_(beta2).add_(delta, alpha=1 - beta2)
     elif rule == "dsm":

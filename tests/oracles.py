@@ -38,6 +38,11 @@ def initial_params(rank: int) -> list[torch.Tensor]:
     return [torch.randn(s, generator=g, dtype=torch.float64) + 0.5 * rank for s in SHAPES]
 
 
+def param_groups(params: list[torch.nn.Parameter]) -> list[dict]:
+    """``params`` (one per shape of :data:`SHAPES`) in the param groups of :data:`GROUPS`."""
+    return [{"params": [params[i] for i in idx], "lr": lr, "weight_decay": wd} for idx, lr, wd in GROUPS]
+
+
 def local_grad(
     rank: int, step: int, index: int, param: torch.Tensor, grid_for: int = 0
 ) -> torch.Tensor | None:
@@ -170,11 +175,8 @@ def worker_run_presets(
         group = init_device_mesh("cpu", (nodes, world // nodes), mesh_dim_names=("node", "local"))
     for preset in presets:
         params = [torch.nn.Parameter(p) for p in initial_params(rank)]
-        groups = [
-            {"params": [params[i] for i in idx], "lr": lr, "weight_decay": wd} for idx, lr, wd in GROUPS
-        ]
         opt = LionCub(
-            groups,
+            param_groups(params),
             betas=BETAS,
             variant=resolve_variant(preset, exchange=exchange, topology=topology),
             bucket_mb=bucket_mb,

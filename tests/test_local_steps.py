@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from lioncub import Lion, LionCub, LocalSteps, resolve_variant
-from oracles import BETAS, GROUPS, initial_params, local_grad, lr_factor, sim_vote
+from oracles import BETAS, GROUPS, initial_params, local_grad, lr_factor, param_groups, sim_vote
 
 from dist_utils import run_workers
 
@@ -87,11 +87,8 @@ def worker_local(
 
     def build() -> tuple[list[torch.nn.Parameter], LionCub, torch.optim.lr_scheduler.LambdaLR]:
         params = [torch.nn.Parameter(p) for p in initial_params(rank)]
-        groups = [
-            {"params": [params[i] for i in idx], "lr": lr, "weight_decay": wd} for idx, lr, wd in GROUPS
-        ]
         opt = LionCub(
-            groups,
+            param_groups(params),
             betas=BETAS,
             variant=resolve_variant(variant, topology=topology),
             process_group=group,

@@ -261,3 +261,103 @@ def test_comm_stats_book_the_inner_and_the_outer_step_together() -> None:
         assert seen[3]["last"]["bytes_sent"] == outer["bytes_sent"]
         assert seen[3]["total"]["bytes_sent"] == 2 * outer["bytes_sent"]
         assert seen[3]["total"]["skipped_steps"] == (1 if rank == 1 else 0)
+
+
+def worker_edge_cases(rank: int, world: int) -> dict:
+    """The cases of test_local_steps_edge_cases on this rank (H = 2 or 3, fresh optimizers)."""
+    out: dict = {}
+    g = torch.Generator().manual_seed(100 + rank)
+    # maximize: the same steps as minimizing the negated gradients, for every outer rule
+    for variant, outer in (("1bit", "vote"), ("32bit", "dsm"), ("32bit", "diloco")):
+        runs = []
+        for maximize in (False, True):
+            torch.manual_seed(0)
+            p = torch.nn.Parameter(torch.randn(11))
+            opt = LionCub(
+                [p], lr=0.05, variant=variant, maximize=maximize, local_steps={"h": 2, "outer": outer}
+            )
+            for step in range(4):
+                grad = torch.randn(11, generator=torch.Generator().manual_seed(10 * step + rank))
+                p.grad = -grad if maximize else grad
+                opt.step()
+            runs.append(p.detach().clone())
+        out[f"maximize-{outer}"] = runs
+    # a parameter frozen in the middle of a window, one no rank ever gives a gradient, one added mid-window
+    torch.manual_seed(1)
+    a, b, unused = (torch.nn.Parameter(torch.randn(5)) for _ in range(3))
+    late = torch.nn.Parameter(torch.full((4,), float(rank)))  # rank-dependent: rank 0's is broadcast
+    start, b0 = unused.detach().clone(), b.detach().clone()
+    opt = LionCub([a, b, unused], lr=0.05, variant="1bit", local_steps=3)
+    seen = []
+    for step in range(1, 10):
+        a.grad = torch.randn(5, generator=g)
+        b.grad = torch.randn(5, generator=g) if b.requires_grad else None
+        if step > 2:
+            late.grad = torch.randn(4, generator=g)
+        opt.step()
+        if step == 2:
+            b.requires_grad_(False)  # mid-window: takes effect at the next window (step 4)
+            opt.add_param_group({"params": [late]})  # likewise; rank 0's values then
+        if step % 3 == 0:
+            seen.append([q.detach().clone() for q in (a, b, unused, late)])
+    out["windows"], out["unused_moved"] = seen, not torch.equal(unused.detach(), start)
+    out["b_moved"] = not torch.equal(seen[0][1], b0)
+    return out
+
+
+def test_local_steps_edge_cases() -> None:
+    """2 ranks. ``maximize=True`` is minimizing −g (the outer step too, also DiLoCo's); at every window's
+    end the replicas agree — with a parameter frozen mid-window (its inner steps up to then are voted on,
+    then it rests) and one added mid-window (it joins at the next window with rank 0's values); a
+    parameter that no rank ever gives a gradient is not touched (a 1-bit vote on exact zeros would move it
+    by the tie rule)."""
+    results = run_workers(worker_edge_cases, 2, timeout=120)
+    for outer in ("vote", "dsm", "diloco"):
+        for r in results:
+            plain, maximized = r[f"maximize-{outer}"]
+            assert torch.equal(plain, maximized), outer
+    r0, r1 = results
+    for window, (w0, w1) in enumerate(zip(r0["windows"], r1["windows"], strict=True)):
+        for name, x, y in zip(("a", "b", "unused", "late"), w0, w1, strict=True):
+            if (window, name) != (0, "late"):  # added at step 2: the optimizer's from the next window on
+                assert torch.equal(x, y), (window, name)
+    frozen = [w[1] for w in r0["windows"]]
+    assert r0["b_moved"]  # its inner steps of the first window were voted on at step 3 ...
+    assert torch.equal(frozen[0], frozen[1]) and torch.equal(frozen[1], frozen[2])  # ... then it rests
+    late = [w[3] for w in r0["windows"]]
+    assert torch.equal(late[0], torch.zeros(4)) and not torch.equal(
+        late[1], late[0]
+    )  # rank 0's, then trained
+    assert not r0["unused_moved"] and not r1["unused_moved"]
+
+
+def worker_first_step_and_scales(rank: int, world: int) -> dict:
+    import warnings
+
+    p = torch.nn.Parameter(torch.ones(6))
+    opt = LionCub([p], lr=0.1, variant="1bit", local_steps=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(1, 5):
+            # identical gradients at the first step (DDP left averaging), then each rank's own, scaled by a
+            # per-rank GradScaler whose scale differs from step 2 on (an inner overflow on one rank only)
+            scale = torch.tensor(2.0 ** (3 + (rank if step > 1 else 0)))
+            grad = (
+                torch.full((6,), 0.5)
+                if step == 1
+                else torch.randn(6, generator=torch.Generator().manual_seed(rank))
+            )
+            p.grad = grad * scale
+            opt.grad_scale, opt.found_inf = scale, torch.tensor(0.0)
+            opt.step()
+    return {"warned": [str(w.message) for w in caught], "p": p.detach().clone()}
+
+
+def test_identical_first_gradients_warn_and_per_rank_scales_are_the_inner_steps_own() -> None:
+    """Gradients identical on every rank at the first step (DDP's allreduce left on) are warned about by
+    rank 0; per-rank GradScaler scales (one rank backed off after an inner overflow) are each rank's own:
+    the outer step applies Δ, not a scaled gradient, and does not compare them."""
+    r0, r1 = run_workers(worker_first_step_and_scales, 2, timeout=60)
+    assert any("every inner step then allreduces the gradients through DDP" in w for w in r0["warned"]), r0
+    assert not any("identical on every rank" in w for w in r1["warned"])
+    assert torch.equal(r0["p"], r1["p"])

@@ -5,7 +5,6 @@ and the framework hint of its first-step warning."""
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,24 +21,9 @@ __all__ = [
     "check_group",
     "check_local_steps",
     "check_options",
-    "framework_hint",
     "unsupported",
     "vote_config",
 ]
-
-
-#: the frameworks lioncub integrates with (module imported → the integration that installs the vote)
-_FRAMEWORKS = {
-    "transformers": "the Trainer: lioncub.integrations.hf.LionCubTrainer or LionCubCallback",
-    "accelerate": "accelerate: lioncub.integrations.accelerate.prepare",
-    "lightning": "Lightning: lioncub.integrations.lightning.LionCubStrategy",
-}
-
-
-def framework_hint() -> str:
-    """The integrations that make that fix for the frameworks imported in this process ("" when none)."""
-    used = [fix for module, fix in _FRAMEWORKS.items() if module in sys.modules]
-    return f"; with {', with '.join(used)}" if used else ""
 
 
 def vote_config(variant: str | VoteConfig) -> tuple[VoteConfig, str]:

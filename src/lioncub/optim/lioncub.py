@@ -45,7 +45,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -56,7 +55,7 @@ from lioncub.collectives import Ballot, Comm, CommCounter, ParamState, flat_view
 from lioncub.ops.quantize import max_abs
 from lioncub.optim import diagnostics, topology
 from lioncub.optim.accounting import Accounting
-from lioncub.optim.arguments import check_group, check_local_steps, check_options, framework_hint, vote_config
+from lioncub.optim.arguments import check_group, check_local_steps, check_options, vote_config
 from lioncub.optim.config import VoteConfig
 from lioncub.optim.engine import StepEngine, StepTimes
 from lioncub.optim.factory import make_vote
@@ -83,6 +82,7 @@ from lioncub.optim.step_check import (
     check_step,
     grad_checksum,
     step_settings,
+    warn_identical_gradients,
 )
 from lioncub.optim.sync import MomentumSync, select_parameters, synchronize
 
@@ -187,8 +187,8 @@ class LionCub(PerRankState, WindowedSteps, LeanOptimizer):
         self._overlap: OverlapHook | None = None
         self._grad_scale: torch.Tensor | None = None  # the GradScaler's scale handed to this step
         self._refresh_layout()
-        # the one-time "already averaged?" check of the first step (local steps: the pseudo-gradients)
-        self._grads_compared = local_steps is not None
+        # the one-time "already averaged?" check of the first step (local steps: of the first inner step)
+        self._grads_compared = False
         self._consolidated: list[dict[str, Any]] | None = None
         self._ready = True
         self.accounting = Accounting(self.comm, () if levels is None else levels)
@@ -282,7 +282,8 @@ class LionCub(PerRankState, WindowedSteps, LeanOptimizer):
                 check_group(group, index)  # names it
         self._consolidated = None
         overflow = self._unscale()
-        self._refresh_layout()
+        if self.local_steps is None or self._global_step % self.local_steps.h == 0:
+            self._refresh_layout()  # local steps: at window starts only (the window's layout is fixed)
         self._global_step += 1
         self.comm.step = self._global_step
         if self.single_process:
@@ -352,7 +353,7 @@ class LionCub(PerRankState, WindowedSteps, LeanOptimizer):
             t0 = time.perf_counter()
             self._sync_momenta(untouched)
             times.sync += time.perf_counter() - t0
-        if self.checks.replica_check_every and step % self.checks.replica_check_every == 0:
+        if self.checks.replica_check_every and vote_step % self.checks.replica_check_every == 0:
             self.check_replicas()
         self._finish_step(before, times, skipped=False)
         if diagnose:  # after the accounting: its collectives are not the step's
@@ -367,7 +368,10 @@ class LionCub(PerRankState, WindowedSteps, LeanOptimizer):
         """:class:`~lioncub.optim.Lion`'s step on this rank (the same functions, bit for bit), with the
         non-finite check of :class:`Checks` (``nonfinite``) and a GradScaler's overflow: one process, or
         (``local``) an inner step of local steps, decided by this rank alone. Returns whether it skipped."""
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        window = {id(p) for p in self.layout.params()} if local else None  # the window's parameters
+        groups = [[p for p in g["params"] if p.grad is not None and (local is False or id(p) in window)]
+                  for g in self.param_groups]  # fmt: skip
+        grads = [p.grad for params in groups for p in params]
         if grads and default_foreach(grads) and grads[0].device.type != "cpu":
             peaks = [t.float() for t in torch._foreach_norm(grads, float("inf"))]
         else:  # on CPU the inf norm (foreach or not) is ~11x slower than aminmax, the same values
@@ -382,8 +386,7 @@ class LionCub(PerRankState, WindowedSteps, LeanOptimizer):
             where = f"rank {self.comm.rank}: local " if local else ""
             _log.warning("%sstep %d skipped: non-finite gradients (NaN or Inf)", where, self._global_step)
             return True
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
+        for group, params in zip(self.param_groups, groups, strict=True):
             if params:
                 momenta = [self.engine.state.momentum(p) for p in params]
                 update_group_(group, params, [p.grad for p in params], momenta)
@@ -419,14 +422,9 @@ class LionCub(PerRankState, WindowedSteps, LeanOptimizer):
         if checksum is not None:
             self._grads_compared = True
             if check.identical_grads and self.comm.rank == 0:
-                warnings.warn(
-                    "LionCub: the gradients are identical on every rank at the first step: they look "
-                    "already averaged by DDP's allreduce, so every rank votes on the same gradient (global "
-                    "Lion plus a pointless vote, and the allreduce's bytes). Register "
-                    "lioncub.optim.ddp.skip_gradient_allreduce(model) or call opt.overlap_with(model) on "
-                    f"the DDP model{framework_hint()} (identical data on every rank also gives identical "
-                    "gradients)",
-                    stacklevel=4,
+                warn_identical_gradients(
+                    "every rank votes on the same gradient (global Lion plus a pointless vote, and the "
+                    "allreduce's bytes)"
                 )
         if not check.ok:
             _log.warning(

@@ -40,6 +40,7 @@ import torch
 from lioncub._validate import is_int, is_number
 from lioncub.collectives import Hyper, flat_views
 from lioncub.optim.engine import StepTimes
+from lioncub.optim.step_check import check_step, grad_checksum, step_settings, warn_identical_gradients
 from lioncub.optim.sync import synchronize
 
 __all__ = ["INNER_MOMENTA", "OUTER_RULES", "LocalSteps", "OuterState", "WindowedSteps"]
@@ -125,17 +126,20 @@ class LocalSteps:
 
 class OuterState:
     """The outer step's view of the optimizer (:class:`lioncub.collectives.ParamState`): each parameter's
-    outer momentum ``state[p]["outer_exp_avg"]``, and the outer hyperparameters (``ηᵒ = outer_lr · H ·
-    lr`` with the group's current lr, β1ᵒ, β2ᵒ, λᵒ)."""
+    outer momentum ``state[p][key]`` (``"outer_exp_avg"`` of the sign steps, ``"outer_buf"`` of DiLoCo;
+    zeros at first), and the outer hyperparameters (``ηᵒ = outer_lr · H · lr`` with the group's current lr,
+    β1ᵒ, β2ᵒ, λᵒ; never ``maximize``: Δ already points the way the inner steps went)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, config: LocalSteps, group_of: Any) -> None:
-        self._optimizer, self._config, self._group_of = optimizer, config, group_of
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, config: LocalSteps, group_of: Any, key: str = "outer_exp_avg"
+    ) -> None:
+        self._optimizer, self._config, self._group_of, self._key = optimizer, config, group_of, key
 
     def momentum(self, p: torch.Tensor) -> torch.Tensor:
         state = self._optimizer.state[p]
-        if "outer_exp_avg" not in state:
-            state["outer_exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return state["outer_exp_avg"]
+        if self._key not in state:
+            state[self._key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state[self._key]
 
     def hyper(self, p: torch.Tensor) -> Hyper:
         c = self._config
@@ -146,9 +150,16 @@ class OuterState:
 
 class WindowedSteps:
     """The step of :class:`~lioncub.optim.LionCub` with local steps (a mixin: it calls the optimizer's
-    ``_refresh_layout``, ``_broadcast_new``, ``_lion_step``, ``_vote_step``, ``_check_step`` and
-    ``_finish_step``, and reads its ``local_steps``, ``layout``, ``engine``, ``comm``, ``state`` and
-    ``accounting``)."""
+    ``_lion_step``, ``_vote_step``, ``_check_step``, ``_broadcast_new``, ``_without_gradient`` and
+    ``_finish_step``, and reads its ``local_steps``, ``layout``, ``engine``, ``comm``, ``checks``, ``state``
+    and ``accounting``).
+
+    The layout is fixed for a window (:meth:`LionCub.step` refreshes it at window starts only): a parameter
+    frozen, unfrozen or added in the middle of a window takes effect at the next one, so every collective
+    of the window (its outer step) runs over the layout the step check compared. A parameter that had no
+    gradient on this rank during the window (``state[p]["window_grad"]`` absent) enters the outer step
+    with ``.grad = None``: untouched where no rank had one, a zero vote where some did — as a step without
+    local steps treats a ``None`` gradient."""
 
     local_steps: LocalSteps
     state: Any
@@ -156,77 +167,124 @@ class WindowedSteps:
     @torch.no_grad()
     def _local_step(self, overflow: bool) -> None:
         """One inner step on this rank, and after every H of them the outer step (collective then)."""
-        self._refresh_layout()  # type: ignore[attr-defined]
+        step, h = self._global_step, self.local_steps.h  # type: ignore[attr-defined]
         params = self.layout.params()  # type: ignore[attr-defined]
-        joined = any(id(p) not in self._broadcast for p in params)  # type: ignore[attr-defined]
-        if joined and self.checks.broadcast_init:  # type: ignore[attr-defined]
-            self._broadcast_new()  # type: ignore[attr-defined]  # rank 0's values, every rank alike
-        for p in params:
-            if "anchor" not in self.state[p]:  # a window starts: θ_t
-                self.state[p]["anchor"] = p.detach().clone(memory_format=torch.preserve_format)
+        if (step - 1) % h == 0:  # a window starts (a resume in its middle keeps the saved anchors)
+            self._start_window(params)
+        if not self._grads_compared:  # type: ignore[has-type]
+            self._compare_first_gradients(params)
         before, times = self.accounting.snapshot(), StepTimes()  # type: ignore[attr-defined]
         t0 = time.perf_counter()
         skipped = self._lion_step(overflow, local=True)  # type: ignore[attr-defined]
         times.apply = time.perf_counter() - t0
+        for p in params:
+            if p.grad is not None and "window_grad" not in self.state[p]:
+                self.state[p]["window_grad"] = p.new_ones(())
         self.accounting.finish_step(before, times, skipped=skipped)  # type: ignore[attr-defined]
-        step, h = self._global_step, self.local_steps.h  # type: ignore[attr-defined]
         if step % h == 0:
             self.accounting.continue_step()  # type: ignore[attr-defined]  # "last": inner + outer
             self._outer_step(step // h, params)
 
+    def _start_window(self, params: list[torch.Tensor]) -> None:
+        """θ_t: every parameter of the window's layout gets its anchor; the others have none."""
+        in_window = {id(p) for p in params}
+        for group in self.param_groups:  # type: ignore[attr-defined]
+            for p in group["params"]:
+                if id(p) in in_window:
+                    state = self.state[p]
+                    if "anchor" in state:
+                        state["anchor"].copy_(p)
+                    else:
+                        state["anchor"] = p.detach().clone(memory_format=torch.preserve_format)
+                    state.pop("window_grad", None)
+                elif p in self.state:  # left the layout: its value is the last outer step's
+                    self.state[p].pop("anchor", None)
+                    self.state[p].pop("window_grad", None)
+
+    def _compare_first_gradients(self, params: list[torch.Tensor]) -> None:
+        """The first step's check, with the gradients' checksum: identical gradients on every rank mean
+        that DDP averaged them (its allreduce then runs at every inner step, unseen by the counts)."""
+        grads = [p.grad for p in params if p.grad is not None]
+        check = check_step(
+            self.comm,  # type: ignore[attr-defined]
+            [],
+            step=self._global_step,  # type: ignore[attr-defined]
+            layout=self.layout.hash,  # type: ignore[attr-defined]
+            missing_grads=0,
+            grad_checksum=grad_checksum(grads),
+            nonfinite="skip",
+            settings=step_settings(None, self.param_groups),  # type: ignore[attr-defined]
+        )
+        self._grads_compared = True
+        if check.identical_grads and self.comm.rank == 0:  # type: ignore[attr-defined]
+            warn_identical_gradients(
+                "every inner step then allreduces the gradients through DDP (each replica follows the mean "
+                "gradient, and the bytes of local steps are not saved)"
+            )
+
     def _outer_step(self, outer_step: int, params: list[torch.Tensor]) -> None:
-        """Δ_r = θ_t − θ_r into ``.grad`` (the user's gradients are put back after), the parameters back to
-        θ_t, the rule's step, the inner momentum's policy, and a new window from the result."""
+        """Δ_r = θ_t − θ_r into ``.grad`` (``None`` where this rank had no gradient in the window; the
+        user's gradients are put back after), the parameters back to θ_t, the rule's step, then the inner
+        momentum's policy (also when the outer step was skipped: the parameters stay at θ_t)."""
         user_grads = [p.grad for p in params]
         for p in params:
-            anchor = self.state[p]["anchor"]
-            p.grad = anchor - p.detach()
-            p.copy_(anchor)
+            state = self.state[p]
+            p.grad = state["anchor"] - p.detach() if state.pop("window_grad", None) is not None else None
+            p.copy_(state["anchor"])
         config = self.local_steps
-        before, times = self.accounting.snapshot(), StepTimes()  # type: ignore[attr-defined]
-        momenta = [self.engine.state.momentum(p) for p in params]  # type: ignore[attr-defined]
-        if config.inner_momentum == "reset":
-            for m in momenta:
-                m.zero_()
-        elif config.inner_momentum == "average":
-            t0 = time.perf_counter()
-            synchronize(self.comm, momenta, torch.float32)  # type: ignore[attr-defined]
-            times.sync += time.perf_counter() - t0
-        outer = OuterState(self, config, self.engine.state.group)  # type: ignore[arg-type,attr-defined]
-        booked = {"before": before, "times": times}
+        self._grad_scale = None  # type: ignore[has-type]  # Δ is not scaled: the ranks' scales may differ
+        booked = {"before": self.accounting.snapshot(), "times": StepTimes()}  # type: ignore[attr-defined]
         try:
             if config.outer == "diloco":
                 self._diloco_step(outer_step, **booked)
             else:
+                outer = OuterState(self, config, self.engine.state.group)  # type: ignore[arg-type,attr-defined]
                 self._vote_step(False, state=outer, vote_step=outer_step, **booked)  # type: ignore[attr-defined]
         finally:
             for p, g in zip(params, user_grads, strict=True):
                 p.grad = g
         for p in params:  # the next window starts from θ_{t+1} (θ_t where the outer step was skipped)
             self.state[p]["anchor"].copy_(p)
+        if config.inner_momentum != "keep":  # after the step check: the ranks agree on the layout
+            before, times = self.accounting.snapshot(), StepTimes()  # type: ignore[attr-defined]
+            momenta = [self.engine.state.momentum(p) for p in params]  # type: ignore[attr-defined]
+            t0 = time.perf_counter()
+            if config.inner_momentum == "reset":
+                for m in momenta:
+                    m.zero_()
+            else:
+                synchronize(self.comm, momenta, torch.float32)  # type: ignore[attr-defined]
+            times.sync = time.perf_counter() - t0
+            self.accounting.continue_step()  # type: ignore[attr-defined]
+            self.accounting.finish_step(before, times, skipped=False)  # type: ignore[attr-defined]
 
     def _diloco_step(self, outer_step: int, before: Any, times: StepTimes) -> None:
         """DiLoCo's outer step: the mean pseudo-gradient (the dense variant's exchange), then Nesterov SGD
-        with each parameter's ``outer_buf`` (bit for bit ``torch.optim.SGD(nesterov=True)``); booked as
-        one step from ``before`` with ``times``."""
+        with each parameter's ``outer_buf`` (bit for bit ``torch.optim.SGD(nesterov=True)``); parameters
+        without a gradient on any rank are untouched; booked as one step from ``before`` with ``times``."""
         engine, lr, (mu, _) = self.engine, self.local_steps.lr, self.local_steps.betas  # type: ignore[attr-defined]
+        outer = OuterState(self, self.local_steps, engine.state.group, key="outer_buf")  # type: ignore[arg-type]
+        t0 = time.perf_counter()
         ballots = [
-            engine.contribute(b, [p.grad for p in b.params], step=outer_step)
+            engine.contribute(b, [p.grad for p in b.params], step=outer_step, state=outer)
             for b in self.layout.buckets  # type: ignore[attr-defined]
         ]
+        times.direction += time.perf_counter() - t0
         check = self._check_step(ballots, False, False)  # type: ignore[attr-defined]
         if check.ok:
+            untouched = self._without_gradient() if check.missing_grads else frozenset()  # type: ignore[attr-defined]
+            if self.checks.broadcast_init:  # type: ignore[attr-defined]  # joined this window (the ranks agree)
+                self._broadcast_new()  # type: ignore[attr-defined]
+            t0 = time.perf_counter()
             for ballot in ballots:
                 engine.post(ballot, outer_step)
+            times.encode += time.perf_counter() - t0
             means = engine.means(ballots, times)
             t0 = time.perf_counter()
             for ballot, mean in zip(ballots, means, strict=True):
                 for p, d in zip(ballot.params, flat_views(mean, ballot.params), strict=True):
-                    buf = self.state[p].get("outer_buf")
-                    if buf is None:
-                        buf = self.state[p]["outer_buf"] = d.clone().detach()
-                    else:
-                        buf.mul_(mu).add_(d)
-                    p.add_(d.add(buf, alpha=mu), alpha=-lr)
+                    if id(p) not in untouched:  # v ← μ·v + Δ̄ (v starts at 0: Δ̄ at the first step)
+                        buf = outer.momentum(p).mul_(mu).add_(d)
+                        p.add_(d.add(buf, alpha=mu), alpha=-lr)
             times.apply += time.perf_counter() - t0
         self._finish_step(before, times, skipped=not check.ok)  # type: ignore[attr-defined]

@@ -4,6 +4,8 @@ updates."""
 
 from __future__ import annotations
 
+import sys
+import warnings
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,13 +44,16 @@ class Checks:
 
     Args:
         broadcast_init: copy rank 0's parameters to every rank at construction.
-        replica_check_every: every k steps compare a checksum of the parameters across ranks and raise
-            :class:`~lioncub.optim.replicas.ReplicaDivergenceError` on a mismatch (0 = never).
+        replica_check_every: every k steps (with local steps: every k outer steps) compare a checksum of
+            the parameters across ranks and raise :class:`~lioncub.optim.replicas.ReplicaDivergenceError`
+            on a mismatch (0 = never).
         nonfinite: what a step does when any rank's gradients hold NaN or Inf: ``"skip"`` (every rank
             leaves parameters and momenta untouched, counted in ``comm_stats()["total"]["skipped_steps"]``)
             or ``"raise"`` (:class:`NonFiniteGradientError` on every rank, naming the ranks). Checked
-            before anything is quantized or sent: one max-abs reduction per bucket and one all-gather of N
-            int32 per step (counted in :meth:`~lioncub.optim.LionCub.comm_stats`).
+            before anything is quantized or sent: one max-abs reduction per bucket and one all-gather of
+            :data:`STEP_CHECK_WORDS` int32 per rank and step (counted in
+            :meth:`~lioncub.optim.LionCub.comm_stats`). With local steps an inner step's NaN/Inf is that
+            rank's alone (skipped or raised there); the outer step is checked on every rank.
     """
 
     broadcast_init: bool = True
@@ -237,3 +242,29 @@ def grad_checksum(grads: Sequence[torch.Tensor], sample: int = 1 << 16) -> int:
         weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64)
         total = (total * 1_000_003 + int((bits * weights).sum())) % (2**61 - 1)
     return total
+
+
+#: the frameworks lioncub integrates with (module imported → the integration that installs the vote)
+_FRAMEWORKS = {
+    "transformers": "the Trainer: lioncub.integrations.hf.LionCubTrainer or LionCubCallback",
+    "accelerate": "accelerate: lioncub.integrations.accelerate.prepare",
+    "lightning": "Lightning: lioncub.integrations.lightning.LionCubStrategy",
+}
+
+
+def framework_hint() -> str:
+    """The integrations that make that fix for the frameworks imported in this process ("" when none)."""
+    used = [fix for module, fix in _FRAMEWORKS.items() if module in sys.modules]
+    return f"; with {', with '.join(used)}" if used else ""
+
+
+def warn_identical_gradients(consequence: str) -> None:
+    """The warning of a first step whose gradients are identical on every rank (rank 0 calls it):
+    ``consequence`` says what that costs in the caller's mode."""
+    warnings.warn(
+        "LionCub: the gradients are identical on every rank at the first step: they look already averaged "
+        f"by DDP's allreduce, so {consequence}. Register lioncub.optim.ddp.skip_gradient_allreduce(model) or "
+        f"call opt.overlap_with(model) on the DDP model{framework_hint()} (identical data on every rank also "
+        "gives identical gradients)",
+        stacklevel=5,
+    )

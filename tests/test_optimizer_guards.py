@@ -196,9 +196,9 @@ def test_a_consolidated_state_holds_each_rank_once() -> None:
 def worker_topologies(rank: int, world: int) -> dict[str, str]:
     os.environ["LOCAL_WORLD_SIZE"] = str(world)  # one node of every rank
 
-    def make(variant: str, topology: str) -> LionCub:
+    def make(variant: str, topology: str, zero_vote: str | None = None) -> LionCub:
         p = torch.nn.Parameter(torch.ones(6))
-        opt = LionCub([p], lr=0.1, variant=resolve_variant(variant, topology=topology))
+        opt = LionCub([p], lr=0.1, variant=resolve_variant(variant, topology=topology, zero_vote=zero_vote))
         p.grad = torch.arange(6.0) - rank
         opt.step()
         return opt
@@ -216,6 +216,24 @@ def worker_topologies(rank: int, world: int) -> dict[str, str]:
             out["@".join(saved) + " -> " + "@".join(loaded)] = "loaded"
         except ValueError as err:
             out["@".join(saved) + " -> " + "@".join(loaded)] = str(err)
+    # version-1 states (before "rule"): the preset's name, one-bit votes with the papers' zero rule; a
+    # vote over nodes was "custom"
+    for saved_name, variant, topology, zeros in (
+        ("1bit", "1bit", "flat", None),
+        ("1bit", "1bit", "flat", "plus"),
+        ("8bit", "8bit", "flat", None),
+        ("custom", "1bit", "hierarchical", "plus"),
+        ("custom", "1bit", "flat", "plus"),
+    ):
+        state = make("1bit", "flat").state_dict()
+        meta = state["lioncub"]
+        del meta["rule"]
+        meta.update(version=1, variant=saved_name)
+        try:
+            make(variant, topology, zeros).load_state_dict(state)
+            out[f"v1 {saved_name} -> {variant}@{topology}/{zeros}"] = "loaded"
+        except ValueError as err:
+            out[f"v1 {saved_name} -> {variant}@{topology}/{zeros}"] = str(err)
     return out
 
 
@@ -227,6 +245,13 @@ def test_states_are_named_by_preset_and_topology_and_load_where_the_update_is_th
     refused = res["4bit@hierarchical -> 8bit@hierarchical"]
     assert "variant='4bit@hierarchical', this optimizer is variant='8bit@hierarchical'" in refused, refused
     assert "their updates differ" in res["1bit@flat -> 1bit@node-majority"]
+    assert (
+        "resume it with variant=resolve_variant('1bit', zero_vote='plus')" in res["v1 1bit -> 1bit@flat/None"]
+    )
+    assert res["v1 1bit -> 1bit@flat/plus"] == "loaded"
+    assert res["v1 8bit -> 8bit@flat/None"] == "loaded"  # not a one-bit vote: its rule is unchanged
+    assert res["v1 custom -> 1bit@hierarchical/plus"] == "loaded"
+    assert "their updates differ" in res["v1 custom -> 1bit@flat/plus"]
 
 
 # ------------------------------------------------------------------ node layouts

@@ -15,6 +15,7 @@ loads it on every rank before the optimizer still resumes every rank's own windo
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from lioncub._validate import is_int
 from lioncub.collectives import Comm
-from lioncub.optim.config import VoteConfig
+from lioncub.optim.config import ONE_BIT_VOTES, PRESETS, VoteConfig
 from lioncub.optim.engine import StepEngine
 from lioncub.optim.local_steps import LocalSteps
 
@@ -164,11 +165,17 @@ class PerRankState:
         if meta.get("version") not in _READABLE:
             raise ValueError(f"optimizer state version {meta.get('version')} is not one of {_READABLE}")
         rule = self.config.update_rule()
-        if (meta["rule"] != rule) if "rule" in meta else (meta["variant"] != variant):
-            detail = f": {meta['rule']} against {rule}" if "rule" in meta else ""
+        saved = meta["rule"] if "rule" in meta else _version1_rule(meta["variant"], self.config)
+        if saved != rule:
+            hint = ""
+            if "rule" not in meta and saved.get("zero_vote") == "plus":
+                hint = (
+                    f" (a version-1 state ran the papers' rule for exact zeros: resume it with "
+                    f"variant=resolve_variant({meta['variant']!r}, zero_vote='plus'))"
+                )
             raise ValueError(
                 f"the checkpoint was written by variant={meta['variant']!r}, this optimizer is "
-                f"variant={variant!r}; their updates differ{detail}"
+                f"variant={variant!r}; their updates differ: {saved} against {rule}{hint}"
             )
         local = None if self.local_steps is None else self.local_steps.describe()
         if meta.get("local_steps") != local:
@@ -192,6 +199,20 @@ class PerRankState:
                 "saves their framework makes); to start the other ranks from rank "
                 f"{meta['rank']}'s momenta on purpose pass allow_world_size_change=True"
             )
+
+
+def _version1_rule(name: str, config: VoteConfig) -> dict[str, Any]:
+    """The update rule a version-1 state (which recorded the preset's name only) was written with: the
+    preset ``name`` with the papers' rule for exact zeros (``zero_vote="plus"``, what every one-bit vote
+    did then). A version-1 ``"custom"`` state came from a vote over nodes (``lioncub train --topology``):
+    it is taken to be ``config``'s own when ``config`` votes over nodes, and refused otherwise."""
+    if name in PRESETS:
+        preset = PRESETS[name]
+        zeros = "plus" if preset.transport in ONE_BIT_VOTES else "split"
+        return dataclasses.replace(preset, zero_vote=zeros).update_rule()
+    if name == "custom" and config.topology != "flat":
+        return config.update_rule()
+    return {"variant": name}
 
 
 def _to_cpu(obj: Any) -> Any:

@@ -639,6 +639,11 @@ COMPARE_CASES = [
     case(
         ["--variants", "diloco-8bit/h4"], ["diloco-8bit/h4", "--outer diloco", "32bit or 16bit"], id="dil-8"
     ),
+    case(
+        ["--variants", "32bit,8bit", "--zero-vote", "plus"],
+        ["--zero-vote plus", "one-bit"],
+        id="zero-vote-no-1bit",
+    ),
     case(["--target-loss", "nan"], ["--target-loss", "> 0"], id="target-loss-nan"),
     case(["--target-loss", "-1"], ["--target-loss", "> 0"], id="target-loss-negative"),
 ]

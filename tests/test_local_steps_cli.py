@@ -154,3 +154,14 @@ def test_train_with_local_steps_resumes_from_the_middle_of_a_window_bitwise(
         == 2
     )
     assert "--resume: --local-steps 4: the run in" in capsys.readouterr().err
+
+
+def test_compare_gives_zero_vote_and_local_options_only_to_the_runs_they_apply_to() -> None:
+    from lioncub.cli.compare import _config
+
+    parser = cli.build_parser("compare")
+    args = parser.parse_args(["compare", "--out", "x", "--zero-vote", "plus", "--inner-momentum", "reset"])
+    rows = {name: _config(args, name).optimizer for name in ("32bit", "1bit", "8bit/h4", "1bit/h4", "dsm/h4")}
+    assert [rows[n].zero_vote for n in rows] == ["split", "plus", "split", "plus", "split"]
+    assert [rows[n].inner_momentum for n in rows] == ["keep", "keep", "reset", "reset", "reset"]
+    assert rows["dsm/h4"].outer == "dsm" and rows["dsm/h4"].variant == "32bit"

@@ -133,6 +133,15 @@ def _variants(args: argparse.Namespace, out: Path) -> list[str]:
             )
     if not variants or len(set(variants)) != len(variants):
         raise ValueError(f"--variants {given!r}: {grammar}")
+    from lioncub.train.config import OptimizerConfig
+
+    if getattr(args, "zero_vote", None) and not any(
+        OptimizerConfig(variant=parse_run_name(v)["variant"]).one_bit for v in variants
+    ):
+        raise ValueError(
+            f"--zero-vote {args.zero_vote}: applies to the one-bit votes (1bit, 4bit, dlion-mavo); no run in "
+            f"--variants {given!r} is one"
+        )
     if getattr(args, "inner_momentum", None) and not any("/" in v for v in variants):
         raise ValueError(
             f"--inner-momentum {args.inner_momentum}: applies only with --local-steps: runs named NAME/hH in "
@@ -146,7 +155,7 @@ def _config(args: argparse.Namespace, variant: str) -> TrainConfig:
     shared options, without those only a vote has (:data:`VOTING_ONLY`) for a DDP baseline and those only
     local steps have (:data:`LOCAL_ONLY`) for a vote every step. ``ValueError`` naming the run."""
     from lioncub.names import parse_run_name
-    from lioncub.train.config import BASELINES
+    from lioncub.train.config import BASELINES, OptimizerConfig
 
     fields = parse_run_name(variant)
     options = {**vars(args), **fields}
@@ -155,6 +164,8 @@ def _config(args: argparse.Namespace, variant: str) -> TrainConfig:
         options.update({k: v for k, v in fields.items() if k in VOTING_ONLY})
     if "local_steps" not in fields:
         options.update(dict.fromkeys(LOCAL_ONLY))
+    if not OptimizerConfig(variant=fields["variant"]).one_bit:  # --zero-vote: for the one-bit votes
+        options["zero_vote"] = None
     try:
         return config_from_args(argparse.Namespace(**options))
     except ValueError as exc:

@@ -102,7 +102,7 @@ class OptimizerConfig:
     overlap: bool = False
     """LionCub: start each DDP bucket's vote during the backward pass (a communication hook)."""
     zero_vote: str = "split"
-    """The one-bit votes (1bit, 4bit, dlion-*): an exact zero votes + on half the ranks (``split``) or
+    """The one-bit votes (1bit, 4bit, dlion-mavo): an exact zero votes + on half the ranks (``split``) or
     always + (``plus``, the papers' rule) (``--zero-vote``)."""
     local_steps: int | None = None
     """H local steps per rank, then one outer step (:mod:`lioncub.optim.local_steps`); None: a vote every
@@ -275,7 +275,7 @@ class TrainConfig:
         if opt.zero_vote != "split" and not opt.one_bit:
             raise ValueError(
                 f"--zero-vote {opt.zero_vote}: --variant {opt.variant} carries an exact zero as 0; "
-                "--zero-vote applies to the one-bit votes (1bit, 4bit, dlion-mavo, dlion-avg)"
+                "--zero-vote applies to the one-bit votes (1bit, 4bit, dlion-mavo)"
             )
         if opt.local_steps is None:
             given = {"--outer": opt.outer != "vote", "--outer-lr": opt.outer_lr is not None}

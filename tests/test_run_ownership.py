@@ -586,6 +586,12 @@ def test_node_runs_report_nic_and_in_node_bytes_apart(tmp_path: Path) -> None:
         "nic_bytes": 20.0,
         "intra_bytes": 40.0,
     }
+    # a layered vote's flat-group allreduces besides (momentum sync, averaged inner momenta): ring shares
+    ring = flat_shares("32bit", 10**6, 2, 2)
+    assert node_bytes({"inter_node_bytes_sent": 10, "intra_node_bytes_sent": 40}, 150, (9, 9), 2, ring) == {
+        "nic_bytes": 20.0 + 100.0,
+        "intra_bytes": 40.0 + 100.0,
+    }
     write_log(tmp_path / "1bit", 10, 10, bytes_sent=8e6, nic_bytes=1e6, intra_bytes=7e6)
     write_log(tmp_path / "32bit", 10, 10, bytes_sent=4e6, nic_bytes=4e6, intra_bytes=4e6)
     report = rp.make_report([tmp_path / "1bit", tmp_path / "32bit"], tmp_path / "out")

@@ -232,6 +232,7 @@ class _Rank:
     compute_ref: float | None  # DDP baselines: forward + backward without communication (s)
     log: Callable[[str], None]
     shares: tuple[float, float] | None = None  # on emulated nodes: a flat step's NIC and in-node shares
+    ring_shares: tuple[float, float] = (0.0, 0.0)  # ... and those of a flat ring allreduce
 
 
 def train(config: TrainConfig, run_dir: Path, *, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -325,15 +326,16 @@ def _prepare(config: TrainConfig, run_dir: Path, log: Callable[[str], None]) -> 
         truncate_log(run_dir / "log.jsonl", start, log)
         if resume is not None:
             log(f"resumed from {resume.path} at step {start}")
-    shares = None
+    shares, ring = None, (0.0, 0.0)
     if config.cluster.nnodes:  # where the bytes go: lioncub.train.nodebytes
         opt = config.optimizer
         vote = (
             opt.variant if opt.variant in BASELINES else resolve_variant(opt.variant, quantizer=opt.quantizer)
         )
         d = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        shares = flat_shares(vote, d, config.cluster.nnodes, config.cluster.nproc_per_node)
-    return _Rank(config, run_dir, rank, world, wl, setup, start, compute_ref, log, shares)
+        nodes = (config.cluster.nnodes, config.cluster.nproc_per_node)
+        shares, ring = flat_shares(vote, d, *nodes), flat_shares("32bit", d, *nodes)
+    return _Rank(config, run_dir, rank, world, wl, setup, start, compute_ref, log, shares, ring)
 
 
 def _train_step(r: _Rank, step: int, elapsed: float) -> dict[str, Any]:
@@ -354,7 +356,9 @@ def _train_step(r: _Rank, step: int, elapsed: float) -> dict[str, Any]:
     rec = _step_record(setup, step, t1 - t0, t2 - t1, r.compute_ref)
     if r.shares is not None:
         last = setup.opt.comm_stats()["last"] if isinstance(setup.opt, LionCub) else {}
-        rec.update(node_bytes(last, rec["bytes_sent"], r.shares, r.config.cluster.nproc_per_node))
+        rec.update(
+            node_bytes(last, rec["bytes_sent"], r.shares, r.config.cluster.nproc_per_node, r.ring_shares)
+        )
     rec["skipped"] = skipped
     if skipped and r.rank == 0:
         r.log(f"step {step} skipped on every rank: non-finite gradients (--nonfinite skip)")

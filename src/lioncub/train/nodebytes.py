@@ -8,7 +8,10 @@ allreduce -- crosses the node boundaries as its pattern makes it, so a rank's me
 the cost model's shares of that pattern (:func:`flat_shares`, from
 :func:`lioncub.planning.nodes.topology_phases`): a ring crosses each boundary once, so a NIC carries one
 rank's ring traffic while every rank but one per node sends the same inside it; a pairwise exchange sends
-``L·(N−L)/(N−1)`` of a rank's vector through its node's NIC. The step check's few bytes count as the vote's.
+``L·(N−L)/(N−1)`` of a rank's vector through its node's NIC. With a flat vote the step check's few bytes
+and a momentum sync count as the vote's; with a vote laid over the nodes, what the optimizer sends on its
+flat group besides (the step check, a momentum sync, local steps' averaged inner momenta: allreduces) is
+split by the shares of a ring allreduce.
 """
 
 from __future__ import annotations
@@ -38,14 +41,21 @@ def flat_shares(variant: str | VoteConfig, d: int, nnodes: int, per_node: int) -
 
 
 def node_bytes(
-    last: dict[str, Any], bytes_sent: float, shares: tuple[float, float], per_node: int
+    last: dict[str, Any],
+    bytes_sent: float,
+    shares: tuple[float, float],
+    per_node: int,
+    ring_shares: tuple[float, float] = (0.0, 0.0),
 ) -> dict[str, float]:
     """The ``nic_bytes`` and ``intra_bytes`` of a step: from the vote's own level counters (``last``, the
-    optimizer's ``comm_stats()["last"]``) when it is laid over the nodes, else ``bytes_sent`` split by the
-    flat ``shares``."""
+    optimizer's ``comm_stats()["last"]``) when it is laid over the nodes, plus the rest of ``bytes_sent``
+    (the flat group's allreduces) split by ``ring_shares``; else ``bytes_sent`` split by the flat
+    ``shares``."""
     if "inter_node_bytes_sent" in last:
+        inter, intra = float(last["inter_node_bytes_sent"]), float(last.get("intra_node_bytes_sent", 0.0))
+        rest = max(bytes_sent - inter - intra, 0.0)
         return {
-            "nic_bytes": per_node * float(last["inter_node_bytes_sent"]),
-            "intra_bytes": float(last.get("intra_node_bytes_sent", 0.0)),
+            "nic_bytes": per_node * inter + ring_shares[0] * rest,
+            "intra_bytes": intra + ring_shares[1] * rest,
         }
     return {"nic_bytes": shares[0] * bytes_sent, "intra_bytes": shares[1] * bytes_sent}

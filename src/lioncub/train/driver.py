@@ -53,6 +53,8 @@ def check_launch_options(restarts: int, collective_timeout_s: float) -> None:
 RANK_BASE_BYTES = 600 * 2**20
 #: bytes per model parameter on a rank: weights, gradient, momentum, DDP's bucket, vote buffers (fp32)
 RANK_BYTES_PER_PARAM = 24
+#: and with local steps: the window's anchor, the outer momentum and the pseudo-gradient (fp32)
+LOCAL_STEPS_BYTES_PER_PARAM = 12
 
 
 def estimate_params(workload: str, values: dict[str, Any]) -> int:
@@ -160,7 +162,8 @@ def check_before_launch(config: TrainConfig, timeout_s: float | None, max_nproc:
     if max_nproc is not None and not is_int(max_nproc, 1):
         raise ValueError(f"--max-nproc {max_nproc!r} must be an integer >= 1")
     values = check_run_options(config)
-    rank_bytes = RANK_BASE_BYTES + RANK_BYTES_PER_PARAM * estimate_params(run.workload, values)
+    per_param = RANK_BYTES_PER_PARAM + (LOCAL_STEPS_BYTES_PER_PARAM if config.optimizer.local_steps else 0)
+    rank_bytes = RANK_BASE_BYTES + per_param * estimate_params(run.workload, values)
     limit = max_nproc if max_nproc is not None else max_ranks(rank_bytes)
     if cluster.nproc <= limit:
         check_lanes(config)

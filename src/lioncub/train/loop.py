@@ -360,7 +360,12 @@ def _train_step(r: _Rank, step: int, elapsed: float) -> dict[str, Any]:
             node_bytes(last, rec["bytes_sent"], r.shares, r.config.cluster.nproc_per_node, r.ring_shares)
         )
     rec["skipped"] = skipped
-    if skipped and r.rank == 0:
+    if skipped and r.config.optimizer.local_steps is not None:  # each rank's inner steps are its own
+        r.log(
+            f"step {step} skipped on rank {r.rank}: non-finite gradients (--nonfinite skip; with local steps "
+            "a rank's inner step is its own, an outer step's is every rank's)"
+        )
+    elif skipped and r.rank == 0:
         r.log(f"step {step} skipped on every rank: non-finite gradients (--nonfinite skip)")
     rec["time_s"] = elapsed + rec["step_s"]
     loss_sum = loss.detach().float().reshape(1)

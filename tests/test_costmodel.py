@@ -448,15 +448,28 @@ def test_cost_command_prints_table_winner_and_crossovers(capsys: pytest.CaptureF
     assert "1bit vs 8bit-sign: equal at" in out
 
 
+def test_local_steps_with_averaged_inner_momenta_by_hand() -> None:
+    # 1bit, d = 1e6, N = 4, H = 16, the inner momenta averaged (fp32 ring) at each outer step:
+    # (187500 + 2·3/4·4e6) / 16 = (187500 + 6e6) / 16 B per inner step
+    p = cm.predict("1bit", 1_000_000, 4, net(0.0, 1e6), local_steps=16, sync_every=16)
+    assert p.bytes_sent == pytest.approx((187_500 + 6e6) / 16)
+
+
 def test_cost_command_with_local_steps(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["cost", "--params", "124M", "--workers", "4", "--variants", "1bit,16bit"]
     argv += ["--bandwidth", "100mbit"]
     assert cli.main([*argv, "--local-steps", "16"]) == 0
     out = capsys.readouterr().out
     assert "one vote every 16 local steps (per inner step)" in out
+    assert cli.main([*argv, "--local-steps", "16", "--inner-momentum", "average"]) == 0
+    assert "momentum sync every 16 steps" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         cli.main([*argv, "--local-steps", "0"])
     assert "argument --local-steps:" in capsys.readouterr().err
+    assert cli.main([*argv, "--local-steps", "16", "--sync-every", "10"]) == 2
+    assert "--sync-every 10 with --local-steps 16" in capsys.readouterr().err
+    assert cli.main([*argv, "--inner-momentum", "average"]) == 2
+    assert "--inner-momentum average: applies only with --local-steps H" in capsys.readouterr().err
 
 
 def test_cost_command_reports_variants_that_are_not_allowed(capsys: pytest.CaptureFixture[str]) -> None:

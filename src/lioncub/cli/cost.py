@@ -173,6 +173,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="one vote every H local steps (LionCub local_steps): times and bytes per inner step",
     )
     parser.add_argument(
+        "--inner-momentum",
+        choices=["keep", "reset", "average"],
+        default="keep",
+        help="with --local-steps: average prices the inner momenta's fp32 allreduce at each outer step",
+    )
+    parser.add_argument(
         "--variants", type=_variants, metavar="LIST", help="comma-separated presets (default all)"
     )
     parser.add_argument("--plot", metavar="FILE.png", help="save cost vs link rate and vs N (Fig. 2 style)")
@@ -289,6 +295,16 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
             f"presets that allow {n} workers: {', '.join(fits)}"
         )
     options = {"sync_every": args.sync_every, "sync_params": args.sync_params, "bucket_numel": bucket}
+    if args.local_steps is not None and args.sync_every is not None:
+        raise ValueError(
+            f"--sync-every {args.sync_every} with --local-steps {args.local_steps}: local steps do not sync "
+            "momenta every K steps; --inner-momentum average prices the inner momenta averaged at each outer "
+            "step"
+        )
+    if args.inner_momentum == "average":
+        if args.local_steps is None:
+            raise ValueError("--inner-momentum average: applies only with --local-steps H")
+        options["sync_every"] = args.local_steps  # an fp32 allreduce of every momentum per window
     return {**options, "local_steps": args.local_steps}
 
 

@@ -165,3 +165,12 @@ def test_compare_gives_zero_vote_and_local_options_only_to_the_runs_they_apply_t
     assert [rows[n].zero_vote for n in rows] == ["split", "plus", "split", "plus", "split"]
     assert [rows[n].inner_momentum for n in rows] == ["keep", "keep", "reset", "reset", "reset"]
     assert rows["dsm/h4"].outer == "dsm" and rows["dsm/h4"].variant == "32bit"
+
+
+def test_a_conversion_to_another_world_size_needs_a_window_end() -> None:
+    meta = checkpoint.CheckpointMeta(Path("ckpt"), 6, "1bit", 2, "gpt", "tiny", 0)
+    same = dict(variant="1bit", workload="gpt", size="tiny", seed=0, convert_momenta="average")
+    checkpoint.check_compatible(meta, world_size=4, local_steps=3, **same)  # step 6: a window's end
+    with pytest.raises(ValueError, match="step 6, in the middle of a window of --local-steps 4"):
+        checkpoint.check_compatible(meta, world_size=4, local_steps=4, **same)
+    checkpoint.check_compatible(meta, world_size=2, local_steps=4, **same)  # the same ranks: each its own

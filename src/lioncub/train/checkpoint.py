@@ -24,7 +24,8 @@ previous checkpoint) and never leaves a half-loaded state.
 Resuming checks the variant and the world size. Another variant is always refused; another world size
 is refused unless ``convert_momenta="average"``: every new rank then starts from the mean of the saved
 ranks' momenta (for ``LionCub`` the momenta differ per rank; for the DDP baselines they are identical, so
-the mean is exact), and its data order starts afresh at the saved step.
+the mean is exact; with local steps also the outer momenta, from a checkpoint at a window's end), and its
+data order starts afresh at the saved step.
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ __all__ = [
 ]
 
 _STEP = re.compile(r"step_\d{8}")
+#: the per-rank momenta a conversion averages: the (inner) momentum, and local steps' outer momenta (a
+#: rank's own with the vote rule; the same on every rank with dsm and diloco, whose mean is exact)
+MOMENTA = ("exp_avg", "outer_exp_avg", "outer_buf")
 VERSION = 2  # 2: SHA-256 of every file in meta.json, numpy RNG state as tensors (weights_only loading)
 
 
@@ -387,8 +391,11 @@ def check_compatible(
     size: str,
     seed: int,
     convert_momenta: str | None,
+    local_steps: int | None = None,
 ) -> None:
-    """Raise ``ValueError`` (naming the option to change) unless the run can resume from ``meta``."""
+    """Raise ``ValueError`` (naming the option to change) unless the run can resume from ``meta``
+    (``local_steps``: the run's H; a conversion to another world size needs a checkpoint at a window's end,
+    where the replicas agree)."""
     if convert_momenta is not None and convert_momenta not in CONVERSIONS:
         raise ValueError(f"--convert-momenta {convert_momenta!r}: allowed values are {list(CONVERSIONS)}")
     if (workload, size, seed) != (meta.workload, meta.size, meta.seed):
@@ -408,6 +415,12 @@ def check_compatible(
             "Every rank's momentum is its own: resume with --nproc "
             f"{meta.world_size}, or pass --convert-momenta average to start every rank from their mean"
         )
+    if world_size != meta.world_size and local_steps and meta.step % local_steps:
+        raise ValueError(
+            f"--convert-momenta {convert_momenta}: checkpoint {meta.path} is at step {meta.step}, in the "
+            f"middle of a window of --local-steps {local_steps}, where each rank holds its own replica; "
+            f"convert from a checkpoint at a multiple of {local_steps}"
+        )
 
 
 def load_rank_state(meta: CheckpointMeta, rank: int, world_size: int) -> dict[str, Any]:
@@ -417,9 +430,10 @@ def load_rank_state(meta: CheckpointMeta, rank: int, world_size: int) -> dict[st
     states = [_verified_load(meta, f"rank{r}.pt") for r in range(meta.world_size)]
     base = states[0]
     for index, param_state in base["optimizer"]["state"].items():
-        if "exp_avg" in param_state:
-            stacked = torch.stack([s["optimizer"]["state"][index]["exp_avg"] for s in states])
-            param_state["exp_avg"] = stacked.mean(dim=0, dtype=torch.float64).to(param_state["exp_avg"].dtype)
+        for key in MOMENTA:
+            if key in param_state:
+                stacked = torch.stack([s["optimizer"]["state"][index][key] for s in states])
+                param_state[key] = stacked.mean(dim=0, dtype=torch.float64).to(param_state[key].dtype)
     base["converted_from"] = meta.world_size
     return base
 

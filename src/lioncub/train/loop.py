@@ -300,6 +300,7 @@ def _prepare(config: TrainConfig, run_dir: Path, log: Callable[[str], None]) -> 
             size=run.size,
             seed=run.seed,
             convert_momenta=run.convert_momenta,
+            local_steps=config.optimizer.local_steps,
         )
         model.load_state_dict(checkpoint.model_state(resume))
         state = checkpoint.load_rank_state(resume, rank, world)

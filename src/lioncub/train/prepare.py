@@ -337,6 +337,7 @@ def _check_resume_state(run_dir: Path, config: TrainConfig, state: RunState, not
         size=config.run.size,
         seed=config.run.seed,
         convert_momenta=config.run.convert_momenta,
+        local_steps=config.optimizer.local_steps,
     )
     if config.run.stop_at is not None and config.run.stop_at <= meta.step:
         raise ValueError(f"--stop-at {config.run.stop_at}: the checkpoint is already at step {meta.step}")

@@ -77,6 +77,8 @@ class LocalSteps:
     inner_momentum: str = "keep"
 
     def __post_init__(self) -> None:
+        if isinstance(self.outer_betas, list):  # a config file's form: hashable, as the dataclass is
+            object.__setattr__(self, "outer_betas", tuple(self.outer_betas))
         if not is_int(self.h, 1):
             raise ValueError(f"LocalSteps: h={self.h!r} must be an int >= 1 (inner steps per outer step)")
         if self.outer not in OUTER_RULES:

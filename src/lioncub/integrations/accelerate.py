@@ -17,6 +17,11 @@ that gathers every rank's momenta into the ``optimizer.bin`` rank 0 writes
 its own. (With ``ProjectConfiguration(save_on_each_node=True)`` on several nodes the other nodes' files
 hold their local main process's state only, and loading them is refused.)
 
+With ``LionCub(..., local_steps=16)`` each rank trains its own replica between outer steps; a
+``save_state`` in the middle of a window resumes bitwise through ``load_state`` (each rank's replica is in
+its optimizer state; the model file is rank 0's replica), and evaluations and deployed models belong at
+multiples of H.
+
 ``DistributedDataParallelKwargs(comm_hook=...)`` takes only accelerate's ``DDPCommunicationHookType``
 values and silently ignores anything else, so a callable hook there never runs: :func:`prepare` refuses
 it, and refuses accelerate's compression hooks too (they would allreduce the gradients LionCub votes on).

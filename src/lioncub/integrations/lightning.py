@@ -18,7 +18,10 @@ after the votes have started). ``gradient_clip_val`` works with ``precision="bf1
 rank). Its checkpoints hold every rank's momenta: before rank 0 writes the optimizer state, every rank's
 is gathered into it (:meth:`LionCub.consolidate_state_dict`), and ``fit(ckpt_path=...)`` loads that state
 on every rank, each taking its own. Everything else (accumulation with ``accumulate_grad_batches``, which
-runs the non-final backward passes in ``no_sync``, lr schedulers, loggers) is Lightning's.
+runs the non-final backward passes in ``no_sync``, lr schedulers, loggers) is Lightning's. With
+``LionCub(..., local_steps=16)`` each rank trains its own replica between outer steps: a checkpoint in the
+middle of a window resumes bitwise (each rank's replica is in its optimizer state; the model in the file
+is rank 0's replica); validate and export at multiples of H (``val_check_interval``).
 """
 
 from __future__ import annotations

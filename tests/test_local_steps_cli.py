@@ -16,7 +16,7 @@ from lioncub.names import name_of_run_dir, parse_run_name, run_dir_name, run_lab
 from lioncub.report.runs import RunLog, per_step_median
 from lioncub.train import checkpoint
 from lioncub.train.config import TrainConfig
-from test_train import TINY, expected_bytes, records
+from train_runs import expected_bytes, records, train
 
 # -- names ---------------------------------------------------------------------------------------------
 
@@ -111,10 +111,6 @@ def test_the_report_takes_medians_over_windows() -> None:
 H, STEPS, STOP = 2, 6, 3  # the stop after step 3 is in the middle of the second window
 RUN = ["--variant", "1bit", "--nproc", "2", "--local-steps", str(H), "--steps", str(STEPS)]
 RUN += ["--eval-every", str(H), "--set", "dropout=0.1"]
-
-
-def train(out: Path, *extra: str) -> int:
-    return cli.main(["train", *TINY, "--out", str(out), *extra])
 
 
 @pytest.mark.slow

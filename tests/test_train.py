@@ -23,43 +23,11 @@ import torch
 
 from lioncub import cli
 from lioncub.optim import PRESETS
-from lioncub.optim.step_check import STEP_CHECK_WORDS
 from lioncub.train import checkpoint
 from lioncub.train.config import BASELINES, TrainConfig, lr_factor
+from train_runs import TINY, expected_bytes, records, train
 
 ALL_VARIANTS = sorted({*PRESETS, *BASELINES})
-TINY = ["--workload", "gpt", "--size", "tiny", "--no-progress"]
-
-
-def train(out: Path, *extra: str) -> int:
-    return cli.main(["train", *TINY, "--out", str(out), *extra])
-
-
-def records(run_dir: Path, kind: str) -> list[dict]:
-    lines = (run_dir / "log.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["kind"] == kind]
-
-
-def expected_bytes(variant: str, d: int, n: int) -> float:
-    """Bytes one rank sends per step (the optimizer's own formula, one bucket of d fp32 parameters)."""
-    ring = 2 * (n - 1) / n
-    if variant == "32bit":
-        return ring * 4 * d
-    if variant == "16bit":
-        return ring * 2 * d
-    return (n - 1) * 4 * STEP_CHECK_WORDS + vote_bytes(variant, d, n)  # LionCub: and the step check
-
-
-def vote_bytes(variant: str, d: int, n: int) -> float:
-    ring = 2 * (n - 1) / n
-    if variant == "1bit":
-        return ring * math.ceil(d / (8 * n)) * 8 * n / 8
-    if variant == "4bit":
-        return ring * math.ceil(d / 2)
-    if variant in ("8bit", "8bit-sign", "dlion-avg"):
-        return ring * d
-    assert variant == "dlion-mavo"  # rank 0 is the server: 2-bit results to the other n - 1 ranks
-    return (n - 1) * math.ceil(d / 4)
 
 
 # -- pure parts ----------------------------------------------------------------------------------------

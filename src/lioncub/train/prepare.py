@@ -328,7 +328,6 @@ def _check_resume_state(run_dir: Path, config: TrainConfig, state: RunState, not
     meta = state.meta
     if meta.note:
         note(meta.note)
-    check_resume(state.saved, config, run_dir)  # type: ignore[arg-type]
     checkpoint.check_compatible(
         meta,
         variant=config.optimizer.variant,
@@ -339,6 +338,7 @@ def _check_resume_state(run_dir: Path, config: TrainConfig, state: RunState, not
         convert_momenta=config.run.convert_momenta,
         local_steps=config.optimizer.local_steps,
     )
+    check_resume(state.saved, config, run_dir)  # type: ignore[arg-type]  # after the variant's check
     if config.run.stop_at is not None and config.run.stop_at <= meta.step:
         raise ValueError(f"--stop-at {config.run.stop_at}: the checkpoint is already at step {meta.step}")
     if meta.step >= config.run.steps:

@@ -168,8 +168,8 @@ def check_resume(saved: TrainConfig, config: TrainConfig, run_dir: Path) -> None
     saved_doc, doc = saved.to_json(), config.to_json()
     for name in FROZEN_ON_RESUME:
         old, new = saved_doc.get(name), doc.get(name)
-        if old == new:
-            continue
+        if old == new or (name == "zero_vote" and saved.optimizer.variant != config.optimizer.variant):
+            continue  # another variant (which implies the zero rule) is refused by the checkpoint's check
         if name == "overrides":
             keys = sorted(k for k in {*old, *new} if old.get(k, "(default)") != new.get(k, "(default)"))
             asked = " ".join(f"{k}={new[k]!r}" if k in new else f"{k} (its default)" for k in keys)
@@ -328,6 +328,7 @@ def _check_resume_state(run_dir: Path, config: TrainConfig, state: RunState, not
     meta = state.meta
     if meta.note:
         note(meta.note)
+    check_resume(state.saved, config, run_dir)  # type: ignore[arg-type]
     checkpoint.check_compatible(
         meta,
         variant=config.optimizer.variant,
@@ -338,7 +339,6 @@ def _check_resume_state(run_dir: Path, config: TrainConfig, state: RunState, not
         convert_momenta=config.run.convert_momenta,
         local_steps=config.optimizer.local_steps,
     )
-    check_resume(state.saved, config, run_dir)  # type: ignore[arg-type]  # after the variant's check
     if config.run.stop_at is not None and config.run.stop_at <= meta.step:
         raise ValueError(f"--stop-at {config.run.stop_at}: the checkpoint is already at step {meta.step}")
     if meta.step >= config.run.steps:

@@ -16,7 +16,7 @@ from lioncub.names import name_of_run_dir, parse_run_name, run_dir_name, run_lab
 from lioncub.report.runs import RunLog, per_step_median
 from lioncub.train import checkpoint
 from lioncub.train.config import TrainConfig
-from train_runs import TINY, expected_bytes, job_output, records, train, train_job
+from train_runs import expected_bytes, records, train
 
 # -- names ---------------------------------------------------------------------------------------------
 
@@ -111,21 +111,18 @@ def test_the_report_takes_medians_over_windows() -> None:
 H, STEPS, STOP = 2, 6, 3  # the stop after step 3 is in the middle of the second window
 RUN = ["--variant", "1bit", "--nproc", "2", "--local-steps", str(H), "--steps", str(STEPS)]
 RUN += ["--eval-every", str(H), "--set", "dropout=0.1"]
-#: the uninterrupted run, a background job (``tests/background.py``)
-BACKGROUND = {"whole": lambda: train_job("train", *TINY, *RUN, "--checkpoint-every", str(STOP))}
 
 
 @pytest.mark.slow
-@pytest.mark.background("whole")
 def test_train_with_local_steps_resumes_from_the_middle_of_a_window_bitwise(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     """A stop after step 3 and a resume give the uninterrupted run bit for bit: every rank's replica comes
     back from its optimizer state (the checkpoint's model file is rank 0's); the ranks send only at the
     outer steps, the 1-bit vote of the model and the step check."""
-    parts = tmp_path / "parts"
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    assert train(whole, *RUN, "--checkpoint-every", str(STOP)) == 0
     assert train(parts, *RUN, "--stop-at", str(STOP)) == 0
-    whole = job_output("whole", BACKGROUND["whole"])[0]
     assert train(parts, "--resume", "--no-progress") == 0
     a, b = checkpoint.latest(whole), checkpoint.latest(parts)
     assert a.step == b.step == STEPS

@@ -7,7 +7,9 @@ mean of the saved momenta for a world-size conversion (numpy).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import itertools
 import json
 import math
@@ -19,12 +21,11 @@ import numpy as np
 import pytest
 import torch
 
-import background
 from lioncub import cli
 from lioncub.optim import PRESETS
 from lioncub.train import checkpoint
 from lioncub.train.config import BASELINES, TrainConfig, lr_factor
-from train_runs import TINY, expected_bytes, job_output, records, train, train_job
+from train_runs import TINY, expected_bytes, records, train
 
 ALL_VARIANTS = sorted({*PRESETS, *BASELINES})
 
@@ -152,26 +153,23 @@ def run_args(variant: str) -> list[str]:
             *DROPOUT.get(variant, [])]  # fmt: skip
 
 
-CHECKPOINTED = ["--checkpoint-every", str(CHECKPOINT_AT)]
-#: the uninterrupted run of each variant, and the compare below: background jobs (``tests/background.py``)
-BACKGROUND: dict[str, Callable[[], background.Job | None]] = {
-    f"whole:{v}": (lambda v=v: train_job("train", *TINY, *run_args(v), *CHECKPOINTED)) for v in ALL_VARIANTS
-}
-
-
-def whole_of(variant: str) -> pytest.MarkDecorator:
-    """The mark of a test that reads the uninterrupted run of ``variant``."""
-    return pytest.mark.background(f"whole:{variant}")
-
-
 @pytest.fixture(scope="module")
-def whole_run() -> Callable[[str], Path]:
-    """``variant -> run directory`` of its uninterrupted run (a background job; tests only read it)."""
-    return lambda variant: job_output(f"whole:{variant}", BACKGROUND[f"whole:{variant}"])[0]
+def whole_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``variant -> run directory`` of its uninterrupted run (launched on first use; tests only read it)."""
+    runs: dict[str, Path] = {}
+
+    def get(variant: str) -> Path:
+        if variant not in runs:
+            out = tmp_path_factory.mktemp("whole") / variant
+            assert train(out, *run_args(variant), "--checkpoint-every", str(CHECKPOINT_AT)) == 0
+            runs[variant] = out
+        return runs[variant]
+
+    return get
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", [pytest.param(v, marks=whole_of(v)) for v in ALL_VARIANTS])
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
 def test_every_variant_trains_through_the_cli(whole_run: Callable[[str], Path], variant: str) -> None:
     out = whole_run(variant)
     steps = records(out, "step")
@@ -213,13 +211,7 @@ def assert_same_checkpoint(a: Path, b: Path, ranks: int = 2) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "variant",
-    [
-        pytest.param(v, marks=whole_of(v), id=i)
-        for v, i in (("32bit", "32bit-dropout"), ("1bit", "1bit-dropout"), ("8bit", "8bit"))
-    ],
-)
+@pytest.mark.parametrize("variant", ["32bit", "1bit", "8bit"], ids=["32bit-dropout", "1bit-dropout", "8bit"])
 def test_resume_equals_uninterrupted(whole_run: Callable[[str], Path], tmp_path: Path, variant: str) -> None:
     """Stopped at step 5 and resumed = uninterrupted, bitwise; with dropout drawing from each rank's global
     generator (seeded from ``(seed, rank)``, saved and restored by the checkpoints) this also shows that two
@@ -243,7 +235,6 @@ def test_resume_equals_uninterrupted(whole_run: Callable[[str], Path], tmp_path:
 
 
 @pytest.mark.slow
-@whole_of("1bit")
 def test_resume_refuses_another_world_size_or_variant(
     whole_run: Callable[[str], Path], tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -268,17 +259,17 @@ COMPARE += ["--eval-every", "2", "--diagnostics-every", "2"]  # diagnostics: the
 COMPARE += ["--momentum-sync", "io", "--sync-every", "2"]  # the votes only too
 
 
-BACKGROUND["compare"] = lambda: train_job(*COMPARE, timeout=600)
-
-
 @pytest.fixture(scope="module")
-def compared() -> tuple[Path, str]:
-    """The compare's output directory and what it printed (stdout): a background job."""
-    return job_output("compare", BACKGROUND["compare"])
+def compared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The compare's output directory and what it printed (stdout)."""
+    out = tmp_path_factory.mktemp("compare") / "cmp"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(io.StringIO()):
+        assert cli.main([*COMPARE, "--out", str(out)]) == 0
+    return out, printed.getvalue()
 
 
 @pytest.mark.slow
-@pytest.mark.background("compare")
 def test_compare_writes_table_and_plots(compared: tuple[Path, str], capsys: pytest.CaptureFixture) -> None:
     out, printed = compared
     assert json.loads((out / "32bit" / "config.json").read_text())["diagnostics_every"] == 0
@@ -314,7 +305,6 @@ def test_cnn_trains_with_batchnorm_and_reports_accuracy(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.background("compare")
 def test_diagnostics_and_momentum_sync_through_the_cli(compared: tuple[Path, str]) -> None:
     """The compare's 1bit run (2 ranks, 4 steps): diagnostics every 2 steps, the io momenta synced every 2."""
     out = compared[0] / "1bit"
@@ -365,7 +355,6 @@ def test_report_command_plots_the_diagnostics(tmp_path: Path, capsys: pytest.Cap
 
 
 @pytest.mark.slow
-@pytest.mark.background("compare")
 def test_compare_with_an_overlapped_variant(
     compared: tuple[Path, str], tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -391,7 +380,6 @@ def test_compare_with_an_overlapped_variant(
 
 
 @pytest.mark.slow
-@pytest.mark.background("compare")
 def test_compare_has_a_local_steps_row(compared: tuple[Path, str], capsys: pytest.CaptureFixture) -> None:
     """test_train's compare has ``1bit/h2`` (its run in ``1bit_h2``): no diagnostics or momentum sync there
     (they apply to a vote every step), bytes at the outer steps, and the per-window median in the table."""

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-from collections.abc import Callable
 from pathlib import Path
 
-import background
 from lioncub import cli
 from lioncub.optim.step_check import STEP_CHECK_WORDS
 
@@ -48,19 +45,3 @@ def vote_bytes(variant: str, d: int, n: int) -> float:
         return ring * d
     assert variant == "dlion-mavo"  # rank 0 is the server: 2-bit results to the other n - 1 ranks
     return (n - 1) * math.ceil(d / 4)
-
-
-def train_job(*argv: str, timeout: float = 300) -> background.Subprocess:
-    """``lioncub <argv> --out JOBDIR/out`` as a background job (``tests/background.py``); ``argv`` starts
-    with the subcommand (``train`` or ``compare``)."""
-    return background.Subprocess(
-        lambda workdir: [sys.executable, "-m", "lioncub.cli", *argv, "--out", str(workdir / "out")], timeout
-    )
-
-
-def job_output(key: str, factory: Callable[[], background.Job | None]) -> tuple[Path, str]:
-    """The run directory of background job ``key`` (made by :func:`train_job`) and what it printed (stdout);
-    fails the test with the job's stderr unless it exited 0."""
-    proc = background.result(key, factory)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return Path(proc.args[proc.args.index("--out") + 1]), proc.stdout

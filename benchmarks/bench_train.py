@@ -127,7 +127,7 @@ def amdahl_rows(report_dir: Path, link: str, nodes: tuple[int, int] | None = Non
 
 
 def markdown(rows: list[dict]) -> str:
-    nodes = any("nic_bytes_per_step" in r for r in rows)
+    nodes = any(r.get("nic_bytes_per_step") is not None for r in rows)  # flat runs' summaries hold None
     lines = [
         "| link | variant | step ms | compute ms | comm ms | MB/step/rank | "
         + ("NIC MB/step/node | " if nodes else "")

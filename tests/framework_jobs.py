@@ -40,6 +40,8 @@ LR = 1e-3
 WEIGHT_DECAY = 0.1
 VOCAB, SEQ = 64, 8
 LOCAL_H = 2  # the local-steps runs' H: SAVE_AT is in the middle of a window
+#: the local-steps runs' settings: the inner momenta kept, so each rank's stays its own across windows
+LOCAL = {"h": LOCAL_H, "inner_momentum": "keep"}
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -354,7 +356,7 @@ def hf_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
     # one step of ACCUM micro-batches, and one of the same samples in one batch (no clipping)
     one_step = dict(callback=False, max_steps=1, max_grad_norm=0.0, save_strategy="no", dropout=0.0)
     # local steps, H = 2: the save after step 3 is in the middle of a window (the replicas differ there)
-    local = dict(callback=False, lioncub={"local_steps": LOCAL_H})
+    local = dict(callback=False, lioncub={"local_steps": LOCAL})
     scenarios["local"] = lambda w: train(w / "local", "1bit", False, **local)
     scenarios["local-resume"] = lambda w: train(
         w / "local", "1bit", False, resume=True, output_dir=str(w / "local-resume"), **local
@@ -428,7 +430,7 @@ def accelerate_train(
     accum: int = ACCUM,
     batch: int = BATCH,
     clip: bool = False,
-    local_steps: int | None = None,
+    local_steps: dict[str, Any] | None = None,
     **accelerator_kw: Any,
 ) -> dict[str, Any]:
     """A run of ``steps`` through ``Accelerator(cpu=True, **accelerator_kw)`` and :func:`prepare`, saving
@@ -485,8 +487,8 @@ def accelerate_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
             scenarios[f"{name}-resume"] = lambda w, v=variant, o=overlap, c=clip, n=name: train(
                 w / n, v, o, clip=c, resume=True
             )
-    scenarios["local"] = lambda w: train(w / "local", "1bit", False, local_steps=LOCAL_H)
-    scenarios["local-resume"] = lambda w: train(w / "local", "1bit", False, local_steps=LOCAL_H, resume=True)
+    scenarios["local"] = lambda w: train(w / "local", "1bit", False, local_steps=LOCAL)
+    scenarios["local-resume"] = lambda w: train(w / "local", "1bit", False, local_steps=LOCAL, resume=True)
     scenarios["accum"] = lambda w: train(w / "accum", "1bit", False, steps=1)
     scenarios["big"] = lambda w: train(w / "big", "1bit", False, steps=1, accum=1, batch=ACCUM * BATCH)
 
@@ -527,7 +529,7 @@ def lightning_kit() -> SimpleNamespace:
     from lioncub.integrations.lightning import LionCubStrategy
 
     class Module(pl.LightningModule):
-        def __init__(self, variant: str, local_steps: int | None) -> None:
+        def __init__(self, variant: str, local_steps: dict[str, Any] | None) -> None:
             super().__init__()
             self.variant, self.local_steps = variant, local_steps
             self.net = tiny_lm()
@@ -578,7 +580,7 @@ def lightning_kit() -> SimpleNamespace:
         steps: int = STEPS,
         accum: int = ACCUM,
         batch: int = BATCH,
-        local_steps: int | None = None,
+        local_steps: dict[str, Any] | None = None,
         **trainer_kw: Any,
     ) -> dict[str, Any]:
         """A run of ``steps`` with ``LionCubStrategy``, checkpointed every ``SAVE_AT`` steps (``resume``: from
@@ -631,9 +633,9 @@ def lightning_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
             scenarios[f"{name}-resume"] = lambda w, v=variant, o=overlap, c=clip, n=name: train(
                 w / n, v, o, clip=c, resume=True
             )
-    scenarios["local"] = lambda w: train(w / "local", "1bit", False, clip=1.0, local_steps=LOCAL_H)
+    scenarios["local"] = lambda w: train(w / "local", "1bit", False, clip=1.0, local_steps=LOCAL)
     scenarios["local-resume"] = lambda w: train(
-        w / "local", "1bit", False, clip=1.0, local_steps=LOCAL_H, resume=True
+        w / "local", "1bit", False, clip=1.0, local_steps=LOCAL, resume=True
     )
     scenarios["accum"] = lambda w: train(w / "accum", "1bit", False, steps=1)
     scenarios["big"] = lambda w: train(w / "big", "1bit", False, steps=1, accum=1, batch=ACCUM * BATCH)

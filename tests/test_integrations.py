@@ -143,9 +143,10 @@ def test_resume_through_the_framework_is_bitwise(framework: str, run: str) -> No
 
 @pytest.mark.parametrize("framework", [pytest.param(f, marks=_marks(f)) for f in NEEDS])
 def test_local_steps_through_the_framework_resume_in_the_middle_of_a_window(framework: str) -> None:
-    """``local_steps=2``: after the window of steps 5–6 the replicas are one again, each rank's inner
-    momentum its own; the checkpoint after step 3 (mid-window: the framework saved rank 0's replica as the
-    model) resumes bitwise on every rank, its own replica restored from its optimizer state."""
+    """``local_steps={"h": 2, "inner_momentum": "keep"}``: after the window of steps 5–6 the replicas are
+    one again, each rank's inner momentum its own; the checkpoint after step 3 (mid-window: the framework
+    saved rank 0's replica as the model) resumes bitwise on every rank, its own replica restored from its
+    optimizer state."""
     full, resumed = scenario(framework, "local"), scenario(framework, "local-resume")
     assert _equal(full[0]["first_grads"], full[1]["first_grads"]) == sorted(full[0]["first_grads"])
     assert _equal(full[0]["params"], full[1]["params"]) == []

@@ -18,9 +18,19 @@ VOTES = ["1bit", "4bit", "8bit", "8bit-sign", "dlion-avg", "dlion-mavo"]
 STEPS = 7  # windows of H = 3 end at steps 3 and 6; step 7 is inside the third
 
 
-def simulate_local(variant: str, outer: str, n: int, h: int, outer_lr: float, steps: int = STEPS) -> list:
+def simulate_local(
+    variant: str,
+    outer: str,
+    n: int,
+    h: int,
+    outer_lr: float,
+    steps: int = STEPS,
+    inner_momentum: str = "reset",
+) -> list:
     """Every rank's parameters after ``steps`` steps (float64): H inner Lion steps per rank (a None gradient
-    leaves a parameter alone, as Lion), then the outer step on Δ_r = θ_t − θ_r."""
+    leaves a parameter alone, as Lion), then the outer step on Δ_r = θ_t − θ_r, then the inner momenta
+    zeroed (``reset``), left (``keep``) or averaged over the ranks in fp32 (``average``: the sum in rank
+    order, divided by N)."""
     theta = [initial_params(0) for _ in range(n)]  # rank 0's values, broadcast
     anchor = [p.clone() for p in theta[0]]
     m_in = [[torch.zeros_like(p) for p in theta[0]] for _ in range(n)]
@@ -62,6 +72,15 @@ def simulate_local(variant: str, outer: str, n: int, h: int, outer_lr: float, st
                     m_out[r][i] = torch.mul(m_out[r][i], 0.99).add_(deltas[r], alpha=0.01)
             anchor[i] = anchor[i].add(u, alpha=-eta)
         theta = [[a.clone() for a in anchor] for _ in range(n)]
+        if inner_momentum == "reset":
+            m_in = [[torch.zeros_like(m) for m in ms] for ms in m_in]
+        elif inner_momentum == "average":
+            for i in range(len(anchor)):
+                total = m_in[0][i].float()
+                for r in range(1, n):
+                    total = total + m_in[r][i].float()
+                for r in range(n):
+                    m_in[r][i] = total.div(n).to(torch.float64)
     return theta
 
 
@@ -76,7 +95,15 @@ def _dense_mean(deltas: list[torch.Tensor], variant: str) -> torch.Tensor:
 
 
 def worker_local(
-    rank: int, world: int, variant: str, outer: str, h: int, outer_lr: float, topology: str, stop: int
+    rank: int,
+    world: int,
+    variant: str,
+    outer: str,
+    h: int,
+    outer_lr: float,
+    topology: str,
+    stop: int,
+    inner_momentum: str = "reset",
 ) -> dict:
     """``STEPS`` steps of local steps on this rank (a resume after ``stop`` steps when ``stop``)."""
     group = None
@@ -92,7 +119,7 @@ def worker_local(
             betas=BETAS,
             variant=resolve_variant(variant, topology=topology),
             process_group=group,
-            local_steps=LocalSteps(h=h, outer=outer, outer_lr=outer_lr),
+            local_steps=LocalSteps(h=h, outer=outer, outer_lr=outer_lr, inner_momentum=inner_momentum),
         )
         return params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
 
@@ -142,6 +169,23 @@ def test_local_steps_match_the_simulation_on_every_rank(variant: str, outer: str
     outer_steps = STEPS // h
     assert results[0]["stats"]["total"]["steps"] == STEPS
     assert results[0]["stats"]["total"]["collectives"] > 0 and outer_steps >= 2
+
+
+MOMENTUM_CASES = [("vote", "keep"), ("vote", "average"), ("dsm", "keep")]
+
+
+@pytest.mark.parametrize(("outer", "inner_momentum"), MOMENTUM_CASES)
+def test_every_inner_momentum_rule_matches_the_simulation(outer: str, inner_momentum: str) -> None:
+    """The default ``reset`` is in the cases above; ``keep`` and ``average`` (an fp32 allreduce of the
+    inner momenta after each outer step) here, at 2 ranks with H = 2."""
+    variant = "1bit" if outer == "vote" else "32bit"
+    results = run_workers(worker_local, 2, variant, outer, 2, 0.5, "flat", 0, inner_momentum, timeout=120)
+    want = simulate_local(variant, outer, 2, 2, 0.5, inner_momentum=inner_momentum)
+    other = simulate_local(variant, outer, 2, 2, 0.5, inner_momentum="reset")
+    assert any(not torch.equal(a, b) for a, b in zip(want[0], other[0], strict=True))  # the rules differ
+    for rank, res in enumerate(results):
+        for i, (got, exp) in enumerate(zip(res["params"], want[rank], strict=True)):
+            assert torch.equal(got, exp), f"rank {rank} parameter {i} differs from the simulation"
 
 
 def test_hierarchical_local_votes_match_the_flat_simulation_at_2x2() -> None:
@@ -231,7 +275,7 @@ def test_a_state_of_other_local_steps_settings_and_overlap_are_refused() -> None
     opt = LionCub([p], lr=0.1, local_steps=4)
     opt.step()
     sd = opt.state_dict()
-    for other in (None, LocalSteps(h=8), LocalSteps(h=4, inner_momentum="reset")):
+    for other in (None, LocalSteps(h=8), LocalSteps(h=4, inner_momentum="keep")):
         with pytest.raises(ValueError, match="a resume keeps the windows and the outer step"):
             LionCub([torch.nn.Parameter(torch.ones(3))], lr=0.1, local_steps=other).load_state_dict(sd)
     with pytest.raises(ValueError, match="no vote in the backward"):

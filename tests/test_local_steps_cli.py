@@ -66,7 +66,7 @@ def test_local_steps_in_the_configuration() -> None:
         4,
         "dsm",
         None,
-        "keep",
+        "reset",
     ]
     assert TrainConfig.from_json(doc).to_json() == doc
     plain = TrainConfig.from_json({"variant": "8bit"}).to_json()
@@ -156,10 +156,10 @@ def test_compare_gives_zero_vote_and_local_options_only_to_the_runs_they_apply_t
     from lioncub.cli.compare import _config
 
     parser = cli.build_parser("compare")
-    args = parser.parse_args(["compare", "--out", "x", "--zero-vote", "plus", "--inner-momentum", "reset"])
+    args = parser.parse_args(["compare", "--out", "x", "--zero-vote", "plus", "--inner-momentum", "keep"])
     rows = {name: _config(args, name).optimizer for name in ("32bit", "1bit", "8bit/h4", "1bit/h4", "dsm/h4")}
     assert [rows[n].zero_vote for n in rows] == ["split", "plus", "split", "plus", "split"]
-    assert [rows[n].inner_momentum for n in rows] == ["keep", "keep", "reset", "reset", "reset"]
+    assert [rows[n].inner_momentum for n in rows] == ["reset", "reset", "keep", "keep", "keep"]
     assert rows["dsm/h4"].outer == "dsm" and rows["dsm/h4"].variant == "32bit"
 
 

@@ -175,7 +175,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--inner-momentum",
         choices=["keep", "reset", "average"],
-        default="keep",
+        default="reset",
         help="with --local-steps: average prices the inner momenta's fp32 allreduce at each outer step",
     )
     parser.add_argument(

@@ -150,7 +150,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, variant: bool = True) 
     parser.add_argument(
         "--inner-momentum",
         choices=["keep", "reset", "average"],
-        help="with local steps: each rank's inner momentum at an outer step (default keep)",
+        help="with local steps: each rank's inner momentum at an outer step (default reset)",
     )
     parser.add_argument("--timeout", type=float, default=7200.0, metavar="SECONDS", help="per run")
     parser.add_argument(

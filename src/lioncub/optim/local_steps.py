@@ -18,10 +18,11 @@ reaching θ_r. Its pseudo-gradient is Δ_r = θ_t − θ_r. The outer step, on e
 The outer learning rate ``outer_lr`` is dimensionless: for the sign steps (vote, dsm) ``ηᵒ = outer_lr ·
 H · lr`` with each group's ``lr`` as the schedule has it at the outer step (a window of H inner steps
 moves a parameter by at most H·lr), for DiLoCo ``ηᵒ = outer_lr``. The inner momentum at the outer step is
-``"keep"`` (each rank's own, as it was), ``"reset"`` (zeros) or ``"average"`` (the ranks' mean: an fp32
-allreduce of the momenta, counted). With H = 1 the ``vote`` rule is *not* the per-step vote: it votes on
-the inner Lion step itself, ``Δ_r = lr·(sign(β1·m_r + (1−β1)·g_r) + wd·θ_t)``, blended with the outer
-momentum, where the per-step vote votes on ``β1·m_r + (1−β1)·g_r``.
+``"reset"`` (zeros; the default, chosen by measurement: ``docs/findings.md`` §8.4), ``"keep"`` (each rank's
+own, as it was) or ``"average"`` (the ranks' mean: an fp32 allreduce of the momenta, counted). With
+H = 1 the ``vote`` rule is *not* the per-step vote: it votes on the inner Lion step itself,
+``Δ_r = lr·(sign(β1·m_r + (1−β1)·g_r) + wd·θ_t)``, blended with the outer momentum, where the per-step
+vote votes on ``β1·m_r + (1−β1)·g_r``.
 
 State (every rank its own, in ``state[p]``): ``exp_avg`` (inner momentum), ``anchor`` (θ_t), and
 ``outer_exp_avg`` (vote, dsm) or ``outer_buf`` (diloco); the position in the window is the optimizer step
@@ -66,7 +67,7 @@ class LocalSteps:
         outer_betas: (β1ᵒ, β2ᵒ) of the outer momentum; DiLoCo's Nesterov momentum is β1ᵒ. ``None``: (0.9,
             0.99), DiLoCo (0.9, unused).
         outer_weight_decay: λᵒ of the sign steps (the inner steps decay already; default 0).
-        inner_momentum: ``"keep"``, ``"reset"`` or ``"average"`` at each outer step.
+        inner_momentum: ``"reset"`` (default), ``"keep"`` or ``"average"`` at each outer step.
     """
 
     h: int
@@ -74,7 +75,7 @@ class LocalSteps:
     outer_lr: float | None = None
     outer_betas: tuple[float, float] | None = None
     outer_weight_decay: float = 0.0
-    inner_momentum: str = "keep"
+    inner_momentum: str = "reset"
 
     def __post_init__(self) -> None:
         if isinstance(self.outer_betas, list):  # a config file's form: hashable, as the dataclass is

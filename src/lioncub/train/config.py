@@ -113,8 +113,8 @@ class OptimizerConfig:
     outer_lr: float | None = None
     """With ``local_steps``: the outer lr (vote, dsm: times H · lr; diloco: as is); None: the rule's
     default (``--outer-lr``)."""
-    inner_momentum: str = "keep"
-    """With ``local_steps``: the inner momentum at an outer step: keep, reset or average."""
+    inner_momentum: str = "reset"
+    """With ``local_steps``: the inner momentum at an outer step: reset, keep or average."""
 
     @property
     def one_bit(self) -> bool:
@@ -279,7 +279,7 @@ class TrainConfig:
             )
         if opt.local_steps is None:
             given = {"--outer": opt.outer != "vote", "--outer-lr": opt.outer_lr is not None}
-            given["--inner-momentum"] = opt.inner_momentum != "keep"
+            given["--inner-momentum"] = opt.inner_momentum != "reset"
             for option in (o for o, set_ in given.items() if set_):
                 raise ValueError(f"{option}: applies only with --local-steps H")
             return

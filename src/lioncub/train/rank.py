@@ -170,7 +170,9 @@ def interrupt_as_one_line(where: Callable[[], str] = lambda: "") -> Iterator[Non
         return
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
-    once = threading.Lock()
+    # re-entrant: a second signal while the main thread's handler is in stop() runs stop() again in that
+    # thread (a plain Lock deadlocked there, with the watcher waiting too: a rank outliving its launcher)
+    once = threading.RLock()
     wanted = {int(sig) for sig in FORWARDED_SIGNALS}
 
     def stop(signum: int) -> None:

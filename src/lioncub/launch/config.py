@@ -32,6 +32,9 @@ class LaunchConfig:
     nnodes: int | None = None  # None: one emulated node per rank (--nproc)
     nproc_per_node: int | None = None
     intra_link_rate_bps: float | None = None  # None: the node's loopback, unshaped
+    #: modules an interpreter imports once before it forks each rank (:mod:`lioncub.launch.preload`; e.g.
+    #: its ``MODULES``, torch); ``()``: each rank is a fresh interpreter. Only for ``-m MODULE`` on loopback
+    preload: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not is_int(self.nproc) or self.nproc < 1:
@@ -54,8 +57,15 @@ class LaunchConfig:
             raise ValueError(
                 f"--nproc: an emulated network (--link) holds 1..{MAX_RANKS} ranks, got {self.nproc}"
             )
-        build_command(self.cmd)
+        argv = build_command(self.cmd)
         self.link_spec()  # validates rate, MTU and burst
+        if not (isinstance(self.preload, tuple) and all(isinstance(m, str) and m for m in self.preload)):
+            raise ValueError(f"LaunchConfig.preload must be a tuple of module names, got {self.preload!r}")
+        if self.preload and (argv[1:2] != ["-m"] or self.link_rate_bps is not None):
+            raise ValueError(
+                "LaunchConfig.preload forks ranks of `-m MODULE ...` on loopback only (no link, no nodes); "
+                f"got cmd {self.cmd!r}" + (" with a link" if self.link_rate_bps is not None else "")
+            )
 
     def _check_nodes(self) -> None:
         """Validate --nnodes / --nproc-per-node / --intra-link and set ``nproc`` to the world size."""

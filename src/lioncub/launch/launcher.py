@@ -44,8 +44,17 @@ from lioncub.launch.netns import (
     cleanup,
     new_launch_id,
 )
+from lioncub.launch.preload import PreloadError, shared_env, zygote_for
 from lioncub.launch.result import TIMEOUT_RC, LaunchResult, NodeTraffic, RankTraffic
-from lioncub.launch.supervisor import Attempt, Output, Supervisor, TorchrunReport, forward_signals
+from lioncub.launch.supervisor import (
+    Attempt,
+    Output,
+    Start,
+    Supervisor,
+    TorchrunReport,
+    forward_signals,
+    popen,
+)
 from lioncub.units import format_rate
 
 __all__ = ["AGENT_SHUTDOWN_MARGIN_S", "DEFAULT_LINK_PORT", "launch", "node_commands"]
@@ -141,7 +150,10 @@ def _run_ranks(
             for k in range(config.nproc)
         ]
         argvs = [(net.exec_prefix(k) if net else []) + cmd for k in range(config.nproc)]
-        attempt = Supervisor(events, output, config.grace_s).run(argvs, envs, config.cwd, deadline)
+        start = _preloaded(config.preload, envs, config.cwd, output) if config.preload else popen
+        attempt = Supervisor(events, output, config.grace_s, start=start).run(
+            argvs, envs, config.cwd, deadline
+        )
         if store is not None:  # a restart gets a fresh store (and port): no key of this attempt survives
             store[1].close()
             del store
@@ -150,6 +162,18 @@ def _run_ranks(
             return attempt, restarts
         restarts += 1
         output.note(f"restarting all ranks ({restarts}/{config.restarts})")
+
+
+def _preloaded(
+    modules: tuple[str, ...], envs: list[dict[str, str]], cwd: str | None, output: Output
+) -> Start:
+    """How to start the ranks of a launch with ``preload``: forks of a zygote that imported ``modules``
+    (:mod:`lioncub.launch.preload`), or fresh interpreters (with a note saying why) if none can start."""
+    try:
+        return zygote_for(shared_env(envs), cwd or os.getcwd(), modules).fork
+    except PreloadError as exc:
+        output.note(f"starting every rank as a fresh interpreter: {exc}")
+        return popen
 
 
 def _result(

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import IO, TextIO
+from typing import IO, Any, TextIO
 
 from lioncub.launch.result import TIMEOUT_RC, describe_exit
 
@@ -28,11 +28,13 @@ __all__ = [
     "FORWARDED_SIGNALS",
     "Attempt",
     "Output",
+    "Start",
     "Supervisor",
     "TorchrunReport",
     "exit_status",
     "forward_signals",
     "pdeathsig_setup",
+    "popen",
 ]
 
 #: the signals the launcher forwards to every rank (and a rank ends on with one line)
@@ -152,9 +154,30 @@ class Attempt:
     failed_local_rank: int | None = None
 
 
+#: how a process starts: ``start(argv, env, cwd)`` -> a started process with ``pid``, ``stdout`` and
+#: ``stderr`` pipes, ``poll()`` and ``wait(timeout)`` (a :class:`subprocess.Popen`, or a rank forked from a
+#: preloaded interpreter, :class:`lioncub.launch.preload.ForkedRank`)
+Start = Callable[[list[str], dict[str, str], str | None], Any]
+
+
+def popen(argv: list[str], env: dict[str, str], cwd: str | None) -> subprocess.Popen[bytes]:
+    """Start ``argv`` as a rank: its own session, stdin on /dev/null, stdout and stderr piped, SIGTERM if
+    the launcher (the thread that calls this) dies."""
+    return subprocess.Popen(
+        argv,
+        env=env,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        preexec_fn=pdeathsig_setup(),
+    )
+
+
 class Supervisor:
     """Runs one attempt: starts all processes (ranks, or one torchrun agent per node when ``reports`` is
-    given), waits for them, stops them all on the first failure."""
+    given) with ``start`` (default :func:`popen`), waits for them, stops them all on the first failure."""
 
     def __init__(
         self,
@@ -162,10 +185,12 @@ class Supervisor:
         output: Output,
         grace_s: float,
         reports: list[TorchrunReport] | None = None,
+        start: Start = popen,
     ) -> None:
         self.events = events
         self.output = output
         self.grace_s = grace_s
+        self.start = start
         self.token = object()  # tags this attempt's exit events; a restart ignores stale ones
         self.reports = reports
         self.unit = "rank" if reports is None else "node"
@@ -182,22 +207,10 @@ class Supervisor:
         procs: list[subprocess.Popen[bytes]] = []
         codes: list[int | None] = [None] * len(argvs)
         threads: list[threading.Thread] = []
-        preexec = pdeathsig_setup()
         try:
             # spawn every rank before starting any thread: preexec_fn and threads do not mix well
             for argv, env in zip(argvs, envs, strict=True):
-                procs.append(
-                    subprocess.Popen(
-                        argv,
-                        env=env,
-                        cwd=cwd,
-                        stdin=subprocess.DEVNULL,
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE,
-                        start_new_session=True,
-                        preexec_fn=preexec,
-                    )
-                )
+                procs.append(self.start(argv, env, cwd))
         except OSError as exc:
             failed = len(procs)
             self._kill_groups(procs, signal.SIGKILL)

@@ -197,6 +197,7 @@ def make_launch_config(
     ``nproc`` ranks, or ``nnodes`` emulated nodes of ``nproc_per_node`` ranks (``ValueError`` naming the
     option if invalid)."""
     from lioncub.launch import LaunchConfig
+    from lioncub.launch.preload import MODULES
     from lioncub.units import parse_rate
 
     rate = None if config.cluster.link in (None, "loopback") else parse_rate(config.cluster.link)
@@ -211,8 +212,24 @@ def make_launch_config(
             "intra_link_rate_bps": intra,
         }
     return LaunchConfig(
-        cmd, link_rate_bps=rate, timeout_s=timeout_s, restarts=restarts, env=dict(env or {}), **layout
+        cmd,
+        link_rate_bps=rate,
+        timeout_s=timeout_s,
+        restarts=restarts,
+        env=dict(env or {}),
+        preload=(*MODULES, "lioncub.train.loop") if preload_ranks(config, cmd, rate) else (),
+        **layout,
     )
+
+
+def preload_ranks(config: TrainConfig, cmd: list[str], rate: float | None) -> bool:
+    """Whether the ranks start as forks of an interpreter that imported torch once
+    (:mod:`lioncub.launch.preload`): for the rank module on loopback, on the CPU (a process that may have
+    touched CUDA is not forked), unless ``LIONCUB_PRELOAD=0``."""
+    if os.environ.get("LIONCUB_PRELOAD", "1") == "0" or rate is not None or cmd[1:3] != ["-m", RANK_MODULE]:
+        return False
+    no_gpu = not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg"))
+    return config.run.device == "cpu" or (config.run.device == "auto" and no_gpu)
 
 
 # ----------------------------------------------------------------------------------------------- runs

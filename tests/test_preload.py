@@ -1,0 +1,217 @@
+"""Tests of :mod:`lioncub.launch.preload`: a rank forked from a preloaded interpreter (a zygote) behaves as
+the fresh interpreter ``python -m MODULE`` would, under the launcher's supervision.
+
+The oracle is the same launch with ``preload=()``: fresh interpreters started by ``subprocess.Popen``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from lioncub.launch import LaunchConfig, launch
+from lioncub.launch.preload import MODULES, PreloadError, Zygote, shared_env, zygote_for
+from lioncub.train.config import TrainConfig
+from lioncub.train.driver import RANK_MODULE, make_launch_config
+
+PY = sys.executable
+#: a cheap zygote for the tests of process semantics (torch's import is what a real one saves)
+LIGHT = ("json",)
+
+PROBE = textwrap.dedent("""
+    import json, os, signal, sys, time
+    rank = os.environ["RANK"]
+    print(json.dumps({
+        "argv": sys.argv, "cwd": os.getcwd(), "name": __name__, "spec": __spec__.name, "path0": sys.path[0],
+        "session": os.getsid(0) == os.getpid() == os.getpgid(0), "stdin": sys.stdin.read(),
+        "probe": os.environ.get("PROBE"), "rank": rank, "world": os.environ["WORLD_SIZE"],
+        "buffered": os.environ.get("PYTHONUNBUFFERED"),
+    }), flush=True)
+    print(f"stderr of {rank}", file=sys.stderr, flush=True)
+    with open(f"pid{rank}", "w") as f:
+        f.write(f"{os.getpid()} {os.getppid()}")
+    mode = sys.argv[1]
+    if mode == "atexit":
+        import atexit
+        atexit.register(lambda: print(f"atexit of {rank}", flush=True))
+    elif mode == "term":
+        signal.signal(signal.SIGTERM, lambda *_: (print(f"SIGTERM in {rank}", flush=True), sys.exit(9)))
+    if rank == "1":
+        if mode == "exit":
+            sys.exit(3)
+        if mode == "raise":
+            raise RuntimeError("boom")
+        if mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+    if mode in ("exit", "raise", "kill", "term", "sleep"):
+        time.sleep(60)
+""")
+
+
+@pytest.fixture
+def probe_dir(tmp_path: Path) -> Path:
+    (tmp_path / "probe_rank.py").write_text(PROBE)
+    return tmp_path
+
+
+def _launch(probe_dir: Path, mode: str, preload: tuple[str, ...], timeout_s: float = 60):  # type: ignore[no-untyped-def]
+    out, err = io.StringIO(), io.StringIO()
+    config = LaunchConfig(
+        ["-m", "probe_rank", mode], nproc=2, timeout_s=timeout_s, grace_s=5, cwd=str(probe_dir),
+        env={"PROBE": "yes"}, preload=preload,
+    )  # fmt: skip
+    result = launch(config, out=out, err=err)
+    lines = out.getvalue().splitlines()
+    probes = [json.loads(line.split("] ", 1)[1]) for line in lines if line.split("] ", 1)[1][:1] == "{"]
+    probes.sort(key=lambda p: p["rank"])
+    others = sorted(line for line in lines if "{" not in line)
+    return result, probes, others, err.getvalue()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ok", "atexit", "exit", "raise", "kill"])
+def test_a_forked_rank_is_the_fresh_interpreter(probe_dir: Path, mode: str) -> None:
+    fresh = _launch(probe_dir, mode, ())
+    forked = _launch(probe_dir, mode, LIGHT)
+    (r0, p0, o0, e0), (r1, p1, o1, e1) = fresh, forked
+    assert p1 == p0 and len(p0) == 2, (p0, p1)
+    assert o1 == o0  # stdout lines other than the probe's: atexit's
+    assert p0[0]["session"] and p0[0]["stdin"] == "" and p0[0]["name"] == "__main__"
+    assert p0[0]["argv"] == [str(probe_dir / "probe_rank.py"), mode] and p0[0]["probe"] == "yes"
+    for attr in ("returncode", "failed_rank", "message", "rank_returncodes"):
+        assert getattr(r1, attr) == getattr(r0, attr), attr
+    assert ("[r0] stderr of 0" in e1) and ("[r1] stderr of 1" in e1)
+    if mode == "raise":
+        assert "RuntimeError: boom" in e0 and "RuntimeError: boom" in e1
+    expected = {"ok": 0, "atexit": 0, "exit": 3, "raise": 1, "kill": 128 + signal.SIGKILL}[mode]
+    assert r1.returncode == expected
+    if mode == "atexit":
+        assert o1 == ["[r0] atexit of 0", "[r1] atexit of 1"]
+
+
+@pytest.mark.slow
+def test_stop_timeout_and_the_reused_zygote(probe_dir: Path) -> None:
+    # the launcher's SIGTERM on a timeout reaches the forked rank's own handler, as it does a fresh one's
+    result, _, others, _ = _launch(probe_dir, "term", LIGHT, timeout_s=1.5)
+    assert result.timed_out and result.rank_returncodes == [9, 9]
+    assert others == ["[r0] SIGTERM in 0", "[r1] SIGTERM in 1"]
+    zygote_pid = {int((probe_dir / f"pid{k}").read_text().split()[1]) for k in range(2)}
+    _launch(probe_dir, "ok", LIGHT)  # a second launch of the same environment forks from the same zygote
+    assert {int((probe_dir / f"pid{k}").read_text().split()[1]) for k in range(2)} == zygote_pid
+    out = io.StringIO()
+    config = LaunchConfig(
+        ["-m", "probe_rank", "ok"], nproc=2, timeout_s=60, cwd=str(probe_dir), preload=LIGHT,
+        env={"PROBE": "yes", "OMP_NUM_THREADS": "2"},
+    )  # fmt: skip
+    assert launch(config, out=out, err=io.StringIO()).ok  # torch reads OMP_NUM_THREADS: a new zygote
+    assert {int((probe_dir / f"pid{k}").read_text().split()[1]) for k in range(2)}.isdisjoint(zygote_pid)
+
+
+@pytest.mark.slow
+def test_a_killed_launcher_takes_its_forked_ranks_with_it(probe_dir: Path) -> None:
+    driver = (
+        "import sys; from lioncub.launch import LaunchConfig, launch; "
+        "sys.exit(launch(LaunchConfig(['-m', 'probe_rank', 'sleep'], nproc=2, timeout_s=60, "
+        f"cwd={str(probe_dir)!r}, preload={LIGHT!r})).returncode)"
+    )
+    proc = subprocess.Popen([PY, "-c", driver], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not all((probe_dir / f"pid{k}").exists() for k in range(2)):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read()  # type: ignore[union-attr]
+            time.sleep(0.05)
+        time.sleep(0.2)
+        pids = [int((probe_dir / f"pid{k}").read_text().split()[0]) for k in range(2)]
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(pid) for pid in pids), "a forked rank outlived its killed launcher"
+    finally:
+        proc.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def test_a_dead_zygote_fails_its_ranks_and_is_replaced(probe_dir: Path) -> None:
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "PROBE": "no"}
+    zygote = Zygote(PY, LIGHT, shared_env([env]), str(probe_dir))
+    zygote.start()
+    rank = zygote.fork([PY, "-m", "probe_rank", "sleep"], env, str(probe_dir))
+    try:
+        assert rank.poll() is None
+        line = rank.stdout.readline()
+        assert json.loads(line)["probe"] == "no"
+        os.kill(zygote.proc.pid, signal.SIGKILL)
+        assert rank.wait(10) == -signal.SIGKILL  # reported, and the rank's group killed
+        deadline = time.monotonic() + 10
+        while _alive(rank.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(rank.pid)
+        with pytest.raises(PreloadError, match="has exited"):
+            zygote.fork([PY, "-m", "probe_rank", "ok"], env, str(probe_dir))
+    finally:
+        zygote.close()
+        rank.stdout.close()
+        rank.stderr.close()
+    again = zygote_for(shared_env([env]), str(probe_dir), LIGHT)
+    assert again.alive() and again.proc.pid != zygote.proc.pid
+
+
+def test_a_zygote_that_cannot_import_is_named_and_the_launch_falls_back(probe_dir: Path) -> None:
+    with pytest.raises(PreloadError, match=r"ModuleNotFoundError.*lioncub_no_such_module"):
+        zygote_for(dict(os.environ), str(probe_dir), ("lioncub_no_such_module",))
+    result, probes, _, err = _launch(probe_dir, "ok", ("lioncub_no_such_module",))
+    assert result.ok and len(probes) == 2
+    assert "starting every rank as a fresh interpreter: the preloaded interpreter did not start" in err
+
+
+def test_shared_env_leaves_out_what_differs_and_what_is_read_at_run_time() -> None:
+    launch_set = {"MASTER_PORT": "5", "LIONCUB_LAUNCH_ID": "q", "PYTEST_CURRENT_TEST": "t"}
+    envs = [{"A": "1", "B": "x", "RANK": "0", **launch_set}, {"A": "1", "B": "y", "RANK": "1", **launch_set}]
+    assert shared_env(envs) == {"A": "1"}
+
+
+def test_preload_is_refused_where_a_rank_cannot_be_forked() -> None:
+    with pytest.raises(ValueError, match=r"preload forks ranks of `-m MODULE \.\.\.` on loopback only"):
+        LaunchConfig(["train.py"], nproc=2, preload=MODULES)
+    with pytest.raises(ValueError, match="with a link"):
+        LaunchConfig(["-m", "x"], nproc=2, preload=MODULES, link_rate_bps=1e8)
+    with pytest.raises(ValueError, match="preload must be a tuple of module names"):
+        LaunchConfig(["-m", "x"], nproc=2, preload="torch")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("device", "link", "preload_env", "forked"),
+    [("cpu", "loopback", None, True), ("cpu", "100mbit", None, False), ("cpu", "loopback", "0", False),
+     ("cuda", "loopback", None, False)],
+)  # fmt: skip
+def test_lioncub_train_forks_its_ranks_on_the_cpu_on_loopback(
+    monkeypatch: pytest.MonkeyPatch, device: str, link: str, preload_env: str | None, forked: bool
+) -> None:
+    if preload_env is None:
+        monkeypatch.delenv("LIONCUB_PRELOAD", raising=False)
+    else:
+        monkeypatch.setenv("LIONCUB_PRELOAD", preload_env)
+    config = TrainConfig()
+    config.run.device, config.cluster.link, config.cluster.nproc = device, link, 2
+    launch_config = make_launch_config(config, [PY, "-m", RANK_MODULE, "run"], 60.0)
+    assert bool(launch_config.preload) == forked
+    if forked:
+        assert set(MODULES) <= set(launch_config.preload)

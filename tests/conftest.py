@@ -37,7 +37,13 @@ def pytest_report_header() -> str:
     return f"hypothesis profile: {selected_profile()} (ci when $CI is set, else dev: tests/profiles.py)"
 
 
+#: modules whose tests wait on the longest background jobs (the frameworks' 2-rank jobs, the Triton
+#: interpreter, gpu_check): they run last, so that their jobs have the rest of the suite to finish in
+RUN_LAST = ("test_framework_guards.py", "test_integrations.py", "test_kernels.py")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.path.name in RUN_LAST)  # stable: each module's order is kept
     for item in items:
         if item.get_closest_marker("root") is not None and (missing := netns_missing()) is not None:
             item.add_marker(pytest.mark.skip(reason=f"needs network namespaces: {missing}"))

@@ -15,6 +15,7 @@ import struct
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -626,10 +627,13 @@ def test_calibrate_on_two_loopback_ranks(tmp_path: Path) -> None:
         # a fit is usable exactly when the time grew with the payload (else the network's values stand in)
         assert fit["ok"] == (fit["seconds_per_byte"] > 0), op
         assert ("efficiency" in fit) == fit["ok"], op
-    # loopback on a shared CPU is noisy (another op's slope may come out <= 0 under load); the ring
-    # allreduce is the steadiest and is the reference
+        # the stored line and residual are those of its points (float64, the residual's formula); how well
+        # loopback on a shared CPU fits a line depends on the load, so no bound on the residual itself
+        x, t = (np.array([p[i] for p in fit["points"]], dtype=np.float64) for i in (0, 1))
+        line = fit["intercept_s"] + fit["seconds_per_byte"] * x
+        assert fit["rel_rms_residual"] == pytest.approx(np.sqrt(np.mean(((t - line) / t) ** 2)), rel=1e-9)
+    # another op's slope may come out <= 0 under load; the ring allreduce is the steadiest, the reference
     assert doc["per_op"]["allreduce_f32"]["ok"]
-    assert doc["per_op"]["allreduce_f32"]["rel_rms_residual"] < 0.5
     assert doc["network"]["bandwidth_Bps"] > 0 and doc["network"]["efficiency"] == pytest.approx(1.0)
     assert all(v > 0 for k, v in doc["compute"].items() if k != "reduce_s_per_byte")
     calib = cm.load_calibration(path)

@@ -1,7 +1,7 @@
 """The ranks' side of tests/test_integrations.py: many scenarios of one framework in ONE job of 2 ranks
 (importing a framework costs seconds per process), each rank writing what it saw per scenario.
 
-    python -m lioncub launch --nproc 2 -- tests/framework_jobs.py {hf,accelerate,lightning} OUT [SCENARIO...]
+    cd tests && python -m lioncub launch --nproc 2 -- -m framework_jobs {hf,accelerate,lightning} OUT
 
 Every scenario trains a tiny model for a few steps with LionCub through the framework's own API and
 writes ``OUT/<scenario>.rank<r>.pt``: ``{"ok": {...}}`` (final parameters and this rank's momenta, the
@@ -16,7 +16,6 @@ import contextlib
 import os
 import re
 import runpy
-import subprocess
 import sys
 import tempfile
 import traceback
@@ -802,13 +801,30 @@ def sequence_command(out: Path, jobs: list[tuple[str, int]], timeout: int) -> li
     return [sys.executable, __file__, "--sequence", str(out), str(timeout), *(f"{n}:{k}" for n, k in jobs)]
 
 
+#: what a job's ranks import besides torch (and lioncub): preloaded once per sequence (below)
+FRAMEWORK_MODULES = {
+    "hf": ("transformers", "transformers.trainer", "accelerate"),
+    "accelerate": ("accelerate",),
+    "lightning": ("lightning.pytorch",),
+}
+
+
 def run_sequence(out: str, timeout: str, *jobs: str) -> int:
-    """``--sequence``: ``lioncub launch --nproc K -- framework_jobs.py NAME OUT`` for each ``NAME:K``."""
+    """``--sequence``: ``lioncub launch --nproc K -- -m framework_jobs NAME OUT`` for each ``NAME:K``, the
+    ranks forked from one interpreter that imported torch, lioncub and the framework once (``lioncub
+    launch --preload``; a fresh interpreter per rank would import them again for every rank of every job)."""
+    from lioncub.launch import LaunchConfig, launch
+    from lioncub.launch.preload import MODULES
+
     failed = 0
     for job in jobs:
         name, nproc = job.split(":")
-        launch = [sys.executable, "-m", "lioncub", "launch", "--nproc", nproc, "--timeout", timeout, "--"]
-        code = subprocess.run([*launch, __file__, name, out], check=False).returncode
+        preload = (*MODULES, "lioncub", *FRAMEWORK_MODULES[name.split("-")[0]])
+        config = LaunchConfig(
+            ["-m", "framework_jobs", name, out], nproc=int(nproc), timeout_s=float(timeout),
+            cwd=str(Path(__file__).parent), preload=preload,
+        )  # fmt: skip
+        code = launch(config).returncode
         print(f"job {job}: exit code {code}", flush=True)
         failed = failed or code
     return failed

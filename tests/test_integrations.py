@@ -38,23 +38,8 @@ def _missing(framework: str) -> list[str]:
 def _job(framework: str) -> background.Job | None:
     if _missing(framework):
         return None
-    return background.Subprocess(
-        lambda workdir: [
-            sys.executable,
-            "-m",
-            "lioncub",
-            "launch",
-            "--nproc",
-            "2",
-            "--timeout",
-            "240",
-            "--",
-            str(REPO / "tests" / "framework_jobs.py"),
-            framework,
-            str(workdir / "out"),
-        ],
-        300,
-    )
+    command = lambda workdir: jobs.sequence_command(workdir / "out", [(framework, 2)], 240)
+    return background.Subprocess(command, 300)
 
 
 #: one launched 2-rank job per framework, started in the background when collection ends

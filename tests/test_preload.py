@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from lioncub import cli
 from lioncub.launch import LaunchConfig, launch
 from lioncub.launch.preload import MODULES, PreloadError, Zygote, shared_env, zygote_for
 from lioncub.train.config import TrainConfig
@@ -189,11 +190,11 @@ def test_shared_env_leaves_out_what_differs_and_what_is_read_at_run_time() -> No
 
 
 def test_preload_is_refused_where_a_rank_cannot_be_forked() -> None:
-    with pytest.raises(ValueError, match=r"preload forks ranks of `-m MODULE \.\.\.` on loopback only"):
+    with pytest.raises(ValueError, match=r"--preload forks ranks of `-m MODULE \.\.\.` on loopback only"):
         LaunchConfig(["train.py"], nproc=2, preload=MODULES)
     with pytest.raises(ValueError, match="with a link"):
         LaunchConfig(["-m", "x"], nproc=2, preload=MODULES, link_rate_bps=1e8)
-    with pytest.raises(ValueError, match="preload must be a tuple of module names"):
+    with pytest.raises(ValueError, match="--preload must be a tuple of module names"):
         LaunchConfig(["-m", "x"], nproc=2, preload="torch")  # type: ignore[arg-type]
 
 
@@ -215,3 +216,16 @@ def test_lioncub_train_forks_its_ranks_on_the_cpu_on_loopback(
     assert bool(launch_config.preload) == forked
     if forked:
         assert set(MODULES) <= set(launch_config.preload)
+
+
+def test_lioncub_launch_preload(
+    probe_dir: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(probe_dir)
+    assert cli.main(["launch", "--nproc", "2", "--preload", "json, csv", "--", "-m", "probe_rank", "ok"]) == 0
+    out = capfd.readouterr().out
+    assert out.count('"name": "__main__"') == 2
+    parents = {int((probe_dir / f"pid{k}").read_text().split()[1]) for k in range(2)}
+    assert len(parents) == 1 and parents != {os.getpid()}  # both forked by one zygote, not by the launcher
+    assert cli.main(["launch", "--nproc", "2", "--preload", "torch", "--", "probe_rank.py", "ok"]) == 2
+    assert "--preload forks ranks of `-m MODULE ...` on loopback only" in capfd.readouterr().err

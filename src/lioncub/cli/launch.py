@@ -110,6 +110,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="time between SIGTERM and SIGKILL when stopping ranks (default 5)",
     )
+    parser.add_argument(
+        "--preload",
+        metavar="MODULES",
+        help="fork every rank from one interpreter that imported MODULES once (comma-separated, e.g. "
+        "torch,torch._dynamo) instead of starting a fresh one each: for `-m MODULE` on loopback only",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print what would run, start nothing")
     parser.add_argument(
         "--cleanup",
@@ -141,6 +147,7 @@ def _config(args: argparse.Namespace) -> LaunchConfig:
         restarts=args.restarts,
         grace_s=args.grace,
         env=_collective_timeout_env(args.collective_timeout),
+        preload=tuple(m.strip() for m in args.preload.split(",")) if args.preload else (),
     )
 
 

@@ -60,10 +60,10 @@ class LaunchConfig:
         argv = build_command(self.cmd)
         self.link_spec()  # validates rate, MTU and burst
         if not (isinstance(self.preload, tuple) and all(isinstance(m, str) and m for m in self.preload)):
-            raise ValueError(f"LaunchConfig.preload must be a tuple of module names, got {self.preload!r}")
+            raise ValueError(f"--preload must be a tuple of module names, got {self.preload!r}")
         if self.preload and (argv[1:2] != ["-m"] or self.link_rate_bps is not None):
             raise ValueError(
-                "LaunchConfig.preload forks ranks of `-m MODULE ...` on loopback only (no link, no nodes); "
+                "--preload forks ranks of `-m MODULE ...` on loopback only (no --link, no --nnodes); "
                 f"got cmd {self.cmd!r}" + (" with a link" if self.link_rate_bps is not None else "")
             )
 

@@ -2,7 +2,7 @@
 preloaded interpreter (``lioncub.launch.preload``, the default on loopback) and as fresh interpreters
 (``LIONCUB_PRELOAD=0``), in one process, the two taking turns.
 
-    ./run bench bench_launch [--rounds 5] [--nproc 2] [--steps 7]
+    ./run bench bench_launch [--rounds 5] [--nproc 2] [--steps 7] [--link RATE]
 
 The first preloaded run also starts the zygote (reported apart); the medians are over the later rounds.
 """
@@ -21,11 +21,12 @@ from pathlib import Path
 from lioncub import cli
 
 
-def one_run(out: Path, nproc: int, steps: int, preload: bool) -> float:
-    """Seconds of one ``lioncub train`` of the tiny GPT into ``out``."""
+def one_run(out: Path, nproc: int, steps: int, preload: bool, link: str) -> float:
+    """Seconds of one ``lioncub train`` of the tiny GPT into ``out`` (``link``: ``loopback`` or a rate)."""
     os.environ["LIONCUB_PRELOAD"] = "1" if preload else "0"
-    argv = ["train", "--workload", "gpt", "--size", "tiny", "--no-progress", "--out", str(out), "--variant",
-            "1bit", "--nproc", str(nproc), "--steps", str(steps), "--eval-every", "0"]  # fmt: skip
+    argv = ["train", "--workload", "gpt", "--size", "tiny", "--no-progress", "--out", str(out),
+            "--link", link, "--variant", "1bit", "--nproc", str(nproc), "--steps", str(steps),
+            "--eval-every", "0"]  # fmt: skip
     t0 = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         rc = cli.main(argv)
@@ -39,15 +40,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument(
+        "--link", default="loopback", help="loopback, or a rate: each rank behind a link (root)"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        first = one_run(Path(tmp) / "first", args.nproc, args.steps, True)
+        first = one_run(Path(tmp) / "first", args.nproc, args.steps, True, args.link)
         times: dict[bool, list[float]] = {True: [], False: []}
         for k in range(args.rounds):
             for preload in (False, True) if k % 2 else (True, False):
-                times[preload].append(one_run(Path(tmp) / f"{k}-{preload}", args.nproc, args.steps, preload))
+                times[preload].append(
+                    one_run(Path(tmp) / f"{k}-{preload}", args.nproc, args.steps, preload, args.link)
+                )
     fresh, forked = (statistics.median(times[p]) for p in (False, True))
-    print(f"lioncub train, gpt/tiny 1bit, {args.nproc} ranks, {args.steps} steps, {os.cpu_count()} CPUs")
+    where = f"{args.nproc} ranks ({args.link}), {args.steps} steps, {os.cpu_count()} CPUs"
+    print(f"lioncub train, gpt/tiny 1bit, {where}")
     print(f"  first preloaded run (starts the zygote): {first:.2f} s")
     for name, median, preload in (("fresh interpreters", fresh, False), ("forked", forked, True)):
         print(f"  {name}, median of {args.rounds}: {median:.2f} s  {[round(t, 2) for t in times[preload]]}")

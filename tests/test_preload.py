@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from emulated_network import assert_nothing_left
 from lioncub import cli
 from lioncub.launch import LaunchConfig, launch
 from lioncub.launch.preload import MODULES, PreloadError, Zygote, shared_env, zygote_for
@@ -29,13 +30,14 @@ PY = sys.executable
 LIGHT = ("json",)
 
 PROBE = textwrap.dedent("""
-    import json, os, signal, sys, time
+    import json, os, signal, socket, sys, time
     rank = os.environ["RANK"]
     print(json.dumps({
+        "ifaces": sorted(n for _, n in socket.if_nameindex()), "sys": sorted(os.listdir("/sys/class/net")),
         "argv": sys.argv, "cwd": os.getcwd(), "name": __name__, "spec": __spec__.name, "path0": sys.path[0],
         "session": os.getsid(0) == os.getpid() == os.getpgid(0), "stdin": sys.stdin.read(),
         "probe": os.environ.get("PROBE"), "rank": rank, "world": os.environ["WORLD_SIZE"],
-        "buffered": os.environ.get("PYTHONUNBUFFERED"),
+        "buffered": os.environ.get("PYTHONUNBUFFERED"), "hosts": open("/etc/hosts").read(),
     }), flush=True)
     print(f"stderr of {rank}", file=sys.stderr, flush=True)
     with open(f"pid{rank}", "w") as f:
@@ -64,13 +66,16 @@ def probe_dir(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def _launch(probe_dir: Path, mode: str, preload: tuple[str, ...], timeout_s: float = 60):  # type: ignore[no-untyped-def]
+def _launch(
+    probe_dir: Path, mode: str, preload: tuple[str, ...], timeout_s: float = 60, link: float | None = None,
+    launch_id: str | None = None,
+):  # fmt: skip  # type: ignore[no-untyped-def]
     out, err = io.StringIO(), io.StringIO()
     config = LaunchConfig(
         ["-m", "probe_rank", mode], nproc=2, timeout_s=timeout_s, grace_s=5, cwd=str(probe_dir),
-        env={"PROBE": "yes"}, preload=preload,
+        env={"PROBE": "yes"}, preload=preload, link_rate_bps=link,
     )  # fmt: skip
-    result = launch(config, out=out, err=err)
+    result = launch(config, out=out, err=err, launch_id=launch_id)
     lines = out.getvalue().splitlines()
     probes = [json.loads(line.split("] ", 1)[1]) for line in lines if line.split("] ", 1)[1][:1] == "{"]
     probes.sort(key=lambda p: p["rank"])
@@ -97,6 +102,23 @@ def test_a_forked_rank_is_the_fresh_interpreter(probe_dir: Path, mode: str) -> N
     assert r1.returncode == expected
     if mode == "atexit":
         assert o1 == ["[r0] atexit of 0", "[r1] atexit of 1"]
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_a_forked_rank_behind_a_link_is_in_its_network_namespace(probe_dir: Path) -> None:
+    host = sorted(os.listdir("/sys/class/net"))
+    # the same launch id: the same names and addresses, one launch after the other
+    runs = (_launch(probe_dir, "ok", p, link=1e8, launch_id="lcb0ff1c") for p in ((), LIGHT))
+    (r0, p0, _, e0), (r1, p1, _, e1) = runs
+    assert r0.ok and r1.ok, e0 + e1
+    assert p1 == p0 and len(p0) == 2
+    for probe in p0:  # its own namespace: lo and its veth, in /sys too (a mount namespace of its own)
+        assert probe["ifaces"] == probe["sys"] and len(probe["ifaces"]) == 2 and "lo" in probe["ifaces"]
+        assert probe["hosts"].startswith("127.0.0.1 localhost\n")  # the namespace's own /etc/hosts
+    assert p0[0]["ifaces"] != p0[1]["ifaces"]
+    assert sorted(os.listdir("/sys/class/net")) == host  # the launcher's own /sys is untouched
+    assert_nothing_left("lcb0ff1c")
 
 
 @pytest.mark.slow
@@ -190,28 +212,32 @@ def test_shared_env_leaves_out_what_differs_and_what_is_read_at_run_time() -> No
 
 
 def test_preload_is_refused_where_a_rank_cannot_be_forked() -> None:
-    with pytest.raises(ValueError, match=r"--preload forks ranks of `-m MODULE \.\.\.` on loopback only"):
+    with pytest.raises(ValueError, match=r"--preload forks ranks of `-m MODULE \.\.\.` started by --nproc"):
         LaunchConfig(["train.py"], nproc=2, preload=MODULES)
-    with pytest.raises(ValueError, match="with a link"):
-        LaunchConfig(["-m", "x"], nproc=2, preload=MODULES, link_rate_bps=1e8)
+    with pytest.raises(ValueError, match="with --nnodes"):
+        LaunchConfig(["-m", "x"], nnodes=2, nproc_per_node=2, preload=MODULES, link_rate_bps=1e8)
+    LaunchConfig(["-m", "x"], nproc=2, preload=MODULES, link_rate_bps=1e8)  # a link: forked, then setns
     with pytest.raises(ValueError, match="--preload must be a tuple of module names"):
         LaunchConfig(["-m", "x"], nproc=2, preload="torch")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
-    ("device", "link", "preload_env", "forked"),
-    [("cpu", "loopback", None, True), ("cpu", "100mbit", None, False), ("cpu", "loopback", "0", False),
-     ("cuda", "loopback", None, False)],
+    ("device", "link", "nnodes", "preload_env", "forked"),
+    [("cpu", "loopback", None, None, True), ("cpu", "100mbit", None, None, True),
+     ("cpu", "100mbit", 2, None, False), ("cpu", "loopback", None, "0", False),
+     ("cuda", "loopback", None, None, False)],
 )  # fmt: skip
-def test_lioncub_train_forks_its_ranks_on_the_cpu_on_loopback(
-    monkeypatch: pytest.MonkeyPatch, device: str, link: str, preload_env: str | None, forked: bool
-) -> None:
+def test_lioncub_train_forks_its_ranks_on_the_cpu_under_nproc(
+    monkeypatch: pytest.MonkeyPatch, device: str, link: str, nnodes: int | None, preload_env: str | None,
+    forked: bool,
+) -> None:  # fmt: skip
     if preload_env is None:
         monkeypatch.delenv("LIONCUB_PRELOAD", raising=False)
     else:
         monkeypatch.setenv("LIONCUB_PRELOAD", preload_env)
     config = TrainConfig()
-    config.run.device, config.cluster.link, config.cluster.nproc = device, link, 2
+    config.run.device, config.cluster.link, config.cluster.nproc = device, link, 4
+    config.cluster.nnodes = nnodes
     launch_config = make_launch_config(config, [PY, "-m", RANK_MODULE, "run"], 60.0)
     assert bool(launch_config.preload) == forked
     if forked:
@@ -228,4 +254,4 @@ def test_lioncub_launch_preload(
     parents = {int((probe_dir / f"pid{k}").read_text().split()[1]) for k in range(2)}
     assert len(parents) == 1 and parents != {os.getpid()}  # both forked by one zygote, not by the launcher
     assert cli.main(["launch", "--nproc", "2", "--preload", "torch", "--", "probe_rank.py", "ok"]) == 2
-    assert "--preload forks ranks of `-m MODULE ...` on loopback only" in capfd.readouterr().err
+    assert "--preload forks ranks of `-m MODULE ...` started by --nproc" in capfd.readouterr().err

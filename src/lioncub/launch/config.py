@@ -33,7 +33,7 @@ class LaunchConfig:
     nproc_per_node: int | None = None
     intra_link_rate_bps: float | None = None  # None: the node's loopback, unshaped
     #: modules an interpreter imports once before it forks each rank (:mod:`lioncub.launch.preload`; e.g.
-    #: its ``MODULES``, torch); ``()``: each rank is a fresh interpreter. Only for ``-m MODULE`` on loopback
+    #: its ``MODULES``, torch); ``()``: each rank is a fresh interpreter. Only for ``-m MODULE``, not nodes
     preload: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -61,10 +61,10 @@ class LaunchConfig:
         self.link_spec()  # validates rate, MTU and burst
         if not (isinstance(self.preload, tuple) and all(isinstance(m, str) and m for m in self.preload)):
             raise ValueError(f"--preload must be a tuple of module names, got {self.preload!r}")
-        if self.preload and (argv[1:2] != ["-m"] or self.link_rate_bps is not None):
+        if self.preload and (argv[1:2] != ["-m"] or self.nnodes is not None):
             raise ValueError(
-                "--preload forks ranks of `-m MODULE ...` on loopback only (no --link, no --nnodes); "
-                f"got cmd {self.cmd!r}" + (" with a link" if self.link_rate_bps is not None else "")
+                "--preload forks ranks of `-m MODULE ...` started by --nproc (under --nnodes torchrun "
+                f"starts them); got cmd {self.cmd!r}" + (" with --nnodes" if self.nnodes is not None else "")
             )
 
     def _check_nodes(self) -> None:

@@ -19,8 +19,11 @@ What differs: the preloaded modules were imported under the zygote's environment
 share (:func:`shared_env`; a launch whose shared environment differs on any variable other than
 :data:`RUNTIME_ONLY` gets a new zygote); their import-time warnings are not repeated per rank; and every rank
 starts with the hash seed and numpy's global random state of the zygote (Python's :mod:`random` is reseeded
-on fork). Only launches that ask for it fork ranks (``LaunchConfig.preload``): ``lioncub train`` does, on
-loopback, for ranks on the CPU, unless ``LIONCUB_PRELOAD=0``.
+on fork). Only launches that ask for it fork ranks (``LaunchConfig.preload``, ``lioncub launch --preload``):
+``lioncub train`` does for ranks on the CPU under ``--nproc``, unless ``LIONCUB_PRELOAD=0``. Behind emulated
+links (``--link``) a forked rank enters its network namespace as ``ip netns exec`` would (the namespace, a
+mount namespace with that network's ``/sys`` and ``/etc/netns/NAME`` over ``/etc``); under ``--nnodes``
+torchrun starts the ranks.
 
 Protocol (a ``SOCK_SEQPACKET`` socket pair, one JSON object per packet): the zygote sends ``{"ready":
 true}`` or ``{"error": ...}`` once its imports are done; the launcher sends ``{"argv": [...], "env": {...},
@@ -145,17 +148,20 @@ class Zygote:
         return not self.closed and self.proc.poll() is None and self.thread.is_alive()
 
     def fork(self, argv: Sequence[str], env: Mapping[str, str], cwd: str | None) -> ForkedRank:
-        """Start ``argv`` (``[python, "-m", MODULE, *ARGS]``) as a fork of the zygote, like
-        ``subprocess.Popen(argv, env=env, cwd=cwd, stdin=DEVNULL, stdout=PIPE, stderr=PIPE,
-        start_new_session=True)``."""
+        """Start ``argv`` (``[python, "-m", MODULE, *ARGS]``, or that behind ``[ip, "netns", "exec",
+        NAME]``) as a fork of the zygote, like ``subprocess.Popen(argv, env=env, cwd=cwd, stdin=DEVNULL,
+        stdout=PIPE, stderr=PIPE, start_new_session=True)``."""
+        netns = None
+        if len(argv) > 4 and os.path.basename(argv[0]) == "ip" and list(argv[1:3]) == ["netns", "exec"]:
+            netns, argv = argv[3], argv[4:]
+        request = {"argv": list(argv[1:]), "env": dict(env), "cwd": cwd or self.cwd, "netns": netns}
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
             with self.lock:
                 if self.closed:
                     raise PreloadError("the preloaded interpreter has exited")
-                _send(self.sock, {"argv": list(argv[1:]), "env": dict(env), "cwd": cwd or self.cwd},
-                      [out_w, err_w])  # fmt: skip
+                _send(self.sock, request, [out_w, err_w])
                 while not self.replies and not self.closed:
                     self.replied.wait()
                 if not self.replies:
@@ -263,9 +269,9 @@ def _close_all() -> None:
 # -- the zygote's side -----------------------------------------------------------------------------------
 
 
-def _serve(sock: socket.socket, modules: Sequence[str]) -> tuple[list[str], Mapping[str, str], str] | None:
+def _serve(sock: socket.socket, modules: Sequence[str]) -> dict[str, Any] | None:
     """The zygote: import ``modules``, then fork a rank per request until the launcher closes ``sock``.
-    Returns ``None`` in the zygote, and ``(argv, env, cwd)`` in a forked rank (which then runs it)."""
+    Returns ``None`` in the zygote, and the request in a forked rank (which then runs it)."""
     import importlib
 
     try:
@@ -313,7 +319,7 @@ def _serve(sock: socket.socket, modules: Sequence[str]) -> tuple[list[str], Mapp
                 os.dup2(fd, target)
             for fd in (devnull, set_up_w, *fds):
                 os.close(fd)
-            return message["argv"], message["env"], message["cwd"]
+            return message
         for fd in (set_up_w, *fds):
             os.close(fd)
         if pid > 0:  # the launcher may signal the rank's process group once it has the pid: wait for it
@@ -334,12 +340,51 @@ def _report_exits(sock: socket.socket) -> None:
         _send(sock, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
-def _run_rank(argv: list[str], env: Mapping[str, str], cwd: str) -> None:
-    """Become ``python ARGV`` (``ARGV``: ``-m MODULE ARGS``) in ``cwd`` with ``env``."""
+def _enter_netns(name: str) -> None:
+    """What ``ip netns exec NAME`` does before it runs its command: join network namespace ``NAME``, in a
+    mount namespace of its own whose ``/sys`` describes that network and whose ``/etc`` shows the files of
+    ``/etc/netns/NAME`` (iproute2's ``netns_switch`` and ``bind_etc``)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"{what}: {os.strerror(err)}")
+
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        check(libc.setns(fd, 0x40000000), "setns(CLONE_NEWNET)")
+    finally:
+        os.close(fd)
+    check(libc.unshare(0x00020000), "unshare(CLONE_NEWNS)")
+    check(libc.mount(b"", b"/", b"none", 0x80000 | 0x4000, None), "mount --make-rslave /")  # MS_SLAVE|MS_REC
+    flags = 0
+    if libc.umount2(b"/sys", 2) != 0 and os.statvfs("/sys").f_flag & os.ST_RDONLY:  # MNT_DETACH
+        flags = 1  # MS_RDONLY: a read-only sysfs cannot be shadowed by a writable one
+    check(libc.mount(name.encode(), b"/sys", b"sysfs", flags, None), "mount sysfs on /sys")
+    etc = f"/etc/netns/{name}"  # the namespace's own files (lioncub writes its hosts) over /etc's
+    for entry in sorted(os.listdir(etc)) if os.path.isdir(etc) else []:
+        source, target = f"{etc}/{entry}".encode(), f"/etc/{entry}".encode()
+        check(libc.mount(source, target, b"none", 4096, None), f"mount --bind {etc}/{entry} /etc/{entry}")
+
+
+def _run_rank(request: dict[str, Any]) -> None:
+    """Become ``python ARGV`` (``ARGV``: ``-m MODULE ARGS``) in the request's ``cwd`` with its ``env``,
+    inside network namespace ``netns`` if given."""
     import runpy
 
+    argv, env, cwd, netns = request["argv"], request["env"], request["cwd"], request.get("netns")
     if len(argv) < 2 or argv[0] != "-m":
         raise SystemExit(f"lioncub.launch.preload: a rank runs `-m MODULE ...`, got {argv!r}")
+    if netns is not None:
+        try:
+            _enter_netns(netns)
+        except OSError as exc:
+            raise SystemExit(
+                f"lioncub.launch.preload: cannot enter network namespace {netns}: {exc}"
+            ) from None
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -354,4 +399,4 @@ if __name__ == "__main__":
     _rank = _serve(_sock, sys.argv[2:])
     if _rank is not None:
         del _sock
-        _run_rank(*_rank)
+        _run_rank(_rank)

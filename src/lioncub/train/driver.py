@@ -217,16 +217,22 @@ def make_launch_config(
         timeout_s=timeout_s,
         restarts=restarts,
         env=dict(env or {}),
-        preload=(*MODULES, "lioncub.train.loop") if preload_ranks(config, cmd, rate) else (),
+        preload=(*MODULES, "lioncub.train.loop") if preload_ranks(config, cmd) else (),
         **layout,
     )
 
 
-def preload_ranks(config: TrainConfig, cmd: list[str], rate: float | None) -> bool:
+def preload_ranks(config: TrainConfig, cmd: list[str]) -> bool:
     """Whether the ranks start as forks of an interpreter that imported torch once
-    (:mod:`lioncub.launch.preload`): for the rank module on loopback, on the CPU (a process that may have
-    touched CUDA is not forked), unless ``LIONCUB_PRELOAD=0``."""
-    if os.environ.get("LIONCUB_PRELOAD", "1") == "0" or rate is not None or cmd[1:3] != ["-m", RANK_MODULE]:
+    (:mod:`lioncub.launch.preload`): for the rank module under ``--nproc`` (on loopback or behind links;
+    under ``--nnodes`` torchrun starts them), on the CPU (a process that may have touched CUDA is not
+    forked), unless ``LIONCUB_PRELOAD=0``."""
+    cluster = config.cluster
+    if (
+        os.environ.get("LIONCUB_PRELOAD", "1") == "0"
+        or cluster.nnodes is not None
+        or cmd[1:3] != ["-m", RANK_MODULE]
+    ):
         return False
     no_gpu = not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg"))
     return config.run.device == "cpu" or (config.run.device == "auto" and no_gpu)

@@ -20,7 +20,7 @@ import pytest
 
 from emulated_network import assert_nothing_left
 from lioncub import cli
-from lioncub.launch import LaunchConfig, launch
+from lioncub.launch import LaunchConfig, launch, preload
 from lioncub.launch.preload import MODULES, PreloadError, Zygote, shared_env, zygote_for
 from lioncub.train.config import TrainConfig
 from lioncub.train.driver import RANK_MODULE, make_launch_config
@@ -255,3 +255,20 @@ def test_lioncub_launch_preload(
     assert len(parents) == 1 and parents != {os.getpid()}  # both forked by one zygote, not by the launcher
     assert cli.main(["launch", "--nproc", "2", "--preload", "torch", "--", "probe_rank.py", "ok"]) == 2
     assert "--preload forks ranks of `-m MODULE ...` started by --nproc" in capfd.readouterr().err
+
+
+def test_every_wait_on_the_zygote_is_bounded(probe_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (probe_dir / "slow_import.py").write_text("import time\ntime.sleep(30)\n")
+    monkeypatch.setattr(preload, "START_TIMEOUT_S", 0.5)
+    t0 = time.monotonic()
+    with pytest.raises(PreloadError, match=r"importing slow_import took more than 0\.5 s"):
+        zygote_for(dict(os.environ), str(probe_dir), ("slow_import",))
+    assert time.monotonic() - t0 < 10
+    monkeypatch.setattr(preload, "FORK_TIMEOUT_S", 0.5)
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1"}
+    zygote = zygote_for(shared_env([env]), str(probe_dir), LIGHT)
+    os.kill(zygote.proc.pid, signal.SIGSTOP)  # a zygote that does not answer
+    with pytest.raises(PreloadError, match=r"did not fork the rank in 0\.5 s"):
+        zygote.fork([PY, "-m", "probe_rank", "ok"], env, str(probe_dir))
+    assert not zygote.alive()
+    assert zygote_for(shared_env([env]), str(probe_dir), LIGHT) is not zygote  # replaced

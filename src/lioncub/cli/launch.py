@@ -114,7 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--preload",
         metavar="MODULES",
         help="fork every rank from one interpreter that imported MODULES once (comma-separated, e.g. "
-        "torch,torch._dynamo) instead of starting a fresh one each: for `-m MODULE` on loopback only",
+        "torch,torch._dynamo) instead of starting a fresh one each: for `-m MODULE` under --nproc",
     )
     parser.add_argument("--dry-run", action="store_true", help="print what would run, start nothing")
     parser.add_argument(

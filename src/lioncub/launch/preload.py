@@ -27,8 +27,10 @@ torchrun starts the ranks.
 
 Protocol (a ``SOCK_SEQPACKET`` socket pair, one JSON object per packet): the zygote sends ``{"ready":
 true}`` or ``{"error": ...}`` once its imports are done; the launcher sends ``{"argv": [...], "env": {...},
-"cwd": ...}`` with the rank's stdout and stderr as passed descriptors, the zygote answers ``{"pid": P}`` and
-later ``{"exit": P, "code": C}``. The zygote exits when the launcher closes its end.
+"cwd": ..., "netns": NAME or null}`` with the rank's stdout and stderr as passed descriptors, the zygote
+answers ``{"pid": P}`` (once the rank leads its own session) and later ``{"exit": P, "code": C}``. The
+zygote exits when the launcher closes its end. Every wait of the launcher on the zygote is bounded
+(:data:`START_TIMEOUT_S`, :data:`FORK_TIMEOUT_S`).
 """
 
 from __future__ import annotations
@@ -49,7 +51,17 @@ from typing import IO, Any
 from lioncub.launch.environment import TORCHRUN_VARIABLES
 from lioncub.launch.supervisor import pdeathsig_setup
 
-__all__ = ["MODULES", "RUNTIME_ONLY", "ForkedRank", "PreloadError", "Zygote", "shared_env", "zygote_for"]
+__all__ = [
+    "FORK_TIMEOUT_S",
+    "MODULES",
+    "RUNTIME_ONLY",
+    "START_TIMEOUT_S",
+    "ForkedRank",
+    "PreloadError",
+    "Zygote",
+    "shared_env",
+    "zygote_for",
+]
 
 #: what a zygote imports: torch, torch._dynamo (imported by the first optimizer or DDP), torch.distributed
 MODULES = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel")
@@ -57,6 +69,8 @@ MODULES = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel")
 #: time, never while torch imports: the zygote's environment leaves them out (each rank gets its own)
 RUNTIME_ONLY = (*TORCHRUN_VARIABLES, "GLOO_SOCKET_IFNAME", "PYTEST_CURRENT_TEST", "LIONCUB_")
 _PACKET = 1 << 20  # the largest message (an environment) in bytes
+#: seconds the zygote may take to import its modules, and to answer a fork request
+START_TIMEOUT_S, FORK_TIMEOUT_S = 300.0, 60.0
 
 
 class PreloadError(OSError):
@@ -133,7 +147,12 @@ class Zygote:
             raise PreloadError(f"could not start {self.executable}: {exc}") from exc
         finally:
             theirs.close()
-        message, _ = _receive(self.sock)
+        self.sock.settimeout(START_TIMEOUT_S)
+        try:
+            message, _ = _receive(self.sock)
+        except TimeoutError:
+            message = {"error": f"importing {', '.join(self.modules)} took more than {START_TIMEOUT_S:g} s"}
+        self.sock.settimeout(None)
         if message is None or "ready" not in message:
             self.proc.kill()
             _, err = self.proc.communicate(timeout=10)
@@ -162,8 +181,12 @@ class Zygote:
                 if self.closed:
                     raise PreloadError("the preloaded interpreter has exited")
                 _send(self.sock, request, [out_w, err_w])
-                while not self.replies and not self.closed:
-                    self.replied.wait()
+                if not self.replied.wait_for(lambda: self.replies or self.closed, FORK_TIMEOUT_S):
+                    self.closed = True  # a late answer would be taken for the next request's: replace it
+                    self.proc.kill()
+                    raise PreloadError(
+                        f"the preloaded interpreter did not fork the rank in {FORK_TIMEOUT_S:g} s"
+                    )
                 if not self.replies:
                     raise PreloadError("the preloaded interpreter exited before it forked the rank")
                 reply = self.replies.pop(0)

@@ -15,6 +15,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,9 +35,16 @@ from lioncub.launch import (
     parse_size,
     rank_env,
 )
+from lioncub.launch.preload import MODULES
 from lioncub.optim.step_check import STEP_CHECK_WORDS
 
 PY = sys.executable
+
+
+def forked(code: str) -> dict[str, Any]:
+    """The :class:`LaunchConfig` fields that run ``python -c code`` on ranks forked from one interpreter that
+    imported torch (``tests/exec_program.py``; one zygote serves every launch of this file that uses it)."""
+    return {"cmd": ["-m", "exec_program", code], "cwd": str(Path(__file__).parent), "preload": MODULES}
 
 
 def _run(config: LaunchConfig):  # type: ignore[no-untyped-def]
@@ -235,7 +243,7 @@ t = torch.tensor(""",
 def loopback_three_ranks() -> tuple:
     """One launch of 3 ranks on loopback serves the two tests below: (result, stdout, stderr)."""
     assert ALLREDUCE_AND_LISTENERS != ALLREDUCE
-    return _run(LaunchConfig([PY, "-c", ALLREDUCE_AND_LISTENERS], nproc=3, timeout_s=120))
+    return _run(LaunchConfig(**forked(ALLREDUCE_AND_LISTENERS), nproc=3, timeout_s=120))
 
 
 @pytest.mark.slow
@@ -374,7 +382,7 @@ dist.destroy_process_group()
 def test_allreduce_over_100mbit_links_matches_bandwidth(nproc: int) -> None:
     rate = 100e6
     result, out, err = _run(
-        LaunchConfig([PY, "-c", TIMED_ALLREDUCE], nproc=nproc, link_rate_bps=rate, timeout_s=120)
+        LaunchConfig(**forked(TIMED_ALLREDUCE), nproc=nproc, link_rate_bps=rate, timeout_s=120)
     )
     assert result.ok, out + err
     measured_ms = float(re.search(r"\[r0\] ALLREDUCE_MS=([\d.]+)", out).group(1))  # type: ignore[union-attr]
@@ -418,7 +426,7 @@ dist.destroy_process_group()
 def test_interface_counters_agree_with_the_optimizers_accounting() -> None:
     nproc, d = 3, 4_000_003
     result, out, err = _run(
-        LaunchConfig([PY, "-c", ONE_BIT_STEPS], nproc=nproc, link_rate_bps=1e9, timeout_s=120)
+        LaunchConfig(**forked(ONE_BIT_STEPS), nproc=nproc, link_rate_bps=1e9, timeout_s=120)
     )
     assert result.ok, out + err
     d_pad = -(-d // (8 * nproc)) * 8 * nproc

@@ -221,6 +221,7 @@ dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 t = torch.tensor([dist.get_rank() + 1.0])
 dist.all_reduce(t)
 print(f"sum={t.item():g} ifname={os.environ['GLOO_SOCKET_IFNAME']} world={dist.get_world_size()}")
+print(f"threads={torch.get_num_threads()}")  # OMP_NUM_THREADS=1, read after the fork as by a fresh rank
 print("no newline at the end", end="")
 dist.destroy_process_group()
 """
@@ -261,7 +262,7 @@ def test_loopback_allreduce_three_ranks(loopback_three_ranks: tuple) -> None:
     assert result.ok, err
     assert result.rank_returncodes == [0, 0, 0] and result.failed_rank is None and result.traffic is None
     for k in range(3):
-        assert f"[r{k}] sum=6 ifname=lo world=3\n" in out
+        assert f"[r{k}] sum=6 ifname=lo world=3\n" in out and f"[r{k}] threads=1\n" in out
         assert f"[r{k}] no newline at the end\n" in out
 
 

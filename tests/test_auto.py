@@ -118,6 +118,7 @@ def worker_auto(rank: int, world: int, networks: list[str | None]) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_rank0_decides_and_every_rank_follows() -> None:
     # rank 0 predicts for a 10 Mbit/s link (1-bit wins); the others were told 1 Tbit/s (32-bit would win)
     out = run_workers(worker_auto, 3, ["10mbit", "1000gbit", "1000gbit"])

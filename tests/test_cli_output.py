@@ -223,6 +223,7 @@ sys.exit(0)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupted_rank_ends_with_one_line(tmp_path: Path, sig: signal.Signals) -> None:
     script = tmp_path / "rank.py"

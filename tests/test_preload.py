@@ -257,6 +257,7 @@ def test_lioncub_launch_preload(
     assert "--preload forks ranks of `-m MODULE ...` started by --nproc" in capfd.readouterr().err
 
 
+@pytest.mark.slow
 def test_every_wait_on_the_zygote_is_bounded(probe_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (probe_dir / "slow_import.py").write_text("import time\ntime.sleep(30)\n")
     monkeypatch.setattr(preload, "START_TIMEOUT_S", 0.5)

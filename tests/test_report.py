@@ -108,6 +108,7 @@ def test_val_loss_equal_steps_and_default_target(three_runs: list[Path], tmp_pat
     assert (a.time_to_target_s, b.time_to_target_s, c.time_to_target_s) == (3.0, 1.0, None)
 
 
+@pytest.mark.slow
 def test_given_target_and_no_baseline(three_runs: list[Path], tmp_path: Path) -> None:
     report = rp.make_report(three_runs, tmp_path / "given", target_loss=1.6)
     assert report.target_loss == 1.6
@@ -211,6 +212,7 @@ def _diag(step: int, match: float, tie: float) -> dict:
     return {"step": step, "overall": overall, "layers": {"w": overall}}
 
 
+@pytest.mark.slow
 def test_diagnostics_side_by_side(tmp_path: Path) -> None:
     # the 32bit baseline has no diag records: no line for it; 1bit and 8bit each get theirs, in step order
     d1 = [_diag(4, 0.9, 0.05), _diag(2, 0.8, 0.1)]  # written out of order
@@ -265,6 +267,7 @@ FLOOR_RUNS = (
 )
 
 
+@pytest.mark.slow
 def test_compute_floor_comes_from_the_logs(tmp_path: Path) -> None:
     runs = [write_run(tmp_path, v, steps, compute=c, apply=a) for v, steps, c, a in FLOOR_RUNS]
     report = rp.make_report(runs, tmp_path / "out")

@@ -512,6 +512,7 @@ def diag_record(step: int) -> dict:
     return {"kind": "diag", "step": step, "overall": values, "layers": {"w": values}}
 
 
+@pytest.mark.slow
 def test_report_writes_plots_only_where_lioncub_may(run_cli: Callable, tmp_path: Path) -> None:
     """Finding 8: ``lioncub report RUN --out DIR`` into a directory of the user's is refused (nothing
     written); into a new one it marks and records its plots; into the run itself, recorded there too."""

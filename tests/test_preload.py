@@ -119,7 +119,8 @@ def test_a_forked_rank_behind_a_link_is_in_its_network_namespace(probe_dir: Path
         assert probe["hosts"].startswith("127.0.0.1 localhost\n")  # the namespace's own /etc/hosts
     assert p0[0]["ifaces"] != p0[1]["ifaces"]
     veths = {name for probe in p0 for name in probe["ifaces"] if name != "lo"}
-    assert veths.isdisjoint(os.listdir("/sys/class/net"))  # the launcher's own /sys is untouched
+    host = set(os.listdir("/sys/class/net"))  # the launcher's own /sys: its devices, none of theirs
+    assert veths.isdisjoint(host) and "lo" in host and all(host != set(probe["sys"]) for probe in p0)
     assert_nothing_left("lcb0ff1c")
 
 

@@ -221,7 +221,7 @@ dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 t = torch.tensor([dist.get_rank() + 1.0])
 dist.all_reduce(t)
 print(f"sum={t.item():g} ifname={os.environ['GLOO_SOCKET_IFNAME']} world={dist.get_world_size()}")
-print(f"threads={torch.get_num_threads()}")  # OMP_NUM_THREADS=1, read after the fork as by a fresh rank
+print(f"threads={torch.get_num_threads()}")  # the launcher's OMP_NUM_THREADS=1, in a forked rank too
 print("no newline at the end", end="")
 dist.destroy_process_group()
 """

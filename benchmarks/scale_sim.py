@@ -279,7 +279,7 @@ def verify(tmp: Path) -> bool:
         cmd += ["--variant", variant, "--nproc", "4", "--steps", "2", "--seed", "0", "--eval-every", "0"]
         cmd += ["--set", "batch_size=4", "--out", str(out), "--no-progress"]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        real = torch.load(next(out.glob("**/model.pt")), weights_only=True)
+        real = torch.load(next(out.glob("**/model.pt")), map_location="cpu", weights_only=True)
         sim = simulate(4, rule, seed=0, steps=2, batch=4, diag_every=0)["model"].state_dict()
         worst = max(float((real[k] - sim[k]).abs().max()) for k in real)
         same = all(torch.equal(real[k], sim[k]) for k in real)

@@ -21,7 +21,7 @@ import torch
 
 def fake_comm(n: int, rank: int = 0) -> types.SimpleNamespace:
     """Enough of a Comm for the vote classes' constructors and wire-byte formulas (no communication)."""
-    return types.SimpleNamespace(world_size=n, rank=rank, device=torch.device("cpu"))
+    return types.SimpleNamespace(world_size=n, rank=rank, device=torch.device("cpu"), alone=n == 1)
 
 
 class _SimHandle:
@@ -98,6 +98,7 @@ class SimComm:
     def __init__(self, world: SimWorld, rank: int) -> None:
         self.world, self.rank, self.world_size = world, rank, world.n
         self.device = torch.device("cpu")
+        self.alone = world.n == 1  # the votes' one-process shortcut, as Comm
         self.step = 0
         self._seq = 0
 

@@ -13,21 +13,40 @@ On gloo, all-to-all and all-gather run as pairwise ``isend``/``irecv`` by defaul
 (``exchange="p2p"``): gloo's own ``all_to_all_single`` and ``all_gather`` serialise the two directions
 of a pair and reach only 46–94 % of a link (``benchmarks/bench_exchange.py``). ``exchange="native"``
 uses the library collectives (the default on NCCL).
+
+**Devices.** A :class:`Comm` works on one device, the device of the tensors it exchanges (LionCub passes
+its parameters' device): its buffers are made there, the backend is the one the group has for that
+device type (``"cpu:gloo,cuda:nccl"`` sends CUDA tensors over NCCL; :func:`backend_for_device`), and the
+object collectives run under that device. What differs between backends is held once, in a
+:class:`Backend`: on NCCL a wait carries no timeout (``Work.wait(timeout)`` there blocks the host until
+the work completes; the group's own timeout and its watchdog bound the collective and abort the rank with
+the operation named), finished works are not kept (each holds its output tensors in GPU memory), and
+point-to-point pairs are posted as one batch (one communicator; single ``isend``/``irecv`` pairs would
+create a two-rank communicator per pair).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectiveError", "Comm", "CommCounter", "Handle"]
+__all__ = [
+    "Backend",
+    "CollectiveError",
+    "Comm",
+    "CommCounter",
+    "Handle",
+    "backend_for_device",
+    "exchange_when_alone",
+]
 
 Exchange = Literal["auto", "p2p", "native"]
 
@@ -60,6 +79,75 @@ class CommCounter:
         )
 
 
+@dataclass(frozen=True)
+class Backend:
+    """What lioncub does differently per ``torch.distributed`` backend, chosen once per :class:`Comm`.
+
+    Attributes:
+        name: ``"gloo"``, ``"nccl"``, ... (``"none"``: no process group).
+        bounded_wait: a wait may carry the :class:`Comm`'s timeout (gloo). On NCCL ``Work.wait(timeout)``
+            blocks the host until the work completes; the group's timeout and watchdog bound it instead.
+        keep_finished: keep finished works referenced (:meth:`Comm.retire`: gloo only).
+        exchange: the default of ``exchange="auto"``: ``"p2p"`` (gloo: pairwise sends reach the link's
+            rate, its own all-to-all does not) or ``"native"``.
+        batched_p2p: post point-to-point pairs as one ``batch_isend_irecv`` (NCCL: one communicator for
+            all pairs, not one per pair).
+    """
+
+    name: str
+    bounded_wait: bool = True
+    keep_finished: bool = False
+    exchange: Literal["p2p", "native"] = "native"
+    batched_p2p: bool = False
+
+    @classmethod
+    def named(cls, name: str) -> Backend:
+        """The :class:`Backend` of a backend name (an unknown one: bounded waits, native exchanges)."""
+        known = {
+            "gloo": cls("gloo", bounded_wait=True, keep_finished=True, exchange="p2p"),
+            "nccl": cls("nccl", bounded_wait=False, keep_finished=False, exchange="native", batched_p2p=True),
+        }
+        return known.get(name, cls(name))
+
+
+def backend_for_device(config: str, device_type: str) -> str:
+    """The backend a process group with backend ``config`` (``torch.distributed.get_backend_config``:
+    ``"gloo"``, ``"cpu:gloo,cuda:nccl"``, ...) uses for tensors of ``device_type``; ``ValueError`` when it
+    has none (a CUDA parameter on a gloo-only group, say)."""
+    backends: dict[str, str] = {}
+    for part in config.split(","):
+        device, _, name = part.strip().rpartition(":")
+        if device:
+            backends[device] = name
+        elif name:
+            return name  # one backend for every device type
+    if device_type not in backends:
+        raise ValueError(
+            f"the process group has no backend for {device_type} tensors (its backends: {config!r}); "
+            "init_process_group('nccl') for CUDA tensors, 'gloo' for CPU tensors, or "
+            "'cpu:gloo,cuda:nccl' for both"
+        )
+    return backends[device_type]
+
+
+_ALONE = {"exchange": False}
+
+
+@contextlib.contextmanager
+def exchange_when_alone() -> Iterator[None]:
+    """Within this context, a :class:`Comm` built on a group of one process runs every vote's collectives
+    (over that group of one) instead of taking the one-process shortcut (``Comm.alone`` is False), and
+    :class:`~lioncub.optim.LionCub` votes instead of taking Lion's step: the whole vote path — step check,
+    encode, exchange, decode, apply, overlap — runs on one device (``benchmarks/gpu_check.sh``). The
+    results equal a vote of one rank (not always Lion's step: a 1-bit vote of an exact zero is ±1)."""
+    before = _ALONE["exchange"]
+    _ALONE["exchange"] = True
+    try:
+        yield
+    finally:
+        _ALONE["exchange"] = before
+
+
 @dataclass
 class Handle:
     """Pending work of one exchange; ``wait()`` finishes it (idempotent) and returns ``result``."""
@@ -72,7 +160,8 @@ class Handle:
 
     def wait(self) -> torch.Tensor | None:
         if not self.done:
-            timeout = self.comm.timeout if self.comm is not None else None
+            comm = self.comm
+            timeout = comm.timeout if comm is not None and comm.wire.bounded_wait else None
             for work in self.works:
                 try:
                     ok = work.wait(timeout) if timeout is not None else work.wait()
@@ -97,20 +186,28 @@ _ALL_GATHER_FLAT = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 
 
 class Comm:
-    """This rank's view of a process group, with byte accounting and bounded waits.
+    """This rank's view of a process group, on one device, with byte accounting and bounded waits.
 
     Args:
         group: the process group (``None``: the default group, which must be initialised).
+        device: the device of the tensors it exchanges (LionCub: its parameters'); ``None``: the CPU when
+            the group has a CPU backend, else ``cuda:current_device()``.
         exchange: ``"p2p"`` (pairwise isend/irecv), ``"native"`` (library all-to-all / all-gather) or
             ``"auto"`` (p2p on gloo, native elsewhere).
-        timeout: bound for every wait (default: ``$LIONCUB_PG_TIMEOUT`` seconds if set — ``lioncub launch
-            --collective-timeout`` sets it — else the group's own timeout).
+        timeout: bound for every wait on gloo (default: ``$LIONCUB_PG_TIMEOUT`` seconds if set — ``lioncub
+            launch --collective-timeout`` sets it — else the group's own timeout); NCCL waits carry none
+            (:class:`Backend`).
+
+    Attributes:
+        backend: the backend's name for ``device``; ``wire``: its :class:`Backend`.
+        alone: one process and nothing to exchange (the votes' shortcut; see :func:`exchange_when_alone`).
     """
 
     def __init__(
         self,
         group: dist.ProcessGroup | None = None,
         *,
+        device: torch.device | str | None = None,
         exchange: Exchange = "auto",
         timeout: datetime.timedelta | None = None,
     ) -> None:
@@ -124,13 +221,13 @@ class Comm:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.backend = str(dist.get_backend(group))
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if self.backend == "nccl"
-            else (torch.device("cpu"))
-        )
-        self.exchange = ("p2p" if self.backend == "gloo" else "native") if exchange == "auto" else exchange
+        #: the group's backends by device type, e.g. ``"cpu:gloo,cuda:nccl"``
+        self.backend_config = str(dist.get_backend_config(group))
+        self.device = _device_of(device, self.backend_config)
+        self.backend = backend_for_device(self.backend_config, self.device.type)
+        self.wire = Backend.named(self.backend)
+        self.alone = self.world_size == 1 and not _ALONE["exchange"]
+        self.exchange = self.wire.exchange if exchange == "auto" else exchange
         if timeout is None and os.environ.get("LIONCUB_PG_TIMEOUT"):
             timeout = datetime.timedelta(seconds=float(os.environ["LIONCUB_PG_TIMEOUT"]))
         self.timeout = timeout
@@ -140,12 +237,13 @@ class Comm:
         self._retired: collections.deque = collections.deque(maxlen=256)
 
     @classmethod
-    def single(cls) -> Comm:
-        """A group of one process without ``torch.distributed`` (rank 0 of 1, CPU); nothing is sent."""
+    def single(cls, device: torch.device | str = "cpu") -> Comm:
+        """A group of one process without ``torch.distributed`` (rank 0 of 1, on ``device``); nothing is
+        sent."""
         comm = cls.__new__(cls)
         comm.group = None
-        comm.rank, comm.world_size, comm.backend = 0, 1, "none"
-        comm.device = torch.device("cpu")
+        comm.rank, comm.world_size, comm.backend, comm.backend_config = 0, 1, "none", "none"
+        comm.device, comm.wire, comm.alone = torch.device(device), Backend("none"), True
         comm.exchange, comm.timeout = "p2p", None
         comm.counter, comm.step, comm._tag = CommCounter(), 0, 0
         comm._retired = collections.deque(maxlen=256)
@@ -157,11 +255,46 @@ class Comm:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
 
     def retire(self, works: list) -> None:
-        """Keep the finished ``works`` referenced for a while: a gloo work whose last reference its worker
-        thread drops is destroyed there, and one destroyed during interpreter shutdown takes the GIL and
-        aborts the process ("terminate called without an active exception"); from here the last reference
-        goes with this rank's Python objects, under the GIL."""
-        self._retired.extend(works)
+        """On gloo, keep the finished ``works`` referenced for a while: a gloo work whose last reference its
+        worker thread drops is destroyed there, and one destroyed during interpreter shutdown takes the GIL
+        and aborts the process ("terminate called without an active exception"); from here the last
+        reference goes with this rank's Python objects, under the GIL. Elsewhere (NCCL) nothing is kept: a
+        finished work holds its output tensors, which would stay in GPU memory."""
+        if self.wire.keep_finished:
+            self._retired.extend(works)
+
+    def bind_thread(self) -> None:
+        """Make :attr:`device` the calling thread's current CUDA device (the current device is per host
+        thread: a thread that launches kernels or NCCL work for this rank calls it first). No-op on CPU."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    @contextlib.contextmanager
+    def on_device(self) -> Iterator[None]:
+        """The object collectives (``all_gather_object``, ``gather_object``, ...) serialise through tensors
+        on ``torch.cuda.current_device()`` under NCCL: inside this context that is :attr:`device`."""
+        if self.device.type == "cuda":
+            with torch.cuda.device(self.device):
+                yield
+        else:
+            yield
+
+    def all_gather_object(self, obj: Any, what: str) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order; a failure names the rank and ``what``."""
+        out: list[Any] = [None] * self.world_size
+        with self.on_device():
+            self._guard(what, lambda: dist.all_gather_object(out, obj, group=self.group))
+        return out
+
+    def gather_object(self, obj: Any, to: int, what: str) -> list[Any] | None:
+        """Every rank's ``obj`` on group rank ``to`` (``None`` elsewhere); tensors in ``obj`` should be on
+        the CPU: the receiving rank unpickles each on the device it was saved from."""
+        out: list[Any] | None = [None] * self.world_size if self.rank == to else None
+        with self.on_device():
+            self._guard(
+                what, lambda: dist.gather_object(obj, out, dst=self.global_rank(to), group=self.group)
+            )
+        return out
 
     def _next_tag(self) -> int:
         self._tag = (self._tag + 1) % (1 << 20)
@@ -254,10 +387,30 @@ class Comm:
     def _pairwise(
         self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]], tag: int
     ) -> list:
-        works = [dist.irecv(t, src=self.global_rank(j), group=self.group, tag=tag) for j, t in recvs]
         # Stagger the sends (rank r starts with r+1) so that no receiver is hit by everyone at once.
         order = sorted(sends, key=lambda jt: (jt[0] - self.rank) % self.world_size)
+        if self.wire.batched_p2p:  # one batch: NCCL's own communicator, not one per pair
+            ops = [dist.P2POp(dist.irecv, t, self.global_rank(j), self.group, tag) for j, t in recvs]
+            ops += [
+                dist.P2POp(dist.isend, t.contiguous(), self.global_rank(j), self.group, tag) for j, t in order
+            ]
+            return list(dist.batch_isend_irecv(ops)) if ops else []
+        works = [dist.irecv(t, src=self.global_rank(j), group=self.group, tag=tag) for j, t in recvs]
         works += [
             dist.isend(t.contiguous(), dst=self.global_rank(j), group=self.group, tag=tag) for j, t in order
         ]
         return works
+
+
+def _device_of(device: torch.device | str | None, config: str) -> torch.device:
+    """The :class:`Comm`'s device: ``device`` (a CUDA device without an index: the current one), or by
+    default the CPU when the group has a CPU backend, else ``cuda:current_device()``."""
+    if device is None:
+        try:
+            device = backend_for_device(config, "cpu") and "cpu"
+        except ValueError:
+            device = "cuda"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device

@@ -53,7 +53,7 @@ class DenseMean(Vote):
 
     def start(self, local, *, step, key=None, segments=None, encoded=None):
         n, d = self.world_size, local.numel()
-        if n == 1:  # nothing travels, nothing is rounded: plain Lion
+        if self.comm.alone:  # nothing travels, nothing is rounded: plain Lion
             return Pending(lambda: Decoded(local))
         dtype = self.wire_dtype or local.dtype
         piece = -(-d // n)  # elements of the slice each rank sums
@@ -93,7 +93,7 @@ class DenseMean(Vote):
         fused = (
             ballot.backend == "cpu"
             and not keep_copy
-            and self.world_size > 1
+            and not self.comm.alone
             and sum(ballot.segments) == d
             and fits_backend(ballot, state, grads)
         )

@@ -49,11 +49,11 @@ class LaneVote(SignVote):
         self.name = f"{bits}bit-vote"
 
     def payload_format(self):
-        return PackedVotes(self.bits) if self.world_size > 1 else None
+        return None if self.comm.alone else PackedVotes(self.bits)
 
     def start(self, local, *, step, key=None, segments=None, encoded=None):
         n, d = self.world_size, local.numel()
-        if n == 1:
+        if self.comm.alone:
             return Pending(lambda: Decoded(sign_int8(local)))
         lanes = packing.pack_lanes(self.votes(local, step), self.bits) if encoded is None else encoded
         handle = self.comm.all_reduce(lanes, f"{self.bits}-bit vote allreduce")

@@ -32,12 +32,12 @@ class OneBitVote(SignVote):
     name = "1bit"
 
     def payload_format(self):
-        return PackedVotes(1, 8 * self.world_size) if self.world_size > 1 else None
+        return None if self.comm.alone else PackedVotes(1, 8 * self.world_size)
 
     def start(self, local, *, step, key=None, segments=None, encoded=None):
         n = self.world_size
         d = local.numel()
-        if n == 1:
+        if self.comm.alone:
             return Pending(lambda: Decoded(sign_int8(local)))
         nbytes = -(-d // (8 * n)) * n  # padded bits / 8
         if encoded is None:

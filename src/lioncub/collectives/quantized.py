@@ -102,7 +102,7 @@ class QuantizedVote(SignVote):
     def start(self, local, *, step, key=None, segments=None, encoded=None):
         n, d = self.world_size, local.numel()
         levels = self.levels_of(local, segments, key)
-        if n == 1:
+        if self.comm.alone:
             return Pending(lambda: Decoded(torch.sign(levels).to(torch.int8)))
         if self.bits == 8:
             handle = self.comm.all_reduce(levels, f"int8 {self.quantizer} allreduce")

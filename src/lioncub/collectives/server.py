@@ -51,11 +51,11 @@ class ServerVote(SignVote):
         self.name = f"server-{aggregation}"
 
     def payload_format(self):
-        return PackedVotes(1, 8) if self.world_size > 1 else None
+        return None if self.comm.alone else PackedVotes(1, 8)
 
     def start(self, local, *, step, key=None, segments=None, encoded=None):
         n, d = self.world_size, local.numel()
-        if n == 1:
+        if self.comm.alone:
             signs = sign_int8(local)
             return Pending(
                 lambda: Decoded(signs if self.aggregation == "majority" else signs.to(local.dtype))

@@ -25,11 +25,11 @@ class SignSumVote(SignVote):
         quantize.level_budget(comm.world_size, 8, "signed")  # raises beyond 127 workers
 
     def payload_format(self):
-        return Int8Signs() if self.world_size > 1 else None
+        return None if self.comm.alone else Int8Signs()
 
     def start(self, local, *, step, key=None, segments=None, encoded=None):
         signs = sign_int8(local) if encoded is None else encoded
-        if self.world_size == 1:
+        if self.comm.alone:
             return Pending(lambda: Decoded(signs))
         handle = self.comm.all_reduce(signs, "int8 sign allreduce")
         return Pending(lambda: SignOfSum(handle.wait()))  # type: ignore[arg-type]
@@ -48,7 +48,7 @@ class AverageVote(SignSumVote):
     def start(self, local, *, step, key=None, segments=None, encoded=None):
         signs = sign_int8(local) if encoded is None else encoded
         n = self.world_size
-        if n == 1:
+        if self.comm.alone:
             return Pending(lambda: Decoded(signs.to(local.dtype)))
         handle = self.comm.all_reduce(signs, "int8 sign allreduce (average)")
         out = self.buffer(key, "average", local.numel(), local.dtype)  # reused: no fresh pages per step

@@ -273,29 +273,57 @@ def _l1_divisors(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pass 1 (torch, the reference's own reduction): per group (segment, or chunk of a segment) the
     float64 divisor ``mean|x|`` (1 for an all-zero group, +Inf for a non-finite one) and whether its
-    segment works in float64; the segment starts and each segment's first group."""
-    divisors, wide, starts, bases = [], [], [], []
-    pos, groups = 0, 0
+    segment works in float64; the segment starts and each segment's first group (int64, int32: made on
+    the device once per layout, not copied from the host at every call)."""
+    divisors, wide = [], []
+    pos = 0
     for length in segments:
-        piece = x[pos : pos + length]
-        starts.append(pos)
-        bases.append(groups)
         if length:
             d64, work = quantize.l1_divisors(
-                piece, levels, clip_multiple=clip_multiple, chunk_size=chunk_size
+                x[pos : pos + length], levels, clip_multiple=clip_multiple, chunk_size=chunk_size
             )
             divisors.append(d64)
             wide.append(work.expand(d64.numel()))
-            groups += d64.numel()
         pos += length
     device = x.device
     divisor = torch.cat(divisors) if divisors else torch.ones(1, dtype=torch.float64, device=device)
     wide_t = torch.cat(wide).to(torch.int8) if wide else torch.zeros(1, dtype=torch.int8, device=device)
+    starts, bases = _segment_tables(device, tuple(segments), chunk_size)
+    return divisor, wide_t, starts, bases
+
+
+_CONSTANTS: dict[tuple, torch.Tensor] = {}  # device tensors of host constants, by (what, device, key)
+_CONSTANTS_MAX = 256
+
+
+def _device_constant(
+    what: str, device: torch.device, key: object, values: Sequence, dtype: torch.dtype
+) -> torch.Tensor:
+    """``torch.tensor(values, dtype, device)``, made once per ``(what, device, key)``: a copy from the
+    host is a synchronization on a GPU, and a bucket's layout is the same at every step."""
+    entry = (what, device, key)
+    t = _CONSTANTS.get(entry)
+    if t is None:
+        if len(_CONSTANTS) >= _CONSTANTS_MAX:
+            _CONSTANTS.clear()
+        t = _CONSTANTS[entry] = torch.tensor(values, dtype=dtype, device=device)
+    return t
+
+
+def _segment_tables(
+    device: torch.device, segments: tuple[int, ...], chunk_size: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int64 start of each segment, int32 index of each segment's first divisor group) on ``device``."""
+    starts, bases, pos, groups = [], [], 0, 0
+    for length in segments:
+        starts.append(pos)
+        bases.append(groups)
+        groups += (-(-length // chunk_size) if chunk_size else 1) if length else 0
+        pos += length
+    key = (segments, chunk_size)
     return (
-        divisor,
-        wide_t,
-        torch.tensor(starts or [0], dtype=torch.int64, device=device),
-        torch.tensor(bases or [0], dtype=torch.int32, device=device),
+        _device_constant("starts", device, key, starts or [0], torch.int64),
+        _device_constant("bases", device, key, bases or [0], torch.int32),
     )
 
 
@@ -358,7 +386,9 @@ def _quantize_triton(
     """:func:`quantize_l1`'s Triton pass 2 over every segment at once (pass 1: :func:`_l1_divisors`)."""
     n = flat.numel()
     divisor, wide, starts, bases = _l1_divisors(flat, levels, clip_multiple, chunk_size, segs)
-    scale = torch.tensor([levels / clip_multiple], dtype=torch.float64, device=flat.device)
+    scale = _device_constant(
+        "scale", flat.device, (levels, clip_multiple), [levels / clip_multiple], torch.float64
+    )
     n_seg = len(segs)
     search = max(0, (n_seg - 1).bit_length())
     grid = -(-n // _BLOCK)

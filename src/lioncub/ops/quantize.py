@@ -132,9 +132,19 @@ def _check_real(x: torch.Tensor) -> None:
         raise TypeError(f"quantizers take a floating-point tensor, got {x.dtype}")
 
 
+def _on_host(x: torch.Tensor) -> bool:
+    """Whether ``x``'s reductions may branch on a value read by the host: on the CPU that costs nothing;
+    on a GPU every read is a synchronization, so the GPU paths do not branch (they reduce in float64)."""
+    return x.device.type == "cpu"
+
+
 def _abs_sums(x: torch.Tensor) -> torch.Tensor:
-    """``Σ|x|`` over the last dimension in float64, in cache-sized pieces (faster than ``vector_norm``)."""
+    """``Σ|x|`` over the last dimension in float64: on the CPU in float32 cache-sized pieces (faster than
+    ``vector_norm``), a piece that overflows its dtype redone in float64; elsewhere in one float64
+    reduction (no host synchronization; float64 sums of float32/16-bit values cannot overflow)."""
     rows = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
+    if not _on_host(x):
+        return torch.linalg.vector_norm(rows, 1, dim=1, dtype=torch.float64).reshape(x.shape[:-1])
     m, n = rows.shape
     sums = torch.empty(m, dtype=torch.float64, device=x.device)
     step = max(1, _PIECE // max(n, 1))
@@ -189,6 +199,8 @@ def lp_normalizer(x: torch.Tensor, p: float, *, eps: float | None = None) -> tor
         return max_abs(x, dim=-1).to(torch.float64)
     if p == 1:
         mean = _abs_sums(x) / x.shape[-1]
+        if not _on_host(x) and x.dtype != torch.float64:
+            return mean  # a non-finite mean is a NaN/Inf of the row: it stays
         bad = ~torch.isfinite(mean)
         if bool(bad.any()):  # a NaN/Inf (stays), or a float64 sum of huge values overflowed: max-scaled
             mean[bad] = _scaled_power_mean(x.abs()[bad], 1.0)

@@ -89,7 +89,7 @@ def collect(
     signs = torch.sign(flat_c).to(torch.int32)
     m = torch.cat([t.detach().reshape(-1).double() for t in momenta])  # fp64: E[m²] − E[m]² cancels
     moments = torch.cat([m, m.square()])
-    if n > 1:
+    if not comm.alone:
         handles = [
             comm.all_reduce(flat_c, "diagnostics: full-precision vote"),
             comm.all_reduce(signs, "diagnostics: sign vote"),

@@ -21,7 +21,7 @@ import torch
 from lioncub.collectives import Ballot, Comm, Hyper, ParamState, Vote
 from lioncub.ops import kernels, native
 
-__all__ = ["Bucket", "OptimizerState", "StepEngine", "StepTimes", "make_buckets"]
+__all__ = ["Bucket", "OptimizerState", "PhaseClock", "StepEngine", "StepTimes", "make_buckets"]
 
 
 @dataclass
@@ -49,6 +49,26 @@ class StepTimes:
             "overlapped_s": self.overlapped,
             "communication_s": self.encode + self.exchange + self.sync,  # quantize/pack + wire + unpack
         }
+
+
+class PhaseClock:
+    """The clock of a step's phase times (:class:`StepTimes`), in seconds (``time.perf_counter``).
+
+    On a CUDA device every reading first waits for the work queued on it (``torch.cuda.synchronize``):
+    kernels, and the compute stream's waits for NCCL, run asynchronously, so the host clock alone would
+    time their launches and book every phase's work to whichever phase next waits. The cost: one
+    synchronize per phase boundary (four or five a step, each the launch latency of the next phase's
+    first kernel, microseconds; the step check already synchronizes once). On the CPU a reading is just
+    ``perf_counter``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._synchronize = device.type == "cuda"
+
+    def __call__(self) -> float:
+        if self._synchronize:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
 
 class OptimizerState:
@@ -156,6 +176,8 @@ class StepEngine:
         self.vote = vote
         self.comm: Comm = vote.comm
         self.state = OptimizerState(optimizer)
+        #: the phase clock of the comm's device (:class:`PhaseClock`)
+        self.clock = PhaseClock(self.comm.device)
         if any(p.device.type == "cpu" for g in optimizer.param_groups for p in g["params"]):
             native.available()  # builds or loads the fused CPU kernels now, not in the first step
 
@@ -194,31 +216,31 @@ class StepEngine:
         parameters whose ``id`` is in ``untouched`` (no gradient on any rank) keep their value and
         momentum. Returns copies of the flat updates if ``keep_updates`` (diagnostics), else ``[]``."""
         state = state or self.state
-        t0 = time.perf_counter()
+        t0 = self.clock()
         for ballot in ballots:
             self.vote.advance(ballot)
-        times.exchange += time.perf_counter() - t0
+        times.exchange += self.clock() - t0
         updates: list[torch.Tensor] = []
         for ballot in ballots:
-            t0 = time.perf_counter()
+            t0 = self.clock()
             self.vote.wait(ballot)
-            t1 = time.perf_counter()
+            t1 = self.clock()
             update = self.vote.apply(ballot, state, untouched=untouched, keep_update=keep_updates)
             if update is not None:
                 updates.append(update)
             times.exchange += t1 - t0
-            times.apply += time.perf_counter() - t1
+            times.apply += self.clock() - t1
         return updates
 
     def means(self, ballots: Sequence[Ballot], times: StepTimes) -> list[torch.Tensor]:
         """Steps 3 and the wait for every ballot, and the decoded updates (for a rule that applies them
         itself; with a dense variant, the mean of the ranks' contributions, flat)."""
-        t0 = time.perf_counter()
+        t0 = self.clock()
         for ballot in ballots:
             self.vote.advance(ballot)
         for ballot in ballots:
             self.vote.wait(ballot)
-        times.exchange += time.perf_counter() - t0
+        times.exchange += self.clock() - t0
         return [self.vote.update(ballot) for ballot in ballots]
 
     def discard(self, ballots: Sequence[Ballot]) -> None:

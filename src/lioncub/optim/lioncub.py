@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -169,10 +168,15 @@ class LionCub(PerRankState, WindowedSteps, LeanOptimizer):
         self.momentum_sync = momentum_sync
         self.diagnostics_every = diagnostics_every
         self.bucket_mb = bucket_mb
-        group, levels = _groups(config, process_group)
-        self.comm = Comm.single() if group is False else Comm(group, exchange=config.exchange)  # type: ignore[arg-type]
+        device = _device_of(self.param_groups)
+        group, levels = _groups(config, process_group, device)
+        if group is False:
+            self.comm = Comm.single(device)
+        else:
+            self.comm = Comm(group, device=device, exchange=config.exchange)  # type: ignore[arg-type]
         #: one process (no process group, or a group of one): every step is :class:`~lioncub.optim.Lion`'s
-        self.single_process = self.comm.world_size == 1
+        #: (unless built under :func:`lioncub.collectives.base.exchange_when_alone`)
+        self.single_process = self.comm.alone
         if self.single_process:
             _log.info("LionCub: one process (world size 1): no vote, every step is lioncub.Lion's step")
             config, levels = dataclasses.replace(config, topology="flat"), None  # nothing is laid over nodes
@@ -330,12 +334,12 @@ class LionCub(PerRankState, WindowedSteps, LeanOptimizer):
         ballots = self._overlap.collect(step, times) if self._overlap is not None else None
         posted = ballots is not None  # overlapped: contributed and posted during the backward
         if ballots is None:
-            t0 = time.perf_counter()
+            t0 = self.engine.clock()
             grads = {"step": vote_step, "keep_copy": diagnose, "state": state}
             ballots = [
                 self.engine.contribute(b, [p.grad for p in b.params], **grads) for b in self.layout.buckets
             ]
-            times.direction += time.perf_counter() - t0
+            times.direction += self.engine.clock() - t0
         check = self._check_step(ballots, posted, overflow)
         if not check.ok:  # skipped: nothing is applied on any rank
             self._finish_step(before, times, skipped=True)
@@ -344,15 +348,15 @@ class LionCub(PerRankState, WindowedSteps, LeanOptimizer):
         if self.checks.broadcast_init:  # parameters that joined since the last step (the ranks agree)
             self._broadcast_new()
         if not posted:
-            t0 = time.perf_counter()
+            t0 = self.engine.clock()
             for ballot in ballots:
                 self.engine.post(ballot, vote_step)
-            times.encode += time.perf_counter() - t0
+            times.encode += self.engine.clock() - t0
         updates = self.engine.apply(ballots, times, keep_updates=diagnose, untouched=untouched, state=state)
         if self._sync_params and self.momentum_sync.due(step):
-            t0 = time.perf_counter()
+            t0 = self.engine.clock()
             self._sync_momenta(untouched)
-            times.sync += time.perf_counter() - t0
+            times.sync += self.engine.clock() - t0
         if self.checks.replica_check_every and vote_step % self.checks.replica_check_every == 0:
             self.check_replicas()
         self._finish_step(before, times, skipped=False)
@@ -550,11 +554,23 @@ class LionCub(PerRankState, WindowedSteps, LeanOptimizer):
         return self._global_step
 
 
+def _device_of(param_groups: list[dict[str, Any]]) -> torch.device:
+    """The one device of the parameters (the votes' buffers and collectives live there); ``ValueError``
+    naming the devices when they are several."""
+    devices = sorted({p.device for g in param_groups for p in g["params"]}, key=str)
+    if len(devices) > 1:
+        raise ValueError(
+            f"LionCub: the parameters are on several devices ({', '.join(map(str, devices))}); the votes of "
+            "one optimizer run on one device: give each device's parameters an optimizer of their own"
+        )
+    return devices[0] if devices else torch.device("cpu")
+
+
 def _groups(
-    config: VoteConfig, process_group: Any
+    config: VoteConfig, process_group: Any, device: torch.device
 ) -> tuple[dist.ProcessGroup | bool | None, tuple[Comm, Comm] | None]:
     """(the flat group — ``False`` when there is no process group at all —, the (intra-node, inter-node)
-    groups of a topology other than flat) for the ``process_group`` argument."""
+    groups, on ``device``, of a topology other than flat) for the ``process_group`` argument."""
     if process_group is None and not (dist.is_available() and dist.is_initialized()):
         return False, None
     if config.topology == "flat":
@@ -569,6 +585,6 @@ def _groups(
             f"topology={config.topology!r}: process_group must be a DeviceMesh with dims "
             f"{topology.MESH_DIMS} (or None: built from torchrun's $LOCAL_WORLD_SIZE)"
         )
-    mesh = mesh or topology.mesh_from_environment(config.topology)
-    flat, intra, inter = topology.node_groups(mesh, config.exchange)
+    mesh = mesh or topology.mesh_from_environment(config.topology, device)
+    flat, intra, inter = topology.node_groups(mesh, config.exchange, device)
     return flat, (intra, inter)

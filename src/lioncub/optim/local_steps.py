@@ -32,7 +32,6 @@ modulo H, so a resume in the middle of a window continues it bitwise.
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,9 +176,9 @@ class WindowedSteps:
         if not self._grads_compared:  # type: ignore[has-type]
             self._compare_first_gradients(params)
         before, times = self.accounting.snapshot(), StepTimes()  # type: ignore[attr-defined]
-        t0 = time.perf_counter()
+        t0 = self.engine.clock()
         skipped = self._lion_step(overflow, local=True)  # type: ignore[attr-defined]
-        times.apply = time.perf_counter() - t0
+        times.apply = self.engine.clock() - t0
         for p in params:
             if p.grad is not None and "window_grad" not in self.state[p]:
                 self.state[p]["window_grad"] = p.new_ones(())
@@ -251,13 +250,13 @@ class WindowedSteps:
         if config.inner_momentum != "keep":  # after the step check: the ranks agree on the layout
             before, times = self.accounting.snapshot(), StepTimes()  # type: ignore[attr-defined]
             momenta = [self.engine.state.momentum(p) for p in params]  # type: ignore[attr-defined]
-            t0 = time.perf_counter()
+            t0 = self.engine.clock()
             if config.inner_momentum == "reset":
                 for m in momenta:
                     m.zero_()
             else:
                 synchronize(self.comm, momenta, torch.float32)  # type: ignore[attr-defined]
-            times.sync = time.perf_counter() - t0
+            times.sync = self.engine.clock() - t0
             self.accounting.continue_step()  # type: ignore[attr-defined]
             self.accounting.finish_step(before, times, skipped=False)  # type: ignore[attr-defined]
 
@@ -267,27 +266,27 @@ class WindowedSteps:
         without a gradient on any rank are untouched; booked as one step from ``before`` with ``times``."""
         engine, lr, (mu, _) = self.engine, self.local_steps.lr, self.local_steps.betas  # type: ignore[attr-defined]
         outer = OuterState(self, self.local_steps, engine.state.group, key="outer_buf")  # type: ignore[arg-type]
-        t0 = time.perf_counter()
+        t0 = self.engine.clock()
         ballots = [
             engine.contribute(b, [p.grad for p in b.params], step=outer_step, state=outer)
             for b in self.layout.buckets  # type: ignore[attr-defined]
         ]
-        times.direction += time.perf_counter() - t0
+        times.direction += self.engine.clock() - t0
         check = self._check_step(ballots, False, False)  # type: ignore[attr-defined]
         if check.ok:
             untouched = self._without_gradient() if check.missing_grads else frozenset()  # type: ignore[attr-defined]
             if self.checks.broadcast_init:  # type: ignore[attr-defined]  # joined this window (the ranks agree)
                 self._broadcast_new()  # type: ignore[attr-defined]
-            t0 = time.perf_counter()
+            t0 = self.engine.clock()
             for ballot in ballots:
                 engine.post(ballot, outer_step)
-            times.encode += time.perf_counter() - t0
+            times.encode += self.engine.clock() - t0
             means = engine.means(ballots, times)
-            t0 = time.perf_counter()
+            t0 = self.engine.clock()
             for ballot, mean in zip(ballots, means, strict=True):
                 for p, d in zip(ballot.params, flat_views(mean, ballot.params), strict=True):
                     if id(p) not in untouched:  # v ← μ·v + Δ̄ (v starts at 0: Δ̄ at the first step)
                         buf = outer.momentum(p).mul_(mu).add_(d)
                         p.add_(d.add(buf, alpha=mu), alpha=-lr)
-            times.apply += time.perf_counter() - t0
+            times.apply += self.engine.clock() - t0
         self._finish_step(before, times, skipped=not check.ok)  # type: ignore[attr-defined]

@@ -20,7 +20,9 @@ per bucket, in DDP's bucket order (the same on every rank):
    untouched: DDP's future completes at once and ``p.grad`` stays this rank's own gradient, which the
    apply needs for the momentum. The momenta are keyed by parameter in the optimizer's state, so DDP's
    bucket rebuild after the first iteration changes nothing.
-2. **The vote thread** posts the bucket's vote (:meth:`~lioncub.collectives.Vote.post`), then finishes
+2. **The vote thread** (whose current CUDA device, a per-thread setting, it sets to the parameters' device
+   before anything else: :meth:`~lioncub.collectives.Comm.bind_thread`) posts the bucket's vote
+   (:meth:`~lioncub.collectives.Vote.post`), then finishes
    the first phase of the previous bucket's vote and posts its second phase (``advance``). The schedule
    ``post(0), post(1), advance(0), post(2), advance(1), …`` is fixed, so every rank posts the same
    collectives in the same order, on a process group of their own (a duplicate of the optimizer's, made
@@ -205,8 +207,15 @@ class OverlapHook:
 
     # -- the vote thread -----------------------------------------------------------------------------
 
+    # The hook's and the vote thread's times (``overlapped_s``) are host times, never synchronized with
+    # the device: a synchronize there would stall the backward it overlaps.
+
     def _vote_thread(self) -> None:
         previous: tuple[Ballot, int, int] | None = None
+        try:  # the current CUDA device is per host thread: the kernels and NCCL work run on the rank's GPU
+            self.comm.bind_thread()
+        except BaseException as err:  # raised by the next step()
+            self._error = err
         while True:
             entry = self._queue.get()
             try:
@@ -232,9 +241,9 @@ class OverlapHook:
         """The posted votes of ``step`` (``None`` if no backward ran since the last step: the plain step),
         once the vote thread is idle; adds the hook's times to ``times`` (the wait for the vote thread to
         ``exchange``: it is communication the backward did not hide). Raises the vote thread's error."""
-        t0 = time.perf_counter()
+        t0 = self.engine.clock()
         self._queue.join()
-        times.exchange += time.perf_counter() - t0
+        times.exchange += self.engine.clock() - t0
         if self._error is not None:
             err, self._error = self._error, None
             self._inflight = []
@@ -290,8 +299,8 @@ def overlap_group(model: object, comm: Comm, process_group: dist.ProcessGroup | 
         )
     if process_group is None:
         ranks = dist.get_process_group_ranks(comm.group or dist.group.WORLD)
-        process_group = dist.new_group(ranks=ranks, backend=comm.backend)
-    votes = Comm(process_group, exchange=comm.exchange)
+        process_group = dist.new_group(ranks=ranks, backend=comm.backend_config)
+    votes = Comm(process_group, device=comm.device, exchange=comm.exchange)
     if votes.world_size != comm.world_size or votes.rank != comm.rank:
         raise ValueError("overlap_with: process_group must have the optimizer's ranks, in its order")
     return votes

@@ -11,7 +11,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from lioncub.collectives import Comm, flat_views
 
@@ -40,7 +39,7 @@ def check_same_parameters(
     mismatch every rank gathers the lists and raises :class:`ReplicaMismatchError` naming the first
     differing parameter (instead of a hang or a vote over misaligned buffers later)."""
     n = comm.world_size
-    if n == 1:
+    if comm.alone:
         return
     group_of = {id(p): gi for gi, g in enumerate(param_groups) for p in g["params"]}
     layout = [
@@ -53,8 +52,7 @@ def check_same_parameters(
     comm.all_gather(gathered, mine.to(comm.device), "parameter layout check").wait()
     if bool((gathered == gathered[0]).all()):
         return
-    layouts: list[Any] = [None] * n
-    dist.all_gather_object(layouts, layout, group=comm.group)
+    layouts = comm.all_gather_object(layout, "parameter layout gather")
     rank = next(r for r in range(n) if layouts[r] != layouts[0])
     ours, other = layouts[0], layouts[rank]
     i = next(
@@ -73,7 +71,7 @@ def check_same_parameters(
 @torch.no_grad()
 def broadcast_parameters(comm: Comm, buckets: Sequence[Sequence[torch.Tensor]]) -> None:
     """Copy rank 0's parameters to every rank, one flat broadcast per bucket of parameters."""
-    if comm.world_size == 1:
+    if comm.alone:
         return
     for params in buckets:
         flat = torch.cat([p.detach().reshape(-1) for p in params])
@@ -98,7 +96,7 @@ def check_replicas(comm: Comm, checksum: torch.Tensor, step: int) -> None:
     """All-gather every rank's :func:`parameter_checksum`; raise :class:`ReplicaDivergenceError` on a mismatch
     (on every rank, naming the ranks that disagree with rank 0)."""
     n = comm.world_size
-    if n == 1:
+    if comm.alone:
         return
     mine = checksum
     gathered = torch.empty(n, 2, dtype=torch.int64, device=comm.device)

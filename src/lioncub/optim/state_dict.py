@@ -19,7 +19,6 @@ import dataclasses
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from lioncub._validate import is_int
 from lioncub.collectives import Comm
@@ -98,7 +97,9 @@ class PerRankState:
         """Gather every rank's :meth:`state_dict` on rank ``to`` (a rank of the optimizer's group), so that
         a framework that saves the optimizer from one rank only keeps every rank's momenta (the convention
         of ``torch.distributed.optim.ZeroRedundancyOptimizer``; Lightning calls it before saving).
-        Collective: every rank calls it. Costs ``N`` times one rank's state in ``to``'s memory and file."""
+        Collective: every rank calls it. Costs ``N`` times one rank's state in ``to``'s host memory and
+        file (the states travel and stay on the CPU; :meth:`load_state_dict` moves them to the
+        parameters' device)."""
         comm = self.comm
         if not (is_int(to, 0) and to < comm.world_size):
             raise ValueError(
@@ -108,17 +109,11 @@ class PerRankState:
         if self.single_process:
             self._consolidated = [None]
             return
-        own = self._own_state_dict()
-        gathered: list[Any] | None = [None] * comm.world_size if comm.rank == to else None
-        try:
-            dist.gather_object(own, gathered, dst=comm.global_rank(to), group=comm.group)
-        except Exception as err:
-            raise RuntimeError(
-                f"rank {comm.rank}/{comm.world_size}: consolidate_state_dict(to={to}) failed at optimizer "
-                f"step {self._global_step}: {type(err).__name__}: {err}"
-            ) from err
+        # pickled from the CPU: a CUDA tensor would be unpickled on this rank's GPU inside rank `to`
+        own = _to_cpu(self._own_state_dict())
+        gathered = comm.gather_object(own, to, f"consolidate_state_dict(to={to})")
         if gathered is not None:
-            self._consolidated = [None if r == to else _to_cpu(sd) for r, sd in enumerate(gathered)]
+            self._consolidated = [None if r == to else sd for r, sd in enumerate(gathered)]
 
     def load_state_dict(self, state_dict: dict[str, Any], *, allow_world_size_change: bool = False) -> None:
         """Load this rank's state: from a consolidated state dict (:meth:`consolidate_state_dict`) the

@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from lioncub._validate import is_int
 from lioncub.collectives import Comm
@@ -142,10 +141,10 @@ def check_step(
         checksum & 0xFFFFFFFF,
         zlib.crc32(settings.encode()),
     ]
-    mine = torch.tensor(words, dtype=torch.int64)
+    mine = torch.tensor(words, dtype=torch.int64)  # host words: the verdict is read on the host
     mine = ((mine + 2**31) % 2**32 - 2**31).to(torch.int32)  # each word as a signed int32
     n = comm.world_size
-    if n > 1:
+    if not comm.alone:
         rows = torch.empty(n, STEP_CHECK_WORDS, dtype=torch.int32, device=comm.device)
         comm.all_gather(rows, mine.to(comm.device), "step check").wait()
         rows = rows.cpu()
@@ -219,8 +218,7 @@ def step_settings(grad_scale: torch.Tensor | None, param_groups: Sequence[dict])
 
 def _raise_on_settings(comm: Comm, settings: str, step: int) -> None:
     """Every rank's settings (a gather of the texts) and :class:`HyperparameterMismatchError` naming them."""
-    texts: list[str] = [""] * comm.world_size
-    dist.all_gather_object(texts, settings, group=comm.group)
+    texts = comm.all_gather_object(settings, "step settings gather")
     differ = [r for r, t in enumerate(texts) if t != texts[0]]
     lines = "\n".join(f"  rank {r}: {t}" for r, t in enumerate(texts))
     raise HyperparameterMismatchError(
@@ -239,7 +237,7 @@ def grad_checksum(grads: Sequence[torch.Tensor], sample: int = 1 << 16) -> int:
     for g in grads:
         head = g.detach().reshape(-1)[:sample].float().contiguous()
         bits = head.view(torch.int32).to(torch.int64)
-        weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64)
+        weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device)
         total = (total * 1_000_003 + int((bits * weights).sum())) % (2**61 - 1)
     return total
 

@@ -27,22 +27,22 @@ def is_mesh(value: object) -> bool:
     return isinstance(value, DeviceMesh)
 
 
-def mesh_from_environment(topology: str) -> DeviceMesh:
+def mesh_from_environment(topology: str, device: torch.device | None = None) -> DeviceMesh:
     """The ``(M, L)`` node mesh of the default group (collective): M from ``$LIONCUB_NNODES`` where
     ``lioncub launch`` emulates the nodes (with ``--nproc N --link`` every rank is a node of its own),
     else L from torchrun's ``$LOCAL_WORLD_SIZE``. Every rank's L is compared first (one all-gather of an
     int32 per rank), so that nodes of uneven size, or a value some ranks lack, raise the same error on
-    every rank instead of leaving some waiting for a mesh the others never build."""
+    every rank instead of leaving some waiting for a mesh the others never build. ``device``: the
+    parameters' (the mesh and that gather live on its device type; default: :class:`Comm`'s)."""
     world = dist.get_world_size()
     local, said = _ranks_per_node(world)
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    mine = torch.tensor([local], dtype=torch.int32, device=device)
-    every = torch.empty(world, dtype=torch.int32, device=device)
-    dist.all_gather_into_tensor(every, mine)
-    sizes = every.cpu().tolist()
+    everyone = Comm(None, device=device)
+    mine = torch.tensor([local], dtype=torch.int32, device=everyone.device)
+    every = torch.empty(world, 1, dtype=torch.int32, device=everyone.device)
+    everyone.all_gather(every, mine, "node size check").wait()
+    sizes = every.reshape(-1).cpu().tolist()
     if len(set(sizes)) > 1 or sizes[0] < 1:
-        seen: list[str] = [""] * world
-        dist.all_gather_object(seen, said)
+        seen = everyone.all_gather_object(said, "node size gather")
         table = "; ".join(f"rank {r}: {s}" for r, s in enumerate(seen))
         raise ValueError(
             f"topology={topology!r}: the ranks do not agree on one node size that divides the world of "
@@ -50,7 +50,8 @@ def mesh_from_environment(topology: str) -> DeviceMesh:
             "nodes of equal size with torchrun (which sets $LOCAL_WORLD_SIZE) or lioncub launch --nnodes M "
             "--nproc-per-node L"
         )
-    return init_device_mesh(device, (world // sizes[0], sizes[0]), mesh_dim_names=MESH_DIMS)
+    shape = (world // sizes[0], sizes[0])
+    return init_device_mesh(everyone.device.type, shape, mesh_dim_names=MESH_DIMS)
 
 
 def _ranks_per_node(world: int) -> tuple[int, str]:
@@ -67,15 +68,18 @@ def _ranks_per_node(world: int) -> tuple[int, str]:
     return (int(local) if ok else 0), said  # type: ignore[arg-type]
 
 
-def node_groups(mesh: DeviceMesh, exchange: str) -> tuple[dist.ProcessGroup | None, Comm, Comm]:
+def node_groups(
+    mesh: DeviceMesh, exchange: str, device: torch.device | None = None
+) -> tuple[dist.ProcessGroup | None, Comm, Comm]:
     """(the flat group of all the mesh's ranks — ``None`` for the whole world —, the intra-node
-    :class:`Comm`, the inter-node :class:`Comm`) of this rank. Collective when the mesh is not the world."""
+    :class:`Comm`, the inter-node :class:`Comm`) of this rank, on ``device`` (default: :class:`Comm`'s).
+    Collective when the mesh is not the world."""
     if mesh.mesh_dim_names != MESH_DIMS:
         raise ValueError(
             f"process_group: a DeviceMesh must have the dims {MESH_DIMS}, not {mesh.mesh_dim_names}"
         )
     ranks = mesh.mesh.flatten().tolist()
     flat = None if ranks == list(range(dist.get_world_size())) else dist.new_group(ranks=ranks)
-    intra = Comm(mesh.get_group("local"), exchange=exchange)  # type: ignore[arg-type]
-    inter = Comm(mesh.get_group("node"), exchange=exchange)  # type: ignore[arg-type]
+    intra = Comm(mesh.get_group("local"), device=device, exchange=exchange)  # type: ignore[arg-type]
+    inter = Comm(mesh.get_group("node"), device=device, exchange=exchange)  # type: ignore[arg-type]
     return flat, intra, inter

@@ -135,7 +135,7 @@ def _atomic_torch_save(obj: Any, path: Path) -> str:
 
 
 def _verified_load(meta: CheckpointMeta, name: str) -> Any:
-    """``torch.load(weights_only=True)`` of ``meta.path / name`` after checking its SHA-256."""
+    """``torch.load(weights_only=True)`` of ``meta.path / name`` to the CPU after checking its SHA-256."""
     path = meta.path / name
     try:
         data = path.read_bytes()
@@ -150,7 +150,9 @@ def _verified_load(meta: CheckpointMeta, name: str) -> Any:
             f"checkpoint {meta.path}: {name} is truncated or corrupted ({len(data)} bytes, SHA-256 "
             f"{got[:12]}… but meta.json records {str(want)[:12]}…); nothing was loaded{_previous(meta)}"
         )
-    return torch.load(io.BytesIO(data), weights_only=True)
+    # to the CPU whatever device it was saved from (cuda:K of a rank that may not exist here); the caller
+    # moves it: load_state_dict copies into the parameters, the optimizer casts to each parameter's device
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
 def _previous(meta: CheckpointMeta) -> str:

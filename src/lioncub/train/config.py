@@ -26,11 +26,13 @@ from lioncub.train.workloads import CNNWorkload, GPTWorkload, workload_names
 __all__ = [
     "BASELINES",
     "CONVERSIONS",
+    "CUDA_UNDER_EMULATION",
     "JSON_KEYS",
     "ClusterConfig",
     "OptimizerConfig",
     "RunConfig",
     "TrainConfig",
+    "emulates_links",
     "format_overrides",
     "lr_factor",
 ]
@@ -57,7 +59,8 @@ class RunConfig:
     data_mode: str = "random"
     """``random``: each rank its own random order of the training set; ``shard``: disjoint shards."""
     device: str = "auto"
-    """``auto``: CUDA if available (NCCL), else the CPU (gloo); or ``cpu``, ``cuda`` (``--device``)."""
+    """``auto``: CUDA if available (NCCL) and no link is emulated, else the CPU (gloo); or ``cpu``,
+    ``cuda`` (``--device``; ``cuda`` is refused behind emulated links)."""
     steps: int = 200
     """Optimizer steps; the lr schedule ends at the last one (``--steps``)."""
     warmup_steps: int | None = None
@@ -348,6 +351,8 @@ class TrainConfig:
             raise ValueError(f"--data-mode {run.data_mode!r}: allowed values are ['random', 'shard']")
         if run.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device {run.device!r}: allowed values are ['auto', 'cpu', 'cuda']")
+        if run.device == "cuda" and emulates_links(self):
+            raise ValueError(CUDA_UNDER_EMULATION.format(link=self.cluster.link))
         if run.convert_momenta not in (None, *CONVERSIONS):
             raise ValueError(
                 f"--convert-momenta {run.convert_momenta!r}: allowed values are {list(CONVERSIONS)}"
@@ -411,3 +416,18 @@ def lr_factor(step: int, steps: int, warmup: int, min_ratio: float) -> float:
 def format_overrides(overrides: dict[str, Any]) -> str:
     """``--set`` values as the user would type them (``batch_size=8 dropout=0.1``)."""
     return " ".join(f"{k}={v!r}" for k, v in overrides.items())
+
+
+#: why ``--device cuda`` is refused behind emulated links (:func:`emulates_links`)
+CUDA_UNDER_EMULATION = (
+    "--device cuda with --link {link}: the emulated links shape the network namespaces' traffic, but NCCL "
+    "finds every rank on one host and sends through NVLink/PCIe peer-to-peer or shared memory instead, so "
+    "the step times would be the GPU interconnect's, not the link's (and with --nnodes the ranks of the "
+    "emulated nodes would also share GPUs). Emulate links with --device cpu (gloo crosses them), or run "
+    "real nodes with torchrun and lioncub train"
+)
+
+
+def emulates_links(config: TrainConfig) -> bool:
+    """Whether the run's ranks sit behind links the launcher emulates (``--link RATE``, ``--nnodes``)."""
+    return config.cluster.link not in (None, "loopback")

@@ -45,7 +45,6 @@ import os
 import random
 import signal
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,11 +63,12 @@ from lioncub.optim.ddp import (
     count_gradient_allreduce,
     skip_gradient_allreduce,
 )
+from lioncub.optim.engine import PhaseClock
 from lioncub.optim.step_check import NonFiniteGradientError
 from lioncub.planning import costmodel
 from lioncub.planning.auto import DEFAULT_LATENCY_S, choose_topology
 from lioncub.train import checkpoint
-from lioncub.train.config import BASELINES, TrainConfig, lr_factor
+from lioncub.train.config import BASELINES, CUDA_UNDER_EMULATION, TrainConfig, emulates_links, lr_factor
 from lioncub.train.nodebytes import flat_shares, node_bytes
 from lioncub.train.rundir import is_marked, open_append, record, write_atomically, write_owned
 from lioncub.train.runlog import append_record, elapsed_at, truncate_log
@@ -169,12 +169,13 @@ def _compute_baseline(model: torch.nn.Module, wl: Workload, step: int) -> float:
     buffers = {k: v.clone() for k, v in model.named_buffers()}
     times = []
     devices = [wl.device] if wl.device.type == "cuda" else []
+    clock = PhaseClock(wl.device)  # on a GPU: after the queued work, not its launch
     with torch.random.fork_rng(devices=devices), model.no_sync():  # type: ignore[operator]
         for _ in range(4):
             dist.barrier()  # all ranks compute at once, competing for the cores as in a training step
-            t0 = time.perf_counter()
+            t0 = clock()
             wl.loss(model, wl.train_batch(step)).backward()
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
     wl.sampler.position = step  # train_batch moved the position; the data state must not change
     model.zero_grad(set_to_none=True)
     with torch.no_grad():
@@ -196,9 +197,14 @@ def where() -> str:
 
 
 def device_for(config: TrainConfig) -> torch.device:
-    """The device this rank trains on: ``cuda:LOCAL_RANK`` (``--device cuda``, or ``auto`` with CUDA), else
-    the CPU."""
-    if config.run.device == "cuda" or (config.run.device == "auto" and torch.cuda.is_available()):
+    """The device this rank trains on: ``cuda:LOCAL_RANK`` (``--device cuda``, or ``auto`` with CUDA and
+    no emulated link), else the CPU. Behind emulated links (``--link``, ``--nnodes``) ``auto`` takes the
+    CPU and ``cuda`` is refused (:data:`lioncub.train.config.CUDA_UNDER_EMULATION`): NCCL would bypass the
+    links inside the host."""
+    device, emulated = config.run.device, emulates_links(config)
+    if device == "cuda" and emulated:
+        raise ValueError(CUDA_UNDER_EMULATION.format(link=config.cluster.link))
+    if device == "cuda" or (device == "auto" and not emulated and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise RuntimeError("--device cuda: no CUDA device is available")
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -346,14 +352,15 @@ def _train_step(r: _Rank, step: int, elapsed: float) -> dict[str, Any]:
     factor = lr_factor(step, run.steps, run.warmup, run.min_lr_ratio)
     for group in setup.opt.param_groups:
         group["lr"] = group["initial_lr"] * factor
-    t0 = time.perf_counter()
+    clock = PhaseClock(r.wl.device)  # on a GPU: the compute and the step as done, not as launched
+    t0 = clock()
     loss = r.wl.loss(setup.model, r.wl.train_batch(step - 1))
     loss.backward()
     _fault_injection(r.rank, step)
-    t1 = time.perf_counter()
+    t1 = clock()
     skipped = _optimizer_step(setup, r.config.optimizer.nonfinite, step)
     setup.opt.zero_grad(set_to_none=True)
-    t2 = time.perf_counter()
+    t2 = clock()
     rec = _step_record(setup, step, t1 - t0, t2 - t1, r.compute_ref)
     if r.shares is not None:
         last = setup.opt.comm_stats()["last"] if isinstance(setup.opt, LionCub) else {}

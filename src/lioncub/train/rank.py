@@ -134,15 +134,21 @@ def train_in_job(
 def init_distributed(config: TrainConfig) -> None:
     """``init_process_group`` (NCCL on CUDA, else gloo) from the environment that ``lioncub launch`` or
     ``torchrun`` sets, with ``$LIONCUB_PG_TIMEOUT`` seconds (default 600) as every collective's timeout.
+    On CUDA the rank's device is made current first and bound to the group (``device_id``: NCCL starts
+    its communicator on that GPU, not on ``cuda:0``).
 
     Under torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE``) its keys outlive a restart (same port),
     and a restarted rank may read a peer's address from the previous attempt and fail with "Connection
     refused" (pytorch/pytorch#135712): the keys are put under a prefix per attempt
     (``TORCHELASTIC_RESTART_COUNT``), which every worker of a restarted job shares."""
-    backend = "nccl" if loop.device_for(config).type == "cuda" else "gloo"
+    device = loop.device_for(config)
+    backend, bound = "gloo", {}
+    if device.type == "cuda":  # the rank's GPU is current before NCCL starts, and its communicator's
+        torch.cuda.set_device(device)
+        backend, bound = "nccl", {"device_id": device}
     timeout = datetime.timedelta(seconds=float(os.environ.get("LIONCUB_PG_TIMEOUT", "600")))
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout, **bound)
         return
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -150,7 +156,7 @@ def init_distributed(config: TrainConfig) -> None:
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
     )
     store = dist.PrefixStore(f"lioncub/attempt_{attempt}", agent)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **bound)
 
 
 @contextlib.contextmanager

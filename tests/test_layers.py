@@ -28,6 +28,7 @@ LAYERS = {
     "lioncub.units": 0,
     "lioncub.transports": 0,
     "lioncub.names": 0,
+    "lioncub.rundir": 0,  # run directories: the record, locks, survey, removal, atomic writes (no torch)
     "lioncub.ops": 1,
     "lioncub.collectives": 2,
     "lioncub.optim": 3,

@@ -288,7 +288,7 @@ def test_compare_prints_the_compute_floor_next_to_its_table(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from lioncub import cli
-    from lioncub.train.rundir import claim
+    from lioncub.rundir import claim
 
     out = tmp_path / "cmp"
     for v, steps, c, a in FLOOR_RUNS:

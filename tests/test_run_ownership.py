@@ -29,10 +29,7 @@ import background
 from cli_stub import cli_runner
 from lioncub import cli
 from lioncub.optim import Lion
-from lioncub.train import checkpoint
-from lioncub.train.config import TrainConfig
-from lioncub.train.prepare import write_config
-from lioncub.train.rundir import (
+from lioncub.rundir import (
     LOCK,
     MARKER,
     RANKS_LOCK,
@@ -44,6 +41,9 @@ from lioncub.train.rundir import (
     write_atomically,
     write_owned,
 )
+from lioncub.train import checkpoint
+from lioncub.train.config import TrainConfig
+from lioncub.train.prepare import write_config
 from lioncub.train.runlog import truncate_log
 
 PY = sys.executable
@@ -293,7 +293,7 @@ def test_the_driver_holds_the_lock_while_its_ranks_run(
     run_cli: Callable, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import lioncub.launch
-    from lioncub.train.runlock import lock_writer
+    from lioncub.rundir import lock_writer
 
     seen = []
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import background
-from lioncub.train.rundir import (
+from lioncub.rundir import (
     MARKER,
     check_out_path,
     claim,

@@ -81,14 +81,14 @@ def _runs_in(out: Path) -> list[str]:
     import json
 
     from lioncub.names import name_of_run_dir
-    from lioncub.train.rundir import is_marked
+    from lioncub.rundir import is_marked, read_run_file
 
     present = []
     if out.is_dir():
         dirs = [d for d in sorted(out.iterdir()) if d.is_dir() and not d.is_symlink()]
         present = [name_of_run_dir(d.name) for d in dirs if is_marked(d) and (d / "log.jsonl").is_file()]
     try:
-        rows = json.loads((out / "summary.json").read_text())["rows"]
+        rows = json.loads(read_run_file(out / "summary.json", follow_symlinks=True))["rows"]
         order = [r["variant"] for r in rows]
     except (OSError, ValueError, KeyError, TypeError):
         order = []
@@ -178,8 +178,8 @@ def _check_runs(
     """Every check before anything is trained, written or deleted: the runs' options and launch, and
     that ``out`` and each run directory hold only lioncub's files (a run to redo, only with
     ``--overwrite``). ``ValueError`` naming what to change."""
+    from lioncub.rundir import survey
     from lioncub.train.driver import check_before_launch, check_launch_options
-    from lioncub.train.rundir import survey
 
     for config in configs:
         check_before_launch(config, args.timeout or None, args.max_nproc)
@@ -203,7 +203,7 @@ def _check_runs(
 
 def _check_out(out: Path) -> None:
     """``ValueError`` if ``out`` holds anything but lioncub's report and run directories."""
-    from lioncub.train.rundir import foreign_entries
+    from lioncub.rundir import foreign_entries
 
     foreign = foreign_entries(out, "compare", subruns=True)
     if foreign:
@@ -248,7 +248,7 @@ def _report(args: argparse.Namespace, out: Path, run_dirs: list[Path]) -> int:
     """Write and print the comparison of the runs in ``run_dirs`` into ``out`` (whose lock the caller
     holds), every file recorded as lioncub's."""
     from lioncub.report import runs as report
-    from lioncub.train.rundir import claim, write_owned
+    from lioncub.rundir import claim, write_owned
 
     missing = [str(d) for d in run_dirs if not (d / "log.jsonl").exists()]
     if missing:
@@ -268,12 +268,13 @@ def _report(args: argparse.Namespace, out: Path, run_dirs: list[Path]) -> int:
 def run(args: argparse.Namespace) -> int:
     """``lioncub compare``: check everything, take ``--out``'s writer lock, train the variants, write and
     print the report."""
+    import lioncub.report.files  # noqa: F401  (an old compare directory's files, registered with lioncub.rundir)
     from lioncub.names import run_dir_name
-    from lioncub.train.rundir import DEEPEST, check_out_path, claim
-    from lioncub.train.runlock import lock_writer
+    from lioncub.rundir import check_out_path, claim, lock_writer
+    from lioncub.train.runfiles import DEEPEST
 
     try:
-        out = check_out_path(args.out)
+        out = check_out_path(args.out, below=len(DEEPEST))
         variants = _variants(args, out)
         check_out_path(out, below=len(DEEPEST) + 1 + max(len(os.fsencode(v)) for v in variants))
         if args.target_loss is not None and not 0 < args.target_loss < math.inf:

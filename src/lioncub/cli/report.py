@@ -1,7 +1,8 @@
 """``lioncub report RUN_DIR``: the vote diagnostics of a run (``lioncub train --diagnostics-every K``) as a
 table and plots (:mod:`lioncub.report.diagnostics`). The plots go into the run directory, or ``--out DIR``:
-a new or empty directory (then lioncub's, :mod:`lioncub.train.rundir`), or one lioncub made for plots or a
-run; never over a file lioncub did not write."""
+a new or empty directory (then lioncub's, :mod:`lioncub.rundir`), or one lioncub made for plots or a run;
+never over a file lioncub did not write. No torch is imported (``tests/test_layers.py`` runs it with torch
+blocked)."""
 
 from __future__ import annotations
 
@@ -41,8 +42,10 @@ def _store(run_dir: Path, out: Path | None, plots: dict[str, bytes]) -> dict[str
     made for plots or a run -- or, without ``out``, into ``run_dir`` if lioncub made it; each file
     recorded as lioncub's, never over a file it did not write, under the directory's writer lock.
     ``ValueError`` naming the option otherwise."""
-    from lioncub.train.rundir import claim, is_marked, write_owned
-    from lioncub.train.runlock import lock_writer
+    # the files of an old plots or run directory, registered with lioncub.rundir when imported
+    import lioncub.report.files
+    import lioncub.train.runfiles  # noqa: F401
+    from lioncub.rundir import claim, is_marked, lock_writer, write_owned
 
     target, option = (out, "--out") if out is not None else (run_dir, "RUN_DIR")
     if not (is_marked(target, "run") or is_marked(target, "plots")):

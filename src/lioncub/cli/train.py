@@ -51,12 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from lioncub.rundir import check_out_path
     from lioncub.train.driver import check_before_launch, check_launch_options, format_summary
     from lioncub.train.prepare import load_saved_config, prepare_run_dir
-    from lioncub.train.rundir import check_out_path
+    from lioncub.train.runfiles import DEEPEST
 
     try:
-        run_dir = check_out_path(args.out)
+        run_dir = check_out_path(args.out, below=len(DEEPEST))
         check_launch_options(args.restarts, args.collective_timeout)
         base = load_saved_config(run_dir) if args.resume else None
         if base is not None:

@@ -11,18 +11,32 @@ data), the training loop of a rank and the driver of a run.
 * :mod:`lioncub.train.rank` -- a training rank's one entry point (``python -m lioncub.train.rank``, and
   ``lioncub train`` under torchrun): join the job, train, one line when interrupted;
 * :mod:`lioncub.train.checkpoint` -- per-rank checkpoints, resume checks, momentum conversion;
-* :mod:`lioncub.train.rundir` -- what is lioncub's in a directory (its record), what it may delete;
-  atomic file writes; :mod:`lioncub.train.outpath` -- what can never be an output directory;
-* :mod:`lioncub.train.runlock` -- one writer per directory (advisory locks);
+* :mod:`lioncub.train.runfiles` -- the files of a run directory that :mod:`lioncub.rundir` (what is
+  lioncub's in a directory, what it may delete, one writer at a time) needs by name, registered with it;
 * :mod:`lioncub.train.prepare` -- a run directory made ready for a run or a resume, and what a run's end
   leaves; :mod:`lioncub.train.runlog` -- ``log.jsonl``, cut back to its last whole record on resume;
 * :mod:`lioncub.train.nodebytes` -- a step's bytes through a node's NIC and inside it (emulated nodes);
 * :mod:`lioncub.train.driver` -- a run's checks and the launch of its ranks (what ``lioncub train`` and
   ``lioncub compare`` run), with :mod:`lioncub.train.progress`, its progress display.
 
-The ``lioncub compare`` table and plots are :mod:`lioncub.report.runs` (no torch).
+The ``lioncub compare`` table and plots are :mod:`lioncub.report.runs` (no torch). The names below are
+imported lazily, so that :mod:`lioncub.train.runfiles` (and ``lioncub report``, which needs it) does not
+import torch.
 """
 
-from lioncub.train.workloads import SIZES, CNNWorkload, GPTWorkload, Workload, make_workload, workload_names
+from __future__ import annotations
 
-__all__ = ["SIZES", "CNNWorkload", "GPTWorkload", "Workload", "make_workload", "workload_names"]
+import importlib
+from typing import Any
+
+from lioncub.train import runfiles  # noqa: F401  (registers the run directory's files with lioncub.rundir)
+
+_EXPORTS = ("SIZES", "CNNWorkload", "GPTWorkload", "Workload", "make_workload", "workload_names")
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'lioncub.train' has no attribute {name!r}")
+    return getattr(importlib.import_module("lioncub.train.workloads"), name)

@@ -13,7 +13,7 @@ and renamed into place by rank 0 only when every rank's file is there; ``latest`
 written, fsynced and renamed), and only after that are checkpoints older than the newest ``keep``
 removed, so a crash at any point leaves the previous checkpoint intact and never one that looks complete.
 In a run directory lioncub marked, rank 0 records every path in the directory's record before it is
-created and deletes only recorded files (:mod:`lioncub.train.rundir`): a file of the user's in
+created and deletes only recorded files (:mod:`lioncub.rundir`): a file of the user's in
 ``checkpoints/`` stays, and nothing is written through a symbolic link. :func:`latest` finds the newest
 complete checkpoint even when ``latest`` is missing or names a broken one.
 ``meta.json`` records the format version and the SHA-256 of every file; loading verifies the hash before
@@ -45,17 +45,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from lioncub.train.config import CONVERSIONS
-from lioncub.train.rundir import (
+from lioncub.rundir import (
     Record,
     fsync_dir,
     is_marked,
-    meta_files,
+    open_run_file,
     read_record,
     record,
     regular_file,
     write_atomically,
 )
+from lioncub.train.config import CONVERSIONS
+from lioncub.train.runfiles import meta_files
 
 __all__ = [
     "CONVERSIONS",
@@ -238,7 +239,7 @@ def save(
     ``meta`` must hold ``variant``, ``workload``, ``size`` and ``seed``; ``barrier`` synchronises the
     ranks (e.g. ``torch.distributed.barrier``). Returns the final checkpoint directory. In a run directory
     lioncub marked, rank 0 records every path before it is created and deletes only recorded ones
-    (:mod:`lioncub.train.rundir`).
+    (:mod:`lioncub.rundir`).
     """
     root = run_dir / "checkpoints"
     name = f"step_{step:08d}"
@@ -314,7 +315,7 @@ def _complete(path: Path) -> tuple[CheckpointMeta | None, str]:
     """The checkpoint in ``path`` if it is complete (its ``meta.json`` readable, of this version, and every
     file it lists there); else None and why not."""
     try:
-        fd = os.open(path / "meta.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = open_run_file(path / "meta.json")  # a FIFO there: refused, never waited on
         with os.fdopen(fd, "rb") as f:
             doc = json.loads(f.read())
     except (OSError, ValueError) as err:
@@ -360,7 +361,7 @@ def latest(run_dir: Path) -> CheckpointMeta | None:
     named, why = None, f"{pointer} is missing"
     if os.path.lexists(pointer):
         try:
-            fd = os.open(pointer, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = open_run_file(pointer)  # a FIFO there: refused (ValueError), never waited on
             with os.fdopen(fd, "rb") as f:
                 named = f.read(256).decode().strip()
         except (OSError, UnicodeDecodeError) as err:

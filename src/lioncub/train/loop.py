@@ -67,10 +67,10 @@ from lioncub.optim.engine import PhaseClock
 from lioncub.optim.step_check import NonFiniteGradientError
 from lioncub.planning import costmodel
 from lioncub.planning.auto import DEFAULT_LATENCY_S, choose_topology
+from lioncub.rundir import is_marked, open_append, record, write_atomically, write_owned
 from lioncub.train import checkpoint
 from lioncub.train.config import BASELINES, CUDA_UNDER_EMULATION, TrainConfig, emulates_links, lr_factor
 from lioncub.train.nodebytes import flat_shares, node_bytes
-from lioncub.train.rundir import is_marked, open_append, record, write_atomically, write_owned
 from lioncub.train.runlog import append_record, elapsed_at, truncate_log
 from lioncub.train.workloads import Workload, make_workload
 from lioncub.units import parse_rate

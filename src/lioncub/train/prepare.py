@@ -2,8 +2,8 @@
 
 :func:`prepare_run_dir` is what happens before any rank trains -- in the driver of ``lioncub train`` and
 ``lioncub compare``, and in rank 0 of a ``lioncub train`` that ``torchrun`` or ``lioncub launch`` started:
-take the directory's writer lock (:mod:`lioncub.train.runlock`), read what it holds (:func:`run_state`,
-by lioncub's record: :mod:`lioncub.train.rundir`), check the new run or the resume against it, and only
+take the directory's writer lock (:func:`lioncub.rundir.lock_writer`), read what it holds (:func:`run_state`,
+by lioncub's record: :mod:`lioncub.rundir`), check the new run or the resume against it, and only
 then write ``config.json`` (a new run) or ``config.next.json`` (a resume; it becomes ``config.json`` once
 the run succeeds, :func:`finish_run`). A refusal is a ``ValueError`` naming the option or the file, and
 leaves the directory as it was.
@@ -36,22 +36,25 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from lioncub.train import checkpoint
-from lioncub.train.config import TrainConfig
-from lioncub.train.rundir import (
+from lioncub.rundir import (
     LOCK,
     MARKER,
+    DirLock,
     Survey,
     check_out_path,
     claim,
     fsync_dir,
+    lock_writer,
     read_record,
+    read_run_file,
     record,
     remove_owned,
     survey,
     write_owned,
 )
-from lioncub.train.runlock import DirLock, lock_writer
+from lioncub.train import checkpoint
+from lioncub.train.config import TrainConfig
+from lioncub.train.runfiles import DEEPEST, NEXT_CONFIG
 
 __all__ = [
     "FROZEN_ON_RESUME",
@@ -72,8 +75,6 @@ __all__ = [
 FROZEN_ON_RESUME = (
     "data_mode", "overrides", "quantizer", "zero_vote", "local_steps", "outer", "outer_lr", "inner_momentum",
 )  # fmt: skip
-#: the configuration a resumed run trains with until it succeeds (then it becomes ``config.json``)
-NEXT_CONFIG = "config.next.json"
 
 
 def _stderr(text: str) -> None:
@@ -82,7 +83,7 @@ def _stderr(text: str) -> None:
 
 @dataclass
 class RunState:
-    """What a run directory holds: the :class:`~lioncub.train.rundir.Survey`, its ``config.json`` when
+    """What a run directory holds: the :class:`~lioncub.rundir.Survey`, its ``config.json`` when
     lioncub's (``saved``) or changed since (``edited``), its newest complete checkpoint (``meta``; or why
     none can be read: ``meta_error``) and whether lioncub wrote its ``summary.json`` (``finished``)."""
 
@@ -97,8 +98,9 @@ class RunState:
 def _parse_config(path: Path) -> TrainConfig:
     """``config.json`` at ``path``; ``ValueError`` naming the file and what is wrong with it."""
     fix = "a resume reads the run's options from it; restore it, or start a new --out"
+    data = read_run_file(path, follow_symlinks=True)  # a FIFO there: refused, naming it
     try:
-        doc = json.loads(path.read_bytes())
+        doc = json.loads(data)
     except ValueError as exc:
         raise ValueError(f"{path} is not valid JSON ({exc}); {fix}") from None
     if not isinstance(doc, dict):
@@ -228,7 +230,7 @@ def prepare_run_dir(
     Returns the configuration to train and the lock, which the caller holds until the ranks have exited
     and :func:`finish_run` is done. ``job``: rank 0 of a job (:func:`job_identity`). ``note`` is told
     what the user should know (a checkpoint found without ``latest``, a run started afresh)."""
-    run_dir = check_out_path(run_dir)
+    run_dir = check_out_path(run_dir, below=len(DEEPEST))
     if not resume and config.run.convert_momenta is not None:
         raise ValueError(
             f"--convert-momenta {config.run.convert_momenta}: applies only with --resume (a new run has no "
@@ -356,7 +358,7 @@ def finish_run(run_dir: Path, ok: bool) -> None:
     nxt = run_dir / NEXT_CONFIG
     if os.path.lexists(nxt):
         if ok:
-            new = hashlib.sha256(nxt.read_bytes()).hexdigest()
+            new = hashlib.sha256(read_run_file(nxt, follow_symlinks=True)).hexdigest()
             rec = read_record(run_dir, "run")
             before = rec.files.get("config.json", []) if rec is not None else []
             record(run_dir, files={"config.json": [*before, new]})  # either content is lioncub's meanwhile
@@ -385,8 +387,8 @@ def finished_run(run_dir: Path) -> tuple[dict, dict] | None:
     if found.changed or not {"config.json", "summary.json"} <= set(found.owned):
         return None
     try:
-        saved = json.loads((run_dir / "config.json").read_bytes())
-        summary = json.loads((run_dir / "summary.json").read_bytes())
+        saved = json.loads(read_run_file(run_dir / "config.json", follow_symlinks=True))
+        summary = json.loads(read_run_file(run_dir / "summary.json", follow_symlinks=True))
     except (OSError, ValueError):
         return None
     if not (isinstance(saved, dict) and isinstance(summary, dict) and summary.get("steps_run", 0) > 0):

@@ -24,11 +24,10 @@ import torch
 import torch.distributed as dist
 
 from lioncub.launch.supervisor import FORWARDED_SIGNALS
+from lioncub.rundir import hold_ranks, is_marked
 from lioncub.train import loop
 from lioncub.train.config import TrainConfig
 from lioncub.train.driver import check_lanes, check_run_options, format_summary
-from lioncub.train.rundir import is_marked
-from lioncub.train.runlock import hold_ranks
 
 __all__ = ["format_final", "init_distributed", "interrupt_as_one_line", "main", "run_rank", "train_in_job"]
 
@@ -38,7 +37,7 @@ def run_rank(config: TrainConfig, run_dir: Path, *, driven: bool, resume: bool =
     ...), resuming from the run's checkpoints if there are any (a restart); returns the exit status.
 
     ``driven``: the driver prepared ``run_dir`` (and holds its writer lock) and prints the summary; rank 0
-    holds the directory's ranks lock while it lives (:func:`lioncub.train.runlock.hold_ranks`) and ends
+    holds the directory's ranks lock while it lives (:func:`lioncub.rundir.hold_ranks`) and ends
     with the final validation line. Otherwise (``torchrun``, ``lioncub launch``) the world size is the
     job's, every rank checks the options (:func:`lioncub.train.driver.check_run_options`), rank 0 takes the
     writer lock and makes the directory ready as the driver does (a new run, or ``resume``:

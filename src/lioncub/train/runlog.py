@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lioncub.train.rundir import write_atomically
+from lioncub.rundir import read_run_file, write_atomically
 
 __all__ = ["append_record", "complete_records", "elapsed_at", "truncate_log"]
 
@@ -25,7 +25,7 @@ def append_record(out: int, rec: dict[str, Any]) -> None:
 def complete_records(path: Path) -> tuple[list[tuple[bytes, dict[str, Any]]], int | None]:
     """The records of the JSONL log ``path`` up to the first line that is not a whole JSON record, and
     that line's number (None if every line is whole: a crash or a full disk can cut the last one short)."""
-    lines = path.read_bytes().split(b"\n")
+    lines = read_run_file(path, follow_symlinks=True).split(b"\n")
     out = []
     for number, line in enumerate(lines, 1):
         if not line.strip():

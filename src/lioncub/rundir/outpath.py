@@ -5,21 +5,19 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["DEEPEST", "check_out_path"]
-
-#: the longest path lioncub writes below a run directory: a rank's checkpoint file while it is written
-DEEPEST = "/checkpoints/.tmp_step_00000000/rank99999.pt.sha256.part"
+__all__ = ["check_out_path"]
 
 
 def _short(text: str) -> str:
     return text if len(text) <= 80 else text[:60] + "…" + text[-16:]
 
 
-def check_out_path(path: Path | str, option: str = "--out", *, below: int = len(DEEPEST)) -> Path:
+def check_out_path(path: Path | str, option: str = "--out", *, below: int = 0) -> Path:
     """``path`` as a :class:`Path` if it can be an output directory; else ``ValueError`` naming ``option``
     and why: empty, ``/``, the working directory, an existing file or a path under one, a dangling
     symbolic link, a name or a path too long for the file system (lioncub writes up to ``below`` bytes
-    below it), or no write permission where it would be created."""
+    below it: a run directory's deepest path is :data:`lioncub.train.runfiles.DEEPEST`), or no write
+    permission where it would be created."""
     text = str(path)
     if not text.strip():
         raise ValueError(f"{option} {text!r}: give a directory name (an empty path is the working directory)")

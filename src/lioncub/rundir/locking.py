@@ -8,8 +8,9 @@ ranks a driver starts write too, so their rank 0 holds a shared lock on ``DIR/.l
 its whole life (:func:`hold_ranks`) and :func:`lock_writer` refuses while any does: ranks left running by
 a launcher that was killed keep the directory until they have stopped. The kernel releases a lock when
 its process ends, however it ends; the lock files are never written. A lock file lioncub created is
-removed with the directory's other files (:func:`lioncub.train.rundir.remove_owned`), after which a
-process that opened it before retries on the new one (the inode is checked after locking).
+removed with the directory's other files (:func:`lioncub.rundir.remove_owned`), after which a process that
+opened it before retries on the new one (the inode is checked after locking). A lock file that is a FIFO,
+a socket or a device is refused (:func:`lioncub.rundir.files.open_run_file`), as is a symbolic link.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from lioncub.train.rundir import LOCK, RANKS_LOCK
+from lioncub.rundir.files import open_run_file
+from lioncub.rundir.marker import LOCK, RANKS_LOCK
 
 __all__ = ["DirLock", "hold_ranks", "holder", "lock_writer"]
 
@@ -44,15 +46,16 @@ class DirLock:
 
 def _open(path: Path, create: bool) -> tuple[int, bool]:
     """A descriptor of lock file ``path`` (created if ``create``) and whether this call created it; never
-    through a symbolic link (``ValueError``). ``FileNotFoundError`` if it is missing and not ``create``."""
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    through a symbolic link, nor a FIFO, socket or device (``ValueError``). ``FileNotFoundError`` if it is
+    missing and not ``create``."""
+    flags = os.O_RDWR
     try:
         try:
-            return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644) if create else os.open(
+            return open_run_file(path, flags | os.O_CREAT | os.O_EXCL) if create else open_run_file(
                 path, flags
             ), create
         except FileExistsError:
-            return os.open(path, flags), False
+            return open_run_file(path, flags), False
     except OSError as exc:
         if exc.errno != errno.ELOOP:
             raise

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import pytest
 from emulated_network import assert_nothing_left
 from lioncub import cli
 from lioncub.launch import LaunchConfig, launch, preload
-from lioncub.launch.preload import MODULES, PreloadError, Zygote, shared_env, zygote_for
+from lioncub.launch.preload import MODULES, PreloadError, Zygote, shared_env
 from lioncub.train.config import TrainConfig
 from lioncub.train.driver import RANK_MODULE, make_launch_config
 
@@ -68,12 +69,12 @@ def probe_dir(tmp_path: Path) -> Path:
 
 def _launch(
     probe_dir: Path, mode: str, preload: tuple[str, ...], timeout_s: float = 60, link: float | None = None,
-    launch_id: str | None = None,
+    launch_id: str | None = None, env: dict[str, str] | None = None,
 ):  # fmt: skip  # type: ignore[no-untyped-def]
     out, err = io.StringIO(), io.StringIO()
     config = LaunchConfig(
         ["-m", "probe_rank", mode], nproc=2, timeout_s=timeout_s, grace_s=5, cwd=str(probe_dir),
-        env={"PROBE": "yes"}, preload=preload, link_rate_bps=link,
+        env={"PROBE": "yes", **(env or {})}, preload=preload, link_rate_bps=link,
     )  # fmt: skip
     result = launch(config, out=out, err=err, launch_id=launch_id)
     lines = out.getvalue().splitlines()
@@ -186,6 +187,7 @@ def test_a_dead_zygote_fails_its_ranks_and_is_replaced(probe_dir: Path) -> None:
         assert json.loads(line)["probe"] == "no"
         os.kill(zygote.proc.pid, signal.SIGKILL)
         assert rank.wait(10) == -signal.SIGKILL  # reported, and the rank's group killed
+        assert rank.reason == "the preload zygote died (killed by SIGKILL)"
         deadline = time.monotonic() + 10
         while _alive(rank.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -196,14 +198,21 @@ def test_a_dead_zygote_fails_its_ranks_and_is_replaced(probe_dir: Path) -> None:
         zygote.close()
         rank.stdout.close()
         rank.stderr.close()
-    again = zygote_for(shared_env([env]), str(probe_dir), LIGHT)
-    assert again.alive() and again.proc.pid != zygote.proc.pid
+    with preload.lease(shared_env([env]), str(probe_dir), LIGHT) as first:
+        os.kill(first.proc.pid, signal.SIGKILL)
+        first.proc.wait(10)
+    with preload.lease(shared_env([env]), str(probe_dir), LIGHT) as again:  # the dead one is replaced
+        assert again.alive() and again.proc.pid != first.proc.pid
 
 
 def test_a_zygote_that_cannot_import_is_named_and_the_launch_falls_back(probe_dir: Path) -> None:
-    with pytest.raises(PreloadError, match=r"ModuleNotFoundError.*lioncub_no_such_module"):
-        zygote_for(dict(os.environ), str(probe_dir), ("lioncub_no_such_module",))
-    result, probes, _, err = _launch(probe_dir, "ok", ("lioncub_no_such_module",))
+    no_such = ("lioncub_no_such_module",)
+    with (
+        pytest.raises(PreloadError, match=r"ModuleNotFoundError.*lioncub_no_such_module"),
+        preload.lease(dict(os.environ), str(probe_dir), no_such),
+    ):
+        pass
+    result, probes, _, err = _launch(probe_dir, "ok", no_such)
     assert result.ok and len(probes) == 2
     assert "starting every rank as a fresh interpreter: the preloaded interpreter did not start" in err
 
@@ -265,14 +274,169 @@ def test_every_wait_on_the_zygote_is_bounded(probe_dir: Path, monkeypatch: pytes
     (probe_dir / "slow_import.py").write_text("import time\ntime.sleep(30)\n")
     monkeypatch.setattr(preload, "START_TIMEOUT_S", 0.5)
     t0 = time.monotonic()
-    with pytest.raises(PreloadError, match=r"importing slow_import took more than 0\.5 s"):
-        zygote_for(dict(os.environ), str(probe_dir), ("slow_import",))
+    slow = pytest.raises(PreloadError, match=r"importing slow_import took more than 0\.5 s")
+    with slow, preload.lease(dict(os.environ), str(probe_dir), ("slow_import",)):
+        pass
     assert time.monotonic() - t0 < 10
     monkeypatch.setattr(preload, "FORK_TIMEOUT_S", 0.5)
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1"}
-    zygote = zygote_for(shared_env([env]), str(probe_dir), LIGHT)
-    os.kill(zygote.proc.pid, signal.SIGSTOP)  # a zygote that does not answer
-    with pytest.raises(PreloadError, match=r"did not fork the rank in 0\.5 s"):
-        zygote.fork([PY, "-m", "probe_rank", "ok"], env, str(probe_dir))
-    assert not zygote.alive()
-    assert zygote_for(shared_env([env]), str(probe_dir), LIGHT) is not zygote  # replaced
+    with preload.lease(shared_env([env]), str(probe_dir), LIGHT) as zygote:
+        os.kill(zygote.proc.pid, signal.SIGSTOP)  # a zygote that does not answer
+        with pytest.raises(PreloadError, match=r"did not fork the rank in 0\.5 s"):
+            zygote.fork([PY, "-m", "probe_rank", "ok"], env, str(probe_dir))
+        assert not zygote.alive()
+    with preload.lease(shared_env([env]), str(probe_dir), LIGHT) as again:
+        assert again is not zygote and again.alive()  # replaced
+
+
+# -- what a fresh interpreter has and a fork must not share: random state, threads, the zygote's life ----
+
+DRAWS = textwrap.dedent("""
+    import json, os, random, sys
+    import numpy, torch
+    if sys.argv[1:] == ["seeded"]:
+        torch.manual_seed(1), numpy.random.seed(1), random.seed(1)
+    print(json.dumps({
+        "rank": os.environ["RANK"], "torch": torch.randint(0, 2**62, (4,)).tolist(),
+        "numpy": numpy.random.rand(2).tolist(), "random": random.random(), "ppid": os.getppid(),
+    }), flush=True)
+""")
+
+
+def _draws(capfd: pytest.CaptureFixture[str], *args: str) -> list[dict]:
+    """What each rank of ``lioncub launch --nproc 2 --preload torch -- -m draws ARGS`` drew, forked."""
+    assert cli.main(["launch", "--nproc", "2", "--preload", "torch", "--", "-m", "draws", *args]) == 0
+    out, err = capfd.readouterr()
+    assert "fresh interpreter" not in err, err  # numpy's BLAS threads stop at a fork: no reason to refuse
+    draws = sorted((json.loads(line.split("] ", 1)[1]) for line in out.splitlines()), key=lambda d: d["rank"])
+    assert len(draws) == 2 and draws[0]["ppid"] == draws[1]["ppid"] != os.getpid()  # forked
+    return draws
+
+
+@pytest.mark.slow
+def test_an_unseeded_script_draws_other_numbers_on_every_rank_and_run(
+    probe_dir: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    import numpy
+    import torch
+
+    (probe_dir / "draws.py").write_text(DRAWS)
+    monkeypatch.chdir(probe_dir)
+    runs = [_draws(capfd), _draws(capfd)]  # the second from the same zygote
+    for source in ("torch", "numpy", "random"):
+        drawn = [str(rank[source]) for run in runs for rank in run]
+        assert len(set(drawn)) == 4, (source, drawn)  # as fresh interpreters: seeded from OS entropy
+    torch_1 = torch.randint(0, 2**62, (4,), generator=torch.Generator().manual_seed(1)).tolist()
+    import random
+
+    seeded = {"torch": torch_1, "numpy": numpy.random.RandomState(1).rand(2).tolist()}
+    seeded["random"] = random.Random(1).random()
+    for rank in _draws(capfd, "seeded"):  # a script that seeds gets its seed
+        assert {k: rank[k] for k in seeded} == seeded
+
+
+def _zygote_processes() -> list[int]:
+    """This process's children that run a module of ``lioncub.launch`` (zygotes), zombies left out."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        ours = int(stat[1]) == os.getpid() and stat[0] != "Z"
+        if ours and argv[1:2] == [b"-m"] and argv[2].startswith(b"lioncub.launch."):
+            pids.append(int(pid))
+    return pids
+
+
+@pytest.mark.slow
+def test_a_sweep_of_launches_with_other_environments_keeps_at_most_one_zygote(probe_dir: Path) -> None:
+    for k in range(4):
+        result, probes, _, err = _launch(probe_dir, "ok", LIGHT, env={"SWEEP": str(k)})
+        assert result.ok and "fresh interpreter" not in err and len(probes) == 2, err
+        assert len(_zygote_processes()) <= 1, k
+
+
+def _rank_pids(probe_dir: Path, n: int = 2) -> list[tuple[int, int]] | None:
+    """(pid, parent pid) of every rank of the probe, once all have written them."""
+    try:
+        pids = [(probe_dir / f"pid{k}").read_text().split() for k in range(n)]
+    except FileNotFoundError:
+        return None
+    return [(int(p[0]), int(p[1])) for p in pids] if all(len(p) == 2 for p in pids) else None
+
+
+@pytest.mark.slow
+def test_a_launch_whose_zygote_dies_says_so(probe_dir: Path) -> None:
+    def kill_the_zygote() -> None:
+        deadline = time.monotonic() + 30
+        while (pids := _rank_pids(probe_dir)) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pids is not None and pids[0][1] == pids[1][1] != os.getpid()
+        os.kill(pids[0][1], signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_the_zygote)
+    killer.start()
+    result, _, _, err = _launch(probe_dir, "sleep", LIGHT, env={"ZYGOTE": "killed"})
+    killer.join()
+    assert result.returncode == 128 + signal.SIGKILL
+    assert result.message.startswith("the preload zygote died (killed by SIGKILL)"), result.message
+    assert "was killed by SIGKILL" not in err and "[lioncub] the preload zygote died (killed by" in err
+
+
+def test_preload_works_under_pythonwarnings_error(probe_dir: Path) -> None:
+    result, probes, _, err = _launch(probe_dir, "ok", LIGHT, env={"PYTHONWARNINGS": "error"})
+    assert result.ok and len(probes) == 2 and "fresh interpreter" not in err, err
+    pids = _rank_pids(probe_dir)
+    assert pids is not None and pids[0][1] == pids[1][1] != os.getpid()  # forked by one zygote
+
+
+def test_a_zygote_with_a_native_thread_does_not_fork(probe_dir: Path) -> None:
+    # faulthandler's watchdog is a C thread that Python's threading module does not know of
+    (probe_dir / "native_thread.py").write_text("import faulthandler\nfaulthandler.dump_traceback_later(600)")
+    result, probes, _, err = _launch(probe_dir, "ok", ("native_thread",))
+    assert result.ok and len(probes) == 2
+    assert "starting every rank as a fresh interpreter: " in err and "1 native thread" in err, err
+    pids = _rank_pids(probe_dir)
+    assert pids is not None and pids[0][1] == pids[1][1] == os.getpid()  # fresh interpreters
+
+
+def test_the_network_namespace_is_a_field_of_the_request(probe_dir: Path) -> None:
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "PROBE": "no"}
+    with preload.lease(shared_env([env]), str(probe_dir), LIGHT) as zygote:
+        argv = [PY, "-m", "probe_rank", "ok"]
+        rank = zygote.fork(argv, env, str(probe_dir), netns="lioncub-no-such-netns")
+        assert rank.wait(10) == 1
+        assert "cannot enter network namespace lioncub-no-such-netns" in rank.stderr.read().decode()
+        rank.stdout.close(), rank.stderr.close()
+        with pytest.raises(PreloadError, match=r"runs `python -m MODULE \.\.\.`, got \['ip', 'netns'"):
+            zygote.fork(["ip", "netns", "exec", "lioncub-no-such-netns", *argv], env, str(probe_dir))
+
+
+def test_no_fork_where_a_gpu_may_be_used(
+    probe_dir: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    nvidiactl = probe_dir / "nvidiactl"  # a machine with a GPU
+    nvidiactl.write_text("")
+    monkeypatch.setattr(preload, "GPU_DEVICE_FILES", (str(nvidiactl),))
+    monkeypatch.chdir(probe_dir)
+    assert cli.main(["launch", "--nproc", "2", "--preload", "json", "--", "-m", "probe_rank", "ok"]) == 0
+    err = capfd.readouterr().err
+    assert f"starting every rank as a fresh interpreter: this machine has {nvidiactl}" in err
+    pids = _rank_pids(probe_dir)
+    assert pids is not None and pids[0][1] == pids[1][1] == os.getpid()
+    for device, forked in (("auto", False), ("cuda", False), ("cpu", True)):  # lioncub train's ranks
+        monkeypatch.delenv("LIONCUB_PRELOAD", raising=False)
+        config = TrainConfig()
+        config.run.device, config.cluster.nproc = device, 2
+        launch_config = make_launch_config(config, [PY, "-m", RANK_MODULE, "run"], 60.0)
+        assert bool(launch_config.preload) == forked, device
+    assert launch_config.preload_device == "cpu"
+    for k in range(2):
+        (probe_dir / f"pid{k}").unlink()
+    config = LaunchConfig(["-m", "probe_rank", "ok"], nproc=2, cwd=str(probe_dir), preload=LIGHT,
+                          preload_device="cpu")  # fmt: skip
+    assert launch(config, out=io.StringIO(), err=io.StringIO()).ok  # ranks on the CPU: forked
+    pids = _rank_pids(probe_dir)
+    assert pids is not None and pids[0][1] == pids[1][1] != os.getpid()

@@ -114,7 +114,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--preload",
         metavar="MODULES",
         help="fork every rank from one interpreter that imported MODULES once (comma-separated, e.g. "
-        "torch,torch._dynamo) instead of starting a fresh one each: for `-m MODULE` under --nproc",
+        "torch,torch._dynamo) instead of starting a fresh one each: for `-m MODULE` under --nproc. Each "
+        "rank draws its own random state, as a fresh interpreter does; on a machine with a GPU, or where the "
+        "imports leave threads running, every rank starts fresh (with a note)",
     )
     parser.add_argument("--dry-run", action="store_true", help="print what would run, start nothing")
     parser.add_argument(

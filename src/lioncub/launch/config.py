@@ -35,6 +35,9 @@ class LaunchConfig:
     #: modules an interpreter imports once before it forks each rank (:mod:`lioncub.launch.preload`; e.g.
     #: its ``MODULES``, torch); ``()``: each rank is a fresh interpreter. Only for ``-m MODULE``, not nodes
     preload: tuple[str, ...] = ()
+    #: with ``preload``, the device the ranks use (``auto``, ``cpu``, ``cuda``): on a machine with a GPU only
+    #: ranks on the CPU are forked (:func:`lioncub.launch.preload.gpu_refusal`)
+    preload_device: str = "auto"
 
     def __post_init__(self) -> None:
         if not is_int(self.nproc) or self.nproc < 1:
@@ -61,6 +64,8 @@ class LaunchConfig:
         self.link_spec()  # validates rate, MTU and burst
         if not (isinstance(self.preload, tuple) and all(isinstance(m, str) and m for m in self.preload)):
             raise ValueError(f"--preload must be a tuple of module names, got {self.preload!r}")
+        if self.preload_device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"preload_device must be 'auto', 'cpu' or 'cuda', got {self.preload_device!r}")
         if self.preload and (argv[1:2] != ["-m"] or self.nnodes is not None):
             raise ValueError(
                 "--preload forks ranks of `-m MODULE ...` started by --nproc (under --nnodes torchrun "

@@ -44,7 +44,7 @@ from lioncub.launch.netns import (
     cleanup,
     new_launch_id,
 )
-from lioncub.launch.preload import PreloadError, shared_env, zygote_for
+from lioncub.launch.preload import PreloadError, Zygote, gpu_refusal, lease, shared_env
 from lioncub.launch.result import TIMEOUT_RC, LaunchResult, NodeTraffic, RankTraffic
 from lioncub.launch.supervisor import (
     Attempt,
@@ -150,10 +150,11 @@ def _run_ranks(
             for k in range(config.nproc)
         ]
         argvs = [(net.exec_prefix(k) if net else []) + cmd for k in range(config.nproc)]
-        start = _preloaded(config.preload, envs, config.cwd, output) if config.preload else popen
-        attempt = Supervisor(events, output, config.grace_s, start=start).run(
-            argvs, envs, config.cwd, deadline
-        )
+        with contextlib.ExitStack() as held:  # the zygote, if any, for as long as this attempt runs
+            start = _preloaded(config, net, cmd, envs, output, held) if config.preload else popen
+            attempt = Supervisor(events, output, config.grace_s, start=start).run(
+                argvs, envs, config.cwd, deadline
+            )
         if store is not None:  # a restart gets a fresh store (and port): no key of this attempt survives
             store[1].close()
             del store
@@ -165,15 +166,41 @@ def _run_ranks(
 
 
 def _preloaded(
-    modules: tuple[str, ...], envs: list[dict[str, str]], cwd: str | None, output: Output
-) -> Start:
-    """How to start the ranks of a launch with ``preload``: forks of a zygote that imported ``modules``
-    (:mod:`lioncub.launch.preload`), or fresh interpreters (with a note saying why) if none can start."""
-    try:
-        return zygote_for(shared_env(envs), cwd or os.getcwd(), modules).fork
-    except PreloadError as exc:
-        output.note(f"starting every rank as a fresh interpreter: {exc}")
+    config: LaunchConfig,
+    net: EmulatedNetwork | None,
+    cmd: list[str],
+    envs: list[dict[str, str]],
+    output: Output,
+    held: contextlib.ExitStack,
+) -> Start | list[Start]:
+    """How to start the ranks of a launch with ``preload``: each a fork of the zygote that imported those
+    modules (:mod:`lioncub.launch.preload`, held by ``held``), inside its network namespace under a link;
+    or every rank a fresh interpreter, with a note saying why, where ranks that may use a GPU are not
+    forked or no zygote can start."""
+    why = gpu_refusal(config.preload_device)
+    if why is None:
+        try:
+            zygote = held.enter_context(lease(shared_env(envs), config.cwd or os.getcwd(), config.preload))
+        except PreloadError as exc:
+            why = str(exc)
+    if why is not None:
+        output.note(f"starting every rank as a fresh interpreter: {why}")
         return popen
+    return [_forked(zygote, k, cmd, net.ranks[k].netns if net else None, output) for k in range(config.nproc)]
+
+
+def _forked(zygote: Zygote, rank: int, cmd: list[str], netns: str | None, output: Output) -> Start:
+    """Start rank ``rank`` as a fork of ``zygote`` running ``cmd`` inside ``netns``; if it cannot fork
+    (it died, or a thread started in it), as the fresh interpreter of the supervisor's argv, with a note."""
+
+    def start(argv: list[str], env: dict[str, str], cwd: str | None) -> Any:
+        try:
+            return zygote.fork(cmd, env, cwd, netns=netns)
+        except PreloadError as exc:
+            output.note(f"starting rank {rank} as a fresh interpreter: {exc}")
+            return popen(argv, env, cwd)
+
+    return start
 
 
 def _result(

@@ -156,7 +156,8 @@ class Attempt:
 
 #: how a process starts: ``start(argv, env, cwd)`` -> a started process with ``pid``, ``stdout`` and
 #: ``stderr`` pipes, ``poll()`` and ``wait(timeout)`` (a :class:`subprocess.Popen`, or a rank forked from a
-#: preloaded interpreter, :class:`lioncub.launch.preload.ForkedRank`)
+#: preloaded interpreter, :class:`lioncub.launch.preload.ForkedRank`, whose ``reason`` says why it ended
+#: when that was not its own doing)
 Start = Callable[[list[str], dict[str, str], str | None], Any]
 
 
@@ -177,7 +178,8 @@ def popen(argv: list[str], env: dict[str, str], cwd: str | None) -> subprocess.P
 
 class Supervisor:
     """Runs one attempt: starts all processes (ranks, or one torchrun agent per node when ``reports`` is
-    given) with ``start`` (default :func:`popen`), waits for them, stops them all on the first failure."""
+    given) with ``start`` (default :func:`popen`; or one per process), waits for them, stops them all on
+    the first failure."""
 
     def __init__(
         self,
@@ -185,7 +187,7 @@ class Supervisor:
         output: Output,
         grace_s: float,
         reports: list[TorchrunReport] | None = None,
-        start: Start = popen,
+        start: Start | Sequence[Start] = popen,
     ) -> None:
         self.events = events
         self.output = output
@@ -209,8 +211,9 @@ class Supervisor:
         threads: list[threading.Thread] = []
         try:
             # spawn every rank before starting any thread: preexec_fn and threads do not mix well
-            for argv, env in zip(argvs, envs, strict=True):
-                procs.append(self.start(argv, env, cwd))
+            for k, (argv, env) in enumerate(zip(argvs, envs, strict=True)):
+                start = self.start[k] if isinstance(self.start, Sequence) else self.start
+                procs.append(start(argv, env, cwd))
         except OSError as exc:
             failed = len(procs)
             self._kill_groups(procs, signal.SIGKILL)
@@ -287,7 +290,7 @@ class Supervisor:
             _, _, rank, code = event
             codes[rank] = code
             if code != 0:
-                attempt = self._failure(rank, code, codes)
+                attempt = self._failure(rank, code, codes, getattr(procs[rank], "reason", None))
                 others = [k for k, c in enumerate(codes) if c is None]
                 stopping = f"; stopping {self._units(others)}" if others else ""
                 self.output.note(attempt.message + stopping)
@@ -295,11 +298,13 @@ class Supervisor:
                 return attempt
         return Attempt(0, codes, None, f"all {len(codes)} {self.unit}s exited with code 0")
 
-    def _failure(self, index: int, code: int, codes: list[int | None]) -> Attempt:
-        """The attempt's outcome when process ``index`` exited with ``code`` != 0: for a torchrun agent, the
-        rank its report names as the root cause (read to its end first, at most 3 s)."""
+    def _failure(self, index: int, code: int, codes: list[int | None], reason: str | None = None) -> Attempt:
+        """The attempt's outcome when process ``index`` exited with ``code`` != 0 (``reason``: why, when not
+        its own doing): for a torchrun agent, the rank its report names as the root cause (read to its end
+        first, at most 3 s)."""
         if self.reports is None:
-            return Attempt(exit_status(code), codes, index, describe_exit(index, code), failed_index=index)
+            message = f"{reason}, taking rank {index} with it" if reason else describe_exit(index, code)
+            return Attempt(exit_status(code), codes, index, message, failed_index=index)
         end = time.monotonic() + 3.0
         for thread in self.pumps.get(index, []):
             thread.join(max(0.0, end - time.monotonic()))

@@ -218,6 +218,7 @@ def make_launch_config(
         restarts=restarts,
         env=dict(env or {}),
         preload=(*MODULES, "lioncub.train.loop") if preload_ranks(config, cmd) else (),
+        preload_device=config.run.device,
         **layout,
     )
 
@@ -225,8 +226,10 @@ def make_launch_config(
 def preload_ranks(config: TrainConfig, cmd: list[str]) -> bool:
     """Whether the ranks start as forks of an interpreter that imported torch once
     (:mod:`lioncub.launch.preload`): for the rank module under ``--nproc`` (on loopback or behind links;
-    under ``--nnodes`` torchrun starts them), on the CPU (a process that may have touched CUDA is not
-    forked), unless ``LIONCUB_PRELOAD=0``."""
+    under ``--nnodes`` torchrun starts them), unless ``LIONCUB_PRELOAD=0`` or the ranks may use a GPU
+    (:func:`lioncub.launch.preload.gpu_refusal`: ``--device cpu``, or ``auto`` on a machine without one)."""
+    from lioncub.launch.preload import gpu_refusal
+
     cluster = config.cluster
     if (
         os.environ.get("LIONCUB_PRELOAD", "1") == "0"
@@ -234,8 +237,7 @@ def preload_ranks(config: TrainConfig, cmd: list[str]) -> bool:
         or cmd[1:3] != ["-m", RANK_MODULE]
     ):
         return False
-    no_gpu = not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg"))
-    return config.run.device == "cpu" or (config.run.device == "auto" and no_gpu)
+    return gpu_refusal(config.run.device) is None
 
 
 # ----------------------------------------------------------------------------------------------- runs

@@ -358,6 +358,17 @@ def test_a_sweep_of_launches_with_other_environments_keeps_at_most_one_zygote(pr
         assert len(_zygote_processes()) <= 1, k
 
 
+def test_a_replaced_zygote_lives_while_a_launch_holds_it(probe_dir: Path) -> None:
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1"}
+    with preload.lease(shared_env([env]), str(probe_dir), LIGHT) as held:
+        with preload.lease(shared_env([{**env, "OTHER": "1"}]), str(probe_dir), LIGHT) as other:
+            assert other is not held and held.alive()  # its launch still runs ranks of it
+        assert other.alive()  # released, but the current one: kept for the next launch of its key
+        assert held.retired and held.alive()
+    assert not held.alive() and held.proc.returncode is not None  # closed once released, and reaped
+    assert other.alive() and len(_zygote_processes()) == 1
+
+
 def _rank_pids(probe_dir: Path, n: int = 2) -> list[tuple[int, int]] | None:
     """(pid, parent pid) of every rank of the probe, once all have written them."""
     try:

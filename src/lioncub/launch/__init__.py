@@ -17,8 +17,10 @@ on the launch's private bridge.
 Modules: :mod:`~lioncub.launch.launcher` (:func:`launch`: the network, the attempts, restarts, traffic),
 :mod:`~lioncub.launch.config` (:class:`LaunchConfig`), :mod:`~lioncub.launch.environment` (each rank's
 and node agent's argv and environment), :mod:`~lioncub.launch.supervisor` (one attempt: start, copy the
-output, stop on the first failure), :mod:`~lioncub.launch.result` (:class:`LaunchResult` and its tables)
-and :mod:`~lioncub.launch.netns` (the emulated network and its topology).
+output, stop on the first failure), :mod:`~lioncub.launch.result` (:class:`LaunchResult` and its tables),
+:mod:`~lioncub.launch.netns` (the emulated network and its topology) and :mod:`~lioncub.launch.preload`
+(ranks forked from an interpreter that imported torch once; the forking side is
+:mod:`~lioncub.launch.zygote`, which nothing here imports).
 """
 
 from lioncub.launch.config import LaunchConfig

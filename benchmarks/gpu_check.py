@@ -1,6 +1,6 @@
 """One prepared check of the GPU path (run by ``benchmarks/gpu_check.sh``; finishes in a few minutes).
 
-On a machine with one NVIDIA GPU, from the repository root, with the project's venv — which must hold a
+On a machine with NVIDIA GPUs, from the repository root, with the project's venv — which must hold a
 CUDA build of torch (the CPU wheel of constraints.txt has no CUDA) and triton (``pip install -e .[dev]``
 brings the pinned one); nothing is installed and no network is used:
 
@@ -9,22 +9,30 @@ brings the pinned one); nothing is installed and no network is used:
    and with the exact emulation the interpreter uses;
 2. bandwidth: bytes each kernel moves / its median time (CUDA events, warm-up, 25 runs) as a % of a
    device-to-device copy's bandwidth (target ≥ 60 %);
-3. every vote algorithm of :mod:`lioncub.collectives` and every ``LionCub`` preset on CUDA tensors over
-   NCCL (world size 1, a FileStore) against the same inputs on CPU over gloo, and
-   ``LionCub.overlap_with`` (the DDP hook and its vote thread on the GPU) against the plain step;
-4. a ``LionCub`` step on a 350M-parameter GPT-sized parameter set (24 layers, d = 1024) over NCCL
-   against a plain ``lioncub.optim.Lion`` step: median step times and the overhead (target ≤ 25 %).
+3. the whole vote path (``benchmarks/gpu_path.py``) on ``cuda:0`` over NCCL at world size 1 with the
+   votes' collectives on (:func:`lioncub.collectives.exchange_when_alone`): every vote algorithm and every
+   ``LionCub`` preset — step check, encode, exchange, decode, apply — local steps, ``consolidate_state_dict``
+   and a checkpoint round trip through the CPU, each against the same ranks on the CPU over gloo, bit for
+   bit; ``LionCub.overlap_with`` (the DDP hook and its vote thread) against the plain step; the host
+   synchronizations of a step (host reads, and the profiler's CUDA syncs), for 8 and 64 tensors. With
+   several GPUs the same on N = #GPUs processes, one per GPU;
+4. a ``LionCub`` step on a 350M-parameter GPT-sized parameter set (24 layers, d = 1024), as one process
+   (Lion's step) and with the votes exchanged over NCCL, against a plain ``lioncub.optim.Lion`` step:
+   median step times and the overhead (target ≤ 25 %).
 
 ``--dry-run`` runs the same code paths on the CPU at small sizes: the Triton kernels in Triton's
-interpreter (``TRITON_INTERPRET=1``), gloo instead of NCCL, wall-clock timing (its numbers mean nothing).
-Without CUDA and without ``--dry-run`` it says so and exits 2. Exit 1 when a correctness check fails.
-The table printed last lists every measurement next to its target.
+interpreter (``TRITON_INTERPRET=1``), gloo instead of NCCL, wall-clock timing (its numbers mean nothing);
+``--ranks K`` adds section 3 on K CPU processes. Without CUDA and without ``--dry-run`` it says so and
+exits 2. Exit 1 when a correctness check fails. The table printed last lists every measurement next to
+its target.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import json
 import os
 import statistics
 import sys
@@ -39,6 +47,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+from lioncub.collectives import exchange_when_alone  # noqa: E402
 
 ROWS: list[tuple[str, str, str, str, str]] = []  # (section, item, measured, target, verdict)
 FAILURES: list[str] = []
@@ -229,93 +239,49 @@ def bandwidth(device: torch.device, n: int, runs: int) -> None:
     row("bandwidth", "quantize_l1 both passes (per-tensor mean |c| in torch)", f"{t_total * 1e3:.3f} ms")
 
 
-# ------------------------------------------------------------------------------------ 3. votes, presets
+# ------------------------------------------------------------------------------------ 3. the vote path
 
 
-def votes_and_presets(device: torch.device, n: int) -> None:
-    from lioncub.collectives import (
-        AverageVote,
-        Comm,
-        DenseMean,
-        LaneVote,
-        OneBitVote,
-        QuantizedVote,
-        ServerVote,
-        SignSumVote,
-    )
-    from lioncub.optim import LionCub
-    from lioncub.optim.config import PRESETS
+def vote_path_on_ranks(world: int, n: int, timeout_s: float) -> None:
+    """:func:`gpu_path.vote_path` on ``world`` processes, one per GPU (``cuda:rank``, NCCL; in a dry run
+    CPU processes over gloo), each against its CPU over gloo; their rows are added here."""
+    import subprocess
 
-    gloo = dist.new_group([0], backend="gloo")
-    comm_dev, comm_cpu = Comm(None), Comm(gloo)
-    makers = {
-        "OneBitVote": lambda c: OneBitVote(c),
-        "LaneVote(4)": lambda c: LaneVote(c, 4),
-        "LaneVote(auto)": lambda c: LaneVote(c, "auto"),
-        "SignSumVote": lambda c: SignSumVote(c),
-        "QuantizedVote(l1, 8)": lambda c: QuantizedVote(c, "l1", 8),
-        "QuantizedVote(l1, 4)": lambda c: QuantizedVote(c, "l1", 4),
-        "QuantizedVote(linf, 8, chunk 256)": lambda c: QuantizedVote(c, "linf", 8, chunk_size=256),
-        "AverageVote": lambda c: AverageVote(c),
-        "ServerVote(majority)": lambda c: ServerVote(c, "majority"),
-        "ServerVote(average)": lambda c: ServerVote(c, "average"),
-        "DenseMean(fp32)": lambda c: DenseMean(c, torch.float32),
-        "DenseMean(bf16)": lambda c: DenseMean(c, torch.bfloat16),
-    }
-    local = torch.randn(n, generator=torch.Generator().manual_seed(5))
-    local[::97] = 0.0
-    segments = [n // 2, n - n // 2]
-    for name, make in makers.items():
-        out_dev = make(comm_dev).start(local.to(device), step=1, segments=segments).wait()
-        out_cpu = make(comm_cpu).start(local.clone(), step=1, segments=segments).wait()
-        check("NCCL votes", f"{name} ({comm_dev.backend} vs gloo)", same(out_dev.cpu(), out_cpu))
-    gen = torch.Generator().manual_seed(6)
-    shapes = [(64, 48), (48,), (33, 7), (1,)]
-    init = [torch.randn(s, generator=gen) for s in shapes]
-    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(3)]
-    for preset in PRESETS:
-        results = []
-        for dev, group in ((device, None), (torch.device("cpu"), gloo)):
-            params = [torch.nn.Parameter(t.clone().to(dev)) for t in init]
-            opt = LionCub(params, lr=1e-2, weight_decay=0.1, variant=preset, process_group=group)
-            for step_grads in grads:
-                for p, gr in zip(params, step_grads, strict=True):
-                    p.grad = gr.to(dev)
-                opt.step()
-            results.append(torch.cat([p.detach().cpu().reshape(-1) for p in params]))
-        check("NCCL presets", f"LionCub {preset}: 3 steps vs gloo", same(*results))
-
-
-def overlap_on_device(device: torch.device) -> None:
-    """``LionCub.overlap_with`` on this device (the hook's contribution on backward's thread, the votes on
-    the vote thread): bit for bit the plain step, 3 steps of a small DDP model, for three presets."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    from lioncub.optim import LionCub
-    from lioncub.optim.ddp import skip_gradient_allreduce
-
-    gen = torch.Generator().manual_seed(7)
-    batches = [torch.randn(16, 32, generator=gen) for _ in range(3)]
-    for preset in ("1bit", "8bit", "32bit"):
-        results = []
-        for overlap in (False, True):
-            torch.manual_seed(0)
-            net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).to(
-                device
+    with tempfile.TemporaryDirectory() as tmp:
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_path.py")
+        common = ["--world", str(world), "--n", str(n), "--store", f"{tmp}/store"] + (["--dry-run"] * DRY)
+        procs = [
+            subprocess.Popen(
+                [sys.executable, script, "--rank", str(r), "--out", f"{tmp}/rows{r}.json", *common],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
             )
-            ids = [device.index] if device.type == "cuda" else None
-            model = DistributedDataParallel(net, device_ids=ids, bucket_cap_mb=0.004)
-            opt = LionCub(net.parameters(), lr=1e-2, weight_decay=0.1, variant=preset)
-            if overlap:
-                opt.overlap_with(model)
-            else:
-                skip_gradient_allreduce(model)
-            for x in batches:
-                model(x.to(device)).square().mean().backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            results.append(torch.cat([p.detach().cpu().reshape(-1) for p in net.parameters()]))
-        check("overlap", f"LionCub {preset}: overlap_with vs plain step, 3 steps", same(*results))
+            for r in range(world)
+        ]
+        outputs = []
+        for r, proc in enumerate(procs):
+            try:
+                out, _ = proc.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                out = f"rank {r} of the {world}-rank vote path timed out after {timeout_s:.0f} s"
+            outputs.append(out)
+        for r, proc in enumerate(procs):
+            path = f"{tmp}/rows{r}.json"
+            if proc.returncode != 0 or not os.path.exists(path):
+                print(outputs[r][-3000:])
+                check(f"vote path N={world}", f"rank {r} exited {proc.returncode}", 1)
+                continue
+            with open(path) as f:
+                rows = json.load(f)
+            for kind, section, item, *rest in rows:
+                label = f"rank {r}/{world}: {item}"
+                if kind == "check":
+                    check(f"{section} N={world}", label, rest[0])
+                else:
+                    row(f"{section} N={world}", label, *rest)
 
 
 # ------------------------------------------------------------------------------------ 4. 350M step
@@ -375,18 +341,20 @@ def step_overhead(device: torch.device, layers: int, d: int, vocab: int, ctx: in
     row("350M step", "plain Lion (foreach) step", f"{t_lion * 1e3:.2f} ms")
     del lion, params
     for preset in ("1bit", "8bit", "4bit", "8bit-sign"):
-        params = make()
-        opt = LionCub(params, lr=1e-4, weight_decay=0.1, variant=preset)
-        t = sync_time(opt.step)
-        over = 100 * (t / t_lion - 1)
-        row(
-            "350M step",
-            f"LionCub {preset} step (N=1)",
-            f"{t * 1e3:.2f} ms, +{over:.0f} % over Lion",
-            "<= 25 %",
-            _verdict(over <= 25),
-        )
-        del opt, params
+        for voting in (False, True):  # one process: Lion's step; voting: the whole vote path at N = 1
+            params = make()
+            with exchange_when_alone() if voting else contextlib.nullcontext():
+                opt = LionCub(params, lr=1e-4, weight_decay=0.1, variant=preset)
+            t = sync_time(opt.step)
+            over = 100 * (t / t_lion - 1)
+            row(
+                "350M step",
+                f"LionCub {preset} step (N=1{', votes exchanged' if voting else ''})",
+                f"{t * 1e3:.2f} ms, {over:+.0f} % over Lion",
+                "<= 25 %",
+                _verdict(over <= 25),
+            )
+            del opt, params
 
 
 # ------------------------------------------------------------------------------------ main
@@ -396,6 +364,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU: Triton interpreter, gloo, small sizes")
     parser.add_argument("--skip-350m", action="store_true", help="leave out section 4")
+    parser.add_argument(
+        "--ranks", type=int, default=0, help="dry run: also the vote path on this many CPU processes (>= 2)"
+    )
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     if args.dry_run:
@@ -437,14 +408,18 @@ def main() -> int:
             timeout=datetime.timedelta(seconds=120),
         )
         try:
-            votes_and_presets(device, sizes["n"])
-            overlap_on_device(device)
+            import gpu_path
+
+            gpu_path.vote_path(device, sizes["n"], check, row, _verdict)
             if not args.skip_350m:
                 step_overhead(
                     device, sizes["layers"], sizes["d"], sizes["vocab"], sizes["ctx"], sizes["step_runs"]
                 )
         finally:
             dist.destroy_process_group()
+    ranks = args.ranks if DRY else torch.cuda.device_count()
+    if ranks >= 2:
+        vote_path_on_ranks(ranks, sizes["n"], timeout_s=240)
     row("device", "wall time", f"{time.perf_counter() - t0:.0f} s")
     width = [max(len(r[i]) for r in ROWS) for i in range(5)]
     print(

@@ -75,17 +75,18 @@ def one_bit_votes(cs: list[torch.Tensor], step: int, zeros: str = "split") -> li
     ]
 
 
-def sim_vote(preset: str, cs: list[torch.Tensor], step: int, n: int) -> torch.Tensor:
-    """The update of one parameter tensor from the N workers' directions ``cs`` (float64)."""
+def sim_vote(preset: str, cs: list[torch.Tensor], step: int, n: int, alone: bool = True) -> torch.Tensor:
+    """The update of one parameter tensor from the N workers' directions ``cs`` (float64); ``alone``: one
+    worker takes the one-process shortcut (``sign(c)``), else it votes as N workers do."""
     plus = sum(one_bit_votes(cs, step))  # the one-bit votes: exact zeros split by rank and step
     margin = 2 * plus - n
     if preset == "1bit":
-        if n == 1:
+        if n == 1 and alone:
             return torch.sign(cs[0])
         tie = 1.0 if step % 2 == 1 else -1.0
         return torch.where(margin > 0, 1.0, torch.where(margin < 0, -1.0, tie)).to(torch.float64)
     if preset in ("4bit", "dlion-mavo"):
-        return torch.sign(cs[0]) if n == 1 else torch.sign(margin).to(torch.float64)
+        return torch.sign(cs[0]) if n == 1 and alone else torch.sign(margin).to(torch.float64)
     if preset == "8bit-sign":
         return torch.sign(sum(torch.sign(c).to(torch.int64) for c in cs)).to(torch.float64)
     if preset == "dlion-avg":
@@ -98,9 +99,10 @@ def sim_vote(preset: str, cs: list[torch.Tensor], step: int, n: int) -> torch.Te
     raise AssertionError(preset)
 
 
-def simulate(preset: str, n: int, vote: Vote | None = None) -> list[torch.Tensor]:
+def simulate(preset: str, n: int, vote: Vote | None = None, alone: bool = True) -> list[torch.Tensor]:
     """Every rank's parameters after ``STEPS`` steps of ``preset`` on ``n`` workers (float64); ``vote``
-    replaces :func:`sim_vote` for the voting presets."""
+    replaces :func:`sim_vote` for the voting presets; ``alone=False``: one worker votes (and, for the
+    dense presets, rounds through the wire dtype) as N workers do, instead of taking Lion's step."""
     theta = initial_params(0)
     dense = preset in DENSE
     moms = [[torch.zeros_like(p) for p in theta] for _ in range(1 if dense else n)]
@@ -119,15 +121,17 @@ def simulate(preset: str, n: int, vote: Vote | None = None) -> list[torch.Tensor
             lr = lr_of[i][0] * lr_factor(step - 1)
             wd = lr_of[i][1]
             if dense:
-                wire = torch.float64 if preset == "32bit" else torch.bfloat16
+                wire = torch.float64 if preset == "32bit" or (n == 1 and alone) else torch.bfloat16
                 g = sum(grads[r][i].to(wire) / n for r in range(n)).to(torch.float64)
                 m = moms[0][i]
                 u = torch.sign(BETAS[0] * m + (1 - BETAS[0]) * g)
                 moms[0][i] = BETAS[1] * m + (1 - BETAS[1]) * g
             else:
                 cs = [BETAS[0] * moms[r][i] + (1 - BETAS[0]) * grads[r][i] for r in range(n)]
-                # one process: LionCub is exactly Lion, whatever the preset
-                u = torch.sign(cs[0]) if n == 1 else (vote or sim_vote)(preset, cs, step, n)
+                if n == 1 and alone:  # one process: LionCub is exactly Lion, whatever the preset
+                    u = torch.sign(cs[0])
+                else:
+                    u = vote(preset, cs, step, n) if vote else sim_vote(preset, cs, step, n, alone)
                 for r in range(n):
                     moms[r][i] = BETAS[1] * moms[r][i] + (1 - BETAS[1]) * grads[r][i]
             # p·(1 − lr·wd) − lr·u, with torch's add(alpha=) so that a fused multiply-add rounds alike
@@ -164,9 +168,16 @@ def worker_run_presets(
     exchange: str = "auto",
     topology: str = "flat",
     nodes: int = 1,
+    exchange_alone: bool = False,
 ) -> dict:
     """:func:`simulate`'s run of every preset in ``presets`` with LionCub on this rank (``topology``: over an
-    ``(nodes, world // nodes)`` device mesh): each preset's parameters, comm stats, buckets and vote class."""
+    ``(nodes, world // nodes)`` device mesh; ``exchange_alone``: built under
+    :func:`lioncub.collectives.exchange_when_alone`): each preset's parameters, comm stats, buckets and vote
+    class."""
+    import contextlib
+
+    from lioncub.collectives import exchange_when_alone
+
     out = {}
     group = None
     if topology != "flat":  # an (M, L) node mesh: rank = node·L + local
@@ -175,13 +186,14 @@ def worker_run_presets(
         group = init_device_mesh("cpu", (nodes, world // nodes), mesh_dim_names=("node", "local"))
     for preset in presets:
         params = [torch.nn.Parameter(p) for p in initial_params(rank)]
-        opt = LionCub(
-            param_groups(params),
-            betas=BETAS,
-            variant=resolve_variant(preset, exchange=exchange, topology=topology),
-            bucket_mb=bucket_mb,
-            process_group=group,
-        )
+        with exchange_when_alone() if exchange_alone else contextlib.nullcontext():
+            opt = LionCub(
+                param_groups(params),
+                betas=BETAS,
+                variant=resolve_variant(preset, exchange=exchange, topology=topology),
+                bucket_mb=bucket_mb,
+                process_group=group,
+            )
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
         for step in range(1, STEPS + 1):
             grid = world if preset in DENSE else 0

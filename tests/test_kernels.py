@@ -60,7 +60,7 @@ BACKGROUND = {
         lambda _: [sys.executable, str(ROOT / "tests" / "kernels_interp.py")], 240
     ),
     "gpu_check_dry_run": _in_background(
-        lambda _: ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"], 240
+        lambda _: ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run", "--ranks", "2"], 280
     ),
     "gpu_check_without_cuda": _in_background(
         lambda _: [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")], 120, needs_triton=False
@@ -193,11 +193,21 @@ def test_gpu_check_dry_run():
         "quantize_l1",
         "majority_pack",
         "apply_votes_",
-        "LionCub 8bit",
         "plain Lion",
-        "LionCub 1bit: overlap_with vs plain step, 3 steps: equal",
+        "LionCub 8bit step (N=1, votes exchanged)",
     ):
         assert item in proc.stdout
+    # the whole vote path at world size 1 with the collectives on, and on 2 ranks (--ranks 2)
+    for prefix in ("[vote path] ", "[vote path N=2] rank 0/2: ", "[vote path N=2] rank 1/2: "):
+        for item in (
+            "QuantizedVote(l1, 8), step 2 (gloo vs gloo): equal",
+            "LionCub 8bit: 3 steps, parameters and momenta vs gloo: equal",
+            "LionCub 1bit: overlap_with vs plain step, 3 steps: equal",
+            "LionCub 1bit, local steps h=2 outer=vote: 5 steps vs gloo: equal",
+            "1bit, local steps h=2: saved at step 3 and resumed = uninterrupted, 4 steps: equal",
+        ):
+            assert prefix + item in proc.stdout, prefix + item
+    assert "[host syncs] LionCub 1bit step, 8 vs 64 tensors" in proc.stdout
 
 
 @pytest.mark.slow

@@ -24,14 +24,16 @@ class                  wire                                                     
 :class:`DenseMean`     gradient in fp32/bf16/fp16, ÷N, reduce-scatter + gather    the mean gradient
 =====================  =========================================================  =====================
 
-With ``N = 1`` there is nothing to exchange and every sign vote is ``sign(c)`` (plain Lion). Non-finite
+With ``N = 1`` there is nothing to exchange and every sign vote is ``sign(c)`` (plain Lion), unless the
+votes were built under :func:`~lioncub.collectives.base.exchange_when_alone` (then they run their
+collectives over the group of one, as the GPU check does). Non-finite
 ``c`` (the optimizer skips such steps before voting) still gives a defined, in-range result: a one-bit
 vote of NaN is "−" (``NaN ≥ 0`` is false) and of ±Inf is ±; ``sign(NaN)`` is 0 on the int8 paths and for
 ``N = 1``; a quantized vote abstains (levels 0) on a tensor or chunk holding NaN or ±Inf (see
 :mod:`lioncub.ops.quantize`). :class:`DenseMean` is a mean and propagates NaN and Inf.
 """
 
-from lioncub.collectives.base import CollectiveError, Comm, CommCounter
+from lioncub.collectives.base import Backend, CollectiveError, Comm, CommCounter, exchange_when_alone
 from lioncub.collectives.dense import DenseMean
 from lioncub.collectives.hierarchical import HierarchicalVote, NodeMajorityVote, make_topology_vote
 from lioncub.collectives.lanes import LaneVote, auto_lane_bits
@@ -44,6 +46,7 @@ from lioncub.collectives.signvote import SignVote, flat_views
 
 __all__ = [
     "AverageVote",
+    "Backend",
     "Ballot",
     "CollectiveError",
     "Comm",
@@ -63,6 +66,7 @@ __all__ = [
     "SignVote",
     "Vote",
     "auto_lane_bits",
+    "exchange_when_alone",
     "flat_views",
     "make_topology_vote",
 ]

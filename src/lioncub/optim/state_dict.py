@@ -85,12 +85,15 @@ class PerRankState:
 
     def _add_replicas(self, sd: dict[str, Any]) -> None:
         """Each windowed parameter's value on this rank as ``sd["state"][i]["replica"]`` (new dicts:
-        ``self.state``'s own are left alone); the indices are ``torch.optim.Optimizer.state_dict``'s."""
+        ``self.state``'s own are left alone; a copy, not a view of the parameter: a state dict kept while
+        training goes on, or an async save, still holds the value of its step, and a loaded replica never
+        aliases the tensors of the model it was saved with); the indices are
+        ``torch.optim.Optimizer.state_dict``'s."""
         index = 0
         for group in self.param_groups:
             for p in group["params"]:
                 if "anchor" in self.state.get(p, {}):
-                    sd["state"][index] = {**sd["state"][index], "replica": p.detach()}
+                    sd["state"][index] = {**sd["state"][index], "replica": p.detach().clone()}
                 index += 1
 
     def consolidate_state_dict(self, to: int = 0) -> None:

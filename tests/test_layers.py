@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -258,6 +259,53 @@ BACKGROUND = {
     for module in ("lioncub", "lioncub.cli")
 }
 
+#: ``lioncub report`` on a run directory and ``lioncub cost`` (a table, a plot, nodes) in an interpreter where
+#: importing torch fails: prints what tried to import it, the exit codes and the plots written (JSON)
+WITHOUT_TORCH = """
+import json, os, sys
+from pathlib import Path
+
+tried = []
+
+class NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            tried.append(name)
+            raise ImportError(f"{name}: blocked")
+        return None
+
+sys.meta_path.insert(0, NoTorch())
+
+from lioncub import cli
+from lioncub.rundir import claim
+
+work = Path(sys.argv[1])
+run = work / "run"
+claim(run)  # a run directory of lioncub's, where report writes its plots
+layer = {"match": 0.9, "flip": 0.05, "tie": 0.05, "momentum_max_std": 0.01, "max_over_mean": 3, "kurtosis": 4}
+diags = [{"kind": "diag", "step": s, "overall": layer, "layers": {"w": layer}} for s in (2, 4)]
+(run / "config.json").write_text(json.dumps({"variant": "1bit", "nproc": 2}))
+(run / "log.jsonl").write_text("".join(json.dumps(d) + "\\n" for d in diags))
+codes = {}
+for command in ("report", "cost"):
+    try:
+        cli.main([command, "--help"])
+    except SystemExit as exc:
+        codes[command + " --help"] = exc.code
+codes["report"] = cli.main(["report", str(run)])
+codes["cost"] = cli.main(["cost", "--params", "125M", "--workers", "8", "--bandwidth", "1gbit"])
+plot = ["--bandwidth", "100mbit", "--plot", str(work / "cost.png")]
+codes["cost --plot"] = cli.main(["cost", "--params", "25M", "--workers", "4", *plot])
+nodes = ["--nnodes", "2", "--nproc-per-node", "4", "--bandwidth", "10gbit"]
+codes["cost --nnodes"] = cli.main(["cost", "--params", "774M", *nodes])
+loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
+plots = sorted(p.name for p in run.iterdir() if p.suffix == ".png") + [p.name for p in work.glob("*.png")]
+print(json.dumps({"tried": tried, "loaded": loaded, "codes": codes, "plots": plots}))
+"""
+BACKGROUND["without torch"] = lambda: background.Subprocess(
+    lambda workdir: [sys.executable, "-c", WITHOUT_TORCH, str(workdir)], 120
+)
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
@@ -270,6 +318,37 @@ def test_python_dash_m(module: str) -> None:
     assert out.returncode == 0, out.stderr
     for command in ("train", "compare", "launch", "cost", "calibrate", "report"):
         assert command in out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.background("without torch")
+def test_report_and_cost_run_without_torch() -> None:
+    """``lioncub report`` (its table and plots written into a run directory, under its lock and record) and
+    ``lioncub cost`` (a table, a plot, a cluster of nodes) where importing torch fails: nothing tries."""
+    out = background.result("without torch", BACKGROUND["without torch"])
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["tried"] == [] and got["loaded"] == []
+    runs = ("report --help", "cost --help", "report", "cost", "cost --plot", "cost --nnodes")
+    assert got["codes"] == dict.fromkeys(runs, 0), out.stderr
+    assert got["plots"] == ["diag_momentum_std.png", "diag_rates.png", "diag_update_shape.png", "cost.png"]
+
+
+def test_rundir_imports_only_the_standard_library() -> None:
+    """Run directories are read and written without torch (or any package): ``lioncub report`` needs them."""
+    wrong = []
+    for module, path in MODULES.items():
+        if module != "lioncub.rundir" and not module.startswith("lioncub.rundir."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            for name in names:
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and not name.startswith("lioncub.rundir"):
+                    wrong.append(f"{module}:{node.lineno} imports {name}")
+    assert wrong == []
 
 
 def test_cost_model_and_configs_do_not_import_torch() -> None:

@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -58,7 +59,8 @@ def run_cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch)
 
 
 def tree(root: Path) -> dict[str, str]:
-    """Every entry under ``root``: files by SHA-256, symbolic links by target, directories as ``dir``."""
+    """Every entry under ``root``: files by SHA-256, symbolic links by target, directories as ``dir``, FIFOs
+    and sockets as ``not a file``."""
     out = {}
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
@@ -68,6 +70,8 @@ def tree(root: Path) -> dict[str, str]:
                 out[rel] = "-> " + os.readlink(path)
             elif path.is_dir():
                 out[rel] = "dir"
+            elif not path.is_file():
+                out[rel] = "not a file"  # a FIFO or a socket: never opened
             else:
                 out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
     return out
@@ -512,15 +516,20 @@ def diag_record(step: int) -> dict:
     return {"kind": "diag", "step": step, "overall": values, "layers": {"w": values}}
 
 
+def diagnosed_run(run_dir: Path) -> None:
+    """:func:`make_run` of ``--diagnostics-every 1``, with diagnostics of steps 1-3 in its log."""
+    make_run(run_dir, diagnostics_every=1)
+    with open(run_dir / "log.jsonl", "a") as f:
+        f.write("".join(json.dumps(diag_record(s)) + "\n" for s in (1, 2, 3)))
+
+
 @pytest.mark.slow
 def test_report_writes_plots_only_where_lioncub_may(run_cli: Callable, tmp_path: Path) -> None:
     """Finding 8: ``lioncub report RUN --out DIR`` into a directory of the user's is refused (nothing
     written); into a new one it marks and records its plots; into the run itself, recorded there too."""
     user_files(tmp_path)
     run = tmp_path / "run"
-    make_run(run, diagnostics_every=1)
-    with open(run / "log.jsonl", "a") as f:
-        f.write("".join(json.dumps(diag_record(s)) + "\n" for s in (1, 2, 3)))
+    diagnosed_run(run)
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "diag_rates.png").write_bytes(THESIS)
@@ -538,6 +547,162 @@ def test_report_writes_plots_only_where_lioncub_may(run_cli: Callable, tmp_path:
     assert run_cli(["report", str(run)])[0] == 0
     assert "diag_momentum_std.png" in read_record(run).files
     assert tree(tmp_path / "outside") == before_outside(before)
+
+
+# ------------------------------------------------------------------------- files that would block
+
+
+@contextlib.contextmanager
+def unblocking(*fifos: Path, after_s: float = 3.0) -> Iterator[list[str]]:
+    """Meanwhile, a watchdog that frees whoever waits in opening one of ``fifos`` (by opening its other
+    end, then closing it) once ``after_s`` seconds have passed, so that code which opens a FIFO fails the
+    test instead of hanging the suite; yields the FIFOs it had to open for someone."""
+    freed: list[str] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        if stop.wait(after_s):
+            return
+        while not stop.is_set():
+            for fifo in fifos:
+                try:  # succeeds only while a reader has it open (or waits in opening it)
+                    fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+                except OSError:
+                    pass
+                else:
+                    os.close(fd)
+                    freed.append(str(fifo))
+                with contextlib.suppress(OSError):  # frees a writer waiting in opening it
+                    os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+            stop.wait(0.05)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        yield freed
+    finally:
+        stop.set()
+        thread.join()
+
+
+def fifo_at(path: Path) -> Path:
+    """A FIFO in place of ``path`` (whatever was there is removed)."""
+    if os.path.lexists(path):
+        path.unlink()
+    os.mkfifo(path)
+    return path
+
+
+def refused_at_once(run_cli: Callable, argv: list[str], fifo: Path) -> str:
+    """``lioncub ARGV`` with a FIFO at ``fifo``: exit 2 in under a second, the FIFO never opened, the error
+    naming it; the error."""
+    with unblocking(fifo) as freed:
+        t0 = time.monotonic()
+        rc, err = run_cli(argv)
+        took = time.monotonic() - t0
+    assert freed == [] and took < 1.0, (argv, took, err)  # freed: it waited in opening the FIFO
+    assert rc == 2 and fifo.name in err, (argv, err)
+    return err
+
+
+def refused_with_a_fifo_at(run_cli: Callable, argv: list[str], path: Path, root: Path) -> None:
+    """:func:`refused_at_once` with a FIFO in place of ``path``, nothing under ``root`` changed; then
+    ``path`` as it was."""
+    kept = path.read_bytes() if path.exists() else None
+    fifo = fifo_at(path)
+    before = tree(root)
+    refused_at_once(run_cli, argv, fifo)
+    assert tree(root) == before, argv
+    fifo.unlink()
+    if kept is not None:
+        path.write_bytes(kept)
+
+
+@pytest.mark.parametrize(
+    "rel",
+    [
+        "checkpoints/latest",
+        "checkpoints/step_00000003/meta.json",
+        MARKER,
+        LOCK,
+        RANKS_LOCK,
+        "config.json",
+        "log.jsonl",
+        "summary.json",
+    ],
+)
+def test_a_fifo_in_a_run_is_refused_at_once(run_cli: Callable, tmp_path: Path, rel: str) -> None:
+    """Issue 34: a FIFO at any file of a run that ``--resume`` (or a new run over a stopped one) reads is
+    refused in under a second, naming it; nothing is written. The first three hung ``--resume`` forever;
+    at a lock file the FIFO was taken for the lock."""
+    user_files(tmp_path)
+    run = tmp_path / "run"
+    make_run(run)
+    fifo = fifo_at(run / rel)
+    before = tree(tmp_path)
+    err = refused_at_once(run_cli, ["train", *QUICK[2:], "--out", str(run), "--resume", "--steps", "5"], fifo)
+    assert rel in err, err
+    if rel in (MARKER, LOCK, RANKS_LOCK):
+        assert f"{fifo} is a FIFO (named pipe), not a regular file" in err, err
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("rel", [MARKER, LOCK, RANKS_LOCK])
+def test_a_fifo_in_a_new_out_is_refused_at_once(run_cli: Callable, tmp_path: Path, rel: str) -> None:
+    """Issue 34: a directory holding only a FIFO named like lioncub's record or locks, given as a new
+    ``--out``: refused in under a second, naming it (the record's FIFO hung ``lioncub train`` forever)."""
+    out = tmp_path / "new"
+    out.mkdir()
+    fifo = fifo_at(out / rel)
+    before = tree(tmp_path)
+    for command in (["train", *QUICK], ["compare", "--variants", "8bit", *QUICK]):
+        refused_at_once(run_cli, [*command, "--out", str(out)], fifo)
+        assert tree(tmp_path) == before, command
+
+
+def test_a_fifo_where_report_reads_is_refused_at_once(run_cli: Callable, tmp_path: Path) -> None:
+    """Issue 34: ``lioncub report`` with a FIFO as the run's ``config.json`` (read for the plots' titles), as
+    the record of the run or of ``--out``: refused in under a second, naming it. Each hung it forever."""
+    run = tmp_path / "run"
+    diagnosed_run(run)
+    plots = tmp_path / "plots"
+    plots.mkdir()
+    for argv, path in (
+        (["report", str(run), "--out", str(plots)], plots / MARKER),
+        (["report", str(run)], run / MARKER),
+        (["report", str(run)], run / "config.json"),
+    ):
+        refused_with_a_fifo_at(run_cli, argv, path, tmp_path)
+
+
+def test_a_fifo_in_a_compare_directory_is_refused_at_once(run_cli: Callable, tmp_path: Path) -> None:
+    """Issue 34: ``lioncub compare --report-only`` with a FIFO as ``OUT/summary.json`` (read for the order
+    of the runs; it hung forever) or as a run's record: refused in under a second, naming it."""
+    out = tmp_path / "cmp"
+    write_log(out / "1bit", 20, 20, loss=2.0, compute_s=0.05, comm_s=0.03)
+    claim(out, "compare")
+    for argv, path in (
+        (["compare", "--report-only", "--out", str(out)], out / "summary.json"),
+        (["compare", "--report-only", "--variants", "1bit", "--out", str(out)], out / "1bit" / MARKER),
+    ):
+        refused_with_a_fifo_at(run_cli, argv, path, tmp_path)
+
+
+def test_an_old_compare_marker_is_adopted(
+    run_cli: Callable, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A compare directory with a marker of before the record: its report's files and its run directories
+    are adopted by exact name (:mod:`lioncub.report.files` registers them), a file of the user's is not."""
+    out = tmp_path / "cmp"
+    write_log(out / "1bit", 20, 20, loss=2.0, compute_s=0.05, comm_s=0.03)
+    (out / MARKER).write_text('{"kind": "compare", "by": "lioncub"}\n')
+    (out / "summary.md").write_text("an old report\n")
+    assert run_cli(["compare", "--report-only", "--out", str(out)])[0] == 0
+    rec = read_record(out, "compare")
+    assert rec.version == 2 and rec.dirs == {"1bit"} and "summary.md" in rec.files
+    (out / "notes.txt").write_bytes(THESIS)
+    rc, err = run_cli(["compare", "--report-only", "--out", str(out)])
+    assert rc == 2 and "notes.txt" in err, err
 
 
 # ----------------------------------------------------------------------------------------- compare

@@ -5,13 +5,17 @@ they survive byte for byte."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -19,10 +23,14 @@ import pytest
 import background
 from lioncub.rundir import (
     MARKER,
+    SpecialFileError,
     check_out_path,
     claim,
     foreign_entries,
     is_marked,
+    open_append,
+    open_run_file,
+    read_run_file,
     record,
     remove_owned,
 )
@@ -120,6 +128,61 @@ def test_remove_owned_deletes_only_its_own_files(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"config\.json"):
         remove_owned(user)
     assert (user / "config.json").read_bytes() == THESIS
+
+
+@contextlib.contextmanager
+def within(seconds: int) -> Iterator[None]:
+    """``TimeoutError`` in this thread if the block takes more than ``seconds`` (a blocked ``open`` too)."""
+
+    def expire(signum: int, frame: object) -> None:
+        raise TimeoutError(f"still waiting after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_run_files_that_are_no_files_are_refused_without_opening(tmp_path: Path) -> None:
+    """Issue 34: :func:`open_run_file` (how lioncub opens every run file) refuses a FIFO, a socket and a
+    device, naming the path, without waiting on the FIFO (no writer ever comes here); a symbolic link fails
+    as it always did (``ELOOP``) unless followed, a regular file opens, a missing one is created on asking."""
+    fifo = tmp_path / "latest"
+    os.mkfifo(fifo)
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(tmp_path / "meta.json"))
+    t0 = time.monotonic()
+    with within(5):  # an open that waits on the FIFO fails the test instead of hanging it
+        for path, what in (
+            (fifo, "a FIFO (named pipe)"),
+            (tmp_path / "meta.json", "a socket"),
+            (Path(os.devnull), "a character device"),
+        ):
+            for flags in (os.O_RDONLY, os.O_RDWR, os.O_WRONLY | os.O_APPEND | os.O_CREAT):
+                with pytest.raises(SpecialFileError, match=f"^{path} is {re.escape(what)}, not a regular"):
+                    open_run_file(path, flags)
+            with pytest.raises(SpecialFileError, match=str(path)):
+                read_run_file(path, follow_symlinks=True)
+        with pytest.raises(SpecialFileError, match=str(fifo)):
+            open_append(fifo)
+    assert time.monotonic() - t0 < 1.0
+    sock.close()
+    (tmp_path / "config.json").write_bytes(THESIS)
+    (tmp_path / "link").symlink_to(tmp_path / "config.json")
+    with pytest.raises(OSError, match="Too many levels of symbolic links"):
+        open_run_file(tmp_path / "link")
+    assert read_run_file(tmp_path / "link", follow_symlinks=True) == THESIS
+    assert read_run_file(tmp_path / "config.json") == THESIS
+    (tmp_path / "to_fifo").symlink_to(fifo)  # followed only where asked, and then refused as the FIFO
+    with pytest.raises(SpecialFileError, match="to_fifo is a FIFO"):
+        read_run_file(tmp_path / "to_fifo", follow_symlinks=True)
+    with pytest.raises(FileNotFoundError):
+        open_run_file(tmp_path / "missing")
+    os.close(open_run_file(tmp_path / "new", os.O_WRONLY | os.O_CREAT))
+    assert (tmp_path / "new").is_file()
 
 
 # --------------------------------------------------------------------------------------------- CLI

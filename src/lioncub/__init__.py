@@ -10,7 +10,8 @@ Layers, one package each (a lower layer never imports a higher one)::
     cli                      the ``lioncub`` command (``python -m lioncub``), one module per subcommand
 
 Beneath them all, ``units`` (rates, sizes, durations) and ``_validate`` (the shared argument checks) import
-nothing of lioncub.
+nothing of lioncub, and ``rundir`` (run directories: what lioncub wrote, what it may delete, one writer at a
+time) only the standard library.
 
 The top-level names are imported lazily, so ``import lioncub.launch`` does not import torch.
 """

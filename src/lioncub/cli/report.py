@@ -20,9 +20,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_paths(run_dir: Path, out: Path | None) -> None:
-    """Refuse a RUN_DIR that is no directory and an --out that cannot hold the PNGs, before any work."""
+    """Refuse a RUN_DIR that is no directory and an --out that cannot hold the PNGs, before any work; a FIFO,
+    socket or device where report reads (the log, the config, the record) too."""
+    from lioncub.rundir import MARKER, refuse_special
+
     if not run_dir.is_dir():
         raise ValueError(f"RUN_DIR {run_dir}: not a directory (give a `lioncub train --out` directory)")
+    for path in (run_dir / "log.jsonl", run_dir / "config.json"):
+        refuse_special(path, follow_symlinks=True)
+    refuse_special((out if out is not None else run_dir) / MARKER)
     log = run_dir / "log.jsonl"
     if log.is_file() and not os.access(log, os.R_OK):
         raise ValueError(f"RUN_DIR {run_dir}: {log} is not readable")
@@ -71,12 +77,12 @@ def _store(run_dir: Path, out: Path | None, plots: dict[str, bytes]) -> dict[str
 
 
 def run(args: argparse.Namespace) -> int:
-    from lioncub.report import diagnostics as diag_report
-
     run_dir = Path(args.run_dir)
     out = Path(args.out) if args.out else None
     try:
         check_paths(run_dir, out)
+        from lioncub.report import diagnostics as diag_report  # matplotlib: after the quick checks
+
         diag_report.print_table(run_dir)
         with tempfile.TemporaryDirectory(prefix="lioncub-report-") as tmp:
             drawn = diag_report.write_plots(run_dir, Path(tmp))  # drawn apart, then stored as lioncub's

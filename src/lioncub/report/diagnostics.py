@@ -21,6 +21,8 @@ from matplotlib.figure import Figure
 from rich.console import Console
 from rich.table import Table
 
+from lioncub.rundir import read_run_file
+
 __all__ = ["load_diagnostics", "print_table", "write_plots"]
 
 LAYER_KEYS = ("match", "flip", "tie", "momentum_max_std", "max_over_mean", "kurtosis")
@@ -31,7 +33,8 @@ def load_diagnostics(run_dir: Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "log.jsonl"
     if not path.is_file():
         raise ValueError(f"{run_dir}: no log.jsonl (is it a `lioncub train --out` directory?)")
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = read_run_file(path, follow_symlinks=True).decode()  # a FIFO: refused, never waited on
+    records = [json.loads(line) for line in text.splitlines() if line.strip()]
     diags = sorted((r for r in records if r.get("kind") == "diag"), key=lambda r: r["step"])
     if not diags:
         raise ValueError(f"{run_dir}: log.jsonl has no diagnostics; train with --diagnostics-every K")
@@ -75,7 +78,8 @@ def write_plots(run_dir: Path, out_dir: Path | None = None) -> dict[str, Path]:
     out_dir = Path(out_dir or run_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     diags = load_diagnostics(run_dir)
-    config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
+    config_path = run_dir / "config.json"
+    config = json.loads(read_run_file(config_path, follow_symlinks=True)) if config_path.exists() else {}
     title = f"{config.get('variant', '?')}, N = {config.get('nproc', '?')}"
     figures = {
         "diag_rates": _rates_figure(diags, title),

@@ -66,6 +66,7 @@ from lioncub.report.figures import (
     figure_val_loss_vs_time,
     plot_series,
 )
+from lioncub.rundir import read_run_file
 
 __all__ = [
     "COLUMNS",
@@ -264,7 +265,7 @@ def load_run(run_dir: Path) -> RunLog:
     if not config_path.is_file():
         raise ValueError(f"run dir {run_dir}: missing config.json")
     try:
-        config = json.loads(config_path.read_text())
+        config = json.loads(read_run_file(config_path, follow_symlinks=True))
     except json.JSONDecodeError:
         config = None
     if not isinstance(config, dict):
@@ -273,7 +274,8 @@ def load_run(run_dir: Path) -> RunLog:
         config["world_size"] = config["nproc"]
     if not log_path.is_file():
         raise ValueError(f"run dir {run_dir}: missing log.jsonl")
-    lines = [line for line in log_path.read_text().splitlines() if line.strip()]
+    text = read_run_file(log_path, follow_symlinks=True).decode()
+    lines = [line for line in text.splitlines() if line.strip()]
     steps, evals, diags = [], {}, {}
     for i, line in enumerate(lines):
         try:

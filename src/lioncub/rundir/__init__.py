@@ -41,6 +41,7 @@ from lioncub.rundir.files import (
     open_append,
     open_run_file,
     read_run_file,
+    refuse_special,
     regular_file,
     write_atomically,
 )
@@ -76,6 +77,7 @@ __all__ = [
     "read_record",
     "read_run_file",
     "record",
+    "refuse_special",
     "register_legacy",
     "regular_file",
     "remove_owned",

@@ -24,6 +24,7 @@ __all__ = [
     "open_run_file",
     "read_run_file",
     "real_dir",
+    "refuse_special",
     "regular_file",
     "write_atomically",
 ]
@@ -49,6 +50,13 @@ def _refuse_special(path: Path | str, mode: int) -> None:
             f"{path} is {what}, not a regular file: lioncub opens no run file that could block it or act "
             "on a device; remove it (or choose another directory)"
         )
+
+
+def refuse_special(path: Path | str, *, follow_symlinks: bool = False) -> None:
+    """:class:`SpecialFileError` naming ``path`` if it is a FIFO, a socket or a device (nothing if it is
+    missing or cannot be looked at): a check before work that ends in opening it."""
+    with contextlib.suppress(OSError):
+        _refuse_special(path, os.stat(path, follow_symlinks=follow_symlinks).st_mode)
 
 
 def open_run_file(

@@ -51,6 +51,7 @@ from lioncub.rundir import (
     is_marked,
     open_run_file,
     read_record,
+    read_run_file,
     record,
     regular_file,
     write_atomically,
@@ -139,7 +140,7 @@ def _verified_load(meta: CheckpointMeta, name: str) -> Any:
     """``torch.load(weights_only=True)`` of ``meta.path / name`` to the CPU after checking its SHA-256."""
     path = meta.path / name
     try:
-        data = path.read_bytes()
+        data = read_run_file(path, follow_symlinks=True)
     except OSError as err:
         raise CorruptCheckpointError(
             f"checkpoint {meta.path}: cannot read {name} ({err}){_previous(meta)}"
@@ -279,7 +280,7 @@ def _complete_save(run_dir: Path, name: str, step: int, world_size: int, meta: d
         raise RuntimeError(f"checkpoint {tmp}: ranks {missing} wrote no state")
     hashes = {}
     for side in sorted(tmp.glob("*.sha256")):
-        hashes[side.name.removesuffix(".sha256")] = side.read_text().strip()
+        hashes[side.name.removesuffix(".sha256")] = read_run_file(side, follow_symlinks=True).decode().strip()
         side.unlink()
     doc = {"version": VERSION, "step": step, "world_size": world_size, **meta, "sha256": hashes}
     write_atomically(tmp / "meta.json", (json.dumps(doc, indent=1) + "\n").encode())

@@ -17,6 +17,7 @@ from typing import Any, TextIO
 
 from lioncub._validate import is_int, is_number
 from lioncub.names import run_label
+from lioncub.rundir import SpecialFileError, read_run_file
 from lioncub.train.config import BASELINES, TrainConfig, format_overrides
 from lioncub.train.prepare import NEXT_CONFIG, finish_run
 from lioncub.train.progress import Progress
@@ -299,8 +300,12 @@ def run_training(
         finish_run(run_dir, result.ok)
     except OSError as exc:  # e.g. a full disk: the directory stays as the ranks left it, and can be resumed
         print(f"lioncub: could not finish {run_dir} ({exc}); it stays as the ranks left it", file=err)
-    summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if result.ok and summary_path.exists() else None
+    summary_path, summary = run_dir / "summary.json", None
+    try:
+        if result.ok and summary_path.exists():
+            summary = json.loads(read_run_file(summary_path, follow_symlinks=True))
+    except SpecialFileError as exc:  # put there meanwhile: no summary
+        print(f"lioncub: {exc}", file=err)
     return RunOutcome(result.returncode, result.message, summary)
 
 

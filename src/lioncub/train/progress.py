@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from lioncub.rundir import SpecialFileError, open_run_file
+
 __all__ = ["Progress"]
 
 
@@ -47,7 +49,11 @@ class Progress(threading.Thread):
             while True:
                 finished = self.done.is_set()
                 if self.log_path.exists():
-                    with open(self.log_path) as f:
+                    try:
+                        fd = open_run_file(self.log_path, follow_symlinks=True)
+                    except SpecialFileError:  # put there meanwhile: rank 0 refuses it too
+                        return
+                    with open(fd) as f:
                         f.seek(pos)
                         chunk = f.read()
                     complete = chunk[: chunk.rfind("\n") + 1]

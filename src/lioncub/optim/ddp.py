@@ -74,11 +74,13 @@ class GradientTraffic:
         return out
 
 
-def compressed_allreduce_dtype(group: dist.ProcessGroup | None = None) -> torch.dtype:
-    """``torch.bfloat16`` if the backend can allreduce it (NCCL, recent gloo), else ``torch.float16``.
+def compressed_allreduce_dtype(
+    group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu"
+) -> torch.dtype:
+    """``torch.bfloat16`` if the backend ``group`` has for ``device`` (the gradients') can allreduce it
+    (NCCL, recent gloo), else ``torch.float16``.
 
-    Collective: every rank of ``group`` must call it (it tries a one-element bf16 allreduce)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    Collective: every rank of ``group`` must call it (it tries a one-element bf16 allreduce on ``device``)."""
     probe = torch.zeros(1, dtype=torch.bfloat16, device=device)
     try:
         dist.all_reduce(probe, group=group)

@@ -137,7 +137,9 @@ def build_optimizer(
     if options.variant in BASELINES and local is None:
         traffic = None
         if world_size > 1:
-            wire = torch.float32 if options.variant == "32bit" else compressed_allreduce_dtype()
+            wire = (
+                torch.float32 if options.variant == "32bit" else compressed_allreduce_dtype(device=wl.device)
+            )
             traffic = count_gradient_allreduce(model, wire)  # type: ignore[arg-type]
         return OptimizerSetup(Lion(groups, betas=wl.betas), model, traffic)
     knobs = {"zero_vote": options.zero_vote} if options.one_bit else {}

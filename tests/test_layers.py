@@ -354,7 +354,7 @@ def test_rundir_imports_only_the_standard_library() -> None:
 def test_cost_model_and_configs_do_not_import_torch() -> None:
     code = (
         "import sys, lioncub.planning.costmodel, lioncub.optim.config, lioncub.units, lioncub._validate, "
-        "lioncub.transports;"
+        "lioncub.transports, lioncub.rundir, lioncub.train.runfiles, lioncub.cli.report, lioncub.cli.cost;"
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -130,6 +130,25 @@ def test_remove_owned_deletes_only_its_own_files(tmp_path: Path) -> None:
     assert (user / "config.json").read_bytes() == THESIS
 
 
+def test_an_old_marker_of_a_kind_nobody_registered_adopts_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A marker without a list adopts what the kind's owner registered (:mod:`lioncub.report.files` for a
+    compare directory); in a process where no package registered the kind, nothing: all is the user's."""
+    import lioncub.report.files  # noqa: F401  (registers the compare directory's old files)
+    from lioncub.rundir import legacy, read_record
+
+    out = tmp_path / "cmp"
+    out.mkdir()
+    (out / MARKER).write_text('{"kind": "compare", "by": "lioncub"}\n')
+    (out / "summary.md").write_bytes(THESIS)
+    assert read_record(out).files == {"summary.md": []}
+    monkeypatch.setattr(legacy, "_REGISTERED", {})
+    rec = read_record(out)
+    assert rec is not None and rec.version == 1 and rec.files == {} and rec.dirs == set()
+    assert foreign_entries(out, "compare") == ["summary.md"]
+
+
 @contextlib.contextmanager
 def within(seconds: int) -> Iterator[None]:
     """``TimeoutError`` in this thread if the block takes more than ``seconds`` (a blocked ``open`` too)."""

@@ -3,8 +3,9 @@ always held (:func:`register_legacy`), and :func:`adopt` reads an old marker as 
 
 The package that writes a kind of directory registers it when it is imported: ``run`` by
 :mod:`lioncub.train.runfiles` (imported by :mod:`lioncub.train`), ``compare`` and ``plots`` by
-:mod:`lioncub.report.files` (imported by :mod:`lioncub.report`). Adopting an old marker of a kind nobody
-registered is a programming error (``LookupError``), never a guess.
+:mod:`lioncub.report.files` (imported by :mod:`lioncub.report`). In a process that imported neither, an old
+marker of that kind adopts nothing: everything in the directory is then the user's (never deleted, never
+written over), the safe side of a guess.
 """
 
 from __future__ import annotations
@@ -51,13 +52,11 @@ def register_legacy(
 
 def adopt(path: Path, kind: str) -> Record:
     """The record of a marker without a list (``version`` 1): what that lioncub always wrote, by exact name
-    (:func:`register_legacy`)."""
+    (:func:`register_legacy`; nothing for a kind not registered in this process)."""
     legacy = _REGISTERED.get(kind)
-    if legacy is None:
-        raise LookupError(f"no package registered how an old {kind!r} marker is read (register_legacy)")
     rec = Record(kind, version=1)
-    if legacy.gate is not None and not legacy.gate(path):
-        return rec
+    if legacy is None or (legacy.gate is not None and not legacy.gate(path)):
+        return rec  # nobody registered the kind in this process: nothing is lioncub's
     rec.files = {name: [] for name in legacy.files if regular_file(path / name)}
     if legacy.extend is not None:
         legacy.extend(path, rec)

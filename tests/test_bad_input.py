@@ -632,6 +632,10 @@ COMPARE_CASES = [
     case(["--variants", "1bit/16"], ["--variants", "hH", "1bit/h16"], id="variants-local-h"),
     case(["--variants", "1bit/h4/x2"], ["--variants", "/lrX"], id="variants-local-lr"),
     case(["--variants", "32bit/h4"], ["--variants", "dsm/h4", "diloco/h4"], id="variants-local-32bit"),
+    case(["--variants", "1bit/h4/keep/lr2"], ["--variants", "in this order", "/lrX"], id="variants-order"),
+    case(
+        ["--variants", "8bit/plus"], ["--variants 8bit/plus", "--zero-vote plus", "one-bit"], id="plus-8bit"
+    ),
     case(
         ["--variants", "8bit/h16"], ["--variants 8bit/h16", "--steps 200", "multiple of 16"], id="local-steps"
     ),

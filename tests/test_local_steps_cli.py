@@ -13,6 +13,7 @@ import torch
 from lioncub import cli
 from lioncub.cli.options import config_from_args
 from lioncub.names import name_of_run_dir, parse_run_name, run_dir_name, run_label
+from lioncub.optim import LocalSteps
 from lioncub.report.runs import RunLog, per_step_median
 from lioncub.train import checkpoint
 from lioncub.train.config import TrainConfig
@@ -30,6 +31,22 @@ NAMES = {
     "dsm/h16": {"variant": "32bit", "local_steps": 16, "outer": "dsm"},
     "diloco/h64/lr0.7": {"variant": "32bit", "local_steps": 64, "outer": "diloco", "outer_lr": 0.7},
     "diloco-16bit/h16": {"variant": "16bit", "local_steps": 16, "outer": "diloco"},
+    "diloco/h16/keep": {"variant": "32bit", "local_steps": 16, "outer": "diloco", "inner_momentum": "keep"},
+    "1bit/h4/lr2/average": {
+        "variant": "1bit",
+        "local_steps": 4,
+        "outer_lr": 2.0,
+        "inner_momentum": "average",
+    },
+    "1bit/plus": {"variant": "1bit", "zero_vote": "plus"},
+    "4bit@hierarchical/h8/keep/plus+overlap": {
+        "variant": "4bit",
+        "topology": "hierarchical",
+        "local_steps": 8,
+        "inner_momentum": "keep",
+        "zero_vote": "plus",
+        "overlap": True,
+    },
 }
 
 
@@ -48,6 +65,9 @@ def test_run_names_parse_and_print_back(name: str, fields: dict) -> None:
         ("1bit/h4/x", "/lrX"),
         ("1bit/h4/lrx", "a number"),
         ("a/h2/lr1/b", "/lrX"),
+        ("1bit/keep", "/hH"),  # an inner-momentum rule needs local steps
+        ("1bit/h4/keep/lr2", "in this order"),
+        ("1bit/plus/h4", "in this order"),
     ],
 )
 def test_run_names_that_are_not_understood(name: str, fragment: str) -> None:
@@ -55,7 +75,86 @@ def test_run_names_that_are_not_understood(name: str, fragment: str) -> None:
         parse_run_name(name)
 
 
+def test_run_names_tell_the_inner_momentum_and_zero_rules_apart() -> None:
+    """A run's name says which inner-momentum rule (reset, the default, is left out) and which zero rule
+    (split, the default, is left out) it ran; the defaults may be spelt out; the rules are the optimizer's."""
+    from lioncub.names import INNER_MOMENTA, ZERO_VOTES
+    from lioncub.optim.config import ZERO_VOTES as OPTIM_ZERO_VOTES
+    from lioncub.optim.local_steps import INNER_MOMENTA as OPTIM_INNER_MOMENTA
+
+    assert (
+        set(INNER_MOMENTA) == set(OPTIM_INNER_MOMENTA) and INNER_MOMENTA[0] == LocalSteps(h=2).inner_momentum
+    )
+    assert ZERO_VOTES == OPTIM_ZERO_VOTES
+    names = set()
+    for rule in ("reset", "keep", "average"):
+        doc = {"variant": "32bit", "local_steps": 16, "outer": "diloco", "inner_momentum": rule}
+        names.add(run_label(TrainConfig.from_json({**doc, "steps": 32, "eval_every": 16}).to_json()))
+    assert names == {"diloco/h16", "diloco/h16/keep", "diloco/h16/average"}
+    assert parse_run_name("diloco/h16/reset")["inner_momentum"] == "reset"
+    assert parse_run_name("1bit/h4/split")["zero_vote"] == "split"
+    for zero, name in (("split", "1bit"), ("plus", "1bit/plus")):
+        assert run_label(TrainConfig.from_json({"variant": "1bit", "zero_vote": zero}).to_json()) == name
+
+
+def test_compare_rows_of_each_inner_momentum_rule() -> None:
+    """``--variants diloco/h16,diloco/h16/keep`` trains both rules, each row under its own name; a row's
+    own rule wins over ``--inner-momentum``; ``/plus`` on a vote that is not one-bit is refused."""
+    from lioncub.cli.compare import _config, _variants
+
+    parser = cli.build_parser("compare")
+    args = parser.parse_args(["compare", "--out", "x", "--variants", "diloco/h16,diloco/h16/keep,1bit/plus"])
+    args.steps = 32
+    assert _variants(args, Path("x")) == ["diloco/h16", "diloco/h16/keep", "1bit/plus"]
+    rows = {v: _config(args, v) for v in _variants(args, Path("x"))}
+    assert [c.optimizer.inner_momentum for c in rows.values()] == ["reset", "keep", "reset"]
+    assert rows["1bit/plus"].optimizer.zero_vote == "plus"
+    assert [run_label(c.to_json()) for c in rows.values()] == list(rows)
+    args.inner_momentum = "average"
+    assert _config(args, "diloco/h16/reset").optimizer.inner_momentum == "reset"
+    assert _config(args, "diloco/h16").optimizer.inner_momentum == "average"
+    with pytest.raises(ValueError, match="--variants 8bit/plus: --zero-vote plus: --variant 8bit"):
+        _config(args, "8bit/plus")
+    args.variants = "1bit/plus"  # --inner-momentum with no local-steps row, though a name has a '/'
+    with pytest.raises(ValueError, match="--inner-momentum average: applies only with --local-steps"):
+        _variants(args, Path("x"))
+
+
 # -- the configuration ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("option", "fix", "not_this"),
+    [
+        ({"momentum_sync": "all"}, "--inner-momentum average averages them", None),
+        ({"diagnostics_every": 2}, "drop --diagnostics-every", "--inner-momentum"),
+        ({"overlap": True}, "drop --overlap", "--inner-momentum"),
+    ],
+    ids=["momentum-sync", "diagnostics-every", "overlap"],
+)
+def test_each_refusal_with_local_steps_names_its_own_fix(
+    option: dict, fix: str, not_this: str | None
+) -> None:
+    with pytest.raises(ValueError) as err:
+        TrainConfig.from_json({"variant": "1bit", "local_steps": 2, "steps": 4, "eval_every": 2, **option})
+    assert fix in str(err.value), str(err.value)
+    assert not_this is None or not_this not in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize(("outer", "default"), [("vote", 1.0), ("diloco", 0.7)])
+def test_a_resume_accepts_the_default_outer_lr_given(outer: str, default: float) -> None:
+    """``--resume --outer-lr D`` on a run that has none, D being its rule's default, trains what the run
+    trained: accepted, and the run keeps its None (and its name); another outer lr is refused."""
+    from lioncub.train.prepare import check_resume
+
+    variant = "1bit" if outer == "vote" else "32bit"
+    doc = {"variant": variant, "local_steps": 2, "outer": outer, "steps": 4, "eval_every": 2}
+    saved = TrainConfig.from_json(doc)
+    given = TrainConfig.from_json({**doc, "outer_lr": default, "steps": 8})
+    check_resume(saved, given, Path("run"))
+    assert given.optimizer.outer_lr is None and run_label(given.to_json()) == run_label(saved.to_json())
+    with pytest.raises(ValueError, match=r"--resume: --outer-lr 2\.0: the run in run has --outer-lr None"):
+        check_resume(saved, TrainConfig.from_json({**doc, "outer_lr": 2.0}), Path("run"))
 
 
 def test_local_steps_in_the_configuration() -> None:
@@ -117,13 +216,14 @@ RUN += ["--eval-every", str(H), "--set", "dropout=0.1"]
 def test_train_with_local_steps_resumes_from_the_middle_of_a_window_bitwise(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    """A stop after step 3 and a resume give the uninterrupted run bit for bit: every rank's replica comes
-    back from its optimizer state (the checkpoint's model file is rank 0's); the ranks send only at the
-    outer steps, the 1-bit vote of the model and the step check."""
+    """A stop after step 3 and a resume (given the default ``--outer-lr 1``) give the uninterrupted run bit
+    for bit: every rank's replica comes back from its optimizer state (the checkpoint's model file is rank
+    0's); the ranks send only at the outer steps, the 1-bit vote of the model and the step check."""
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     assert train(whole, *RUN, "--checkpoint-every", str(STOP)) == 0
     assert train(parts, *RUN, "--stop-at", str(STOP)) == 0
-    assert train(parts, "--resume", "--no-progress") == 0
+    assert train(parts, "--resume", "--no-progress", "--outer-lr", "1") == 0  # the vote's default: accepted
+    assert json.loads((parts / "config.json").read_text())["outer_lr"] is None  # and the run keeps its own
     a, b = checkpoint.latest(whole), checkpoint.latest(parts)
     assert a.step == b.step == STEPS
     for name, tensor in checkpoint.model_state(a).items():

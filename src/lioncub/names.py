@@ -1,14 +1,18 @@
 """How a run is named in tables, legends, summaries and ``lioncub compare --variants``, from its
 configuration (:func:`run_label`), and back (:func:`parse_run_name`). Torch-free.
 
-* A vote every step: ``VARIANT[@TOPOLOGY][+overlap]`` -- ``1bit``, ``1bit@hierarchical``, ``8bit+overlap``.
-* Local steps (``docs/local-steps.md``): ``RULE[@TOPOLOGY]/hH[/lrX]`` -- ``1bit/h16`` (a 1-bit vote every 16
-  steps), ``8bit/h16/lr2`` (outer lr 2), ``dsm/h16`` and ``diloco/h16`` (the fp32 mean of the
-  pseudo-gradients), ``diloco-16bit/h16`` (its bf16 mean). RULE is the variant for the ``vote`` rule, else
-  the outer rule, with ``-16bit`` for the 16-bit exchange.
+* A vote every step: ``VARIANT[@TOPOLOGY][/plus][+overlap]`` -- ``1bit``, ``1bit@hierarchical``,
+  ``8bit+overlap``; ``1bit/plus`` is the one-bit vote with the papers' zero rule (``--zero-vote plus``).
+* Local steps (``docs/local-steps.md``): ``RULE[@TOPOLOGY]/hH[/lrX][/keep|/average][/plus]`` -- ``1bit/h16``
+  (a 1-bit vote every 16 steps), ``8bit/h16/lr2`` (outer lr 2), ``dsm/h16`` and ``diloco/h16`` (the fp32
+  mean of the pseudo-gradients), ``diloco-16bit/h16`` (its bf16 mean), ``diloco/h16/keep`` (each rank's
+  inner momentum kept across outer steps; ``/average``: averaged; without either: reset, the default).
+  RULE is the variant for the ``vote`` rule, else the outer rule, with ``-16bit`` for the 16-bit exchange.
 
-A run directory of ``lioncub compare`` is named :func:`run_dir_name` (``/`` becomes ``_``: no variant,
-topology or rule has a ``_``, so :func:`name_of_run_dir` turns it back).
+A name spells out only what differs from the defaults; :func:`parse_run_name` also takes the defaults
+spelt out (``/reset``, ``/split``), which override ``lioncub compare``'s ``--inner-momentum`` and
+``--zero-vote`` for that run. A run directory of ``lioncub compare`` is named :func:`run_dir_name` (``/``
+becomes ``_``: no variant, topology or rule has a ``_``, so :func:`name_of_run_dir` turns it back).
 """
 
 from __future__ import annotations
@@ -16,17 +20,30 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["OVERLAP_SUFFIX", "name_of_run_dir", "parse_run_name", "run_dir_name", "run_label"]
+__all__ = [
+    "GRAMMAR",
+    "INNER_MOMENTA",
+    "OVERLAP_SUFFIX",
+    "ZERO_VOTES",
+    "name_of_run_dir",
+    "parse_run_name",
+    "run_dir_name",
+    "run_label",
+]
 
 #: a LionCub variant's vote overlapped with the backward pass
 OVERLAP_SUFFIX = "+overlap"
 #: the outer rules that average the pseudo-gradients, named instead of their 32-bit variant
 _DENSE_RULES = ("dsm", "diloco")
+#: the inner-momentum rules of local steps, the default first (``lioncub.optim.local_steps.INNER_MOMENTA``)
+INNER_MOMENTA = ("reset", "keep", "average")
+#: the one-bit votes' rules for an exact zero, the default first (``lioncub.optim.config.ZERO_VOTES``)
+ZERO_VOTES = ("split", "plus")
 
 
 def run_label(config: Mapping[str, Any]) -> str:
     """The name of the run configured by ``config`` (a ``config.json`` object: ``variant``, ``topology``,
-    ``overlap``, ``local_steps``, ``outer``, ``outer_lr``)."""
+    ``overlap``, ``local_steps``, ``outer``, ``outer_lr``, ``inner_momentum``, ``zero_vote``)."""
     name = str(config.get("variant", "?"))
     h = config.get("local_steps")
     outer = config.get("outer") or "vote"
@@ -39,13 +56,27 @@ def run_label(config: Mapping[str, Any]) -> str:
         name += f"/h{h}"
         if config.get("outer_lr") is not None:
             name += f"/lr{float(config['outer_lr']):g}"
+        if config.get("inner_momentum") not in (None, INNER_MOMENTA[0]):
+            name += f"/{config['inner_momentum']}"
+    if config.get("zero_vote") not in (None, ZERO_VOTES[0]):  # recorded for the one-bit votes only
+        name += f"/{config['zero_vote']}"
     return name + OVERLAP_SUFFIX if config.get("overlap") else name
+
+
+#: what may follow ``NAME``, in this order (each part after a ``/``)
+GRAMMAR = (
+    "after NAME may come, in this order: /hH (H local steps per outer step, e.g. 1bit/h16), then with it "
+    f"/lrX (the outer lr, e.g. 1bit/h16/lr2) and /{'|/'.join(INNER_MOMENTA)} (the inner momentum at an "
+    f"outer step; default {INNER_MOMENTA[0]}), and /{'|/'.join(ZERO_VOTES)} (the one-bit votes' zero rule; "
+    f"default {ZERO_VOTES[0]})"
+)
 
 
 def parse_run_name(name: str) -> dict[str, Any]:
     """The configuration fields that ``name`` sets (``variant``; ``topology``, ``overlap``, ``local_steps``,
-    ``outer``, ``outer_lr`` where it names them); ``ValueError`` naming the part that is not understood.
-    Whether the variant or topology exists is the configuration's check."""
+    ``outer``, ``outer_lr``, ``inner_momentum``, ``zero_vote`` where it names them); ``ValueError`` naming
+    the part that is not understood (:data:`GRAMMAR`). Whether the variant or topology exists, and whether
+    the zero rule applies to the variant, is the configuration's check."""
     fields: dict[str, Any] = {}
     text = name
     if text.endswith(OVERLAP_SUFFIX):
@@ -56,17 +87,21 @@ def parse_run_name(name: str) -> dict[str, Any]:
     if at:
         fields["topology"] = topology
     fields["variant"] = head
+    if parts and parts[-1] in ZERO_VOTES:
+        fields["zero_vote"] = parts.pop()
     if not parts:
         return fields
     h_text, *rest = parts
     if not (h_text.startswith("h") and h_text[1:].isdigit() and int(h_text[1:]) >= 1):
-        raise ValueError(f"{name!r}: after '/' comes hH, the local steps per outer step (e.g. 1bit/h16)")
+        raise ValueError(f"{name!r}: {h_text!r} is not understood: {GRAMMAR}")
     fields["local_steps"] = int(h_text[1:])
     rule, dash, wire = head.partition("-")
     if rule in _DENSE_RULES:
         fields["outer"], fields["variant"] = rule, wire if dash else "32bit"
+    if rest and rest[-1] in INNER_MOMENTA:
+        fields["inner_momentum"] = rest.pop()
     if len(rest) > 1 or (rest and not rest[0].startswith("lr")):
-        raise ValueError(f"{name!r}: after /hH may come only /lrX, the outer lr (e.g. 1bit/h16/lr2)")
+        raise ValueError(f"{name!r}: {'/'.join(rest)!r} is not understood: {GRAMMAR}")
     if rest:
         try:
             fields["outer_lr"] = float(rest[0][2:])

@@ -42,9 +42,12 @@ nodes' majorities (another estimator); with --nnodes M --nproc-per-node L, e.g.
   lioncub compare --variants 32bit,1bit,1bit@hierarchical,1bit@node-majority --nnodes 2 --nproc-per-node 2 \
       --link 100mbit --out runs/topo
 Local steps (docs/local-steps.md): NAME/hH votes every H steps -- 1bit/h16, 8bit/h16; dsm/h16 and
-diloco/h16 average the pseudo-gradients in fp32 (diloco-16bit/h16: bf16); /lrX sets the outer lr, e.g.
-  lioncub compare --variants 32bit,1bit,1bit/h16,1bit/h16/lr2,diloco/h16 --nproc 4 --link 20mbit \
-      --steps 512 --eval-every 32 --out runs/local
+diloco/h16 average the pseudo-gradients in fp32 (diloco-16bit/h16: bf16); /lrX sets the outer lr, and
+/keep or /average the inner momentum at an outer step (default: reset), e.g.
+  lioncub compare --variants 32bit,1bit,1bit/h16,1bit/h16/lr2,diloco/h16,diloco/h16/keep --nproc 4 \
+      --link 20mbit --steps 512 --eval-every 32 --out runs/local
+A one-bit vote named NAME/plus (1bit/plus, 1bit/h16/plus) votes + for an exact zero, the papers' rule
+(--zero-vote plus, for every one-bit row).
 """
 
 
@@ -113,7 +116,8 @@ def _variants(args: argparse.Namespace, out: Path) -> list[str]:
         f"give distinct names from {allowed}; a LionCub variant may carry {OVERLAP_SUFFIX!r} (e.g. "
         f"1bit{OVERLAP_SUFFIX}: its vote overlapped with the backward pass; 32bit/16bit, DDP, always "
         f"overlap) or @TOPOLOGY (e.g. 1bit@hierarchical, 1bit@node-majority; topologies {list(TOPOLOGIES)}); "
-        "local steps: NAME/hH[/lrX] (1bit/h16, 8bit/h16/lr2, dsm/h16, diloco/h16, diloco-16bit/h16)"
+        "local steps: NAME/hH[/lrX][/keep|/average] (1bit/h16, 8bit/h16/lr2, dsm/h16, diloco/h16, "
+        "diloco/h16/keep, diloco-16bit/h16); the one-bit votes' zero rule: NAME[...]/plus (1bit/plus)"
     )
     for v in variants:
         try:
@@ -142,7 +146,9 @@ def _variants(args: argparse.Namespace, out: Path) -> list[str]:
             f"--zero-vote {args.zero_vote}: applies to the one-bit votes (1bit, 4bit, dlion-mavo); no run in "
             f"--variants {given!r} is one"
         )
-    if getattr(args, "inner_momentum", None) and not any("/" in v for v in variants):
+    if getattr(args, "inner_momentum", None) and not any(
+        "local_steps" in parse_run_name(v) for v in variants
+    ):
         raise ValueError(
             f"--inner-momentum {args.inner_momentum}: applies only with --local-steps: runs named NAME/hH in "
             "--variants (e.g. 1bit/h16); none is given"
@@ -164,8 +170,8 @@ def _config(args: argparse.Namespace, variant: str) -> TrainConfig:
         options.update({k: v for k, v in fields.items() if k in VOTING_ONLY})
     if "local_steps" not in fields:
         options.update(dict.fromkeys(LOCAL_ONLY))
-    if not OptimizerConfig(variant=fields["variant"]).one_bit:  # --zero-vote: for the one-bit votes
-        options["zero_vote"] = None
+    if not OptimizerConfig(variant=fields["variant"]).one_bit and "zero_vote" not in fields:
+        options["zero_vote"] = None  # --zero-vote: for the one-bit votes (a name's /plus is checked)
     try:
         return config_from_args(argparse.Namespace(**options))
     except ValueError as exc:

@@ -306,6 +306,14 @@ class TrainConfig:
             raise ValueError(
                 f"--inner-momentum {opt.inner_momentum!r}: allowed values are {list(INNER_MOMENTA)}"
             )
+        fixes = {  # each option's own way out (the ranks meet only at the outer steps)
+            "--momentum-sync": "the ranks' inner momenta are local between outer steps; --inner-momentum "
+            "average averages them at each outer step",
+            "--diagnostics-every": "the vote diagnostics describe a vote every step; drop "
+            "--diagnostics-every (or --local-steps, for the per-step vote)",
+            "--overlap": "the outer step runs in the optimizer step, with no vote in the backward pass to "
+            "overlap; drop --overlap",
+        }
         refused = {
             "--momentum-sync": opt.momentum_sync not in ("none", None),
             "--diagnostics-every": bool(opt.diagnostics_every),
@@ -313,8 +321,7 @@ class TrainConfig:
         }
         for option in (o for o, on in refused.items() if on):
             raise ValueError(
-                f"{option} with --local-steps {h}: the ranks vote every {h} steps, in the optimizer step "
-                "(--inner-momentum average averages the momenta at each outer step)"
+                f"{option} with --local-steps {h}: the ranks vote every {h} steps; {fixes[option]}"
             )
         for option, value in (("--steps", run.steps), ("--eval-every", run.eval_every)):
             if value % h:

@@ -166,8 +166,12 @@ def _restarted(state: RunState, job: str | None) -> bool:
 
 def check_resume(saved: TrainConfig, config: TrainConfig, run_dir: Path) -> None:
     """``ValueError`` naming the option if ``config`` changes what a resumed run must keep
-    (:data:`FROZEN_ON_RESUME`) from ``saved``, the configuration in ``run_dir``."""
+    (:data:`FROZEN_ON_RESUME`) from ``saved``, the configuration in ``run_dir``. An ``--outer-lr`` equal to
+    the default of a run that has none is accepted, and ``config`` keeps the run's None."""
     saved_doc, doc = saved.to_json(), config.to_json()
+    if saved.optimizer.outer_lr is None and config.optimizer.outer_lr == _outer_lr(saved):
+        config.optimizer.outer_lr = None  # the rule's default, given: the run keeps its own (and its name)
+        doc["outer_lr"] = None
     for name in FROZEN_ON_RESUME:
         old, new = saved_doc.get(name), doc.get(name)
         if old == new or (name == "zero_vote" and saved.optimizer.variant != config.optimizer.variant):
@@ -185,6 +189,16 @@ def check_resume(saved: TrainConfig, config: TrainConfig, run_dir: Path) -> None
             f"--resume: {option} {new!r}: the run in {run_dir} has {option} {old!r}; a resumed run keeps it "
             "(start a new --out to change it)"
         )
+
+
+def _outer_lr(config: TrainConfig) -> float | None:
+    """The outer lr a run with local steps trains with: ``outer_lr``, or its outer rule's default."""
+    from lioncub.optim.local_steps import DEFAULT_OUTER_LR
+
+    opt = config.optimizer
+    if opt.local_steps is None:
+        return None
+    return DEFAULT_OUTER_LR[opt.outer] if opt.outer_lr is None else float(opt.outer_lr)
 
 
 def _listed(names: list[str]) -> str:

@@ -74,12 +74,17 @@ class VoteConfig:
     result: :class:`lioncub.collectives.hierarchical.HierarchicalVote`) or ``"node-majority"`` (1-bit only,
     a different estimator: :class:`~lioncub.collectives.hierarchical.NodeMajorityVote`).
 
-    ``zero_vote`` (the one-bit votes: 1bit, 4bit, dlion-mavo): how an exact zero of ``c`` votes.
-    ``"split"`` (default): "+" on the ranks where rank + step is even, "−" on the others, so that an element
-    that is zero on every rank (an embedding row no batch used yet, a padding row) gets no net update —
-    a tie, 0, for an even number of ranks; +1 and −1 on alternate steps for an odd number — as Lion's
-    ``sign(0) = 0`` leaves it. ``"plus"``: zeros vote "+", the papers' code, which moves such an element by
-    −lr at every step (use it to reproduce their numbers). The same bytes travel either way.
+    ``zero_vote`` (the one-bit votes: 1bit, 4bit, dlion-mavo, server): how an exact zero of ``c`` votes.
+    ``"split"`` (default): "+" on the ranks where rank + step is even, "−" on the others. An element that
+    is zero on every rank (an embedding row no batch used, a padding row) then counts N/2 "+" votes for an
+    even N and (N ± 1)/2 for an odd N: the votes whose ties are 0 (4bit, dlion-mavo, server-majority) hold
+    it for an even N and give ±1 on alternate steps for an odd N; the 1-bit all-to-all vote (1bit), whose
+    result is one bit, gives ±1 on alternate steps for every N (a tie alternates with the step's parity).
+    Such an element moves by ∓lr and back, so it returns within rounding after every second step; with
+    weight decay the pair drifts by lr²·wd every two steps (towards about +lr/2 after even steps). The
+    other presets (8bit, 8bit-sign, dlion-avg, 32bit, 16bit) hold it at every N (``docs/local-steps.md``,
+    "Coordinates no rank moves"). ``"plus"``: zeros vote "+", the papers' code, which moves such an element
+    by −lr at every step (use it to reproduce their numbers). The same bytes travel either way.
 
     This module does not import torch.
     """

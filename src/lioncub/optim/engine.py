@@ -92,6 +92,10 @@ class OptimizerState:
         """The param group of ``p`` (``KeyError`` if the optimizer does not hold ``p``)."""
         return self._optimizer.param_groups[self._group_of[id(p)]]
 
+    def group_index(self, p: torch.Tensor) -> int:
+        """The index of ``p``'s param group."""
+        return self._group_of[id(p)]
+
     def momentum(self, p: torch.Tensor) -> torch.Tensor:
         """This rank's momentum of ``p`` (created as zeros on first use)."""
         state = self._optimizer.state[p]
@@ -138,16 +142,18 @@ class Bucket:
         return Ballot(self.key, self.params, self.backend, self.flat)
 
 
-def make_buckets(param_groups: list[dict[str, Any]], bucket_mb: float) -> list[Bucket]:
-    """The parameters that require grad, in ``param_groups`` order, in dtype- and device-homogeneous
-    buckets of at most ``bucket_mb`` MiB (a larger parameter gets a bucket of its own), each with its
-    backend."""
+def make_buckets(
+    param_groups: list[dict[str, Any]], bucket_mb: float, members: set[int] | None = None
+) -> list[Bucket]:
+    """The parameters that require grad (or whose ``id`` is in ``members``), in ``param_groups`` order, in
+    dtype- and device-homogeneous buckets of at most ``bucket_mb`` MiB (a larger parameter gets a bucket of
+    its own), each with its backend."""
     cap = int(bucket_mb * 2**20)
     open_buckets: dict[tuple[torch.dtype, torch.device], Bucket] = {}
     buckets: list[Bucket] = []
     for group in param_groups:
         for p in group["params"]:
-            if not p.requires_grad:
+            if not (p.requires_grad if members is None else id(p) in members):
                 continue
             if p.is_complex():
                 raise ValueError("LionCub does not support complex parameters")

@@ -48,7 +48,7 @@ class ParamLayout:
         self.names: dict[int, str] = {}
         #: ``id(p)`` → position in the vote order (bucket by bucket)
         self.order: dict[int, int] = {}
-        #: an int32 hash of the groups' shapes, dtypes and ``requires_grad`` (compared by the step check)
+        #: an int32 hash of the groups' shapes, dtypes and membership (compared by the step check)
         self.hash = 0
         self._ids: tuple[int, ...] | None = None
 
@@ -65,9 +65,13 @@ class ParamLayout:
         ``add_param_group``)."""
         return tuple(id(p) for g in param_groups for p in g["params"] if p.requires_grad) != self._ids
 
-    def rebuild(self, param_groups: list[dict[str, Any]]) -> None:
-        """Buckets, names, order and hash of the parameters that require grad now."""
-        self.buckets = make_buckets(param_groups, self.bucket_mb)
+    def rebuild(self, param_groups: list[dict[str, Any]], members: set[int] | None = None) -> None:
+        """Buckets, names, order and hash of the parameters that require grad now — or, with ``members``,
+        of the parameters whose ``id`` it holds (a local-steps window restored from a saved state: its
+        layout is the window's, whatever ``requires_grad`` says now)."""
+        if members is None:
+            members = {id(p) for g in param_groups for p in g["params"] if p.requires_grad}
+        self.buckets = make_buckets(param_groups, self.bucket_mb, members)
         self.names = {
             id(p): self.model_names.get(id(p), f"param_groups[{gi}][{i}]")
             for gi, g in enumerate(param_groups)
@@ -75,9 +79,9 @@ class ParamLayout:
         }
         self.order = {id(p): i for i, p in enumerate(self.params())}
         described = [
-            (gi, i, tuple(p.shape), str(p.dtype), p.requires_grad)
+            (gi, i, tuple(p.shape), str(p.dtype), id(p) in members)
             for gi, g in enumerate(param_groups)
             for i, p in enumerate(g["params"])
         ]
-        self._ids = tuple(id(p) for g in param_groups for p in g["params"] if p.requires_grad)
+        self._ids = tuple(id(p) for g in param_groups for p in g["params"] if id(p) in members)
         self.hash = zlib.crc32(repr(described).encode())

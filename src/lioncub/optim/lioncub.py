@@ -194,6 +194,8 @@ class LionCub(PerRankState, WindowedSteps, LeanOptimizer):
         # the one-time "already averaged?" check of the first step (local steps: of the first inner step)
         self._grads_compared = False
         self._consolidated: list[dict[str, Any]] | None = None
+        self._pending_replicas: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # load_state_dict's
+        self.window_decay: list[float] = []  # local steps: the window's weight decay per param group
         self._ready = True
         self.accounting = Accounting(self.comm, () if levels is None else levels)
         #: names of the parameters whose momenta are synchronized (see :mod:`lioncub.optim.sync`)
@@ -285,6 +287,7 @@ class LionCub(PerRankState, WindowedSteps, LeanOptimizer):
             if not isinstance(group["maximize"], bool):
                 check_group(group, index)  # names it
         self._consolidated = None
+        self.put_back_replicas()  # a window's replicas of a loaded state, whatever was loaded after it
         overflow = self._unscale()
         if self.local_steps is None or self._global_step % self.local_steps.h == 0:
             self._refresh_layout()  # local steps: at window starts only (the window's layout is fixed)
@@ -321,11 +324,12 @@ class LionCub(PerRankState, WindowedSteps, LeanOptimizer):
         vote_step: int | None = None,
         before: CommCounter | None = None,
         times: StepTimes | None = None,
-    ) -> bool:
+    ) -> frozenset[int] | None:
         """One vote over the ranks, applied: ``p.grad`` as the gradients, ``state``'s momenta and
         hyperparameters (the optimizer's by default), ``vote_step`` as the vote's step (its tie phase; the
         optimizer step by default), booked as one step from ``before`` with ``times`` (from now by
-        default). Returns whether it was applied (not skipped)."""
+        default). Returns ``None`` when it was skipped, else the ``id`` of the parameters it left untouched
+        (no gradient on any rank)."""
         step = self._global_step
         vote_step = step if vote_step is None else vote_step
         before = self.accounting.snapshot() if before is None else before
@@ -343,7 +347,7 @@ class LionCub(PerRankState, WindowedSteps, LeanOptimizer):
         check = self._check_step(ballots, posted, overflow)
         if not check.ok:  # skipped: nothing is applied on any rank
             self._finish_step(before, times, skipped=True)
-            return False
+            return None
         untouched = self._without_gradient() if check.missing_grads else frozenset()
         if self.checks.broadcast_init:  # parameters that joined since the last step (the ranks agree)
             self._broadcast_new()
@@ -362,7 +366,7 @@ class LionCub(PerRankState, WindowedSteps, LeanOptimizer):
         self._finish_step(before, times, skipped=False)
         if diagnose:  # after the accounting: its collectives are not the step's
             self.last_diagnostics = (step, self._diagnose(ballots, updates))
-        return True
+        return untouched
 
     def _finish_step(self, before: Any, times: StepTimes, *, skipped: bool) -> None:
         overlapped = self._overlap.take_traffic() if self._overlap is not None else (0.0, 0.0, 0)
@@ -393,7 +397,9 @@ class LionCub(PerRankState, WindowedSteps, LeanOptimizer):
         for group, params in zip(self.param_groups, groups, strict=True):
             if params:
                 momenta = [self.engine.state.momentum(p) for p in params]
-                update_group_(group, params, [p.grad for p in params], momenta)
+                # an inner step decays nothing: the window's decay is applied at its outer step
+                hyper = {**group, "weight_decay": 0.0} if local else group
+                update_group_(hyper, params, [p.grad for p in params], momenta)
         return False
 
     def _check_step(self, ballots: Sequence[Ballot], posted: bool, overflow: bool) -> StepCheck:

@@ -65,7 +65,8 @@ class LocalSteps:
         outer_lr: dimensionless (module docstring); ``None``: 1.0 for the sign steps, 0.7 for DiLoCo.
         outer_betas: (β1ᵒ, β2ᵒ) of the outer momentum; DiLoCo's Nesterov momentum is β1ᵒ. ``None``: (0.9,
             0.99), DiLoCo (0.9, unused).
-        outer_weight_decay: λᵒ of the sign steps (the inner steps decay already; default 0).
+        outer_weight_decay: λᵒ of the sign steps, on top of the window's decay by the param groups'
+            ``weight_decay`` (default 0; refused for DiLoCo).
         inner_momentum: ``"reset"`` (default), ``"keep"`` or ``"average"`` at each outer step.
     """
 
@@ -95,6 +96,12 @@ class LocalSteps:
         if not is_number(self.outer_weight_decay, ge=0):
             raise ValueError(
                 f"LocalSteps: outer_weight_decay={self.outer_weight_decay!r} must be a number >= 0"
+            )
+        if self.outer == "diloco" and self.outer_weight_decay:
+            raise ValueError(
+                f"LocalSteps: outer_weight_decay={self.outer_weight_decay!r} applies to the sign steps "
+                "(outer='vote', 'dsm'); DiLoCo's outer step is Nesterov SGD, without a decay of its own (the "
+                "param groups' weight_decay is applied at every outer step already)"
             )
         if self.inner_momentum not in INNER_MOMENTA:
             allowed = list(INNER_MOMENTA)
@@ -165,6 +172,8 @@ class WindowedSteps:
 
     local_steps: LocalSteps
     state: Any
+    #: the window's weight decay so far, per param group: Π (1 − lr·weight_decay) over its inner steps
+    window_decay: list[float]
 
     @torch.no_grad()
     def _local_step(self, overflow: bool) -> None:
@@ -182,6 +191,10 @@ class WindowedSteps:
         for p in params:
             if p.grad is not None and "window_grad" not in self.state[p]:
                 self.state[p]["window_grad"] = p.new_ones(())
+        decay = self.window_decay  # the window's weight decay: every inner step's, on every rank alike
+        decay += [1.0] * (len(self.param_groups) - len(decay))  # type: ignore[attr-defined]  # groups added
+        for gi, group in enumerate(self.param_groups):  # type: ignore[attr-defined]
+            decay[gi] *= 1.0 - float(group["lr"]) * float(group["weight_decay"])
         self.accounting.finish_step(before, times, skipped=skipped)  # type: ignore[attr-defined]
         if step % h == 0:
             self.accounting.continue_step()  # type: ignore[attr-defined]  # "last": inner + outer
@@ -202,6 +215,7 @@ class WindowedSteps:
                 elif p in self.state:  # left the layout: its value is the last outer step's
                     self.state[p].pop("anchor", None)
                     self.state[p].pop("window_grad", None)
+        self.window_decay = [1.0] * len(self.param_groups)  # type: ignore[attr-defined]
 
     def _compare_first_gradients(self, params: list[torch.Tensor]) -> None:
         """The first step's check, with the gradients' checksum: identical gradients on every rank mean
@@ -238,13 +252,18 @@ class WindowedSteps:
         booked = {"before": self.accounting.snapshot(), "times": StepTimes()}  # type: ignore[attr-defined]
         try:
             if config.outer == "diloco":
-                self._diloco_step(outer_step, **booked)
+                untouched = self._diloco_step(outer_step, **booked)
             else:
                 outer = OuterState(self, config, self.engine.state.group)  # type: ignore[arg-type,attr-defined]
-                self._vote_step(False, state=outer, vote_step=outer_step, **booked)  # type: ignore[attr-defined]
+                untouched = self._vote_step(False, state=outer, vote_step=outer_step, **booked)  # type: ignore[attr-defined]
         finally:
             for p, g in zip(params, user_grads, strict=True):
                 p.grad = g
+        index_of = self.engine.state.group_index  # type: ignore[attr-defined]
+        for p in params:  # the window's weight decay, where the outer step moved the parameter
+            decay = self.window_decay[index_of(p)]
+            if untouched is not None and id(p) not in untouched and decay != 1.0:
+                p.mul_(decay)
         for p in params:  # the next window starts from θ_{t+1} (θ_t where the outer step was skipped)
             self.state[p]["anchor"].copy_(p)
         if config.inner_momentum != "keep":  # after the step check: the ranks agree on the layout
@@ -260,10 +279,11 @@ class WindowedSteps:
             self.accounting.continue_step()  # type: ignore[attr-defined]
             self.accounting.finish_step(before, times, skipped=False)  # type: ignore[attr-defined]
 
-    def _diloco_step(self, outer_step: int, before: Any, times: StepTimes) -> None:
+    def _diloco_step(self, outer_step: int, before: Any, times: StepTimes) -> frozenset[int] | None:
         """DiLoCo's outer step: the mean pseudo-gradient (the dense variant's exchange), then Nesterov SGD
         with each parameter's ``outer_buf`` (bit for bit ``torch.optim.SGD(nesterov=True)``); parameters
-        without a gradient on any rank are untouched; booked as one step from ``before`` with ``times``."""
+        without a gradient on any rank are untouched; booked as one step from ``before`` with ``times``.
+        Returns ``None`` when skipped, else the ``id`` of the untouched parameters."""
         engine, lr, (mu, _) = self.engine, self.local_steps.lr, self.local_steps.betas  # type: ignore[attr-defined]
         outer = OuterState(self, self.local_steps, engine.state.group, key="outer_buf")  # type: ignore[arg-type]
         t0 = self.engine.clock()
@@ -273,6 +293,7 @@ class WindowedSteps:
         ]
         times.direction += self.engine.clock() - t0
         check = self._check_step(ballots, False, False)  # type: ignore[attr-defined]
+        untouched = None
         if check.ok:
             untouched = self._without_gradient() if check.missing_grads else frozenset()  # type: ignore[attr-defined]
             if self.checks.broadcast_init:  # type: ignore[attr-defined]  # joined this window (the ranks agree)
@@ -290,3 +311,4 @@ class WindowedSteps:
                         p.add_(d.add(buf, alpha=mu), alpha=-lr)
             times.apply += self.engine.clock() - t0
         self._finish_step(before, times, skipped=not check.ok)  # type: ignore[attr-defined]
+        return untouched

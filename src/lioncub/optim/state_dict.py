@@ -8,9 +8,11 @@ stored once (the entry of the rank that gathered them is ``None``: that rank's s
 top level).
 
 With local steps, a state saved in the middle of a window also holds this rank's parameters (each
-parameter's ``state["replica"]``: the ranks' replicas differ until the outer step), and loading it writes
-them back into the parameters: a framework that saves one model file for all ranks (rank 0's replica) and
-loads it on every rank before the optimizer still resumes every rank's own window.
+parameter's ``state["replica"]``: the ranks' replicas differ until the outer step) and the window's layout
+(``sd["lioncub"]["window"]``, :mod:`lioncub.optim.windows`). Loading it restores the layout and writes
+the replicas back into the parameters — at once and again at the next ``step()``, so the order of
+loading does not matter: a framework that loads one model file for all ranks (rank 0's replica) after the
+optimizer still resumes every rank's own window.
 """
 
 from __future__ import annotations
@@ -24,14 +26,18 @@ from lioncub._validate import is_int
 from lioncub.collectives import Comm
 from lioncub.optim.config import ONE_BIT_VOTES, PRESETS, VoteConfig
 from lioncub.optim.engine import StepEngine
+from lioncub.optim.layout import ParamLayout
 from lioncub.optim.local_steps import LocalSteps
+from lioncub.optim.windows import check_group_sizes, check_settings_change, restore_window, window_record
 
 __all__ = ["STATE_VERSION", "PerRankState"]
 
 #: 2: ``rule`` (the update's knobs) instead of comparing variant names; ``ranks`` holds the gathering
-#: rank's entry as ``None``; ``consolidated``. Version 1 states load as before.
-STATE_VERSION = 2
-_READABLE = (1, 2)
+#: rank's entry as ``None``; ``consolidated``. 3: local steps decay outside the vote (each parameter's
+#: ``window_decay``) and a state saved in a window's middle records its layout (``window``). Earlier
+#: versions load as before, except in the middle of a window (refused: the window ran other steps).
+STATE_VERSION = 3
+_READABLE = (1, 2, 3)
 
 
 class PerRankState:
@@ -43,8 +49,12 @@ class PerRankState:
     config: VoteConfig
     local_steps: LocalSteps | None
     single_process: bool
+    layout: ParamLayout
+    engine: StepEngine
+    window_decay: list[float]
     _global_step: int
     _consolidated: list[dict[str, Any] | None] | None
+    _pending_replicas: dict[int, tuple[torch.Tensor, torch.Tensor]]
     state: Any  # torch.optim.Optimizer's
     param_groups: list[dict[str, Any]]
 
@@ -79,21 +89,27 @@ class PerRankState:
             # a stochastic quantizer's stream: the overlap hook's vote draws from its own when overlapping
             "generator": _generator_state(self._engines()[-1].vote),
         }
-        if self.local_steps is not None and self._global_step % self.local_steps.h:
+        if (
+            self.local_steps is not None
+            and self._global_step % self.local_steps.h
+            and not self.single_process
+        ):
             self._add_replicas(sd)
+            sd["lioncub"]["window"] = window_record(self.param_groups, self.state, self.layout.names)
+            sd["lioncub"]["window_decay"] = list(self.window_decay)
         return sd
 
     def _add_replicas(self, sd: dict[str, Any]) -> None:
-        """Each windowed parameter's value on this rank as ``sd["state"][i]["replica"]`` (new dicts:
-        ``self.state``'s own are left alone; a copy, not a view of the parameter: a state dict kept while
-        training goes on, or an async save, still holds the value of its step, and a loaded replica never
-        aliases the tensors of the model it was saved with); the indices are
+        """Each parameter's value on this rank as ``sd["state"][i]["replica"]`` — the window's, and those
+        outside it, which may differ between the ranks too (added in the window, not yet given rank 0's
+        value) — in new dicts (``self.state``'s own are left alone), as copies, not views of the
+        parameters: a state dict kept while training goes on, or an async save, still holds the values of
+        its step, and a loaded replica never aliases the model it was saved with. The indices are
         ``torch.optim.Optimizer.state_dict``'s."""
         index = 0
         for group in self.param_groups:
             for p in group["params"]:
-                if "anchor" in self.state.get(p, {}):
-                    sd["state"][index] = {**sd["state"][index], "replica": p.detach().clone()}
+                sd["state"][index] = {**sd["state"].get(index, {}), "replica": p.detach().clone()}
                 index += 1
 
     def consolidate_state_dict(self, to: int = 0) -> None:
@@ -143,6 +159,9 @@ class PerRankState:
             return
         if meta is not None:
             self._check_meta(meta, allow_world_size_change)
+        check_group_sizes(sd.get("param_groups", []), self.param_groups, (meta or {}).get("window"))
+        members = self._window_of(meta, sd["state"]) if meta is not None else None
+        if meta is not None:
             self._global_step = int(meta["step"])
             for engine in self._engines():
                 generator = getattr(engine.vote, "generator", None)
@@ -150,12 +169,45 @@ class PerRankState:
                     generator.set_state(meta["generator"])
         super().load_state_dict(sd)  # type: ignore[misc]
         self._consolidated = None
-        with torch.no_grad():  # a window's replica, saved in its middle (local steps)
+        self._pending_replicas = {}
+        with torch.no_grad():  # the replicas, saved in a window's middle (local steps)
             for group in self.param_groups:
                 for p in group["params"]:
                     replica = self.state.get(p, {}).pop("replica", None)
                     if replica is not None:
                         p.copy_(replica)
+                        self._pending_replicas[id(p)] = (p, replica)  # written again by the next step()
+                    if p in self.state and not self.state[p]:
+                        del self.state[p]  # held the replica only
+        if members is not None:  # the window in progress keeps its own layout
+            self.layout.rebuild(self.param_groups, members)
+            self.engine.state.refresh()
+            self.window_decay = [float(d) for d in meta.get("window_decay", [])]  # type: ignore[union-attr]
+
+    def _window_of(self, meta: dict[str, Any], saved: dict[int, Any]) -> set[int] | None:
+        """The parameters of the window in progress at the state's step (``saved``: its per-parameter
+        states, by index), checked before anything is loaded (:func:`~lioncub.optim.windows.
+        restore_window`); ``None`` where no window is in progress."""
+        step, local = int(meta["step"]), self.local_steps
+        if local is None or self.single_process or step % local.h == 0:
+            return None
+        if int(meta.get("version", 1)) < 3:
+            why = f"its local steps decayed inside the window (state version {meta['version']})"
+        else:
+            why = "it was saved by one process (whose steps are Lion's, without windows)"
+        return restore_window(
+            self.param_groups, saved, meta.get("window"), step=step, h=local.h, why_missing=why
+        )
+
+    def put_back_replicas(self) -> None:
+        """Write the replicas of the last :meth:`load_state_dict` into the parameters again (the start of the
+        next ``step()``: a model file loaded after the optimizer state may have replaced them)."""
+        pending = self._pending_replicas
+        if pending:
+            with torch.no_grad():
+                for p, replica in pending.values():
+                    p.copy_(replica)
+            self._pending_replicas = {}
 
     def _check_meta(self, meta: dict[str, Any], allow_world_size_change: bool) -> None:
         """Refuse a state of another version, update rule, world size or rank (:meth:`load_state_dict`)."""
@@ -176,11 +228,7 @@ class PerRankState:
                 f"variant={variant!r}; their updates differ: {saved} against {rule}{hint}"
             )
         local = None if self.local_steps is None else self.local_steps.describe()
-        if meta.get("local_steps") != local:
-            raise ValueError(
-                f"the checkpoint was written with local_steps={meta.get('local_steps')}, this optimizer has "
-                f"local_steps={local}: a resume keeps the windows and the outer step"
-            )
+        check_settings_change(meta.get("local_steps"), local, int(meta["step"]))
         if meta["world_size"] != comm.world_size and not allow_world_size_change:
             raise ValueError(
                 f"the checkpoint was written with world_size={meta['world_size']}, this job has "

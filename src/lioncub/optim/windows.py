@@ -1,0 +1,111 @@
+"""A local-steps window across a save (:mod:`lioncub.optim.state_dict` calls these).
+
+A state saved in the middle of a window records the window's layout — which parameters it covers, by
+position in the param groups, with their names and shapes (``sd["lioncub"]["window"]``) — because the
+layout of the rest of the window is the window's, not what ``requires_grad`` says when the state is
+loaded: a parameter frozen in the window still takes its outer step, one unfrozen or added in it waits
+for the next window. :func:`restore_window` gives back that layout, or refuses, naming the parameter and
+what to do, where it cannot hold (the parameter is gone, or has another shape).
+
+A change of the local-steps settings (``h``, the outer rule, its lr and betas, the inner-momentum rule)
+is accepted at a step that starts a window under both the saved and the new ``h`` (the momenta carry
+over: the inner one as the rule says at a window's start, the outer one as it was; a new outer rule
+starts its own momentum at zeros); elsewhere :func:`check_settings_change` refuses, naming each setting
+that differs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["check_group_sizes", "check_settings_change", "restore_window", "window_record"]
+
+
+def window_record(param_groups: list[dict[str, Any]], state: Any, names: dict[int, str]) -> list[list[Any]]:
+    """``[group, index, name, shape]`` of every parameter of the window in progress (those with an
+    ``anchor``), in param-group order."""
+    return [
+        [gi, i, names.get(id(p), f"param_groups[{gi}][{i}]"), list(p.shape)]
+        for gi, g in enumerate(param_groups)
+        for i, p in enumerate(g["params"])
+        if "anchor" in state.get(p, {})
+    ]
+
+
+def check_settings_change(saved: dict[str, Any] | None, mine: dict[str, Any] | None, step: int) -> None:
+    """Refuse other local-steps settings than the saved ones (``LocalSteps.describe()`` of each, ``None``
+    for none) unless ``step`` starts a window under both; the message names each setting that differs."""
+    if saved == mine:
+        return
+    if saved is None or mine is None:
+        which = "without" if saved is None else "with"
+        raise ValueError(
+            f"the optimizer state was saved {which} local steps (local_steps={saved}), this optimizer has "
+            f"local_steps={mine}: give the optimizer the saved setting to resume"
+        )
+    differ = [
+        f"{key}={saved.get(key)!r} (now {mine.get(key)!r})" for key in mine if saved.get(key) != mine.get(key)
+    ]
+    old_h, new_h = int(saved["h"]), int(mine["h"])
+    if step % old_h == 0 and step % new_h == 0:
+        return  # a window boundary under both: the next window runs the new settings
+    raise ValueError(
+        f"the optimizer state was saved at step {step} with other local-steps settings: "
+        f"{', '.join(differ)}. They can change only where a window starts under both h={old_h} and "
+        f"h={new_h} (a step that is a multiple of both): resume with the saved settings and change them "
+        "at such a step"
+    )
+
+
+def check_group_sizes(
+    saved_groups: list[dict[str, Any]], param_groups: list[dict[str, Any]], record: list[list[Any]] | None
+) -> None:
+    """Refuse a state of other param groups (their number, or the number of parameters in one), naming the
+    window's parameters that are gone."""
+    sizes = [len(g["params"]) for g in saved_groups]
+    mine = [len(g["params"]) for g in param_groups]
+    if sizes == mine:
+        return
+    gone = [name for gi, i, name, _ in record or [] if gi >= len(mine) or i >= mine[gi]]
+    also = f"; the window in progress has {gone}, which this optimizer lacks" if gone else ""
+    raise ValueError(
+        f"the optimizer state holds param groups of {sizes} parameters, this optimizer {mine}{also}. Keep "
+        "every parameter in the optimizer (freeze one with requires_grad_(False) instead of removing it), "
+        "or resume from a state saved where a window starts"
+    )
+
+
+def restore_window(
+    param_groups: list[dict[str, Any]],
+    saved: dict[int, Any],
+    record: list[list[Any]] | None,
+    *,
+    step: int,
+    h: int,
+    why_missing: str,
+) -> set[int]:
+    """The ``id`` of the parameters of the window in progress at ``step`` (``record``: the saved
+    :func:`window_record`), each checked to be there with its shape and a saved ``anchor`` (``saved``: the
+    state dict's per-parameter states, by index); ``why_missing`` says why a state has no record (refused
+    then)."""
+    if record is None:
+        raise ValueError(
+            f"the optimizer state is at step {step}, in the middle of a window of h={h} local steps, but "
+            f"{why_missing}: it cannot continue that window. Resume from a state saved where a window "
+            f"starts (a multiple of {h})"
+        )
+    first = [sum(len(g["params"]) for g in param_groups[:gi]) for gi in range(len(param_groups))]
+    members = set()
+    for gi, i, name, shape in record:
+        p = param_groups[gi]["params"][i]
+        anchor = saved.get(first[gi] + i, {}).get("anchor")
+        if list(p.shape) != list(shape) or not isinstance(anchor, torch.Tensor):
+            raise ValueError(
+                f"the window in progress at step {step} covers {name} (param_groups[{gi}][{i}], shape "
+                f"{tuple(shape)}), but this optimizer's parameter there has shape {tuple(p.shape)} or no "
+                f"saved anchor; resume from a state saved where a window starts (a multiple of {h})"
+            )
+        members.add(id(p))
+    return members

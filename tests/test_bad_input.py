@@ -649,6 +649,23 @@ COMPARE_CASES = [
         id="zero-vote-no-1bit",
     ),
     case(["--target-loss", "nan"], ["--target-loss", "> 0"], id="target-loss-nan"),
+    *[
+        case(["--time-budget", v], ["--time-budget", v, "seconds > 0"], id=f"time-budget-{v}")
+        for v in ("0", "-5", "nan", "inf")
+    ],
+    case(
+        ["--time-budget", "60", "--steps", "50"], ["--time-budget 60", "--steps 50"], id="time-budget-steps"
+    ),
+    case(
+        ["--time-budget", "60", "--diagnostics-every", "2"],
+        ["--diagnostics-every 2", "--time-budget 60"],
+        id="time-budget-diagnostics",
+    ),
+    case(
+        ["--time-budget", "60", "--report-only"],
+        ["--time-budget 60", "--report-only"],
+        id="time-budget-report",
+    ),
     case(["--target-loss", "-1"], ["--target-loss", "> 0"], id="target-loss-negative"),
 ]
 

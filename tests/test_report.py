@@ -383,3 +383,82 @@ def test_runs_of_one_preset_on_several_topologies_are_told_apart(tmp_path: Path)
     assert [r.speedup for r in report.rows] == [1.0, 1.0, 1.0]
     table = (tmp_path / "out" / "summary.md").read_text()
     assert "| 1bit@hierarchical |" in table and "| 1bit@node-majority |" in table
+
+
+# ------------------------------------------------------------------- runs at equal time (--time-budget)
+
+
+def as_budget_run(
+    run_dir: Path, budget_s: float, planned: int, pilot_step_s: float, stop: int | None = None
+) -> Path:
+    """Make ``run_dir`` a run of ``lioncub compare --time-budget``: the budget, the planned steps and its
+    pilot (8 steps) in config.json; where the guard stopped it, a ``stop`` record."""
+    config = json.loads((run_dir / "config.json").read_text())
+    config |= {"steps": planned, "time_budget_s": budget_s, "pilot_steps": 8, "pilot_step_s": pilot_step_s}
+    (run_dir / "config.json").write_text(json.dumps(config))
+    if stop is not None:
+        with (run_dir / "log.jsonl").open("a") as log:
+            log.write(
+                json.dumps({"kind": "stop", "step": stop, "time_s": 4.0, "reason": "time budget"}) + "\n"
+            )
+    return run_dir
+
+
+@pytest.fixture
+def budget_runs(tmp_path: Path) -> list[Path]:
+    """A budget of 3 s. 32bit: 6 steps of 0.5 s as planned, evaluated at 1.0, 2.0 and 3.1 s (within 3 × 1.05 =
+    3.15 s: its loss at the budget is the last). 1bit: planned 20 steps from a pilot of 0.15 s a step, but
+    its steps took 0.5 s and the guard stopped it after step 8 (4.0 s): evaluated at 1.5, 3.2 (past 3.15) and
+    4.0 s, its loss at the budget is step 4's."""
+    a = write_run(tmp_path, "32bit", [0.5] * 6, evals=[(2, 2.2, 1.0), (4, 1.8, 2.0), (6, 1.65, 3.1)])
+    b = write_run(tmp_path, "1bit", [0.5] * 8, evals=[(4, 1.9, 1.5), (6, 1.7, 3.2), (8, 1.6, 4.0)])
+    return [as_budget_run(a, 3.0, 6, 0.5), as_budget_run(b, 3.0, 20, 0.15, stop=8)]
+
+
+def test_a_time_budget_report_shows_each_runs_steps_and_loss_at_the_budget(
+    budget_runs: list[Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    report = rp.make_report(budget_runs, out, target_loss=1.85)
+    a, b = report.rows
+    i = rp.COLUMNS.index("val loss at equal steps (step)")
+    assert rp.columns(report.rows) == (*rp.COLUMNS[:i], *rp.BUDGET_COLUMNS, *rp.COLUMNS[i + 1 :])
+    assert (a.budget.loss, a.budget.loss_step, a.budget.loss_time_s) == (1.65, 6, 3.1)
+    assert (b.budget.loss, b.budget.loss_step, b.budget.loss_time_s) == (1.9, 4, 1.5)
+    assert [(r.budget.planned_steps, r.steps, r.budget.wall_s, r.budget.stopped_at) for r in report.rows] == [
+        (6, 6, 3.0, None),
+        (20, 8, 4.0, 8),
+    ]
+    # target 1.85: 32bit reaches it at step 4 (2.0 s), 1bit at step 6 (3.2 s)
+    assert [r.time_to_target_s for r in report.rows] == [2.0, 3.2]
+    assert not b.partial and b.label() == "1bit (stopped over budget: step 8 of 20)"
+    md = (out / "summary.md").read_text()
+    assert "| steps | val loss at budget (s) | final val loss | time to target s |" in md
+    assert "| 6 | 1.6500 (3.1 s) | 1.6500 | 2.0 |" in md and "| 8 | 1.9000 (1.5 s) | 1.6000 | 3.2 |" in md
+    assert (
+        "- 32bit: pilot 8 steps at 500.0 ms → 6 steps planned; 6 trained in 3.0 s (100% of the budget)" in md
+    )
+    assert (
+        "- 1bit: pilot 8 steps at 150.0 ms → 20 steps planned; 8 trained in 4.0 s (133% of the budget)" in md
+    )
+    assert "warning: 1bit ran far over its budget and was stopped after step 8 of 20" in md
+    data = json.loads((out / "summary.json").read_text())
+    assert data["rows"][1]["budget"]["stopped_at"] == 8
+    assert [rp.RunSummary.from_json(row) for row in data["rows"]] == report.rows
+    printed = io.StringIO()
+    rp.print_table(report, Console(file=printed, width=250))
+    assert "val loss at budget (s)" in printed.getvalue() and "1.9000 (1.5 s)" in printed.getvalue()
+    lines = rp.figure_val_loss_vs_time(report).axes[0].get_lines()
+    assert [list(ln.get_xdata()) for ln in lines if ln.get_gid() == "budget"] == [[3.0, 3.0]]
+
+
+def test_a_report_without_a_budget_keeps_its_table(three_runs: list[Path], tmp_path: Path) -> None:
+    """Runs of equal steps: the table's columns, summary.json's rows and the notes as before the budgets."""
+    report = rp.make_report(three_runs, tmp_path / "out")
+    assert rp.columns(report.rows) == rp.COLUMNS and all(r.budget is None for r in report.rows)
+    rows = json.loads((tmp_path / "out" / "summary.json").read_text())["rows"]
+    assert all("budget" not in row for row in rows)
+    assert not [n for n in report.notes if "budget" in n]
+    assert not [
+        ln for ln in rp.figure_val_loss_vs_time(report).axes[0].get_lines() if ln.get_gid() == "budget"
+    ]

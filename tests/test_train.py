@@ -23,7 +23,7 @@ import torch
 
 from lioncub import cli
 from lioncub.optim import PRESETS
-from lioncub.train import checkpoint
+from lioncub.train import budget, checkpoint
 from lioncub.train.config import BASELINES, TrainConfig, lr_factor
 from train_runs import TINY, expected_bytes, records, train
 
@@ -394,3 +394,167 @@ def test_compare_has_a_local_steps_row(compared: tuple[Path, str], capsys: pytes
     capsys.readouterr()
     assert cli.main(["compare", "--out", str(out), "--report-only"]) == 0
     assert "1bit/h2" in capsys.readouterr().out
+
+
+# -- comparisons at equal time: lioncub compare --time-budget (lioncub.train.budget) ------------------------
+
+
+def test_the_pilot_and_the_plan() -> None:
+    """A pilot trains at least 8 steps and 3 periods, in whole periods, and its step time leaves its first
+    period out; the steps that fit are rounded down to a multiple of H; about 10 evaluations a run."""
+    assert [budget.pilot_steps(p) for p in (1, 2, 4, 16, 10)] == [8, 8, 12, 48, 30]
+    assert budget.pilot_step_time([9.0, 1.0, 2.0, 3.0], 1) == 2.0
+    assert budget.pilot_step_time([9.0, 9.0, 1.0, 3.0], 2) == 2.0
+    with pytest.raises(ValueError, match="more than 2 steps"):
+        budget.pilot_step_time([9.0, 9.0], 2)
+    assert budget.planned_steps(300, 0.25, 1) == 1200 and budget.planned_steps(300, 0.245, 16) == 1216
+    with pytest.raises(ValueError, match=r"--time-budget 1: .* not even a window of 16 steps fits"):
+        budget.planned_steps(1, 0.1, 16)
+    assert [budget.eval_interval(n, h) for n, h in ((1200, 1), (1216, 16), (20, 16))] == [120, 128, 16]
+    synced = TrainConfig.from_json({"variant": "1bit", "momentum_sync": "io", "sync_every": 4})
+    local = TrainConfig.from_json({"variant": "1bit", "local_steps": 4, "steps": 8, "eval_every": 4})
+    assert budget.period(synced) == 4 and budget.period(local) == 4 and budget.period(TrainConfig()) == 1
+
+
+def test_a_planned_run_spans_its_own_steps() -> None:
+    """The pilot is the row's run, shorter (its own warm-up, evaluated only at its end); the planned run
+    takes the steps its pilot's step time fits, its lr schedule (warm-up 10 %, cosine) over them."""
+    doc = {"variant": "1bit", "local_steps": 4, "steps": 4, "eval_every": 4, "time_budget_s": 10.0}
+    config = TrainConfig.from_json({**doc, "nproc": 2, "min_lr_ratio": 0.2})
+    pilot = budget.pilot_config(config)
+    assert (pilot.run.steps, pilot.run.eval_every, pilot.run.time_budget_s) == (12, 0, None)
+    assert pilot.optimizer == config.optimizer and pilot.cluster == config.cluster
+    times = [1.0] * 4 + [0.125] * 8  # the first window is left out: 0.125 s a step, 80 steps in 10 s
+    plan = budget.planned_config(config, 10.0, times, eval_given=False)
+    assert (plan.run.steps, plan.run.eval_every, plan.run.warmup) == (80, 8, 8)
+    assert (plan.run.time_budget_s, plan.run.pilot_steps, plan.run.pilot_step_s) == (10.0, 12, 0.125)
+    assert lr_factor(80, plan.run.steps, plan.run.warmup, 0.2) == pytest.approx(0.2)  # the end of its cosine
+    assert budget.planned_config(config, 10.0, times, eval_given=True).run.eval_every == 4
+    assert TrainConfig.from_json(plan.to_json()) == plan
+    assert not {"time_budget_s", "pilot_steps", "pilot_step_s"} & TrainConfig().to_json().keys()
+
+
+def test_each_row_plans_the_steps_its_own_step_time_fits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``lioncub compare --time-budget 1``: two rows whose pilots (stubbed) took 1/64 and 1/256 s a step
+    after their first period plan 64 and 256 steps, each evaluated about 10 times."""
+    from lioncub.cli import compare
+    from lioncub.train.driver import RunOutcome
+
+    step_s = {1: 1 / 64, 4: 1 / 256}  # by H
+
+    def pilot(args: object, config: TrainConfig, run_dir: Path, lock: object, label: str = "") -> RunOutcome:
+        lock.release()  # type: ignore[attr-defined]
+        h, n = config.optimizer.local_steps or 1, config.run.steps
+        lines = [{"kind": "step", "step": s, "step_s": 1.0 if s <= h else step_s[h]} for s in range(1, n + 1)]
+        (run_dir / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        return RunOutcome(0, "", {"steps_run": n})
+
+    monkeypatch.setattr(compare, "train_run", pilot)
+    argv = [
+        "compare",
+        *TINY,
+        "--out",
+        str(tmp_path / "cmp"),
+        "--variants",
+        "32bit,1bit/h4",
+        "--time-budget",
+        "1",
+    ]
+    args = cli.build_parser("compare").parse_args(argv)
+    plans = {v: compare._plan(args, compare._config(args, v), v) for v in ("32bit", "1bit/h4")}
+    assert {v: (p.run.steps, p.run.eval_every, p.run.pilot_steps) for v, p in plans.items()} == {
+        "32bit": (64, 6, 8),
+        "1bit/h4": (256, 24, 12),
+    }
+    assert [p.run.pilot_step_s for p in plans.values()] == [1 / 64, 1 / 256]
+
+
+#: 1 s of training per run, on 2 ranks; every evaluation reaches the target loss 10 (above the initial loss)
+BUDGET = ["compare", *TINY, "--variants", "32bit,1bit/h2", "--nproc", "2", "--time-budget", "1"]
+BUDGET += ["--target-loss", "10"]
+
+
+@pytest.fixture(scope="module")
+def budget_compared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A comparison at equal time: 32bit planned from its pilot; 1bit/h2 from a pilot step time taken 20×
+    too short, so that it runs far over its budget and the guard stops it. The output directory and what
+    compare printed (stdout)."""
+    out = tmp_path_factory.mktemp("budget") / "cmp"
+    measured = budget.pilot_step_time
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed):
+        mp.setattr(budget, "pilot_step_time", lambda s, every: measured(s, every) / (20 if every == 2 else 1))
+        with contextlib.redirect_stderr(io.StringIO()):
+            assert cli.main([*BUDGET, "--out", str(out)]) == 0
+    return out, printed.getvalue()
+
+
+@pytest.mark.slow
+def test_compare_at_equal_time_plans_each_run_from_its_pilot(budget_compared: tuple[Path, str]) -> None:
+    """Each run trains the steps its own pilot's step time fits in the budget (a multiple of H), evaluated
+    about 10 times and at its end, with its lr schedule over its own steps; the summary records the budget,
+    the plan and the measured time; the run far over its budget is stopped at a window's end, evaluated and
+    checkpointed there."""
+    out = budget_compared[0]
+    planned = {}
+    for name, h in (("32bit", 1), ("1bit_h2", 2)):
+        config = json.loads((out / name / "config.json").read_text())
+        steps = config["steps"]
+        planned[name] = steps
+        assert config["pilot_steps"] == budget.pilot_steps(h) and config["time_budget_s"] == 1.0
+        assert steps == budget.planned_steps(1.0, config["pilot_step_s"], h)
+        assert config["eval_every"] == budget.eval_interval(steps, h)
+        recs = records(out / name, "step")
+        warmup = min(100, steps // 10)
+        peak = recs[0]["lr"] / lr_factor(1, steps, warmup, 0.1)
+        assert [r["lr"] for r in recs] == pytest.approx(
+            [peak * lr_factor(r["step"], steps, warmup, 0.1) for r in recs]
+        )
+        summary = json.loads((out / name / "summary.json").read_text())["time_budget"]
+        assert (summary["budget_s"], summary["planned_steps"]) == (1.0, steps)
+        assert (summary["steps_run"], summary["wall_s"]) == (recs[-1]["step"], recs[-1]["time_s"])
+        evals = [e["step"] for e in records(out / name, "eval")]
+        assert evals[-1] == recs[-1]["step"] and all(s % config["eval_every"] == 0 for s in evals[:-1])
+    assert planned["1bit_h2"] > 4 * planned["32bit"]  # the 20× shorter step time
+    stop = records(out / "1bit_h2", "stop")
+    assert len(stop) == 1 and stop[0]["step"] % 2 == 0 and stop[0]["time_s"] > budget.GUARD_FACTOR
+    steps = records(out / "1bit_h2", "step")
+    assert steps[-1]["step"] == stop[0]["step"] < planned["1bit_h2"]
+    earlier = next(r for r in steps if r["step"] == stop[0]["step"] - 2)  # the window's end before
+    assert earlier["time_s"] <= budget.GUARD_FACTOR
+    summary = json.loads((out / "1bit_h2" / "summary.json").read_text())["time_budget"]
+    assert summary["stopped_at"] == stop[0]["step"]
+    assert checkpoint.latest(out / "1bit_h2").step == stop[0]["step"]
+
+
+@pytest.mark.slow
+def test_compare_at_equal_time_reports_the_loss_at_the_budget(
+    budget_compared: tuple[Path, str], capsys: pytest.CaptureFixture
+) -> None:
+    """The table: each run's steps, its validation loss at the budget (the last evaluation by 1.05 × the
+    budget, with its time; none for the run stopped far over it) and its time to the target; the loss-vs-time
+    plot; a second call reuses the finished runs (no pilot)."""
+    out, printed = budget_compared
+    assert "time budget: 1 s of training per run" in printed and "1bit/h2" in printed
+    rows = {r["variant"]: r for r in json.loads((out / "summary.json").read_text())["rows"]}
+    for name, row in rows.items():
+        evals = records(out / name.replace("/", "_"), "eval")
+        within = [e for e in evals if e["time_s"] <= 1.05]
+        at = within[-1] if within else None
+        assert row["budget"]["loss"] == (at["val_loss"] if at else None), name
+        assert row["budget"]["loss_time_s"] == (at["time_s"] if at else None), name
+        assert row["time_to_target_s"] == evals[0]["time_s"]  # target 10: reached at the first evaluation
+        assert row["steps"] == records(out / name.replace("/", "_"), "step")[-1]["step"]
+    assert rows["1bit/h2"]["budget"]["stopped_at"] is not None and rows["32bit"]["budget"]["loss"] is not None
+    table = (out / "summary.md").read_text()
+    assert "| steps | val loss at budget (s) | final val loss | time to target s |" in table
+    assert (
+        "| 1bit/h2 (stopped over budget: step " in table and "time budget: 1 s of training per run" in table
+    )
+    assert (out / "val_loss_vs_time.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    capsys.readouterr()
+    assert cli.main([*BUDGET, "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert err.count("reusing the finished run") == 2 and "pilot" not in err

@@ -1,6 +1,9 @@
 """``lioncub compare``: train several variants on the same workload, seed, data and link, one after
 another, and write a report: a table of step time and its split, speedup over ``32bit``, bytes per step,
 validation loss at equal steps and time to a target loss, and PNG plots (:mod:`lioncub.report.runs`).
+With ``--time-budget SECONDS`` the runs get equal training time instead of equal steps: a pilot of each
+measures its step time and it trains the steps that fit (:mod:`lioncub.train.budget`); the table then
+shows each run's steps and validation loss at the budget.
 
 Layout: ``OUT/<variant>/`` holds each run (as ``lioncub train --out``), ``OUT/`` the report.
 """
@@ -29,6 +32,8 @@ examples:
   lioncub compare --variants 32bit,1bit --steps 50 --out runs/quick       # 1 rank, loopback, tiny GPT
   lioncub compare --out runs/cmp --report-only --target-loss 2.2           # redo the report
   lioncub compare --variants 32bit,1bit,1bit+overlap --nproc 4 --link 1gbit --out runs/ov  # overlap
+  lioncub compare --variants 32bit,1bit,1bit/h16 --nproc 4 --link 2mbit --time-budget 600 --out runs/t
+      # equal training time: each run the steps its own step time fits in 600 s
 
 Runs that finished before are reused when their configuration is the same (--overwrite trains them
 again); a finished report lists OUT/summary.md, OUT/summary.json and the PNG plots. --diagnostics-every
@@ -63,6 +68,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-loss", type=float, help="validation loss for 'time to target'")
     parser.add_argument("--overwrite", action="store_true", help="train runs again even if finished")
     parser.add_argument("--report-only", action="store_true", help="only rebuild the report from OUT")
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        dest="time_budget_s",
+        metavar="SECONDS",
+        help="instead of --steps: each run trains the steps its own step time fits in SECONDS of training, "
+        "measured by a short pilot of it (docs/local-steps.md, 'Equal time')",
+    )
 
 
 VOTING_ONLY = ("diagnostics_every", "momentum_sync", "sync_every", "overlap")
@@ -70,12 +83,48 @@ VOTING_ONLY = ("diagnostics_every", "momentum_sync", "sync_every", "overlap")
 LOCAL_ONLY = ("inner_momentum",)
 
 
-def _finished(run_dir: Path, config: TrainConfig) -> bool:
-    """True if ``run_dir`` holds a finished run of exactly ``config`` that lioncub wrote."""
+#: what a run of ``--time-budget`` sets after its pilot (``eval_every`` too, without ``--eval-every``)
+PLANNED = ("steps", "pilot_steps", "pilot_step_s")
+
+
+def _finished(run_dir: Path, config: TrainConfig, eval_given: bool = True) -> bool:
+    """True if ``run_dir`` holds a finished run of exactly ``config`` that lioncub wrote; with a time
+    budget, of ``config`` but for what its pilot planned (:data:`PLANNED`; ``eval_every`` unless
+    ``eval_given``)."""
     from lioncub.train.prepare import finished_run
 
     found = finished_run(run_dir)
-    return found is not None and found[0] == config.to_json()
+    if found is None:
+        return False
+    saved, doc = found[0], config.to_json()
+    if config.run.time_budget_s is not None:
+        planned = PLANNED if eval_given else (*PLANNED, "eval_every")
+        saved, doc = ({k: v for k, v in d.items() if k not in planned} for d in (saved, doc))
+    return saved == doc
+
+
+def _check_budget(args: argparse.Namespace) -> None:
+    """``--time-budget`` and the options it does not go with; ``ValueError`` naming them."""
+    budget = args.time_budget_s
+    if not (math.isfinite(budget) and budget > 0):
+        raise ValueError(
+            f"--time-budget {budget!r} must be a finite number of seconds > 0 (each run's training time)"
+        )
+    if args.report_only:
+        raise ValueError(
+            f"--time-budget {budget:g} with --report-only: the report reads each run's budget from OUT"
+        )
+    if args.steps is not None:
+        raise ValueError(
+            f"--time-budget {budget:g} with --steps {args.steps}: the budget sets each run's steps (what its "
+            "own step time fits); give one of them"
+        )
+    if args.diagnostics_every:
+        raise ValueError(
+            f"--diagnostics-every {args.diagnostics_every} with --time-budget {budget:g}: the diagnostics "
+            "every K steps would count in the runs' time but not in their pilots'; compare by time without "
+            "them"
+        )
 
 
 def _runs_in(out: Path) -> list[str]:
@@ -172,6 +221,9 @@ def _config(args: argparse.Namespace, variant: str) -> TrainConfig:
         options.update(dict.fromkeys(LOCAL_ONLY))
     if not OptimizerConfig(variant=fields["variant"]).one_bit and "zero_vote" not in fields:
         options["zero_vote"] = None  # --zero-vote: for the one-bit votes (a name's /plus is checked)
+    if options.get("time_budget_s") is not None:  # the pilot plans the steps: until then, a whole window
+        h = fields.get("local_steps", 1)
+        options["steps"] = h * max(1, math.ceil((options.get("warmup") or 0) / h))
     try:
         return config_from_args(argparse.Namespace(**options))
     except ValueError as exc:
@@ -192,7 +244,7 @@ def _check_runs(
     check_launch_options(args.restarts, args.collective_timeout)
     _check_out(out)
     for config, run_dir in zip(configs, run_dirs, strict=True):
-        if _finished(run_dir, config) and not args.overwrite:
+        if _finished(run_dir, config, args.eval_every is not None) and not args.overwrite:
             continue
         found = survey(run_dir, "run")
         if found.foreign:
@@ -229,9 +281,18 @@ def _train(
 
     for i, (config, run_dir) in enumerate(zip(configs, run_dirs, strict=True)):
         label = f"[{i + 1}/{len(variants)}] {variants[i]}"
-        if _finished(run_dir, config) and not args.overwrite:
+        if _finished(run_dir, config, args.eval_every is not None) and not args.overwrite:
             print(f"{label}: reusing the finished run in {run_dir}", file=sys.stderr)
             continue
+        if config.run.time_budget_s is not None:
+            try:
+                planned = _plan(args, config, label)
+            except ValueError as exc:
+                print(f"lioncub compare: error: --variants {variants[i]}: {exc}", file=sys.stderr)
+                return 2
+            if isinstance(planned, int):
+                return planned
+            config = planned
         try:  # --overwrite: lioncub's own run is deleted first (refused if anything else is there)
             config, lock = prepare_run_dir(run_dir, config, resume=False, replace=args.overwrite)
         except ValueError as exc:
@@ -248,6 +309,46 @@ def _train(
             return outcome.returncode or 1
         print(f"{label}: {format_summary(outcome.summary)}", file=sys.stderr, flush=True)
     return 0
+
+
+def _plan(args: argparse.Namespace, config: TrainConfig, label: str) -> TrainConfig | int:
+    """``config`` planned for ``--time-budget`` (:mod:`lioncub.train.budget`): its pilot trains in a
+    scratch directory, removed after, and its step times set the steps. The planned configuration, or the
+    pilot's exit status if it failed; ``ValueError`` if the plan cannot run (nothing fits the budget)."""
+    import tempfile
+
+    from lioncub.train import budget
+    from lioncub.train.driver import check_before_launch
+    from lioncub.train.prepare import prepare_run_dir
+    from lioncub.train.runlog import complete_records
+
+    pilot = budget.pilot_config(config)
+    with tempfile.TemporaryDirectory(prefix="lioncub-pilot-") as scratch:
+        pilot_dir = Path(scratch) / "pilot"
+        pilot, lock = prepare_run_dir(pilot_dir, pilot, resume=False)
+        print(
+            f"{label}: a pilot of {pilot.run.steps} steps measures the step time", file=sys.stderr, flush=True
+        )
+        outcome = train_run(args, pilot, pilot_dir, lock, f"{label} pilot")
+        if outcome.summary is None:
+            print(
+                f"lioncub compare: the pilot of {label} failed (exit code {outcome.returncode})",
+                file=sys.stderr,
+            )
+            return outcome.returncode or 1
+        records = complete_records(pilot_dir / "log.jsonl")[0]
+    times = [rec["step_s"] for _, rec in records if rec.get("kind") == "step"]
+    planned = budget.planned_config(config, args.time_budget_s, times, eval_given=args.eval_every is not None)
+    check_before_launch(planned, args.timeout or None, args.max_nproc)
+    run, first = planned.run, budget.period(config) + 1
+    print(
+        f"{label}: {run.pilot_step_s * 1e3:.1f} ms per step in the pilot (its steps {first}-"
+        f"{run.pilot_steps}): {run.steps} steps fit {run.time_budget_s:g} s, evaluated every "
+        f"{run.eval_every}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return planned
 
 
 def _report(args: argparse.Namespace, out: Path, run_dirs: list[Path]) -> int:
@@ -285,6 +386,8 @@ def run(args: argparse.Namespace) -> int:
         check_out_path(out, below=len(DEEPEST) + 1 + max(len(os.fsencode(v)) for v in variants))
         if args.target_loss is not None and not 0 < args.target_loss < math.inf:
             raise ValueError(f"--target-loss {args.target_loss!r} must be a finite validation loss > 0")
+        if args.time_budget_s is not None:
+            _check_budget(args)
         run_dirs = [out / run_dir_name(v) for v in variants]
         if args.report_only:
             _check_out(out)

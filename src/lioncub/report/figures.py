@@ -69,7 +69,7 @@ def _cumulative_mb(steps: list[dict[str, Any]]) -> dict[int, float]:
     return out
 
 
-def _line_figure(report: Any, name: str, xlabel: str) -> Figure:
+def _line_figure(report: Any, name: str, xlabel: str, budgets: tuple[float, ...] = ()) -> Figure:
     fig = Figure(figsize=(6.4, 4.0))
     ax = fig.subplots()
     for variant, (x, y) in plot_series(report)[name].items():
@@ -78,6 +78,10 @@ def _line_figure(report: Any, name: str, xlabel: str) -> Figure:
     if target is not None and math.isfinite(target):
         ax.axhline(
             target, color="gray", linestyle="--", linewidth=1, gid="target", label=f"target {target:.4g}"
+        )
+    for budget in budgets:
+        ax.axvline(
+            budget, color="gray", linestyle=":", linewidth=1, gid="budget", label=f"budget {budget:g} s"
         )
     ax.set(xlabel=xlabel, ylabel="validation loss", title=report.title)
     ax.grid(alpha=0.3)
@@ -93,8 +97,10 @@ def figure_val_loss_vs_step(report: Any) -> Figure:
 
 
 def figure_val_loss_vs_time(report: Any) -> Figure:
-    """Validation loss vs training wall time (s, evaluation excluded), one line per variant."""
-    return _line_figure(report, "val_loss_vs_time", "training wall time (s)")
+    """Validation loss vs training wall time (s, evaluation excluded), one line per variant; dotted: the
+    runs' time budget (``lioncub compare --time-budget``)."""
+    budgets = {row.budget.budget_s for row in report.rows if getattr(row, "budget", None) is not None}
+    return _line_figure(report, "val_loss_vs_time", "training wall time (s)", tuple(sorted(budgets)))
 
 
 def figure_val_loss_vs_bytes(report: Any) -> Figure:

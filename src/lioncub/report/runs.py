@@ -35,6 +35,11 @@ Target loss (for "time to target"): ``target_loss`` if given, else 1.02 × the f
 among the runs, so that every run with evals reaches it. Time to target = ``time_s`` of the first eval
 with ``val_loss <= target``. "At equal steps" = the largest step evaluated by every run that has evals.
 
+Runs of a time budget (``lioncub compare --time-budget``, :mod:`lioncub.report.budget`): the table shows
+each run's steps and its validation loss at the budget (:data:`BUDGET_COLUMNS`) instead of the loss at
+equal steps, the notes each run's pilot, plan and measured time, and the loss-vs-time plot the budget; a
+run its budget's guard stopped is marked, not counted as partial.
+
 The plots are drawn by :mod:`lioncub.report.figures`. On emulated nodes the table shows the bytes through a
 node's NIC and a rank's bytes inside its node apart (:data:`NODE_COLUMNS`); a partial run (its log ends
 before its configured last step: a stopped compare) is marked in the table and noted, and does not set
@@ -56,6 +61,7 @@ import numpy as np
 from rich.console import Console
 
 from lioncub.names import run_label
+from lioncub.report.budget import Budget, budget_notes, budget_of
 from lioncub.report.figures import (
     FIGURES,
     figure_bytes_per_step,
@@ -69,6 +75,7 @@ from lioncub.report.figures import (
 from lioncub.rundir import read_run_file
 
 __all__ = [
+    "BUDGET_COLUMNS",
     "COLUMNS",
     "NODE_COLUMNS",
     "TABLE_NOTE",
@@ -103,6 +110,9 @@ COLUMNS = (
     "final val loss",
     "time to target s",
 )
+#: runs of a time budget (``lioncub compare --time-budget``, :mod:`lioncub.report.budget`): their steps and
+#: loss at the budget instead of the loss at equal steps
+BUDGET_COLUMNS = ("steps", "val loss at budget (s)")
 #: on emulated nodes "MB/step/rank" mixes a node's NIC and the links inside it: the table shows these two
 #: instead (``nic_bytes``, ``intra_bytes`` of the step records, :mod:`lioncub.train.nodebytes`)
 NODE_COLUMNS = ("NIC MB/step/node", "in-node MB/step/rank")
@@ -128,6 +138,7 @@ class RunLog:
     steps: list[dict[str, Any]]
     evals: list[dict[str, Any]]  # one per step (the last record wins), each with float "val_loss"
     diags: list[dict[str, Any]] = field(default_factory=list)  # "diag" records (--diagnostics-every), by step
+    stops: list[dict[str, Any]] = field(default_factory=list)  # "stop" records (a time budget's guard)
 
     @property
     def variant(self) -> str:
@@ -172,14 +183,24 @@ class RunSummary:
     target_steps: int | None = None  # the steps the run was to take (``stop_at`` or ``steps``), if known
     nic_bytes_per_step: float | None = None  # on emulated nodes: bytes a node sends through its NIC
     intra_bytes_per_step: float | None = None  # on emulated nodes: bytes a rank sends inside its node
+    budget: Budget | None = None  # a run of a time budget: its plan and loss at the budget
+
+    @property
+    def stopped(self) -> bool:
+        """The time budget's guard stopped the run (far over its budget)."""
+        return self.budget is not None and self.budget.stopped_at is not None
 
     @property
     def partial(self) -> bool:
-        """The run stopped before it finished: its log ends before its configured last step."""
-        return self.target_steps is not None and self.steps < self.target_steps
+        """The run stopped before it finished: its log ends before its configured last step (not by the
+        time budget's guard)."""
+        return self.target_steps is not None and self.steps < self.target_steps and not self.stopped
 
     def label(self) -> str:
-        """The variant, marked when the run is partial: ``1bit (partial: step 33 of 60)``."""
+        """The variant, marked when the run is partial (``1bit (partial: step 33 of 60)``) or was stopped
+        by its time budget's guard (``1bit (stopped over budget: step 33 of 60)``)."""
+        if self.stopped:
+            return f"{self.variant} (stopped over budget: step {self.steps} of {self.target_steps})"
         return (
             f"{self.variant} (partial: step {self.steps} of {self.target_steps})"
             if self.partial
@@ -187,11 +208,16 @@ class RunSummary:
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "run_dir": str(self.run_dir)}
+        """The row as ``summary.json`` holds it (``budget`` only for a run of a time budget)."""
+        data = {**dataclasses.asdict(self), "run_dir": str(self.run_dir)}
+        if self.budget is None:
+            del data["budget"]
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RunSummary:
-        return cls(**{**data, "run_dir": Path(data["run_dir"])})
+        budget = Budget(**data["budget"]) if data.get("budget") else None
+        return cls(**{**data, "run_dir": Path(data["run_dir"]), "budget": budget})
 
 
 @dataclass
@@ -276,7 +302,7 @@ def load_run(run_dir: Path) -> RunLog:
         raise ValueError(f"run dir {run_dir}: missing log.jsonl")
     text = read_run_file(log_path, follow_symlinks=True).decode()
     lines = [line for line in text.splitlines() if line.strip()]
-    steps, evals, diags = [], {}, {}
+    steps, evals, diags, stops = [], {}, {}, []
     for i, line in enumerate(lines):
         try:
             rec = json.loads(line)
@@ -291,10 +317,12 @@ def load_run(run_dir: Path) -> RunLog:
             evals[rec["step"]] = rec  # one record per step: the last one wins
         elif kind == "diag" and isinstance(rec.get("step"), int) and isinstance(rec.get("overall"), dict):
             diags[rec["step"]] = rec
+        elif kind == "stop" and isinstance(rec.get("step"), int):
+            stops.append(rec)
     if not steps:
         raise ValueError(f"run dir {run_dir}: log.jsonl has no step records")
     return RunLog(
-        run_dir, config, steps, [evals[s] for s in sorted(evals)], [diags[s] for s in sorted(diags)]
+        run_dir, config, steps, [evals[s] for s in sorted(evals)], [diags[s] for s in sorted(diags)], stops
     )
 
 
@@ -344,6 +372,12 @@ def _summarize(run: RunLog) -> RunSummary:
         target_steps=target if isinstance(target, int) and not isinstance(target, bool) else None,
         nic_bytes_per_step=per_step_median(run, "nic_bytes"),
         intra_bytes_per_step=per_step_median(run, "intra_bytes"),
+        budget=budget_of(
+            run.config,
+            run.steps,
+            [(e["step"], float(e["val_loss"]), run.eval_time(e)) for e in run.evals],
+            run.stops,
+        ),
     )
 
 
@@ -367,21 +401,26 @@ def _fmt(value: float | None, scale: float = 1.0, spec: str = ".3g", suffix: str
 
 def columns(rows: Sequence[RunSummary]) -> tuple[str, ...]:
     """The table's columns: :data:`COLUMNS`, with :data:`NODE_COLUMNS` for "MB/step/rank" when a run was on
-    emulated nodes."""
-    if all(row.nic_bytes_per_step is None for row in rows):
-        return COLUMNS
-    i = COLUMNS.index("MB/step/rank")
-    return (*COLUMNS[:i], *NODE_COLUMNS, *COLUMNS[i + 1 :])
+    emulated nodes, and :data:`BUDGET_COLUMNS` for the loss at equal steps when a run had a time budget."""
+    names = COLUMNS
+    if any(row.nic_bytes_per_step is not None for row in rows):
+        i = names.index("MB/step/rank")
+        names = (*names[:i], *NODE_COLUMNS, *names[i + 1 :])
+    if any(row.budget is not None for row in rows):
+        i = names.index("val loss at equal steps (step)")
+        names = (*names[:i], *BUDGET_COLUMNS, *names[i + 1 :])
+    return names
 
 
-def _cells(row: RunSummary, nodes: bool = False) -> list[str]:
+def _cells(row: RunSummary) -> dict[str, str]:
+    """Every column's cell of ``row`` (:data:`COLUMNS`, :data:`NODE_COLUMNS`, :data:`BUDGET_COLUMNS`)."""
     final = _fmt(row.final_val_loss, spec=".4f")
     if row.final_val_acc is not None:
         final += f" (acc {row.final_val_acc:.3f})"
     equal = _fmt(row.val_loss_equal_step, spec=".4f")
     if row.val_loss_equal_step is not None:
         equal += f" ({row.equal_step})"
-    return [
+    cells = [
         row.label(),
         _fmt(row.step_s, 1e3, ".1f"),
         _fmt(row.compute_s, 1e3, ".1f"),
@@ -389,21 +428,23 @@ def _cells(row: RunSummary, nodes: bool = False) -> list[str]:
         _fmt(row.apply_s, 1e3, ".1f"),
         _fmt(row.other_s, 1e3, ".1f"),
         _fmt(row.speedup, spec=".2f", suffix="x"),
-        *(
-            [_fmt(row.nic_bytes_per_step, 1e-6, ".3g"), _fmt(row.intra_bytes_per_step, 1e-6, ".3g")]
-            if nodes
-            else [_fmt(row.bytes_sent_per_step, 1e-6, ".3g")]
-        ),
+        _fmt(row.bytes_sent_per_step, 1e-6, ".3g"),
         equal,
         final,
         _fmt(row.time_to_target_s, spec=".1f"),
     ]
+    by_name = dict(zip(COLUMNS, cells, strict=True))
+    nic, intra = row.nic_bytes_per_step, row.intra_bytes_per_step
+    by_name |= dict(zip(NODE_COLUMNS, (_fmt(nic, 1e-6, ".3g"), _fmt(intra, 1e-6, ".3g")), strict=True))
+    budget = row.budget.cell() if row.budget is not None else "—"
+    by_name |= dict(zip(BUDGET_COLUMNS, (str(row.steps), budget), strict=True))
+    return by_name
 
 
 def _markdown(rows: list[RunSummary]) -> str:
     names = columns(rows)
     lines = ["| " + " | ".join(names) + " |", "|" + "|".join(["---"] + ["---:"] * (len(names) - 1)) + "|"]
-    lines += ["| " + " | ".join(_cells(row, names != COLUMNS)) + " |" for row in rows]
+    lines += ["| " + " | ".join(_cells(row)[name] for name in names) + " |" for row in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -449,7 +490,7 @@ def make_report(
         f"{config.get('workload', '?')} {config.get('size', '?')}, {where}, seed {config.get('seed', '?')}"
     )
     notes = []
-    for key in ("workload", "size", "world_size", "nnodes", "link", "seed"):
+    for key in ("workload", "size", "world_size", "nnodes", "link", "seed", "time_budget_s"):
         values = {json.dumps(run.config.get(key)) for run in runs}
         if len(values) > 1:
             notes.append(f"warning: the runs differ in {key}: {', '.join(sorted(values))}")
@@ -459,6 +500,7 @@ def make_report(
         for row in rows
         if row.partial
     ]
+    notes += budget_notes(rows)
     report = Report(rows, _markdown(rows), {}, target_loss, rule, baseline, title, notes, runs)
     _write(report, Path(out_dir), write or _writer(Path(out_dir)))
     return report
@@ -520,7 +562,7 @@ def print_table(report: Report, console: Console | None = None) -> None:
         if not console.is_terminal:
             console = Console(width=max(console.width, 160))
     names = columns(report.rows)
-    cells = [_cells(row, names != COLUMNS) for row in report.rows]
+    cells = [[_cells(row)[name] for name in names] for row in report.rows]
     table = Table(title=report.title, title_justify="left")
     for i, col in enumerate(names):
         table.add_column(col, justify="left" if i == 0 else "right", overflow="fold")

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from lioncub._validate import is_int, is_number
 from lioncub.optim import PRESETS, resolve_variant
 from lioncub.optim.config import ONE_BIT_VOTES, ZERO_VOTES
 from lioncub.optim.local_steps import INNER_MOMENTA, OUTER_RULES
@@ -75,6 +76,14 @@ class RunConfig:
     """Stop after this step with a checkpoint, keeping the lr schedule of ``steps`` (``--stop-at``)."""
     convert_momenta: str | None = None
     """A resume on another world size: ``average`` starts every rank from the mean of the saved momenta."""
+    time_budget_s: float | None = None
+    """``lioncub compare --time-budget``: the training seconds (``time_s``, the steps' own time) that
+    ``steps`` was planned to fill (:mod:`lioncub.train.budget`); the run stops at a window's end once it is
+    far past them. None: no budget."""
+    pilot_steps: int | None = None
+    """With ``time_budget_s``: the steps of the pilot run that measured the step time."""
+    pilot_step_s: float | None = None
+    """With ``time_budget_s``: the pilot's mean step time (s) that ``steps`` was planned from."""
 
     @property
     def warmup(self) -> int:
@@ -150,6 +159,7 @@ JSON_KEYS = (
     "seed", "data_mode", "bucket_mb", "device", "overrides", "convert_momenta", "stop_at", "momentum_sync",
     "sync_every", "diagnostics_every", "quantizer", "topology", "nonfinite", "overlap", "nproc", "link",
     "nnodes", "intra_link", "zero_vote", "local_steps", "outer", "outer_lr", "inner_momentum",
+    "time_budget_s", "pilot_steps", "pilot_step_s",
 )  # fmt: skip
 #: the part of a :class:`TrainConfig` each field of ``config.json`` belongs to
 PART_OF = {
@@ -176,6 +186,7 @@ class TrainConfig:
         self._check_counts()
         self._check_nodes()
         self._check_warmup_and_stop()
+        self._check_budget()
         self._check_vote_options()
         self._check_local_steps()
         self._check_choices()
@@ -240,6 +251,20 @@ class TrainConfig:
             raise ValueError(f"--warmup {run.warmup_steps!r} must be an integer >= 0")
         if run.stop_at is not None and not (isinstance(run.stop_at, int) and 1 <= run.stop_at <= run.steps):
             raise ValueError(f"--stop-at {run.stop_at!r} must be an integer within [1, --steps {run.steps}]")
+
+    def _check_budget(self) -> None:
+        """``time_budget_s`` (``--time-budget``) and what its pilot measured (``lioncub compare``)."""
+        run = self.run
+        if run.time_budget_s is None:
+            if run.pilot_steps is not None or run.pilot_step_s is not None:
+                raise ValueError("pilot_steps, pilot_step_s: apply only with time_budget_s (--time-budget)")
+            return
+        if not is_number(run.time_budget_s, gt=0):
+            raise ValueError(f"--time-budget {run.time_budget_s!r} must be a finite number of seconds > 0")
+        if run.pilot_steps is not None and not is_int(run.pilot_steps, 1):
+            raise ValueError(f"pilot_steps {run.pilot_steps!r} must be an integer >= 1")
+        if run.pilot_step_s is not None and not is_number(run.pilot_step_s, gt=0):
+            raise ValueError(f"pilot_step_s {run.pilot_step_s!r} must be a finite number of seconds > 0")
 
     def _check_vote_options(self) -> None:
         """What only the LionCub votes have: diagnostics, momentum sync, overlap, quantizer, topology."""
@@ -366,9 +391,9 @@ class TrainConfig:
             )
 
     def to_json(self) -> dict[str, Any]:
-        """The flat ``config.json`` object: :data:`JSON_KEYS` in order; ``nnodes``, ``intra_link`` and the
-        local steps' keys only when set, ``zero_vote`` only for the one-bit variants (so that the documents
-        of runs without them stay as they were)."""
+        """The flat ``config.json`` object: :data:`JSON_KEYS` in order; ``nnodes``, ``intra_link``, the
+        local steps' and the time budget's keys only when set, ``zero_vote`` only for the one-bit variants
+        (so that the documents of runs without them stay as they were)."""
         parts = {name: dataclasses.asdict(getattr(self, name)) for name in ("run", "optimizer", "cluster")}
         doc = {key: parts[PART_OF[key]][key] for key in JSON_KEYS}
         unset = {
@@ -378,6 +403,7 @@ class TrainConfig:
             **dict.fromkeys(
                 ("local_steps", "outer", "outer_lr", "inner_momentum"), doc["local_steps"] is None
             ),
+            **dict.fromkeys(("time_budget_s", "pilot_steps", "pilot_step_s"), doc["time_budget_s"] is None),
         }
         return {key: value for key, value in doc.items() if not unset.get(key, False)}
 

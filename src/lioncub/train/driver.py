@@ -333,4 +333,17 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"communication {ms('comm_s')}, apply {ms('apply_s')}), "
         f"{(summary.get(f'{stat}_bytes_sent') or 0) / 1e6:.3f} MB sent per rank per step"
         + (f"; at step {final.get('step')}: {metrics}" if metrics else "")
+        + _budget_line(summary.get("time_budget"))
     )
+
+
+def _budget_line(budget: dict[str, Any] | None) -> str:
+    """A run of ``lioncub compare --time-budget``: its budget, plan and measured training time."""
+    if not budget:
+        return ""
+    pilot = budget.get("pilot_step_s")
+    text = f"; time budget {budget['budget_s']:g} s: {budget['planned_steps']} steps planned"
+    text += f" (the pilot: {pilot * 1e3:.1f} ms per step)" if pilot else ""
+    if budget.get("wall_s") is not None:
+        text += f", {budget['steps_run']} trained in {budget['wall_s']:.1f} s"
+    return text + (" (stopped: far over the budget)" if budget.get("stopped_at") else "")

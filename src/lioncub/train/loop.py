@@ -69,6 +69,7 @@ from lioncub.planning import costmodel
 from lioncub.planning.auto import DEFAULT_LATENCY_S, choose_topology
 from lioncub.rundir import is_marked, open_append, record, write_atomically, write_owned
 from lioncub.train import checkpoint
+from lioncub.train.budget import GUARD_FACTOR, budget_summary, over_budget
 from lioncub.train.config import BASELINES, CUDA_UNDER_EMULATION, TrainConfig, emulates_links, lr_factor
 from lioncub.train.nodebytes import flat_shares, node_bytes
 from lioncub.train.runlog import append_record, elapsed_at, truncate_log
@@ -241,6 +242,7 @@ class _Rank:
     log: Callable[[str], None]
     shares: tuple[float, float] | None = None  # on emulated nodes: a flat step's NIC and in-node shares
     ring_shares: tuple[float, float] = (0.0, 0.0)  # ... and those of a flat ring allreduce
+    budget_stop: int | None = None  # the step the time budget's guard stopped the run at
 
 
 def train(config: TrainConfig, run_dir: Path, *, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -268,6 +270,8 @@ def train(config: TrainConfig, run_dir: Path, *, log: Callable[[str], None] = pr
     finally:
         os.close(out)
     summary = _summary(config, r.wl, r.setup.model, r.world, records, evals, r.compute_ref)
+    if config.run.time_budget_s is not None:  # lioncub compare --time-budget
+        summary["time_budget"] = budget_summary(config, records, r.budget_stop)
     if r.rank == 0:
         text = json.dumps(summary, indent=1) + "\n"
         if is_marked(run_dir):
@@ -393,11 +397,21 @@ def _after_step(r: _Rank, out: Any, step: int, elapsed: float, evals: list[dict[
     if diag is not None and diag[0] == step:
         layers = {k: v for k, v in diag[1].items() if k != "overall"}
         append_record(out, {"kind": "diag", "step": step, "overall": diag[1]["overall"], "layers": layers})
-    if step == run.steps or (run.eval_every and step % run.eval_every == 0):
+    guard = _over_budget(r, step, elapsed)
+    if guard:
+        r.budget_stop = step
+        append_record(out, {"kind": "stop", "step": step, "time_s": elapsed, "reason": "time budget"})
+        if r.rank == 0:
+            r.log(
+                f"stopping after step {step} of {run.steps}: {elapsed:.1f} s of training is past "
+                f"{GUARD_FACTOR:g} × the time budget of {run.time_budget_s:g} s (the pilot's step time was "
+                "too short)"
+            )
+    if step == run.steps or guard or (run.eval_every and step % run.eval_every == 0):
         ev = _evaluate(r.wl, r.setup.model, r.rank, step, elapsed)
         evals.append(ev)
         append_record(out, ev)
-    stop = step == run.stop_at
+    stop = step == run.stop_at or guard
     if stop or step == run.steps or (run.checkpoint_every and step % run.checkpoint_every == 0):
         meta = {
             "variant": r.config.optimizer.variant,
@@ -417,6 +431,16 @@ def _after_step(r: _Rank, out: Any, step: int, elapsed: float, evals: list[dict[
             barrier=dist.barrier,
         )
     return stop
+
+
+def _over_budget(r: _Rank, step: int, elapsed: float) -> bool:
+    """The time budget's guard (:func:`lioncub.train.budget.over_budget`), decided by rank 0 on its training
+    time and broadcast at every window's end (outside the timed step): the same answer on every rank."""
+    if r.config.run.time_budget_s is None or not over_budget(r.config, step, float("inf")):
+        return False  # no budget, or no stop possible after this step
+    flag = torch.tensor([int(r.rank == 0 and over_budget(r.config, step, elapsed))], device=r.wl.device)
+    dist.broadcast(flag, 0)
+    return bool(flag.item())
 
 
 def _optimizer_step(o: OptimizerSetup, nonfinite: str, step: int) -> int:

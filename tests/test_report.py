@@ -141,6 +141,9 @@ def test_summary_files(three_runs: list[Path], tmp_path: Path) -> None:
     data = json.loads((out / "summary.json").read_text())
     assert [rp.RunSummary.from_json(row) for row in data["rows"]] == report.rows
     assert data["target_loss"] == report.target_loss
+    # runs of equal steps: no trace of the time budgets' columns, row fields or notes
+    assert rp.columns(report.rows) == rp.COLUMNS and all(r.budget is None for r in report.rows)
+    assert all("budget" not in row for row in data["rows"]) and "budget" not in md
 
 
 def test_pngs_are_valid(three_runs: list[Path], tmp_path: Path) -> None:
@@ -189,6 +192,8 @@ def test_figure_series(three_runs: list[Path], tmp_path: Path) -> None:
         assert series["val_loss_vs_bytes"][variant] == (pytest.approx(x), y), variant
     assert _lines(rp.figure_val_loss_vs_step(report)) == by_step
     assert _lines(rp.figure_val_loss_vs_time(report)) == by_time
+    budget = [ln for ln in rp.figure_val_loss_vs_time(report).axes[0].get_lines() if ln.get_gid() == "budget"]
+    assert budget == []  # runs without a time budget
     assert rp.figure_val_loss_vs_bytes(report).axes[0].get_xscale() == "log"
     target = [ln for ln in rp.figure_val_loss_vs_step(report).axes[0].get_lines() if ln.get_gid() == "target"]
     assert target[0].get_ydata()[0] == pytest.approx(1.53)
@@ -450,15 +455,3 @@ def test_a_time_budget_report_shows_each_runs_steps_and_loss_at_the_budget(
     assert "val loss at budget (s)" in printed.getvalue() and "1.9000 (1.5 s)" in printed.getvalue()
     lines = rp.figure_val_loss_vs_time(report).axes[0].get_lines()
     assert [list(ln.get_xdata()) for ln in lines if ln.get_gid() == "budget"] == [[3.0, 3.0]]
-
-
-def test_a_report_without_a_budget_keeps_its_table(three_runs: list[Path], tmp_path: Path) -> None:
-    """Runs of equal steps: the table's columns, summary.json's rows and the notes as before the budgets."""
-    report = rp.make_report(three_runs, tmp_path / "out")
-    assert rp.columns(report.rows) == rp.COLUMNS and all(r.budget is None for r in report.rows)
-    rows = json.loads((tmp_path / "out" / "summary.json").read_text())["rows"]
-    assert all("budget" not in row for row in rows)
-    assert not [n for n in report.notes if "budget" in n]
-    assert not [
-        ln for ln in rp.figure_val_loss_vs_time(report).axes[0].get_lines() if ln.get_gid() == "budget"
-    ]

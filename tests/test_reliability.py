@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import background
+import kill_rank
 from lioncub import cli
 from lioncub.optim import Lion, LionCub
 from lioncub.optim.lioncub import Checks, NonFiniteGradientError, ReplicaMismatchError
@@ -341,27 +342,31 @@ def _same_final_model(a: Path, b: Path) -> None:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("whole") / "run"
-    assert cli.main([*TINY_RUN, "--out", str(out)]) == 0
+    with kill_rank.launches(None):  # the ranks in tests/, as the killed runs' (one preloaded interpreter)
+        assert cli.main([*TINY_RUN, "--out", str(out)]) == 0
     return out
 
 
 @pytest.mark.slow
 def test_killed_rank_restarts_from_the_checkpoint_bitwise(
-    uninterrupted: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+    uninterrupted: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    monkeypatch.setenv("LIONCUB_FAULT_KILL", "1:5")  # rank 1 SIGKILLs itself after the backward of step 5
-    assert cli.main([*TINY_RUN, "--out", str(tmp_path / "fails")]) != 0  # without a restart the job fails
-    assert "rank 1" in capsys.readouterr().err
-    out = tmp_path / "restarted"
-    assert cli.main([*TINY_RUN, "--out", str(out), "--restarts", "1"]) == 0
+    with kill_rank.launches("1:5"):  # rank 1 SIGKILLs itself after the backward of step 5 (first attempt)
+        assert cli.main([*TINY_RUN, "--out", str(tmp_path / "fails")]) != 0  # without a restart: fails
+        assert "rank 1" in capsys.readouterr().err
+        out = tmp_path / "restarted"
+        assert cli.main([*TINY_RUN, "--out", str(out), "--restarts", "1"]) == 0
     _same_final_model(uninterrupted, out)
     steps = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in steps if r["kind"] == "step"] == list(range(1, 9))  # steps 4-5 rewritten
 
 
 def _torchrun_cmd(workdir: Path) -> list[str]:
+    """torchrun's workers run ``lioncub.cli train`` through ``tests/kill_rank.py``: rank 1 SIGKILLs itself
+    after the backward of step 5 in the first attempt."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    return [*cmd, "--max-restarts", "1", "-m", "lioncub.cli", *TINY, "--out", str(workdir / "torchrun")]
+    cmd += ["--max-restarts", "1", kill_rank.__file__, "1:5", "lioncub.cli"]
+    return [*cmd, *TINY, "--out", str(workdir / "torchrun")]
 
 
 #: started in the background when collection ends (tests/background.py), in the order of the tests: 3 spawned
@@ -373,7 +378,7 @@ BACKGROUND = {
         for how in FAULTS
     },
     "torchrun_kill": lambda: background.Subprocess(
-        _torchrun_cmd, 300, {**os.environ, "LIONCUB_FAULT_KILL": "1:5", "OMP_NUM_THREADS": "1"}
+        _torchrun_cmd, 300, {**os.environ, "OMP_NUM_THREADS": "1"}
     ),
 }
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 import background
+import kill_rank
 from lioncub.rundir import (
     MARKER,
     SpecialFileError,
@@ -242,17 +243,16 @@ def _stopped_run(workdir: Path) -> list[str]:
 
 
 def _failed_new_run(workdir: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "lioncub", "train", "--nproc", "2", "--steps", "3"]
-    return [*cmd, "--out", str(workdir / "x"), "--no-progress"]
+    """``lioncub train`` whose rank 1 SIGKILLs itself after the backward of step 2 (tests/kill_rank.py)."""
+    cmd = [sys.executable, kill_rank.__file__, "--launches", "1:2", "lioncub", "train", "--nproc", "2"]
+    return [*cmd, "--steps", "3", "--out", str(workdir / "x"), "--no-progress"]
 
 
 #: subprocess.run(command, capture_output=True, text=True, timeout=120[, env=env]), started in the
 #: background when collection ends (tests/background.py)
 BACKGROUND = {
     "stopped_run": lambda: background.Subprocess(_stopped_run, 120),
-    "failed_new_run": lambda: background.Subprocess(
-        _failed_new_run, 120, {**os.environ, "LIONCUB_FAULT_KILL": "1:2"}
-    ),
+    "failed_new_run": lambda: background.Subprocess(_failed_new_run, 120),
 }
 
 

@@ -43,7 +43,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -362,7 +361,6 @@ def _train_step(r: _Rank, step: int, elapsed: float) -> dict[str, Any]:
     t0 = clock()
     loss = r.wl.loss(setup.model, r.wl.train_batch(step - 1))
     loss.backward()
-    _fault_injection(r.rank, step)
     t1 = clock()
     skipped = _optimizer_step(setup, r.config.optimizer.nonfinite, step)
     setup.opt.zero_grad(set_to_none=True)
@@ -461,14 +459,6 @@ def _optimizer_step(o: OptimizerSetup, nonfinite: str, step: int) -> int:
             "(--nonfinite raise)"
         )
     return 1
-
-
-def _fault_injection(rank: int, step: int) -> None:
-    """Testing hook: ``LIONCUB_FAULT_KILL=RANK:STEP`` makes that rank SIGKILL itself after the backward of
-    that step (mid-step: the others are about to exchange), in the first attempt of a job only."""
-    spec = os.environ.get("LIONCUB_FAULT_KILL")
-    if spec and spec == f"{rank}:{step}" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _step_record(

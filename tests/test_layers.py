@@ -27,6 +27,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS = {
     "lioncub._validate": 0,
     "lioncub.units": 0,
+    "lioncub.env": 0,  # every LIONCUB_* environment variable, in one table (standard library only)
     "lioncub.transports": 0,
     "lioncub.names": 0,
     "lioncub.rundir": 0,  # run directories: the record, locks, survey, removal, atomic writes (no torch)
@@ -349,6 +350,105 @@ def test_rundir_imports_only_the_standard_library() -> None:
                 if top not in sys.stdlib_module_names and not name.startswith("lioncub.rundir"):
                     wrong.append(f"{module}:{node.lineno} imports {name}")
     assert wrong == []
+
+
+def _environ_key(node: ast.AST) -> ast.expr | None:
+    """The key of a read of ``os.environ`` (``.get``, ``.pop``, ``[...]``, ``in``) or ``os.getenv``, else
+    None."""
+
+    def is_environ(expr: ast.expr) -> bool:
+        attr = isinstance(expr, ast.Attribute) and expr.attr == "environ"
+        return attr or (isinstance(expr, ast.Name) and expr.id == "environ")
+
+    if isinstance(node, ast.Call) and node.args and isinstance(node.func, (ast.Attribute, ast.Name)):
+        func = node.func
+        if (
+            isinstance(func, ast.Attribute)
+            and func.attr in ("get", "pop", "setdefault")
+            and is_environ(func.value)
+        ):
+            return node.args[0]
+        if getattr(func, "attr", getattr(func, "id", None)) == "getenv":
+            return node.args[0]
+    if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and is_environ(node.value):
+        return node.slice
+    if isinstance(node, ast.Compare) and isinstance(node.ops[0], (ast.In, ast.NotIn)):
+        return node.left if is_environ(node.comparators[0]) else None
+    return None
+
+
+def _lioncub_name(key: ast.expr, constants: dict[str, str]) -> str | None:
+    """The ``LIONCUB_`` name a key spells (a literal, or a module constant holding one), else None."""
+    value = key.value if isinstance(key, ast.Constant) else constants.get(getattr(key, "id", ""))
+    return value if isinstance(value, str) and value.startswith("LIONCUB_") else None
+
+
+def _env_reads() -> tuple[dict[str, set[str]], list[str]]:
+    """({variable: modules reading it through lioncub.env's accessors}, the reads of ``os.environ`` for a
+    ``LIONCUB_`` name anywhere else, as ``module:line NAME``)."""
+    reads: dict[str, set[str]] = {}
+    direct = []
+    for module, path in MODULES.items():
+        if module == "lioncub.env":
+            continue
+        tree = ast.parse(path.read_text())
+        constants = {
+            t.id: n.value.value
+            for n in tree.body
+            if isinstance(n, ast.Assign)
+            and isinstance(n.value, ast.Constant)
+            and isinstance(n.value.value, str)
+            for t in n.targets
+            if isinstance(t, ast.Name)
+        }
+        aliases = {  # local names of the module lioncub.env
+            a.asname or a.name
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and n.module == "lioncub"
+            for a in n.names
+            if a.name == "env"
+        }
+        for node in ast.walk(tree):
+            key = _environ_key(node)
+            if key is not None and (name := _lioncub_name(key, constants)):
+                direct.append(f"{module}:{node.lineno} {name}")
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id in aliases
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
+                reads.setdefault(node.args[0].value, set()).add(module)
+    return reads, direct
+
+
+def test_environment_variables_are_read_through_one_table() -> None:
+    """Every ``LIONCUB_*`` variable is read through :mod:`lioncub.env`, by name, by exactly the modules its
+    table row says (none: a variable ``lioncub launch`` only sets, whose name a module of lioncub writes);
+    nothing else reads one from ``os.environ``; :mod:`lioncub.env` imports only the standard library; the
+    README's table names each."""
+    from lioncub import env
+
+    reads, direct = _env_reads()
+    assert direct == []
+    assert sorted(set(reads) - set(env.VARIABLES)) == []  # the accessors also refuse such a name
+    rows = {name: set(v.readers) for name, v in env.VARIABLES.items()}
+    assert {name: reads.get(name, set()) for name in rows} == rows
+    for name, v in env.VARIABLES.items():
+        assert all(m in MODULES for m in v.readers), name
+        if not v.readers:  # only set: some module of lioncub writes the name, for the command in set_by
+            assert v.set_by, name
+            writers = [m for m, p in MODULES.items() if m != "lioncub.env" and name in p.read_text()]
+            assert writers, name
+    tree = ast.parse(MODULES["lioncub.env"].read_text())
+    imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    imported += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+    assert [m for m in imported if m.split(".")[0] not in sys.stdlib_module_names] == []
+    readme = (SRC.parent / "README.md").read_text()
+    section = readme.split("## Environment variables", 1)[1].split("\n## ", 1)[0]
+    assert [name for name in env.VARIABLES if f"`{name}`" not in section] == []  # the README's table
 
 
 def test_cost_model_and_configs_do_not_import_torch() -> None:

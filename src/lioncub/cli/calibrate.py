@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lioncub import env
 from lioncub.cli.options import real_number, whole_number
 from lioncub.planning.costmodel import OPS, parse_count
 
@@ -222,7 +223,7 @@ def _node_mesh() -> DeviceMesh | None:
     from lioncub.optim.topology import mesh_from_environment
 
     world = dist.get_world_size()
-    nodes = os.environ.get("LIONCUB_NNODES", "")
+    nodes = env.get("LIONCUB_NNODES") or ""
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
     ell = (
         world // int(nodes)

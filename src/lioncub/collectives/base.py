@@ -30,13 +30,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
-import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+
+from lioncub import env
 
 __all__ = [
     "Backend",
@@ -228,8 +229,8 @@ class Comm:
         self.wire = Backend.named(self.backend)
         self.alone = self.world_size == 1 and not _ALONE["exchange"]
         self.exchange = self.wire.exchange if exchange == "auto" else exchange
-        if timeout is None and os.environ.get("LIONCUB_PG_TIMEOUT"):
-            timeout = datetime.timedelta(seconds=float(os.environ["LIONCUB_PG_TIMEOUT"]))
+        if timeout is None:
+            timeout = env.seconds("LIONCUB_PG_TIMEOUT")
         self.timeout = timeout
         self.counter = CommCounter()
         self.step = 0

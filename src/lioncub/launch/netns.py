@@ -46,6 +46,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lioncub import env
+
 PREFIX = "lcb"
 _ID_RE = re.compile(rf"^{PREFIX}[0-9a-f]{{5}}$")
 _NS_RE = re.compile(rf"^({PREFIX}[0-9a-f]{{5}})-(br|[rn]\d+)$")
@@ -251,7 +253,7 @@ class CleanupReport:
 
 
 def state_dir() -> Path:
-    return Path(os.environ.get("LIONCUB_STATE_DIR", "/run/lioncub/launch"))
+    return Path(env.text("LIONCUB_STATE_DIR"))
 
 
 def _pid_start(pid: int) -> int | None:

@@ -21,13 +21,13 @@ from __future__ import annotations
 import ctypes
 import itertools
 import math
-import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
+from lioncub import env
 from lioncub.ops import native_build
 from lioncub.ops.native_build import DTYPES, ENV_SWITCH, enabled, prefetch_choice, set_prefetch
 
@@ -75,7 +75,7 @@ def available() -> bool:
 def reason() -> str:
     """Why the kernels are not used ("" when they are)."""
     if not enabled():
-        return f"switched off by {ENV_SWITCH}={os.environ.get(ENV_SWITCH)!r}"
+        return f"switched off by {ENV_SWITCH}={env.text('LIONCUB_CPU_KERNELS')!r}"
     load()
     return native_build.error()
 

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from lioncub import env
+
 __all__ = [
     "DTYPES",
     "ENV_SWITCH",
@@ -60,7 +62,7 @@ _state: dict[str, object] = {}  # "lib", "error", "build_s"
 
 def enabled() -> bool:
     """False when ``LIONCUB_CPU_KERNELS=0`` (read at every call: tests switch it per call)."""
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "off", "false", "no", "")
+    return env.text("LIONCUB_CPU_KERNELS").strip().lower() not in ("0", "off", "false", "no", "")
 
 
 def error() -> str:
@@ -87,7 +89,7 @@ def prefetch_choice() -> tuple[bool, str]:
     """``LIONCUB_CPU_PREFETCH`` (``1``/``0``) if set, else by CPU vendor: off on AMD, where the hardware
     prefetchers alone make the direction and momentum passes 15–25 % faster (BENCHMARKS.md, AMD EPYC),
     on elsewhere (the Intel Xeon the kernels were first tuned on). Only speed depends on it, never bits."""
-    value = os.environ.get(PREFETCH_SWITCH)
+    value = env.get("LIONCUB_CPU_PREFETCH")
     if value is not None:
         word = value.strip().lower()
         if word in ("1", "on", "true", "yes"):
@@ -129,7 +131,7 @@ def _compiler() -> str | None:
 
 
 def _cache_dir() -> Path:
-    explicit = os.environ.get("LIONCUB_KERNEL_CACHE")
+    explicit = env.get("LIONCUB_KERNEL_CACHE")
     if explicit:
         return Path(explicit)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

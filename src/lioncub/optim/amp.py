@@ -33,7 +33,7 @@ class GradScaler(torch.amp.GradScaler):
     """``torch.amp.GradScaler`` whose per-device overflow flags are the MAX over the ranks of the
     optimizer's group (a LionCub's, else the default group) — one allreduce of one float per device."""
 
-    def _unscale_grads_(  # type: ignore[override]
+    def _unscale_grads_(
         self,
         optimizer: torch.optim.Optimizer,
         inv_scale: torch.Tensor,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from lioncub.collectives import (
@@ -37,7 +39,12 @@ def make_vote(comm: Comm, config: VoteConfig, levels: tuple[Comm, Comm] | None =
         except ValueError as named:
             raise named from exc
         raise
-    return make_topology_vote(config.topology, flat, lambda: levels)  # type: ignore[arg-type,return-value]
+
+    def groups() -> tuple[Comm, Comm]:
+        assert levels is not None, "checked above"
+        return levels
+
+    return make_topology_vote(config.topology, flat, groups)
 
 
 def _flat_vote(comm: Comm, config: VoteConfig) -> Vote:
@@ -49,7 +56,7 @@ def _flat_vote(comm: Comm, config: VoteConfig) -> Vote:
         return OneBitVote(comm, config.zero_vote)
     bits = config.bits if config.bits is not None else config.lane_bits(comm.world_size)
     if t == "lanes":
-        return LaneVote(comm, bits, config.zero_vote)  # type: ignore[arg-type]
+        return LaneVote(comm, cast(int, bits), config.zero_vote)
     if t == "int8":
         return AverageVote(comm) if agg == "average" else SignSumVote(comm)
     if t == "server":
@@ -58,7 +65,7 @@ def _flat_vote(comm: Comm, config: VoteConfig) -> Vote:
     return QuantizedVote(
         comm,
         config.quantizer or "l1",
-        bits,  # type: ignore[arg-type]
+        cast(int, bits),
         clip_multiple=config.clip_multiple,
         chunk_size=config.chunk_size,
         options=config.quantizer_options,

@@ -26,7 +26,7 @@ import itertools
 import math
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import Tensor
@@ -389,8 +389,13 @@ class Lion(LeanOptimizer):
                 if saved is not None and "exp_avg" in saved:
                     self.state[p]["exp_avg"] = saved["exp_avg"].to(device=p.device, dtype=dtype, copy=True)
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
     @torch.no_grad()
-    def step(self, closure: Callable[[], float | Tensor] | None = None) -> float | Tensor | None:  # type: ignore[override]
+    def step(self, closure: Callable[[], float | Tensor] | None = None) -> float | Tensor | None:
         """Perform one update of every parameter that has a gradient.
 
         Args:

@@ -22,8 +22,11 @@ point back here):
 5. **Apply.** ``p ← p·(1 − lr·wd) − lr·u`` with each parameter's own group ``lr`` and ``weight_decay``
    read at every step (LR schedulers work), then ``m_i ← β2·m_i + (1−β2)·g_i``.
 
-Steps 2, 4 and 5 are the vote's protocol (:mod:`lioncub.collectives.protocol`), walked bucket by bucket by
-:class:`~lioncub.optim.engine.StepEngine`. With :meth:`LionCub.overlap_with` (a DDP model) steps 2 and 4
+Steps 2 to 5 are one vote round (:class:`~lioncub.optim.round.VoteRound`), which walks the vote's
+protocol (:mod:`lioncub.collectives.protocol`) bucket by bucket through
+:class:`~lioncub.optim.engine.StepEngine`; how a step uses the round is a policy the optimizer composes
+(:mod:`lioncub.optim.policies`: one process, a vote every step; :mod:`lioncub.optim.local_steps`: H local
+steps and an outer rule). With :meth:`LionCub.overlap_with` (a DDP model) steps 2 and 4
 run during the backward pass instead, per DDP gradient bucket as backward produces it
 (:mod:`lioncub.optim.overlap`), and ``step()`` checks, waits for the votes and applies them; the result is
 bit for bit the same.
@@ -45,45 +48,41 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, overload
 
 import torch
 import torch.distributed as dist
 
-from lioncub.collectives import Ballot, Comm, CommCounter, ParamState, flat_views
-from lioncub.ops.quantize import max_abs
-from lioncub.optim import diagnostics, topology
+from lioncub.collectives import Comm
+from lioncub.optim import topology
 from lioncub.optim.accounting import Accounting
 from lioncub.optim.arguments import check_group, check_local_steps, check_options, vote_config
 from lioncub.optim.config import VoteConfig
-from lioncub.optim.engine import StepEngine, StepTimes
+from lioncub.optim.engine import StepEngine
 from lioncub.optim.factory import make_vote
 from lioncub.optim.layout import ParamLayout, named_parameters
-from lioncub.optim.lion import LeanOptimizer, check_lion_hyperparameters, default_foreach, update_group_
-from lioncub.optim.local_steps import LocalSteps, WindowedSteps
+from lioncub.optim.lion import LeanOptimizer, check_lion_hyperparameters
+from lioncub.optim.local_steps import LocalSteps, LocalWindow
 from lioncub.optim.overlap import OverlapHook, overlap_group
+from lioncub.optim.policies import EveryStep, LionSteps, StepPolicy
 from lioncub.optim.replicas import (
     ReplicaDivergenceError,
     ReplicaMismatchError,
-    broadcast_parameters,
     check_replicas,
     check_same_parameters,
     parameter_checksum,
 )
-from lioncub.optim.state_dict import PerRankState
+from lioncub.optim.round import InitialValues, VoteRound
+from lioncub.optim.state_dict import consolidated_entry, gather_states, restore_meta, state_meta
 from lioncub.optim.step_check import (
     NONFINITE_MODES,
     Checks,
     GradientChangedError,
     NonFiniteGradientError,
-    StepCheck,
     StepMismatchError,
-    check_step,
-    grad_checksum,
-    step_settings,
-    warn_identical_gradients,
 )
-from lioncub.optim.sync import MomentumSync, select_parameters, synchronize
+from lioncub.optim.sync import MomentumSync, select_parameters
+from lioncub.optim.windows import check_group_sizes
 
 __all__ = [
     "NONFINITE_MODES",
@@ -99,33 +98,31 @@ __all__ = [
 _log = logging.getLogger("lioncub")
 
 
-class LionCub(PerRankState, WindowedSteps, LeanOptimizer):
+class LionCub(LeanOptimizer):
     """Distributed Lion / Lion Cub: each rank keeps its own momentum and the ranks vote on the update.
 
     Args:
-        params: parameters or param groups (the same, in the same order, on every rank).
-        lr, betas, weight_decay: as :class:`~lioncub.optim.lion.Lion` (per param group).
-        variant: a preset of :data:`lioncub.optim.config.PRESETS` — ``"32bit"``, ``"16bit"``, ``"1bit"``,
-            ``"4bit"``, ``"8bit"`` (default), ``"8bit-sign"``, ``"dlion-mavo"``, ``"dlion-avg"`` — or a
-            :class:`~lioncub.optim.config.VoteConfig`, e.g. ``resolve_variant("8bit", quantizer="l0")``.
-            The cost model's choice for a network is :func:`lioncub.planning.auto.auto_variant`.
-        process_group: the data-parallel group (default: the default group); for a ``variant`` whose
-            ``topology`` is not ``"flat"``, a ``DeviceMesh`` with dims ``("node", "local")``
+        params: parameters or param groups (the same, in the same order, on every rank; on one device).
+        lr, betas, weight_decay, maximize: as :class:`~lioncub.optim.lion.Lion` (per param group).
+        variant: how the ranks vote — a preset of :data:`lioncub.optim.config.PRESETS` (``"32bit"``,
+            ``"16bit"``, ``"1bit"``, ``"4bit"``, ``"8bit"`` (default), ``"8bit-sign"``, ``"dlion-mavo"``,
+            ``"dlion-avg"``) or a :class:`~lioncub.optim.config.VoteConfig`, e.g.
+            ``resolve_variant("8bit", quantizer="l0")``; the cost model's choice for a network is
+            :func:`lioncub.planning.auto.auto_variant`.
+        process_group: over whom — the data-parallel group (default: the default group); for a ``variant``
+            whose ``topology`` is not ``"flat"``, a ``DeviceMesh`` with dims ``("node", "local")``
             (:mod:`lioncub.optim.topology`; default: built from torchrun's ``$LOCAL_WORLD_SIZE``).
-        bucket_mb: bucket size cap in MiB of parameter bytes.
-        momentum_sync: average some momenta over the ranks at some steps: a
-            :class:`~lioncub.optim.sync.MomentumSync`, or its ``params`` alone (``"none"`` (default),
-            ``"all"``, ``"io"`` or a list of parameter-name patterns / param-group names) with the paper's
-            schedule (every 10 steps).
+        local_steps: how often — :class:`~lioncub.optim.local_steps.LocalSteps`: H local Lion steps per
+            rank, then one outer step on the pseudo-gradients (a vote every H steps); an int H is
+            ``LocalSteps(h=H)``, a dict its fields; ``None`` (default): a vote every step.
         model: the module whose parameters these are: names them (``"io"`` sync, name patterns, errors).
-        checks: :class:`Checks` (initial broadcast, replica checksums, NaN/Inf handling).
-        diagnostics_every: every k steps compute :mod:`lioncub.optim.diagnostics` (match/flip against the
-            full-precision vote, tie rate, momentum spread, update shape) into :attr:`last_diagnostics`;
-            this costs extra collectives on those steps only (not counted in :meth:`comm_stats`). 0: off.
-        maximize: maximise instead of minimise.
-        local_steps: :class:`~lioncub.optim.local_steps.LocalSteps`: H local Lion steps per rank, then one
-            outer step on the pseudo-gradients (a vote every H steps); an int H is ``LocalSteps(h=H)``, a
-            dict its fields; ``None`` (default): a vote every step.
+        The tuning of the step, with defaults that rarely need a change: ``bucket_mb`` (bucket size cap in
+        MiB of parameter bytes), ``momentum_sync`` (average some momenta over the ranks at some steps: a
+        :class:`~lioncub.optim.sync.MomentumSync`, or its ``params`` alone — ``"none"`` (default),
+        ``"all"``, ``"io"`` or parameter-name patterns / param-group names — every 10 steps),
+        ``checks`` (:class:`Checks`: initial broadcast, replica checksums, NaN/Inf handling) and
+        ``diagnostics_every`` (every k steps :mod:`lioncub.optim.diagnostics` into
+        :attr:`last_diagnostics`, with extra collectives on those steps; 0: off).
 
     At construction every rank checks that all ranks hold the same parameter list (names, shapes, dtypes,
     order: one hash all-gathered) and raises :class:`ReplicaMismatchError` naming the first difference.
@@ -143,13 +140,13 @@ class LionCub(PerRankState, WindowedSteps, LeanOptimizer):
         *,
         variant: str | VoteConfig = "8bit",
         process_group: dist.ProcessGroup | None = None,
+        local_steps: LocalSteps | int | Mapping[str, Any] | None = None,
+        model: torch.nn.Module | None = None,
+        maximize: bool = False,
         bucket_mb: float = 25.0,
         momentum_sync: MomentumSync | str | Sequence[str] = "none",
-        model: torch.nn.Module | None = None,
         checks: Checks = Checks(),
         diagnostics_every: int = 0,
-        maximize: bool = False,
-        local_steps: LocalSteps | int | Mapping[str, Any] | None = None,
     ) -> None:
         config, self.variant = vote_config(variant)
         check_options(config, self.variant, bucket_mb, model, checks, diagnostics_every)
@@ -163,17 +160,17 @@ class LionCub(PerRankState, WindowedSteps, LeanOptimizer):
             check_group(group, index)
         self.config: VoteConfig = config
         self.checks = checks
-        if not isinstance(momentum_sync, MomentumSync):
-            momentum_sync = MomentumSync(momentum_sync)
-        self.momentum_sync = momentum_sync
+        self.momentum_sync = (
+            momentum_sync if isinstance(momentum_sync, MomentumSync) else MomentumSync(momentum_sync)
+        )
         self.diagnostics_every = diagnostics_every
         self.bucket_mb = bucket_mb
         device = _device_of(self.param_groups)
         group, levels = _groups(config, process_group, device)
-        if group is False:
-            self.comm = Comm.single(device)
-        else:
-            self.comm = Comm(group, device=device, exchange=config.exchange)  # type: ignore[arg-type]
+        #: this rank's view of the group the votes travel on (:class:`lioncub.collectives.Comm`)
+        self.comm = (
+            Comm.single(device) if group is False else Comm(group, device=device, exchange=config.exchange)
+        )
         #: one process (no process group, or a group of one): every step is :class:`~lioncub.optim.Lion`'s
         #: (unless built under :func:`lioncub.collectives.base.exchange_when_alone`)
         self.single_process = self.comm.alone
@@ -186,30 +183,44 @@ class LionCub(PerRankState, WindowedSteps, LeanOptimizer):
         #: the contributions, votes and apply of the step (:mod:`lioncub.optim.engine`)
         self.engine = StepEngine(make_vote(self.comm, config, levels), self)
         self._global_step = 0
+        #: which parameters a step votes on, in which buckets (:mod:`lioncub.optim.layout`)
         self.layout = ParamLayout(bucket_mb, {id(p): n for n, p in named})
-        self._broadcast: set[int] = set()  # parameters rank 0's values were copied to (broadcast_init)
         self._overlap: OverlapHook | None = None
-        self._grad_scale: torch.Tensor | None = None  # the GradScaler's scale handed to this step
+        #: the GradScaler's scale this step was handed (``None``: none), part of the settings compared
+        self.applied_scale: torch.Tensor | None = None
         self._refresh_layout()
-        # the one-time "already averaged?" check of the first step (local steps: of the first inner step)
-        self._grads_compared = False
-        self._consolidated: list[dict[str, Any]] | None = None
-        self._pending_replicas: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # load_state_dict's
-        self.window_decay: list[float] = []  # local steps: the window's weight decay per param group
+        self._consolidated: list[dict[str, Any] | None] | None = None
         self._ready = True
         self.accounting = Accounting(self.comm, () if levels is None else levels)
+        initial = InitialValues(self.comm) if checks.broadcast_init and not self.single_process else None
+        #: the vote round the step policy runs (:mod:`lioncub.optim.round`)
+        self.round = VoteRound(
+            self, self.engine, self.layout, self.accounting, checks, initial,
+            grad_scale=lambda: self.applied_scale, compare_gradients=config.transport != "dense",
+        )  # fmt: skip
+        chosen = self._select_sync(named, model)
         #: names of the parameters whose momenta are synchronized (see :mod:`lioncub.optim.sync`)
-        self.sync_names, self._sync_params = self._select_sync(named, model)
+        self.sync_names = [n for n, _ in chosen]
         #: the diagnostics of the last step that computed them: ``(step, {name: {...}, "overall": {...}})``
         self.last_diagnostics: tuple[int, dict[str, dict[str, float]]] | None = None
-        if checks.broadcast_init and not self.single_process:
-            self._broadcast_new()
+        #: how a step runs (:mod:`lioncub.optim.policies`)
+        self.policy = self._policy([p for _, p in chosen])
+        if initial is not None:
+            initial.give(self.param_groups, self.layout)
+
+    def _policy(self, sync_params: list[torch.Tensor]) -> StepPolicy:
+        """One process: Lion's steps; local steps: windows and their outer rule; else a vote every step."""
+        if self.single_process:
+            return LionSteps(self)
+        if self.local_steps is not None:
+            return LocalWindow(self, self.local_steps)
+        return EveryStep(self, self.momentum_sync, sync_params, self.diagnostics_every)
 
     # -- construction --------------------------------------------------------------------------------
 
     def _select_sync(
         self, named: list[tuple[str, torch.Tensor]], model: torch.nn.Module | None
-    ) -> tuple[list[str], list[torch.Tensor]]:
+    ) -> list[tuple[str, torch.Tensor]]:
         spec = self.momentum_sync.params
         chosen = select_parameters(spec, named, self.param_groups, model)
         if chosen and self.config.transport == "dense":
@@ -226,7 +237,7 @@ class LionCub(PerRankState, WindowedSteps, LeanOptimizer):
                 sum(p.numel() for _, p in chosen),
                 ", ".join(n for n, _ in chosen),
             )
-        return [n for n, _ in chosen], [p for _, p in chosen]
+        return chosen
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group; its parameters join the vote from the next ``step()`` on (every rank must
@@ -255,23 +266,20 @@ class LionCub(PerRankState, WindowedSteps, LeanOptimizer):
         self.layout.rebuild(self.param_groups)
         self.engine.state.refresh()
 
-    def _broadcast_new(self) -> None:
-        """Copy rank 0's values to every rank for the optimized parameters that have not had them yet
-        (at construction, and those that join later: add_param_group, unfrozen). Collective."""
-        if not self._broadcast:  # construction: every parameter, also those frozen now (unfrozen later)
-            frozen = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
-            if frozen:
-                broadcast_parameters(self.comm, [frozen])
-                self._broadcast.update(id(p) for p in frozen)
-        new = [[p for p in b.params if id(p) not in self._broadcast] for b in self.layout.buckets]
-        if any(new):
-            broadcast_parameters(self.comm, [ps for ps in new if ps])
-            self._broadcast.update(id(p) for ps in new for p in ps)
+    def restore_layout(self, members: set[int]) -> None:
+        """The layout of the parameters whose ``id`` is in ``members`` (a loaded local-steps window's)."""
+        self.layout.rebuild(self.param_groups, members)
+        self.engine.state.refresh()
 
     # -- the step ------------------------------------------------------------------------------------
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step (collective: every rank of the group must call it).
 
         Parameters whose gradient is ``None`` on every rank are not touched (no update, no decay, no
@@ -287,18 +295,13 @@ class LionCub(PerRankState, WindowedSteps, LeanOptimizer):
             if not isinstance(group["maximize"], bool):
                 check_group(group, index)  # names it
         self._consolidated = None
-        self.put_back_replicas()  # a window's replicas of a loaded state, whatever was loaded after it
+        self.policy.before_step()
         overflow = self._unscale()
-        if self.local_steps is None or self._global_step % self.local_steps.h == 0:
-            self._refresh_layout()  # local steps: at window starts only (the window's layout is fixed)
+        if self.policy.rebuilds_layout(self._global_step):
+            self._refresh_layout()
         self._global_step += 1
         self.comm.step = self._global_step
-        if self.single_process:
-            self._lion_step(overflow)
-        elif self.local_steps is not None:
-            self._local_step(overflow)
-        else:
-            self._vote_step(overflow)
+        self.policy.step(overflow)
         return loss
 
     def _unscale(self) -> bool:
@@ -310,156 +313,68 @@ class LionCub(PerRankState, WindowedSteps, LeanOptimizer):
                 "started during the backward on scaled gradients. Use bf16 autocast (no scaler), or the "
                 "plain step (lioncub.optim.ddp.skip_gradient_allreduce(model) instead of overlap_with)"
             )
-        self._grad_scale = scale
+        self.applied_scale = scale
         if scale is not None:
             grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
             if grads:
                 torch._foreach_mul_(grads, scale.double().reciprocal().float().to(grads[0].device))
         return found_inf is not None and bool(found_inf.item() > 0)
 
-    def _vote_step(
-        self,
-        overflow: bool,
-        state: ParamState | None = None,
-        vote_step: int | None = None,
-        before: CommCounter | None = None,
-        times: StepTimes | None = None,
-    ) -> frozenset[int] | None:
-        """One vote over the ranks, applied: ``p.grad`` as the gradients, ``state``'s momenta and
-        hyperparameters (the optimizer's by default), ``vote_step`` as the vote's step (its tie phase; the
-        optimizer step by default), booked as one step from ``before`` with ``times`` (from now by
-        default). Returns ``None`` when it was skipped, else the ``id`` of the parameters it left untouched
-        (no gradient on any rank)."""
-        step = self._global_step
-        vote_step = step if vote_step is None else vote_step
-        before = self.accounting.snapshot() if before is None else before
-        times = StepTimes() if times is None else times
-        diagnose = bool(self.diagnostics_every) and step % self.diagnostics_every == 0
-        ballots = self._overlap.collect(step, times) if self._overlap is not None else None
-        posted = ballots is not None  # overlapped: contributed and posted during the backward
-        if ballots is None:
-            t0 = self.engine.clock()
-            grads = {"step": vote_step, "keep_copy": diagnose, "state": state}
-            ballots = [
-                self.engine.contribute(b, [p.grad for p in b.params], **grads) for b in self.layout.buckets
-            ]
-            times.direction += self.engine.clock() - t0
-        check = self._check_step(ballots, posted, overflow)
-        if not check.ok:  # skipped: nothing is applied on any rank
-            self._finish_step(before, times, skipped=True)
-            return None
-        untouched = self._without_gradient() if check.missing_grads else frozenset()
-        if self.checks.broadcast_init:  # parameters that joined since the last step (the ranks agree)
-            self._broadcast_new()
-        if not posted:
-            t0 = self.engine.clock()
-            for ballot in ballots:
-                self.engine.post(ballot, vote_step)
-            times.encode += self.engine.clock() - t0
-        updates = self.engine.apply(ballots, times, keep_updates=diagnose, untouched=untouched, state=state)
-        if self._sync_params and self.momentum_sync.due(step):
-            t0 = self.engine.clock()
-            self._sync_momenta(untouched)
-            times.sync += self.engine.clock() - t0
-        if self.checks.replica_check_every and vote_step % self.checks.replica_check_every == 0:
-            self.check_replicas()
-        self._finish_step(before, times, skipped=False)
-        if diagnose:  # after the accounting: its collectives are not the step's
-            self.last_diagnostics = (step, self._diagnose(ballots, updates))
-        return untouched
+    # -- state -----------------------------------------------------------------------------------------
 
-    def _finish_step(self, before: Any, times: StepTimes, *, skipped: bool) -> None:
-        overlapped = self._overlap.take_traffic() if self._overlap is not None else (0.0, 0.0, 0)
-        self.accounting.finish_step(before, times, skipped=skipped, overlapped=overlapped)
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state (momenta, step, variant, rank, world size; :mod:`lioncub.optim.state_dict`).
+        After :meth:`consolidate_state_dict` on the rank it gathered to, ``sd["lioncub"]["ranks"]`` also
+        holds every rank's own state dict (index = rank; its own entry ``None``: the top level), until the
+        next ``step()``. In a job of several processes an unconsolidated state holds this rank's momenta
+        only (``sd["lioncub"]["consolidated"]`` is False): every rank saves its own, or all consolidate
+        before one rank saves; another rank refuses to load it, naming that."""
+        sd = self._own_state_dict()
+        if self._consolidated is not None:
+            sd["lioncub"]["consolidated"] = True
+            sd["lioncub"]["ranks"] = self._consolidated
+        return sd
 
-    def _lion_step(self, overflow: bool, local: bool = False) -> bool:
-        """:class:`~lioncub.optim.Lion`'s step on this rank (the same functions, bit for bit), with the
-        non-finite check of :class:`Checks` (``nonfinite``) and a GradScaler's overflow: one process, or
-        (``local``) an inner step of local steps, decided by this rank alone. Returns whether it skipped."""
-        window = {id(p) for p in self.layout.params()} if local else None  # the window's parameters
-        groups = [[p for p in g["params"] if p.grad is not None and (local is False or id(p) in window)]
-                  for g in self.param_groups]  # fmt: skip
-        grads = [p.grad for params in groups for p in params]
-        if grads and default_foreach(grads) and grads[0].device.type != "cpu":
-            peaks = [t.float() for t in torch._foreach_norm(grads, float("inf"))]
-        else:  # on CPU the inf norm (foreach or not) is ~11x slower than aminmax, the same values
-            peaks = [max_abs(g).float() for g in grads]
-        if self.checks.nonfinite == "raise":  # raises NonFiniteGradientError on NaN/Inf
-            here = Comm.single() if local else self.comm
-            check_step(here, peaks, step=self._global_step, layout=0, missing_grads=0, nonfinite="raise")
-        skip = overflow or bool(peaks and not torch.isfinite(torch.stack(peaks)).all())
-        if not local:
-            self.accounting.count_skip(skip)
-        if skip:
-            where = f"rank {self.comm.rank}: local " if local else ""
-            _log.warning("%sstep %d skipped: non-finite gradients (NaN or Inf)", where, self._global_step)
-            return True
-        for group, params in zip(self.param_groups, groups, strict=True):
-            if params:
-                momenta = [self.engine.state.momentum(p) for p in params]
-                # an inner step decays nothing: the window's decay is applied at its outer step
-                hyper = {**group, "weight_decay": 0.0} if local else group
-                update_group_(hyper, params, [p.grad for p in params], momenta)
-        return False
+    def _own_state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        sd["lioncub"] = state_meta(self, self._engines()[-1].vote)
+        self.policy.save(sd)
+        return sd
 
-    def _check_step(self, ballots: Sequence[Ballot], posted: bool, overflow: bool) -> StepCheck:
-        """:func:`lioncub.optim.step_check.check_step` on the optimizer's group (step numbers, layouts,
-        NaN/Inf, gradients changed after an overlapped backward, the first step's "already averaged?"
-        check); votes already posted (overlap) are waited for before the step is dropped or raises, so none
-        stays in flight."""
-        params = self.layout.params()
-        checksum = None
-        if not self._grads_compared and self.config.transport != "dense":
-            checksum = grad_checksum([p.grad for p in params if p.grad is not None])
-        changed = self._overlap.changed_gradients() if posted and self._overlap is not None else []
-        try:
-            check = check_step(
-                self.comm,
-                [b.peak for b in ballots],
-                step=self._global_step,
-                layout=self.layout.hash,
-                missing_grads=sum(p.grad is None for p in params),
-                overflow=overflow,
-                changed=changed,
-                grad_checksum=checksum,
-                nonfinite=self.checks.nonfinite,
-                settings=step_settings(self._grad_scale, self.param_groups),
-            )
-        except (NonFiniteGradientError, StepMismatchError, GradientChangedError):
-            if posted:
-                self.engine.discard(ballots)
-            raise
-        if checksum is not None:
-            self._grads_compared = True
-            if check.identical_grads and self.comm.rank == 0:
-                warn_identical_gradients(
-                    "every rank votes on the same gradient (global Lion plus a pointless vote, and the "
-                    "allreduce's bytes)"
-                )
-        if not check.ok:
-            _log.warning(
-                "step %d skipped on every rank: non-finite gradients (NaN or Inf) or a GradScaler overflow "
-                "on rank(s) %s",
-                self._global_step,
-                check.bad_ranks,
-            )
-            if posted:
-                self.engine.discard(ballots)
-        return check
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's :meth:`state_dict` on rank ``to`` (a rank of the optimizer's group), so that
+        a framework that saves the optimizer from one rank only keeps every rank's momenta (the convention
+        of ``torch.distributed.optim.ZeroRedundancyOptimizer``; Lightning calls it before saving).
+        Collective: every rank calls it. Costs ``N`` times one rank's state in ``to``'s host memory and
+        file (the states travel and stay on the CPU; :meth:`load_state_dict` moves them to the
+        parameters' device)."""
+        self._consolidated = None
+        self._consolidated = gather_states(
+            self.comm, lambda: self._own_state_dict(), to, alone=self.single_process
+        )
 
-    def _without_gradient(self) -> frozenset[int]:
-        """``id`` of the optimized parameters whose gradient is ``None`` on every rank (one allreduce of
-        one int32 per parameter tensor; only on steps where some rank lacks a gradient)."""
-        params = self.layout.params()
-        have = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=self.comm.device)
-        self.comm.all_reduce(have, "missing-gradient check").wait()
-        return frozenset(id(p) for p, n in zip(params, have.tolist(), strict=True) if n == 0)
-
-    def _sync_momenta(self, untouched: frozenset[int]) -> None:
-        """Average the chosen momenta over the ranks (:func:`lioncub.optim.sync.synchronize`), of the
-        parameters being trained (those frozen or without a gradient on every rank keep theirs)."""
-        trained = [p for p in self._sync_params if id(p) not in untouched and id(p) in self.layout.order]
-        synchronize(self.comm, [self.engine.state.momentum(p) for p in trained], self.momentum_sync.dtype)
+    def load_state_dict(self, state_dict: dict[str, Any], *, allow_world_size_change: bool = False) -> None:
+        """Load this rank's state: from a consolidated state dict (:meth:`consolidate_state_dict`) the
+        entry of this rank, else a state dict this rank wrote. Refuses a state whose update rule differs
+        (another preset, quantizer, width, ...; ``flat`` and ``hierarchical`` are the same update), another
+        world size, or another rank's state, unless ``allow_world_size_change`` (the documented conversions
+        of ``lioncub train --convert-momenta``: the momenta are then taken as given — from a consolidated
+        state dict, rank r takes entry ``r mod K`` of the K saved); with local steps, one that cannot
+        continue its window (:mod:`lioncub.optim.windows`)."""
+        sd = dict(state_dict)
+        meta = sd.pop("lioncub", None)
+        if meta is not None and "ranks" in meta:
+            entry = consolidated_entry(meta, sd, self.comm, allow_world_size_change)
+            self.load_state_dict(entry, allow_world_size_change=True)
+            return
+        check_group_sizes(sd.get("param_groups", []), self.param_groups, (meta or {}).get("window"))
+        checked = None
+        if meta is not None:
+            self._global_step = restore_meta(self, meta, self._engines(), allow_world_size_change)
+            checked = self.policy.check_load(sd, meta)
+        super().load_state_dict(sd)
+        self._consolidated = None
+        self.policy.load(meta or {}, checked)
 
     # -- overlap ---------------------------------------------------------------------------------------
 
@@ -478,7 +393,7 @@ class LionCub(PerRankState, WindowedSteps, LeanOptimizer):
                 "overlap_with: with local_steps there is no vote in the backward (the ranks vote every "
                 f"{self.local_steps.h} steps, in step()); use skip_gradient_allreduce(model)"
             )
-        if self.single_process:
+        if self.single_process or not isinstance(self.policy, EveryStep):
             _log.info("LionCub.overlap_with: one process, no vote to overlap: the plain step runs")
             return None
         if self._overlap is not None:
@@ -497,26 +412,11 @@ class LionCub(PerRankState, WindowedSteps, LeanOptimizer):
             diagnostics_every=self.diagnostics_every,
             names={i: self.layout.names[i] for i in ordered},
         )
+        self.policy.hook = self._overlap
+        self.round.overlapped_traffic = self._overlap.take_traffic
         return self._overlap
 
-    # -- diagnostics, accounting -----------------------------------------------------------------------
-
-    def _diagnose(
-        self, ballots: Sequence[Ballot], updates: list[torch.Tensor]
-    ) -> dict[str, dict[str, float]]:
-        """:func:`lioncub.optim.diagnostics.collect` per parameter tensor, in the optimizer's parameter
-        order (whatever the buckets were: the overlapped path's diagnostics are those of the plain step)."""
-        params = [p for b in ballots for p in b.params]
-        directions = [c for b in ballots for c in flat_views(b.direction, b.params)]  # type: ignore[arg-type]
-        votes = [u for b, update in zip(ballots, updates, strict=True) for u in flat_views(update, b.params)]
-        order = sorted(range(len(params)), key=lambda i: self.layout.order[id(params[i])])
-        return diagnostics.collect(
-            self.comm,
-            [self.layout.names[id(params[i])] for i in order],
-            [directions[i].reshape(-1) for i in order],
-            [votes[i].reshape(-1) for i in order],
-            [self.engine.state.momentum(params[i]) for i in order],
-        )
+    # -- checks, accounting ----------------------------------------------------------------------------
 
     def parameter_checksum(self) -> torch.Tensor:
         """int64 ``[2]``: :func:`lioncub.optim.replicas.parameter_checksum` of the optimized parameters."""

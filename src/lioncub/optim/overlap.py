@@ -166,13 +166,17 @@ class OverlapHook:
         """The :class:`~lioncub.optim.engine.Bucket` of DDP's bucket ``index`` (its backend chosen once,
         when DDP's bucket is first seen or rebuilt)."""
         bucket = self._buckets.get(index)
-        same = bucket is not None and [id(p) for p in bucket.params] == [id(p) for p in params]
-        if not same or bucket.numel != flat.numel() or bucket.dtype != flat.dtype:  # type: ignore[union-attr]
+        if (
+            bucket is None
+            or [id(p) for p in bucket.params] != [id(p) for p in params]
+            or bucket.numel != flat.numel()
+            or bucket.dtype != flat.dtype
+        ):
             bucket = Bucket(
                 index, list(params), flat.dtype, flat.device, flat.numel(), bucket_backend(params)
             )
             self._buckets[index] = bucket
-        return bucket  # type: ignore[return-value]
+        return bucket
 
     def _drop_inflight(self, step: int) -> None:
         """Wait for the votes of a backward that no ``step()`` followed and discard them."""

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lioncub import env
 from lioncub.collectives import Comm
 
 __all__ = ["MESH_DIMS", "is_mesh", "mesh_from_environment", "node_groups"]
@@ -57,7 +58,7 @@ def mesh_from_environment(topology: str, device: torch.device | None = None) -> 
 def _ranks_per_node(world: int) -> tuple[int, str]:
     """(L, what this rank's environment says), L = 0 where the environment gives no node size that divides
     the world."""
-    nodes = os.environ.get("LIONCUB_NNODES")
+    nodes = env.get("LIONCUB_NNODES")
     if nodes is not None:
         said = f"$LIONCUB_NNODES={nodes!r}"
         ok = nodes.isdigit() and 1 <= int(nodes) <= world and world % int(nodes) == 0

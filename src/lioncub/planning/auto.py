@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lioncub import env
 from lioncub._validate import is_int, is_number
 from lioncub.optim.config import PRESETS
 from lioncub.planning import costmodel
@@ -66,7 +67,7 @@ def resolve_network(spec: NetworkSpec, latency_s: float = DEFAULT_LATENCY_S) -> 
     """(network, compute costs, a short description) for ``spec`` (see the module docstring)."""
     option = "network"
     if spec is None:
-        path = os.environ.get(AUTO_ENV)
+        path = env.get("LIONCUB_CALIBRATION")
         if not path:
             raise ValueError(
                 "variant='auto' needs the network to predict for: pass network= a calibration JSON "
@@ -241,7 +242,7 @@ def _node_layout(nnodes: int | None, nproc_per_node: int | None) -> tuple[int, i
     import torch.distributed as dist
 
     world_text = str(dist.get_world_size()) if dist.is_initialized() else os.environ.get("WORLD_SIZE", "1")
-    nodes, local = os.environ.get("LIONCUB_NNODES", ""), os.environ.get("LOCAL_WORLD_SIZE", "")
+    nodes, local = env.get("LIONCUB_NNODES") or "", os.environ.get("LOCAL_WORLD_SIZE", "")
     world = int(world_text) if world_text.isdigit() else 1
     if nodes.isdigit() and int(nodes) >= 1 and world % int(nodes) == 0:
         return int(nodes), world // int(nodes)
@@ -286,7 +287,7 @@ def auto_topology(
         return "flat", f"topology='auto' chose 'flat': {m} node(s) of {ell} rank(s), nothing to lay out"
     if not is_number(bucket_mb, gt=0):
         raise ValueError(f"bucket_mb={bucket_mb!r} must be a finite number of MiB > 0")
-    path = os.environ.get(AUTO_ENV) if network is None else network
+    path = env.get("LIONCUB_CALIBRATION") if network is None else network
     source = None
     if isinstance(path, os.PathLike) or (isinstance(path, str) and path.endswith(".json")):
         try:  # loaded here: a two-level calibration also gives the link inside a node

@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from lioncub import env
 from lioncub._validate import is_int, is_number
 from lioncub.collectives import Comm
 from lioncub.ops import packing, quantize
@@ -321,21 +322,6 @@ def _fit_level(
     return network, per_op_doc
 
 
-def _rate_from_env(name: str, option: str) -> float | None:
-    text = os.environ.get(name)
-    if not text:
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
-        raise ValueError(
-            f"{name}={text!r} must be a positive number of bits/s (set by `lioncub launch {option}`)"
-        )
-    return value
-
-
 def calibrate(
     sizes: Sequence[int] | None = None,
     repeats: int = 5,
@@ -444,12 +430,12 @@ def _settings(
     if unknown:
         raise ValueError(f"unknown collectives {sorted(unknown)}; known: {list(OPS)}")
     if link_bps is None:
-        link_bps = _rate_from_env("LIONCUB_LINK_BPS", "--link")
+        link_bps = env.positive("LIONCUB_LINK_BPS")
     if nodes is not None:
         if group is not None:
             raise ValueError("calibrate: give either group= or nodes= (a node mesh over the whole job)")
         if intra_link_bps is None:
-            intra_link_bps = _rate_from_env("LIONCUB_INTRA_LINK_BPS", "--intra-link")
+            intra_link_bps = env.positive("LIONCUB_INTRA_LINK_BPS")
         if intra_link_bps is None and "allreduce_f32" not in ops:
             raise ValueError(
                 "without a known intra-node link rate, ops must include allreduce_f32 (the reference)"

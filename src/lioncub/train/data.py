@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lioncub import env
 from lioncub._validate import is_int, is_number
 
 __all__ = [
@@ -71,8 +72,8 @@ def _repo_root() -> Path:
 
 def data_root() -> Path:
     """The folder prepared by ``scripts/fetch_data.sh``: ``$LIONCUB_DATA`` or ``<repo>/.data``."""
-    env = os.environ.get("LIONCUB_DATA")
-    return Path(env) if env else _repo_root() / ".data"
+    root = env.get("LIONCUB_DATA")
+    return Path(root) if root else _repo_root() / ".data"
 
 
 def repo_data_dir() -> Path:
@@ -85,10 +86,10 @@ def require_file(path: Path, what: str) -> Path:
     (naming ``$LIONCUB_DATA`` when it points nowhere) or :class:`PermissionError` when it is unreadable."""
     if not path.is_file():
         hint = FETCH_HINT
-        env = os.environ.get("LIONCUB_DATA")
-        if env and not Path(env).is_dir() and Path(env) in path.parents:
+        root = env.get("LIONCUB_DATA")
+        if root and not Path(root).is_dir() and Path(root) in path.parents:
             hint = (
-                f"LIONCUB_DATA={env} is not a directory: point it at the folder `./run fetch-data` "
+                f"LIONCUB_DATA={root} is not a directory: point it at the folder `./run fetch-data` "
                 f"prepared (or unset it to use {_repo_root() / '.data'}), or {FETCH_HINT}"
             )
         raise FileNotFoundError(f"{what}: {path} is missing; {hint}")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from lioncub import env
 from lioncub._validate import is_int, is_number
 from lioncub.names import run_label
 from lioncub.rundir import SpecialFileError, read_run_file
@@ -233,7 +234,7 @@ def preload_ranks(config: TrainConfig, cmd: list[str]) -> bool:
 
     cluster = config.cluster
     if (
-        os.environ.get("LIONCUB_PRELOAD", "1") == "0"
+        env.text("LIONCUB_PRELOAD") == "0"
         or cluster.nnodes is not None
         or cmd[1:3] != ["-m", RANK_MODULE]
     ):

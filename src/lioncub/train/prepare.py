@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from lioncub import env
 from lioncub.rundir import (
     LOCK,
     MARKER,
@@ -150,8 +151,8 @@ def write_config(run_dir: Path, name: str, config: TrainConfig) -> None:
 def job_identity() -> str | None:
     """The job this process is a rank of (None outside one): ``lioncub launch``'s launch id, or
     torchrun's run id with its agent (host and process), which every attempt of the job shares."""
-    if os.environ.get("LIONCUB_LAUNCH_ID"):
-        return f"lioncub launch {os.environ['LIONCUB_LAUNCH_ID']}"
+    if launch := env.get("LIONCUB_LAUNCH_ID"):
+        return f"lioncub launch {launch}"
     if "TORCHELASTIC_RUN_ID" in os.environ:
         return f"torchrun {os.environ['TORCHELASTIC_RUN_ID']} agent {socket.gethostname()}:{os.getppid()}"
     return None
@@ -159,7 +160,7 @@ def job_identity() -> str | None:
 
 def _restarted(state: RunState, job: str | None) -> bool:
     """Whether this is a restart of the job that prepared the run in the directory."""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get("LIONCUB_RESTART_COUNT") or "0"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") or env.get("LIONCUB_RESTART_COUNT") or "0"
     rec = state.survey.record
     return job is not None and attempt != "0" and rec is not None and rec.job == job
 

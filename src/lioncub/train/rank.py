@@ -23,13 +23,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lioncub import env
 from lioncub.launch.supervisor import FORWARDED_SIGNALS
 from lioncub.rundir import hold_ranks, is_marked
 from lioncub.train import loop
 from lioncub.train.config import TrainConfig
 from lioncub.train.driver import check_lanes, check_run_options, format_summary
 
-__all__ = ["format_final", "init_distributed", "interrupt_as_one_line", "main", "run_rank", "train_in_job"]
+__all__ = [
+    "PG_TIMEOUT_S",
+    "format_final",
+    "init_distributed",
+    "interrupt_as_one_line",
+    "main",
+    "run_rank",
+    "train_in_job",
+]
+
+#: the timeout (s) of the group that a rank creates when ``$LIONCUB_PG_TIMEOUT`` is unset (a torchrun job not
+#: started by ``lioncub train``, which always sets it): ``--collective-timeout``'s default
+PG_TIMEOUT_S = 600.0
 
 
 def run_rank(config: TrainConfig, run_dir: Path, *, driven: bool, resume: bool = False) -> int:
@@ -104,7 +117,7 @@ def train_in_job(
     directory (a job without a driver), :func:`lioncub.train.loop.train`, wait for every rank and leave the
     group, the signals handled by :func:`interrupt_as_one_line`. Returns the summary. Rank 0 of a driven
     run holds the directory's ranks lock meanwhile."""
-    torch.set_num_threads(int(os.environ.get("LIONCUB_THREADS", "1")))
+    torch.set_num_threads(int(env.text("LIONCUB_THREADS")))
     loop.PROGRESS["step"] = None
     ranks = None
     if prepare is None and os.environ.get("RANK", "0") == "0" and is_marked(run_dir):
@@ -132,7 +145,8 @@ def train_in_job(
 
 def init_distributed(config: TrainConfig) -> None:
     """``init_process_group`` (NCCL on CUDA, else gloo) from the environment that ``lioncub launch`` or
-    ``torchrun`` sets, with ``$LIONCUB_PG_TIMEOUT`` seconds (default 600) as every collective's timeout.
+    ``torchrun`` sets, with ``$LIONCUB_PG_TIMEOUT`` seconds (unset or empty: :data:`PG_TIMEOUT_S`) as every
+    collective's timeout.
     On CUDA the rank's device is made current first and bound to the group (``device_id``: NCCL starts
     its communicator on that GPU, not on ``cuda:0``).
 
@@ -145,7 +159,9 @@ def init_distributed(config: TrainConfig) -> None:
     if device.type == "cuda":  # the rank's GPU is current before NCCL starts, and its communicator's
         torch.cuda.set_device(device)
         backend, bound = "nccl", {"device_id": device}
-    timeout = datetime.timedelta(seconds=float(os.environ.get("LIONCUB_PG_TIMEOUT", "600")))
+    timeout = env.seconds("LIONCUB_PG_TIMEOUT")
+    if timeout is None:  # the group's timeout when no launcher set one: --collective-timeout's default
+        timeout = datetime.timedelta(seconds=PG_TIMEOUT_S)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         dist.init_process_group(backend, timeout=timeout, **bound)
         return

@@ -1,0 +1,135 @@
+"""The outer steps of local steps, one small class per rule (``LocalSteps(outer=...)``; the formulas are in
+``docs/local-steps.md``). A rule takes the round of the optimizer (:class:`~lioncub.optim.round.VoteRound`)
+with each parameter's pseudo-gradient Δ_r = θ_t − θ_r in ``.grad`` and the parameters at θ_t, and moves
+them to θ_{t+1} (the window's weight decay D is applied after it by the window,
+:class:`~lioncub.optim.local_steps.LocalWindow`).
+
+* :class:`SignOuter` — ``"vote"``: the optimizer's vote on ``c_r = β1ᵒ·M_r + (1 − β1ᵒ)·Δ_r`` (every rank's
+  own outer momentum M_r), applied with ηᵒ = outer_lr·H·lr; ``"dsm"``: the same through a dense variant,
+  i.e. a sign step on the mean Δ̄ with one shared outer momentum (Yu et al. 2024);
+* :class:`DiLoCoOuter` — ``"diloco"``: Nesterov SGD on the mean Δ̄ (Douillard et al. 2023).
+
+A new rule is a class here with its name, its defaults and :meth:`OuterRule.step`, added to
+:data:`OUTER_RULES`: ``LocalSteps`` validation, the CLI's ``--outer`` choices and the docs' list follow.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from lioncub.collectives import Hyper, flat_views
+from lioncub.optim.engine import StepTimes
+
+__all__ = ["OUTER_RULES", "DiLoCoOuter", "OuterRule", "OuterState", "SignOuter"]
+
+
+class OuterState:
+    """The outer step's view of the optimizer (:class:`lioncub.collectives.ParamState`): each parameter's
+    outer momentum ``optimizer.state[p][key]`` (zeros at first), and the outer hyperparameters (ηᵒ =
+    ``lr_scale`` × the group's current lr, β1ᵒ, β2ᵒ, λᵒ; never ``maximize``: Δ already points the way the
+    inner steps went)."""
+
+    def __init__(
+        self,
+        optimizer: Any,
+        key: str,
+        lr_scale: float,
+        betas: tuple[float, float],
+        weight_decay: float = 0.0,
+    ) -> None:
+        self._optimizer, self._key = optimizer, key
+        self._lr_scale, self._betas, self._weight_decay = lr_scale, betas, weight_decay
+
+    def momentum(self, p: torch.Tensor) -> torch.Tensor:
+        state = self._optimizer.state[p]
+        if self._key not in state:
+            state[self._key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state[self._key]
+
+    def hyper(self, p: torch.Tensor) -> Hyper:
+        lr = self._lr_scale * float(self._optimizer.engine.state.group(p)["lr"])
+        return Hyper(lr, self._betas[0], self._betas[1], self._weight_decay, False)
+
+
+class OuterRule:
+    """An outer step (the module docstring). ``name``: the rule's ``LocalSteps(outer=...)``; ``dense``:
+    it averages the pseudo-gradients (needs a dense variant); ``lr``, ``betas``: its defaults."""
+
+    name: ClassVar[str]
+    dense: ClassVar[bool] = False
+    lr: ClassVar[float] = 1.0
+    betas: ClassVar[tuple[float, float]] = (0.9, 0.99)
+    #: the outer momentum's key in each parameter's state
+    state_key: ClassVar[str] = "outer_exp_avg"
+    #: whether the rule takes ``outer_weight_decay`` (λᵒ)
+    decays: ClassVar[bool] = True
+
+    def __init__(self, h: int, lr: float, betas: tuple[float, float], weight_decay: float) -> None:
+        self.h, self.outer_lr, self.outer_betas, self.weight_decay = h, lr, betas, weight_decay
+
+    def step(self, optimizer: Any, outer_step: int, before: Any, times: StepTimes) -> frozenset[int] | None:
+        """The outer step (collective), booked as one step from ``before`` with ``times``. Returns
+        ``None`` when it was skipped (the parameters stay at θ_t), else the ``id`` of the parameters it
+        left untouched (no gradient on any rank in the window)."""
+        raise NotImplementedError
+
+
+class SignOuter(OuterRule):
+    """``"vote"`` (and ``"dsm"`` with a dense variant): one LionCub step with Δ_r as the gradient, the
+    outer momentum and hyperparameters, through the optimizer's round and vote."""
+
+    name = "vote"
+
+    def step(self, optimizer: Any, outer_step: int, before: Any, times: StepTimes) -> frozenset[int] | None:
+        state = OuterState(
+            optimizer, self.state_key, self.outer_lr * self.h, self.outer_betas, self.weight_decay
+        )
+        result = optimizer.round.run(outer_step, times, state=state)
+        optimizer.round.finish(before, times, skipped=result is None)
+        return None if result is None else result.untouched
+
+
+class DsmOuter(SignOuter):
+    """``"dsm"``: :class:`SignOuter` through a dense variant (the mean Δ̄, one shared outer momentum)."""
+
+    name = "dsm"
+    dense = True
+
+
+class DiLoCoOuter(OuterRule):
+    """``"diloco"``: the mean pseudo-gradient Δ̄ (the dense variant's exchange), then Nesterov SGD with each
+    parameter's ``outer_buf`` (bit for bit ``torch.optim.SGD(nesterov=True)``): ``v ← μ·v + Δ̄`` (v = Δ̄ at
+    the first outer step), ``θ ← θ − ηᵒ·(Δ̄ + μ·v)``."""
+
+    name = "diloco"
+    dense = True
+    lr = 0.7
+    betas = (0.9, 0.0)
+    state_key = "outer_buf"
+    decays = False
+
+    def step(self, optimizer: Any, outer_step: int, before: Any, times: StepTimes) -> frozenset[int] | None:
+        rnd, mu = optimizer.round, self.outer_betas[0]
+        state = OuterState(optimizer, self.state_key, self.outer_lr, self.outer_betas)
+        ballots = rnd.contribute(outer_step, times, state)
+        check = rnd.check(ballots)
+        untouched = None
+        if check.ok:
+            untouched = rnd.untouched(check)
+            rnd.post(ballots, outer_step, times)
+            means = rnd.means(ballots, times)
+            t0 = optimizer.engine.clock()
+            for ballot, mean in zip(ballots, means, strict=True):
+                for p, d in zip(ballot.params, flat_views(mean, ballot.params), strict=True):
+                    if id(p) not in untouched:  # v ← μ·v + Δ̄ (v starts at 0: Δ̄ at the first step)
+                        buf = state.momentum(p).mul_(mu).add_(d)
+                        p.add_(d.add(buf, alpha=mu), alpha=-self.outer_lr)
+            times.apply += optimizer.engine.clock() - t0
+        rnd.finish(before, times, skipped=not check.ok)
+        return untouched
+
+
+#: the outer rules by name (``LocalSteps(outer=...)``, ``lioncub train --outer``)
+OUTER_RULES: dict[str, type[OuterRule]] = {rule.name: rule for rule in (SignOuter, DsmOuter, DiLoCoOuter)}

@@ -10,6 +10,7 @@ from the launcher's environment (:func:`mesh_from_environment`).
 from __future__ import annotations
 
 import os
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -66,7 +67,7 @@ def _ranks_per_node(world: int) -> tuple[int, str]:
     local = os.environ.get("LOCAL_WORLD_SIZE")
     said = "$LOCAL_WORLD_SIZE unset" if local is None else f"$LOCAL_WORLD_SIZE={local!r}"
     ok = local is not None and local.isdigit() and 1 <= int(local) <= world and world % int(local) == 0
-    return (int(local) if ok else 0), said  # type: ignore[arg-type]
+    return (int(local) if ok and local is not None else 0), said
 
 
 def node_groups(
@@ -81,6 +82,6 @@ def node_groups(
         )
     ranks = mesh.mesh.flatten().tolist()
     flat = None if ranks == list(range(dist.get_world_size())) else dist.new_group(ranks=ranks)
-    intra = Comm(mesh.get_group("local"), device=device, exchange=exchange)  # type: ignore[arg-type]
-    inter = Comm(mesh.get_group("node"), device=device, exchange=exchange)  # type: ignore[arg-type]
+    intra = Comm(cast(dist.ProcessGroup, mesh.get_group("local")), device=device, exchange=exchange)
+    inter = Comm(cast(dist.ProcessGroup, mesh.get_group("node")), device=device, exchange=exchange)
     return flat, intra, inter

@@ -148,10 +148,11 @@ def test_level_bytes_are_the_transports(m: int, ell: int) -> None:
     configs.append(VoteConfig("quantized", "majority", "l1", 2))
     for config in configs:
         t, bits = config.transport, config.bits
+        facts = transports.FACTS[t]
         for d in (1, 7, 1000, 1_000_003):
             if cm.topology_allowed(config, "hierarchical", m * ell)[0]:
                 phases, _ = cm.topology_phases(config, d, m, ell, "hierarchical")
-                assert by_level(phases) == transports.hierarchical_level_bytes(t, bits, d, m, ell), (t, d)
+                assert by_level(phases) == facts.hierarchical_level_bytes(bits, d, m, ell), (t, d)
             if cm.topology_allowed(config, "node-majority", m * ell)[0]:
                 phases, _ = cm.topology_phases(config, d, m, ell, "node-majority")
                 assert by_level(phases) == transports.node_majority_level_bytes(d, m, ell), d

@@ -38,6 +38,7 @@ class DenseMean(Vote):
 
     name = "dense"
     result = "value"
+    facts = transports.FACTS["dense"]
 
     def __init__(self, comm: Comm, wire_dtype: torch.dtype | None = None) -> None:
         super().__init__(comm)
@@ -83,7 +84,7 @@ class DenseMean(Vote):
 
     def wire_bytes(self, numel, dtype: torch.dtype = torch.float32):
         bits = torch.finfo(self.wire_dtype or dtype).bits
-        return transports.flat_wire_bytes("dense", "mean", None, numel, self.world_size, wire_bits=bits)
+        return self.facts.wire_bytes(numel, self.world_size, wire_bits=bits)
 
     # -- the protocol --------------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ formed in any grouping:
 1. intra-node allreduce SUM of this rank's integer values (int8 or int32, exact);
 2. local rank ℓ takes slice ℓ of the node sum (d/L elements) and sums it over the nodes with the peers of
    the same local rank, offset-encoded in the narrowest p-bit lanes that hold the M-node sum
-   (:func:`lioncub.transports.hierarchical_lane_bits`), or int32 where none does;
+   (:meth:`lioncub.transports.Transport.hierarchical_lane_bits`), or int32 where none does;
 3. intra-node all-gather of the summed slices; the flat algorithm's final rule (sign, tie rule,
    ÷N) makes the update.
 
@@ -98,11 +98,12 @@ class HierarchicalVote(SignVote):
         self.nodes, self.per_node = _check_layout(flat.comm, intra, inter)
         self.result = flat.result
         self.name = f"hierarchical-{flat.name}"
-        transport, bits = _transport_of(flat)
+        facts, bits = flat.facts, flat.bits
+        assert facts is not None  # the flat votes above each have their transport
         #: the largest |value| one rank contributes, and the offset of its unsigned lane encoding
-        self.max_value, self.offset = transports.vote_values(transport, bits, self.world_size)
-        self.lane_bits = transports.hierarchical_lane_bits(transport, bits, self.nodes, self.per_node)
-        self._transport = (transport, bits)
+        self.max_value, self.offset = facts.vote_values(bits, self.world_size)
+        self.lane_bits = facts.hierarchical_lane_bits(bits, self.nodes, self.per_node)
+        self._transport = (facts, bits)
 
     def _values(self, local: torch.Tensor, segments: Sequence[int] | None, step: int) -> torch.Tensor:
         """This rank's integer contribution (int8): the flat algorithm's vote, sign or level."""
@@ -182,9 +183,9 @@ class HierarchicalVote(SignVote):
 
     def level_bytes(self, numel: int) -> tuple[float, float]:
         """Bytes one rank sends per vote (intra-node, inter-node):
-        :func:`lioncub.transports.hierarchical_level_bytes`."""
-        transport, bits = self._transport
-        return transports.hierarchical_level_bytes(transport, bits, numel, self.nodes, self.per_node)
+        :meth:`lioncub.transports.Transport.hierarchical_level_bytes`."""
+        facts, bits = self._transport
+        return facts.hierarchical_level_bytes(bits, numel, self.nodes, self.per_node)
 
 
 class NodeMajorityVote(SignVote):
@@ -233,17 +234,6 @@ class NodeMajorityVote(SignVote):
         """Bytes one rank sends per vote (intra-node, inter-node):
         :func:`lioncub.transports.node_majority_level_bytes`."""
         return transports.node_majority_level_bytes(numel, self.nodes, self.per_node)
-
-
-def _transport_of(flat: Vote) -> tuple[str, int | None]:
-    """The transport and lane width of a flat vote (the names of :mod:`lioncub.transports`)."""
-    if isinstance(flat, QuantizedVote):
-        return "quantized", flat.bits
-    if isinstance(flat, LaneVote):
-        return "lanes", flat.bits
-    if isinstance(flat, SignSumVote):
-        return "int8", 8
-    return "1bit", 1
 
 
 def make_topology_vote(topology: str, flat: Vote, groups: Callable[[], tuple[Comm, Comm]]) -> Vote:

@@ -36,6 +36,7 @@ class LaneVote(SignVote):
     """
 
     name = "lanes"
+    facts = transports.FACTS["lanes"]
 
     def __init__(self, comm: Comm, bits: int | Literal["auto"] = 4, zero_vote: str = "split") -> None:
         super().__init__(comm, zero_vote)
@@ -59,6 +60,3 @@ class LaneVote(SignVote):
         handle = self.comm.all_reduce(lanes, f"{self.bits}-bit vote allreduce")
         table = LaneTable.signs(range(1 << self.bits), 2, -n)  # a lane counts "+" votes: sign(2·count − N)
         return Pending(lambda: LaneTable(handle.wait(), self.bits, table, d))  # type: ignore[arg-type]
-
-    def wire_bytes(self, numel):
-        return transports.flat_wire_bytes("lanes", "majority", self.bits, numel, self.world_size)

@@ -30,6 +30,7 @@ class OneBitVote(SignVote):
     """
 
     name = "1bit"
+    facts = transports.FACTS["1bit"]
 
     def payload_format(self):
         return None if self.comm.alone else PackedVotes(1, 8 * self.world_size)
@@ -70,6 +71,3 @@ class OneBitVote(SignVote):
             return PackedSigns(gathered.view(-1), d, self.buffer(key, "result", d, torch.int8))
 
         return Pending(finish, middle=middle)
-
-    def wire_bytes(self, numel):
-        return transports.flat_wire_bytes("1bit", "majority", 1, numel, self.world_size)

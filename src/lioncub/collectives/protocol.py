@@ -30,10 +30,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import ClassVar, Literal, Protocol
 
 import torch
 
+from lioncub import transports
 from lioncub.collectives.base import Comm
 from lioncub.ops import native
 
@@ -158,6 +159,11 @@ class Vote(ABC):
     name: str = ""
     #: the update's type: ``"vote"`` → int8 in {−1, 0, +1}; ``"value"`` → floating (a mean)
     result: Literal["vote", "value"] = "vote"
+    #: its transport (:data:`lioncub.transports.FACTS`): widths, capacity and bytes (``None``: a vote laid
+    #: over nodes, which counts its own bytes)
+    facts: ClassVar[transports.Transport | None] = None
+    #: the width of its packed lanes where its transport lets ``bits`` choose one (``None``: fixed)
+    bits: int | None = None
 
     def __init__(self, comm: Comm) -> None:
         self.comm = comm
@@ -196,8 +202,11 @@ class Vote(ABC):
         already written by :meth:`contribute` (then ``local`` is only read for its length)."""
 
     def wire_bytes(self, numel: int) -> tuple[float, float]:
-        """(sent, received) bytes per rank for one :meth:`start` of ``numel`` elements (the formula)."""
-        raise NotImplementedError
+        """(sent, received) bytes per rank for one :meth:`start` of ``numel`` elements: its transport's
+        :meth:`~lioncub.transports.Transport.wire_bytes`."""
+        if self.facts is None:
+            raise NotImplementedError
+        return self.facts.wire_bytes(numel, self.world_size, bits=self.bits)
 
     # -- the protocol --------------------------------------------------------------------------------
 

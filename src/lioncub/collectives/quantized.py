@@ -33,6 +33,7 @@ class QuantizedVote(SignVote):
     """
 
     name = "quantized"
+    facts = transports.FACTS["quantized"]
 
     def __init__(
         self,
@@ -50,11 +51,11 @@ class QuantizedVote(SignVote):
             raise ValueError(f"quantizer={quantizer!r} is not one of {sorted(quantize.QUANTIZERS)}")
         n = comm.world_size
         if bits == "auto":
-            bits = transports.lane_bits("quantized", "auto", n) or 8
+            bits = self.facts.lane_bits("auto", n) or 8
         if bits not in transports.LANE_WIDTHS:
             raise ValueError(f"bits={bits!r} for a quantized vote must be 2, 4, 8 or 'auto'")
         self.bits = bits
-        self.levels = quantize.level_budget(n, bits, "signed" if bits == 8 else "offset")
+        self.levels = quantize.level_budget(n, bits, transports.quantized_encoding(bits))
         self.quantizer = quantizer
         self.options = dict(options or {})
         if quantizer not in ("sign", "qsgd", "log"):
@@ -111,6 +112,3 @@ class QuantizedVote(SignVote):
         handle = self.comm.all_reduce(lanes, f"{self.bits}-bit {self.quantizer} allreduce")
         table = LaneTable.signs(range(1 << self.bits), 1, -n * self.levels)  # lane Σ(q_i + s) → sign(Σ q_i)
         return Pending(lambda: LaneTable(handle.wait(), self.bits, table, d))  # type: ignore[arg-type]
-
-    def wire_bytes(self, numel):
-        return transports.flat_wire_bytes("quantized", "majority", self.bits, numel, self.world_size)

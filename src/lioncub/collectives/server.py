@@ -28,6 +28,7 @@ class ServerVote(SignVote):
     """
 
     name = "server"
+    facts = transports.FACTS["server"]
 
     def __init__(
         self,
@@ -112,6 +113,6 @@ class ServerVote(SignVote):
         return receive
 
     def wire_bytes(self, numel):
-        return transports.flat_wire_bytes(
-            "server", self.aggregation, 1, numel, self.world_size, rank=self.comm.rank, root=self.root
+        return self.facts.wire_bytes(
+            numel, self.world_size, aggregation=self.aggregation, rank=self.comm.rank, root=self.root
         )

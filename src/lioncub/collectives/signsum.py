@@ -19,6 +19,7 @@ class SignSumVote(SignVote):
     Needs ``N ≤ 127``. Bytes per rank: ``2·(N−1)/N · d``."""
 
     name = "int8-sign"
+    facts = transports.FACTS["int8"]
 
     def __init__(self, comm: Comm) -> None:
         super().__init__(comm)
@@ -33,9 +34,6 @@ class SignSumVote(SignVote):
             return Pending(lambda: Decoded(signs))
         handle = self.comm.all_reduce(signs, "int8 sign allreduce")
         return Pending(lambda: SignOfSum(handle.wait()))  # type: ignore[arg-type]
-
-    def wire_bytes(self, numel):
-        return transports.flat_wire_bytes("int8", "majority", 8, numel, self.world_size)
 
 
 class AverageVote(SignSumVote):

@@ -11,7 +11,9 @@ Pure tensor functions (CPU and CUDA), no Python loop over elements.
 * Signed levels in ``[−s, s]`` travel as unsigned lanes ``q + s`` (:func:`offset_encode`), so a lane-wise
   integer SUM of N workers never borrows; :func:`offset_decode` subtracts ``N·s``.
 * :func:`lane_sum_fits` says whether the lane-wise SUM of N workers can overflow its lane, which is the
-  failure of packed-bit allreduces that sum bytes (a carry corrupts the neighbouring lane).
+  failure of packed-bit allreduces that sum bytes (a carry corrupts the neighbouring lane);
+  :func:`require_lane_sum_fits` refuses such a sum. The rule, :func:`packed_size` and :data:`LANE_BITS` are
+  :mod:`lioncub.transports`' (imported here).
 
 Lengths need not be multiples of 8: packing pads with zero bits, unpacking takes the true length ``n``
 and drops the padding.
@@ -24,7 +26,7 @@ import sys
 import numpy as np
 import torch
 
-from lioncub import transports
+from lioncub.transports import LANE_BITS, check_lane_bits, lane_sum_fits, max_lane_workers, packed_size
 
 __all__ = [
     "LANE_BITS",
@@ -47,26 +49,11 @@ __all__ = [
     "unpack_signs",
 ]
 
-LANE_BITS = (1, 2, 4, 8)
-
 # Multiplying an int64 that holds eight 0/1 bytes (little-endian: element i in bits 8i..8i+7) by this
 # constant moves byte i's bit to bit 63 − i; no other partial product reaches bits 56..63, and the ones
 # below never carry into them, so ``(w * _GATHER) >> 56`` is the MSB-first packed byte.
 _GATHER = 0x8040201008040201 - (1 << 64)  # as a signed int64
 _LITTLE = sys.byteorder == "little"
-
-
-def _check_bits(bits: int) -> None:
-    if bits not in LANE_BITS:
-        raise ValueError(f"bits={bits!r} is not supported; allowed lane widths: {LANE_BITS}")
-
-
-def packed_size(n: int, bits: int = 1) -> int:
-    """Bytes needed to hold ``n`` lanes of ``bits`` bits each."""
-    _check_bits(bits)
-    if n < 0:
-        raise ValueError(f"n={n} must be >= 0")
-    return transports.packed_size(n, bits)
 
 
 def _gather_bytes(bits01: torch.Tensor) -> torch.Tensor:
@@ -254,7 +241,7 @@ def pack_lanes(values: torch.Tensor, bits: int) -> torch.Tensor:
     ``uint8``; ``bits = 1`` equals :func:`pack_bits`. Values are not range-checked here (callers encode
     them); out-of-range values would bleed into the neighbouring lane.
     """
-    _check_bits(bits)
+    check_lane_bits(bits)
     flat = values.reshape(-1)
     if bits == 8:
         return flat.to(torch.uint8)
@@ -274,7 +261,7 @@ def pack_lanes(values: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_lanes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_lanes`: ``uint8`` → ``uint8`` lane values of length ``n``."""
-    _check_bits(bits)
+    check_lane_bits(bits)
     packed = packed.reshape(-1)
     per_byte = 8 // bits
     if n < 0 or n > packed.numel() * per_byte:
@@ -300,28 +287,6 @@ def offset_encode(levels: torch.Tensor, max_level: int) -> torch.Tensor:
 def offset_decode(lane_sums: torch.Tensor, n_workers: int, max_level: int) -> torch.Tensor:
     """Lane-wise sums of N offset-encoded lanes → the signed sum ``Σ q_i`` as ``int16``."""
     return lane_sums.to(torch.int16) - n_workers * max_level
-
-
-def lane_sum_fits(n_workers: int, bits: int, max_lane_value: int) -> bool:
-    """Whether N lanes each holding at most ``max_lane_value`` can be summed in a ``bits``-bit lane.
-
-    True exactly when ``n_workers · max_lane_value ≤ 2**bits − 1`` (the largest possible sum fits; the
-    rule of :func:`lioncub.transports.lane_sum_fits`).
-    """
-    _check_bits(bits)
-    if n_workers < 1:
-        raise ValueError(f"n_workers={n_workers} must be >= 1")
-    if max_lane_value < 0:
-        raise ValueError(f"max_lane_value={max_lane_value} must be >= 0")
-    return transports.lane_sum_fits(n_workers, bits, max_lane_value)
-
-
-def max_lane_workers(bits: int, max_lane_value: int) -> int:
-    """The largest N for which :func:`lane_sum_fits` holds (``max_lane_value ≥ 1``)."""
-    _check_bits(bits)
-    if max_lane_value < 1:
-        raise ValueError(f"max_lane_value={max_lane_value} must be >= 1")
-    return transports.max_lane_workers(bits, max_lane_value)
 
 
 def require_lane_sum_fits(n_workers: int, bits: int, max_lane_value: int, *, what: str = "lane") -> None:
@@ -407,7 +372,7 @@ _LANE_TABLES: dict[tuple[int, tuple[int, ...], torch.device], torch.Tensor] = {}
 def map_lanes(packed: torch.Tensor, bits: int, n: int, values: tuple[int, ...]) -> torch.Tensor:
     """Unpack ``n`` lanes of ``bits`` bits and map each lane value v to ``values[v]`` (int8), in one
     table lookup per byte: e.g. summed vote counts straight to ``sign(2·count − N)``."""
-    _check_bits(bits)
+    check_lane_bits(bits)
     if len(values) != 1 << bits:
         raise ValueError(f"values must have {1 << bits} entries for {bits}-bit lanes, got {len(values)}")
     packed = packed.reshape(-1)

@@ -51,8 +51,8 @@ from typing import Literal
 import numpy as np
 import torch
 
-from lioncub import transports
-from lioncub._validate import check_int, check_number, is_int
+from lioncub._validate import check_number, is_int
+from lioncub.transports import level_budget
 
 __all__ = [
     "QUANTIZERS",
@@ -71,28 +71,9 @@ __all__ = [
     "quantize_sign",
 ]
 
-Encoding = transports.Encoding
-
 # Elements per piece when quantizing: keeps temporaries in cache (4 passes over ~1 MiB instead of over
 # the whole tensor).
 _PIECE = 1 << 18
-
-
-def level_budget(n_workers: int, bits: int, encoding: Encoding = "signed") -> int:
-    """The per-worker level budget ``s`` of :func:`lioncub.transports.level_budget` (``"signed"``: the int8
-    allreduce of Lion Cub 8-bit; ``"offset"``: p-bit lanes holding ``q + s``; ``"vote"``: 0/1 votes).
-
-    Raises ``ValueError`` (naming N, p and the largest N that works) when the budget would be 0.
-    """
-    check_int("n_workers", n_workers, 1)
-    check_int("bits", bits, 1)
-    s, max_n = transports.level_budget(n_workers, bits, encoding)
-    if s < 1:
-        raise ValueError(
-            f"no level budget: {bits}-bit {encoding} lanes summed over n_workers={n_workers} can overflow "
-            f"even at 1 level; at most {max_n} workers are supported - use more bits"
-        )
-    return s
 
 
 def level_dtype(levels: int) -> torch.dtype:

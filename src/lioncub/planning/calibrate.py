@@ -59,7 +59,7 @@ from lioncub.planning.calibration import Calibration
 from lioncub.planning.fit import OpFit, fit_alpha_beta, fit_warnings, format_fit
 from lioncub.planning.machine import OPS, Compute, Network, OpCost
 from lioncub.planning.nodes import nic_share
-from lioncub.transports import level_budget
+from lioncub.transports import quantized_levels
 
 __all__ = [
     "DEFAULT_SIZES",
@@ -207,7 +207,7 @@ def measure_compute(
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(numel, generator=gen)
     y = torch.randn(numel, generator=gen)
-    levels = max(1, level_budget(n, 8)[0])  # the int8 level budget (1 where N > 127 allows none)
+    levels = max(1, quantized_levels(8, n))  # the int8 level budget (1 where N > 127 allows none)
     level_buf = torch.empty(numel, dtype=torch.int8)
     packed = packing.pack_signs(x, pad_to=8 * n)
     slice_bytes = packed.numel() // n

@@ -160,7 +160,7 @@ def plan(
         return [ring("allreduce_u8", sent, n)], work
     if t == "1bit":  # pairwise all-to-all, then all-gather: half the bytes each
         phases = [Collective(op, n - 1, sent / 2, sent / 2, sent / 2) for op in ("all_to_all", "all_gather")]
-        padded = transports.padded_numel(t, d, n)  # N slices of padded/N votes, counted, the result packed
+        padded = transports.FACTS[t].padded_numel(d, n)  # N slices of padded/N votes counted, result packed
         return phases, {"pack_s_per_elem": d, "count_s_per_elem": padded, "unpack_s_per_elem": d}
     up = config.wire_bytes(d, n, config.server_root + 1)[0]  # a worker's packed votes
     work = {

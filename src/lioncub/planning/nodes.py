@@ -3,8 +3,8 @@ level (:class:`Phase`: inside the nodes, between them, or the whole group at onc
 topology of :data:`~lioncub.transports.TOPOLOGIES`, and the predicted time per step
 (:func:`predict_cluster`). The flat topology splits the collectives of
 :func:`lioncub.planning.flat.plan`; the hierarchical and node-majority votes
-(:mod:`lioncub.collectives.hierarchical`) put :func:`lioncub.transports.hierarchical_payloads` and
-:func:`~lioncub.transports.node_majority_payloads` into their phases. Per node's NIC and step:
+(:mod:`lioncub.collectives.hierarchical`) put :meth:`lioncub.transports.Transport.hierarchical_payloads`
+and :func:`~lioncub.transports.node_majority_payloads` into their phases. Per node's NIC and step:
 
 =======================  ===================================================================================
 flat ring allreduce      ``2(N−1)/N · B``: the ring over node-ordered ranks crosses each node boundary once
@@ -175,10 +175,10 @@ def _inside(node_bytes: int, gathered: int, d: int, ell: int) -> tuple[Phase, Ph
 
 
 def hierarchical_lane_bits(variant: Variant, nnodes: int, nproc_per_node: int) -> int | None:
-    """Lane width of the hierarchical vote's inter-node sum (:func:`lioncub.transports.hierarchical_lane_bits`
-    for ``variant``); ``None``: int32 lanes."""
+    """Lane width of the hierarchical vote's inter-node sum
+    (:meth:`lioncub.transports.Transport.hierarchical_lane_bits` for ``variant``); ``None``: int32 lanes."""
     config = resolve_config(variant)[1]
-    return transports.hierarchical_lane_bits(config.transport, config.bits, nnodes, nproc_per_node)
+    return transports.FACTS[config.transport].hierarchical_lane_bits(config.bits, nnodes, nproc_per_node)
 
 
 def _hierarchical_phases(
@@ -188,17 +188,17 @@ def _hierarchical_phases(
     allreduce of the ranks' integer values, inter-node ring allreduce of this local rank's slice (d/L
     elements) among the same-local-rank peers in the lanes of :func:`hierarchical_lane_bits`, intra-node
     all-gather of the summed slices."""
-    t, bits = config.transport, config.bits
-    node_bytes, inter, gathered = transports.hierarchical_payloads(t, bits, d, m, ell)
+    facts, bits = transports.FACTS[config.transport], config.bits
+    node_bytes, inter, gathered = facts.hierarchical_payloads(bits, d, m, ell)
     intra_sum, intra_gather = _inside(node_bytes, gathered, d, ell)
     phases = [intra_sum] if ell > 1 else []
     if m > 1:
-        op = "allreduce_f32" if transports.hierarchical_lane_bits(t, bits, m, ell) is None else "allreduce_u8"
+        op = "allreduce_f32" if facts.hierarchical_lane_bits(bits, m, ell) is None else "allreduce_u8"
         phases.append(_at("inter", ring(op, ring_bytes(inter, m), m), ell))
     phases += [intra_gather] if ell > 1 else []
     k = -(-d // ell)
     work = {"elementwise_s_per_elem": 2 * d, "lane_pack_s_per_elem": k, "lane_unpack_s_per_elem": k}
-    if t == "quantized":
+    if config.transport == "quantized":
         work["quantize_s_per_elem"] = d
     return phases, work
 
@@ -216,7 +216,7 @@ def _node_majority_phases(d: int, m: int, ell: int) -> tuple[list[Phase], dict[s
     work = {
         "elementwise_s_per_elem": 2 * d,
         "pack_s_per_elem": k,
-        "count_s_per_elem": transports.padded_numel("1bit", k, m),
+        "count_s_per_elem": transports.FACTS["1bit"].padded_numel(k, m),
         "unpack_s_per_elem": k,
     }
     return phases, work

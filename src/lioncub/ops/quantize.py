@@ -23,6 +23,9 @@ even one. (Scaling by a precomputed ``s / (k·M)`` instead rounds such values ei
   authors' ``exp(mean log(|x| + 1e−12))`` over all entries).
 * Lp: ``M = (mean |x|^p)^(1/p)`` for any p > 0; L∞: ``M = max |x|``.
 
+The normalisers are :mod:`lioncub.ops.normalizers`' and the level budget is
+:func:`lioncub.transports.level_budget` (all importable from here).
+
 Other schemes: :func:`quantize_sign` (levels −1/0/+1), :func:`quantize_qsgd` (QSGD / Q∞ stochastic
 rounding, seeded by a ``torch.Generator``) and :func:`quantize_log` (power-of-two levels; the papers do
 not define it, this module's definition is an interpretation).
@@ -51,7 +54,8 @@ from typing import Literal
 import numpy as np
 import torch
 
-from lioncub._validate import check_number, is_int
+from lioncub._validate import is_int
+from lioncub.ops.normalizers import PIECE, check_eps, lp_normalizer, max_abs
 from lioncub.transports import level_budget
 
 __all__ = [
@@ -70,10 +74,6 @@ __all__ = [
     "quantize_qsgd",
     "quantize_sign",
 ]
-
-# Elements per piece when quantizing: keeps temporaries in cache (4 passes over ~1 MiB instead of over
-# the whole tensor).
-_PIECE = 1 << 18
 
 
 def level_dtype(levels: int) -> torch.dtype:
@@ -101,118 +101,11 @@ def check_clip_multiple(clip_multiple: float) -> None:
         )
 
 
-def _check_eps(eps: float | None) -> None:
-    if eps is not None:
-        check_number("eps", eps, "None or a finite number > 0 (authors' L0: 1e-12)", gt=0)
-
-
 def _check_real(x: torch.Tensor) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
     if not x.dtype.is_floating_point:
         raise TypeError(f"quantizers take a floating-point tensor, got {x.dtype}")
-
-
-def _on_host(x: torch.Tensor) -> bool:
-    """Whether ``x``'s reductions may branch on a value read by the host: on the CPU that costs nothing;
-    on a GPU every read is a synchronization, so the GPU paths do not branch (they reduce in float64)."""
-    return x.device.type == "cpu"
-
-
-def _abs_sums(x: torch.Tensor) -> torch.Tensor:
-    """``Σ|x|`` over the last dimension in float64: on the CPU in float32 cache-sized pieces (faster than
-    ``vector_norm``), a piece that overflows its dtype redone in float64; elsewhere in one float64
-    reduction (no host synchronization; float64 sums of float32/16-bit values cannot overflow)."""
-    rows = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
-    if not _on_host(x):
-        return torch.linalg.vector_norm(rows, 1, dim=1, dtype=torch.float64).reshape(x.shape[:-1])
-    m, n = rows.shape
-    sums = torch.empty(m, dtype=torch.float64, device=x.device)
-    step = max(1, _PIECE // max(n, 1))
-    width = min(n, _PIECE)
-    scratch = torch.empty((min(step, m), width), dtype=x.dtype, device=x.device)
-    for r0 in range(0, m, step):
-        r1 = min(r0 + step, m)
-        total = torch.zeros(r1 - r0, dtype=torch.float64, device=x.device)
-        for c0 in range(0, n, width):
-            c1 = min(c0 + width, n)
-            a = torch.abs(rows[r0:r1, c0:c1], out=scratch[: r1 - r0, : c1 - c0])
-            part = a.sum(dim=1)
-            bad = ~torch.isfinite(part)
-            if bool(bad.any()):  # rows that overflowed their dtype (or hold NaN/Inf): those in float64
-                part = part.to(torch.float64)
-                part[bad] = a[bad].to(torch.float64).sum(dim=1)
-            total += part
-        sums[r0:r1] = total
-    return sums.reshape(x.shape[:-1])
-
-
-def max_abs(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """``max |x|`` over all elements (``dim=None``; 0 for an empty tensor) or over ``dim``, exactly, in
-    ``x``'s dtype: NaN where a NaN is present, Inf where an ±Inf is. The values of
-    ``torch.linalg.vector_norm(x, inf)``, from ``torch.aminmax`` (one pass; on CPU ``vector_norm``'s inf
-    norm takes ~11x as long: 56 against 5 ms for 16 M float32 on one core, torch 2.13)."""
-    if dim is None:
-        if x.numel() == 0:
-            return x.new_zeros(())
-        low, high = torch.aminmax(x)
-    else:
-        low, high = torch.aminmax(x, dim=dim)
-    return torch.maximum(low.abs(), high.abs())
-
-
-def lp_normalizer(x: torch.Tensor, p: float, *, eps: float | None = None) -> torch.Tensor:
-    """``(mean |x|^p)^(1/p)`` over the last dimension, in float64 (p = inf: max; p = 0: geometric mean).
-
-    Args:
-        x: ``[..., n]`` floating tensor, ``n ≥ 1``.
-        p: ``0``, a positive finite number, or ``math.inf``.
-        eps: only for ``p = 0``: ``None`` takes the geometric mean over the nonzero entries (0 when all
-            are zero); a number takes ``exp(mean log(|x| + eps))`` over all entries (the authors' L0).
-    Returns:
-        float64 tensor of shape ``[...]``: finite exactly when the row is (NaN or ±Inf in a row gives
-        NaN or Inf; a float64 row of huge finite values does not overflow).
-    """
-    if not (p == 0 or p == math.inf or (isinstance(p, (int, float)) and p > 0 and math.isfinite(p))):
-        raise ValueError(f"p={p!r} must be 0, a positive finite number or math.inf")
-    _check_eps(eps)
-    if p == math.inf:
-        return max_abs(x, dim=-1).to(torch.float64)
-    if p == 1:
-        mean = _abs_sums(x) / x.shape[-1]
-        if not _on_host(x) and x.dtype != torch.float64:
-            return mean  # a non-finite mean is a NaN/Inf of the row: it stays
-        bad = ~torch.isfinite(mean)
-        if bool(bad.any()):  # a NaN/Inf (stays), or a float64 sum of huge values overflowed: max-scaled
-            mean[bad] = _scaled_power_mean(x.abs()[bad], 1.0)
-        return mean
-    a = x.abs()
-    if p == 0:
-        a64 = a.to(torch.float64)
-        if eps is not None:
-            return torch.log(a64 + eps).mean(dim=-1).exp()
-        # Mantissas and exponents apart (a = m·2^e, m in [0.5, 1)): nothing underflows however wide the
-        # range of |x|, and scaling x by 2^j shifts the integer exponents only, so the result exactly.
-        mant, expo = torch.frexp(a64)
-        nonzero = a64 != 0  # NaN counts (and makes the result NaN): a NaN row must not look finite
-        count = nonzero.sum(dim=-1)
-        k = count.clamp(min=1)
-        logs = torch.where(nonzero, torch.log(torch.where(nonzero, mant, 1.0)), 0.0).sum(dim=-1)
-        esum = torch.where(nonzero, expo.to(torch.int64), 0).sum(dim=-1)
-        whole = torch.div(esum, k, rounding_mode="floor")  # mean exponent = whole + frac, frac in [0, 1)
-        frac = (esum - whole * k).to(torch.float64) / k
-        mean = torch.exp(logs / k + frac * math.log(2.0))  # in [0.5, 2): 2·mean·2^(whole−1) cannot overflow
-        return torch.where(count > 0, torch.ldexp(2.0 * mean, whole - 1), 0.0)
-    return _scaled_power_mean(a, p)
-
-
-def _scaled_power_mean(a: torch.Tensor, p: float) -> torch.Tensor:
-    """``(mean a^p)^(1/p)`` over the last dimension of ``a = |x|``, in float64."""
-    # Scale by the max first so that |x|^p cannot overflow or underflow.
-    top = a.amax(dim=-1, keepdim=True).to(torch.float64)
-    safe = torch.where(top > 0, top, 1.0)
-    rel = a.to(torch.float64) / safe
-    return (rel.pow(p).mean(dim=-1)).pow(1.0 / p) * top.squeeze(-1)
 
 
 def _scale_round_clip(
@@ -228,7 +121,7 @@ def _scale_round_clip(
     float64 for float64 input, for more than 2^24 levels and for a normaliser outside float32's normal
     range; see :func:`_works_wide`), as the authors' code: a value equal to M lands exactly on
     ``levels / k``, also half-way between two levels, and rounds half to even there. Works piece by piece
-    (about ``_PIECE`` elements) so that the temporaries stay in cache. A row whose normaliser is not
+    (about ``PIECE`` elements) so that the temporaries stay in cache. A row whose normaliser is not
     finite (it holds a NaN or ±Inf) is divided by +Inf, and NaN quotients become 0: the row maps to zeros.
     """
     out = torch.empty(rows.shape, dtype=level_dtype(levels), device=rows.device) if out is None else out
@@ -241,14 +134,14 @@ def _scale_round_clip(
     m, n = rows.shape
     if m == 1:  # per tensor: 1-D pieces
         flat, flat_out, d = rows.view(-1), out.view(-1), divisor.view(1)
-        pieces = [(flat[c : c + _PIECE], flat_out[c : c + _PIECE], d) for c in range(0, n, _PIECE)]
+        pieces = [(flat[c : c + PIECE], flat_out[c : c + PIECE], d) for c in range(0, n, PIECE)]
     else:
-        step = max(1, _PIECE // n)
+        step = max(1, PIECE // n)
         pieces = [(rows[r : r + step], out[r : r + step], divisor[r : r + step]) for r in range(0, m, step)]
     if _numpy_path(rows) and rows.dtype == work:
         _scale_round_clip_numpy(pieces, levels, scale, finite)
         return out
-    scratch = torch.empty(min(_PIECE, rows.numel()) if m == 1 else 0, dtype=work, device=rows.device)
+    scratch = torch.empty(min(PIECE, rows.numel()) if m == 1 else 0, dtype=work, device=rows.device)
     for xs, dst, d in pieces:
         if m == 1:
             t = torch.div(xs, d, out=scratch[: xs.numel()]) if xs.dtype == work else xs.to(work).div_(d)
@@ -422,7 +315,7 @@ def quantize_lp(
     _check_real(x)
     check_levels(levels)
     check_clip_multiple(clip_multiple)
-    _check_eps(eps)
+    check_eps(eps)
     _check_out(out, x, levels)
     rows, n = _as_rows(x, chunk_size)
     if n == 0:

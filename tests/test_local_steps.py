@@ -609,3 +609,73 @@ def test_a_coordinate_no_rank_moves_decays_as_weight_decay_alone(variant: str, o
     err = float((end - alone).norm() / alone.norm())
     assert err < (0.05 if variant == "1bit" else 1e-5), (variant, outer, err)
     assert torch.equal(res[0]["end"], res[1]["end"])  # the replicas agree
+
+
+# -- what a framework sees in a window's middle: the shared parameters, a model-only resume ------------
+
+
+def worker_shared_parameters(rank: int, world: int) -> dict:
+    """H = 4, 2 ranks. Run A: 8 steps, θ shown (``show_shared_parameters``) and a state saved after step 6.
+    Run B: the same 8 steps untouched. Run C: a model-only resume at step 6 from θ (``continue_at``)."""
+
+    def build(seed: int = 0) -> tuple[list[torch.nn.Parameter], LionCub]:
+        params = [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(seed + i)))
+                  for i, s in enumerate(((5, 3), (4,)))]  # fmt: skip
+        return params, LionCub(params, lr=0.01, weight_decay=0.1, variant="1bit", local_steps=LocalSteps(h=4))
+
+    def grads(params: list[torch.nn.Parameter], step: int) -> None:
+        for i, p in enumerate(params):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(97 * step + 13 * rank + i))
+
+    out: dict = {}
+    params, opt = build()
+    for step in range(1, 9):
+        grads(params, step)
+        opt.step()
+        if step == 6:
+            replicas = [p.detach().clone() for p in params]
+            with opt.shared_parameters() as shown:
+                out["shown"] = shown
+                out["theta"] = [p.detach().clone() for p in params]
+                out["anchors"] = [opt.state[p]["anchor"].clone() for p in params]
+            out["back"] = all(torch.equal(p, r) for p, r in zip(params, replicas, strict=True))
+            opt.show_shared_parameters()  # until the next step, as a framework's save hook does
+            out["saved_replicas"] = [v["replica"].clone() for v in opt.state_dict()["state"].values()]
+            out["replicas"] = replicas
+    out["A"] = [p.detach().clone() for p in params]
+    params, opt = build()
+    for step in range(1, 9):
+        grads(params, step)
+        opt.step()
+    out["B"] = [p.detach().clone() for p in params]
+    params, opt = build(seed=100)  # another initialisation: the model file replaces it
+    with torch.no_grad():
+        for p, theta in zip(params, out["theta"], strict=True):
+            p.copy_(theta)
+    opt.continue_at(6)
+    sent = []
+    for step in (7, 8):
+        grads(params, step)
+        opt.step()
+        sent.append(opt.comm_stats()["last"]["collectives"])
+    out["C"], out["C_sent"], out["C_step"] = [p.detach().clone() for p in params], sent, opt.global_step
+    return out
+
+
+@pytest.mark.slow
+def test_frameworks_see_the_shared_parameters_and_resume_from_a_model_only_checkpoint() -> None:
+    """In a window's middle ``shared_parameters()`` shows θ of the last outer step — the same on every rank
+    — and puts each rank's replica back; ``show_shared_parameters()`` lasts until the next step, which then
+    continues bitwise (a state saved meanwhile holds the replicas); ``continue_at(6)`` after a model-only
+    checkpoint keeps the windows' place: the window restarts and its outer step falls at step 8, after which
+    the ranks agree."""
+    r0, r1 = run_workers(worker_shared_parameters, 2, timeout=120)
+    for r in (r0, r1):
+        assert r["shown"] and r["back"]
+        assert all(torch.equal(a, b) for a, b in zip(r["theta"], r["anchors"], strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(r["saved_replicas"], r["replicas"], strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(r["A"], r["B"], strict=True))  # showing changed nothing
+        assert r["C_step"] == 8 and r["C_sent"][0] == 0 and r["C_sent"][1] > 0  # the outer step at 8
+    assert all(torch.equal(a, b) for a, b in zip(r0["theta"], r1["theta"], strict=True))  # θ is shared
+    assert not all(torch.equal(a, b) for a, b in zip(r0["replicas"], r1["replicas"], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(r0["C"], r1["C"], strict=True))  # agree after step 8

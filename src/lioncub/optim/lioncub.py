@@ -45,9 +45,10 @@ the process group, never from launcher variables.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, overload
 
 import torch
@@ -375,6 +376,35 @@ class LionCub(LeanOptimizer):
         super().load_state_dict(sd)
         self._consolidated = None
         self.policy.load(meta or {}, checked)
+
+    @contextlib.contextmanager
+    def shared_parameters(self) -> Iterator[bool]:
+        """Within: the parameters hold what the ranks share — with local steps, in the middle of a window,
+        θ of the last outer step instead of this rank's replica (kept aside and put back on exit); else the
+        parameters as they are, the same on every rank. Yields whether a window was in progress. Evaluate,
+        pick or save a model here, so that every rank scores and writes the same one. Not collective."""
+        shown = self.policy.show_shared()
+        try:
+            yield shown
+        finally:
+            if shown:
+                self.policy.hide_shared()
+
+    def show_shared_parameters(self) -> bool:
+        """:meth:`shared_parameters` until the next ``step()``, which puts each rank's replica back first
+        (for a framework that saves or evaluates with no hook after it); ``state_dict()`` meanwhile saves
+        the replicas. Returns whether a window was in progress."""
+        return self.policy.show_shared()
+
+    def continue_at(self, step: int) -> None:
+        """Continue a run at optimizer ``step`` without its optimizer state (a model-only checkpoint): the
+        step count (the 1-bit tie phase, the windows' place) is set, the momenta start at zero; with local
+        steps a window in progress restarts from the parameters as they are and ends where it would have
+        (the next multiple of H)."""
+        if not (isinstance(step, int) and step >= 0):
+            raise ValueError(f"continue_at(step={step!r}): step must be an int >= 0")
+        self._global_step = step
+        self.policy.restart_at(step)
 
     # -- overlap ---------------------------------------------------------------------------------------
 

@@ -160,13 +160,17 @@ class LocalWindow(StepPolicy):
         #: the window's weight decay so far, per param group: Π (1 − lr·weight_decay) over its inner steps
         self.decay: list[float] = []
         self._replicas: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # a loaded state's, put back
+        self._aside: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # replicas while θ_t is shown
+        self._restart = False  # a model-only resume in a window's middle: the next step starts a window
 
     def rebuilds_layout(self, steps_taken: int) -> bool:
         return steps_taken % self.config.h == 0  # at window starts only
 
     def before_step(self) -> None:
-        """The replicas of a loaded state, written again: a model file loaded after the optimizer state
-        (one for all ranks: rank 0's replica) does not replace this rank's own."""
+        """This rank's replicas back in place: those kept aside while θ_t was shown, and those of a loaded
+        state, written again (a model file loaded after the optimizer state, one for all ranks, does not
+        replace this rank's own)."""
+        self.hide_shared()
         if self._replicas:
             with torch.no_grad():
                 for p, replica in self._replicas.values():
@@ -178,8 +182,9 @@ class LocalWindow(StepPolicy):
         """One inner step on this rank, and after every H of them the outer step (collective then)."""
         opt, h = self.optimizer, self.config.h
         step, params = opt.global_step, opt.layout.params()
-        if (step - 1) % h == 0:  # a window starts (a resume in its middle keeps the saved anchors)
+        if (step - 1) % h == 0 or self._restart:  # a window starts (a resume keeps the saved anchors)
             self._start_window(params)
+            self._restart = False
         if not opt.round.gradients_compared:
             self._compare_first_gradients(params)
         before, times = opt.accounting.snapshot(), StepTimes()
@@ -288,7 +293,9 @@ class LocalWindow(StepPolicy):
         index = 0
         for group in opt.param_groups:
             for p in group["params"]:
-                sd["state"][index] = {**sd["state"].get(index, {}), "replica": p.detach().clone()}
+                kept = self._aside.get(id(p))  # θ_t shown: the replica is the one kept aside
+                replica = kept[1].clone() if kept is not None else p.detach().clone()
+                sd["state"][index] = {**sd["state"].get(index, {}), "replica": replica}
                 index += 1
         sd["lioncub"]["window"] = window_record(opt.param_groups, opt.state, opt.layout.names)
         sd["lioncub"]["window_decay"] = list(self.decay)
@@ -312,7 +319,7 @@ class LocalWindow(StepPolicy):
         """The replicas written into the parameters (now, and again at the next step), the window's layout
         (whatever ``requires_grad`` says now) and its decay."""
         opt = self.optimizer
-        self._replicas = {}
+        self._replicas, self._aside = {}, {}
         with torch.no_grad():
             for group in opt.param_groups:
                 for p in group["params"]:
@@ -325,3 +332,34 @@ class LocalWindow(StepPolicy):
         if checked is not None:
             opt.restore_layout(checked)
             self.decay = [float(d) for d in meta.get("window_decay", [])]
+
+    # -- the ranks' common parameters in a window's middle ----------------------------------------------
+
+    def show_shared(self) -> bool:
+        """θ_t (each window parameter's anchor: the last outer step's, the same on every rank) into the
+        parameters, each rank's replica kept aside; whether a window is in progress."""
+        opt = self.optimizer
+        if self._aside:
+            return True
+        if not self._in_window(opt.global_step):
+            return False
+        with torch.no_grad():
+            for p in opt.layout.params():
+                anchor = opt.state[p].get("anchor")
+                if anchor is not None:
+                    self._aside[id(p)] = (p, p.detach().clone())
+                    p.copy_(anchor)
+        return True
+
+    def hide_shared(self) -> None:
+        if self._aside:
+            with torch.no_grad():
+                for p, replica in self._aside.values():
+                    p.copy_(replica)
+            self._aside = {}
+
+    def restart_at(self, step: int) -> None:
+        """In a window's middle the window restarts from the parameters as they are at the next step and
+        ends at the next multiple of H (the windows keep their place in the run)."""
+        self._replicas, self._aside = {}, {}
+        self._restart = step % self.config.h != 0

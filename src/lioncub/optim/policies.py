@@ -60,6 +60,17 @@ class StepPolicy:
     def load(self, meta: dict[str, Any], checked: Any) -> None:
         """Take back what :meth:`save` added, after the optimizer's own state is loaded."""
 
+    def show_shared(self) -> bool:
+        """Put the ranks' common parameters in place where each rank holds its own (a local-steps
+        window's replicas, kept aside until :meth:`hide_shared` or the next step); whether it did."""
+        return False
+
+    def hide_shared(self) -> None:
+        """Put back what :meth:`show_shared` kept aside."""
+
+    def restart_at(self, step: int) -> None:
+        """The optimizer continues at ``step`` without a saved state (a model-only checkpoint)."""
+
 
 def lion_step(
     optimizer: Any, overflow: bool, *, here: Comm, window: set[int] | None = None, decay: bool = True

@@ -325,9 +325,11 @@ def hf_kit() -> SimpleNamespace:
             trainer.add_callback(probe)
             trainer.train(resume_from_checkpoint=str(out / f"checkpoint-{SAVE_AT}") if resume else None)
         logs = [e for e in trainer.state.log_history if "loss" in e]
+        evals = [(e["step"], e["eval_loss"]) for e in trainer.state.log_history if "eval_loss" in e]
         return recorder.result(
             m,
             logs=logs,
+            evals=evals,
             decay=sorted(trainer.get_decay_parameter_names(m)),
             wrapped=type(trainer.model_wrapped).__name__,
             warned=[str(w.message) for w in warned],
@@ -717,7 +719,8 @@ def hf_guard_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
         return warned
 
     scenarios["optim-arg"] = optim_arg
-    # local steps with max_steps and eval_steps that are not multiples of H: the Trainer warns
+    # local steps with max_steps and eval_steps that are not multiples of H: the Trainer warns of the first
+    # and evaluates θ of the last outer step in a window's middle
     scenarios["local-odd"] = lambda w: kit.train(
         w / "local-odd",
         "1bit",
@@ -728,6 +731,7 @@ def hf_guard_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
         evaluate=True,
         eval_strategy="steps",
         eval_steps=1,
+        eval_on_start=True,
         save_strategy="no",
     )
     return scenarios

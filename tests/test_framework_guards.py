@@ -156,12 +156,13 @@ def test_trainer_warns_that_optim_is_ignored() -> None:
 @pytest.mark.timeout(TIMEOUT + 60)
 def test_a_resume_without_optimizer_state_warns_once() -> None:
     """``save_only_model=True`` checkpoints hold no optimizer state: the resume warns once (rank 0) that
-    the momenta start from zero; a resume from a full checkpoint does not."""
+    the momenta start from zero, and LionCub continues at the checkpoint's step (the tie phase keeps its
+    place); a resume from a full checkpoint does not warn."""
     resumed = scenario("hf", "only-model-resume")
     warned = [[w for w in r["warned"] if "holds no optimizer state" in w] for r in resumed]
     assert len(warned[0]) == 1 and warned[1] == []
     assert "save_only_model=True" in warned[0][0] and "zero momenta" in warned[0][0]
-    assert all(r["opt_step_loaded"] == 0 for r in resumed)
+    assert all(r["opt_step_loaded"] == jobs.SAVE_AT and r["opt_step"] == jobs.STEPS for r in resumed)
     full = scenario("hf", "late-save-resume")
     assert not any("holds no optimizer state" in w for r in full for w in r["warned"])
 
@@ -169,15 +170,17 @@ def test_a_resume_without_optimizer_state_warns_once() -> None:
 @pytest.mark.slow
 @pytest.mark.background("guards:hf")
 @pytest.mark.timeout(TIMEOUT + 60)
-def test_trainer_warns_of_local_steps_that_end_or_evaluate_mid_window() -> None:
-    """``local_steps=2`` with ``max_steps=3`` and ``eval_steps=1``: rank 0 warns once that the final model
-    is a replica and once that step 1's evaluation is of each rank's own replica (not at step 2)."""
+def test_trainer_evaluates_the_shared_parameters_in_a_window_and_warns_of_an_odd_end() -> None:
+    """``local_steps=2`` with ``max_steps=3`` and ``eval_steps=1`` (and an evaluation at step 0): rank 0
+    warns once that the run ends in a window's middle; the evaluations in a window's middle are of θ of
+    its last outer step — step 1's equals step 0's, step 3's equals step 2's — the same on every rank."""
     ranks = scenario("hf", "local-odd")
     ends = [[w for w in r["warned"] if "is not a multiple of local_steps h=2" in w] for r in ranks]
-    evals = [[w for w in r["warned"] if "in the middle of a window" in w] for r in ranks]
     assert [len(e) for e in ends] == [1, 0] and "max_steps=3" in ends[0][0]
-    assert [len(e) for e in evals] == [1, 0] and "evaluating at step 1" in evals[0][0]
-    assert "set eval_steps to a multiple of 2" in evals[0][0]
+    assert not any("in the middle of a window" in w for r in ranks for w in r["warned"])
+    evals = [dict(r["evals"]) for r in ranks]
+    assert evals[0] == evals[1] and sorted(evals[0]) == [0, 1, 2, 3]
+    assert evals[0][1] == evals[0][0] and evals[0][3] == evals[0][2] != evals[0][0]
 
 
 def test_the_guard_jobs_exist() -> None:

@@ -38,9 +38,15 @@ What it does:
 * **Logs.** ``lioncub_bytes_sent_per_step`` and ``lioncub_skipped_steps`` join every log of the Trainer
   (:class:`~lioncub.integrations.common.CommLog`).
 * **Local steps** (``lioncub=dict(local_steps=16)``): each rank trains its own replica between outer
-  steps. A checkpoint in the middle of a window resumes bitwise (each rank's replica is in its optimizer
-  state); its model file is rank 0's replica. ``max_steps`` and ``eval_steps`` that are not multiples of H
-  are warned about: the final model, or an evaluation, would be the replicas', not the common parameters.
+  steps. The Trainer never sees a replica as the model: its evaluations (``evaluate``, during training and
+  after) and its model saves (``save_model``: checkpoints, the final and the best model) run on θ of the
+  last outer step, the same on every rank (:meth:`LionCub.shared_parameters`), so every rank scores and
+  writes the same model and the best checkpoint is picked by the score of the model it holds. A
+  checkpoint in the middle of a window resumes bitwise (each rank's replica is in its optimizer state,
+  restored whatever the load order); a model-only one (``save_only_model=True``) continues at its step
+  (:meth:`LionCub.continue_at`: the window in progress restarts from θ and ends where it would have).
+  ``max_steps`` that is not a multiple of H is warned about: after ``train()`` each rank's model holds its
+  own replica (the saves are θ).
 """
 
 from __future__ import annotations
@@ -138,7 +144,6 @@ class LionCubCallback(TrainerCallback):
         self.built: LionCub | None = None  # the optimizer this callback built, if it did
         #: LionCub's traffic for the logs (from the start of training)
         self.comm_log: CommLog | None = None
-        self._warned_eval = False
         _check_overlap(trainer.args, overlap)
         if trainer.optimizer is not None:
             find_lioncub(trainer.optimizer, "LionCubCallback: Trainer(optimizers=(optimizer, ...))")
@@ -237,17 +242,35 @@ class LionCubCallback(TrainerCallback):
                 load(checkpoint)
             finally:
                 vars(opt).pop("load_state_dict", None)
-            if opt.global_step == 0 and trainer.args.process_index == 0:
-                warnings.warn(
-                    f"{self.where}: resuming at step {trainer.state.global_step} from {checkpoint}, which "
-                    "holds no optimizer state (TrainingArguments(save_only_model=True) writes none): LionCub "
-                    "starts over with zero momenta on every rank, a fresh warm-up. Save with "
-                    "save_only_model=False to resume the momenta",
-                    stacklevel=2,
-                )
+            step = trainer.state.global_step
+            if opt.global_step == 0 and step:
+                opt.continue_at(step)  # the tie phase and the windows keep their place in the run
+                if trainer.args.process_index == 0:
+                    warnings.warn(
+                        f"{self.where}: resuming at step {step} from {checkpoint}, which holds no optimizer "
+                        "state (TrainingArguments(save_only_model=True) writes none): LionCub continues at "
+                        "that step with zero momenta on every rank, a fresh warm-up (with local steps the "
+                        "window in progress restarts from the saved model, θ of its last outer step). Save "
+                        "with save_only_model=False to resume the momenta",
+                        stacklevel=2,
+                    )
 
         trainer._save_optimizer_and_scheduler = save_every_rank  # type: ignore[method-assign]
         trainer._load_optimizer_and_scheduler = load_checked  # type: ignore[method-assign]
+        trainer.evaluate = self._on_shared(trainer.evaluate)  # type: ignore[method-assign]
+        trainer.save_model = self._on_shared(trainer.save_model)  # type: ignore[method-assign]
+
+    def _on_shared(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        """``method`` run on the ranks' shared parameters (θ of the last outer step in a local-steps
+        window's middle; :meth:`LionCub.shared_parameters`), once the Trainer has its LionCub."""
+
+        def on_shared(*args: Any, **kwargs: Any) -> Any:
+            if self.trainer.optimizer is None:
+                return method(*args, **kwargs)
+            with self.optimizer.shared_parameters():
+                return method(*args, **kwargs)
+
+        return on_shared
 
     def _loader(self, opt: LionCub, checkpoint: str | None) -> Callable[[dict[str, Any]], None]:
         """A one-time ``opt.load_state_dict`` for the Trainer's resume: with this callback's
@@ -290,30 +313,14 @@ class LionCubCallback(TrainerCallback):
         if state.max_steps % h and args.process_index == 0:
             warnings.warn(
                 f"{self.where}: max_steps={state.max_steps} is not a multiple of local_steps h={h}: the last "
-                f"{state.max_steps % h} inner steps end without an outer step, and the final model (the "
-                "one the Trainer saves) is rank 0's replica, not the ranks' common parameters",
+                f"{state.max_steps % h} inner steps end without an outer step. The Trainer's evaluations and "
+                "saves use θ of the last outer step, but after train() each rank's model holds its own "
+                "replica (evaluate or save it inside opt.shared_parameters())",
                 stacklevel=2,
             )
         # fp16: every rank's scaler skips, backs off and grows together (lioncub.optim.amp)
         agree_on_overflow(getattr(self.trainer.accelerator, "scaler", None))
         self.comm_log = CommLog(opt)
-
-    def on_step_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        """With local steps, an evaluation the Trainer is about to run in the middle of a window (each rank
-        would evaluate its own replica) is warned about, once."""
-        opt = self.optimizer
-        h = opt.local_steps.h if opt.local_steps is not None else 1
-        if control.should_evaluate and state.global_step % h and not self._warned_eval:
-            self._warned_eval = True
-            if args.process_index == 0:
-                warnings.warn(
-                    f"{self.where}: evaluating at step {state.global_step}, in the middle of a window of "
-                    f"local_steps h={h}: each rank evaluates its own replica (they agree at multiples of "
-                    f"{h}); set eval_steps to a multiple of {h}",
-                    stacklevel=2,
-                )
 
     def on_log(
         self,

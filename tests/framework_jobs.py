@@ -467,9 +467,20 @@ def accelerate_train(
             popt.zero_grad()
         if accelerator.sync_gradients:
             done += 1
+            if done == SAVE_AT - 1:  # the last outer step before the save (H = 2 for the local runs)
+                before_save = {n: p.detach().clone() for n, p in m.named_parameters()}
             if done == SAVE_AT and not resume and steps == STEPS:
                 accelerator.save_state(str(out / "state"))
-    return recorder.result(m, wrapped=type(pm).__name__)
+    extra: dict[str, Any] = {}
+    if local_steps is not None and not resume:  # the model save_state wrote (a window's middle): θ
+        from safetensors.torch import load_file
+
+        saved = load_file(str(out / "state" / "model.safetensors"))
+        extra = {
+            "saved_model": {k.removeprefix("module."): v for k, v in saved.items()},
+            "before_save": before_save,
+        }
+    return recorder.result(m, wrapped=type(pm).__name__, **extra)
 
 
 def accelerate_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
@@ -536,6 +547,8 @@ def lightning_kit() -> SimpleNamespace:
             self.net = tiny_lm()
             self.recorder: Recorder | None = None
             self.clipped: list[float] = []  # the gradients' L2 norm after each step's clipping
+            self.validated: list[tuple[int, list[torch.Tensor]]] = []  # (step, the parameters validated)
+            self.after: dict[int, list[torch.Tensor]] = {}  # the parameters after each optimizer step
 
         def configure_gradient_clipping(
             self,
@@ -549,6 +562,12 @@ def lightning_kit() -> SimpleNamespace:
 
         def training_step(self, batch: torch.Tensor, index: int) -> torch.Tensor:
             return lm_loss(self.net, batch)
+
+        def validation_step(self, batch: torch.Tensor, index: int) -> None:
+            self.validated.append((self.global_step, [p.detach().clone() for p in self.net.parameters()]))
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, index: int) -> None:
+            self.after[self.global_step] = [p.detach().clone() for p in self.net.parameters()]
 
         def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
             assert self.recorder is not None
@@ -582,6 +601,7 @@ def lightning_kit() -> SimpleNamespace:
         accum: int = ACCUM,
         batch: int = BATCH,
         local_steps: dict[str, Any] | None = None,
+        validate: bool = False,
         **trainer_kw: Any,
     ) -> dict[str, Any]:
         """A run of ``steps`` with ``LionCubStrategy``, checkpointed every ``SAVE_AT`` steps (``resume``: from
@@ -614,10 +634,21 @@ def lightning_kit() -> SimpleNamespace:
         loader = DataLoader(tokens(per_epoch), batch_size=batch, shuffle=True)
         ckpt = str(out / "ckpt" / f"epoch=0-step={SAVE_AT}.ckpt") if resume else None
         pl.seed_everything(7, verbose=False)
-        trainer.fit(module, loader, ckpt_path=ckpt)
+        val = {"val_dataloaders": DataLoader(tokens(4), batch_size=2)} if validate else {}
+        trainer.fit(module, loader, ckpt_path=ckpt, **val)
         assert module.recorder is not None
         scaler = type(getattr(trainer.precision_plugin, "scaler", None)).__name__
-        return module.recorder.result(module.net, clipped=module.clipped, scaler=scaler)
+        extra: dict[str, Any] = {}
+        if validate:  # what validation saw, the parameters after each step, the checkpoint's model
+            saved = torch.load(
+                out / "ckpt" / f"epoch=0-step={SAVE_AT}.ckpt", map_location="cpu", weights_only=False
+            )
+            extra = {
+                "validated": module.validated,
+                "after": module.after,
+                "ckpt_model": [v for k, v in saved["state_dict"].items() if k.startswith("net.")],
+            }
+        return module.recorder.result(module.net, clipped=module.clipped, scaler=scaler, **extra)
 
     return SimpleNamespace(train=train, LionCubStrategy=LionCubStrategy)
 
@@ -770,6 +801,17 @@ def lightning_guard_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
 
     kit = lightning_kit()
     return {
+        # local steps, H = 2, validated after every step and checkpointed at step 3 (a window's middle)
+        "local-val": lambda w: kit.train(
+            w / "local-val",
+            "1bit",
+            False,
+            local_steps=LOCAL,
+            validate=True,
+            val_check_interval=1,
+            check_val_every_n_epoch=None,
+            limit_val_batches=1,
+        ),
         "bf16-clip": lambda w: kit.train(w / "bf16", "1bit", False, clip=CLIP, precision="bf16-mixed"),
         "16-clip": lambda w: kit.train(
             w / "16", "8bit", False, clip=CLIP, plugins=[MixedPrecision("16-mixed", "cpu")]

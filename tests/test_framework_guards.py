@@ -183,6 +183,28 @@ def test_trainer_evaluates_the_shared_parameters_in_a_window_and_warns_of_an_odd
     assert evals[0][1] == evals[0][0] and evals[0][3] == evals[0][2] != evals[0][0]
 
 
+@pytest.mark.slow
+@pytest.mark.background("guards:lightning")
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_lightning_validates_and_checkpoints_the_shared_parameters_in_a_window() -> None:
+    """``local_steps`` H = 2, validated after every micro-batch (Lightning counts those): a validation in a
+    window's middle (after optimizer steps 1, 3, 5) sees θ of the last outer step — the parameters after
+    the previous even step, the same on both ranks — and the checkpoint at step 3 holds θ of step 2, not
+    rank 0's replica; each rank's replica is back for the next step (the replicas differ after odd steps)."""
+    r0, r1 = scenario("lightning", "local-val")
+    for r in (r0, r1):
+        seen = dict(r["validated"])  # optimizer step -> the parameters its last validation saw
+        assert sorted(seen) == list(range(jobs.STEPS + 1))
+        for step, params in seen.items():
+            shared = r["after"][step - step % 2]  # θ of the last outer step (step itself when even)
+            assert all(torch.equal(a, b) for a, b in zip(params, shared, strict=True)), step
+        assert all(torch.equal(a, b) for a, b in zip(r["ckpt_model"], r["after"][2], strict=True))
+    assert all(
+        torch.equal(a, b) for a, b in zip(dict(r0["validated"])[3], dict(r1["validated"])[3], strict=True)
+    )
+    assert not all(torch.equal(a, b) for a, b in zip(r0["after"][3], r1["after"][3], strict=True))
+
+
 def test_the_guard_jobs_exist() -> None:
     """Every job named here is a scenario set of tests/framework_jobs.py."""
     assert {name for _, runs in JOBS.values() for name, _ in runs} <= set(jobs.SCENARIOS)

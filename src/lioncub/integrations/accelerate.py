@@ -17,10 +17,12 @@ that gathers every rank's momenta into the ``optimizer.bin`` rank 0 writes
 its own. (With ``ProjectConfiguration(save_on_each_node=True)`` on several nodes the other nodes' files
 hold their local main process's state only, and loading them is refused.)
 
-With ``LionCub(..., local_steps=16)`` each rank trains its own replica between outer steps; a
-``save_state`` in the middle of a window resumes bitwise through ``load_state`` (each rank's replica is in
-its optimizer state; the model file is rank 0's replica), and evaluations and deployed models belong at
-multiples of H.
+With ``LionCub(..., local_steps=16)`` each rank trains its own replica between outer steps. A
+``save_state`` in the middle of a window writes θ of the last outer step as the model — the same on every
+rank (:meth:`LionCub.shared_values`) — and resumes bitwise through ``load_state`` (each rank's replica is
+in its optimizer state).
+accelerate has no evaluation loop of its own: evaluate inside ``with opt.shared_parameters():`` to score
+the model the ranks share.
 
 ``DistributedDataParallelKwargs(comm_hook=...)`` takes only accelerate's ``DDPCommunicationHookType``
 values and silently ignores anything else, so a callable hook there never runs: :func:`prepare` refuses
@@ -91,7 +93,17 @@ def prepare(
     if accelerator not in hooked and world_size() > 1:
 
         def gather_every_rank(models: list[Any], weights: list[Any], output_dir: str) -> None:
-            """accelerate's save_state pre-hook (every rank runs it): rank 0 saves every rank's state."""
+            """accelerate's save_state pre-hook (every rank runs it): in a local-steps window's middle the
+            models' weights to be written become θ of the last outer step (the parameters keep this rank's
+            replica); rank 0 saves every rank's optimizer state (with its replica)."""
+            shared = opt.shared_values()
+            if shared:
+                by_storage = {p.data_ptr(): shared[id(p)] for g in opt.param_groups for p in g["params"]
+                              if id(p) in shared}  # fmt: skip
+                for state in weights:
+                    for key, value in state.items():
+                        if isinstance(value, torch.Tensor) and value.data_ptr() in by_storage:
+                            state[key] = by_storage[value.data_ptr()]
             opt.consolidate_state_dict(to=0)
 
         accelerator.register_save_state_pre_hook(gather_every_rank)

@@ -19,13 +19,17 @@ rank). Its checkpoints hold every rank's momenta: before rank 0 writes the optim
 is gathered into it (:meth:`LionCub.consolidate_state_dict`), and ``fit(ckpt_path=...)`` loads that state
 on every rank, each taking its own. Everything else (accumulation with ``accumulate_grad_batches``, which
 runs the non-final backward passes in ``no_sync``, lr schedulers, loggers) is Lightning's. With
-``LionCub(..., local_steps=16)`` each rank trains its own replica between outer steps: a checkpoint in the
-middle of a window resumes bitwise (each rank's replica is in its optimizer state; the model in the file
-is rank 0's replica); validate and export at multiples of H (``val_check_interval``).
+``LionCub(..., local_steps=16)`` each rank trains its own replica between outer steps, and Lightning never
+sees one as the model: validation, testing and prediction run on θ of the last outer step, the same on
+every rank (:meth:`LionCub.shared_parameters`; a metric logged with ``sync_dist`` is then the mean of one
+model's scores), and the model in every checkpoint (``last.ckpt`` too) is θ; a checkpoint in the middle of
+a window resumes bitwise (each rank's replica is in its optimizer state). ``max_steps`` that is not a
+multiple of H is warned about once: after ``fit`` each rank's model holds its own replica.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from lioncub.integrations.common import require
@@ -98,6 +102,15 @@ class LionCubStrategy(DDPStrategy):
         install_vote(opt, self.model, overlap=self.overlap, where="LionCubStrategy")
         # fp16: every rank's scaler skips, backs off and grows together (lioncub.optim.amp)
         agree_on_overflow(getattr(self.precision_plugin, "scaler", None))
+        h = opt.local_steps.h if opt.local_steps is not None else 1
+        if trainer.max_steps > 0 and trainer.max_steps % h and self.is_global_zero:
+            warnings.warn(
+                f"LionCubStrategy: max_steps={trainer.max_steps} is not a multiple of local_steps h={h}: the "
+                f"last {trainer.max_steps % h} inner steps end without an outer step. Validation and the "
+                "checkpoints use θ of the last outer step, but after fit() each rank's model holds its own "
+                "replica (evaluate or export it inside opt.shared_parameters())",
+                stacklevel=2,
+            )
         if not self.overlap:
             # Lightning refuses gradient_clip_val for an optimizer that unscales in its own step. Without a
             # scaler (bf16-mixed) nothing is scaled; with one (16-mixed) Lightning then unscales before
@@ -105,6 +118,49 @@ class LionCubStrategy(DDPStrategy):
             # Overlap keeps LionCub's own unscaling, which refuses a scaler (the votes started scaled).
             opt._step_supports_amp_scaling = False
         self.lioncub = opt
+
+    # -- the model Lightning sees: θ of the last outer step in a local-steps window's middle -------------
+
+    def _show_shared(self) -> None:
+        if self.lioncub is not None:
+            self.lioncub.show_shared_parameters()  # put back at the next step, or by _hide_shared
+
+    def _hide_shared(self) -> None:
+        if self.lioncub is not None:
+            self.lioncub.hide_shared_parameters()
+
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._show_shared()
+
+    def on_validation_end(self) -> None:
+        self._hide_shared()
+        super().on_validation_end()
+
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._show_shared()
+
+    def on_test_end(self) -> None:
+        self._hide_shared()
+        super().on_test_end()
+
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self._show_shared()
+
+    def on_predict_end(self) -> None:
+        self._hide_shared()
+        super().on_predict_end()
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's state for a checkpoint: θ of the last outer step in a local-steps window's middle (a
+        copy: the replicas go back into the parameters), else ``DDPStrategy``'s."""
+        if self.lioncub is None:
+            return super().lightning_module_state_dict()
+        with self.lioncub.shared_parameters() as shown:
+            state = super().lightning_module_state_dict()
+            return {k: v.clone() for k, v in state.items()} if shown else state
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """Every rank's state gathered into rank 0's (collective: Lightning calls it on every rank when it

@@ -396,6 +396,16 @@ class LionCub(LeanOptimizer):
         the replicas. Returns whether a window was in progress."""
         return self.policy.show_shared()
 
+    def shared_values(self) -> dict[int, torch.Tensor]:
+        """``id(p)`` → the value the ranks share, for each parameter that holds another one now (this
+        rank's replica, in a local-steps window's middle: θ of the last outer step); ``{}`` elsewhere. For
+        a framework that has the model's state dict in hand: replace those entries (do not modify them)."""
+        return self.policy.shared_values()
+
+    def hide_shared_parameters(self) -> None:
+        """Put back each rank's replica after :meth:`show_shared_parameters` (else the next step does)."""
+        self.policy.hide_shared()
+
     def continue_at(self, step: int) -> None:
         """Continue a run at optimizer ``step`` without its optimizer state (a model-only checkpoint): the
         step count (the 1-bit tie phase, the windows' place) is set, the momenta start at zero; with local

@@ -42,6 +42,7 @@ import torch
 
 from lioncub._validate import is_int, is_number
 from lioncub.collectives import Comm
+from lioncub.optim.config import INNER_MOMENTA
 from lioncub.optim.engine import StepTimes
 from lioncub.optim.outer import OUTER_RULES, OuterRule
 from lioncub.optim.policies import StepPolicy, lion_step
@@ -51,8 +52,6 @@ from lioncub.optim.windows import restore_window, window_record
 
 __all__ = ["DEFAULT_OUTER_LR", "INNER_MOMENTA", "OUTER_RULES", "LocalSteps", "LocalWindow"]
 
-#: what the inner momentum becomes at an outer step
-INNER_MOMENTA = ("keep", "reset", "average")
 #: ``outer_lr`` where none is given, per outer rule
 DEFAULT_OUTER_LR = {name: rule.lr for name, rule in OUTER_RULES.items()}
 
@@ -127,7 +126,7 @@ class LocalSteps:
         if OUTER_RULES[self.outer].dense and transport != "dense":
             raise ValueError(
                 f"local_steps: outer={self.outer!r} averages the pseudo-gradients in fp32 or bf16: use "
-                f"variant='32bit' or '16bit', not {variant!r} (outer='vote' takes the votes)"
+                f"variant='32bit' or variant='16bit', not variant={variant!r} (outer='vote' takes the votes)"
             )
 
     def describe(self) -> dict[str, Any]:
@@ -350,6 +349,12 @@ class LocalWindow(StepPolicy):
                     self._aside[id(p)] = (p, p.detach().clone())
                     p.copy_(anchor)
         return True
+
+    def shared_values(self) -> dict[int, torch.Tensor]:
+        opt = self.optimizer
+        if self._aside or not self._in_window(opt.global_step):
+            return {}  # shown already (the parameters hold θ_t), or no window in progress
+        return {id(p): opt.state[p]["anchor"] for p in opt.layout.params() if "anchor" in opt.state[p]}
 
     def hide_shared(self) -> None:
         if self._aside:

@@ -68,6 +68,10 @@ class StepPolicy:
     def hide_shared(self) -> None:
         """Put back what :meth:`show_shared` kept aside."""
 
+    def shared_values(self) -> dict[int, torch.Tensor]:
+        """``id(p)`` → the ranks' common value of each parameter that holds another one now."""
+        return {}
+
     def restart_at(self, step: int) -> None:
         """The optimizer continues at ``step`` without a saved state (a model-only checkpoint)."""
 

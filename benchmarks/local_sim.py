@@ -5,18 +5,21 @@ One process plays N workers training the tiny GPT workload (``gpt``/``tiny`` of 
 model, param groups with their lrs and weight decay, per-rank data, validation and lr schedule). Every
 worker r holds its own parameters θ_r and inner Lion momentum; each inner step it draws its own batch
 (rank r of N: ``--data-mode random`` samples the whole text, ``shard`` its contiguous 1/N) and takes a
-Lion step alone. Every H steps the outer step combines the pseudo-gradients Δ_r = θ_t − θ_r:
+Lion step alone, without weight decay. Every H steps the outer step combines the pseudo-gradients
+Δ_r = θ_t − θ_r, then the window's weight decay D = Π(1 − lr·λ) over its inner steps scales θ:
 
 * ``vote-1bit``: 1-bit majority of ``c_r = β1ᵒ·M_r + (1−β1ᵒ)·Δ_r`` (zeros split by rank and step parity,
-  ties by the alternating rule), ``θ ← θ_t·(1 − ηᵒλᵒ) − ηᵒ·u``, ``ηᵒ = outer_lr · H · lr``;
+  ties by the alternating rule), ``θ ← (θ_t − ηᵒ·u)·D``, ``ηᵒ = outer_lr · H · lr``;
 * ``vote-8bit``: the sign of the sum of the workers' L1 levels of ``c_r`` (budget ⌊127/N⌋ per tensor);
 * ``dsm``: the same sign step on the mean Δ̄ with one shared outer momentum (fp32);
-* ``diloco``: Nesterov SGD on Δ̄ (``v ← μv + Δ̄``, ``θ ← θ_t − ηᵒ(Δ̄ + μv)``, ηᵒ = outer_lr).
+* ``diloco``: Nesterov SGD on Δ̄ (``v ← μv + Δ̄``, ``θ ← (θ_t − ηᵒ(Δ̄ + μv))·D``, ηᵒ = outer_lr).
 
 and the per-step baselines ``1bit`` (a 1-bit vote every step) and ``lion`` (global Lion on the mean
-gradient: ``32bit``). Bytes per inner step and parameter: 1/H bit (vote-1bit), 8/H (vote-8bit), 32/H
-(dsm, diloco fp32), 1 (1bit), 32 (lion). With one model copy per worker, one thread, the step-keyed
-samplers and the seeded init, every run is a function of its settings.
+gradient: ``32bit``). The workers, their steps and the outer rules are the N-worker oracle's
+(``tests/oracles.py``: ``simulate_local_steps``, ``simulate_steps``), the one ``tests/test_local_steps.py``
+holds the optimizer to bit for bit. Bytes per inner step and parameter: 1/H bit (vote-1bit), 8/H
+(vote-8bit), 32/H (dsm, diloco fp32), 1 (1bit), 32 (lion). With one model copy per worker, one thread,
+the step-keyed samplers and the seeded init, every run is a function of its settings.
 
     .venv/bin/python benchmarks/local_sim.py --n 4 --rules vote-1bit,diloco --h 16 --outer-lr 0.5,1 \\
         --seeds 0 --steps 256 --out runs/local_sim/results.json
@@ -28,23 +31,29 @@ import argparse
 import itertools
 import json
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from lioncub.ops.quantize import level_budget
 from lioncub.train.config import RunConfig, lr_factor
 from lioncub.train.workloads import make_workload
-from scale_sim import majority_1bit, quantized_l1  # the per-step votes' oracles, as scale_sim runs them
+
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))  # the N-worker oracle, tests/oracles.py
+from oracles import simulate_local_steps, simulate_steps
 
 RULES = ("vote-1bit", "vote-8bit", "dsm", "diloco", "1bit", "lion")
 #: bits per parameter one outer exchange of a rule sends (per-step rules: per step)
 BITS = {"vote-1bit": 1, "vote-8bit": 8, "dsm": 32, "diloco": 32, "1bit": 1, "lion": 32}
+#: the oracle's (variant, outer rule) of each local rule, and its preset of each per-step rule
+LOCAL = {"vote-1bit": ("1bit", "vote"), "vote-8bit": ("8bit", "vote"), "dsm": ("32bit", "dsm"),
+         "diloco": ("32bit", "diloco")}  # fmt: skip
+PER_STEP = {"1bit": "1bit", "lion": "32bit"}
 
 
 def simulate(
@@ -61,8 +70,9 @@ def simulate(
     eval_every: int = 32,
 ) -> dict[str, Any]:
     """Train the tiny GPT with ``n`` simulated workers, ``rule`` and ``h`` inner steps per outer step (the
-    per-step rules ignore ``h``), every param group's lr times ``lr_scale``; returns the run's record
-    (validation losses, bytes)."""
+    per-step rules ignore ``h``), every param group's lr times ``lr_scale``, on the oracle's workers
+    (``oracles.simulate_local_steps``, the per-step rules ``oracles.simulate_steps``); returns the run's
+    record (validation losses, bytes)."""
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     wl = make_workload("gpt", "tiny", rank=0, world_size=n, seed=seed, data_mode=data_mode)
@@ -72,111 +82,94 @@ def simulate(
         wl.data.sampler(wl.batch_size, wl.block_size, rank=r, world_size=n, seed=seed, mode=data_mode)  # type: ignore[attr-defined]
         for r in range(n)
     ]
-    segments = [p.numel() for p in params]
     group_of = {id(p): g for g in wl.param_groups(model) for p in g["params"]}
-    peak = torch.cat([torch.full((p.numel(),), lr_scale * float(group_of[id(p)]["lr"])) for p in params])
-    wd = torch.cat([torch.full((p.numel(),), float(group_of[id(p)]["weight_decay"])) for p in params])
-    beta1, beta2 = wl.betas
+    peak = [lr_scale * float(group_of[id(p)]["lr"]) for p in params]
+    wd = [float(group_of[id(p)]["weight_decay"]) for p in params]
     warmup = RunConfig(steps=steps).warmup
-    per_step = rule in ("1bit", "lion")
+    per_step = rule in PER_STEP
     h = 1 if per_step else h
-    theta = parameters_to_vector(params).detach()
-    d = theta.numel()
-    thetas = theta.repeat(n, 1)  # [N, D] every worker's parameters
-    m_in = torch.zeros(n, d)  # inner momenta
-    m_out = torch.zeros(n, d)  # outer momenta (vote rules; row 0 for the shared ones)
-    anchor = theta.clone()
-    grads = torch.zeros(n, d)
     record: dict[str, Any] = {"evals": [], "losses": []}
+    step_loss = [0.0]
 
-    def evaluate(step: int) -> None:
-        vector_to_parameters(anchor if not per_step else thetas[0], params)
-        record["evals"].append({"step": step, "val_loss": wl.evaluate(model)["val_loss"]})
+    def load(theta: list[Tensor]) -> None:
+        with torch.no_grad():
+            for p, t in zip(params, theta, strict=True):
+                p.copy_(t)
 
-    for step in range(1, steps + 1):
-        lr = peak * lr_factor(step, steps, warmup, 0.1)
-        loss_sum = 0.0
-        for r in range(n):
-            vector_to_parameters(thetas[r], params)
-            x, y = wl.data.windows("train", samplers[r].indices(step - 1), wl.block_size)  # type: ignore[attr-defined]
-            model.zero_grad(set_to_none=True)
-            loss = wl.loss(model, (x, y))
-            loss.backward()
-            loss_sum += loss.item()
-            grads[r] = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
-        record["losses"].append(loss_sum / n)
-        c = m_in.mul(beta1).add_(grads, alpha=1 - beta1)
-        if rule == "lion":
-            g_mean = grads.sum(0) / n
-            u = torch.sign(m_out[0].mul(beta1).add_(g_mean, alpha=1 - beta1))
-            m_out[0].mul_(beta2).add_(g_mean, alpha=1 - beta2)
-            thetas[:] = thetas[0].mul(1 - lr * wd).sub_(lr * u)
-        elif rule == "1bit":
-            u = majority_1bit(c, step).float()
-            thetas[:] = thetas[0].mul(1 - lr * wd).sub_(lr * u)
-            m_in.mul_(beta2).add_(grads, alpha=1 - beta2)
-        else:  # local: every worker's own Lion step
-            thetas.mul_(1 - lr * wd).sub_(lr * torch.sign(c))
-            m_in.mul_(beta2).add_(grads, alpha=1 - beta2)
-            if step % h == 0:
-                outer(rule, step // h, thetas, anchor, m_out, m_in, lr, h, outer_lr, inner_momentum, segments)
-        if per_step:
-            anchor = thetas[0]
-        if (step % eval_every == 0 or step == steps) and (per_step or step % h == 0):
-            evaluate(step)
+    def grads(r: int, step: int, theta: list[Tensor]) -> list[Tensor | None]:
+        """Worker r's gradient at its own parameters on its own batch (train_batch(step - 1))."""
+        load(theta)
+        x, y = wl.data.windows("train", samplers[r].indices(step - 1), wl.block_size)  # type: ignore[attr-defined]
+        model.zero_grad(set_to_none=True)
+        loss = wl.loss(model, (x, y))
+        loss.backward()
+        step_loss[0] += loss.item()
+        return [p.grad for p in params]
+
+    def hyper(step: int, i: int) -> tuple[float, float]:
+        return peak[i] * lr_factor(step, steps, warmup, 0.1), wd[i]
+
+    def after(step: int, theta: list[Tensor]) -> None:
+        """The step's mean training loss; the validation loss of θ (after an outer step) when due."""
+        record["losses"].append(step_loss[0] / n)
+        step_loss[0] = 0.0
+        if (step % eval_every == 0 or step == steps) and step % h == 0:
+            load(theta)
+            record["evals"].append({"step": step, "val_loss": wl.evaluate(model)["val_loss"]})
+
+    theta = [p.detach().clone() for p in params]
+    if per_step:
+        simulate_steps(
+            PER_STEP[rule], n, theta, steps, grads, hyper, betas=wl.betas, alone=False,
+            on_step=lambda step, th, _c, _u: after(step, th),
+        )  # fmt: skip
+    else:
+        variant, outer = LOCAL[rule]
+        simulate_local_steps(
+            variant, outer, n, h, outer_lr, theta, steps, grads, hyper, betas=wl.betas,
+            inner_momentum=inner_momentum, on_step=lambda step, anchor, _: after(step, anchor),
+        )  # fmt: skip
     bits = BITS[rule] / (1 if per_step else h)
+    tail = statistics.mean(record["losses"][-max(1, steps // 10) :])
     record.update(
         n=n, rule=rule, h=h, outer_lr=outer_lr, seed=seed, steps=steps, data_mode=data_mode,
-        inner_momentum=inner_momentum, lr_scale=lr_scale, bits_per_param_step=bits, params=d,
-        final_val_loss=record["evals"][-1]["val_loss"], seconds=time.perf_counter() - t0,
-        train_loss_tail=statistics.mean(record["losses"][-max(1, steps // 10) :]),
+        inner_momentum=inner_momentum, lr_scale=lr_scale, bits_per_param_step=bits,
+        params=sum(p.numel() for p in params), final_val_loss=record["evals"][-1]["val_loss"],
+        seconds=time.perf_counter() - t0, train_loss_tail=tail,
     )  # fmt: skip
     return record
 
 
-def outer(
-    rule: str,
-    t: int,
-    thetas: Tensor,
-    anchor: Tensor,
-    m_out: Tensor,
-    m_in: Tensor,
-    lr: Tensor,
-    h: int,
-    outer_lr: float,
-    inner_momentum: str,
-    segments: list[int],
-) -> None:
-    """The outer step ``t`` of ``rule`` in place: the new θ in ``anchor`` and every row of ``thetas``."""
-    beta1, beta2 = 0.9, 0.99
-    delta = anchor - thetas  # [N, D]
-    if rule in ("vote-1bit", "vote-8bit"):
-        c = m_out.mul(beta1).add_(delta, alpha=1 - beta1)
-        u = (
-            majority_1bit(c, t)
-            if rule == "vote-1bit"
-            else quantized_l1(c, segments, level_budget(c.shape[0], 8, "signed"))
-        ).float()
-        anchor.sub_(outer_lr * h * lr * u)
-        m_out.mul_(beta2).add_(delta, alpha=1 - beta2)
-    elif rule == "dsm":
-        mean = delta.sum(0) / delta.shape[0]
-        u = torch.sign(m_out[0].mul(beta1).add_(mean, alpha=1 - beta1))
-        anchor.sub_(outer_lr * h * lr * u)
-        m_out[0].mul_(beta2).add_(mean, alpha=1 - beta2)
-    else:  # diloco: Nesterov SGD, momentum 0.9
-        mean = delta.sum(0) / delta.shape[0]
-        mu = 0.9
-        if t == 1:
-            m_out[0].copy_(mean)
-        else:
-            m_out[0].mul_(mu).add_(mean)
-        anchor.sub_(outer_lr * mean.add(m_out[0], alpha=mu))
-    thetas[:] = anchor
-    if inner_momentum == "reset":
-        m_in.zero_()
-    elif inner_momentum == "average":
-        m_in[:] = m_in.mean(0)
+def verify(tmp: Path) -> bool:
+    """At N = 2, H = 4 and 8 steps (inner momenta kept, outer lr 1), the validation loss after the last
+    outer step against `lioncub train --local-steps 4` (2 gloo ranks on loopback): equal for ``vote-1bit``
+    (``--variant 1bit``) and ``dsm`` (``--variant 32bit --outer dsm``)."""
+    ok = True
+    for rule, args in (
+        ("vote-1bit", ["--variant", "1bit"]),
+        ("dsm", ["--variant", "32bit", "--outer", "dsm"]),
+    ):
+        out = tmp / rule
+        cmd = [
+            sys.executable,
+            "-m",
+            "lioncub.cli",
+            "train",
+            "--workload",
+            "gpt",
+            "--size",
+            "tiny",
+            "--nproc",
+            "2",
+        ]
+        cmd += ["--local-steps", "4", "--steps", "8", "--eval-every", "8", "--inner-momentum", "keep", *args]
+        subprocess.run([*cmd, "--out", str(out), "--no-progress"], check=True, stdout=subprocess.DEVNULL)
+        records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+        real = [r["val_loss"] for r in records if r.get("kind") == "eval"][-1]
+        sim = simulate(2, rule, h=4, outer_lr=1.0, seed=0, steps=8, inner_momentum="keep")["final_val_loss"]
+        ok &= real == sim
+        print(f"{rule:9s} vs lioncub train {' '.join(args)}: val loss {sim!r} against {real!r}")
+    return ok
 
 
 def summary(runs: list[dict[str, Any]]) -> str:
@@ -267,7 +260,13 @@ def main() -> None:
     ap.add_argument(
         "--min-seeds", type=int, default=1, help="--plot/--table: settings run with this many seeds"
     )
+    ap.add_argument(
+        "--verify", action="store_true", help="compare with `lioncub train` at N = 2, H = 4, 8 steps"
+    )
     args = ap.parse_args()
+    if args.verify:
+        with tempfile.TemporaryDirectory() as tmp:
+            sys.exit(0 if verify(Path(tmp)) else 1)
     if args.table or args.plot:
         runs = [r for path in args.out.split(",") for r in json.loads(Path(path).read_text())]
         if args.plot:

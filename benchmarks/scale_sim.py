@@ -20,6 +20,9 @@ replicas), with ``lioncub train``'s warm-up + cosine schedule:
   "wider quantization" the paper recommends for many workers;
 * ``avg``: Distributed Lion's average of signs, ``Σ sign(c_r) / N`` (``dlion-avg``).
 
+The workers' steps and the rules are the N-worker oracle's (``tests/oracles.py``: ``simulate_steps`` and its
+vote rules), the one the optimizer is tested against bit for bit.
+
 Measured (definitions of ``lioncub.optim.diagnostics``): the tie rate of the 1-bit majority
 (``2·#{votes "+"} = N``) and of the sign vote (``Σ sign c_r = 0``); *match* and *flip* of every rule's
 update against ``sign(Σ_r c_r)`` — the run's own rule on its own trajectory, and every rule of
@@ -53,63 +56,26 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lioncub.ops.quantize import level_budget, quantize_l1
+from lioncub.ops.quantize import level_budget
 from lioncub.optim.diagnostics import agreement, momentum_spread
-from lioncub.optim.lion import apply_update_
 from lioncub.train.config import RunConfig, lr_factor
 from lioncub.train.workloads import make_workload
+
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))  # the N-worker oracle, tests/oracles.py
+from oracles import (
+    average_of_signs,
+    l1_vote,
+    majority_1bit,
+    node_majority,
+    one_bit_votes,
+    simulate_steps,
+)
 
 IO_TENSORS = ("wte", "wpe", "lm_head")  # input/output layers, as benchmarks/findings.py counts them
 
 # ------------------------------------------------------------------------------------------------ rules
-# Every rule maps the directions C (float32, [N, D]: one row per worker, the parameters flattened in
-# model.named_parameters() order) to the update u [D]; `segments` are the parameter tensors' lengths.
-
-
-def tie_sign(step: int) -> int:
-    """The alternating tie rule of the 1-bit vote: +1 on odd steps, −1 on even steps."""
-    return 1 if step % 2 == 1 else -1
-
-
-def one_bit_votes(C: Tensor, step: int) -> Tensor:
-    """The workers' one-bit votes (bool ``[N, D]``): ``c > 0``, an exact zero "+" where worker + step is
-    even (lioncub's ``zero_vote="split"``)."""
-    zero_plus = (torch.arange(C.shape[0]) + step) % 2 == 0
-    return (C > 0) | ((C == 0) & zero_plus[:, None])
-
-
-def majority_1bit(C: Tensor, step: int) -> Tensor:
-    """Flat 1-bit majority of the one-bit votes, ties by the alternating rule."""
-    n = C.shape[0]
-    margin = 2 * one_bit_votes(C, step).sum(0, dtype=torch.int32) - n
-    return torch.where(margin == 0, tie_sign(step), torch.sign(margin)).to(torch.int8)
-
-
-def node_majority(C: Tensor, step: int, per_node: int) -> Tensor:
-    """Each node's 1-bit majority of its ``per_node`` ranks (rank = node·L + local), then the 1-bit
-    majority of the nodes; both with the alternating tie rule."""
-    n, d = C.shape
-    nodes, tie = n // per_node, tie_sign(step)
-    margin = 2 * one_bit_votes(C, step).view(nodes, per_node, d).sum(1, dtype=torch.int32) - per_node
-    node_votes = torch.where(margin == 0, tie, torch.sign(margin))  # [nodes, D], ±1
-    margin = 2 * (node_votes > 0).sum(0, dtype=torch.int32) - nodes
-    return torch.where(margin == 0, tie, torch.sign(margin)).to(torch.int8)
-
-
-def quantized_l1(C: Tensor, segments: list[int], levels: int) -> Tensor:
-    """``sign(Σ_r Q(c_r))`` with ``Q = quantize_l1(·, levels)`` normalised per parameter tensor."""
-    total = torch.zeros(C.shape[1], dtype=torch.int64)
-    for row in C:
-        pos = 0
-        for length in segments:
-            total[pos : pos + length] += quantize_l1(row[pos : pos + length], levels).to(torch.int64)
-            pos += length
-    return torch.sign(total).to(torch.int8)
-
-
-def average_of_signs(C: Tensor) -> Tensor:
-    """Distributed Lion's average: ``Σ_r sign(c_r) / N`` (float32)."""
-    return torch.sign(C).sum(0, dtype=torch.int32).to(torch.float32) / C.shape[0]
+# Every rule maps the directions C (float32, [N, ...]: one row per worker) to the update u; the rules
+# themselves are the oracle's (tests/oracles.py), written once.
 
 
 def rule_levels(rule: str, n: int) -> int | None:
@@ -136,17 +102,26 @@ def check_rule(rule: str, n: int) -> str | None:
     return None
 
 
-def vote(rule: str, C: Tensor, step: int, segments: list[int]) -> Tensor:
-    """The update of a voting rule (everything but ``lion``) from the directions ``C``."""
+def tensor_vote(rule: str, C: Tensor, step: int) -> Tensor:
+    """The update of a voting rule (everything but ``lion``) from one parameter tensor's directions ``C``:
+    ``1bit`` the flat 1-bit majority, ``nm<L>`` node-majority with L ranks per node, ``8bit`` and
+    ``int16-l1`` the sign of the summed L1 levels (budget :func:`rule_levels`), ``avg`` the average of
+    signs."""
     if rule == "1bit":
         return majority_1bit(C, step)
     if m := re.fullmatch(r"nm(\d+)", rule):
         return node_majority(C, step, int(m.group(1)))
     if rule in ("8bit", "int16-l1"):
-        return quantized_l1(C, segments, rule_levels(rule, C.shape[0]))  # type: ignore[arg-type]
+        return l1_vote(C, rule_levels(rule, C.shape[0]))  # type: ignore[arg-type]
     if rule == "avg":
         return average_of_signs(C)
     raise ValueError(rule)
+
+
+def vote(rule: str, C: Tensor, step: int, segments: list[int]) -> Tensor:
+    """:func:`tensor_vote` of every parameter tensor of the flattened directions ``C`` ([N, D]; ``segments``:
+    the tensors' lengths, in order)."""
+    return torch.cat([tensor_vote(rule, piece, step) for piece in C.split(segments, dim=1)])
 
 
 # ------------------------------------------------------------------------------------------- simulation
@@ -164,8 +139,9 @@ def simulate(
     shadow: tuple[str, ...] = (),
     corpus: str | None = None,
 ) -> dict[str, Any]:
-    """Train the tiny GPT with ``n`` simulated workers and ``rule`` for ``steps`` steps; returns the
-    record of the run (losses, diagnostics, final parameters' checksum) and, as ``"model"``, the model."""
+    """Train the tiny GPT with ``n`` simulated workers and ``rule`` for ``steps`` steps on the oracle's
+    N workers (``oracles.simulate_steps``; ``lion``: its ``32bit``); returns the record of the run (losses,
+    diagnostics, final parameters' checksum) and, as ``"model"``, the model."""
     torch.set_num_threads(1)
     t_start = time.perf_counter()
     overrides: dict[str, Any] = {"batch_size": batch}
@@ -180,72 +156,75 @@ def simulate(
     names = [name for name, _ in model.named_parameters()]
     params = [p for _, p in model.named_parameters()]
     segments = [p.numel() for p in params]
-    offsets = [sum(segments[:i]) for i in range(len(segments))]
     group_of = {id(p): g for g in wl.param_groups(model) for p in g["params"]}
     peak_lr = [group_of[id(p)]["lr"] for p in params]
     wd = [group_of[id(p)]["weight_decay"] for p in params]
-    beta1, beta2 = wl.betas
     warmup = RunConfig(steps=steps).warmup
-    d = sum(segments)
-
-    G = torch.zeros(n, d)  # the workers' gradients
-    M = torch.zeros(n, d)  # the workers' momenta (kept for every rule: diagnostics)
-    C = torch.empty(n, d)  # the workers' directions
-    m_global = torch.zeros(d)  # the reference's one momentum
     losses: list[float] = []
+    step_loss = [0.0]
     diags: list[dict[str, Any]] = []
 
-    for step in range(1, steps + 1):
-        factor = lr_factor(step, steps, warmup, 0.1)
-        # 1. every worker's gradient on its own batch (as `lioncub train`: train_batch(step - 1))
-        step_loss = 0.0
-        for r in range(n):
-            x, y = wl.data.windows("train", samplers[r].indices(step - 1), wl.block_size)  # type: ignore[attr-defined]
-            model.zero_grad(set_to_none=True)
-            loss = wl.loss(model, (x, y))
-            loss.backward()
-            step_loss += loss.item()
-            for p, o, k in zip(params, offsets, segments, strict=True):
-                G[r, o : o + k] = p.grad.reshape(-1)  # type: ignore[union-attr]
-        losses.append(step_loss / n)
-        # 2. the directions and the update
-        torch.mul(M, beta1, out=C).add_(G, alpha=1.0 - beta1)
-        if rule == "lion":
-            g_mean = G.sum(0) / n
-            u = torch.sign(m_global.mul(beta1).add_(g_mean, alpha=1.0 - beta1))
-            m_global.mul_(beta2).add_(g_mean, alpha=1.0 - beta2)
-        else:
-            u = vote(rule, C, step, segments)
-        # 3. diagnostics, on the directions of this step (before the momenta move)
-        if step == steps or (diag_every and step % diag_every == 0):
-            total = C.double().sum(0)  # the full-precision vote Σ c_r
-            plus = one_bit_votes(C, step).sum(0, dtype=torch.int32)
-            match, flip = agreement(u, total)
-            diag: dict[str, Any] = {
-                "step": step,
-                "tie_1bit": float((2 * plus == n).double().mean()),
-                "tie_sign": float((torch.sign(C).sum(0, dtype=torch.int32) == 0).double().mean()),
-                "match": match,
-                "flip": flip,
-                "shadow": {},
-            }
-            for other in shadow:
-                if other != "lion" and other != rule and check_rule(other, n) is None:
-                    diag["shadow"][other] = dict(
-                        zip(("match", "flip"), agreement(vote(other, C, step, segments), total), strict=True)
-                    )
-            diags.append(diag)
-        # 4. apply (p ← p·(1 − lr·wd) − lr·u, as LionCub) and move every worker's momentum
+    def load(theta: list[Tensor]) -> None:
         with torch.no_grad():
-            for i, p in enumerate(params):
-                piece = u[offsets[i] : offsets[i] + segments[i]].view_as(p).to(p.dtype)
-                apply_update_(p, piece, lr=peak_lr[i] * factor, weight_decay=wd[i])
-        M.mul_(beta2).add_(G, alpha=1.0 - beta2)
+            for p, t in zip(params, theta, strict=True):
+                p.copy_(t)
 
+    def grads(r: int, step: int, theta: list[Tensor]) -> list[Tensor | None]:
+        """Worker r's gradient on its own batch (as `lioncub train`: train_batch(step - 1))."""
+        load(theta)
+        x, y = wl.data.windows("train", samplers[r].indices(step - 1), wl.block_size)  # type: ignore[attr-defined]
+        model.zero_grad(set_to_none=True)
+        loss = wl.loss(model, (x, y))
+        loss.backward()
+        step_loss[0] += loss.item()
+        return [p.grad for p in params]
+
+    def hyper(step: int, i: int) -> tuple[float, float]:
+        return peak_lr[i] * lr_factor(step, steps, warmup, 0.1), wd[i]
+
+    def diagnose(step: int, _theta: list[Tensor], stacked: list[Any], updates: list[Any]) -> None:
+        """The step's mean loss; diagnostics on its directions (before the momenta moved)."""
+        losses.append(step_loss[0] / n)
+        step_loss[0] = 0.0
+        if not (step == steps or (diag_every and step % diag_every == 0)):
+            return
+        C = torch.cat([c.reshape(n, -1) for c in stacked], dim=1)
+        u = torch.cat([x.reshape(-1) for x in updates])
+        total = C.double().sum(0)  # the full-precision vote Σ c_r
+        plus = one_bit_votes(C, step).sum(0)
+        match, flip = agreement(u, total)
+        diag: dict[str, Any] = {
+            "step": step,
+            "tie_1bit": float((2 * plus == n).double().mean()),
+            "tie_sign": float((torch.sign(C).sum(0, dtype=torch.int32) == 0).double().mean()),
+            "match": match,
+            "flip": flip,
+            "shadow": {},
+        }
+        for other in shadow:
+            if other != "lion" and other != rule and check_rule(other, n) is None:
+                diag["shadow"][other] = dict(
+                    zip(("match", "flip"), agreement(vote(other, C, step, segments), total), strict=True)
+                )
+        diags.append(diag)
+
+    run = simulate_steps(
+        "32bit" if rule == "lion" else rule,
+        n,
+        [p.detach().clone() for p in params],
+        steps,
+        grads,
+        hyper,
+        betas=wl.betas,
+        vote=None if rule == "lion" else lambda _p, cs, step, _n: tensor_vote(rule, torch.stack(cs), step),
+        alone=False,
+        on_step=diagnose,
+    )
+    load(run.theta)
     # momentum spread per tensor after the last step: sqrt(max over elements of the variance over workers)
     spread = {}
-    for name, o, k in zip(names, offsets, segments, strict=True):
-        m = M[:, o : o + k].double()
+    for i, name in enumerate(names):
+        m = torch.stack([run.momenta[r][i] for r in range(n)]).reshape(n, -1).double()  # type: ignore[misc]
         spread[name] = momentum_spread(m.mean(0), m.square().mean(0))
     tail = max(1, steps // 10)
     return {

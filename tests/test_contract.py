@@ -1,5 +1,5 @@
 """LionCub keeps the ``torch.optim`` contract that training frameworks rely on (2–3 gloo ranks, against the
-plain N-worker simulation of ``tests/oracles.py`` and ``lioncub.Lion``):
+N-worker oracle of ``tests/oracles.py`` and ``lioncub.Lion``):
 
 * a parameter whose gradient is ``None`` on every rank is not touched; frozen (``requires_grad_(False)``)
   mid-run, added with ``add_param_group``, unfrozen later, and partly-missing gradients (zero votes);
@@ -20,7 +20,7 @@ import torch
 
 from lioncub.optim import Lion, LionCub
 from lioncub.optim.step_check import GradientChangedError, StepMismatchError
-from oracles import ALL_PRESETS, BETAS, DENSE, local_grad, sim_vote
+from oracles import ALL_PRESETS, BETAS, DENSE, local_grad, simulate_steps
 
 from dist_utils import run_workers
 
@@ -89,36 +89,22 @@ def worker_contract(rank: int, world: int, presets: list[str]) -> dict:
 
 
 def simulate_contract(preset: str, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-    """The same schedule in one process: per-worker momenta, a parameter touched only on steps where some
-    worker has its gradient (the others vote with zero), rank 0's initial values."""
-    theta = _initial(0)
-    dense = preset in DENSE
-    moms: list[list[torch.Tensor | None]] = [[None] * len(theta) for _ in range(1 if dense else n)]
-    for step in range(1, STEPS + 1):
-        for i, p in enumerate(theta):
-            if not any(_has_grad(r, step, i) for r in range(n)):
-                continue
-            lr = HEAD_LR if i == 4 else LR
-            grads = [
-                _grad(r, step, i, p, n if dense else 0) if _has_grad(r, step, i) else torch.zeros_like(p)
-                for r in range(n)
-            ]
-            for mom in moms:
-                if mom[i] is None:
-                    mom[i] = torch.zeros_like(p)
-            if dense:
-                wire = torch.float64 if preset == "32bit" else torch.bfloat16
-                g = sum(grads[r].to(wire) / n for r in range(n)).to(torch.float64)
-                m = moms[0][i]
-                u = torch.sign(BETAS[0] * m + (1 - BETAS[0]) * g)
-                moms[0][i] = m.mul(BETAS[1]).add_(g, alpha=1 - BETAS[1])  # as the optimizer rounds
-            else:
-                cs = [BETAS[0] * moms[r][i] + (1 - BETAS[0]) * grads[r] for r in range(n)]
-                u = sim_vote(preset, cs, step, n)
-                for r in range(n):
-                    moms[r][i] = moms[r][i].mul(BETAS[1]).add_(grads[r], alpha=1 - BETAS[1])
-            theta[i] = (p * (1 - lr * WD)).add_(u, alpha=-lr)
-    return theta, moms[0]
+    """The same schedule on the N-worker oracle (``oracles.simulate_steps``): a parameter touched only on
+    steps where some worker has its gradient (the others vote with zero), rank 0's initial values; the
+    parameters and rank 0's momenta (None: never trained)."""
+    dense_n = n if preset in DENSE else 0
+
+    def grads(rank: int, step: int, theta: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        return [
+            _grad(rank, step, i, p, dense_n) if _has_grad(rank, step, i) else None
+            for i, p in enumerate(theta)
+        ]
+
+    def hyper(step: int, i: int) -> tuple[float, float]:
+        return (HEAD_LR if i == 4 else LR), WD
+
+    run = simulate_steps(preset, n, _initial(0), STEPS, grads, hyper)
+    return run.theta, run.momentum(preset)
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
-"""Local steps (``LionCub(local_steps=LocalSteps(...))``) on gloo ranks against a plain simulation of N
-workers, bit for bit: H inner Lion steps per rank, then the outer step of each rule (vote through every
-voting preset, hierarchical at 2×2, dsm, diloco), H = 1 included; every rank's parameters and states
-after a resume in the middle of a window; a non-finite inner step on one rank; one process is Lion."""
+"""Local steps (``LionCub(local_steps=LocalSteps(...))``) on gloo ranks against the N-worker oracle
+(``oracles.simulate_local``), bit for bit: H inner Lion steps per rank, then the outer step of each rule
+(vote through every voting preset, hierarchical at 2×2, dsm, diloco), H = 1 included; every rank's
+parameters and states after a resume in the middle of a window; a non-finite inner step on one rank; one
+process is Lion."""
 
 from __future__ import annotations
 
@@ -10,93 +11,12 @@ import torch
 import torch.distributed as dist
 
 from lioncub import Lion, LionCub, LocalSteps, resolve_variant
-from oracles import BETAS, GROUPS, initial_params, local_grad, lr_factor, param_groups, sim_vote
+from oracles import BETAS, initial_params, local_grad, lr_factor, param_groups, simulate_local
 
 from dist_utils import run_workers
 
 VOTES = ["1bit", "4bit", "8bit", "8bit-sign", "dlion-avg", "dlion-mavo"]
 STEPS = 7  # windows of H = 3 end at steps 3 and 6; step 7 is inside the third
-
-
-def simulate_local(
-    variant: str,
-    outer: str,
-    n: int,
-    h: int,
-    outer_lr: float,
-    steps: int = STEPS,
-    inner_momentum: str = "reset",
-) -> list:
-    """Every rank's parameters after ``steps`` steps (float64): H inner Lion steps per rank without weight
-    decay (a None gradient leaves a parameter alone, as Lion), then the outer step on Δ_r = θ_t − θ_r
-    followed by the window's decay D = Π (1 − lr_k·wd) over its H inner steps, then the inner momenta
-    zeroed (``reset``), left (``keep``) or averaged over the ranks in fp32 (``average``: the sum in rank
-    order, divided by N)."""
-    theta = [initial_params(0) for _ in range(n)]  # rank 0's values, broadcast
-    anchor = [p.clone() for p in theta[0]]
-    m_in = [[torch.zeros_like(p) for p in theta[0]] for _ in range(n)]
-    m_out = [[torch.zeros_like(p) for p in theta[0]] for _ in range(n)]
-    buf: list[torch.Tensor | None] = [None] * len(anchor)
-    group_of = {i: (lr, wd) for idx, lr, wd in GROUPS for i in idx}
-    decay = [1.0] * len(anchor)  # the window's weight decay so far, the same on every rank
-    for step in range(1, steps + 1):
-        for i in range(len(anchor)):
-            decay[i] *= 1.0 - group_of[i][0] * lr_factor(step - 1) * group_of[i][1]
-        for r in range(n):
-            for i, p in enumerate(theta[r]):
-                g = local_grad(r, step, i, p)
-                if g is None:
-                    continue
-                lr = group_of[i][0] * lr_factor(step - 1)
-                u = torch.sign(torch.mul(m_in[r][i], BETAS[0]).add_(g, alpha=1 - BETAS[0]))
-                theta[r][i] = p.clone().add_(u, alpha=-lr)  # no decay: the window's is at its outer step
-                m_in[r][i] = torch.mul(m_in[r][i], BETAS[1]).add_(g, alpha=1 - BETAS[1])
-        if step % h:
-            continue
-        t = step // h
-        for i in range(len(anchor)):
-            deltas = [anchor[i] - theta[r][i] for r in range(n)]
-            lr = group_of[i][0] * lr_factor(step - 1)
-            eta = outer_lr * h * lr
-            if outer == "diloco":
-                mean = _dense_mean(deltas, variant)
-                buf[i] = mean.clone() if buf[i] is None else buf[i].mul_(0.9).add_(mean)  # type: ignore[union-attr]
-                anchor[i] = anchor[i].add(mean.add(buf[i], alpha=0.9), alpha=-outer_lr)
-                anchor[i] = anchor[i] * decay[i] if decay[i] != 1.0 else anchor[i]
-                continue
-            if outer == "dsm":
-                mean = _dense_mean(deltas, variant)
-                u = torch.sign(torch.mul(m_out[0][i], 0.9).add_(mean, alpha=0.1))
-                m_out[0][i] = torch.mul(m_out[0][i], 0.99).add_(mean, alpha=0.01)
-            else:
-                cs = [torch.mul(m_out[r][i], 0.9).add_(deltas[r], alpha=0.1) for r in range(n)]
-                u = sim_vote(variant, cs, t, n)
-                for r in range(n):
-                    m_out[r][i] = torch.mul(m_out[r][i], 0.99).add_(deltas[r], alpha=0.01)
-            anchor[i] = anchor[i].add(u, alpha=-eta)
-            anchor[i] = anchor[i] * decay[i] if decay[i] != 1.0 else anchor[i]
-        theta = [[a.clone() for a in anchor] for _ in range(n)]
-        decay = [1.0] * len(anchor)
-        if inner_momentum == "reset":
-            m_in = [[torch.zeros_like(m) for m in ms] for ms in m_in]
-        elif inner_momentum == "average":
-            for i in range(len(anchor)):
-                total = m_in[0][i].float()
-                for r in range(1, n):
-                    total = total + m_in[r][i].float()
-                for r in range(n):
-                    m_in[r][i] = total.div(n).to(torch.float64)
-    return theta
-
-
-def _dense_mean(deltas: list[torch.Tensor], variant: str) -> torch.Tensor:
-    """DenseMean's mean: each Δ_r in the wire dtype divided by N, summed in rank order, back to float64."""
-    wire = torch.float64 if variant == "32bit" else torch.bfloat16
-    n = len(deltas)
-    total = deltas[0].to(wire).div(n)
-    for d in deltas[1:]:
-        total = total.add(d.to(wire).div(n))
-    return total.to(torch.float64)
 
 
 def worker_local(
@@ -167,7 +87,7 @@ CASES = [
 def test_local_steps_match_the_simulation_on_every_rank(variant: str, outer: str, h: int, world: int) -> None:
     outer_lr = 0.7 if outer == "diloco" else 0.5
     results = run_workers(worker_local, world, variant, outer, h, outer_lr, "flat", 0, timeout=120)
-    want = simulate_local(variant, outer, world, h, outer_lr)
+    want = simulate_local(variant, outer, world, h, outer_lr, STEPS)
     for rank, res in enumerate(results):
         for i, (got, exp) in enumerate(zip(res["params"], want[rank], strict=True)):
             assert torch.equal(got, exp), f"rank {rank} parameter {i} differs from the simulation"
@@ -185,8 +105,8 @@ def test_every_inner_momentum_rule_matches_the_simulation(outer: str, inner_mome
     inner momenta after each outer step) here, at 2 ranks with H = 2."""
     variant = "1bit" if outer == "vote" else "32bit"
     results = run_workers(worker_local, 2, variant, outer, 2, 0.5, "flat", 0, inner_momentum, timeout=120)
-    want = simulate_local(variant, outer, 2, 2, 0.5, inner_momentum=inner_momentum)
-    other = simulate_local(variant, outer, 2, 2, 0.5, inner_momentum="reset")
+    want = simulate_local(variant, outer, 2, 2, 0.5, STEPS, inner_momentum)
+    other = simulate_local(variant, outer, 2, 2, 0.5, STEPS, "reset")
     assert any(not torch.equal(a, b) for a, b in zip(want[0], other[0], strict=True))  # the rules differ
     for rank, res in enumerate(results):
         for i, (got, exp) in enumerate(zip(res["params"], want[rank], strict=True)):
@@ -195,7 +115,7 @@ def test_every_inner_momentum_rule_matches_the_simulation(outer: str, inner_mome
 
 def test_hierarchical_local_votes_match_the_flat_simulation_at_2x2() -> None:
     results = run_workers(worker_local, 4, "1bit", "vote", 3, 0.5, "hierarchical", 0, timeout=120)
-    want = simulate_local("1bit", "vote", 4, 3, 0.5)
+    want = simulate_local("1bit", "vote", 4, 3, 0.5, STEPS)
     for rank, res in enumerate(results):
         assert all(torch.equal(a, b) for a, b in zip(res["params"], want[rank], strict=True)), rank
 

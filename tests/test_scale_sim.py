@@ -1,6 +1,7 @@
-"""The vote rules of benchmarks/scale_sim.py (N workers simulated in one process) against the plain
-simulations the optimizer is tested with (``tests/oracles.py``): ``sim_vote`` (flat 1-bit with the tie rule,
-8bit L1, dlion-avg) and ``node_majority_oracle``."""
+"""The vote rules of benchmarks/scale_sim.py (N workers simulated in one process) against the N-worker
+oracle the optimizer is tested with (``tests/oracles.py``: ``sim_vote``, flat 1-bit with the tie rule, 8bit
+L1, dlion-avg, and ``node_majority_oracle``). scale_sim's rules are the oracle's: what this checks is its
+rule names, its flattened directions split by parameter tensor (``vote``), its budgets and refusals."""
 
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ def test_flat_rules_are_the_optimizer_oracle(n: int, step: int) -> None:
     assert torch.equal(scale_sim.majority_1bit(c, step).double(), sim_vote("1bit", rows, step, n))
     # the average in float32, as AverageVote divides in the dtype of the directions (the oracle: float64)
     assert torch.equal(scale_sim.average_of_signs(c), sim_vote("dlion-avg", rows, step, n).float())
+    for rule, preset in (("1bit", "1bit"), ("avg", "dlion-avg")):  # the flattened path, split by tensor
+        assert torch.equal(scale_sim.vote(rule, c, step, SEGMENTS).double(), sim_vote(preset, rows, step, n))
     # 8bit: one normaliser per parameter tensor (segment), levels ⌊127/N⌋
     want = torch.cat(
         [

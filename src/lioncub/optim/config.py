@@ -39,6 +39,7 @@ from lioncub.transports import AGGREGATIONS, TOPOLOGIES, TRANSPORTS
 
 __all__ = [
     "EXCHANGES",
+    "INNER_MOMENTA",
     "PRESETS",
     "TOPOLOGIES",
     "TRANSPORTS",
@@ -56,6 +57,10 @@ __all__ = [
 EXCHANGES = ("auto", "p2p", "native")
 #: how an exact zero of ``c`` votes in a one-bit vote (:class:`VoteConfig` ``zero_vote``)
 ZERO_VOTES = ("split", "plus")
+#: what each rank's inner momentum becomes at an outer step of local steps
+#: (:class:`~lioncub.optim.local_steps.LocalSteps` ``inner_momentum``), the default first; here, without
+#: torch, for ``lioncub cost`` and the run names (:mod:`lioncub.names`)
+INNER_MOMENTA = ("reset", "keep", "average")
 #: the transports whose votes are one bit (a zero must vote "+" or "−")
 ONE_BIT_VOTES = ("1bit", "lanes", "server")
 #: the dense transport's wire dtypes, by name, and their bits per element

@@ -92,7 +92,7 @@ class DenseMean(Vote):
     def contribute(self, ballot, grads, state, *, step, keep_copy=False):
         d = ballot.local.numel()
         fused = (
-            ballot.backend == "cpu"
+            ballot.backend.fused
             and not keep_copy
             and not self.comm.alone
             and sum(ballot.segments) == d
@@ -130,7 +130,7 @@ class DenseMean(Vote):
         result = ballot.pending.result()
         mean = result.wire if isinstance(result, MeanGradient) else result.decode()
         dtypes = {p.dtype for p in ballot.params}
-        fused = ballot.backend == "cpu" and all(_dense_like(state.momentum(p), p) for p in ballot.params)
+        fused = ballot.backend.fused and all(_dense_like(state.momentum(p), p) for p in ballot.params)
         widened = dtypes <= {mean.dtype} or (mean.dtype == torch.bfloat16 and dtypes <= {torch.float32})
         if not (fused and widened):
             mean = mean.to(ballot.local.dtype)  # the kernel widens only bfloat16 to float32 as it reads

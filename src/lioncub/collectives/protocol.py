@@ -21,8 +21,9 @@ decompress), each taking the bucket's :class:`Ballot`:
 the update ``u`` (what the tests compare with the N-worker simulation).
 
 The optimizer hands a vote its state through :class:`ParamState` (each parameter's momentum and current
-hyperparameters) and chooses each bucket's backend once, when it builds the bucket (``Ballot.backend``:
-``"cpu"`` for the fused C kernels of :mod:`lioncub.ops.native`, ``"triton"``, or ``"torch"``).
+hyperparameters) and chooses each bucket's backend once, when it builds the bucket (``Ballot.backend``: a
+:class:`lioncub.ops.kernels.StepBackend`: the fused C kernels of :mod:`lioncub.ops.native`, Triton, or
+torch).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch
 
 from lioncub import transports
 from lioncub.collectives.base import Comm
-from lioncub.ops import native
+from lioncub.ops import kernels, native
 
 __all__ = ["Ballot", "Hyper", "ParamState", "Pending", "Result", "Vote"]
 
@@ -126,7 +127,7 @@ class Ballot:
     Attributes:
         key: the bucket (its buffers are reused; ballots in flight at once need distinct keys).
         params: the bucket's parameters, in the flat layout's order.
-        backend: ``"cpu"``, ``"triton"`` or ``"torch"``: chosen when the bucket was built.
+        backend: the bucket's :class:`~lioncub.ops.kernels.StepBackend`, chosen when it was built.
         local: the flat buffer of the contributions (the bucket's dtype and device, ``sum(p.numel())``
             elements); holds no values where the contribution went straight into ``payload``.
         peak: float32 scalar, max ``|contribution|`` (NaN or Inf when some element is not finite).
@@ -139,7 +140,7 @@ class Ballot:
 
     key: Hashable
     params: list[torch.Tensor]
-    backend: str
+    backend: kernels.StepBackend
     local: torch.Tensor
     peak: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float32))
     payload: torch.Tensor | None = None

@@ -3,7 +3,7 @@ r"""What every vote on the signs of Lion's pre-sign update shares: its contribut
 On rank i, for every parameter of a bucket (``g`` negated under ``maximize``, ``None`` = zeros):
 
 * contribution: ``c_i = β1·m_i + (1−β1)·g_i`` into the bucket's flat buffer, or — on the fused CPU path
-  (``Ballot.backend == "cpu"``) — the vote's :class:`~lioncub.collectives.formats.Payload` written straight
+  (``Ballot.backend.fused``) — the vote's :class:`~lioncub.collectives.formats.Payload` written straight
   from ``(m_i, g_i)`` in one pass, together with the next momentum ``β2·m_i + (1−β2)·g_i`` in a scratch
   tensor (``m_i`` itself is not written: a skipped step keeps it);
 * apply: ``p ← p·(1 − lr·wd) − lr·u`` with the update ``u`` every rank agrees on, then
@@ -31,6 +31,7 @@ from lioncub.collectives.protocol import Ballot, Hyper, ParamState, Vote
 from lioncub.ops import kernels, native
 from lioncub.ops.quantize import max_abs
 from lioncub.ops.update import apply_update_converting_, update_momentum_
+from lioncub.transports import ZERO_VOTES
 
 __all__ = ["SignVote", "fits_backend", "flat_views", "gradient"]
 
@@ -73,7 +74,7 @@ def fits_backend(
     """Whether this step's momenta and gradients (``grads``, else each ``p.grad``) meet what the bucket's
     fused backend assumes (dense, contiguous, the parameter's dtype and device; O(1) per tensor): where one
     does not, the step takes the torch path, which gives the same bits."""
-    if ballot.backend == "torch":
+    if not (ballot.backend.fused or ballot.backend.votes_kernel):
         return False
     gs = [p.grad for p in ballot.params] if grads is None else grads
     return all(_like(state.momentum(p), p) and _like(g, p) for p, g in zip(ballot.params, gs, strict=True))
@@ -85,8 +86,8 @@ class SignVote(Vote):
 
     def __init__(self, comm: Comm, zero_vote: str = "split") -> None:
         super().__init__(comm)
-        if zero_vote not in ("split", "plus"):
-            raise ValueError(f"zero_vote={zero_vote!r}: allowed values are ['split', 'plus']")
+        if zero_vote not in ZERO_VOTES:
+            raise ValueError(f"zero_vote={zero_vote!r}: allowed values are {list(ZERO_VOTES)}")
         #: how an exact zero of ``c`` votes where a vote is one bit (:class:`lioncub.optim.VoteConfig`)
         self.zero_vote = zero_vote
         self._scratch: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}  # id(m): (m, next)
@@ -116,7 +117,7 @@ class SignVote(Vote):
 
     @torch.no_grad()
     def contribute(self, ballot, grads, state, *, step, keep_copy=False):
-        if ballot.backend == "cpu" and fits_backend(ballot, state, grads):
+        if ballot.backend.fused and fits_backend(ballot, state, grads):
             self._contribute_fused(ballot, grads, state, step, keep_copy)
             return
         for p, g, view in zip(ballot.params, grads, flat_views(ballot.local, ballot.params), strict=True):
@@ -185,8 +186,8 @@ class SignVote(Vote):
         if keep_update:
             result = Decoded(result.decode())
             copy = result.update.clone()
-        backend = ballot.backend if fits_backend(ballot, state) else "torch"
-        if backend == "cpu" and result.fused_for(ballot.local.dtype):
+        backend = ballot.backend if fits_backend(ballot, state) else kernels.STEP_BACKENDS["torch"]
+        if backend.fused and result.fused_for(ballot.local.dtype):
             pos = 0
             for i, p in enumerate(ballot.params):
                 if id(p) not in untouched:
@@ -221,9 +222,11 @@ class SignVote(Vote):
             _swap_storage(m, fresh)
 
     @staticmethod
-    def _apply_unfused(p: torch.Tensor, u: torch.Tensor, m: torch.Tensor, h: Hyper, backend: str) -> None:
+    def _apply_unfused(
+        p: torch.Tensor, u: torch.Tensor, m: torch.Tensor, h: Hyper, backend: kernels.StepBackend
+    ) -> None:
         g = gradient(p, p.grad, h.maximize)
-        if backend == "triton" and not u.dtype.is_floating_point:
+        if backend.votes_kernel and not u.dtype.is_floating_point:
             # GPU: p·(1 − lr·wd) − lr·u and m ← β2·m + (1−β2)·g in one pass (bit for bit the same)
             kernels.apply_votes_(p, u, lr=h.lr, weight_decay=h.weight_decay, exp_avg=m, grad=g, beta2=h.beta2)
             return

@@ -61,6 +61,7 @@ import math
 import os
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Literal
 
@@ -69,12 +70,15 @@ import torch
 from lioncub.ops import native, packing, quantize
 
 __all__ = [  # and, imported when first asked, HAVE_TRITON, TRITON_ERROR and triton (module __getattr__)
+    "STEP_BACKENDS",
     "Backend",
+    "StepBackend",
     "apply_votes_",
     "backend_for",
     "interpreting",
     "majority_pack",
     "quantize_l1",
+    "step_backend",
     "step_backend_for",
 ]
 
@@ -190,6 +194,36 @@ def backend_for(*tensors: torch.Tensor, backend: Backend = "auto") -> str:
 #: the dtypes the optimizer steps hand to the C kernels: their torch steps compute bfloat16 in ATen's own
 #: bfloat16 kernels, not in the float32 "opmath" of this module's reference, so bfloat16 stays on torch
 STEP_DTYPES = (torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class StepBackend:
+    """How a bucket's per-element work runs, chosen once, when the bucket is built (:func:`step_backend`).
+
+    Attributes:
+        name: ``"cpu"`` (the fused C kernels of :mod:`lioncub.ops.native`), ``"triton"`` or ``"torch"``.
+        fused: the contribution writes the vote's payload in one pass, and the apply decodes a result as it
+            reads it (the C kernels; where a step's tensors do not fit them, the torch path runs).
+        votes_kernel: integer votes are applied with the momentum update in one kernel
+            (:func:`apply_votes_`: Triton).
+    """
+
+    name: str
+    fused: bool = False
+    votes_kernel: bool = False
+
+
+#: the step backends by name (:func:`step_backend_for`)
+STEP_BACKENDS = {
+    "cpu": StepBackend("cpu", fused=True),
+    "triton": StepBackend("triton", votes_kernel=True),
+    "torch": StepBackend("torch"),
+}
+
+
+def step_backend(*tensors: torch.Tensor | None) -> StepBackend:
+    """The :class:`StepBackend` of :func:`step_backend_for` these tensors."""
+    return STEP_BACKENDS[step_backend_for(*tensors)]
 
 
 def step_backend_for(*tensors: torch.Tensor | None) -> str:

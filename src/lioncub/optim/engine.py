@@ -115,12 +115,12 @@ class OptimizerState:
         )
 
 
-def bucket_backend(params: Sequence[torch.Tensor]) -> str:
-    """The backend of a bucket's fused passes, chosen once when the bucket is built: ``"triton"`` where
-    Triton takes its tensors, ``"cpu"`` where the C kernels of :mod:`lioncub.ops.native` may (dense
-    contiguous CPU float32/float64 tensors, the kernels available; see
-    :func:`lioncub.ops.kernels.step_backend_for`), else ``"torch"``."""
-    return kernels.step_backend_for(*params) if params else "torch"
+def bucket_backend(params: Sequence[torch.Tensor]) -> kernels.StepBackend:
+    """The backend of a bucket's fused passes, chosen once when the bucket is built: Triton where it takes
+    its tensors, the C kernels of :mod:`lioncub.ops.native` where they may (dense contiguous CPU
+    float32/float64 tensors, the kernels available; see :func:`lioncub.ops.kernels.step_backend_for`), else
+    torch."""
+    return kernels.step_backend(*params) if params else kernels.STEP_BACKENDS["torch"]
 
 
 @dataclass
@@ -132,7 +132,7 @@ class Bucket:
     dtype: torch.dtype
     device: torch.device
     numel: int = 0
-    backend: str = "torch"
+    backend: kernels.StepBackend = kernels.STEP_BACKENDS["torch"]
     flat: torch.Tensor | None = field(default=None, repr=False)  # reused buffer of the contributions
 
     def ballot(self) -> Ballot:

@@ -78,12 +78,12 @@ VARIABLES: dict[str, Variable] = {
         Variable(
             "LIONCUB_LINK_BPS", "bits/s", None,
             "the rate of each emulated link (a node's NIC under --nnodes): lioncub calibrate's reference",
-            ("lioncub.planning.calibrate",), f"{_LAUNCH} --link",
+            ("lioncub.planning.measure",), f"{_LAUNCH} --link",
         ),
         Variable(
             "LIONCUB_INTRA_LINK_BPS", "bits/s", None,
             "the rate inside an emulated node: lioncub calibrate --nnodes's reference for that level",
-            ("lioncub.planning.calibrate",), f"{_LAUNCH} --intra-link",
+            ("lioncub.planning.measure",), f"{_LAUNCH} --intra-link",
         ),
         Variable(
             "LIONCUB_CALIBRATION", "path", None,

@@ -310,7 +310,7 @@ def _in_job(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from lioncub.planning.calibrate import calibrate, init_from_env
+    from lioncub.planning.measure import calibrate, init_from_env
 
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     try:

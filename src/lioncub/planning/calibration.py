@@ -1,4 +1,4 @@
-"""The calibration file of ``lioncub calibrate`` (:mod:`lioncub.planning.calibrate` measures it): the
+"""The calibration file of ``lioncub calibrate`` (:mod:`lioncub.planning.measure` measures it): the
 network with α (seconds per message) and efficiency per collective, the compute costs (seconds per element
 or byte), and for nodes of several ranks the link inside a node and the NIC under the whole group's
 collectives. :func:`load_calibration` reads and validates one; :meth:`Calibration.save` writes it. Torch-free.

@@ -41,7 +41,7 @@ module                                        what
                                               :func:`load_calibration`
 ============================================  ==========================================================
 
-A calibration (``lioncub calibrate``, :mod:`lioncub.planning.calibrate`) measures α and the efficiency of
+A calibration (``lioncub calibrate``, :mod:`lioncub.planning.measure`) measures α and the efficiency of
 every collective separately (:class:`OpCost`), folds the local reduction into them
 (``reduce_s_per_byte = 0``) and measures the compute costs of this CPU.
 

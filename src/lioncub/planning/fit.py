@@ -1,4 +1,4 @@
-"""The line ``time = a + b·bytes`` that :mod:`lioncub.planning.calibrate` fits to each collective's
+"""The line ``time = a + b·bytes`` that :mod:`lioncub.planning.measure` fits to each collective's
 timings (seconds against bytes through the busiest link), and how its log reports the fit.
 
 A fit needs more sizes than parameters to say how well the line fits: with two sizes the line passes

@@ -136,7 +136,7 @@ class Compute:
                 raise ValueError(f"Compute.{f.name}={value!r} must be a finite number >= 0")
 
 
-#: Per-element costs measured with :func:`lioncub.planning.calibrate.measure_compute` (one thread, 4M
+#: Per-element costs measured with :func:`lioncub.planning.measure.measure_compute` (one thread, 4M
 #: elements, N = 8)
 #: on the project's 2-core AMD EPYC development VM; ``reduce_s_per_byte`` is an fp32 ``add_``. A rough
 #: default for CPUs when no calibration is given.

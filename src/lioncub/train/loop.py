@@ -228,7 +228,7 @@ def seed_rank(seed: int, rank: int, *more: int) -> None:
 
 @dataclass
 class _Rank:
-    """What one rank's loop works with, as :func:`_prepare` set it up."""
+    """What one rank's loop works with, as :func:`_set_up` set it up."""
 
     config: TrainConfig
     run_dir: Path
@@ -251,7 +251,7 @@ def train(config: TrainConfig, run_dir: Path, *, log: Callable[[str], None] = pr
     The global generators (dropout) are seeded from ``(seed, rank)`` (:func:`seed_rank`) and a resumed run
     restores the checkpoint's, so a run is a function of its seed and a resumed one equals the
     uninterrupted one."""
-    r = _prepare(config, run_dir, log)
+    r = _set_up(config, run_dir, log)
     log_path = run_dir / "log.jsonl"
     elapsed = elapsed_at(log_path, r.start) if r.rank == 0 else 0.0
     records: list[dict[str, Any]] = []
@@ -280,7 +280,7 @@ def train(config: TrainConfig, run_dir: Path, *, log: Callable[[str], None] = pr
     return summary
 
 
-def _prepare(config: TrainConfig, run_dir: Path, log: Callable[[str], None]) -> _Rank:
+def _set_up(config: TrainConfig, run_dir: Path, log: Callable[[str], None]) -> _Rank:
     """Build the workload, the model and the optimizer of this rank; on a resume, load the checkpoint and
     cut ``log.jsonl`` back to its step."""
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -68,7 +68,7 @@ def run_rank(config: TrainConfig, run_dir: Path, *, driven: bool, resume: bool =
             config.cluster.nproc = int(os.environ["WORLD_SIZE"])
             check_run_options(config)  # every rank alike, before anything is written
             check_lanes(config)
-            summary = train_in_job(config, run_dir, prepare=lambda: _prepare_in_job(config, run_dir, resume))
+            summary = train_in_job(config, run_dir, claim=lambda: _claim_run_dir(config, run_dir, resume))
     except KeyboardInterrupt:  # a SIGINT outside interrupt_as_one_line's handler: one line, no traceback
         print(f"interrupted (SIGINT) {loop.where()}", file=sys.stderr)
         return 128 + signal.SIGINT
@@ -80,7 +80,7 @@ def run_rank(config: TrainConfig, run_dir: Path, *, driven: bool, resume: bool =
     return 0
 
 
-def _prepare_in_job(config: TrainConfig, run_dir: Path, resume: bool) -> Callable[[bool], None]:
+def _claim_run_dir(config: TrainConfig, run_dir: Path, resume: bool) -> Callable[[bool], None]:
     """Collective, in a job without a driver: rank 0 takes ``run_dir``'s writer lock and makes it ready
     (:func:`lioncub.train.prepare.prepare_run_dir`, recording this job so that its restarts go on with the
     run); every rank learns rank 0's verdict and raises its ``ValueError`` alike. Returns what rank 0 does
@@ -111,22 +111,22 @@ def _prepare_in_job(config: TrainConfig, run_dir: Path, resume: bool) -> Callabl
 
 
 def train_in_job(
-    config: TrainConfig, run_dir: Path, prepare: Callable[[], Callable[[bool], None]] | None = None
+    config: TrainConfig, run_dir: Path, claim: Callable[[], Callable[[bool], None]] | None = None
 ) -> dict[str, Any]:
-    """This process's whole part of a run: join the job (:func:`init_distributed`), ``prepare`` the run
+    """This process's whole part of a run: join the job (:func:`init_distributed`), ``claim`` the run
     directory (a job without a driver), :func:`lioncub.train.loop.train`, wait for every rank and leave the
     group, the signals handled by :func:`interrupt_as_one_line`. Returns the summary. Rank 0 of a driven
     run holds the directory's ranks lock meanwhile."""
     torch.set_num_threads(int(env.text("LIONCUB_THREADS")))
     loop.PROGRESS["step"] = None
     ranks = None
-    if prepare is None and os.environ.get("RANK", "0") == "0" and is_marked(run_dir):
+    if claim is None and os.environ.get("RANK", "0") == "0" and is_marked(run_dir):
         ranks = hold_ranks(run_dir)
     try:
         with interrupt_as_one_line(loop.where):
             init_distributed(config)
             try:
-                finish = prepare() if prepare is not None else None
+                finish = claim() if claim is not None else None
                 ok = False
                 try:
                     summary = loop.train(config, run_dir)

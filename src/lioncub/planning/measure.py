@@ -1,4 +1,5 @@
-"""Measure the cost model's constants on the current process group: α and efficiency per collective, and
+"""Measure the cost model's constants on the current process group (``lioncub calibrate``; the result is a
+:mod:`~lioncub.planning.calibration`): α and efficiency per collective, and
 the per-element compute costs of this CPU.
 
 Every rank calls :func:`calibrate` (collectively). For each collective of

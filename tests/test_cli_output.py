@@ -150,7 +150,7 @@ def test_bps_spellings_are_bits_only_with_an_upper_case_prefix(family: str) -> N
 
 
 def test_two_size_calibration_says_the_fit_is_underdetermined(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lioncub.planning import calibrate as cal
+    from lioncub.planning import measure as cal
 
     class FakeComm:  # two ranks; the timings below replace the collectives
         world_size, rank, backend, exchange = 2, 0, "gloo", "p2p"
@@ -187,7 +187,7 @@ def test_two_size_calibration_says_the_fit_is_underdetermined(monkeypatch: pytes
 
 
 def test_fit_alpha_beta_counts_degrees_of_freedom() -> None:
-    from lioncub.planning.calibrate import fit_alpha_beta
+    from lioncub.planning.measure import fit_alpha_beta
 
     assert fit_alpha_beta([(1e6, 2e-3), (2e6, 3e-3)]).dof == 0  # two points, two parameters
     assert fit_alpha_beta([(1e6, 0.9e-3), (2e6, 2.1e-3)]).dof == 1  # refitted through 0: one parameter

@@ -36,10 +36,12 @@ from lioncub.launch import LaunchConfig, launch
 from lioncub.optim.config import PRESETS, VoteConfig
 from lioncub.optim.factory import make_vote
 from lioncub.planning import costmodel as cm
-from lioncub.planning.calibrate import fit_alpha_beta
+from lioncub.planning.measure import fit_alpha_beta
 from lioncub.report import cost as cost_report
 from profiles import examples
 from sim_comm import fake_comm
+
+from processes import python_cmd
 
 PRESET_NAMES = list(PRESETS)
 NO_COMPUTE = cm.Compute()

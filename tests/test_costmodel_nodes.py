@@ -309,7 +309,7 @@ def worker_two_level_calibration(rank: int, world: int) -> dict:
     come out <= 0, so no level here depends on one; the unknown-rate path runs in the emulated test)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lioncub.planning.calibrate import calibrate
+    from lioncub.planning.measure import calibrate
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local"))
     calib = calibrate(

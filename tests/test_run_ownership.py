@@ -775,7 +775,7 @@ def test_calibrate_names_the_intra_link_option(
     """Finding 15: the intra-node level's fit without a slope names ``--intra-link``, not "the link"."""
     import torch.distributed as dist
 
-    import lioncub.planning.calibrate as calibration
+    import lioncub.planning.measure as calibration
 
     def calibrate(*args: object, **kwargs: object) -> None:
         raise ValueError(

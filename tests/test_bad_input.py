@@ -222,19 +222,19 @@ LIONCUB_CASES = [
     case(
         {"local_steps": {"h": 4, "outer": "dsm"}},
         ValueError,
-        ["outer='dsm'", "variant='32bit' or '16bit'"],
+        ["outer='dsm'", "variant='32bit' or variant='16bit'", "not variant='8bit'"],
         id="local-dsm-1bit",
     ),
     case(
         {"local_steps": 4, "momentum_sync": "all"},
         ValueError,
-        ["local_steps with momentum_sync", "inner_momentum='average'"],
+        ["momentum_sync='all' with local_steps=4", "inner_momentum='average'"],
         id="local-sync",
     ),
     case(
         {"local_steps": 4, "diagnostics_every": 2},
         ValueError,
-        ["diagnostics_every", "(set 0)"],
+        ["diagnostics_every=2 with local_steps=4", "drop diagnostics_every"],
         id="local-diag",
     ),
 ]
@@ -582,7 +582,7 @@ TRAIN_CASES = [
     (["--local-steps", "4", "--eval-every", "10"], ["--eval-every 10", "multiple of 4"]),
     (
         ["--variant", "1bit", "--local-steps", "4", "--outer", "dsm"],
-        ["--outer dsm", "--variant 32bit or 16bit"],
+        ["--outer dsm", "--variant 32bit or --variant 16bit", "not --variant 1bit"],
     ),
     (
         ["--variant", "1bit", "--local-steps", "4", "--momentum-sync", "all"],
@@ -641,7 +641,9 @@ COMPARE_CASES = [
     ),
     case(["--variants", "dsm/h4/lr0"], ["--variants dsm/h4/lr0", "--outer-lr", "> 0"], id="local-outer-lr"),
     case(
-        ["--variants", "diloco-8bit/h4"], ["diloco-8bit/h4", "--outer diloco", "32bit or 16bit"], id="dil-8"
+        ["--variants", "diloco-8bit/h4"],
+        ["diloco-8bit/h4", "--outer diloco", "32bit or --variant 16bit"],
+        id="dil-8",
     ),
     case(
         ["--variants", "32bit,8bit", "--zero-vote", "plus"],

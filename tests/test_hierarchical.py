@@ -105,9 +105,12 @@ def test_bytes_per_level_match_the_wire_formats(topology: str) -> None:
         ),
         (
             ["--variant", "8bit", "--topology", "node-majority"],
-            "--topology node-majority: topology='node-majority'",
+            "--topology node-majority applies to the 1-bit vote (variant '1bit')",
         ),
-        (["--variant", "1bit", "--topology", "ring"], "--topology ring: topology='ring': allowed values"),
+        (
+            ["--variant", "dlion-mavo", "--topology", "hierarchical"],
+            "--topology hierarchical applies to the votes, not to transport='server'",
+        ),
         (["--variant", "1bit", "--topology", "hierarchical", "--overlap"], "--overlap votes flat"),
     ],
 )
@@ -117,7 +120,7 @@ def test_train_refuses_a_topology_that_does_not_apply(argv: list[str], fragment:
     from lioncub.cli.options import add_run_arguments, config_from_args
 
     parser = argparse.ArgumentParser()
-    add_run_arguments(parser)
+    add_run_arguments(parser, "train")
     with pytest.raises(ValueError) as err:
         config_from_args(parser.parse_args(argv))
     assert fragment in str(err.value)

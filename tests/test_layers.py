@@ -29,12 +29,12 @@ LAYERS = {
     "lioncub.units": 0,
     "lioncub.env": 0,  # every LIONCUB_* environment variable, in one table (standard library only)
     "lioncub.transports": 0,
-    "lioncub.names": 0,
     "lioncub.rundir": 0,  # run directories: the record, locks, survey, removal, atomic writes (no torch)
     "lioncub.ops": 1,
     "lioncub.collectives": 2,
     "lioncub.optim": 3,
     "lioncub.planning": 4,
+    "lioncub.names": 4,  # run names and config.json's settings (no torch: the choice lists of optim.config)
     "lioncub.integrations": 4,  # LionCub in transformers / accelerate / Lightning (imports optim only)
     "lioncub.launch": 5,
     "lioncub.train": 6,
@@ -504,6 +504,99 @@ def test_cost_model_and_configs_do_not_import_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+#: the owners of the settings' allowed values, ``module:NAME`` (a tuple, or a dict whose keys are the
+#: values): every setting's choices (lioncub.train.config.SETTINGS) are one of these or built from one
+CHOICE_OWNERS = (
+    "lioncub.optim.config:PRESETS",
+    "lioncub.optim.config:INNER_MOMENTA",
+    "lioncub.optim.outer:OUTER_RULES",
+    "lioncub.optim.step_check:NONFINITE_MODES",
+    "lioncub.ops.quantize:QUANTIZERS",
+    "lioncub.transports:TOPOLOGIES",
+    "lioncub.transports:ZERO_VOTES",
+    "lioncub.train.data:MODES",
+    "lioncub.train.config:CONVERSIONS",
+    "lioncub.train.workloads:SIZES",
+    "lioncub.launch.config:DEVICES",
+)
+
+
+def owned_lists(owners: tuple[str, ...] = CHOICE_OWNERS) -> dict[frozenset[str], str]:
+    """The values of each of ``owners`` (as a set), and the owner."""
+    import importlib
+
+    lists = {}
+    for owner in owners:
+        module, name = owner.split(":")
+        lists.setdefault(frozenset(getattr(importlib.import_module(module), name)), owner)
+    return lists
+
+
+def choice_lists(owners: tuple[str, ...] = CHOICE_OWNERS) -> dict[frozenset[str], str]:
+    """Every list of allowed values of a setting (as a set) and where it is stated: ``owners``, and the
+    choices of every setting of ``lioncub train`` / ``compare`` (its owner's collection, or one built from
+    it)."""
+    lists = owned_lists(owners)
+    try:
+        from lioncub.train.config import SETTINGS
+    except ImportError:  # before the settings had a table
+        SETTINGS = {}
+    for name, d in SETTINGS.items():
+        if d.setting.choices is not None:
+            lists.setdefault(frozenset(d.setting.choices), f"the choices of the setting {name}")
+    return lists
+
+
+def written_choice_lists(src: Path, lists: dict[frozenset[str], str]) -> dict[str, list[str]]:
+    """``{owner: ["module:line", ...]}``: where a module of ``src`` writes one of ``lists`` out -- a tuple,
+    list or set literal (a ``Literal[...]`` too) of exactly its strings, in any order, or a string holding it
+    as a Python list (``"allowed values are ['random', 'shard']"``)."""
+    reprs = {str(list(order)): v for v in lists for order in _orders(v)}
+    found: dict[str, list[str]] = {}
+    for path in sorted((src / "lioncub").rglob("*.py")):
+        module = _module_name(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else []
+            strings = [e.value for e in items if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+            if len(strings) == len(items) > 1 and frozenset(strings) in lists:
+                found.setdefault(lists[frozenset(strings)], []).append(f"{module}:{node.lineno}")
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                for text, values in reprs.items():
+                    if text in node.value:
+                        found.setdefault(lists[values], []).append(f"{module}:{node.lineno} {text}")
+    return found
+
+
+def _orders(values: frozenset[str]) -> list[tuple[str, ...]]:
+    """The orders a list of ``values`` may be written in: every one of a short list, else sorted."""
+    import itertools
+
+    return list(itertools.permutations(sorted(values))) if len(values) <= 4 else [tuple(sorted(values))]
+
+
+def test_no_setting_s_allowed_values_are_written_twice() -> None:
+    """Each setting's allowed values (``--outer``'s, ``--inner-momentum``'s, the presets, ...) are written
+    out only in their owner's module (:data:`CHOICE_OWNERS`; a list a setting builds from one, nowhere):
+    the flags' choices, the help, the checks and their messages take the owner's collection
+    (``choices=INNER_MOMENTA``, ``{list(ZERO_VOTES)}``); and every setting's choices are built from an
+    owner's."""
+    from lioncub.train.config import SETTINGS
+
+    owned = list(owned_lists())
+    unowned = [
+        name
+        for name, d in SETTINGS.items()
+        if d.setting.choices is not None and not any(v <= set(d.setting.choices) for v in owned)
+    ]
+    assert unowned == []
+    found = written_choice_lists(SRC, choice_lists())
+    elsewhere = {
+        owner: [p for p in places if p.split(":")[0] != owner.split(":")[0]]
+        for owner, places in found.items()
+    }
+    assert {owner: places for owner, places in elsewhere.items() if places} == {}
 
 
 def test_the_optimizer_core_composes_parts() -> None:

@@ -187,7 +187,7 @@ def test_train_options_become_nodes_of_the_run() -> None:
     assert (launch_config.link_rate_bps, launch_config.intra_link_rate_bps) == (1e9, 1e10)
     flat = config_from_args(_train_args(["--nproc", "4"]), base=config)  # --nproc N: one node per rank again
     assert (flat.cluster.nnodes, flat.cluster.intra_link, flat.cluster.nproc) == (None, None, 4)
-    assert "nnodes" not in flat.to_json()  # runs without nodes keep their config.json as before
+    assert flat.to_json()["cluster"]["nnodes"] is None
     summary = {"config": config.to_json(), "world_size": 6, "steps_run": 1}
     assert "on 2 nodes × 3 ranks, 1gbit NICs, 10gbit inside a node:" in format_summary(summary)
 
@@ -408,5 +408,6 @@ def test_lioncub_train_on_two_nodes() -> None:
     assert "topology='auto' chose 'hierarchical' for 8bit" in proc.stdout
     assert "gpt/tiny 8bit@auto on 2 nodes × 2 ranks, 1gbit NICs: 2 steps" in proc.stdout
     saved = json.loads((out / "config.json").read_text())
-    assert (saved["nnodes"], saved["nproc"], saved["topology"]) == (2, 4, "auto")
+    cluster, topology = saved["cluster"], saved["optimizer"]["topology"]
+    assert (cluster["nnodes"], cluster["nproc"], topology) == (2, 4, "auto")
     assert json.loads((out / "summary.json").read_text())["world_size"] == 4

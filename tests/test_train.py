@@ -13,6 +13,7 @@ import io
 import itertools
 import json
 import math
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +23,7 @@ import pytest
 import torch
 
 from lioncub import cli
+from lioncub.names import config_entries
 from lioncub.optim import PRESETS
 from lioncub.train import budget, checkpoint
 from lioncub.train.config import BASELINES, TrainConfig, lr_factor
@@ -54,6 +56,10 @@ def test_lr_schedule_warmup_then_cosine() -> None:
         ({"overrides": {"n_layers": 3}}, "--set n_layers: not a field of the gpt workload"),
         ({"stop_at": 300}, "--stop-at 300 must be an integer within"),
         ({"convert_momenta": "sum"}, "--convert-momenta 'sum': allowed values are \\['average'\\]"),
+        ({"variant": "1bit", "topology": "ring"}, "--topology ring: allowed values are"),
+        ({"nonfinite": "ignore"}, "--nonfinite ignore: allowed values are \\['skip', 'raise'\\]"),
+        ({"seed": 2**63}, "--seed 9223372036854775808 must be at most 2\\*\\*63 - 1"),
+        ({"version": 2, "optimizer": {"sync_every": 0}}, "--sync-every 0 must be an int >= 1"),
     ],
 )
 def test_config_errors_name_the_option(fields: dict, message: str) -> None:
@@ -98,8 +104,16 @@ FLAT_CONFIG_JSON = """{
 """
 
 
-def test_a_flat_config_json_loads_into_the_parts_and_is_written_back_unchanged() -> None:
-    config = TrainConfig.from_json(json.loads(FLAT_CONFIG_JSON))
+def saved_settings(path: Path) -> dict:
+    """The settings of the ``config.json`` at ``path`` by name (nested on disk)."""
+    return config_entries(json.loads(path.read_text()))
+
+
+def test_a_flat_config_json_loads_into_the_parts_and_is_written_back_nested() -> None:
+    """A run directory of an earlier lioncub: its flat ``config.json`` loads into the parts, with the same
+    settings, and is written back nested (version 2), which loads into the same configuration."""
+    flat = json.loads(FLAT_CONFIG_JSON)
+    config = TrainConfig.from_json(flat)
     run, opt, cluster = config.run, config.optimizer, config.cluster
     assert (run.workload, run.size, run.steps, run.eval_every, run.seed) == ("gpt", "tiny", 60, 20, 3)
     assert (run.overrides, run.warmup, run.min_lr_ratio) == ({"batch_size": 8}, 6, 0.1)
@@ -107,9 +121,32 @@ def test_a_flat_config_json_loads_into_the_parts_and_is_written_back_unchanged()
     assert opt.momentum_sync == ["wte", "lm_head"]
     assert (cluster.nproc, cluster.link, cluster.nnodes, cluster.intra_link) == (4, "1gbit", 2, "10gbit")
     assert cluster.nproc_per_node == 2
-    assert json.dumps(config.to_json(), indent=1) + "\n" == FLAT_CONFIG_JSON  # byte for byte
+    doc = json.loads(json.dumps(config.to_json()))
+    assert (doc["version"], list(doc)) == (2, ["version", "run", "optimizer", "cluster"])
+    assert {k: v for k, v in config_entries(doc).items() if k in flat} == flat
+    assert (
+        doc["run"]["steps"] == 60 and doc["optimizer"]["quantizer"] == "l0" and doc["cluster"]["nnodes"] == 2
+    )
+    assert TrainConfig.from_json(doc) == config
     without_nodes = TrainConfig.from_json({"nproc": 2})
-    assert "nnodes" not in without_nodes.to_json() and "intra_link" not in without_nodes.to_json()
+    assert (without_nodes.cluster.nnodes, without_nodes.cluster.intra_link) == (None, None)
+
+
+def test_a_nested_config_json_holds_settings_only() -> None:
+    """A nested ``config.json`` names what it holds that is not a setting of its part, or a version newer
+    than this lioncub reads; a one-bit flat one without ``zero_vote`` ran the papers' rule, a nested one
+    always records it."""
+    doc = TrainConfig.from_json({"variant": "1bit"}).to_json()
+    assert doc["optimizer"]["zero_vote"] == "plus"
+    for bad, fragment in (
+        ({**doc, "nnodes": 2}, "['nnodes']"),
+        ({**doc, "run": {**doc["run"], "variant": "1bit"}}, "['run.variant']"),
+        ({**doc, "version": 3}, "version 3: written by a newer lioncub"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(fragment)):
+            TrainConfig.from_json(bad)
+    del doc["optimizer"]["zero_vote"]
+    assert TrainConfig.from_json(doc).optimizer.zero_vote == "split"  # version 2 has it: its default
 
 
 def test_momentum_conversion_is_the_mean(tmp_path: Path) -> None:
@@ -272,7 +309,7 @@ def compared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 @pytest.mark.slow
 def test_compare_writes_table_and_plots(compared: tuple[Path, str], capsys: pytest.CaptureFixture) -> None:
     out, printed = compared
-    assert json.loads((out / "32bit" / "config.json").read_text())["diagnostics_every"] == 0
+    assert saved_settings(out / "32bit" / "config.json")["diagnostics_every"] == 0
     assert [r["step"] for r in records(out / "1bit", "diag")] == [2, 4]
     assert (out / "diagnostics_vs_step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "32bit" in printed and "1bit" in printed and str(out / "summary.md") in printed
@@ -308,7 +345,7 @@ def test_cnn_trains_with_batchnorm_and_reports_accuracy(tmp_path: Path) -> None:
 def test_diagnostics_and_momentum_sync_through_the_cli(compared: tuple[Path, str]) -> None:
     """The compare's 1bit run (2 ranks, 4 steps): diagnostics every 2 steps, the io momenta synced every 2."""
     out = compared[0] / "1bit"
-    assert json.loads((out / "config.json").read_text())["momentum_sync"] == "io"
+    assert saved_settings(out / "config.json")["momentum_sync"] == "io"
     diags = records(out, "diag")
     assert [d["step"] for d in diags] == [2, 4]
     layers = diags[0]["layers"]
@@ -345,12 +382,14 @@ def test_report_command_plots_the_diagnostics(tmp_path: Path, capsys: pytest.Cap
     assert "diagnostics at step 4" in printed and "transformer.wte.weight" in printed and "overall" in printed
     for name in ("diag_rates", "diag_momentum_std", "diag_update_shape"):
         assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert json.loads((out / "config.json").read_text())["quantizer"] == "l0"
+    assert saved_settings(out / "config.json")["quantizer"] == "l0"
     assert cli.main(["report", str(tmp_path)]) == 2  # not a run directory
     assert "no log.jsonl" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="--quantizer 'l7': allowed values are"):
+    with pytest.raises(ValueError, match=r"--quantizer l7 is not one of \['l0', 'l1'"):
         TrainConfig.from_json({"quantizer": "l7"})
-    with pytest.raises(ValueError, match="--quantizer: only --variant 8bit quantizes"):
+    with pytest.raises(
+        ValueError, match=r"--quantizer l0: applies only to the quantized vote .* --variant 1bit"
+    ):
         TrainConfig.from_json({"variant": "1bit", "quantizer": "l0"})
 
 
@@ -360,8 +399,8 @@ def test_compare_with_an_overlapped_variant(
 ) -> None:
     """``1bit+overlap`` trains bitwise like ``1bit`` (model, losses, bytes) and is its own row."""
     out, _ = compared
-    assert json.loads((out / "1bit+overlap" / "config.json").read_text())["overlap"] is True
-    assert json.loads((out / "1bit" / "config.json").read_text())["overlap"] is False
+    assert saved_settings(out / "1bit+overlap" / "config.json")["overlap"] is True
+    assert saved_settings(out / "1bit" / "config.json")["overlap"] is False
     key = ("step", "loss", "bytes_sent")
     plain, over = records(out / "1bit", "step"), records(out / "1bit+overlap", "step")
     assert [r["step"] for r in plain] == [1, 2, 3, 4]
@@ -384,7 +423,7 @@ def test_compare_has_a_local_steps_row(compared: tuple[Path, str], capsys: pytes
     """test_train's compare has ``1bit/h2`` (its run in ``1bit_h2``): no diagnostics or momentum sync there
     (they apply to a vote every step), bytes at the outer steps, and the per-window median in the table."""
     out = compared[0]
-    config = json.loads((out / "1bit_h2" / "config.json").read_text())
+    config = saved_settings(out / "1bit_h2" / "config.json")
     assert (config["local_steps"], config["diagnostics_every"], config["momentum_sync"]) == (2, 0, "none")
     steps = records(out / "1bit_h2", "step")
     assert [r["bytes_sent"] > 0 for r in steps] == [False, True, False, True]
@@ -431,7 +470,8 @@ def test_a_planned_run_spans_its_own_steps() -> None:
     assert lr_factor(80, plan.run.steps, plan.run.warmup, 0.2) == pytest.approx(0.2)  # the end of its cosine
     assert budget.planned_config(config, 10.0, times, eval_given=True).run.eval_every == 4
     assert TrainConfig.from_json(plan.to_json()) == plan
-    assert not {"time_budget_s", "pilot_steps", "pilot_step_s"} & TrainConfig().to_json().keys()
+    plain = TrainConfig().to_json()["run"]
+    assert [plain[k] for k in ("time_budget_s", "pilot_steps", "pilot_step_s")] == [None, None, None]
 
 
 def test_each_row_plans_the_steps_its_own_step_time_fits(
@@ -500,7 +540,7 @@ def test_compare_at_equal_time_plans_each_run_from_its_pilot(budget_compared: tu
     out = budget_compared[0]
     planned = {}
     for name, h in (("32bit", 1), ("1bit_h2", 2)):
-        config = json.loads((out / name / "config.json").read_text())
+        config = saved_settings(out / name / "config.json")
         steps = config["steps"]
         planned[name] = steps
         assert config["pilot_steps"] == budget.pilot_steps(h) and config["time_budget_s"] == 1.0

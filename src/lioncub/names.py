@@ -1,5 +1,6 @@
 """How a run is named in tables, legends, summaries and ``lioncub compare --variants``, from its
-configuration (:func:`run_label`), and back (:func:`parse_run_name`). Torch-free.
+configuration (:func:`run_label`), and back (:func:`parse_run_name`); and the settings a ``config.json``
+object holds, nested or flat (:func:`config_entries`). Torch-free.
 
 * A vote every step: ``VARIANT[@TOPOLOGY][/plus][+overlap]`` -- ``1bit``, ``1bit@hierarchical``,
   ``8bit+overlap``; ``1bit/plus`` is the one-bit vote with the papers' zero rule (``--zero-vote plus``).
@@ -20,11 +21,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from lioncub.optim.config import INNER_MOMENTA, ZERO_VOTES
+
 __all__ = [
+    "CONFIG_VERSION_KEY",
     "GRAMMAR",
-    "INNER_MOMENTA",
     "OVERLAP_SUFFIX",
-    "ZERO_VOTES",
+    "config_entries",
+    "config_version",
     "name_of_run_dir",
     "parse_run_name",
     "run_dir_name",
@@ -35,15 +39,29 @@ __all__ = [
 OVERLAP_SUFFIX = "+overlap"
 #: the outer rules that average the pseudo-gradients, named instead of their 32-bit variant
 _DENSE_RULES = ("dsm", "diloco")
-#: the inner-momentum rules of local steps, the default first (``lioncub.optim.local_steps.INNER_MOMENTA``)
-INNER_MOMENTA = ("reset", "keep", "average")
-#: the one-bit votes' rules for an exact zero, the default first (``lioncub.optim.config.ZERO_VOTES``)
-ZERO_VOTES = ("split", "plus")
+#: the key of a nested ``config.json``'s version (:mod:`lioncub.train.settings`); a flat one has none
+CONFIG_VERSION_KEY = "version"
+
+
+def config_version(doc: Mapping[str, Any]) -> int:
+    """The version of a ``config.json`` object: its :data:`CONFIG_VERSION_KEY`, 1 for a flat one."""
+    version = doc.get(CONFIG_VERSION_KEY)
+    return version if isinstance(version, int) and not isinstance(version, bool) else 1
+
+
+def config_entries(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings a ``config.json`` object holds, by name: a nested one's parts merged (version 2 on:
+    ``{"version": 2, "run": {...}, "optimizer": {...}, "cluster": {...}}``), a flat one's keys (version 1)."""
+    if config_version(doc) == 1:
+        return dict(doc)
+    return {k: v for part in doc.values() if isinstance(part, Mapping) for k, v in part.items()}
 
 
 def run_label(config: Mapping[str, Any]) -> str:
-    """The name of the run configured by ``config`` (a ``config.json`` object: ``variant``, ``topology``,
-    ``overlap``, ``local_steps``, ``outer``, ``outer_lr``, ``inner_momentum``, ``zero_vote``)."""
+    """The name of the run configured by ``config`` (a ``config.json`` object, nested or flat: its
+    ``variant``, ``topology``, ``overlap``, ``local_steps``, ``outer``, ``outer_lr``, ``inner_momentum``,
+    ``zero_vote``)."""
+    config = config_entries(config)
     name = str(config.get("variant", "?"))
     h = config.get("local_steps")
     outer = config.get("outer") or "vote"

@@ -46,6 +46,7 @@ __all__ = [
     "LANE_WIDTHS",
     "TOPOLOGIES",
     "TRANSPORTS",
+    "ZERO_VOTES",
     "Bits",
     "DenseTransport",
     "Int8Transport",
@@ -79,6 +80,8 @@ TRANSPORTS = ("dense", "1bit", "lanes", "int8", "quantized", "server")
 AGGREGATIONS = ("mean", "majority", "average")
 #: how a vote is laid over the ranks of several nodes
 TOPOLOGIES = ("flat", "hierarchical", "node-majority")
+#: how an exact zero of ``c`` votes in a one-bit vote (``VoteConfig(zero_vote=...)``), the default first
+ZERO_VOTES = ("split", "plus")
 #: the widths of a packed integer lane (a lane vote or a quantized vote takes 2, 4 or 8)
 LANE_WIDTHS = (2, 4, 8)
 #: the widths :mod:`lioncub.ops.packing` packs: :data:`LANE_WIDTHS` and the 1-bit votes

@@ -59,7 +59,7 @@ A one-bit vote named NAME/plus (1bit/plus, 1bit/h16/plus) votes + for an exact z
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    add_run_arguments(parser, variant=False)
+    add_run_arguments(parser, "compare")
     parser.add_argument(
         "--variants",
         help=f"comma-separated, in order (default {DEFAULT_VARIANTS}; with --report-only: the runs in OUT)",
@@ -68,19 +68,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-loss", type=float, help="validation loss for 'time to target'")
     parser.add_argument("--overwrite", action="store_true", help="train runs again even if finished")
     parser.add_argument("--report-only", action="store_true", help="only rebuild the report from OUT")
-    parser.add_argument(
-        "--time-budget",
-        type=float,
-        dest="time_budget_s",
-        metavar="SECONDS",
-        help="instead of --steps: each run trains the steps its own step time fits in SECONDS of training, "
-        "measured by a short pilot of it (docs/local-steps.md, 'Equal time')",
-    )
-
-
-VOTING_ONLY = ("diagnostics_every", "momentum_sync", "sync_every", "overlap")
-#: what a row without local steps does not take
-LOCAL_ONLY = ("inner_momentum",)
 
 
 #: what a run of ``--time-budget`` sets after its pilot (``eval_every`` too, without ``--eval-every``)
@@ -96,7 +83,12 @@ def _finished(run_dir: Path, config: TrainConfig, eval_given: bool = True) -> bo
     found = finished_run(run_dir)
     if found is None:
         return False
-    saved, doc = found[0], config.to_json()
+    from lioncub.train.config import TrainConfig
+
+    try:  # a run of an earlier lioncub: its flat config.json, read as the settings it ran
+        saved, doc = TrainConfig.from_json(found[0]).to_json(), config.to_json()
+    except (ValueError, TypeError):
+        return False
     if config.run.time_budget_s is not None:
         planned = PLANNED if eval_given else (*PLANNED, "eval_every")
         saved, doc = ({k: v for k, v in d.items() if k not in planned} for d in (saved, doc))
@@ -105,11 +97,11 @@ def _finished(run_dir: Path, config: TrainConfig, eval_given: bool = True) -> bo
 
 def _check_budget(args: argparse.Namespace) -> None:
     """``--time-budget`` and the options it does not go with; ``ValueError`` naming them."""
+    from lioncub.train.config import SETTINGS
+    from lioncub.train.settings import check_value
+
     budget = args.time_budget_s
-    if not (math.isfinite(budget) and budget > 0):
-        raise ValueError(
-            f"--time-budget {budget!r} must be a finite number of seconds > 0 (each run's training time)"
-        )
+    check_value(SETTINGS["time_budget_s"], budget)
     if args.report_only:
         raise ValueError(
             f"--time-budget {budget:g} with --report-only: the report reads each run's budget from OUT"
@@ -160,7 +152,7 @@ def _variants(args: argparse.Namespace, out: Path) -> list[str]:
     if given is None:
         given = (",".join(_runs_in(out)) if args.report_only else "") or DEFAULT_VARIANTS
     variants = [v.strip() for v in given.split(",") if v.strip()]
-    allowed = sorted({*PRESETS, *BASELINES})
+    allowed = list(PRESETS)
     grammar = (
         f"give distinct names from {allowed}; a LionCub variant may carry {OVERLAP_SUFFIX!r} (e.g. "
         f"1bit{OVERLAP_SUFFIX}: its vote overlapped with the backward pass; 32bit/16bit, DDP, always "
@@ -207,23 +199,25 @@ def _variants(args: argparse.Namespace, out: Path) -> list[str]:
 
 def _config(args: argparse.Namespace, variant: str) -> TrainConfig:
     """The :class:`~lioncub.train.config.TrainConfig` of one compared run (:mod:`lioncub.names`): the
-    shared options, without those only a vote has (:data:`VOTING_ONLY`) for a DDP baseline and those only
-    local steps have (:data:`LOCAL_ONLY`) for a vote every step. ``ValueError`` naming the run."""
+    shared options, without those only a vote every step takes (a setting's ``per_step``) for a DDP
+    baseline or local steps, and those only local steps take (``local``) for a vote every step.
+    ``ValueError`` naming the run."""
     from lioncub.names import parse_run_name
-    from lioncub.train.config import BASELINES, OptimizerConfig
+    from lioncub.train.config import BASELINES, SETTINGS, OptimizerConfig
 
     fields = parse_run_name(variant)
     options = {**vars(args), **fields}
+    per_step = [n for n, d in SETTINGS.items() if d.setting.per_step]  # for a vote every step
     if fields["variant"] in BASELINES or "local_steps" in fields:  # no vote every step
-        options.update(dict.fromkeys(VOTING_ONLY))
-        options.update({k: v for k, v in fields.items() if k in VOTING_ONLY})
-    if "local_steps" not in fields:
-        options.update(dict.fromkeys(LOCAL_ONLY))
+        options.update(dict.fromkeys(per_step))
+        options.update({k: v for k, v in fields.items() if k in per_step})
+    if "local_steps" not in fields:  # what only local steps take
+        options.update(dict.fromkeys(n for n, d in SETTINGS.items() if d.setting.local))
     if not OptimizerConfig(variant=fields["variant"]).one_bit and "zero_vote" not in fields:
         options["zero_vote"] = None  # --zero-vote: for the one-bit votes (a name's /plus is checked)
     if options.get("time_budget_s") is not None:  # the pilot plans the steps: until then, a whole window
         h = fields.get("local_steps", 1)
-        options["steps"] = h * max(1, math.ceil((options.get("warmup") or 0) / h))
+        options["steps"] = h * max(1, math.ceil((options.get("warmup_steps") or 0) / h))
     try:
         return config_from_args(argparse.Namespace(**options))
     except ValueError as exc:

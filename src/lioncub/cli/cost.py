@@ -17,7 +17,7 @@ import sys
 from typing import Any
 
 from lioncub.cli.options import real_number, whole_number
-from lioncub.optim.config import PRESETS
+from lioncub.optim.config import INNER_MOMENTA, PRESETS
 from lioncub.planning import costmodel as cm
 from lioncub.report.cost import figure, format_count, report, report_cluster
 
@@ -174,8 +174,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--inner-momentum",
-        choices=["keep", "reset", "average"],
-        default="reset",
+        choices=INNER_MOMENTA,
+        default=INNER_MOMENTA[0],
         help="with --local-steps: average prices the inner momenta's fp32 allreduce at each outer step",
     )
     parser.add_argument(

@@ -1,5 +1,10 @@
-"""Options that ``lioncub train`` and ``lioncub compare`` share, and how they become a
-:class:`~lioncub.train.config.TrainConfig`."""
+"""Options that ``lioncub train`` and ``lioncub compare`` share, written from their descriptions -- the
+settings of a run (:data:`lioncub.train.config.SETTINGS`) and how it is launched (:class:`LaunchOptions`)
+-- and how they become a :class:`~lioncub.train.config.TrainConfig`.
+
+Each flag's type, choices, metavar and help come from its description, its help ends with the default.
+A setting's flag defaults to None here, so that ``--resume`` tells an option given from one left out.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +12,20 @@ import argparse
 import json
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["OPTION_OF_FIELD", "add_run_arguments", "config_from_args", "parse_set", "sync_spec", "train_run"]
+from lioncub.train.settings import Described, described, setting
 
-#: options whose name differs from their TrainConfig field (the others are spelt alike)
-OPTION_OF_FIELD = {"warmup_steps": "warmup"}
+__all__ = [
+    "LaunchOptions",
+    "add_run_arguments",
+    "config_from_args",
+    "parse_set",
+    "real_number",
+    "train_run",
+    "whole_number",
+]
 
 
 def whole_number(minimum: int) -> Callable[[str], int]:
@@ -49,133 +62,84 @@ def real_number(
     return convert
 
 
-def add_run_arguments(parser: argparse.ArgumentParser, *, variant: bool = True) -> None:
-    """Options shared by ``train`` and ``compare`` (all default to None: see :func:`config_from_args`)."""
-    from lioncub.train.workloads import workload_names
+@dataclass
+class LaunchOptions:
+    """How ``lioncub train`` and ``lioncub compare`` start and watch a run's ranks: not settings of the run
+    (a resume may change them; :func:`lioncub.train.driver.check_launch_options` checks them)."""
 
-    names = workload_names()
-    parser.add_argument("--workload", choices=sorted(names), help="gpt (default) or cnn")
-    parser.add_argument("--size", help=f"model/data size (default tiny): {names}")
-    if variant:
-        parser.add_argument("--variant", help="optimizer variant (default 8bit), see below")
-    parser.add_argument("--nproc", type=int, metavar="N", help="ranks (default 1)")
-    parser.add_argument(
-        "--max-nproc",
-        type=int,
+    nproc_per_node: int | None = setting(None, metavar="L", help="with --nnodes: ranks on each node")
+    max_nproc: int | None = setting(
+        None,
         metavar="N",
-        help="allow up to N ranks (default: as many as 80%% of the available memory holds)",
+        default_text="as many as 80% of the available memory holds",
+        help="allow up to N ranks",
     )
-    parser.add_argument("--link", metavar="RATE", help="shape every rank's link, e.g. 1gbit (root)")
-    parser.add_argument(
-        "--nnodes",
-        type=int,
-        metavar="M",
-        help="instead of --nproc: M emulated nodes of --nproc-per-node ranks, one --link NIC per node, "
-        "started by a multi-node torchrun (root)",
-    )
-    parser.add_argument("--nproc-per-node", type=int, metavar="L", help="with --nnodes: ranks on each node")
-    parser.add_argument(
-        "--intra-link", metavar="RATE", help="with --nnodes: shape each node's loopback (default unshaped)"
-    )
-    parser.add_argument("--steps", type=int, help="optimizer steps (default 200)")
-    parser.add_argument(
-        "--warmup", type=int, metavar="STEPS", help="lr warm-up (default 10%% of steps, ≤ 100)"
-    )
-    parser.add_argument(
-        "--min-lr-ratio", type=float, help="end of the cosine, fraction of peak (default 0.1)"
-    )
-    parser.add_argument("--eval-every", type=int, metavar="STEPS", help="validation interval (default 50)")
-    parser.add_argument("--checkpoint-every", type=int, metavar="STEPS", help="default 0: at the end only")
-    parser.add_argument("--seed", type=int, help="model init and data order (default 0)")
-    parser.add_argument("--data-mode", choices=["random", "shard"], help="per-rank data (default random)")
-    parser.add_argument("--bucket-mb", type=float, help="LionCub bucket size in MiB (default 25)")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="default auto")
-    parser.add_argument(
-        "--momentum-sync",
-        type=sync_spec,
-        metavar="WHICH",
-        help="average momenta over the ranks: none (default), all, io, or comma-separated name patterns",
-    )
-    parser.add_argument("--sync-every", type=int, metavar="STEPS", help="momentum sync interval (default 10)")
-    parser.add_argument("--quantizer", help="with --variant 8bit: l1 (default), l0, linf, lp, qsgd or log")
-    parser.add_argument(
-        "--topology",
-        help="the vote over nodes: flat (default), hierarchical (exact) or node-majority (1bit only)",
-    )
-    parser.add_argument(
-        "--diagnostics-every",
-        type=int,
-        metavar="STEPS",
-        help="vote diagnostics (match/flip, ties, momentum spread, update shape) every STEPS (0: off)",
-    )
-    parser.add_argument(
-        "--set", action="append", default=[], metavar="FIELD=VALUE", help="change a workload field"
-    )
-    parser.add_argument(
-        "--nonfinite",
-        choices=["skip", "raise"],
-        help="NaN/Inf gradients on any rank: skip the step on every rank (default) or stop with an error",
-    )
-    parser.add_argument(
-        "--overlap",
-        action="store_true",
-        default=None,
-        help="LionCub variants: start each DDP bucket's vote during the backward pass (bitwise the same "
-        "result)",
-    )
-    parser.add_argument(
-        "--zero-vote",
-        choices=["split", "plus"],
-        help="one-bit votes: an exact zero votes + on half the ranks (split, default) or always (plus: the "
-        "papers' rule)",
-    )
-    if variant:  # compare names them in --variants (1bit/h16, diloco/h16/lr0.7)
-        parser.add_argument(
-            "--local-steps",
-            type=whole_number(1),
-            metavar="H",
-            help="H local Lion steps per rank, then one outer step (docs/local-steps.md)",
-        )
-        parser.add_argument(
-            "--outer",
-            choices=["vote", "dsm", "diloco"],
-            help="with --local-steps: vote (the variant's vote; default), dsm or diloco (32bit/16bit)",
-        )
-        parser.add_argument(
-            "--outer-lr",
-            type=real_number("a number > 0", 0.0, low_open=True),
-            metavar="X",
-            help="with --local-steps: vote/dsm: X·H·lr per outer step (default 1); diloco: X (default 0.7)",
-        )
-    parser.add_argument(
-        "--inner-momentum",
-        choices=["keep", "reset", "average"],
-        help="with local steps: each rank's inner momentum at an outer step (default reset)",
-    )
-    parser.add_argument("--timeout", type=float, default=7200.0, metavar="SECONDS", help="per run")
-    parser.add_argument(
-        "--collective-timeout",
-        type=float,
-        default=600.0,
-        metavar="SECONDS",
+    timeout: float = setting(7200.0, metavar="SECONDS", help="per run; 0: no limit")
+    collective_timeout: float = setting(
+        600.0, metavar="SECONDS",
         help="a collective that gets no answer for this long fails the job, naming the rank, operation and "
-        "step (default 600)",
+        "step",
+    )  # fmt: skip
+    restarts: int = setting(
+        0, metavar="K", help="after a rank fails, restart every rank from the last checkpoint, up to K times"
     )
-    parser.add_argument(
-        "--restarts",
-        type=int,
-        default=0,
-        metavar="K",
-        help="after a rank fails, restart every rank from the last checkpoint, up to K times (default 0)",
-    )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    no_progress: bool = setting(False, help="no progress bar")
 
 
-def sync_spec(text: str) -> str | list[str]:
-    return text if text in ("none", "all", "io") else [t for t in text.split(",") if t]
+#: the flags of :class:`LaunchOptions`
+LAUNCH: dict[str, Described] = described({"launch": LaunchOptions})
+#: the title of each group of flags in ``--help``
+GROUPS = {
+    "run": "the run",
+    "optimizer": "the optimizer",
+    "cluster": "ranks and links",
+    "launch": "the launch",
+}
+
+
+def _help(d: Described) -> str:
+    """``d``'s help with its default, escaped for argparse."""
+    s, default = d.setting, d.default
+    if s.default_text is not None:
+        shown = s.default_text
+    elif default is None or default is False or default == {}:
+        shown = ""
+    else:
+        shown = f"{default:g}" if isinstance(default, float) else str(default)
+    return (s.help + (f" (default {shown})" if shown else "")).replace("%", "%%")
+
+
+def _add(group: Any, d: Described, *, given_only: bool) -> None:
+    """The flag of ``d`` in ``group``; its default None where ``given_only``."""
+    s = d.setting
+    options: dict[str, Any] = {"dest": d.name, "help": _help(d)}
+    default = None if given_only else d.default
+    if d.kind is bool:
+        options.update(action="store_true", default=default)
+    elif d.kind is dict:  # --set FIELD=VALUE, repeated (parse_set)
+        options.update(action="append", metavar=s.metavar)
+    else:
+        options.update(type=s.parse or d.kind, metavar=s.metavar, default=default)
+        if s.choices is not None:
+            options["choices"] = list(s.choices)
+    group.add_argument(d.flag, **options)
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    """The flags of ``command`` (``train`` or ``compare``): every setting it takes, grouped by part, then
+    the launch options."""
+    from lioncub.train.config import SETTINGS
+
+    groups: dict[str, Any] = {}
+    for d in [*SETTINGS.values(), *LAUNCH.values()]:
+        if command in d.setting.commands:
+            if d.part not in groups:
+                groups[d.part] = parser.add_argument_group(GROUPS[d.part])
+            _add(groups[d.part], d, given_only=d.name in SETTINGS)
 
 
 def parse_set(items: list[str]) -> dict[str, Any]:
+    """``--set FIELD=VALUE`` items as ``{field: value}`` (a value is JSON where it parses as JSON)."""
     out: dict[str, Any] = {}
     for item in items:
         key, sep, text = item.partition("=")
@@ -213,32 +177,27 @@ def node_layout(args: argparse.Namespace) -> tuple[int | None, int | None]:
 
 
 def config_from_args(args: argparse.Namespace, base: Any = None) -> Any:
-    """A :class:`~lioncub.train.config.TrainConfig`: ``base`` (or the defaults) with every given option
-    (``--nnodes M --nproc-per-node L`` become ``nnodes = M``, ``nproc = M·L``; with ``--local-steps H`` and
-    no ``--eval-every``, the evaluation interval is the multiple of H nearest the default 50)."""
-    from lioncub.train.config import JSON_KEYS, RunConfig, TrainConfig
+    """A :class:`~lioncub.train.config.TrainConfig`: ``base`` (or the defaults) with every setting given
+    in ``args`` (``--nnodes M --nproc-per-node L`` become ``nnodes = M``, ``nproc = M·L``; ``--nproc N``
+    alone, one node per rank; with ``--local-steps H`` and no ``--eval-every``, the evaluation interval of a
+    new run is the multiple of H nearest the default)."""
+    from lioncub.train.config import SETTINGS, TrainConfig
 
     nnodes, nproc = node_layout(args)
+    values: dict[str, Any] = base.flat() if base is not None else {}
+    if nnodes is None and getattr(args, "nproc", None) is not None:  # one node per rank, whatever base had
+        values.pop("nnodes", None)
+        values.pop("intra_link", None)
+    given = {name: getattr(args, name, None) for name in SETTINGS if name != "overrides"}
     if nnodes is not None:
-        args = argparse.Namespace(**{**vars(args), "nproc": nproc})
-    doc = base.to_json() if base is not None else {}
-    if nnodes is None and args.nproc is not None:  # --nproc N: one node per rank, whatever base had
-        doc.pop("nnodes", None)
-        doc.pop("intra_link", None)
-    for name in JSON_KEYS:
-        value = getattr(args, OPTION_OF_FIELD.get(name, name), None)
-        if value is not None and name != "overrides":
-            doc[name] = value
-    if base is None:  # a new run: the current rule (a document without the key ran the papers' rule)
-        doc.setdefault("zero_vote", "split")
-    h = doc.get("local_steps")
-    if (
-        h and getattr(args, "eval_every", None) is None and base is None
-    ):  # evaluations where the replicas agree
-        doc["eval_every"] = h * max(1, round(RunConfig.eval_every / h))
-    if args.set:
-        doc["overrides"] = {**doc.get("overrides", {}), **parse_set(args.set)}
-    return TrainConfig.from_json(doc)
+        given.update(nnodes=nnodes, nproc=nproc)
+    values.update({name: value for name, value in given.items() if value is not None})
+    h = values.get("local_steps")
+    if h and base is None and given["eval_every"] is None:  # evaluations where the replicas agree
+        values["eval_every"] = h * max(1, round(SETTINGS["eval_every"].default / h))
+    if getattr(args, "overrides", None):
+        values["overrides"] = {**values.get("overrides", {}), **parse_set(args.overrides)}
+    return TrainConfig.from_values(values)
 
 
 def train_run(

@@ -26,28 +26,20 @@ examples:
   lioncub train --variant 32bit --local-steps 16 --outer diloco --nproc 4 --link 20mbit --steps 512 \\
       --out runs/diloco                # DiLoCo: fp32 mean of the pseudo-gradients, Nesterov outer step
 
-Variants: 32bit (DDP + Lion), 16bit (DDP, bf16/fp16 gradients + Lion), and the LionCub presets 1bit, 4bit,
-8bit, 8bit-sign, dlion-mavo, dlion-avg. Workload fields can be changed with --set, e.g. --set batch_size=8.
+Variants: 32bit (DDP + Lion), 16bit (DDP, bf16/fp16 gradients + Lion), and the LionCub presets
+{presets}. Workload fields can be changed with --set, e.g. --set batch_size=8.
 """
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = EPILOG
+    from lioncub.optim import PRESETS
+    from lioncub.train.config import BASELINES
+
+    parser.epilog = EPILOG.format(presets=", ".join(p for p in PRESETS if p not in BASELINES))
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    add_run_arguments(parser)
+    add_run_arguments(parser, "train")
     parser.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory (log, checkpoints)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
-    parser.add_argument(
-        "--stop-at",
-        type=int,
-        metavar="STEP",
-        help="stop after STEP with a checkpoint (the lr schedule stays that of --steps); --resume goes on",
-    )
-    parser.add_argument(
-        "--convert-momenta",
-        choices=["average"],
-        help="with --resume on another --nproc: start every rank from the mean of the saved momenta",
-    )
 
 
 def run(args: argparse.Namespace) -> int:

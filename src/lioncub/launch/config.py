@@ -8,7 +8,10 @@ from lioncub._validate import is_int, is_number
 from lioncub.launch.environment import build_command
 from lioncub.launch.netns import MAX_NODES, MAX_RANKS, LinkSpec
 
-__all__ = ["LaunchConfig"]
+__all__ = ["DEVICES", "LaunchConfig"]
+
+#: where the ranks compute: ``auto`` (CUDA if available, else the CPU), ``cpu`` or ``cuda``
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass
@@ -64,8 +67,8 @@ class LaunchConfig:
         self.link_spec()  # validates rate, MTU and burst
         if not (isinstance(self.preload, tuple) and all(isinstance(m, str) and m for m in self.preload)):
             raise ValueError(f"--preload must be a tuple of module names, got {self.preload!r}")
-        if self.preload_device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"preload_device must be 'auto', 'cpu' or 'cuda', got {self.preload_device!r}")
+        if self.preload_device not in DEVICES:
+            raise ValueError(f"preload_device must be one of {list(DEVICES)}, got {self.preload_device!r}")
         if self.preload and (argv[1:2] != ["-m"] or self.nnodes is not None):
             raise ValueError(
                 "--preload forks ranks of `-m MODULE ...` started by --nproc (under --nnodes torchrun "

@@ -69,7 +69,8 @@ def check_local_steps(
 ) -> LocalSteps | None:
     """``local_steps=`` as a :class:`LocalSteps` (an int H is ``LocalSteps(h=H)``, a mapping its fields: a
     config file's form), after the refusals: a rule that needs a dense exchange, and the options that have
-    no meaning between outer steps."""
+    no meaning between outer steps. The one statement of these rules: ``lioncub train`` calls it too, and
+    its messages name each option as ``name=value`` (the CLI writes its flag instead)."""
     if local_steps is None:
         return None
     if isinstance(local_steps, int) and not isinstance(local_steps, bool):
@@ -89,14 +90,17 @@ def check_local_steps(
         )
     local_steps.check_variant(config.transport, variant)
     sync = momentum_sync.params if isinstance(momentum_sync, MomentumSync) else momentum_sync
+    h = local_steps.h
     if sync != "none":
         raise ValueError(
-            "local_steps with momentum_sync: the ranks' inner momenta are local between outer steps; "
-            "LocalSteps(inner_momentum='average') averages them at each outer step"
+            f"momentum_sync={sync!r} with local_steps={h}: the ranks vote every {h} steps and their inner "
+            "momenta are local between outer steps; inner_momentum='average' averages them at each outer step"
         )
     if diagnostics_every:
         raise ValueError(
-            "local_steps with diagnostics_every: the vote diagnostics are per-step votes' (set 0)"
+            f"diagnostics_every={diagnostics_every!r} with local_steps={h}: the ranks vote every {h} steps "
+            "and the vote diagnostics describe a vote every step; drop diagnostics_every (or local_steps, "
+            "for the per-step vote)"
         )
     return local_steps
 

@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 from lioncub import transports
 from lioncub._validate import is_int, is_number
-from lioncub.transports import AGGREGATIONS, TOPOLOGIES, TRANSPORTS
+from lioncub.transports import AGGREGATIONS, TOPOLOGIES, TRANSPORTS, ZERO_VOTES
 
 __all__ = [
     "EXCHANGES",
@@ -55,8 +55,6 @@ __all__ = [
 
 #: implementations of the all-to-all / all-gather (:class:`lioncub.collectives.Comm`)
 EXCHANGES = ("auto", "p2p", "native")
-#: how an exact zero of ``c`` votes in a one-bit vote (:class:`VoteConfig` ``zero_vote``)
-ZERO_VOTES = ("split", "plus")
 #: what each rank's inner momentum becomes at an outer step of local steps
 #: (:class:`~lioncub.optim.local_steps.LocalSteps` ``inner_momentum``), the default first; here, without
 #: torch, for ``lioncub cost`` and the run names (:mod:`lioncub.names`)
@@ -203,10 +201,12 @@ class VoteConfig:
         if self.zero_vote not in ZERO_VOTES:
             raise ValueError(f"zero_vote={self.zero_vote!r}: allowed values are {list(ZERO_VOTES)}")
         if self.zero_vote != "split" and self.transport not in ONE_BIT_VOTES:
+            one_bit = [name for name, p in PRESETS.items() if p.transport in ONE_BIT_VOTES]
+            these = [name for name, p in PRESETS.items() if p.transport == self.transport]
             raise ValueError(
                 f"zero_vote={self.zero_vote!r} applies to the one-bit votes (transports "
-                f"{list(ONE_BIT_VOTES)}: variants 1bit, 4bit, dlion-mavo); transport={self.transport!r} "
-                "carries an exact zero as 0"
+                f"{list(ONE_BIT_VOTES)}: variants {', '.join(one_bit)}); transport={self.transport!r} "
+                f"(variant {', '.join(these) or 'custom'}) carries an exact zero as 0"
             )
 
     def update_rule(self) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from matplotlib.figure import Figure
 from rich.console import Console
 from rich.table import Table
 
+from lioncub.names import config_entries
 from lioncub.rundir import read_run_file
 
 __all__ = ["load_diagnostics", "print_table", "write_plots"]
@@ -80,6 +81,7 @@ def write_plots(run_dir: Path, out_dir: Path | None = None) -> dict[str, Path]:
     diags = load_diagnostics(run_dir)
     config_path = run_dir / "config.json"
     config = json.loads(read_run_file(config_path, follow_symlinks=True)) if config_path.exists() else {}
+    config = config_entries(config) if isinstance(config, dict) else {}
     title = f"{config.get('variant', '?')}, N = {config.get('nproc', '?')}"
     figures = {
         "diag_rates": _rates_figure(diags, title),

@@ -2,8 +2,8 @@
 
 Input: run directories written by the training loop, one per variant, same workload, seed and link:
 
-* ``config.json`` -- ``variant``, ``workload``, ``size``, ``world_size`` (or ``nproc``), ``link``,
-  ``steps``, ``seed``;
+* ``config.json`` (nested or flat: :func:`lioncub.names.config_entries`) -- ``variant``, ``workload``,
+  ``size``, ``world_size`` (or ``nproc``), ``link``, ``steps``, ``seed``;
 * ``log.jsonl`` -- one JSON object a line: ``{"kind": "step", "step", "loss", "time_s", "step_s",
   "compute_s", "comm_s", "apply_s", "bytes_sent", ...}`` (seconds; bytes per rank for that step) and
   ``{"kind": "eval", "step", "val_loss", "time_s"[, "val_acc"]}``. ``time_s`` is cumulative training wall
@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
-from lioncub.names import run_label
+from lioncub.names import config_entries, run_label
 from lioncub.report.budget import Budget, budget_notes, budget_of
 from lioncub.report.figures import (
     FIGURES,
@@ -296,6 +296,7 @@ def load_run(run_dir: Path) -> RunLog:
         config = None
     if not isinstance(config, dict):
         raise ValueError(f"run dir {run_dir}: config.json is not a JSON object")
+    config = config_entries(config)  # nested or flat: the settings by name
     if "world_size" not in config and "nproc" in config:  # lioncub train records the ranks as nproc
         config["world_size"] = config["nproc"]
     if not log_path.is_file():

@@ -73,12 +73,12 @@ def pilot_steps(every: int) -> int:
 def pilot_config(config: TrainConfig) -> TrainConfig:
     """The pilot of the run ``config``: the same run for :func:`pilot_steps` steps, evaluated and
     checkpointed only at its end, with its own warm-up (the step time does not depend on the lr)."""
-    doc = config.to_json()
-    for key in ("time_budget_s", "pilot_steps", "pilot_step_s"):
-        doc.pop(key, None)
-    doc |= {"steps": pilot_steps(period(config)), "eval_every": 0, "checkpoint_every": 0}
-    doc["warmup_steps"] = None
-    return TrainConfig.from_json(doc)
+    return config.replace(
+        **dict.fromkeys(("time_budget_s", "pilot_steps", "pilot_step_s", "warmup_steps")),
+        steps=pilot_steps(period(config)),
+        eval_every=0,
+        checkpoint_every=0,
+    )
 
 
 def pilot_step_time(step_s: Sequence[float], every: int) -> float:
@@ -121,11 +121,15 @@ def planned_config(
     every, h = period(config), config.optimizer.local_steps or 1
     step_s = pilot_step_time(step_times, every)
     steps = planned_steps(budget_s, step_s, h)
-    doc = config.to_json() | {"steps": steps, "time_budget_s": budget_s}
-    doc |= {"pilot_steps": len(step_times), "pilot_step_s": step_s}
+    planned = {
+        "steps": steps,
+        "time_budget_s": budget_s,
+        "pilot_steps": len(step_times),
+        "pilot_step_s": step_s,
+    }
     if not eval_given:
-        doc["eval_every"] = eval_interval(steps, h)
-    return TrainConfig.from_json(doc)
+        planned["eval_every"] = eval_interval(steps, h)
+    return config.replace(**planned)
 
 
 def over_budget(config: TrainConfig, step: int, time_s: float) -> bool:

@@ -1,34 +1,56 @@
-"""What a training run is: :class:`TrainConfig` (every option of ``lioncub train``, validated once) in three
+"""What a training run is: :class:`TrainConfig` (every setting of ``lioncub train``, validated once) in three
 parts -- :class:`RunConfig` (what is trained, on which data, for how long), :class:`OptimizerConfig` (the
 variant and its options) and :class:`ClusterConfig` (the ranks and links the launcher sets up) -- and
 :func:`lr_factor`, the learning-rate schedule (linear warm-up, then a cosine).
 
-On disk (``config.json``, and ``summary.json``'s ``config``) a configuration is one flat JSON object,
-field name to value, as every lioncub version has written it (:meth:`TrainConfig.to_json`); run
-directories written before the configuration had parts load unchanged (:meth:`TrainConfig.from_json`). A
-one-bit run's ``config.json`` written before ``zero_vote`` existed lacks the key: it ran the papers' rule,
-``"plus"``, and resumes with it.
+Every field is one setting, described where it is declared (:func:`lioncub.train.settings.setting`: help,
+allowed values from their owner, range, flag, version); :data:`SETTINGS` is that table, from which the flags
+of ``lioncub train`` and ``lioncub compare`` (:mod:`lioncub.cli.options`), the JSON on disk and the checks
+follow. On disk (``config.json``, and ``summary.json``'s ``config``) a configuration is nested by part
+(:meth:`TrainConfig.to_json`, version 2); the flat objects of earlier runs load unchanged
+(:meth:`TrainConfig.from_json`): a one-bit run's flat ``config.json`` written before ``zero_vote`` existed
+lacks the key, ran the papers' rule, ``"plus"``, and resumes with it.
+
+The checks (:meth:`TrainConfig.__post_init__`): each value against its description, the rules that cross
+settings of a run, then the optimizer's own checks -- by building ``VoteConfig`` (``resolve_variant``),
+``LocalSteps``, ``MomentumSync`` and ``Checks`` and by ``lioncub.optim.arguments`` -- whose messages name
+the flags (:func:`lioncub.train.settings.in_flags`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lioncub._validate import is_int, is_number
-from lioncub.optim import PRESETS, resolve_variant
-from lioncub.optim.config import ONE_BIT_VOTES, ZERO_VOTES
-from lioncub.optim.local_steps import INNER_MOMENTA, OUTER_RULES
-from lioncub.optim.step_check import NONFINITE_MODES
-from lioncub.train.workloads import CNNWorkload, GPTWorkload, workload_names
+from lioncub.launch.config import DEVICES
+from lioncub.ops.quantize import QUANTIZERS
+from lioncub.optim.arguments import check_local_steps, check_options
+from lioncub.optim.config import (
+    INNER_MOMENTA,
+    ONE_BIT_VOTES,
+    PRESETS,
+    ZERO_VOTES,
+    VoteConfig,
+    resolve_variant,
+)
+from lioncub.optim.local_steps import DEFAULT_OUTER_LR, OUTER_RULES, LocalSteps
+from lioncub.optim.step_check import NONFINITE_MODES, Checks
+from lioncub.optim.sync import MomentumSync
+from lioncub.train.data import MODES
+from lioncub.train.settings import Described, check_value, described, flat_document, in_flags, nest, setting
+from lioncub.train.settings import spell as spell_value
+from lioncub.train.workloads import workload_class, workload_names
+from lioncub.transports import TOPOLOGIES
 
 __all__ = [
     "BASELINES",
     "CONVERSIONS",
     "CUDA_UNDER_EMULATION",
-    "JSON_KEYS",
+    "MAX_SEED",
+    "SETTINGS",
     "ClusterConfig",
     "OptimizerConfig",
     "RunConfig",
@@ -36,6 +58,7 @@ __all__ = [
     "emulates_links",
     "format_overrides",
     "lr_factor",
+    "sync_spec",
 ]
 
 #: variants trained as DDP + Lion, as users run today (gradient allreduce in fp32 / 16-bit)
@@ -43,47 +66,89 @@ BASELINES = ("32bit", "16bit")
 #: how a resume on another world size starts every rank's momenta (``--convert-momenta``; see
 #: :mod:`lioncub.train.checkpoint`)
 CONVERSIONS = ("average",)
+#: the largest ``--seed``: torch's generators take 64-bit seeds
+MAX_SEED = 2**63 - 1
+
+
+def sync_spec(text: str) -> str | list[str]:
+    """``--momentum-sync``'s text: a word of ``MomentumSync`` (none, all, io) or a list of name patterns."""
+    return text if text in ("none", "all", "io") else [t for t in text.split(",") if t]
+
+
+def _one_bit(variant: Any) -> bool:
+    return variant in PRESETS and PRESETS[variant].transport in ONE_BIT_VOTES
+
+
+def _papers_zero_rule(values: Mapping[str, Any]) -> str:
+    """``zero_vote`` of a run whose ``config.json`` lacks it: a one-bit run written before the setting
+    existed ran the papers' rule; the other variants have no zero rule (the default)."""
+    return "plus" if _one_bit(values["variant"]) else VoteConfig.zero_vote
+
+
+_SIZES = "; ".join(f"{name}: {', '.join(sizes)}" for name, sizes in workload_names().items())
+_OUTER_LRS = ", ".join(f"{name} {lr:g}" for name, lr in DEFAULT_OUTER_LR.items())
 
 
 @dataclass
 class RunConfig:
     """What is trained, on which data and for how long."""
 
-    workload: str = "gpt"
-    """``gpt`` (the character-level nanoGPT-style decoder) or ``cnn`` (a small ResNet) (``--workload``)."""
-    size: str = "tiny"
-    """The workload's size, e.g. ``tiny``, ``small``, ``medium`` for the GPT (``--size``)."""
-    overrides: dict[str, Any] = field(default_factory=dict)
-    """Workload fields replaced, e.g. ``{"batch_size": 8}`` (``--set batch_size=8``)."""
-    seed: int = 0
-    """Model initialisation, data order and dropout (``--seed``)."""
-    data_mode: str = "random"
-    """``random``: each rank its own random order of the training set; ``shard``: disjoint shards."""
-    device: str = "auto"
-    """``auto``: CUDA if available (NCCL) and no link is emulated, else the CPU (gloo); or ``cpu``,
-    ``cuda`` (``--device``; ``cuda`` is refused behind emulated links)."""
-    steps: int = 200
-    """Optimizer steps; the lr schedule ends at the last one (``--steps``)."""
-    warmup_steps: int | None = None
-    """Linear lr warm-up steps; None: 10 % of the steps, at most 100 (``--warmup``)."""
-    min_lr_ratio: float = 0.1
-    """The cosine ends at this fraction of each param group's peak lr (``--min-lr-ratio``)."""
-    eval_every: int = 50
-    """Validation every this many steps, and at the end; 0: only at the end (``--eval-every``)."""
-    checkpoint_every: int = 0
-    """A checkpoint every this many steps; 0: only at the end (``--checkpoint-every``)."""
-    stop_at: int | None = None
-    """Stop after this step with a checkpoint, keeping the lr schedule of ``steps`` (``--stop-at``)."""
-    convert_momenta: str | None = None
-    """A resume on another world size: ``average`` starts every rank from the mean of the saved momenta."""
-    time_budget_s: float | None = None
-    """``lioncub compare --time-budget``: the training seconds (``time_s``, the steps' own time) that
-    ``steps`` was planned to fill (:mod:`lioncub.train.budget`); the run stops at a window's end once it is
-    far past them. None: no budget."""
-    pilot_steps: int | None = None
-    """With ``time_budget_s``: the steps of the pilot run that measured the step time."""
-    pilot_step_s: float | None = None
-    """With ``time_budget_s``: the pilot's mean step time (s) that ``steps`` was planned from."""
+    workload: str = setting("gpt", choices=workload_names(), help="gpt (a character-level decoder) or cnn")
+    size: str = setting("tiny", metavar="SIZE", help=f"the workload's model and data size ({_SIZES})")
+    overrides: dict[str, Any] = setting(
+        {}, flag="--set", metavar="FIELD=VALUE", help="change a workload field, e.g. --set batch_size=8"
+    )
+    seed: int = setting(
+        0, low=0, high=MAX_SEED, high_text=f"2**63 - 1 = {MAX_SEED} (a generator's seed)",
+        help="model initialisation, data order and dropout",
+    )  # fmt: skip
+    data_mode: str = setting(
+        "random", choices=MODES, help="each rank's data: its own random order (random) or a disjoint shard"
+    )
+    device: str = setting(
+        "auto", choices=DEVICES,
+        help="auto: CUDA if available (NCCL) and no link is emulated, else the CPU (gloo); cuda is refused "
+        "behind emulated links",
+    )  # fmt: skip
+    steps: int = setting(200, low=1, help="optimizer steps; the lr schedule ends at the last one")
+    warmup_steps: int | None = setting(
+        None, flag="--warmup", metavar="STEPS", low=0, default_text="10% of the steps, at most 100",
+        help="linear lr warm-up steps",
+    )  # fmt: skip
+    min_lr_ratio: float = setting(
+        0.1, low=0, high=1, metavar="X", help="the cosine ends at this fraction of each param group's peak lr"
+    )
+    eval_every: int = setting(
+        50, low=0, metavar="STEPS", default_text="50; with --local-steps H the multiple of H nearest it",
+        help="validation every STEPS steps and at the end; 0: only at the end",
+    )  # fmt: skip
+    checkpoint_every: int = setting(
+        0, low=0, metavar="STEPS", help="a checkpoint every STEPS steps; 0: only at the end"
+    )
+    stop_at: int | None = setting(
+        None, commands=("train",), metavar="STEP",
+        help="stop after STEP with a checkpoint (the lr schedule stays that of --steps); --resume goes on",
+    )  # fmt: skip
+    convert_momenta: str | None = setting(
+        None, commands=("train",), choices=CONVERSIONS,
+        help="with --resume on another --nproc: start every rank from the mean of the saved momenta",
+    )  # fmt: skip
+    time_budget_s: float | None = setting(
+        None, flag="--time-budget", commands=("compare",), metavar="SECONDS", low=0, above=True,
+        unit="seconds",
+        help="instead of --steps: each run trains the steps its own step time fits in SECONDS of training, "
+        "measured by a short pilot of it (docs/local-steps.md, 'Equal time')",
+    )  # fmt: skip
+    pilot_steps: int | None = setting(
+        None,
+        commands=(),
+        low=1,
+        help="with time_budget_s: the steps of the pilot that measured the step time",
+    )
+    pilot_step_s: float | None = setting(
+        None, commands=(), low=0, above=True, unit="seconds",
+        help="with time_budget_s: the pilot's mean step time (s) that steps was planned from",
+    )  # fmt: skip
 
     @property
     def warmup(self) -> int:
@@ -95,57 +160,98 @@ class RunConfig:
 class OptimizerConfig:
     """The optimizer variant and its options."""
 
-    variant: str = "8bit"
-    """``32bit`` / ``16bit`` (DDP + Lion) or a LionCub preset: 1bit, 4bit, 8bit, ... (``--variant``)."""
-    quantizer: str | None = None
-    """The quantizer of the ``8bit`` preset: l1 (None: the preset's), l0, linf, lp, qsgd, log."""
-    topology: str = "flat"
-    """LionCub's vote over the nodes: flat, hierarchical (exact), node-majority (1bit), auto."""
-    bucket_mb: float = 25.0
-    """LionCub's bucket size in MiB; with ``overlap``, DDP's (``--bucket-mb``)."""
-    momentum_sync: str | list[str] = "none"
-    """LionCub: momenta averaged over the ranks: none, all, io, or name patterns / param-group names."""
-    sync_every: int = 10
-    """LionCub: the momentum sync interval in steps (``--sync-every``)."""
-    diagnostics_every: int = 0
-    """LionCub: vote diagnostics into ``log.jsonl`` (``diag`` records) every this many steps; 0: off."""
-    nonfinite: str = "skip"
-    """NaN/Inf gradients on any rank: ``skip`` the step on every rank, or ``raise``."""
-    overlap: bool = False
-    """LionCub: start each DDP bucket's vote during the backward pass (a communication hook)."""
-    zero_vote: str = "split"
-    """The one-bit votes (1bit, 4bit, dlion-mavo): an exact zero votes + on half the ranks (``split``) or
-    always + (``plus``, the papers' rule) (``--zero-vote``)."""
-    local_steps: int | None = None
-    """H local steps per rank, then one outer step (:mod:`lioncub.optim.local_steps`); None: a vote every
-    step (``--local-steps``)."""
-    outer: str = "vote"
-    """With ``local_steps``: ``vote`` (the variant's vote; with 32bit/16bit that is ``dsm``), ``dsm`` or
-    ``diloco`` (``--outer``)."""
-    outer_lr: float | None = None
-    """With ``local_steps``: the outer lr (vote, dsm: times H · lr; diloco: as is); None: the rule's
-    default (``--outer-lr``)."""
-    inner_momentum: str = "reset"
-    """With ``local_steps``: the inner momentum at an outer step: reset, keep or average."""
+    variant: str = setting(
+        "8bit", commands=("train",), metavar="VARIANT", choices=PRESETS,
+        help="32bit / 16bit (DDP + Lion) or a LionCub preset (below)",
+    )  # fmt: skip
+    quantizer: str | None = setting(
+        None, owner="VoteConfig", choices=QUANTIZERS,
+        default_text=f"the preset's, {PRESETS['8bit'].quantizer}", help="the quantizer of --variant 8bit",
+    )  # fmt: skip
+    topology: str = setting(
+        VoteConfig.topology, owner="VoteConfig", choices=(*TOPOLOGIES, "auto"),
+        dense_why=" (the backend's allreduce)",
+        help="the LionCub vote over nodes: hierarchical is exact, node-majority (1bit) another estimator, "
+        "auto the cost model's exact choice when the run starts",
+    )  # fmt: skip
+    bucket_mb: float = setting(
+        25.0, owner="LionCub", metavar="MB", help="LionCub's bucket size in MiB; with --overlap, DDP's"
+    )
+    momentum_sync: str | list[str] = setting(
+        "none", parse=sync_spec, metavar="WHICH", dense_why=", which keeps one global momentum",
+        per_step=True,
+        help="average momenta over the ranks: none, all, io, or comma-separated name patterns / param-group "
+        "names",
+    )  # fmt: skip
+    sync_every: int = setting(
+        10, owner="MomentumSync", knob="every", metavar="STEPS", per_step=True,
+        help="the momentum sync interval",
+    )  # fmt: skip
+    diagnostics_every: int = setting(
+        0, owner="LionCub", metavar="STEPS", dense_why=", which does not vote", per_step=True,
+        help="vote diagnostics (match/flip, ties, momentum spread, update shape) into log.jsonl every STEPS "
+        "steps; 0: off",
+    )  # fmt: skip
+    nonfinite: str = setting(
+        Checks.nonfinite, owner="Checks", choices=NONFINITE_MODES,
+        help="NaN/Inf gradients on any rank: skip the step on every rank, or raise (stop with an error)",
+    )  # fmt: skip
+    overlap: bool = setting(
+        False, dense_why=", which always overlaps its gradient allreduce with the backward pass",
+        per_step=True,
+        help="LionCub variants: start each DDP bucket's vote during the backward pass (bitwise the same "
+        "result)",
+    )  # fmt: skip
+    zero_vote: str = setting(
+        VoteConfig.zero_vote, owner="VoteConfig", choices=ZERO_VOTES, absent=_papers_zero_rule,
+        help="the one-bit votes: an exact zero votes + on half the ranks (split) or always (plus: the "
+        "papers' rule)",
+    )  # fmt: skip
+    local_steps: int | None = setting(
+        None, commands=("train",), owner="LocalSteps", knob="h", metavar="H",
+        help="H local Lion steps per rank, then one outer step (docs/local-steps.md)",
+    )  # fmt: skip
+    outer: str = setting(
+        LocalSteps.outer, commands=("train",), owner="LocalSteps", choices=OUTER_RULES, local=True,
+        help="with --local-steps: the outer rule; vote takes the variant's vote, dsm and diloco average the "
+        "pseudo-gradients (--variant 32bit or 16bit)",
+    )  # fmt: skip
+    outer_lr: float | None = setting(
+        None, commands=("train",), owner="LocalSteps", metavar="X", local=True, default_text=_OUTER_LRS,
+        help="with --local-steps: vote, dsm: X·H·lr per outer step; diloco: X",
+    )  # fmt: skip
+    inner_momentum: str = setting(
+        LocalSteps.inner_momentum, owner="LocalSteps", choices=INNER_MOMENTA, local=True,
+        help="with local steps: each rank's inner momentum at an outer step",
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        if self.local_steps is not None and self.variant in BASELINES and self.outer == "vote":
+            self.outer = "dsm"  # a vote on the dense mean is its sign: dsm (docs/local-steps.md)
 
     @property
     def one_bit(self) -> bool:
         """The variant's vote is one bit per element (``zero_vote`` applies)."""
-        return self.variant in PRESETS and resolve_variant(self.variant).transport in ONE_BIT_VOTES
+        return _one_bit(self.variant)
 
 
 @dataclass
 class ClusterConfig:
     """Where the ranks run: recorded for the report and the resume checks; the launcher applies it."""
 
-    nproc: int = 1
-    """The world size (with ``nnodes``: nodes × ranks per node)."""
-    link: str = "loopback"
-    """Each rank's link, or with ``nnodes`` each node's NIC, e.g. ``1gbit`` (``--link``)."""
-    nnodes: int | None = None
-    """None: one emulated node per rank; M: M nodes of ``nproc / M`` ranks, each node a torchrun agent."""
-    intra_link: str | None = None
-    """With ``nnodes``: the shaping of each node's loopback; None: unshaped (``--intra-link``)."""
+    nproc: int = setting(1, low=1, metavar="N", help="ranks (with --nnodes: nodes × ranks per node)")
+    link: str = setting(
+        "loopback", metavar="RATE",
+        help="shape every rank's link (with --nnodes each node's NIC), e.g. 1gbit (root)",
+    )  # fmt: skip
+    nnodes: int | None = setting(
+        None, metavar="M",
+        help="instead of --nproc: M emulated nodes of --nproc-per-node ranks, one --link NIC per node, "
+        "started by a multi-node torchrun (root)",
+    )  # fmt: skip
+    intra_link: str | None = setting(
+        None, metavar="RATE", default_text="unshaped", help="with --nnodes: shape each node's loopback"
+    )
 
     @property
     def nproc_per_node(self) -> int:
@@ -153,20 +259,16 @@ class ClusterConfig:
         return self.nproc // self.nnodes if self.nnodes else 1
 
 
-#: the keys of ``config.json``, in the order they are written (the flat format of every lioncub version)
-JSON_KEYS = (
-    "workload", "size", "variant", "steps", "warmup_steps", "min_lr_ratio", "eval_every", "checkpoint_every",
-    "seed", "data_mode", "bucket_mb", "device", "overrides", "convert_momenta", "stop_at", "momentum_sync",
-    "sync_every", "diagnostics_every", "quantizer", "topology", "nonfinite", "overlap", "nproc", "link",
-    "nnodes", "intra_link", "zero_vote", "local_steps", "outer", "outer_lr", "inner_momentum",
-    "time_budget_s", "pilot_steps", "pilot_step_s",
-)  # fmt: skip
-#: the part of a :class:`TrainConfig` each field of ``config.json`` belongs to
-PART_OF = {
-    f.name: part
-    for part, cls in (("run", RunConfig), ("optimizer", OptimizerConfig), ("cluster", ClusterConfig))
-    for f in dataclasses.fields(cls)
-}
+#: every setting of a run, by name, in the order of the parts: the table the flags, the JSON and the
+#: checks follow
+SETTINGS: dict[str, Described] = described(
+    {"run": RunConfig, "optimizer": OptimizerConfig, "cluster": ClusterConfig}
+)
+
+
+def spell(name: str, value: Any) -> str:
+    """Setting ``name`` with ``value`` as the command line gives it (``--outer dsm``)."""
+    return spell_value(SETTINGS[name], value)
 
 
 @dataclass
@@ -182,246 +284,157 @@ class TrainConfig:
     """The ranks, nodes and links."""
 
     def __post_init__(self) -> None:
-        self._check_what()
-        self._check_counts()
-        self._check_nodes()
-        self._check_warmup_and_stop()
-        self._check_budget()
-        self._check_vote_options()
-        self._check_local_steps()
-        self._check_choices()
+        values = self.flat()
+        for name, d in SETTINGS.items():
+            check_value(d, values[name])
+        _check_what(self)
+        _check_run(self)
+        _check_per_variant(self)
+        try:
+            _check_with_the_optimizer(self)
+        except ValueError as exc:
+            raise ValueError(in_flags(str(exc), SETTINGS)) from None
 
-    def _check_what(self) -> None:
-        """The workload, its size and ``--set`` fields, the variant."""
-        run, names = self.run, workload_names()
-        if run.workload not in names:
-            raise ValueError(f"--workload {run.workload!r}: allowed values are {sorted(names)}")
-        if run.size not in names[run.workload]:
-            raise ValueError(
-                f"--size {run.size!r}: allowed values for {run.workload} are {names[run.workload]}"
-            )
-        fields = {f.name for f in dataclasses.fields({"gpt": GPTWorkload, "cnn": CNNWorkload}[run.workload])}
-        fields -= {"size", "rank", "world_size", "seed", "data_mode", "device"}  # set by the run itself
-        unknown = sorted(set(run.overrides) - fields)
+    def flat(self) -> dict[str, Any]:
+        """Every setting by name (the parts merged)."""
+        return {name: getattr(getattr(self, d.part), name) for name, d in SETTINGS.items()}
+
+    def to_json(self) -> dict[str, Any]:
+        """The nested ``config.json`` object: ``{"version": 2, "run": {...}, "optimizer": {...},
+        "cluster": {...}}``, every setting in its part."""
+        parts = dataclasses.asdict(self)  # copies of the lists and dicts
+        return nest({name: parts[d.part][name] for name, d in SETTINGS.items()}, SETTINGS)
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> TrainConfig:
+        """The configuration of a ``config.json`` object, nested or flat (unknown keys are ignored, missing
+        ones take their defaults: :func:`lioncub.train.settings.flat_document`), validated."""
+        return cls.from_values(flat_document(doc, SETTINGS))
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, Any]) -> TrainConfig:
+        """The configuration of ``values`` (settings by name; the others take their defaults), validated."""
+        unknown = sorted(set(values) - set(SETTINGS))
         if unknown:
-            raise ValueError(
-                f"--set {', '.join(unknown)}: not a field of the {run.workload} workload; "
-                f"fields: {sorted(fields)}"
-            )
-        allowed = sorted({*PRESETS, *BASELINES})
-        if self.optimizer.variant not in allowed:
-            raise ValueError(f"--variant {self.optimizer.variant!r}: allowed values are {allowed}")
+            raise TypeError(f"unknown settings {unknown}; known: {list(SETTINGS)}")
+        parts: dict[str, dict[str, Any]] = {"run": {}, "optimizer": {}, "cluster": {}}
+        for name, value in values.items():
+            parts[SETTINGS[name].part][name] = value
+        return cls(
+            RunConfig(**parts["run"]),
+            OptimizerConfig(**parts["optimizer"]),
+            ClusterConfig(**parts["cluster"]),
+        )
 
-    def _check_counts(self) -> None:
-        for name, value in (
-            ("steps", self.run.steps),
-            ("eval_every", self.run.eval_every),
-            ("checkpoint_every", self.run.checkpoint_every),
-            ("nproc", self.cluster.nproc),
-        ):
-            if not isinstance(value, int) or value < (1 if name in ("steps", "nproc") else 0):
-                raise ValueError(
-                    f"--{name.replace('_', '-')} {value!r} must be an integer >= "
-                    f"{1 if name in ('steps', 'nproc') else 0}"
-                )
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A copy with the settings ``changes`` (by name), validated."""
+        return TrainConfig.from_values({**self.flat(), **changes})
 
-    def _check_nodes(self) -> None:
-        """``nnodes`` divides ``nproc``, needs a link; ``intra_link`` needs ``nnodes``."""
-        cluster = self.cluster
-        if cluster.nnodes is None:
-            if cluster.intra_link is not None:
-                raise ValueError(
-                    f"--intra-link {cluster.intra_link}: applies only with --nnodes M --nproc-per-node L"
-                )
-            return
+
+def _check_what(config: TrainConfig) -> None:
+    """The workload's size and ``--set`` fields."""
+    run = config.run
+    sizes = workload_names()[run.workload]
+    if run.size not in sizes:
+        raise ValueError(f"--size {run.size!r}: allowed values for {run.workload} are {sizes}")
+    fields = {f.name for f in dataclasses.fields(workload_class(run.workload))}
+    fields -= {"size", "rank", "world_size", "seed", "data_mode", "device"}  # set by the run itself
+    unknown = sorted(set(run.overrides) - fields)
+    if unknown:
+        raise ValueError(
+            f"--set {', '.join(unknown)}: not a field of the {run.workload} workload; "
+            f"fields: {sorted(fields)}"
+        )
+
+
+def _check_run(config: TrainConfig) -> None:
+    """The rules across a run's settings: nodes and links, ``--stop-at``, ``--warmup``, the pilot's
+    fields, ``--momentum-sync``'s form, ``--device cuda``."""
+    run, cluster, opt = config.run, config.cluster, config.optimizer
+    if cluster.nnodes is None and cluster.intra_link is not None:
+        raise ValueError(
+            f"--intra-link {cluster.intra_link}: applies only with --nnodes M --nproc-per-node L"
+        )
+    if cluster.nnodes is not None:
         if not (isinstance(cluster.nnodes, int) and cluster.nnodes >= 1) or cluster.nproc % cluster.nnodes:
             raise ValueError(
                 f"--nnodes {cluster.nnodes!r} must be an integer >= 1 that divides the {cluster.nproc} ranks "
                 "(give --nnodes M --nproc-per-node L)"
             )
-        if cluster.link in (None, "loopback"):
+        if not emulates_links(config):
             raise ValueError(
                 f"--nnodes {cluster.nnodes}: emulates nodes behind shaped NICs and needs --link RATE (root); "
                 "without a link use --nproc N"
             )
-
-    def _check_warmup_and_stop(self) -> None:
-        run = self.run
-        if run.warmup_steps is not None and not (isinstance(run.warmup_steps, int) and run.warmup_steps >= 0):
-            raise ValueError(f"--warmup {run.warmup_steps!r} must be an integer >= 0")
-        if run.stop_at is not None and not (isinstance(run.stop_at, int) and 1 <= run.stop_at <= run.steps):
-            raise ValueError(f"--stop-at {run.stop_at!r} must be an integer within [1, --steps {run.steps}]")
-
-    def _check_budget(self) -> None:
-        """``time_budget_s`` (``--time-budget``) and what its pilot measured (``lioncub compare``)."""
-        run = self.run
-        if run.time_budget_s is None:
-            if run.pilot_steps is not None or run.pilot_step_s is not None:
-                raise ValueError("pilot_steps, pilot_step_s: apply only with time_budget_s (--time-budget)")
-            return
-        if not is_number(run.time_budget_s, gt=0):
-            raise ValueError(f"--time-budget {run.time_budget_s!r} must be a finite number of seconds > 0")
-        if run.pilot_steps is not None and not is_int(run.pilot_steps, 1):
-            raise ValueError(f"pilot_steps {run.pilot_steps!r} must be an integer >= 1")
-        if run.pilot_step_s is not None and not is_number(run.pilot_step_s, gt=0):
-            raise ValueError(f"pilot_step_s {run.pilot_step_s!r} must be a finite number of seconds > 0")
-
-    def _check_vote_options(self) -> None:
-        """What only the LionCub votes have: diagnostics, momentum sync, overlap, quantizer, topology."""
-        opt = self.optimizer
-        voting_only = {"--diagnostics-every": opt.diagnostics_every, "--momentum-sync": opt.momentum_sync}
-        for option, value in voting_only.items():
-            if value not in (0, "none") and opt.variant in BASELINES:
-                raise ValueError(
-                    f"{option} {value!r}: --variant {opt.variant} keeps one global momentum and does not "
-                    "vote; it applies to the voting variants"
-                )
-        if not isinstance(opt.overlap, bool):
-            raise ValueError(f"--overlap {opt.overlap!r} must be true or false")
-        if opt.overlap and opt.variant in BASELINES:
-            raise ValueError(
-                f"--overlap: --variant {opt.variant} is DDP + Lion, which always overlaps its gradient "
-                "allreduce with the backward pass; --overlap applies to the LionCub variants"
-            )
-        if opt.nonfinite not in NONFINITE_MODES:
-            raise ValueError(f"--nonfinite {opt.nonfinite!r}: allowed values are {list(NONFINITE_MODES)}")
-        if opt.quantizer is not None:
-            from lioncub.ops.quantize import QUANTIZERS
-
-            if opt.quantizer not in QUANTIZERS:
-                raise ValueError(f"--quantizer {opt.quantizer!r}: allowed values are {sorted(QUANTIZERS)}")
-            if opt.variant != "8bit":
-                raise ValueError(f"--quantizer: only --variant 8bit quantizes (this run is {opt.variant})")
-        if opt.topology != "flat":
-            self._check_topology()
-
-    def _check_local_steps(self) -> None:
-        """``--zero-vote``; ``--local-steps`` and its options (a vote with 32bit/16bit becomes ``dsm``)."""
-        opt, run = self.optimizer, self.run
-        if opt.zero_vote not in ZERO_VOTES:
-            raise ValueError(f"--zero-vote {opt.zero_vote!r}: allowed values are {list(ZERO_VOTES)}")
-        if opt.zero_vote != "split" and not opt.one_bit:
-            raise ValueError(
-                f"--zero-vote {opt.zero_vote}: --variant {opt.variant} carries an exact zero as 0; "
-                "--zero-vote applies to the one-bit votes (1bit, 4bit, dlion-mavo)"
-            )
-        if opt.local_steps is None:
-            given = {"--outer": opt.outer != "vote", "--outer-lr": opt.outer_lr is not None}
-            given["--inner-momentum"] = opt.inner_momentum != "reset"
-            for option in (o for o, set_ in given.items() if set_):
-                raise ValueError(f"{option}: applies only with --local-steps H")
-            return
-        h = opt.local_steps
-        if not (isinstance(h, int) and not isinstance(h, bool) and h >= 1):
-            raise ValueError(f"--local-steps {h!r} must be an integer >= 1 (inner steps per outer step)")
-        if opt.outer not in OUTER_RULES:
-            raise ValueError(f"--outer {opt.outer!r}: allowed values are {list(OUTER_RULES)}")
-        if opt.variant in BASELINES and opt.outer == "vote":
-            opt.outer = "dsm"  # the dense variants' outer step: the sign of the mean (docs/local-steps.md)
-        if opt.outer != "vote" and opt.variant not in BASELINES:
-            raise ValueError(
-                f"--outer {opt.outer}: averages the pseudo-gradients in fp32 or bf16: use --variant 32bit or "
-                f"16bit, not {opt.variant} (--outer vote takes the variant's vote)"
-            )
-        if opt.outer_lr is not None and not (
-            isinstance(opt.outer_lr, (int, float)) and math.isfinite(opt.outer_lr) and opt.outer_lr > 0
-        ):
-            raise ValueError(f"--outer-lr {opt.outer_lr!r} must be a finite number > 0")
-        if opt.inner_momentum not in INNER_MOMENTA:
-            raise ValueError(
-                f"--inner-momentum {opt.inner_momentum!r}: allowed values are {list(INNER_MOMENTA)}"
-            )
-        fixes = {  # each option's own way out (the ranks meet only at the outer steps)
-            "--momentum-sync": "the ranks' inner momenta are local between outer steps; --inner-momentum "
-            "average averages them at each outer step",
-            "--diagnostics-every": "the vote diagnostics describe a vote every step; drop "
-            "--diagnostics-every (or --local-steps, for the per-step vote)",
-            "--overlap": "the outer step runs in the optimizer step, with no vote in the backward pass to "
-            "overlap; drop --overlap",
-        }
-        refused = {
-            "--momentum-sync": opt.momentum_sync not in ("none", None),
-            "--diagnostics-every": bool(opt.diagnostics_every),
-            "--overlap": opt.overlap,
-        }
-        for option in (o for o, on in refused.items() if on):
-            raise ValueError(
-                f"{option} with --local-steps {h}: the ranks vote every {h} steps; {fixes[option]}"
-            )
-        for option, value in (("--steps", run.steps), ("--eval-every", run.eval_every)):
-            if value % h:
-                raise ValueError(
-                    f"{option} {value} with --local-steps {h}: must be a multiple of {h}, where the ranks "
-                    "hold the same parameters (between outer steps each rank has its own replica)"
-                )
-
-    def _check_topology(self) -> None:
-        opt = self.optimizer
-        if opt.variant in BASELINES:
-            raise ValueError(
-                f"--topology {opt.topology}: --variant {opt.variant} is DDP + Lion (the backend's "
-                "allreduce); --topology applies to the LionCub votes"
-            )
-        try:  # auto: the cost model's exact choice (flat or hierarchical), made when the run starts
-            topology = "hierarchical" if opt.topology == "auto" else opt.topology
-            if opt.topology not in ("auto", "flat", "hierarchical", "node-majority"):
-                raise ValueError(
-                    f"topology={opt.topology!r}: allowed values are "
-                    "['flat', 'hierarchical', 'node-majority', 'auto']"
-                )
-            resolve_variant(opt.variant, quantizer=opt.quantizer, topology=topology)
-        except ValueError as exc:
-            raise ValueError(f"--topology {opt.topology}: {exc}") from None
-        if opt.overlap:
-            raise ValueError(f"--topology {opt.topology}: --overlap votes flat (use --topology flat)")
-
-    def _check_choices(self) -> None:
-        run = self.run
-        if not 0.0 <= run.min_lr_ratio <= 1.0:
-            raise ValueError(f"--min-lr-ratio {run.min_lr_ratio!r} must be within [0, 1]")
-        if run.data_mode not in ("random", "shard"):
-            raise ValueError(f"--data-mode {run.data_mode!r}: allowed values are ['random', 'shard']")
-        if run.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"--device {run.device!r}: allowed values are ['auto', 'cpu', 'cuda']")
-        if run.device == "cuda" and emulates_links(self):
-            raise ValueError(CUDA_UNDER_EMULATION.format(link=self.cluster.link))
-        if run.convert_momenta not in (None, *CONVERSIONS):
-            raise ValueError(
-                f"--convert-momenta {run.convert_momenta!r}: allowed values are {list(CONVERSIONS)}"
-            )
-
-    def to_json(self) -> dict[str, Any]:
-        """The flat ``config.json`` object: :data:`JSON_KEYS` in order; ``nnodes``, ``intra_link``, the
-        local steps' and the time budget's keys only when set, ``zero_vote`` only for the one-bit variants
-        (so that the documents of runs without them stay as they were)."""
-        parts = {name: dataclasses.asdict(getattr(self, name)) for name in ("run", "optimizer", "cluster")}
-        doc = {key: parts[PART_OF[key]][key] for key in JSON_KEYS}
-        unset = {
-            "nnodes": doc["nnodes"] is None,
-            "intra_link": doc["intra_link"] is None,
-            "zero_vote": not self.optimizer.one_bit,
-            **dict.fromkeys(
-                ("local_steps", "outer", "outer_lr", "inner_momentum"), doc["local_steps"] is None
-            ),
-            **dict.fromkeys(("time_budget_s", "pilot_steps", "pilot_step_s"), doc["time_budget_s"] is None),
-        }
-        return {key: value for key, value in doc.items() if not unset.get(key, False)}
-
-    @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> TrainConfig:
-        """The configuration of a flat ``config.json`` object (unknown keys are ignored, missing ones take
-        their defaults), validated."""
-        values: dict[str, dict[str, Any]] = {"run": {}, "optimizer": {}, "cluster": {}}
-        for key, value in doc.items():
-            if key in PART_OF:
-                values[PART_OF[key]][key] = value
-        if "zero_vote" not in doc and OptimizerConfig(**values["optimizer"]).one_bit:
-            values["optimizer"]["zero_vote"] = "plus"  # written before zero_vote: the papers' rule
-        return cls(
-            RunConfig(**values["run"]),
-            OptimizerConfig(**values["optimizer"]),
-            ClusterConfig(**values["cluster"]),
+    if run.stop_at is not None and not (isinstance(run.stop_at, int) and 1 <= run.stop_at <= run.steps):
+        raise ValueError(f"--stop-at {run.stop_at!r} must be an integer within [1, --steps {run.steps}]")
+    if run.warmup_steps is not None and run.warmup_steps > run.steps:
+        raise ValueError(
+            f"--warmup {run.warmup_steps} must be at most --steps {run.steps} (the lr would never reach "
+            "its peak)"
         )
+    if run.time_budget_s is None and (run.pilot_steps is not None or run.pilot_step_s is not None):
+        raise ValueError("pilot_steps, pilot_step_s: apply only with time_budget_s (--time-budget)")
+    sync = opt.momentum_sync
+    if not sync or (isinstance(sync, list) and not all(isinstance(p, str) and p for p in sync)):
+        raise ValueError(
+            f"--momentum-sync {opt.momentum_sync!r}: give none, all, io or comma-separated parameter-name "
+            "patterns / param-group names"
+        )
+    if run.device == "cuda" and emulates_links(config):
+        raise ValueError(CUDA_UNDER_EMULATION.format(link=cluster.link))
+
+
+def _check_per_variant(config: TrainConfig) -> None:
+    """What the DDP baselines do not take (each setting's ``dense_why``), what only local steps take
+    (``local``), and what local steps do not take beyond the optimizer's own rules: ``--overlap``,
+    ``--steps`` and ``--eval-every`` between outer steps, ``--topology`` with ``--overlap``."""
+    opt, values = config.optimizer, config.flat()
+    changed = [(n, d) for n, d in SETTINGS.items() if values[n] != d.default]
+    for name, d in changed:
+        if d.setting.dense_why and opt.variant in BASELINES:
+            raise ValueError(
+                f"{spell(name, values[name])}: --variant {opt.variant} is DDP + Lion{d.setting.dense_why}; "
+                f"{d.flag} applies to the LionCub variants"
+            )
+        if d.setting.local and opt.local_steps is None:
+            raise ValueError(f"{d.flag}: applies only with --local-steps H")
+    if opt.overlap and opt.topology != "flat":
+        raise ValueError(f"--topology {opt.topology}: --overlap votes flat (use --topology flat)")
+    h = opt.local_steps
+    if not isinstance(h, int) or isinstance(h, bool) or h < 1:
+        return  # none, or LocalSteps names it
+    if opt.overlap:
+        raise ValueError(
+            f"--overlap with --local-steps {h}: the ranks vote every {h} steps; the outer step runs in the "
+            "optimizer step, with no vote in the backward pass to overlap; drop --overlap"
+        )
+    for name in ("steps", "eval_every"):
+        if values[name] % h:
+            raise ValueError(
+                f"{spell(name, values[name])} with --local-steps {h}: must be a multiple of {h}, where the "
+                "ranks hold the same parameters (between outer steps each rank has its own replica)"
+            )
+
+
+def _check_with_the_optimizer(config: TrainConfig) -> None:
+    """The optimizer's own checks of its settings (their messages name them ``name=value``): the vote
+    (``VoteConfig``: quantizer, topology, zero rule), ``Checks``, ``MomentumSync``, LionCub's options and
+    local steps (``LocalSteps`` and its rules with the other options)."""
+    opt = config.optimizer
+    topology = "hierarchical" if opt.topology == "auto" else opt.topology  # auto: flat or hierarchical
+    try:
+        vote = resolve_variant(
+            opt.variant, quantizer=opt.quantizer, topology=topology, zero_vote=opt.zero_vote
+        )
+    except ValueError as exc:
+        raise ValueError(f"--topology auto: {exc}" if opt.topology == "auto" else str(exc)) from None
+    checks = Checks(nonfinite=opt.nonfinite)
+    MomentumSync(every=opt.sync_every)
+    check_options(vote, opt.variant, opt.bucket_mb, None, checks, opt.diagnostics_every)
+    if opt.local_steps is not None:
+        local = LocalSteps(opt.local_steps, opt.outer, opt.outer_lr, inner_momentum=opt.inner_momentum)
+        check_local_steps(local, vote, opt.variant, opt.momentum_sync, opt.diagnostics_every)
 
 
 def lr_factor(step: int, steps: int, warmup: int, min_ratio: float) -> float:

@@ -16,15 +16,14 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from lioncub import env
-from lioncub._validate import is_int, is_number
-from lioncub.names import run_label
+from lioncub._validate import is_int
+from lioncub.names import config_entries, run_label
 from lioncub.rundir import SpecialFileError, read_run_file
 from lioncub.train.config import BASELINES, TrainConfig, format_overrides
 from lioncub.train.prepare import NEXT_CONFIG, finish_run
 from lioncub.train.progress import Progress
 
 __all__ = [
-    "MAX_SEED",
     "RANK_MODULE",
     "RunOutcome",
     "available_bytes",
@@ -85,40 +84,14 @@ def max_ranks(rank_bytes: int) -> int:
     return int(0.8 * available_bytes()) // rank_bytes
 
 
-#: the largest ``--seed``: torch's generators take 64-bit seeds
-MAX_SEED = 2**63 - 1
-
-
 def check_run_options(config: TrainConfig) -> dict[str, Any]:
     """Refuse, naming the option, what :class:`~lioncub.train.config.TrainConfig` lets through and a rank
-    would only find once it runs: ``--bucket-mb``, ``--sync-every``, ``--diagnostics-every``, ``--seed``
-    (at most :data:`MAX_SEED`), an empty ``--momentum-sync``, ``--warmup`` beyond ``--steps``, the ``--set``
-    values and the workload's data (files, optional packages, sizes). A rank of a job (``torchrun``) checks
-    this and :func:`check_lanes` itself. Returns the workload's field values."""
+    would only find once it runs: the ``--set`` values and the workload's data (files, optional packages,
+    sizes). A rank of a job (``torchrun``) checks this and :func:`check_lanes` itself. Returns the
+    workload's field values."""
     from lioncub.train.workloads import check_workload
 
-    run, opt = config.run, config.optimizer
-    if not is_number(opt.bucket_mb, gt=0):
-        raise ValueError(f"--bucket-mb {opt.bucket_mb!r} must be a finite number of MiB > 0 (default 25)")
-    for option, value, low in (
-        ("--sync-every", opt.sync_every, 1),
-        ("--diagnostics-every", opt.diagnostics_every, 0),
-        ("--seed", run.seed, 0),
-    ):
-        if not is_int(value, low):
-            raise ValueError(f"{option} {value!r} must be an integer >= {low}")
-    if run.seed > MAX_SEED:
-        raise ValueError(f"--seed {run.seed} must be at most 2**63 - 1 = {MAX_SEED} (a generator's seed)")
-    if not opt.momentum_sync:
-        raise ValueError(
-            f"--momentum-sync {opt.momentum_sync!r}: give none, all, io or comma-separated parameter-name "
-            "patterns / param-group names"
-        )
-    if run.warmup_steps is not None and run.warmup_steps > run.steps:
-        raise ValueError(
-            f"--warmup {run.warmup_steps} must be at most --steps {run.steps} (the lr would never "
-            "reach its peak)"
-        )
+    run = config.run
     try:
         return check_workload(run.workload, run.size, run.overrides)
     except (ValueError, TypeError) as exc:
@@ -233,11 +206,7 @@ def preload_ranks(config: TrainConfig, cmd: list[str]) -> bool:
     from lioncub.launch.preload import gpu_refusal
 
     cluster = config.cluster
-    if (
-        env.text("LIONCUB_PRELOAD") == "0"
-        or cluster.nnodes is not None
-        or cmd[1:3] != ["-m", RANK_MODULE]
-    ):
+    if env.text("LIONCUB_PRELOAD") == "0" or cluster.nnodes is not None or cmd[1:3] != ["-m", RANK_MODULE]:
         return False
     return gpu_refusal(config.run.device) is None
 
@@ -313,7 +282,7 @@ def run_training(
 def format_summary(summary: dict[str, Any]) -> str:
     """One paragraph: step time and its split, bytes per step, final validation metrics."""
 
-    cfg = summary["config"]
+    cfg = config_entries(summary["config"])
     # local steps: the mean per inner step (most steps send nothing; the medians would hide the outer step)
     stat = "mean" if cfg.get("local_steps") and "mean_step_s" in summary else "median"
 

@@ -54,7 +54,7 @@ from lioncub.rundir import (
     write_owned,
 )
 from lioncub.train import checkpoint
-from lioncub.train.config import TrainConfig
+from lioncub.train.config import SETTINGS, TrainConfig
 from lioncub.train.runfiles import DEEPEST, NEXT_CONFIG
 
 __all__ = [
@@ -169,12 +169,11 @@ def check_resume(saved: TrainConfig, config: TrainConfig, run_dir: Path) -> None
     """``ValueError`` naming the option if ``config`` changes what a resumed run must keep
     (:data:`FROZEN_ON_RESUME`) from ``saved``, the configuration in ``run_dir``. An ``--outer-lr`` equal to
     the default of a run that has none is accepted, and ``config`` keeps the run's None."""
-    saved_doc, doc = saved.to_json(), config.to_json()
     if saved.optimizer.outer_lr is None and config.optimizer.outer_lr == _outer_lr(saved):
         config.optimizer.outer_lr = None  # the rule's default, given: the run keeps its own (and its name)
-        doc["outer_lr"] = None
+    saved_values, values = saved.flat(), config.flat()
     for name in FROZEN_ON_RESUME:
-        old, new = saved_doc.get(name), doc.get(name)
+        old, new = saved_values[name], values[name]
         if old == new or (name == "zero_vote" and saved.optimizer.variant != config.optimizer.variant):
             continue  # another variant (which implies the zero rule) is refused by the checkpoint's check
         if name == "overrides":
@@ -185,7 +184,7 @@ def check_resume(saved: TrainConfig, config: TrainConfig, run_dir: Path) -> None
                 f"--resume: --set {asked}: the run in {run_dir} has {was}; a resumed run keeps its workload "
                 "fields (start a new --out to change them)"
             )
-        option = f"--{name.replace('_', '-')}"
+        option = SETTINGS[name].flag
         raise ValueError(
             f"--resume: {option} {new!r}: the run in {run_dir} has {option} {old!r}; a resumed run keeps it "
             "(start a new --out to change it)"

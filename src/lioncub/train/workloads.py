@@ -76,6 +76,7 @@ __all__ = [
     "check_fields",
     "check_workload",
     "make_workload",
+    "workload_class",
     "workload_names",
 ]
 
@@ -497,6 +498,11 @@ _CLASSES: dict[str, type[Workload]] = {"gpt": GPTWorkload, "cnn": CNNWorkload}
 def workload_names() -> dict[str, list[str]]:
     """``{workload: [sizes]}``."""
     return {name: list(sizes) for name, sizes in SIZES.items()}
+
+
+def workload_class(name: str) -> type[Workload]:
+    """The class of workload ``name`` (one of :func:`workload_names`)."""
+    return _CLASSES[name]
 
 
 # ---------------------------------------------------------------------------------------- validation

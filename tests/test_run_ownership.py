@@ -445,8 +445,8 @@ def test_values_the_ranks_would_trip_over_are_refused(
     ("edit", "old_marker"),
     [
         (lambda doc: [doc], "refused"),
-        (lambda doc: {**doc, "nnodes": 2}, "refused"),
-        (lambda doc: {**doc, "overrides": {"batch_size": 3}}, "adopted"),
+        (lambda doc: {**doc, "cluster": {**doc["cluster"], "nnodes": 2}}, "refused"),
+        (lambda doc: {**doc, "run": {**doc["run"], "overrides": {"batch_size": 3}}}, "adopted"),
         (lambda doc: "{not json", "refused"),
     ],
     ids=["json-list", "nnodes", "overrides", "not-json"],
@@ -884,7 +884,7 @@ def test_the_rank_path_checks_before_it_writes(
     ]
     assert os.listdir(run / "checkpoints" / "step_00000002") == ["notes.txt"]
     assert (run / "checkpoints" / "exported_best.pt").read_bytes() == THESIS
-    assert json.loads((run / "config.json").read_text())["steps"] == 5  # the resume's config, now the run's
+    assert json.loads((run / "config.json").read_text())["run"]["steps"] == 5  # the resume's, now the run's
     assert tree(tmp_path / "outside") == before_outside(before)
 
 

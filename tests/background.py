@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-import dist_utils
+import processes
 
 
 class Job:
@@ -113,7 +113,7 @@ def _as_caller(env: dict[str, str], cwd: str, target: Callable[..., Any], *args:
 
 class Spawned(Job):
     """``target(rank, world, workdir, *args)`` on ``world`` new processes (forks of the fork server of
-    ``dist_utils.context``, torch imported; in the environment and working directory of the test process
+    ``processes.context``, torch imported; in the environment and working directory of the test process
     when the job starts), in the background; done once the ranks ``wait_for`` (default: all) have exited.
     :meth:`wait` waits for those until ``timeout`` seconds after the start, then kills what still runs and
     returns every rank's exit code as it was (None: was still running)."""
@@ -133,7 +133,7 @@ class Spawned(Job):
 
     def start(self) -> None:
         super().start()
-        ctx = dist_utils.context()  # forks of a process that has imported torch
+        ctx = processes.context()  # forks of a process that has imported torch
         caller = (dict(os.environ), os.getcwd(), self.target)
         self.procs = [
             ctx.Process(

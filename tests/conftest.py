@@ -5,8 +5,8 @@
 * Background jobs (``tests/background.py``): long, self-contained parts of tests marked
   ``@pytest.mark.background(KEY)`` start one at a time once collection ends, on the core that the mostly
   single-threaded tests leave idle.
-* The ranks of ``dist_utils.run_workers`` run in a session-wide pool of worker processes
-  (``tests/dist_utils.py``), forks of a fork server that has imported torch, started when collection
+* The ranks of ``processes.run_workers`` run in a session-wide pool of worker processes
+  (``tests/processes.py``), forks of a fork server that has imported torch, started when collection
   ends if a selected test's module uses the pool.
 * Tests marked ``@pytest.mark.root`` build emulated networks: skipped, saying what is missing, where this
   process cannot (``emulated_network.netns_missing``).
@@ -28,7 +28,7 @@ from cli_stub import cli_runner
 from emulated_network import netns_missing
 from profiles import selected_profile
 
-import dist_utils
+import processes
 
 settings.load_profile(selected_profile())
 
@@ -52,7 +52,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_collection_finish(session: pytest.Session) -> None:
     if not session.config.option.collectonly:
         if any(getattr(getattr(item, "module", None), "run_workers", None) for item in session.items):
-            dist_utils.start_fork_server()  # the worker pool's processes fork from it
+            processes.start_fork_server()  # the worker pool's processes fork from it
         background.start_for(session.items)
 
 

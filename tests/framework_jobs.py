@@ -31,6 +31,8 @@ from torch import nn
 
 from lioncub import LionCub
 
+from processes import python_cmd
+
 STEPS = 6  # optimizer steps of a full run
 SAVE_AT = 3  # the checkpoint a "-resume" scenario starts from
 ACCUM = 2  # gradient accumulation of every run but the "-big" one
@@ -844,7 +846,7 @@ SCENARIOS = {
 def sequence_command(out: Path, jobs: list[tuple[str, int]], timeout: int) -> list[str]:
     """The command that launches ``jobs`` (scenario set, ranks) one after the other, all writing to ``out``
     (a later job may start from an earlier one's checkpoints); it fails if any job failed."""
-    return [sys.executable, __file__, "--sequence", str(out), str(timeout), *(f"{n}:{k}" for n, k in jobs)]
+    return python_cmd(__file__, "--sequence", str(out), str(timeout), *(f"{n}:{k}" for n, k in jobs))
 
 
 #: what a job's ranks import besides torch (and lioncub): preloaded once per sequence (below)

@@ -17,7 +17,7 @@ from lioncub.ops import kernels
 @contextlib.contextmanager
 def counted_calls(module: ModuleType, names: tuple[str, ...]) -> Iterator[dict[str, int]]:
     """Count the calls of ``module``'s functions ``names`` (by name) while the block runs; the functions are
-    restored after it (the rank may be a pooled worker, tests/dist_utils.py, that runs other tests next)."""
+    restored after it (the rank may be a pooled worker, tests/processes.py, that runs other tests next)."""
     calls: dict[str, int] = {}
     originals = {name: getattr(module, name) for name in names}
     for name, original in originals.items():

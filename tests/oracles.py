@@ -12,7 +12,7 @@ the tests and the benchmarks import (``benchmarks/scale_sim.py`` and ``benchmark
 * :func:`simulate_local_steps`: local steps, H inner Lion steps per worker and then the outer step of a rule.
 * The tests' problem (:data:`SHAPES`, :data:`GROUPS`, :func:`local_grad`, ...) with :func:`simulate` and
   :func:`simulate_local` on it; :func:`worker_run_presets`, the same run with LionCub on gloo ranks
-  (``dist_utils.run_workers``).
+  (``processes.run_workers``).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from lioncub.optim.config import PRESETS
 from lioncub.planning import costmodel as cm
 from lioncub.planning.auto import AUTO_ENV, auto_variant, choose_variant
 
-from dist_utils import run_workers
+from processes import run_workers
 
 NO_COMPUTE = cm.Compute()
 INT8_PRESETS = {"8bit", "8bit-sign", "dlion-avg"}  # d bytes of int8 per rank each, without compute

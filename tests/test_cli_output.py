@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,8 +22,7 @@ from lioncub import cli
 from lioncub.report import runs as rp
 from lioncub.units import parse_rate
 
-PY = sys.executable
-
+from processes import python_cmd
 
 # ----------------------------------------------------------------------- 1. lioncub compare's table
 
@@ -228,7 +226,9 @@ sys.exit(0)
 def test_an_interrupted_rank_ends_with_one_line(tmp_path: Path, sig: signal.Signals) -> None:
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
-    proc = subprocess.Popen([PY, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        python_cmd(str(script)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
         proc.send_signal(sig)
@@ -285,7 +285,7 @@ def test_a_training_rank_ends_with_one_line_when_interrupted(tmp_path: Path) -> 
     script.write_text(RUN_RANK_SCRIPT)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [PY, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        python_cmd(str(script)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
     try:
         assert proc.stdout is not None and proc.stdout.readline() == "ready\n"

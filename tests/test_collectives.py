@@ -12,7 +12,7 @@ from lioncub.ops import packing
 from lioncub.optim import PRESETS, Checks, VoteConfig, resolve_variant
 from sim_comm import fake_comm
 
-from dist_utils import run_workers
+from processes import run_workers
 
 
 @pytest.mark.parametrize("n, bits", [(16, 4), (4, 2), (256, 8)])

@@ -22,7 +22,7 @@ from lioncub.optim import Lion, LionCub
 from lioncub.optim.step_check import GradientChangedError, StepMismatchError
 from oracles import ALL_PRESETS, BETAS, DENSE, local_grad, simulate_steps
 
-from dist_utils import run_workers
+from processes import run_workers
 
 SHAPES = [(7, 5), (11,), (3, 4), (6,), (5,), (4, 2)]
 LR, WD = 0.01, 0.1

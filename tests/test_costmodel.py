@@ -12,7 +12,6 @@ import itertools
 import json
 import math
 import struct
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -424,7 +423,7 @@ NO_TORCH_CODE = (
 #: collection ends (tests/background.py)
 BACKGROUND = {
     "cost_without_torch": lambda: background.Subprocess(
-        lambda workdir: [sys.executable, "-c", NO_TORCH_CODE, str(workdir / "x.png")], 60
+        lambda workdir: python_cmd("-c", NO_TORCH_CODE, str(workdir / "x.png")), 60
     )
 }
 

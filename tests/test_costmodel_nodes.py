@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,7 +22,7 @@ from lioncub.cli import cost as cost_cli
 from lioncub.optim.config import PRESETS, VoteConfig
 from lioncub.planning import costmodel as cm
 
-from dist_utils import run_workers
+from processes import python, run_workers
 
 NIC = cm.Network(20e-6, 1.25e9, 1.0)  # 10 Gbit/s, α = 20 us
 INTRA = cm.Network(2e-6, 50e9, 1.0)  # 400 Gbit/s, α = 2 us
@@ -399,9 +397,7 @@ def test_calibrate_two_emulated_nodes_measures_the_nic_rate(tmp_path: Path) -> N
     argv = ["calibrate", "--out", str(out), "--nnodes", "2", "--nproc-per-node", "2", "--link", "1gbit",
             "--ops", "allreduce_f32", "--sizes", "2mb,4mb,8mb", "--repeats", "2",
             "--compute-numel", "0"]  # fmt: skip
-    proc = subprocess.run(
-        [sys.executable, "-m", "lioncub", *argv], capture_output=True, text=True, timeout=180
-    )
+    proc = python("-m", "lioncub", *argv, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "NIC:" in proc.stdout and "inside a node:" in proc.stdout
     calib = cm.load_calibration(out)

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +21,7 @@ from lioncub.ops.update import apply_update_converting_, update_momentum_
 from lioncub.optim import PRESETS, Lion, LionCub
 from profiles import examples
 
-from dist_utils import run_workers
+from processes import python, run_workers
 
 ROOT = Path(__file__).resolve().parent.parent
 LENGTHS = [0, 1, 7, 8, 9, 15, 17, 63, 64, 65, 1000, 4097]
@@ -136,7 +134,7 @@ def test_no_compiler_falls_back_with_a_reason(tmp_path) -> None:
     env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "LIONCUB_KERNEL_CACHE": str(tmp_path / "cache")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     env.pop("LIONCUB_CPU_KERNELS", None)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    done = python("-c", code, env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     first, why = done.stdout.splitlines()[:2]
     assert first == "False torch 0.5"

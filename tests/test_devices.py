@@ -403,7 +403,7 @@ def test_the_votes_exchanged_at_world_size_one_equal_the_simulation() -> None:
     worker (a 1-bit vote of an exact zero is ±1 by the step's parity, not 0; 16bit rounds through bf16)."""
     from oracles import ALL_PRESETS, simulate, worker_run_presets
 
-    from dist_utils import run_workers
+    from processes import run_workers
 
     got = run_workers(worker_run_presets, 1, ALL_PRESETS, 25.0, "auto", "flat", 1, True)[0]
     for preset in ALL_PRESETS:

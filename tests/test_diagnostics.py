@@ -10,7 +10,7 @@ import torch
 
 from lioncub.optim import LionCub, diagnostics
 
-from dist_utils import run_workers
+from processes import run_workers
 
 BETAS = (0.9, 0.99)
 

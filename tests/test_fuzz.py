@@ -63,7 +63,7 @@ from lioncub.ops import quantize as Q
 from profiles import examples
 from sim_comm import SimComm, SimWorld, run_vote
 
-from dist_utils import run_workers
+from processes import run_workers
 
 
 def fuzz(max_examples: int) -> settings:

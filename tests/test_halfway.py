@@ -30,7 +30,7 @@ from lioncub.ops import quantize as Q
 from profiles import examples
 from sim_comm import run_vote
 
-from dist_utils import run_workers
+from processes import run_workers
 
 
 def settings_for(count: int) -> settings:

@@ -15,7 +15,7 @@ from lioncub.optim import resolve_variant
 from lioncub.optim.step_check import STEP_CHECK_WORDS
 from oracles import node_majority_oracle, simulate, worker_run_presets
 
-from dist_utils import run_workers
+from processes import run_workers
 
 #: the voting presets a hierarchical vote serves (the dense presets and the parameter server do not)
 VOTES = ["1bit", "4bit", "8bit", "8bit-sign", "dlion-avg"]

@@ -24,6 +24,8 @@ import torch
 import background
 import framework_jobs as jobs
 
+from processes import python
+
 REPO = Path(__file__).resolve().parents[1]
 #: framework -> the packages its integration needs
 NEEDS = {"hf": ["transformers", "accelerate"], "accelerate": ["accelerate"], "lightning": ["lightning"]}
@@ -264,11 +266,10 @@ def test_a_missing_framework_names_the_extra(
 
 @pytest.mark.slow
 def test_the_package_imports_no_framework() -> None:
-    import subprocess
 
     code = (
         "import sys, lioncub.integrations, lioncub.integrations.common;"
         "print(sorted(m for m in ('transformers', 'accelerate', 'lightning') if m in sys.modules))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = python("-c", code, timeout=60)
     assert out.stdout.strip() == "[]", out.stderr

@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,8 @@ import background
 from kernel_steps import worker_lioncub_kernels
 from lioncub.ops import kernels, native, packing, quantize
 from lioncub.optim.lion import apply_update_, update_momentum_
+
+from processes import python_cmd
 
 ROOT = Path(__file__).resolve().parent.parent
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -48,7 +49,7 @@ def _in_background(cmd, timeout: float, needs_triton: bool = True, **extra_env: 
 _LIONCUB_INTERP = """
 import sys
 sys.path.insert(0, {tests!r})
-from dist_utils import run_workers
+from processes import run_workers
 from kernel_steps import worker_lioncub_kernels
 run_workers(worker_lioncub_kernels, 2, {presets!r}, {out!r}, timeout=200, fresh=True)
 """
@@ -56,23 +57,20 @@ KERNEL_STEP_PRESETS = ["1bit", "8bit", "8bit-sign"]
 
 #: the subprocesses of this module, started when collection ends (they run on the core left idle)
 BACKGROUND = {
-    "kernels_interp": _in_background(
-        lambda _: [sys.executable, str(ROOT / "tests" / "kernels_interp.py")], 240
-    ),
+    "kernels_interp": _in_background(lambda _: python_cmd(str(ROOT / "tests" / "kernels_interp.py")), 240),
     "gpu_check_dry_run": _in_background(
         lambda _: ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run", "--ranks", "2"], 280
     ),
     "gpu_check_without_cuda": _in_background(
-        lambda _: [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")], 120, needs_triton=False
+        lambda _: python_cmd(str(ROOT / "benchmarks" / "gpu_check.py")), 120, needs_triton=False
     ),
     "lioncub_kernels_interp": _in_background(
-        lambda workdir: [
-            sys.executable,
+        lambda workdir: python_cmd(
             "-c",
             _LIONCUB_INTERP.format(
                 tests=str(ROOT / "tests"), presets=KERNEL_STEP_PRESETS, out=str(workdir / "interp.pt")
             ),
-        ],
+        ),
         300,
         TRITON_INTERPRET="1",
     ),
@@ -228,7 +226,7 @@ def test_gpu_check_without_cuda_says_so():
 def test_lioncub_step_with_kernels_equals_the_torch_step() -> None:
     """The 1-bit majority repack, the L1 quantizer and the fused apply + momentum inside LionCub's step
     (2 gloo ranks, Triton's interpreter) give bit for bit the parameters and momenta of the torch step."""
-    from dist_utils import run_workers
+    from processes import run_workers
 
     presets = KERNEL_STEP_PRESETS
     job = BACKGROUND["lioncub_kernels_interp"]

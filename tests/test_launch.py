@@ -11,11 +11,9 @@ import json
 import re
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -35,16 +33,9 @@ from lioncub.launch import (
     parse_size,
     rank_env,
 )
-from lioncub.launch.preload import MODULES
 from lioncub.optim.step_check import STEP_CHECK_WORDS
 
-PY = sys.executable
-
-
-def forked(code: str) -> dict[str, Any]:
-    """The :class:`LaunchConfig` fields that run ``python -c code`` on ranks forked from one interpreter that
-    imported torch (``tests/exec_program.py``; one zygote serves every launch of this file that uses it)."""
-    return {"cmd": ["-m", "exec_program", code], "cwd": str(Path(__file__).parent), "preload": MODULES}
+from processes import PY, forked, python_cmd
 
 
 def _run(config: LaunchConfig):  # type: ignore[no-untyped-def]
@@ -339,7 +330,9 @@ def test_sigint_is_forwarded_to_the_ranks(tmp_path: Path) -> None:
         "import sys; from lioncub.launch import LaunchConfig, launch; "
         f"sys.exit(launch(LaunchConfig([{str(rank)!r}], nproc=2, timeout_s=60)).returncode)"
     )
-    proc = subprocess.Popen([PY, "-c", driver], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        python_cmd("-c", driver), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         assert proc.stdout is not None
         seen: list[str] = []

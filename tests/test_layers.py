@@ -12,13 +12,14 @@ from __future__ import annotations
 import ast
 import inspect
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 import background
+
+from processes import python, python_cmd
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -300,7 +301,7 @@ def test_lioncub_constructor_is_small() -> None:
 #: the background when collection ends (tests/background.py)
 BACKGROUND = {
     f"python -m {module}": (
-        lambda module=module: background.Subprocess(lambda _: [sys.executable, "-m", module, "--help"], 60)
+        lambda module=module: background.Subprocess(lambda _: python_cmd("-m", module, "--help"), 60)
     )
     for module in ("lioncub", "lioncub.cli")
 }
@@ -349,7 +350,7 @@ plots = sorted(p.name for p in run.iterdir() if p.suffix == ".png") + [p.name fo
 print(json.dumps({"tried": tried, "loaded": loaded, "codes": codes, "plots": plots}))
 """
 BACKGROUND["without torch"] = lambda: background.Subprocess(
-    lambda workdir: [sys.executable, "-c", WITHOUT_TORCH, str(workdir)], 120
+    lambda workdir: python_cmd("-c", WITHOUT_TORCH, str(workdir)), 120
 )
 
 
@@ -502,7 +503,7 @@ def test_cost_model_and_configs_do_not_import_torch() -> None:
         "lioncub.transports, lioncub.rundir, lioncub.train.runfiles, lioncub.cli.report, lioncub.cli.cost;"
         "print('torch' in sys.modules)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = python("-c", code, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
 
 

@@ -14,7 +14,7 @@ from lioncub.optim import Lion, LionCub
 from lioncub.optim.step_check import STEP_CHECK_WORDS
 from oracles import ALL_PRESETS, SHAPES, initial_params, local_grad, simulate, worker_run_presets
 
-from dist_utils import run_workers
+from processes import run_workers
 
 
 def expected_bytes(preset: str, n: int, buckets: list[int], rank: int) -> float:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from lioncub import Lion, LionCub, LocalSteps, resolve_variant
 from oracles import BETAS, initial_params, local_grad, lr_factor, param_groups, simulate_local
 
-from dist_utils import run_workers
+from processes import run_workers
 
 VOTES = ["1bit", "4bit", "8bit", "8bit-sign", "dlion-avg", "dlion-mavo"]
 STEPS = 7  # windows of H = 3 end at steps 3 and 6; step 7 is inside the third

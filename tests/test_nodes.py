@@ -12,7 +12,6 @@ import io
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,7 +31,7 @@ from lioncub.launch import (
 )
 from lioncub.launch.supervisor import TorchrunReport
 
-PY = sys.executable
+from processes import PY, python_cmd
 
 
 def _cli(argv: list[str]) -> argparse.Namespace:
@@ -387,7 +386,7 @@ def _train_on_two_nodes(workdir: Path) -> list[str]:
     argv = ["train", "--workload", "gpt", "--size", "tiny", "--variant", "8bit", "--nnodes", "2",
             "--nproc-per-node", "2", "--link", "1gbit", "--steps", "2", "--eval-every", "0", "--no-progress",
             "--topology", "auto", "--out", str(workdir / "run")]  # fmt: skip
-    return [PY, "-m", "lioncub.cli", *argv]
+    return python_cmd("-m", "lioncub.cli", *argv)
 
 
 #: subprocess.run(command, capture_output=True, text=True, timeout=180), started in the background when

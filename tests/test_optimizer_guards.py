@@ -16,7 +16,7 @@ from lioncub.ops import native
 from lioncub.optim import Lion
 from lioncub.optim.step_check import HyperparameterMismatchError
 
-from dist_utils import run_workers
+from processes import run_workers
 
 # ------------------------------------------------------------------ ranks that would apply different steps
 

@@ -19,7 +19,7 @@ from lioncub.optim import PRESETS, LionCub, MomentumSync
 from lioncub.optim.ddp import skip_gradient_allreduce
 from lioncub.optim.lioncub import Checks, NonFiniteGradientError
 
-from dist_utils import run_workers
+from processes import run_workers
 
 STEPS = 5
 

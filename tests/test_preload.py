@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -26,7 +25,8 @@ from lioncub.launch.preload import MODULES, PreloadError, Zygote, shared_env
 from lioncub.train.config import TrainConfig
 from lioncub.train.driver import RANK_MODULE, make_launch_config
 
-PY = sys.executable
+from processes import PY, python_cmd
+
 #: a cheap zygote for the tests of process semantics (torch's import is what a real one saves)
 LIGHT = ("json",)
 
@@ -150,7 +150,9 @@ def test_a_killed_launcher_takes_its_forked_ranks_with_it(probe_dir: Path) -> No
         "sys.exit(launch(LaunchConfig(['-m', 'probe_rank', 'sleep'], nproc=2, timeout_s=60, "
         f"cwd={str(probe_dir)!r}, preload={LIGHT!r})).returncode)"
     )
-    proc = subprocess.Popen([PY, "-c", driver], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        python_cmd("-c", driver), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         deadline = time.monotonic() + 30
         while not all((probe_dir / f"pid{k}").exists() for k in range(2)):

@@ -5,12 +5,13 @@ the reader's own: ``build_model()`` and ``my_shard_of_the_data``."""
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
 import background
+
+from processes import python_cmd
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -52,7 +53,7 @@ def _launch_the_examples(workdir: Path) -> list[str]:
         for i, block in enumerate(blocks)
     )
     script.write_text(PRELUDE + "\n" + body + "\ntorch.distributed.destroy_process_group()\n")
-    return [sys.executable, "-m", "lioncub", "launch", "--nproc", "2", "--timeout", "120", "--", str(script)]
+    return python_cmd("-m", "lioncub", "launch", "--nproc", "2", "--timeout", "120", "--", str(script))
 
 
 #: subprocess.run(command, capture_output=True, text=True, timeout=180), started in the background when

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,7 @@ from lioncub.optim import Lion, LionCub
 from lioncub.optim.lioncub import Checks, NonFiniteGradientError, ReplicaMismatchError
 from lioncub.train import checkpoint
 
-from dist_utils import run_workers
+from processes import python_cmd, run_workers
 
 SHAPES = [(5, 7), (7,), (3, 3, 2)]
 BAD = {2: (1, float("nan")), 4: (2, float("inf")), 5: (0, float("-inf"))}  # step: (rank, value)
@@ -364,7 +363,7 @@ def test_killed_rank_restarts_from_the_checkpoint_bitwise(
 def _torchrun_cmd(workdir: Path) -> list[str]:
     """torchrun's workers run ``lioncub.cli train`` through ``tests/kill_rank.py``: rank 1 SIGKILLs itself
     after the backward of step 5 in the first attempt."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd = python_cmd("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
     cmd += ["--max-restarts", "1", kill_rank.__file__, "1:5", "lioncub.cli"]
     return [*cmd, *TINY, "--out", str(workdir / "torchrun")]
 

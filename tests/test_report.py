@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,6 +15,8 @@ import pytest
 from rich.console import Console
 
 from lioncub.report import runs as rp
+
+from processes import python
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -370,7 +370,7 @@ def test_module_does_not_import_torch() -> None:
         "spec.loader.exec_module(mod)\n"
         "print('torch' in sys.modules)\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    result = python("-c", code, check=True)
     assert result.stdout.strip() == "False"
 
 

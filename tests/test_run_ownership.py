@@ -17,7 +17,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -47,7 +46,8 @@ from lioncub.train.config import TrainConfig
 from lioncub.train.prepare import write_config
 from lioncub.train.runlog import truncate_log
 
-PY = sys.executable
+from processes import python, python_cmd
+
 THESIS = b"irreplaceable\n"
 QUICK = ["--steps", "3", "--eval-every", "0", "--no-progress"]
 
@@ -265,7 +265,9 @@ sys.stdin.read()
 @contextlib.contextmanager
 def held(path: Path, mode: str) -> Iterator[int]:
     """A process holding an ``exclusive`` or ``shared`` flock on ``path`` meanwhile; its pid."""
-    proc = subprocess.Popen([PY, "-c", HOLD, str(path), mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    proc = subprocess.Popen(
+        python_cmd("-c", HOLD, str(path), mode), stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
     try:
         assert proc.stdout is not None and proc.stdout.readline() == b"locked\n"
         yield proc.pid
@@ -799,10 +801,14 @@ RUN = ["--workload", "gpt", "--size", "tiny", "--set", "batch_size=4", "--eval-e
 FINISHED = [*RUN, "--steps", "3", "--checkpoint-every", "1", "--diagnostics-every", "1"]
 
 
+def _launch_args(out: Path) -> list[str]:
+    """``-m lioncub launch --nproc 2 -- -m lioncub.cli train``: the ranks prepare the run in ``out``."""
+    return ["-m", "lioncub", "launch", "--nproc", "2", "--", "-m", "lioncub.cli", "train", *FINISHED, "--out",
+            str(out)]  # fmt: skip
+
+
 def _launch_train(workdir: Path) -> list[str]:
-    """``lioncub launch --nproc 2 -- -m lioncub.cli train``: the ranks prepare the run themselves."""
-    return [PY, "-m", "lioncub", "launch", "--nproc", "2", "--", "-m", "lioncub.cli", "train", *FINISHED,
-            "--out", str(workdir / "finished")]  # fmt: skip
+    return python_cmd(*_launch_args(workdir / "finished"))
 
 
 #: subprocess.run(command, capture_output=True, text=True, timeout=180), started in the background when
@@ -847,9 +853,7 @@ def test_the_rank_path_checks_before_it_writes(
     shutil.copytree(finished, run, symlinks=True)
     user_files(tmp_path)
     before = tree(tmp_path)
-    again = subprocess.run(
-        [*_launch_train(tmp_path)[:-1], str(run)], capture_output=True, text=True, timeout=120
-    )
+    again = python(*_launch_args(run), timeout=120)
     assert again.returncode == 2 and "already holds a run; pass --resume" in again.stdout + again.stderr
     assert tree(tmp_path) == before
     threads = torch.get_num_threads()
@@ -866,12 +870,7 @@ def test_the_rank_path_checks_before_it_writes(
         torch.set_num_threads(threads)
     (run / "checkpoints" / "exported_best.pt").write_bytes(THESIS)
     (run / "checkpoints" / "step_00000002" / "notes.txt").write_bytes(THESIS)
-    resumed = subprocess.run(
-        [*_launch_train(tmp_path)[:-1], str(run), "--resume", "--steps", "5"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    resumed = python(*_launch_args(run), "--resume", "--steps", "5", timeout=180)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     steps = [json.loads(x)["step"] for x in (run / "log.jsonl").read_text().splitlines()]
     assert sorted(set(steps)) == [1, 2, 3, 4, 5]
@@ -904,7 +903,7 @@ def test_a_killed_launcher_leaves_a_run_that_runs_again(run_cli: Callable, tmp_p
     run = tmp_path / "K"
     argv = ["train", *RUN, "--steps", "400", "--checkpoint-every", "0", "--out", str(run)]
     proc = subprocess.Popen(
-        [PY, "-m", "lioncub", *argv], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        python_cmd("-m", "lioncub", *argv), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     try:
         _wait_for_a_step(run / "log.jsonl", proc)
@@ -932,8 +931,8 @@ def test_rank_zero_of_a_job_holds_the_lock(run_cli: Callable, tmp_path: Path) ->
     """Finding 6: a run that ``lioncub launch -- -m lioncub.cli train`` started (no driver) is held by its
     rank 0: another writer is refused naming that process."""
     run = tmp_path / "J"
-    cmd = [PY, "-m", "lioncub", "launch", "--nproc", "1", "--", "-m", "lioncub.cli", "train", *RUN,
-           "--steps", "400", "--checkpoint-every", "0", "--out", str(run)]  # fmt: skip
+    cmd = python_cmd("-m", "lioncub", "launch", "--nproc", "1", "--", "-m", "lioncub.cli", "train", *RUN,
+                     "--steps", "400", "--checkpoint-every", "0", "--out", str(run))  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_for_a_step(run / "log.jsonl", proc)

@@ -13,7 +13,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,6 +34,8 @@ from lioncub.rundir import (
     record,
     remove_owned,
 )
+
+from processes import python_cmd
 
 THESIS = b"irreplaceable\n"
 
@@ -237,14 +238,14 @@ def test_train_refuses_a_directory_with_user_files(run_cli: Callable, tmp_path: 
 
 
 def _stopped_run(workdir: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "lioncub", "train", "--nproc", "1", "--steps", "4", "--stop-at", "2"]
+    cmd = python_cmd("-m", "lioncub", "train", "--nproc", "1", "--steps", "4", "--stop-at", "2")
     cmd += ["--eval-every", "0", "--set", "batch_size=4", "--no-progress"]
     return [*cmd, "--out", str(workdir / "part")]
 
 
 def _failed_new_run(workdir: Path) -> list[str]:
     """``lioncub train`` whose rank 1 SIGKILLs itself after the backward of step 2 (tests/kill_rank.py)."""
-    cmd = [sys.executable, kill_rank.__file__, "--launches", "1:2", "lioncub", "train", "--nproc", "2"]
+    cmd = python_cmd(kill_rank.__file__, "--launches", "1:2", "lioncub", "train", "--nproc", "2")
     return [*cmd, "--steps", "3", "--out", str(workdir / "x"), "--no-progress"]
 
 

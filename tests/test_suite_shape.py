@@ -1,6 +1,7 @@
 """The shape of the test suite: no module under tests/ imports a test module (``test_*``), not even in a
 script it runs in a subprocess. What several files share lives in helper modules (``oracles.py``,
-``sim_comm.py``, ``dist_utils.py``, ``conftest.py``, ...; tests/README.md has the map)."""
+``sim_comm.py``, ``processes.py``, ``conftest.py``, ...; tests/README.md has the map). Processes start one
+way: only ``processes.py`` starts the interpreter (``run_workers``, ``python``, ``python_cmd``, ``PY``)."""
 
 from __future__ import annotations
 
@@ -39,3 +40,39 @@ def test_no_module_imports_a_test_module() -> None:
     offenders = {name: sorted(m for m in modules if m.startswith("test_")) for name, modules in found.items()}
     assert {name: modules for name, modules in offenders.items() if modules} == {}
     assert "oracles" in found["test_lioncub.py"]  # the check reads what the files import
+
+
+#: the functions of :mod:`subprocess` that start a process
+STARTERS = {"run", "Popen", "call", "check_call", "check_output"}
+
+
+def interpreter_starts(source: str) -> list[int]:
+    """Lines of ``source`` that name ``sys.executable`` or hand ``[PY, ...]`` to :mod:`subprocess`: the
+    interpreter started other than through ``processes.py``."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr == "executable":
+            if isinstance(node.value, ast.Name) and node.value.id == "sys":
+                lines.append(node.lineno)
+        elif isinstance(node, ast.Call) and isinstance(func := node.func, ast.Attribute):
+            argv = node.args[0] if node.args else None
+            first = argv.elts[0] if isinstance(argv, ast.List) and argv.elts else None
+            owner = func.value.id if isinstance(func.value, ast.Name) else None
+            started = owner == "subprocess" and func.attr in STARTERS
+            lines += [node.lineno] if started and isinstance(first, ast.Name) and first.id == "PY" else []
+    return sorted(lines)
+
+
+def test_interpreter_starts_are_found() -> None:
+    source = "import subprocess, sys\nsubprocess.run([sys.executable, '-c', 'pass'])\n"
+    source += "subprocess.Popen([PY, 'x.py'])\nsubprocess.run(['ip', 'link'])\n"
+    source += "subprocess.run(python_cmd('x'))\n"
+    assert interpreter_starts(source) == [2, 3]
+
+
+def test_only_processes_starts_the_interpreter() -> None:
+    """A Python program is started through ``processes.py`` (``python``, ``python_cmd``; ``PY`` for what a
+    launch starts), N ranks with its ``run_workers``: tests/README.md's "Starting processes"."""
+    paths = [p for p in sorted(TESTS.glob("*.py")) if p.name != "processes.py"]
+    found = {path.name: interpreter_starts(path.read_text()) for path in paths}
+    assert {name: lines for name, lines in found.items() if lines} == {}

@@ -11,7 +11,7 @@ from lioncub.optim import LionCub
 from lioncub.optim.sync import MomentumSync, find_io_parameters, select_parameters
 from lioncub.train.workloads import make_workload
 
-from dist_utils import run_workers
+from processes import run_workers
 
 BETAS = (0.9, 0.99)
 

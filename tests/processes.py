@@ -1,6 +1,18 @@
-"""Run a function on N gloo ranks (separate processes) and collect what each returns.
+"""How the tests start processes: one module, one way for each need (tests/README.md, "Starting processes").
 
-Usage: ``results = run_workers(fn, world_size, *args)`` where ``fn(rank, world_size, *args)`` is a
+* **N gloo ranks running a function**: ``run_workers(fn, world, *args)`` (the worker pool below).
+* **A Python program** (``-c CODE``, ``-m lioncub ...``, a script): :func:`python` runs it to its end, its
+  output captured as text and its time bounded; :func:`python_cmd` is its argv, for a program the test talks
+  to while it runs (``subprocess.Popen``) or runs in the background (``background.Subprocess``). :data:`PY`
+  is the interpreter, for the commands a launch starts.
+* **A program on ranks a launch forks** from a preloaded interpreter: :func:`forked` (``exec_program.py``).
+
+The CLI runs in-process wherever it need not be a process of its own (``conftest.run_cli``,
+``lioncub.cli.main``); a rank is killed from outside lioncub with ``kill_rank.py``; system tools (``ip``,
+``tc``, ``umount``) are run with ``subprocess`` directly. ``tests/test_suite_shape.py`` checks that no other
+module starts the interpreter.
+
+The worker pool: ``results = run_workers(fn, world_size, *args)`` where ``fn(rank, world_size, *args)`` is a
 module-level function; ``results[r]`` is what rank r returned (anything ``torch.save`` can store). A
 failing rank's traceback is re-raised in the test process; a hung group is killed after ``timeout``.
 
@@ -30,6 +42,8 @@ import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import pickle
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -39,6 +53,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+#: the interpreter every Python program of the suite runs on
+PY = sys.executable
+TESTS = Path(__file__).resolve().parent
 
 #: what the fork server of :func:`context` imports before it forks: torch, its distributed package and
 #: torch._dynamo (which torch.optim.Optimizer.add_param_group imports on first use, ~1.3 s of CPU), never
@@ -130,8 +148,6 @@ def _restore_logging(saved: dict[str, tuple]) -> None:
 def _serve(conn: mpc.Connection) -> None:
     """A pooled worker: runs one rank of each task it receives until it gets ``None`` (or the pipe
     closes). The rank's stdout and stderr go to ``tmp/rank{rank}.log``, which the caller prints."""
-    import sys
-
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -269,8 +285,6 @@ def _run_pooled(
 
 def _print_logs(tmp: str, world_size: int) -> None:
     """What the pooled ranks printed, to this process's stdout (pytest shows it with the test)."""
-    import sys
-
     for r in range(world_size):
         path = os.path.join(tmp, f"rank{r}.log")
         text = Path(path).read_text(errors="replace") if os.path.exists(path) else ""
@@ -320,3 +334,35 @@ def run_workers(
     if fresh or os.environ.get("LIONCUB_TEST_FRESH_WORKERS") == "1":
         return _run_fresh(fn, world_size, args, timeout, pg_timeout)
     return _run_pooled(fn, world_size, args, timeout, pg_timeout)
+
+
+# ------------------------------------------------------------------------------------------- programs
+
+
+def python_cmd(*args: str) -> list[str]:
+    """``python ARGS``: the argv of a Python program on the suite's interpreter."""
+    return [PY, *args]
+
+
+def python(
+    *args: str,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+    check: bool = False,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python ARGS`` to its end: stdout and stderr captured as text, killed after ``timeout``
+    seconds (``TimeoutExpired``), in ``env`` (default: this process's) and ``cwd``; ``check``: raise if it
+    fails."""
+    return subprocess.run(
+        python_cmd(*args), capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd, check=check
+    )
+
+
+def forked(code: str) -> dict[str, Any]:
+    """The :class:`lioncub.launch.LaunchConfig` fields that run ``python -c code`` on ranks forked from one
+    interpreter that imported torch (``tests/exec_program.py``, run in ``tests/``; one zygote serves every
+    launch of a test process that uses it)."""
+    from lioncub.launch.preload import MODULES
+
+    return {"cmd": ["-m", "exec_program", code], "cwd": str(TESTS), "preload": MODULES}

@@ -132,6 +132,33 @@ def test_a_flat_config_json_loads_into_the_parts_and_is_written_back_nested() ->
     assert (without_nodes.cluster.nnodes, without_nodes.cluster.intra_link) == (None, None)
 
 
+@pytest.mark.parametrize("command", ["train", "compare"])
+def test_the_flags_follow_the_settings(command: str) -> None:
+    """Every setting a command takes is its flag, left None unless given (a resume keeps what is not),
+    with its choices and its default in ``--help``; a flag converts its text as its setting's type."""
+    import argparse
+
+    from lioncub.cli.options import add_run_arguments
+    from lioncub.train.config import SETTINGS
+
+    parser = argparse.ArgumentParser(prog=f"lioncub {command}")
+    add_run_arguments(parser, command)
+    taken = {n: d for n, d in SETTINGS.items() if command in d.setting.commands}
+    assert {"steps", "inner_momentum", "zero_vote"} <= taken.keys() and "pilot_steps" not in taken
+    assert ("time_budget_s" in taken, "variant" in taken) == (command == "compare", command == "train")
+    given = vars(parser.parse_args([]))
+    assert {n: given[n] for n in taken} == dict.fromkeys(taken)
+    text = " ".join(parser.format_help().split())
+    for d in taken.values():
+        assert d.flag in text, d.flag
+        if d.setting.choices is not None:
+            assert "{" + ",".join(d.setting.choices) + "}" in text, d.flag
+    assert "optimizer steps; the lr schedule ends at the last one (default 200)" in text
+    assert "(default vote 1, dsm 1, diloco 0.7)" in text or command == "compare"
+    args = parser.parse_args(["--steps", "8", "--min-lr-ratio", "0.5", "--momentum-sync", "wte,lm_head"])
+    assert (args.steps, args.min_lr_ratio, args.momentum_sync) == (8, 0.5, ["wte", "lm_head"])
+
+
 def test_a_nested_config_json_holds_settings_only() -> None:
     """A nested ``config.json`` names what it holds that is not a setting of its part, or a version newer
     than this lioncub reads; a one-bit flat one without ``zero_vote`` ran the papers' rule, a nested one

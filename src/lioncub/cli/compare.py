@@ -183,8 +183,9 @@ def _variants(args: argparse.Namespace, out: Path) -> list[str]:
     if getattr(args, "zero_vote", None) and not any(
         OptimizerConfig(variant=parse_run_name(v)["variant"]).one_bit for v in variants
     ):
+        one_bit = ", ".join(name for name in PRESETS if OptimizerConfig(variant=name).one_bit)
         raise ValueError(
-            f"--zero-vote {args.zero_vote}: applies to the one-bit votes (1bit, 4bit, dlion-mavo); no run in "
+            f"--zero-vote {args.zero_vote}: applies to the one-bit votes ({one_bit}); no run in "
             f"--variants {given!r} is one"
         )
     if getattr(args, "inner_momentum", None) and not any(

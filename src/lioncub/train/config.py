@@ -161,7 +161,7 @@ class OptimizerConfig:
     """The optimizer variant and its options."""
 
     variant: str = setting(
-        "8bit", commands=("train",), metavar="VARIANT", choices=PRESETS,
+        "8bit", commands=("train",), choices=PRESETS,
         help="32bit / 16bit (DDP + Lion) or a LionCub preset (below)",
     )  # fmt: skip
     quantizer: str | None = setting(

@@ -202,7 +202,7 @@ def in_flags(message: str, settings: Mapping[str, Described]) -> str:
 
     text = _KNOB.sub(knob, _OWNER.sub("", message))
     names = "|".join(re.escape(n) for n, d in settings.items() if "_" in n and d.setting.commands)
-    return re.sub(rf"(?<![\w-])({names})(?![\w=])", lambda m: settings[m[1]].flag, text)
+    return re.sub(rf"(?<![\w-])({names})(?![\w=])", lambda m: settings[m[1]].flag, text) if names else text
 
 
 def nest(values: Mapping[str, Any], settings: Mapping[str, Described]) -> dict[str, Any]:

@@ -7,8 +7,7 @@
   backward (a global ``torch.optim`` step pre-hook; in a new run the STEP-th step is step STEP), in a job's
   first attempt only (``$TORCHELASTIC_RESTART_COUNT`` 0 or unset, as torchrun and ``lioncub launch`` set it).
 * ``python tests/kill_rank.py --launches RANK:STEP MODULE [ARGS...]``: ``python -m MODULE ARGS`` (e.g.
-  ``lioncub train ...``) whose launches start every rank through ``-m kill_rank RANK:STEP``
-  (:func:`launches`).
+  ``lioncub train ...``) whose launches start every rank through this module (:func:`launches`).
 * :func:`launches`: the same in the test process (``lioncub.cli.main`` in-process).
 """
 
@@ -46,19 +45,23 @@ def arm(spec: str) -> None:
 
 
 @contextlib.contextmanager
-def launches(spec: str | None) -> Iterator[None]:
+def launches(spec: str) -> Iterator[None]:
     """While the block runs, every ``lioncub.launch.launch`` of this process starts its ``-m MODULE`` ranks
-    as ``-m kill_rank SPEC MODULE`` (``spec`` None: as they are) in ``tests/``, where a preloaded interpreter
-    (:mod:`lioncub.launch.preload`) can import this module; forked as before when the launch forks."""
+    as ``-m tests.kill_rank SPEC MODULE``, forked as before when the launch forks: a preloaded interpreter
+    (:mod:`lioncub.launch.preload`) started in the repository imports it from there, so the launch keeps
+    the zygote of the launches before it. Run from elsewhere, the ranks run ``-m kill_rank`` in ``tests/``
+    (another zygote)."""
     import lioncub.launch
 
     real = lioncub.launch.launch
+    from_root = (Path.cwd() / "tests" / "kill_rank.py").resolve() == Path(__file__).resolve()
 
     def launch(config: Any, **kwargs: Any) -> Any:
         cmd = list(config.cmd)
-        if spec is not None and cmd[1:2] == ["-m"]:
-            cmd[1:2] = ["-m", "kill_rank", spec]
-        return real(dataclasses.replace(config, cmd=cmd, cwd=str(HERE)), **kwargs)
+        if cmd[1:2] == ["-m"]:
+            cmd[1:2] = ["-m", "tests.kill_rank" if from_root else "kill_rank", spec]
+        where = {} if from_root else {"cwd": str(HERE)}
+        return real(dataclasses.replace(config, cmd=cmd, **where), **kwargs)
 
     lioncub.launch.launch = launch
     try:

@@ -118,6 +118,17 @@ class LionSteps(StepPolicy):
         skipped = lion_step(self.optimizer, overflow, here=self.optimizer.comm)
         self.optimizer.accounting.count_skip(skipped)
 
+    @torch.no_grad()
+    def load(self, meta: dict[str, Any], checked: Any) -> None:
+        """A state saved in a local-steps window's middle (by several ranks) holds this rank's replica:
+        one process continues from it (its steps are Lion's, no window)."""
+        opt = self.optimizer
+        for group in opt.param_groups:
+            for p in group["params"]:
+                replica = opt.state.get(p, {}).pop("replica", None)
+                if replica is not None:
+                    p.copy_(replica)
+
 
 class EveryStep(StepPolicy):
     """A vote every step: the round, then momentum sync (when due), the replica check (when due), the

@@ -85,8 +85,8 @@ def _finished(run_dir: Path, config: TrainConfig, eval_given: bool = True) -> bo
         return False
     from lioncub.train.config import TrainConfig
 
-    try:  # a run of an earlier lioncub: its flat config.json, read as the settings it ran
-        saved, doc = TrainConfig.from_json(found[0]).to_json(), config.to_json()
+    try:  # the settings it ran (a flat config.json of an earlier lioncub too)
+        saved, doc = TrainConfig.from_json(found[0]).flat(), config.flat()
     except (ValueError, TypeError):
         return False
     if config.run.time_budget_s is not None:

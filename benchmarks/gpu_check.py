@@ -22,9 +22,9 @@ brings the pinned one); nothing is installed and no network is used:
 
 ``--dry-run`` runs the same code paths on the CPU at small sizes: the Triton kernels in Triton's
 interpreter (``TRITON_INTERPRET=1``), gloo instead of NCCL, wall-clock timing (its numbers mean nothing);
-``--ranks K`` adds section 3 on K CPU processes. Without CUDA and without ``--dry-run`` it says so and
-exits 2. Exit 1 when a correctness check fails. The table printed last lists every measurement next to
-its target.
+``--ranks K`` adds section 3 on K CPU processes (with the CPU kernels: the interpreter ran it at N = 1).
+Without CUDA and without ``--dry-run`` it says so and exits 2. Exit 1 when a correctness check fails. The
+table printed last lists every measurement next to its target.
 """
 
 from __future__ import annotations
@@ -250,12 +250,15 @@ def vote_path_on_ranks(world: int, n: int, timeout_s: float) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_path.py")
         common = ["--world", str(world), "--n", str(n), "--store", f"{tmp}/store"] + (["--dry-run"] * DRY)
+        # a dry run's ranks take the CPU kernels: the Triton interpreter (slow) ran the same code at N = 1
+        child_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         procs = [
             subprocess.Popen(
                 [sys.executable, script, "--rank", str(r), "--out", f"{tmp}/rows{r}.json", *common],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
+                env=child_env,
             )
             for r in range(world)
         ]

@@ -50,6 +50,8 @@ PROBE = textwrap.dedent("""
     elif mode == "term":
         signal.signal(signal.SIGTERM, lambda *_: (print(f"SIGTERM in {rank}", flush=True), sys.exit(9)))
     if rank == "1":
+        while mode in ("exit", "raise", "kill") and not os.path.exists("pid0"):
+            time.sleep(0.01)  # rank 0 has printed before rank 1 ends the launch (else a race under load)
         if mode == "exit":
             sys.exit(3)
         if mode == "raise":
@@ -72,6 +74,8 @@ def _launch(
     launch_id: str | None = None, env: dict[str, str] | None = None,
 ):  # fmt: skip  # type: ignore[no-untyped-def]
     out, err = io.StringIO(), io.StringIO()
+    for stale in probe_dir.glob("pid*"):  # the files of an earlier launch in this directory
+        stale.unlink()
     config = LaunchConfig(
         ["-m", "probe_rank", mode], nproc=2, timeout_s=timeout_s, grace_s=5, cwd=str(probe_dir),
         env={"PROBE": "yes", **(env or {})}, preload=preload, link_rate_bps=link,

@@ -129,6 +129,7 @@ def test_rank0_decides_and_every_rank_follows() -> None:
     assert out[1]["logged"] == [] and out[1]["reason"] == "variant='auto': rank 0 chose '1bit'"
 
 
+@pytest.mark.slow
 def test_rank0_error_reaches_every_rank_without_a_hang() -> None:
     out = run_workers(worker_auto, 3, ["no such rate", "1gbit", "1gbit"], timeout=60)
     assert out[0]["error"].startswith("ValueError") and "network" in out[0]["error"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import datetime
+import functools
 import importlib.util
 import threading
 from pathlib import Path
@@ -34,6 +35,13 @@ _spec.loader.exec_module(gpu_path)
 
 
 # ----------------------------------------------------------------------------- structural guards
+
+
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """The syntax tree of ``path``, parsed once for this module's tests."""
+    return ast.parse(path.read_text())
+
 
 #: torch factories that make a tensor from nothing (``*_like`` and ``new_*`` follow their input)
 FACTORIES = {
@@ -69,7 +77,7 @@ def _factory_calls() -> list[tuple[str, str, str, int]]:
     found = []
     for package in ("ops", "collectives", "optim"):
         for path in sorted((SRC / package).rglob("*.py")):
-            tree = ast.parse(path.read_text())
+            tree = _tree(path)
             enclosing: dict[int, str] = {}
             for node in ast.walk(tree):
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -107,7 +115,7 @@ def test_torch_load_is_always_given_map_location() -> None:
     (cuda:K of another rank, or of a GPU this machine lacks)."""
     missing = []
     for path in sorted([*SRC.rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             func = node.func if isinstance(node, ast.Call) else None
             if (
                 isinstance(func, ast.Attribute)
@@ -123,7 +131,7 @@ def test_the_step_times_its_phases_with_the_phase_clock() -> None:
     ``time.perf_counter`` alone; the overlap hook's thread times are host times on purpose."""
     offenders = []
     for module in ("optim/lioncub.py", "optim/local_steps.py", "optim/engine.py", "train/loop.py"):
-        tree = ast.parse((SRC / module).read_text())
+        tree = _tree(SRC / module)
         clock = next(
             (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "PhaseClock"), None
         )
@@ -249,6 +257,7 @@ def one_rank(tmp_path: Path) -> Any:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_the_vote_thread_makes_the_parameters_device_current(
     one_rank: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -81,6 +81,7 @@ def three_runs(tmp_path: Path) -> list[Path]:
     ]
 
 
+@pytest.mark.slow
 def test_medians_speedups_bytes(three_runs: list[Path], tmp_path: Path) -> None:
     report = rp.make_report(three_runs, tmp_path / "out")
     a, b, c = report.rows
@@ -95,6 +96,7 @@ def test_medians_speedups_bytes(three_runs: list[Path], tmp_path: Path) -> None:
     assert (a.bytes_sent_per_step, b.bytes_sent_per_step, c.bytes_sent_per_step) == (4e6, 1.25e5, 1e6)
 
 
+@pytest.mark.slow
 def test_val_loss_equal_steps_and_default_target(three_runs: list[Path], tmp_path: Path) -> None:
     report = rp.make_report(three_runs, tmp_path / "out")
     a, b, c = report.rows
@@ -126,6 +128,7 @@ def test_given_target_and_no_baseline(three_runs: list[Path], tmp_path: Path) ->
     assert [r.speedup for r in report.rows] == pytest.approx([0.35 / 0.49, 0.35 / 0.245, 1.0])
 
 
+@pytest.mark.slow
 def test_summary_files(three_runs: list[Path], tmp_path: Path) -> None:
     out = tmp_path / "out"
     report = rp.make_report(three_runs, out)
@@ -146,6 +149,7 @@ def test_summary_files(three_runs: list[Path], tmp_path: Path) -> None:
     assert all("budget" not in row for row in data["rows"]) and "budget" not in md
 
 
+@pytest.mark.slow
 def test_pngs_are_valid(three_runs: list[Path], tmp_path: Path) -> None:
     report = rp.make_report(three_runs, tmp_path / "out")
     names = {"val_loss_vs_step", "val_loss_vs_time", "val_loss_vs_bytes", "step_time_split", "bytes_per_step"}
@@ -167,6 +171,7 @@ def _lines(fig) -> dict[str, tuple[list[float], list[float]]]:
     }
 
 
+@pytest.mark.slow
 def test_figure_series(three_runs: list[Path], tmp_path: Path) -> None:
     report = rp.make_report(three_runs, tmp_path / "out")
     by_step = {

@@ -741,6 +741,7 @@ def test_report_only_marks_a_partial_run(
     assert rule.startswith("worst final val loss among the finished runs") and "= 1" in rule
 
 
+@pytest.mark.slow
 def test_node_runs_report_nic_and_in_node_bytes_apart(tmp_path: Path) -> None:
     """Finding 14: on emulated nodes the table shows a node's NIC bytes and a rank's in-node bytes apart;
     a flat collective's bytes are split as its pattern crosses the nodes."""

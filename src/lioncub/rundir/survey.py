@@ -55,7 +55,8 @@ def survey(path: Path, kind: str = "run", *, subruns: bool = False) -> Survey:
 def _walk(root: Path, rel_dir: str, rec: Record | None, subruns: bool, out: Survey) -> None:
     for entry in sorted(os.scandir(root / rel_dir), key=lambda e: e.name):
         rel = rel_dir + entry.name
-        recorded = rec is not None and (rel in rec.files or rel in rec.dirs)
+        digests = rec.files.get(rel) if rec is not None else None  # None: not a recorded file
+        recorded = digests is not None or (rec is not None and rel in rec.dirs)
         if (
             not rel_dir
             and out.record is not None
@@ -77,8 +78,7 @@ def _walk(root: Path, rel_dir: str, rec: Record | None, subruns: bool, out: Surv
             else:
                 out.foreign.append(rel)
                 out.changed += [rel] if recorded else []
-        elif recorded and entry.is_file(follow_symlinks=False) and rel in rec.files:  # type: ignore[union-attr]
-            digests = rec.files[rel]  # type: ignore[union-attr]
+        elif digests is not None and entry.is_file(follow_symlinks=False):
             if not digests or file_sha256(Path(entry.path)) in digests:
                 out.owned.append(rel)
             else:

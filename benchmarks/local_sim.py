@@ -41,11 +41,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lioncub.train.config import RunConfig, lr_factor
 from lioncub.train.workloads import make_workload
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))  # the N-worker oracle, tests/oracles.py
-from oracles import simulate_local_steps, simulate_steps
+from oracles import WorkloadWorkers, simulate_local_steps, simulate_steps
 
 RULES = ("vote-1bit", "vote-8bit", "dsm", "diloco", "1bit", "lion")
 #: bits per parameter one outer exchange of a rule sends (per-step rules: per step)
@@ -77,56 +76,28 @@ def simulate(
     t0 = time.perf_counter()
     wl = make_workload("gpt", "tiny", rank=0, world_size=n, seed=seed, data_mode=data_mode)
     model = wl.build_model()
-    params = list(model.parameters())
-    samplers = [
-        wl.data.sampler(wl.batch_size, wl.block_size, rank=r, world_size=n, seed=seed, mode=data_mode)  # type: ignore[attr-defined]
-        for r in range(n)
-    ]
-    group_of = {id(p): g for g in wl.param_groups(model) for p in g["params"]}
-    peak = [lr_scale * float(group_of[id(p)]["lr"]) for p in params]
-    wd = [float(group_of[id(p)]["weight_decay"]) for p in params]
-    warmup = RunConfig(steps=steps).warmup
+    workers = WorkloadWorkers(wl, model, n, seed=seed, data_mode=data_mode, steps=steps, lr_scale=lr_scale)
     per_step = rule in PER_STEP
     h = 1 if per_step else h
     record: dict[str, Any] = {"evals": [], "losses": []}
-    step_loss = [0.0]
-
-    def load(theta: list[Tensor]) -> None:
-        with torch.no_grad():
-            for p, t in zip(params, theta, strict=True):
-                p.copy_(t)
-
-    def grads(r: int, step: int, theta: list[Tensor]) -> list[Tensor | None]:
-        """Worker r's gradient at its own parameters on its own batch (train_batch(step - 1))."""
-        load(theta)
-        x, y = wl.data.windows("train", samplers[r].indices(step - 1), wl.block_size)  # type: ignore[attr-defined]
-        model.zero_grad(set_to_none=True)
-        loss = wl.loss(model, (x, y))
-        loss.backward()
-        step_loss[0] += loss.item()
-        return [p.grad for p in params]
-
-    def hyper(step: int, i: int) -> tuple[float, float]:
-        return peak[i] * lr_factor(step, steps, warmup, 0.1), wd[i]
 
     def after(step: int, theta: list[Tensor]) -> None:
         """The step's mean training loss; the validation loss of θ (after an outer step) when due."""
-        record["losses"].append(step_loss[0] / n)
-        step_loss[0] = 0.0
+        record["losses"].append(workers.step_loss())
         if (step % eval_every == 0 or step == steps) and step % h == 0:
-            load(theta)
+            workers.load(theta)
             record["evals"].append({"step": step, "val_loss": wl.evaluate(model)["val_loss"]})
 
-    theta = [p.detach().clone() for p in params]
+    theta = [p.detach().clone() for p in workers.params]
     if per_step:
         simulate_steps(
-            PER_STEP[rule], n, theta, steps, grads, hyper, betas=wl.betas, alone=False,
+            PER_STEP[rule], n, theta, steps, workers.grads, workers.hyper, betas=wl.betas, alone=False,
             on_step=lambda step, th, _c, _u: after(step, th),
         )  # fmt: skip
     else:
         variant, outer = LOCAL[rule]
         simulate_local_steps(
-            variant, outer, n, h, outer_lr, theta, steps, grads, hyper, betas=wl.betas,
+            variant, outer, n, h, outer_lr, theta, steps, workers.grads, workers.hyper, betas=wl.betas,
             inner_momentum=inner_momentum, on_step=lambda step, anchor, _: after(step, anchor),
         )  # fmt: skip
     bits = BITS[rule] / (1 if per_step else h)
@@ -134,7 +105,7 @@ def simulate(
     record.update(
         n=n, rule=rule, h=h, outer_lr=outer_lr, seed=seed, steps=steps, data_mode=data_mode,
         inner_momentum=inner_momentum, lr_scale=lr_scale, bits_per_param_step=bits,
-        params=sum(p.numel() for p in params), final_val_loss=record["evals"][-1]["val_loss"],
+        params=sum(p.numel() for p in workers.params), final_val_loss=record["evals"][-1]["val_loss"],
         seconds=time.perf_counter() - t0, train_loss_tail=tail,
     )  # fmt: skip
     return record

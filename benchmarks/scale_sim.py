@@ -58,11 +58,11 @@ from torch import Tensor
 
 from lioncub.ops.quantize import level_budget
 from lioncub.optim.diagnostics import agreement, momentum_spread
-from lioncub.train.config import RunConfig, lr_factor
 from lioncub.train.workloads import make_workload
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))  # the N-worker oracle, tests/oracles.py
 from oracles import (
+    WorkloadWorkers,
     average_of_signs,
     l1_vote,
     majority_1bit,
@@ -149,43 +149,15 @@ def simulate(
         overrides["corpus"] = corpus
     wl = make_workload("gpt", "tiny", rank=0, world_size=n, seed=seed, data_mode=data_mode, **overrides)
     model = wl.build_model()
-    samplers = [
-        wl.data.sampler(batch, wl.block_size, rank=r, world_size=n, seed=seed, mode=data_mode)  # type: ignore[attr-defined]
-        for r in range(n)
-    ]
+    workers = WorkloadWorkers(wl, model, n, seed=seed, data_mode=data_mode, steps=steps)
     names = [name for name, _ in model.named_parameters()]
-    params = [p for _, p in model.named_parameters()]
-    segments = [p.numel() for p in params]
-    group_of = {id(p): g for g in wl.param_groups(model) for p in g["params"]}
-    peak_lr = [group_of[id(p)]["lr"] for p in params]
-    wd = [group_of[id(p)]["weight_decay"] for p in params]
-    warmup = RunConfig(steps=steps).warmup
+    segments = [p.numel() for p in workers.params]
     losses: list[float] = []
-    step_loss = [0.0]
     diags: list[dict[str, Any]] = []
-
-    def load(theta: list[Tensor]) -> None:
-        with torch.no_grad():
-            for p, t in zip(params, theta, strict=True):
-                p.copy_(t)
-
-    def grads(r: int, step: int, theta: list[Tensor]) -> list[Tensor | None]:
-        """Worker r's gradient on its own batch (as `lioncub train`: train_batch(step - 1))."""
-        load(theta)
-        x, y = wl.data.windows("train", samplers[r].indices(step - 1), wl.block_size)  # type: ignore[attr-defined]
-        model.zero_grad(set_to_none=True)
-        loss = wl.loss(model, (x, y))
-        loss.backward()
-        step_loss[0] += loss.item()
-        return [p.grad for p in params]
-
-    def hyper(step: int, i: int) -> tuple[float, float]:
-        return peak_lr[i] * lr_factor(step, steps, warmup, 0.1), wd[i]
 
     def diagnose(step: int, _theta: list[Tensor], stacked: list[Any], updates: list[Any]) -> None:
         """The step's mean loss; diagnostics on its directions (before the momenta moved)."""
-        losses.append(step_loss[0] / n)
-        step_loss[0] = 0.0
+        losses.append(workers.step_loss())
         if not (step == steps or (diag_every and step % diag_every == 0)):
             return
         C = torch.cat([c.reshape(n, -1) for c in stacked], dim=1)
@@ -211,16 +183,16 @@ def simulate(
     run = simulate_steps(
         "32bit" if rule == "lion" else rule,
         n,
-        [p.detach().clone() for p in params],
+        [p.detach().clone() for p in workers.params],
         steps,
-        grads,
-        hyper,
+        workers.grads,
+        workers.hyper,
         betas=wl.betas,
         vote=None if rule == "lion" else lambda _p, cs, step, _n: tensor_vote(rule, torch.stack(cs), step),
         alone=False,
         on_step=diagnose,
     )
-    load(run.theta)
+    workers.load(run.theta)
     # momentum spread per tensor after the last step: sqrt(max over elements of the variance over workers)
     spread = {}
     for i, name in enumerate(names):

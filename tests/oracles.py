@@ -10,6 +10,8 @@ the tests and the benchmarks import (``benchmarks/scale_sim.py`` and ``benchmark
 * :func:`simulate_steps`: N workers each keeping its own Lion momentum (the dense presets: one momentum of
   the mean gradient, global Lion), an update every step, with the optimizer's roundings.
 * :func:`simulate_local_steps`: local steps, H inner Lion steps per worker and then the outer step of a rule.
+* :class:`WorkloadWorkers`: the N workers of a lioncub workload that the benchmarks simulate (their
+  gradients, the lr schedule, the steps' loss).
 * The tests' problem (:data:`SHAPES`, :data:`GROUPS`, :func:`local_grad`, ...) with :func:`simulate` and
   :func:`simulate_local` on it; :func:`worker_run_presets`, the same run with LionCub on gloo ranks
   (``processes.run_workers``).
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -337,6 +340,76 @@ def _outer_step(
         for r in range(n):
             m_out[r][i] = torch.mul(m_out[r][i], 0.99).add_(deltas[r], alpha=0.01)
     return anchor.add(u.to(anchor.dtype), alpha=-eta)
+
+
+# ------------------------------------------------------------------- a workload's workers (the benchmarks)
+
+
+class WorkloadWorkers:
+    """N workers of a lioncub workload in one process, for :func:`simulate_steps` and
+    :func:`simulate_local_steps` (``benchmarks/scale_sim.py``, ``benchmarks/local_sim.py``): each worker's
+    gradient at its own parameters on its own batch (:meth:`grads`), the lr schedule of ``lioncub train``
+    (:meth:`hyper`: every param group's lr times ``lr_scale``) and the steps' mean training loss.
+
+    Args:
+        wl: the workload (built for ``world_size=n``); ``model``: its model, whose parameters are loaded
+            with each worker's values in turn.
+        n, seed, data_mode: the workers, and their samplers' seed and mode (as the workload's ranks).
+        steps: the run's steps (the schedule's length; its warm-up is ``lioncub train``'s default).
+    """
+
+    def __init__(
+        self,
+        wl: Any,
+        model: torch.nn.Module,
+        n: int,
+        *,
+        seed: int,
+        data_mode: str,
+        steps: int,
+        lr_scale: float = 1.0,
+    ) -> None:
+        from lioncub.train.config import RunConfig, lr_factor  # the benchmarks' import, not the tests'
+
+        self.schedule = lr_factor
+        self.wl, self.model, self.n, self.steps = wl, model, n, steps
+        self.params = list(model.parameters())
+        self.samplers = [
+            wl.data.sampler(wl.batch_size, wl.block_size, rank=r, world_size=n, seed=seed, mode=data_mode)
+            for r in range(n)
+        ]
+        group_of = {id(p): g for g in wl.param_groups(model) for p in g["params"]}
+        self.peak = [lr_scale * float(group_of[id(p)]["lr"]) for p in self.params]
+        self.weight_decay = [float(group_of[id(p)]["weight_decay"]) for p in self.params]
+        self.warmup = RunConfig(steps=steps).warmup
+        self._loss = 0.0
+
+    def load(self, theta: list[Tensor]) -> None:
+        """The model's parameters set to ``theta``."""
+        with torch.no_grad():
+            for p, t in zip(self.params, theta, strict=True):
+                p.copy_(t)
+
+    def grads(self, r: int, step: int, theta: list[Tensor]) -> list[Tensor | None]:
+        """Worker r's gradient at ``theta`` on its own batch (as ``lioncub train``: ``train_batch(step - 1)``)
+        (:data:`Grads`); its loss counts towards the step's."""
+        self.load(theta)
+        wl = self.wl
+        x, y = wl.data.windows("train", self.samplers[r].indices(step - 1), wl.block_size)
+        self.model.zero_grad(set_to_none=True)
+        loss = wl.loss(self.model, (x, y))
+        loss.backward()
+        self._loss += loss.item()
+        return [p.grad for p in self.params]
+
+    def hyper(self, step: int, i: int) -> tuple[float, float]:
+        """(lr, weight decay) of tensor ``i`` at ``step``: warm-up, then the cosine to 0.1 (:data:`Hyper`)."""
+        return self.peak[i] * self.schedule(step, self.steps, self.warmup, 0.1), self.weight_decay[i]
+
+    def step_loss(self) -> float:
+        """The mean training loss of the workers' gradients since the last call."""
+        loss, self._loss = self._loss / self.n, 0.0
+        return loss
 
 
 # ------------------------------------------------------------------------------------ the tests' problem

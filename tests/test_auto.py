@@ -93,7 +93,9 @@ def test_the_optimizer_points_to_auto_variant() -> None:
 # -- on real ranks -------------------------------------------------------------------------------------
 
 
-def worker_auto(rank: int, world: int, networks: list[str | None]) -> dict:
+def worker_auto(
+    rank: int, world: int, networks: list[str | None], compute: list[float | None] | None = None
+) -> dict:
     torch.manual_seed(rank)
     params = [torch.nn.Parameter(torch.randn(1000))]
     records: list[str] = []
@@ -102,11 +104,12 @@ def worker_auto(rank: int, world: int, networks: list[str | None]) -> dict:
     logging.getLogger("lioncub").addHandler(handler)
     logging.getLogger("lioncub").setLevel(logging.INFO)
     try:
-        choice = auto_variant(params, network=networks[rank], latency_s=0.0)
+        compute_s = None if compute is None else compute[rank]
+        choice = auto_variant(params, network=networks[rank], latency_s=0.0, compute_s=compute_s)
     except Exception as err:
         return {"error": f"{type(err).__name__}: {err}"}
-    opt = LionCub(params, lr=0.01, variant=choice.variant)
-    for step in range(3):
+    opt = LionCub(params, lr=0.01, variant=choice.variant, local_steps=choice.local_steps)
+    for step in range(16):  # a whole window where H = 16: every rank's parameters agree at its end
         params[0].grad = torch.randn(1000, generator=torch.Generator().manual_seed(10 * rank + step))
         opt.step()
     return {
@@ -115,6 +118,7 @@ def worker_auto(rank: int, world: int, networks: list[str | None]) -> dict:
         "params": params[0].detach().clone(),
         "logged": records,
         "state_variant": opt.state_dict()["lioncub"]["variant"],
+        "local_steps": choice.local_steps,
     }
 
 
@@ -127,6 +131,17 @@ def test_rank0_decides_and_every_rank_follows() -> None:
     assert all(torch.equal(o["params"], out[0]["params"]) for o in out)
     assert len(out[0]["logged"]) == 1 and "chose '1bit'" in out[0]["logged"][0]
     assert out[1]["logged"] == [] and out[1]["reason"] == "variant='auto': rank 0 chose '1bit'"
+
+
+@pytest.mark.slow
+def test_rank0_chooses_h_and_every_rank_follows() -> None:
+    # 1000 parameters at 10 kbit/s: one 1-bit vote takes ~0.16 s; against 1 ms of compute (rank 0's)
+    # a vote every 16 steps wins with the default factors; the others' 10 s of compute would pick every step
+    out = run_workers(worker_auto, 3, ["10kbit"] * 3, [1e-3, 10.0, 10.0])
+    assert [o["local_steps"] for o in out] == [16] * 3 and [o["variant"] for o in out] == ["1bit"] * 3
+    assert all(torch.equal(o["params"], out[0]["params"]) for o in out)
+    assert "a vote every 16 steps (one vote" in out[0]["reason"]
+    assert out[1]["reason"] == "variant='auto': rank 0 chose '1bit', a vote every 16 steps"
 
 
 @pytest.mark.slow

@@ -578,6 +578,10 @@ TRAIN_CASES = [
     (["--outer", "diloco"], ["--outer", "only with --local-steps"]),
     (["--outer-lr", "2"], ["--outer-lr", "only with --local-steps"]),
     (["--local-steps", "4", "--outer-lr", "-1"], ["--outer-lr", "> 0"]),
+    (["--outer-betas", "0.5,0.9"], ["--outer-betas", "only with --local-steps"]),
+    (["--local-steps", "4", "--outer-betas", "0.5"], ["--outer-betas: '0.5'", "two numbers B1,B2"]),
+    (["--local-steps", "4", "--outer-betas", "0.5,x"], ["--outer-betas: '0.5,x'", "two numbers B1,B2"]),
+    (["--local-steps", "4", "--outer-betas", "0.5,1"], ["--outer-betas", "[0, 1)"]),
     (["--local-steps", "16"], ["--steps 200 with --local-steps 16", "multiple of 16"]),
     (["--local-steps", "4", "--eval-every", "10"], ["--eval-every 10", "multiple of 4"]),
     (

@@ -474,6 +474,24 @@ def test_cost_command_with_local_steps(capsys: pytest.CaptureFixture[str]) -> No
     assert "--inner-momentum average: applies only with --local-steps H" in capsys.readouterr().err
 
 
+def test_cost_command_chooses_the_schedule(capsys: pytest.CaptureFixture[str]) -> None:
+    from lioncub.planning.schedule import choose_schedule
+
+    argv = ["cost", "--params", "825472", "--workers", "4", "--variants", "1bit", "--compute", "none"]
+    for rate in ("2mbit", "100mbit"):
+        assert cli.main([*argv, "--bandwidth", rate, "--step-compute", "186ms"]) == 0
+        out = capsys.readouterr().out
+        vote = cm.predict("1bit", 825472, 4, cm.Network.from_rate(cm.parse_bandwidth(rate) * 8, 50e-6)).total_s
+        expected = choose_schedule(0.186, vote)
+        assert f"schedule for 1bit: {expected.reason}" in " ".join(out.split()), out
+    assert expected.local_steps is None  # 100 Mbit/s: a vote every step
+    nodes = ["cost", "--params", "825472", "--nnodes", "2", "--nproc-per-node", "2", "--variants", "1bit"]
+    assert cli.main([*nodes, "--bandwidth", "4mbit", "--step-compute", "186ms"]) == 0
+    assert "schedule for 1bit flat: a vote every" in capsys.readouterr().out  # the fastest exact topology
+    assert cli.main([*argv, "--step-compute", "186ms", "--local-steps", "4"]) == 2
+    assert "--step-compute chooses H itself" in capsys.readouterr().err
+
+
 def test_cost_command_reports_variants_that_are_not_allowed(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["cost", "--params", "10M", "--workers", "16", "--variants", "4bit,1bit,8bit"]) == 0
     out = capsys.readouterr().out

@@ -38,6 +38,15 @@ NAMES = {
         "outer_lr": 2.0,
         "inner_momentum": "average",
     },
+    "1bit/h4/b0.9:0.96": {"variant": "1bit", "local_steps": 4, "outer_betas": [0.9, 0.96]},
+    "dsm/h16/lr0.5/b0.8:0.99/keep": {
+        "variant": "32bit",
+        "local_steps": 16,
+        "outer": "dsm",
+        "outer_lr": 0.5,
+        "outer_betas": [0.8, 0.99],
+        "inner_momentum": "keep",
+    },
     "1bit/plus": {"variant": "1bit", "zero_vote": "plus"},
     "4bit@hierarchical/h8/keep/plus+overlap": {
         "variant": "4bit",
@@ -64,9 +73,13 @@ def test_run_names_parse_and_print_back(name: str, fields: dict) -> None:
         ("1bit/h0", "hH"),
         ("1bit/h4/x", "/lrX"),
         ("1bit/h4/lrx", "a number"),
-        ("a/h2/lr1/b", "/lrX"),
+        ("a/h2/lr1/b", "/bB1:B2 needs two numbers"),
+        ("a/h2/lr1/x", "/lrX"),
         ("1bit/keep", "/hH"),  # an inner-momentum rule needs local steps
         ("1bit/h4/keep/lr2", "in this order"),
+        ("1bit/h4/b0.9", "two numbers"),
+        ("1bit/h4/b0.9:x", "two numbers"),
+        ("1bit/h4/b0.9:0.99/lr2", "in this order"),
         ("1bit/plus/h4", "in this order"),
     ],
 )

@@ -4,8 +4,9 @@ object holds, nested or flat (:func:`config_entries`). Torch-free.
 
 * A vote every step: ``VARIANT[@TOPOLOGY][/plus][+overlap]`` -- ``1bit``, ``1bit@hierarchical``,
   ``8bit+overlap``; ``1bit/plus`` is the one-bit vote with the papers' zero rule (``--zero-vote plus``).
-* Local steps (``docs/local-steps.md``): ``RULE[@TOPOLOGY]/hH[/lrX][/keep|/average][/plus]`` -- ``1bit/h16``
-  (a 1-bit vote every 16 steps), ``8bit/h16/lr2`` (outer lr 2), ``dsm/h16`` and ``diloco/h16`` (the fp32
+* Local steps (``docs/local-steps.md``): ``RULE[@TOPOLOGY]/hH[/lrX][/bB1:B2][/keep|/average][/plus]`` --
+  ``1bit/h16`` (a 1-bit vote every 16 steps), ``8bit/h16/lr2`` (outer lr 2), ``1bit/h4/b0.9:0.99`` (outer
+  betas), ``dsm/h16`` and ``diloco/h16`` (the fp32
   mean of the pseudo-gradients), ``diloco-16bit/h16`` (its bf16 mean), ``diloco/h16/keep`` (each rank's
   inner momentum kept across outer steps; ``/average``: averaged; without either: reset, the default).
   RULE is the variant for the ``vote`` rule, else the outer rule, with ``-16bit`` for the 16-bit exchange.
@@ -59,8 +60,8 @@ def config_entries(doc: Mapping[str, Any]) -> dict[str, Any]:
 
 def run_label(config: Mapping[str, Any]) -> str:
     """The name of the run configured by ``config`` (a ``config.json`` object, nested or flat: its
-    ``variant``, ``topology``, ``overlap``, ``local_steps``, ``outer``, ``outer_lr``, ``inner_momentum``,
-    ``zero_vote``)."""
+    ``variant``, ``topology``, ``overlap``, ``local_steps``, ``outer``, ``outer_lr``, ``outer_betas``,
+    ``inner_momentum``, ``zero_vote``)."""
     config = config_entries(config)
     name = str(config.get("variant", "?"))
     h = config.get("local_steps")
@@ -74,6 +75,8 @@ def run_label(config: Mapping[str, Any]) -> str:
         name += f"/h{h}"
         if config.get("outer_lr") is not None:
             name += f"/lr{float(config['outer_lr']):g}"
+        if config.get("outer_betas") is not None:
+            name += "/b" + ":".join(f"{float(b):g}" for b in config["outer_betas"])
         if config.get("inner_momentum") not in (None, INNER_MOMENTA[0]):
             name += f"/{config['inner_momentum']}"
     if config.get("zero_vote") not in (None, ZERO_VOTES[0]):  # recorded for the one-bit votes only
@@ -84,7 +87,8 @@ def run_label(config: Mapping[str, Any]) -> str:
 #: what may follow ``NAME``, in this order (each part after a ``/``)
 GRAMMAR = (
     "after NAME may come, in this order: /hH (H local steps per outer step, e.g. 1bit/h16), then with it "
-    f"/lrX (the outer lr, e.g. 1bit/h16/lr2) and /{'|/'.join(INNER_MOMENTA)} (the inner momentum at an "
+    f"/lrX (the outer lr, e.g. 1bit/h16/lr2), /bB1:B2 (the outer betas, e.g. 1bit/h4/b0.9:0.99) and "
+    f"/{'|/'.join(INNER_MOMENTA)} (the inner momentum at an "
     f"outer step; default {INNER_MOMENTA[0]}), and /{'|/'.join(ZERO_VOTES)} (the one-bit votes' zero rule; "
     f"default {ZERO_VOTES[0]})"
 )
@@ -92,7 +96,7 @@ GRAMMAR = (
 
 def parse_run_name(name: str) -> dict[str, Any]:
     """The configuration fields that ``name`` sets (``variant``; ``topology``, ``overlap``, ``local_steps``,
-    ``outer``, ``outer_lr``, ``inner_momentum``, ``zero_vote`` where it names them); ``ValueError`` naming
+    ``outer``, ``outer_lr``, ``outer_betas``, ``inner_momentum``, ``zero_vote`` where it names them); ``ValueError`` naming
     the part that is not understood (:data:`GRAMMAR`). Whether the variant or topology exists, and whether
     the zero rule applies to the variant, is the configuration's check."""
     fields: dict[str, Any] = {}
@@ -118,6 +122,14 @@ def parse_run_name(name: str) -> dict[str, Any]:
         fields["outer"], fields["variant"] = rule, wire if dash else "32bit"
     if rest and rest[-1] in INNER_MOMENTA:
         fields["inner_momentum"] = rest.pop()
+    if rest and rest[-1].startswith("b"):
+        try:
+            fields["outer_betas"] = [float(b) for b in rest[-1][1:].split(":", 1)]
+        except ValueError:
+            fields["outer_betas"] = []
+        if len(fields["outer_betas"]) != 2:
+            raise ValueError(f"{name!r}: /bB1:B2 needs two numbers (e.g. /b0.9:0.99)") from None
+        rest.pop()
     if len(rest) > 1 or (rest and not rest[0].startswith("lr")):
         raise ValueError(f"{name!r}: {'/'.join(rest)!r} is not understood: {GRAMMAR}")
     if rest:

@@ -47,8 +47,8 @@ nodes' majorities (another estimator); with --nnodes M --nproc-per-node L, e.g.
   lioncub compare --variants 32bit,1bit,1bit@hierarchical,1bit@node-majority --nnodes 2 --nproc-per-node 2 \
       --link 100mbit --out runs/topo
 Local steps (docs/local-steps.md): NAME/hH votes every H steps -- 1bit/h16, 8bit/h16; dsm/h16 and
-diloco/h16 average the pseudo-gradients in fp32 (diloco-16bit/h16: bf16); /lrX sets the outer lr, and
-/keep or /average the inner momentum at an outer step (default: reset), e.g.
+diloco/h16 average the pseudo-gradients in fp32 (diloco-16bit/h16: bf16); /lrX sets the outer lr,
+/bB1:B2 the outer betas, and /keep or /average the inner momentum at an outer step (default: reset), e.g.
   lioncub compare --variants 32bit,1bit,1bit/h16,1bit/h16/lr2,diloco/h16,diloco/h16/keep --nproc 4 \
       --link 20mbit --steps 512 --eval-every 32 --out runs/local
 A one-bit vote named NAME/plus (1bit/plus, 1bit/h16/plus) votes + for an exact zero, the papers' rule
@@ -157,7 +157,7 @@ def _variants(args: argparse.Namespace, out: Path) -> list[str]:
         f"give distinct names from {allowed}; a LionCub variant may carry {OVERLAP_SUFFIX!r} (e.g. "
         f"1bit{OVERLAP_SUFFIX}: its vote overlapped with the backward pass; 32bit/16bit, DDP, always "
         f"overlap) or @TOPOLOGY (e.g. 1bit@hierarchical, 1bit@node-majority; topologies {list(TOPOLOGIES)}); "
-        "local steps: NAME/hH[/lrX][/keep|/average] (1bit/h16, 8bit/h16/lr2, dsm/h16, diloco/h16, "
+        "local steps: NAME/hH[/lrX][/bB1:B2][/keep|/average] (1bit/h16, 8bit/h16/lr2, dsm/h16, diloco/h16, "
         "diloco/h16/keep, diloco-16bit/h16); the one-bit votes' zero rule: NAME[...]/plus (1bit/plus)"
     )
     for v in variants:

@@ -179,6 +179,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --local-steps: average prices the inner momenta's fp32 allreduce at each outer step",
     )
     parser.add_argument(
+        "--step-compute",
+        type=_arg(cm.parse_duration, "--step-compute"),
+        metavar="TIME",
+        help="a step's compute on each worker (forward, backward, optimizer; e.g. 190ms, as `lioncub train` "
+        "logs it): also say whether the winner should vote every step or every H local steps "
+        "(docs/local-steps.md, 'Choosing H')",
+    )
+    parser.add_argument(
         "--variants", type=_variants, metavar="LIST", help="comma-separated presets (default all)"
     )
     parser.add_argument("--plot", metavar="FILE.png", help="save cost vs link rate and vs N (Fig. 2 style)")
@@ -301,6 +309,15 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
             "momenta every K steps; --inner-momentum average prices the inner momenta averaged at each outer "
             "step"
         )
+    if args.step_compute is not None and args.local_steps is not None:
+        raise ValueError(
+            f"--step-compute with --local-steps {args.local_steps}: --step-compute chooses H itself (a vote "
+            "every step or every H steps); give one of them"
+        )
+    if args.step_compute is not None and not args.step_compute > 0:
+        raise ValueError(
+            f"--step-compute {args.step_compute:g} s: give a step's compute time > 0, e.g. 190ms"
+        )
     if args.inner_momentum == "average":
         if args.local_steps is None:
             raise ValueError("--inner-momentum average: applies only with --local-steps H")
@@ -328,6 +345,15 @@ def _check_plot(path: str | None) -> None:
         raise ValueError(f"--plot {path}: the directory {parent} does not exist")
     if not os.access(parent, os.W_OK):
         raise ValueError(f"--plot {path}: the directory {parent} is not writable")
+
+
+def _print_schedule(console: Any, vote: Any, compute_s: float) -> None:
+    """The schedule for ``vote`` (the winner's prediction) with a step's compute ``compute_s``."""
+    from lioncub.planning.schedule import choose_schedule
+
+    choice = choose_schedule(compute_s, vote.total_s)
+    where = f" {vote.topology}" if getattr(vote, "topology", None) else ""
+    console.print(f"schedule for {vote.variant}{where}: {choice.reason}", soft_wrap=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -363,8 +389,15 @@ def run(args: argparse.Namespace) -> int:
             report_cluster(
                 console, args.params, cluster, compute, args.variants, topologies, source, **options
             )
+            if args.step_compute is not None:
+                rows = cm.cluster_table(args.params, cluster, compute, args.variants, topologies, **options)
+                exact = [p for p in rows if p.allowed and p.topology != "node-majority"]
+                _print_schedule(console, min(exact, key=lambda p: p.total_s), args.step_compute)
             return 0
         report(console, args.params, args.workers, network, compute, args.variants, source, **options)
+        if args.step_compute is not None and args.workers > 1:
+            best = cm.winner(args.params, args.workers, network, compute, args.variants, **options)
+            _print_schedule(console, best, args.step_compute)
         if args.plot:
             fig = figure(args.params, args.workers, network, compute, args.variants, **options)
             fig.savefig(args.plot, dpi=120)

@@ -109,6 +109,18 @@ def _help(d: Described) -> str:
     return (s.help + (f" (default {shown})" if shown else "")).replace("%", "%%")
 
 
+def _parser(parse: Any) -> Any:
+    """A setting's ``parse`` as an argparse ``type`` whose ``ValueError`` message reaches the user."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
+
+
 def _add(group: Any, d: Described, *, given_only: bool) -> None:
     """The flag of ``d`` in ``group``; its default None where ``given_only``."""
     s = d.setting
@@ -119,7 +131,7 @@ def _add(group: Any, d: Described, *, given_only: bool) -> None:
     elif d.kind is dict:  # --set FIELD=VALUE, repeated (parse_set)
         options.update(action="append", metavar=s.metavar)
     else:
-        options.update(type=s.parse or d.kind, metavar=s.metavar, default=default)
+        options.update(type=_parser(s.parse) if s.parse else d.kind, metavar=s.metavar, default=default)
         if s.choices is not None:
             options["choices"] = list(s.choices)
     group.add_argument(d.flag, **options)

@@ -1,4 +1,5 @@
-"""``variant="auto"``: the cost model's predicted fastest preset for this model size, N and network.
+"""``variant="auto"``: the cost model's predicted fastest preset for this model size, N and network, and,
+given a step's compute, whether to vote every step or every H local steps (:mod:`lioncub.planning.schedule`).
 
 Before the optimizer exists, every rank calls :func:`auto_variant` (collective: rank 0 decides, every rank
 follows) and builds :class:`~lioncub.optim.LionCub` with the chosen preset::
@@ -6,7 +7,13 @@ follows) and builds :class:`~lioncub.optim.LionCub` with the chosen preset::
     choice = auto_variant(model.parameters(), network="1gbit")   # or a `lioncub calibrate` JSON
     opt = LionCub(model.parameters(), lr=3e-4, variant=choice.variant)
 
-:func:`choose_variant` is the same decision for a given size and N, without a process group.
+:func:`choose_variant` is the same decision for a given size and N, without a process group. With
+``compute_s`` (a step's forward, backward and optimizer seconds, measured on the job) the choice also
+says whether a vote every step or one every H local steps reaches a loss sooner (``choice.local_steps``;
+:func:`choose_local_steps`)::
+
+    choice = auto_variant(model.parameters(), network="2mbit", compute_s=0.19)
+    opt = LionCub(model.parameters(), lr=3e-4, variant=choice.variant, local_steps=choice.local_steps)
 
 The network comes from, in order: the ``network`` argument (a ``lioncub calibrate`` JSON file, a
 :class:`~lioncub.planning.costmodel.Calibration`, a :class:`~lioncub.planning.costmodel.Network`, or a link
@@ -20,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,6 +37,7 @@ from lioncub._validate import is_int, is_number
 from lioncub.optim.config import PRESETS
 from lioncub.planning import costmodel
 from lioncub.planning.costmodel import Calibration, Compute, Network, Prediction
+from lioncub.planning.schedule import ScheduleChoice, choose_schedule
 
 if TYPE_CHECKING:
     import torch
@@ -41,6 +49,7 @@ __all__ = [
     "auto_topology",
     "auto_variant",
     "check_candidates",
+    "choose_local_steps",
     "choose_topology",
     "choose_variant",
     "resolve_network",
@@ -56,11 +65,15 @@ NetworkSpec = str | os.PathLike | Calibration | Network | None
 
 @dataclass(frozen=True)
 class AutoChoice:
-    """The chosen preset, why, and every prediction it was chosen from (seconds per step)."""
+    """The chosen preset, why, and every prediction it was chosen from (seconds per step); with a step's
+    compute given, ``local_steps``: H for ``LionCub(local_steps=...)``, or ``None`` for a vote every step
+    (and ``schedule``: every candidate H)."""
 
     variant: str
     reason: str
     predictions: tuple[Prediction, ...]
+    local_steps: int | None = None
+    schedule: ScheduleChoice | None = None
 
 
 def resolve_network(spec: NetworkSpec, latency_s: float = DEFAULT_LATENCY_S) -> tuple[Network, Compute, str]:
@@ -117,8 +130,11 @@ def choose_variant(
     latency_s: float = DEFAULT_LATENCY_S,
     candidates: Sequence[str] | None = None,
     bucket_numel: int | None = None,
+    compute_s: float | None = None,
+    steps_factor: Mapping[int, float] | None = None,
 ) -> AutoChoice:
-    """The allowed candidate (default: every preset) with the smallest predicted time per step.
+    """The allowed candidate (default: every preset) with the smallest predicted time per step; with
+    ``compute_s``, also a vote every step or every H steps for it (:func:`choose_local_steps`).
 
     Args:
         d: parameters voted on per step.
@@ -126,6 +142,9 @@ def choose_variant(
         network, latency_s: see :func:`resolve_network`.
         candidates: preset names to choose from.
         bucket_numel: elements per bucket (each bucket pays its own latency).
+        compute_s: a step's compute in seconds (forward, backward, optimizer), measured on the job; None:
+            no choice of H (a vote every step).
+        steps_factor: f(H) by H (:data:`lioncub.planning.schedule.STEPS_FACTOR`).
     """
     names = check_candidates(candidates)
     net, compute, where = resolve_network(network, latency_s)
@@ -143,7 +162,32 @@ def choose_variant(
         + (f" (next: {others})" if others else "")
         + (f"; not allowed: {refused}" if refused else "")
     )
-    return AutoChoice(best.variant, reason, rows)
+    if compute_s is None:
+        return AutoChoice(best.variant, reason, rows)
+    schedule = choose_schedule(compute_s, best.total_s, steps_factor)
+    reason += f"; {schedule.reason}"
+    return AutoChoice(best.variant, reason, rows, schedule.local_steps, schedule)
+
+
+def choose_local_steps(
+    variant: str,
+    d: int,
+    n_workers: int,
+    network: NetworkSpec = None,
+    *,
+    compute_s: float,
+    latency_s: float = DEFAULT_LATENCY_S,
+    bucket_numel: int | None = None,
+    steps_factor: Mapping[int, float] | None = None,
+) -> ScheduleChoice:
+    """A vote of ``variant`` every step or every H local steps (:mod:`lioncub.planning.schedule`), with
+    one vote's time predicted by the cost model for ``d`` parameters on ``n_workers`` over ``network``
+    (:func:`resolve_network`) and ``compute_s`` the step's compute (seconds)."""
+    net, compute, _ = resolve_network(network, latency_s)
+    vote = costmodel.predict(variant, d, n_workers, net, compute, bucket_numel=bucket_numel)
+    if not vote.allowed:
+        raise ValueError(f"variant={variant!r}: {vote.reason}")
+    return choose_schedule(compute_s, vote.total_s, steps_factor)
 
 
 def auto_variant(
@@ -154,9 +198,12 @@ def auto_variant(
     latency_s: float = DEFAULT_LATENCY_S,
     candidates: Sequence[str] | None = None,
     bucket_mb: float = 25.0,
+    compute_s: float | None = None,
+    steps_factor: Mapping[int, float] | None = None,
 ) -> AutoChoice:
     """:func:`choose_variant` for the parameters that require grad (``params`` as for the optimizer) on the
-    ranks of ``process_group`` (default: the default group), with LionCub's buckets of ``bucket_mb`` MiB.
+    ranks of ``process_group`` (default: the default group), with LionCub's buckets of ``bucket_mb`` MiB;
+    with ``compute_s`` (rank 0's is used) also ``local_steps``.
 
     Collective: rank 0 decides and logs its reason to the ``"lioncub"`` logger, every rank takes its
     answer (the others' :attr:`AutoChoice.reason` names rank 0); an error on rank 0 is raised there and a
@@ -180,20 +227,25 @@ def auto_variant(
                 latency_s=latency_s,
                 candidates=names,
                 bucket_numel=max(1, int(bucket_mb * 2**20) // 4),
+                compute_s=compute_s,
+                steps_factor=steps_factor,
             )
         except (ValueError, TypeError, OSError) as err:
             error = err
-    index = torch.tensor([-1 if choice is None else names.index(choice.variant)], dtype=torch.int64)
+    decided = [-1, 0] if choice is None else [names.index(choice.variant), choice.local_steps or 0]
+    decision = torch.tensor(decided, dtype=torch.int64)
     if comm.world_size > 1:
-        index = index.to(comm.device)
-        comm.broadcast(index, 0, "variant='auto' decision").wait()
+        decision = decision.to(comm.device)
+        comm.broadcast(decision, 0, "variant='auto' decision").wait()
     if error is not None:
         raise error
-    if int(index) < 0:
+    index, h = (int(x) for x in decision.tolist())
+    if index < 0:
         raise RuntimeError(f"rank {comm.rank}: variant='auto' failed on rank 0 (see rank 0's error)")
-    if choice is None:  # not rank 0: the same preset, the reason is rank 0's
-        variant = names[int(index)]
-        return AutoChoice(variant, f"variant='auto': rank 0 chose {variant!r}", ())
+    if choice is None:  # not rank 0: the same preset and H, the reason is rank 0's
+        variant = names[index]
+        schedule = f", a vote every {h} steps" if h else ""
+        return AutoChoice(variant, f"variant='auto': rank 0 chose {variant!r}{schedule}", (), h or None)
     _log.info("%s", choice.reason)
     return choice
 

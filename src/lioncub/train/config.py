@@ -55,6 +55,7 @@ __all__ = [
     "OptimizerConfig",
     "RunConfig",
     "TrainConfig",
+    "betas_spec",
     "emulates_links",
     "format_overrides",
     "lr_factor",
@@ -73,6 +74,17 @@ MAX_SEED = 2**63 - 1
 def sync_spec(text: str) -> str | list[str]:
     """``--momentum-sync``'s text: a word of ``MomentumSync`` (none, all, io) or a list of name patterns."""
     return text if text in ("none", "all", "io") else [t for t in text.split(",") if t]
+
+
+def betas_spec(text: str) -> list[float]:
+    """``--outer-betas``'s text, ``B1,B2``: two numbers (``LocalSteps`` checks their range)."""
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise ValueError(f"{text!r}: give two numbers B1,B2, e.g. 0.9,0.99")
+    try:
+        return [float(part) for part in parts]
+    except ValueError:
+        raise ValueError(f"{text!r}: give two numbers B1,B2, e.g. 0.9,0.99") from None
 
 
 def _one_bit(variant: Any) -> bool:
@@ -219,6 +231,11 @@ class OptimizerConfig:
     outer_lr: float | None = setting(
         None, commands=("train",), owner="LocalSteps", metavar="X", local=True, default_text=_OUTER_LRS,
         help="with --local-steps: vote, dsm: X·H·lr per outer step; diloco: X",
+    )  # fmt: skip
+    outer_betas: list[float] | None = setting(
+        None, commands=("train",), owner="LocalSteps", parse=betas_spec, metavar="B1,B2", local=True,
+        default_text="vote, dsm 0.9,0.99; diloco μ 0.9",
+        help="with --local-steps: the outer momentum's betas (diloco: B1 is Nesterov's μ, B2 unused)",
     )  # fmt: skip
     inner_momentum: str = setting(
         LocalSteps.inner_momentum, owner="LocalSteps", choices=INNER_MOMENTA, local=True,
@@ -433,7 +450,9 @@ def _check_with_the_optimizer(config: TrainConfig) -> None:
     MomentumSync(every=opt.sync_every)
     check_options(vote, opt.variant, opt.bucket_mb, None, checks, opt.diagnostics_every)
     if opt.local_steps is not None:
-        local = LocalSteps(opt.local_steps, opt.outer, opt.outer_lr, inner_momentum=opt.inner_momentum)
+        local = LocalSteps(
+            opt.local_steps, opt.outer, opt.outer_lr, opt.outer_betas, inner_momentum=opt.inner_momentum
+        )
         check_local_steps(local, vote, opt.variant, opt.momentum_sync, opt.diagnostics_every)
 
 

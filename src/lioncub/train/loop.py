@@ -132,6 +132,7 @@ def build_optimizer(
             h=options.local_steps,
             outer=options.outer,
             outer_lr=options.outer_lr,
+            outer_betas=options.outer_betas,
             inner_momentum=options.inner_momentum,
         )
     if options.variant in BASELINES and local is None:

@@ -74,7 +74,8 @@ __all__ = [
 #: what a resumed run keeps from the run it continues, besides what its checkpoint records and
 #: :func:`lioncub.train.checkpoint.check_compatible` checks (workload, size, seed, variant, ranks)
 FROZEN_ON_RESUME = (
-    "data_mode", "overrides", "quantizer", "zero_vote", "local_steps", "outer", "outer_lr", "inner_momentum",
+    "data_mode", "overrides", "quantizer", "zero_vote", "local_steps", "outer", "outer_lr", "outer_betas",
+    "inner_momentum",
 )  # fmt: skip
 
 

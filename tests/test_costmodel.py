@@ -481,7 +481,8 @@ def test_cost_command_chooses_the_schedule(capsys: pytest.CaptureFixture[str]) -
     for rate in ("2mbit", "100mbit"):
         assert cli.main([*argv, "--bandwidth", rate, "--step-compute", "186ms"]) == 0
         out = capsys.readouterr().out
-        vote = cm.predict("1bit", 825472, 4, cm.Network.from_rate(cm.parse_bandwidth(rate) * 8, 50e-6)).total_s
+        net = cm.Network.from_rate(cm.parse_bandwidth(rate) * 8, 50e-6)
+        vote = cm.predict("1bit", 825472, 4, net).total_s
         expected = choose_schedule(0.186, vote)
         assert f"schedule for 1bit: {expected.reason}" in " ".join(out.split()), out
     assert expected.local_steps is None  # 100 Mbit/s: a vote every step

@@ -96,9 +96,9 @@ GRAMMAR = (
 
 def parse_run_name(name: str) -> dict[str, Any]:
     """The configuration fields that ``name`` sets (``variant``; ``topology``, ``overlap``, ``local_steps``,
-    ``outer``, ``outer_lr``, ``outer_betas``, ``inner_momentum``, ``zero_vote`` where it names them); ``ValueError`` naming
-    the part that is not understood (:data:`GRAMMAR`). Whether the variant or topology exists, and whether
-    the zero rule applies to the variant, is the configuration's check."""
+    ``outer``, ``outer_lr``, ``outer_betas``, ``inner_momentum``, ``zero_vote`` where it names them);
+    ``ValueError`` naming the part that is not understood (:data:`GRAMMAR`). Whether the variant or
+    topology exists, and whether the zero rule applies to the variant, is the configuration's check."""
     fields: dict[str, Any] = {}
     text = name
     if text.endswith(OVERLAP_SUFFIX):

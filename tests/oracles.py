@@ -32,6 +32,8 @@ from lioncub.optim import PRESETS, LionCub, resolve_variant
 SHAPES = [(37,), (13, 11), (5,), (3, 7, 2), (64,)]  # 37 + 143 + 5 + 42 + 64 = 291 elements
 GROUPS = [([0, 1, 2], 0.01, 0.1), ([3, 4], 0.003, 0.0)]  # (param indices, lr, weight_decay)
 BETAS = (0.9, 0.99)
+#: the sign rules' outer betas (β1ᵒ, β2ᵒ) where none are given (``docs/local-steps.md``)
+OUTER_BETAS = (0.9, 0.96)
 STEPS = 6
 ALL_PRESETS = sorted(PRESETS)
 DENSE = ("32bit", "16bit")
@@ -257,6 +259,7 @@ def simulate_local_steps(
     hyper: Hyper,
     *,
     betas: tuple[float, float] = BETAS,
+    outer_betas: tuple[float, float] = OUTER_BETAS,
     inner_momentum: str = "reset",
     on_step: LocalHook | None = None,
 ) -> list[list[Tensor]]:
@@ -264,10 +267,11 @@ def simulate_local_steps(
     Lion steps per rank without weight decay (a None gradient leaves a tensor alone, as Lion), then the
     outer step on Δ_r = θ_t − θ_r followed by the window's decay D = Π (1 − lr_k·wd) over its H inner
     steps, then the inner momenta zeroed (``reset``), left (``keep``) or averaged over the ranks in fp32
-    (``average``: the sum in rank order, divided by N). The outer steps (β = (0.9, 0.99), ηᵒ =
-    outer_lr·H·lr): ``vote``, ``variant``'s vote of ``c_r = 0.9·M_r + 0.1·Δ_r``; ``dsm``, the sign of the
-    same on the mean Δ̄ (:func:`dense_mean` in ``variant``'s wire) with one momentum; ``diloco``, Nesterov
-    SGD on Δ̄ (μ = 0.9, ``θ ← θ_t − outer_lr·(Δ̄ + μv)``)."""
+    (``average``: the sum in rank order, divided by N). The outer steps (``outer_betas`` (β1ᵒ, β2ᵒ), ηᵒ =
+    outer_lr·H·lr): ``vote``, ``variant``'s vote of ``c_r = β1ᵒ·M_r + (1 − β1ᵒ)·Δ_r``, then ``M_r ←
+    β2ᵒ·M_r + (1 − β2ᵒ)·Δ_r``; ``dsm``, the sign of the same on the mean Δ̄ (:func:`dense_mean` in
+    ``variant``'s wire) with one momentum; ``diloco``, Nesterov SGD on Δ̄ (μ = 0.9, ``θ ← θ_t −
+    outer_lr·(Δ̄ + μv)``)."""
     beta1, beta2 = betas
     thetas = [[p.clone() for p in theta] for _ in range(n)]
     anchor = [p.clone() for p in theta]
@@ -293,7 +297,7 @@ def simulate_local_steps(
                 deltas = [anchor[i] - thetas[r][i] for r in range(n)]
                 eta = outer_lr * h * hyper(step, i)[0]
                 anchor[i] = _outer_step(
-                    variant, outer, step // h, i, anchor[i], deltas, m_out, buf, eta, outer_lr
+                    variant, outer, step // h, i, anchor[i], deltas, m_out, buf, eta, outer_lr, outer_betas
                 )
                 anchor[i] = anchor[i] * decay[i] if decay[i] != 1.0 else anchor[i]
             thetas = [[a.clone() for a in anchor] for _ in range(n)]
@@ -323,6 +327,7 @@ def _outer_step(
     buf: list[Tensor | None],
     eta: float,
     outer_lr: float,
+    outer_betas: tuple[float, float],
 ) -> Tensor:
     """Outer step ``t`` of tensor ``i`` (before the window's decay): the new θ; ``m_out`` (the ranks' outer
     momenta; ``dsm``: rank 0's is the one) and ``buf`` (DiLoCo's) move."""
@@ -332,13 +337,13 @@ def _outer_step(
         if outer == "diloco":
             buf[i] = mean.clone() if (b := buf[i]) is None else b.mul_(0.9).add_(mean)
             return anchor.add(mean.add(buf[i], alpha=0.9), alpha=-outer_lr)  # type: ignore[arg-type]
-        u = torch.sign(torch.mul(m_out[0][i], 0.9).add_(mean, alpha=0.1))
-        m_out[0][i] = torch.mul(m_out[0][i], 0.99).add_(mean, alpha=0.01)
+        u = torch.sign(direction(m_out[0][i], mean, outer_betas[0]))
+        m_out[0][i] = next_momentum(m_out[0][i], mean, outer_betas[1])
     else:
-        cs = [torch.mul(m_out[r][i], 0.9).add_(deltas[r], alpha=0.1) for r in range(n)]
+        cs = [direction(m_out[r][i], deltas[r], outer_betas[0]) for r in range(n)]
         u = sim_vote(variant, cs, t, n)
         for r in range(n):
-            m_out[r][i] = torch.mul(m_out[r][i], 0.99).add_(deltas[r], alpha=0.01)
+            m_out[r][i] = next_momentum(m_out[r][i], deltas[r], outer_betas[1])
     return anchor.add(u.to(anchor.dtype), alpha=-eta)
 
 

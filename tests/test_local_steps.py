@@ -217,7 +217,10 @@ def test_a_state_of_other_local_steps_settings_and_overlap_are_refused() -> None
         load(LocalSteps(h=4, inner_momentum="keep"), sd)
     for _ in range(7):  # step 8: a window starts under h = 4 and h = 8
         opt.step()
-    moved = load(LocalSteps(h=8, inner_momentum="keep"), opt.state_dict())
+    changed = r"saved at step 8 with other .*h=4 \(now 8\), inner_momentum='reset' \(now 'keep'\); the "
+    with pytest.warns(UserWarning, match=changed + "windows from step 9 run the new ones") as seen:
+        moved = load(LocalSteps(h=8, inner_momentum="keep"), opt.state_dict())
+    assert seen[0].filename == __file__  # points at the caller's load_state_dict
     assert moved.global_step == 8 and torch.equal(moved.state[moved.param_groups[0]["params"][0]]["exp_avg"],
                                                   opt.state[p]["exp_avg"])  # fmt: skip
     with pytest.raises(ValueError, match="no vote in the backward"):

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from lioncub import cli
-from lioncub.names import config_entries
+from lioncub.names import config_entries, run_label
 from lioncub.optim import PRESETS
 from lioncub.train import budget, checkpoint
 from lioncub.train.config import BASELINES, TrainConfig, lr_factor
@@ -109,9 +109,32 @@ def saved_settings(path: Path) -> dict:
     return config_entries(json.loads(path.read_text()))
 
 
+@pytest.mark.parametrize(
+    ("doc", "betas"),
+    [
+        ({"version": 2, "optimizer": {"variant": "1bit", "local_steps": 4}}, [0.9, 0.99]),
+        ({"version": 2, "optimizer": {"variant": "32bit", "local_steps": 4}}, [0.9, 0.99]),  # dsm
+        ({"version": 2, "optimizer": {"variant": "32bit", "local_steps": 4, "outer": "diloco"}}, None),
+        ({"version": 2, "optimizer": {"variant": "1bit"}}, None),
+        ({"version": 3, "optimizer": {"variant": "1bit", "local_steps": 4}}, None),  # today's default
+        ({"variant": "1bit", "local_steps": 4}, [0.9, 0.99]),  # flat: version 1
+    ],
+)
+def test_a_run_written_before_outer_betas_resumes_with_the_betas_it_ran(
+    doc: dict, betas: list | None
+) -> None:
+    """The sign rules' outer betas were (0.9, 0.99) before ``config.json`` version 3 (today's default is
+    (0.9, 0.96)): a run written then keeps them on resume, and says so in its name."""
+    run = {"steps": 8, "eval_every": 4}
+    doc = {**doc, **({"run": run} if "version" in doc else run)}
+    config = TrainConfig.from_json(doc)
+    assert config.optimizer.outer_betas == betas
+    assert ("/b0.9:0.99" in run_label(config.to_json())) is (betas is not None)
+
+
 def test_a_flat_config_json_loads_into_the_parts_and_is_written_back_nested() -> None:
     """A run directory of an earlier lioncub: its flat ``config.json`` loads into the parts, with the same
-    settings, and is written back nested (version 2), which loads into the same configuration."""
+    settings, and is written back nested (version 3), which loads into the same configuration."""
     flat = json.loads(FLAT_CONFIG_JSON)
     config = TrainConfig.from_json(flat)
     run, opt, cluster = config.run, config.optimizer, config.cluster
@@ -122,7 +145,7 @@ def test_a_flat_config_json_loads_into_the_parts_and_is_written_back_nested() ->
     assert (cluster.nproc, cluster.link, cluster.nnodes, cluster.intra_link) == (4, "1gbit", 2, "10gbit")
     assert cluster.nproc_per_node == 2
     doc = json.loads(json.dumps(config.to_json()))
-    assert (doc["version"], list(doc)) == (2, ["version", "run", "optimizer", "cluster"])
+    assert (doc["version"], list(doc)) == (3, ["version", "run", "optimizer", "cluster"])
     assert {k: v for k, v in config_entries(doc).items() if k in flat} == flat
     assert (
         doc["run"]["steps"] == 60 and doc["optimizer"]["quantizer"] == "l0" and doc["cluster"]["nnodes"] == 2
@@ -168,12 +191,12 @@ def test_a_nested_config_json_holds_settings_only() -> None:
     for bad, fragment in (
         ({**doc, "nnodes": 2}, "['nnodes']"),
         ({**doc, "run": {**doc["run"], "variant": "1bit"}}, "['run.variant']"),
-        ({**doc, "version": 3}, "version 3: written by a newer lioncub"),
+        ({**doc, "version": 4}, "version 4: written by a newer lioncub"),
     ):
         with pytest.raises(ValueError, match=re.escape(fragment)):
             TrainConfig.from_json(bad)
     del doc["optimizer"]["zero_vote"]
-    assert TrainConfig.from_json(doc).optimizer.zero_vote == "split"  # version 2 has it: its default
+    assert TrainConfig.from_json(doc).optimizer.zero_vote == "split"  # version 3 has it: its default
 
 
 def test_momentum_conversion_is_the_mean(tmp_path: Path) -> None:

@@ -65,7 +65,7 @@ class LocalSteps:
         outer: ``"vote"``, ``"dsm"`` (needs ``variant="32bit"`` or ``"16bit"``) or ``"diloco"`` (the same).
         outer_lr: dimensionless (module docstring); ``None``: 1.0 for the sign steps, 0.7 for DiLoCo.
         outer_betas: (β1ᵒ, β2ᵒ) of the outer momentum; DiLoCo's Nesterov momentum is β1ᵒ. ``None``: (0.9,
-            0.99), DiLoCo (0.9, unused).
+            0.96) for the sign steps (``docs/findings.md`` §8.7), DiLoCo (0.9, unused).
         outer_weight_decay: λᵒ of the sign steps, on top of the window's decay by the param groups'
             ``weight_decay`` (default 0; refused for DiLoCo).
         inner_momentum: ``"reset"`` (default), ``"keep"`` or ``"average"`` at each outer step.

@@ -60,7 +60,9 @@ class OuterRule:
     name: ClassVar[str]
     dense: ClassVar[bool] = False
     lr: ClassVar[float] = 1.0
-    betas: ClassVar[tuple[float, float]] = (0.9, 0.99)
+    #: (β1ᵒ, β2ᵒ): β2ᵒ = 0.96, a shorter memory than Lion's 0.99 per step, chosen by measurement
+    #: (``docs/findings.md`` §8.7; lioncub before 0.99)
+    betas: ClassVar[tuple[float, float]] = (0.9, 0.96)
     #: the outer momentum's key in each parameter's state
     state_key: ClassVar[str] = "outer_exp_avg"
     #: whether the rule takes ``outer_weight_decay`` (λᵒ)

@@ -10,12 +10,14 @@ what to do, where it cannot hold (the parameter is gone, or has another shape).
 A change of the local-steps settings (``h``, the outer rule, its lr and betas, the inner-momentum rule)
 is accepted at a step that starts a window under both the saved and the new ``h`` (the momenta carry
 over: the inner one as the rule says at a window's start, the outer one as it was; a new outer rule
-starts its own momentum at zeros); elsewhere :func:`check_settings_change` refuses, naming each setting
-that differs.
+starts its own momentum at zeros), with a warning naming each setting that changes (a state saved under
+an earlier lioncub's defaults continues under today's: say so); elsewhere :func:`check_settings_change`
+refuses, naming each setting that differs.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -36,7 +38,8 @@ def window_record(param_groups: list[dict[str, Any]], state: Any, names: dict[in
 
 def check_settings_change(saved: dict[str, Any] | None, mine: dict[str, Any] | None, step: int) -> None:
     """Refuse other local-steps settings than the saved ones (``LocalSteps.describe()`` of each, ``None``
-    for none) unless ``step`` starts a window under both; the message names each setting that differs."""
+    for none) unless ``step`` starts a window under both (then warn); the message names each setting that
+    differs."""
     if saved == mine:
         return
     if saved is None or mine is None:
@@ -49,8 +52,14 @@ def check_settings_change(saved: dict[str, Any] | None, mine: dict[str, Any] | N
         f"{key}={saved.get(key)!r} (now {mine.get(key)!r})" for key in mine if saved.get(key) != mine.get(key)
     ]
     old_h, new_h = int(saved["h"]), int(mine["h"])
-    if step % old_h == 0 and step % new_h == 0:
-        return  # a window boundary under both: the next window runs the new settings
+    if step % old_h == 0 and step % new_h == 0:  # a window boundary under both: the next window runs them
+        warnings.warn(
+            f"LionCub: the optimizer state was saved at step {step} with other local-steps settings: "
+            f"{', '.join(differ)}; the windows from step {step + 1} run the new ones (give the saved values "
+            "to keep them)",
+            stacklevel=5,  # the caller of load_state_dict
+        )
+        return
     raise ValueError(
         f"the optimizer state was saved at step {step} with other local-steps settings: "
         f"{', '.join(differ)}. They can change only where a window starts under both h={old_h} and "

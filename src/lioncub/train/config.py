@@ -97,6 +97,13 @@ def _papers_zero_rule(values: Mapping[str, Any]) -> str:
     return "plus" if _one_bit(values["variant"]) else VoteConfig.zero_vote
 
 
+def _earlier_outer_betas(values: Mapping[str, Any]) -> list[float] | None:
+    """``outer_betas`` of a run whose ``config.json`` (version < 3) lacks it: the sign rules' betas were
+    (0.9, 0.99) then, so the run resumes with them; DiLoCo's default did not change."""
+    sign_rule = values.get("local_steps") and values.get("outer") in ("vote", "dsm")
+    return [0.9, 0.99] if sign_rule else None
+
+
 _SIZES = "; ".join(f"{name}: {', '.join(sizes)}" for name, sizes in workload_names().items())
 _OUTER_LRS = ", ".join(f"{name} {lr:g}" for name, lr in DEFAULT_OUTER_LR.items())
 
@@ -234,7 +241,7 @@ class OptimizerConfig:
     )  # fmt: skip
     outer_betas: list[float] | None = setting(
         None, commands=("train",), owner="LocalSteps", parse=betas_spec, metavar="B1,B2", local=True,
-        default_text="vote, dsm 0.9,0.99; diloco μ 0.9",
+        since=3, absent=_earlier_outer_betas, default_text="vote, dsm 0.9,0.96; diloco μ 0.9",
         help="with --local-steps: the outer momentum's betas (diloco: B1 is Nesterov's μ, B2 unused)",
     )  # fmt: skip
     inner_momentum: str = setting(

@@ -11,7 +11,8 @@ checked by building the optimizer's own object instead, whose messages name each
 :func:`in_flags` writes them with the flags.
 
 ``config.json`` is versioned (:data:`CONFIG_VERSION`): version 1 is the flat object of every lioncub
-before the parts (a key per setting, those unset left out), version 2 the nested one. A new setting takes
+before the parts (a key per setting, those unset left out), version 2 the nested one, version 3 adds
+``outer_betas`` (the sign rules' default changed with it). A new setting takes
 the next version as its ``since``; a document of an older version lacks it and means its ``absent``.
 """
 
@@ -41,8 +42,9 @@ __all__ = [
     "spell",
 ]
 
-#: the version of the ``config.json`` lioncub writes: 1 flat (every run before the parts), 2 nested
-CONFIG_VERSION = 2
+#: the version of the ``config.json`` lioncub writes: 1 flat (every run before the parts), 2 nested, 3 with
+#: ``outer_betas``
+CONFIG_VERSION = 3
 
 
 @dataclass(frozen=True)

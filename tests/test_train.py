@@ -130,6 +130,23 @@ def test_a_run_written_before_outer_betas_resumes_with_the_betas_it_ran(
     config = TrainConfig.from_json(doc)
     assert config.optimizer.outer_betas == betas
     assert ("/b0.9:0.99" in run_label(config.to_json())) is (betas is not None)
+    assert config.optimizer.outer_lr is None  # at H = 4 the outer lr's default is 1, then and now
+
+
+@pytest.mark.parametrize(
+    ("version", "outer", "lr"), [(2, "vote", 1.0), (2, "diloco", None), (3, "vote", None)]
+)
+def test_a_run_written_before_the_outer_lr_default_fell_with_h_keeps_1(
+    version: int, outer: str, lr: float | None
+) -> None:
+    """Before ``config.json`` version 3 the sign rules' outer lr was 1 at every H; today it is min(1, √(8/H))
+    (0.71 at H = 16): a run written then keeps 1, DiLoCo's 0.7 never changed."""
+    variant = "1bit" if outer == "vote" else "32bit"
+    opt = {"variant": variant, "local_steps": 16, "outer": outer}
+    config = TrainConfig.from_json(
+        {"version": version, "run": {"steps": 32, "eval_every": 16}, "optimizer": opt}
+    )
+    assert config.optimizer.outer_lr == lr
 
 
 def test_a_flat_config_json_loads_into_the_parts_and_is_written_back_nested() -> None:
@@ -177,7 +194,7 @@ def test_the_flags_follow_the_settings(command: str) -> None:
         if d.setting.choices is not None:
             assert "{" + ",".join(d.setting.choices) + "}" in text, d.flag
     assert "optimizer steps; the lr schedule ends at the last one (default 200)" in text
-    assert "(default vote 1, dsm 1, diloco 0.7)" in text or command == "compare"
+    assert "(default vote, dsm min(1, √(8/H)); diloco 0.7)" in text or command == "compare"
     args = parser.parse_args(["--steps", "8", "--min-lr-ratio", "0.5", "--momentum-sync", "wte,lm_head"])
     assert (args.steps, args.min_lr_ratio, args.momentum_sync) == (8, 0.5, ["wte", "lm_head"])
 

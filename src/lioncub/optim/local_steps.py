@@ -50,10 +50,13 @@ from lioncub.optim.step_check import check_step, grad_checksum, step_settings, w
 from lioncub.optim.sync import synchronize
 from lioncub.optim.windows import restore_window, window_record
 
-__all__ = ["DEFAULT_OUTER_LR", "INNER_MOMENTA", "OUTER_RULES", "LocalSteps", "LocalWindow"]
+__all__ = ["INNER_MOMENTA", "OUTER_RULES", "LocalSteps", "LocalWindow", "default_outer_lr"]
 
-#: ``outer_lr`` where none is given, per outer rule
-DEFAULT_OUTER_LR = {name: rule.lr for name, rule in OUTER_RULES.items()}
+
+def default_outer_lr(outer: str, h: int) -> float:
+    """``outer_lr`` where none is given: the rule's default at H = ``h`` (vote, dsm: min(1, √(8/H));
+    diloco: 0.7)."""
+    return OUTER_RULES[outer].default_lr(h)
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,8 @@ class LocalSteps:
     Args:
         h: inner steps per outer step (≥ 1).
         outer: ``"vote"``, ``"dsm"`` (needs ``variant="32bit"`` or ``"16bit"``) or ``"diloco"`` (the same).
-        outer_lr: dimensionless (module docstring); ``None``: 1.0 for the sign steps, 0.7 for DiLoCo.
+        outer_lr: dimensionless (module docstring); ``None``: min(1, √(8/H)) for the sign steps
+            (:func:`default_outer_lr`), 0.7 for DiLoCo.
         outer_betas: (β1ᵒ, β2ᵒ) of the outer momentum; DiLoCo's Nesterov momentum is β1ᵒ. ``None``: (0.9,
             0.96) for the sign steps (``docs/findings.md`` §8.7), DiLoCo (0.9, unused).
         outer_weight_decay: λᵒ of the sign steps, on top of the window's decay by the param groups'
@@ -112,8 +116,8 @@ class LocalSteps:
 
     @property
     def lr(self) -> float:
-        """``outer_lr``, or the rule's default."""
-        return OUTER_RULES[self.outer].lr if self.outer_lr is None else float(self.outer_lr)
+        """``outer_lr``, or the rule's default at this H."""
+        return default_outer_lr(self.outer, self.h) if self.outer_lr is None else float(self.outer_lr)
 
     @property
     def betas(self) -> tuple[float, float]:

@@ -15,6 +15,7 @@ A new rule is a class here with its name, its defaults and :meth:`OuterRule.step
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import torch
@@ -55,7 +56,8 @@ class OuterState:
 
 class OuterRule:
     """An outer step (the module docstring). ``name``: the rule's ``LocalSteps(outer=...)``; ``dense``:
-    it averages the pseudo-gradients (needs a dense variant); ``lr``, ``betas``: its defaults."""
+    it averages the pseudo-gradients (needs a dense variant); ``lr``, ``betas``: its defaults (the lr at
+    H: :meth:`default_lr`)."""
 
     name: ClassVar[str]
     dense: ClassVar[bool] = False
@@ -71,6 +73,11 @@ class OuterRule:
     def __init__(self, h: int, lr: float, betas: tuple[float, float], weight_decay: float) -> None:
         self.h, self.outer_lr, self.outer_betas, self.weight_decay = h, lr, betas, weight_decay
 
+    @classmethod
+    def default_lr(cls, h: int) -> float:
+        """The outer lr where none is given, for H = ``h``: :attr:`lr`."""
+        return cls.lr
+
     def step(self, optimizer: Any, outer_step: int, before: Any, times: StepTimes) -> frozenset[int] | None:
         """The outer step (collective), booked as one step from ``before`` with ``times``. Returns
         ``None`` when it was skipped (the parameters stay at θ_t), else the ``id`` of the parameters it
@@ -83,6 +90,13 @@ class SignOuter(OuterRule):
     outer momentum and hyperparameters, through the optimizer's round and vote."""
 
     name = "vote"
+
+    @classmethod
+    def default_lr(cls, h: int) -> float:
+        """min(1, √(8/H)): ηᵒ = outer_lr·H·lr grows as √H·lr past H = 8, as the net move of H sign steps
+        whose signs are not all alike (chosen by measurement on GPT small: 1 at H = 4, 0.7 at H = 16,
+        ``docs/findings.md`` §8.7; lioncub before it used 1 at every H)."""
+        return min(cls.lr, math.sqrt(8.0 / h))
 
     def step(self, optimizer: Any, outer_step: int, before: Any, times: StepTimes) -> frozenset[int] | None:
         state = OuterState(

@@ -25,7 +25,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from lioncub._validate import is_int
 from lioncub.launch.config import DEVICES
+from lioncub.names import config_version
 from lioncub.ops.quantize import QUANTIZERS
 from lioncub.optim.arguments import check_local_steps, check_options
 from lioncub.optim.config import (
@@ -36,7 +38,7 @@ from lioncub.optim.config import (
     VoteConfig,
     resolve_variant,
 )
-from lioncub.optim.local_steps import DEFAULT_OUTER_LR, OUTER_RULES, LocalSteps
+from lioncub.optim.local_steps import OUTER_RULES, LocalSteps, default_outer_lr
 from lioncub.optim.step_check import NONFINITE_MODES, Checks
 from lioncub.optim.sync import MomentumSync
 from lioncub.train.data import MODES
@@ -105,7 +107,7 @@ def _earlier_outer_betas(values: Mapping[str, Any]) -> list[float] | None:
 
 
 _SIZES = "; ".join(f"{name}: {', '.join(sizes)}" for name, sizes in workload_names().items())
-_OUTER_LRS = ", ".join(f"{name} {lr:g}" for name, lr in DEFAULT_OUTER_LR.items())
+_OUTER_LRS = "vote, dsm min(1, √(8/H)); diloco 0.7"
 
 
 @dataclass
@@ -332,8 +334,14 @@ class TrainConfig:
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> TrainConfig:
         """The configuration of a ``config.json`` object, nested or flat (unknown keys are ignored, missing
-        ones take their defaults: :func:`lioncub.train.settings.flat_document`), validated."""
-        return cls.from_values(flat_document(doc, SETTINGS))
+        ones take their defaults: :func:`lioncub.train.settings.flat_document`), validated. Before version
+        3 the sign rules' outer lr was 1 at every H: such a run keeps it where today's default differs."""
+        values = flat_document(doc, SETTINGS)
+        h, outer = values.get("local_steps"), values.get("outer")
+        earlier = config_version(doc) < 3 and values.get("outer_lr") is None and outer in ("vote", "dsm")
+        if earlier and is_int(h, 1) and default_outer_lr(outer, h) != 1.0:
+            values["outer_lr"] = 1.0
+        return cls.from_values(values)
 
     @classmethod
     def from_values(cls, values: Mapping[str, Any]) -> TrainConfig:

@@ -194,12 +194,12 @@ def check_resume(saved: TrainConfig, config: TrainConfig, run_dir: Path) -> None
 
 def _outer_lr(config: TrainConfig) -> float | None:
     """The outer lr a run with local steps trains with: ``outer_lr``, or its outer rule's default."""
-    from lioncub.optim.local_steps import DEFAULT_OUTER_LR
+    from lioncub.optim.local_steps import default_outer_lr
 
     opt = config.optimizer
     if opt.local_steps is None:
         return None
-    return DEFAULT_OUTER_LR[opt.outer] if opt.outer_lr is None else float(opt.outer_lr)
+    return default_outer_lr(opt.outer, opt.local_steps) if opt.outer_lr is None else float(opt.outer_lr)
 
 
 def _listed(names: list[str]) -> str:

@@ -12,11 +12,12 @@ at the budget and its time to the target loss. Then, per link:
 * f(H) measured: the steps a row took to the target over the steps ``1bit`` took (each its time to the
   target over its mean step time), the factor :mod:`lioncub.planning.schedule` predicts with;
 * the schedule rule's choice (``choose_schedule`` with the measured c and m and the library's
-  ``STEPS_FACTOR``) and its time to the target against the best row's.
+  ``STEPS_FACTOR``: the first 1-bit row of the H it picks) and its time to the target against the best
+  row's.
 
 Prints markdown for BENCHMARKS.md / ``docs/findings.md`` §9 and, with ``--plots DIR``, copies each link's
-``val_loss_vs_time.png`` to ``DIR/local-map-<link>.png``. ``--report-only`` rebuilds the tables from the
-runs in ``--out``. ``--nodes MxL`` runs M emulated nodes of L ranks instead (one shaped NIC per node).
+``val_loss_vs_time.png`` to ``DIR/local-map-<link>.png``. ``--report-only`` rebuilds the tables from
+every run in ``--out``. ``--nodes MxL`` runs M emulated nodes of L ranks instead (one shaped NIC per node).
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ def run_compare(args: argparse.Namespace, link: str, budget: float) -> Path:
     cmd = [sys.executable, "-m", "lioncub.cli", "compare", "--workload", "gpt", "--size", args.size]
     for item in args.set:
         cmd += ["--set", item]
-    cmd += ["--variants", args.variants, "--seed", str(args.seed), "--out", str(out), "--no-progress"]
+    if not args.report_only:  # a report of the runs in OUT takes them all
+        cmd += ["--variants", args.variants]
+    cmd += ["--seed", str(args.seed), "--out", str(out), "--no-progress"]
     if args.target_loss is not None:
         cmd += ["--target-loss", str(args.target_loss)]
     if args.nodes:
@@ -87,7 +90,9 @@ def link_rows(report_dir: Path, link: str) -> list[dict]:
         return rows
     compute_s, vote_s = per_step["compute_s"], per_step["comm_s"]
     choice = choose_schedule(compute_s, vote_s)
-    chosen = f"1bit/h{choice.local_steps}" if choice.local_steps else "1bit"
+    chosen_h = choice.local_steps or 1  # the first row of that H (a 1-bit vote) is the rule's
+    ones = [r["variant"] for r in rows if r["h"] == chosen_h and r["variant"].startswith("1bit")]
+    chosen = ones[0] if ones else None
     hits = [r["time_to_target_s"] for r in rows if r["time_to_target_s"] is not None]
     best = min(hits) if hits else None
     for r in rows:

@@ -19,9 +19,11 @@ over the window's inner steps, for the parameters the outer step moved:
 
 The outer learning rate ``outer_lr`` is dimensionless: for the sign steps (vote, dsm) ``ηᵒ = outer_lr ·
 H · lr`` with each group's ``lr`` as the schedule has it at the outer step (a window of H inner steps
-moves a parameter by at most H·lr), for DiLoCo ``ηᵒ = outer_lr``. The inner momentum at the outer step is
-``"reset"`` (zeros; the default, chosen by measurement: ``docs/findings.md`` §8.4), ``"keep"`` (each rank's
-own, as it was) or ``"average"`` (the ranks' mean: an fp32 allreduce of the momenta, counted). With
+moves a parameter by at most H·lr; default min(1, √(8/H)), :func:`default_outer_lr`), for DiLoCo ``ηᵒ =
+outer_lr`` (default 0.7). The outer betas default to (0.9, 0.96) for the sign steps. The inner momentum at
+the outer step is ``"reset"`` (zeros; the default, chosen by measurement: ``docs/findings.md`` §8.4),
+``"keep"`` (each rank's own, as it was) or ``"average"`` (the ranks' mean: an fp32 allreduce of the
+momenta, counted). With
 H = 1 the ``vote`` rule is *not* the per-step vote: it votes on the inner Lion step itself,
 ``Δ_r = lr·sign(β1·m_r + (1−β1)·g_r)``, blended with the outer momentum, where the per-step
 vote votes on ``β1·m_r + (1−β1)·g_r``.

@@ -6,9 +6,9 @@ object holds, nested or flat (:func:`config_entries`). Torch-free.
   ``8bit+overlap``; ``1bit/plus`` is the one-bit vote with the papers' zero rule (``--zero-vote plus``).
 * Local steps (``docs/local-steps.md``): ``RULE[@TOPOLOGY]/hH[/lrX][/bB1:B2][/keep|/average][/plus]`` --
   ``1bit/h16`` (a 1-bit vote every 16 steps), ``8bit/h16/lr2`` (outer lr 2), ``1bit/h4/b0.9:0.99`` (outer
-  betas), ``dsm/h16`` and ``diloco/h16`` (the fp32
-  mean of the pseudo-gradients), ``diloco-16bit/h16`` (its bf16 mean), ``diloco/h16/keep`` (each rank's
-  inner momentum kept across outer steps; ``/average``: averaged; without either: reset, the default).
+  betas), ``dsm/h16`` and ``diloco/h16`` (the fp32 mean of the pseudo-gradients), ``diloco-16bit/h16``
+  (its bf16 mean), ``diloco/h16/keep`` (each rank's inner momentum kept across outer steps; ``/average``:
+  averaged; without either: reset, the default).
   RULE is the variant for the ``vote`` rule, else the outer rule, with ``-16bit`` for the 16-bit exchange.
 
 A name spells out only what differs from the defaults; :func:`parse_run_name` also takes the defaults
@@ -124,12 +124,12 @@ def parse_run_name(name: str) -> dict[str, Any]:
         fields["inner_momentum"] = rest.pop()
     if rest and rest[-1].startswith("b"):
         try:
-            fields["outer_betas"] = [float(b) for b in rest[-1][1:].split(":", 1)]
+            betas = [float(b) for b in rest.pop()[1:].split(":")]
         except ValueError:
-            fields["outer_betas"] = []
-        if len(fields["outer_betas"]) != 2:
-            raise ValueError(f"{name!r}: /bB1:B2 needs two numbers (e.g. /b0.9:0.99)") from None
-        rest.pop()
+            betas = []
+        if len(betas) != 2:
+            raise ValueError(f"{name!r}: /bB1:B2 needs two numbers (e.g. /b0.9:0.99)")
+        fields["outer_betas"] = betas
     if len(rest) > 1 or (rest and not rest[0].startswith("lr")):
         raise ValueError(f"{name!r}: {'/'.join(rest)!r} is not understood: {GRAMMAR}")
     if rest:

@@ -136,7 +136,7 @@ def test_rank0_decides_and_every_rank_follows() -> None:
 @pytest.mark.slow
 def test_rank0_chooses_h_and_every_rank_follows() -> None:
     # 1000 parameters at 10 kbit/s: one 1-bit vote takes ~0.16 s; against 1 ms of compute (rank 0's)
-    # a vote every 16 steps wins with the default factors; the others' 10 s of compute would pick every step
+    # a vote every 16 steps wins with the default factors; the others (10 s of compute) would pick H = 4
     out = run_workers(worker_auto, 3, ["10kbit"] * 3, [1e-3, 10.0, 10.0])
     assert [o["local_steps"] for o in out] == [16] * 3 and [o["variant"] for o in out] == ["1bit"] * 3
     assert all(torch.equal(o["params"], out[0]["params"]) for o in out)

@@ -82,7 +82,8 @@ def link_rows(report_dir: Path, link: str) -> list[dict]:
     rows = json.loads((report_dir / "summary.json").read_text())["rows"]
     for r in rows:
         r["link"] = link
-        r["h"] = parse_run_name(r["variant"]).get("local_steps") or 1
+        name = r["variant"]  # the row auto: "auto (1bit/h16)"
+        r["h"] = parse_run_name(name[6:-1] if name.startswith("auto (") else name).get("local_steps") or 1
         ttt, mean_step = r["time_to_target_s"], r["budget"]["wall_s"] / max(1, r["steps"])
         r["steps_to_target"] = None if ttt is None else ttt / mean_step
     per_step = next((r for r in rows if r["variant"] == "1bit"), None)

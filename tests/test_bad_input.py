@@ -593,6 +593,13 @@ TRAIN_CASES = [
         ["--momentum-sync", "--local-steps"],
     ),
     (["--variant", "1bit", "--local-steps", "4", "--overlap"], ["--overlap with --local-steps 4"]),
+    (["--variant", "auto", "--local-steps", "4"], ["--variant auto with --local-steps 4", "chooses H"]),
+    (["--variant", "auto", "--outer", "diloco"], ["--variant auto with --outer diloco", "--variant 32bit"]),
+    (["--variant", "auto", "--resume"], ["--variant auto with --resume", "resume without --variant"]),
+    (
+        ["--variant", "auto", "--steps", "200"],
+        ["--variant auto (it may choose 1bit/h16)", "--steps 200", "multiple of 16"],
+    ),
 ]
 
 
@@ -653,6 +660,11 @@ COMPARE_CASES = [
         ["--variants", "32bit,8bit", "--zero-vote", "plus"],
         ["--zero-vote plus", "one-bit"],
         id="zero-vote-no-1bit",
+    ),
+    case(
+        ["--variants", "1bit,auto", "--steps", "200"],
+        ["--variants auto (it may choose 1bit/h16)", "multiple of 16"],
+        id="auto-steps",
     ),
     case(["--target-loss", "nan"], ["--target-loss", "> 0"], id="target-loss-nan"),
     *[

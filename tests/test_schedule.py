@@ -90,3 +90,25 @@ def test_auto_variant_chooses_h_from_the_cost_models_vote() -> None:
     assert choose_variant(d, n, cal, candidates=["1bit"]).local_steps is None  # no compute given: no H
     with pytest.raises(ValueError, match="variant='4bit': 4-bit lanes cannot hold"):
         choose_local_steps("4bit", d, 16, cal, compute_s=0.1)
+
+
+def test_auto_measures_the_pilot_after_its_first_step_and_chooses_a_one_bit_run() -> None:
+    """``--variant auto`` (:mod:`lioncub.cli.auto`): c and m are the medians of the pilot's steps after the
+    first (which holds the one-time costs); the run is 1bit/hH for the H the rule picks, and every run it
+    may choose is one the rule can pick."""
+    from lioncub.cli.auto import candidates, choose_run, measure
+
+    records = [{"compute_s": 9.0, "comm_s": 9.0}] + [
+        {"compute_s": c, "comm_s": m} for c, m in ((0.2, 1.1), (0.1, 0.9), (0.3, 1.0))
+    ]
+    assert measure(records) == (0.2, 1.0)
+    for c, m in ((0.2, 1.0), (0.2, 0.02), (0.2, 0.0)):
+        name, reason = choose_run(c, m)
+        h = choose_schedule(c, m).local_steps
+        assert name == ("1bit" if h is None else f"1bit/h{h}") and "m/c" in reason
+    assert choose_run(0.2, 1.0)[0] == "1bit/h16" and choose_run(0.2, 0.0)[0] == "1bit"
+    assert candidates() == ["1bit", *(f"1bit/h{h}" for h in sorted(STEPS_FACTOR) if h > 1)]
+    with pytest.raises(ValueError, match="logged 1 step"):
+        measure(records[:1])
+    with pytest.raises(ValueError, match="compute per step"):
+        measure([{"compute_s": 0.0, "comm_s": 0.0}] * 3)

@@ -546,7 +546,7 @@ def test_each_row_plans_the_steps_its_own_step_time_fits(
 ) -> None:
     """``lioncub compare --time-budget 1``: two rows whose pilots (stubbed) took 1/64 and 1/256 s a step
     after their first period plan 64 and 256 steps, each evaluated about 10 times."""
-    from lioncub.cli import compare
+    from lioncub.cli import compare, options
     from lioncub.train.driver import RunOutcome
 
     step_s = {1: 1 / 64, 4: 1 / 256}  # by H
@@ -558,7 +558,7 @@ def test_each_row_plans_the_steps_its_own_step_time_fits(
         (run_dir / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
         return RunOutcome(0, "", {"steps_run": n})
 
-    monkeypatch.setattr(compare, "train_run", pilot)
+    monkeypatch.setattr(options, "train_run", pilot)
     argv = [
         "compare",
         *TINY,
@@ -579,7 +579,7 @@ def test_each_row_plans_the_steps_its_own_step_time_fits(
 
 
 #: 1 s of training per run, on 2 ranks; every evaluation reaches the target loss 10 (above the initial loss)
-BUDGET = ["compare", *TINY, "--variants", "32bit,1bit/h2", "--nproc", "2", "--time-budget", "1"]
+BUDGET = ["compare", *TINY, "--variants", "32bit,1bit/h2,auto", "--nproc", "2", "--time-budget", "1"]
 BUDGET += ["--target-loss", "10"]
 
 
@@ -647,13 +647,13 @@ def test_compare_at_equal_time_reports_the_loss_at_the_budget(
     assert "time budget: 1 s of training per run" in printed and "1bit/h2" in printed
     rows = {r["variant"]: r for r in json.loads((out / "summary.json").read_text())["rows"]}
     for name, row in rows.items():
-        evals = records(out / name.replace("/", "_"), "eval")
+        evals = records(Path(row["run_dir"]), "eval")
         within = [e for e in evals if e["time_s"] <= 1.05]
         at = within[-1] if within else None
         assert row["budget"]["loss"] == (at["val_loss"] if at else None), name
         assert row["budget"]["loss_time_s"] == (at["time_s"] if at else None), name
         assert row["time_to_target_s"] == evals[0]["time_s"]  # target 10: reached at the first evaluation
-        assert row["steps"] == records(out / name.replace("/", "_"), "step")[-1]["step"]
+        assert row["steps"] == records(Path(row["run_dir"]), "step")[-1]["step"]
     assert rows["1bit/h2"]["budget"]["stopped_at"] is not None and rows["32bit"]["budget"]["loss"] is not None
     table = (out / "summary.md").read_text()
     assert "| steps | val loss at budget (s) | final val loss | time to target s |" in table
@@ -664,4 +664,42 @@ def test_compare_at_equal_time_reports_the_loss_at_the_budget(
     capsys.readouterr()
     assert cli.main([*BUDGET, "--out", str(out)]) == 0
     err = capsys.readouterr().err
-    assert err.count("reusing the finished run") == 2 and "pilot" not in err
+    assert err.count("reusing the finished run") == 3 and "pilot" not in err
+
+
+@pytest.mark.slow
+def test_compare_row_auto_trains_what_its_pilot_chose(budget_compared: tuple[Path, str]) -> None:
+    """The row ``auto``: a pilot of the per-step 1bit vote measured compute c and communication m (the
+    medians of its steps after the first); the run trains the schedule rule's choice for them, planned from
+    its own pilot, records c, m and ``chosen_by``, and the report names it ``auto (CHOICE)``."""
+    from lioncub.cli.auto import choose_run
+
+    out = budget_compared[0]
+    config = saved_settings(out / "auto" / "config.json")
+    assert config["chosen_by"] == "auto" and config["auto_compute_s"] > 0 and config["auto_vote_s"] > 0
+    chosen, _ = choose_run(config["auto_compute_s"], config["auto_vote_s"])
+    assert chosen.startswith("1bit/h")  # loopback: m > 0, and f(4) = 1
+    assert run_label({k: v for k, v in config.items() if k != "chosen_by"}) == chosen
+    assert config["variant"] == "1bit" and config["time_budget_s"] == 1.0
+    h = config["local_steps"]
+    assert config["pilot_steps"] == budget.pilot_steps(h)  # the chosen run's own pilot planned the steps
+    assert [r["step"] for r in records(out / "auto", "step")][-1] % h == 0
+    rows = {r["variant"]: r for r in json.loads((out / "summary.json").read_text())["rows"]}
+    assert f"auto ({chosen})" in rows
+    assert f"auto ({chosen})" in (out / "summary.md").read_text()
+
+
+@pytest.mark.slow
+def test_train_variant_auto_records_what_its_pilot_measured(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """``lioncub train --variant auto`` on one rank: its pilot measures no communication (a rank alone
+    sends nothing), so nothing beats the vote every step; the run trains ``1bit``, records c, m and
+    ``chosen_by``, and is named ``auto (1bit)``."""
+    assert train(tmp_path / "auto", "--variant", "auto", "--steps", "16", "--eval-every", "16") == 0
+    config = saved_settings(tmp_path / "auto" / "config.json")
+    assert (config["chosen_by"], config["variant"], config["local_steps"]) == ("auto", "1bit", None)
+    assert config["auto_vote_s"] == 0.0 and config["auto_compute_s"] > 0
+    assert run_label(config) == "auto (1bit)"
+    assert "--variant auto: chose 1bit: a vote every step" in capsys.readouterr().err
+    assert len(records(tmp_path / "auto", "step")) == 16

@@ -61,8 +61,11 @@ def config_entries(doc: Mapping[str, Any]) -> dict[str, Any]:
 def run_label(config: Mapping[str, Any]) -> str:
     """The name of the run configured by ``config`` (a ``config.json`` object, nested or flat: its
     ``variant``, ``topology``, ``overlap``, ``local_steps``, ``outer``, ``outer_lr``, ``outer_betas``,
-    ``inner_momentum``, ``zero_vote``)."""
+    ``inner_momentum``, ``zero_vote``); a run ``--variant auto`` chose (``chosen_by``): ``auto (NAME)``."""
     config = config_entries(config)
+    if config.get("chosen_by"):
+        rest = {k: v for k, v in config.items() if k != "chosen_by"}
+        return f"{config['chosen_by']} ({run_label(rest)})"
     name = str(config.get("variant", "?"))
     h = config.get("local_steps")
     outer = config.get("outer") or "vote"

@@ -11,13 +11,14 @@ Layout: ``OUT/<variant>/`` holds each run (as ``lioncub train --out``), ``OUT/``
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lioncub.cli.options import add_run_arguments, config_from_args, train_run
+from lioncub.cli.options import add_run_arguments, config_for_name, train_run
 from lioncub.names import OVERLAP_SUFFIX
 
 if TYPE_CHECKING:
@@ -51,6 +52,9 @@ diloco/h16 average the pseudo-gradients in fp32 (diloco-16bit/h16: bf16); /lrX s
 /bB1:B2 the outer betas, and /keep or /average the inner momentum at an outer step (default: reset), e.g.
   lioncub compare --variants 32bit,1bit,1bit/h16,1bit/h16/lr2,diloco/h16,diloco/h16/keep --nproc 4 \
       --link 20mbit --steps 512 --eval-every 32 --out runs/local
+The row auto measures the per-step 1bit vote's compute and communication in a short pilot and trains
+the schedule the cost rule picks: 1bit, 1bit/h4 or 1bit/h16 (docs/local-steps.md, 'Choosing H'), e.g.
+  lioncub compare --variants 1bit,auto --nproc 4 --link 2mbit --time-budget 300 --out runs/auto
 A one-bit vote named NAME/plus (1bit/plus, 1bit/h16/plus) votes + for an exact zero, the papers' rule
 (--zero-vote plus, for every one-bit row).
 """
@@ -95,6 +99,51 @@ def _finished(run_dir: Path, config: TrainConfig, eval_given: bool = True) -> bo
     return saved == doc
 
 
+def _config(args: argparse.Namespace, variant: str) -> TrainConfig:
+    """The configuration of the compared run ``variant`` (:func:`~lioncub.cli.options.config_for_name`);
+    for ``auto``, that of its pilot, the per-step ``1bit`` vote, until the pilot has chosen
+    (:mod:`lioncub.cli.auto`)."""
+    from lioncub.cli.auto import AUTO, check_candidates
+
+    if variant == AUTO:
+        return check_candidates(functools.partial(_auto_config, args))
+    return config_for_name(args, variant, f"--variants {variant}")
+
+
+def _auto_config(args: argparse.Namespace, name: str) -> TrainConfig:
+    """The configuration of ``name``, a run ``auto`` may choose."""
+    return config_for_name(args, name, f"--variants auto (it may choose {name})")
+
+
+def _reusable(args: argparse.Namespace, variant: str, run_dir: Path, config: TrainConfig) -> bool:
+    """``run_dir`` holds a finished run of ``variant`` that need not train again (:func:`_finished`); for
+    ``auto``, a run ``auto`` chose whose configuration is the one this compare gives its choice."""
+    from lioncub.cli.auto import AUTO
+
+    eval_given = args.eval_every is not None
+    if args.overwrite:
+        return False
+    if variant != AUTO:
+        return _finished(run_dir, config, eval_given)
+    from lioncub.names import run_label
+    from lioncub.train.config import TrainConfig
+    from lioncub.train.prepare import finished_run
+
+    found = finished_run(run_dir)
+    try:
+        saved = TrainConfig.from_json(found[0]) if found is not None else None
+    except (ValueError, TypeError):
+        return False
+    if saved is None or saved.run.chosen_by != AUTO:
+        return False
+    run = saved.run
+    chosen = run_label({k: v for k, v in saved.flat().items() if k != "chosen_by"})
+    expected = _auto_config(args, chosen).replace(
+        chosen_by=run.chosen_by, auto_compute_s=run.auto_compute_s, auto_vote_s=run.auto_vote_s
+    )
+    return _finished(run_dir, expected, eval_given)
+
+
 def _check_budget(args: argparse.Namespace) -> None:
     """``--time-budget`` and the options it does not go with; ``ValueError`` naming them."""
     from lioncub.train.config import SETTINGS
@@ -133,7 +182,7 @@ def _runs_in(out: Path) -> list[str]:
         present = [name_of_run_dir(d.name) for d in dirs if is_marked(d) and (d / "log.jsonl").is_file()]
     try:
         rows = json.loads(read_run_file(out / "summary.json", follow_symlinks=True))["rows"]
-        order = [r["variant"] for r in rows]
+        order = [name_of_run_dir(Path(r["run_dir"]).name) for r in rows]
     except (OSError, ValueError, KeyError, TypeError):
         order = []
     return [v for v in order if v in present] + [v for v in present if v not in order]
@@ -143,6 +192,7 @@ def _variants(args: argparse.Namespace, out: Path) -> list[str]:
     """The runs to compare, in order: ``--variants``, or with ``--report-only`` the runs in ``out``
     (default :data:`DEFAULT_VARIANTS`); ``ValueError`` if a name is not understood or given twice (whether
     its options go together is :func:`_config`'s check)."""
+    from lioncub.cli.auto import AUTO, PILOT_VARIANT
     from lioncub.names import parse_run_name
     from lioncub.optim import PRESETS
     from lioncub.train.config import BASELINES
@@ -158,9 +208,13 @@ def _variants(args: argparse.Namespace, out: Path) -> list[str]:
         f"1bit{OVERLAP_SUFFIX}: its vote overlapped with the backward pass; 32bit/16bit, DDP, always "
         f"overlap) or @TOPOLOGY (e.g. 1bit@hierarchical, 1bit@node-majority; topologies {list(TOPOLOGIES)}); "
         "local steps: NAME/hH[/lrX][/bB1:B2][/keep|/average] (1bit/h16, 8bit/h16/lr2, dsm/h16, diloco/h16, "
-        "diloco/h16/keep, diloco-16bit/h16); the one-bit votes' zero rule: NAME[...]/plus (1bit/plus)"
+        "diloco/h16/keep, diloco-16bit/h16); the one-bit votes' zero rule: NAME[...]/plus (1bit/plus); "
+        "auto: a pilot of 1bit measures compute and communication, and the run votes every step or every H "
+        "steps as the schedule rule chooses"
     )
     for v in variants:
+        if v == AUTO:  # the pilot's run until it has chosen
+            continue
         try:
             fields = parse_run_name(v)
         except ValueError as exc:
@@ -181,7 +235,8 @@ def _variants(args: argparse.Namespace, out: Path) -> list[str]:
     from lioncub.train.config import OptimizerConfig
 
     if getattr(args, "zero_vote", None) and not any(
-        OptimizerConfig(variant=parse_run_name(v)["variant"]).one_bit for v in variants
+        OptimizerConfig(variant=parse_run_name(PILOT_VARIANT if v == AUTO else v)["variant"]).one_bit
+        for v in variants
     ):
         one_bit = ", ".join(name for name in PRESETS if OptimizerConfig(variant=name).one_bit)
         raise ValueError(
@@ -189,7 +244,7 @@ def _variants(args: argparse.Namespace, out: Path) -> list[str]:
             f"--variants {given!r} is one"
         )
     if getattr(args, "inner_momentum", None) and not any(
-        "local_steps" in parse_run_name(v) for v in variants
+        v == AUTO or "local_steps" in parse_run_name(v) for v in variants
     ):
         raise ValueError(
             f"--inner-momentum {args.inner_momentum}: applies only with --local-steps: runs named NAME/hH in "
@@ -198,35 +253,12 @@ def _variants(args: argparse.Namespace, out: Path) -> list[str]:
     return variants
 
 
-def _config(args: argparse.Namespace, variant: str) -> TrainConfig:
-    """The :class:`~lioncub.train.config.TrainConfig` of one compared run (:mod:`lioncub.names`): the
-    shared options, without those only a vote every step takes (a setting's ``per_step``) for a DDP
-    baseline or local steps, and those only local steps take (``local``) for a vote every step.
-    ``ValueError`` naming the run."""
-    from lioncub.names import parse_run_name
-    from lioncub.train.config import BASELINES, SETTINGS, OptimizerConfig
-
-    fields = parse_run_name(variant)
-    options = {**vars(args), **fields}
-    per_step = [n for n, d in SETTINGS.items() if d.setting.per_step]  # for a vote every step
-    if fields["variant"] in BASELINES or "local_steps" in fields:  # no vote every step
-        options.update(dict.fromkeys(per_step))
-        options.update({k: v for k, v in fields.items() if k in per_step})
-    if "local_steps" not in fields:  # what only local steps take
-        options.update(dict.fromkeys(n for n, d in SETTINGS.items() if d.setting.local))
-    if not OptimizerConfig(variant=fields["variant"]).one_bit and "zero_vote" not in fields:
-        options["zero_vote"] = None  # --zero-vote: for the one-bit votes (a name's /plus is checked)
-    if options.get("time_budget_s") is not None:  # the pilot plans the steps: until then, a whole window
-        h = fields.get("local_steps", 1)
-        options["steps"] = h * max(1, math.ceil((options.get("warmup_steps") or 0) / h))
-    try:
-        return config_from_args(argparse.Namespace(**options))
-    except ValueError as exc:
-        raise ValueError(f"--variants {variant}: {exc}") from None
-
-
 def _check_runs(
-    args: argparse.Namespace, out: Path, configs: list[TrainConfig], run_dirs: list[Path]
+    args: argparse.Namespace,
+    out: Path,
+    variants: list[str],
+    configs: list[TrainConfig],
+    run_dirs: list[Path],
 ) -> None:
     """Every check before anything is trained, written or deleted: the runs' options and launch, and
     that ``out`` and each run directory hold only lioncub's files (a run to redo, only with
@@ -238,8 +270,8 @@ def _check_runs(
         check_before_launch(config, args.timeout or None, args.max_nproc)
     check_launch_options(args.restarts, args.collective_timeout)
     _check_out(out)
-    for config, run_dir in zip(configs, run_dirs, strict=True):
-        if _finished(run_dir, config, args.eval_every is not None) and not args.overwrite:
+    for variant, config, run_dir in zip(variants, configs, run_dirs, strict=True):
+        if _reusable(args, variant, run_dir, config):
             continue
         found = survey(run_dir, "run")
         if found.foreign:
@@ -271,14 +303,30 @@ def _train(
 ) -> int:
     """Train every variant whose finished run cannot be reused, one after another (each under its run
     directory's writer lock); the exit status of the first that fails (0 if none does)."""
+    from lioncub.cli import auto
+    from lioncub.cli.auto import AUTO
     from lioncub.train.driver import format_summary
     from lioncub.train.prepare import prepare_run_dir
 
     for i, (config, run_dir) in enumerate(zip(configs, run_dirs, strict=True)):
         label = f"[{i + 1}/{len(variants)}] {variants[i]}"
-        if _finished(run_dir, config, args.eval_every is not None) and not args.overwrite:
+        if _reusable(args, variants[i], run_dir, config):
             print(f"{label}: reusing the finished run in {run_dir}", file=sys.stderr)
             continue
+        if variants[i] == AUTO:
+            try:
+                chosen = auto.resolve(
+                    args,
+                    functools.partial(_auto_config, args),
+                    label,
+                    "lioncub compare",
+                )
+            except ValueError as exc:
+                print(f"lioncub compare: error: --variants {AUTO}: {exc}", file=sys.stderr)
+                return 2
+            if isinstance(chosen, int):
+                return chosen
+            config = chosen
         if config.run.time_budget_s is not None:
             try:
                 planned = _plan(args, config, label)
@@ -310,29 +358,14 @@ def _plan(args: argparse.Namespace, config: TrainConfig, label: str) -> TrainCon
     """``config`` planned for ``--time-budget`` (:mod:`lioncub.train.budget`): its pilot trains in a
     scratch directory, removed after, and its step times set the steps. The planned configuration, or the
     pilot's exit status if it failed; ``ValueError`` if the plan cannot run (nothing fits the budget)."""
-    import tempfile
-
+    from lioncub.cli.options import run_pilot
     from lioncub.train import budget
     from lioncub.train.driver import check_before_launch
-    from lioncub.train.prepare import prepare_run_dir
-    from lioncub.train.runlog import complete_records
 
-    pilot = budget.pilot_config(config)
-    with tempfile.TemporaryDirectory(prefix="lioncub-pilot-") as scratch:
-        pilot_dir = Path(scratch) / "pilot"
-        pilot, lock = prepare_run_dir(pilot_dir, pilot, resume=False)
-        print(
-            f"{label}: a pilot of {pilot.run.steps} steps measures the step time", file=sys.stderr, flush=True
-        )
-        outcome = train_run(args, pilot, pilot_dir, lock, f"{label} pilot")
-        if outcome.summary is None:
-            print(
-                f"lioncub compare: the pilot of {label} failed (exit code {outcome.returncode})",
-                file=sys.stderr,
-            )
-            return outcome.returncode or 1
-        records = complete_records(pilot_dir / "log.jsonl")[0]
-    times = [rec["step_s"] for _, rec in records if rec.get("kind") == "step"]
+    records = run_pilot(args, budget.pilot_config(config), label, "lioncub compare")
+    if isinstance(records, int):
+        return records
+    times = [rec["step_s"] for rec in records]
     planned = budget.planned_config(config, args.time_budget_s, times, eval_given=args.eval_every is not None)
     check_before_launch(planned, args.timeout or None, args.max_nproc)
     run, first = planned.run, budget.period(config) + 1
@@ -391,7 +424,7 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"no runs in {', '.join(missing)}")
         else:
             configs = [_config(args, v) for v in variants]
-            _check_runs(args, out, configs, run_dirs)
+            _check_runs(args, out, variants, configs, run_dirs)
         lock = lock_writer(out)
     except (ValueError, TypeError) as exc:
         print(f"lioncub compare: error: {exc}", file=sys.stderr)

@@ -121,10 +121,11 @@ def _parser(parse: Any) -> Any:
     return convert
 
 
-def _add(group: Any, d: Described, *, given_only: bool) -> None:
-    """The flag of ``d`` in ``group``; its default None where ``given_only``."""
+def _add(group: Any, d: Described, *, given_only: bool, extra: tuple[str, str] | None = None) -> None:
+    """The flag of ``d`` in ``group``; its default None where ``given_only``; ``extra``: a choice the
+    command resolves itself, and its help."""
     s = d.setting
-    options: dict[str, Any] = {"dest": d.name, "help": _help(d)}
+    options: dict[str, Any] = {"dest": d.name, "help": _help(d) + (f"; {extra[1]}" if extra else "")}
     default = None if given_only else d.default
     if d.kind is bool:
         options.update(action="store_true", default=default)
@@ -133,13 +134,16 @@ def _add(group: Any, d: Described, *, given_only: bool) -> None:
     else:
         options.update(type=_parser(s.parse) if s.parse else d.kind, metavar=s.metavar, default=default)
         if s.choices is not None:
-            options["choices"] = list(s.choices)
+            options["choices"] = [*s.choices, *extra[:1]] if extra else list(s.choices)
     group.add_argument(d.flag, **options)
 
 
-def add_run_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+def add_run_arguments(
+    parser: argparse.ArgumentParser, command: str, extra: dict[str, tuple[str, str]] | None = None
+) -> None:
     """The flags of ``command`` (``train`` or ``compare``): every setting it takes, grouped by part, then
-    the launch options."""
+    the launch options. ``extra``: by setting, a choice the command resolves before the configuration
+    exists (``{"variant": ("auto", help)}``)."""
     from lioncub.train.config import SETTINGS
 
     groups: dict[str, Any] = {}
@@ -147,7 +151,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         if command in d.setting.commands:
             if d.part not in groups:
                 groups[d.part] = parser.add_argument_group(GROUPS[d.part])
-            _add(groups[d.part], d, given_only=d.name in SETTINGS)
+            _add(groups[d.part], d, given_only=d.name in SETTINGS, extra=(extra or {}).get(d.name))
 
 
 def parse_set(items: list[str]) -> dict[str, Any]:
@@ -212,6 +216,34 @@ def config_from_args(args: argparse.Namespace, base: Any = None) -> Any:
     return TrainConfig.from_values(values)
 
 
+def config_for_name(args: argparse.Namespace, name: str, what: str) -> Any:
+    """The :class:`~lioncub.train.config.TrainConfig` of the run ``name`` (:mod:`lioncub.names`:
+    ``1bit``, ``1bit/h16``, ...) with the options of ``args``: those only a vote every step takes (a
+    setting's ``per_step``) left out for a DDP baseline or local steps, those only local steps take
+    (``local``) for a vote every step, ``--zero-vote`` for a vote that is not one-bit. ``ValueError``
+    prefixed by ``what`` (the option that named the run: ``--variants 1bit/h4``)."""
+    from lioncub.names import parse_run_name
+    from lioncub.train.config import BASELINES, SETTINGS, OptimizerConfig
+
+    fields = parse_run_name(name)
+    options = {**vars(args), **fields}
+    per_step = [n for n, d in SETTINGS.items() if d.setting.per_step]  # for a vote every step
+    if fields["variant"] in BASELINES or "local_steps" in fields:  # no vote every step
+        options.update(dict.fromkeys(per_step))
+        options.update({k: v for k, v in fields.items() if k in per_step})
+    if "local_steps" not in fields:  # what only local steps take
+        options.update(dict.fromkeys(n for n, d in SETTINGS.items() if d.setting.local))
+    if not OptimizerConfig(variant=fields["variant"]).one_bit and "zero_vote" not in fields:
+        options["zero_vote"] = None  # --zero-vote: for the one-bit votes (a name's /plus is checked)
+    if options.get("time_budget_s") is not None:  # the pilot plans the steps: until then, a whole window
+        h = fields.get("local_steps", 1)
+        options["steps"] = h * max(1, math.ceil((options.get("warmup_steps") or 0) / h))
+    try:
+        return config_from_args(argparse.Namespace(**options))
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc}") from None
+
+
 def train_run(
     args: argparse.Namespace, config: Any, run_dir: Any, lock: Any, label: str | None = None
 ) -> Any:
@@ -232,3 +264,26 @@ def train_run(
         )
     finally:
         lock.release()
+
+
+def run_pilot(args: argparse.Namespace, pilot: Any, label: str, command: str) -> list[dict[str, Any]] | int:
+    """Train ``pilot`` (a :class:`~lioncub.train.config.TrainConfig`) in a scratch directory, removed
+    after, with the launch options of ``args``; its step records in order, or its exit status if it
+    failed (``command`` names the tool in the message)."""
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from lioncub.train.prepare import prepare_run_dir
+    from lioncub.train.runlog import complete_records
+
+    with tempfile.TemporaryDirectory(prefix="lioncub-pilot-") as scratch:
+        pilot_dir = Path(scratch) / "pilot"
+        pilot, lock = prepare_run_dir(pilot_dir, pilot, resume=False)
+        print(f"{label}: a pilot of {pilot.run.steps} steps", file=sys.stderr, flush=True)
+        outcome = train_run(args, pilot, pilot_dir, lock, f"{label} pilot")
+        if outcome.summary is None:
+            print(f"{command}: the pilot of {label} failed (exit code {outcome.returncode})", file=sys.stderr)
+            return outcome.returncode or 1
+        records = complete_records(pilot_dir / "log.jsonl")[0]
+    return [rec for _, rec in records if rec.get("kind") == "step"]

@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
-from lioncub.cli.options import add_run_arguments, config_from_args, train_run
+from lioncub.cli.options import add_run_arguments, config_for_name, config_from_args, train_run
 
 EPILOG = """\
 examples:
@@ -23,6 +24,8 @@ examples:
   torchrun --nproc-per-node 4 -m lioncub.cli train --workload gpt --size small --variant 1bit --out runs/x
   lioncub train --variant 1bit --local-steps 16 --nproc 4 --link 20mbit --steps 512 --eval-every 32 \\
       --out runs/h16                   # a 1-bit vote every 16 local steps (docs/local-steps.md)
+  lioncub train --variant auto --nproc 4 --link 2mbit --steps 512 --out runs/auto
+                                       # a pilot of 1bit chooses: 1bit, 1bit/h4 or 1bit/h16
   lioncub train --variant 32bit --local-steps 16 --outer diloco --nproc 4 --link 20mbit --steps 512 \\
       --out runs/diloco                # DiLoCo: fp32 mean of the pseudo-gradients, Nesterov outer step
 
@@ -31,18 +34,48 @@ Variants: 32bit (DDP + Lion), 16bit (DDP, bf16/fp16 gradients + Lion), and the L
 """
 
 
+AUTO_HELP = "auto: a pilot of 1bit measures compute and communication, then trains 1bit or 1bit/hH"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from lioncub.cli.auto import AUTO
     from lioncub.optim import PRESETS
     from lioncub.train.config import BASELINES
 
     parser.epilog = EPILOG.format(presets=", ".join(p for p in PRESETS if p not in BASELINES))
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    add_run_arguments(parser, "train")
+    add_run_arguments(parser, "train", extra={"variant": (AUTO, AUTO_HELP)})
     parser.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory (log, checkpoints)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
 
 
+def _check_auto(args: argparse.Namespace) -> None:
+    """``--variant auto`` and what it cannot go with; ``ValueError`` naming the option."""
+    if args.resume:
+        raise ValueError(
+            "--variant auto with --resume: the run chose its variant when it started (config.json); "
+            "resume without --variant"
+        )
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        raise ValueError(
+            "--variant auto: chosen by a pilot that `lioncub train` launches before the run; inside a job "
+            "of torchrun or `lioncub launch` give the variant (lioncub.planning.auto.auto_variant chooses "
+            "it in your own script)"
+        )
+    if getattr(args, "outer", None) not in (None, "vote"):
+        raise ValueError(
+            f"--variant auto with --outer {args.outer}: auto chooses among 1-bit votes (outer rule vote); "
+            f"for {args.outer} give --variant 32bit --local-steps H --outer {args.outer}"
+        )
+    if args.local_steps is not None:
+        raise ValueError(
+            f"--variant auto with --local-steps {args.local_steps}: auto chooses H (or a vote every "
+            "step); give one of them"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
+    from lioncub.cli.auto import AUTO, check_candidates, resolve
     from lioncub.rundir import check_out_path
     from lioncub.train.driver import check_before_launch, check_launch_options, format_summary
     from lioncub.train.prepare import load_saved_config, prepare_run_dir
@@ -51,15 +84,26 @@ def run(args: argparse.Namespace) -> int:
     try:
         run_dir = check_out_path(args.out, below=len(DEEPEST))
         check_launch_options(args.restarts, args.collective_timeout)
+        auto = args.variant == AUTO
+        if auto:
+            _check_auto(args)
         base = load_saved_config(run_dir) if args.resume else None
         if base is not None:
             base.run.convert_momenta = base.run.stop_at = None  # asked for anew each time
-        config = config_from_args(args, base)
+
+        def config_of(name: str) -> Any:  # a run --variant auto may choose
+            return config_for_name(args, name, f"--variant auto (it may choose {name})")
+
+        config = check_candidates(config_of) if auto else config_from_args(args, base)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             from lioncub.train.rank import run_rank
 
             return run_rank(config, run_dir, driven=False, resume=args.resume)
         check_before_launch(config, args.timeout or None, args.max_nproc)
+        if auto:
+            config = resolve(args, config_of, "--variant auto", "lioncub train")
+            if isinstance(config, int):
+                return config
         config, lock = prepare_run_dir(run_dir, config, resume=args.resume)
     except (ValueError, TypeError, FileNotFoundError) as exc:
         print(f"lioncub train: error: {exc}", file=sys.stderr)

@@ -170,6 +170,19 @@ class RunConfig:
         None, commands=(), low=0, above=True, unit="seconds",
         help="with time_budget_s: the pilot's mean step time (s) that steps was planned from",
     )  # fmt: skip
+    chosen_by: str | None = setting(
+        None, commands=(), choices=("auto",),
+        help="auto: --variant auto chose the variant and local steps from a pilot of the per-step 1bit vote "
+        "(its median compute auto_compute_s and communication auto_vote_s; lioncub.cli.auto)",
+    )  # fmt: skip
+    auto_compute_s: float | None = setting(
+        None, commands=(), low=0, above=True, unit="seconds",
+        help="with chosen_by auto: the pilot's median compute per step (forward, backward, optimizer)",
+    )  # fmt: skip
+    auto_vote_s: float | None = setting(
+        None, commands=(), low=0, unit="seconds",
+        help="with chosen_by auto: the pilot's median communication of one 1-bit vote",
+    )  # fmt: skip
 
     @property
     def warmup(self) -> int:
@@ -407,6 +420,9 @@ def _check_run(config: TrainConfig) -> None:
         )
     if run.time_budget_s is None and (run.pilot_steps is not None or run.pilot_step_s is not None):
         raise ValueError("pilot_steps, pilot_step_s: apply only with time_budget_s (--time-budget)")
+    auto = (run.chosen_by, run.auto_compute_s, run.auto_vote_s)
+    if any(v is not None for v in auto) and not all(v is not None for v in auto):
+        raise ValueError("chosen_by, auto_compute_s, auto_vote_s: go together (what --variant auto measured)")
     sync = opt.momentum_sync
     if not sync or (isinstance(sync, list) and not all(isinstance(p, str) and p for p in sync)):
         raise ValueError(

@@ -1,6 +1,7 @@
 """Votes over a ``torch.distributed`` process group (gloo on CPU, NCCL on CUDA), one module per algorithm.
 
-* :mod:`~lioncub.collectives.base` — :class:`Comm`: exchanges with byte accounting and bounded waits;
+* :mod:`~lioncub.collectives.base` — :class:`Comm`: exchanges with byte accounting and bounded waits
+  (:class:`GroupComm`: on a process-group object whose members change);
 * :mod:`~lioncub.collectives.protocol` — the protocol every vote follows (:class:`Vote`, :class:`Ballot`);
 * :mod:`~lioncub.collectives.formats` — the payloads and results the votes share on the wire;
 * :mod:`~lioncub.collectives.signvote` — the contribution and apply of every vote on signs;
@@ -33,7 +34,14 @@ vote of NaN is "−" (``NaN ≥ 0`` is false) and of ±Inf is ±; ``sign(NaN)`` 
 :mod:`lioncub.ops.quantize`). :class:`DenseMean` is a mean and propagates NaN and Inf.
 """
 
-from lioncub.collectives.base import Backend, CollectiveError, Comm, CommCounter, exchange_when_alone
+from lioncub.collectives.base import (
+    Backend,
+    CollectiveError,
+    Comm,
+    CommCounter,
+    GroupComm,
+    exchange_when_alone,
+)
 from lioncub.collectives.dense import DenseMean
 from lioncub.collectives.hierarchical import HierarchicalVote, NodeMajorityVote, make_topology_vote
 from lioncub.collectives.lanes import LaneVote, auto_lane_bits
@@ -52,6 +60,7 @@ __all__ = [
     "Comm",
     "CommCounter",
     "DenseMean",
+    "GroupComm",
     "HierarchicalVote",
     "Hyper",
     "LaneVote",

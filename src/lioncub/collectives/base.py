@@ -30,20 +30,24 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
+import pickle
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions
 
 from lioncub import env
+from lioncub._validate import is_int
 
 __all__ = [
     "Backend",
     "CollectiveError",
     "Comm",
     "CommCounter",
+    "GroupComm",
     "Handle",
     "backend_for_device",
     "exchange_when_alone",
@@ -314,7 +318,7 @@ class Comm:
         n = self.world_size
         nbytes = tensor.numel() * tensor.element_size()
         self.counter.add(2 * (n - 1) / n * nbytes, 2 * (n - 1) / n * nbytes)
-        work = self._guard(what, lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True))
+        work = self._guard(what, lambda: self._issue_all_reduce(tensor, op))
         return Handle([work], what, self, tensor)
 
     def broadcast(self, tensor: torch.Tensor, root: int, what: str) -> Handle:
@@ -322,10 +326,7 @@ class Comm:
         nbytes = tensor.numel() * tensor.element_size()
         n = self.world_size
         self.counter.add((n - 1) * nbytes if self.rank == root else 0, 0 if self.rank == root else nbytes)
-        work = self._guard(
-            what,
-            lambda: dist.broadcast(tensor, src=self.global_rank(root), group=self.group, async_op=True),
-        )
+        work = self._guard(what, lambda: self._issue_broadcast(tensor, root))
         return Handle([work], what, self, tensor)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> Handle:
@@ -335,10 +336,7 @@ class Comm:
         chunk = inp[0].numel() * inp.element_size()
         self.counter.add((n - 1) * chunk, (n - 1) * chunk)
         if self.exchange == "native":
-            work = self._guard(
-                what,
-                lambda: dist.all_to_all_single(out.view(-1), inp.view(-1), group=self.group, async_op=True),
-            )
+            work = self._guard(what, lambda: self._issue_all_to_all(out.view(-1), inp.view(-1)))
             return Handle([work], what, self, out)
         tag = self._next_tag()
         out[r].copy_(inp[r])
@@ -356,10 +354,7 @@ class Comm:
         chunk = inp.numel() * inp.element_size()
         self.counter.add((n - 1) * chunk, (n - 1) * chunk)
         if self.exchange == "native":
-            work = self._guard(
-                what,
-                lambda: _ALL_GATHER_FLAT(out.view(-1), inp.reshape(-1), group=self.group, async_op=True),
-            )
+            work = self._guard(what, lambda: self._issue_all_gather(out, inp))
             return Handle([work], what, self, out)
         tag = self._next_tag()
         out[r].copy_(inp)
@@ -396,11 +391,30 @@ class Comm:
                 dist.P2POp(dist.isend, t.contiguous(), self.global_rank(j), self.group, tag) for j, t in order
             ]
             return list(dist.batch_isend_irecv(ops)) if ops else []
-        works = [dist.irecv(t, src=self.global_rank(j), group=self.group, tag=tag) for j, t in recvs]
-        works += [
-            dist.isend(t.contiguous(), dst=self.global_rank(j), group=self.group, tag=tag) for j, t in order
-        ]
+        works = [self._issue_recv(t, j, tag) for j, t in recvs]
+        works += [self._issue_send(t.contiguous(), j, tag) for j, t in order]
         return works
+
+    # -- how each operation is issued: the raw async work, neither counted nor guarded (the exchanges above
+    # -- are the API); :class:`~lioncub.collectives.group.GroupComm` issues them as the group's own methods
+
+    def _issue_all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp) -> Any:
+        return dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
+
+    def _issue_broadcast(self, tensor: torch.Tensor, root: int) -> Any:
+        return dist.broadcast(tensor, src=self.global_rank(root), group=self.group, async_op=True)
+
+    def _issue_all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> Any:
+        return dist.all_to_all_single(out, inp, group=self.group, async_op=True)
+
+    def _issue_all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Any:
+        return _ALL_GATHER_FLAT(out.view(-1), inp.reshape(-1), group=self.group, async_op=True)
+
+    def _issue_recv(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
+        return dist.irecv(tensor, src=self.global_rank(peer), group=self.group, tag=tag)
+
+    def _issue_send(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
+        return dist.isend(tensor, dst=self.global_rank(peer), group=self.group, tag=tag)
 
 
 def _device_of(device: torch.device | str | None, config: str) -> torch.device:
@@ -415,3 +429,95 @@ def _device_of(device: torch.device | str | None, config: str) -> torch.device:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+class GroupComm(Comm):
+    """A :class:`Comm` on a process-group object that ``torch.distributed`` does not know and whose members
+    change: torchft's reconfigurable groups between replica groups (:mod:`lioncub.integrations.torchft`).
+
+    ``torch.distributed``'s functions look a group up in their registry (its ranks, its backend); a group
+    that a fault-tolerance library reconfigures at every quorum is not there. This comm issues every
+    operation as the group's own method (c10d's ``ProcessGroup`` interface: ``allreduce``, ``broadcast``,
+    ``alltoall_base``, ``allgather``, ``send``/``recv``), with group ranks, and takes its rank and size
+    from the caller: :meth:`reconfigure` sets them again whenever the members change. The object
+    collectives travel as pickled bytes. It never takes the one-process shortcut (``alone`` is False): a
+    quorum of one still runs the vote over its group of one, so a step is the same code whatever N is.
+
+    Args:
+        group: the process group object.
+        rank, world_size: this member's rank in it and its size now.
+        device: the device of the tensors it exchanges (CPU: gloo).
+        backend: the backend's name (``"gloo"``), for :class:`Backend`.
+        exchange, timeout: as :class:`Comm`'s.
+    """
+
+    def __init__(
+        self,
+        group: Any,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device | str = "cpu",
+        backend: str = "gloo",
+        exchange: Exchange = "auto",
+        timeout: datetime.timedelta | None = None,
+    ) -> None:
+        if exchange not in ("auto", "p2p", "native"):
+            raise ValueError(f"exchange={exchange!r} is not one of 'auto', 'p2p', 'native'")
+        self.group = group
+        self.backend, self.backend_config = backend, backend
+        self.device = torch.device(device)
+        self.wire = Backend.named(backend)
+        self.exchange = self.wire.exchange if exchange == "auto" else exchange
+        self.timeout = env.seconds("LIONCUB_PG_TIMEOUT") if timeout is None else timeout
+        self.counter, self.step, self._tag = CommCounter(), 0, 0
+        self._retired = collections.deque(maxlen=256)
+        self.alone = False
+        self.rank, self.world_size = 0, 1
+        self.reconfigure(rank, world_size)
+
+    def reconfigure(self, rank: int, world_size: int) -> None:
+        """The group's members changed: this member is now ``rank`` of ``world_size``."""
+        if not (is_int(world_size, 1) and is_int(rank, 0) and rank < world_size):
+            raise ValueError(f"rank={rank!r}, world_size={world_size!r}: need 0 <= rank < world_size")
+        self.rank, self.world_size = rank, world_size
+
+    def global_rank(self, group_rank: int) -> int:
+        return group_rank
+
+    def all_gather_object(self, obj: Any, what: str) -> list[Any]:
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = torch.zeros(self.world_size, 1, dtype=torch.int64)
+        self.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64), what).wait()
+        padded = torch.zeros(int(sizes.max()), dtype=torch.uint8)
+        padded[: payload.numel()] = payload
+        out = torch.empty(self.world_size, padded.numel(), dtype=torch.uint8)
+        self.all_gather(out, padded, what).wait()
+        return [pickle.loads(out[j, : int(sizes[j, 0])].numpy().tobytes()) for j in range(self.world_size)]
+
+    def gather_object(self, obj: Any, to: int, what: str) -> list[Any] | None:
+        every = self.all_gather_object(obj, what)
+        return every if self.rank == to else None
+
+    def _issue_all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp) -> Any:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        return self.group.allreduce([tensor], opts)
+
+    def _issue_broadcast(self, tensor: torch.Tensor, root: int) -> Any:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = root, 0
+        return self.group.broadcast([tensor], opts)
+
+    def _issue_all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> Any:
+        return self.group.alltoall_base(out, inp, [], [], dist.AllToAllOptions())
+
+    def _issue_all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Any:
+        rows = list(out.view(self.world_size, -1).unbind(0))
+        return self.group.allgather([rows], [inp.reshape(-1)], AllgatherOptions())
+
+    def _issue_recv(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
+        return self.group.recv([tensor], peer, tag)
+
+    def _issue_send(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
+        return self.group.send([tensor], peer, tag)

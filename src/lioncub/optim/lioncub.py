@@ -112,7 +112,10 @@ class LionCub(LeanOptimizer):
             :func:`lioncub.planning.auto.auto_variant`.
         process_group: over whom — the data-parallel group (default: the default group); for a ``variant``
             whose ``topology`` is not ``"flat"``, a ``DeviceMesh`` with dims ``("node", "local")``
-            (:mod:`lioncub.optim.topology`; default: built from torchrun's ``$LOCAL_WORLD_SIZE``).
+            (:mod:`lioncub.optim.topology`; default: built from torchrun's ``$LOCAL_WORLD_SIZE``); or a
+            :class:`~lioncub.collectives.Comm` the caller built (a :class:`~lioncub.collectives.GroupComm`
+            over a group whose members change: :mod:`lioncub.integrations.torchft`), flat topology only,
+            on the parameters' device.
         local_steps: how often — :class:`~lioncub.optim.local_steps.LocalSteps`: H local Lion steps per
             rank, then one outer step on the pseudo-gradients (a vote every H steps); an int H is
             ``LocalSteps(h=H)``, a dict its fields; ``None`` (default): a vote every step.
@@ -140,7 +143,7 @@ class LionCub(LeanOptimizer):
         weight_decay: float = 0.0,
         *,
         variant: str | VoteConfig = "8bit",
-        process_group: dist.ProcessGroup | None = None,
+        process_group: dist.ProcessGroup | Comm | None = None,
         local_steps: LocalSteps | int | Mapping[str, Any] | None = None,
         model: torch.nn.Module | None = None,
         maximize: bool = False,
@@ -170,7 +173,11 @@ class LionCub(LeanOptimizer):
         group, levels = _groups(config, process_group, device)
         #: this rank's view of the group the votes travel on (:class:`lioncub.collectives.Comm`)
         self.comm = (
-            Comm.single(device) if group is False else Comm(group, device=device, exchange=config.exchange)
+            group
+            if isinstance(group, Comm)
+            else Comm.single(device)
+            if group is False
+            else Comm(group, device=device, exchange=config.exchange)
         )
         #: one process (no process group, or a group of one): every step is :class:`~lioncub.optim.Lion`'s
         #: (unless built under :func:`lioncub.collectives.base.exchange_when_alone`)
@@ -514,9 +521,16 @@ def _device_of(param_groups: list[dict[str, Any]]) -> torch.device:
 
 def _groups(
     config: VoteConfig, process_group: Any, device: torch.device
-) -> tuple[dist.ProcessGroup | bool | None, tuple[Comm, Comm] | None]:
+) -> tuple[dist.ProcessGroup | Comm | bool | None, tuple[Comm, Comm] | None]:
     """(the flat group — ``False`` when there is no process group at all —, the (intra-node, inter-node)
     groups, on ``device``, of a topology other than flat) for the ``process_group`` argument."""
+    if isinstance(process_group, Comm):
+        if config.topology != "flat" or process_group.device != device:
+            raise ValueError(
+                f"process_group: a Comm (on {process_group.device}) votes flat on its own device; here the "
+                f"topology is {config.topology!r} and the parameters are on {device}"
+            )
+        return process_group, None
     if process_group is None and not (dist.is_available() and dist.is_initialized()):
         return False, None
     if config.topology == "flat":

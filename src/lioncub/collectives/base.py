@@ -206,7 +206,11 @@ class Comm:
     Attributes:
         backend: the backend's name for ``device``; ``wire``: its :class:`Backend`.
         alone: one process and nothing to exchange (the votes' shortcut; see :func:`exchange_when_alone`).
+        fixed_members: the members stay those of the construction (False for :class:`GroupComm`: nothing
+            collective can run before the first quorum).
     """
+
+    fixed_members = True
 
     def __init__(
         self,
@@ -442,6 +446,7 @@ class GroupComm(Comm):
     from the caller: :meth:`reconfigure` sets them again whenever the members change. The object
     collectives travel as pickled bytes. It never takes the one-process shortcut (``alone`` is False): a
     quorum of one still runs the vote over its group of one, so a step is the same code whatever N is.
+    ``fixed_members`` is False: an optimizer built on it runs nothing collective at construction.
 
     Args:
         group: the process group object.
@@ -473,14 +478,17 @@ class GroupComm(Comm):
         self.counter, self.step, self._tag = CommCounter(), 0, 0
         self._retired = collections.deque(maxlen=256)
         self.alone = False
+        self.fixed_members = False
         self.rank, self.world_size = 0, 1
         self.reconfigure(rank, world_size)
 
     def reconfigure(self, rank: int, world_size: int) -> None:
-        """The group's members changed: this member is now ``rank`` of ``world_size``."""
+        """A new round of the group (at every quorum, whether its members changed or not): this member is
+        now ``rank`` of ``world_size``, and the point-to-point tags start again at 0 on every member (a
+        member whose last exchange failed half-way would otherwise count them from elsewhere)."""
         if not (is_int(world_size, 1) and is_int(rank, 0) and rank < world_size):
             raise ValueError(f"rank={rank!r}, world_size={world_size!r}: need 0 <= rank < world_size")
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self._tag = rank, world_size, 0
 
     def global_rank(self, group_rank: int) -> int:
         return group_rank

@@ -7,7 +7,9 @@
 * :mod:`lioncub.integrations.accelerate` — :func:`~lioncub.integrations.accelerate.prepare`, one call
   after ``accelerator.prepare(...)`` (``pip install 'lioncub[hf]'``);
 * :mod:`lioncub.integrations.lightning` — :class:`~lioncub.integrations.lightning.LionCubStrategy`, a
-  Lightning ``DDPStrategy`` (``pip install 'lioncub[lightning]'``).
+  Lightning ``DDPStrategy`` (``pip install 'lioncub[lightning]'``);
+* :mod:`lioncub.integrations.torchft` — :class:`~lioncub.integrations.torchft.ReplicaGroup`: votes
+  between replica groups that leave and join, on torchft's lighthouse (``pip install 'lioncub[ft]'``).
 
 Each does the same three things the framework cannot know it has to: it keeps DDP's gradient allreduce
 from running (each rank's ``.grad`` stays its local gradient; the ranks vote instead) or overlaps the

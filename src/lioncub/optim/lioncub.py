@@ -186,7 +186,7 @@ class LionCub(LeanOptimizer):
             _log.info("LionCub: one process (world size 1): no vote, every step is lioncub.Lion's step")
             config, levels = dataclasses.replace(config, topology="flat"), None  # nothing is laid over nodes
         named = named_parameters(self.param_groups, model)
-        if not self.single_process:
+        if not self.single_process and self.comm.fixed_members:  # a GroupComm: no quorum yet
             check_same_parameters(self.comm, named, self.param_groups)
         #: the contributions, votes and apply of the step (:mod:`lioncub.optim.engine`)
         self.engine = StepEngine(make_vote(self.comm, config, levels), self)
@@ -200,6 +200,12 @@ class LionCub(LeanOptimizer):
         self._consolidated: list[dict[str, Any] | None] | None = None
         self._ready = True
         self.accounting = Accounting(self.comm, () if levels is None else levels)
+        if checks.broadcast_init and not self.comm.fixed_members:
+            raise ValueError(
+                "checks=Checks(broadcast_init=True) on a comm whose members change (GroupComm): a group "
+                "that joins later has nobody to broadcast with; pass Checks(broadcast_init=False) and give "
+                "the groups their initial values otherwise (lioncub.integrations.torchft heals them)"
+            )
         initial = InitialValues(self.comm) if checks.broadcast_init and not self.single_process else None
         #: the vote round the step policy runs (:mod:`lioncub.optim.round`)
         self.round = VoteRound(

@@ -1,0 +1,363 @@
+"""Votes between replica groups that come and go, on torchft (``pip install 'lioncub[ft]'``).
+
+A *replica group* is one process training a full replica. The groups vote with each other over torchft's
+reconfigurable process group: torchft's lighthouse forms a quorum of the groups alive at each step (or,
+with local steps, at each window's start), the vote's N is the quorum's size, a group that leaves is left
+out at the next quorum, and one that joins (or rejoins) heals from a live peer first. No job restarts.
+
+One step (:class:`ReplicaGroup`), in the caller's loop::
+
+    group = ReplicaGroup(lighthouse="http://localhost:29510", replica_id="g0", max_groups=4)
+    opt = LionCub(model.parameters(), lr=3e-4, variant="1bit", process_group=group.comm,
+                  checks=Checks(broadcast_init=False))
+    group.attach(opt)
+    for batch in batches:
+        group.begin()                      # quorum (and heal) at a step or window boundary
+        model(batch).backward()
+        committed = group.step()           # the vote; applied only if the quorum committed it
+
+1. :meth:`ReplicaGroup.begin` — at a commit boundary (every step; with local steps H, every H steps) this
+   group's state is copied aside (the *snapshot*: parameters, the optimizer's state dict), then
+   ``Manager.start_quorum()``: a group whose committed count is behind the quorum's (a new group, one that
+   rejoins, one whose last step was not committed) receives a live peer's snapshot through torchft's
+   checkpoint transport and loads it (:meth:`ReplicaGroup.heal`): the parameters and the optimizer's
+   shared state bit for bit (its step, with local steps the outer state), its own momenta by
+   ``momentum_on_heal`` (``"peer"``: the peer's copy; ``"zeros"``). A peer whose settings differ (variant,
+   update rule, local steps, betas, weight decay, the parameters' shapes) is refused there, naming the
+   setting: the joining group raises :class:`SettingsMismatchError` and the others go on without it.
+   Then the :class:`~lioncub.collectives.GroupComm` takes this group's rank in the quorum and its size.
+2. :meth:`ReplicaGroup.step` — the optimizer's step (the vote over the quorum; with local steps an inner
+   step, the window's last one voting), then at a commit boundary ``Manager.should_commit()``. **All or
+   none:** a group whose exchange failed (a peer died during it: :class:`~lioncub.collectives.base.
+   CollectiveError`) reports the error and puts its snapshot back; a group the quorum does not commit
+   puts it back too. A step (window) that is not committed is *skipped*, never retried: its batch is
+   consumed and the next batch makes the step again; the optimizer's step count and torchft's committed
+   count advance only on commit, so no step is applied twice or lost, and a group left behind heals from a
+   peer that went on.
+
+The tie rule across a changing N: N is the quorum's size at that step; the 1-bit vote's tie (even N)
+alternates with the step, and the ``split`` zero rule uses each group's rank in the quorum, so every
+participant decides a tie alike whatever N was before. The votes size their lanes and levels for
+``max_groups`` (a preset that cannot hold it, ``4bit`` over 15, is refused at :meth:`attach`).
+
+Costs: the snapshot is one copy of the parameters and of the optimizer's state per commit boundary (host
+memory of 2 × (parameters + momenta), a memory copy each step without local steps, each window with).
+Groups of one process only: a group of several ranks (DDP inside, the vote between groups) is refused.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import logging
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lioncub._validate import is_int, is_number
+from lioncub.collectives import GroupComm
+from lioncub.collectives.base import CollectiveError
+from lioncub.integrations.common import require
+from lioncub.optim.lioncub import LionCub
+
+__all__ = [
+    "MOMENTA_ON_HEAL",
+    "Heal",
+    "ReplicaGroup",
+    "ReplicaGroupError",
+    "SettingsMismatchError",
+    "settings_of",
+]
+
+_log = logging.getLogger("lioncub")
+
+#: what a healed group's own momenta become
+MOMENTA_ON_HEAL = ("peer", "zeros")
+_STATE_KEY = "lioncub"
+
+
+class ReplicaGroupError(RuntimeError):
+    """The quorum could not be formed or joined in time (the lighthouse gone, fewer groups than the
+    minimum); the message names the group, the operation and the timeout."""
+
+
+class SettingsMismatchError(ReplicaGroupError):
+    """A peer this group would heal from trains with other settings; the message names the setting."""
+
+
+@dataclass(frozen=True)
+class Heal:
+    """One heal of this group: at committed count ``step``, from the group ``source``, ``nbytes`` of
+    tensors received, in ``seconds`` (the quorum and the transfer)."""
+
+    step: int
+    source: str
+    nbytes: int
+    seconds: float
+
+
+def settings_of(optimizer: LionCub) -> dict[str, Any]:
+    """What every group of a job must share: the variant, its update rule, the local steps, each param
+    group's betas, weight decay and maximize flag, and each parameter's shape and dtype (the learning rate
+    is not compared: it follows the step, which the heal brings along)."""
+    meta = optimizer.state_dict()["lioncub"]
+    return {
+        "variant": meta["variant"],
+        "rule": meta["rule"],
+        "local_steps": meta["local_steps"],
+        "groups": [
+            {"betas": list(g["betas"]), "weight_decay": g["weight_decay"], "maximize": g["maximize"]}
+            for g in optimizer.param_groups
+        ],
+        "params": [[list(p.shape), str(p.dtype)] for g in optimizer.param_groups for p in g["params"]],
+    }
+
+
+def _nbytes(tree: Any) -> int:
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(_nbytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_nbytes(v) for v in tree)
+    return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class _Snapshot:
+    params: list[torch.Tensor]
+    optimizer: dict[str, Any]
+
+
+@dataclass
+class ReplicaGroup:
+    """This process as one replica group of a torchft job (see the module docstring).
+
+    Args:
+        lighthouse: the torchft lighthouse's address (``http://host:port``).
+        replica_id: this group's name, unique in the job (``"g0"``).
+        max_groups: the most groups that will vote at once (the votes are sized for it).
+        min_groups: a step commits only with at least this many groups in the quorum.
+        momentum_on_heal: a healed group's momenta: ``"peer"`` (the peer's copy) or ``"zeros"``.
+        timeout_s: bound of every collective, heal and commit (seconds).
+        quorum_timeout_s: bound of forming a quorum (seconds): past it :meth:`begin` raises
+            :class:`ReplicaGroupError` (the lighthouse gone, fewer than ``min_groups`` groups).
+
+    Attributes:
+        comm: the :class:`~lioncub.collectives.GroupComm` to build the optimizer on.
+        manager: torchft's ``Manager`` of this group.
+        participants: the quorum's size at the last :meth:`begin`.
+        heals: every :class:`Heal` of this group.
+        committed, skipped: the steps (windows) committed and skipped.
+    """
+
+    lighthouse: str
+    replica_id: str
+    max_groups: int
+    min_groups: int = 1
+    momentum_on_heal: str = "peer"
+    timeout_s: float = 30.0
+    quorum_timeout_s: float = 60.0
+    comm: GroupComm = field(init=False)
+    manager: Any = field(init=False)
+    participants: int = field(init=False, default=0)
+    heals: list[Heal] = field(init=False, default_factory=list)
+    committed: int = field(init=False, default=0)
+    skipped: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        require(["torchft"], "ft", "lioncub.integrations.torchft")
+        if not is_int(self.max_groups, 1):
+            raise ValueError(f"max_groups={self.max_groups!r} must be an int >= 1")
+        if not is_int(self.min_groups, 1) or self.min_groups > self.max_groups:
+            raise ValueError(
+                f"min_groups={self.min_groups!r} must be an int in [1, max_groups={self.max_groups}]"
+            )
+        if self.momentum_on_heal not in MOMENTA_ON_HEAL:
+            raise ValueError(
+                f"momentum_on_heal={self.momentum_on_heal!r}: allowed values are {list(MOMENTA_ON_HEAL)}"
+            )
+        for name in ("timeout_s", "quorum_timeout_s"):
+            if not is_number(getattr(self, name), gt=0):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a number of seconds > 0")
+        from torch.distributed import TCPStore
+        from torchft import Manager, ProcessGroupGloo
+
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        port = _free_port()
+        self._store = TCPStore("localhost", port, is_master=True, wait_for_workers=False, timeout=timeout)
+        pg = ProcessGroupGloo(timeout=timeout)
+        # the votes are sized for max_groups: the optimizer is built on a comm of that size (rank 0)
+        self.comm = GroupComm(pg, rank=0, world_size=self.max_groups, timeout=timeout)
+        self.manager = Manager(
+            pg=pg,
+            load_state_dict=self.heal,
+            state_dict=self._peer_state,
+            min_replica_size=self.min_groups,
+            use_async_quorum=False,
+            timeout=timeout,
+            quorum_timeout=datetime.timedelta(seconds=self.quorum_timeout_s),
+            connect_timeout=timeout,
+            rank=0,
+            world_size=1,
+            store_addr="localhost",
+            store_port=port,
+            lighthouse_addr=self.lighthouse,
+            replica_id=self.replica_id,
+        )
+        self._optimizer: LionCub | None = None
+        self._snapshot: _Snapshot | None = None
+        self._settings: dict[str, Any] = {}
+        self._healed: tuple[str, int] | None = None
+
+    # -- setup ---------------------------------------------------------------------------------------
+
+    def attach(self, optimizer: LionCub) -> None:
+        """Vote with ``optimizer``, a :class:`~lioncub.optim.LionCub` built on :attr:`comm` (with
+        ``Checks(broadcast_init=False)``: the groups' initial values come from the heal, not a broadcast)."""
+        if not isinstance(optimizer, LionCub) or optimizer.comm is not self.comm:
+            raise ValueError(
+                "attach: give the LionCub built with process_group=group.comm (the group's GroupComm)"
+            )
+        self._optimizer = optimizer
+        self._settings = settings_of(optimizer)
+        # the one-time "did DDP average the gradients?" comparison is a collective of a fresh optimizer's
+        # first step: a group joining later would run it alone (groups have no DDP between them anyway)
+        optimizer.round.gradients_compared = True
+        self.comm.reconfigure(0, 1)
+
+    def register_state(self, key: str, load: Callable[[Any], None], save: Callable[[], Any]) -> None:
+        """More state a healed group takes from its peer (an lr scheduler, a data loader's position):
+        ``save()`` at the peer, ``load(value)`` here (torchft's ``register_state_dict_fn``)."""
+        self.manager.register_state_dict_fn(key, load, save)
+
+    @property
+    def optimizer(self) -> LionCub:
+        if self._optimizer is None:
+            raise ValueError(f"replica group {self.replica_id}: attach(optimizer) first")
+        return self._optimizer
+
+    @property
+    def boundary(self) -> bool:
+        """The next step starts a commit boundary: every step, or with local steps a window's first."""
+        local = self.optimizer.local_steps
+        return local is None or self.optimizer.global_step % local.h == 0
+
+    # -- the step ------------------------------------------------------------------------------------
+
+    def begin(self) -> int:
+        """Before the forward pass: at a commit boundary, the snapshot, the quorum (a heal if this group is
+        behind) and the comm's new rank and size. The quorum's size (N of the coming vote)."""
+        opt = self.optimizer
+        if not self.boundary:
+            return self.participants
+        self._snapshot = self._take()
+        started = time.perf_counter()
+        self._healed = None
+        try:
+            self.manager.start_quorum(timeout=datetime.timedelta(seconds=self.quorum_timeout_s))
+        except SettingsMismatchError:
+            raise
+        except Exception as err:
+            raise ReplicaGroupError(
+                f"replica group {self.replica_id}: no quorum within {self.quorum_timeout_s:g} s (lighthouse "
+                f"{self.lighthouse}, at least {self.min_groups} group(s)): {type(err).__name__}: {err}"
+            ) from err
+        if self._healed is not None:
+            source, nbytes = self._healed
+            self.heals.append(Heal(opt.global_step, source, nbytes, time.perf_counter() - started))
+            self._snapshot = self._take()
+        rank = self.manager.participating_rank()
+        if rank is None:
+            raise ReplicaGroupError(f"replica group {self.replica_id}: not a participant of the quorum")
+        self.participants = self.manager.num_participants()
+        self.comm.reconfigure(rank, self.participants)
+        return self.participants
+
+    def step(self) -> bool:
+        """The optimizer's step; at a commit boundary's end, the commit. Whether the step stands: False
+        when it was put back (not committed, or this group's exchange failed)."""
+        opt = self.optimizer
+        local = opt.local_steps
+        ends = local is None or (opt.global_step + 1) % local.h == 0
+        failed: Exception | None = None
+        try:
+            opt.step()
+        except CollectiveError as err:
+            failed = err
+            _log.warning("replica group %s: the vote failed (%s); the step is skipped", self.replica_id, err)
+            self.manager.report_error(err)
+        if not ends and failed is None:
+            return True
+        commit = self.manager.should_commit(timeout=datetime.timedelta(seconds=self.timeout_s))
+        if commit and failed is None:
+            self.committed += 1
+            return True
+        self._put_back()
+        self.skipped += 1
+        return False
+
+    def shutdown(self) -> None:
+        """Leave the job: stop this group's manager (the others go on at their next quorum)."""
+        self.manager.shutdown(wait=False)
+
+    # -- snapshot and heal ---------------------------------------------------------------------------
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _take(self) -> _Snapshot:
+        opt = self.optimizer
+        return _Snapshot([p.detach().clone() for p in self._params()], copy.deepcopy(opt.state_dict()))
+
+    def _put_back(self) -> None:
+        snap = self._snapshot
+        if snap is None:
+            raise ReplicaGroupError(f"replica group {self.replica_id}: no snapshot to put back")
+        with torch.no_grad():
+            for p, saved in zip(self._params(), snap.params, strict=True):
+                p.copy_(saved)
+        self.optimizer.load_state_dict(copy.deepcopy(snap.optimizer), allow_world_size_change=True)
+
+    def _peer_state(self) -> dict[str, Any]:
+        """What a healing peer receives: this group's snapshot at the boundary (copies: torchft serves them
+        while this group trains on), its name and settings."""
+        snap = self._snapshot if self._snapshot is not None else self._take()
+        return {
+            "source": self.replica_id,
+            "settings": self._settings,
+            "params": snap.params,
+            "optimizer": snap.optimizer,
+        }
+
+    def heal(self, state: dict[str, Any]) -> None:
+        """Load a peer's state (torchft calls it at the quorum that heals this group): refuse other settings
+        (:class:`SettingsMismatchError`, naming the first that differs), then the peer's parameters and
+        optimizer state; the momenta by ``momentum_on_heal``."""
+        theirs, ours = state["settings"], self._settings
+        for key in ours:
+            if theirs.get(key) != ours[key]:
+                raise SettingsMismatchError(
+                    f"replica group {self.replica_id} cannot join: its {key} is {ours[key]!r}, the job's "
+                    f"(group {state['source']}) is {theirs.get(key)!r}; start it with the job's settings"
+                )
+        with torch.no_grad():
+            for p, value in zip(self._params(), state["params"], strict=True):
+                p.copy_(value)
+        opt = self.optimizer
+        opt.load_state_dict(state["optimizer"], allow_world_size_change=True)
+        if self.momentum_on_heal == "zeros":
+            for p in self._params():
+                if "exp_avg" in opt.state.get(p, {}):
+                    opt.state[p]["exp_avg"].zero_()
+        self._healed = (str(state["source"]), _nbytes(state["params"]) + _nbytes(state["optimizer"]))

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from lioncub.collectives import GroupComm
 from lioncub.optim import PRESETS, Checks, LionCub
 
-from processes import run_workers
+from processes import python_cmd, run_workers
 
 STEPS = 4
 
@@ -155,47 +155,82 @@ def _grads(params: list[torch.nn.Parameter], group: int, step: int) -> None:
         p.grad = torch.randn(p.shape, generator=g)
 
 
+class _KilledInExchange(RuntimeError):
+    pass
+
+
+class _DyingGroup:
+    """A replica group's process group that dies during the vote's exchange: it posts one send, then aborts
+    (its connections close, as those of a SIGKILLed process) and raises."""
+
+    def __init__(self, pg: Any, sends: int) -> None:
+        self.pg, self.sends = pg, sends
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.pg, name)
+
+    def send(self, tensors: list, dst: int, tag: int) -> Any:
+        work = self.pg.send(tensors, dst, tag)
+        self.sends -= 1
+        if self.sends > 0:
+            return work
+        self.pg.abort()
+        raise _KilledInExchange("killed during the exchange")
+
+
 def _group_run(
-    rank: int,
-    world_size: int,
-    lighthouse: str,
-    variant: str,
-    steps: int,
-    local_steps: int | None,
-    leave: tuple,
+    rank: int, world_size: int, lighthouse: str, variant: str, steps: int, local_steps: int | None, plan: dict
 ) -> dict:
-    """Replica group ``g{rank}`` trains ``steps`` steps; with ``leave = (k, pause_s)`` group 1 leaves after
-    its step k and joins again (a new group of the same name, fresh parameters) after ``pause_s``."""
-    from lioncub.integrations.torchft import ReplicaGroup
+    """Replica group ``g{rank}`` trains ``steps`` steps, with the faults of ``plan``: ``rejoin: (g, k,
+    pause_s)`` — group g leaves after its step k and starts again (fresh parameters) ``pause_s`` later;
+    ``stop: {g: k}`` — group g leaves for good at step k; ``abort: (g, k)`` — group g dies during the vote's
+    exchange of step k; ``betas: {g: (b1, b2)}`` — group g's betas (another setting)."""
+    from lioncub.integrations.torchft import ReplicaGroup, ReplicaGroupError
+
+    betas = tuple(plan.get("betas", {}).get(rank, (0.9, 0.99)))
 
     def build(seed: int) -> tuple[ReplicaGroup, LionCub, list[torch.nn.Parameter]]:
         group = ReplicaGroup(
-            lighthouse=lighthouse, replica_id=f"g{rank}", max_groups=world_size, timeout_s=10
-        )
+            lighthouse=lighthouse, replica_id=f"g{rank}", max_groups=world_size,
+            timeout_s=plan.get("timeout_s", 10), quorum_timeout_s=plan.get("quorum_timeout_s", 60),
+        )  # fmt: skip
         torch.manual_seed(seed)
         params = [torch.nn.Parameter(torch.randn(s)) for s in ((37, 24), (24,), (40, 24), (3,))]
         opt = LionCub(
-            params, lr=0.01, weight_decay=0.1, variant=variant, process_group=group.comm,
+            params, lr=0.01, betas=betas, weight_decay=0.1, variant=variant, process_group=group.comm,
             checks=Checks(broadcast_init=False), local_steps=local_steps,
         )  # fmt: skip
         group.attach(opt)
         return group, opt, params
 
     group, opt, params = build(0)
-    log = []
+    log: list[dict] = []
+    rejoin = plan.get("rejoin")
     while opt.global_step < steps:
-        if leave and rank == 1 and opt.global_step == leave[0] and not log[-1].get("rejoined"):
+        if rejoin and rank == rejoin[0] and opt.global_step == rejoin[1] and not log[-1].get("rejoined"):
             group.shutdown()
-            time.sleep(leave[1])
+            time.sleep(rejoin[2])
             group, opt, params = build(1)  # another start: the heal must replace all of it
             log.append({"rejoined": True})
+        if plan.get("stop", {}).get(rank) == opt.global_step:
+            break
         before, heals = opt.global_step, len(group.heals)
-        n = group.begin()
+        try:
+            n = group.begin()
+        except ReplicaGroupError as err:
+            group.shutdown()
+            return {"error": f"{type(err).__name__}: {err}", "log": log}
         step = opt.global_step
         if len(group.heals) > heals:
             log.append({"healed": (before, step)})
         time.sleep(0.04)  # the forward and backward: the others are still training when a group rejoins
         _grads(params, rank, step)
+        if plan.get("abort") == (rank, step):
+            # the step check's all-gather posts N - 1 sends; the 1-bit vote's all-to-all the next ones
+            group.comm.group = _DyingGroup(group.comm.group, sends=n + 1)
+            assert group.step() is False  # its own exchange raised: put back, and it dies here
+            group.shutdown()
+            return {"killed": step, "log": log}
         ok = group.step()
         log.append(
             {"step": step, "n": n, "ok": ok, "sum": float(sum(p.detach().double().sum() for p in params))}
@@ -224,7 +259,7 @@ def test_three_groups_without_failures_vote_as_three_ranks(variant: str, local_s
     and the parameters equal a plain 3-rank vote on the same gradients, bit for bit."""
     lighthouse = _lighthouse(3)
     try:
-        runs = run_workers(_group_run, 3, lighthouse.address(), variant, 12, local_steps, ())
+        runs = run_workers(_group_run, 3, lighthouse.address(), variant, 12, local_steps, {})
     finally:
         lighthouse.shutdown()
     plain = run_workers(_plain_run, 3, variant, 12, local_steps)
@@ -243,7 +278,8 @@ def test_a_group_that_leaves_and_rejoins_heals_and_the_replicas_agree(local_step
     the same parameters, bit for bit, and the committed steps of the survivors are each step once."""
     lighthouse = _lighthouse(2)
     try:
-        runs = run_workers(_group_run, 3, lighthouse.address(), "1bit", 60, local_steps, (8, 1.5))
+        plan = {"rejoin": (1, 8, 1.5)}
+        runs = run_workers(_group_run, 3, lighthouse.address(), "1bit", 60, local_steps, plan)
     finally:
         lighthouse.shutdown()
     for r in (1, 2):
@@ -264,3 +300,183 @@ def test_a_group_that_leaves_and_rejoins_heals_and_the_replicas_agree(local_step
     ns = [e["n"] for e in survivor]
     assert 3 in ns[:8] and 2 in ns[8:] and ns[-1] == 3, ns  # (a slow start may miss the first quorum)
     assert len(runs[1]["heals"]) >= 1 and runs[1]["heals"][-1].source in ("g0", "g2")
+
+
+# ---------------------------------------------------- torchft's own DiLoCo against lioncub's outer="diloco"
+
+
+def _torchft_diloco(rank: int, world_size: int, lighthouse: str, steps: int, h: int) -> list:
+    """torchft's ``DiLoCo``: lioncub's :class:`~lioncub.optim.Lion` as the inner optimizer, Nesterov SGD
+    (lr 0.7, momentum 0.9) as the outer; ``init_sync=False`` (identical initial values)."""
+    import datetime
+
+    from torch.distributed import TCPStore
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.local_sgd import DiLoCo
+
+    from lioncub.optim import Lion
+
+    port = _free_port()
+    store = TCPStore("localhost", port, is_master=True, wait_for_workers=False)
+    model = torch.nn.ParameterList(_params())
+    inner = Lion(model.parameters(), lr=0.01, weight_decay=0.0)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=datetime.timedelta(seconds=10)), load_state_dict=None, state_dict=None,
+        min_replica_size=world_size, use_async_quorum=False, init_sync=False, rank=0, world_size=1,
+        store_addr="localhost", store_port=port, lighthouse_addr=lighthouse, replica_id=f"d{rank}",
+        timeout=datetime.timedelta(seconds=10),
+    )  # fmt: skip
+    params = list(model.parameters())
+    with DiLoCo(
+        manager, [model], inner, outer, sync_every=h, backup_device=torch.device("cpu"), pin_memory=False
+    ):
+        for step in range(steps):
+            _grads(params, rank, step)
+            inner.step()
+    manager.shutdown(wait=False)
+    del store
+    return [p.detach().clone() for p in params]
+
+
+def _lioncub_diloco(rank: int, world_size: int, steps: int, h: int) -> list:
+    from lioncub.optim import LocalSteps
+
+    params = _params()
+    rule = LocalSteps(h=h, outer="diloco", inner_momentum="keep")
+    opt = LionCub(params, lr=0.01, variant="32bit", local_steps=rule, checks=Checks(broadcast_init=False))
+    for step in range(steps):
+        _grads(params, rank, step)
+        opt.step()
+    return [p.detach().clone() for p in params]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_torchft_diloco_equals_lioncub_diloco_with_inner_momenta_kept() -> None:
+    """Without failures torchft's DiLoCo (Lion inside, Nesterov SGD outside) and lioncub's
+    ``outer="diloco"`` with the inner momenta kept take the same steps: 2 groups, H = 4, 16 steps, no weight
+    decay (lioncub decays once per window in closed form, docs/local-steps.md; torchft's inner Lion decays
+    every step). Both average the pseudo-gradients as a sum divided by N and step torch's Nesterov SGD
+    formula, so the parameters agree bit for bit (measured: a difference of exactly 0)."""
+    lighthouse = _lighthouse(2)
+    try:
+        theirs = run_workers(_torchft_diloco, 2, lighthouse.address(), 16, 4)
+    finally:
+        lighthouse.shutdown()
+    ours = run_workers(_lioncub_diloco, 2, 16, 4)
+    for r in range(2):
+        for i, (a, b) in enumerate(zip(theirs[r], ours[r], strict=True)):
+            assert torch.equal(a, b), (r, i, (a - b).abs().max().item())
+
+
+def _lives(log: list[dict]) -> list[list[int]]:
+    """The steps of each life of a group (a rejoin starts another): committed there, or brought by a heal."""
+    lives: list[list[int]] = [[]]
+    for e in log:
+        if "rejoined" in e:
+            lives.append([])
+        elif "healed" in e:
+            lives[-1] += range(*e["healed"])
+        elif e["ok"]:
+            lives[-1].append(e["step"])
+    return lives
+
+
+def _run_groups(n: int, min_groups: int, steps: int, plan: dict, local_steps: int | None = None) -> list:
+    lighthouse = _lighthouse(min_groups)
+    try:
+        return run_workers(_group_run, n, lighthouse.address(), "1bit", steps, local_steps, plan)
+    finally:
+        lighthouse.shutdown()
+
+
+@pytest.mark.slow
+def test_a_group_killed_during_the_exchange_is_applied_nowhere() -> None:
+    """Group 1 dies in the middle of the vote's all-to-all at step 6: the survivors' exchange fails, each
+    puts its snapshot back (step 6 applied nowhere), and step 6 runs again with the next quorum, of 2; the
+    survivors end bitwise equal, each step once."""
+    runs = _run_groups(3, 2, 16, {"abort": (1, 6), "timeout_s": 3})
+    assert runs[1]["killed"] == 6
+    for r in (0, 2):
+        assert _lives(runs[r]["log"]) == [list(range(16))], r
+        attempts = [(e["step"], e["n"], e["ok"]) for e in runs[r]["log"] if "step" in e]
+        assert (6, 3, False) in attempts and (6, 2, True) in attempts, attempts
+    for a, b in zip(runs[0]["params"], runs[2]["params"], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_two_groups_lost_at_once() -> None:
+    """Groups 1 and 3 of 4 leave together at step 6: the other two go on with 2 participants, bitwise
+    equal, each step once."""
+    runs = _run_groups(4, 1, 16, {"stop": {1: 6, 3: 6}})
+    for r in (0, 2):
+        assert _lives(runs[r]["log"]) == [list(range(16))], r
+        ns = [e["n"] for e in runs[r]["log"] if "step" in e and e["ok"]]
+        assert 4 in ns[:6] and ns[-1] == 2, ns
+    for a, b in zip(runs[0]["params"], runs[2]["params"], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_a_group_with_other_settings_is_refused_and_the_others_go_on() -> None:
+    """Group 2 starts with other betas: it is refused when it heals (at the first quorum), with a message
+    naming the setting; groups 0 and 1 train on, bitwise equal."""
+    runs = _run_groups(3, 2, 12, {"betas": {2: (0.8, 0.99)}})
+    assert "SettingsMismatchError" in runs[2]["error"] and "betas" in runs[2]["error"], runs[2]["error"]
+    assert "(0.8, 0.99)" in runs[2]["error"] and "(0.9, 0.99)" in runs[2]["error"], runs[2]["error"]
+    for r in (0, 1):
+        assert _lives(runs[r]["log"]) == [list(range(12))], r
+    for a, b in zip(runs[0]["params"], runs[1]["params"], strict=True):
+        assert torch.equal(a, b)
+
+
+def _lighthouse_lost(rank: int, world_size: int, lighthouse: str) -> dict:
+    return _group_run(rank, world_size, lighthouse, "1bit", 10_000, None, {"quorum_timeout_s": 3})
+
+
+@pytest.mark.slow
+def test_the_lighthouse_lost_is_a_clear_error_within_the_quorum_timeout() -> None:
+    """The lighthouse (torchft's server, in a process of its own) is SIGKILLed after 2 s: every group's next
+    quorum fails within its 3 s timeout with an error naming the group, the lighthouse and the timeout."""
+    import signal
+    import socket
+    import subprocess
+    import threading
+
+    pytest.importorskip("torchft", reason="torchft is not installed: pip install 'lioncub[ft]'")
+    port = _free_port()
+    code = (
+        "import time; from torchft.coordination import LighthouseServer; "
+        f"server = LighthouseServer(bind='[::]:{port}', min_replicas=2, join_timeout_ms=500, "
+        "quorum_tick_ms=20); time.sleep(600)"
+    )
+    lighthouse = subprocess.Popen(
+        python_cmd("-c", code), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.monotonic() + 60
+    while True:  # torchft's lighthouse program imports torch first
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        assert lighthouse.poll() is None and time.monotonic() < deadline, "the lighthouse did not start"
+        time.sleep(0.1)
+    try:
+        threading.Timer(2.0, lighthouse.send_signal, [signal.SIGKILL]).start()
+        started = time.monotonic()
+        runs = run_workers(_lighthouse_lost, 2, f"http://localhost:{port}")
+        assert time.monotonic() - started < 30
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+    for r, run in enumerate(runs):
+        assert f"replica group g{r}: no quorum within 3 s" in run["error"], run["error"]
+        assert f"http://localhost:{port}" in run["error"] and run["log"], run

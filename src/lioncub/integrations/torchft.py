@@ -117,6 +117,23 @@ def settings_of(optimizer: LionCub) -> dict[str, Any]:
     }
 
 
+def _first_difference(ours: dict[str, Any], theirs: dict[str, Any]) -> tuple[str, str, str] | None:
+    """The first setting of :func:`settings_of` that differs, as (its name, ours, theirs), or None."""
+    for key in ours:
+        mine, other = ours[key], theirs.get(key)
+        if mine == other:
+            continue
+        if key in ("groups", "params") and isinstance(other, list) and len(mine) == len(other):
+            i = next(i for i in range(len(mine)) if mine[i] != other[i])
+            if key == "params":
+                return f"parameter {i} (shape, dtype)", repr(tuple(mine[i])), repr(tuple(other[i]))
+            field = next(f for f in mine[i] if mine[i][f] != other[i].get(f))
+            show = tuple if field == "betas" else (lambda v: v)
+            return f"param group {i}'s {field}", repr(show(mine[i][field])), repr(show(other[i].get(field)))
+        return key, repr(mine), repr(other)
+    return None
+
+
 def _nbytes(tree: Any) -> int:
     if isinstance(tree, torch.Tensor):
         return tree.numel() * tree.element_size()
@@ -344,13 +361,13 @@ class ReplicaGroup:
         """Load a peer's state (torchft calls it at the quorum that heals this group): refuse other settings
         (:class:`SettingsMismatchError`, naming the first that differs), then the peer's parameters and
         optimizer state; the momenta by ``momentum_on_heal``."""
-        theirs, ours = state["settings"], self._settings
-        for key in ours:
-            if theirs.get(key) != ours[key]:
-                raise SettingsMismatchError(
-                    f"replica group {self.replica_id} cannot join: its {key} is {ours[key]!r}, the job's "
-                    f"(group {state['source']}) is {theirs.get(key)!r}; start it with the job's settings"
-                )
+        difference = _first_difference(self._settings, state["settings"])
+        if difference is not None:
+            name, ours, theirs = difference
+            raise SettingsMismatchError(
+                f"replica group {self.replica_id} cannot join: its {name} is {ours}, the job's (group "
+                f"{state['source']}) is {theirs}; start it with the job's settings"
+            )
         with torch.no_grad():
             for p, value in zip(self._params(), state["params"], strict=True):
                 p.copy_(value)

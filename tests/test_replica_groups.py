@@ -191,7 +191,7 @@ def _group_run(
 
     def build(seed: int) -> tuple[ReplicaGroup, LionCub, list[torch.nn.Parameter]]:
         group = ReplicaGroup(
-            lighthouse=lighthouse, replica_id=f"g{rank}", max_groups=world_size,
+            lighthouse=lighthouse, index=rank, max_groups=world_size,
             timeout_s=plan.get("timeout_s", 10), quorum_timeout_s=plan.get("quorum_timeout_s", 60),
         )  # fmt: skip
         torch.manual_seed(seed)
@@ -253,7 +253,9 @@ def _plain_run(rank: int, world_size: int, variant: str, steps: int, local_steps
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("variant", "local_steps"), [("1bit", None), ("1bit", 4), ("4bit", None)])
+@pytest.mark.parametrize(
+    ("variant", "local_steps"), [("1bit", None), ("1bit", 4), ("4bit", None), ("8bit", None)]
+)
 def test_three_groups_without_failures_vote_as_three_ranks(variant: str, local_steps: int | None) -> None:
     """Three replica groups on torchft's lighthouse, none lost: every step has 3 participants and commits,
     and the parameters equal a plain 3-rank vote on the same gradients, bit for bit."""

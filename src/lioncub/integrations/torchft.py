@@ -7,7 +7,7 @@ out at the next quorum, and one that joins (or rejoins) heals from a live peer f
 
 One step (:class:`ReplicaGroup`), in the caller's loop::
 
-    group = ReplicaGroup(lighthouse="http://localhost:29510", replica_id="g0", max_groups=4)
+    group = ReplicaGroup(lighthouse="http://localhost:29510", index=0, max_groups=4)
     opt = LionCub(model.parameters(), lr=3e-4, variant="1bit", process_group=group.comm,
                   checks=Checks(broadcast_init=False))
     group.attach(opt)
@@ -162,8 +162,10 @@ class ReplicaGroup:
 
     Args:
         lighthouse: the torchft lighthouse's address (``http://host:port``).
-        replica_id: this group's name, unique in the job (``"g0"``).
+        index: this group's number in the job, unique, in ``[0, max_groups)``: its rank while the optimizer
+            is built (a stochastic quantizer's stream is seeded with it, as a rank's).
         max_groups: the most groups that will vote at once (the votes are sized for it).
+        replica_id: this group's name for torchft and the messages (default ``g{index}``).
         min_groups: a step commits only with at least this many groups in the quorum.
         momentum_on_heal: a healed group's momenta: ``"peer"`` (the peer's copy) or ``"zeros"``.
         timeout_s: bound of every collective, heal and commit (seconds).
@@ -179,8 +181,9 @@ class ReplicaGroup:
     """
 
     lighthouse: str
-    replica_id: str
+    index: int
     max_groups: int
+    replica_id: str = ""
     min_groups: int = 1
     momentum_on_heal: str = "peer"
     timeout_s: float = 30.0
@@ -196,6 +199,9 @@ class ReplicaGroup:
         require(["torchft"], "ft", "lioncub.integrations.torchft")
         if not is_int(self.max_groups, 1):
             raise ValueError(f"max_groups={self.max_groups!r} must be an int >= 1")
+        if not is_int(self.index, 0) or self.index >= self.max_groups:
+            raise ValueError(f"index={self.index!r} must be an int in [0, max_groups={self.max_groups})")
+        self.replica_id = self.replica_id or f"g{self.index}"
         if not is_int(self.min_groups, 1) or self.min_groups > self.max_groups:
             raise ValueError(
                 f"min_groups={self.min_groups!r} must be an int in [1, max_groups={self.max_groups}]"
@@ -214,8 +220,8 @@ class ReplicaGroup:
         port = _free_port()
         self._store = TCPStore("localhost", port, is_master=True, wait_for_workers=False, timeout=timeout)
         pg = ProcessGroupGloo(timeout=timeout)
-        # the votes are sized for max_groups: the optimizer is built on a comm of that size (rank 0)
-        self.comm = GroupComm(pg, rank=0, world_size=self.max_groups, timeout=timeout)
+        # the votes are sized for max_groups: the optimizer is built on a comm of that size, as rank `index`
+        self.comm = GroupComm(pg, rank=self.index, world_size=self.max_groups, timeout=timeout)
         self.manager = Manager(
             pg=pg,
             load_state_dict=self.heal,
@@ -372,7 +378,9 @@ class ReplicaGroup:
             for p, value in zip(self._params(), state["params"], strict=True):
                 p.copy_(value)
         opt = self.optimizer
-        opt.load_state_dict(state["optimizer"], allow_world_size_change=True)
+        peer = dict(state["optimizer"])  # this group keeps its own stochastic-rounding stream
+        peer["lioncub"] = {**peer["lioncub"], "generator": opt.state_dict()["lioncub"]["generator"]}
+        opt.load_state_dict(peer, allow_world_size_change=True)
         if self.momentum_on_heal == "zeros":
             for p in self._params():
                 if "exp_avg" in opt.state.get(p, {}):

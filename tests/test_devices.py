@@ -66,6 +66,7 @@ HOST_SIDE = {
     ("collectives/protocol.py", "<module>", "zeros"): "Ballot.peak's placeholder, replaced by contribute",
     ("optim/lion.py", "_foreach_scale_", "tensor"): "a 0-dim CPU scalar for CPU tensors only",
     ("optim/replicas.py", "check_same_parameters", "tensor"): "a host hash, moved to the comm's device",
+    ("collectives/base.py", "all_gather_object", "frombuffer"): "a host pickle, moved to the comm's device",
     ("optim/replicas.py", "_int_view", "empty"): "an empty tensor asked for its element size",
     ("optim/step_check.py", "check_step", "tensor"): "host words, moved to the comm's device",
 }

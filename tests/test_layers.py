@@ -525,6 +525,7 @@ CHOICE_OWNERS = (
     "lioncub.transports:ZERO_VOTES",
     "lioncub.train.data:MODES",
     "lioncub.train.config:CONVERSIONS",
+    "lioncub.train.config:CHOSEN_BY",
     "lioncub.train.workloads:SIZES",
     "lioncub.launch.config:DEVICES",
 )

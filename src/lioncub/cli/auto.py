@@ -24,10 +24,12 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from lioncub.train.config import CHOSEN_BY
+
 __all__ = ["AUTO", "PILOT_VARIANT", "candidates", "check_candidates", "choose_run", "measure", "resolve"]
 
-#: the name that asks for the choice
-AUTO = "auto"
+#: the name that asks for the choice (``--variant auto``, the row ``auto``; what ``chosen_by`` records)
+AUTO = CHOSEN_BY[0]
 #: the run the pilot trains and the preset of every choice
 PILOT_VARIANT = "1bit"
 

@@ -494,14 +494,17 @@ class GroupComm(Comm):
         return group_rank
 
     def all_gather_object(self, obj: Any, what: str) -> list[Any]:
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        sizes = torch.zeros(self.world_size, 1, dtype=torch.int64)
-        self.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64), what).wait()
-        padded = torch.zeros(int(sizes.max()), dtype=torch.uint8)
+        """Every member's ``obj`` (picklable), in rank order: the sizes, then the padded pickles."""
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
+        sizes = torch.zeros(self.world_size, 1, dtype=torch.int64, device=self.device)
+        mine = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
+        self.all_gather(sizes, mine, what).wait()
+        padded = torch.zeros(int(sizes.max()), dtype=torch.uint8, device=self.device)
         padded[: payload.numel()] = payload
-        out = torch.empty(self.world_size, padded.numel(), dtype=torch.uint8)
+        out = torch.empty(self.world_size, padded.numel(), dtype=torch.uint8, device=self.device)
         self.all_gather(out, padded, what).wait()
-        return [pickle.loads(out[j, : int(sizes[j, 0])].numpy().tobytes()) for j in range(self.world_size)]
+        rows = out.cpu()
+        return [pickle.loads(rows[j, : int(sizes[j, 0])].numpy().tobytes()) for j in range(self.world_size)]
 
     def gather_object(self, obj: Any, to: int, what: str) -> list[Any] | None:
         every = self.all_gather_object(obj, what)

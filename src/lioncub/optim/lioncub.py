@@ -170,15 +170,8 @@ class LionCub(LeanOptimizer):
         self.diagnostics_every = diagnostics_every
         self.bucket_mb = bucket_mb
         device = _device_of(self.param_groups)
-        group, levels = _groups(config, process_group, device)
         #: this rank's view of the group the votes travel on (:class:`lioncub.collectives.Comm`)
-        self.comm = (
-            group
-            if isinstance(group, Comm)
-            else Comm.single(device)
-            if group is False
-            else Comm(group, device=device, exchange=config.exchange)
-        )
+        self.comm, levels = _comm(config, process_group, device, checks)
         #: one process (no process group, or a group of one): every step is :class:`~lioncub.optim.Lion`'s
         #: (unless built under :func:`lioncub.collectives.base.exchange_when_alone`)
         self.single_process = self.comm.alone
@@ -200,12 +193,6 @@ class LionCub(LeanOptimizer):
         self._consolidated: list[dict[str, Any] | None] | None = None
         self._ready = True
         self.accounting = Accounting(self.comm, () if levels is None else levels)
-        if checks.broadcast_init and not self.comm.fixed_members:
-            raise ValueError(
-                "checks=Checks(broadcast_init=True) on a comm whose members change (GroupComm): a group "
-                "that joins later has nobody to broadcast with; pass Checks(broadcast_init=False) and give "
-                "the groups their initial values otherwise (lioncub.integrations.torchft heals them)"
-            )
         initial = InitialValues(self.comm) if checks.broadcast_init and not self.single_process else None
         #: the vote round the step policy runs (:mod:`lioncub.optim.round`)
         self.round = VoteRound(
@@ -523,6 +510,25 @@ def _device_of(param_groups: list[dict[str, Any]]) -> torch.device:
             "one optimizer run on one device: give each device's parameters an optimizer of their own"
         )
     return devices[0] if devices else torch.device("cpu")
+
+
+def _comm(
+    config: VoteConfig, process_group: Any, device: torch.device, checks: Checks
+) -> tuple[Comm, tuple[Comm, Comm] | None]:
+    """(this rank's :class:`Comm` of the flat group, the node groups of a topology other than flat) for the
+    ``process_group`` argument (:func:`_groups`); a given ``Comm`` as it is."""
+    group, levels = _groups(config, process_group, device)
+    if isinstance(group, Comm):
+        if checks.broadcast_init and not group.fixed_members:
+            raise ValueError(
+                "checks=Checks(broadcast_init=True) on a comm whose members change (GroupComm): a group "
+                "that joins later has nobody to broadcast with; pass Checks(broadcast_init=False) and give "
+                "the groups their initial values otherwise (lioncub.integrations.torchft heals them)"
+            )
+        return group, levels
+    if group is False:
+        return Comm.single(device), levels
+    return Comm(group, device=device, exchange=config.exchange), levels
 
 
 def _groups(

@@ -49,6 +49,7 @@ from lioncub.transports import TOPOLOGIES
 
 __all__ = [
     "BASELINES",
+    "CHOSEN_BY",
     "CONVERSIONS",
     "CUDA_UNDER_EMULATION",
     "MAX_SEED",
@@ -69,6 +70,9 @@ BASELINES = ("32bit", "16bit")
 #: how a resume on another world size starts every rank's momenta (``--convert-momenta``; see
 #: :mod:`lioncub.train.checkpoint`)
 CONVERSIONS = ("average",)
+#: what may have chosen a run's variant and local steps (``chosen_by``): ``lioncub train --variant auto``
+#: and the ``lioncub compare`` row ``auto`` (:mod:`lioncub.cli.auto`)
+CHOSEN_BY = ("auto",)
 #: the largest ``--seed``: torch's generators take 64-bit seeds
 MAX_SEED = 2**63 - 1
 
@@ -171,7 +175,7 @@ class RunConfig:
         help="with time_budget_s: the pilot's mean step time (s) that steps was planned from",
     )  # fmt: skip
     chosen_by: str | None = setting(
-        None, commands=(), choices=("auto",),
+        None, commands=(), choices=CHOSEN_BY,
         help="auto: --variant auto chose the variant and local steps from a pilot of the per-step 1bit vote "
         "(its median compute auto_compute_s and communication auto_vote_s; lioncub.cli.auto)",
     )  # fmt: skip

@@ -91,8 +91,8 @@ class SettingsMismatchError(ReplicaGroupError):
 
 @dataclass(frozen=True)
 class Heal:
-    """One heal of this group: at committed count ``step``, from the group ``source``, ``nbytes`` of
-    tensors received, in ``seconds`` (the quorum and the transfer)."""
+    """One heal of this group: to optimizer step ``step`` (the peer's), from the group ``source``,
+    ``nbytes`` of tensors received, in ``seconds`` (the quorum and the transfer)."""
 
     step: int
     source: str

@@ -36,6 +36,7 @@ class Variable:
 
 
 _LAUNCH = "lioncub launch"
+_GROUPS = "lioncub train --fault-tolerant"
 
 #: every ``LIONCUB_*`` variable lioncub reads or sets, by name
 VARIABLES: dict[str, Variable] = {
@@ -62,7 +63,7 @@ VARIABLES: dict[str, Variable] = {
             "LIONCUB_PG_TIMEOUT", "seconds", None,
             "the bound of every LionCub collective's wait on gloo (unset or empty: the process group's own "
             "timeout); lioncub train's ranks also create their group with it (600 s when unset)",
-            ("lioncub.collectives.base", "lioncub.train.rank"),
+            ("lioncub.collectives.base", "lioncub.train.rank", "lioncub.train.replica_group"),
             "lioncub launch --collective-timeout, lioncub train/compare --collective-timeout",
         ),
         Variable(
@@ -114,7 +115,25 @@ VARIABLES: dict[str, Variable] = {
         ),
         Variable(
             "LIONCUB_THREADS", "int", "1", "torch's intra-op threads in each rank of lioncub train",
-            ("lioncub.train.rank",),
+            ("lioncub.train.rank", "lioncub.train.replica_group"),
+        ),
+        Variable(
+            "LIONCUB_GROUP", "int", None, "this process's replica group in a fault-tolerant run",
+            ("lioncub.train.replica_group",), _GROUPS,
+        ),
+        Variable(
+            "LIONCUB_GROUP_LIFE", "int", "0",
+            "0 at a replica group's first start, k at its k-th start again (--rejoin)",
+            ("lioncub.train.replica_group",), _GROUPS,
+        ),
+        Variable(
+            "LIONCUB_LIGHTHOUSE", "url", None, "the torchft lighthouse of a fault-tolerant run",
+            ("lioncub.train.replica_group",), _GROUPS,
+        ),
+        Variable(
+            "LIONCUB_GROUP_HOST", "text", "localhost",
+            "the address the other replica groups reach this one at (its namespace's, behind a link)",
+            ("lioncub.train.replica_group",), _GROUPS,
         ),
         Variable(
             "LIONCUB_DATA", "path", None,

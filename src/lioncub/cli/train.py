@@ -74,6 +74,25 @@ def _check_auto(args: argparse.Namespace) -> None:
         )
 
 
+def _check_fault_tolerant(args: argparse.Namespace) -> None:
+    """``--fault-tolerant`` and what it cannot go with; ``ValueError`` naming the option."""
+    if args.resume:
+        raise ValueError(
+            "--resume with --fault-tolerant: a fault-tolerant run writes no checkpoints (a group that dies "
+            "heals from a live peer); start it anew"
+        )
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        raise ValueError(
+            "--fault-tolerant inside a job of torchrun or `lioncub launch`: lioncub train starts the replica "
+            "groups itself; in your own script use lioncub.integrations.torchft.ReplicaGroup"
+        )
+    if args.restarts:
+        raise ValueError(
+            f"--restarts {args.restarts} with --fault-tolerant: the groups that die are left out and rejoin "
+            "by healing from a live peer; nothing restarts the job"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     from lioncub.cli.auto import AUTO, check_candidates, resolve
     from lioncub.rundir import check_out_path
@@ -95,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
             return config_for_name(args, name, f"--variant auto (it may choose {name})")
 
         config = check_candidates(config_of) if auto else config_from_args(args, base)
+        if config.cluster.fault_tolerant:
+            _check_fault_tolerant(args)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             from lioncub.train.rank import run_rank
 
@@ -116,5 +137,8 @@ def run(args: argparse.Namespace) -> int:
         )
         return outcome.returncode or 1
     print(format_summary(outcome.summary))
-    print(f"log: {run_dir / 'log.jsonl'}  checkpoints: {run_dir / 'checkpoints'}")
+    if config.cluster.fault_tolerant:
+        print(f"log: {run_dir / 'log.jsonl'}  the groups' logs: {run_dir / 'groups'}")
+    else:
+        print(f"log: {run_dir / 'log.jsonl'}  checkpoints: {run_dir / 'checkpoints'}")
     return 0

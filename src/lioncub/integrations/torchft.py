@@ -144,6 +144,19 @@ def _nbytes(tree: Any) -> int:
     return 0
 
 
+def _transport(host: str, timeout: datetime.timedelta) -> Any:
+    """torchft's HTTP checkpoint transport (what a healing group fetches a peer's state from), advertised
+    at ``host`` rather than the machine's name, which names every network namespace of a host alike."""
+    from torchft.checkpointing import HTTPTransport
+
+    class _At(HTTPTransport):
+        def address(self) -> str:
+            port = self._server.socket.getsockname()[1]
+            return f"http://{host}:{port}/checkpoint/"
+
+    return _At(timeout=timeout, num_chunks=0)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -171,6 +184,11 @@ class ReplicaGroup:
         timeout_s: bound of every collective, heal and commit (seconds).
         quorum_timeout_s: bound of forming a quorum (seconds): past it :meth:`begin` raises
             :class:`ReplicaGroupError` (the lighthouse gone, fewer than ``min_groups`` groups).
+        host: the address the other groups reach this one at (its store, its manager and the heals it
+            serves); on one machine ``localhost``, across hosts or network namespaces its own address.
+        init_sync: at the first quorum every group but the first heals from it (torchft's ``init_sync``),
+            which makes the initial values equal whatever they were; ``False`` where every group builds
+            the same initial values itself (a model from one seed), saving that transfer.
 
     Attributes:
         comm: the :class:`~lioncub.collectives.GroupComm` to build the optimizer on.
@@ -188,6 +206,8 @@ class ReplicaGroup:
     momentum_on_heal: str = "peer"
     timeout_s: float = 30.0
     quorum_timeout_s: float = 60.0
+    host: str = "localhost"
+    init_sync: bool = True
     comm: GroupComm = field(init=False)
     manager: Any = field(init=False)
     participants: int = field(init=False, default=0)
@@ -218,7 +238,7 @@ class ReplicaGroup:
 
         timeout = datetime.timedelta(seconds=self.timeout_s)
         port = _free_port()
-        self._store = TCPStore("localhost", port, is_master=True, wait_for_workers=False, timeout=timeout)
+        self._store = TCPStore(self.host, port, is_master=True, wait_for_workers=False, timeout=timeout)
         pg = ProcessGroupGloo(timeout=timeout)
         # the votes are sized for max_groups: the optimizer is built on a comm of that size, as rank `index`
         self.comm = GroupComm(pg, rank=self.index, world_size=self.max_groups, timeout=timeout)
@@ -233,10 +253,13 @@ class ReplicaGroup:
             connect_timeout=timeout,
             rank=0,
             world_size=1,
-            store_addr="localhost",
+            store_addr=self.host,
             store_port=port,
             lighthouse_addr=self.lighthouse,
             replica_id=self.replica_id,
+            hostname=self.host,
+            init_sync=self.init_sync,
+            checkpoint_transport=_transport(self.host, timeout),
         )
         self._optimizer: LionCub | None = None
         self._snapshot: _Snapshot | None = None
@@ -276,6 +299,13 @@ class ReplicaGroup:
         local = self.optimizer.local_steps
         return local is None or self.optimizer.global_step % local.h == 0
 
+    @property
+    def step_ends_boundary(self) -> bool:
+        """The next :meth:`step` ends a commit boundary (it commits or puts back): every step, or with
+        local steps a window's last."""
+        local = self.optimizer.local_steps
+        return local is None or (self.optimizer.global_step + 1) % local.h == 0
+
     # -- the step ------------------------------------------------------------------------------------
 
     def begin(self) -> int:
@@ -311,8 +341,7 @@ class ReplicaGroup:
         """The optimizer's step; at a commit boundary's end, the commit. Whether the step stands: False
         when it was put back (not committed, or this group's exchange failed)."""
         opt = self.optimizer
-        local = opt.local_steps
-        ends = local is None or (opt.global_step + 1) % local.h == 0
+        ends = self.step_ends_boundary
         failed: Exception | None = None
         try:
             opt.step()

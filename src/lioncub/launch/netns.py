@@ -343,7 +343,9 @@ class EmulatedNetwork:
 
     A host is one rank, or one node of several ranks with ``nodes=True``; ``link`` shapes each host's veth
     (both directions) and ``intra_link`` (nodes only) each node's loopback. ``link=None`` builds the same
-    topology unshaped. Call :meth:`up` (or enter the context) to create it and :meth:`close` (or leave the
+    topology unshaped. ``service=True`` gives the bridge an address of the subnet (:attr:`service_address`)
+    for a service of the launch (a torchft lighthouse) that every host reaches through its own link. Call
+    :meth:`up` (or enter the context) to create it and :meth:`close` (or leave the
     context) to remove it; ``close`` is idempotent and also runs at exit.
     """
 
@@ -356,6 +358,7 @@ class EmulatedNetwork:
         *,
         nodes: bool = False,
         intra_link: LinkSpec | None = None,
+        service: bool = False,
     ) -> None:
         limit, option = (MAX_NODES, "--nnodes") if nodes else (MAX_RANKS, "--nproc")
         if not 1 <= hosts <= limit:
@@ -383,6 +386,8 @@ class EmulatedNetwork:
             for k in range(hosts)
         ]
         self.hosts_file = hosts_file
+        #: the bridge's own address (``service=True``): a service every host reaches through its link
+        self.service_address = f"10.{a}.{b}.1" if service else None
         self.state_path = state_dir() / f"{self.launch_id}.json"
         self._created = False
         self._closed = False
@@ -404,6 +409,10 @@ class EmulatedNetwork:
     def exec_prefix(self, rank: int) -> list[str]:
         """Command prefix that runs a program inside host ``rank``'s namespace."""
         return [_tool("ip") or "ip", "netns", "exec", self.ranks[rank].netns]
+
+    def exec_prefix_bridge(self) -> list[str]:
+        """Command prefix that runs a program in the bridge's namespace (at :attr:`service_address`)."""
+        return [_tool("ip") or "ip", "netns", "exec", self.bridge_netns]
 
     def __enter__(self) -> EmulatedNetwork:
         return self.up()
@@ -487,6 +496,8 @@ class EmulatedNetwork:
                 self._shape_loopback(r)
             _ip("-n", r.netns, "link", "set", r.ifname, "up")
         _ip("-n", br, "link", "set", bridge, "mtu", mtu, "up")
+        if self.service_address is not None:
+            _ip("-n", br, "addr", "add", f"{self.service_address}/24", "dev", bridge)
         if self.hosts_file:
             # c10d reverse-resolves peers, often as v4-mapped IPv6 (TCPStore listens on ::); without these
             # entries the lookup goes to DNS, which is unreachable here, and c10d warns "err=-3". The

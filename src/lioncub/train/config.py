@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lioncub._validate import is_int
+from lioncub.integrations.torchft import MOMENTA_ON_HEAL
 from lioncub.launch.config import DEVICES
+from lioncub.launch.groups import parse_faults
 from lioncub.names import config_version
 from lioncub.ops.quantize import QUANTIZERS
 from lioncub.optim.arguments import check_local_steps, check_options
@@ -60,6 +62,7 @@ __all__ = [
     "TrainConfig",
     "betas_spec",
     "emulates_links",
+    "fault_list",
     "format_overrides",
     "lr_factor",
     "sync_spec",
@@ -80,6 +83,12 @@ MAX_SEED = 2**63 - 1
 def sync_spec(text: str) -> str | list[str]:
     """``--momentum-sync``'s text: a word of ``MomentumSync`` (none, all, io) or a list of name patterns."""
     return text if text in ("none", "all", "io") else [t for t in text.split(",") if t]
+
+
+def fault_list(text: str) -> list[str]:
+    """``--kill`` / ``--rejoin``: comma-separated ``G@STEP`` items (checked with the run's groups and
+    steps by :func:`lioncub.launch.groups.parse_faults`)."""
+    return [item.strip() for item in text.split(",") if item.strip()]
 
 
 def betas_spec(text: str) -> list[float]:
@@ -295,6 +304,28 @@ class ClusterConfig:
     intra_link: str | None = setting(
         None, metavar="RATE", default_text="unshaped", help="with --nnodes: shape each node's loopback"
     )
+    fault_tolerant: bool = setting(
+        False,
+        help="every rank its own replica group on torchft (docs/fault-tolerance.md): a group that dies is "
+        "left out at the next quorum, one that (re)joins heals from a live peer (pip install 'lioncub[ft]')",
+    )
+    kill: list[str] = setting(
+        [], parse=fault_list, metavar="G@STEP,...",
+        help="with --fault-tolerant: SIGKILL group G once it has finished step STEP",
+    )  # fmt: skip
+    rejoin: list[str] = setting(
+        [], parse=fault_list, metavar="G@STEP,...",
+        help="with --fault-tolerant: start group G again once the job has finished step STEP; it heals "
+        "from a live peer and joins (with local steps: at the next window)",
+    )  # fmt: skip
+    lighthouse: str | None = setting(
+        None, metavar="URL", default_text="one started for the job",
+        help="with --fault-tolerant: the torchft lighthouse to join (http://HOST:PORT)",
+    )  # fmt: skip
+    momentum_on_heal: str = setting(
+        "peer", choices=MOMENTA_ON_HEAL,
+        help="with --fault-tolerant: a healed group's momenta, the peer's copy or zeros",
+    )  # fmt: skip
 
     @property
     def nproc_per_node(self) -> int:
@@ -435,6 +466,45 @@ def _check_run(config: TrainConfig) -> None:
         )
     if run.device == "cuda" and emulates_links(config):
         raise ValueError(CUDA_UNDER_EMULATION.format(link=cluster.link))
+    _check_fault_tolerant(config)
+
+
+#: what a fault-tolerant run does not take, and why
+_NOT_FAULT_TOLERANT = {
+    "nnodes": "groups of several ranks (DDP inside a group, the vote between groups) are not built; every "
+    "rank is one group: use --nproc N",
+    "overlap": "the vote runs between groups after the backward pass, not in DDP's buckets",
+    "time_budget_s": "the time budget's pilot and guard are collectives of a fixed world",
+    "stop_at": "checkpoints of a fault-tolerant run are not written: a group heals from a live peer",
+    "checkpoint_every": "checkpoints of a fault-tolerant run are not written: a group heals from a live peer",
+    "diagnostics_every": "the diagnostics gather over a fixed world",
+}
+
+
+def _check_fault_tolerant(config: TrainConfig) -> None:
+    """``--fault-tolerant`` and the options that go with it: the failure schedule against the groups and
+    steps (:func:`lioncub.launch.groups.parse_faults`), the variants and options it takes."""
+    cluster, values = config.cluster, config.flat()
+    if not cluster.fault_tolerant:
+        for name in ("kill", "rejoin", "lighthouse", "momentum_on_heal"):
+            if values[name] != SETTINGS[name].default:
+                raise ValueError(f"{SETTINGS[name].flag}: applies only with --fault-tolerant")
+        return
+    opt = config.optimizer
+    if opt.variant in BASELINES and opt.local_steps is None:
+        raise ValueError(
+            f"--fault-tolerant with --variant {opt.variant}: DDP + Lion has no vote between groups; give a "
+            "LionCub variant (e.g. 1bit), or --local-steps H for its dense outer step"
+        )
+    for name, why in _NOT_FAULT_TOLERANT.items():
+        if values[name] != SETTINGS[name].default:
+            raise ValueError(f"{spell(name, values[name])} with --fault-tolerant: {why}")
+    lighthouse = cluster.lighthouse
+    if lighthouse is not None and not (
+        isinstance(lighthouse, str) and lighthouse.startswith(("http://", "https://"))
+    ):
+        raise ValueError(f"--lighthouse {lighthouse!r}: give the lighthouse's URL, http://HOST:PORT")
+    parse_faults(cluster.kill, cluster.rejoin, cluster.nproc, config.run.steps)
 
 
 def _check_per_variant(config: TrainConfig) -> None:

@@ -137,6 +137,14 @@ def check_before_launch(config: TrainConfig, timeout_s: float | None, max_nproc:
     if max_nproc is not None and not is_int(max_nproc, 1):
         raise ValueError(f"--max-nproc {max_nproc!r} must be an integer >= 1")
     values = check_run_options(config)
+    if config.cluster.fault_tolerant:
+        import importlib.util
+
+        if importlib.util.find_spec("torchft") is None:
+            raise ValueError(
+                "--fault-tolerant: needs the torchft package, which is not installed: pip install "
+                "'lioncub[ft]' (Linux x86-64)"
+            )
     per_param = RANK_BYTES_PER_PARAM + (LOCAL_STEPS_BYTES_PER_PARAM if config.optimizer.local_steps else 0)
     rank_bytes = RANK_BASE_BYTES + per_param * estimate_params(run.workload, values)
     limit = max_nproc if max_nproc is not None else max_ranks(rank_bytes)
@@ -241,6 +249,18 @@ def run_training(
     (``restarts``) reruns every rank, which resumes from the last checkpoint. ``env`` is added to the
     ranks' environment. Ends with :func:`lioncub.train.prepare.finish_run`."""
     check_launch_options(restarts, collective_timeout_s)
+    if config.cluster.fault_tolerant:
+        if restarts:
+            raise ValueError(
+                f"--restarts {restarts} with --fault-tolerant: the groups that die are left out and rejoin "
+                "by healing from a live peer; nothing restarts the job"
+            )
+        from lioncub.train.fault_tolerant import run_fault_tolerant
+
+        return run_fault_tolerant(
+            config, run_dir, timeout_s=timeout_s, progress=progress, label=label, out=out, err=err,
+            collective_timeout_s=collective_timeout_s, env=env,
+        )  # fmt: skip
     from lioncub.launch import launch
     from lioncub.train import checkpoint
 
@@ -304,7 +324,17 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"{(summary.get(f'{stat}_bytes_sent') or 0) / 1e6:.3f} MB sent per rank per step"
         + (f"; at step {final.get('step')}: {metrics}" if metrics else "")
         + _budget_line(summary.get("time_budget"))
+        + format_fault_tolerance(summary.get("fault_tolerance"))
     )
+
+
+def format_fault_tolerance(entry: dict[str, Any] | None) -> str:
+    """A fault-tolerant run's part of the summary line (:mod:`lioncub.train.fault_tolerant`)."""
+    if not entry:
+        return ""
+    from lioncub.train.fault_tolerant import format_fault_tolerance as text
+
+    return text(entry)
 
 
 def _budget_line(budget: dict[str, Any] | None) -> str:

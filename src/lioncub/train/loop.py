@@ -75,7 +75,17 @@ from lioncub.train.runlog import append_record, elapsed_at, truncate_log
 from lioncub.train.workloads import Workload, make_workload
 from lioncub.units import parse_rate
 
-__all__ = ["PROGRESS", "OptimizerSetup", "build_optimizer", "device_for", "seed_rank", "train", "where"]
+__all__ = [
+    "PROGRESS",
+    "OptimizerSetup",
+    "build_optimizer",
+    "device_for",
+    "seed_rank",
+    "step_record",
+    "summarize",
+    "train",
+    "where",
+]
 
 # ----------------------------------------------------------------------------------------- optimizer
 
@@ -115,9 +125,11 @@ def _topology(config: TrainConfig, model: torch.nn.Module) -> str:
 
 
 def build_optimizer(
-    config: TrainConfig, wl: Workload, model: torch.nn.Module, world_size: int
+    config: TrainConfig, wl: Workload, model: torch.nn.Module, world_size: int, process_group: Any = None
 ) -> OptimizerSetup:
-    """Wrap ``model`` in DDP (world size > 1) and build the variant's optimizer over the workload's groups."""
+    """Wrap ``model`` in DDP (world size > 1) and build the variant's optimizer over the workload's groups;
+    ``process_group``: what a ``LionCub`` votes over (default: the global group; a replica group's
+    :class:`~lioncub.collectives.GroupComm` in a fault-tolerant run, with ``world_size`` 1)."""
     options = config.optimizer
     if world_size > 1:
         # overlapped votes travel in DDP's buckets: --bucket-mb sizes them (DDP's default otherwise)
@@ -158,6 +170,7 @@ def build_optimizer(
         checks=Checks(broadcast_init=False, nonfinite=options.nonfinite),
         diagnostics_every=options.diagnostics_every,
         local_steps=local,
+        process_group=process_group,
     )
     if world_size > 1 and options.overlap:
         opt.overlap_with(model)  # type: ignore[arg-type]  # the votes start during the backward
@@ -269,7 +282,9 @@ def train(config: TrainConfig, run_dir: Path, *, log: Callable[[str], None] = pr
                 break
     finally:
         os.close(out)
-    summary = _summary(config, r.wl, r.setup.model, r.world, records, evals, r.compute_ref)
+    model = r.setup.model
+    params = sum(p.numel() for p in model.parameters())
+    summary = summarize(config, r.world, params, r.wl.info(), records, evals, r.compute_ref)
     if config.run.time_budget_s is not None:  # lioncub compare --time-budget
         summary["time_budget"] = budget_summary(config, records, r.budget_stop)
     if r.rank == 0:
@@ -366,7 +381,7 @@ def _train_step(r: _Rank, step: int, elapsed: float) -> dict[str, Any]:
     skipped = _optimizer_step(setup, r.config.optimizer.nonfinite, step)
     setup.opt.zero_grad(set_to_none=True)
     t2 = clock()
-    rec = _step_record(setup, step, t1 - t0, t2 - t1, r.compute_ref)
+    rec = step_record(setup, step, t1 - t0, t2 - t1, r.compute_ref)
     if r.shares is not None:
         last = setup.opt.comm_stats()["last"] if isinstance(setup.opt, LionCub) else {}
         rec.update(
@@ -462,9 +477,11 @@ def _optimizer_step(o: OptimizerSetup, nonfinite: str, step: int) -> int:
     return 1
 
 
-def _step_record(
+def step_record(
     o: OptimizerSetup, step: int, fwd_bwd: float, opt_s: float, compute_ref: float | None
 ) -> dict:
+    """The ``step`` record of ``step``: its time split (``fwd_bwd``: forward + backward, ``opt_s``: the
+    optimizer step, seconds) and the bytes the optimizer (or DDP's meter) handed to the collectives."""
     rec: dict[str, Any] = {"kind": "step", "step": step, "step_s": fwd_bwd + opt_s}
     if isinstance(o.opt, LionCub):
         last = o.opt.comm_stats()["last"]
@@ -503,15 +520,18 @@ def _evaluate(wl: Workload, model: torch.nn.Module, rank: int, step: int, elapse
     return ev
 
 
-def _summary(
+def summarize(
     config: TrainConfig,
-    wl: Workload,
-    model: torch.nn.Module,
     world: int,
+    params: int,
+    info: dict[str, Any],
     records: list[dict[str, Any]],
     evals: list[dict[str, Any]],
     compute_ref: float | None,
 ) -> dict[str, Any]:
+    """``summary.json`` of a run: its configuration, ``params`` and the workload's ``info``, the medians
+    (and means) of the step records' times and bytes, and the last ``eval`` record with a ``val_loss``."""
+
     def med(key: str) -> float | None:
         vals = [r[key] for r in records if key in r]
         return statistics.median(vals) if vals else None
@@ -524,8 +544,8 @@ def _summary(
     return {
         "config": config.to_json(),
         "world_size": world,
-        "params": sum(p.numel() for p in model.parameters()),
-        "info": {k: v for k, v in wl.info().items() if isinstance(v, (int, float, str, bool))},
+        "params": params,
+        "info": {k: v for k, v in info.items() if isinstance(v, (int, float, str, bool))},
         "steps_run": len(records),
         "skipped_steps": sum(r.get("skipped", 0) for r in records),
         "median_step_s": med("step_s"),

@@ -1,0 +1,420 @@
+"""Launch replica groups that come and go: every process one replica group of a fault-tolerant job
+(``lioncub train --fault-tolerant``), a torchft lighthouse for them, and the failure schedule.
+
+Each of ``config.nproc`` processes runs ``config.cmd`` as one replica group (on loopback, or inside its own
+network namespace behind its own ``--link``), with ``LIONCUB_GROUP`` (its index), ``LIONCUB_GROUP_LIFE``
+(0 for the first start, k for its k-th rejoin), ``LIONCUB_LIGHTHOUSE`` (the lighthouse's URL) and
+``LIONCUB_GROUP_HOST`` (the address the other groups reach it at). Unless one is given, the launcher starts
+a lighthouse for the job: on loopback, or in the emulated network's bridge namespace, where every group
+reaches it through its own link.
+
+The failure schedule (:class:`Fault`, ``--kill G@STEP``, ``--rejoin G@STEP``) is carried out by the
+launcher: it SIGKILLs group G's processes once that group has finished step STEP (``progress(G)``), and it
+starts group G again once the job (the furthest group) has finished step STEP. Unlike a plain launch,
+the death of one group does not stop the others: they go on without it at their next quorum. A group that
+exits with a non-zero code the schedule did not cause fails the launch when the others have finished
+(its code, and the message naming it). Signals, the timeout and the grace period are as in
+:mod:`lioncub.launch.launcher`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from lioncub.launch.config import LaunchConfig
+from lioncub.launch.environment import build_command, free_port, rank_env
+from lioncub.launch.netns import EmulatedNetwork, check_privileges, cleanup, new_launch_id
+from lioncub.launch.result import TIMEOUT_RC, LaunchResult, RankTraffic, describe_exit
+from lioncub.launch.supervisor import Output, forward_signals, popen
+from lioncub.units import format_rate
+
+__all__ = [
+    "FAULT_KINDS",
+    "LIGHTHOUSE_PORT",
+    "Fault",
+    "launch_groups",
+    "parse_faults",
+    "serve_lighthouse",
+]
+
+#: what the schedule can do to a group: SIGKILL it, start it again
+FAULT_KINDS = ("kill", "rejoin")
+#: the lighthouse's port in the emulated network's bridge namespace (fresh: always free)
+LIGHTHOUSE_PORT = 29510
+#: the lighthouse the launcher starts: a group whose heartbeats stop for this long is out of the quorum
+HEARTBEAT_TIMEOUT_MS = 2000
+#: ... and a quorum waits this long for a live group that has not joined it yet
+JOIN_TIMEOUT_MS = 60000
+_SPEC = re.compile(r"^\s*(\d+)\s*@\s*(\d+)\s*$")
+
+
+@dataclass(frozen=True, order=True)
+class Fault:
+    """One event of the failure schedule: at ``step`` (the job's optimizer step, 1-based), ``kind``
+    (``"kill"`` or ``"rejoin"``) replica group ``group``."""
+
+    step: int
+    kind: str
+    group: int
+
+    @property
+    def spec(self) -> str:
+        """As the command line gives it: ``--kill 1@20``."""
+        return f"--{self.kind} {self.group}@{self.step}"
+
+
+def parse_faults(kill: Sequence[str], rejoin: Sequence[str], groups: int, steps: int) -> list[Fault]:
+    """The schedule of ``--kill G@STEP`` and ``--rejoin G@STEP`` (lists of ``"G@STEP"``) for ``groups``
+    groups and ``steps`` steps, sorted by step; ``ValueError`` naming the option: a group that does not
+    exist, a step outside ``[1, steps)``, a group's events that do not alternate kill, rejoin, kill, ...
+    (a rejoin before its kill, two kills), and a schedule that leaves no group alive."""
+    faults = []
+    for kind, specs in (("kill", kill), ("rejoin", rejoin)):
+        for text in specs:
+            match = _SPEC.match(str(text))
+            if match is None:
+                raise ValueError(f"--{kind} {text!r}: give GROUP@STEP, e.g. --{kind} 1@20")
+            group, step = int(match[1]), int(match[2])
+            if group >= groups:
+                raise ValueError(
+                    f"--{kind} {group}@{step}: there is no group {group} (groups 0..{groups - 1}: one per "
+                    "rank)"
+                )
+            if not 1 <= step < steps:
+                raise ValueError(
+                    f"--{kind} {group}@{step}: the step must be within 1..{steps - 1} (--steps {steps}; a "
+                    "fault at or after the last step changes nothing)"
+                )
+            faults.append(Fault(step, kind, group))
+    faults.sort()
+    alive, dead_since = set(range(groups)), {}
+    for f in faults:
+        if f.kind == "kill":
+            if f.group not in alive:
+                raise ValueError(
+                    f"{f.spec}: group {f.group} is not running then (killed at step {dead_since[f.group]}); "
+                    f"give --rejoin {f.group}@STEP before killing it again"
+                )
+            alive.discard(f.group)
+            dead_since[f.group] = f.step
+            if not alive:
+                raise ValueError(f"{f.spec}: no group would be left to train after step {f.step}")
+        else:
+            if f.group in alive:
+                raise ValueError(
+                    f"{f.spec}: group {f.group} is running then; a group rejoins after a --kill at an "
+                    "earlier step"
+                )
+            if dead_since[f.group] == f.step:
+                raise ValueError(f"{f.spec}: the same step as its --kill; rejoin at a later step")
+            alive.add(f.group)
+    return faults
+
+
+def serve_lighthouse(bind: str, heartbeat_timeout_ms: int, join_timeout_ms: int) -> None:
+    """Run a torchft lighthouse at ``bind`` (``host:port``) until SIGTERM/SIGINT, printing ``ready URL``
+    once it listens (``python -m lioncub.launch.groups lighthouse HOST:PORT``)."""
+    from torchft.coordination import LighthouseServer
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
+    server = LighthouseServer(
+        bind=bind,
+        min_replicas=1,
+        join_timeout_ms=join_timeout_ms,
+        quorum_tick_ms=20,
+        heartbeat_timeout_ms=heartbeat_timeout_ms,
+    )
+    host, port = bind.rsplit(":", 1)
+    print(f"ready http://{host}:{port}", flush=True)
+    stop.wait()
+    server.shutdown()
+
+
+def _start_lighthouse(
+    net: EmulatedNetwork | None, output: Output, timeout_s: float = 30.0
+) -> tuple[Any, str]:
+    """Start :func:`serve_lighthouse` (in the bridge namespace under a link); its process and URL."""
+    host = "127.0.0.1" if net is None else net.service_address
+    port = free_port() if net is None else LIGHTHOUSE_PORT
+    prefix = [] if net is None else net.exec_prefix_bridge()
+    argv = [
+        *prefix, sys.executable, "-m", "lioncub.launch.groups", "lighthouse", f"{host}:{port}",
+        str(HEARTBEAT_TIMEOUT_MS), str(JOIN_TIMEOUT_MS),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
+    proc = popen(argv, env, None)
+    lines: queue.SimpleQueue = queue.SimpleQueue()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for raw in iter(proc.stdout.readline, b""):
+            lines.put(raw.decode(errors="replace"))
+        lines.put("")
+
+    threading.Thread(target=read, daemon=True).start()
+    threading.Thread(target=output.pump, args=(proc.stderr, output.err, "[lighthouse] "), daemon=True).start()
+    try:
+        line = lines.get(timeout=timeout_s)
+    except queue.Empty:
+        line = ""
+    if not line.startswith("ready "):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        raise RuntimeError(
+            f"the torchft lighthouse did not start within {timeout_s:g} s (exit code {proc.poll()}); "
+            "its lines above say why"
+        )
+    return proc, line.split()[1]
+
+
+@dataclass
+class _Life:
+    """One start of a group: its process, its number (0: first start), whether the schedule killed it."""
+
+    proc: Any
+    life: int
+    killed: bool = False
+    code: int | None = None
+
+
+def launch_groups(
+    config: LaunchConfig,
+    faults: Sequence[Fault],
+    progress: Callable[[int], int],
+    *,
+    lighthouse: str | None = None,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> LaunchResult:
+    """Run ``config.cmd`` as ``config.nproc`` replica groups (module docstring) with the schedule
+    ``faults``; ``progress(g)`` is the last step group ``g`` finished (its log), read by the schedule.
+    ``lighthouse``: the URL of a running lighthouse (None: the launcher starts one). Returns how it went:
+    ``rank_returncodes`` are each group's last life's; ``traffic`` each group's interface under a link."""
+    out, err = out or sys.stdout, err or sys.stderr
+    started = time.monotonic()
+    deadline = None if config.timeout_s is None else started + config.timeout_s
+    launch_id = new_launch_id()
+    output = Output(out, err, config.nproc, unit="g")
+    spec = config.link_spec()
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(forward_signals(events))
+        net: EmulatedNetwork | None = None
+        if spec is not None:
+            check_privileges()
+            with contextlib.suppress(Exception):
+                cleanup()
+            net = stack.enter_context(EmulatedNetwork(config.nproc, spec, launch_id, service=True))
+            output.note(
+                f"launch {launch_id}: {config.nproc} replica groups, each on a {format_rate(spec.rate_bps)} "
+                f"link, subnet {net.subnet}"
+            )
+        if lighthouse is None:
+            proc, lighthouse = _start_lighthouse(net, output)
+            stack.callback(_end, proc)
+            output.note(f"torchft lighthouse at {lighthouse}")
+        before = net.counters() if net is not None else None
+        run = _GroupRun(config, net, lighthouse, launch_id, events, output, deadline)
+        returncode, failed, message, timed_out, interrupted = run.supervise(sorted(faults), progress)
+        traffic = None
+        if net is not None and before is not None:
+            traffic = [
+                RankTraffic(k, net.ranks[k].ifname, a.tx_bytes - b.tx_bytes, a.rx_bytes - b.rx_bytes,
+                            a.tx_packets - b.tx_packets, a.rx_packets - b.rx_packets)
+                for k, (a, b) in enumerate(zip(net.counters(), before, strict=True))
+            ]  # fmt: skip
+    return LaunchResult(
+        returncode=returncode,
+        rank_returncodes=[lives[-1].code if lives else None for lives in run.lives],
+        failed_rank=failed,
+        message=message,
+        wall_s=time.monotonic() - started,
+        restarts=0,
+        timed_out=timed_out,
+        interrupted_by=interrupted,
+        launch_id=launch_id,
+        traffic=traffic,
+    )
+
+
+def _end(proc: Any) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(5.0)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5.0)
+
+
+class _GroupRun:
+    """The groups' processes of one launch and their supervision."""
+
+    def __init__(
+        self,
+        config: LaunchConfig,
+        net: EmulatedNetwork | None,
+        lighthouse: str,
+        launch_id: str,
+        events: queue.SimpleQueue,
+        output: Output,
+        deadline: float | None,
+    ) -> None:
+        self.config, self.net, self.lighthouse, self.launch_id = config, net, lighthouse, launch_id
+        self.events, self.output, self.deadline = events, output, deadline
+        self.cmd = build_command(config.cmd)
+        self.lives: list[list[_Life]] = [[] for _ in range(config.nproc)]
+
+    def start(self, group: int) -> None:
+        """Start (again) group ``group``."""
+        net, life = self.net, len(self.lives[group])
+        host = "127.0.0.1" if net is None else net.ranks[group].address
+        env = rank_env(
+            group,
+            self.config.nproc,
+            master_addr=host,
+            master_port=free_port() if net is None else 29500,
+            ifname="lo" if net is None else net.ranks[group].ifname,
+            launch_id=self.launch_id,
+            link_bps=self.config.link_rate_bps,
+            extra={
+                **self.config.env,
+                "LIONCUB_GROUP": str(group),
+                "LIONCUB_GROUP_LIFE": str(life),
+                "LIONCUB_LIGHTHOUSE": self.lighthouse,
+                "LIONCUB_GROUP_HOST": host,
+                "RUST_LOG": os.environ.get("RUST_LOG", "warn"),  # torchft's Rust side: a line per quorum
+            },
+        )
+        argv = (net.exec_prefix(group) if net is not None else []) + self.cmd
+        proc = popen(argv, env, self.config.cwd)
+        prefix = self.output.prefix(group)
+        for pipe, stream in ((proc.stdout, self.output.out), (proc.stderr, self.output.err)):
+            threading.Thread(target=self.output.pump, args=(pipe, stream, prefix), daemon=True).start()
+        self.lives[group].append(_Life(proc, life))
+
+    def running(self) -> list[int]:
+        return [g for g, lives in enumerate(self.lives) if lives and lives[-1].code is None]
+
+    def kill(self, group: int, sig: signal.Signals = signal.SIGKILL) -> None:
+        life = self.lives[group][-1]
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(life.proc.pid, sig)
+
+    def supervise(
+        self, pending: list[Fault], progress: Callable[[int], int]
+    ) -> tuple[int, int | None, str, bool, str | None]:
+        """Start every group, carry out the schedule, wait for the groups; (returncode, failed group,
+        message, timed out, the signal that interrupted it)."""
+        for g in range(self.config.nproc):
+            self.start(g)
+        failures: list[tuple[int, int]] = []
+        try:
+            while self.running():
+                if self.deadline is not None and time.monotonic() > self.deadline:
+                    running = self.running()
+                    message = f"timed out; groups still running: {', '.join(map(str, running))}"
+                    self.output.note(message + "; stopping them")
+                    self._stop()
+                    return TIMEOUT_RC, None, message, True, None
+                with contextlib.suppress(queue.Empty):
+                    event = self.events.get(timeout=0.05)
+                    name = signal.Signals(event[1]).name
+                    self.output.note(f"got {name}; forwarding it to the groups")
+                    self._stop(signal.Signals(event[1]))
+                    return 128 + event[1], None, f"interrupted by {name}", False, name
+                self._schedule(pending, progress)
+                for g in self.running():
+                    life = self.lives[g][-1]
+                    code = life.proc.poll()
+                    if code is None:
+                        continue
+                    life.code = code
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(life.proc.pid, signal.SIGKILL)  # strays of its process group
+                    if code != 0 and not life.killed:
+                        failures.append((g, code))
+                        self.output.note(
+                            f"{describe_exit(g, code).replace('rank', 'group', 1)}; the others go on"
+                        )
+        finally:
+            self._stop(signal.SIGKILL)
+        if pending:
+            self.output.note(f"the job ended before {', '.join(f.spec for f in pending)}")
+        if failures:
+            g, code = failures[0]
+            message = describe_exit(g, code).replace("rank", "group", 1)
+            return (128 - code if code < 0 else code), g, message, False, None
+        return 0, None, f"all {self.config.nproc} groups finished", False, None
+
+    def _schedule(self, pending: list[Fault], progress: Callable[[int], int]) -> None:
+        """Carry out the due events of ``pending`` in order (a kill once its group finished its step; a
+        rejoin once the furthest group did)."""
+        while pending:
+            fault = pending[0]
+            if fault.kind == "kill":
+                if progress(fault.group) < fault.step:
+                    return
+                self.lives[fault.group][-1].killed = True
+                self.kill(fault.group)
+                self.output.note(f"{fault.spec}: group {fault.group} SIGKILLed after its step {fault.step}")
+            else:
+                if max((progress(g) for g in range(self.config.nproc)), default=0) < fault.step:
+                    return
+                life = self.lives[fault.group][-1]
+                if life.code is None:  # its SIGKILL has not been reaped yet
+                    if life.proc.poll() is None:
+                        return
+                    life.code = life.proc.poll()
+                self.start(fault.group)
+                self.output.note(f"{fault.spec}: group {fault.group} started again at step {fault.step}")
+            pending.pop(0)
+
+    def _stop(self, sig: signal.Signals = signal.SIGTERM) -> None:
+        """``sig`` to every running group, SIGKILL after the grace period, reap them."""
+        running = self.running()
+        for g in running:
+            self.kill(g, sig)
+        end = time.monotonic() + (self.config.grace_s if sig != signal.SIGKILL else 5.0)
+        for g in running:
+            life = self.lives[g][-1]
+            try:
+                life.code = life.proc.wait(max(0.01, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.kill(g)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    life.code = life.proc.wait(5.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m lioncub.launch.groups lighthouse HOST:PORT [HEARTBEAT_MS JOIN_MS]``."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) not in (2, 4) or args[0] != "lighthouse":
+        print(
+            "usage: python -m lioncub.launch.groups lighthouse HOST:PORT [HEARTBEAT_MS JOIN_MS]",
+            file=sys.stderr,
+        )
+        return 2
+    heartbeat, join = (
+        (int(args[2]), int(args[3])) if len(args) == 4 else (HEARTBEAT_TIMEOUT_MS, JOIN_TIMEOUT_MS)
+    )
+    serve_lighthouse(args[1], heartbeat, join)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,287 @@
+"""One replica group of a fault-tolerant run (``lioncub train --fault-tolerant``): the training loop of a
+process that votes with the other groups through :class:`lioncub.integrations.torchft.ReplicaGroup`.
+
+:func:`lioncub.launch.groups.launch_groups` starts it as ``python -m lioncub.train.replica_group RUN_DIR
+[CONFIG]`` with ``LIONCUB_GROUP`` (its index G), ``LIONCUB_GROUP_LIFE`` (0, or k at its k-th rejoin),
+``LIONCUB_LIGHTHOUSE`` and ``LIONCUB_GROUP_HOST``. Read it top to bottom in :func:`run_group`:
+
+1. The workload (data shard G of ``--nproc``), the model (every group builds the same one from the seed)
+   and the variant's ``LionCub`` over the group's :class:`~lioncub.collectives.GroupComm`
+   (:func:`lioncub.train.loop.build_optimizer`), attached to the ``ReplicaGroup``. The loop's position
+   (the last step finished and the training seconds so far) is state a healing group takes from its peer.
+2. Each step: at a commit boundary (every step; with local steps each window's first) the group first
+   waits for a group the schedule starts again (``--rejoin``, so that a rerun of a schedule gives the same
+   bits; this wait is not training time), then ``begin()`` (the quorum, a heal), the forward and backward
+   pass, ``step()`` (the vote over the quorum; applied only if committed). Its ``step`` record has
+   ``participants`` (the quorum's size), ``quorum_s`` (the quorum and any heal, inside ``step_s``) and
+   ``committed``. With local steps the records of a window are written at its end, when its commit is
+   known.
+3. After step STEP of a ``--kill G@STEP`` the group writes a ``hold`` record and waits to be SIGKILLed by
+   the launcher (a death at a known point: reruns give the same bits).
+4. Evaluation at ``--eval-every`` steps and at the end, by every group on its own replica (equal where the
+   groups are: the merged log says whether they were). At the end ``groups/gG.end.json``: the digest of
+   the parameters, the heals, the steps committed and skipped.
+
+:mod:`lioncub.train.fault_tolerant` launches the groups and merges their logs into the run's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lioncub import env
+from lioncub.integrations.torchft import ReplicaGroup, ReplicaGroupError
+from lioncub.launch.groups import Fault, parse_faults
+from lioncub.optim import LionCub
+from lioncub.optim.engine import PhaseClock
+from lioncub.rundir import open_append, write_atomically
+from lioncub.train import loop
+from lioncub.train.config import TrainConfig, lr_factor
+from lioncub.train.rank import PG_TIMEOUT_S, interrupt_as_one_line
+from lioncub.train.runlog import append_record
+from lioncub.train.workloads import make_workload
+
+__all__ = ["end_name", "group_files", "log_name", "main", "params_digest", "ready_name", "run_group"]
+
+#: a group that starts again says it is ready after this long, once its heartbeats reach the lighthouse
+#: (torchft's Manager beats every 100 ms): the quorum it joins then waits for it
+READY_AFTER_S = 0.5
+
+
+def log_name(group: int) -> str:
+    """Group ``group``'s log in the run directory."""
+    return f"groups/g{group}.jsonl"
+
+
+def end_name(group: int) -> str:
+    """What group ``group`` writes when it finished the run."""
+    return f"groups/g{group}.end.json"
+
+
+def ready_name(group: int, life: int) -> str:
+    """The mark group ``group`` leaves when it started (``life`` 0) or started again and is about to join
+    the next quorum."""
+    return f"groups/g{group}.ready{life}"
+
+
+def group_files(groups: int, faults: list[Fault]) -> list[str]:
+    """Every file the groups of a run write (the driver records them before the launch)."""
+    files = [name for g in range(groups) for name in (log_name(g), end_name(g), end_name(g) + ".part")]
+    files += [ready_name(g, 0) for g in range(groups)]
+    lives = {g: 0 for g in range(groups)}
+    for f in faults:
+        if f.kind == "rejoin":
+            lives[f.group] += 1
+            files.append(ready_name(f.group, lives[f.group]))
+    return files
+
+
+def params_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of every parameter's bytes, in order: equal digests, bitwise equal replicas."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+@dataclasses.dataclass
+class _Position:
+    """Where the loop is: the last step finished (0: none) and the training seconds so far. A healing
+    group takes its peer's (torchft's state dict key ``loop``)."""
+
+    step: int = 0
+    elapsed: float = 0.0
+
+    def save(self) -> dict[str, Any]:
+        return {"step": self.step, "elapsed": self.elapsed}
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.step, self.elapsed = int(state["step"]), float(state["elapsed"])
+
+
+def _await_rejoins(run_dir: Path, rejoins: list[tuple[int, int, int]], done: int, timeout_s: float) -> float:
+    """Wait until every group the schedule started (again) by step ``done`` (``(group, life, step)``) has
+    left its ready mark; the seconds waited. ``ReplicaGroupError`` after ``timeout_s``."""
+    due = [
+        (g, life, s) for g, life, s in rejoins if s <= done and not (run_dir / ready_name(g, life)).exists()
+    ]
+    if not due:
+        return 0.0
+    t0 = time.perf_counter()
+    for g, life, s in due:
+        while not (run_dir / ready_name(g, life)).exists():
+            if time.perf_counter() - t0 > timeout_s:
+                raise ReplicaGroupError(
+                    f"group {g} did not start within {timeout_s:g} s"
+                    + (f" of --rejoin {g}@{s}" if life else "")
+                    + f" (no {ready_name(g, life)})"
+                )
+            time.sleep(0.02)
+    return time.perf_counter() - t0
+
+
+class _Quiet(logging.Filter):
+    """Drops torchft's warning at every quorum of a CPU job that it cannot reset NCCL's flight recorder."""
+
+    def filter(self, rec: logging.LogRecord) -> bool:
+        return "NCCL flight recorder" not in rec.getMessage()
+
+
+def run_group(config: TrainConfig, run_dir: Path, index: int, life: int, lighthouse: str, host: str) -> int:
+    """Train as replica group ``index`` (its ``life``-th start) of the fault-tolerant run in ``run_dir``;
+    the exit status."""
+    logging.getLogger("torchft.manager").addFilter(_Quiet())
+    # a heal's tensors arrive in read-only buffers; they are copied into the replica at once
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+    run, cluster = config.run, config.cluster
+    torch.set_num_threads(int(env.text("LIONCUB_THREADS")))
+    faults = parse_faults(cluster.kill, cluster.rejoin, cluster.nproc, run.steps)
+    kills = {f.step for f in faults if f.kind == "kill" and f.group == index}
+    lives: dict[int, int] = {}
+    rejoins = []
+    for f in faults:
+        if f.kind == "rejoin":
+            lives[f.group] = lives.get(f.group, 0) + 1
+            rejoins.append((f.group, lives[f.group], f.step))
+    wl = make_workload(
+        run.workload,
+        run.size,
+        rank=index,
+        world_size=cluster.nproc,
+        seed=run.seed,
+        data_mode=run.data_mode,
+        device=torch.device("cpu"),
+        **run.overrides,
+    )
+    model = wl.build_model()
+    loop.seed_rank(run.seed, index, life)  # dropout: each group's own stream, and each life's
+    timeout = env.seconds("LIONCUB_PG_TIMEOUT")
+    timeout_s = timeout.total_seconds() if timeout is not None else PG_TIMEOUT_S
+    group = ReplicaGroup(
+        lighthouse,
+        index,
+        max_groups=cluster.nproc,
+        momentum_on_heal=cluster.momentum_on_heal,
+        timeout_s=timeout_s,  # --collective-timeout: every collective, heal, commit and quorum
+        quorum_timeout_s=timeout_s,
+        host=host,
+        init_sync=False,  # every group builds the same model from the seed: the digests say so
+    )
+    setup = loop.build_optimizer(config, wl, model, 1, process_group=group.comm)
+    opt = setup.opt
+    assert isinstance(opt, LionCub)
+    group.attach(opt)
+    position = _Position()
+    group.register_state("loop", position.load, position.save)
+    for g in opt.param_groups:
+        g.setdefault("initial_lr", g["lr"])
+    time.sleep(READY_AFTER_S)  # this group's heartbeats reach the lighthouse: a quorum waits for it
+    write_atomically(run_dir / ready_name(index, life), f"{os.getpid()}\n")
+    if life == 0:  # the job's first quorum has every group (reruns of a schedule give the same bits)
+        _await_rejoins(run_dir, [(g, 0, 0) for g in range(cluster.nproc)], 0, timeout_s)
+    out = open_append(run_dir / log_name(index))
+    window: list[dict[str, Any]] = []  # this window's records, written when its commit is known
+    clock = PhaseClock(torch.device("cpu"))
+    try:
+        with interrupt_as_one_line(lambda: f"at step {position.step + 1} (group {index})"):
+            while position.step < run.steps:
+                held = _await_rejoins(run_dir, rejoins, position.step, timeout_s) if group.boundary else 0.0
+                t0 = clock()
+                participants = group.begin()  # the quorum; a heal moves the position to the peer's
+                t1 = clock()
+                step = position.step + 1
+                for g in opt.param_groups:
+                    g["lr"] = g["initial_lr"] * lr_factor(step, run.steps, run.warmup, run.min_lr_ratio)
+                loss = wl.loss(model, wl.train_batch(step - 1))
+                loss.backward()
+                t2 = clock()
+                ends = group.step_ends_boundary
+                committed = group.step()
+                opt.zero_grad(set_to_none=True)
+                t3 = clock()
+                rec = loop.step_record(setup, step, t2 - t1, t3 - t2, None)
+                rec["step_s"] += t1 - t0
+                position.step, position.elapsed = step, position.elapsed + rec["step_s"]
+                rec.update(
+                    time_s=position.elapsed,
+                    quorum_s=t1 - t0,
+                    held_s=held,
+                    participants=participants,
+                    loss=float(loss.detach()),
+                    lr=opt.param_groups[0]["lr"],
+                    group=index,
+                )
+                window.append(rec)
+                if ends:
+                    for r in window:
+                        append_record(out, {**r, "committed": committed})
+                    window.clear()
+                    if (run.eval_every and step % run.eval_every == 0) or step == run.steps:
+                        append_record(out, {"kind": "eval", "step": step, "time_s": position.elapsed,
+                                            "group": index, **wl.evaluate(model)})  # fmt: skip
+                elif step == run.steps:
+                    raise AssertionError("the run's last step ends a window (--steps is a multiple of H)")
+                if step in kills:
+                    for r in window:
+                        append_record(out, {**r, "committed": None})  # the window dies with the group
+                    append_record(out, {"kind": "hold", "step": step, "group": index})
+                    while True:  # until the launcher's SIGKILL (--kill)
+                        time.sleep(60)
+            end = {
+                "group": index,
+                "life": life,
+                "step": position.step,
+                "digest": params_digest(model),
+                "params": sum(p.numel() for p in model.parameters()),
+                "info": {k: v for k, v in wl.info().items() if isinstance(v, (int, float, str, bool))},
+                "committed": group.committed,
+                "skipped": group.skipped,
+                "heals": [dataclasses.asdict(h) for h in group.heals],
+            }
+            write_atomically(run_dir / end_name(index), json.dumps(end) + "\n")
+    except ReplicaGroupError as exc:
+        print(f"group {index}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        os.close(out)
+        group.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m lioncub.train.replica_group RUN_DIR [CONFIG]``, started by the launcher of a
+    fault-tolerant run (:mod:`lioncub.launch.groups`)."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) not in (1, 2) or not env.get("LIONCUB_GROUP") or not env.get("LIONCUB_LIGHTHOUSE"):
+        print(
+            "usage: python -m lioncub.train.replica_group RUN_DIR [CONFIG]  (started by lioncub train "
+            "--fault-tolerant, which sets LIONCUB_GROUP, LIONCUB_GROUP_LIFE, LIONCUB_LIGHTHOUSE)",
+            file=sys.stderr,
+        )
+        return 2
+    run_dir = Path(args[0])
+    config_path = Path(args[1]) if len(args) == 2 else run_dir / "config.json"
+    config = TrainConfig.from_json(json.loads(config_path.read_text()))
+    return run_group(
+        config,
+        run_dir,
+        int(env.text("LIONCUB_GROUP")),
+        int(env.text("LIONCUB_GROUP_LIFE")),
+        env.text("LIONCUB_LIGHTHOUSE"),
+        env.text("LIONCUB_GROUP_HOST"),
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -19,7 +19,8 @@ process that votes with the other groups through :class:`lioncub.integrations.to
 3. After step STEP of a ``--kill G@STEP`` the group writes a ``hold`` record and waits to be SIGKILLed by
    the launcher (a death at a known point: reruns give the same bits).
 4. Evaluation at ``--eval-every`` steps and at the end, by every group on its own replica (equal where the
-   groups are: the merged log says whether they were). At the end ``groups/gG.end.json``: the digest of
+   groups are: the merged log says whether they were); its record comes before the window's step
+   records, which the launcher's schedule reads. At the end ``groups/gG.end.json``: the digest of
    the parameters, the heals, the steps committed and skipped.
 
 :mod:`lioncub.train.fault_tolerant` launches the groups and merges their logs into the run's.
@@ -224,12 +225,13 @@ def run_group(config: TrainConfig, run_dir: Path, index: int, life: int, lightho
                 )
                 window.append(rec)
                 if ends:
+                    if (run.eval_every and step % run.eval_every == 0) or step == run.steps:
+                        # before the step records: the launcher's --kill waits for those
+                        append_record(out, {"kind": "eval", "step": step, "time_s": position.elapsed,
+                                            "group": index, **wl.evaluate(model)})  # fmt: skip
                     for r in window:
                         append_record(out, {**r, "committed": committed})
                     window.clear()
-                    if (run.eval_every and step % run.eval_every == 0) or step == run.steps:
-                        append_record(out, {"kind": "eval", "step": step, "time_s": position.elapsed,
-                                            "group": index, **wl.evaluate(model)})  # fmt: skip
                 elif step == run.steps:
                     raise AssertionError("the run's last step ends a window (--steps is a multiple of H)")
                 if step in kills:

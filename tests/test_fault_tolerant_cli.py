@@ -1,0 +1,254 @@
+"""``lioncub train --fault-tolerant``: every rank a torchft replica group, the failure schedule carried out
+by the launcher (:mod:`lioncub.launch.groups`), the groups' logs merged (:mod:`lioncub.train.fault_tolerant`).
+
+The end-to-end runs (3 groups of the tiny GPT, 60 steps; group 1 SIGKILLed after step 20 and started again
+at step 35) run in the background (tests/background.py); the schedule's launcher is also tested alone, on
+small scripts that stand in for groups."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import background
+from lioncub import cli
+from lioncub.launch import LaunchConfig
+from lioncub.launch.groups import Fault, launch_groups, parse_faults
+from lioncub.train.config import TrainConfig
+from train_runs import TINY
+
+from processes import python_cmd
+
+HAS_TORCHFT = importlib.util.find_spec("torchft") is not None
+needs_torchft = pytest.mark.skipif(
+    not HAS_TORCHFT, reason="torchft is not installed (pip install 'lioncub[ft]')"
+)
+
+KILL_REJOIN = ["--kill", "1@20", "--rejoin", "1@35"]
+RUNS = {
+    "1bit": ["--variant", "1bit", *KILL_REJOIN],
+    "1bit/h4": ["--variant", "1bit", "--local-steps", "4", *KILL_REJOIN],
+    "1bit, no kill": ["--variant", "1bit"],
+    "1bit/h4, no kill": ["--variant", "1bit", "--local-steps", "4"],
+}
+
+
+def _job(args: list[str]) -> background.Subprocess | None:
+    if not HAS_TORCHFT:
+        return None
+    common = [*TINY, "--nproc", "3", "--fault-tolerant", "--steps", "60", "--eval-every", "20"]
+
+    def cmd(workdir: Path) -> list[str]:
+        return python_cmd("-m", "lioncub.cli", "train", *common, "--out", str(workdir / "run"), *args)
+
+    return background.Subprocess(cmd, 300)
+
+
+#: each run of RUNS, started in the background when collection ends
+BACKGROUND = {f"ft:{name}": (lambda args=args: _job(args)) for name, args in RUNS.items()}
+
+
+def finished(name: str) -> tuple[Path, str]:
+    """The run directory of RUNS[name] and its stdout, once it exited 0."""
+    done = background.result(f"ft:{name}", BACKGROUND[f"ft:{name}"])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return background.workdir(f"ft:{name}") / "run", done.stdout
+
+
+def log(run_dir: Path, kind: str) -> list[dict]:
+    return [r for r in map(json.loads, (run_dir / "log.jsonl").read_text().splitlines()) if r["kind"] == kind]
+
+
+# ------------------------------------------------------------------------------------- end to end
+
+
+@needs_torchft
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "rejoined_at"),
+    [
+        pytest.param("1bit", 35, marks=pytest.mark.background("ft:1bit")),
+        # with local steps the group joins at the window after step 35: steps 37.. have 3 participants
+        pytest.param("1bit/h4", 36, marks=pytest.mark.background("ft:1bit/h4")),
+    ],
+)
+def test_a_group_killed_and_rejoined_heals_and_every_step_says_who_voted(name: str, rejoined_at: int) -> None:
+    run_dir, stdout = finished(name)
+    steps = log(run_dir, "step")
+    assert [r["step"] for r in steps] == list(range(1, 61))
+    expected = [3] * 20 + [2] * (rejoined_at - 20) + [3] * (60 - rejoined_at)
+    assert [r["participants"] for r in steps] == expected
+    assert all(r["committed"] for r in steps)  # killed at a commit boundary: nothing was put back
+    assert [r["groups"] for r in steps[20:rejoined_at]] == [[0, 2]] * (rejoined_at - 20)
+    # the step after the kill waited for the lost group's heartbeats to stop (2 s), inside its step time
+    assert steps[20]["quorum_s"] > 1.0 and steps[20]["step_s"] > steps[20]["quorum_s"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    ft = summary["fault_tolerance"]
+    assert ft["participants"] == {"3": 60 - (rejoined_at - 20), "2": rejoined_at - 20}
+    assert ft["skipped_steps"] == 0 and ft["kill"] == ["1@20"] and ft["rejoin"] == ["1@35"]
+    assert ft["replicas_equal"] and ft["groups_finished"] == [0, 1, 2]
+    (heal,) = ft["heals"]
+    assert (heal["group"], heal["life"], heal["step"], heal["source"]) == (1, 1, rejoined_at, "g0")
+    assert heal["nbytes"] >= 2 * 4 * summary["params"]  # the parameters and the momenta, fp32
+    digests = {json.loads((run_dir / f"groups/g{g}.end.json").read_text())["digest"] for g in range(3)}
+    assert digests == {ft["digest"]}
+    evals = log(run_dir, "eval")
+    assert [e["step"] for e in evals] == [20, 40, 60] and all(e["replicas_agree"] for e in evals)
+    assert [e["groups"] for e in evals] == [[0, 1, 2], [0, 2] if rejoined_at > 40 else [0, 1, 2], [0, 1, 2]]
+    assert "1 heal (group 1 at step" in stdout and "bitwise equal at the end" in stdout
+
+
+@needs_torchft
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("1bit", marks=pytest.mark.background("ft:1bit")),
+        pytest.param("1bit/h4", marks=pytest.mark.background("ft:1bit/h4")),
+    ],
+)
+def test_the_final_loss_is_within_2_percent_of_the_run_without_the_kill(name: str) -> None:
+    killed, _ = finished(name)
+    whole, _ = finished(f"{name}, no kill")
+    assert {r["participants"] for r in log(whole, "step")} == {3}
+    ft = json.loads((whole / "summary.json").read_text())["fault_tolerance"]
+    assert ft["heals"] == [] and ft["replicas_equal"]
+    a, b = (json.loads((d / "summary.json").read_text())["final"]["val_loss"] for d in (killed, whole))
+    assert abs(a - b) / b < 0.02, (a, b)
+    assert a != b  # 15 steps voted by 2 groups: another run, not the same one
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--fault-tolerant", "--kill", "5@20"], "--kill 5@20: there is no group 5 (groups 0..2"),
+        (["--fault-tolerant", "--kill", "1@80"], "--kill 1@80: the step must be within 1..59 (--steps 60"),
+        (["--fault-tolerant", "--kill", "1@20", "--rejoin", "1@15"], "--rejoin 1@15: group 1 is running"),
+        (["--fault-tolerant", "--rejoin", "1@15"], "--rejoin 1@15: group 1 is running then"),
+        (["--fault-tolerant", "--kill", "1@20,1@30"], "--kill 1@30: group 1 is not running then"),
+        (["--fault-tolerant", "--kill", "0@5,1@6,2@7"], "no group would be left to train after step 7"),
+        (["--fault-tolerant", "--kill", "1@20", "--rejoin", "1@20"], "the same step as its --kill"),
+        (["--fault-tolerant", "--kill", "one@20"], "--kill 'one@20': give GROUP@STEP"),
+        (["--kill", "1@20"], "--kill: applies only with --fault-tolerant"),
+        (["--lighthouse", "http://x:1"], "--lighthouse: applies only with --fault-tolerant"),
+        (["--fault-tolerant", "--lighthouse", "x:1"], "--lighthouse 'x:1': give the lighthouse's URL"),
+        (["--fault-tolerant", "--variant", "32bit"], "DDP + Lion has no vote between groups"),
+        (["--fault-tolerant", "--overlap"], "--overlap with --fault-tolerant"),
+        (["--fault-tolerant", "--checkpoint-every", "10"], "checkpoints of a fault-tolerant run"),
+        (["--fault-tolerant", "--restarts", "1"], "--restarts 1 with --fault-tolerant"),
+        (["--fault-tolerant", "--resume"], "--resume with --fault-tolerant"),
+    ],
+)
+def test_bad_fault_tolerant_input_is_refused_before_anything_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    base = ["--variant", "1bit", "--nproc", "3", "--steps", "60"]
+    out = tmp_path / "run"
+    assert cli.main(["train", *TINY, "--out", str(out), *base, *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert not out.exists()
+
+
+def test_nodes_are_refused_with_the_reason() -> None:
+    with pytest.raises(ValueError, match=r"groups of several ranks .* are not built"):
+        TrainConfig.from_values(
+            {"variant": "1bit", "nproc": 4, "nnodes": 2, "link": "1gbit", "fault_tolerant": True}
+        )
+
+
+def test_the_schedule_is_sorted_and_alternates() -> None:
+    faults = parse_faults(["1@20", "2@5", "1@50"], ["1@35", "2@40"], 3, 60)
+    assert faults == [
+        Fault(5, "kill", 2), Fault(20, "kill", 1), Fault(35, "rejoin", 1), Fault(40, "rejoin", 2),
+        Fault(50, "kill", 1),
+    ]  # fmt: skip
+    assert faults[0].spec == "--kill 2@5"
+
+
+# ---------------------------------------------------------------------------------- the launcher alone
+
+#: a stand-in for a replica group: writes a step record per 20 ms to its log and holds at its kill step
+#: (as lioncub.train.replica_group does); group 2 of its first life fails at step 3 when FAIL is set
+STAND_IN = textwrap.dedent(
+    """
+    import json, os, sys, time
+    g, life = int(os.environ["LIONCUB_GROUP"]), int(os.environ["LIONCUB_GROUP_LIFE"])
+    out, kill, start = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) if life else 0
+    print(f"group {g} life {life} lighthouse {os.environ['LIONCUB_LIGHTHOUSE']}", flush=True)
+    for step in range(start + 1, 21):
+        with open(f"{out}/g{g}.jsonl", "a") as f:
+            f.write(json.dumps({"kind": "step", "step": step, "life": life}) + "\\n")
+        if os.environ.get("FAIL") and g == 2 and step == 3:
+            sys.exit(3)
+        if step == kill and g == 1 and life == 0:
+            while True:
+                time.sleep(1)
+        time.sleep(0.02)
+    """
+)
+
+
+def _progress(out: Path) -> object:
+    def progress(group: int) -> int:
+        path = out / f"g{group}.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return max((json.loads(x)["step"] for x in lines), default=0)
+
+    return progress
+
+
+def test_the_launcher_kills_a_group_after_its_step_and_starts_it_again(tmp_path: Path) -> None:
+    script = tmp_path / "group.py"
+    script.write_text(STAND_IN)
+    config = LaunchConfig([sys.executable, str(script), str(tmp_path), "6", "12"], nproc=3, timeout_s=60)
+    out, err = io.StringIO(), io.StringIO()
+    faults = [Fault(6, "kill", 1), Fault(12, "rejoin", 1)]
+    result = launch_groups(config, faults, _progress(tmp_path), lighthouse="http://lh:1", out=out, err=err)
+    assert result.ok, err.getvalue()
+    assert result.rank_returncodes == [0, 0, 0]
+    lines = [json.loads(x) for x in (tmp_path / "g1.jsonl").read_text().splitlines()]
+    expected = [(s, 0) for s in range(1, 7)] + [(s, 1) for s in range(13, 21)]
+    assert [(r["step"], r["life"]) for r in lines] == expected
+    assert "--kill 1@6: group 1 SIGKILLed after its step 6" in err.getvalue()
+    assert "--rejoin 1@12: group 1 started again at step 12" in err.getvalue()
+    assert "[g1] group 1 life 1 lighthouse http://lh:1" in out.getvalue()
+
+
+def test_a_group_that_fails_on_its_own_fails_the_job_once_the_others_finish(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = tmp_path / "group.py"
+    script.write_text(STAND_IN)
+    monkeypatch.setenv("FAIL", "1")
+    config = LaunchConfig([sys.executable, str(script), str(tmp_path), "0", "0"], nproc=3, timeout_s=60)
+    err = io.StringIO()
+    result = launch_groups(
+        config, [], _progress(tmp_path), lighthouse="http://lh:1", out=io.StringIO(), err=err
+    )
+    assert (result.returncode, result.failed_rank) == (3, 2)
+    assert result.message == "group 2 exited with code 3"
+    assert "group 2 exited with code 3; the others go on" in err.getvalue()
+    assert result.rank_returncodes == [0, 0, 3]
+    assert _progress(tmp_path)(0) == 20  # the others finished
+
+
+def test_the_launcher_times_out_with_the_groups_still_running(tmp_path: Path) -> None:
+    script = tmp_path / "group.py"
+    script.write_text(STAND_IN)
+    config = LaunchConfig([sys.executable, str(script), str(tmp_path), "2", "0"], nproc=2, timeout_s=3)
+    err = io.StringIO()
+    result = launch_groups(
+        config, [], _progress(tmp_path), lighthouse="http://lh:1", out=io.StringIO(), err=err
+    )
+    assert result.timed_out and result.returncode == 124
+    assert result.message == "timed out; groups still running: 1"

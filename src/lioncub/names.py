@@ -28,6 +28,7 @@ __all__ = [
     "CONFIG_VERSION_KEY",
     "GRAMMAR",
     "OVERLAP_SUFFIX",
+    "PEER_VARIANTS",
     "config_entries",
     "config_version",
     "name_of_run_dir",
@@ -38,6 +39,9 @@ __all__ = [
 
 #: a LionCub variant's vote overlapped with the backward pass
 OVERLAP_SUFFIX = "+overlap"
+#: variants that run another project's optimizer in lioncub's harness: torchft's own DiLoCo (Lion inside,
+#: Nesterov SGD outside), with ``--fault-tolerant --local-steps H``; named ``torchft-diloco/hH``
+PEER_VARIANTS = ("torchft-diloco",)
 #: the outer rules that average the pseudo-gradients, named instead of their 32-bit variant
 _DENSE_RULES = ("dsm", "diloco")
 #: the key of a nested ``config.json``'s version (:mod:`lioncub.train.settings`); a flat one has none
@@ -69,6 +73,9 @@ def run_label(config: Mapping[str, Any]) -> str:
     name = str(config.get("variant", "?"))
     h = config.get("local_steps")
     outer = config.get("outer") or "vote"
+    if name in PEER_VARIANTS:  # its outer rule and inner momenta are its own
+        lr = config.get("outer_lr")
+        return name + (f"/h{h}" if h else "") + (f"/lr{float(lr):g}" if h and lr is not None else "")
     if h and outer in _DENSE_RULES:
         name = outer if name == "32bit" else f"{outer}-{name}"
     topology = config.get("topology")

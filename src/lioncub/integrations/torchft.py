@@ -66,6 +66,7 @@ from lioncub.optim.lioncub import LionCub
 
 __all__ = [
     "MOMENTA_ON_HEAL",
+    "DiLoCoGroup",
     "Heal",
     "ReplicaGroup",
     "ReplicaGroupError",
@@ -359,6 +360,11 @@ class ReplicaGroup:
         self.skipped += 1
         return False
 
+    @property
+    def quorum_rank(self) -> int | None:
+        """This group's rank in the last quorum (None: not a participant)."""
+        return self.manager.participating_rank()
+
     def shutdown(self) -> None:
         """Leave the job: stop this group's manager (the others go on at their next quorum)."""
         self.manager.shutdown(wait=False)
@@ -415,3 +421,117 @@ class ReplicaGroup:
                 if "exp_avg" in opt.state.get(p, {}):
                     opt.state[p]["exp_avg"].zero_()
         self._healed = (str(state["source"]), _nbytes(state["params"]) + _nbytes(state["optimizer"]))
+
+
+class DiLoCoGroup:
+    """torchft's own ``DiLoCo`` (``torchft.local_sgd``) as one replica group, with the step interface of
+    :class:`ReplicaGroup` (``begin``, ``step``, ``boundary``, ``step_ends_boundary``, ``participants``,
+    ``heals``, ``committed``, ``skipped``): the peer that ``lioncub train --variant torchft-diloco`` runs in
+    lioncub's harness. ``inner`` (e.g. lioncub's :class:`~lioncub.optim.Lion`) steps every step; every
+    ``h`` steps torchft forms a quorum, heals a group that is behind (the parameters, its outer state and
+    what :meth:`register_state` adds: the inner optimizer's state with the peer's, as torchft's own
+    examples do) and averages the pseudo-gradients into Nesterov SGD (``outer_lr``, ``outer_momentum``).
+
+    What torchft does and lioncub's ``outer="diloco"`` does not: the quorum is formed at a window's *end*
+    (so a group that joins trains a window of its own first, which the heal then replaces), and a window
+    whose allreduce fails restores the window's start and is skipped. Without failures and without weight
+    decay the two take the same steps bit for bit (tests/test_replica_groups.py).
+    """
+
+    def __init__(
+        self,
+        lighthouse: str,
+        index: int,
+        max_groups: int,
+        model: torch.nn.Module,
+        inner: torch.optim.Optimizer,
+        h: int,
+        *,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        timeout_s: float = 30.0,
+        host: str = "localhost",
+    ) -> None:
+        require(["torchft"], "ft", "lioncub.integrations.torchft.DiLoCoGroup")
+        from torch.distributed import TCPStore
+        from torchft import Manager, ProcessGroupGloo
+        from torchft.local_sgd import DiLoCo
+
+        if not is_int(h, 1):
+            raise ValueError(f"h={h!r} must be an int >= 1 (the steps between syncs)")
+        self.replica_id, self.h, self.model, self.inner = f"g{index}", h, model, inner
+        timeout = datetime.timedelta(seconds=timeout_s)
+        port = _free_port()
+        self._store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._load_model,
+            state_dict=lambda: {"model": self.model.state_dict()}, min_replica_size=1, use_async_quorum=False,
+            init_sync=False, rank=0, world_size=1, store_addr=host, store_port=port, hostname=host,
+            lighthouse_addr=lighthouse, replica_id=self.replica_id, timeout=timeout, quorum_timeout=timeout,
+            connect_timeout=timeout, checkpoint_transport=_transport(host, timeout),
+        )  # fmt: skip
+        self.manager.register_state_dict_fn("inner", self.inner.load_state_dict, self.inner.state_dict)
+        outer = torch.optim.SGD(model.parameters(), lr=outer_lr, momentum=outer_momentum, nesterov=True)
+        self._diloco = DiLoCo(
+            self.manager, [model], inner, outer, sync_every=h, backup_device=torch.device("cpu"),
+            pin_memory=False,
+        )  # fmt: skip
+        self._diloco.__enter__()
+        self._steps = 0  # inner steps since this group's last sync
+        self._healed = False
+        self.participants = max_groups  # until the first quorum says otherwise
+        self.heals: list[Heal] = []
+        self.committed = self.skipped = 0
+
+    def _load_model(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self._healed = True
+
+    def register_state(self, key: str, load: Callable[[Any], None], save: Callable[[], Any]) -> None:
+        """More state a healed group takes from its peer (torchft's ``register_state_dict_fn``)."""
+        self.manager.register_state_dict_fn(key, load, save)
+
+    @property
+    def boundary(self) -> bool:
+        return self._steps == 0
+
+    @property
+    def step_ends_boundary(self) -> bool:
+        return self._steps + 1 == self.h
+
+    def begin(self) -> int:
+        """Nothing before a step (torchft's quorum comes at the window's end); the last quorum's size."""
+        return self.participants
+
+    def step(self) -> bool:
+        """The inner step; at a window's end torchft's quorum, heal and sync. Whether it stands (a window
+        whose sync failed is restored to its start)."""
+        before = self.manager.current_step()
+        ends = self.step_ends_boundary
+        started = time.perf_counter()
+        self._healed = False
+        self.inner.step()
+        self._steps = (self._steps + 1) % self.h
+        if not ends:
+            return True
+        self.participants = self.manager.num_participants()
+        synced = self.manager.current_step() > before
+        if self._healed:
+            # the model, the window's anchor, the outer momentum and the inner state
+            nbytes = _nbytes(self.model.state_dict()) * 3 + _nbytes(self.inner.state_dict())
+            seconds = time.perf_counter() - started  # the window's last step: the quorum, heal and sync
+            step = (self.manager.current_step() - int(synced)) * self.h  # the step it healed to
+            self.heals.append(Heal(step, "a peer", nbytes, seconds))
+        if synced or self._healed:
+            self.committed += 1
+            return True
+        self.skipped += 1
+        return False
+
+    @property
+    def quorum_rank(self) -> int | None:
+        return self.manager.participating_rank()
+
+    def shutdown(self) -> None:
+        self._diloco.__exit__(None, None, None)
+        self.manager.shutdown(wait=False)

@@ -29,7 +29,7 @@ from lioncub._validate import is_int
 from lioncub.integrations.torchft import MOMENTA_ON_HEAL
 from lioncub.launch.config import DEVICES
 from lioncub.launch.groups import parse_faults
-from lioncub.names import config_version
+from lioncub.names import PEER_VARIANTS, config_version
 from lioncub.ops.quantize import QUANTIZERS
 from lioncub.optim.arguments import check_local_steps, check_options
 from lioncub.optim.config import (
@@ -56,6 +56,7 @@ __all__ = [
     "CUDA_UNDER_EMULATION",
     "MAX_SEED",
     "SETTINGS",
+    "VARIANTS",
     "ClusterConfig",
     "OptimizerConfig",
     "RunConfig",
@@ -68,6 +69,8 @@ __all__ = [
     "sync_spec",
 ]
 
+#: every --variant: the LionCub presets (with the DDP baselines) and the peers' optimizers
+VARIANTS = (*PRESETS, *PEER_VARIANTS)
 #: variants trained as DDP + Lion, as users run today (gradient allreduce in fp32 / 16-bit)
 BASELINES = ("32bit", "16bit")
 #: how a resume on another world size starts every rank's momenta (``--convert-momenta``; see
@@ -208,8 +211,9 @@ class OptimizerConfig:
     """The optimizer variant and its options."""
 
     variant: str = setting(
-        "8bit", commands=("train",), choices=PRESETS,
-        help="32bit / 16bit (DDP + Lion) or a LionCub preset (below)",
+        "8bit", commands=("train",), choices=VARIANTS,
+        help="32bit / 16bit (DDP + Lion), a LionCub preset (below), or torchft-diloco (torchft's own DiLoCo, "
+        "with --fault-tolerant --local-steps H)",
     )  # fmt: skip
     quantizer: str | None = setting(
         None, owner="VoteConfig", choices=QUANTIZERS,
@@ -280,6 +284,9 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         if self.local_steps is not None and self.variant in BASELINES and self.outer == "vote":
             self.outer = "dsm"  # a vote on the dense mean is its sign: dsm (docs/local-steps.md)
+        if self.variant in PEER_VARIANTS:  # torchft's DiLoCo: averaged outer step, each worker's momenta kept
+            self.outer = "diloco" if self.outer == "vote" else self.outer
+            self.inner_momentum = "keep" if self.inner_momentum == INNER_MOMENTA[0] else self.inner_momentum
 
     @property
     def one_bit(self) -> bool:
@@ -481,16 +488,38 @@ _NOT_FAULT_TOLERANT = {
 }
 
 
+def _check_peer(config: TrainConfig) -> None:
+    """``--variant torchft-diloco``: torchft's DiLoCo (Lion inside, Nesterov SGD outside: the outer rule
+    diloco with each worker's inner momenta kept) between replica groups, with ``--local-steps H``."""
+    opt = config.optimizer
+    if not config.cluster.fault_tolerant:
+        raise ValueError(
+            f"--variant {opt.variant}: runs on torchft's Manager between replica groups; add --fault-tolerant"
+        )
+    if opt.local_steps is None:
+        raise ValueError(f"--variant {opt.variant}: needs --local-steps H (its sync_every)")
+    if opt.outer != "diloco" or opt.inner_momentum != "keep":
+        raise ValueError(
+            f"--variant {opt.variant} with --outer {opt.outer} --inner-momentum {opt.inner_momentum}: "
+            "torchft's DiLoCo averages the pseudo-gradients (--outer diloco) and keeps each worker's inner "
+            "momenta (--inner-momentum keep)"
+        )
+
+
 def _check_fault_tolerant(config: TrainConfig) -> None:
     """``--fault-tolerant`` and the options that go with it: the failure schedule against the groups and
     steps (:func:`lioncub.launch.groups.parse_faults`), the variants and options it takes."""
     cluster, values = config.cluster, config.flat()
+    if config.optimizer.variant in PEER_VARIANTS:
+        _check_peer(config)
     if not cluster.fault_tolerant:
         for name in ("kill", "rejoin", "lighthouse", "momentum_on_heal"):
             if values[name] != SETTINGS[name].default:
                 raise ValueError(f"{SETTINGS[name].flag}: applies only with --fault-tolerant")
         return
     opt = config.optimizer
+    if opt.variant in PEER_VARIANTS:
+        return
     if opt.variant in BASELINES and opt.local_steps is None:
         raise ValueError(
             f"--fault-tolerant with --variant {opt.variant}: DDP + Lion has no vote between groups; give a "
@@ -514,6 +543,11 @@ def _check_per_variant(config: TrainConfig) -> None:
     opt, values = config.optimizer, config.flat()
     changed = [(n, d) for n, d in SETTINGS.items() if values[n] != d.default]
     for name, d in changed:
+        if d.setting.dense_why and opt.variant in PEER_VARIANTS and name != "inner_momentum":
+            raise ValueError(
+                f"{spell(name, values[name])}: --variant {opt.variant} is torchft's DiLoCo, which does not "
+                f"vote; {d.flag} applies to the LionCub variants"
+            )
         if d.setting.dense_why and opt.variant in BASELINES:
             raise ValueError(
                 f"{spell(name, values[name])}: --variant {opt.variant} is DDP + Lion{d.setting.dense_why}; "
@@ -545,20 +579,19 @@ def _check_with_the_optimizer(config: TrainConfig) -> None:
     local steps (``LocalSteps`` and its rules with the other options)."""
     opt = config.optimizer
     topology = "hierarchical" if opt.topology == "auto" else opt.topology  # auto: flat or hierarchical
+    variant = "32bit" if opt.variant in PEER_VARIANTS else opt.variant  # DiLoCo: lioncub's dense outer rule
     try:
-        vote = resolve_variant(
-            opt.variant, quantizer=opt.quantizer, topology=topology, zero_vote=opt.zero_vote
-        )
+        vote = resolve_variant(variant, quantizer=opt.quantizer, topology=topology, zero_vote=opt.zero_vote)
     except ValueError as exc:
         raise ValueError(f"--topology auto: {exc}" if opt.topology == "auto" else str(exc)) from None
     checks = Checks(nonfinite=opt.nonfinite)
     MomentumSync(every=opt.sync_every)
-    check_options(vote, opt.variant, opt.bucket_mb, None, checks, opt.diagnostics_every)
+    check_options(vote, variant, opt.bucket_mb, None, checks, opt.diagnostics_every)
     if opt.local_steps is not None:
         local = LocalSteps(
             opt.local_steps, opt.outer, opt.outer_lr, opt.outer_betas, inner_momentum=opt.inner_momentum
         )
-        check_local_steps(local, vote, opt.variant, opt.momentum_sync, opt.diagnostics_every)
+        check_local_steps(local, vote, variant, opt.momentum_sync, opt.diagnostics_every)
 
 
 def lr_factor(step: int, steps: int, warmup: int, min_ratio: float) -> float:

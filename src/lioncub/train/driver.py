@@ -17,7 +17,7 @@ from typing import Any, TextIO
 
 from lioncub import env
 from lioncub._validate import is_int
-from lioncub.names import config_entries, run_label
+from lioncub.names import PEER_VARIANTS, config_entries, run_label
 from lioncub.rundir import SpecialFileError, read_run_file
 from lioncub.train.config import BASELINES, TrainConfig, format_overrides
 from lioncub.train.prepare import NEXT_CONFIG, finish_run
@@ -109,7 +109,7 @@ def check_lanes(config: TrainConfig) -> None:
     from lioncub.optim.config import capacity, check_workers
 
     opt, n = config.optimizer, config.cluster.nproc
-    if opt.variant in BASELINES:
+    if opt.variant in BASELINES or opt.variant in PEER_VARIANTS:
         return
     topology = "flat" if opt.topology == "auto" else opt.topology
     try:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import logging
 import os
@@ -42,22 +43,36 @@ from typing import Any
 import torch
 
 from lioncub import env
-from lioncub.integrations.torchft import ReplicaGroup, ReplicaGroupError
+from lioncub.integrations.torchft import DiLoCoGroup, ReplicaGroup, ReplicaGroupError
 from lioncub.launch.groups import Fault, parse_faults
-from lioncub.optim import LionCub
+from lioncub.names import PEER_VARIANTS
+from lioncub.optim import Lion, LionCub, LocalSteps
 from lioncub.optim.engine import PhaseClock
 from lioncub.rundir import open_append, write_atomically
 from lioncub.train import loop
 from lioncub.train.config import TrainConfig, lr_factor
 from lioncub.train.rank import PG_TIMEOUT_S, interrupt_as_one_line
 from lioncub.train.runlog import append_record
-from lioncub.train.workloads import make_workload
+from lioncub.train.workloads import Workload, make_workload
 
-__all__ = ["end_name", "group_files", "log_name", "main", "params_digest", "ready_name", "run_group"]
+__all__ = [
+    "MODEL_FILE",
+    "end_name",
+    "group_files",
+    "log_name",
+    "main",
+    "params_digest",
+    "ready_name",
+    "run_group",
+]
 
 #: a group that starts again says it is ready after this long, once its heartbeats reach the lighthouse
 #: (torchft's Manager beats every 100 ms): the quorum it joins then waits for it
 READY_AFTER_S = 0.5
+
+
+#: the final model's ``state_dict`` (``torch.save``), written by the first participant of the last quorum
+MODEL_FILE = "model.pt"
 
 
 def log_name(group: int) -> str:
@@ -79,6 +94,7 @@ def ready_name(group: int, life: int) -> str:
 def group_files(groups: int, faults: list[Fault]) -> list[str]:
     """Every file the groups of a run write (the driver records them before the launch)."""
     files = [name for g in range(groups) for name in (log_name(g), end_name(g), end_name(g) + ".part")]
+    files += [MODEL_FILE, MODEL_FILE + ".part"]
     files += [ready_name(g, 0) for g in range(groups)]
     lives = {g: 0 for g in range(groups)}
     for f in faults:
@@ -103,12 +119,13 @@ class _Position:
 
     step: int = 0
     elapsed: float = 0.0
+    healed: bool = False  # load() ran: the position is a peer's
 
     def save(self) -> dict[str, Any]:
         return {"step": self.step, "elapsed": self.elapsed}
 
     def load(self, state: dict[str, Any]) -> None:
-        self.step, self.elapsed = int(state["step"]), float(state["elapsed"])
+        self.step, self.elapsed, self.healed = int(state["step"]), float(state["elapsed"]), True
 
 
 def _await_rejoins(run_dir: Path, rejoins: list[tuple[int, int, int]], done: int, timeout_s: float) -> float:
@@ -137,6 +154,50 @@ class _Quiet(logging.Filter):
 
     def filter(self, rec: logging.LogRecord) -> bool:
         return "NCCL flight recorder" not in rec.getMessage()
+
+
+def _group(
+    config: TrainConfig,
+    wl: Workload,
+    model: torch.nn.Module,
+    index: int,
+    lighthouse: str,
+    host: str,
+    timeout_s: float,
+) -> tuple[ReplicaGroup | DiLoCoGroup, loop.OptimizerSetup]:
+    """This replica group and its optimizer: the variant's ``LionCub`` over a :class:`ReplicaGroup`, or
+    for ``torchft-diloco`` lioncub's ``Lion`` inside torchft's DiLoCo (:class:`DiLoCoGroup`)."""
+    opt, cluster = config.optimizer, config.cluster
+    if opt.variant in PEER_VARIANTS:
+        inner = Lion(wl.param_groups(model), betas=wl.betas)
+        rule = LocalSteps(opt.local_steps, "diloco", opt.outer_lr, opt.outer_betas, inner_momentum="keep")
+        peer = DiLoCoGroup(
+            lighthouse,
+            index,
+            cluster.nproc,
+            model,
+            inner,
+            opt.local_steps,
+            outer_lr=rule.lr,
+            outer_momentum=rule.betas[0],
+            timeout_s=timeout_s,
+            host=host,
+        )
+        return peer, loop.OptimizerSetup(inner, model, None)
+    group = ReplicaGroup(
+        lighthouse,
+        index,
+        max_groups=cluster.nproc,
+        momentum_on_heal=cluster.momentum_on_heal,
+        timeout_s=timeout_s,  # --collective-timeout: every collective, heal, commit and quorum
+        quorum_timeout_s=timeout_s,
+        host=host,
+        init_sync=False,  # every group builds the same model from the seed: the digests say so
+    )
+    setup = loop.build_optimizer(config, wl, model, 1, process_group=group.comm)
+    assert isinstance(setup.opt, LionCub)
+    group.attach(setup.opt)
+    return group, setup
 
 
 def run_group(config: TrainConfig, run_dir: Path, index: int, life: int, lighthouse: str, host: str) -> int:
@@ -169,20 +230,8 @@ def run_group(config: TrainConfig, run_dir: Path, index: int, life: int, lightho
     loop.seed_rank(run.seed, index, life)  # dropout: each group's own stream, and each life's
     timeout = env.seconds("LIONCUB_PG_TIMEOUT")
     timeout_s = timeout.total_seconds() if timeout is not None else PG_TIMEOUT_S
-    group = ReplicaGroup(
-        lighthouse,
-        index,
-        max_groups=cluster.nproc,
-        momentum_on_heal=cluster.momentum_on_heal,
-        timeout_s=timeout_s,  # --collective-timeout: every collective, heal, commit and quorum
-        quorum_timeout_s=timeout_s,
-        host=host,
-        init_sync=False,  # every group builds the same model from the seed: the digests say so
-    )
-    setup = loop.build_optimizer(config, wl, model, 1, process_group=group.comm)
+    group, setup = _group(config, wl, model, index, lighthouse, host, timeout_s)
     opt = setup.opt
-    assert isinstance(opt, LionCub)
-    group.attach(opt)
     position = _Position()
     group.register_state("loop", position.load, position.save)
     for g in opt.param_groups:
@@ -201,6 +250,7 @@ def run_group(config: TrainConfig, run_dir: Path, index: int, life: int, lightho
                 t0 = clock()
                 participants = group.begin()  # the quorum; a heal moves the position to the peer's
                 t1 = clock()
+                position.healed = False
                 step = position.step + 1
                 for g in opt.param_groups:
                     g["lr"] = g["initial_lr"] * lr_factor(step, run.steps, run.warmup, run.min_lr_ratio)
@@ -213,6 +263,14 @@ def run_group(config: TrainConfig, run_dir: Path, index: int, life: int, lightho
                 t3 = clock()
                 rec = loop.step_record(setup, step, t2 - t1, t3 - t2, None)
                 rec["step_s"] += t1 - t0
+                if position.healed:  # torchft's DiLoCo heals at a window's end: this window was replaced
+                    window = [{**r, "replaced": True} for r in window]
+                    step = rec["step"] = position.step + 1
+                if isinstance(group, DiLoCoGroup) and ends:  # the sync ran in the inner step's hook
+                    n = group.participants
+                    ring = 2 * (n - 1) / n * 4 * sum(p.numel() for p in model.parameters())  # fp32 ring
+                    rec.update(comm_s=t3 - t2, exchange_s=t3 - t2, apply_s=0.0, collectives=1,
+                               bytes_sent=ring, bytes_recv=ring)  # fmt: skip
                 position.step, position.elapsed = step, position.elapsed + rec["step_s"]
                 rec.update(
                     time_s=position.elapsed,
@@ -229,8 +287,9 @@ def run_group(config: TrainConfig, run_dir: Path, index: int, life: int, lightho
                         # before the step records: the launcher's --kill waits for those
                         append_record(out, {"kind": "eval", "step": step, "time_s": position.elapsed,
                                             "group": index, **wl.evaluate(model)})  # fmt: skip
-                    for r in window:
-                        append_record(out, {**r, "committed": committed})
+                    for r in window:  # the quorum's size, known at the window's end with torchft's DiLoCo
+                        done = committed and not r.pop("replaced", False)
+                        append_record(out, {**r, "participants": group.participants, "committed": done})
                     window.clear()
                 elif step == run.steps:
                     raise AssertionError("the run's last step ends a window (--steps is a multiple of H)")
@@ -252,6 +311,10 @@ def run_group(config: TrainConfig, run_dir: Path, index: int, life: int, lightho
                 "heals": [dataclasses.asdict(h) for h in group.heals],
             }
             write_atomically(run_dir / end_name(index), json.dumps(end) + "\n")
+            if group.quorum_rank == 0:  # the model, once: the first participant of the last quorum
+                buffer = io.BytesIO()
+                torch.save(model.state_dict(), buffer)
+                write_atomically(run_dir / MODEL_FILE, buffer.getvalue())
     except ReplicaGroupError as exc:
         print(f"group {index}: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -136,11 +136,13 @@ def main() -> None:
     ft = ["--fault-tolerant"]
     checkpoints = ["--checkpoint-every", str(args.checkpoint_every)]
     h4 = ["--local-steps", "4", *ft]
+    zeros = ["--variant", "1bit", *ft, "--momentum-on-heal", "zeros"]
     rows = [
         ("1bit", ["--variant", "1bit"], False, None),
         ("1bit --restarts 1", ["--variant", "1bit", "--restarts", "1", *checkpoints], True, "1bit"),
         ("ft 1bit", ["--variant", "1bit", *ft], False, None),
         ("ft 1bit, killed", ["--variant", "1bit", *ft], True, "ft 1bit"),
+        ("ft 1bit, killed, momenta zeros", [*zeros], True, "ft 1bit"),
         ("ft 1bit/h4", ["--variant", "1bit", *h4], False, None),
         ("ft 1bit/h4, killed", ["--variant", "1bit", *h4], True, "ft 1bit/h4"),
         ("ft torchft-diloco/h4", ["--variant", "torchft-diloco", *h4], False, None),

@@ -95,13 +95,13 @@ def group_files(groups: int, faults: list[Fault]) -> list[str]:
     """Every file the groups of a run write (the driver records them before the launch)."""
     files = [name for g in range(groups) for name in (log_name(g), end_name(g), end_name(g) + ".part")]
     files += [MODEL_FILE, MODEL_FILE + ".part"]
-    files += [ready_name(g, 0) for g in range(groups)]
+    marks = [ready_name(g, 0) for g in range(groups)]
     lives = {g: 0 for g in range(groups)}
     for f in faults:
         if f.kind == "rejoin":
             lives[f.group] += 1
-            files.append(ready_name(f.group, lives[f.group]))
-    return files
+            marks.append(ready_name(f.group, lives[f.group]))
+    return files + [name for mark in marks for name in (mark, mark + ".part")]
 
 
 def params_digest(model: torch.nn.Module) -> str:

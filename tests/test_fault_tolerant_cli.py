@@ -2,8 +2,8 @@
 by the launcher (:mod:`lioncub.launch.groups`), the groups' logs merged (:mod:`lioncub.train.fault_tolerant`).
 
 The end-to-end runs (3 groups of the tiny GPT, 60 steps; group 1 SIGKILLed after step 20 and started again
-at step 35) run in the background (tests/background.py); the schedule's launcher is also tested alone, on
-small scripts that stand in for groups."""
+at step 35) run once each, in-process, for the tests that read them; the schedule's launcher is also tested
+alone, on small scripts that stand in for groups."""
 
 from __future__ import annotations
 
@@ -16,14 +16,11 @@ from pathlib import Path
 
 import pytest
 
-import background
 from lioncub import cli
 from lioncub.launch import LaunchConfig
 from lioncub.launch.groups import Fault, launch_groups, parse_faults
 from lioncub.train.config import TrainConfig
 from train_runs import TINY
-
-from processes import python_cmd
 
 HAS_TORCHFT = importlib.util.find_spec("torchft") is not None
 needs_torchft = pytest.mark.skipif(
@@ -45,31 +42,31 @@ PEER_RUNS = {
 }
 
 
-def _job(args: list[str], peer: bool = False) -> background.Subprocess | None:
-    if not HAS_TORCHFT:
-        return None
-    common = [*TINY, "--fault-tolerant"]
-    if not peer:
-        common += ["--nproc", "3", "--steps", "60", "--eval-every", "20"]
-
-    def cmd(workdir: Path) -> list[str]:
-        return python_cmd("-m", "lioncub.cli", "train", *common, "--out", str(workdir / "run"), *args)
-
-    return background.Subprocess(cmd, 300)
+_FINISHED: dict[str, tuple[Path, str]] = {}
 
 
-#: each run of RUNS, started in the background when collection ends
-BACKGROUND = {
-    **{f"ft:{name}": (lambda args=args: _job(args)) for name, args in RUNS.items()},
-    **{f"ft:{name}": (lambda args=args: _job(args, peer=True)) for name, args in PEER_RUNS.items()},
-}
+@pytest.fixture(scope="module")
+def runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ft")
 
 
-def finished(name: str) -> tuple[Path, str]:
-    """The run directory of RUNS[name] and its stdout, once it exited 0."""
-    done = background.result(f"ft:{name}", BACKGROUND[f"ft:{name}"])
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return background.workdir(f"ft:{name}") / "run", done.stdout
+def finished(name: str, runs_dir: Path, capsys: pytest.CaptureFixture[str]) -> tuple[Path, str]:
+    """The run directory of RUNS[name] (or PEER_RUNS[name]) and its stdout, once it exited 0: run
+    in-process the first time a test asks (its groups are forks of this process's preloaded interpreter,
+    shared with the other runs of the suite)."""
+    if name not in _FINISHED:
+        if name in RUNS:
+            args = ["--nproc", "3", "--steps", "60", "--eval-every", "20", *RUNS[name]]
+        else:
+            args = PEER_RUNS[name]
+        out = runs_dir / name.replace("/", "_").replace(", ", "_").replace(" ", "_")
+        before = capsys.readouterr()
+        rc = cli.main(["train", *TINY, "--fault-tolerant", "--out", str(out), *args])
+        done = capsys.readouterr()
+        print(before.out, end="")
+        assert rc == 0, done.out[-3000:] + done.err[-3000:]
+        _FINISHED[name] = (out, done.out)
+    return _FINISHED[name]
 
 
 def log(run_dir: Path, kind: str) -> list[dict]:
@@ -84,13 +81,14 @@ def log(run_dir: Path, kind: str) -> list[dict]:
 @pytest.mark.parametrize(
     ("name", "rejoined_at"),
     [
-        pytest.param("1bit", 35, marks=pytest.mark.background("ft:1bit")),
-        # with local steps the group joins at the window after step 35: steps 37.. have 3 participants
-        pytest.param("1bit/h4", 36, marks=pytest.mark.background("ft:1bit/h4")),
+        ("1bit", 35),
+        ("1bit/h4", 36),  # with local steps the group joins at the window after step 35: steps 37.. have 3
     ],
 )
-def test_a_group_killed_and_rejoined_heals_and_every_step_says_who_voted(name: str, rejoined_at: int) -> None:
-    run_dir, stdout = finished(name)
+def test_a_group_killed_and_rejoined_heals_and_every_step_says_who_voted(
+    name: str, rejoined_at: int, runs_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir, stdout = finished(name, runs_dir, capsys)
     steps = log(run_dir, "step")
     assert [r["step"] for r in steps] == list(range(1, 61))
     expected = [3] * 20 + [2] * (rejoined_at - 20) + [3] * (60 - rejoined_at)
@@ -117,16 +115,12 @@ def test_a_group_killed_and_rejoined_heals_and_every_step_says_who_voted(name: s
 
 @needs_torchft
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param("1bit", marks=pytest.mark.background("ft:1bit")),
-        pytest.param("1bit/h4", marks=pytest.mark.background("ft:1bit/h4")),
-    ],
-)
-def test_the_final_loss_is_within_2_percent_of_the_run_without_the_kill(name: str) -> None:
-    killed, _ = finished(name)
-    whole, _ = finished(f"{name}, no kill")
+@pytest.mark.parametrize("name", ["1bit", "1bit/h4"])
+def test_the_final_loss_is_within_2_percent_of_the_run_without_the_kill(
+    name: str, runs_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    killed, _ = finished(name, runs_dir, capsys)
+    whole, _ = finished(f"{name}, no kill", runs_dir, capsys)
     assert {r["participants"] for r in log(whole, "step")} == {3}
     ft = json.loads((whole / "summary.json").read_text())["fault_tolerance"]
     assert ft["heals"] == [] and ft["replicas_equal"]
@@ -137,15 +131,15 @@ def test_the_final_loss_is_within_2_percent_of_the_run_without_the_kill(name: st
 
 @needs_torchft
 @pytest.mark.slow
-@pytest.mark.background("ft:torchft-diloco")
-@pytest.mark.background("ft:diloco/keep")
-def test_the_torchft_diloco_row_equals_lioncub_diloco_with_inner_momenta_kept() -> None:
+def test_the_torchft_diloco_row_equals_lioncub_diloco_with_inner_momenta_kept(
+    runs_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """torchft's own DiLoCo (lioncub's Lion inside, Nesterov SGD outside) through ``lioncub train``: the
     same parameters, bit for bit, as ``--outer diloco --inner-momentum keep`` without failures and without
     weight decay, with 2 groups (with 3 the two allreduces add in another order: measured after one window,
     |Δθ| <= 7.5e-9 on 9643 of 112192 coordinates; docs/fault-tolerance.md)."""
-    theirs, stdout = finished("torchft-diloco")
-    ours, _ = finished("diloco/keep")
+    theirs, stdout = finished("torchft-diloco", runs_dir, capsys)
+    ours, _ = finished("diloco/keep", runs_dir, capsys)
     digests = [
         json.loads((d / "summary.json").read_text())["fault_tolerance"]["digest"] for d in (theirs, ours)
     ]

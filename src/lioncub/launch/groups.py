@@ -35,6 +35,7 @@ from typing import Any, TextIO
 from lioncub.launch.config import LaunchConfig
 from lioncub.launch.environment import build_command, free_port, rank_env
 from lioncub.launch.netns import EmulatedNetwork, check_privileges, cleanup, new_launch_id
+from lioncub.launch.preload import PreloadError, Zygote, gpu_refusal, lease
 from lioncub.launch.result import TIMEOUT_RC, LaunchResult, RankTraffic, describe_exit
 from lioncub.launch.supervisor import Output, forward_signals, popen
 from lioncub.units import format_rate
@@ -125,8 +126,7 @@ def parse_faults(kill: Sequence[str], rejoin: Sequence[str], groups: int, steps:
 def serve_lighthouse(bind: str, heartbeat_timeout_ms: int, join_timeout_ms: int) -> None:
     """Run a torchft lighthouse at ``bind`` (``host:port``) until SIGTERM/SIGINT, printing ``ready URL``
     once it listens (``python -m lioncub.launch.groups lighthouse HOST:PORT``)."""
-    from torchft.coordination import LighthouseServer
-
+    LighthouseServer = _lighthouse_class()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
@@ -141,6 +141,25 @@ def serve_lighthouse(bind: str, heartbeat_timeout_ms: int, join_timeout_ms: int)
     print(f"ready http://{host}:{port}", flush=True)
     stop.wait()
     server.shutdown()
+
+
+def _lighthouse_class() -> Any:
+    """torchft's ``LighthouseServer``, from its compiled extension alone where it can be found: importing
+    the ``torchft`` package imports torch (seconds of a core), which a lighthouse does not need."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torchft")
+    for where in (spec.submodule_search_locations or []) if spec is not None else []:
+        for name in sorted(os.listdir(where)):
+            if name.startswith("_torchft.") and name.endswith(".so"):
+                ext = importlib.util.spec_from_file_location("torchft._torchft", os.path.join(where, name))
+                if ext is not None and ext.loader is not None:
+                    module = importlib.util.module_from_spec(ext)
+                    ext.loader.exec_module(module)
+                    return module.LighthouseServer
+    from torchft.coordination import LighthouseServer
+
+    return LighthouseServer
 
 
 def _start_lighthouse(
@@ -228,6 +247,19 @@ def launch_groups(
             output.note(f"torchft lighthouse at {lighthouse}")
         before = net.counters() if net is not None else None
         run = _GroupRun(config, net, lighthouse, launch_id, events, output, deadline)
+        if config.preload:
+            why = gpu_refusal(config.preload_device)
+            try:
+                env = {k: v for k, v in os.environ.items() if not k.startswith("LIONCUB_GROUP")}
+                run.zygote = (
+                    None
+                    if why
+                    else stack.enter_context(lease(env, config.cwd or os.getcwd(), config.preload))
+                )
+            except PreloadError as exc:
+                why = str(exc)
+            if why is not None:
+                output.note(f"starting every group as a fresh interpreter: {why}")
         returncode, failed, message, timed_out, interrupted = run.supervise(sorted(faults), progress)
         traffic = None
         if net is not None and before is not None:
@@ -278,6 +310,7 @@ class _GroupRun:
         self.events, self.output, self.deadline = events, output, deadline
         self.cmd = build_command(config.cmd)
         self.lives: list[list[_Life]] = [[] for _ in range(config.nproc)]
+        self.zygote: Zygote | None = None  # with config.preload: the groups are its forks
 
     def start(self, group: int) -> None:
         """Start (again) group ``group``."""
@@ -301,7 +334,15 @@ class _GroupRun:
             },
         )
         argv = (net.exec_prefix(group) if net is not None else []) + self.cmd
-        proc = popen(argv, env, self.config.cwd)
+        proc = None
+        if self.zygote is not None:
+            try:
+                netns = net.ranks[group].netns if net is not None else None
+                proc = self.zygote.fork(self.cmd, env, self.config.cwd, netns=netns)
+            except PreloadError as exc:
+                self.output.note(f"starting group {group} as a fresh interpreter: {exc}")
+        if proc is None:
+            proc = popen(argv, env, self.config.cwd)
         prefix = self.output.prefix(group)
         for pipe, stream in ((proc.stdout, self.output.out), (proc.stderr, self.output.err)):
             threading.Thread(target=self.output.pump, args=(pipe, stream, prefix), daemon=True).start()

@@ -175,7 +175,8 @@ def run_fault_tolerant(
     the schedule, merge their logs, write ``log.jsonl`` and ``summary.json``, finish the run directory.
     Returns a :class:`~lioncub.train.driver.RunOutcome`."""
     from lioncub.launch.groups import launch_groups
-    from lioncub.train.driver import RunOutcome, make_launch_config
+    from lioncub.launch.preload import MODULES
+    from lioncub.train.driver import RANK_MODULE, RunOutcome, make_launch_config, preload_ranks
     from lioncub.train.loop import summarize
     from lioncub.train.prepare import NEXT_CONFIG, finish_run
     from lioncub.train.progress import Progress
@@ -192,7 +193,8 @@ def run_fault_tolerant(
     launch_config = make_launch_config(
         config, cmd, timeout_s, env={"LIONCUB_PG_TIMEOUT": f"{collective_timeout_s:g}", **(env or {})}
     )
-    launch_config.preload = ()  # each group a fresh interpreter: groups start again one at a time
+    if preload_ranks(config, [sys.executable, "-m", RANK_MODULE]):  # the groups: forks of one interpreter
+        launch_config.preload = (*MODULES, "lioncub.train.loop")  # as a plain run's: one zygote
     # the bar follows the group the schedule kills least (the lowest of them)
     kills = Counter(f.group for f in faults if f.kind == "kill")
     followed = min(range(cluster.nproc), key=lambda g: (kills[g], g))

@@ -208,6 +208,44 @@ def test_bad_fault_tolerant_input_is_refused_before_anything_runs(
     assert not out.exists()
 
 
+def test_compare_gives_every_row_the_same_failure_schedule() -> None:
+    import argparse
+
+    from lioncub.cli import compare
+
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+    argv = ["--variants", "1bit,1bit/h4,torchft-diloco/h4", "--nproc", "3", "--fault-tolerant", "--out", "x"]
+    args = parser.parse_args([*argv, "--kill", "1@20", "--rejoin", "1@36", "--steps", "60"])
+    rows = {v: compare._config(args, v) for v in ("1bit", "1bit/h4", "torchft-diloco/h4")}
+    assert {
+        v: (c.cluster.fault_tolerant, c.cluster.kill, c.cluster.rejoin) for v, c in rows.items()
+    } == dict.fromkeys(rows, (True, ["1@20"], ["1@36"]))
+    peer = rows["torchft-diloco/h4"].optimizer
+    assert (peer.variant, peer.local_steps, peer.outer, peer.inner_momentum) == (
+        "torchft-diloco",
+        4,
+        "diloco",
+        "keep",
+    )
+
+
+def test_without_torchft_the_option_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from lioncub.train.driver import check_before_launch
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else real(name, *a)
+    )
+    config = TrainConfig.from_values({"variant": "1bit", "nproc": 3, "fault_tolerant": True, "steps": 60})
+    with pytest.raises(
+        ValueError, match=r"--fault-tolerant: needs the torchft package.*pip install 'lioncub\[ft\]'"
+    ):
+        check_before_launch(config, None)
+
+
 def test_nodes_are_refused_with_the_reason() -> None:
     with pytest.raises(ValueError, match=r"groups of several ranks .* are not built"):
         TrainConfig.from_values(

@@ -158,6 +158,14 @@ def _transport(host: str, timeout: datetime.timedelta) -> Any:
     return _At(timeout=timeout, num_chunks=0)
 
 
+def _lighthouse_id(store: Any) -> str:
+    """The replica id a torchft ``Manager`` registered with the lighthouse (its name and a UUID), which it
+    keeps in its group's store."""
+    from torchft.manager import REPLICA_ID_KEY
+
+    return store.get(REPLICA_ID_KEY).decode()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -365,6 +373,11 @@ class ReplicaGroup:
         """This group's rank in the last quorum (None: not a participant)."""
         return self.manager.participating_rank()
 
+    @property
+    def lighthouse_id(self) -> str:
+        """The name the lighthouse knows this group by (``g0:`` and a UUID of this start)."""
+        return _lighthouse_id(self._store)
+
     def shutdown(self) -> None:
         """Leave the job: stop this group's manager (the others go on at their next quorum)."""
         self.manager.shutdown(wait=False)
@@ -531,6 +544,10 @@ class DiLoCoGroup:
     @property
     def quorum_rank(self) -> int | None:
         return self.manager.participating_rank()
+
+    @property
+    def lighthouse_id(self) -> str:
+        return _lighthouse_id(self._store)
 
     def shutdown(self) -> None:
         self._diloco.__exit__(None, None, None)

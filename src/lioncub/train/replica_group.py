@@ -66,10 +66,6 @@ __all__ = [
     "run_group",
 ]
 
-#: a group that starts again says it is ready after this long, once its heartbeats reach the lighthouse
-#: (torchft's Manager beats every 100 ms): the quorum it joins then waits for it
-READY_AFTER_S = 0.5
-
 
 #: the final model's ``state_dict`` (``torch.save``), written by the first participant of the last quorum
 MODEL_FILE = "model.pt"
@@ -126,6 +122,27 @@ class _Position:
 
     def load(self, state: dict[str, Any]) -> None:
         self.step, self.elapsed, self.healed = int(state["step"]), float(state["elapsed"]), True
+
+
+def _await_heartbeat(lighthouse: str, replica_id: str, timeout_s: float) -> None:
+    """Wait until the lighthouse lists ``replica_id`` among the live groups (its ``/status`` page): from
+    then on a quorum waits for this group (its join timeout) rather than forming without it, so the
+    schedule's starts fall at known steps. ``ReplicaGroupError`` after ``timeout_s``."""
+    import urllib.request
+
+    t0 = time.perf_counter()
+    while True:
+        try:
+            with urllib.request.urlopen(f"{lighthouse}/status", timeout=5) as page:
+                if f"{replica_id}: seen" in page.read().decode(errors="replace"):
+                    return
+        except OSError:
+            pass
+        if time.perf_counter() - t0 > timeout_s:
+            raise ReplicaGroupError(
+                f"the lighthouse {lighthouse} did not list {replica_id} within {timeout_s:g} s"
+            )
+        time.sleep(0.05)
 
 
 def _await_rejoins(run_dir: Path, rejoins: list[tuple[int, int, int]], done: int, timeout_s: float) -> float:
@@ -236,7 +253,7 @@ def run_group(config: TrainConfig, run_dir: Path, index: int, life: int, lightho
     group.register_state("loop", position.load, position.save)
     for g in opt.param_groups:
         g.setdefault("initial_lr", g["lr"])
-    time.sleep(READY_AFTER_S)  # this group's heartbeats reach the lighthouse: a quorum waits for it
+    _await_heartbeat(lighthouse, group.lighthouse_id, timeout_s)  # a quorum waits for this group now
     write_atomically(run_dir / ready_name(index, life), f"{os.getpid()}\n")
     if life == 0:  # the job's first quorum has every group (reruns of a schedule give the same bits)
         _await_rejoins(run_dir, [(g, 0, 0) for g in range(cluster.nproc)], 0, timeout_s)

@@ -160,6 +160,7 @@ def test_a_rerun_of_the_same_schedule_gives_the_same_bits(
 ) -> None:
     first, _ = finished("1bit", runs_dir, capsys)
     again, _ = finished("1bit, again", runs_dir, capsys)
+    assert [r["participants"] for r in log(first, "step")] == [r["participants"] for r in log(again, "step")]
     digests = [
         json.loads((d / "summary.json").read_text())["fault_tolerance"]["digest"] for d in (first, again)
     ]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
-import sys
 import textwrap
 from pathlib import Path
 
@@ -21,6 +20,8 @@ from lioncub.launch import LaunchConfig
 from lioncub.launch.groups import Fault, launch_groups, parse_faults
 from lioncub.train.config import TrainConfig
 from train_runs import TINY
+
+from processes import python_cmd
 
 HAS_TORCHFT = importlib.util.find_spec("torchft") is not None
 needs_torchft = pytest.mark.skipif(
@@ -191,7 +192,7 @@ def test_a_rerun_of_the_same_schedule_gives_the_same_bits(
         (["--fault-tolerant", "--restarts", "1"], "--restarts 1 with --fault-tolerant"),
         (["--fault-tolerant", "--resume"], "--resume with --fault-tolerant"),
         (["--variant", "torchft-diloco", "--local-steps", "4"], "runs on torchft's Manager"),
-        (["--fault-tolerant", "--variant", "torchft-diloco"], "needs --local-steps H"),
+        (["--fault-tolerant", "--variant", "torchft-diloco"], "add --fault-tolerant and --local-steps H"),
         (
             ["--fault-tolerant", "--variant", "torchft-diloco", "--local-steps", "4", "--outer", "dsm"],
             "torchft's DiLoCo averages the pseudo-gradients (--outer diloco)",
@@ -248,7 +249,7 @@ def test_without_torchft_the_option_says_how_to_install_it(monkeypatch: pytest.M
 
 
 def test_nodes_are_refused_with_the_reason() -> None:
-    with pytest.raises(ValueError, match=r"groups of several ranks .* are not built"):
+    with pytest.raises(ValueError, match="groups of several ranks are not built"):
         TrainConfig.from_values(
             {"variant": "1bit", "nproc": 4, "nnodes": 2, "link": "1gbit", "fault_tolerant": True}
         )
@@ -298,7 +299,7 @@ def _progress(out: Path) -> object:
 def test_the_launcher_kills_a_group_after_its_step_and_starts_it_again(tmp_path: Path) -> None:
     script = tmp_path / "group.py"
     script.write_text(STAND_IN)
-    config = LaunchConfig([sys.executable, str(script), str(tmp_path), "6", "12"], nproc=3, timeout_s=60)
+    config = LaunchConfig(python_cmd(str(script), str(tmp_path), "6", "12"), nproc=3, timeout_s=60)
     out, err = io.StringIO(), io.StringIO()
     faults = [Fault(6, "kill", 1), Fault(12, "rejoin", 1)]
     result = launch_groups(config, faults, _progress(tmp_path), lighthouse="http://lh:1", out=out, err=err)
@@ -318,7 +319,7 @@ def test_a_group_that_fails_on_its_own_fails_the_job_once_the_others_finish(
     script = tmp_path / "group.py"
     script.write_text(STAND_IN)
     monkeypatch.setenv("FAIL", "1")
-    config = LaunchConfig([sys.executable, str(script), str(tmp_path), "0", "0"], nproc=3, timeout_s=60)
+    config = LaunchConfig(python_cmd(str(script), str(tmp_path), "0", "0"), nproc=3, timeout_s=60)
     err = io.StringIO()
     result = launch_groups(
         config, [], _progress(tmp_path), lighthouse="http://lh:1", out=io.StringIO(), err=err
@@ -333,7 +334,7 @@ def test_a_group_that_fails_on_its_own_fails_the_job_once_the_others_finish(
 def test_the_launcher_times_out_with_the_groups_still_running(tmp_path: Path) -> None:
     script = tmp_path / "group.py"
     script.write_text(STAND_IN)
-    config = LaunchConfig([sys.executable, str(script), str(tmp_path), "2", "0"], nproc=2, timeout_s=3)
+    config = LaunchConfig(python_cmd(str(script), str(tmp_path), "2", "0"), nproc=2, timeout_s=3)
     err = io.StringIO()
     result = launch_groups(
         config, [], _progress(tmp_path), lighthouse="http://lh:1", out=io.StringIO(), err=err

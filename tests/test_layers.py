@@ -528,6 +528,7 @@ CHOICE_OWNERS = (
     "lioncub.train.config:CHOSEN_BY",
     "lioncub.train.workloads:SIZES",
     "lioncub.launch.config:DEVICES",
+    "lioncub.integrations.torchft:MOMENTA_ON_HEAL",
 )
 
 

@@ -268,7 +268,7 @@ def _check_runs(
 
     for config in configs:
         check_before_launch(config, args.timeout or None, args.max_nproc)
-    check_launch_options(args.restarts, args.collective_timeout)
+    check_launch_options(args.restarts, args.collective_timeout, args.fault_tolerant)
     _check_out(out)
     for variant, config, run_dir in zip(variants, configs, run_dirs, strict=True):
         if _reusable(args, variant, run_dir, config):

@@ -249,11 +249,13 @@ def train_run(
 ) -> Any:
     """:func:`lioncub.train.driver.run_training` of ``config`` in ``run_dir`` with the launch options of
     ``args`` (``--timeout``, ``--no-progress``, ``--restarts``, ``--collective-timeout``); ``lock``, the run
-    directory's writer lock, is released when the run has ended."""
+    directory's writer lock, is released when the run has ended. A ``--fault-tolerant`` run:
+    :func:`lioncub.train.fault_tolerant.run_fault_tolerant`."""
     from lioncub.train.driver import run_training
+    from lioncub.train.fault_tolerant import run_fault_tolerant
 
     try:
-        return run_training(
+        return (run_fault_tolerant if config.cluster.fault_tolerant else run_training)(
             config,
             run_dir,
             timeout_s=args.timeout or None,

@@ -86,11 +86,6 @@ def _check_fault_tolerant(args: argparse.Namespace) -> None:
             "--fault-tolerant inside a job of torchrun or `lioncub launch`: lioncub train starts the replica "
             "groups itself; in your own script use lioncub.integrations.torchft.ReplicaGroup"
         )
-    if args.restarts:
-        raise ValueError(
-            f"--restarts {args.restarts} with --fault-tolerant: the groups that die are left out and rejoin "
-            "by healing from a live peer; nothing restarts the job"
-        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         run_dir = check_out_path(args.out, below=len(DEEPEST))
-        check_launch_options(args.restarts, args.collective_timeout)
+        check_launch_options(args.restarts, args.collective_timeout, args.fault_tolerant)
         auto = args.variant == AUTO
         if auto:
             _check_auto(args)

@@ -1,7 +1,7 @@
 """What a training run is: :class:`TrainConfig` (every setting of ``lioncub train``, validated once) in three
 parts -- :class:`RunConfig` (what is trained, on which data, for how long), :class:`OptimizerConfig` (the
-variant and its options) and :class:`ClusterConfig` (the ranks and links the launcher sets up) -- and
-:func:`lr_factor`, the learning-rate schedule (linear warm-up, then a cosine).
+variant and its options) and :class:`ClusterConfig` (the ranks and links the launcher sets up); the lr
+schedule is :mod:`lioncub.train.lr`'s (``lr_factor``, here too).
 
 Every field is one setting, described where it is declared (:func:`lioncub.train.settings.setting`: help,
 allowed values from their owner, range, flag, version); :data:`SETTINGS` is that table, from which the flags
@@ -20,7 +20,6 @@ the flags (:func:`lioncub.train.settings.in_flags`).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +43,7 @@ from lioncub.optim.local_steps import OUTER_RULES, LocalSteps, default_outer_lr
 from lioncub.optim.step_check import NONFINITE_MODES, Checks
 from lioncub.optim.sync import MomentumSync
 from lioncub.train.data import MODES
+from lioncub.train.lr import lr_factor
 from lioncub.train.settings import Described, check_value, described, flat_document, in_flags, nest, setting
 from lioncub.train.settings import spell as spell_value
 from lioncub.train.workloads import workload_class, workload_names
@@ -79,6 +79,10 @@ CONVERSIONS = ("average",)
 #: what may have chosen a run's variant and local steps (``chosen_by``): ``lioncub train --variant auto``
 #: and the ``lioncub compare`` row ``auto`` (:mod:`lioncub.cli.auto`)
 CHOSEN_BY = ("auto",)
+#: why a fault-tolerant run takes no checkpoint options
+_NO_CHECKPOINTS = "checkpoints of a fault-tolerant run are not written: a group heals from a live peer"
+#: why a fault-tolerant run takes no --nnodes
+_NO_GROUPS_OF_RANKS = "groups of several ranks are not built; every rank is one group: use --nproc N"
 #: the largest ``--seed``: torch's generators take 64-bit seeds
 MAX_SEED = 2**63 - 1
 
@@ -160,10 +164,14 @@ class RunConfig:
         help="validation every STEPS steps and at the end; 0: only at the end",
     )  # fmt: skip
     checkpoint_every: int = setting(
-        0, low=0, metavar="STEPS", help="a checkpoint every STEPS steps; 0: only at the end"
+        0,
+        low=0,
+        metavar="STEPS",
+        help="a checkpoint every STEPS steps; 0: only at the end",
+        ft_why=_NO_CHECKPOINTS,
     )
     stop_at: int | None = setting(
-        None, commands=("train",), metavar="STEP",
+        None, commands=("train",), metavar="STEP", ft_why=_NO_CHECKPOINTS,
         help="stop after STEP with a checkpoint (the lr schedule stays that of --steps); --resume goes on",
     )  # fmt: skip
     convert_momenta: str | None = setting(
@@ -172,7 +180,7 @@ class RunConfig:
     )  # fmt: skip
     time_budget_s: float | None = setting(
         None, flag="--time-budget", commands=("compare",), metavar="SECONDS", low=0, above=True,
-        unit="seconds",
+        unit="seconds", ft_why="the time budget's pilot and guard are collectives of a fixed world",
         help="instead of --steps: each run trains the steps its own step time fits in SECONDS of training, "
         "measured by a short pilot of it (docs/local-steps.md, 'Equal time')",
     )  # fmt: skip
@@ -240,6 +248,7 @@ class OptimizerConfig:
     )  # fmt: skip
     diagnostics_every: int = setting(
         0, owner="LionCub", metavar="STEPS", dense_why=", which does not vote", per_step=True,
+        ft_why="the diagnostics gather over a fixed world",
         help="vote diagnostics (match/flip, ties, momentum spread, update shape) into log.jsonl every STEPS "
         "steps; 0: off",
     )  # fmt: skip
@@ -249,7 +258,7 @@ class OptimizerConfig:
     )  # fmt: skip
     overlap: bool = setting(
         False, dense_why=", which always overlaps its gradient allreduce with the backward pass",
-        per_step=True,
+        per_step=True, ft_why="the vote runs between groups after the backward pass, not in DDP's buckets",
         help="LionCub variants: start each DDP bucket's vote during the backward pass (bitwise the same "
         "result)",
     )  # fmt: skip
@@ -304,7 +313,7 @@ class ClusterConfig:
         help="shape every rank's link (with --nnodes each node's NIC), e.g. 1gbit (root)",
     )  # fmt: skip
     nnodes: int | None = setting(
-        None, metavar="M",
+        None, metavar="M", ft_why=_NO_GROUPS_OF_RANKS,
         help="instead of --nproc: M emulated nodes of --nproc-per-node ranks, one --link NIC per node, "
         "started by a multi-node torchrun (root)",
     )  # fmt: skip
@@ -317,20 +326,20 @@ class ClusterConfig:
         "left out at the next quorum, one that (re)joins heals from a live peer (pip install 'lioncub[ft]')",
     )
     kill: list[str] = setting(
-        [], parse=fault_list, metavar="G@STEP,...",
+        [], parse=fault_list, metavar="G@STEP,...", ft_only=True,
         help="with --fault-tolerant: SIGKILL group G once it has finished step STEP",
     )  # fmt: skip
     rejoin: list[str] = setting(
-        [], parse=fault_list, metavar="G@STEP,...",
+        [], parse=fault_list, metavar="G@STEP,...", ft_only=True,
         help="with --fault-tolerant: start group G again once the job has finished step STEP; it heals "
         "from a live peer and joins (with local steps: at the next window)",
     )  # fmt: skip
     lighthouse: str | None = setting(
-        None, metavar="URL", default_text="one started for the job",
+        None, metavar="URL", default_text="one started for the job", ft_only=True,
         help="with --fault-tolerant: the torchft lighthouse to join (http://HOST:PORT)",
     )  # fmt: skip
     momentum_on_heal: str = setting(
-        "peer", choices=MOMENTA_ON_HEAL,
+        "peer", choices=MOMENTA_ON_HEAL, ft_only=True,
         help="with --fault-tolerant: a healed group's momenta, the peer's copy or zeros",
     )  # fmt: skip
 
@@ -476,63 +485,33 @@ def _check_run(config: TrainConfig) -> None:
     _check_fault_tolerant(config)
 
 
-#: what a fault-tolerant run does not take, and why
-_NOT_FAULT_TOLERANT = {
-    "nnodes": "groups of several ranks (DDP inside a group, the vote between groups) are not built; every "
-    "rank is one group: use --nproc N",
-    "overlap": "the vote runs between groups after the backward pass, not in DDP's buckets",
-    "time_budget_s": "the time budget's pilot and guard are collectives of a fixed world",
-    "stop_at": "checkpoints of a fault-tolerant run are not written: a group heals from a live peer",
-    "checkpoint_every": "checkpoints of a fault-tolerant run are not written: a group heals from a live peer",
-    "diagnostics_every": "the diagnostics gather over a fixed world",
-}
-
-
-def _check_peer(config: TrainConfig) -> None:
-    """``--variant torchft-diloco``: torchft's DiLoCo (Lion inside, Nesterov SGD outside: the outer rule
-    diloco with each worker's inner momenta kept) between replica groups, with ``--local-steps H``."""
-    opt = config.optimizer
-    if not config.cluster.fault_tolerant:
-        raise ValueError(
-            f"--variant {opt.variant}: runs on torchft's Manager between replica groups; add --fault-tolerant"
-        )
-    if opt.local_steps is None:
-        raise ValueError(f"--variant {opt.variant}: needs --local-steps H (its sync_every)")
-    if opt.outer != "diloco" or opt.inner_momentum != "keep":
-        raise ValueError(
-            f"--variant {opt.variant} with --outer {opt.outer} --inner-momentum {opt.inner_momentum}: "
-            "torchft's DiLoCo averages the pseudo-gradients (--outer diloco) and keeps each worker's inner "
-            "momenta (--inner-momentum keep)"
-        )
-
-
 def _check_fault_tolerant(config: TrainConfig) -> None:
-    """``--fault-tolerant`` and the options that go with it: the failure schedule against the groups and
-    steps (:func:`lioncub.launch.groups.parse_faults`), the variants and options it takes."""
-    cluster, values = config.cluster, config.flat()
-    if config.optimizer.variant in PEER_VARIANTS:
-        _check_peer(config)
-    if not cluster.fault_tolerant:
-        for name in ("kill", "rejoin", "lighthouse", "momentum_on_heal"):
-            if values[name] != SETTINGS[name].default:
-                raise ValueError(f"{SETTINGS[name].flag}: applies only with --fault-tolerant")
-        return
-    opt = config.optimizer
+    """``--fault-tolerant``: the failure schedule against the groups and steps
+    (:func:`lioncub.launch.groups.parse_faults`), the lighthouse's URL, the variants it takes; and
+    ``--variant torchft-diloco`` (torchft's DiLoCo: Lion inside, Nesterov SGD outside, each worker's inner
+    momenta kept), which needs it and ``--local-steps H``."""
+    cluster, opt = config.cluster, config.optimizer
     if opt.variant in PEER_VARIANTS:
+        if not cluster.fault_tolerant or opt.local_steps is None:
+            raise ValueError(
+                f"--variant {opt.variant}: runs on torchft's Manager between replica groups, every H steps; "
+                "add --fault-tolerant and --local-steps H (its sync_every)"
+            )
+        if opt.outer != "diloco" or opt.inner_momentum != "keep":
+            raise ValueError(
+                f"--variant {opt.variant} with --outer {opt.outer} --inner-momentum {opt.inner_momentum}: "
+                "torchft's DiLoCo averages the pseudo-gradients (--outer diloco) and keeps each worker's "
+                "inner momenta (--inner-momentum keep)"
+            )
+    if not cluster.fault_tolerant:
         return
     if opt.variant in BASELINES and opt.local_steps is None:
         raise ValueError(
             f"--fault-tolerant with --variant {opt.variant}: DDP + Lion has no vote between groups; give a "
             "LionCub variant (e.g. 1bit), or --local-steps H for its dense outer step"
         )
-    for name, why in _NOT_FAULT_TOLERANT.items():
-        if values[name] != SETTINGS[name].default:
-            raise ValueError(f"{spell(name, values[name])} with --fault-tolerant: {why}")
-    lighthouse = cluster.lighthouse
-    if lighthouse is not None and not (
-        isinstance(lighthouse, str) and lighthouse.startswith(("http://", "https://"))
-    ):
-        raise ValueError(f"--lighthouse {lighthouse!r}: give the lighthouse's URL, http://HOST:PORT")
+    if cluster.lighthouse is not None and not str(cluster.lighthouse).startswith(("http://", "https://")):
+        raise ValueError(f"--lighthouse {cluster.lighthouse!r}: give the lighthouse's URL, http://HOST:PORT")
     parse_faults(cluster.kill, cluster.rejoin, cluster.nproc, config.run.steps)
 
 
@@ -542,7 +521,12 @@ def _check_per_variant(config: TrainConfig) -> None:
     ``--steps`` and ``--eval-every`` between outer steps, ``--topology`` with ``--overlap``."""
     opt, values = config.optimizer, config.flat()
     changed = [(n, d) for n, d in SETTINGS.items() if values[n] != d.default]
+    ft = config.cluster.fault_tolerant
     for name, d in changed:
+        if d.setting.ft_only and not ft:
+            raise ValueError(f"{d.flag}: applies only with --fault-tolerant")
+        if d.setting.ft_why and ft:
+            raise ValueError(f"{spell(name, values[name])} with --fault-tolerant: {d.setting.ft_why}")
         if d.setting.dense_why and opt.variant in PEER_VARIANTS and name != "inner_momentum":
             raise ValueError(
                 f"{spell(name, values[name])}: --variant {opt.variant} is torchft's DiLoCo, which does not "
@@ -592,28 +576,6 @@ def _check_with_the_optimizer(config: TrainConfig) -> None:
             opt.local_steps, opt.outer, opt.outer_lr, opt.outer_betas, inner_momentum=opt.inner_momentum
         )
         check_local_steps(local, vote, variant, opt.momentum_sync, opt.diagnostics_every)
-
-
-def lr_factor(step: int, steps: int, warmup: int, min_ratio: float) -> float:
-    """Multiplier of every group's peak lr at optimizer step ``step`` (1-based, ``1 <= step <= steps``).
-
-    The peak is at step ``p = max(warmup, 1)``: the last warm-up step, or the first step without warm-up.
-
-    * ``step <= warmup``: linear warm-up, ``step / warmup`` (``1/warmup, 2/warmup, ..., 1``);
-    * ``step >= p``: a cosine from 1 at step ``p`` down to ``min_ratio`` at step ``steps``::
-
-          progress = (step - p) / max(1, steps - p)            # 0 at p, 1 at steps
-          factor = min_ratio + (1 - min_ratio) * (1 + cos(pi * min(1, progress))) / 2
-
-    So without warm-up the first step trains at the peak lr and only the last one at ``min_ratio`` (a
-    single step, ``steps == 1``, is at the peak); with warm-up the cosine starts from its last step. A pure
-    function of the step: a resumed run gets the same lr bit for bit.
-    """
-    if step <= warmup:
-        return step / warmup
-    peak = max(warmup, 1)
-    progress = (step - peak) / max(1, steps - peak)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
 def format_overrides(overrides: dict[str, Any]) -> str:

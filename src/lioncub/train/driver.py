@@ -32,6 +32,7 @@ __all__ = [
     "check_launch_options",
     "check_run_options",
     "estimate_params",
+    "format_fault_tolerance",
     "format_summary",
     "make_launch_config",
     "max_ranks",
@@ -42,10 +43,16 @@ __all__ = [
 RANK_MODULE = "lioncub.train.rank"
 
 
-def check_launch_options(restarts: int, collective_timeout_s: float) -> None:
-    """``ValueError`` naming ``--restarts`` / ``--collective-timeout`` if out of range."""
+def check_launch_options(restarts: int, collective_timeout_s: float, fault_tolerant: bool = False) -> None:
+    """``ValueError`` naming ``--restarts`` / ``--collective-timeout`` if out of range (``--restarts`` at
+    all with ``--fault-tolerant``)."""
     if not (isinstance(restarts, int) and restarts >= 0):
         raise ValueError(f"--restarts {restarts!r} must be an integer >= 0")
+    if restarts and fault_tolerant:
+        raise ValueError(
+            f"--restarts {restarts} with --fault-tolerant: the groups that die are left out and rejoin by "
+            "healing from a live peer; nothing restarts the job"
+        )
     if not (collective_timeout_s > 0 and math.isfinite(collective_timeout_s)):
         raise ValueError(f"--collective-timeout {collective_timeout_s!r} must be a number of seconds > 0")
 
@@ -249,18 +256,6 @@ def run_training(
     (``restarts``) reruns every rank, which resumes from the last checkpoint. ``env`` is added to the
     ranks' environment. Ends with :func:`lioncub.train.prepare.finish_run`."""
     check_launch_options(restarts, collective_timeout_s)
-    if config.cluster.fault_tolerant:
-        if restarts:
-            raise ValueError(
-                f"--restarts {restarts} with --fault-tolerant: the groups that die are left out and rejoin "
-                "by healing from a live peer; nothing restarts the job"
-            )
-        from lioncub.train.fault_tolerant import run_fault_tolerant
-
-        return run_fault_tolerant(
-            config, run_dir, timeout_s=timeout_s, progress=progress, label=label, out=out, err=err,
-            collective_timeout_s=collective_timeout_s, env=env,
-        )  # fmt: skip
     from lioncub.launch import launch
     from lioncub.train import checkpoint
 
@@ -329,12 +324,32 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 def format_fault_tolerance(entry: dict[str, Any] | None) -> str:
-    """A fault-tolerant run's part of the summary line (:mod:`lioncub.train.fault_tolerant`)."""
+    """A fault-tolerant run's part of the summary line (:mod:`lioncub.train.fault_tolerant`): ``; 40 steps
+    with 3 groups, 20 with 2; 1 heal (group 1 at step 35 from g0: 0.9 MB in 0.06 s); the replicas of groups
+    0, 1, 2 were bitwise equal at the end`` ("" without one)."""
     if not entry:
         return ""
-    from lioncub.train.fault_tolerant import format_fault_tolerance as text
-
-    return text(entry)
+    counts = ", ".join(
+        f"{n} step{'s' if n != 1 else ''} with {k} group{'s' if k != '1' else ''}"
+        for k, n in entry["participants"].items()
+    )
+    text = f"; fault-tolerant: {counts}"
+    if entry["skipped_steps"]:
+        text += f", {entry['skipped_steps']} skipped (not committed)"
+    heals = entry["heals"]
+    if heals:
+        shown = "; ".join(
+            f"group {h['group']} at step {h['step']} from {h['source']}: {h['nbytes'] / 1e6:.1f} MB in "
+            f"{h['seconds']:.2f} s"
+            for h in heals
+        )
+        text += f"; {len(heals)} heal{'s' if len(heals) != 1 else ''} ({shown})"
+    groups = ", ".join(map(str, entry["groups_finished"]))
+    return text + (
+        f"; the replicas of groups {groups} were bitwise equal at the end"
+        if entry["replicas_equal"]
+        else f"; the replicas were NOT equal at the end (groups finished: {groups or 'none'})"
+    )
 
 
 def _budget_line(budget: dict[str, Any] | None) -> str:

@@ -21,13 +21,24 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, TextIO
 
-from lioncub.launch.groups import parse_faults
+from lioncub.launch.groups import launch_groups, parse_faults
+from lioncub.launch.preload import MODULES
 from lioncub.rundir import SpecialFileError, is_marked, read_run_file, record, write_owned
 from lioncub.train.config import TrainConfig
+from lioncub.train.driver import (
+    RANK_MODULE,
+    RunOutcome,
+    check_launch_options,
+    make_launch_config,
+    preload_ranks,
+)
+from lioncub.train.loop import summarize
+from lioncub.train.prepare import NEXT_CONFIG, finish_run
+from lioncub.train.progress import Progress
 from lioncub.train.replica_group import end_name, group_files, log_name
 from lioncub.train.runlog import complete_records
 
-__all__ = ["GroupLogs", "format_fault_tolerance", "merge_group_logs", "run_fault_tolerant"]
+__all__ = ["GroupLogs", "fault_tolerance_summary", "merge_group_logs", "run_fault_tolerant"]
 
 #: what the groups of a fault-tolerant run start as
 GROUP_MODULE = "lioncub.train.replica_group"
@@ -130,35 +141,6 @@ def fault_tolerance_summary(
     return entry, (finished or ends or [None])[0]
 
 
-def format_fault_tolerance(entry: dict[str, Any] | None) -> str:
-    """``; 40 steps with 3 groups, 20 with 2; 1 heal (group 1 at step 35 from g0: 12.3 MB in 1.20 s);
-    the replicas of groups 0, 1, 2 were bitwise equal at the end`` ("" without one)."""
-    if not entry:
-        return ""
-    counts = ", ".join(
-        f"{n} step{'s' if n != 1 else ''} with {k} group{'s' if k != '1' else ''}"
-        for k, n in entry["participants"].items()
-    )
-    text = f"; fault-tolerant: {counts}"
-    if entry["skipped_steps"]:
-        text += f", {entry['skipped_steps']} skipped (not committed)"
-    heals = entry["heals"]
-    if heals:
-        shown = "; ".join(
-            f"group {h['group']} at step {h['step']} from {h['source']}: {h['nbytes'] / 1e6:.1f} MB in "
-            f"{h['seconds']:.2f} s"
-            for h in heals
-        )
-        text += f"; {len(heals)} heal{'s' if len(heals) != 1 else ''} ({shown})"
-    groups = ", ".join(map(str, entry["groups_finished"]))
-    text += (
-        f"; the replicas of groups {groups} were bitwise equal at the end"
-        if entry["replicas_equal"]
-        else f"; the replicas were NOT equal at the end (groups finished: {groups or 'none'})"
-    )
-    return text
-
-
 def run_fault_tolerant(
     config: TrainConfig,
     run_dir: Path,
@@ -166,21 +148,16 @@ def run_fault_tolerant(
     timeout_s: float | None,
     progress: bool,
     label: str | None,
-    out: TextIO | None,
-    err: TextIO | None,
     collective_timeout_s: float,
-    env: dict[str, str] | None,
-) -> Any:
-    """:func:`lioncub.train.driver.run_training` for a ``--fault-tolerant`` run: launch the groups with
-    the schedule, merge their logs, write ``log.jsonl`` and ``summary.json``, finish the run directory.
-    Returns a :class:`~lioncub.train.driver.RunOutcome`."""
-    from lioncub.launch.groups import launch_groups
-    from lioncub.launch.preload import MODULES
-    from lioncub.train.driver import RANK_MODULE, RunOutcome, make_launch_config, preload_ranks
-    from lioncub.train.loop import summarize
-    from lioncub.train.prepare import NEXT_CONFIG, finish_run
-    from lioncub.train.progress import Progress
-
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+    restarts: int = 0,
+    env: dict[str, str] | None = None,
+) -> RunOutcome:
+    """What :func:`lioncub.train.driver.run_training` is for a ``--fault-tolerant`` run: launch the groups
+    with the schedule, merge their logs, write ``log.jsonl`` and ``summary.json``, finish the run directory.
+    Returns how it ended."""
+    check_launch_options(restarts, collective_timeout_s, fault_tolerant=True)
     err = err or sys.stderr
     cluster, run = config.cluster, config.run
     faults = parse_faults(cluster.kill, cluster.rejoin, cluster.nproc, run.steps)

@@ -34,9 +34,11 @@ import io
 import json
 import logging
 import os
+import re
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +52,8 @@ from lioncub.optim import Lion, LionCub, LocalSteps
 from lioncub.optim.engine import PhaseClock
 from lioncub.rundir import open_append, write_atomically
 from lioncub.train import loop
-from lioncub.train.config import TrainConfig, lr_factor
+from lioncub.train.config import TrainConfig
+from lioncub.train.lr import lr_factor
 from lioncub.train.rank import PG_TIMEOUT_S, interrupt_as_one_line
 from lioncub.train.runlog import append_record
 from lioncub.train.workloads import Workload, make_workload
@@ -124,46 +127,61 @@ class _Position:
         self.step, self.elapsed, self.healed = int(state["step"]), float(state["elapsed"]), True
 
 
-def _await_heartbeat(lighthouse: str, replica_id: str, timeout_s: float) -> None:
-    """Wait until the lighthouse lists ``replica_id`` among the live groups (its ``/status`` page): from
-    then on a quorum waits for this group (its join timeout) rather than forming without it, so the
-    schedule's starts fall at known steps. ``ReplicaGroupError`` after ``timeout_s``."""
+def _lighthouse_status(lighthouse: str) -> str:
+    """The lighthouse's ``/status`` page ("" when it cannot be read)."""
     import urllib.request
 
+    try:
+        with urllib.request.urlopen(f"{lighthouse}/status", timeout=5) as page:
+            return page.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _wait(ready: Callable[[], bool], timeout_s: float, what: str) -> float:
+    """Poll ``ready()`` until it is true; the seconds waited. ``ReplicaGroupError`` naming ``what`` after
+    ``timeout_s``."""
     t0 = time.perf_counter()
-    while True:
-        try:
-            with urllib.request.urlopen(f"{lighthouse}/status", timeout=5) as page:
-                if f"{replica_id}: seen" in page.read().decode(errors="replace"):
-                    return
-        except OSError:
-            pass
+    while not ready():
         if time.perf_counter() - t0 > timeout_s:
-            raise ReplicaGroupError(
-                f"the lighthouse {lighthouse} did not list {replica_id} within {timeout_s:g} s"
-            )
-        time.sleep(0.05)
+            raise ReplicaGroupError(f"{what} within {timeout_s:g} s")
+        time.sleep(0.02)
+    return time.perf_counter() - t0
 
 
-def _await_rejoins(run_dir: Path, rejoins: list[tuple[int, int, int]], done: int, timeout_s: float) -> float:
-    """Wait until every group the schedule started (again) by step ``done`` (``(group, life, step)``) has
-    left its ready mark; the seconds waited. ``ReplicaGroupError`` after ``timeout_s``."""
-    due = [
-        (g, life, s) for g, life, s in rejoins if s <= done and not (run_dir / ready_name(g, life)).exists()
-    ]
+_PENDING = re.compile(r"\[(\d+)/\d+ participants healthy\]")
+
+
+def _pending(lighthouse: str) -> int:
+    """How many groups have asked the lighthouse for the next quorum (its status line)."""
+    found = _PENDING.search(_lighthouse_status(lighthouse))
+    return int(found[1]) if found else 0
+
+
+def _await_rejoins(
+    run_dir: Path, lighthouse: str, pending: list[tuple[int, int, int]], done: int, timeout_s: float
+) -> float:
+    """Before this group asks for a quorum after step ``done``: for the groups the schedule started again
+    by then (``pending``'s ``(group, life, step)``, removed once handled), wait for their ready marks and
+    until they have asked the lighthouse for the quorum themselves. torchft forms a quorum at once when
+    the previous one's members have all asked ("fast quorum"), so a group that asks later joins one step
+    (window) later; asking first, the groups that start again are in the quorum at a known step. The
+    seconds waited (emulation: not training time)."""
+    due = [e for e in pending if e[2] <= done]
     if not due:
         return 0.0
-    t0 = time.perf_counter()
+    waited = 0.0
     for g, life, s in due:
-        while not (run_dir / ready_name(g, life)).exists():
-            if time.perf_counter() - t0 > timeout_s:
-                raise ReplicaGroupError(
-                    f"group {g} did not start within {timeout_s:g} s"
-                    + (f" of --rejoin {g}@{s}" if life else "")
-                    + f" (no {ready_name(g, life)})"
-                )
-            time.sleep(0.02)
-    return time.perf_counter() - t0
+        mark = run_dir / ready_name(g, life)
+        waited += _wait(mark.exists, timeout_s, f"group {g} did not start again after --rejoin {g}@{s}")
+    waited += _wait(
+        lambda: _pending(lighthouse) >= len(due),
+        timeout_s,
+        f"groups {[e[0] for e in due]} did not ask for a quorum",
+    )
+    for e in due:
+        pending.remove(e)
+    return waited
 
 
 class _Quiet(logging.Filter):
@@ -217,127 +235,167 @@ def _group(
     return group, setup
 
 
+def _schedule(config: TrainConfig, index: int, life: int) -> tuple[set[int], list[tuple[int, int, int]]]:
+    """The steps after which this group holds for its ``--kill``, and the starts again it waits for as
+    ``(group, life, step)``: not its own, nor its earlier lives'."""
+    cluster = config.cluster
+    faults = parse_faults(cluster.kill, cluster.rejoin, cluster.nproc, config.run.steps)
+    kills = {f.step for f in faults if f.kind == "kill" and f.group == index}
+    lives: dict[int, int] = {}
+    pending = []
+    for f in faults:
+        if f.kind == "rejoin":
+            lives[f.group] = lives.get(f.group, 0) + 1
+            if f.group != index or lives[f.group] > life:
+                pending.append((f.group, lives[f.group], f.step))
+    return kills, pending
+
+
+class _GroupLoop:
+    """The loop of one replica group (module docstring): its parts, :meth:`run` and one :meth:`step`."""
+
+    def __init__(self, config: TrainConfig, run_dir: Path, index: int, life: int, lighthouse: str, host: str):
+        run, cluster = config.run, config.cluster
+        self.config, self.run_dir, self.index, self.life, self.lighthouse = (
+            config,
+            run_dir,
+            index,
+            life,
+            lighthouse,
+        )
+        self.kills, self.pending = _schedule(config, index, life)
+        self.wl = make_workload(
+            run.workload, run.size, rank=index, world_size=cluster.nproc, seed=run.seed,
+            data_mode=run.data_mode, device=torch.device("cpu"), **run.overrides,
+        )  # fmt: skip
+        self.model = self.wl.build_model()
+        loop.seed_rank(run.seed, index, life)  # dropout: each group's own stream, and each life's
+        timeout = env.seconds("LIONCUB_PG_TIMEOUT")
+        self.timeout_s = timeout.total_seconds() if timeout is not None else PG_TIMEOUT_S
+        self.group, self.setup = _group(config, self.wl, self.model, index, lighthouse, host, self.timeout_s)
+        self.opt = self.setup.opt
+        self.position = _Position()
+        self.group.register_state("loop", self.position.load, self.position.save)
+        for g in self.opt.param_groups:
+            g.setdefault("initial_lr", g["lr"])
+        self.window: list[dict[str, Any]] = []  # this window's records, written when its commit is known
+        self.clock = PhaseClock(torch.device("cpu"))
+        self.out = -1
+
+    def join(self) -> None:
+        """Say this group is ready once the lighthouse lists it (a quorum then waits for it); at the job's
+        start, wait for every group, so that the first quorum has them all."""
+        listed = f"{self.group.lighthouse_id}: seen"
+        what = f"the lighthouse did not list group {self.index}"
+        _wait(lambda: listed in _lighthouse_status(self.lighthouse), self.timeout_s, what)
+        write_atomically(self.run_dir / ready_name(self.index, self.life), f"{os.getpid()}\n")
+        if self.life == 0:
+            for g in range(self.config.cluster.nproc):
+                _wait((self.run_dir / ready_name(g, 0)).exists, self.timeout_s, f"group {g} did not start")
+
+    def run(self) -> None:
+        """Every step until the run's last (holding after a ``--kill`` step), then the end record."""
+        self.join()
+        self.out = open_append(self.run_dir / log_name(self.index))
+        while self.position.step < self.config.run.steps:
+            step = self.step()
+            if step in self.kills:
+                for r in self.window:
+                    append_record(self.out, {**r, "committed": None})  # the window dies with the group
+                append_record(self.out, {"kind": "hold", "step": step, "group": self.index})
+                while True:  # until the launcher's SIGKILL (--kill)
+                    time.sleep(60)
+        self.finish()
+
+    def step(self) -> int:
+        """One step (module docstring, point 2); the step it was."""
+        run, group, position, opt = self.config.run, self.group, self.position, self.opt
+        held = 0.0
+        if group.boundary:
+            held = _await_rejoins(self.run_dir, self.lighthouse, self.pending, position.step, self.timeout_s)
+        t0 = self.clock()
+        participants = group.begin()  # the quorum; a heal moves the position to the peer's
+        t1 = self.clock()
+        if position.healed:  # started again: the starts before it are the others' business
+            self.pending[:] = [e for e in self.pending if e[2] > position.step]
+        position.healed = False
+        step = position.step + 1
+        for g in opt.param_groups:
+            g["lr"] = g["initial_lr"] * lr_factor(step, run.steps, run.warmup, run.min_lr_ratio)
+        loss = self.wl.loss(self.model, self.wl.train_batch(step - 1))
+        loss.backward()
+        t2 = self.clock()
+        ends = group.step_ends_boundary
+        committed = group.step()
+        opt.zero_grad(set_to_none=True)
+        t3 = self.clock()
+        rec = loop.step_record(self.setup, step, t2 - t1, t3 - t2, None)
+        rec["step_s"] += t1 - t0
+        if position.healed:  # torchft's DiLoCo heals at a window's end: this window was replaced
+            self.pending[:] = [e for e in self.pending if e[2] > position.step]
+            self.window = [{**r, "replaced": True} for r in self.window]
+            step = rec["step"] = position.step + 1
+        if isinstance(group, DiLoCoGroup) and ends:  # the sync ran in the inner step's hook
+            n = group.participants
+            ring = 2 * (n - 1) / n * 4 * sum(p.numel() for p in self.model.parameters())  # fp32 ring
+            rec.update(comm_s=t3 - t2, exchange_s=t3 - t2, apply_s=0.0, collectives=1, bytes_sent=ring,
+                       bytes_recv=ring)  # fmt: skip
+        position.step, position.elapsed = step, position.elapsed + rec["step_s"]
+        rec.update(time_s=position.elapsed, quorum_s=t1 - t0, held_s=held, participants=participants,
+                   loss=float(loss.detach()), lr=opt.param_groups[0]["lr"], group=self.index)  # fmt: skip
+        self.window.append(rec)
+        if ends:
+            if (run.eval_every and step % run.eval_every == 0) or step == run.steps:
+                # before the step records: the launcher's --kill waits for those
+                append_record(self.out, {"kind": "eval", "step": step, "time_s": position.elapsed,
+                                         "group": self.index, **self.wl.evaluate(self.model)})  # fmt: skip
+            for r in self.window:  # the quorum's size, known at the window's end with torchft's DiLoCo
+                done = committed and not r.pop("replaced", False)
+                append_record(self.out, {**r, "participants": group.participants, "committed": done})
+            self.window.clear()
+        elif step == run.steps:
+            raise AssertionError("the run's last step ends a window (--steps is a multiple of H)")
+        return step
+
+    def finish(self) -> None:
+        """``groups/gG.end.json``, and the model from the first participant of the last quorum."""
+        group, model = self.group, self.model
+        end = {
+            "group": self.index, "life": self.life, "step": self.position.step,
+            "digest": params_digest(model), "params": sum(p.numel() for p in model.parameters()),
+            "info": {k: v for k, v in self.wl.info().items() if isinstance(v, (int, float, str, bool))},
+            "committed": group.committed, "skipped": group.skipped,
+            "heals": [dataclasses.asdict(h) for h in group.heals],
+        }  # fmt: skip
+        write_atomically(self.run_dir / end_name(self.index), json.dumps(end) + "\n")
+        if group.quorum_rank == 0:
+            buffer = io.BytesIO()
+            torch.save(model.state_dict(), buffer)
+            write_atomically(self.run_dir / MODEL_FILE, buffer.getvalue())
+
+
 def run_group(config: TrainConfig, run_dir: Path, index: int, life: int, lighthouse: str, host: str) -> int:
     """Train as replica group ``index`` (its ``life``-th start) of the fault-tolerant run in ``run_dir``;
     the exit status."""
     logging.getLogger("torchft.manager").addFilter(_Quiet())
     # a heal's tensors arrive in read-only buffers; they are copied into the replica at once
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
-    run, cluster = config.run, config.cluster
     torch.set_num_threads(int(env.text("LIONCUB_THREADS")))
-    faults = parse_faults(cluster.kill, cluster.rejoin, cluster.nproc, run.steps)
-    kills = {f.step for f in faults if f.kind == "kill" and f.group == index}
-    lives: dict[int, int] = {}
-    rejoins = []
-    for f in faults:
-        if f.kind == "rejoin":
-            lives[f.group] = lives.get(f.group, 0) + 1
-            rejoins.append((f.group, lives[f.group], f.step))
-    wl = make_workload(
-        run.workload,
-        run.size,
-        rank=index,
-        world_size=cluster.nproc,
-        seed=run.seed,
-        data_mode=run.data_mode,
-        device=torch.device("cpu"),
-        **run.overrides,
-    )
-    model = wl.build_model()
-    loop.seed_rank(run.seed, index, life)  # dropout: each group's own stream, and each life's
-    timeout = env.seconds("LIONCUB_PG_TIMEOUT")
-    timeout_s = timeout.total_seconds() if timeout is not None else PG_TIMEOUT_S
-    group, setup = _group(config, wl, model, index, lighthouse, host, timeout_s)
-    opt = setup.opt
-    position = _Position()
-    group.register_state("loop", position.load, position.save)
-    for g in opt.param_groups:
-        g.setdefault("initial_lr", g["lr"])
-    _await_heartbeat(lighthouse, group.lighthouse_id, timeout_s)  # a quorum waits for this group now
-    write_atomically(run_dir / ready_name(index, life), f"{os.getpid()}\n")
-    if life == 0:  # the job's first quorum has every group (reruns of a schedule give the same bits)
-        _await_rejoins(run_dir, [(g, 0, 0) for g in range(cluster.nproc)], 0, timeout_s)
-    out = open_append(run_dir / log_name(index))
-    window: list[dict[str, Any]] = []  # this window's records, written when its commit is known
-    clock = PhaseClock(torch.device("cpu"))
+    group_loop = None
     try:
-        with interrupt_as_one_line(lambda: f"at step {position.step + 1} (group {index})"):
-            while position.step < run.steps:
-                held = _await_rejoins(run_dir, rejoins, position.step, timeout_s) if group.boundary else 0.0
-                t0 = clock()
-                participants = group.begin()  # the quorum; a heal moves the position to the peer's
-                t1 = clock()
-                position.healed = False
-                step = position.step + 1
-                for g in opt.param_groups:
-                    g["lr"] = g["initial_lr"] * lr_factor(step, run.steps, run.warmup, run.min_lr_ratio)
-                loss = wl.loss(model, wl.train_batch(step - 1))
-                loss.backward()
-                t2 = clock()
-                ends = group.step_ends_boundary
-                committed = group.step()
-                opt.zero_grad(set_to_none=True)
-                t3 = clock()
-                rec = loop.step_record(setup, step, t2 - t1, t3 - t2, None)
-                rec["step_s"] += t1 - t0
-                if position.healed:  # torchft's DiLoCo heals at a window's end: this window was replaced
-                    window = [{**r, "replaced": True} for r in window]
-                    step = rec["step"] = position.step + 1
-                if isinstance(group, DiLoCoGroup) and ends:  # the sync ran in the inner step's hook
-                    n = group.participants
-                    ring = 2 * (n - 1) / n * 4 * sum(p.numel() for p in model.parameters())  # fp32 ring
-                    rec.update(comm_s=t3 - t2, exchange_s=t3 - t2, apply_s=0.0, collectives=1,
-                               bytes_sent=ring, bytes_recv=ring)  # fmt: skip
-                position.step, position.elapsed = step, position.elapsed + rec["step_s"]
-                rec.update(
-                    time_s=position.elapsed,
-                    quorum_s=t1 - t0,
-                    held_s=held,
-                    participants=participants,
-                    loss=float(loss.detach()),
-                    lr=opt.param_groups[0]["lr"],
-                    group=index,
-                )
-                window.append(rec)
-                if ends:
-                    if (run.eval_every and step % run.eval_every == 0) or step == run.steps:
-                        # before the step records: the launcher's --kill waits for those
-                        append_record(out, {"kind": "eval", "step": step, "time_s": position.elapsed,
-                                            "group": index, **wl.evaluate(model)})  # fmt: skip
-                    for r in window:  # the quorum's size, known at the window's end with torchft's DiLoCo
-                        done = committed and not r.pop("replaced", False)
-                        append_record(out, {**r, "participants": group.participants, "committed": done})
-                    window.clear()
-                elif step == run.steps:
-                    raise AssertionError("the run's last step ends a window (--steps is a multiple of H)")
-                if step in kills:
-                    for r in window:
-                        append_record(out, {**r, "committed": None})  # the window dies with the group
-                    append_record(out, {"kind": "hold", "step": step, "group": index})
-                    while True:  # until the launcher's SIGKILL (--kill)
-                        time.sleep(60)
-            end = {
-                "group": index,
-                "life": life,
-                "step": position.step,
-                "digest": params_digest(model),
-                "params": sum(p.numel() for p in model.parameters()),
-                "info": {k: v for k, v in wl.info().items() if isinstance(v, (int, float, str, bool))},
-                "committed": group.committed,
-                "skipped": group.skipped,
-                "heals": [dataclasses.asdict(h) for h in group.heals],
-            }
-            write_atomically(run_dir / end_name(index), json.dumps(end) + "\n")
-            if group.quorum_rank == 0:  # the model, once: the first participant of the last quorum
-                buffer = io.BytesIO()
-                torch.save(model.state_dict(), buffer)
-                write_atomically(run_dir / MODEL_FILE, buffer.getvalue())
+        with interrupt_as_one_line(
+            lambda: f"at step {group_loop.position.step + 1 if group_loop else 1} (group {index})"
+        ):
+            group_loop = _GroupLoop(config, run_dir, index, life, lighthouse, host)
+            group_loop.run()
     except ReplicaGroupError as exc:
         print(f"group {index}: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
-        os.close(out)
-        group.shutdown()
+        if group_loop is not None:
+            if group_loop.out >= 0:
+                os.close(group_loop.out)
+            group_loop.group.shutdown()
     return 0
 
 

@@ -66,6 +66,7 @@ class Setting:
         dense_why: refused on the DDP baselines (``32bit``, ``16bit``), which do not use LionCub: why.
         per_step: only for a vote every step (a LionCub variant without local steps).
         local: only with local steps.
+        ft_only: only with ``--fault-tolerant``; ``ft_why``: refused with it: why.
         since: the ``config.json`` version from which it exists.
         absent: what a document without it means (a function of the document's settings, flat); None:
             its default.
@@ -88,6 +89,8 @@ class Setting:
     dense_why: str = ""
     per_step: bool = False
     local: bool = False
+    ft_only: bool = False
+    ft_why: str = ""
     since: int = 1
     absent: Callable[[Mapping[str, Any]], Any] | None = None
 

@@ -843,6 +843,41 @@ SCENARIOS = {
 }
 
 
+#: every job of a framework, in order, one sequence (one preloaded interpreter) for both test modules:
+#: tests/test_integrations.py's scenarios, then tests/test_framework_guards.py's
+SEQUENCES = {
+    "hf": [("hf", 2), ("hf-guards", 2), ("hf-resize", 3)],
+    "accelerate": [("accelerate", 2), ("accelerate-guards", 2)],
+    "lightning": [("lightning", 2), ("lightning-guards", 2)],
+}
+#: what each framework's jobs import
+NEEDS = {"hf": ["transformers", "accelerate"], "accelerate": ["accelerate"], "lightning": ["lightning"]}
+#: each sequence's bound (s): every job's launch gets its own 240 s
+SEQUENCE_TIMEOUT = 600
+
+
+def missing(framework: str) -> list[str]:
+    """What ``framework``'s jobs need that is not installed."""
+    import importlib.util
+
+    return [m for m in NEEDS[framework] if importlib.util.find_spec(m) is None]
+
+
+def sequence_job(framework: str) -> Any:
+    """The background job (tests/background.py) of ``framework``'s sequence, for both test modules (their
+    key ``framework:NAME``); None where the framework is missing."""
+    import background
+
+    if missing(framework):
+        return None
+    command = lambda workdir: sequence_command(workdir / "out", SEQUENCES[framework], 240)
+    return background.Subprocess(command, SEQUENCE_TIMEOUT)
+
+
+#: both test modules' background jobs: one sequence per framework
+BACKGROUND = {f"framework:{f}": (lambda f=f: sequence_job(f)) for f in SEQUENCES}
+
+
 def sequence_command(out: Path, jobs: list[tuple[str, int]], timeout: int) -> list[str]:
     """The command that launches ``jobs`` (scenario set, ranks) one after the other, all writing to ``out``
     (a later job may start from an earlier one's checkpoints); it fails if any job failed."""

@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import pytest
@@ -24,37 +23,18 @@ import torch
 import background
 import framework_jobs as jobs
 
-#: framework -> (the packages it needs, its jobs in order: scenario set, ranks)
-JOBS = {
-    "hf": (["transformers", "accelerate"], [("hf-guards", 2), ("hf-resize", 3)]),
-    "accelerate": (["accelerate"], [("accelerate-guards", 2)]),
-    "lightning": (["lightning"], [("lightning-guards", 2)]),
-}
-TIMEOUT = 540  # each job's launch gets its own 240 s
+#: one sequence per framework (tests/framework_jobs.py): tests/test_integrations.py's scenarios, then these
+BACKGROUND = jobs.BACKGROUND
 
-
-def _missing(framework: str) -> list[str]:
-    return [m for m in JOBS[framework][0] if importlib.util.find_spec(m) is None]
-
-
-def _job(framework: str) -> background.Job | None:
-    if _missing(framework):
-        return None
-    runs = JOBS[framework][1]
-    return background.Subprocess(lambda workdir: jobs.sequence_command(workdir / "out", runs, 240), TIMEOUT)
-
-
-#: the jobs of each framework, started in the background when collection ends
-BACKGROUND = {f"guards:{f}": (lambda f=f: _job(f)) for f in JOBS}
 _LOADED: dict[str, dict[str, list[dict[str, Any]]]] = {}
 
 
 def scenario(framework: str, name: str) -> list[dict[str, Any]]:
     """What each rank saw in scenario ``name`` (fails with the jobs' output if they failed)."""
     if framework not in _LOADED:
-        if _missing(framework):
-            pytest.skip(f"{_missing(framework)} not installed")
-        key = f"guards:{framework}"
+        if jobs.missing(framework):
+            pytest.skip(f"{jobs.missing(framework)} not installed")
+        key = f"framework:{framework}"
         proc = background.result(key, BACKGROUND[key])
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
         _LOADED[framework] = jobs.load_results(background.workdir(key) / "out")
@@ -72,8 +52,8 @@ def differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
 def marks(framework: str) -> list[Any]:
     return [
         pytest.mark.slow,
-        pytest.mark.background(f"guards:{framework}"),
-        pytest.mark.timeout(TIMEOUT + 60),
+        pytest.mark.background(f"framework:{framework}"),
+        pytest.mark.timeout(jobs.SEQUENCE_TIMEOUT + 60),
     ]
 
 
@@ -106,8 +86,8 @@ def test_torch_compile_around_ddp(framework: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.background("guards:lightning")
-@pytest.mark.timeout(TIMEOUT + 60)
+@pytest.mark.background("framework:lightning")
+@pytest.mark.timeout(jobs.SEQUENCE_TIMEOUT + 60)
 @pytest.mark.parametrize(("run", "scaler"), [("bf16-clip", "NoneType"), ("16-clip", "GradScaler")])
 def test_lightning_clips_under_mixed_precision(run: str, scaler: str) -> None:
     """``gradient_clip_val`` clips each rank's local (unscaled) gradient: its norm is the clip value after
@@ -123,8 +103,8 @@ def test_lightning_clips_under_mixed_precision(run: str, scaler: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.background("guards:hf")
-@pytest.mark.timeout(TIMEOUT + 60)
+@pytest.mark.background("framework:hf")
+@pytest.mark.timeout(jobs.SEQUENCE_TIMEOUT + 60)
 def test_trainer_resumes_on_another_world_size_when_allowed() -> None:
     """A 2-rank checkpoint resumed on 3 ranks: refused, naming the option; with
     ``lioncub=dict(allow_world_size_change=True)``, rank r takes saved rank r mod 2's momenta."""
@@ -141,8 +121,8 @@ def test_trainer_resumes_on_another_world_size_when_allowed() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.background("guards:hf")
-@pytest.mark.timeout(TIMEOUT + 60)
+@pytest.mark.background("framework:hf")
+@pytest.mark.timeout(jobs.SEQUENCE_TIMEOUT + 60)
 def test_trainer_warns_that_optim_is_ignored() -> None:
     for r in scenario("hf", "optim-arg"):
         assert r["None"] == []  # the default optim: no warning
@@ -152,8 +132,8 @@ def test_trainer_warns_that_optim_is_ignored() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.background("guards:hf")
-@pytest.mark.timeout(TIMEOUT + 60)
+@pytest.mark.background("framework:hf")
+@pytest.mark.timeout(jobs.SEQUENCE_TIMEOUT + 60)
 def test_a_resume_without_optimizer_state_warns_once() -> None:
     """``save_only_model=True`` checkpoints hold no optimizer state: the resume warns once (rank 0) that
     the momenta start from zero, and LionCub continues at the checkpoint's step (the tie phase keeps its
@@ -168,8 +148,8 @@ def test_a_resume_without_optimizer_state_warns_once() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.background("guards:hf")
-@pytest.mark.timeout(TIMEOUT + 60)
+@pytest.mark.background("framework:hf")
+@pytest.mark.timeout(jobs.SEQUENCE_TIMEOUT + 60)
 def test_trainer_evaluates_the_shared_parameters_in_a_window_and_warns_of_an_odd_end() -> None:
     """``local_steps=2`` with ``max_steps=3`` and ``eval_steps=1`` (and an evaluation at step 0): rank 0
     warns once that the run ends in a window's middle; the evaluations in a window's middle are of θ of
@@ -184,8 +164,8 @@ def test_trainer_evaluates_the_shared_parameters_in_a_window_and_warns_of_an_odd
 
 
 @pytest.mark.slow
-@pytest.mark.background("guards:lightning")
-@pytest.mark.timeout(TIMEOUT + 60)
+@pytest.mark.background("framework:lightning")
+@pytest.mark.timeout(jobs.SEQUENCE_TIMEOUT + 60)
 def test_lightning_validates_and_checkpoints_the_shared_parameters_in_a_window() -> None:
     """``local_steps`` H = 2, validated after every micro-batch (Lightning counts those): a validation in a
     window's middle (after optimizer steps 1, 3, 5) sees θ of the last outer step — the parameters after
@@ -207,4 +187,4 @@ def test_lightning_validates_and_checkpoints_the_shared_parameters_in_a_window()
 
 def test_the_guard_jobs_exist() -> None:
     """Every job named here is a scenario set of tests/framework_jobs.py."""
-    assert {name for _, runs in JOBS.values() for name, _ in runs} <= set(jobs.SCENARIOS)
+    assert {name for runs in jobs.SEQUENCES.values() for name, _ in runs} <= set(jobs.SCENARIOS)

@@ -27,25 +27,14 @@ import framework_jobs as jobs
 from processes import python
 
 REPO = Path(__file__).resolve().parents[1]
-#: framework -> the packages its integration needs
-NEEDS = {"hf": ["transformers", "accelerate"], "accelerate": ["accelerate"], "lightning": ["lightning"]}
+NEEDS = jobs.NEEDS
 EXTRA = {"hf": "hf", "accelerate": "hf", "lightning": "lightning"}
 RUNS = [f"{v}-{m}" for v in ("1bit", "8bit") for m in ("plain", "overlap")]
 
 
-def _missing(framework: str) -> list[str]:
-    return [m for m in NEEDS[framework] if importlib.util.find_spec(m) is None]
-
-
-def _job(framework: str) -> background.Job | None:
-    if _missing(framework):
-        return None
-    command = lambda workdir: jobs.sequence_command(workdir / "out", [(framework, 2)], 240)
-    return background.Subprocess(command, 300)
-
-
-#: one launched 2-rank job per framework, started in the background when collection ends
-BACKGROUND = {f"framework:{f}": (lambda f=f: _job(f)) for f in NEEDS}
+#: one sequence of launched jobs per framework (shared with tests/test_framework_guards.py), started in the
+#: background when collection ends
+BACKGROUND = jobs.BACKGROUND
 _LOADED: dict[str, dict[str, list[dict[str, Any]]]] = {}
 
 
@@ -53,19 +42,13 @@ def results(framework: str) -> dict[str, list[dict[str, Any]]]:
     """scenario -> [what rank 0 saw, what rank 1 saw] (fails with the job's output if it failed)."""
     if framework in _LOADED:
         return _LOADED[framework]
-    missing = _missing(framework)
+    missing = jobs.missing(framework)
     if missing:
         pytest.skip(f"{missing} not installed (pip install 'lioncub[{EXTRA[framework]}]')")
     key = f"framework:{framework}"
     proc = background.result(key, BACKGROUND[key])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    out = background.workdir(key) / "out"
-    loaded: dict[str, list[dict[str, Any]]] = {}
-    for path in sorted(out.glob("*.rank0.pt")):
-        name = path.name.removesuffix(".rank0.pt")
-        ranks = [torch.load(out / f"{name}.rank{r}.pt", weights_only=False) for r in (0, 1)]
-        errors = [r["error"] for r in ranks if "error" in r]
-        loaded[name] = [{"error": "\n".join(errors)}] * 2 if errors else [r["ok"] for r in ranks]
+    loaded = jobs.load_results(background.workdir(key) / "out")
     _LOADED[framework] = loaded
     return loaded
 

@@ -2,8 +2,8 @@
 by the launcher (:mod:`lioncub.launch.groups`), the groups' logs merged (:mod:`lioncub.train.fault_tolerant`).
 
 The end-to-end runs (3 groups of the tiny GPT, 60 steps; group 1 SIGKILLed after step 20 and started again
-at step 35) run once each, in-process, for the tests that read them; the schedule's launcher is also tested
-alone, on small scripts that stand in for groups."""
+at step 35: tests/ft_runs.py) run one after the other in one interpreter in the background; the schedule's
+launcher is also tested alone, on small scripts that stand in for groups."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+import background
+import ft_runs
 from lioncub import cli
 from lioncub.launch import LaunchConfig
 from lioncub.launch.groups import Fault, launch_groups, parse_faults
@@ -28,47 +30,27 @@ needs_torchft = pytest.mark.skipif(
     not HAS_TORCHFT, reason="torchft is not installed (pip install 'lioncub[ft]')"
 )
 
-KILL_REJOIN = ["--kill", "1@20", "--rejoin", "1@35"]
-RUNS = {
-    "1bit": ["--variant", "1bit", *KILL_REJOIN],
-    "1bit/h4": ["--variant", "1bit", "--local-steps", "4", *KILL_REJOIN],
-    "1bit, again": ["--variant", "1bit", *KILL_REJOIN],
-    "1bit, no kill": ["--variant", "1bit"],
-    "1bit/h4, no kill": ["--variant", "1bit", "--local-steps", "4"],
-}
-#: torchft's DiLoCo and lioncub's outer="diloco" with the inner momenta kept, 2 groups, no weight decay
-PEER = ["--nproc", "2", "--steps", "16", "--eval-every", "8", "--local-steps", "4", "--set", "weight_decay=0"]
-PEER_RUNS = {
-    "torchft-diloco": ["--variant", "torchft-diloco", *PEER],
-    "diloco/keep": ["--variant", "32bit", "--outer", "diloco", "--inner-momentum", "keep", *PEER],
-}
+
+def _job() -> background.Subprocess | None:
+    if not HAS_TORCHFT:
+        return None
+    return background.Subprocess(lambda workdir: python_cmd(ft_runs.__file__, str(workdir)), 600)
 
 
-_FINISHED: dict[str, tuple[Path, str]] = {}
+#: every run of tests/ft_runs.py, one after the other in one interpreter, in the background
+BACKGROUND = {"ft_runs": _job}
 
 
-@pytest.fixture(scope="module")
-def runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("ft")
-
-
-def finished(name: str, runs_dir: Path, capsys: pytest.CaptureFixture[str]) -> tuple[Path, str]:
-    """The run directory of RUNS[name] (or PEER_RUNS[name]) and its stdout, once it exited 0: run
-    in-process the first time a test asks (its groups are forks of this process's preloaded interpreter,
-    shared with the other runs of the suite)."""
-    if name not in _FINISHED:
-        if name in RUNS:
-            args = ["--nproc", "3", "--steps", "60", "--eval-every", "20", *RUNS[name]]
-        else:
-            args = PEER_RUNS[name]
-        out = runs_dir / name.replace("/", "_").replace(", ", "_").replace(" ", "_")
-        before = capsys.readouterr()
-        rc = cli.main(["train", *TINY, "--fault-tolerant", "--out", str(out), *args])
-        done = capsys.readouterr()
-        print(before.out, end="")
-        assert rc == 0, done.out[-3000:] + done.err[-3000:]
-        _FINISHED[name] = (out, done.out)
-    return _FINISHED[name]
+def finished(name: str) -> tuple[Path, str]:
+    """The run directory of ``ft_runs.RUNS[name]`` and its output, once it exited 0."""
+    done = background.result("ft_runs", BACKGROUND["ft_runs"])
+    workdir = background.workdir("ft_runs")
+    log_file, run_dir = workdir / f"{ft_runs.slug(name)}.out", workdir / ft_runs.slug(name)
+    output = log_file.read_text() if log_file.exists() else ""
+    assert (run_dir / "summary.json").exists(), (
+        f"exit {done.returncode}: {output[-3000:]}{done.stderr[-2000:]}"
+    )
+    return run_dir, output
 
 
 def log(run_dir: Path, kind: str) -> list[dict]:
@@ -80,6 +62,7 @@ def log(run_dir: Path, kind: str) -> list[dict]:
 
 @needs_torchft
 @pytest.mark.slow
+@pytest.mark.background("ft_runs")
 @pytest.mark.parametrize(
     ("name", "rejoined_at"),
     [
@@ -87,10 +70,8 @@ def log(run_dir: Path, kind: str) -> list[dict]:
         ("1bit/h4", 36),  # with local steps the group joins at the window after step 35: steps 37.. have 3
     ],
 )
-def test_a_group_killed_and_rejoined_heals_and_every_step_says_who_voted(
-    name: str, rejoined_at: int, runs_dir: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    run_dir, stdout = finished(name, runs_dir, capsys)
+def test_a_group_killed_and_rejoined_heals_and_every_step_says_who_voted(name: str, rejoined_at: int) -> None:
+    run_dir, stdout = finished(name)
     steps = log(run_dir, "step")
     assert [r["step"] for r in steps] == list(range(1, 61))
     expected = [3] * 20 + [2] * (rejoined_at - 20) + [3] * (60 - rejoined_at)
@@ -119,12 +100,11 @@ def test_a_group_killed_and_rejoined_heals_and_every_step_says_who_voted(
 
 @needs_torchft
 @pytest.mark.slow
+@pytest.mark.background("ft_runs")
 @pytest.mark.parametrize("name", ["1bit", "1bit/h4"])
-def test_the_final_loss_is_within_2_percent_of_the_run_without_the_kill(
-    name: str, runs_dir: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    killed, _ = finished(name, runs_dir, capsys)
-    whole, _ = finished(f"{name}, no kill", runs_dir, capsys)
+def test_the_final_loss_is_within_2_percent_of_the_run_without_the_kill(name: str) -> None:
+    killed, _ = finished(name)
+    whole, _ = finished(f"{name}, no kill")
     assert {r["participants"] for r in log(whole, "step")} == {3}
     ft = json.loads((whole / "summary.json").read_text())["fault_tolerance"]
     assert ft["heals"] == [] and ft["replicas_equal"]
@@ -135,15 +115,14 @@ def test_the_final_loss_is_within_2_percent_of_the_run_without_the_kill(
 
 @needs_torchft
 @pytest.mark.slow
-def test_the_torchft_diloco_row_equals_lioncub_diloco_with_inner_momenta_kept(
-    runs_dir: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+@pytest.mark.background("ft_runs")
+def test_the_torchft_diloco_row_equals_lioncub_diloco_with_inner_momenta_kept() -> None:
     """torchft's own DiLoCo (lioncub's Lion inside, Nesterov SGD outside) through ``lioncub train``: the
     same parameters, bit for bit, as ``--outer diloco --inner-momentum keep`` without failures and without
     weight decay, with 2 groups (with 3 the two allreduces add in another order: measured after one window,
     |Δθ| <= 7.5e-9 on 9643 of 112192 coordinates; docs/fault-tolerance.md)."""
-    theirs, stdout = finished("torchft-diloco", runs_dir, capsys)
-    ours, _ = finished("diloco/keep", runs_dir, capsys)
+    theirs, stdout = finished("torchft-diloco")
+    ours, _ = finished("diloco/keep")
     digests = [
         json.loads((d / "summary.json").read_text())["fault_tolerance"]["digest"] for d in (theirs, ours)
     ]
@@ -156,11 +135,10 @@ def test_the_torchft_diloco_row_equals_lioncub_diloco_with_inner_momenta_kept(
 
 @needs_torchft
 @pytest.mark.slow
-def test_a_rerun_of_the_same_schedule_gives_the_same_bits(
-    runs_dir: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    first, _ = finished("1bit", runs_dir, capsys)
-    again, _ = finished("1bit, again", runs_dir, capsys)
+@pytest.mark.background("ft_runs")
+def test_a_rerun_of_the_same_schedule_gives_the_same_bits() -> None:
+    first, _ = finished("1bit")
+    again, _ = finished("1bit, again")
     assert [r["participants"] for r in log(first, "step")] == [r["participants"] for r in log(again, "step")]
     digests = [
         json.loads((d / "summary.json").read_text())["fault_tolerance"]["digest"] for d in (first, again)

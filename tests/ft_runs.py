@@ -1,0 +1,56 @@
+"""The end-to-end runs of tests/test_fault_tolerant_cli.py, one after the other in ONE interpreter (one
+import of torch, one preloaded interpreter for every group), started in the background when collection
+ends (tests/background.py):
+
+    python tests/ft_runs.py OUT
+
+Each run ``NAME`` of :data:`RUNS` trains into ``OUT/<slug>`` (:func:`slug`) with its stdout and stderr in
+``OUT/<slug>.out``; the exit status is the number of runs that failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+
+TINY = ["--workload", "gpt", "--size", "tiny", "--no-progress"]
+KILL_REJOIN = ["--kill", "1@20", "--rejoin", "1@35"]
+THREE = ["--nproc", "3", "--steps", "60", "--eval-every", "20"]
+#: torchft's DiLoCo and lioncub's outer="diloco" with the inner momenta kept, 2 groups, no weight decay
+PEER = ["--nproc", "2", "--steps", "16", "--eval-every", "8", "--local-steps", "4", "--set", "weight_decay=0"]
+#: name -> the options of ``lioncub train --fault-tolerant`` (besides the tiny GPT and --out)
+RUNS = {
+    "1bit": ["--variant", "1bit", *THREE, *KILL_REJOIN],
+    "1bit/h4": ["--variant", "1bit", "--local-steps", "4", *THREE, *KILL_REJOIN],
+    "1bit, again": ["--variant", "1bit", *THREE, *KILL_REJOIN],
+    "1bit, no kill": ["--variant", "1bit", *THREE],
+    "1bit/h4, no kill": ["--variant", "1bit", "--local-steps", "4", *THREE],
+    "torchft-diloco": ["--variant", "torchft-diloco", *PEER],
+    "diloco/keep": ["--variant", "32bit", "--outer", "diloco", "--inner-momentum", "keep", *PEER],
+}
+
+
+def slug(name: str) -> str:
+    """A run's directory name: ``1bit/h4, no kill`` -> ``1bit_h4_no_kill``."""
+    return name.replace("/", "_").replace(", ", "_").replace(" ", "_")
+
+
+def main(out: Path) -> int:
+    from lioncub import cli
+
+    failed = 0
+    for name, args in RUNS.items():
+        argv = ["train", *TINY, "--fault-tolerant", "--out", str(out / slug(name)), *args]
+        with (
+            open(out / f"{slug(name)}.out", "w") as log,
+            contextlib.redirect_stdout(log),
+            contextlib.redirect_stderr(log),
+        ):
+            rc = cli.main(argv)
+        failed += rc != 0
+    return failed
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1])))

@@ -7,9 +7,10 @@ Every row trains GPT small (batch 8) on 4 ranks, each behind its own ``--link`` 
 steps. The failure schedule kills group 1 after a third of the steps and starts it again at two thirds.
 Rows (seed 0): per-step ``1bit`` without fault tolerance (uninterrupted, and killed at the same step with
 ``--restarts 1`` and a checkpoint every ``--checkpoint-every`` steps: ``tests/kill_rank.py``), and
-``--fault-tolerant`` ``1bit``, ``1bit/h4`` and ``torchft-diloco/h4``, each uninterrupted and killed and
-rejoined; with ``--seeds`` more seeds of the per-step ``1bit`` pair. Then the vote's sign match at N = 4
-and N = 3 (even and odd) from ``--diagnostics-every`` runs on loopback.
+``--fault-tolerant`` ``1bit``, ``1bit/h4``, lioncub's ``diloco/h4/keep`` and ``torchft-diloco/h4``, each
+uninterrupted and killed and rejoined (``1bit`` also with ``--momentum-on-heal zeros``); with ``--seeds``
+more seeds of the per-step ``1bit`` pair. Then the vote's sign match at N = 4 and N = 3 (even and odd)
+from ``--diagnostics-every`` runs on loopback.
 
 Printed as markdown: per row the time per step before, during and after the loss (medians), each heal
 (step, MB, seconds), the steps per number of participants, the wall time (the launch, measured here), the
@@ -137,6 +138,7 @@ def main() -> None:
     checkpoints = ["--checkpoint-every", str(args.checkpoint_every)]
     h4 = ["--local-steps", "4", *ft]
     zeros = ["--variant", "1bit", *ft, "--momentum-on-heal", "zeros"]
+    keep = ["--variant", "32bit", "--outer", "diloco", "--inner-momentum", "keep"]  # lioncub's DiLoCo
     rows = [
         ("1bit", ["--variant", "1bit"], False, None),
         ("1bit --restarts 1", ["--variant", "1bit", "--restarts", "1", *checkpoints], True, "1bit"),
@@ -145,6 +147,8 @@ def main() -> None:
         ("ft 1bit, killed, momenta zeros", [*zeros], True, "ft 1bit"),
         ("ft 1bit/h4", ["--variant", "1bit", *h4], False, None),
         ("ft 1bit/h4, killed", ["--variant", "1bit", *h4], True, "ft 1bit/h4"),
+        ("ft diloco/h4/keep", [*keep, *h4], False, None),
+        ("ft diloco/h4/keep, killed", [*keep, *h4], True, "ft diloco/h4/keep"),
         ("ft torchft-diloco/h4", ["--variant", "torchft-diloco", *h4], False, None),
         ("ft torchft-diloco/h4, killed", ["--variant", "torchft-diloco", *h4], True, "ft torchft-diloco/h4"),
     ]

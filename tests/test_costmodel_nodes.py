@@ -17,13 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import background
 from lioncub import transports
 from lioncub.cli import cost as cost_cli
 from lioncub.optim.config import PRESETS, VoteConfig
 from lioncub.planning import costmodel as cm
 
-from processes import python_cmd, run_workers
+from processes import python, run_workers
 
 NIC = cm.Network(20e-6, 1.25e9, 1.0)  # 10 Gbit/s, α = 20 us
 INTRA = cm.Network(2e-6, 50e9, 1.0)  # 400 Gbit/s, α = 2 us
@@ -389,25 +388,16 @@ def test_calibrate_on_nodes_reaches_the_launcher_and_refuses_layout_options_insi
     assert rc == 2 and "--nnodes, --nproc-per-node: start a job from outside one" in err
 
 
-def _calibrate_nodes(workdir: Path) -> list[str]:
-    argv = ["calibrate", "--out", str(workdir / "nodes.json"), "--nnodes", "2", "--nproc-per-node", "2",
-            "--link", "1gbit", "--ops", "allreduce_f32", "--sizes", "2mb,4mb,8mb", "--repeats", "2",
-            "--compute-numel", "0"]  # fmt: skip
-    return python_cmd("-m", "lioncub", *argv)
-
-
-#: started in the background when collection ends (tests/background.py)
-BACKGROUND = {"calibrate_nodes": lambda: background.Subprocess(_calibrate_nodes, 180)}
-
-
 @pytest.mark.slow
 @pytest.mark.root
-@pytest.mark.background("calibrate_nodes")
-def test_calibrate_two_emulated_nodes_measures_the_nic_rate() -> None:
+def test_calibrate_two_emulated_nodes_measures_the_nic_rate(tmp_path: Path) -> None:
     """`lioncub calibrate --nnodes 2 --nproc-per-node 2 --link 1gbit`: the NIC's fitted payload rate is the
     shaped rate (both ranks of a node share it), the node's loopback is far faster."""
-    proc = background.result("calibrate_nodes", BACKGROUND["calibrate_nodes"])
-    out = background.workdir("calibrate_nodes") / "nodes.json"
+    out = tmp_path / "nodes.json"
+    argv = ["calibrate", "--out", str(out), "--nnodes", "2", "--nproc-per-node", "2", "--link", "1gbit",
+            "--ops", "allreduce_f32", "--sizes", "2mb,4mb,8mb", "--repeats", "2",
+            "--compute-numel", "0"]  # fmt: skip
+    proc = python("-m", "lioncub", *argv, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "NIC:" in proc.stdout and "inside a node:" in proc.stdout
     calib = cm.load_calibration(out)

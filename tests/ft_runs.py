@@ -1,4 +1,4 @@
-"""The end-to-end runs of tests/test_fault_tolerant_cli.py, one after the other in ONE interpreter (one
+"""The end-to-end runs of tests/test_replica_groups_cli.py, one after the other in ONE interpreter (one
 import of torch, one preloaded interpreter for every group), started in the background when collection
 ends (tests/background.py):
 

@@ -274,6 +274,7 @@ def _progress(out: Path) -> object:
     return progress
 
 
+@pytest.mark.slow
 def test_the_launcher_kills_a_group_after_its_step_and_starts_it_again(tmp_path: Path) -> None:
     script = tmp_path / "group.py"
     script.write_text(STAND_IN)
@@ -291,6 +292,7 @@ def test_the_launcher_kills_a_group_after_its_step_and_starts_it_again(tmp_path:
     assert "[g1] group 1 life 1 lighthouse http://lh:1" in out.getvalue()
 
 
+@pytest.mark.slow
 def test_a_group_that_fails_on_its_own_fails_the_job_once_the_others_finish(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -309,6 +311,7 @@ def test_a_group_that_fails_on_its_own_fails_the_job_once_the_others_finish(
     assert _progress(tmp_path)(0) == 20  # the others finished
 
 
+@pytest.mark.slow
 def test_the_launcher_times_out_with_the_groups_still_running(tmp_path: Path) -> None:
     script = tmp_path / "group.py"
     script.write_text(STAND_IN)

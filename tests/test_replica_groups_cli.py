@@ -88,6 +88,11 @@ def test_a_group_killed_and_rejoined_heals_and_every_step_says_who_voted(name: s
     assert ft["skipped_steps"] == 0 and ft["kill"] == ["1@20"] and ft["rejoin"] == ["1@35"]
     assert ft["replicas_equal"] and ft["groups_finished"] == [0, 1, 2]
     (heal,) = ft["heals"]
+    assert [
+        r
+        for r in map(json.loads, (run_dir / "groups/g1.jsonl").read_text().splitlines())
+        if r["kind"] == "heal"
+    ]
     assert (heal["group"], heal["life"], heal["step"], heal["source"]) == (1, 1, rejoined_at, "g0")
     assert heal["nbytes"] >= 2 * 4 * summary["params"]  # the parameters and the momenta, fp32
     digests = {json.loads((run_dir / f"groups/g{g}.end.json").read_text())["digest"] for g in range(3)}
@@ -315,7 +320,7 @@ def test_a_group_that_fails_on_its_own_fails_the_job_once_the_others_finish(
 def test_the_launcher_times_out_with_the_groups_still_running(tmp_path: Path) -> None:
     script = tmp_path / "group.py"
     script.write_text(STAND_IN)
-    config = LaunchConfig(python_cmd(str(script), str(tmp_path), "2", "0"), nproc=2, timeout_s=1.5)
+    config = LaunchConfig(python_cmd(str(script), str(tmp_path), "2", "0"), nproc=2, timeout_s=4)
     err = io.StringIO()
     result = launch_groups(
         config, [], _progress(tmp_path), lighthouse="http://lh:1", out=io.StringIO(), err=err

@@ -121,9 +121,14 @@ def fault_tolerance_summary(
     ends = [e for g in range(cluster.nproc) if (e := _read_json(run_dir / end_name(g))) is not None]
     finished = [e for e in ends if e.get("step") == config.run.steps]
     digests = {e["digest"] for e in finished}
+    heals = []  # each group's log has its heals, also a group's that was killed later
+    for g in range(cluster.nproc):
+        if (run_dir / log_name(g)).exists():
+            heals += [
+                rec for _, rec in complete_records(run_dir / log_name(g))[0] if rec.get("kind") == "heal"
+            ]
     heals = sorted(
-        ({"group": e["group"], "life": e["life"], **h} for e in ends for h in e["heals"]),
-        key=lambda h: (h["step"], h["group"]),
+        ({k: v for k, v in h.items() if k != "kind"} for h in heals), key=lambda h: (h["step"], h["group"])
     )
     committed = Counter(str(r["participants"]) for r in steps if r["committed"])
     entry = {

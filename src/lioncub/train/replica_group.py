@@ -281,6 +281,7 @@ class _GroupLoop:
         self.window: list[dict[str, Any]] = []  # this window's records, written when its commit is known
         self.clock = PhaseClock(torch.device("cpu"))
         self.out = -1
+        self.heals_logged = 0
 
     def join(self) -> None:
         """Say this group is ready once the lighthouse lists it (a quorum then waits for it); at the job's
@@ -344,6 +345,11 @@ class _GroupLoop:
         rec.update(time_s=position.elapsed, quorum_s=t1 - t0, held_s=held, participants=participants,
                    loss=float(loss.detach()), lr=opt.param_groups[0]["lr"], group=self.index)  # fmt: skip
         self.window.append(rec)
+        for heal in group.heals[self.heals_logged :]:  # a group killed later has no end record: log it now
+            append_record(
+                self.out, {"kind": "heal", "group": self.index, "life": self.life, **dataclasses.asdict(heal)}
+            )
+        self.heals_logged = len(group.heals)
         if ends:
             if (run.eval_every and step % run.eval_every == 0) or step == run.steps:
                 # before the step records: the launcher's --kill waits for those

@@ -49,6 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
 
 
+def _inside_a_job() -> bool:
+    """This process is a rank of a job that torchrun or ``lioncub launch`` started."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def _check_auto(args: argparse.Namespace) -> None:
     """``--variant auto`` and what it cannot go with; ``ValueError`` naming the option."""
     if args.resume:
@@ -56,7 +61,7 @@ def _check_auto(args: argparse.Namespace) -> None:
             "--variant auto with --resume: the run chose its variant when it started (config.json); "
             "resume without --variant"
         )
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if _inside_a_job():
         raise ValueError(
             "--variant auto: chosen by a pilot that `lioncub train` launches before the run; inside a job "
             "of torchrun or `lioncub launch` give the variant (lioncub.planning.auto.auto_variant chooses "
@@ -81,7 +86,7 @@ def _check_fault_tolerant(args: argparse.Namespace) -> None:
             "--resume with --fault-tolerant: a fault-tolerant run writes no checkpoints (a group that dies "
             "heals from a live peer); start it anew"
         )
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if _inside_a_job():
         raise ValueError(
             "--fault-tolerant inside a job of torchrun or `lioncub launch`: lioncub train starts the replica "
             "groups itself; in your own script use lioncub.integrations.torchft.ReplicaGroup"
@@ -111,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         config = check_candidates(config_of) if auto else config_from_args(args, base)
         if config.cluster.fault_tolerant:
             _check_fault_tolerant(args)
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if _inside_a_job():
             from lioncub.train.rank import run_rank
 
             return run_rank(config, run_dir, driven=False, resume=args.resume)

@@ -158,14 +158,6 @@ def _transport(host: str, timeout: datetime.timedelta) -> Any:
     return _At(timeout=timeout, num_chunks=0)
 
 
-def _lighthouse_id(store: Any) -> str:
-    """The replica id a torchft ``Manager`` registered with the lighthouse (its name and a UUID), which it
-    keeps in its group's store."""
-    from torchft.manager import REPLICA_ID_KEY
-
-    return store.get(REPLICA_ID_KEY).decode()
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -178,8 +170,34 @@ class _Snapshot:
     optimizer: dict[str, Any]
 
 
+class _Member:
+    """What a replica group is to torchft, shared by :class:`ReplicaGroup` and :class:`DiLoCoGroup`: its
+    ``manager`` and the store it keeps for the group (``_store``)."""
+
+    manager: Any
+    _store: Any
+
+    def register_state(self, key: str, load: Callable[[Any], None], save: Callable[[], Any]) -> None:
+        """More state a healed group takes from its peer (an lr scheduler, a data loader's position):
+        ``save()`` at the peer, ``load(value)`` here (torchft's ``register_state_dict_fn``)."""
+        self.manager.register_state_dict_fn(key, load, save)
+
+    @property
+    def quorum_rank(self) -> int | None:
+        """This group's rank in the last quorum (None: not a participant)."""
+        return self.manager.participating_rank()
+
+    @property
+    def lighthouse_id(self) -> str:
+        """The name the lighthouse knows this group by (``g0:`` and a UUID of this start), which its
+        ``Manager`` keeps in the group's store."""
+        from torchft.manager import REPLICA_ID_KEY
+
+        return self._store.get(REPLICA_ID_KEY).decode()
+
+
 @dataclass
-class ReplicaGroup:
+class ReplicaGroup(_Member):
     """This process as one replica group of a torchft job (see the module docstring).
 
     Args:
@@ -291,11 +309,6 @@ class ReplicaGroup:
         optimizer.round.gradients_compared = True
         self.comm.reconfigure(0, 1)
 
-    def register_state(self, key: str, load: Callable[[Any], None], save: Callable[[], Any]) -> None:
-        """More state a healed group takes from its peer (an lr scheduler, a data loader's position):
-        ``save()`` at the peer, ``load(value)`` here (torchft's ``register_state_dict_fn``)."""
-        self.manager.register_state_dict_fn(key, load, save)
-
     @property
     def optimizer(self) -> LionCub:
         if self._optimizer is None:
@@ -368,16 +381,6 @@ class ReplicaGroup:
         self.skipped += 1
         return False
 
-    @property
-    def quorum_rank(self) -> int | None:
-        """This group's rank in the last quorum (None: not a participant)."""
-        return self.manager.participating_rank()
-
-    @property
-    def lighthouse_id(self) -> str:
-        """The name the lighthouse knows this group by (``g0:`` and a UUID of this start)."""
-        return _lighthouse_id(self._store)
-
     def shutdown(self) -> None:
         """Leave the job: stop this group's manager (the others go on at their next quorum)."""
         self.manager.shutdown(wait=False)
@@ -436,7 +439,7 @@ class ReplicaGroup:
         self._healed = (str(state["source"]), _nbytes(state["params"]) + _nbytes(state["optimizer"]))
 
 
-class DiLoCoGroup:
+class DiLoCoGroup(_Member):
     """torchft's own ``DiLoCo`` (``torchft.local_sgd``) as one replica group, with the step interface of
     :class:`ReplicaGroup` (``begin``, ``step``, ``boundary``, ``step_ends_boundary``, ``participants``,
     ``heals``, ``committed``, ``skipped``): the peer that ``lioncub train --variant torchft-diloco`` runs in
@@ -500,10 +503,6 @@ class DiLoCoGroup:
         self.model.load_state_dict(state["model"])
         self._healed = True
 
-    def register_state(self, key: str, load: Callable[[Any], None], save: Callable[[], Any]) -> None:
-        """More state a healed group takes from its peer (torchft's ``register_state_dict_fn``)."""
-        self.manager.register_state_dict_fn(key, load, save)
-
     @property
     def boundary(self) -> bool:
         return self._steps == 0
@@ -540,14 +539,6 @@ class DiLoCoGroup:
             return True
         self.skipped += 1
         return False
-
-    @property
-    def quorum_rank(self) -> int | None:
-        return self.manager.participating_rank()
-
-    @property
-    def lighthouse_id(self) -> str:
-        return _lighthouse_id(self._store)
 
     def shutdown(self) -> None:
         self._diloco.__exit__(None, None, None)

@@ -417,10 +417,9 @@ class _GroupRun:
                 if max((progress(g) for g in range(self.config.nproc)), default=0) < fault.step:
                     return
                 life = self.lives[fault.group][-1]
+                life.code = life.proc.poll() if life.code is None else life.code
                 if life.code is None:  # its SIGKILL has not been reaped yet
-                    if life.proc.poll() is None:
-                        return
-                    life.code = life.proc.poll()
+                    return
                 self.start(fault.group)
                 self.output.note(f"{fault.spec}: group {fault.group} started again at step {fault.step}")
             pending.pop(0)

@@ -36,6 +36,7 @@ __all__ = [
     "init_distributed",
     "interrupt_as_one_line",
     "main",
+    "run_of",
     "run_rank",
     "train_in_job",
 ]
@@ -252,10 +253,16 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    run_dir, config = run_of(args)
+    return run_rank(config, run_dir, driven=True)
+
+
+def run_of(args: list[str]) -> tuple[Path, TrainConfig]:
+    """``RUN_DIR [CONFIG]`` of a process the driver starts: the run directory and the configuration
+    (``CONFIG``, default ``RUN_DIR/config.json``)."""
     run_dir = Path(args[0])
     config_path = Path(args[1]) if len(args) == 2 else run_dir / "config.json"
-    config = TrainConfig.from_json(json.loads(config_path.read_text()))
-    return run_rank(config, run_dir, driven=True)
+    return run_dir, TrainConfig.from_json(json.loads(config_path.read_text()))
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ from lioncub.rundir import open_append, write_atomically
 from lioncub.train import loop
 from lioncub.train.config import TrainConfig
 from lioncub.train.lr import lr_factor
-from lioncub.train.rank import PG_TIMEOUT_S, interrupt_as_one_line
+from lioncub.train.rank import PG_TIMEOUT_S, interrupt_as_one_line, run_of
 from lioncub.train.runlog import append_record
 from lioncub.train.workloads import Workload, make_workload
 
@@ -416,9 +416,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    run_dir = Path(args[0])
-    config_path = Path(args[1]) if len(args) == 2 else run_dir / "config.json"
-    config = TrainConfig.from_json(json.loads(config_path.read_text()))
+    run_dir, config = run_of(args)
     return run_group(
         config,
         run_dir,

@@ -843,8 +843,9 @@ SCENARIOS = {
 }
 
 
-#: every job of a framework, in order, one sequence (one preloaded interpreter) for both test modules:
-#: tests/test_integrations.py's scenarios, then tests/test_framework_guards.py's
+#: every job of a framework, in order, one sequence for both test modules (one runner; launches whose ranks
+#: share an environment reuse its preloaded interpreter): tests/test_integrations.py's scenarios, then
+#: tests/test_framework_guards.py's
 SEQUENCES = {
     "hf": [("hf", 2), ("hf-guards", 2), ("hf-resize", 3)],
     "accelerate": [("accelerate", 2), ("accelerate-guards", 2)],

@@ -2,7 +2,7 @@
 import of torch, one preloaded interpreter for every group), started in the background when collection
 ends (tests/background.py):
 
-    python tests/ft_runs.py OUT
+    python tests/ft_runs.py OUT [NODES]
 
 Each run ``NAME`` of :data:`RUNS` trains into ``OUT/<slug>`` (:func:`slug`) with its stdout and stderr in
 ``OUT/<slug>.out``; the exit status is the number of runs that failed.
@@ -29,6 +29,10 @@ RUNS = {
     "torchft-diloco": ["--variant", "torchft-diloco", *PEER],
     "diloco/keep": ["--variant", "32bit", "--outer", "diloco", "--inner-momentum", "keep", *PEER],
 }
+#: 2 emulated nodes of 2 ranks, each node a group (DDP inside), node 1 SIGKILLed after step 12 and started
+#: again at step 24: root only (network namespaces), run when ``NODES`` is given
+NODES = ["--variant", "1bit", "--nnodes", "2", "--nproc-per-node", "2", "--link", "1gbit", "--steps", "40"]
+NODES += ["--eval-every", "20", "--kill", "1@12", "--rejoin", "1@24"]
 
 
 def slug(name: str) -> str:
@@ -36,11 +40,11 @@ def slug(name: str) -> str:
     return name.replace("/", "_").replace(", ", "_").replace(" ", "_")
 
 
-def main(out: Path) -> int:
+def main(out: Path, nodes: bool) -> int:
     from lioncub import cli
 
     failed = 0
-    for name, args in RUNS.items():
+    for name, args in {**RUNS, **({"nodes": NODES} if nodes else {})}.items():
         argv = ["train", *TINY, "--fault-tolerant", "--out", str(out / slug(name)), *args]
         with (
             open(out / f"{slug(name)}.out", "w") as log,
@@ -53,4 +57,4 @@ def main(out: Path) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1])))
+    sys.exit(main(Path(sys.argv[1]), sys.argv[2:] == ["NODES"]))

@@ -300,6 +300,146 @@ def test_a_group_that_leaves_and_rejoins_heals_and_the_replicas_agree(local_step
     assert len(runs[1]["heals"]) >= 1 and runs[1]["heals"][-1].source in ("g0", "g2")
 
 
+# ------------------------------------------------ groups of several ranks: DDP inside, the vote between
+
+
+def _mean_grads(params: list[torch.nn.Parameter], group: int, step: int, size: int) -> None:
+    """What DDP gives the ranks of group ``group``: the mean of their own gradients (sum, then ÷ size)."""
+    grads = []
+    for rank in range(group * size, (group + 1) * size):
+        _grads(params, rank, step)
+        grads.append([p.grad for p in params])
+    for i, p in enumerate(params):
+        p.grad = grads[0][i].clone()
+        for g in grads[1:]:
+            p.grad += g[i]
+        p.grad /= size
+
+
+def _ranks_run(
+    rank: int, world_size: int, lighthouse: str, steps: int, local_steps: int | None, plan: dict
+) -> dict:
+    """Groups of 2 ranks (ranks 2g, 2g+1 are group g): each rank's ``LionCub`` holds its share of the
+    parameters, the group's gradient is the mean of its ranks' (an all-reduce in the group, as DDP's);
+    ``rejoin: (g, k, pause_s)``: group g leaves after its step k and starts again (fresh parameters)."""
+    from torch.distributed import TCPStore
+
+    from lioncub.integrations.torchft import ReplicaGroup, shard
+
+    size, index, local = 2, rank // 2, rank % 2
+    pgs = [dist.new_group([2 * g, 2 * g + 1]) for g in range(world_size // size)]
+    pg = pgs[index]
+
+    def build(seed: int) -> tuple[Any, ReplicaGroup, LionCub, list[torch.nn.Parameter]]:
+        store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False) if local == 0 else None
+        ports = [None, None]
+        dist.all_gather_object(ports, store.port if store is not None else None, group=pg)
+        group = ReplicaGroup(
+            lighthouse=lighthouse, index=index, max_groups=world_size // size, timeout_s=10,
+            group_rank=local, group_world_size=size, store=f"localhost:{ports[0]}", group_pg=pg,
+        )  # fmt: skip
+        torch.manual_seed(seed)
+        params = [torch.nn.Parameter(torch.randn(s)) for s in ((37, 24), (24,), (40, 24), (3,))]
+        owners = shard(params, size)
+        mine = [p for p, o in zip(params, owners, strict=True) if o == local]
+        opt = LionCub(
+            mine, lr=0.01, weight_decay=0.1, variant="1bit", process_group=group.comm,
+            checks=Checks(broadcast_init=False), local_steps=local_steps,
+        )  # fmt: skip
+        group.attach(opt, params)
+        return store, group, opt, params
+
+    store, group, opt, params = build(0)
+    log: list[dict] = []
+    rejoin = plan.get("rejoin")
+    while opt.global_step < steps:
+        if rejoin and index == rejoin[0] and opt.global_step == rejoin[1] and not log[-1].get("rejoined"):
+            group.shutdown()
+            time.sleep(rejoin[2])
+            store, group, opt, params = build(1)
+            log.append({"rejoined": True})
+        before, heals = opt.global_step, len(group.heals)
+        n = group.begin()
+        if len(group.heals) > heals:
+            log.append({"healed": (before, opt.global_step)})
+        step = opt.global_step
+        time.sleep(0.04)
+        _grads(params, rank, step)  # this rank's own gradient, then the group's mean
+        for p in params:
+            dist.all_reduce(p.grad, group=pg)
+            p.grad /= size
+        log.append({"step": step, "n": n, "ok": group.step()})
+        for p in params:
+            p.grad = None
+    group.shutdown()
+    del store
+    return {"params": [p.detach().clone() for p in params], "log": log, "heals": group.heals}
+
+
+def _plain_groups_run(rank: int, world_size: int, steps: int, local_steps: int | None) -> list:
+    """The oracle: ``world_size`` plain ranks, rank g with group g's mean gradient, one optimizer over all
+    the parameters."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in ((37, 24), (24,), (40, 24), (3,))]
+    opt = LionCub(
+        params, lr=0.01, weight_decay=0.1, variant="1bit", checks=Checks(broadcast_init=False),
+        local_steps=local_steps,
+    )  # fmt: skip
+    for step in range(steps):
+        _mean_grads(params, rank, step, 2)
+        opt.step()
+    return [p.detach().clone() for p in params]
+
+
+def test_shard_balances_whole_tensors_alike_everywhere() -> None:
+    pytest.importorskip("torchft", reason="torchft is not installed: pip install 'lioncub[ft]'")
+    from lioncub.integrations.torchft import shard
+
+    tensors = [torch.empty(s) for s in ((37, 24), (24,), (40, 24), (3,), (24,))]
+    assert shard(tensors, 2) == [1, 1, 0, 1, 1]  # 960 | 888 + 24 + 24 + 3
+    assert shard(tensors, 1) == [0] * 5 and shard(tensors, 9)[:2] == [1, 2]
+    with pytest.raises(ValueError, match="parts=0"):
+        shard(tensors, 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("local_steps", [None, 4])
+def test_groups_of_two_ranks_vote_as_two_ranks_of_their_mean_gradients(local_steps: int | None) -> None:
+    """Two groups of two ranks, none lost: every step has 2 participants (the groups, not the ranks) and
+    every rank ends with the parameters of a plain 2-rank vote whose rank g has group g's mean gradient,
+    bit for bit (each rank stepped and voted its share and received the rest from its group)."""
+    lighthouse = _lighthouse(2)
+    try:
+        runs = run_workers(_ranks_run, 4, lighthouse.address(), 12, local_steps, {})
+    finally:
+        lighthouse.shutdown()
+    plain = run_workers(_plain_groups_run, 2, 12, local_steps)
+    for r, run in enumerate(runs):
+        steps = [e for e in run["log"] if "step" in e]
+        assert [e["n"] for e in steps] == [2] * 12 and all(e["ok"] for e in steps), r
+        for i, (a, b) in enumerate(zip(run["params"], plain[r // 2], strict=True)):
+            assert torch.equal(a, b), (r, i)
+
+
+@pytest.mark.slow
+def test_a_group_of_two_ranks_that_rejoins_heals_every_rank() -> None:
+    """Group 1 (ranks 2, 3) leaves after step 6 and starts again with other parameters: group 0 goes on
+    alone, group 1's ranks heal (each its share from its peer rank, then the shares in the group) and
+    every rank of both groups ends bitwise equal."""
+    lighthouse = _lighthouse(1)
+    try:
+        runs = run_workers(_ranks_run, 4, lighthouse.address(), 24, None, {"rejoin": (1, 6, 0.8)})
+    finally:
+        lighthouse.shutdown()
+    for r in (1, 2, 3):
+        for i, (a, b) in enumerate(zip(runs[0]["params"], runs[r]["params"], strict=True)):
+            assert torch.equal(a, b), (r, i)
+    for r in (2, 3):
+        assert _lives(runs[r]["log"]) == [list(range(6)), list(range(24))], r
+        assert runs[r]["heals"] and runs[r]["heals"][-1].source == "g0", r
+    assert {e["n"] for e in runs[0]["log"] if "step" in e} == {1, 2}
+
+
 # ---------------------------------------------------- torchft's own DiLoCo against lioncub's outer="diloco"
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import re
 import textwrap
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pytest
 
 import background
 import ft_runs
+from emulated_network import netns_missing, netns_usable
 from lioncub import cli
 from lioncub.launch import LaunchConfig
 from lioncub.launch.groups import Fault, launch_groups, parse_faults
@@ -34,7 +36,8 @@ needs_torchft = pytest.mark.skipif(
 def _job() -> background.Subprocess | None:
     if not HAS_TORCHFT:
         return None
-    return background.Subprocess(lambda workdir: python_cmd(ft_runs.__file__, str(workdir)), 600)
+    nodes = ["NODES"] if netns_usable() else []
+    return background.Subprocess(lambda workdir: python_cmd(ft_runs.__file__, str(workdir), *nodes), 600)
 
 
 #: every run of tests/ft_runs.py, one after the other in one interpreter, in the background
@@ -152,6 +155,33 @@ def test_a_rerun_of_the_same_schedule_gives_the_same_bits() -> None:
     assert [r["loss"] for r in log(first, "step")] == [r["loss"] for r in log(again, "step")]
 
 
+@needs_torchft
+@pytest.mark.slow
+@pytest.mark.background("ft_runs")
+@pytest.mark.skipif(not netns_usable(), reason=f"emulated nodes need network namespaces: {netns_missing()}")
+def test_nodes_of_two_ranks_are_groups_that_heal_and_agree() -> None:
+    """``--nnodes 2 --nproc-per-node 2 --fault-tolerant``: each node one group (DDP inside, one voter), node
+    1 killed after step 12 and started again at step 24: 2, 1, then 2 participants; its two ranks heal at
+    step 24, each from its peer rank of node 0; at the end the two ranks of each node and the two nodes hold
+    the same parameters; each step's bytes are the node's (both ranks' shares)."""
+    run_dir, stdout = finished("nodes")
+    steps = log(run_dir, "step")
+    assert [r["participants"] for r in steps] == [2] * 12 + [1] * 12 + [2] * 16
+    assert all(r["committed"] for r in steps) and [r["step"] for r in steps] == list(range(1, 41))
+    ft = json.loads((run_dir / "summary.json").read_text())["fault_tolerance"]
+    assert ft["replicas_equal"] and ft["groups_finished"] == [0, 1]
+    ends = [json.loads((run_dir / f"groups/g{g}.end.json").read_text()) for g in (0, 1)]
+    assert [e["ranks_equal"] for e in ends] == [True, True]
+    (heal,) = ft["heals"]
+    params = json.loads((run_dir / "summary.json").read_text())["params"]
+    assert (heal["group"], heal["step"], heal["source"]) == (1, 24, "g0")
+    assert heal["nbytes"] >= 2 * 4 * params  # both ranks' shares: the parameters and their momenta, fp32
+    # a 1-bit vote of the whole model per node and step: N = 2 groups, ~2·d/8 bytes (rank 0's share alone
+    # would be about half of it)
+    assert all(r["bytes_sent"] >= params / 8 for r in steps[:12]), steps[0]["bytes_sent"]
+    assert "2 replica groups of 2 ranks" in stdout
+
+
 # ------------------------------------------------------------------------------------------ bad input
 
 
@@ -231,11 +261,26 @@ def test_without_torchft_the_option_says_how_to_install_it(monkeypatch: pytest.M
         check_before_launch(config, None)
 
 
-def test_nodes_are_refused_with_the_reason() -> None:
-    with pytest.raises(ValueError, match="groups of several ranks are not built"):
-        TrainConfig.from_values(
-            {"variant": "1bit", "nproc": 4, "nnodes": 2, "link": "1gbit", "fault_tolerant": True}
-        )
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"momentum_sync": "io"}, "--momentum-sync with --fault-tolerant --nnodes: each node is one replica"),
+        ({"topology": "hierarchical"}, "--topology hierarchical with --fault-tolerant --nnodes"),
+        ({"kill": ["2@5"]}, "--kill 2@5: there is no group 2 (groups 0..1"),
+        (
+            {"variant": "torchft-diloco", "local_steps": 4, "outer": "diloco", "inner_momentum": "keep"},
+            "--variant torchft-diloco with --fault-tolerant --nnodes",
+        ),
+    ],
+)
+def test_nodes_are_groups_and_what_they_do_not_take_is_refused(values: dict, message: str) -> None:
+    """With --nnodes every node is one replica group (2 here, of 2 ranks): a --kill names a node; momentum
+    sync, a topology over nodes and torchft's DiLoCo are refused, naming the option."""
+    nodes = {"variant": "1bit", "nproc": 4, "nnodes": 2, "link": "1gbit", "fault_tolerant": True}
+    config = TrainConfig.from_values({**nodes, "steps": 20})
+    assert (config.cluster.replica_groups, config.cluster.nproc_per_node) == (2, 2)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        TrainConfig.from_values({**nodes, "steps": 20, **values})
 
 
 def test_the_schedule_is_sorted_and_alternates() -> None:

@@ -39,6 +39,8 @@ __all__ = [
 
 #: a LionCub variant's vote overlapped with the backward pass
 OVERLAP_SUFFIX = "+overlap"
+#: variants trained as DDP + Lion, as users run today (gradient allreduce in fp32 / 16-bit)
+BASELINES = ("32bit", "16bit")
 #: variants that run another project's optimizer in lioncub's harness: torchft's own DiLoCo (Lion inside,
 #: Nesterov SGD outside), with ``--fault-tolerant --local-steps H``; named ``torchft-diloco/hH``
 PEER_VARIANTS = ("torchft-diloco",)

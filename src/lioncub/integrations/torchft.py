@@ -1,9 +1,10 @@
 """Votes between replica groups that come and go, on torchft (``pip install 'lioncub[ft]'``).
 
-A *replica group* is one process training a full replica. The groups vote with each other over torchft's
-reconfigurable process group: torchft's lighthouse forms a quorum of the groups alive at each step (or,
-with local steps, at each window's start), the vote's N is the quorum's size, a group that leaves is left
-out at the next quorum, and one that joins (or rejoins) heals from a live peer first. No job restarts.
+A *replica group* is one process (or L processes: below) training a full replica. The groups vote with
+each other over torchft's reconfigurable process group: torchft's lighthouse forms a quorum of the groups
+alive at each step (or, with local steps, at each window's start), the vote's N is the quorum's size, a
+group that leaves is left out at the next quorum, and one that joins (or rejoins) heals from a live peer
+first. No job restarts.
 
 One step (:class:`ReplicaGroup`), in the caller's loop::
 
@@ -40,9 +41,21 @@ alternates with the step, and the ``split`` zero rule uses each group's rank in 
 participant decides a tie alike whatever N was before. The votes size their lanes and levels for
 ``max_groups`` (a preset that cannot hold it, ``4bit`` over 15, is refused at :meth:`attach`).
 
+**Groups of several ranks** (``group_world_size`` L > 1; ``lioncub train --fault-tolerant --nnodes M
+--nproc-per-node L``: every node a group). Inside a group the ranks are plain data parallelism: DDP over the
+group's own process group averages their gradients, so the L ranks hold one replica, one update and one
+momentum, and the group is **one voter** (the vote's N is the number of groups). The vote between groups is
+split across the group's ranks: rank ℓ owns a share of the parameters (:func:`shard`: whole tensors,
+balanced by size, the same on every group), its ``LionCub`` steps and votes only that share — with rank ℓ
+of every other group, over its own torchft process group — and after every step (and after a heal) each
+rank broadcasts its share to the others of its group (:meth:`ReplicaGroup.step`). So a group's NIC carries
+one vote's bytes, as a single rank's would, and each rank keeps the momenta of its share only. torchft
+forms the quorum per group (its rank 0 asks the lighthouse for the group's L ranks), heals every rank of a
+group at once (rank ℓ from rank ℓ of the peer) and commits a step only if every rank of the group commits
+it (``should_commit``), so a failure on one rank's exchange puts the whole group's step back.
+
 Costs: the snapshot is one copy of the parameters and of the optimizer's state per commit boundary (host
 memory of 2 × (parameters + momenta), a memory copy each step without local steps, each window with).
-Groups of one process only: a group of several ranks (DDP inside, the vote between groups) is refused.
 """
 
 from __future__ import annotations
@@ -52,7 +65,7 @@ import datetime
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +85,7 @@ __all__ = [
     "ReplicaGroupError",
     "SettingsMismatchError",
     "settings_of",
+    "shard",
 ]
 
 _log = logging.getLogger("lioncub")
@@ -133,6 +147,20 @@ def _first_difference(ours: dict[str, Any], theirs: dict[str, Any]) -> tuple[str
             return f"param group {i}'s {field}", repr(show(mine[i][field])), repr(show(other[i].get(field)))
         return key, repr(mine), repr(other)
     return None
+
+
+def shard(params: Sequence[torch.Tensor], parts: int) -> list[int]:
+    """Which of ``parts`` ranks owns each tensor of ``params``: whole tensors, largest first, each to the
+    rank with the fewest elements so far (ties: the lowest rank). The same on every rank and group for the
+    same shapes. A list of owners, one per tensor of ``params``, in its order."""
+    if not is_int(parts, 1):
+        raise ValueError(f"parts={parts!r} must be an int >= 1")
+    owners, load = [0] * len(params), [0] * parts
+    for i in sorted(range(len(params)), key=lambda i: (-params[i].numel(), i)):
+        owner = min(range(parts), key=lambda r: (load[r], r))
+        owners[i] = owner
+        load[owner] += params[i].numel()
+    return owners
 
 
 def _nbytes(tree: Any) -> int:
@@ -216,6 +244,13 @@ class ReplicaGroup(_Member):
         init_sync: at the first quorum every group but the first heals from it (torchft's ``init_sync``),
             which makes the initial values equal whatever they were; ``False`` where every group builds
             the same initial values itself (a model from one seed), saving that transfer.
+        group_rank, group_world_size: this rank's place in its group of several ranks (module docstring);
+            ``0, 1`` for a group of one process.
+        store: with ``group_world_size`` > 1, the group's own ``TCPStore`` as ``host:port`` (e.g. the
+            ``MASTER_ADDR:MASTER_PORT`` of the group's ``torch.distributed`` world), which every rank of the
+            group and the other groups reach; each group needs its own.
+        group_pg: with ``group_world_size`` > 1, the process group of this group's ranks, where the shares
+            are broadcast (default: the default group).
 
     Attributes:
         comm: the :class:`~lioncub.collectives.GroupComm` to build the optimizer on.
@@ -235,6 +270,10 @@ class ReplicaGroup(_Member):
     quorum_timeout_s: float = 60.0
     host: str = "localhost"
     init_sync: bool = True
+    group_rank: int = 0
+    group_world_size: int = 1
+    store: str = ""
+    group_pg: Any = None
     comm: GroupComm = field(init=False)
     manager: Any = field(init=False)
     participants: int = field(init=False, default=0)
@@ -260,12 +299,14 @@ class ReplicaGroup(_Member):
         for name in ("timeout_s", "quorum_timeout_s"):
             if not is_number(getattr(self, name), gt=0):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a number of seconds > 0")
+        store_host, store_port = self._check_group()
         from torch.distributed import TCPStore
         from torchft import Manager, ProcessGroupGloo
 
         timeout = datetime.timedelta(seconds=self.timeout_s)
-        port = _free_port()
-        self._store = TCPStore(self.host, port, is_master=True, wait_for_workers=False, timeout=timeout)
+        self._store = TCPStore(
+            store_host, store_port, is_master=not self.store, wait_for_workers=False, timeout=timeout
+        )
         pg = ProcessGroupGloo(timeout=timeout)
         # the votes are sized for max_groups: the optimizer is built on a comm of that size, as rank `index`
         self.comm = GroupComm(pg, rank=self.index, world_size=self.max_groups, timeout=timeout)
@@ -278,10 +319,10 @@ class ReplicaGroup(_Member):
             timeout=timeout,
             quorum_timeout=datetime.timedelta(seconds=self.quorum_timeout_s),
             connect_timeout=timeout,
-            rank=0,
-            world_size=1,
-            store_addr=self.host,
-            store_port=port,
+            rank=self.group_rank,
+            world_size=self.group_world_size,
+            store_addr=store_host,
+            store_port=store_port,
             lighthouse_addr=self.lighthouse,
             replica_id=self.replica_id,
             hostname=self.host,
@@ -292,22 +333,94 @@ class ReplicaGroup(_Member):
         self._snapshot: _Snapshot | None = None
         self._settings: dict[str, Any] = {}
         self._healed: tuple[str, int] | None = None
+        self._shares: list[tuple[int, list[torch.Tensor]]] = []  # (owner, its tensors) in a group of ranks
+
+    def _check_group(self) -> tuple[str, int]:
+        """Validate the group-of-ranks arguments; the store's (host, port) (a new one here for a group of
+        one process)."""
+        size, rank = self.group_world_size, self.group_rank
+        if not is_int(size, 1):
+            raise ValueError(f"group_world_size={size!r} must be an int >= 1")
+        if not is_int(rank, 0) or rank >= size:
+            raise ValueError(f"group_rank={rank!r} must be an int in [0, group_world_size={size})")
+        if size == 1 and not self.store:
+            return self.host, _free_port()
+        host, _, port = str(self.store).rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(
+                f"store={self.store!r}: with group_world_size={size} give the group's own TCPStore as "
+                "'host:port' (e.g. its MASTER_ADDR:MASTER_PORT)"
+            )
+        import torch.distributed as dist
+
+        if size > 1 and not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(
+                f"group_world_size={size}: init_process_group first (the group's ranks broadcast their "
+                "shares over group_pg, default: the default group)"
+            )
+        if size > 1 and dist.get_world_size(self.group_pg) != size:
+            raise ValueError(
+                f"group_world_size={size}: group_pg has {dist.get_world_size(self.group_pg)} ranks"
+            )
+        return host, int(port)
 
     # -- setup ---------------------------------------------------------------------------------------
 
-    def attach(self, optimizer: LionCub) -> None:
+    def attach(self, optimizer: LionCub, params: Sequence[torch.Tensor] | None = None) -> None:
         """Vote with ``optimizer``, a :class:`~lioncub.optim.LionCub` built on :attr:`comm` (with
-        ``Checks(broadcast_init=False)``: the groups' initial values come from the heal, not a broadcast)."""
+        ``Checks(broadcast_init=False)``: the groups' initial values come from the heal, not a broadcast).
+        In a group of several ranks, ``params`` are all the model's parameters (in the same order on every
+        rank) and the optimizer holds this rank's share of them: those :func:`shard` gives it."""
         if not isinstance(optimizer, LionCub) or optimizer.comm is not self.comm:
             raise ValueError(
                 "attach: give the LionCub built with process_group=group.comm (the group's GroupComm)"
             )
         self._optimizer = optimizer
         self._settings = settings_of(optimizer)
+        if self.group_world_size > 1:
+            self._shares = self._share_layout(params)
+            self._settings["ranks_per_group"] = self.group_world_size
         # the one-time "did DDP average the gradients?" comparison is a collective of a fresh optimizer's
         # first step: a group joining later would run it alone (groups have no DDP between them anyway)
         optimizer.round.gradients_compared = True
         self.comm.reconfigure(0, 1)
+
+    def _share_layout(self, params: Sequence[torch.Tensor] | None) -> list[tuple[int, list[torch.Tensor]]]:
+        """Each rank's share of ``params`` (rank, its tensors), checking that the optimizer holds ours."""
+        if params is None:
+            raise ValueError(
+                f"attach: replica group {self.replica_id} has {self.group_world_size} ranks: give params=the "
+                "model's parameters; the optimizer holds this rank's share (see shard)"
+            )
+        params = list(params)
+        owners = shard(params, self.group_world_size)
+        mine = [p for p, o in zip(params, owners, strict=True) if o == self.group_rank]
+        if [id(p) for p in self._params()] != [id(p) for p in mine]:
+            raise ValueError(
+                f"attach: rank {self.group_rank} of replica group {self.replica_id}: the optimizer must hold "
+                f"exactly this rank's share of params, in their order ({len(mine)} tensors of shard(params, "
+                f"{self.group_world_size}); it holds {len(self._params())})"
+            )
+        ranks = range(self.group_world_size)
+        return [(r, [p for p, o in zip(params, owners, strict=True) if o == r]) for r in ranks]
+
+    def _broadcast_shares(self) -> None:
+        """Every rank's share to the others of its group (a group of several ranks), one broadcast per
+        rank and dtype over ``group_pg``."""
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            for owner, tensors in self._shares:
+                src = dist.get_global_rank(self.group_pg, owner) if self.group_pg is not None else owner
+                for dtype in dict.fromkeys(t.dtype for t in tensors):
+                    same = [t for t in tensors if t.dtype == dtype]
+                    flat = torch.cat([t.detach().reshape(-1) for t in same])
+                    dist.broadcast(flat, src=src, group=self.group_pg)
+                    if owner != self.group_rank:
+                        offset = 0
+                        for t in same:
+                            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                            offset += t.numel()
 
     @property
     def optimizer(self) -> LionCub:
@@ -348,7 +461,9 @@ class ReplicaGroup(_Member):
                 f"replica group {self.replica_id}: no quorum within {self.quorum_timeout_s:g} s (lighthouse "
                 f"{self.lighthouse}, at least {self.min_groups} group(s)): {type(err).__name__}: {err}"
             ) from err
-        if self._healed is not None:
+        if self._healed is not None:  # torchft heals a group's ranks together (each from its peer rank)
+            if self._shares:
+                self._broadcast_shares()
             source, nbytes = self._healed
             self.heals.append(Heal(opt.global_step, source, nbytes, time.perf_counter() - started))
             self._snapshot = self._take()
@@ -371,15 +486,19 @@ class ReplicaGroup(_Member):
             failed = err
             _log.warning("replica group %s: the vote failed (%s); the step is skipped", self.replica_id, err)
             self.manager.report_error(err)
+        timeout = datetime.timedelta(seconds=self.timeout_s)
         if not ends and failed is None:
-            return True
-        commit = self.manager.should_commit(timeout=datetime.timedelta(seconds=self.timeout_s))
-        if commit and failed is None:
+            stands = True
+        elif self.manager.should_commit(timeout=timeout) and failed is None:
             self.committed += 1
-            return True
-        self._put_back()
-        self.skipped += 1
-        return False
+            stands = True
+        else:
+            self._put_back()
+            self.skipped += 1
+            stands = False
+        if self._shares:  # the group's ranks agree on the commit (should_commit): share what stands
+            self._broadcast_shares()
+        return stands
 
     def shutdown(self) -> None:
         """Leave the job: stop this group's manager (the others go on at their next quorum)."""

@@ -2,18 +2,22 @@
 (``lioncub train --fault-tolerant``), a torchft lighthouse for them, and the failure schedule.
 
 Each of ``config.nproc`` processes runs ``config.cmd`` as one replica group (on loopback, or inside its own
-network namespace behind its own ``--link``), with ``LIONCUB_GROUP`` (its index), ``LIONCUB_GROUP_LIFE``
-(0 for the first start, k for its k-th rejoin), ``LIONCUB_LIGHTHOUSE`` (the lighthouse's URL) and
-``LIONCUB_GROUP_HOST`` (the address the other groups reach it at). Unless one is given, the launcher starts
+network namespace behind its own ``--link``); with ``config.nnodes`` M, each of M groups is
+``config.nproc_per_node`` L processes in one emulated node (behind the node's NIC), a ``torch.distributed``
+world of their own (``RANK`` 0..L-1, ``WORLD_SIZE`` L, ``MASTER_ADDR``/``MASTER_PORT`` on the node). Every
+process has ``LIONCUB_GROUP`` (its group's index), ``LIONCUB_GROUP_LIFE`` (0 for the first start, k for its
+k-th rejoin), ``LIONCUB_LIGHTHOUSE`` (the lighthouse's URL) and ``LIONCUB_GROUP_HOST`` (the address the
+other groups reach it at). Unless one is given, the launcher starts
 a lighthouse for the job: on loopback, or in the emulated network's bridge namespace, where every group
 reaches it through its own link.
 
 The failure schedule (:class:`Fault`, ``--kill G@STEP``, ``--rejoin G@STEP``) is carried out by the
 launcher: it SIGKILLs group G's processes once that group has finished step STEP (``progress(G)``), and it
 starts group G again once the job (the furthest group) has finished step STEP. Unlike a plain launch,
-the death of one group does not stop the others: they go on without it at their next quorum. A group that
-exits with a non-zero code the schedule did not cause fails the launch when the others have finished
-(its code, and the message naming it). Signals, the timeout and the grace period are as in
+the death of one group does not stop the others: they go on without it at their next quorum. A group one
+of whose processes exits with a non-zero code the schedule did not cause is stopped whole (its other
+processes SIGKILLed) and fails the launch when the others have finished (its code, and the message naming
+it). Signals, the timeout and the grace period are as in
 :mod:`lioncub.launch.launcher`.
 """
 
@@ -90,7 +94,7 @@ def parse_faults(kill: Sequence[str], rejoin: Sequence[str], groups: int, steps:
             if group >= groups:
                 raise ValueError(
                     f"--{kind} {group}@{step}: there is no group {group} (groups 0..{groups - 1}: one per "
-                    "rank)"
+                    "rank, or with --nnodes one per node)"
                 )
             if not 1 <= step < steps:
                 raise ValueError(
@@ -201,12 +205,28 @@ def _start_lighthouse(
 
 @dataclass
 class _Life:
-    """One start of a group: its process, its number (0: first start), whether the schedule killed it."""
+    """One start of a group: its processes (one per rank of the group), its number (0: first start),
+    whether the schedule killed it, and once every process ended the group's exit code."""
 
-    proc: Any
+    procs: list[Any]
     life: int
     killed: bool = False
     code: int | None = None
+
+    def poll(self) -> int | None:
+        """The group's code once its processes ended: the first non-zero of theirs, else 0. A process that
+        fails ends the group: the others are SIGKILLed (strays of their process groups too)."""
+        codes = [p.poll() for p in self.procs]
+        failed = next((c for c in codes if c not in (None, 0)), None)
+        if failed is None and None in codes:
+            return None
+        for p in self.procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+        for p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(5.0)
+        return 0 if failed is None else failed
 
 
 def launch_groups(
@@ -218,7 +238,7 @@ def launch_groups(
     out: TextIO | None = None,
     err: TextIO | None = None,
 ) -> LaunchResult:
-    """Run ``config.cmd`` as ``config.nproc`` replica groups (module docstring) with the schedule
+    """Run ``config.cmd`` as replica groups (module docstring) with the schedule
     ``faults``; ``progress(g)`` is the last step group ``g`` finished (its log), read by the schedule.
     ``lighthouse``: the URL of a running lighthouse (None: the launcher starts one). Returns how it went:
     ``rank_returncodes`` are each group's last life's; ``traffic`` each group's interface under a link."""
@@ -226,7 +246,7 @@ def launch_groups(
     started = time.monotonic()
     deadline = None if config.timeout_s is None else started + config.timeout_s
     launch_id = new_launch_id()
-    output = Output(out, err, config.nproc, unit="g")
+    output = Output(out, err, config.nnodes or config.nproc, unit="g")
     spec = config.link_spec()
     events: queue.SimpleQueue = queue.SimpleQueue()
     with contextlib.ExitStack() as stack:
@@ -236,10 +256,17 @@ def launch_groups(
             check_privileges()
             with contextlib.suppress(Exception):
                 cleanup()
-            net = stack.enter_context(EmulatedNetwork(config.nproc, spec, launch_id, service=True))
+            nodes, groups = config.nnodes is not None, config.nnodes or config.nproc
+            net = stack.enter_context(
+                EmulatedNetwork(
+                    groups, spec, launch_id, nodes=nodes, intra_link=config.intra_link_spec(), service=True
+                )
+            )
+            inside = f" of {config.nproc_per_node} ranks" if nodes else ""
+            rate = format_rate(spec.rate_bps)
             output.note(
-                f"launch {launch_id}: {config.nproc} replica groups, each on a {format_rate(spec.rate_bps)} "
-                f"link, subnet {net.subnet}"
+                f"launch {launch_id}: {groups} replica groups{inside}, each on a {rate} link, "
+                f"subnet {net.subnet}"
             )
         if lighthouse is None:
             proc, lighthouse = _start_lighthouse(net, output)
@@ -270,7 +297,7 @@ def launch_groups(
             ]  # fmt: skip
     return LaunchResult(
         returncode=returncode,
-        rank_returncodes=[lives[-1].code if lives else None for lives in run.lives],
+        rank_returncodes=[lives[-1].code if lives else None for lives in run.lives],  # per group
         failed_rank=failed,
         message=message,
         wall_s=time.monotonic() - started,
@@ -309,32 +336,44 @@ class _GroupRun:
         self.config, self.net, self.lighthouse, self.launch_id = config, net, lighthouse, launch_id
         self.events, self.output, self.deadline = events, output, deadline
         self.cmd = build_command(config.cmd)
-        self.lives: list[list[_Life]] = [[] for _ in range(config.nproc)]
+        self.groups, self.size = config.nnodes or config.nproc, config.nproc_per_node or 1
+        self.lives: list[list[_Life]] = [[] for _ in range(self.groups)]
         self.zygote: Zygote | None = None  # with config.preload: the groups are its forks
 
     def start(self, group: int) -> None:
-        """Start (again) group ``group``."""
-        net, life = self.net, len(self.lives[group])
+        """Start (again) group ``group``: its ``size`` processes (module docstring)."""
+        net, life, size = self.net, len(self.lives[group]), self.size
         host = "127.0.0.1" if net is None else net.ranks[group].address
-        env = rank_env(
-            group,
-            self.config.nproc,
-            master_addr=host,
-            master_port=free_port() if net is None else 29500,
-            ifname="lo" if net is None else net.ranks[group].ifname,
-            launch_id=self.launch_id,
-            link_bps=self.config.link_rate_bps,
-            extra={
-                **self.config.env,
-                "LIONCUB_GROUP": str(group),
-                "LIONCUB_GROUP_LIFE": str(life),
-                "LIONCUB_LIGHTHOUSE": self.lighthouse,
-                "LIONCUB_GROUP_HOST": host,
-                "RUST_LOG": os.environ.get("RUST_LOG", "warn"),  # torchft's Rust side: a line per quorum
-            },
-        )
+        port = free_port() if net is None else 29500
+        extra = {
+            **self.config.env,
+            "LIONCUB_GROUP": str(group),
+            "LIONCUB_GROUP_LIFE": str(life),
+            "LIONCUB_LIGHTHOUSE": self.lighthouse,
+            "LIONCUB_GROUP_HOST": host,
+            "RUST_LOG": os.environ.get("RUST_LOG", "warn"),  # torchft's Rust side: a line per quorum
+        }
+        if net is not None and size > 1:  # the emulated node is the group's, not the rank's
+            extra.update(LIONCUB_NODE=str(group), LIONCUB_NNODES=str(self.groups))
+        procs = []
+        for rank in range(size):
+            env = rank_env(
+                rank if size > 1 else group,  # a group of one process: its rank in the job
+                size if size > 1 else self.groups,
+                master_addr=host,
+                master_port=port,
+                ifname="lo" if net is None else net.ranks[group].ifname,
+                launch_id=self.launch_id,
+                link_bps=self.config.link_rate_bps,
+                extra=extra,
+            )
+            procs.append(self._spawn(group, env))
+        self.lives[group].append(_Life(procs, life))
+
+    def _spawn(self, group: int, env: dict[str, str]) -> Any:
+        """One process of group ``group`` (a zygote's fork, or a fresh interpreter), its output pumped."""
+        net, proc = self.net, None
         argv = (net.exec_prefix(group) if net is not None else []) + self.cmd
-        proc = None
         if self.zygote is not None:
             try:
                 netns = net.ranks[group].netns if net is not None else None
@@ -346,22 +385,22 @@ class _GroupRun:
         prefix = self.output.prefix(group)
         for pipe, stream in ((proc.stdout, self.output.out), (proc.stderr, self.output.err)):
             threading.Thread(target=self.output.pump, args=(pipe, stream, prefix), daemon=True).start()
-        self.lives[group].append(_Life(proc, life))
+        return proc
 
     def running(self) -> list[int]:
         return [g for g, lives in enumerate(self.lives) if lives and lives[-1].code is None]
 
     def kill(self, group: int, sig: signal.Signals = signal.SIGKILL) -> None:
-        life = self.lives[group][-1]
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(life.proc.pid, sig)
+        for proc in self.lives[group][-1].procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, sig)
 
     def supervise(
         self, pending: list[Fault], progress: Callable[[int], int]
     ) -> tuple[int, int | None, str, bool, str | None]:
         """Start every group, carry out the schedule, wait for the groups; (returncode, failed group,
         message, timed out, the signal that interrupted it)."""
-        for g in range(self.config.nproc):
+        for g in range(self.groups):
             self.start(g)
         failures: list[tuple[int, int]] = []
         try:
@@ -381,12 +420,10 @@ class _GroupRun:
                 self._schedule(pending, progress)
                 for g in self.running():
                     life = self.lives[g][-1]
-                    code = life.proc.poll()
+                    code = life.poll()
                     if code is None:
                         continue
                     life.code = code
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(life.proc.pid, signal.SIGKILL)  # strays of its process group
                     if code != 0 and not life.killed:
                         failures.append((g, code))
                         self.output.note(
@@ -400,7 +437,7 @@ class _GroupRun:
             g, code = failures[0]
             message = describe_exit(g, code).replace("rank", "group", 1)
             return (128 - code if code < 0 else code), g, message, False, None
-        return 0, None, f"all {self.config.nproc} groups finished", False, None
+        return 0, None, f"all {self.groups} groups finished", False, None
 
     def _schedule(self, pending: list[Fault], progress: Callable[[int], int]) -> None:
         """Carry out the due events of ``pending`` in order (a kill once its group finished its step; a
@@ -414,10 +451,10 @@ class _GroupRun:
                 self.kill(fault.group)
                 self.output.note(f"{fault.spec}: group {fault.group} SIGKILLed after its step {fault.step}")
             else:
-                if max((progress(g) for g in range(self.config.nproc)), default=0) < fault.step:
+                if max((progress(g) for g in range(self.groups)), default=0) < fault.step:
                     return
                 life = self.lives[fault.group][-1]
-                life.code = life.proc.poll() if life.code is None else life.code
+                life.code = life.poll() if life.code is None else life.code
                 if life.code is None:  # its SIGKILL has not been reaped yet
                     return
                 self.start(fault.group)
@@ -432,12 +469,16 @@ class _GroupRun:
         end = time.monotonic() + (self.config.grace_s if sig != signal.SIGKILL else 5.0)
         for g in running:
             life = self.lives[g][-1]
-            try:
-                life.code = life.proc.wait(max(0.01, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.kill(g)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    life.code = life.proc.wait(5.0)
+            codes = []
+            for proc in life.procs:
+                try:
+                    codes.append(proc.wait(max(0.01, end - time.monotonic())))
+                except subprocess.TimeoutExpired:
+                    self.kill(g)
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        codes.append(proc.wait(5.0))
+            if len(codes) == len(life.procs):
+                life.code = next((c for c in codes if c != 0), 0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,8 +27,7 @@ from typing import Any
 from lioncub._validate import is_int
 from lioncub.integrations.torchft import MOMENTA_ON_HEAL
 from lioncub.launch.config import DEVICES
-from lioncub.launch.groups import parse_faults
-from lioncub.names import PEER_VARIANTS, config_version
+from lioncub.names import BASELINES, PEER_VARIANTS, config_version
 from lioncub.ops.quantize import QUANTIZERS
 from lioncub.optim.arguments import check_local_steps, check_options
 from lioncub.optim.config import (
@@ -43,6 +42,7 @@ from lioncub.optim.local_steps import OUTER_RULES, LocalSteps, default_outer_lr
 from lioncub.optim.step_check import NONFINITE_MODES, Checks
 from lioncub.optim.sync import MomentumSync
 from lioncub.train.data import MODES
+from lioncub.train.fault_settings import check_fault_tolerant
 from lioncub.train.lr import lr_factor
 from lioncub.train.settings import Described, check_value, described, flat_document, in_flags, nest, setting
 from lioncub.train.settings import spell as spell_value
@@ -71,8 +71,6 @@ __all__ = [
 
 #: every --variant: the LionCub presets (with the DDP baselines) and the peers' optimizers
 VARIANTS = (*PRESETS, *PEER_VARIANTS)
-#: variants trained as DDP + Lion, as users run today (gradient allreduce in fp32 / 16-bit)
-BASELINES = ("32bit", "16bit")
 #: how a resume on another world size starts every rank's momenta (``--convert-momenta``; see
 #: :mod:`lioncub.train.checkpoint`)
 CONVERSIONS = ("average",)
@@ -81,8 +79,6 @@ CONVERSIONS = ("average",)
 CHOSEN_BY = ("auto",)
 #: why a fault-tolerant run takes no checkpoint options
 _NO_CHECKPOINTS = "checkpoints of a fault-tolerant run are not written: a group heals from a live peer"
-#: why a fault-tolerant run takes no --nnodes
-_NO_GROUPS_OF_RANKS = "groups of several ranks are not built; every rank is one group: use --nproc N"
 #: the largest ``--seed``: torch's generators take 64-bit seeds
 MAX_SEED = 2**63 - 1
 
@@ -313,17 +309,18 @@ class ClusterConfig:
         help="shape every rank's link (with --nnodes each node's NIC), e.g. 1gbit (root)",
     )  # fmt: skip
     nnodes: int | None = setting(
-        None, metavar="M", ft_why=_NO_GROUPS_OF_RANKS,
+        None, metavar="M",
         help="instead of --nproc: M emulated nodes of --nproc-per-node ranks, one --link NIC per node, "
-        "started by a multi-node torchrun (root)",
+        "started by a multi-node torchrun (root); with --fault-tolerant every node a replica group",
     )  # fmt: skip
     intra_link: str | None = setting(
         None, metavar="RATE", default_text="unshaped", help="with --nnodes: shape each node's loopback"
     )
     fault_tolerant: bool = setting(
         False,
-        help="every rank its own replica group on torchft (docs/fault-tolerance.md): a group that dies is "
-        "left out at the next quorum, one that (re)joins heals from a live peer (pip install 'lioncub[ft]')",
+        help="every rank (with --nnodes every node) a replica group on torchft (docs/fault-tolerance.md): a "
+        "group that dies is left out at the next quorum, one that (re)joins heals from a live peer (pip "
+        "install 'lioncub[ft]')",
     )
     kill: list[str] = setting(
         [], parse=fault_list, metavar="G@STEP,...", ft_only=True,
@@ -342,6 +339,11 @@ class ClusterConfig:
         "peer", choices=MOMENTA_ON_HEAL, ft_only=True,
         help="with --fault-tolerant: a healed group's momenta, the peer's copy or zeros",
     )  # fmt: skip
+
+    @property
+    def replica_groups(self) -> int:
+        """The replica groups of a fault-tolerant run: one per node with ``--nnodes``, else one per rank."""
+        return self.nnodes or self.nproc
 
     @property
     def nproc_per_node(self) -> int:
@@ -482,37 +484,7 @@ def _check_run(config: TrainConfig) -> None:
         )
     if run.device == "cuda" and emulates_links(config):
         raise ValueError(CUDA_UNDER_EMULATION.format(link=cluster.link))
-    _check_fault_tolerant(config)
-
-
-def _check_fault_tolerant(config: TrainConfig) -> None:
-    """``--fault-tolerant``: the failure schedule against the groups and steps
-    (:func:`lioncub.launch.groups.parse_faults`), the lighthouse's URL, the variants it takes; and
-    ``--variant torchft-diloco`` (torchft's DiLoCo: Lion inside, Nesterov SGD outside, each worker's inner
-    momenta kept), which needs it and ``--local-steps H``."""
-    cluster, opt = config.cluster, config.optimizer
-    if opt.variant in PEER_VARIANTS:
-        if not cluster.fault_tolerant or opt.local_steps is None:
-            raise ValueError(
-                f"--variant {opt.variant}: runs on torchft's Manager between replica groups, every H steps; "
-                "add --fault-tolerant and --local-steps H (its sync_every)"
-            )
-        if opt.outer != "diloco" or opt.inner_momentum != "keep":
-            raise ValueError(
-                f"--variant {opt.variant} with --outer {opt.outer} --inner-momentum {opt.inner_momentum}: "
-                "torchft's DiLoCo averages the pseudo-gradients (--outer diloco) and keeps each worker's "
-                "inner momenta (--inner-momentum keep)"
-            )
-    if not cluster.fault_tolerant:
-        return
-    if opt.variant in BASELINES and opt.local_steps is None:
-        raise ValueError(
-            f"--fault-tolerant with --variant {opt.variant}: DDP + Lion has no vote between groups; give a "
-            "LionCub variant (e.g. 1bit), or --local-steps H for its dense outer step"
-        )
-    if cluster.lighthouse is not None and not str(cluster.lighthouse).startswith(("http://", "https://")):
-        raise ValueError(f"--lighthouse {cluster.lighthouse!r}: give the lighthouse's URL, http://HOST:PORT")
-    parse_faults(cluster.kill, cluster.rejoin, cluster.nproc, config.run.steps)
+    check_fault_tolerant(config)
 
 
 def _check_per_variant(config: TrainConfig) -> None:

@@ -1,7 +1,7 @@
-"""The driver of a fault-tolerant run (``lioncub train --fault-tolerant``): every rank one replica group
-(:mod:`lioncub.train.replica_group`), launched with the failure schedule by
-:func:`lioncub.launch.groups.launch_groups`; then the groups' logs merged into the run's ``log.jsonl``
-and its ``summary.json``.
+"""The driver of a fault-tolerant run (``lioncub train --fault-tolerant``): every rank (with ``--nnodes``
+every node of ``--nproc-per-node`` ranks) one replica group (:mod:`lioncub.train.replica_group`),
+launched with the failure schedule by :func:`lioncub.launch.groups.launch_groups`; then the groups' logs
+merged into the run's ``log.jsonl`` and its ``summary.json``.
 
 The merged log has one ``step`` record per step of the run, that of the lowest-numbered group whose step
 it was (``groups``: the groups that ran it), with ``loss`` the mean of their training losses,
@@ -10,7 +10,7 @@ skipped, never applied twice). An ``eval`` record is the lowest group's, with ``
 every group that evaluated then scored the same. The summary adds ``fault_tolerance``: the steps run with
 each number of participants, the steps skipped, every heal (when, which group, from whom, bytes,
 seconds), the schedule, and whether the replicas of the groups that finished were bitwise equal at the
-end (their parameters' digests).
+end (their parameters' digests, and in a group of several ranks whether its ranks held the same).
 """
 
 from __future__ import annotations
@@ -118,11 +118,11 @@ def fault_tolerance_summary(
     """The ``fault_tolerance`` entry of the summary (module docstring) and one finished group's end
     record (its parameter count and workload info), None if none finished."""
     cluster = config.cluster
-    ends = [e for g in range(cluster.nproc) if (e := _read_json(run_dir / end_name(g))) is not None]
+    ends = [e for g in range(cluster.replica_groups) if (e := _read_json(run_dir / end_name(g))) is not None]
     finished = [e for e in ends if e.get("step") == config.run.steps]
     digests = {e["digest"] for e in finished}
     heals = []  # each group's log has its heals, also a group's that was killed later
-    for g in range(cluster.nproc):
+    for g in range(cluster.replica_groups):
         if (run_dir / log_name(g)).exists():
             heals += [
                 rec for _, rec in complete_records(run_dir / log_name(g))[0] if rec.get("kind") == "heal"
@@ -139,7 +139,7 @@ def fault_tolerance_summary(
         "rejoin": list(cluster.rejoin),
         "momentum_on_heal": cluster.momentum_on_heal,
         "groups_finished": sorted(e["group"] for e in finished),
-        "replicas_equal": len(finished) > 0 and len(digests) == 1,
+        "replicas_equal": bool(finished) and len(digests) == 1 and all(e["ranks_equal"] for e in finished),
         "digest": digests.pop() if len(digests) == 1 else None,  # SHA-256 of the final parameters
         "lighthouse": lighthouse,
     }
@@ -165,9 +165,9 @@ def run_fault_tolerant(
     check_launch_options(restarts, collective_timeout_s, fault_tolerant=True)
     err = err or sys.stderr
     cluster, run = config.cluster, config.run
-    faults = parse_faults(cluster.kill, cluster.rejoin, cluster.nproc, run.steps)
+    faults = parse_faults(cluster.kill, cluster.rejoin, cluster.replica_groups, run.steps)
     if is_marked(run_dir):
-        record(run_dir, dirs=["groups"], files=[*group_files(cluster.nproc, faults), "log.jsonl"])
+        record(run_dir, dirs=["groups"], files=[*group_files(cluster.replica_groups, faults), "log.jsonl"])
     (run_dir / "groups").mkdir(exist_ok=True)
     cmd = [sys.executable, "-m", GROUP_MODULE, str(run_dir)]
     if (run_dir / NEXT_CONFIG).exists():
@@ -179,13 +179,13 @@ def run_fault_tolerant(
         launch_config.preload = (*MODULES, "lioncub.train.loop")  # as a plain run's: one zygote
     # the bar follows the group the schedule kills least (the lowest of them)
     kills = Counter(f.group for f in faults if f.kind == "kill")
-    followed = min(range(cluster.nproc), key=lambda g: (kills[g], g))
+    followed = min(range(cluster.replica_groups), key=lambda g: (kills[g], g))
     bar = None
     if progress:
         title = f"{label or config.optimizer.variant} (group {followed})"
         bar = Progress(run_dir / log_name(followed), title, 0, run.steps, err)
         bar.start()
-    logs = GroupLogs(run_dir, cluster.nproc)
+    logs = GroupLogs(run_dir, cluster.replica_groups)
     try:
         result = launch_groups(
             launch_config, faults, logs.progress, lighthouse=cluster.lighthouse, out=out, err=err
@@ -194,7 +194,7 @@ def run_fault_tolerant(
         if bar is not None:
             bar.done.set()
             bar.join(timeout=5)
-    steps, evals = merge_group_logs(run_dir, cluster.nproc)
+    steps, evals = merge_group_logs(run_dir, cluster.replica_groups)
     summary = None
     if steps:
         lighthouse = cluster.lighthouse or "started for the job"

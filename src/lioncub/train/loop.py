@@ -125,11 +125,18 @@ def _topology(config: TrainConfig, model: torch.nn.Module) -> str:
 
 
 def build_optimizer(
-    config: TrainConfig, wl: Workload, model: torch.nn.Module, world_size: int, process_group: Any = None
+    config: TrainConfig,
+    wl: Workload,
+    model: torch.nn.Module,
+    world_size: int,
+    process_group: Any = None,
+    keep: Callable[[torch.Tensor], bool] | None = None,
 ) -> OptimizerSetup:
     """Wrap ``model`` in DDP (world size > 1) and build the variant's optimizer over the workload's groups;
     ``process_group``: what a ``LionCub`` votes over (default: the global group; a replica group's
-    :class:`~lioncub.collectives.GroupComm` in a fault-tolerant run, with ``world_size`` 1)."""
+    :class:`~lioncub.collectives.GroupComm` in a fault-tolerant run, with ``world_size`` 1). ``keep``: the
+    parameters the optimizer steps (default: all; a rank of a replica group of several ranks: its share),
+    param groups left empty are dropped."""
     options = config.optimizer
     if world_size > 1:
         # overlapped votes travel in DDP's buckets: --bucket-mb sizes them (DDP's default otherwise)
@@ -138,6 +145,9 @@ def build_optimizer(
             model, device_ids=[wl.device.index] if wl.device.type == "cuda" else None, **buckets
         )
     groups = wl.param_groups(model)
+    if keep is not None:
+        groups = [{**g, "params": [p for p in g["params"] if keep(p)]} for g in groups]
+        groups = [g for g in groups if g["params"]]
     local = None
     if options.local_steps is not None:
         local = LocalSteps(

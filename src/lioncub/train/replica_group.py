@@ -3,11 +3,14 @@ process that votes with the other groups through :class:`lioncub.integrations.to
 
 :func:`lioncub.launch.groups.launch_groups` starts it as ``python -m lioncub.train.replica_group RUN_DIR
 [CONFIG]`` with ``LIONCUB_GROUP`` (its index G), ``LIONCUB_GROUP_LIFE`` (0, or k at its k-th rejoin),
-``LIONCUB_LIGHTHOUSE`` and ``LIONCUB_GROUP_HOST``. Read it top to bottom in :func:`run_group`:
+``LIONCUB_LIGHTHOUSE`` and ``LIONCUB_GROUP_HOST``; with ``--nnodes`` each of a group's L ranks, with
+``RANK``/``WORLD_SIZE``/``MASTER_*`` of the group's own world. Read it top to bottom in :func:`run_group`:
 
-1. The workload (data shard G of ``--nproc``), the model (every group builds the same one from the seed)
-   and the variant's ``LionCub`` over the group's :class:`~lioncub.collectives.GroupComm`
-   (:func:`lioncub.train.loop.build_optimizer`), attached to the ``ReplicaGroup``. The loop's position
+1. The workload (data shard G·L + ℓ of ``--nproc`` for rank ℓ of group G), the model (every group builds
+   the same one from the seed; in a group of several ranks wrapped in DDP over them) and the variant's
+   ``LionCub`` over the group's :class:`~lioncub.collectives.GroupComm` (with L > 1 over this rank's
+   share of the parameters, :func:`lioncub.integrations.torchft.shard`), attached to the
+   ``ReplicaGroup``. The group's rank 0 writes its files. The loop's position
    (the last step finished and the training seconds so far) is state a healing group takes from its peer.
 2. Each step: at a commit boundary (every step; with local steps each window's first) the group first
    waits for a group the schedule starts again (``--rejoin``, so that a rerun of a schedule gives the same
@@ -29,6 +32,7 @@ process that votes with the other groups through :class:`lioncub.integrations.to
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import hashlib
 import io
 import json
@@ -43,9 +47,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from lioncub import env
-from lioncub.integrations.torchft import DiLoCoGroup, ReplicaGroup, ReplicaGroupError
+from lioncub.integrations.torchft import DiLoCoGroup, Heal, ReplicaGroup, ReplicaGroupError, shard
 from lioncub.launch.groups import Fault, parse_faults
 from lioncub.names import PEER_VARIANTS
 from lioncub.optim import Lion, LionCub, LocalSteps
@@ -201,8 +207,11 @@ def _group(
     timeout_s: float,
 ) -> tuple[ReplicaGroup | DiLoCoGroup, loop.OptimizerSetup]:
     """This replica group and its optimizer: the variant's ``LionCub`` over a :class:`ReplicaGroup`, or
-    for ``torchft-diloco`` lioncub's ``Lion`` inside torchft's DiLoCo (:class:`DiLoCoGroup`)."""
+    for ``torchft-diloco`` lioncub's ``Lion`` inside torchft's DiLoCo (:class:`DiLoCoGroup`). In a group of
+    several ranks (``--nnodes``) ``model`` is DDP over the group's ranks and this rank's ``LionCub`` steps
+    and votes its share of the parameters (:func:`lioncub.integrations.torchft.shard`)."""
     opt, cluster = config.optimizer, config.cluster
+    size = cluster.nproc_per_node
     if opt.variant in PEER_VARIANTS:
         inner = Lion(wl.param_groups(model), betas=wl.betas)
         rule = LocalSteps(opt.local_steps, "diloco", opt.outer_lr, opt.outer_betas, inner_momentum="keep")
@@ -222,24 +231,36 @@ def _group(
     group = ReplicaGroup(
         lighthouse,
         index,
-        max_groups=cluster.nproc,
+        max_groups=cluster.replica_groups,
         momentum_on_heal=cluster.momentum_on_heal,
         timeout_s=timeout_s,  # --collective-timeout: every collective, heal, commit and quorum
         quorum_timeout_s=timeout_s,
         host=host,
         init_sync=False,  # every group builds the same model from the seed: the digests say so
+        group_rank=dist.get_rank() if size > 1 else 0,
+        group_world_size=size,
+        store=f"{env.text('MASTER_ADDR')}:{env.text('MASTER_PORT')}" if size > 1 else "",
     )
-    setup = loop.build_optimizer(config, wl, model, 1, process_group=group.comm)
+    params = list(_unwrap(model).parameters())
+    owners = shard(params, size)
+    mine = {id(p) for p, o in zip(params, owners, strict=True) if o == group.group_rank}
+    setup = loop.build_optimizer(
+        config, wl, model, 1, process_group=group.comm, keep=(lambda p: id(p) in mine) if size > 1 else None
+    )
     assert isinstance(setup.opt, LionCub)
-    group.attach(setup.opt)
+    group.attach(setup.opt, params if size > 1 else None)
     return group, setup
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return getattr(model, "module", model)
 
 
 def _schedule(config: TrainConfig, index: int, life: int) -> tuple[set[int], list[tuple[int, int, int]]]:
     """The steps after which this group holds for its ``--kill``, and the starts again it waits for as
     ``(group, life, step)``: not its own, nor its earlier lives'."""
     cluster = config.cluster
-    faults = parse_faults(cluster.kill, cluster.rejoin, cluster.nproc, config.run.steps)
+    faults = parse_faults(cluster.kill, cluster.rejoin, cluster.replica_groups, config.run.steps)
     kills = {f.step for f in faults if f.kind == "kill" and f.group == index}
     lives: dict[int, int] = {}
     pending = []
@@ -264,15 +285,20 @@ class _GroupLoop:
             lighthouse,
         )
         self.kills, self.pending = _schedule(config, index, life)
-        self.wl = make_workload(
-            run.workload, run.size, rank=index, world_size=cluster.nproc, seed=run.seed,
-            data_mode=run.data_mode, device=torch.device("cpu"), **run.overrides,
-        )  # fmt: skip
-        self.model = self.wl.build_model()
-        loop.seed_rank(run.seed, index, life)  # dropout: each group's own stream, and each life's
         timeout = env.seconds("LIONCUB_PG_TIMEOUT")
         self.timeout_s = timeout.total_seconds() if timeout is not None else PG_TIMEOUT_S
-        self.group, self.setup = _group(config, self.wl, self.model, index, lighthouse, host, self.timeout_s)
+        self.size = cluster.nproc_per_node  # ranks in a group: with --nnodes, DDP among them
+        if self.size > 1:
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
+        self.rank = dist.get_rank() if self.size > 1 else 0  # in the group; rank 0 writes its files
+        self.wl = make_workload(
+            run.workload, run.size, rank=index * self.size + self.rank, world_size=cluster.nproc,
+            seed=run.seed, data_mode=run.data_mode, device=torch.device("cpu"), **run.overrides,
+        )  # fmt: skip
+        self.model = self.wl.build_model()
+        loop.seed_rank(run.seed, index * self.size + self.rank, life)  # dropout: each rank's and life's
+        model = DistributedDataParallel(self.model) if self.size > 1 else self.model
+        self.group, self.setup = _group(config, self.wl, model, index, lighthouse, host, self.timeout_s)
         self.opt = self.setup.opt
         self.position = _Position()
         self.group.register_state("loop", self.position.load, self.position.save)
@@ -281,7 +307,7 @@ class _GroupLoop:
         self.window: list[dict[str, Any]] = []  # this window's records, written when its commit is known
         self.clock = PhaseClock(torch.device("cpu"))
         self.out = -1
-        self.heals_logged = 0
+        self.heals: list[Heal] = []  # the group's (with every rank's bytes)
 
     def join(self) -> None:
         """Say this group is ready once the lighthouse lists it (a quorum then waits for it); at the job's
@@ -289,7 +315,8 @@ class _GroupLoop:
         listed = f"{self.group.lighthouse_id}: seen"
         what = f"the lighthouse did not list group {self.index}"
         _wait(lambda: listed in _lighthouse_status(self.lighthouse), self.timeout_s, what)
-        write_atomically(self.run_dir / ready_name(self.index, self.life), f"{os.getpid()}\n")
+        if self.rank == 0:
+            write_atomically(self.run_dir / ready_name(self.index, self.life), f"{os.getpid()}\n")
         if self.life == 0:
             for g in range(self.config.cluster.nproc):
                 _wait((self.run_dir / ready_name(g, 0)).exists, self.timeout_s, f"group {g} did not start")
@@ -297,13 +324,14 @@ class _GroupLoop:
     def run(self) -> None:
         """Every step until the run's last (holding after a ``--kill`` step), then the end record."""
         self.join()
-        self.out = open_append(self.run_dir / log_name(self.index))
+        if self.rank == 0:
+            self.out = open_append(self.run_dir / log_name(self.index))
         while self.position.step < self.config.run.steps:
             step = self.step()
             if step in self.kills:
                 for r in self.window:
-                    append_record(self.out, {**r, "committed": None})  # the window dies with the group
-                append_record(self.out, {"kind": "hold", "step": step, "group": self.index})
+                    self.write({**r, "committed": None})  # the window dies with the group
+                self.write({"kind": "hold", "step": step, "group": self.index})
                 while True:  # until the launcher's SIGKILL (--kill)
                     time.sleep(60)
         self.finish()
@@ -323,7 +351,7 @@ class _GroupLoop:
         step = position.step + 1
         for g in opt.param_groups:
             g["lr"] = g["initial_lr"] * lr_factor(step, run.steps, run.warmup, run.min_lr_ratio)
-        loss = self.wl.loss(self.model, self.wl.train_batch(step - 1))
+        loss = self.wl.loss(self.setup.model, self.wl.train_batch(step - 1))
         loss.backward()
         t2 = self.clock()
         ends = group.step_ends_boundary
@@ -341,37 +369,63 @@ class _GroupLoop:
             ring = 2 * (n - 1) / n * 4 * sum(p.numel() for p in self.model.parameters())  # fp32 ring
             rec.update(comm_s=t3 - t2, exchange_s=t3 - t2, apply_s=0.0, collectives=1, bytes_sent=ring,
                        bytes_recv=ring)  # fmt: skip
+        if self.size > 1:  # the group's bytes: every rank votes its share
+            traffic = torch.tensor([rec["bytes_sent"], rec["bytes_recv"]], dtype=torch.float64)
+            dist.all_reduce(traffic)
+            rec["bytes_sent"], rec["bytes_recv"] = traffic.tolist()
         position.step, position.elapsed = step, position.elapsed + rec["step_s"]
         rec.update(time_s=position.elapsed, quorum_s=t1 - t0, held_s=held, participants=participants,
                    loss=float(loss.detach()), lr=opt.param_groups[0]["lr"], group=self.index)  # fmt: skip
         self.window.append(rec)
-        for heal in group.heals[self.heals_logged :]:  # a group killed later has no end record: log it now
-            append_record(
-                self.out, {"kind": "heal", "group": self.index, "life": self.life, **dataclasses.asdict(heal)}
-            )
-        self.heals_logged = len(group.heals)
+        for heal in self.new_heals():  # a group killed later has no end record: log it now
+            self.write({"kind": "heal", "group": self.index, "life": self.life, **dataclasses.asdict(heal)})
         if ends:
-            if (run.eval_every and step % run.eval_every == 0) or step == run.steps:
+            if self.rank == 0 and ((run.eval_every and step % run.eval_every == 0) or step == run.steps):
                 # before the step records: the launcher's --kill waits for those
-                append_record(self.out, {"kind": "eval", "step": step, "time_s": position.elapsed,
-                                         "group": self.index, **self.wl.evaluate(self.model)})  # fmt: skip
+                self.write({"kind": "eval", "step": step, "time_s": position.elapsed, "group": self.index,
+                            **self.wl.evaluate(self.model)})  # fmt: skip
             for r in self.window:  # the quorum's size, known at the window's end with torchft's DiLoCo
                 done = committed and not r.pop("replaced", False)
-                append_record(self.out, {**r, "participants": group.participants, "committed": done})
+                self.write({**r, "participants": group.participants, "committed": done})
             self.window.clear()
         elif step == run.steps:
             raise AssertionError("the run's last step ends a window (--steps is a multiple of H)")
         return step
 
+    def write(self, record: dict[str, Any]) -> None:
+        """A record of this group's log (its rank 0 writes it)."""
+        if self.rank == 0:
+            append_record(self.out, record)
+
+    def new_heals(self) -> list[Heal]:
+        """This group's heals since the last call, with the bytes all its ranks received (collective in a
+        group of ranks: torchft heals them together); kept in :attr:`heals`."""
+        new = self.group.heals[len(self.heals) :]
+        if self.size > 1 and new:
+            received = torch.tensor([h.nbytes for h in new], dtype=torch.int64)
+            dist.all_reduce(received)
+            new = [dataclasses.replace(h, nbytes=int(n)) for h, n in zip(new, received.tolist(), strict=True)]
+        self.heals += new
+        return new
+
     def finish(self) -> None:
-        """``groups/gG.end.json``, and the model from the first participant of the last quorum."""
+        """``groups/gG.end.json`` (with whether the ranks of the group hold the same parameters), and the
+        model from the first participant of the last quorum."""
         group, model = self.group, self.model
+        digest = params_digest(model)
+        digests = [digest]
+        if self.size > 1:
+            digests = [None] * self.size
+            dist.all_gather_object(digests, digest)
+        if self.rank != 0:
+            return
         end = {
             "group": self.index, "life": self.life, "step": self.position.step,
-            "digest": params_digest(model), "params": sum(p.numel() for p in model.parameters()),
+            "digest": digest, "ranks_equal": len(set(digests)) == 1,
+            "params": sum(p.numel() for p in model.parameters()),
             "info": {k: v for k, v in self.wl.info().items() if isinstance(v, (int, float, str, bool))},
             "committed": group.committed, "skipped": group.skipped,
-            "heals": [dataclasses.asdict(h) for h in group.heals],
+            "heals": [dataclasses.asdict(h) for h in self.heals],
         }  # fmt: skip
         write_atomically(self.run_dir / end_name(self.index), json.dumps(end) + "\n")
         if group.quorum_rank == 0:
@@ -402,6 +456,8 @@ def run_group(config: TrainConfig, run_dir: Path, index: int, life: int, lightho
             if group_loop.out >= 0:
                 os.close(group_loop.out)
             group_loop.group.shutdown()
+            if group_loop.size > 1:
+                dist.destroy_process_group()
     return 0
 
 

@@ -1,0 +1,52 @@
+"""The settings of a fault-tolerant run (``lioncub train --fault-tolerant``, docs/fault-tolerance.md) and of
+``--variant torchft-diloco``, checked with the rest of :meth:`lioncub.train.config.TrainConfig.check`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lioncub.launch.groups import parse_faults
+from lioncub.names import BASELINES, PEER_VARIANTS
+
+if TYPE_CHECKING:
+    from lioncub.train.config import TrainConfig
+
+__all__ = ["check_fault_tolerant"]
+
+
+def check_fault_tolerant(config: TrainConfig) -> None:
+    """``--fault-tolerant``: the failure schedule against the groups and steps
+    (:func:`lioncub.launch.groups.parse_faults`), the lighthouse's URL, the variants it takes; and
+    ``--variant torchft-diloco`` (torchft's DiLoCo: Lion inside, Nesterov SGD outside, each worker's inner
+    momenta kept), which needs it and ``--local-steps H``."""
+    cluster, opt = config.cluster, config.optimizer
+    if opt.variant in PEER_VARIANTS:
+        if not cluster.fault_tolerant or opt.local_steps is None:
+            raise ValueError(
+                f"--variant {opt.variant}: runs on torchft's Manager between replica groups, every H steps; "
+                "add --fault-tolerant and --local-steps H (its sync_every)"
+            )
+        if opt.outer != "diloco" or opt.inner_momentum != "keep":
+            raise ValueError(
+                f"--variant {opt.variant} with --outer {opt.outer} --inner-momentum {opt.inner_momentum}: "
+                "torchft's DiLoCo averages the pseudo-gradients (--outer diloco) and keeps each worker's "
+                "inner momenta (--inner-momentum keep)"
+            )
+    if not cluster.fault_tolerant:
+        return
+    if opt.variant in BASELINES and opt.local_steps is None:
+        raise ValueError(
+            f"--fault-tolerant with --variant {opt.variant}: DDP + Lion has no vote between groups; give a "
+            "LionCub variant (e.g. 1bit), or --local-steps H for its dense outer step"
+        )
+    if cluster.lighthouse is not None and not str(cluster.lighthouse).startswith(("http://", "https://")):
+        raise ValueError(f"--lighthouse {cluster.lighthouse!r}: give the lighthouse's URL, http://HOST:PORT")
+    if cluster.nnodes is not None:  # groups of several ranks: DDP inside, each group one voter
+        why = {"--variant torchft-diloco": opt.variant in PEER_VARIANTS, "--momentum-sync": opt.momentum_sync
+               != "none", f"--topology {opt.topology}": opt.topology != "flat"}  # fmt: skip
+        for flag in (f for f, refused in why.items() if refused):
+            raise ValueError(
+                f"{flag} with --fault-tolerant --nnodes: each node is one replica group (DDP inside, one "
+                "flat vote between the groups); use --nproc N for groups of one rank"
+            )
+    parse_faults(cluster.kill, cluster.rejoin, cluster.replica_groups, config.run.steps)

@@ -8,6 +8,8 @@
 * The ranks of ``processes.run_workers`` run in a session-wide pool of worker processes
   (``tests/processes.py``), forks of a fork server that has imported torch, started when collection
   ends if a selected test's module uses the pool.
+* Once collected, the objects the imports and the collection made are frozen (``gc.freeze``): the full
+  collections of the tests' garbage skip them.
 * Tests marked ``@pytest.mark.root`` build emulated networks: skipped, saying what is missing, where this
   process cannot (``emulated_network.netns_missing``).
 * The ``run_cli`` fixture: ``lioncub ARGV`` in-process with launching refused (``tests/cli_stub.py``).
@@ -18,6 +20,7 @@ The map of the suite: tests/README.md. The quick local loop: ``./run test -m "no
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 
 import pytest
@@ -50,6 +53,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
+    # what the imports and the collection made stays: the full collections of the tests' garbage skip
+    # it (torch's objects alone take a large part of a second per full collection)
+    gc.collect()
+    gc.freeze()
     if not session.config.option.collectonly:
         if any(getattr(getattr(item, "module", None), "run_workers", None) for item in session.items):
             processes.start_fork_server()  # the worker pool's processes fork from it

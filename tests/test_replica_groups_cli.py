@@ -18,7 +18,7 @@ import pytest
 
 import background
 import ft_runs
-from emulated_network import netns_missing, netns_usable
+from emulated_network import netns_usable
 from lioncub import cli
 from lioncub.launch import LaunchConfig
 from lioncub.launch.groups import Fault, launch_groups, parse_faults
@@ -158,7 +158,7 @@ def test_a_rerun_of_the_same_schedule_gives_the_same_bits() -> None:
 @needs_torchft
 @pytest.mark.slow
 @pytest.mark.background("ft_runs")
-@pytest.mark.skipif(not netns_usable(), reason=f"emulated nodes need network namespaces: {netns_missing()}")
+@pytest.mark.root
 def test_nodes_of_two_ranks_are_groups_that_heal_and_agree() -> None:
     """``--nnodes 2 --nproc-per-node 2 --fault-tolerant``: each node one group (DDP inside, one voter), node
     1 killed after step 12 and started again at step 24: 2, 1, then 2 participants; its two ranks heal at

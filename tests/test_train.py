@@ -7,9 +7,7 @@ mean of the saved momenta for a world-size conversion (numpy).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import itertools
 import json
 import math
@@ -22,12 +20,16 @@ import numpy as np
 import pytest
 import torch
 
+import background
+import compare_runs
 from lioncub import cli
 from lioncub.names import config_entries, run_label
 from lioncub.optim import PRESETS
 from lioncub.train import budget, checkpoint
 from lioncub.train.config import BASELINES, TrainConfig, lr_factor
 from train_runs import TINY, expected_bytes, records, train
+
+from processes import python_cmd
 
 ALL_VARIANTS = sorted({*PRESETS, *BASELINES})
 
@@ -356,23 +358,35 @@ def test_resume_refuses_another_world_size_or_variant(
     assert json.loads((out / "summary.json").read_text())["world_size"] == 1
 
 
-#: one ``lioncub compare`` serves test_compare_writes_table_and_plots, test_compare_with_an_overlapped_variant
-#: and test_diagnostics_and_momentum_sync_through_the_cli (its 1bit run)
-COMPARE = ["compare", *TINY, "--variants", "32bit,1bit,1bit+overlap,1bit/h2", "--nproc", "2", "--steps", "4"]
-COMPARE += ["--eval-every", "2", "--diagnostics-every", "2"]  # diagnostics: the votes only (no DDP baseline)
-COMPARE += ["--momentum-sync", "io", "--sync-every", "2"]  # the votes only too
+def _compare_runs() -> background.Subprocess:
+    return background.Subprocess(lambda workdir: python_cmd(compare_runs.__file__, str(workdir)), 300)
+
+
+#: the two comparisons of tests/compare_runs.py, one after the other in one interpreter, in the background
+BACKGROUND = {"compares": _compare_runs}
+
+
+def compare_run(name: str) -> tuple[Path, str]:
+    """The output directory of ``compare_runs.RUNS[name]`` and what it printed (stdout)."""
+    done = background.result("compares", BACKGROUND["compares"])
+    workdir = background.workdir("compares")
+    out = workdir / name / "cmp"
+    log = workdir / f"{name}.log"
+    assert (out / "summary.json").exists(), (
+        f"exit {done.returncode}: {log.read_text()[-3000:] if log.exists() else ''}{done.stderr[-2000:]}"
+    )
+    return out, (workdir / f"{name}.out").read_text()
 
 
 @pytest.fixture(scope="module")
-def compared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """The compare's output directory and what it printed (stdout)."""
-    out = tmp_path_factory.mktemp("compare") / "cmp"
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(io.StringIO()):
-        assert cli.main([*COMPARE, "--out", str(out)]) == 0
-    return out, printed.getvalue()
+def compared() -> tuple[Path, str]:
+    """``compare_runs.COMPARE``'s output directory and what it printed (stdout): test_compare_writes_table_
+    and_plots, test_compare_with_an_overlapped_variant, test_diagnostics_and_momentum_sync_through_the_cli
+    (its 1bit run) and test_compare_has_a_local_steps_row."""
+    return compare_run("compare")
 
 
+@pytest.mark.background("compares")
 @pytest.mark.slow
 def test_compare_writes_table_and_plots(compared: tuple[Path, str], capsys: pytest.CaptureFixture) -> None:
     out, printed = compared
@@ -393,7 +407,7 @@ def test_compare_writes_table_and_plots(compared: tuple[Path, str], capsys: pyte
         assert png[:8] == b"\x89PNG\r\n\x1a\n", name
     # a second call reuses the finished runs instead of training again
     capsys.readouterr()
-    assert cli.main([*COMPARE, "--out", str(out)]) == 0
+    assert cli.main([*compare_runs.COMPARE, "--out", str(out)]) == 0
     assert "reusing the finished run" in capsys.readouterr().err
 
 
@@ -408,6 +422,7 @@ def test_cnn_trains_with_batchnorm_and_reports_accuracy(tmp_path: Path) -> None:
     assert evals[-1]["val_acc"] > 0.5  # ten digit classes: chance is 0.1
 
 
+@pytest.mark.background("compares")
 @pytest.mark.slow
 def test_diagnostics_and_momentum_sync_through_the_cli(compared: tuple[Path, str]) -> None:
     """The compare's 1bit run (2 ranks, 4 steps): diagnostics every 2 steps, the io momenta synced every 2."""
@@ -460,6 +475,7 @@ def test_report_command_plots_the_diagnostics(tmp_path: Path, capsys: pytest.Cap
         TrainConfig.from_json({"variant": "1bit", "quantizer": "l0"})
 
 
+@pytest.mark.background("compares")
 @pytest.mark.slow
 def test_compare_with_an_overlapped_variant(
     compared: tuple[Path, str], tmp_path: Path, capsys: pytest.CaptureFixture
@@ -485,6 +501,7 @@ def test_compare_with_an_overlapped_variant(
     assert "--overlap: --variant 16bit is DDP + Lion, which always overlaps" in capsys.readouterr().err
 
 
+@pytest.mark.background("compares")
 @pytest.mark.slow
 def test_compare_has_a_local_steps_row(compared: tuple[Path, str], capsys: pytest.CaptureFixture) -> None:
     """test_train's compare has ``1bit/h2`` (its run in ``1bit_h2``): no diagnostics or momentum sync there
@@ -578,26 +595,15 @@ def test_each_row_plans_the_steps_its_own_step_time_fits(
     assert [p.run.pilot_step_s for p in plans.values()] == [1 / 64, 1 / 256]
 
 
-#: 1 s of training per run, on 2 ranks; every evaluation reaches the target loss 10 (above the initial loss)
-BUDGET = ["compare", *TINY, "--variants", "32bit,1bit/h2,auto", "--nproc", "2", "--time-budget", "1"]
-BUDGET += ["--target-loss", "10"]
-
-
 @pytest.fixture(scope="module")
-def budget_compared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """A comparison at equal time: 32bit planned from its pilot; 1bit/h2 from a pilot step time taken 20×
-    too short, so that it runs far over its budget and the guard stops it. The output directory and what
-    compare printed (stdout)."""
-    out = tmp_path_factory.mktemp("budget") / "cmp"
-    measured = budget.pilot_step_time
-    printed = io.StringIO()
-    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed):
-        mp.setattr(budget, "pilot_step_time", lambda s, every: measured(s, every) / (20 if every == 2 else 1))
-        with contextlib.redirect_stderr(io.StringIO()):
-            assert cli.main([*BUDGET, "--out", str(out)]) == 0
-    return out, printed.getvalue()
+def budget_compared() -> tuple[Path, str]:
+    """``compare_runs.BUDGET``, a comparison at equal time: 32bit planned from its pilot; 1bit/h2 from a
+    pilot step time taken 20× too short, so that it runs far over its budget and the guard stops it. The
+    output directory and what compare printed (stdout)."""
+    return compare_run("budget")
 
 
+@pytest.mark.background("compares")
 @pytest.mark.slow
 def test_compare_at_equal_time_plans_each_run_from_its_pilot(budget_compared: tuple[Path, str]) -> None:
     """Each run trains the steps its own pilot's step time fits in the budget (a multiple of H), evaluated
@@ -636,6 +642,7 @@ def test_compare_at_equal_time_plans_each_run_from_its_pilot(budget_compared: tu
     assert checkpoint.latest(out / "1bit_h2").step == stop[0]["step"]
 
 
+@pytest.mark.background("compares")
 @pytest.mark.slow
 def test_compare_at_equal_time_reports_the_loss_at_the_budget(
     budget_compared: tuple[Path, str], capsys: pytest.CaptureFixture
@@ -662,11 +669,12 @@ def test_compare_at_equal_time_reports_the_loss_at_the_budget(
     )
     assert (out / "val_loss_vs_time.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     capsys.readouterr()
-    assert cli.main([*BUDGET, "--out", str(out)]) == 0
+    assert cli.main([*compare_runs.BUDGET, "--out", str(out)]) == 0
     err = capsys.readouterr().err
     assert err.count("reusing the finished run") == 3 and "pilot" not in err
 
 
+@pytest.mark.background("compares")
 @pytest.mark.slow
 def test_compare_row_auto_trains_what_its_pilot_chose(budget_compared: tuple[Path, str]) -> None:
     """The row ``auto``: a pilot of the per-step 1bit vote measured compute c and communication m (the

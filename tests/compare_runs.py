@@ -1,0 +1,57 @@
+"""The two ``lioncub compare`` runs that tests/test_train.py's comparison tests read, one after the other in
+ONE interpreter, started in the background when collection ends (tests/background.py):
+
+    python tests/compare_runs.py OUT
+
+``OUT/<name>/cmp`` is the comparison's output directory and ``OUT/<name>.out`` what it printed (stdout) for
+each ``name`` of :data:`RUNS`; the exit status is the number of comparisons that failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import sys
+from pathlib import Path
+
+from train_runs import TINY
+
+#: the tables, plots, diagnostics, momentum sync, an overlapped and a local-steps row (the votes only take
+#: the diagnostics and the momentum sync)
+COMPARE = ["compare", *TINY, "--variants", "32bit,1bit,1bit+overlap,1bit/h2", "--nproc", "2", "--steps", "4"]
+COMPARE += ["--eval-every", "2", "--diagnostics-every", "2", "--momentum-sync", "io", "--sync-every", "2"]
+#: 1 s of training per run, on 2 ranks; every evaluation reaches the target loss 10 (above the initial loss)
+BUDGET = ["compare", *TINY, "--variants", "32bit,1bit/h2,auto", "--nproc", "2", "--time-budget", "1"]
+BUDGET += ["--target-loss", "10"]
+RUNS = {"compare": COMPARE, "budget": BUDGET}
+
+
+def _shorter_pilots() -> None:
+    """``budget``: the pilot of 1bit/h2 (period 2) takes its step time 20× too short, so that its run goes
+    far over the budget and the guard stops it."""
+    from lioncub.train import budget
+
+    measured = budget.pilot_step_time
+    budget.pilot_step_time = lambda s, every: measured(s, every) / (20 if every == 2 else 1)
+
+
+def main(out: Path) -> int:
+    from lioncub import cli
+
+    failed = 0
+    for name, argv in RUNS.items():
+        if name == "budget":
+            _shorter_pilots()
+        printed = io.StringIO()
+        with (
+            contextlib.redirect_stdout(printed),
+            open(out / f"{name}.log", "w") as err,
+            contextlib.redirect_stderr(err),
+        ):
+            failed += cli.main([*argv, "--out", str(out / name / "cmp")]) != 0
+        (out / f"{name}.out").write_text(printed.getvalue())
+    return failed
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1])))

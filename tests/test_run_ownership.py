@@ -28,6 +28,7 @@ import torch
 import background
 from cli_stub import cli_runner
 from lioncub import cli
+from lioncub.launch.preload import MODULES
 from lioncub.optim import Lion
 from lioncub.rundir import (
     LOCK,
@@ -802,10 +803,15 @@ RUN = ["--workload", "gpt", "--size", "tiny", "--set", "batch_size=4", "--eval-e
 FINISHED = [*RUN, "--steps", "3", "--checkpoint-every", "1", "--diagnostics-every", "1"]
 
 
+#: what the ranks of :func:`_launch_args` are forked from: torch and the training loop, imported once
+PRELOAD = (*MODULES, "lioncub.train.loop")
+
+
 def _launch_args(out: Path) -> list[str]:
-    """``-m lioncub launch --nproc 2 -- -m lioncub.cli train``: the ranks prepare the run in ``out``."""
-    return ["-m", "lioncub", "launch", "--nproc", "2", "--", "-m", "lioncub.cli", "train", *FINISHED, "--out",
-            str(out)]  # fmt: skip
+    """``-m lioncub launch --nproc 2 --preload ... -- -m lioncub.cli train``: the ranks (forks of one
+    interpreter that imported torch once) prepare the run in ``out``."""
+    launch = ["-m", "lioncub", "launch", "--nproc", "2", "--preload", ",".join(PRELOAD)]
+    return [*launch, "--", "-m", "lioncub.cli", "train", *FINISHED, "--out", str(out)]
 
 
 def _launch_train(workdir: Path) -> list[str]:

@@ -51,7 +51,8 @@ of every other group, over its own torchft process group — and after every ste
 rank broadcasts its share to the others of its group (:meth:`ReplicaGroup.step`). So a group's NIC carries
 one vote's bytes, as a single rank's would, and each rank keeps the momenta of its share only. torchft
 forms the quorum per group (its rank 0 asks the lighthouse for the group's L ranks), heals every rank of a
-group at once (rank ℓ from rank ℓ of the peer) and commits a step only if every rank of the group commits
+group that is behind at once (rank ℓ from rank ℓ of the peer; the group's ranks agree on it before they
+broadcast their shares) and commits a step only if every rank of the group commits
 it (``should_commit``), so a failure on one rank's exchange puts the whole group's step back.
 
 Costs: the snapshot is one copy of the parameters and of the optimizer's state per commit boundary (host
@@ -106,8 +107,9 @@ class SettingsMismatchError(ReplicaGroupError):
 
 @dataclass(frozen=True)
 class Heal:
-    """One heal of this group: to optimizer step ``step`` (the peer's), from the group ``source``,
-    ``nbytes`` of tensors received, in ``seconds`` (the quorum and the transfer)."""
+    """One heal of this group: to optimizer step ``step`` (the peer's), from the group ``source`` (in a
+    group of several ranks: the sources of its ranks, comma-separated), ``nbytes`` of tensors received (by
+    all the group's ranks), in ``seconds`` (the quorum and the transfer)."""
 
     step: int
     source: str
@@ -370,16 +372,16 @@ class ReplicaGroup(_Member):
         """Vote with ``optimizer``, a :class:`~lioncub.optim.LionCub` built on :attr:`comm` (with
         ``Checks(broadcast_init=False)``: the groups' initial values come from the heal, not a broadcast).
         In a group of several ranks, ``params`` are all the model's parameters (in the same order on every
-        rank) and the optimizer holds this rank's share of them: those :func:`shard` gives it."""
+        rank) and the optimizer holds this rank's share of them (in any order and param groups): those
+        :func:`shard` gives it."""
         if not isinstance(optimizer, LionCub) or optimizer.comm is not self.comm:
             raise ValueError(
                 "attach: give the LionCub built with process_group=group.comm (the group's GroupComm)"
             )
         self._optimizer = optimizer
-        self._settings = settings_of(optimizer)
+        self._settings = {**settings_of(optimizer), "ranks_per_group": self.group_world_size}
         if self.group_world_size > 1:
             self._shares = self._share_layout(params)
-            self._settings["ranks_per_group"] = self.group_world_size
         # the one-time "did DDP average the gradients?" comparison is a collective of a fresh optimizer's
         # first step: a group joining later would run it alone (groups have no DDP between them anyway)
         optimizer.round.gradients_compared = True
@@ -395,14 +397,31 @@ class ReplicaGroup(_Member):
         params = list(params)
         owners = shard(params, self.group_world_size)
         mine = [p for p, o in zip(params, owners, strict=True) if o == self.group_rank]
-        if [id(p) for p in self._params()] != [id(p) for p in mine]:
+        held = [id(p) for p in self._params()]
+        if sorted(held) != sorted(id(p) for p in mine):
             raise ValueError(
                 f"attach: rank {self.group_rank} of replica group {self.replica_id}: the optimizer must hold "
-                f"exactly this rank's share of params, in their order ({len(mine)} tensors of shard(params, "
-                f"{self.group_world_size}); it holds {len(self._params())})"
+                f"exactly this rank's share of params ({len(mine)} tensors of shard(params, "
+                f"{self.group_world_size}); it holds {len(held)}, "
+                f"{len(set(held) - {id(p) for p in mine})} of them not in the share)"
             )
         ranks = range(self.group_world_size)
         return [(r, [p for p, o in zip(params, owners, strict=True) if o == r]) for r in ranks]
+
+    def _group_heal(self, mine: tuple[str, int] | None) -> tuple[str, int] | None:
+        """What the ranks of this group healed at this quorum, as (the sources, the bytes all received), or
+        None (collective in the group). torchft heals the ranks of a group that is behind together; at the
+        first quorum with ``init_sync`` it picks each rank's source by its rank, so that only some heal."""
+        import torch.distributed as dist
+
+        any_healed = torch.tensor([int(mine is not None)], dtype=torch.int64)
+        dist.all_reduce(any_healed, group=self.group_pg)
+        if not any_healed.item():
+            return None
+        every: list[tuple[str, int] | None] = [None] * self.group_world_size
+        dist.all_gather_object(every, mine, group=self.group_pg)
+        got = [h for h in every if h is not None]
+        return ",".join(sorted({source for source, _ in got})), sum(nbytes for _, nbytes in got)
 
     def _broadcast_shares(self) -> None:
         """Every rank's share to the others of its group (a group of several ranks), one broadcast per
@@ -461,10 +480,11 @@ class ReplicaGroup(_Member):
                 f"replica group {self.replica_id}: no quorum within {self.quorum_timeout_s:g} s (lighthouse "
                 f"{self.lighthouse}, at least {self.min_groups} group(s)): {type(err).__name__}: {err}"
             ) from err
-        if self._healed is not None:  # torchft heals a group's ranks together (each from its peer rank)
+        healed = self._group_heal(self._healed) if self._shares else self._healed
+        if healed is not None:
             if self._shares:
                 self._broadcast_shares()
-            source, nbytes = self._healed
+            source, nbytes = healed
             self.heals.append(Heal(opt.global_step, source, nbytes, time.perf_counter() - started))
             self._snapshot = self._take()
         rank = self.manager.participating_rank()

@@ -218,7 +218,7 @@ def _group(
         peer = DiLoCoGroup(
             lighthouse,
             index,
-            cluster.nproc,
+            cluster.replica_groups,
             model,
             inner,
             opt.local_steps,
@@ -307,7 +307,7 @@ class _GroupLoop:
         self.window: list[dict[str, Any]] = []  # this window's records, written when its commit is known
         self.clock = PhaseClock(torch.device("cpu"))
         self.out = -1
-        self.heals: list[Heal] = []  # the group's (with every rank's bytes)
+        self.heals: list[Heal] = []  # logged
 
     def join(self) -> None:
         """Say this group is ready once the lighthouse lists it (a quorum then waits for it); at the job's
@@ -318,7 +318,7 @@ class _GroupLoop:
         if self.rank == 0:
             write_atomically(self.run_dir / ready_name(self.index, self.life), f"{os.getpid()}\n")
         if self.life == 0:
-            for g in range(self.config.cluster.nproc):
+            for g in range(self.config.cluster.replica_groups):
                 _wait((self.run_dir / ready_name(g, 0)).exists, self.timeout_s, f"group {g} did not start")
 
     def run(self) -> None:
@@ -356,7 +356,7 @@ class _GroupLoop:
         t2 = self.clock()
         ends = group.step_ends_boundary
         committed = group.step()
-        opt.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)  # all of them: in a group of ranks the optimizer has a share
         t3 = self.clock()
         rec = loop.step_record(self.setup, step, t2 - t1, t3 - t2, None)
         rec["step_s"] += t1 - t0
@@ -398,13 +398,8 @@ class _GroupLoop:
             append_record(self.out, record)
 
     def new_heals(self) -> list[Heal]:
-        """This group's heals since the last call, with the bytes all its ranks received (collective in a
-        group of ranks: torchft heals them together); kept in :attr:`heals`."""
+        """This group's heals since the last call (kept in :attr:`heals`)."""
         new = self.group.heals[len(self.heals) :]
-        if self.size > 1 and new:
-            received = torch.tensor([h.nbytes for h in new], dtype=torch.int64)
-            dist.all_reduce(received)
-            new = [dataclasses.replace(h, nbytes=int(n)) for h, n in zip(new, received.tolist(), strict=True)]
         self.heals += new
         return new
 

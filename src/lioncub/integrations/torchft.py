@@ -41,19 +41,11 @@ alternates with the step, and the ``split`` zero rule uses each group's rank in 
 participant decides a tie alike whatever N was before. The votes size their lanes and levels for
 ``max_groups`` (a preset that cannot hold it, ``4bit`` over 15, is refused at :meth:`attach`).
 
-**Groups of several ranks** (``group_world_size`` L > 1; ``lioncub train --fault-tolerant --nnodes M
---nproc-per-node L``: every node a group). Inside a group the ranks are plain data parallelism: DDP over the
-group's own process group averages their gradients, so the L ranks hold one replica, one update and one
-momentum, and the group is **one voter** (the vote's N is the number of groups). The vote between groups is
-split across the group's ranks: rank ℓ owns a share of the parameters (:func:`shard`: whole tensors,
-balanced by size, the same on every group), its ``LionCub`` steps and votes only that share — with rank ℓ
-of every other group, over its own torchft process group — and after every step (and after a heal) each
-rank broadcasts its share to the others of its group (:meth:`ReplicaGroup.step`). So a group's NIC carries
-one vote's bytes, as a single rank's would, and each rank keeps the momenta of its share only. torchft
-forms the quorum per group (its rank 0 asks the lighthouse for the group's L ranks), heals every rank of a
-group that is behind at once (rank ℓ from rank ℓ of the peer; the group's ranks agree on it before they
-broadcast their shares) and commits a step only if every rank of the group commits
-it (``should_commit``), so a failure on one rank's exchange puts the whole group's step back.
+**Groups of several ranks** (``group_world_size`` L > 1; ``lioncub train --fault-tolerant --nnodes M``):
+DDP inside the group, the group one voter, each rank voting its share of the parameters and broadcasting
+it in the group (:mod:`lioncub.integrations.group_shares`). torchft forms the quorum per group, heals a
+group's ranks (rank ℓ from rank ℓ of the peer) and commits a step only if every rank of the group commits
+it (``should_commit``): a failed exchange on one rank puts the whole group's step back.
 
 Costs: the snapshot is one copy of the parameters and of the optimizer's state per commit boundary (host
 memory of 2 × (parameters + momenta), a memory copy each step without local steps, each window with).
@@ -76,6 +68,7 @@ from lioncub._validate import is_int, is_number
 from lioncub.collectives import GroupComm
 from lioncub.collectives.base import CollectiveError
 from lioncub.integrations.common import require
+from lioncub.integrations.group_shares import GroupShares, shard
 from lioncub.optim.lioncub import LionCub
 
 __all__ = [
@@ -149,20 +142,6 @@ def _first_difference(ours: dict[str, Any], theirs: dict[str, Any]) -> tuple[str
             return f"param group {i}'s {field}", repr(show(mine[i][field])), repr(show(other[i].get(field)))
         return key, repr(mine), repr(other)
     return None
-
-
-def shard(params: Sequence[torch.Tensor], parts: int) -> list[int]:
-    """Which of ``parts`` ranks owns each tensor of ``params``: whole tensors, largest first, each to the
-    rank with the fewest elements so far (ties: the lowest rank). The same on every rank and group for the
-    same shapes. A list of owners, one per tensor of ``params``, in its order."""
-    if not is_int(parts, 1):
-        raise ValueError(f"parts={parts!r} must be an int >= 1")
-    owners, load = [0] * len(params), [0] * parts
-    for i in sorted(range(len(params)), key=lambda i: (-params[i].numel(), i)):
-        owner = min(range(parts), key=lambda r: (load[r], r))
-        owners[i] = owner
-        load[owner] += params[i].numel()
-    return owners
 
 
 def _nbytes(tree: Any) -> int:
@@ -335,11 +314,10 @@ class ReplicaGroup(_Member):
         self._snapshot: _Snapshot | None = None
         self._settings: dict[str, Any] = {}
         self._healed: tuple[str, int] | None = None
-        self._shares: list[tuple[int, list[torch.Tensor]]] = []  # (owner, its tensors) in a group of ranks
+        self._shares: GroupShares | None = None  # in a group of several ranks
 
     def _check_group(self) -> tuple[str, int]:
-        """Validate the group-of-ranks arguments; the store's (host, port) (a new one here for a group of
-        one process)."""
+        """Check the group-of-ranks arguments; the store's (host, port) (new for a group of one process)."""
         size, rank = self.group_world_size, self.group_rank
         if not is_int(size, 1):
             raise ValueError(f"group_world_size={size!r} must be an int >= 1")
@@ -352,17 +330,6 @@ class ReplicaGroup(_Member):
             raise ValueError(
                 f"store={self.store!r}: with group_world_size={size} give the group's own TCPStore as "
                 "'host:port' (e.g. its MASTER_ADDR:MASTER_PORT)"
-            )
-        import torch.distributed as dist
-
-        if size > 1 and not (dist.is_available() and dist.is_initialized()):
-            raise ValueError(
-                f"group_world_size={size}: init_process_group first (the group's ranks broadcast their "
-                "shares over group_pg, default: the default group)"
-            )
-        if size > 1 and dist.get_world_size(self.group_pg) != size:
-            raise ValueError(
-                f"group_world_size={size}: group_pg has {dist.get_world_size(self.group_pg)} ranks"
             )
         return host, int(port)
 
@@ -381,65 +348,13 @@ class ReplicaGroup(_Member):
         self._optimizer = optimizer
         self._settings = {**settings_of(optimizer), "ranks_per_group": self.group_world_size}
         if self.group_world_size > 1:
-            self._shares = self._share_layout(params)
+            where = f"rank {self.group_rank} of replica group {self.replica_id}"
+            size, pg = self.group_world_size, self.group_pg
+            self._shares = GroupShares(params, self._params(), self.group_rank, size, pg, where)
         # the one-time "did DDP average the gradients?" comparison is a collective of a fresh optimizer's
         # first step: a group joining later would run it alone (groups have no DDP between them anyway)
         optimizer.round.gradients_compared = True
         self.comm.reconfigure(0, 1)
-
-    def _share_layout(self, params: Sequence[torch.Tensor] | None) -> list[tuple[int, list[torch.Tensor]]]:
-        """Each rank's share of ``params`` (rank, its tensors), checking that the optimizer holds ours."""
-        if params is None:
-            raise ValueError(
-                f"attach: replica group {self.replica_id} has {self.group_world_size} ranks: give params=the "
-                "model's parameters; the optimizer holds this rank's share (see shard)"
-            )
-        params = list(params)
-        owners = shard(params, self.group_world_size)
-        mine = [p for p, o in zip(params, owners, strict=True) if o == self.group_rank]
-        held = [id(p) for p in self._params()]
-        if sorted(held) != sorted(id(p) for p in mine):
-            raise ValueError(
-                f"attach: rank {self.group_rank} of replica group {self.replica_id}: the optimizer must hold "
-                f"exactly this rank's share of params ({len(mine)} tensors of shard(params, "
-                f"{self.group_world_size}); it holds {len(held)}, "
-                f"{len(set(held) - {id(p) for p in mine})} of them not in the share)"
-            )
-        ranks = range(self.group_world_size)
-        return [(r, [p for p, o in zip(params, owners, strict=True) if o == r]) for r in ranks]
-
-    def _group_heal(self, mine: tuple[str, int] | None) -> tuple[str, int] | None:
-        """What the ranks of this group healed at this quorum, as (the sources, the bytes all received), or
-        None (collective in the group). torchft heals the ranks of a group that is behind together; at the
-        first quorum with ``init_sync`` it picks each rank's source by its rank, so that only some heal."""
-        import torch.distributed as dist
-
-        any_healed = torch.tensor([int(mine is not None)], dtype=torch.int64)
-        dist.all_reduce(any_healed, group=self.group_pg)
-        if not any_healed.item():
-            return None
-        every: list[tuple[str, int] | None] = [None] * self.group_world_size
-        dist.all_gather_object(every, mine, group=self.group_pg)
-        got = [h for h in every if h is not None]
-        return ",".join(sorted({source for source, _ in got})), sum(nbytes for _, nbytes in got)
-
-    def _broadcast_shares(self) -> None:
-        """Every rank's share to the others of its group (a group of several ranks), one broadcast per
-        rank and dtype over ``group_pg``."""
-        import torch.distributed as dist
-
-        with torch.no_grad():
-            for owner, tensors in self._shares:
-                src = dist.get_global_rank(self.group_pg, owner) if self.group_pg is not None else owner
-                for dtype in dict.fromkeys(t.dtype for t in tensors):
-                    same = [t for t in tensors if t.dtype == dtype]
-                    flat = torch.cat([t.detach().reshape(-1) for t in same])
-                    dist.broadcast(flat, src=src, group=self.group_pg)
-                    if owner != self.group_rank:
-                        offset = 0
-                        for t in same:
-                            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                            offset += t.numel()
 
     @property
     def optimizer(self) -> LionCub:
@@ -480,10 +395,10 @@ class ReplicaGroup(_Member):
                 f"replica group {self.replica_id}: no quorum within {self.quorum_timeout_s:g} s (lighthouse "
                 f"{self.lighthouse}, at least {self.min_groups} group(s)): {type(err).__name__}: {err}"
             ) from err
-        healed = self._group_heal(self._healed) if self._shares else self._healed
+        healed = self._shares.agree_on_heal(self._healed) if self._shares else self._healed
         if healed is not None:
             if self._shares:
-                self._broadcast_shares()
+                self._shares.broadcast()
             source, nbytes = healed
             self.heals.append(Heal(opt.global_step, source, nbytes, time.perf_counter() - started))
             self._snapshot = self._take()
@@ -517,7 +432,7 @@ class ReplicaGroup(_Member):
             self.skipped += 1
             stands = False
         if self._shares:  # the group's ranks agree on the commit (should_commit): share what stands
-            self._broadcast_shares()
+            self._shares.broadcast()
         return stands
 
     def shutdown(self) -> None:

@@ -3,20 +3,18 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from lioncub.launch.groups import parse_faults
 from lioncub.names import BASELINES, PEER_VARIANTS
 
-if TYPE_CHECKING:
-    from lioncub.train.config import TrainConfig
-
 __all__ = ["check_fault_tolerant"]
 
 
-def check_fault_tolerant(config: TrainConfig) -> None:
-    """``--fault-tolerant``: the failure schedule against the groups and steps
-    (:func:`lioncub.launch.groups.parse_faults`), the lighthouse's URL, the variants it takes; and
+def check_fault_tolerant(config: Any) -> None:
+    """``config`` (a :class:`~lioncub.train.config.TrainConfig`) with ``--fault-tolerant``: the failure
+    schedule against the groups and steps (:func:`lioncub.launch.groups.parse_faults`), the lighthouse's
+    URL, the variants it takes, what groups of several ranks (``--nnodes``) do not take; and
     ``--variant torchft-diloco`` (torchft's DiLoCo: Lion inside, Nesterov SGD outside, each worker's inner
     momenta kept), which needs it and ``--local-steps H``."""
     cluster, opt = config.cluster, config.optimizer

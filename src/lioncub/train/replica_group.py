@@ -239,7 +239,7 @@ def _group(
         init_sync=False,  # every group builds the same model from the seed: the digests say so
         group_rank=dist.get_rank() if size > 1 else 0,
         group_world_size=size,
-        store=f"{env.text('MASTER_ADDR')}:{env.text('MASTER_PORT')}" if size > 1 else "",
+        store=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}" if size > 1 else "",
     )
     params = list(_unwrap(model).parameters())
     owners = shard(params, size)

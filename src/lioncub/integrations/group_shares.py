@@ -1,0 +1,111 @@
+"""A replica group of several ranks that votes as one (:mod:`lioncub.integrations.torchft`): the shares.
+
+Inside the group the ranks are plain data parallelism: DDP over the group's own process group averages
+their gradients, so the L ranks hold one replica, one update and one momentum, and the group is **one
+voter** (the vote's N is the number of groups). The vote between the groups is split across the group's
+ranks so that the group's NIC carries one vote's bytes, as a single rank's would:
+
+* rank ℓ of every group owns the same share of the parameters (:func:`shard`: whole tensors, largest first,
+  each to the rank with the fewest elements so far);
+* its ``LionCub`` holds only that share (its momenta, its vote with rank ℓ of the other groups);
+* after every step, and after a heal, each rank broadcasts its share to the others of its group
+  (:meth:`GroupShares.broadcast`, one broadcast per rank and dtype).
+
+torchft heals the ranks of a group that is behind together, each from its peer rank; at the first quorum
+with ``init_sync`` it picks each rank's source by its rank, so that only some ranks of a group heal: the
+ranks agree on a heal (:meth:`GroupShares.agree_on_heal`) before they broadcast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lioncub._validate import is_int
+
+__all__ = ["GroupShares", "shard"]
+
+
+def shard(params: Sequence[torch.Tensor], parts: int) -> list[int]:
+    """Which of ``parts`` ranks owns each tensor of ``params``: whole tensors, largest first, each to the
+    rank with the fewest elements so far (ties: the lowest rank). The same on every rank and group for the
+    same shapes. A list of owners, one per tensor of ``params``, in its order."""
+    if not is_int(parts, 1):
+        raise ValueError(f"parts={parts!r} must be an int >= 1")
+    owners, load = [0] * len(params), [0] * parts
+    for i in sorted(range(len(params)), key=lambda i: (-params[i].numel(), i)):
+        owner = min(range(parts), key=lambda r: (load[r], r))
+        owners[i] = owner
+        load[owner] += params[i].numel()
+    return owners
+
+
+class GroupShares:
+    """The shares of ``params`` (all the model's parameters, in the same order on every rank) among the
+    ``size`` ranks of ``group_pg`` (None: the default group); ``held``: the tensors rank ``rank``'s
+    optimizer steps, which must be exactly its share (in any order); ``where`` names this rank in
+    messages."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor] | None,
+        held: Sequence[torch.Tensor],
+        rank: int,
+        size: int,
+        group_pg: Any,
+        where: str,
+    ) -> None:
+        if params is None:
+            raise ValueError(
+                f"attach: {where}, a group of {size} ranks: give params=the model's parameters; the "
+                "optimizer holds this rank's share of them (see shard)"
+            )
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(f"{where}: init_process_group first (the group's ranks share over group_pg)")
+        if dist.get_world_size(group_pg) != size:
+            raise ValueError(f"{where}: group_pg has {dist.get_world_size(group_pg)} ranks, not {size}")
+        self.size, self.rank, self.group_pg = size, rank, group_pg
+        params = list(params)
+        owners = shard(params, self.size)
+        mine = {id(p) for p, o in zip(params, owners, strict=True) if o == rank}
+        ids = [id(p) for p in held]
+        if sorted(ids) != sorted(mine):
+            raise ValueError(
+                f"attach: {where}: the optimizer must hold exactly this rank's share of params ({len(mine)} "
+                f"tensors of shard(params, {self.size})); it holds {len(ids)}, {len(set(ids) - mine)} of "
+                "them not in the share"
+            )
+        self.shares = [
+            (r, [p for p, o in zip(params, owners, strict=True) if o == r]) for r in range(self.size)
+        ]
+
+    def broadcast(self) -> None:
+        """Every rank's share to the others of the group (collective in the group)."""
+        with torch.no_grad():
+            for owner, tensors in self.shares:
+                src = dist.get_global_rank(self.group_pg, owner) if self.group_pg is not None else owner
+                for dtype in dict.fromkeys(t.dtype for t in tensors):
+                    same = [t for t in tensors if t.dtype == dtype]
+                    flat = torch.cat([t.detach().reshape(-1) for t in same])
+                    dist.broadcast(flat, src=src, group=self.group_pg)
+                    if owner != self.rank:
+                        offset = 0
+                        for t in same:
+                            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                            offset += t.numel()
+
+    def agree_on_heal(self, mine: tuple[str, int] | None) -> tuple[str, int] | None:
+        """What the group's ranks healed at this quorum (``mine``: this rank's (source, bytes received), or
+        None) as (the sources, comma-separated, and the bytes all received), or None if none did
+        (collective in the group)."""
+        any_healed = torch.tensor([int(mine is not None)], dtype=torch.int64)
+        dist.all_reduce(any_healed, group=self.group_pg)
+        if not any_healed.item():
+            return None
+        every: list[tuple[str, int] | None] = [None] * self.size
+        dist.all_gather_object(every, mine, group=self.group_pg)
+        got = [h for h in every if h is not None]
+        return ",".join(sorted({source for source, _ in got})), sum(nbytes for _, nbytes in got)

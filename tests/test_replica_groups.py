@@ -324,7 +324,8 @@ def _ranks_run(
     ``rejoin: (g, k, pause_s)``: group g leaves after its step k and starts again (fresh parameters)."""
     from torch.distributed import TCPStore
 
-    from lioncub.integrations.torchft import ReplicaGroup, shard
+    from lioncub.integrations.group_shares import shard
+    from lioncub.integrations.torchft import ReplicaGroup
 
     size, index, local = 2, rank // 2, rank % 2
     pgs = [dist.new_group([2 * g, 2 * g + 1]) for g in range(world_size // size)]
@@ -392,8 +393,7 @@ def _plain_groups_run(rank: int, world_size: int, steps: int, local_steps: int |
 
 
 def test_shard_balances_whole_tensors_alike_everywhere() -> None:
-    pytest.importorskip("torchft", reason="torchft is not installed: pip install 'lioncub[ft]'")
-    from lioncub.integrations.torchft import shard
+    from lioncub.integrations.group_shares import shard
 
     tensors = [torch.empty(s) for s in ((37, 24), (24,), (40, 24), (3,), (24,))]
     assert shard(tensors, 2) == [1, 1, 0, 1, 1]  # 960 | 888 + 24 + 24 + 3

@@ -9,7 +9,7 @@ process that votes with the other groups through :class:`lioncub.integrations.to
 1. The workload (data shard G·L + ℓ of ``--nproc`` for rank ℓ of group G), the model (every group builds
    the same one from the seed; in a group of several ranks wrapped in DDP over them) and the variant's
    ``LionCub`` over the group's :class:`~lioncub.collectives.GroupComm` (with L > 1 over this rank's
-   share of the parameters, :func:`lioncub.integrations.torchft.shard`), attached to the
+   share of the parameters, :func:`lioncub.integrations.group_shares.shard`), attached to the
    ``ReplicaGroup``. The group's rank 0 writes its files. The loop's position
    (the last step finished and the training seconds so far) is state a healing group takes from its peer.
 2. Each step: at a commit boundary (every step; with local steps each window's first) the group first
@@ -51,7 +51,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from lioncub import env
-from lioncub.integrations.torchft import DiLoCoGroup, Heal, ReplicaGroup, ReplicaGroupError, shard
+from lioncub.integrations.group_shares import shard
+from lioncub.integrations.torchft import DiLoCoGroup, Heal, ReplicaGroup, ReplicaGroupError
 from lioncub.launch.groups import Fault, parse_faults
 from lioncub.names import PEER_VARIANTS
 from lioncub.optim import Lion, LionCub, LocalSteps
@@ -209,7 +210,7 @@ def _group(
     """This replica group and its optimizer: the variant's ``LionCub`` over a :class:`ReplicaGroup`, or
     for ``torchft-diloco`` lioncub's ``Lion`` inside torchft's DiLoCo (:class:`DiLoCoGroup`). In a group of
     several ranks (``--nnodes``) ``model`` is DDP over the group's ranks and this rank's ``LionCub`` steps
-    and votes its share of the parameters (:func:`lioncub.integrations.torchft.shard`)."""
+    and votes its share of the parameters (:func:`lioncub.integrations.group_shares.shard`)."""
     opt, cluster = config.optimizer, config.cluster
     size = cluster.nproc_per_node
     if opt.variant in PEER_VARIANTS:

@@ -324,7 +324,7 @@ def _ranks_run(
     ``rejoin: (g, k, pause_s)``: group g leaves after its step k and starts again (fresh parameters)."""
     from torch.distributed import TCPStore
 
-    from lioncub.integrations.group_shares import shard
+    from lioncub.integrations.group_shares import share_of
     from lioncub.integrations.torchft import ReplicaGroup
 
     size, index, local = 2, rank // 2, rank % 2
@@ -341,8 +341,7 @@ def _ranks_run(
         )  # fmt: skip
         torch.manual_seed(seed)
         params = [torch.nn.Parameter(torch.randn(s)) for s in ((37, 24), (24,), (40, 24), (3,))]
-        owners = shard(params, size)
-        mine = [p for p, o in zip(params, owners, strict=True) if o == local]
+        mine = share_of(params, size, local)
         opt = LionCub(
             mine, lr=0.01, weight_decay=0.1, variant="1bit", process_group=group.comm,
             checks=Checks(broadcast_init=False), local_steps=local_steps,

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from lioncub._validate import is_int
 
-__all__ = ["GroupShares", "shard"]
+__all__ = ["GroupShares", "shard", "share_of"]
 
 
 def shard(params: Sequence[torch.Tensor], parts: int) -> list[int]:
@@ -41,6 +41,11 @@ def shard(params: Sequence[torch.Tensor], parts: int) -> list[int]:
         owners[i] = owner
         load[owner] += params[i].numel()
     return owners
+
+
+def share_of(params: Sequence[torch.Tensor], parts: int, part: int) -> list[torch.Tensor]:
+    """The tensors of ``params`` that rank ``part`` of ``parts`` owns (:func:`shard`), in their order."""
+    return [p for p, owner in zip(params, shard(params, parts), strict=True) if owner == part]
 
 
 class GroupShares:
@@ -69,8 +74,7 @@ class GroupShares:
             raise ValueError(f"{where}: group_pg has {dist.get_world_size(group_pg)} ranks, not {size}")
         self.size, self.rank, self.group_pg = size, rank, group_pg
         params = list(params)
-        owners = shard(params, self.size)
-        mine = {id(p) for p, o in zip(params, owners, strict=True) if o == rank}
+        mine = {id(p) for p in share_of(params, size, rank)}
         ids = [id(p) for p in held]
         if sorted(ids) != sorted(mine):
             raise ValueError(
@@ -78,9 +82,7 @@ class GroupShares:
                 f"tensors of shard(params, {self.size})); it holds {len(ids)}, {len(set(ids) - mine)} of "
                 "them not in the share"
             )
-        self.shares = [
-            (r, [p for p, o in zip(params, owners, strict=True) if o == r]) for r in range(self.size)
-        ]
+        self.shares = [(r, share_of(params, size, r)) for r in range(size)]
 
     def broadcast(self) -> None:
         """Every rank's share to the others of the group (collective in the group)."""

@@ -9,7 +9,7 @@ process that votes with the other groups through :class:`lioncub.integrations.to
 1. The workload (data shard G·L + ℓ of ``--nproc`` for rank ℓ of group G), the model (every group builds
    the same one from the seed; in a group of several ranks wrapped in DDP over them) and the variant's
    ``LionCub`` over the group's :class:`~lioncub.collectives.GroupComm` (with L > 1 over this rank's
-   share of the parameters, :func:`lioncub.integrations.group_shares.shard`), attached to the
+   share of the parameters, :func:`lioncub.integrations.group_shares.share_of`), attached to the
    ``ReplicaGroup``. The group's rank 0 writes its files. The loop's position
    (the last step finished and the training seconds so far) is state a healing group takes from its peer.
 2. Each step: at a commit boundary (every step; with local steps each window's first) the group first
@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from lioncub import env
-from lioncub.integrations.group_shares import shard
+from lioncub.integrations.group_shares import share_of
 from lioncub.integrations.torchft import DiLoCoGroup, Heal, ReplicaGroup, ReplicaGroupError
 from lioncub.launch.groups import Fault, parse_faults
 from lioncub.names import PEER_VARIANTS
@@ -210,7 +210,7 @@ def _group(
     """This replica group and its optimizer: the variant's ``LionCub`` over a :class:`ReplicaGroup`, or
     for ``torchft-diloco`` lioncub's ``Lion`` inside torchft's DiLoCo (:class:`DiLoCoGroup`). In a group of
     several ranks (``--nnodes``) ``model`` is DDP over the group's ranks and this rank's ``LionCub`` steps
-    and votes its share of the parameters (:func:`lioncub.integrations.group_shares.shard`)."""
+    and votes its share of the parameters (:func:`lioncub.integrations.group_shares.share_of`)."""
     opt, cluster = config.optimizer, config.cluster
     size = cluster.nproc_per_node
     if opt.variant in PEER_VARIANTS:
@@ -242,19 +242,14 @@ def _group(
         group_world_size=size,
         store=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}" if size > 1 else "",
     )
-    params = list(_unwrap(model).parameters())
-    owners = shard(params, size)
-    mine = {id(p) for p, o in zip(params, owners, strict=True) if o == group.group_rank}
+    params = list(getattr(model, "module", model).parameters())
+    mine = {id(p) for p in share_of(params, size, group.group_rank)}
     setup = loop.build_optimizer(
         config, wl, model, 1, process_group=group.comm, keep=(lambda p: id(p) in mine) if size > 1 else None
     )
     assert isinstance(setup.opt, LionCub)
     group.attach(setup.opt, params if size > 1 else None)
     return group, setup
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return getattr(model, "module", model)
 
 
 def _schedule(config: TrainConfig, index: int, life: int) -> tuple[set[int], list[tuple[int, int, int]]]:

@@ -7,7 +7,6 @@ checked against the vote classes' own ``wire_bytes``; calibrate runs on 2 loopba
 from __future__ import annotations
 
 import dataclasses
-import io
 import itertools
 import json
 import math
@@ -31,7 +30,6 @@ from lioncub.collectives import (
     ServerVote,
     SignSumVote,
 )
-from lioncub.launch import LaunchConfig, launch
 from lioncub.optim.config import PRESETS, VoteConfig
 from lioncub.optim.factory import make_vote
 from lioncub.planning import costmodel as cm
@@ -617,26 +615,15 @@ def test_calibrate_needs_a_job(monkeypatch: pytest.MonkeyPatch, capsys: pytest.C
 
 
 @pytest.mark.slow
-def test_calibrate_on_two_loopback_ranks(tmp_path: Path) -> None:
+def test_calibrate_on_two_loopback_ranks(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """``lioncub calibrate --nproc 2`` (its ranks forked from this process's zygote: torch imported once)."""
     path = tmp_path / "calib.json"
-    cmd = [
-        "-m",
-        "lioncub.cli.calibrate",
-        "--out",
-        str(path),
-        "--sizes",
-        "1mb,4mb,16mb",
-        "--repeats",
-        "3",
-        "--ops",
-        "allreduce_f32,allreduce_u8,all_to_all,gather_root",
-        "--compute-numel",
-        "256K",
-    ]
-    out, err = io.StringIO(), io.StringIO()
-    result = launch(LaunchConfig(cmd, nproc=2, timeout_s=120), out=out, err=err)
-    assert result.ok, out.getvalue() + err.getvalue()
-    assert "wrote" in out.getvalue()
+    ops = "allreduce_f32,allreduce_u8,all_to_all,gather_root"
+    argv = ["calibrate", "--nproc", "2", "--out", str(path), "--sizes", "1mb,4mb,16mb", "--repeats", "3",
+            "--ops", ops, "--compute-numel", "256K"]  # fmt: skip
+    rc = cli.main(argv)
+    printed = "".join(capfd.readouterr())
+    assert rc == 0 and "wrote" in printed, printed
     doc = json.loads(path.read_text())
     assert doc["version"] == 1 and doc["world_size"] == 2 and doc["link_bps"] is None
     assert set(doc["per_op"]) == {"allreduce_f32", "allreduce_u8", "all_to_all", "gather_root"}

@@ -26,9 +26,9 @@ import pytest
 import torch
 
 import background
+import ownership_runs
 from cli_stub import cli_runner
 from lioncub import cli
-from lioncub.launch.preload import MODULES
 from lioncub.optim import Lion
 from lioncub.rundir import (
     LOCK,
@@ -46,10 +46,10 @@ from lioncub.train import checkpoint
 from lioncub.train.config import TrainConfig
 from lioncub.train.prepare import write_config
 from lioncub.train.runlog import truncate_log
+from ownership_runs import FINISHED, RUN, THESIS
 
-from processes import python, python_cmd
+from processes import python_cmd
 
-THESIS = b"irreplaceable\n"
 QUICK = ["--steps", "3", "--eval-every", "0", "--no-progress"]
 
 
@@ -799,36 +799,30 @@ def test_calibrate_names_the_intra_link_option(
 
 # ----------------------------------------------------------------------------- real runs (slow)
 
-RUN = ["--workload", "gpt", "--size", "tiny", "--set", "batch_size=4", "--eval-every", "0", "--no-progress"]
-FINISHED = [*RUN, "--steps", "3", "--checkpoint-every", "1", "--diagnostics-every", "1"]
+#: subprocess.run(python tests/ownership_runs.py WORKDIR, capture_output=True, text=True, timeout=300),
+#: started in the background when collection ends (tests/background.py): the launched runs, one interpreter
+BACKGROUND = {
+    "launched": lambda: background.Subprocess(
+        lambda workdir: python_cmd(ownership_runs.__file__, str(workdir)), 300
+    )
+}
 
 
-#: what the ranks of :func:`_launch_args` are forked from: torch and the training loop, imported once
-PRELOAD = (*MODULES, "lioncub.train.loop")
-
-
-def _launch_args(out: Path) -> list[str]:
-    """``-m lioncub launch --nproc 2 --preload ... -- -m lioncub.cli train``: the ranks (forks of one
-    interpreter that imported torch once) prepare the run in ``out``."""
-    launch = ["-m", "lioncub", "launch", "--nproc", "2", "--preload", ",".join(PRELOAD)]
-    return [*launch, "--", "-m", "lioncub.cli", "train", *FINISHED, "--out", str(out)]
-
-
-def _launch_train(workdir: Path) -> list[str]:
-    return python_cmd(*_launch_args(workdir / "finished"))
-
-
-#: subprocess.run(command, capture_output=True, text=True, timeout=180), started in the background when
-#: collection ends (tests/background.py)
-BACKGROUND = {"finished": lambda: background.Subprocess(_launch_train, 180)}
+def launched(name: str) -> dict:
+    """Launch ``name`` of tests/ownership_runs.py: its exit code (``rc``) and its output (``output``)."""
+    proc = background.result("launched", BACKGROUND["launched"])
+    path = background.workdir("launched") / "launches.json"
+    launches = json.loads(path.read_text()) if path.exists() else {}
+    assert name in launches, f"exit {proc.returncode}: {proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+    return launches[name]
 
 
 @pytest.fixture(scope="module")
 def finished() -> Path:
     """A 2-rank run of the tiny GPT that its ranks prepared (no driver): 3 steps, checkpoints at 2 and 3."""
-    proc = background.result("finished", BACKGROUND["finished"])
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return background.workdir("finished") / "finished"
+    done = launched("finished")
+    assert done["rc"] == 0, done["output"]
+    return background.workdir("launched") / "finished"
 
 
 def in_job(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -849,20 +843,29 @@ def in_job(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.background("finished")
+@pytest.mark.background("launched")
 def test_the_rank_path_checks_before_it_writes(
     run_cli: Callable, finished: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Finding 1: ``lioncub train`` as the ranks of a job (``lioncub launch -- -m lioncub.cli train``, or
     torchrun) refuses the same command again, another variant, a resume that changes the data: exit 2,
-    nothing written; a plain ``--resume`` then goes on, leaving the user's files in ``checkpoints/``."""
+    nothing written; a plain ``--resume`` goes on, leaving the user's files in ``checkpoints/``.
+
+    The launches ran in tests/ownership_runs.py, each on its own copy of the finished run; the refusals
+    inside a job run here, in-process, on another."""
+    pristine = tree(finished)
+    root = background.workdir("launched")
+    again = launched("again")
+    assert again["rc"] == 2 and "already holds a run; pass --resume" in again["output"], again["output"]
+    assert tree(root / "again") == {
+        **{f"run/{k}" if k else "run": v for k, v in {"": "dir", **pristine}.items()},
+        "outside": "dir",
+        "outside/thesis.tex": hashlib.sha256(THESIS).hexdigest(),
+    }
     run = tmp_path / "run"
     shutil.copytree(finished, run, symlinks=True)
     user_files(tmp_path)
     before = tree(tmp_path)
-    again = python(*_launch_args(run), timeout=120)
-    assert again.returncode == 2 and "already holds a run; pass --resume" in again.stdout + again.stderr
-    assert tree(tmp_path) == before
     threads = torch.get_num_threads()
     in_job(monkeypatch)
     try:
@@ -875,10 +878,9 @@ def test_the_rank_path_checks_before_it_writes(
             assert tree(tmp_path) == before, argv
     finally:
         torch.set_num_threads(threads)
-    (run / "checkpoints" / "exported_best.pt").write_bytes(THESIS)
-    (run / "checkpoints" / "step_00000002" / "notes.txt").write_bytes(THESIS)
-    resumed = python(*_launch_args(run), "--resume", "--steps", "5", timeout=180)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    resumed = launched("resumed")
+    assert resumed["rc"] == 0, resumed["output"]
+    run = root / "resumed" / "run"
     steps = [json.loads(x)["step"] for x in (run / "log.jsonl").read_text().splitlines()]
     assert sorted(set(steps)) == [1, 2, 3, 4, 5]
     assert sorted(os.listdir(run / "checkpoints")) == [
@@ -891,7 +893,7 @@ def test_the_rank_path_checks_before_it_writes(
     assert os.listdir(run / "checkpoints" / "step_00000002") == ["notes.txt"]
     assert (run / "checkpoints" / "exported_best.pt").read_bytes() == THESIS
     assert json.loads((run / "config.json").read_text())["run"]["steps"] == 5  # the resume's, now the run's
-    assert tree(tmp_path / "outside") == before_outside(before)
+    assert tree(root / "resumed" / "outside") == {"thesis.tex": hashlib.sha256(THESIS).hexdigest()}
 
 
 def _wait_for_a_step(log: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -971,7 +973,7 @@ def small_disk(where: Path) -> Iterator[Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.background("finished")
+@pytest.mark.background("launched")
 def test_a_full_disk_mid_resume_leaves_a_run_that_resumes(
     finished: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:

@@ -109,9 +109,9 @@ VARIABLES: dict[str, Variable] = {
         ),
         Variable(
             "LIONCUB_PRELOAD", "switch", "1",
-            "0: lioncub train/compare start each rank as a fresh interpreter, not forked from a preloaded "
-            "one",
-            ("lioncub.train.driver",),
+            "0: lioncub train/compare/calibrate start each rank as a fresh interpreter, not forked from a "
+            "preloaded one",
+            ("lioncub.train.driver", "lioncub.cli.calibrate"),
         ),
         Variable(
             "LIONCUB_THREADS", "int", "1", "torch's intra-op threads in each rank of lioncub train",

@@ -154,6 +154,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _launch_self(args: argparse.Namespace) -> int:
     from lioncub.launch import LaunchConfig, launch, parse_rate
+    from lioncub.launch.preload import MODULES, gpu_refusal
 
     argv = [
         "-m",
@@ -177,6 +178,9 @@ def _launch_self(args: argparse.Namespace) -> int:
         argv.append("--flat")
     try:
         nodes = args.nnodes is not None
+        # under --nproc the ranks are forks of one interpreter that imported torch once (under --nnodes
+        # torchrun starts them), unless they may use a GPU
+        fork = not nodes and gpu_refusal() is None and env.text("LIONCUB_PRELOAD") != "0"
         config = LaunchConfig(
             argv,
             nproc=1 if nodes else args.nproc,
@@ -185,6 +189,7 @@ def _launch_self(args: argparse.Namespace) -> int:
             nnodes=args.nnodes,
             nproc_per_node=args.nproc_per_node,
             intra_link_rate_bps=parse_rate(args.intra_link, "--intra-link") if args.intra_link else None,
+            preload=MODULES if fork else (),
         )
         result = launch(config)
     except (ValueError, RuntimeError) as exc:

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import background
+import local_runs
 from lioncub import cli
 from lioncub.cli.options import config_from_args
 from lioncub.names import name_of_run_dir, parse_run_name, run_dir_name, run_label
@@ -18,6 +20,8 @@ from lioncub.report.runs import RunLog, per_step_median
 from lioncub.train import checkpoint
 from lioncub.train.config import TrainConfig
 from train_runs import expected_bytes, records, train
+
+from processes import python_cmd
 
 # -- names ---------------------------------------------------------------------------------------------
 
@@ -219,27 +223,35 @@ def test_the_report_takes_medians_over_windows() -> None:
 
 # -- lioncub train --local-steps ---------------------------------------------------------------------------
 
-H, STEPS, STOP = 2, 6, 3  # the stop after step 3 is in the middle of the second window
-RUN = ["--variant", "1bit", "--nproc", "2", "--local-steps", str(H), "--steps", str(STEPS)]
-RUN += ["--eval-every", str(H), "--set", "dropout=0.1"]
+#: subprocess.run(python tests/local_runs.py WORKDIR, ...), started in the background when collection ends
+#: (tests/background.py): the three runs of the mid-window resume, one interpreter
+BACKGROUND = {
+    "local_runs": lambda: background.Subprocess(
+        lambda workdir: python_cmd(local_runs.__file__, str(workdir)), 300
+    )
+}
 
 
 @pytest.mark.slow
+@pytest.mark.background("local_runs")
 def test_train_with_local_steps_resumes_from_the_middle_of_a_window_bitwise(
-    tmp_path: Path, capsys: pytest.CaptureFixture
+    capsys: pytest.CaptureFixture,
 ) -> None:
     """A stop after step 3 and a resume (given the default ``--outer-lr 1``) give the uninterrupted run bit
     for bit: every rank's replica comes back from its optimizer state (the checkpoint's model file is rank
-    0's); the ranks send only at the outer steps, the 1-bit vote of the model and the step check."""
-    whole, parts = tmp_path / "whole", tmp_path / "parts"
-    assert train(whole, *RUN, "--checkpoint-every", str(STOP)) == 0
-    assert train(parts, *RUN, "--stop-at", str(STOP)) == 0
-    assert train(parts, "--resume", "--no-progress", "--outer-lr", "1") == 0  # the vote's default: accepted
+    0's); the ranks send only at the outer steps, the 1-bit vote of the model and the step check. The runs
+    (tests/local_runs.py) ran in the background."""
+    done = background.result("local_runs", BACKGROUND["local_runs"])
+    workdir = background.workdir("local_runs")
+    printed = [path.read_text()[-2000:] for path in sorted(workdir.glob("*.out"))]
+    assert done.returncode == 0 and len(printed) == len(local_runs.RUNS), f"{done.stderr[-2000:]}{printed}"
+    whole, parts = workdir / "whole", workdir / "parts"
+    steps, stop = local_runs.STEPS, local_runs.STOP
     assert (
         json.loads((parts / "config.json").read_text())["optimizer"]["outer_lr"] is None
     )  # and the run keeps its own
     a, b = checkpoint.latest(whole), checkpoint.latest(parts)
-    assert a.step == b.step == STEPS
+    assert a.step == b.step == steps
     for name, tensor in checkpoint.model_state(a).items():
         assert torch.equal(tensor, checkpoint.model_state(b)[name]), name
     for rank in range(2):
@@ -248,7 +260,7 @@ def test_train_with_local_steps_resumes_from_the_middle_of_a_window_bitwise(
             assert state.keys() == sb["state"][index].keys()
             for key, value in state.items():
                 assert torch.equal(value, sb["state"][index][key]), (rank, index, key)
-    mid = torch.load(whole / "checkpoints" / f"step_{STOP:08d}" / "rank1.pt", weights_only=False)
+    mid = torch.load(whole / "checkpoints" / f"step_{stop:08d}" / "rank1.pt", weights_only=False)
     assert all("replica" in s for s in mid["optimizer"]["state"].values())  # rank 1's own replica
     key = ("step", "loss", "lr", "bytes_sent")
     assert [tuple(r[k] for k in key) for r in records(whole, "step")] == [
@@ -257,7 +269,7 @@ def test_train_with_local_steps_resumes_from_the_middle_of_a_window_bitwise(
     assert [e["step"] for e in records(whole, "eval")] == [2, 4, 6]
     d = json.loads((whole / "summary.json").read_text())["params"]
     sent = [r["bytes_sent"] for r in records(whole, "step")]
-    assert sent == [0, expected_bytes("1bit", d, 2)] * (STEPS // 2)  # the vote and the step check
+    assert sent == [0, expected_bytes("1bit", d, 2)] * (steps // 2)  # the vote and the step check
     capsys.readouterr()
     assert (
         train(parts, "--resume", "--no-progress", "--local-steps", "4", "--steps", "8", "--eval-every", "4")

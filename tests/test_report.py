@@ -72,18 +72,31 @@ B_EVALS = [(2, 2.1, 0.5), (4, 1.52, 1.0)]
 C_EVALS = [(2, 2.05, 0.8), (3, 1.9, 1.1), (4, 1.7, 1.5)]
 
 
-@pytest.fixture
-def three_runs(tmp_path: Path) -> list[Path]:
+def write_three_runs(root: Path) -> list[Path]:
     return [
-        write_run(tmp_path, "32bit", A_STEPS, comm=A_COMM, bytes_sent=4e6, evals=A_EVALS),
-        write_run(tmp_path, "1bit", B_STEPS, comm=B_COMM, apply=0.01, bytes_sent=B_BYTES, evals=B_EVALS),
-        write_run(tmp_path, "8bit", [0.35] * 4, bytes_sent=1e6, evals=C_EVALS),
+        write_run(root, "32bit", A_STEPS, comm=A_COMM, bytes_sent=4e6, evals=A_EVALS),
+        write_run(root, "1bit", B_STEPS, comm=B_COMM, apply=0.01, bytes_sent=B_BYTES, evals=B_EVALS),
+        write_run(root, "8bit", [0.35] * 4, bytes_sent=1e6, evals=C_EVALS),
     ]
 
 
+@pytest.fixture
+def three_runs(tmp_path: Path) -> list[Path]:
+    return write_three_runs(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def reported(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Path], Path, rp.Report]:
+    """The three runs, the report's directory and the report with the defaults, made once for the tests
+    that only read them (its plots take most of a second to draw)."""
+    root = tmp_path_factory.mktemp("three")
+    runs = write_three_runs(root)
+    return runs, root / "out", rp.make_report(runs, root / "out")
+
+
 @pytest.mark.slow
-def test_medians_speedups_bytes(three_runs: list[Path], tmp_path: Path) -> None:
-    report = rp.make_report(three_runs, tmp_path / "out")
+def test_medians_speedups_bytes(reported: tuple[list[Path], Path, rp.Report]) -> None:
+    three_runs, _, report = reported
     a, b, c = report.rows
     assert [r.variant for r in report.rows] == ["32bit", "1bit", "8bit"]
     assert [r.steps for r in report.rows] == [6, 5, 4]
@@ -97,8 +110,8 @@ def test_medians_speedups_bytes(three_runs: list[Path], tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_val_loss_equal_steps_and_default_target(three_runs: list[Path], tmp_path: Path) -> None:
-    report = rp.make_report(three_runs, tmp_path / "out")
+def test_val_loss_equal_steps_and_default_target(reported: tuple[list[Path], Path, rp.Report]) -> None:
+    _, _, report = reported
     a, b, c = report.rows
     # eval steps {2, 4, 6}, {2, 4}, {2, 3, 4}: largest common step is 4
     assert [r.equal_step for r in report.rows] == [4, 4, 4]
@@ -129,9 +142,8 @@ def test_given_target_and_no_baseline(three_runs: list[Path], tmp_path: Path) ->
 
 
 @pytest.mark.slow
-def test_summary_files(three_runs: list[Path], tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    report = rp.make_report(three_runs, out)
+def test_summary_files(reported: tuple[list[Path], Path, rp.Report]) -> None:
+    three_runs, out, report = reported
     md = (out / "summary.md").read_text()
     assert "| " + " | ".join(rp.COLUMNS) + " |" in md
     assert report.table_markdown in md
@@ -150,12 +162,12 @@ def test_summary_files(three_runs: list[Path], tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_pngs_are_valid(three_runs: list[Path], tmp_path: Path) -> None:
-    report = rp.make_report(three_runs, tmp_path / "out")
+def test_pngs_are_valid(reported: tuple[list[Path], Path, rp.Report]) -> None:
+    _, out, report = reported
     names = {"val_loss_vs_step", "val_loss_vs_time", "val_loss_vs_bytes", "step_time_split", "bytes_per_step"}
     assert set(report.plots) == names
     for name, path in report.plots.items():
-        assert path == tmp_path / "out" / f"{name}.png"
+        assert path == out / f"{name}.png"
         assert path.read_bytes()[:8] == PNG_SIGNATURE
         image = matplotlib.image.imread(path)
         assert image.shape[0] > 0 and image.shape[1] > 0
@@ -172,8 +184,8 @@ def _lines(fig) -> dict[str, tuple[list[float], list[float]]]:
 
 
 @pytest.mark.slow
-def test_figure_series(three_runs: list[Path], tmp_path: Path) -> None:
-    report = rp.make_report(three_runs, tmp_path / "out")
+def test_figure_series(reported: tuple[list[Path], Path, rp.Report]) -> None:
+    _, _, report = reported
     by_step = {
         v: ([float(s) for s, _, _ in ev], [val for _, val, _ in ev])
         for v, ev in [("32bit", A_EVALS), ("1bit", B_EVALS), ("8bit", C_EVALS)]
@@ -255,8 +267,8 @@ def test_bytes_linear_scale_within_10x(tmp_path: Path) -> None:
     assert report.rows[1].speedup == pytest.approx(0.4 / 0.3)
 
 
-def test_print_table(three_runs: list[Path], tmp_path: Path) -> None:
-    report = rp.make_report(three_runs, tmp_path / "out")
+def test_print_table(reported: tuple[list[Path], Path, rp.Report]) -> None:
+    _, _, report = reported
     buf = io.StringIO()
     rp.print_table(report, Console(file=buf, width=250, color_system=None))
     text = buf.getvalue()

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import background
+import node_runs
 from emulated_network import assert_nothing_left, netns_usable, tcp_payload
 from lioncub.cli import launch as launch_cli
 from lioncub.cli import train as train_cli
@@ -228,77 +229,6 @@ def test_node_network_shapes_each_nic_and_the_loopback_inside() -> None:
     assert_nothing_left(net.launch_id)
 
 
-NODE_STEPS = """
-import datetime, json, os, re, subprocess, time, torch, torch.distributed as dist
-from pathlib import Path
-from lioncub import Checks, LionCub
-
-D, STEPS = 4_000_003, 4
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-rank, local = dist.get_rank(), int(os.environ["LOCAL_RANK"])
-nic = os.environ["GLOO_SOCKET_IFNAME"]
-
-
-def retransmitted():  # TCP bytes this node's sockets sent again, by interface: the peer on this node is lo
-    lines = subprocess.run(["ss", "-tinH"], capture_output=True, text=True, check=True).stdout.splitlines()
-    by_nic = {nic: 0, "lo": 0}
-    for head, info in zip(lines[::2], lines[1::2]):  # a socket's line, then its tcp_info line
-        local_addr, peer_addr = (a.rsplit(":", 1)[0] for a in head.split()[3:5])
-        found = re.search(r"bytes_retrans:(\\d+)", info)
-        by_nic["lo" if peer_addr == local_addr else nic] += int(found.group(1)) if found else 0
-    by_nic["sockets"] = sum(1 for info in lines[1::2] if "bytes_sent:" in info)
-    return by_nic
-
-
-def counters():  # this node's NIC and loopback: tx/rx bytes and frames, and the tx bytes TCP retransmitted
-    keys = ("tx_bytes", "rx_bytes", "tx_packets", "rx_packets")
-    path = "/sys/class/net/{}/statistics/{}"
-    again = retransmitted()
-    return {n: [int(Path(path.format(n, k)).read_text()) for k in keys] + [again[n]] for n in (nic, "lo")}
-
-
-torch.manual_seed(0)
-p = torch.nn.Parameter(torch.randn(D))  # not a multiple of 8·N: padding travels too
-opt = LionCub([p], lr=1e-3, variant="1bit", checks=Checks(broadcast_init=False))  # same seed: no broadcast
-g = torch.Generator().manual_seed(rank)
-
-
-def step():
-    p.grad = torch.randn(p.shape, generator=g)
-    opt.step()
-
-
-def diff(a, b):
-    return None if a is None else {n: [y - x for x, y in zip(a[n], b[n])] for n in a}
-
-
-step()  # warm-up: every gloo connection is up
-dist.barrier()
-first, t0 = (counters(), time.monotonic()) if local == 0 else (None, 0.0)
-sent0 = opt.comm_stats()["total"]["bytes_sent"]
-dist.barrier()  # no rank sends a step's bytes before the node's counters are read
-for _ in range(STEPS):
-    step()
-dist.barrier()
-last, t1 = (counters(), time.monotonic()) if local == 0 else (None, 0.0)
-sockets = retransmitted()["sockets"] if local == 0 else 0  # the parse of ss saw the TCP connections
-sent = opt.comm_stats()["total"]["bytes_sent"] - sent0
-# An idle window: what the interfaces carry without LionCub (torchrun's agents poll the rendezvous store
-# every 0.1 s: node 0's over its loopback, node 1's over both NICs), as a rate to subtract.
-dist.barrier()
-idle0, i0 = (counters(), time.monotonic()) if local == 0 else (None, 0.0)
-time.sleep(1.0 if local == 0 else 1.2)  # the other ranks send their next barrier after node 0 read
-idle1, i1 = (counters(), time.monotonic()) if local == 0 else (None, 0.0)
-names = ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LIONCUB_NODE", "LIONCUB_NNODES")
-record = {"sent": sent, "env": {k: os.environ.get(k) for k in names}, "nic": nic,
-          "delta": diff(first, last), "window_s": t1 - t0, "idle": diff(idle0, idle1), "idle_s": i1 - i0,
-          "sockets": sockets}
-print("RESULT " + json.dumps(record))
-dist.barrier()
-dist.destroy_process_group()
-"""
-
-
 def payload(counts: list[int]) -> tuple[int, int]:
     """(tx, rx) TCP payload of NODE_STEPS' counter deltas: the frames' bytes less their headers."""
     tx, rx, tx_frames, rx_frames, _ = counts
@@ -314,6 +244,7 @@ def less_idle(record: dict, name: str) -> tuple[float, float]:
 
 @pytest.mark.root
 @pytest.mark.slow
+@pytest.mark.background("wire_bytes")
 def test_two_nodes_of_two_ranks_wire_bytes_match_the_node_nic() -> None:
     """2 nodes × 2 ranks, flat 1-bit LionCub: torchrun's environment lays the ranks out node by node, and the
     bytes LionCub counts go through the node's NIC (to the 2 remote ranks) and its loopback (to the local
@@ -321,34 +252,33 @@ def test_two_nodes_of_two_ranks_wire_bytes_match_the_node_nic() -> None:
     ``bytes_retrans``) and less the control traffic the interfaces carry when idle (torchrun's agents poll
     their store at 10 Hz; measured in an idle window). Without those two a loaded CI-like run read +3 % on
     the loopback."""
-    m, ell = 2, 2
+    proc = background.result("wire_bytes", BACKGROUND["wire_bytes"])
+    path = background.workdir("wire_bytes") / "wire.json"
+    assert path.exists(), proc.stdout + proc.stderr
+    done = json.loads(path.read_text())
+    assert done["ok"], done["out"] + done["err"]
+    m, ell, launch_id = node_runs.M, node_runs.L, done["launch_id"]
     n = m * ell
-    out, err = io.StringIO(), io.StringIO()
-    config = LaunchConfig(
-        [PY, "-c", NODE_STEPS], nnodes=m, nproc_per_node=ell, link_rate_bps=1e9, timeout_s=120
-    )
-    result = launch(config, out=out, err=err)
-    assert result.ok, out.getvalue() + err.getvalue()
     records = [
-        json.loads(line.split("RESULT ", 1)[1]) for line in out.getvalue().splitlines() if "RESULT " in line
+        json.loads(line.split("RESULT ", 1)[1]) for line in done["out"].splitlines() if "RESULT " in line
     ]
-    assert len(records) == n, out.getvalue()
+    assert len(records) == n, done["out"]
     by_rank = {int(r["env"]["RANK"]): r for r in records}
     for rank, r in by_rank.items():  # torchrun's node rank is the emulated node: rank = node·L + local
         node, local = divmod(rank, ell)
         expected = {"RANK": rank, "GROUP_RANK": node, "LOCAL_RANK": local, "LOCAL_WORLD_SIZE": ell,
                     "LIONCUB_NODE": node, "LIONCUB_NNODES": m}  # fmt: skip
         assert r["env"] == {k: str(v) for k, v in expected.items()}
-        assert r["nic"] == f"{result.launch_id}v{node}"
+        assert r["nic"] == f"{launch_id}v{node}"
     d_pad = -(-4_000_003 // (8 * n)) * 8 * n
     assert by_rank[0]["sent"] == pytest.approx(
         4 * 2 * (n - 1) / n * d_pad / 8, rel=1e-3
     )  # flat 1-bit's bytes
-    assert result.node_traffic is not None and len(result.node_traffic) == m
+    assert done["node_tx_bytes"] is not None and len(done["node_tx_bytes"]) == m
     for node in range(m):
         sent = sum(by_rank[node * ell + k]["sent"] for k in range(ell))  # what the node's ranks counted
         r0 = by_rank[node * ell]
-        nic = f"{result.launch_id}v{node}"
+        nic = f"{launch_id}v{node}"
 
         remote = sent * (n - ell) / (n - 1)  # each rank sends as much to every other rank: 2 of 3 are remote
         local = sent * (ell - 1) / (n - 1)
@@ -361,11 +291,11 @@ def test_two_nodes_of_two_ranks_wire_bytes_match_the_node_nic() -> None:
               f"(expected {local:.0f}, {again_lo} retransmitted); idle in {r0['idle_s']:.2f} s: "
               f"NIC {idle_nic} B, lo {idle_lo} B")  # fmt: skip
         assert nic_tx - again_nic == pytest.approx(remote, rel=0.01)
-        again_in = sum(by_rank[o * ell]["delta"][f"{result.launch_id}v{o}"][4] for o in range(m) if o != node)
+        again_in = sum(by_rank[o * ell]["delta"][f"{launch_id}v{o}"][4] for o in range(m) if o != node)
         assert nic_rx - again_in == pytest.approx(remote, rel=0.01)  # the NIC is symmetric here
         assert lo_tx - again_lo == pytest.approx(local, rel=0.01)
-        assert result.node_traffic[node].tx_bytes >= r0["delta"][nic][0]  # the launcher's: the whole run
-    assert_nothing_left(result.launch_id)
+        assert done["node_tx_bytes"][node] >= r0["delta"][nic][0]  # the launcher's: the whole run
+    assert_nothing_left(launch_id)
 
 
 @pytest.mark.root
@@ -392,7 +322,12 @@ def _train_on_two_nodes(workdir: Path) -> list[str]:
 #: subprocess.run(command, capture_output=True, text=True, timeout=180), started in the background when
 #: collection ends (tests/background.py); nothing to run without root
 BACKGROUND = {
-    "train_on_two_nodes": lambda: background.Subprocess(_train_on_two_nodes, 180) if netns_usable() else None
+    "train_on_two_nodes": lambda: background.Subprocess(_train_on_two_nodes, 180) if netns_usable() else None,
+    "wire_bytes": lambda: (
+        background.Subprocess(lambda workdir: python_cmd(node_runs.__file__, str(workdir)), 180)
+        if netns_usable()
+        else None
+    ),
 }
 
 

@@ -624,6 +624,7 @@ def test_calibrate_on_two_loopback_ranks(tmp_path: Path, capfd: pytest.CaptureFi
     rc = cli.main(argv)
     printed = "".join(capfd.readouterr())
     assert rc == 0 and "wrote" in printed, printed
+    assert "as a fresh interpreter" not in printed  # every rank was forked
     doc = json.loads(path.read_text())
     assert doc["version"] == 1 and doc["world_size"] == 2 and doc["link_bps"] is None
     assert set(doc["per_op"]) == {"allreduce_f32", "allreduce_u8", "all_to_all", "gather_root"}

@@ -23,6 +23,9 @@ from lioncub import env
 from lioncub.cli.options import real_number, whole_number
 from lioncub.planning.costmodel import OPS, parse_count
 
+#: what a rank imports, preloaded once for the ranks forked under --nproc (no optimizer: no torch._dynamo)
+RANK_MODULES = ("torch", "torch.distributed", "lioncub.planning.measure", "lioncub.optim.topology")
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -154,7 +157,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _launch_self(args: argparse.Namespace) -> int:
     from lioncub.launch import LaunchConfig, launch, parse_rate
-    from lioncub.launch.preload import MODULES, gpu_refusal
+    from lioncub.launch.preload import gpu_refusal
 
     argv = [
         "-m",
@@ -178,8 +181,8 @@ def _launch_self(args: argparse.Namespace) -> int:
         argv.append("--flat")
     try:
         nodes = args.nnodes is not None
-        # under --nproc the ranks are forks of one interpreter that imported torch once (under --nnodes
-        # torchrun starts them), unless they may use a GPU
+        # under --nproc the ranks are forks of one interpreter that imported torch and the measurements once
+        # (under --nnodes torchrun starts them), unless they may use a GPU
         fork = not nodes and gpu_refusal() is None and env.text("LIONCUB_PRELOAD") != "0"
         config = LaunchConfig(
             argv,
@@ -189,7 +192,7 @@ def _launch_self(args: argparse.Namespace) -> int:
             nnodes=args.nnodes,
             nproc_per_node=args.nproc_per_node,
             intra_link_rate_bps=parse_rate(args.intra_link, "--intra-link") if args.intra_link else None,
-            preload=MODULES if fork else (),
+            preload=RANK_MODULES if fork else (),
         )
         result = launch(config)
     except (ValueError, RuntimeError) as exc:

@@ -16,13 +16,16 @@ import sys
 from pathlib import Path
 
 M, L = 2, 2  # nodes, ranks per node
+D = 4_000_003  # parameters: not a multiple of 8·N, so padding travels too
 
-NODE_STEPS = """
+NODE_STEPS = f"""
 import datetime, json, os, re, subprocess, time, torch, torch.distributed as dist
 from pathlib import Path
 from lioncub import Checks, LionCub
 
-D, STEPS = 4_000_003, 4
+D, STEPS = {D}, 4
+"""
+NODE_STEPS += """
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 rank, local = dist.get_rank(), int(os.environ["LOCAL_RANK"])
 nic = os.environ["GLOO_SOCKET_IFNAME"]

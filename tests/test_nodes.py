@@ -270,7 +270,7 @@ def test_two_nodes_of_two_ranks_wire_bytes_match_the_node_nic() -> None:
                     "LIONCUB_NODE": node, "LIONCUB_NNODES": m}  # fmt: skip
         assert r["env"] == {k: str(v) for k, v in expected.items()}
         assert r["nic"] == f"{launch_id}v{node}"
-    d_pad = -(-4_000_003 // (8 * n)) * 8 * n
+    d_pad = -(-node_runs.D // (8 * n)) * 8 * n
     assert by_rank[0]["sent"] == pytest.approx(
         4 * 2 * (n - 1) / n * d_pad / 8, rel=1e-3
     )  # flat 1-bit's bytes

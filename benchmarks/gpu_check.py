@@ -207,7 +207,8 @@ def bandwidth(device: torch.device, n: int, runs: int) -> None:
 
     src = torch.randn(n, device=device)
     dst = torch.empty_like(src)
-    copy_bw = 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), device, runs)
+    warmup = 1 if DRY else 3  # a dry run's timings mean nothing: each kernel runs twice, not 3 + runs times
+    copy_bw = 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), device, runs, warmup)
     row("bandwidth", "device-to-device copy (fp32)", f"{copy_bw / 1e9:.0f} GB/s")
     m, g, p = torch.randn(n, device=device), torch.randn(n, device=device), torch.randn(n, device=device)
     levels = torch.empty(n, dtype=torch.int8, device=device)
@@ -226,7 +227,7 @@ def bandwidth(device: torch.device, n: int, runs: int) -> None:
         ),
     ]
     for name, fn, nbytes in cases:
-        t = timed(fn, device, runs)
+        t = timed(fn, device, runs, warmup)
         pct = 100 * nbytes / t / copy_bw
         row(
             "bandwidth",
@@ -235,7 +236,7 @@ def bandwidth(device: torch.device, n: int, runs: int) -> None:
             ">= 60 %",
             _verdict(pct >= 60),
         )
-    t_total = timed(lambda: kernels.quantize_l1(m, 127, out=levels), device, runs)
+    t_total = timed(lambda: kernels.quantize_l1(m, 127, out=levels), device, runs, warmup)
     row("bandwidth", "quantize_l1 both passes (per-tensor mean |c| in torch)", f"{t_total * 1e3:.3f} ms")
 
 
@@ -325,7 +326,7 @@ def step_overhead(device: torch.device, layers: int, d: int, vocab: int, ctx: in
         return params
 
     def sync_time(fn) -> float:
-        for _ in range(2):
+        for _ in range(1 if DRY else 2):  # warm-up (the first step builds buffers)
             fn()
         times = []
         for _ in range(runs):
@@ -375,7 +376,7 @@ def main() -> int:
     if args.dry_run:
         device = torch.device("cpu")
         backend = "gloo"
-        sizes = dict(n=3000, bw_n=1 << 14, runs=3, layers=1, d=16, vocab=32, ctx=8, step_runs=1)
+        sizes = dict(n=3000, bw_n=1 << 14, runs=1, layers=1, d=16, vocab=32, ctx=8, step_runs=1)
         torch.set_num_threads(1)
     else:
         if not torch.cuda.is_available():

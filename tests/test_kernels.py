@@ -205,7 +205,7 @@ def test_gpu_check_dry_run():
             "1bit, local steps h=2: saved at step 3 and resumed = uninterrupted, 4 steps: equal",
         ):
             assert prefix + item in proc.stdout, prefix + item
-    assert "[host syncs] LionCub 1bit step, 8 vs 64 tensors" in proc.stdout
+    assert "[host syncs] LionCub 1bit step, 8 vs 16 tensors" in proc.stdout  # on a GPU: 8 vs 64
 
 
 @pytest.mark.slow

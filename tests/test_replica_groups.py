@@ -10,6 +10,7 @@ parameters, momenta, bytes counted.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -190,7 +191,8 @@ def _group_run(
     """Replica group ``g{rank}`` trains ``steps`` steps, with the faults of ``plan``: ``rejoin: (g, k,
     pause_s)`` — group g leaves after its step k and starts again (fresh parameters) ``pause_s`` later;
     ``stop: {g: k}`` — group g leaves for good at step k; ``abort: (g, k)`` — group g dies during the vote's
-    exchange of step k; ``betas: {g: (b1, b2)}`` — group g's betas (another setting)."""
+    exchange of step k; ``betas: {g: (b1, b2)}`` — group g's betas (another setting); ``stepping: PATH`` —
+    group 0 creates the file PATH once a step was applied."""
     from lioncub.integrations.torchft import ReplicaGroup, ReplicaGroupError
 
     betas = tuple(plan.get("betas", {}).get(rank, (0.9, 0.99)))
@@ -241,6 +243,8 @@ def _group_run(
         log.append(
             {"step": step, "n": n, "ok": ok, "sum": float(sum(p.detach().double().sum() for p in params))}
         )
+        if ok and rank == 0 and plan.get("stepping"):
+            open(plan["stepping"], "a").close()
     group.shutdown()
     return {"params": [p.detach().clone() for p in params], "log": log, "heals": group.heals}
 
@@ -577,40 +581,47 @@ def test_a_group_with_other_settings_is_refused_and_the_others_go_on() -> None:
         assert torch.equal(a, b)
 
 
-def _lighthouse_lost(rank: int, world_size: int, lighthouse: str) -> dict:
-    return _group_run(rank, world_size, lighthouse, "1bit", 10_000, None, {"quorum_timeout_s": 2})
+def _lighthouse_lost(rank: int, world_size: int, lighthouse: str, stepping: str) -> dict:
+    return _group_run(
+        rank, world_size, lighthouse, "1bit", 10_000, None, {"quorum_timeout_s": 2, "stepping": stepping}
+    )
 
 
 @pytest.mark.slow
-def test_the_lighthouse_lost_is_a_clear_error_within_the_quorum_timeout() -> None:
-    """The lighthouse (torchft's server, in a process of its own) is SIGKILLed after 1 s: every group's next
-    quorum fails within its 2 s timeout with an error naming the group, the lighthouse and the timeout."""
+def test_the_lighthouse_lost_is_a_clear_error_within_the_quorum_timeout(tmp_path: Path) -> None:
+    """The lighthouse (torchft's server, in a process of its own) is SIGKILLed once the groups train: every
+    group's next quorum fails within its 2 s timeout with an error naming the group, the lighthouse and the
+    timeout."""
+    import select
     import signal
-    import socket
     import subprocess
     import threading
 
     pytest.importorskip("torchft", reason="torchft is not installed: pip install 'lioncub[ft]'")
     port = _free_port()
-    code = (
-        "import time; from torchft.coordination import LighthouseServer; "
-        f"server = LighthouseServer(bind='[::]:{port}', min_replicas=2, join_timeout_ms=500, "
-        "quorum_tick_ms=20); time.sleep(600)"
-    )
+    # lioncub's lighthouse program (what `lioncub train --fault-tolerant` starts): torchft's server without
+    # importing torch; it prints "ready URL" once it listens
     lighthouse = subprocess.Popen(
-        python_cmd("-c", code), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    deadline = time.monotonic() + 60
-    while True:  # torchft's lighthouse program imports torch first
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                break
-        assert lighthouse.poll() is None and time.monotonic() < deadline, "the lighthouse did not start"
-        time.sleep(0.1)
+        python_cmd("-m", "lioncub.launch.groups", "lighthouse", f"[::]:{port}", "1000", "500"),
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    assert lighthouse.stdout is not None
+    started = select.select([lighthouse.stdout], [], [], 60)[0]
+    ready = lighthouse.stdout.readline() if started else ""
+    assert ready.startswith("ready http://"), f"the lighthouse did not start within 60 s: {ready!r}"
+    stepping = tmp_path / "stepping"
+
+    def kill_once_stepping() -> None:  # the groups have a quorum and step: then the lighthouse goes
+        deadline = time.monotonic() + 60
+        while not stepping.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)
+        lighthouse.send_signal(signal.SIGKILL)
+
     try:
-        threading.Timer(1.0, lighthouse.send_signal, [signal.SIGKILL]).start()
+        threading.Thread(target=kill_once_stepping, daemon=True).start()
         started = time.monotonic()
-        runs = run_workers(_lighthouse_lost, 2, f"http://localhost:{port}")
+        runs = run_workers(_lighthouse_lost, 2, f"http://localhost:{port}", str(stepping))
         assert time.monotonic() - started < 30
     finally:
         lighthouse.kill()

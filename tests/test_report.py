@@ -125,18 +125,19 @@ def test_val_loss_equal_steps_and_default_target(reported: tuple[list[Path], Pat
 
 @pytest.mark.slow
 def test_given_target_and_no_baseline(three_runs: list[Path], tmp_path: Path) -> None:
-    report = rp.make_report(three_runs, tmp_path / "given", target_loss=1.6)
-    assert report.target_loss == 1.6
+    report = rp.make_report(three_runs, tmp_path / "given", target_loss=1.6, plots=False)
+    assert report.target_loss == 1.6 and report.plots == {}  # no PNG drawn: the summaries only
+    assert sorted(p.name for p in (tmp_path / "given").iterdir()) == ["summary.json", "summary.md"]
     # 1.6 <= 1.6 at step 4 of 32bit (2.0 s); 1bit at step 4 (1.0 s); 8bit bottoms out at 1.7
     assert [r.time_to_target_s for r in report.rows] == [2.0, 1.0, None]
     # without a 32bit run: the worst final val loss, max(1.52, 1.7) = 1.7, which 8bit reaches at 1.5 s
-    report = rp.make_report(three_runs[1:], tmp_path / "nobase")
+    report = rp.make_report(three_runs[1:], tmp_path / "nobase", plots=False)
     assert report.target_loss == 1.7
     assert "worst" in report.target_rule
     assert [r.time_to_target_s for r in report.rows] == [1.0, 1.5]
     assert [r.speedup for r in report.rows] == [None, None]
     # another baseline
-    report = rp.make_report(three_runs, tmp_path / "base8", baseline="8bit")
+    report = rp.make_report(three_runs, tmp_path / "base8", baseline="8bit", plots=False)
     assert report.target_loss == pytest.approx(1.7 * 1.02)
     assert [r.speedup for r in report.rows] == pytest.approx([0.35 / 0.49, 0.35 / 0.245, 1.0])
 
@@ -261,7 +262,7 @@ def test_diagnostics_side_by_side(tmp_path: Path) -> None:
 
 def test_bytes_linear_scale_within_10x(tmp_path: Path) -> None:
     runs = [write_run(tmp_path, "32bit", [0.4] * 3, bytes_sent=4e6), write_run(tmp_path, "16bit", [0.3] * 3)]
-    report = rp.make_report(runs, tmp_path / "out")
+    report = rp.make_report(runs, tmp_path / "out", plots=False)
     ax = rp.figure_bytes_per_step(report).axes[0]
     assert ax.get_yscale() == "linear"
     assert report.rows[1].speedup == pytest.approx(0.4 / 0.3)
@@ -292,7 +293,7 @@ FLOOR_RUNS = (
 @pytest.mark.slow
 def test_compute_floor_comes_from_the_logs(tmp_path: Path) -> None:
     runs = [write_run(tmp_path, v, steps, compute=c, apply=a) for v, steps, c, a in FLOOR_RUNS]
-    report = rp.make_report(runs, tmp_path / "out")
+    report = rp.make_report(runs, tmp_path / "out", plots=False)
     floor = rp.compute_floor(report)
     assert floor is not None and floor.compute_s == pytest.approx(0.50) and floor.runs == 3
     assert floor.limits == pytest.approx({"32bit": 1.3 / 0.52, "1bit": 1.3 / 0.55, "8bit": 1.3 / 0.53})
@@ -302,7 +303,8 @@ def test_compute_floor_comes_from_the_logs(tmp_path: Path) -> None:
     assert line.startswith("compute floor: 500.0 ms per step (the median forward+backward of the 3 runs")
     assert line.endswith("the speedup over 32bit is at most: 32bit 2.50x, 1bit 2.36x, 8bit 2.45x")
     assert line in (tmp_path / "out" / "summary.md").read_text()
-    alone = rp.make_report(runs[1:], tmp_path / "out2")  # no 32bit run: the floor, without limits
+    # no 32bit run: the floor, without limits
+    alone = rp.make_report(runs[1:], tmp_path / "out2", plots=False)
     assert rp.compute_floor(alone).line().endswith("no 32bit run to compare against")  # type: ignore[union-attr]
 
 
@@ -373,7 +375,7 @@ def test_val_acc_reported(tmp_path: Path) -> None:
     run = write_run(tmp_path, "4bit", [0.3] * 2)
     with (run / "log.jsonl").open("a") as f:
         f.write(json.dumps({"kind": "eval", "step": 2, "val_loss": 0.5, "val_acc": 0.83, "time_s": 0.6}))
-    report = rp.make_report([run], tmp_path / "out")
+    report = rp.make_report([run], tmp_path / "out", plots=False)
     assert (report.rows[0].final_val_loss, report.rows[0].final_val_acc) == (0.5, 0.83)
     assert "acc 0.830" in report.table_markdown
     assert report.target_loss == 0.5  # no 32bit run: the worst (only) final val loss
@@ -400,7 +402,7 @@ def test_runs_of_one_preset_on_several_topologies_are_told_apart(tmp_path: Path)
         config = json.loads((run / "config.json").read_text())
         (run / "config.json").write_text(json.dumps({**config, "topology": topology, "overlap": False}))
         runs.append(run)
-    report = rp.make_report(runs, tmp_path / "out", baseline="1bit")
+    report = rp.make_report(runs, tmp_path / "out", baseline="1bit", plots=False)
     assert [r.variant for r in report.rows] == ["1bit", "1bit@hierarchical", "1bit@node-majority"]
     assert [r.speedup for r in report.rows] == [1.0, 1.0, 1.0]
     table = (tmp_path / "out" / "summary.md").read_text()
@@ -441,7 +443,7 @@ def test_a_time_budget_report_shows_each_runs_steps_and_loss_at_the_budget(
     budget_runs: list[Path], tmp_path: Path
 ) -> None:
     out = tmp_path / "out"
-    report = rp.make_report(budget_runs, out, target_loss=1.85)
+    report = rp.make_report(budget_runs, out, target_loss=1.85, plots=False)
     a, b = report.rows
     i = rp.COLUMNS.index("val loss at equal steps (step)")
     assert rp.columns(report.rows) == (*rp.COLUMNS[:i], *rp.BUDGET_COLUMNS, *rp.COLUMNS[i + 1 :])

@@ -456,11 +456,12 @@ def make_report(
     target_loss: float | None = None,
     baseline: str = "32bit",
     write: Callable[[str, bytes], None] | None = None,
+    plots: bool = True,
 ) -> Report:
-    """Summarize the runs (in the given order), write summary.md/json and the PNGs into ``out_dir``
-    (``write(name, data)`` writes one file there; default: replace the file, never writing through a
-    symbolic link). A partial run (its log ends before its last step) is marked in the table and noted,
-    and does not set the default target loss."""
+    """Summarize the runs (in the given order), write summary.md/json and (``plots``) the PNGs into
+    ``out_dir`` (``write(name, data)`` writes one file there; default: replace the file, never writing
+    through a symbolic link; drawing the PNGs takes most of the time). A partial run (its log ends before
+    its last step) is marked in the table and noted, and does not set the default target loss."""
     if not run_dirs:
         raise ValueError("make_report: no run directories given")
     runs = [load_run(Path(d)) for d in run_dirs]
@@ -503,7 +504,7 @@ def make_report(
     ]
     notes += budget_notes(rows)
     report = Report(rows, _markdown(rows), {}, target_loss, rule, baseline, title, notes, runs)
-    _write(report, Path(out_dir), write or _writer(Path(out_dir)))
+    _write(report, Path(out_dir), write or _writer(Path(out_dir)), plots)
     return report
 
 
@@ -520,7 +521,7 @@ def _writer(out_dir: Path) -> Callable[[str, bytes], None]:
     return write
 
 
-def _write(report: Report, out_dir: Path, write: Callable[[str, bytes], None]) -> None:
+def _write(report: Report, out_dir: Path, write: Callable[[str, bytes], None], plots: bool) -> None:
     text = [
         f"# {report.title}",
         "",
@@ -542,8 +543,8 @@ def _write(report: Report, out_dir: Path, write: Callable[[str, bytes], None]) -
         "rows": [row.to_json() for row in report.rows],
     }
     write("summary.json", (json.dumps(data, indent=2) + "\n").encode())
-    figures = dict(FIGURES)
-    if any(run.diags for run in report.runs):
+    figures = dict(FIGURES) if plots else {}
+    if plots and any(run.diags for run in report.runs):
         figures["diagnostics_vs_step"] = figure_diagnostics
     for name, make in figures.items():
         fig = make(report)

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from lioncub import transports
+from lioncub import cli, transports
 from lioncub.cli import cost as cost_cli
 from lioncub.optim.config import PRESETS, VoteConfig
 from lioncub.planning import costmodel as cm
 
-from processes import python, run_workers
+from processes import run_workers
 
 NIC = cm.Network(20e-6, 1.25e9, 1.0)  # 10 Gbit/s, α = 20 us
 INTRA = cm.Network(2e-6, 50e9, 1.0)  # 400 Gbit/s, α = 2 us
@@ -390,16 +390,20 @@ def test_calibrate_on_nodes_reaches_the_launcher_and_refuses_layout_options_insi
 
 @pytest.mark.slow
 @pytest.mark.root
-def test_calibrate_two_emulated_nodes_measures_the_nic_rate(tmp_path: Path) -> None:
-    """`lioncub calibrate --nnodes 2 --nproc-per-node 2 --link 1gbit`: the NIC's fitted payload rate is the
-    shaped rate (both ranks of a node share it), the node's loopback is far faster."""
+def test_calibrate_two_emulated_nodes_measures_the_nic_rate(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """`lioncub calibrate --nnodes 2 --nproc-per-node 2 --link 1gbit` (in this process; torchrun's agents
+    start the ranks): the NIC's fitted payload rate is the shaped rate (both ranks of a node share it), the
+    node's loopback is far faster."""
     out = tmp_path / "nodes.json"
     argv = ["calibrate", "--out", str(out), "--nnodes", "2", "--nproc-per-node", "2", "--link", "1gbit",
             "--ops", "allreduce_f32", "--sizes", "2mb,4mb,8mb", "--repeats", "2",
             "--compute-numel", "0"]  # fmt: skip
-    proc = python("-m", "lioncub", *argv, timeout=180)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "NIC:" in proc.stdout and "inside a node:" in proc.stdout
+    rc = cli.main(argv)
+    printed, errors = capfd.readouterr()
+    assert rc == 0, printed + errors
+    assert "NIC:" in printed and "inside a node:" in printed, printed
     calib = cm.load_calibration(out)
     assert calib.nnodes == 2 and calib.world_size == 4 and calib.link_bps == 1e9
     assert 0.8 < calib.network.rate("allreduce_f32") * 8 / 1e9 < 1.15

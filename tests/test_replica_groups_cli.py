@@ -11,6 +11,7 @@ import importlib.util
 import io
 import json
 import re
+import statistics
 import textwrap
 from pathlib import Path
 
@@ -163,7 +164,8 @@ def test_nodes_of_two_ranks_are_groups_that_heal_and_agree() -> None:
     """``--nnodes 2 --nproc-per-node 2 --fault-tolerant``: each node one group (DDP inside, one voter), node
     1 killed after step 12 and started again at step 24: 2, 1, then 2 participants; its two ranks heal at
     step 24, each from its peer rank of node 0; at the end the two ranks of each node and the two nodes hold
-    the same parameters; each step's bytes are the node's (both ranks' shares)."""
+    the same parameters; each step's bytes: a rank's (its share of the vote, and DDP's ring and the share
+    broadcasts inside the node), and the node's NIC (both ranks' shares)."""
     run_dir, stdout = finished("nodes")
     steps = log(run_dir, "step")
     assert [r["participants"] for r in steps] == [2] * 12 + [1] * 12 + [2] * 16
@@ -176,9 +178,15 @@ def test_nodes_of_two_ranks_are_groups_that_heal_and_agree() -> None:
     params = json.loads((run_dir / "summary.json").read_text())["params"]
     assert (heal["group"], heal["step"], heal["source"]) == (1, 24, "g0")
     assert heal["nbytes"] >= 2 * 4 * params  # both ranks' shares: the parameters and their momenta, fp32
-    # a 1-bit vote of the whole model per node and step: N = 2 groups, ~2·d/8 bytes (rank 0's share alone
-    # would be about half of it)
-    assert all(r["bytes_sent"] >= params / 8 for r in steps[:12]), steps[0]["bytes_sent"]
+    # through a node's NIC a 1-bit vote of the whole model per step: N = 2 groups, ~2·(N−1)/N·d/8 bytes (one
+    # rank's share alone would be about half of it); inside it, per rank, DDP's fp32 ring of 2 ranks (4·d)
+    # and the broadcast of its share of the parameters (2·d, the mean)
+    inside = 6 * params
+    for r in steps[:12]:
+        assert r["nic_bytes"] >= params / 8 and r["intra_bytes"] == inside, r
+        assert r["bytes_sent"] == pytest.approx(r["nic_bytes"] / 2 + inside), r  # a rank's: its share
+    summary = json.loads((run_dir / "summary.json").read_text())  # a rank's, as its line says
+    assert summary["median_bytes_sent"] == pytest.approx(statistics.median(r["bytes_sent"] for r in steps))
     assert "2 replica groups of 2 ranks" in stdout
 
 

@@ -365,10 +365,8 @@ class _GroupLoop:
             ring = 2 * (n - 1) / n * 4 * sum(p.numel() for p in self.model.parameters())  # fp32 ring
             rec.update(comm_s=t3 - t2, exchange_s=t3 - t2, apply_s=0.0, collectives=1, bytes_sent=ring,
                        bytes_recv=ring)  # fmt: skip
-        if self.size > 1:  # the group's bytes: every rank votes its share
-            traffic = torch.tensor([rec["bytes_sent"], rec["bytes_recv"]], dtype=torch.float64)
-            dist.all_reduce(traffic)
-            rec["bytes_sent"], rec["bytes_recv"] = traffic.tolist()
+        if self.size > 1:  # a node: its ranks vote their shares between the nodes, DDP runs inside it
+            rec.update(self.node_bytes(rec["bytes_sent"], rec["bytes_recv"]))
         position.step, position.elapsed = step, position.elapsed + rec["step_s"]
         rec.update(time_s=position.elapsed, quorum_s=t1 - t0, held_s=held, participants=participants,
                    loss=float(loss.detach()), lr=opt.param_groups[0]["lr"], group=self.index)  # fmt: skip
@@ -387,6 +385,24 @@ class _GroupLoop:
         elif step == run.steps:
             raise AssertionError("the run's last step ends a window (--steps is a multiple of H)")
         return step
+
+    def node_bytes(self, sent: float, recv: float) -> dict[str, float]:
+        """A step's bytes in a group of L ranks (a node): every rank votes its share with the other groups
+        through the node's NIC; inside the node DDP allreduces the gradients (a ring: 2·(L−1)/L of their
+        bytes per rank) and each rank broadcasts its share of the parameters to the others ((L−1)/L of the
+        parameters' bytes per rank, the mean: whatever the tree, a broadcast reaches L − 1 ranks), both
+        estimated from the parameters, sent and received alike. ``bytes_sent``/``bytes_recv``: a rank's,
+        the mean of the node's ranks (their shares differ); ``nic_bytes``: the node's vote, all its ranks'
+        shares; ``intra_bytes``: a rank's inside the node (:mod:`lioncub.train.nodebytes`)."""
+        traffic = torch.tensor([sent, recv], dtype=torch.float64)
+        dist.all_reduce(traffic)
+        node_sent, node_recv = traffic.tolist()
+        nbytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        inside = 3 * (self.size - 1) / self.size * nbytes  # the ring's 2·(L−1)/L and the broadcasts' (L−1)/L
+        return {
+            "bytes_sent": node_sent / self.size + inside, "bytes_recv": node_recv / self.size + inside,
+            "nic_bytes": node_sent, "intra_bytes": inside,
+        }  # fmt: skip
 
     def write(self, record: dict[str, Any]) -> None:
         """A record of this group's log (its rank 0 writes it)."""

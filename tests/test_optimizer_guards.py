@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import os
+import warnings
 
 import pytest
 import torch
@@ -127,13 +128,20 @@ def test_a_kernel_refuses_what_it_cannot_read() -> None:
 
 
 def test_a_parameter_listed_twice_is_refused_by_lion_and_lioncub() -> None:
-    """torch.optim only warns; the fused step would update it twice and lose its momentum."""
-    w = torch.nn.Parameter(torch.zeros(3))
+    """torch.optim only warns; the fused step would update it twice and lose its momentum. Refused before
+    torch.optim's warning (which says it will be an error "in future"), in a later group too."""
+    w, v = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
     for cls in (Lion, LionCub):
-        with pytest.raises(
-            ValueError, match=r"param_groups\[0\]\['params'\]\[1\] is the parameter already at"
-        ):
-            cls([w, w], lr=0.1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no warning on the way to the refusal
+            with pytest.raises(
+                ValueError, match=r"param_groups\[0\]\['params'\]\[1\] is the parameter already at"
+            ):
+                cls([w, w], lr=0.1)
+            opt = cls([w], lr=0.1)
+            with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[2\] is the parameter"):
+                opt.add_param_group({"params": (v, torch.nn.Parameter(torch.zeros(1)), v)})
+            assert len(opt.param_groups) == 1
 
 
 # ------------------------------------------------------------------ exact zeros

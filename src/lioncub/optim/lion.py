@@ -346,6 +346,8 @@ class Lion(LeanOptimizer):
         """Add a group (validated like the constructor arguments; complex parameters are rejected)."""
         if isinstance(param_group, dict):  # otherwise the base class raises its TypeError
             _check_hyperparameters({key: param_group.get(key, value) for key, value in self.defaults.items()})
+            if isinstance(param_group.get("params"), (list, tuple)):  # before torch.optim's warning
+                check_no_duplicates(param_group["params"], len(self.param_groups))
         super().add_param_group(param_group)
         group_index = len(self.param_groups) - 1
         try:

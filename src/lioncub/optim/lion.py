@@ -284,11 +284,19 @@ def _without_dynamo(name: str) -> Callable[..., Any]:
     return functools.wraps(decorated)(method)
 
 
+_ADD_PARAM_GROUP = _without_dynamo("add_param_group")
+
+
 class LeanOptimizer(torch.optim.Optimizer):
     """``torch.optim.Optimizer`` whose ``add_param_group``, ``zero_grad``, ``state_dict`` and
-    ``load_state_dict`` import ``torch._dynamo`` only where something else did (the same methods)."""
+    ``load_state_dict`` import ``torch._dynamo`` only where something else did (the same methods), and whose
+    ``add_param_group`` refuses a parameter listed twice in the group before torch.optim warns of it."""
 
-    add_param_group = _without_dynamo("add_param_group")
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if isinstance(param_group, dict) and isinstance(param_group.get("params"), (list, tuple)):
+            check_no_duplicates(param_group["params"], len(self.param_groups))  # torch.optim only warns
+        _ADD_PARAM_GROUP(self, param_group)
+
     zero_grad = _without_dynamo("zero_grad")
     state_dict = _without_dynamo("state_dict")
     load_state_dict = _without_dynamo("load_state_dict")
@@ -346,8 +354,6 @@ class Lion(LeanOptimizer):
         """Add a group (validated like the constructor arguments; complex parameters are rejected)."""
         if isinstance(param_group, dict):  # otherwise the base class raises its TypeError
             _check_hyperparameters({key: param_group.get(key, value) for key, value in self.defaults.items()})
-            if isinstance(param_group.get("params"), (list, tuple)):  # before torch.optim's warning
-                check_no_duplicates(param_group["params"], len(self.param_groups))
         super().add_param_group(param_group)
         group_index = len(self.param_groups) - 1
         try:

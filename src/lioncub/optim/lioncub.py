@@ -62,7 +62,7 @@ from lioncub.optim.config import VoteConfig
 from lioncub.optim.engine import StepEngine
 from lioncub.optim.factory import make_vote
 from lioncub.optim.layout import ParamLayout, named_parameters
-from lioncub.optim.lion import LeanOptimizer, check_lion_hyperparameters, check_no_duplicates
+from lioncub.optim.lion import LeanOptimizer, check_lion_hyperparameters
 from lioncub.optim.local_steps import LocalSteps, LocalWindow
 from lioncub.optim.overlap import OverlapHook, overlap_group
 from lioncub.optim.policies import EveryStep, LionSteps, StepPolicy
@@ -244,8 +244,6 @@ class LionCub(LeanOptimizer):
         """Add a param group; its parameters join the vote from the next ``step()`` on (every rank must
         add the same parameters, in the same order: the next step's check compares the ranks), which also
         copies rank 0's values of them to every rank (``Checks.broadcast_init``)."""
-        if isinstance(param_group, dict) and isinstance(param_group.get("params"), (list, tuple)):
-            check_no_duplicates(param_group["params"], len(self.param_groups))  # torch.optim only warns
         super().add_param_group(param_group)
         if self._ready:
             try:

@@ -3,7 +3,6 @@ step and since construction, split by level for votes laid over nodes, and the s
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 from lioncub.collectives import Comm, CommCounter
@@ -51,7 +50,8 @@ class Accounting:
     ) -> None:
         """Book one step: the optimizer group's traffic since ``before``, the node levels' since the last
         step, the ``overlapped`` (bytes sent, received, collectives) posted on the overlap hook's group,
-        the phase ``times``, and whether it was ``skipped``."""
+        the phase ``times``, and whether it was ``skipped``. On a GPU the phase times are CUDA event pairs,
+        read when :meth:`stats` is called (the step's own work is not waited for here)."""
         delta = self.comm.counter.minus(before)
         for i, comm in enumerate(self.levels):
             level = comm.counter.minus(self._marks[i])
@@ -65,11 +65,12 @@ class Accounting:
         delta.add(*overlapped)
         total_c, total_t = self._total
         total_c.add(delta.bytes_sent, delta.bytes_recv, delta.collectives)
+        total_t.settle(wait=False)  # the earlier steps' GPU phases that have finished (never waits)
         total_t.add(times)
         if self._continues:
             last_c, last_t = self._last
             delta.add(last_c.bytes_sent, last_c.bytes_recv, last_c.collectives)
-            times = dataclasses.replace(times)
+            times = times.copy()
             times.add(last_t)
         self._last = (delta, times)
         self.count_skip(skipped)

@@ -11,6 +11,7 @@ them. Both give the same bits (every vote is elementwise, with quantizer normali
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -21,12 +22,30 @@ import torch
 from lioncub.collectives import Ballot, Comm, Hyper, ParamState, Vote
 from lioncub.ops import kernels, native
 
-__all__ = ["Bucket", "OptimizerState", "PhaseClock", "StepEngine", "StepTimes", "make_buckets"]
+__all__ = [
+    "PHASES",
+    "Bucket",
+    "Mark",
+    "OptimizerState",
+    "PhaseClock",
+    "StepEngine",
+    "StepTimes",
+    "make_buckets",
+]
+
+
+#: the phases of :class:`StepTimes`, by field name
+PHASES = ("direction", "encode", "exchange", "apply", "sync", "overlapped")
 
 
 @dataclass
 class StepTimes:
-    """Wall time of one step's phases, in seconds."""
+    """Wall time of one step's phases, in seconds.
+
+    On a GPU a phase is a pair of CUDA events (:meth:`PhaseClock.book`) until it is read: ``pending`` holds
+    ``(phase, start, end)`` and :meth:`settle` turns the finished pairs into seconds. Reading the times
+    (:meth:`as_dict`) settles them all, waiting for the last event of each pair (not for the whole device);
+    :class:`~lioncub.optim.accounting.Accounting` settles a step's finished pairs at the next step."""
 
     direction: float = 0.0  # the local contributions (c_i, or the gradient copy of the dense presets)
     encode: float = 0.0  # quantize / pack and posting the collectives
@@ -34,12 +53,34 @@ class StepTimes:
     apply: float = 0.0  # decoding and applying the update and the momentum
     sync: float = 0.0  # momentum synchronization (on the steps it is due)
     overlapped: float = 0.0  # overlap: contributions, quantize/pack and between-phase work in the backward
+    #: GPU phases not read yet: (phase, start event, end event)
+    pending: list[tuple[str, Any, Any]] = field(default_factory=list, repr=False, compare=False)
 
     def add(self, other: StepTimes) -> None:
-        for name in ("direction", "encode", "exchange", "apply", "sync", "overlapped"):
+        """Add ``other``'s times (its pending event pairs too: they are read when this is settled)."""
+        for name in PHASES:
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.pending.extend(other.pending)
+
+    def copy(self) -> StepTimes:
+        """An independent copy (its own list of pending pairs)."""
+        return dataclasses.replace(self, pending=list(self.pending))
+
+    def settle(self, *, wait: bool = True) -> None:
+        """Turn pending event pairs into seconds: all of them, waiting for each end event (``wait``), or only
+        those whose end event has completed (``wait=False``: never blocks the host)."""
+        left = []
+        for phase, start, end in self.pending:
+            if wait:
+                end.synchronize()  # this event only: the work queued before it, not the whole device
+            elif not end.query():
+                left.append((phase, start, end))
+                continue
+            setattr(self, phase, getattr(self, phase) + start.elapsed_time(end) / 1000.0)
+        self.pending = left
 
     def as_dict(self) -> dict[str, float]:
+        self.settle()
         return {
             "direction_s": self.direction,
             "encode_s": self.encode,
@@ -51,24 +92,53 @@ class StepTimes:
         }
 
 
-class PhaseClock:
-    """The clock of a step's phase times (:class:`StepTimes`), in seconds (``time.perf_counter``).
+#: a point in a step (:meth:`PhaseClock.mark`): a host time in seconds, or a recorded CUDA event
+Mark = Any
 
-    On a CUDA device every reading first waits for the work queued on it (``torch.cuda.synchronize``):
-    kernels, and the compute stream's waits for NCCL, run asynchronously, so the host clock alone would
-    time their launches and book every phase's work to whichever phase next waits. The cost: one
-    synchronize per phase boundary (four or five a step, each the launch latency of the next phase's
-    first kernel, microseconds; the step check already synchronizes once). On the CPU a reading is just
-    ``perf_counter``."""
+
+class PhaseClock:
+    """The clock of a step's phase times (:class:`StepTimes`).
+
+    On the CPU a mark is ``time.perf_counter()`` and a phase's seconds are booked at once. On a CUDA
+    device kernels and the compute stream's waits for NCCL run asynchronously, so the host clock alone
+    would time their launches; a mark is instead a CUDA event recorded on the current stream (a few
+    microseconds, no synchronization) and a phase is booked as a pair of events, read when the times are
+    read (:meth:`StepTimes.settle`): inside a step the host never waits for the device, and applying one
+    bucket overlaps communicating the next as it would untimed.
+
+    Calling the clock (``clock()``) is the synchronized reading of a harness that times whole steps (the
+    training loop, the benchmarks): on a GPU it waits for the device (``torch.cuda.synchronize``), then
+    reads ``perf_counter``. The optimizer's step never calls it."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._synchronize = device.type == "cuda"
+        self._gpu = device.type == "cuda"
 
     def __call__(self) -> float:
-        if self._synchronize:
+        if self._gpu:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+    def mark(self) -> Mark:
+        """Now: a host time on the CPU, a CUDA event recorded on the device's current stream on a GPU."""
+        if not self._gpu:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.device(self.device):
+            event.record()
+        return event
+
+    def book(self, times: StepTimes, phase: str, start: Mark, end: Mark | None = None) -> Mark:
+        """Add the span from ``start`` to ``end`` (now, when ``None``) to ``times``'s ``phase``; returns
+        ``end`` (the next phase's start)."""
+        if phase not in PHASES:
+            raise ValueError(f"phase {phase!r} is not one of {PHASES}")
+        end = self.mark() if end is None else end
+        if self._gpu:
+            times.pending.append((phase, start, end))
+        else:
+            setattr(times, phase, getattr(times, phase) + (end - start))
+        return end
 
 
 class OptimizerState:
@@ -222,31 +292,30 @@ class StepEngine:
         parameters whose ``id`` is in ``untouched`` (no gradient on any rank) keep their value and
         momentum. Returns copies of the flat updates if ``keep_updates`` (diagnostics), else ``[]``."""
         state = state or self.state
-        t0 = self.clock()
+        clock = self.clock
+        t0 = clock.mark()
         for ballot in ballots:
             self.vote.advance(ballot)
-        times.exchange += self.clock() - t0
+        t0 = clock.book(times, "exchange", t0)
         updates: list[torch.Tensor] = []
         for ballot in ballots:
-            t0 = self.clock()
             self.vote.wait(ballot)
-            t1 = self.clock()
+            t0 = clock.book(times, "exchange", t0)
             update = self.vote.apply(ballot, state, untouched=untouched, keep_update=keep_updates)
             if update is not None:
                 updates.append(update)
-            times.exchange += t1 - t0
-            times.apply += self.clock() - t1
+            t0 = clock.book(times, "apply", t0)
         return updates
 
     def means(self, ballots: Sequence[Ballot], times: StepTimes) -> list[torch.Tensor]:
         """Steps 3 and the wait for every ballot, and the decoded updates (for a rule that applies them
         itself; with a dense variant, the mean of the ranks' contributions, flat)."""
-        t0 = self.clock()
+        t0 = self.clock.mark()
         for ballot in ballots:
             self.vote.advance(ballot)
         for ballot in ballots:
             self.vote.wait(ballot)
-        times.exchange += self.clock() - t0
+        self.clock.book(times, "exchange", t0)
         return [self.vote.update(ballot) for ballot in ballots]
 
     def discard(self, ballots: Sequence[Ballot]) -> None:

@@ -193,11 +193,11 @@ class LocalWindow(StepPolicy):
         if not opt.round.gradients_compared:
             self._compare_first_gradients(params)
         before, times = opt.accounting.snapshot(), StepTimes()
-        t0 = opt.engine.clock()
+        t0 = opt.engine.clock.mark()
         window = {id(p) for p in params}
         alone = Comm.single(opt.comm.device)  # an inner step's nonfinite="raise" is this rank's alone
         skipped = lion_step(opt, overflow, here=alone, window=window, decay=False)
-        times.apply = opt.engine.clock() - t0
+        opt.engine.clock.book(times, "apply", t0)
         for p in params:
             if p.grad is not None and "window_grad" not in opt.state[p]:
                 opt.state[p]["window_grad"] = p.new_ones(())
@@ -275,13 +275,13 @@ class LocalWindow(StepPolicy):
         if rule != "keep":  # after the step check: the ranks agree on the layout
             before, times = opt.accounting.snapshot(), StepTimes()
             momenta = [opt.engine.state.momentum(p) for p in params]
-            t0 = opt.engine.clock()
+            t0 = opt.engine.clock.mark()
             if rule == "reset":
                 for m in momenta:
                     m.zero_()
             else:
                 synchronize(opt.comm, momenta, torch.float32)
-            times.sync = opt.engine.clock() - t0
+            opt.engine.clock.book(times, "sync", t0)
             opt.accounting.continue_step()
             opt.accounting.finish_step(before, times, skipped=False)
 

@@ -136,13 +136,13 @@ class DiLoCoOuter(OuterRule):
             untouched = rnd.untouched(check)
             rnd.post(ballots, outer_step, times)
             means = rnd.means(ballots, times)
-            t0 = optimizer.engine.clock()
+            t0 = optimizer.engine.clock.mark()
             for ballot, mean in zip(ballots, means, strict=True):
                 for p, d in zip(ballot.params, flat_views(mean, ballot.params), strict=True):
                     if id(p) not in untouched:  # v ← μ·v + Δ̄ (v starts at 0: Δ̄ at the first step)
                         buf = state.momentum(p).mul_(mu).add_(d)
                         p.add_(d.add(buf, alpha=mu), alpha=-self.outer_lr)
-            times.apply += optimizer.engine.clock() - t0
+            optimizer.engine.clock.book(times, "apply", t0)
         rnd.finish(before, times, skipped=not check.ok)
         return untouched
 

@@ -245,9 +245,9 @@ class OverlapHook:
         """The posted votes of ``step`` (``None`` if no backward ran since the last step: the plain step),
         once the vote thread is idle; adds the hook's times to ``times`` (the wait for the vote thread to
         ``exchange``: it is communication the backward did not hide). Raises the vote thread's error."""
-        t0 = self.engine.clock()
+        t0 = self.engine.clock.mark()
         self._queue.join()
-        times.exchange += self.engine.clock() - t0
+        self.engine.clock.book(times, "exchange", t0)
         if self._error is not None:
             err, self._error = self._error, None
             self._inflight = []

@@ -168,12 +168,12 @@ class EveryStep(StepPolicy):
             opt.round.finish(before, times, skipped=True)
             return
         if self.sync_params and self.momentum_sync.due(step):
-            t0 = opt.engine.clock()
+            t0 = opt.engine.clock.mark()
             trained = [
                 p for p in self.sync_params if id(p) not in result.untouched and id(p) in opt.layout.order
             ]
             synchronize(opt.comm, [opt.engine.state.momentum(p) for p in trained], self.momentum_sync.dtype)
-            times.sync += opt.engine.clock() - t0
+            opt.engine.clock.book(times, "sync", t0)
         if opt.checks.replica_check_every and step % opt.checks.replica_check_every == 0:
             opt.check_replicas()
         opt.round.finish(before, times, skipped=False)

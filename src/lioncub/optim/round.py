@@ -130,14 +130,14 @@ class VoteRound:
         self, vote_step: int, times: StepTimes, state: ParamState | None = None, keep_copy: bool = False
     ) -> list[Ballot]:
         """Every bucket's contribution for the vote of ``vote_step`` (its tie phase)."""
-        t0 = self.engine.clock()
+        t0 = self.engine.clock.mark()
         ballots = [
             self.engine.contribute(
                 b, [p.grad for p in b.params], step=vote_step, keep_copy=keep_copy, state=state
             )
             for b in self.layout.buckets
         ]
-        times.direction += self.engine.clock() - t0
+        self.engine.clock.book(times, "direction", t0)
         return ballots
 
     def check(
@@ -209,10 +209,10 @@ class VoteRound:
 
     def post(self, ballots: Sequence[Ballot], vote_step: int, times: StepTimes) -> None:
         """Encode and post every ballot's vote."""
-        t0 = self.engine.clock()
+        t0 = self.engine.clock.mark()
         for ballot in ballots:
             self.engine.post(ballot, vote_step)
-        times.encode += self.engine.clock() - t0
+        self.engine.clock.book(times, "encode", t0)
 
     def apply(
         self,

@@ -288,3 +288,46 @@ def test_dense_mean_does_not_depend_on_the_bucket_layout() -> None:
     want = (xs[0] / 3 + xs[1] / 3) + xs[2] / 3  # float32, rank order
     for res in results:
         assert torch.equal(res["whole"], want) and torch.equal(res["parts"], want)
+
+
+def worker_streams(rank: int, world: int) -> dict:
+    """Two overlapped steps with the backward's stream faked: which streams the vote thread entered."""
+    import contextlib
+    import threading
+
+    from lioncub.optim import overlap
+
+    entered: list[tuple[str, object]] = []
+
+    @contextlib.contextmanager
+    def stream(s: object):  # torch.cuda.stream, recorded
+        entered.append((threading.current_thread().name, s))
+        yield
+
+    overlap.backward_stream = lambda device: ("backward-stream", rank)
+    torch.cuda.stream = stream
+    got = _train(rank, "1bit", True, steps=2)
+    return {"entered": entered, "buckets": got["layouts"]}
+
+
+@pytest.mark.slow
+def test_the_vote_thread_works_on_the_backwards_stream() -> None:
+    """The overlap hook runs in the backward, on the stream autograd made current for the gradients (a
+    user's side stream included); the vote thread's quantize/pack kernels and collectives run on that
+    stream (``torch.cuda.stream``), not on the thread's default stream, which would race the gradients'
+    kernels. Faked on the CPU: the stream the hook sees is a marker, and ``torch.cuda.stream`` records."""
+    for rank, got in enumerate(run_workers(worker_streams, 2)):
+        posts = sum(len(layout) for layout in got["buckets"])
+        assert len(got["entered"]) == posts > 2
+        assert all(
+            name == f"lioncub-overlap-rank{rank}" and s == ("backward-stream", rank)
+            for name, s in got["entered"]
+        ), got["entered"]
+
+
+def test_the_backward_stream_is_the_current_cuda_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lioncub.optim.overlap import backward_stream
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("current", device))
+    assert backward_stream(torch.device("cpu")) is None
+    assert backward_stream(torch.device("cuda", 1)) == ("current", torch.device("cuda", 1))

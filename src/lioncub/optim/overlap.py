@@ -21,8 +21,9 @@ per bucket, in DDP's bucket order (the same on every rank):
    apply needs for the momentum. The momenta are keyed by parameter in the optimizer's state, so DDP's
    bucket rebuild after the first iteration changes nothing.
 2. **The vote thread** (whose current CUDA device, a per-thread setting, it sets to the parameters' device
-   before anything else: :meth:`~lioncub.collectives.Comm.bind_thread`) posts the bucket's vote
-   (:meth:`~lioncub.collectives.Vote.post`), then finishes
+   before anything else: :meth:`~lioncub.collectives.Comm.bind_thread`), on the stream the hook ran on (the
+   backward's, a user's side stream included, where the contribution was written), posts the bucket's
+   vote (:meth:`~lioncub.collectives.Vote.post`), then finishes
    the first phase of the previous bucket's vote and posts its second phase (``advance``). The schedule
    ``post(0), post(1), advance(0), post(2), advance(1), …`` is fixed, so every rank posts the same
    collectives in the same order, on a process group of their own (a duplicate of the optimizer's, made
@@ -56,11 +57,13 @@ or timed-out collective, naming the rank and the operation) are raised by the ne
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations as objects.
+import contextlib
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -72,6 +75,17 @@ from lioncub.optim.engine import Bucket, StepEngine, StepTimes, bucket_backend
 __all__ = ["OverlapHook", "overlap_group"]
 
 _log = logging.getLogger("lioncub")
+
+
+def backward_stream(device: torch.device) -> Any:
+    """The calling thread's current CUDA stream on ``device`` (in the hook: the backward's, which autograd
+    makes current for the ops that produced the gradients), or ``None`` off a GPU."""
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
+def on_stream(stream: Any) -> contextlib.AbstractContextManager[Any]:
+    """Make ``stream`` current in this thread (``torch.cuda.stream``); nothing for ``None``."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 class OverlapHook:
@@ -117,7 +131,7 @@ class OverlapHook:
         self._closed = False
         self._inflight_at_collect: list[Ballot] = []
         self.bucket_numels: list[int] = []
-        self._queue: queue.Queue[tuple[Ballot, int, int] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[Ballot, int, int, Any] | None] = queue.Queue()
         self._thread = threading.Thread(
             target=self._vote_thread, name=f"lioncub-overlap-rank{self.comm.rank}", daemon=True
         )
@@ -160,7 +174,7 @@ class OverlapHook:
         item = self.engine.contribute(self._bucket(index, params, flat), grads, step=step, keep_copy=diagnose)
         self._times.direction += time.perf_counter() - t0
         self._inflight.append(item)
-        self._queue.put((item, step, self._generation))
+        self._queue.put((item, step, self._generation, backward_stream(self.comm.device)))
 
     def _bucket(self, index: int, params: list[torch.Tensor], flat: torch.Tensor) -> Bucket:
         """The :class:`~lioncub.optim.engine.Bucket` of DDP's bucket ``index`` (its backend chosen once,
@@ -215,7 +229,7 @@ class OverlapHook:
     # the device: a synchronize there would stall the backward it overlaps.
 
     def _vote_thread(self) -> None:
-        previous: tuple[Ballot, int, int] | None = None
+        previous: tuple[Ballot, int, int, Any] | None = None
         try:  # the current CUDA device is per host thread: the kernels and NCCL work run on the rank's GPU
             self.comm.bind_thread()
         except BaseException as err:  # raised by the next step()
@@ -228,10 +242,13 @@ class OverlapHook:
                 if self._error is not None:
                     continue
                 t0 = time.perf_counter()
-                item, step, generation = entry
-                self.engine.post(item, step)
-                if previous is not None and previous[2] == generation and previous[0].pending is not None:
-                    self.engine.vote.advance(previous[0])  # waits for its first phase, posts its second
+                item, step, generation, stream = entry
+                # the backward's stream, where the hook wrote the contribution (a user's side stream
+                # included): this thread's work is ordered after it, and step() on that stream after this
+                with on_stream(stream):
+                    self.engine.post(item, step)
+                    if previous is not None and previous[2] == generation and previous[0].pending is not None:
+                        self.engine.vote.advance(previous[0])  # waits for its first phase, posts its second
                 self._times.overlapped += time.perf_counter() - t0
                 previous = entry
             except BaseException as err:  # raised by the next step()

@@ -56,11 +56,13 @@ Triton's device.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import os
 import struct
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Literal
@@ -257,6 +259,15 @@ def _launch_options() -> dict:
     return {} if interpreting() else {"enable_fp_fusion": False}
 
 
+def _on_device(t: torch.Tensor | torch.device) -> contextlib.AbstractContextManager:
+    """The context every Triton launch (and upload) of this module runs in: ``torch.cuda.device`` of the
+    tensors' device for a CUDA tensor, nothing otherwise. Triton launches on the *current* CUDA device
+    (and its current stream), not on its arguments' device: a rank that moved its model to ``cuda:K``
+    without ``torch.cuda.set_device(K)`` would launch on ``cuda:0`` with pointers of ``cuda:K``."""
+    device = t if isinstance(t, torch.device) else t.device
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _raw(t: torch.Tensor) -> torch.Tensor:
     """The storage Triton reads: bfloat16 as its int16 bits (the kernels convert those themselves)."""
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
@@ -326,8 +337,56 @@ def _l1_divisors(
     return divisor, wide_t, starts, bases
 
 
-_CONSTANTS: dict[tuple, torch.Tensor] = {}  # device tensors of host constants, by (what, device, key)
-_CONSTANTS_MAX = 256
+class _DeviceTables:
+    """Device copies of host tables (segment starts, ...), kept per key in least-recently-used order.
+
+    A copy from the host is a synchronization on a GPU (and a launch), and a bucket's tables are the same
+    at every step, so they are made once per layout. Why an LRU that drops one table at a time with a cap
+    far above any real count, rather than tables owned by the bucket: this module takes flat tensors and
+    segment lengths and never sees the optimizer's buckets (``optim/`` builds them), and a layout's key
+    identifies its tables as well as a bucket would. A step touches each of its layouts' tables (a few per
+    bucket), so with ``cap`` above the tables of all buckets (overlap's second layout included) none is
+    ever dropped and re-uploaded; beyond it, LRU order drops the tables not touched for longest (e.g. the
+    layouts of a model that is gone) — a wholesale clear at a fixed size (what this replaced, at 256
+    entries) re-uploaded every table of every step past ~127 buckets. The tables are small (8 bytes per
+    tensor or per 4096 elements), so the cap bounds memory at a few MB for typical layouts."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.uploads = 0  #: tables copied from the host so far (tests count them)
+        self._tables: OrderedDict[Hashable, torch.Tensor] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._tables)
+
+    def clear(self) -> None:
+        self._tables.clear()
+
+    def get(self, key: Hashable, values: Sequence | torch.Tensor, dtype: torch.dtype, device: torch.device):
+        """The device tensor of ``key`` (made from ``values`` on a miss)."""
+        t = self._tables.get(key)
+        if t is not None:
+            self._tables.move_to_end(key)
+            return t
+        t = self._tables[key] = _upload(values, dtype, device)
+        self.uploads += 1
+        while len(self._tables) > self.cap:
+            self._tables.popitem(last=False)  # the least recently used one
+        return t
+
+
+def _upload(values: Sequence | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a ``dtype`` tensor on ``device``; to a GPU from pinned memory without blocking the host
+    (the caching host allocator keeps the pinned block until the copy has run)."""
+    host = torch.as_tensor(values, dtype=dtype, device="cpu")  # host side by design: staged, then copied
+    if device.type != "cuda":
+        return host.to(device)
+    with _on_device(device):
+        return host.pin_memory().to(device, non_blocking=True)
+
+
+#: the device tables of every layout seen (see :class:`_DeviceTables` for the cap)
+_TABLES = _DeviceTables(1 << 14)
 
 
 def _device_constant(
@@ -335,13 +394,7 @@ def _device_constant(
 ) -> torch.Tensor:
     """``torch.tensor(values, dtype, device)``, made once per ``(what, device, key)``: a copy from the
     host is a synchronization on a GPU, and a bucket's layout is the same at every step."""
-    entry = (what, device, key)
-    t = _CONSTANTS.get(entry)
-    if t is None:
-        if len(_CONSTANTS) >= _CONSTANTS_MAX:
-            _CONSTANTS.clear()
-        t = _CONSTANTS[entry] = torch.tensor(values, dtype=dtype, device=device)
-    return t
+    return _TABLES.get((what, device, key), values, dtype, device)
 
 
 def _segment_tables(
@@ -426,25 +479,26 @@ def _quantize_triton(
     n_seg = len(segs)
     search = max(0, (n_seg - 1).bit_length())
     grid = -(-n // _BLOCK)
-    _triton().quantize_kernel[(grid,)](
-        _raw(flat),
-        out,
-        divisor,
-        scale,
-        wide,
-        starts,
-        bases,
-        n,
-        n_seg,
-        chunk_size or 1,
-        float(levels),
-        BLOCK=_BLOCK,
-        KIND=_TRITON_DTYPES[flat.dtype],
-        SEARCH=search,
-        CHUNKED=chunk_size is not None,
-        ANY_WIDE=True,
-        **_launch_options(),
-    )
+    with _on_device(flat):
+        _triton().quantize_kernel[(grid,)](
+            _raw(flat),
+            out,
+            divisor,
+            scale,
+            wide,
+            starts,
+            bases,
+            n,
+            n_seg,
+            chunk_size or 1,
+            float(levels),
+            BLOCK=_BLOCK,
+            KIND=_TRITON_DTYPES[flat.dtype],
+            SEARCH=search,
+            CHUNKED=chunk_size is not None,
+            ANY_WIDE=True,
+            **_launch_options(),
+        )
 
 
 # ------------------------------------------------------------------------------------ 1-bit majority
@@ -483,9 +537,10 @@ def majority_pack(
         return out
     if out_bytes:
         grid = -(-out_bytes // _BLOCK_B)
-        _triton().majority_kernel[(grid,)](
-            rows, out, n, row_bytes, out_bytes, n_bits, threshold, BLOCK_B=_BLOCK_B
-        )
+        with _on_device(rows):
+            _triton().majority_kernel[(grid,)](
+                rows, out, n, row_bytes, out_bytes, n_bits, threshold, BLOCK_B=_BLOCK_B
+            )
     return out
 
 
@@ -538,22 +593,23 @@ def apply_votes_(
     if n:
         b2 = beta2 if beta2 is not None else 0.0
         grid = -(-n // _BLOCK)
-        _triton().apply_kernel[(grid,)](
-            _raw(param),
-            source,
-            _raw(exp_avg) if momentum else param,
-            _raw(grad) if momentum else param,
-            n,
-            _f32(-lr),
-            _f32(1.0 - lr * weight_decay),
-            _f32(b2),
-            _f32(1.0 - b2),
-            BLOCK=_BLOCK,
-            KIND=_TRITON_DTYPES[param.dtype],
-            DECAY=lr * weight_decay != 0,
-            MOMENTUM=momentum,
-            NEG=bool(negate_grad),
-            EMULATE=_emulate(emulate_fma),
-            **_launch_options(),
-        )
+        with _on_device(param):
+            _triton().apply_kernel[(grid,)](
+                _raw(param),
+                source,
+                _raw(exp_avg) if momentum else param,
+                _raw(grad) if momentum else param,
+                n,
+                _f32(-lr),
+                _f32(1.0 - lr * weight_decay),
+                _f32(b2),
+                _f32(1.0 - b2),
+                BLOCK=_BLOCK,
+                KIND=_TRITON_DTYPES[param.dtype],
+                DECAY=lr * weight_decay != 0,
+                MOMENTUM=momentum,
+                NEG=bool(negate_grad),
+                EMULATE=_emulate(emulate_fma),
+                **_launch_options(),
+            )
     return param

@@ -1,0 +1,194 @@
+"""How lioncub.ops.kernels launches its Triton kernels, checked on the CPU (no GPU here): every launch runs
+under its tensors' CUDA device (the kernels replaced by recorders), the device tables of a layout are made
+once however many layouts a run has, and the launches of a vote step per bucket do not grow with the
+bucket's tensors (counted in Triton's interpreter, in a subprocess: tests/kernels_interp.py)."""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from lioncub.ops import kernels
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNELS = ROOT / "src" / "lioncub" / "ops" / "kernels.py"
+
+
+# ----------------------------------------------------------------------------- finding 1: the device guard
+
+
+def _launches_outside_the_guard(tree: ast.Module) -> list[int]:
+    """Lines of ``_triton().KERNEL[grid](...)`` launches not inside a ``with _on_device(...)`` block."""
+    parents: dict[int, ast.AST] = {}
+    for node in ast.walk(tree):
+        for child in ast.iter_child_nodes(node):
+            parents[id(child)] = node
+    bad = []
+    for node in ast.walk(tree):
+        if not (
+            isinstance(node, ast.Subscript)
+            and isinstance(node.value, ast.Attribute)
+            and isinstance(node.value.value, ast.Call)
+            and isinstance(node.value.value.func, ast.Name)
+            and node.value.value.func.id == "_triton"
+        ):
+            continue
+        up: ast.AST | None = node
+        guarded = False
+        while up is not None and not guarded:
+            up = parents.get(id(up))
+            if isinstance(up, ast.With):
+                guarded = any(
+                    isinstance(item.context_expr, ast.Call)
+                    and getattr(item.context_expr.func, "id", "") == "_on_device"
+                    for item in up.items
+                )
+        if not guarded:
+            bad.append(node.lineno)
+    return bad
+
+
+def test_every_triton_launch_sits_inside_the_device_guard() -> None:
+    tree = ast.parse(KERNELS.read_text())
+    launches = [
+        n for n in ast.walk(tree) if isinstance(n, ast.Subscript) and "_triton()" in ast.unparse(n.value)
+    ]
+    assert len(launches) >= 3  # quantize, majority, apply (and the per-bucket kernels)
+    assert _launches_outside_the_guard(tree) == []
+
+
+def test_the_guard_makes_a_cuda_tensors_device_current(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_on_device`` enters ``torch.cuda.device`` of the tensors' device (faked: no GPU here), and nothing
+    for a CPU tensor."""
+    entered: list[torch.device] = []
+
+    @contextlib.contextmanager
+    def device(d: torch.device) -> Iterator[None]:
+        entered.append(d)
+        yield
+
+    monkeypatch.setattr(torch.cuda, "device", device)
+    with kernels._on_device(torch.device("cuda", 3)):
+        pass
+    with kernels._on_device(torch.zeros(2)):
+        pass
+    assert entered == [torch.device("cuda", 3)]
+
+
+class _Recorder:
+    """Stands in for lioncub.ops.triton_kernels: each ``KERNEL[grid](*args)`` records the kernel's name and
+    the device the guard had entered at that moment."""
+
+    HAVE_TRITON = True
+    TRITON_ERROR = ""
+
+    def __init__(self) -> None:
+        self.current: list[Any] = []  # the guard's stack of entered tensors' devices
+        self.launches: list[tuple[str, Any, list[torch.device]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        if not name.endswith("_kernel"):
+            raise AttributeError(name)
+        recorder = self
+
+        class Kernel:
+            def __getitem__(self, grid: Any) -> Any:
+                def launch(*args: Any, **kwargs: Any) -> None:
+                    devices = [a.device for a in args if isinstance(a, torch.Tensor)]
+                    where = recorder.current[-1] if recorder.current else None
+                    recorder.launches.append((name, where, devices))
+
+                return launch
+
+        return Kernel()
+
+
+@pytest.fixture
+def recorded(monkeypatch: pytest.MonkeyPatch) -> _Recorder:
+    """Triton 'takes' CPU tensors (as its interpreter does), its kernels record, and the device guard records
+    the device it enters."""
+    rec = _Recorder()
+    monkeypatch.setattr(kernels, "_triton", lambda: rec)
+    monkeypatch.setattr(kernels, "interpreting", lambda: True)
+
+    @contextlib.contextmanager
+    def guard(t: torch.Tensor | torch.device) -> Iterator[None]:
+        rec.current.append(t if isinstance(t, torch.device) else t.device)
+        try:
+            yield
+        finally:
+            rec.current.pop()
+
+    monkeypatch.setattr(kernels, "_on_device", guard)
+    return rec
+
+
+def test_every_triton_launch_path_enters_its_tensors_device(recorded: _Recorder) -> None:
+    """quantize, majority and apply: each launch happens inside the guard, entered with the device of the
+    tensors it launches on."""
+    x = torch.randn(300)
+    kernels.quantize_l1(x, 63, segments=[100, 0, 200], chunk_size=64, backend="triton")
+    kernels.majority_pack(torch.zeros(3, 9, dtype=torch.uint8), True, backend="triton")
+    p, m, g = torch.randn(10), torch.randn(10), torch.randn(10)
+    votes = torch.ones(10, dtype=torch.int8)
+    kernels.apply_votes_(p, votes, lr=0.1, exp_avg=m, grad=g, beta2=0.9, backend="triton")
+    names = [name for name, _, _ in recorded.launches]
+    for kernel in ("quantize_kernel", "majority_kernel", "apply_kernel"):
+        assert kernel in names, names
+    for name, where, devices in recorded.launches:
+        assert where is not None, f"{name} launched outside the device guard"
+        assert devices and all(d == where for d in devices), (name, where, devices)
+
+
+# ----------------------------------------------------------------------------- finding 4: tables per layout
+
+
+class _Uploads(TorchFunctionMode):
+    """Counts tensors made from host values (``torch.tensor``, ``torch.as_tensor``): a table's upload."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if getattr(func, "__name__", "") in ("tensor", "as_tensor"):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_tables_of_300_layouts_are_uploaded_once() -> None:
+    """Cycling through 300 bucket layouts (more than the old cache's 256 entries / 2 tables) twice: the
+    second pass finds every table (the old cache was cleared wholesale and re-uploaded them all)."""
+    device = torch.device("cpu")
+    layouts = [(k + 1, 7, 3) for k in range(300)]
+    with _Uploads() as first:
+        for layout in layouts:
+            kernels._segment_tables(device, layout, None)
+    with _Uploads() as second:
+        for _ in range(2):
+            for layout in layouts:
+                kernels._segment_tables(device, layout, None)
+    assert first.count >= 300
+    assert second.count == 0
+
+
+def test_the_table_cache_drops_the_least_recently_used_one_at_a_time() -> None:
+    tables = kernels._DeviceTables(3)
+    cpu = torch.device("cpu")
+    for key in "abc":
+        tables.get(key, [1], torch.int64, cpu)
+    tables.get("a", [1], torch.int64, cpu)  # a is now the most recent: b is dropped next
+    tables.get("d", [1], torch.int64, cpu)
+    assert tables.uploads == 4 and len(tables) == 3
+    tables.get("a", [1], torch.int64, cpu)
+    tables.get("c", [1], torch.int64, cpu)
+    assert tables.uploads == 4
+    tables.get("b", [1], torch.int64, cpu)
+    assert tables.uploads == 5

@@ -571,6 +571,10 @@ RUN_CASES = [  # (options, fragments): refused by `lioncub train` and `lioncub c
     (["--size", "small", NO_DATA], ["--size small", "shakespeare.txt", "LIONCUB_DATA="]),
     (["--variant", "8bit", "--zero-vote", "plus"], ["--zero-vote plus", "8bit", "one-bit votes"]),
     (["--inner-momentum", "average"], ["--inner-momentum", "only with --local-steps"]),
+    (  # torchft's replica groups vote over gloo on CPU tensors
+        ["--fault-tolerant", "--device", "cuda"],
+        ["--device cuda with --fault-tolerant", "CPU tensors", "CUDA is not supported", "--device cpu"],
+    ),
 ]
 #: refused by `lioncub train` only (compare names local steps in --variants: COMPARE_CASES)
 TRAIN_CASES = [

@@ -3,7 +3,9 @@ parameters' device; every thread that launches kernels sets its device; checkpoi
 travel on the CPU; a ``Comm`` finds the backend for its device (``init_process_group()`` without a backend,
 ``"cpu:gloo,cuda:nccl"``); NCCL waits carry no host-blocking timeout and keep no finished work; a GPU step's
 phase times and its quantizer read nothing on the host that would synchronize it; ``--device cuda`` is
-refused behind emulated links; and at world size 1 the votes can run their collectives
+refused behind emulated links and with ``--fault-tolerant`` (whose replica groups run on the CPU, and
+refuse parameters off it), as are more ranks than GPUs; the GradScaler agrees on the device its group's
+backend serves; and at world size 1 the votes can run their collectives
 (``exchange_when_alone``), exactly as the N-worker simulation says (what ``benchmarks/gpu_check.sh``
 runs on a GPU). Where a GPU is needed the CUDA calls are replaced by recorders (``monkeypatch``).
 """
@@ -69,14 +71,30 @@ HOST_SIDE = {
     ("collectives/base.py", "all_gather_object", "frombuffer"): "a host pickle, moved to the comm's device",
     ("optim/replicas.py", "_int_view", "empty"): "an empty tensor asked for its element size",
     ("optim/step_check.py", "check_step", "tensor"): "host words, moved to the comm's device",
+    ("integrations/group_shares.py", "agree_on_heal", "tensor"): "a flag over a replica group's gloo ranks "
+    "(replica groups run on the CPU)",
+    ("train/replica_group.py", "node_bytes", "tensor"): "byte counts over a replica group's gloo ranks "
+    "(replica groups run on the CPU)",
+    ("train/checkpoint.py", "_rng_state", "from_numpy"): "numpy's generator state, saved from the host",
+    ("train/data.py", "__init__", "from_numpy"): "a dataset held on the host; its batches move to the device",
+    ("train/data.py", "indices", "randint"): "a sampler's indices into a dataset on the host",
+    ("train/data.py", "indices", "randperm"): "a sampler's indices into a dataset on the host",
+    ("train/data.py", "windows", "arange"): "offsets into the corpus on the host",
+    ("train/data.py", "get_batch", "randint"): "window starts into the corpus on the host",
+    ("train/data.py", "eval_starts", "linspace"): "window starts into the corpus on the host",
+    ("train/workloads.py", "_load_data", "arange"): "example ids into a dataset on the host",
+    ("train/workloads.py", "evaluate", "arange"): "example ids into a dataset on the host",
 }
+
+#: the packages whose tensor factories :func:`_factory_calls` scans
+SCANNED = ("ops", "collectives", "optim", "integrations", "train")
 
 
 def _factory_calls() -> list[tuple[str, str, str, int]]:
     """(module, enclosing function, factory, line) of every ``torch.FACTORY(...)`` call without ``device=``
-    in ``ops/``, ``collectives/`` and ``optim/``."""
+    in the packages of :data:`SCANNED`."""
     found = []
-    for package in ("ops", "collectives", "optim"):
+    for package in SCANNED:
         for path in sorted((SRC / package).rglob("*.py")):
             tree = _tree(path)
             enclosing: dict[int, str] = {}
@@ -397,10 +415,175 @@ def test_cuda_is_refused_behind_emulated_links(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(ValueError, match=r"--device cuda with --link 50mbit: .*NCCL .*--device cpu"):
         TrainConfig(run=RunConfig(device="cuda"), cluster=ClusterConfig(nproc=2, link="50mbit"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setenv("LOCAL_RANK", "1")
     linked = TrainConfig(cluster=ClusterConfig(nproc=4, link="8mbit", nnodes=2))
     assert loop.device_for(linked) == torch.device("cpu")
     assert loop.device_for(TrainConfig(cluster=ClusterConfig(nproc=2))) == torch.device("cuda", 1)
+
+
+# ----------------------------------------------------------------------------- fault-tolerant groups
+
+
+def test_fault_tolerant_runs_refuse_cuda_before_anything_starts() -> None:
+    """torchft's replica groups vote over gloo on CPU tensors: ``--device cuda`` with ``--fault-tolerant``
+    is refused by the configuration's check (``lioncub train`` and every row of ``lioncub compare``),
+    naming CUDA, the option and what to use; ``auto`` and ``cpu`` pass."""
+    from lioncub.train.config import TrainConfig
+
+    ft = {"variant": "1bit", "nproc": 2, "fault_tolerant": True, "steps": 4}
+    with pytest.raises(ValueError, match=r"--device cuda with --fault-tolerant: .*CPU tensors.*--device cpu"):
+        TrainConfig.from_values({**ft, "device": "cuda"})
+    for device in ("auto", "cpu"):
+        assert TrainConfig.from_values({**ft, "device": device}).run.device == device
+    assert TrainConfig.from_values({"variant": "1bit", "nproc": 2, "device": "cuda"}).run.device == "cuda"
+
+
+def test_lioncub_train_fault_tolerant_cuda_exits_before_training(tmp_path: Path) -> None:
+    """The command itself: exit status 2 and the reason on stderr, before the run directory (or a
+    lighthouse, a group) exists."""
+    from processes import python
+
+    out = tmp_path / "run"
+    argv = ["--workload", "gpt", "--size", "tiny", "--variant", "1bit", "--nproc", "2", "--steps", "4"]
+    done = python("-m", "lioncub.cli", "train", *argv, "--fault-tolerant", "--device", "cuda", "--out",
+                  str(out), "--no-progress", timeout=60)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "--device cuda with --fault-tolerant" in done.stderr and "CUDA" in done.stderr, done.stderr
+    assert not out.exists()
+
+
+def test_fault_tolerant_auto_says_its_groups_train_on_the_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``--device auto`` on a machine with CUDA the run says, before the groups start, that they
+    train on the CPU; with ``--device cpu``, without CUDA or without ``--fault-tolerant`` nothing."""
+    import io
+
+    from lioncub.train import fault_tolerant
+    from lioncub.train.config import TrainConfig
+    from lioncub.train.fault_settings import cpu_note
+
+    class _Launched(Exception):
+        pass
+
+    def launch_groups(*args: Any, **kwargs: Any) -> Any:
+        raise _Launched
+
+    ft = {"variant": "1bit", "nproc": 2, "fault_tolerant": True, "steps": 4}
+    assert cpu_note(TrainConfig.from_values(ft)) is None  # no CUDA here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert cpu_note(TrainConfig.from_values({**ft, "device": "cpu"})) is None
+    assert cpu_note(TrainConfig.from_values({"variant": "1bit", "nproc": 2})) is None
+    monkeypatch.setattr(fault_tolerant, "launch_groups", launch_groups)
+    err = io.StringIO()
+    with pytest.raises(_Launched):
+        fault_tolerant.run_fault_tolerant(
+            TrainConfig.from_values(ft), tmp_path, timeout_s=None, progress=False, label=None,
+            collective_timeout_s=30.0, out=io.StringIO(), err=err,
+        )  # fmt: skip
+    assert err.getvalue() == (
+        "lioncub: --fault-tolerant --device auto: the replica groups train on the CPU (torchft's gloo "
+        "process group runs on CPU tensors); this machine's 2 CUDA devices are not used\n"
+    )
+
+
+def test_a_replica_group_refuses_parameters_off_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``ReplicaGroup`` votes on CPU tensors (torchft's gloo): an optimizer whose parameters are on CUDA
+    (moved after it was built) is refused at ``attach``, and a parameter moved after ``attach`` at the next
+    ``begin``, before the quorum, naming the parameter and its device."""
+    pytest.importorskip("torchft", reason="torchft is not installed: pip install 'lioncub[ft]'")
+    from torchft.coordination import LighthouseServer
+
+    from lioncub.integrations.torchft import ReplicaGroup
+    from lioncub.optim import Checks, LionCub
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)
+    group = ReplicaGroup(lighthouse=lighthouse.address(), index=0, max_groups=2, timeout_s=5)
+    try:
+        params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]
+        opt = LionCub(params, variant="1bit", process_group=group.comm, checks=Checks(broadcast_init=False))
+        real = torch._C.TensorBase.device
+
+        def on_cuda(param: torch.Tensor) -> property:  # what Tensor.device says: cuda:1 for param
+            return property(lambda t: torch.device("cuda", 1) if t is param else real.__get__(t))
+
+        with monkeypatch.context() as m:  # parameter 1 on cuda:1, as after model.cuda()
+            m.setattr(torch.Tensor, "device", on_cuda(params[1]))
+            with pytest.raises(
+                ValueError, match=r"replica group g0: attach: parameter 1 is on cuda:1; .*gloo.* CPU tensors"
+            ):
+                group.attach(opt)
+        group.attach(opt)  # on the CPU
+        with monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "device", on_cuda(params[0]))
+            with pytest.raises(ValueError, match=r"replica group g0: begin: parameter 0 is on cuda:1"):
+                group.begin()
+    finally:
+        group.shutdown()
+        lighthouse.shutdown()
+
+
+# ----------------------------------------------------------------------------- ranks per GPU, the scaler
+
+
+def test_more_ranks_than_gpus_are_refused_before_the_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rank takes ``cuda:LOCAL_RANK``: ``--nproc`` above the GPUs visible under ``--device auto`` or
+    ``cuda`` is refused before the launch (it failed in the rank with "invalid device ordinal"), naming
+    the option, the GPUs and ``--device cpu``; a rank of a job (torchrun) refuses it too. Runs on the CPU
+    are not concerned; ``--device cuda`` without CUDA is refused before the launch."""
+    from lioncub.train import loop
+    from lioncub.train.config import TrainConfig
+    from lioncub.train.driver import check_before_launch
+
+    tiny = {"workload": "gpt", "size": "tiny", "variant": "1bit", "steps": 4}
+    with pytest.raises(ValueError, match=r"--device cuda: no CUDA device is available.*--device cpu"):
+        check_before_launch(TrainConfig.from_values({**tiny, "nproc": 2, "device": "cuda"}), None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for device in ("auto", "cuda"):
+        config = TrainConfig.from_values({**tiny, "nproc": 3, "device": device})
+        with pytest.raises(
+            ValueError, match=rf"--nproc 3 with --device {device}: .*2 are visible.*--device cpu"
+        ):
+            check_before_launch(config, None)
+        check_before_launch(TrainConfig.from_values({**tiny, "nproc": 2, "device": device}), None)
+    check_before_launch(TrainConfig.from_values({**tiny, "nproc": 3, "device": "cpu"}), None)
+    check_before_launch(TrainConfig.from_values({**tiny, "nproc": 3, "fault_tolerant": True}), None)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match=r"--nproc-per-node 3 \(this is local rank 2\).*2 are visible"):
+        loop.device_for(TrainConfig.from_values({**tiny, "nproc": 3}))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert loop.device_for(TrainConfig.from_values({**tiny, "nproc": 3})) == torch.device("cuda", 1)
+
+
+def test_the_scaler_agrees_on_a_device_its_group_serves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``lioncub.optim.amp.GradScaler`` all-reduces the overflow flags on a LionCub's comm device; for
+    another optimizer (the default group) on a device that group's backend serves: the CPU where it has a
+    CPU backend, else the gradients' GPU or the current GPU (an NCCL-only group: it took the CPU there,
+    which NCCL cannot all-reduce)."""
+    from types import SimpleNamespace
+
+    from lioncub.optim.amp import agreement_device
+
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    gpu, cpu = torch.device("cuda", 1), torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    for config, flags, want in [
+        ("cuda:nccl", [gpu], gpu),  # init_process_group("nccl")
+        ("cuda:nccl", [], torch.device("cuda", 3)),  # no gradient on this rank
+        ("nccl", [gpu], gpu),
+        ("cpu:gloo,cuda:gloo", [gpu], cpu),  # init_process_group("gloo")
+        ("cpu:gloo", [gpu], cpu),
+        ("cpu:gloo,cuda:nccl", [gpu], cpu),
+        ("cpu:gloo,cuda:nccl", [], cpu),
+    ]:
+        monkeypatch.setattr(dist, "get_backend_config", lambda group=None, c=config: c)
+        assert agreement_device(sgd, flags) == want, (config, flags)
+    lioncub_like = SimpleNamespace(comm=SimpleNamespace(device=torch.device("cuda", 2), group=None))
+    assert agreement_device(lioncub_like, [gpu]) == torch.device("cuda", 2)  # type: ignore[arg-type]
 
 
 # ----------------------------------------------------------------------------- the vote path at N = 1

@@ -47,6 +47,12 @@ it in the group (:mod:`lioncub.integrations.group_shares`). torchft forms the qu
 group's ranks (rank ℓ from rank ℓ of the peer) and commits a step only if every rank of the group commits
 it (``should_commit``): a failed exchange on one rank puts the whole group's step back.
 
+**On the CPU only.** The groups vote over torchft's gloo process group (``ProcessGroupGloo``) on CPU
+tensors: the model and the optimizer stay on the CPU, and parameters on another device (CUDA) are refused
+at :meth:`ReplicaGroup.attach` (and at :meth:`ReplicaGroup.begin`, should they move later), naming the
+parameter and its device. ``lioncub train --fault-tolerant`` trains on the CPU and refuses ``--device
+cuda`` before anything starts.
+
 Costs: the snapshot is one copy of the parameters and of the optimizer's state per commit boundary (host
 memory of 2 × (parameters + momenta), a memory copy each step without local steps, each window with).
 """
@@ -142,6 +148,18 @@ def _first_difference(ours: dict[str, Any], theirs: dict[str, Any]) -> tuple[str
             return f"param group {i}'s {field}", repr(show(mine[i][field])), repr(show(other[i].get(field)))
         return key, repr(mine), repr(other)
     return None
+
+
+def _refuse_off_cpu(params: Sequence[torch.Tensor], where: str) -> None:
+    """``ValueError`` naming the first of ``params`` that is not a CPU tensor: the replica groups exchange
+    CPU tensors over torchft's gloo process group."""
+    for i, p in enumerate(params):
+        if p.device.type != "cpu":
+            raise ValueError(
+                f"{where}: parameter {i} is on {p.device}; the replica groups vote over torchft's gloo "
+                "process group (ProcessGroupGloo) on CPU tensors, so parameters on another device (CUDA) are "
+                "not supported: keep the model and its optimizer on the CPU"
+            )
 
 
 def _nbytes(tree: Any) -> int:
@@ -340,11 +358,16 @@ class ReplicaGroup(_Member):
         ``Checks(broadcast_init=False)``: the groups' initial values come from the heal, not a broadcast).
         In a group of several ranks, ``params`` are all the model's parameters (in the same order on every
         rank) and the optimizer holds this rank's share of them (in any order and param groups): those
-        :func:`shard` gives it."""
+        :func:`shard` gives it. Parameters off the CPU are refused (``ValueError`` naming the first and its
+        device): the groups vote on CPU tensors (module docstring)."""
         if not isinstance(optimizer, LionCub) or optimizer.comm is not self.comm:
             raise ValueError(
                 "attach: give the LionCub built with process_group=group.comm (the group's GroupComm)"
             )
+        where = f"replica group {self.replica_id}: attach"
+        _refuse_off_cpu([p for g in optimizer.param_groups for p in g["params"]], where)
+        if params is not None:
+            _refuse_off_cpu(list(params), f"{where} (params)")
         self._optimizer = optimizer
         self._settings = {**settings_of(optimizer), "ranks_per_group": self.group_world_size}
         if self.group_world_size > 1:
@@ -379,10 +402,12 @@ class ReplicaGroup(_Member):
 
     def begin(self) -> int:
         """Before the forward pass: at a commit boundary, the snapshot, the quorum (a heal if this group is
-        behind) and the comm's new rank and size. The quorum's size (N of the coming vote)."""
+        behind) and the comm's new rank and size. The quorum's size (N of the coming vote). Parameters moved
+        off the CPU since :meth:`attach` are refused (``ValueError``), before the quorum."""
         opt = self.optimizer
         if not self.boundary:
             return self.participants
+        _refuse_off_cpu(self._params(), f"replica group {self.replica_id}: begin")
         self._snapshot = self._take()
         started = time.perf_counter()
         self._healed = None

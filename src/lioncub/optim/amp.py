@@ -26,12 +26,36 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lioncub.collectives.base import backend_for_device
+
 __all__ = ["GradScaler", "agree_on_overflow"]
+
+
+def agreement_device(optimizer: torch.optim.Optimizer, flags: list[torch.device]) -> torch.device:
+    """Where the overflow flags are all-reduced: a LionCub's comm device; for another optimizer (over the
+    default group) the CPU when the group has a CPU backend (gloo), else the first device of ``flags``
+    (the gradients') it serves, else the current CUDA device (an NCCL-only group: a rank without
+    gradients)."""
+    comm = getattr(optimizer, "comm", None)
+    if comm is not None and getattr(comm, "device", None) is not None:
+        return comm.device
+    config = str(dist.get_backend_config(None))
+    capability = getattr(dist.Backend, "backend_capability", {})
+    if ":" not in config and config in capability:  # a bare name: the device types torch gives it
+        config = ",".join(f"{kind}:{config}" for kind in capability[config])
+    for device in [torch.device("cpu"), *flags]:
+        try:
+            backend_for_device(config, device.type)
+        except ValueError:
+            continue
+        return device
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 class GradScaler(torch.amp.GradScaler):
     """``torch.amp.GradScaler`` whose per-device overflow flags are the MAX over the ranks of the
-    optimizer's group (a LionCub's, else the default group) — one allreduce of one float per device."""
+    optimizer's group (a LionCub's, else the default group) — one allreduce of one float per device, on a
+    device the group's backend serves (:func:`agreement_device`)."""
 
     def _unscale_grads_(
         self,
@@ -43,9 +67,8 @@ class GradScaler(torch.amp.GradScaler):
         per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
         if not (dist.is_available() and dist.is_initialized()):
             return per_device
-        comm = getattr(optimizer, "comm", None)
-        group = getattr(comm, "group", None)
-        device = getattr(comm, "device", torch.device("cpu"))
+        group = getattr(getattr(optimizer, "comm", None), "group", None)
+        device = agreement_device(optimizer, list(per_device))
         flags = list(per_device.values())
         agreed = torch.zeros(1, dtype=torch.float32, device=device)
         for flag in flags:

@@ -28,12 +28,14 @@ __all__ = [
     "RunOutcome",
     "available_bytes",
     "check_before_launch",
+    "check_devices",
     "check_lanes",
     "check_launch_options",
     "check_run_options",
     "estimate_params",
     "format_fault_tolerance",
     "format_summary",
+    "gpu_shortage",
     "make_launch_config",
     "max_ranks",
     "run_training",
@@ -127,14 +129,50 @@ def check_lanes(config: TrainConfig) -> None:
         raise ValueError(f"--variant {opt.variant} with {n} ranks: {exc}{fix}") from None
 
 
+def gpu_shortage(device: str, ranks: str, gpus: int) -> str:
+    """Why ``ranks`` (``--nproc 4``) on one machine cannot each take a GPU of their own under ``--device
+    device``: the machine has ``gpus`` visible."""
+    return (
+        f"{ranks} with --device {device}: each rank of a machine trains on a CUDA device of its own "
+        f"(cuda:LOCAL_RANK) and {gpus} {'is' if gpus == 1 else 'are'} visible here; start at most {gpus} "
+        "rank(s) per machine, or train on the CPU with --device cpu"
+    )
+
+
+def check_devices(config: TrainConfig) -> None:
+    """Refuse, naming the option, ranks that would find no GPU of their own: ``--device cuda`` on a machine
+    without CUDA, and ``--nproc`` above the CUDA devices visible under ``--device cuda`` or ``auto`` (each
+    rank takes ``cuda:LOCAL_RANK``: rank ``nproc - 1`` would fail with "invalid device ordinal"). Runs
+    that train on the CPU whatever the machine has are not checked: ``--device cpu``, emulated links
+    (``auto`` takes the CPU there, ``cuda`` is refused) and ``--fault-tolerant`` (its groups run on the
+    CPU; ``cuda`` is refused)."""
+    import torch
+
+    from lioncub.train.config import emulates_links
+
+    device, nproc = config.run.device, config.cluster.nproc
+    if device == "cpu" or emulates_links(config) or config.cluster.fault_tolerant:
+        return
+    available = torch.cuda.is_available()
+    if device == "cuda" and not available:
+        raise ValueError(
+            "--device cuda: no CUDA device is available on this machine; use --device cpu (or auto)"
+        )
+    gpus = torch.cuda.device_count() if available else 0
+    if gpus and nproc > gpus:
+        raise ValueError(gpu_shortage(device, f"--nproc {nproc}", gpus))
+
+
 def check_before_launch(config: TrainConfig, timeout_s: float | None, max_nproc: int | None = None) -> None:
     """Refuse, naming the option, what a launch of ``config`` would only find once it started: the launch
-    options, the link rate and the privileges ``--link`` needs, ``--nproc`` beyond what the machine's
-    memory holds (even a single rank; ``max_nproc`` replaces the bound from :func:`max_ranks`), and all
-    that :func:`check_run_options` and :func:`check_lanes` check."""
+    options, the link rate and the privileges ``--link`` needs, ranks without a GPU of their own
+    (:func:`check_devices`), ``--nproc`` beyond what the machine's memory holds (even a single rank;
+    ``max_nproc`` replaces the bound from :func:`max_ranks`), and all that :func:`check_run_options` and
+    :func:`check_lanes` check."""
     from lioncub.launch import PrivilegeError, check_privileges
 
     make_launch_config(config, ["-m", RANK_MODULE], timeout_s)  # validates the launch options
+    check_devices(config)
     run, cluster = config.run, config.cluster
     if cluster.link not in (None, "loopback"):
         try:

@@ -8,7 +8,14 @@ from typing import Any
 from lioncub.launch.groups import parse_faults
 from lioncub.names import BASELINES, PEER_VARIANTS
 
-__all__ = ["check_fault_tolerant"]
+__all__ = ["FT_CUDA", "check_fault_tolerant", "cpu_note"]
+
+#: why ``--device cuda`` is refused with ``--fault-tolerant``
+FT_CUDA = (
+    "--device cuda with --fault-tolerant: the replica groups vote over torchft's gloo process group "
+    "(ProcessGroupGloo) on CPU tensors, so a fault-tolerant run trains on the CPU and CUDA is not supported; "
+    "use --device cpu (or auto, which takes the CPU with --fault-tolerant)"
+)
 
 
 def check_fault_tolerant(config: Any) -> None:
@@ -16,7 +23,7 @@ def check_fault_tolerant(config: Any) -> None:
     schedule against the groups and steps (:func:`lioncub.launch.groups.parse_faults`), the lighthouse's
     URL, the variants it takes, what groups of several ranks (``--nnodes``) do not take; and
     ``--variant torchft-diloco`` (torchft's DiLoCo: Lion inside, Nesterov SGD outside, each worker's inner
-    momenta kept), which needs it and ``--local-steps H``."""
+    momenta kept), which needs it and ``--local-steps H``; ``--device cuda`` (:data:`FT_CUDA`)."""
     cluster, opt = config.cluster, config.optimizer
     if opt.variant in PEER_VARIANTS:
         if not cluster.fault_tolerant or opt.local_steps is None:
@@ -32,6 +39,8 @@ def check_fault_tolerant(config: Any) -> None:
             )
     if not cluster.fault_tolerant:
         return
+    if config.run.device == "cuda":
+        raise ValueError(FT_CUDA)
     if opt.variant in BASELINES and opt.local_steps is None:
         raise ValueError(
             f"--fault-tolerant with --variant {opt.variant}: DDP + Lion has no vote between groups; give a "
@@ -48,3 +57,17 @@ def check_fault_tolerant(config: Any) -> None:
                 "flat vote between the groups); use --nproc N for groups of one rank"
             )
     parse_faults(cluster.kill, cluster.rejoin, cluster.replica_groups, config.run.steps)
+
+
+def cpu_note(config: Any) -> str | None:
+    """What a ``--fault-tolerant --device auto`` run says on a machine with CUDA: its replica groups train
+    on the CPU (None: nothing to say: not fault-tolerant, ``--device cpu``, or no CUDA device)."""
+    import torch
+
+    if not config.cluster.fault_tolerant or config.run.device != "auto" or not torch.cuda.is_available():
+        return None
+    n = torch.cuda.device_count()
+    return (
+        "--fault-tolerant --device auto: the replica groups train on the CPU (torchft's gloo process group "
+        f"runs on CPU tensors); this machine's {n} CUDA device{'s are' if n != 1 else ' is'} not used"
+    )

@@ -32,6 +32,7 @@ from lioncub.train.driver import (
     make_launch_config,
     preload_ranks,
 )
+from lioncub.train.fault_settings import cpu_note
 from lioncub.train.loop import summarize
 from lioncub.train.prepare import NEXT_CONFIG, finish_run
 from lioncub.train.progress import Progress
@@ -161,9 +162,13 @@ def run_fault_tolerant(
 ) -> RunOutcome:
     """What :func:`lioncub.train.driver.run_training` is for a ``--fault-tolerant`` run: launch the groups
     with the schedule, merge their logs, write ``log.jsonl`` and ``summary.json``, finish the run directory.
-    Returns how it ended."""
+    The groups train on the CPU (``--device cuda`` was refused by the configuration's check); with
+    ``--device auto`` on a machine with CUDA a line says so. Returns how it ended."""
     check_launch_options(restarts, collective_timeout_s, fault_tolerant=True)
     err = err or sys.stderr
+    note = cpu_note(config)
+    if note is not None:
+        print(f"lioncub: {note}", file=err, flush=True)
     cluster, run = config.cluster, config.run
     faults = parse_faults(cluster.kill, cluster.rejoin, cluster.replica_groups, run.steps)
     if is_marked(run_dir):

@@ -226,14 +226,22 @@ def device_for(config: TrainConfig) -> torch.device:
     """The device this rank trains on: ``cuda:LOCAL_RANK`` (``--device cuda``, or ``auto`` with CUDA and
     no emulated link), else the CPU. Behind emulated links (``--link``, ``--nnodes``) ``auto`` takes the
     CPU and ``cuda`` is refused (:data:`lioncub.train.config.CUDA_UNDER_EMULATION`): NCCL would bypass the
-    links inside the host."""
+    links inside the host. A local rank without a GPU of its own (``LOCAL_RANK`` >= the GPUs visible) is
+    refused naming the ranks per node and the GPUs (:func:`lioncub.train.driver.gpu_shortage`)."""
     device, emulated = config.run.device, emulates_links(config)
     if device == "cuda" and emulated:
         raise ValueError(CUDA_UNDER_EMULATION.format(link=config.cluster.link))
     if device == "cuda" or (device == "auto" and not emulated and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise RuntimeError("--device cuda: no CUDA device is available")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        local, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+        if local >= count:
+            from lioncub.train.driver import gpu_shortage
+
+            ranks = os.environ.get("LOCAL_WORLD_SIZE", str(local + 1))
+            where = f"--nproc / --nproc-per-node {ranks} (this is local rank {local})"
+            raise ValueError(gpu_shortage(device, where, count))
+        return torch.device("cuda", local)
     return torch.device("cpu")
 
 

@@ -15,7 +15,7 @@ import contextlib
 import datetime
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -30,7 +30,7 @@ class FakeEvent:
     """A CUDA event on the host: ``record`` reads ``perf_counter``; ``query`` is whether it was
     recorded; counts how often the host waited on it."""
 
-    made: list[FakeEvent] = []
+    made: ClassVar[list[FakeEvent]] = []
 
     def __init__(self, enable_timing: bool = False) -> None:
         assert enable_timing, "phase events must be made with enable_timing=True"

@@ -146,8 +146,9 @@ def test_torch_load_is_always_given_map_location() -> None:
 
 
 def test_the_step_times_its_phases_with_the_phase_clock() -> None:
-    """The step's and the training loop's phase times read ``PhaseClock`` (which synchronizes a GPU), never
-    ``time.perf_counter`` alone; the overlap hook's thread times are host times on purpose."""
+    """The step's and the training loop's phase times read ``PhaseClock`` (CUDA events in the step, a
+    synchronized reading in the loop: ``tests/test_phase_clock.py``), never ``time.perf_counter`` alone; the
+    overlap hook's thread times are host times on purpose."""
     offenders = []
     for module in ("optim/lioncub.py", "optim/local_steps.py", "optim/engine.py", "train/loop.py"):
         tree = _tree(SRC / module)

@@ -149,3 +149,24 @@ def test_the_cpu_clock_books_seconds_at_once() -> None:
     assert isinstance(t0, float)
     end = clock.book(times, "sync", t0, t0 + 0.5)
     assert (end, times.sync, times.pending) == (t0 + 0.5, 0.5, [])
+
+
+def test_the_optimizer_never_takes_the_synchronized_reading() -> None:
+    """Inside ``optim/`` the clock is only marked and booked (``clock.mark()``, ``clock.book(...)``); its
+    synchronized reading (calling the clock: ``torch.cuda.synchronize`` on a GPU) is for the harnesses
+    that time whole steps (``train/``, ``benchmarks/``)."""
+    import ast
+
+    src = Path(__file__).resolve().parents[1] / "src" / "lioncub" / "optim"
+    calls = []
+    for path in sorted(src.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        clock = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "PhaseClock"]
+        inside = {id(n) for c in clock for n in ast.walk(c)}  # the reading itself
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and id(node) not in inside:
+                f = node.func
+                name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+                if name == "clock" or (name == "synchronize" and "cuda" in ast.unparse(f)):
+                    calls.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    assert not calls, calls

@@ -1,6 +1,6 @@
 """A plain training loop with Hugging Face accelerate and LionCub's 1-bit vote, with save/resume.
 
-    torchrun --nproc-per-node 2 examples/accelerate_loop.py           # CPU, gloo
+    torchrun --nproc-per-node 2 examples/accelerate_loop.py           # CPU, gloo (on GPUs: NCCL)
     lioncub launch --nproc 2 -- python examples/accelerate_loop.py --variant 8bit --overlap
     lioncub launch --nproc 2 -- python examples/accelerate_loop.py --resume
 
@@ -52,7 +52,8 @@ def main() -> None:
 
     # joins the process group; on CPU accelerate needs cpu=True to run as several processes
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=2)
-    model = build_model()
+    # on the device first: LionCub makes its comm and vote buckets on the parameters' device when built
+    model = build_model().to(accelerator.device)
     opt = LionCub(model.parameters(), lr=1e-3, weight_decay=0.1, variant=opts.variant)
     # accelerate steps a scheduler once per process and optimizer step
     total = opts.steps * accelerator.num_processes

@@ -17,12 +17,13 @@ uses the library collectives (the default on NCCL).
 **Devices.** A :class:`Comm` works on one device, the device of the tensors it exchanges (LionCub passes
 its parameters' device): its buffers are made there, the backend is the one the group has for that
 device type (``"cpu:gloo,cuda:nccl"`` sends CUDA tensors over NCCL; :func:`backend_for_device`), and the
-object collectives run under that device. What differs between backends is held once, in a
-:class:`Backend`: on NCCL a wait carries no timeout (``Work.wait(timeout)`` there blocks the host until
-the work completes; the group's own timeout and its watchdog bound the collective and abort the rank with
-the operation named), finished works are not kept (each holds its output tensors in GPU memory), and
-point-to-point pairs are posted as one batch (one communicator; single ``isend``/``irecv`` pairs would
-create a two-rank communicator per pair).
+small object collectives run under that device (``gather_object``, which carries consolidated optimizer
+states, stays in CPU memory: on a gloo side group where the group is NCCL only). What differs between
+backends is held once, in a :class:`Backend`: on NCCL a wait carries no timeout (``Work.wait(timeout)``
+there blocks the host until the work completes; the group's own timeout and its watchdog bound the
+collective and abort the rank with the operation named), finished works are not kept (each holds its
+output tensors in GPU memory), and point-to-point pairs are posted as one batch (one communicator; single
+``isend``/``irecv`` pairs would create a two-rank communicator per pair).
 """
 
 from __future__ import annotations
@@ -233,7 +234,7 @@ class Comm:
         #: the group's backends by device type, e.g. ``"cpu:gloo,cuda:nccl"``
         self.backend_config = str(dist.get_backend_config(group))
         self.device = _device_of(device, self.backend_config)
-        self.backend = backend_for_device(self.backend_config, self.device.type)
+        self.backend = _backend_of(self.backend_config, self.device)
         self.wire = Backend.named(self.backend)
         self.alone = self.world_size == 1 and not _ALONE["exchange"]
         self.exchange = self.wire.exchange if exchange == "auto" else exchange
@@ -244,6 +245,9 @@ class Comm:
         self.step = 0
         self._tag = 0
         self._retired: collections.deque = collections.deque(maxlen=256)
+        #: the gloo group over the same ranks that object gathers use on a group without a CPU backend
+        #: (made by the first :meth:`gather_object`)
+        self._side_group: dist.ProcessGroup | None = None
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> Comm:
@@ -256,6 +260,7 @@ class Comm:
         comm.exchange, comm.timeout = "p2p", None
         comm.counter, comm.step, comm._tag = CommCounter(), 0, 0
         comm._retired = collections.deque(maxlen=256)
+        comm._side_group = None
         return comm
 
     # -- helpers -------------------------------------------------------------------------------------
@@ -280,8 +285,8 @@ class Comm:
 
     @contextlib.contextmanager
     def on_device(self) -> Iterator[None]:
-        """The object collectives (``all_gather_object``, ``gather_object``, ...) serialise through tensors
-        on ``torch.cuda.current_device()`` under NCCL: inside this context that is :attr:`device`."""
+        """The object collectives (``all_gather_object``, ...) serialise through tensors on
+        ``torch.cuda.current_device()`` under NCCL: inside this context that is :attr:`device`."""
         if self.device.type == "cuda":
             with torch.cuda.device(self.device):
                 yield
@@ -297,13 +302,47 @@ class Comm:
 
     def gather_object(self, obj: Any, to: int, what: str) -> list[Any] | None:
         """Every rank's ``obj`` on group rank ``to`` (``None`` elsewhere); tensors in ``obj`` should be on
-        the CPU: the receiving rank unpickles each on the device it was saved from."""
-        out: list[Any] | None = [None] * self.world_size if self.rank == to else None
-        with self.on_device():
-            self._guard(
-                what, lambda: dist.gather_object(obj, out, dst=self.global_rank(to), group=self.group)
+        the CPU: the receiving rank unpickles each on the device it was saved from.
+
+        The pickles travel as CPU tensors: on the comm's group when it has a CPU backend (gloo,
+        ``"cpu:gloo,cuda:nccl"``), else (NCCL only) on a gloo group over the same ranks, made by the first
+        call (collective anyway) and kept — NCCL would stage N times the largest pickle in rank ``to``'s
+        GPU memory (a consolidated optimizer state: N ranks' momenta)."""
+        dst = self.global_rank(to)
+        if self._has_cpu_backend():
+            out: list[Any] | None = [None] * self.world_size if self.rank == to else None
+            self._guard(what, lambda: dist.gather_object(obj, out, dst=dst, group=self.group))
+            return out
+        side = self._guard(what, self._gloo_side_group)
+        ranks = self._global_ranks()
+        order = sorted(ranks)  # the side group's rank order (new_group sorts its ranks)
+        got: list[Any] | None = [None] * self.world_size if self.rank == to else None
+        self._guard(what, lambda: dist.gather_object(obj, got, dst=dst, group=side))
+        if got is None:
+            return None
+        by_global = dict(zip(order, got, strict=True))
+        return [by_global[r] for r in ranks]
+
+    def _has_cpu_backend(self) -> bool:
+        try:
+            backend_for_device(self.backend_config, "cpu")
+        except ValueError:
+            return False
+        return True
+
+    def _global_ranks(self) -> list[int]:
+        """The group's members as global ranks, in group-rank order."""
+        return [self.global_rank(r) for r in range(self.world_size)]
+
+    def _gloo_side_group(self) -> dist.ProcessGroup:
+        """The gloo group over this comm's ranks (made on first use; every member calls it at the same
+        collective: only the members take part, ``use_local_synchronization``)."""
+        if self._side_group is None:
+            kwargs: dict[str, Any] = {} if self.timeout is None else {"timeout": self.timeout}
+            self._side_group = dist.new_group(
+                self._global_ranks(), backend="gloo", use_local_synchronization=True, **kwargs
             )
-        return out
+        return self._side_group
 
     def _next_tag(self) -> int:
         self._tag = (self._tag + 1) % (1 << 20)
@@ -419,6 +458,27 @@ class Comm:
 
     def _issue_send(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
         return dist.isend(tensor, dst=self.global_rank(peer), group=self.group, tag=tag)
+
+
+def _backend_of(config: str, device: torch.device) -> str:
+    """:func:`backend_for_device`, naming the cause of CPU tensors on a group whose backends are for CUDA
+    tensors only (NCCL): the parameters were not on their GPU yet when the optimizer was built."""
+    try:
+        return backend_for_device(config, device.type)
+    except ValueError as err:
+        if device.type != "cpu":
+            raise
+        try:
+            cuda = backend_for_device(config, "cuda")
+        except ValueError:
+            raise err from None
+        raise ValueError(
+            f"LionCub was built with parameters on cpu but the process group has no backend for cpu "
+            f"tensors: its backend is {cuda}, for CUDA tensors only (its backends: {config!r}). Move the "
+            "model to its GPU before building LionCub (model.to(accelerator.device) with accelerate, "
+            "model.cuda() or model.to(f'cuda:{local_rank}') otherwise), or init the process group with "
+            "gloo ('gloo', or 'cpu:gloo,cuda:nccl' for both CPU and CUDA tensors)"
+        ) from err
 
 
 def _device_of(device: torch.device | str | None, config: str) -> torch.device:

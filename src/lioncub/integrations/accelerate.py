@@ -4,9 +4,16 @@
     import lioncub.integrations.accelerate as lioncub_accelerate
 
     accelerator = Accelerator()                          # joins the process group (torchrun)
+    model = model.to(accelerator.device)                 # before LionCub: it votes on the parameters' device
     opt = LionCub(model.parameters(), lr=3e-4, variant="1bit")
     model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
     lioncub_accelerate.prepare(accelerator, model, opt)  # before the first backward
+
+Build LionCub once the model is on ``accelerator.device``: its process-group comm and vote buckets are
+made on the parameters' device at construction, and ``accelerator.prepare`` moving the model later does
+not move them. Built on the CPU in a job of several GPUs, the construction refuses an NCCL group (no
+backend for CPU tensors), and :func:`prepare` refuses an optimizer whose parameters
+``accelerator.prepare`` moved, naming the device and this fix.
 
 :func:`prepare` replaces the prepared DDP model's gradient allreduce with a no-op hook, so every rank's
 ``.grad`` is its local gradient and only the vote travels (or, with ``overlap=True``, makes the vote DDP's
@@ -68,7 +75,8 @@ def prepare(
             gradients must then not be clipped.
 
     Returns the :class:`LionCub` (for ``comm_stats()``). Collective: every rank calls it, before the first
-    backward. Calling it again with the same arguments changes nothing.
+    backward. Calling it again with the same arguments changes nothing. Refuses (``RuntimeError``) a
+    LionCub built before ``accelerator.prepare`` moved its parameters to another device.
     """
     where = "lioncub.integrations.accelerate.prepare"
     if not isinstance(accelerator, Accelerator):
@@ -80,6 +88,15 @@ def prepare(
             "accelerator.prepare(...) returned (its checkpoints hold the prepared optimizers only)"
         )
     opt = find_lioncub(optimizer, where)
+    if not opt.single_process:
+        fix = (
+            "accelerator.prepare moved the model, not the optimizer: build LionCub after model = "
+            f"model.to(accelerator.device) ({accelerator.device}), then accelerator.prepare(model, opt, ...)"
+        )
+        try:
+            opt.layout.check_device(opt.comm.device, opt.comm.rank, fix=fix)
+        except RuntimeError as err:
+            raise RuntimeError(f"{where}: {err}") from None
     if accelerator.num_processes == 1 and world_size() > 1:
         raise ValueError(
             f"{where}: accelerate runs this job of {world_size()} processes as one "

@@ -29,8 +29,9 @@ What it does:
 * **Checkpoints.** Wherever the Trainer saves the optimizer (``_save_optimizer_and_scheduler``, which every
   rank runs before rank 0 writes, whoever set ``should_save``: ``save_strategy``, a callback of yours),
   every rank's momenta are first gathered into the state rank 0 writes
-  (:meth:`LionCub.consolidate_state_dict`); ``resume_from_checkpoint`` loads that file on every rank and
-  each takes its own. Resuming on another number of ranks is refused unless
+  (:meth:`LionCub.consolidate_state_dict`); ``resume_from_checkpoint`` loads that file on every rank, onto
+  the CPU (the Trainer would load all N ranks' momenta onto every GPU), and each takes its own to its
+  parameters' device. Resuming on another number of ranks is refused unless
   ``lioncub=dict(allow_world_size_change=True)`` (rank r then takes saved rank r mod K's momenta). A
   checkpoint without optimizer state (``save_only_model=True``) resumes with zero momenta, with a warning.
 * **torch.compile.** ``TrainingArguments(torch_compile=True)`` compiles around the DDP model; the vote is
@@ -51,6 +52,7 @@ What it does:
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -61,6 +63,13 @@ require(["transformers", "accelerate"], "hf", "lioncub.integrations.hf")
 
 import torch  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments  # noqa: E402
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME  # noqa: E402
+from transformers.trainer_pt_utils import reissue_pt_warnings  # noqa: E402
+from transformers.utils import (  # noqa: E402
+    check_torch_load_is_safe,
+    is_sagemaker_mp_enabled,
+    is_torch_xla_available,
+)
 
 from lioncub.integrations.common import CommLog, find_lioncub, install_vote, world_size  # noqa: E402
 from lioncub.optim import LionCub  # noqa: E402
@@ -239,7 +248,8 @@ class LionCubCallback(TrainerCallback):
             opt = self.optimizer
             opt.load_state_dict = self._loader(opt, checkpoint)  # type: ignore[method-assign]
             try:
-                load(checkpoint)
+                if not self._load_on_cpu(checkpoint):
+                    load(checkpoint)
             finally:
                 vars(opt).pop("load_state_dict", None)
             step = trainer.state.global_step
@@ -259,6 +269,32 @@ class LionCubCallback(TrainerCallback):
         trainer._load_optimizer_and_scheduler = load_checked  # type: ignore[method-assign]
         trainer.evaluate = self._on_shared(trainer.evaluate)  # type: ignore[method-assign]
         trainer.save_model = self._on_shared(trainer.save_model)  # type: ignore[method-assign]
+
+    def _load_on_cpu(self, checkpoint: str) -> bool:
+        """The Trainer's own optimizer and scheduler load for a DDP (or one-process) run, with the
+        optimizer file read onto the CPU: the Trainer would read it onto every rank's GPU
+        (``map_location=args.device`` on several GPUs), and a consolidated LionCub state holds every
+        rank's momenta; :meth:`LionCub.load_state_dict` moves this rank's part to the parameters'
+        device. Returns False, having loaded nothing, where the Trainer loads otherwise (DeepSpeed, FSDP,
+        XLA, SageMaker) or the files are not both there: then the Trainer's own load runs."""
+        trainer = self.trainer
+        optim_file, sched_file = (os.path.join(checkpoint, name) for name in (OPTIMIZER_NAME, SCHEDULER_NAME))
+        elsewhere = (
+            trainer.is_deepspeed_enabled
+            or trainer.is_fsdp_enabled
+            or is_torch_xla_available()
+            or is_sagemaker_mp_enabled()
+        )
+        if elsewhere or not (os.path.isfile(optim_file) and os.path.isfile(sched_file)):
+            return False
+        check_torch_load_is_safe()
+        trainer.optimizer.load_state_dict(torch.load(optim_file, map_location="cpu", weights_only=True))
+        # as the Trainer: the warnings are reissued without torch's "save the optimizer too"
+        with warnings.catch_warnings(record=True) as caught:
+            sched = torch.load(sched_file, map_location="cpu", weights_only=True)
+            trainer.lr_scheduler.load_state_dict(sched)
+        reissue_pt_warnings(caught)
+        return True
 
     def _on_shared(self, method: Callable[..., Any]) -> Callable[..., Any]:
         """``method`` run on the ranks' shared parameters (θ of the last outer step in a local-steps

@@ -60,6 +60,25 @@ class ParamLayout:
         """The voted parameters, in vote order."""
         return [p for b in self.buckets for p in b.params]
 
+    def check_device(self, device: torch.device, rank: int, fix: str = "") -> None:
+        """Raise ``RuntimeError`` when a voted parameter is no longer on ``device``, the device the
+        optimizer's comm and buckets were made for (the model moved after the optimizer was built): a
+        kernel's device check would fail in the middle of the step instead. Reads one parameter per
+        bucket (a model moves as a whole), on the host: no device synchronization. ``fix``: how to build
+        it right, for the message (default: move the model, then build the optimizer)."""
+        how = fix or (
+            "Build the optimizer after moving the model: model.to(device) first, then "
+            "LionCub(model.parameters(), ...)"
+        )
+        for bucket in self.buckets:
+            p = bucket.params[0]
+            if p.device != device:
+                raise RuntimeError(
+                    f"rank {rank}: LionCub: parameter {self.names.get(id(p), '?')!r} moved from {device} to "
+                    f"{p.device} after LionCub was built; its process-group comm and vote buckets stay on "
+                    f"{device}. {how}"
+                )
+
     def changed(self, param_groups: list[dict[str, Any]]) -> bool:
         """Whether the parameters that require grad differ from the layout's (``requires_grad_``,
         ``add_param_group``)."""

@@ -296,6 +296,8 @@ class LionCub(LeanOptimizer):
             if not isinstance(group["maximize"], bool):
                 check_group(group, index)  # names it
         self._consolidated = None
+        if not self.single_process:  # a model moved after LionCub was built: named, not a kernel's error
+            self.layout.check_device(self.comm.device, self.comm.rank)
         self.policy.before_step()
         overflow = self._unscale()
         if self.policy.rebuilds_layout(self._global_step):
@@ -443,6 +445,7 @@ class LionCub(LeanOptimizer):
                 f"overlap_with: topology={self.config.topology!r} votes run after the backward (the overlap "
                 "hook votes flat); use the plain step, or topology='flat'"
             )
+        self.layout.check_device(self.comm.device, self.comm.rank)
         comm = overlap_group(model, self.comm, process_group)
         ordered = sorted(self.layout.order, key=self.layout.order.__getitem__)
         self._overlap = OverlapHook(

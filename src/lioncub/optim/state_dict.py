@@ -97,8 +97,21 @@ def restore_meta(optimizer: Any, meta: dict[str, Any], engines: Sequence[StepEng
     for engine in engines:
         generator = getattr(engine.vote, "generator", None)
         if meta.get("generator") is not None and generator is not None:
-            generator.set_state(meta["generator"])
+            generator.set_state(_rng_state(meta["generator"]))
     return int(meta["step"])
+
+
+def _rng_state(state: Any) -> torch.Tensor:
+    """A saved generator state as ``Generator.set_state`` takes it, a CPU ByteTensor (CPU and CUDA
+    generators alike): a state loaded with ``map_location`` a GPU (the Hugging Face Trainer's resume on
+    several GPUs, accelerate's optimizer placement) is on that GPU."""
+    if not (isinstance(state, torch.Tensor) and state.dtype == torch.uint8):
+        raise TypeError(
+            f"the optimizer state's lioncub generator state is a {type(state).__name__}"
+            f"{f' of {state.dtype}' if isinstance(state, torch.Tensor) else ''}, not the uint8 tensor "
+            "torch.Generator.get_state() saves"
+        )
+    return state.to("cpu")
 
 
 def _check_meta(optimizer: Any, meta: dict[str, Any], allow_world_size_change: bool) -> None:

@@ -317,3 +317,19 @@ def test_the_trainer_resume_reads_the_optimizer_onto_the_cpu(
     assert ("optimizer.pt", "cpu") in loads, loads
     assert all(location == "cpu" for _, location in loads), loads
     assert opt.global_step == 2  # loaded
+
+
+def test_a_replica_groups_comm_with_parameters_off_the_cpu_names_the_cause(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A LionCub built over a fault-tolerant replica group's comm (``GroupComm``: gloo, CPU tensors) with
+    parameters on a GPU (faked: the optimizer is told its parameters' device is cuda:0) says that
+    torchft's groups vote on the CPU, not only that the devices differ."""
+    from lioncub.collectives.base import GroupComm
+    from lioncub.optim import lioncub
+
+    monkeypatch.setattr(lioncub, "_device_of", lambda groups: torch.device("cuda", 0))
+    comm = GroupComm(object(), rank=0, world_size=1)
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    with pytest.raises(ValueError, match=r"on cuda:0.*torchft's replica groups vote over ProcessGroupGloo"):
+        LionCub(params, variant="1bit", process_group=comm, checks=lioncub.Checks(broadcast_init=False))

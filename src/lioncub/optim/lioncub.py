@@ -541,9 +541,16 @@ def _groups(
     groups, on ``device``, of a topology other than flat) for the ``process_group`` argument."""
     if isinstance(process_group, Comm):
         if config.topology != "flat" or process_group.device != device:
+            why = (
+                f"; a {type(process_group).__name__} on {process_group.backend} exchanges "
+                f"{process_group.device} tensors (torchft's replica groups vote over ProcessGroupGloo on the "
+                "CPU: keep the model on the CPU)"
+                if not process_group.fixed_members
+                else ""
+            )
             raise ValueError(
                 f"process_group: a Comm (on {process_group.device}) votes flat on its own device; here the "
-                f"topology is {config.topology!r} and the parameters are on {device}"
+                f"topology is {config.topology!r} and the parameters are on {device}{why}"
             )
         return process_group, None
     if process_group is None and not (dist.is_available() and dist.is_initialized()):

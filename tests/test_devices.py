@@ -71,6 +71,7 @@ HOST_SIDE = {
     ("collectives/base.py", "all_gather_object", "frombuffer"): "a host pickle, moved to the comm's device",
     ("optim/replicas.py", "_int_view", "empty"): "an empty tensor asked for its element size",
     ("optim/step_check.py", "check_step", "tensor"): "host words, moved to the comm's device",
+    ("optim/local_steps.py", "window_flag", "ones"): "a 0-dim flag on the host: only its presence is read",
     ("integrations/group_shares.py", "agree_on_heal", "tensor"): "a flag over a replica group's gloo ranks "
     "(replica groups run on the CPU)",
     ("train/replica_group.py", "node_bytes", "tensor"): "byte counts over a replica group's gloo ranks "

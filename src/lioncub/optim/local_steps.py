@@ -144,6 +144,14 @@ class LocalSteps:
         return OUTER_RULES[self.outer](self.h, self.lr, self.betas, float(self.outer_weight_decay))
 
 
+def window_flag() -> torch.Tensor:
+    """``state[p]["window_grad"]``: this rank had a gradient for ``p`` in the window. A 0-dim CPU bool
+    tensor, whatever ``p``'s device (on a GPU one per parameter would be an allocation and a fill kernel
+    each; only its presence is read). A state loaded by ``load_state_dict`` moves it to ``p``'s device,
+    as torch's optimizers move every state tensor: still a flag."""
+    return torch.ones((), dtype=torch.bool)
+
+
 class LocalWindow(StepPolicy):
     """H local steps on every rank, then the outer rule (see the module docstring).
 
@@ -200,7 +208,7 @@ class LocalWindow(StepPolicy):
         opt.engine.clock.book(times, "apply", t0)
         for p in params:
             if p.grad is not None and "window_grad" not in opt.state[p]:
-                opt.state[p]["window_grad"] = p.new_ones(())
+                opt.state[p]["window_grad"] = window_flag()
         self.decay += [1.0] * (len(opt.param_groups) - len(self.decay))  # groups added in the window
         for gi, group in enumerate(opt.param_groups):  # every inner step's decay, on every rank alike
             self.decay[gi] *= 1.0 - float(group["lr"]) * float(group["weight_decay"])

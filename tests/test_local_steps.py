@@ -635,3 +635,88 @@ def test_the_window_flags_are_host_flags_and_survive_a_state_dict(tmp_path) -> N
         assert [("window_grad" in again.state[p]) for p in ps] == [True, True, False]
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_pseudo_gradient_in_the_anchor_is_anchor_minus_p_bit_for_bit(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``pseudo_gradient_in_anchor``: the parameter gets the anchor's bits and the anchor those of
+    ``anchor - p`` (signed zeros, NaN, Inf and subnormals included), across pieces of the exchange."""
+    from lioncub.optim import local_steps
+
+    monkeypatch.setattr(local_steps, "SWAP_CHUNK", 7)  # pieces of 7: several, the last one short
+    gen = torch.Generator().manual_seed(11)
+    anchor = torch.randn(5, 9, generator=gen).to(dtype)
+    p = anchor.clone()
+    p.view(-1)[::3] += torch.randn(15, generator=gen).to(dtype)
+    special = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-40], dtype=torch.float64)
+    p.view(-1)[:6], anchor.view(-1)[:6] = special.to(dtype), special.flip(0).to(dtype)
+    p.view(-1)[6], anchor.view(-1)[6] = -0.0, 0.0  # 0 − (−0) = +0
+    want_delta, want_p = anchor - p, anchor.clone()
+    assert local_steps.pseudo_gradient_in_anchor(p, anchor)
+    bits = (
+        torch.int16
+        if dtype == torch.bfloat16
+        else {torch.float32: torch.int32, torch.float64: torch.int64}[dtype]
+    )
+    assert torch.equal(anchor.view(bits), want_delta.view(bits))
+    assert torch.equal(p.view(bits), want_p.view(bits))
+    assert not local_steps.pseudo_gradient_in_anchor(p.t(), anchor.t().contiguous())  # not contiguous: left
+
+
+def worker_outer_memory(rank: int, world: int) -> dict:
+    """Local steps with H = 2 on ``world`` ranks: during each outer step, whether every parameter's ``.grad``
+    (Δ) is its anchor's storage; then a window whose Δ is NaN under ``nonfinite="raise"``: the state after
+    the error."""
+    from lioncub.optim import outer
+    from lioncub.optim.step_check import Checks, NonFiniteGradientError
+
+    gen = torch.Generator().manual_seed(rank)
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (3000, 17, 64)]
+    opt = LionCub(
+        params, lr=0.01, variant="1bit", local_steps=LocalSteps(h=2), checks=Checks(nonfinite="raise")
+    )
+    seen: list[bool] = []
+    rule_step = outer.SignOuter.step
+
+    def watched(self, optimizer, *args):  # the outer rule, with Δ looked at as it starts
+        seen.append(all(p.grad.data_ptr() == optimizer.state[p]["anchor"].data_ptr() for p in params))
+        return rule_step(self, optimizer, *args)
+
+    outer.SignOuter.step = watched
+    for step in range(1, 5):
+        for i, p in enumerate(params):
+            p.grad = torch.sin(p.detach() * (i + 2) + step + rank)
+        opt.step()
+    user = [torch.full_like(p, 7.0) for p in params]
+    for step in (5, 6):
+        for p, g in zip(params, user, strict=True):
+            p.grad = g
+        if step == 6:
+            with torch.no_grad():
+                params[0][5] = float("nan")  # θ_r: Δ is NaN on this rank
+        error = ""
+        try:
+            opt.step()
+        except NonFiniteGradientError as err:
+            error = type(err).__name__
+    return {
+        "seen": seen,
+        "error": error,
+        "anchors_are_params": all(
+            torch.equal(p.detach().view(torch.int32), opt.state[p]["anchor"].view(torch.int32))
+            for p in params
+        ),
+        "user_grads_back": all(p.grad is g for p, g in zip(params, user, strict=True)),
+    }
+
+
+def test_the_outer_step_keeps_the_pseudo_gradient_in_the_anchors() -> None:
+    """At an outer step Δ lives in the anchors' storage (no tensor of the model's size next to the user's
+    gradients); an outer step that raises (a NaN Δ under ``nonfinite="raise"``) leaves the anchors at θ_t,
+    the parameters' values, and the user's gradients in place."""
+    for got in run_workers(worker_outer_memory, 2):
+        assert got["seen"] == [True, True, True]
+        assert got["error"] == "NonFiniteGradientError"
+        assert got["anchors_are_params"] and got["user_grads_back"]

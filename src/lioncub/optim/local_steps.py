@@ -144,6 +144,37 @@ class LocalSteps:
         return OUTER_RULES[self.outer](self.h, self.lr, self.betas, float(self.outer_weight_decay))
 
 
+#: elements per piece of the exchange of a parameter and its anchor (:func:`pseudo_gradient_in_anchor`)
+SWAP_CHUNK = 1 << 20
+
+
+def pseudo_gradient_in_anchor(p: torch.Tensor, anchor: torch.Tensor) -> bool:
+    """In place, at an outer step: the parameter ``p`` (θ_r) gets its ``anchor``'s value θ_t and the anchor
+    the pseudo-gradient Δ_r = θ_t − θ_r, bit for bit ``anchor - p`` (one subtraction into ``p``'s
+    storage, then the two exchanged through a scratch of at most :data:`SWAP_CHUNK` elements). Δ so
+    needs no tensor of the model's size next to the user's gradients, which the step puts back after.
+    Returns False (nothing done) unless both are dense, contiguous and of one dtype and device."""
+    if not (
+        p.is_contiguous()
+        and anchor.is_contiguous()
+        and p.layout == anchor.layout == torch.strided
+        and (p.dtype, p.device, p.shape) == (anchor.dtype, anchor.device, anchor.shape)
+    ):
+        return False
+    theta = p.detach()
+    torch.sub(anchor, theta, out=theta)  # θ_r's storage holds Δ (anchor − p, as a new tensor would)
+    flat_p, flat_a = theta.view(-1), anchor.view(-1)
+    n = flat_p.numel()
+    scratch = torch.empty(min(n, SWAP_CHUNK), dtype=p.dtype, device=p.device)
+    for start in range(0, n, SWAP_CHUNK):
+        piece_p, piece_a = flat_p[start : start + SWAP_CHUNK], flat_a[start : start + SWAP_CHUNK]
+        tmp = scratch[: piece_p.numel()]
+        tmp.copy_(piece_p)
+        piece_p.copy_(piece_a)
+        piece_a.copy_(tmp)
+    return True
+
+
 def window_flag() -> torch.Tensor:
     """``state[p]["window_grad"]``: this rank had a gradient for ``p`` in the window. A 0-dim CPU bool
     tensor, whatever ``p``'s device (on a GPU one per parameter would be an allocation and a fill kernel
@@ -262,14 +293,26 @@ class LocalWindow(StepPolicy):
         skipped: the parameters stay at θ_t)."""
         opt = self.optimizer
         user_grads = [p.grad for p in params]
-        for p in params:
-            state = opt.state[p]
-            p.grad = state["anchor"] - p.detach() if state.pop("window_grad", None) is not None else None
-            p.copy_(state["anchor"])
-        booked = (opt.accounting.snapshot(), StepTimes())
-        opt.applied_scale = None  # Δ is not scaled: the ranks' scales may differ
+        swapped: list[torch.Tensor] = []  # the parameters whose anchor holds Δ during the rule's step
         try:
+            for p in params:
+                state = opt.state[p]
+                if state.pop("window_grad", None) is None:
+                    p.grad = None
+                    p.copy_(state["anchor"])
+                elif pseudo_gradient_in_anchor(p, state["anchor"]):
+                    p.grad = state["anchor"]
+                    swapped.append(p)
+                else:
+                    p.grad = state["anchor"] - p.detach()
+                    p.copy_(state["anchor"])
+            booked = (opt.accounting.snapshot(), StepTimes())
+            opt.applied_scale = None  # Δ is not scaled: the ranks' scales may differ
             untouched = self.rule.step(opt, outer_step, *booked)
+        except BaseException:
+            for p in swapped:  # the state as before a failed outer step: the anchors hold θ_t again
+                opt.state[p]["anchor"].copy_(p)
+            raise
         finally:
             for p, g in zip(params, user_grads, strict=True):
                 p.grad = g

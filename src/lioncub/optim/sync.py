@@ -17,8 +17,9 @@ exponentially spaced schedule of the authors' code, ``T = {0, t_1, t_2, …}`` w
 set. The schedule is a function of the optimizer step, which checkpoints keep, so a resumed run
 syncs at the same steps.
 
-The sync itself is an allreduce of the chosen momenta (flattened per dtype, fp32 or bf16 on the wire)
-divided by N: afterwards every rank holds the mean of the ranks' momenta.
+The sync itself is an allreduce of the chosen momenta (flattened per dtype, fp32 or bf16 on the wire, in
+buckets of at most 25 MiB: :func:`synchronize`) divided by N: afterwards every rank holds the mean of the
+ranks' momenta.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 from torch import nn
 
 from lioncub._validate import is_int
-from lioncub.collectives import Comm, flat_views
+from lioncub.collectives import Comm
 
 __all__ = ["MomentumSync", "find_io_parameters", "select_parameters", "synchronize"]
 
@@ -157,19 +158,66 @@ class MomentumSync:
         return when + ("" if self.until is None else f" until step {self.until}")
 
 
-def synchronize(comm: Comm, momenta: Sequence[torch.Tensor], dtype: torch.dtype) -> None:
-    """Average ``momenta`` over ``comm``'s ranks in place: one allreduce per momentum dtype of the flattened
-    tensors, in ``dtype`` on the wire, divided by N. Collective."""
-    n = comm.world_size
+def synchronize(
+    comm: Comm, momenta: Sequence[torch.Tensor], dtype: torch.dtype, *, bucket_mb: float = 25.0
+) -> None:
+    """Average ``momenta`` over ``comm``'s ranks in place, in ``dtype`` on the wire, divided by N. Collective.
+
+    Per momentum dtype, the momenta flattened one after another go through one staging buffer of at most
+    ``bucket_mb`` MiB of ``dtype`` (a momentum larger than that is cut across several fillings): one
+    allreduce per filling, so the extra memory is one bucket (and a contiguous copy of a non-contiguous
+    momentum while it is staged), not a copy of every momentum. Momenta of a dtype that fit in one bucket
+    travel in one allreduce, as before; with more, the mean is the same on every rank, and the same bits as
+    one allreduce at N ≤ 2 (at N ≥ 3 the backend's allreduce may add an element's N terms in another
+    order, so its last bit may differ)."""
+    cap = max(1, int(bucket_mb * 2**20) // dtype.itemsize)  # elements of one bucket
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for m in momenta:
-        by_dtype.setdefault(m.dtype, []).append(m)
+        if m.numel():
+            by_dtype.setdefault(m.dtype, []).append(m)
     for moms in by_dtype.values():
-        flat = torch.cat([m.reshape(-1) for m in moms]).to(dtype)
-        comm.all_reduce(flat, "momentum sync").wait()
-        flat.div_(n)
-        for m, view in zip(moms, flat_views(flat, moms), strict=True):
-            m.copy_(view)
+        stage = torch.empty(min(sum(m.numel() for m in moms), cap), dtype=dtype, device=moms[0].device)
+        staged: list[_Piece] = []
+        filled = 0
+        for m in moms:
+            copied = not m.is_contiguous()
+            flat = m.contiguous().view(-1)  # the momentum's own storage, or a copy written back at its end
+            start = 0
+            while start < m.numel():
+                take = min(m.numel() - start, stage.numel() - filled)
+                stage[filled : filled + take].copy_(flat[start : start + take])
+                staged.append(_Piece(m, flat, start, take, copied))
+                filled, start = filled + take, start + take
+                if filled == stage.numel():
+                    _average(comm, stage, staged)
+                    staged, filled = [], 0
+        if staged:
+            _average(comm, stage[:filled], staged)
+
+
+@dataclass
+class _Piece:
+    """Elements ``[start, start + length)`` of ``momentum`` flattened (``flat``: 1-D, the momentum's own
+    storage, or a contiguous copy where ``copied``)."""
+
+    momentum: torch.Tensor
+    flat: torch.Tensor
+    start: int
+    length: int
+    copied: bool
+
+
+def _average(comm: Comm, chunk: torch.Tensor, pieces: list[_Piece]) -> None:
+    """Allreduce ``chunk`` (1-D, the ``pieces`` one after another), divide by N and copy it back into the
+    momenta (a copied momentum once its last piece is back)."""
+    comm.all_reduce(chunk, "momentum sync").wait()
+    chunk.div_(comm.world_size)
+    at = 0
+    for piece in pieces:
+        piece.flat[piece.start : piece.start + piece.length].copy_(chunk[at : at + piece.length])
+        at += piece.length
+        if piece.copied and piece.start + piece.length == piece.momentum.numel():
+            piece.momentum.copy_(piece.flat.view(piece.momentum.shape))
 
 
 def _exponential_steps(k: int, up_to: int) -> set[int]:

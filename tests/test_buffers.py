@@ -1,0 +1,305 @@
+"""Memory a step leaves behind or stages (issue 44, finding 7): the dense presets' exchange buffers live for
+one exchange, not for the life of the optimizer (where the device has a caching allocator: CUDA; on the CPU
+each bucket keeps its own, ``DenseMean.keep_buffers``), and momentum sync stages one bucket at a time, not a
+copy of every momentum.
+
+Allocations are seen at the ATen level (:class:`Allocations`, a ``TorchDispatchMode``: every op output with a
+storage of its own), so the checks do not depend on how the code allocates. On gloo a finished work holds its
+tensors and the comm keeps its last finished works (``Comm.retire``: gloo only, NCCL keeps none); the checks
+let go of those before they count what is still alive.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import types
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from lioncub.collectives import Comm, DenseMean
+from lioncub.optim import LionCub, LocalSteps
+from lioncub.optim.sync import synchronize
+from sim_comm import fake_comm
+
+from processes import run_workers
+
+DENSE_FILE = os.path.join("collectives", "dense.py")
+
+
+class Allocations(TorchDispatchMode):
+    """Every tensor of at least ``min_numel`` elements that an ATen op creates with a storage of its own
+    (factories, copies, ``cat``, ``clone``; not views or in-place results), while ``when()`` holds: weak
+    references to them, and the peak of the bytes of those alive at once."""
+
+    def __init__(self, min_numel: int = 16, when: Callable[[], bool] = lambda: True) -> None:
+        super().__init__()
+        self.min_numel, self.when = min_numel, when
+        self.made: list[tuple[weakref.ref, int]] = []  # (tensor, bytes), in order
+        self.peak = 0
+
+    def __torch_dispatch__(
+        self, func: Any, arg_types: Any, args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if not self.when():
+            return out
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if _plain(t)}
+        for t in tree_leaves(out):
+            if _plain(t) and t.numel() >= self.min_numel and t.untyped_storage().data_ptr() not in inputs:
+                self.made.append((weakref.ref(t), t.untyped_storage().nbytes()))
+                self.peak = max(self.peak, self.alive_bytes())
+        return out
+
+    def alive(self) -> list[torch.Tensor]:
+        return [t for ref, _ in self.made if (t := ref()) is not None]
+
+    def alive_bytes(self) -> int:
+        return sum(nbytes for ref, nbytes in self.made if ref() is not None)
+
+
+def _plain(t: object) -> bool:
+    """A strided CPU tensor (whose storage can be compared)."""
+    return isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type == "cpu"
+
+
+def in_dense_mean() -> bool:
+    """Whether a frame of :mod:`lioncub.collectives.dense` is on the calling thread's stack."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(DENSE_FILE):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def let_go(comm: Comm) -> None:
+    """Drop the gloo works the comm keeps after they finished (each holds its tensors; NCCL keeps none)."""
+    retired = getattr(comm, "_retired", None)
+    if retired is not None:
+        retired.clear()
+    gc.collect()
+
+
+def tensors_held_by(obj: object) -> list[str]:
+    """Names of the tensors in ``obj``'s attributes (and the dicts, lists and tuples under them)."""
+    found, seen = [], set()
+
+    def walk(value: object, name: str) -> None:
+        if id(value) in seen:
+            return
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            found.append(name)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{name}[{k!r}]")
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(v, f"{name}[{i}]")
+
+    for key, value in vars(obj).items():
+        if key != "comm":
+            walk(value, key)
+    return found
+
+
+# -- the dense presets' exchange --------------------------------------------------------------------------
+
+DENSE_CONFIGS: dict[str, dict[str, Any]] = {
+    "32bit": {"variant": "32bit"},
+    "16bit": {"variant": "16bit"},
+    "dsm h2": {"variant": "32bit", "local_steps": LocalSteps(h=2, outer="dsm")},
+    "diloco h2": {"variant": "16bit", "local_steps": LocalSteps(h=2, outer="diloco")},
+}
+
+
+def dense_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(24, 40), nn.Tanh(), nn.Linear(40, 24), nn.Linear(24, 8))
+
+
+def worker_dense_steps(rank: int, world: int, name: str, keep: bool) -> dict[str, Any]:
+    """Four steps of ``DENSE_CONFIGS[name]`` (several buckets; the vote's ``keep_buffers=keep``) with the
+    allocations made under :class:`DenseMean` tracked; after each step, what is still alive of them (but
+    the momenta it created, the optimizer's state) and what the vote holds."""
+    model = dense_model()
+    opt = LionCub(model.parameters(), lr=1e-3, bucket_mb=1000 * 4 / 2**20, **DENSE_CONFIGS[name])
+    vote = opt.engine.vote
+    assert isinstance(vote, DenseMean)
+    vote.keep_buffers = keep
+    x = torch.randn(16, 24, generator=torch.Generator().manual_seed(rank))
+    out: dict[str, Any] = {"made": [], "alive": [], "held": []}
+    for _ in range(4):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        with Allocations(when=in_dense_mean) as allocations:
+            opt.step()
+        let_go(vote.comm)
+        out["made"].append(len(allocations.made))
+        state = {v.untyped_storage().data_ptr() for s in opt.state.values() for v in s.values() if _plain(v)}
+        alive = [t for t in allocations.alive() if t.untyped_storage().data_ptr() not in state]
+        out["alive"].append([(tuple(t.shape), t.dtype) for t in alive])
+        out["held"].append(tensors_held_by(vote))
+    out["buckets"] = len(opt.layout.buckets)
+    return out
+
+
+@pytest.mark.parametrize("name", list(DENSE_CONFIGS))
+def test_dense_exchange_buffers_are_released_after_the_step(name: str) -> None:
+    """Without ``keep_buffers`` (CUDA's default), per step (32bit, 16bit) or per outer step (dsm, diloco:
+    every second step) the dense exchange makes its buffers, and none of them is alive once the step
+    returns; the vote keeps no tensor."""
+    for res in run_workers(worker_dense_steps, 2, name, False):
+        assert res["buckets"] >= 3
+        assert res["held"] == [[]] * 4, res["held"]
+        assert res["alive"] == [[]] * 4, res["alive"]
+        exchanges = res["made"] if "h2" not in name else res["made"][1::2]
+        assert all(made >= 3 * res["buckets"] for made in exchanges), res["made"]  # the check is not empty
+
+
+def test_dense_buffers_are_kept_only_without_a_caching_allocator() -> None:
+    """``keep_buffers`` defaults to the device: kept on the CPU (fresh pages fault in at every exchange), not
+    on CUDA; kept, each bucket reuses its 4 buffers (send, receive, slice, gathered) step after step."""
+    assert DenseMean(fake_comm(2), torch.float32).keep_buffers
+    cuda = types.SimpleNamespace(world_size=2, rank=0, device=torch.device("cuda", 0), alone=False)
+    assert not DenseMean(cuda, torch.bfloat16).keep_buffers  # type: ignore[arg-type]
+    assert DenseMean(cuda, keep_buffers=True).keep_buffers  # type: ignore[arg-type]
+    for res in run_workers(worker_dense_steps, 2, "32bit", True):
+        assert [len(held) for held in res["held"]] == [4 * res["buckets"]] * 4
+        assert res["made"][1:] == [0, 0, 0], res["made"]  # nothing allocated after the first step
+
+
+def worker_dense_phases(rank: int, world: int, exchange: str) -> list[list[int]]:
+    """One :meth:`DenseMean.start` of d elements, phase by phase: the bytes of what it allocated that are
+    still alive after the post, after ``advance()`` (the reduce-scatter done, the all-gather posted) and
+    after the result was taken and dropped."""
+    vote = DenseMean(Comm(exchange=exchange), torch.float32)
+    vote.keep_buffers = False  # as on CUDA
+    d = 10_001
+    local = torch.randn(d, generator=torch.Generator().manual_seed(rank))
+    alive = []
+    with Allocations(min_numel=64) as allocations:
+        pending = vote.start(local, step=1)
+        let_go(vote.comm)
+        alive.append(allocations.alive_bytes())
+        pending.advance()
+        let_go(vote.comm)
+        alive.append(allocations.alive_bytes())
+        mean = pending.result().decode()
+        assert torch.isfinite(mean).all()
+        del mean, pending
+        let_go(vote.comm)
+        alive.append(allocations.alive_bytes())
+    return [alive, [d]]
+
+
+@pytest.mark.parametrize("exchange", ["p2p", "native"])
+def test_dense_exchange_frees_each_phase_when_done(exchange: str) -> None:
+    """While the reduce-scatter is in flight: send and receive buffers (2 × N·⌈d/N⌉ fp32); once this
+    rank's slice is summed only the slice and the all-gather's output are alive; nothing after the result."""
+    world = 2
+    for alive, (d,) in run_workers(worker_dense_phases, world, exchange):
+        padded = -(-d // world) * world * 4
+        assert alive[0] == 2 * padded
+        assert alive[1] == padded + padded // world
+        assert alive[2] == 0
+
+
+# -- momentum sync ----------------------------------------------------------------------------------------
+
+
+class ElementwiseComm:
+    """A stand-in for a 2-rank :class:`Comm` whose other rank holds ``2·x + 1`` wherever this one holds
+    ``x`` (an elementwise rule, so the sum does not depend on how the momenta are cut): ``all_reduce`` turns
+    ``x`` into ``3·x + 1`` in place, allocating nothing."""
+
+    world_size = 2
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def all_reduce(self, tensor: torch.Tensor, what: str) -> types.SimpleNamespace:
+        self.sizes.append(tensor.numel())
+        tensor.mul_(3).add_(1)
+        return types.SimpleNamespace(wait=lambda: tensor)
+
+
+def reference_sync(comm: Any, momenta: Sequence[torch.Tensor], dtype: torch.dtype) -> None:
+    """Momentum sync as one allreduce of every momentum of a dtype, concatenated (lioncub before issue 44)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for m in momenta:
+        by_dtype.setdefault(m.dtype, []).append(m)
+    for moms in by_dtype.values():
+        flat = torch.cat([m.reshape(-1) for m in moms]).to(dtype)
+        comm.all_reduce(flat, "momentum sync").wait()
+        flat.div_(comm.world_size)
+        pos = 0
+        for m in moms:
+            m.copy_(flat[pos : pos + m.numel()].view_as(m))
+            pos += m.numel()
+
+
+def test_momentum_sync_stages_one_bucket_at_a_time() -> None:
+    """40 MB of fp32 momenta, the default bucket (25 MiB): what momentum sync allocates alive at once stays
+    within one bucket (the concatenation of every momentum did not), and the mean is the same bits."""
+    torch.manual_seed(0)
+    momenta = [torch.randn(3_500_000), torch.randn(1_000, 2_500), torch.randn(4_000_000)]
+    expected = [m.clone() for m in momenta]
+    reference_sync(ElementwiseComm(), expected, torch.float32)
+    comm = ElementwiseComm()
+    with Allocations(min_numel=1) as allocations:
+        synchronize(comm, momenta, torch.float32)  # type: ignore[arg-type]
+    total = sum(m.numel() for m in momenta) * 4
+    assert total > 25 * 2**20
+    assert 0 < allocations.peak <= 25 * 2**20, (allocations.peak, total)
+    assert max(comm.sizes) * 4 <= 25 * 2**20 and sum(comm.sizes) == total // 4
+    for got, want in zip(momenta, expected, strict=True):
+        assert torch.equal(got, want)
+
+
+def sync_cases() -> list[tuple[list[torch.Tensor], torch.dtype]]:
+    """Momenta of several dtypes and layouts (a non-contiguous one, an empty one, one larger than a
+    bucket), each with the wire dtype it is synchronized in."""
+    g = torch.Generator().manual_seed(dist.get_rank())
+
+    def rand(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    channels_last = rand(3, 4, 5, 6).to(memory_format=torch.channels_last)
+    mixed = [rand(7, 5), rand(1000), rand(0), channels_last, rand(33, dtype=torch.bfloat16), rand(300, 2)]
+    return [(mixed, torch.float32), ([rand(517), rand(64, 3, dtype=torch.bfloat16)], torch.bfloat16)]
+
+
+def worker_sync_buckets(rank: int, world: int) -> list[bool]:
+    """For each case and bucket size: whether the sync in buckets gives the bits of one allreduce."""
+    comm = Comm()
+    same = []
+    for momenta, dtype in sync_cases():
+        expected = [m.clone(memory_format=torch.preserve_format) for m in momenta]
+        reference_sync(comm, expected, dtype)
+        for bucket_elements in (1, 64, 300, 10**6):
+            got = [m.clone(memory_format=torch.preserve_format) for m in momenta]
+            synchronize(comm, got, dtype, bucket_mb=bucket_elements * dtype.itemsize / 2**20)
+            same.append(
+                all(
+                    torch.equal(a, b) and a.stride() == b.stride() for a, b in zip(got, expected, strict=True)
+                )
+            )
+    return same
+
+
+def test_momentum_sync_in_buckets_matches_one_allreduce() -> None:
+    """On 2 gloo ranks, buckets of 1, 64, 300 elements or all of them give the bits of one allreduce of the
+    concatenated momenta (fp32 and bf16 on the wire, bf16 momenta, a channels-last and an empty one)."""
+    for same in run_workers(worker_sync_buckets, 2):
+        assert all(same), same

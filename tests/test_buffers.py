@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lioncub.collectives import Comm, DenseMean
-from lioncub.optim import LionCub, LocalSteps
+from lioncub.optim import LionCub, LocalSteps, MomentumSync
 from lioncub.optim.sync import synchronize
 from sim_comm import fake_comm
 
@@ -128,15 +128,17 @@ def dense_model() -> nn.Module:
     return nn.Sequential(nn.Linear(24, 40), nn.Tanh(), nn.Linear(40, 24), nn.Linear(24, 8))
 
 
-def worker_dense_steps(rank: int, world: int, name: str, keep: bool) -> dict[str, Any]:
-    """Four steps of ``DENSE_CONFIGS[name]`` (several buckets; the vote's ``keep_buffers=keep``) with the
+def worker_dense_steps(rank: int, world: int, name: str, keep: bool | None) -> dict[str, Any]:
+    """Four steps of ``DENSE_CONFIGS[name]`` (several buckets; the vote's ``keep_buffers=keep``, its default
+    for ``None``) with the
     allocations made under :class:`DenseMean` tracked; after each step, what is still alive of them (but
     the momenta it created, the optimizer's state) and what the vote holds."""
     model = dense_model()
     opt = LionCub(model.parameters(), lr=1e-3, bucket_mb=1000 * 4 / 2**20, **DENSE_CONFIGS[name])
     vote = opt.engine.vote
     assert isinstance(vote, DenseMean)
-    vote.keep_buffers = keep
+    if keep is not None:
+        vote.keep_buffers = keep
     x = torch.randn(16, 24, generator=torch.Generator().manual_seed(rank))
     out: dict[str, Any] = {"made": [], "alive": [], "held": []}
     for _ in range(4):
@@ -303,3 +305,43 @@ def test_momentum_sync_in_buckets_matches_one_allreduce() -> None:
     concatenated momenta (fp32 and bf16 on the wire, bf16 momenta, a channels-last and an empty one)."""
     for same in run_workers(worker_sync_buckets, 2):
         assert all(same), same
+
+
+@pytest.mark.parametrize("name", [n for n in DENSE_CONFIGS if "h2" in n])
+def test_the_outer_rules_keep_no_dense_buffers_between_their_votes(name: str) -> None:
+    """An outer rule of local steps votes once per H steps: its dense vote keeps no exchange buffers
+    between votes, on the CPU too (``make_vote(every_step=False)``), where a vote every step keeps them."""
+    for res in run_workers(worker_dense_steps, 2, name, None):
+        assert res["held"] == [[]] * 4, res["held"]
+        assert res["alive"] == [[]] * 4, res["alive"]
+
+
+def worker_sync_bucket_mb(rank: int, world: int) -> list[float]:
+    """Momentum sync every step and at each outer step: the ``bucket_mb`` each call was given."""
+    from lioncub.optim import local_steps, policies
+
+    seen: list[float] = []
+    for module in (policies, local_steps):
+        real = module.synchronize
+        module.synchronize = lambda *a, _real=real, **k: (
+            seen.append(k.get("bucket_mb", -1.0)) or _real(*a, **k)
+        )
+    x = torch.randn(16, 24, generator=torch.Generator().manual_seed(rank))
+    for options in (
+        dict(variant="1bit", momentum_sync=MomentumSync("all", every=1), bucket_mb=0.01),
+        dict(variant="1bit", local_steps=LocalSteps(h=2, inner_momentum="average"), bucket_mb=0.02),
+    ):
+        model = dense_model()
+        opt = LionCub(model.parameters(), lr=1e-3, **options)
+        for _ in range(2):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+    return seen
+
+
+def test_momentum_sync_stages_in_the_optimizers_buckets() -> None:
+    """Momentum sync (every step, and a local-steps window's ``inner_momentum="average"``) stages the momenta
+    in buckets of the optimizer's ``bucket_mb``."""
+    for seen in run_workers(worker_sync_bucket_mb, 2):
+        assert seen == [0.01, 0.01, 0.02], seen

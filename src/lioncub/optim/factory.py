@@ -23,16 +23,20 @@ from lioncub.optim.config import VoteConfig, check_workers
 __all__ = ["make_vote"]
 
 
-def make_vote(comm: Comm, config: VoteConfig, levels: tuple[Comm, Comm] | None = None) -> Vote:
+def make_vote(
+    comm: Comm, config: VoteConfig, levels: tuple[Comm, Comm] | None = None, *, every_step: bool = True
+) -> Vote:
     """The vote for ``config`` on ``comm`` (raises when N workers could overflow a lane: the message names
     ``bits``, the transport and the widths or presets that fit N, see
     :func:`lioncub.optim.config.check_workers`), laid over the nodes as ``config.topology`` with
-    ``levels`` = (intra-node, inter-node) groups of this rank (:mod:`lioncub.collectives.hierarchical`)."""
+    ``levels`` = (intra-node, inter-node) groups of this rank (:mod:`lioncub.collectives.hierarchical`).
+    ``every_step=False`` (an outer rule of local steps, voting once per H steps): a dense vote keeps no
+    exchange buffers between its votes, on the CPU too (:attr:`DenseMean.keep_buffers`)."""
     config.validate()
     if config.topology != "flat" and levels is None:
         raise ValueError(f"topology={config.topology!r} needs the (node, local) groups of this rank")
     try:
-        flat = _flat_vote(comm, config)
+        flat = _flat_vote(comm, config, every_step)
     except ValueError as exc:
         try:
             check_workers(config, comm.world_size)  # an overflow for N workers: say which option to change
@@ -47,11 +51,11 @@ def make_vote(comm: Comm, config: VoteConfig, levels: tuple[Comm, Comm] | None =
     return make_topology_vote(config.topology, flat, groups)
 
 
-def _flat_vote(comm: Comm, config: VoteConfig) -> Vote:
+def _flat_vote(comm: Comm, config: VoteConfig, every_step: bool) -> Vote:
     t, agg = config.transport, config.aggregation
     if t == "dense":
         wire = None if config.wire_dtype_name is None else getattr(torch, config.wire_dtype_name)
-        return DenseMean(comm, wire)
+        return DenseMean(comm, wire, keep_buffers=None if every_step else False)
     if t == "1bit":
         return OneBitVote(comm, config.zero_vote)
     bits = config.bits if config.bits is not None else config.lane_bits(comm.world_size)

@@ -182,7 +182,8 @@ class LionCub(LeanOptimizer):
         if not self.single_process and self.comm.fixed_members:  # a GroupComm: no quorum yet
             check_same_parameters(self.comm, named, self.param_groups)
         #: the contributions, votes and apply of the step (:mod:`lioncub.optim.engine`)
-        self.engine = StepEngine(make_vote(self.comm, config, levels), self)
+        vote = make_vote(self.comm, config, levels, every_step=self.local_steps is None)
+        self.engine = StepEngine(vote, self)
         self._global_step = 0
         #: which parameters a step votes on, in which buckets (:mod:`lioncub.optim.layout`)
         self.layout = ParamLayout(bucket_mb, {id(p): n for n, p in named})

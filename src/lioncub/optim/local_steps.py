@@ -331,7 +331,7 @@ class LocalWindow(StepPolicy):
                 for m in momenta:
                     m.zero_()
             else:
-                synchronize(opt.comm, momenta, torch.float32)
+                synchronize(opt.comm, momenta, torch.float32, bucket_mb=opt.bucket_mb)
             opt.engine.clock.book(times, "sync", t0)
             opt.accounting.continue_step()
             opt.accounting.finish_step(before, times, skipped=False)

@@ -172,7 +172,8 @@ class EveryStep(StepPolicy):
             trained = [
                 p for p in self.sync_params if id(p) not in result.untouched and id(p) in opt.layout.order
             ]
-            synchronize(opt.comm, [opt.engine.state.momentum(p) for p in trained], self.momentum_sync.dtype)
+            momenta = [opt.engine.state.momentum(p) for p in trained]
+            synchronize(opt.comm, momenta, self.momentum_sync.dtype, bucket_mb=opt.bucket_mb)
             opt.engine.clock.book(times, "sync", t0)
         if opt.checks.replica_check_every and step % opt.checks.replica_check_every == 0:
             opt.check_replicas()

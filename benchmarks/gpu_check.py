@@ -1,8 +1,8 @@
 """One prepared check of the GPU path (run by ``benchmarks/gpu_check.sh``; finishes in a few minutes).
 
-On a machine with NVIDIA GPUs, from the repository root, with the project's venv — which must hold a
-CUDA build of torch (the CPU wheel of constraints.txt has no CUDA) and triton (``pip install -e .[dev]``
-brings the pinned one); nothing is installed and no network is used:
+On a machine with NVIDIA GPUs, from the repository root, with a Python whose torch is a CUDA build and
+which has triton (``gpu_check.sh`` picks it: docs/benchmarks/gpu-check.md); nothing is installed and no
+network is used:
 
 1. correctness: every kernel of :mod:`lioncub.ops.kernels` with ``backend="triton"`` against
    ``backend="torch"`` on fresh random data on the GPU, bit for bit (NaN-aware), with compiled ``fma``
@@ -14,17 +14,26 @@ brings the pinned one); nothing is installed and no network is used:
    ``LionCub`` preset — step check, encode, exchange, decode, apply — local steps, ``consolidate_state_dict``
    and a checkpoint round trip through the CPU, each against the same ranks on the CPU over gloo, bit for
    bit; ``LionCub.overlap_with`` (the DDP hook and its vote thread) against the plain step; the host
-   synchronizations of a step (host reads, and the profiler's CUDA syncs), for 8 and 64 tensors. With
-   several GPUs the same on N = #GPUs processes, one per GPU;
+   synchronizations of a step (host reads, ``synchronize`` calls and the profiler's CUDA syncs), for 8 and
+   64 tensors and for 1, 8 and 64 buckets. With several GPUs the same on N = #GPUs processes, one per GPU;
 4. a ``LionCub`` step on a 350M-parameter GPT-sized parameter set (24 layers, d = 1024), as one process
    (Lion's step) and with the votes exchanged over NCCL, against a plain ``lioncub.optim.Lion`` step:
    median step times and the overhead (target ≤ 25 %).
 
+Every section (:data:`SECTIONS`) runs under a guard: an exception marks it FAIL in the table, its
+traceback is printed and kept, and the next section runs. After each section the table so far is written
+to ``--out`` (default ``gpu_check_<date>_<time>.txt`` under ``$OUT`` if set, else the working directory),
+so a check stopped by a hang (``gpu_check.sh``'s ``timeout -s ABRT``: ``faulthandler`` dumps every
+thread's stack) leaves what it measured; ``faulthandler`` also dumps the stacks of a section that runs
+past its bound, without stopping it. ``--fail-section NAME`` (repeatable), the guard's test hook, makes
+section NAME raise at its end, after its work.
+
 ``--dry-run`` runs the same code paths on the CPU at small sizes: the Triton kernels in Triton's
 interpreter (``TRITON_INTERPRET=1``), gloo instead of NCCL, wall-clock timing (its numbers mean nothing);
 ``--ranks K`` adds section 3 on K CPU processes (with the CPU kernels: the interpreter ran it at N = 1).
-Without CUDA and without ``--dry-run`` it says so and exits 2. Exit 1 when a correctness check fails. The
-table printed last lists every measurement next to its target.
+Without CUDA and without ``--dry-run`` it says so and exits 2. Exit 1 when a correctness check or a
+section failed. The table printed last lists every measurement next to its target, and every section
+with its time and verdict.
 """
 
 from __future__ import annotations
@@ -32,9 +41,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import faulthandler
 import json
 import os
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -48,10 +60,22 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from lioncub.collectives import exchange_when_alone  # noqa: E402
+import gpu_path  # noqa: E402 (beside this file; imports torch only)
 
 ROWS: list[tuple[str, str, str, str, str]] = []  # (section, item, measured, target, verdict)
-FAILURES: list[str] = []
+FAILURES: list[str] = []  # correctness checks that failed
+FAILED: list[str] = []  # sections that failed (raised, or a rank that exited or timed out)
+TRACEBACKS: list[tuple[str, str]] = []  # (section, traceback) of each failed section
+#: the sections of this check, in order (``--fail-section`` takes these names)
+SECTIONS = (
+    "kernels",
+    "half-way rule",
+    "bandwidth",
+    "process group",
+    *gpu_path.SECTIONS,
+    "350M step",
+    "several ranks",
+)
 
 
 def row(section: str, item: str, measured: str, target: str = "", ok: bool | None = None) -> None:
@@ -82,6 +106,44 @@ def check(section: str, item: str, differing: int) -> None:
     row(section, item, "equal" if ok else f"{differing} differ", "bit-exact", ok)
     if not ok:
         FAILURES.append(f"{section}: {item}")
+
+
+def section_failed(section: str, what: str, tb: str) -> None:
+    """Section ``section`` raised (or a rank of it ended badly): a FAIL row; the traceback printed, kept."""
+    print(f"[{section}] FAIL: {what}\n{tb}", flush=True)
+    ROWS.append((section, "section failed", what, "runs to its end", "FAIL"))
+    FAILED.append(section)
+    TRACEBACKS.append((section, tb))
+
+
+def section_skipped(section: str, why: str) -> None:
+    print(f"[{section}] SKIP: {why}", flush=True)
+    ROWS.append((section, "section skipped", why, "runs", "SKIP"))
+
+
+def table(sections: gpu_path.Sections, final: bool, tracebacks: bool = True) -> str:
+    """The table of every row so far, then each section's time and verdict, then (``tracebacks``) the
+    tracebacks kept; before the end (not ``final``) a last line says the check is still running."""
+    rows = [
+        *ROWS,
+        *(("sections", name, f"{secs:.1f} s", "", status) for name, secs, status in sections.results),
+    ]
+    header = ("section", "item", "measured", "target", "")
+    width = [max(len(r[i]) for r in [header, *rows]) for i in range(5)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, width, strict=True)).rstrip() for r in [header, *rows]]
+    for section, tb in TRACEBACKS if tracebacks else ():
+        lines += ["", f"--- traceback of section {section}:", tb.rstrip()]
+    if not final:
+        now = f"in section {sections.current!r}" if sections.current else "between sections"
+        lines += ["", f"gpu_check: still running, {now} (if this is the end, the check was stopped there)"]
+    return "\n".join(lines) + "\n"
+
+
+def write_table(path: str, sections: gpu_path.Sections, final: bool = False) -> None:
+    """:func:`table` in ``path``, replaced whole."""
+    with open(path + ".tmp", "w") as f:
+        f.write(table(sections, final))
+    os.replace(path + ".tmp", path)
 
 
 # ------------------------------------------------------------------------------------ 1. correctness
@@ -135,7 +197,6 @@ def correctness(device: torch.device, n: int) -> None:
                 kernels.majority_pack(rows, tie, backend="triton"),
             )
         check("correctness", f"majority_pack N={n_rows}", diff)
-    halfway(device)
 
 
 def halfway(device: torch.device) -> None:
@@ -243,49 +304,74 @@ def bandwidth(device: torch.device, n: int, runs: int) -> None:
 # ------------------------------------------------------------------------------------ 3. the vote path
 
 
-def vote_path_on_ranks(world: int, n: int, timeout_s: float) -> None:
+def vote_path_on_ranks(world: int, n: int, timeout_s: float, inject: list[str]) -> None:
     """:func:`gpu_path.vote_path` on ``world`` processes, one per GPU (``cuda:rank``, NCCL; in a dry run
-    CPU processes over gloo), each against its CPU over gloo; their rows are added here."""
-    import subprocess
-
+    CPU processes over gloo), each against its CPU over gloo; their rows are added here, a rank's failed
+    sections as FAIL rows with its traceback. Past ``timeout_s`` each rank still running gets SIGABRT (its
+    ``faulthandler`` dumps its stacks into its log, kept as its traceback), then SIGKILL."""
     with tempfile.TemporaryDirectory() as tmp:
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_path.py")
         common = ["--world", str(world), "--n", str(n), "--store", f"{tmp}/store"] + (["--dry-run"] * DRY)
+        common += [f"--fail-section={name}" for name in inject if name in gpu_path.SECTIONS]
         # a dry run's ranks take the CPU kernels: the Triton interpreter (slow) ran the same code at N = 1
         child_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        logs = [open(f"{tmp}/rank{r}.log", "w") for r in range(world)]  # noqa: SIM115 (closed below)
         procs = [
             subprocess.Popen(
                 [sys.executable, script, "--rank", str(r), "--out", f"{tmp}/rows{r}.json", *common],
-                stdout=subprocess.PIPE,
+                stdout=logs[r],
                 stderr=subprocess.STDOUT,
                 text=True,
                 env=child_env,
             )
             for r in range(world)
         ]
-        outputs = []
-        for r, proc in enumerate(procs):
+        deadline = time.monotonic() + timeout_s
+        timed_out = False
+        for proc in procs:
             try:
-                out, _ = proc.communicate(timeout=timeout_s)
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                out = f"rank {r} of the {world}-rank vote path timed out after {timeout_s:.0f} s"
-            outputs.append(out)
+                timed_out = True
+                break
+        if timed_out:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGABRT)
+            for proc in procs:
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        for log in logs:
+            log.close()
+        section = f"vote path N={world}"
         for r, proc in enumerate(procs):
             path = f"{tmp}/rows{r}.json"
-            if proc.returncode != 0 or not os.path.exists(path):
-                print(outputs[r][-3000:])
-                check(f"vote path N={world}", f"rank {r} exited {proc.returncode}", 1)
-                continue
-            with open(path) as f:
-                rows = json.load(f)
-            for kind, section, item, *rest in rows:
+            rows = []
+            if os.path.exists(path):
+                with open(path) as f:
+                    rows = json.load(f)
+            for kind, name, item, *rest in rows:
                 label = f"rank {r}/{world}: {item}"
                 if kind == "check":
-                    check(f"{section} N={world}", label, rest[0])
+                    check(f"{name} N={world}", label, rest[0])
+                elif kind == "fail":
+                    section_failed(f"{name} N={world}", label, rest[0])
+                elif kind == "skip":
+                    section_skipped(f"{name} N={world}", label)
                 else:
-                    row(f"{section} N={world}", label, *rest)
+                    row(f"{name} N={world}", label, *rest)
+            if proc.returncode != 0:
+                with open(f"{tmp}/rank{r}.log", errors="replace") as f:
+                    tail = f.read()[-6000:]
+                why = (
+                    f"timed out after {timeout_s:.0f} s, stopped (SIGABRT: stacks in its log)"
+                    if timed_out
+                    else ""
+                )
+                section_failed(section, f"rank {r}/{world} exited {proc.returncode} {why}".rstrip(), tail)
 
 
 # ------------------------------------------------------------------------------------ 4. 350M step
@@ -312,6 +398,7 @@ def gpt_shapes(layers: int, d: int, vocab: int, ctx: int) -> list[tuple[int, ...
 
 
 def step_overhead(device: torch.device, layers: int, d: int, vocab: int, ctx: int, runs: int) -> None:
+    from lioncub.collectives import exchange_when_alone
     from lioncub.optim import Lion, LionCub
 
     shapes = gpt_shapes(layers, d, vocab, ctx)
@@ -364,6 +451,12 @@ def step_overhead(device: torch.device, layers: int, d: int, vocab: int, ctx: in
 # ------------------------------------------------------------------------------------ main
 
 
+def default_out() -> str:
+    """``gpu_check_<date>_<time>.txt`` under ``$OUT`` if set, else in the working directory."""
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H%M%S")
+    return os.path.join(os.environ.get("OUT") or ".", f"gpu_check_{stamp}.txt")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU: Triton interpreter, gloo, small sizes")
@@ -371,8 +464,19 @@ def main() -> int:
     parser.add_argument(
         "--ranks", type=int, default=0, help="dry run: also the vote path on this many CPU processes (>= 2)"
     )
+    parser.add_argument("--out", default=None, help="the table's file (default: gpu_check_<date>_<time>.txt)")
+    parser.add_argument(
+        "--fail-section",
+        action="append",
+        default=[],
+        choices=SECTIONS,
+        metavar="NAME",
+        help=f"test hook: section NAME raises at its end (repeatable; one of {', '.join(SECTIONS)})",
+    )
     args = parser.parse_args()
+    out = args.out or default_out()
     warnings.simplefilter("ignore")
+    faulthandler.enable(all_threads=True)  # SIGABRT (gpu_check.sh's time-out), SIGSEGV: every stack
     if args.dry_run:
         device = torch.device("cpu")
         backend = "gloo"
@@ -382,7 +486,7 @@ def main() -> int:
         if not torch.cuda.is_available():
             print(
                 f"gpu_check: torch {torch.__version__} sees no CUDA GPU. Run it on a machine with an NVIDIA "
-                "GPU, in a venv with a CUDA build of torch and triton; or use --dry-run for the CPU mode."
+                "GPU, with a CUDA build of torch and triton; or use --dry-run for the CPU mode."
             )
             return 2
         device = torch.device("cuda", 0)
@@ -400,48 +504,62 @@ def main() -> int:
     if not kernels.HAVE_TRITON:
         print(f"gpu_check: triton is not importable ({kernels.TRITON_ERROR})")
         return 2
+    ranks = args.ranks if DRY else torch.cuda.device_count()
+    ranks_timeout_s = 240
+    sections = gpu_path.Sections(
+        section_failed, section_skipped, args.fail_section, after=lambda: write_table(out, sections)
+    )
+    print(f"gpu_check: the table goes to {out} (rewritten after every section)")
     t0 = time.perf_counter()
-    correctness(device, sizes["n"])
-    bandwidth(device, sizes["bw_n"], sizes["runs"])
+    with sections.run("kernels"):
+        correctness(device, sizes["n"])
+    with sections.run("half-way rule"):
+        halfway(device)
+    with sections.run("bandwidth"):
+        bandwidth(device, sizes["bw_n"], sizes["runs"])
     with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group(
-            backend,
-            init_method=f"file://{tmp}/store",
-            rank=0,
-            world_size=1,
-            timeout=datetime.timedelta(seconds=120),
-        )
-        try:
-            import gpu_path
-
-            gpu_path.vote_path(device, sizes["n"], check, row, _verdict)
-            if not args.skip_350m:
+        with sections.run("process group"):
+            dist.init_process_group(
+                backend,
+                init_method=f"file://{tmp}/store",
+                rank=0,
+                world_size=1,
+                timeout=datetime.timedelta(seconds=120),
+            )
+        if dist.is_initialized():
+            gpu_path.vote_path(device, sizes["n"], check, row, _verdict, sections)
+        else:
+            for name in gpu_path.SECTIONS:
+                sections.skip(name, "no process group (section 'process group' failed)")
+        if not args.skip_350m:
+            with sections.run("350M step"):
                 step_overhead(
                     device, sizes["layers"], sizes["d"], sizes["vocab"], sizes["ctx"], sizes["step_runs"]
                 )
-        finally:
-            dist.destroy_process_group()
-    ranks = args.ranks if DRY else torch.cuda.device_count()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as err:
+                print(f"gpu_check: destroy_process_group: {gpu_path.summary(err)}")
     if ranks >= 2:
-        vote_path_on_ranks(ranks, sizes["n"], timeout_s=240)
+        with sections.run("several ranks", bound_s=ranks_timeout_s + 60):
+            vote_path_on_ranks(ranks, sizes["n"], ranks_timeout_s, args.fail_section)
     row("device", "wall time", f"{time.perf_counter() - t0:.0f} s")
-    width = [max(len(r[i]) for r in ROWS) for i in range(5)]
-    print(
-        "\n"
-        + "  ".join(
-            h.ljust(w) for h, w in zip(("section", "item", "measured", "target", ""), width, strict=True)
-        )
-    )
-    for r in ROWS:
-        print("  ".join(c.ljust(w) for c, w in zip(r, width, strict=True)).rstrip())
+    write_table(out, sections, final=True)
+    print("\n" + table(sections, final=True, tracebacks=False), end="")
+    failed = sorted(set(FAILED), key=FAILED.index)
     if FAILURES:
         print(f"\ngpu_check: {len(FAILURES)} correctness check(s) failed: {'; '.join(FAILURES)}")
-        return 1
-    print(
-        "\ngpu_check: all correctness checks passed"
-        + (" (dry run: timings are meaningless)" if args.dry_run else "")
-    )
-    return 0
+    else:
+        print("\ngpu_check: all correctness checks passed" + (" (dry run: timings are meaningless)" * DRY))
+    if failed:
+        print(
+            f"gpu_check: {len(failed)} section(s) failed: {'; '.join(failed)} (tracebacks above and in {out})"
+        )
+    else:
+        print("gpu_check: every section ran to its end")
+    print(f"gpu_check: the table is in {out}")
+    return 1 if FAILURES or failed else 0
 
 
 if __name__ == "__main__":

@@ -13,18 +13,27 @@ The data of the cross-device checks lies on a grid of multiples of 2^-6 below 4 
 normaliser (a sum of |c|, below 2^18) is then exact in float32, so the CPU's and the GPU's reductions,
 which add in different orders and widths, agree to the bit and any difference is a defect. The overlap
 check compares two runs on the same device and takes any data.
+
+Each check is a section run under :class:`Sections`' guard: an exception marks the section FAIL with its
+traceback and the next section runs. On several ranks the ranks then agree (over a gloo group of their own)
+whether every rank failed it the same way: if not (some ranks only, or a collective that timed out on the
+others), their collectives may no longer match, and every rank skips the sections left (SKIP) instead of
+hanging in them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import faulthandler
 import io
 import json
 import os
 import sys
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
@@ -33,11 +42,20 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from lioncub.collectives import exchange_when_alone
-
 #: (section, item, differing elements) of a bitwise check; (section, item, measured, target, ok) of a row
 Check = Callable[[str, str, int], None]
 Row = Callable[..., None]
+#: the sections of :func:`vote_path`, in order (the names ``--fail-section`` takes)
+SECTIONS = (
+    "gloo group",
+    "votes",
+    "presets",
+    "overlap hook",
+    "local steps",
+    "consolidation",
+    "host syncs",
+    "CUDA syncs (profiler)",
+)
 
 BETAS = (0.5, 0.5)  # with grid data every value stays exact in float32 (module docstring)
 LR, WD = 2.0**-7, 0.125
@@ -60,6 +78,75 @@ def grid(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """float32 multiples of 2^-6 in (−4, 4) (module docstring)."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(-255, 256, shape, generator=gen).to(torch.float32) / 64
+
+
+# ------------------------------------------------------------------------------------ sections
+
+
+def summary(err: BaseException) -> str:
+    """``Type: message``, on one line, at most 200 characters."""
+    text = " ".join(f"{type(err).__name__}: {err}".split())
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+class Sections:
+    """Runs a check's sections, each under a guard (:meth:`run`): an exception in a section goes to
+    ``on_fail(section, summary, traceback)`` and the check goes on with the next one; ``faulthandler``
+    dumps every thread's stack if a section runs longer than ``bound_s`` (a hang: it does not stop it).
+    ``inject``: sections that raise at their end, after their work (``--fail-section``, the test hook of
+    the guard). ``after()`` runs before and after every section (to write what was measured so far)."""
+
+    def __init__(
+        self,
+        on_fail: Callable[[str, str, str], None],
+        on_skip: Callable[[str, str], None],
+        inject: Iterable[str] = (),
+        bound_s: float = 240.0,
+        after: Callable[[], None] | None = None,
+    ) -> None:
+        self.on_fail, self.on_skip, self.inject = on_fail, on_skip, frozenset(inject)
+        self.bound_s, self.after = bound_s, after
+        #: (section, seconds, "ok" | "FAIL" | "SKIP"), in the order they ran
+        self.results: list[tuple[str, float, str]] = []
+        #: (section, summary) of each failure
+        self.errors: list[tuple[str, str]] = []
+        #: the section running now
+        self.current: str | None = None
+
+    @contextlib.contextmanager
+    def run(self, name: str, bound_s: float | None = None) -> Iterator[None]:
+        """The with-block as section ``name``: its exception (an ``Exception``) is reported, not raised."""
+        t0 = time.perf_counter()
+        self.current = name
+        if self.after is not None:
+            self.after()
+        faulthandler.dump_traceback_later(bound_s or self.bound_s, exit=False)
+        status = "ok"
+        try:
+            yield
+            if name in self.inject:
+                raise RuntimeError(f"failure injected at the end of section {name!r} (--fail-section)")
+        except Exception as err:
+            status = "FAIL"
+            self.errors.append((name, summary(err)))
+            self.on_fail(name, summary(err), traceback.format_exc())
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+            self.current = None
+            self.results.append((name, time.perf_counter() - t0, status))
+            if self.after is not None:
+                self.after()
+
+    def skip(self, name: str, why: str) -> None:
+        """Section ``name`` does not run, because of ``why``."""
+        self.on_skip(name, why)
+        self.results.append((name, 0.0, "SKIP"))
+        if self.after is not None:
+            self.after()
+
+
+def _raise(section: str, what: str, tb: str) -> None:
+    raise RuntimeError(f"section {section!r} failed: {what}\n{tb}")
 
 
 # ------------------------------------------------------------------------------------ the checks
@@ -155,12 +242,14 @@ def overlap(device: torch.device, check: Check) -> None:
                 opt.overlap_with(model)
             else:
                 skip_gradient_allreduce(model)
-            for x in batches:
-                model(x.to(device)).square().mean().backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            if overlapped:
-                opt.overlap_hook.close()
+            try:
+                for x in batches:
+                    model(x.to(device)).square().mean().backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+            finally:  # the vote thread ends even when a step raised (the next sections run in this process)
+                if overlapped:
+                    opt.overlap_hook.close()
             results.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
         check("vote path", f"LionCub {preset}: overlap_with vs plain step, 3 steps", differing(*results))
 
@@ -177,13 +266,45 @@ def local_steps(device: torch.device, gloo: Any, check: Check) -> None:
         check("vote path", f"LionCub {preset}, local steps h=2 outer={rule}: 5 steps vs gloo", diff)
 
 
-def checkpoint_round_trip(device: torch.device, check: Check) -> None:
-    """``consolidate_state_dict`` (every rank's state gathered on rank 0, on the CPU) and a save/load through
-    the CPU (``map_location="cpu"``, as ``lioncub.train.checkpoint``) in the middle of a run: the resumed run
-    equals the uninterrupted one, and the loaded momenta are on the parameters' device."""
+def consolidated_problems(sd: dict[str, Any], momenta: list[list[torch.Tensor]]) -> tuple[int, str]:
+    """What is wrong with ``sd``, a state dict of rank 0 after ``consolidate_state_dict(to=0)``, given every
+    rank's momenta (``momenta[r][i]``: rank r's ``exp_avg`` of parameter i, on the CPU): one entry per rank
+    (rank 0's own ``None``, its state the top level; rank r's travelled on the CPU), each holding its rank's
+    momenta bit for bit. Returns the number of problems and where rank 0's own momenta are (its live state,
+    on the parameters' device: it did not travel). At N = 1 this checks rank 0's entry, not nothing."""
+    ranks = sd["lioncub"].get("ranks")
+    if ranks is None:
+        return sum(m.numel() for ms in momenta for m in ms), "no entries"
+    problems = abs(len(ranks) - len(momenta))
+    own = ""
+    for r, mine in enumerate(momenta[: len(ranks)]):
+        if r == 0:
+            problems += ranks[0] is not None  # the gathering rank's own state is the top level
+            state = sd["state"]
+            own = "/".join(
+                sorted({t.device.type for s in state.values() for t in s.values() if torch.is_tensor(t)})
+            )
+        elif ranks[r] is None:
+            problems += 1
+            continue
+        else:
+            state = ranks[r]["state"]
+            tensors = [t for s in state.values() for t in s.values() if torch.is_tensor(t)]
+            problems += sum(t.device.type != "cpu" for t in tensors)
+        for i, m in enumerate(mine):
+            problems += differing(state[i]["exp_avg"], m) if i in state else max(m.numel(), 1)
+    return problems, own
+
+
+def checkpoint_round_trip(device: torch.device, gloo: Any, check: Check) -> None:
+    """``consolidate_state_dict`` (every rank's state gathered on rank 0, on the CPU: one entry per rank,
+    each with its rank's momenta, compared with the momenta gathered over gloo — at N = 1 too, where the
+    one entry is rank 0's own) and a save/load through the CPU (``map_location="cpu"``, as
+    ``lioncub.train.checkpoint``) in the middle of a run: the resumed run equals the uninterrupted one, and
+    the loaded momenta are on the parameters' device."""
     from lioncub.optim import LionCub
 
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     for variant, options in (("8bit", {}), ("1bit", {"local_steps": 2})):
         whole = _run(device, None, variant, 4, **options)
         params = [torch.nn.Parameter(grid(s, 100 + i).to(device)) for i, s in enumerate(SHAPES)]
@@ -191,13 +312,16 @@ def checkpoint_round_trip(device: torch.device, check: Check) -> None:
         for step in range(4):
             if step == 3:  # mid-window with local steps (step 3 of h=2 windows): the replicas travel too
                 opt.consolidate_state_dict(to=0)
+                momenta: list[Any] = [None] * world
+                mine = [opt.state[p]["exp_avg"].detach().cpu() for p in params]
+                dist.all_gather_object(momenta, mine, group=gloo)
                 if rank == 0:
-                    entries = [e for e in opt.state_dict()["lioncub"]["ranks"] if e is not None]
-                    where = {t.device.type for e in entries for s in e["state"].values() for t in s.values()}
+                    problems, own = consolidated_problems(opt.state_dict(), momenta)
                     check(
                         "vote path",
-                        f"{variant}: consolidated states are on the CPU",
-                        int(where - {"cpu"} != set()),
+                        f"{variant}: consolidated on rank 0: {world} entries (rank 0's own on {own}, "
+                        f"{world - 1} gathered on the CPU), each = its rank's momenta",
+                        problems,
                     )
                 buf = io.BytesIO()
                 torch.save({"model": [p.detach() for p in params], "opt": opt.state_dict()}, buf)
@@ -242,11 +366,47 @@ class HostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _sync_events(device: torch.device, step: Callable[[], None]) -> int | None:
+class SyncCalls:
+    """Counts the host's explicit waits for a CUDA device in a block: ``torch.cuda.synchronize`` and the
+    ``synchronize`` of a ``torch.cuda.Event`` or ``torch.cuda.Stream`` (patched for the block). Without the
+    profiler, this sees a per-bucket ``synchronize`` (e.g. a phase clock's); on the CPU the code takes no
+    such wait and the count is 0."""
+
+    TARGETS = (
+        (torch.cuda, "synchronize"),
+        (torch.cuda.Event, "synchronize"),
+        (torch.cuda.Stream, "synchronize"),
+    )
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def _counting(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.count += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+    def __enter__(self) -> SyncCalls:
+        for owner, name in self.TARGETS:
+            self._saved.append((owner, name, vars(owner).get(name)))
+            setattr(owner, name, self._counting(getattr(owner, name)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, name, before in reversed(self._saved):
+            if before is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, before)
+        self._saved.clear()
+
+
+def _sync_events(device: torch.device, step: Callable[[], None]) -> int:
     """CUDA synchronizations (``cuda*Synchronize`` and blocking copies) in one ``step()``, from the
-    profiler; ``None`` on the CPU."""
-    if device.type != "cuda":
-        return None
+    profiler (CUPTI)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -268,54 +428,206 @@ def _stepper(opt: Any, params: list[torch.nn.Parameter], device: torch.device) -
     return step
 
 
-def host_syncs(device: torch.device, row: Row, verdict: Callable[[bool], bool | None]) -> None:
-    """Host reads (and, on a GPU, profiled synchronizations) of one LionCub step for 8 and for 64 tensors
-    (16 on the CPU) of the same total size: the step's synchronizations must not grow with its tensors."""
+def _probe_sizes(device: torch.device) -> tuple[int, int, int, int]:
+    """(elements in all, few tensors, many tensors, the middle bucket count) of the host-sync probes: on a
+    GPU 2^17 elements in 8 vs 64 tensors, the 64 in 1 / 8 / 64 buckets. The counts depend neither on the
+    tensors' size nor (much) on their number; on the CPU the Triton interpreter's time does (per tensor):
+    there a dry run takes 2^13 elements in 4 vs 8 tensors, the 8 in 1 / 2 / 8 buckets."""
+    return (1 << 17, 8, 64, 8) if device.type == "cuda" else (1 << 13, 4, 8, 2)
+
+
+def _probe(
+    device: torch.device,
+    variant: str,
+    tensors: int,
+    buckets: int,
+    measure: Callable[[Callable[[], None]], Any],
+) -> tuple[int, Any]:
+    """``measure(step)`` on the third step of a LionCub ``variant`` over ``tensors`` tensors of the same total
+    size in ``buckets`` buckets (a small ``bucket_mb``); returns the buckets the optimizer made and what
+    ``measure`` returned."""
     from lioncub.optim import LionCub
 
-    # the count depends neither on the tensors' size nor (much) on their number; on the CPU the Triton
-    # interpreter's time does: there a dry run takes fewer and smaller tensors
-    per_8, few, many = (32, 8, 64) if device.type == "cuda" else (2, 8, 16)
+    numel = _probe_sizes(device)[0] // tensors
+    params = [torch.nn.Parameter(grid((numel,), i).to(device)) for i in range(tensors)]
+    options = {} if buckets == 1 else {"bucket_mb": tensors // buckets * numel * 4 / 2**20}
+    opt = LionCub(params, lr=LR, betas=BETAS, weight_decay=WD, variant=variant, **options)
+    step = _stepper(opt, params, device)
+    for _ in range(2):  # the first steps build buffers and compare gradients once
+        step()
+    made = len(getattr(getattr(opt, "layout", None), "buckets", ())) or buckets
+    return made, measure(step)
+
+
+def _per_bucket(label: str, counts: list[int], buckets: list[int]) -> str:
+    per_step = " / ".join(str(c) for c in counts)
+    per_bucket = " / ".join(f"{c / b:.3g}" for c, b in zip(counts, buckets, strict=True))
+    return f"{label} per step {per_step} (per bucket {per_bucket})"
+
+
+def host_syncs(device: torch.device, row: Row, verdict: Callable[[bool], bool | None]) -> None:
+    """Host reads and explicit ``synchronize`` calls of one LionCub step: for 8 and for 64 tensors (4 and 8
+    on the CPU) of the same total size in one bucket, and for the 64 (8) tensors in 1, 8 (2) and 64 (8)
+    buckets. Per step neither may grow: a synchronization per tensor or per bucket would show as a count
+    growing with them (also reported per bucket)."""
+    _, few, many, mid = _probe_sizes(device)
+
+    def measure(step: Callable[[], None]) -> tuple[int, dict[str, int], int]:
+        with HostReads() as reads, SyncCalls() as calls:
+            step()
+        return reads.count, reads.names, calls.count
+
     for variant in ("1bit", "8bit"):
-        counts = {}
-        for tensors in (few, many):
-            params = [
-                torch.nn.Parameter(grid((4096 // tensors * per_8,), i).to(device)) for i in range(tensors)
-            ]
-            opt = LionCub(params, lr=LR, betas=BETAS, weight_decay=WD, variant=variant)
-            step = _stepper(opt, params, device)
-            for _ in range(2):  # the first steps build buffers and compare gradients once
-                step()
-            with HostReads() as reads:
-                step()
-            counts[tensors] = (reads.count, _sync_events(device, step), reads.names)
-        (r8, s8, names8), (r64, s64, _) = counts[few], counts[many]
-        measured = f"{r8} host reads {names8}" + ("" if s8 is None else f", {s8} CUDA syncs") + " per step"
-        measured += f"; {many} tensors: {r64}" + ("" if s64 is None else f", {s64}")
-        flat = r8 == r64 and s8 == s64
-        label = f"LionCub {variant} step, {few} vs {many} tensors"
-        row("host syncs", label, measured, "same count", verdict(flat))
+        _, (r_few, names, c_few) = _probe(device, variant, few, 1, measure)
+        made, reads, calls = [], [], []
+        for buckets in (1, mid, many):
+            b, (r, _, c) = _probe(device, variant, many, buckets, measure)
+            made.append(b)
+            reads.append(r)
+            calls.append(c)
+        measured = f"{r_few} host reads {names}, {c_few} synchronize calls per step; {many} tensors: "
+        measured += f"{reads[0]}, {calls[0]}"
+        ok = r_few == reads[0] and c_few == calls[0]
+        row(
+            "host syncs",
+            f"LionCub {variant} step, {few} vs {many} tensors (1 bucket)",
+            measured,
+            "same count",
+            verdict(ok),
+        )
+        measured = (
+            _per_bucket("host reads", reads, made) + "; " + _per_bucket("synchronize calls", calls, made)
+        )
+        ok = all(r <= reads[0] for r in reads) and all(c <= calls[0] for c in calls)
+        label = f"LionCub {variant} step, {many} tensors in {' / '.join(map(str, made))} buckets"
+        row("host syncs", label, measured, "per step: no growth with buckets", verdict(ok))
+
+
+def cuda_syncs(device: torch.device, row: Row, verdict: Callable[[bool], bool | None]) -> None:
+    """The CUDA synchronizations the profiler (CUPTI) sees in one LionCub step, as :func:`host_syncs`
+    (few vs many tensors; many tensors in more and more buckets): per step they may not grow. Not measured
+    on the CPU."""
+    if device.type != "cuda":
+        row("host syncs", "CUDA syncs (profiler)", "not measured: no CUDA device")
+        return
+    _, few, many, mid = _probe_sizes(device)
+    for variant in ("1bit", "8bit"):
+        _, s_few = _probe(device, variant, few, 1, lambda step: _sync_events(device, step))
+        made, syncs = [], []
+        for buckets in (1, mid, many):
+            b, s = _probe(device, variant, many, buckets, lambda step: _sync_events(device, step))
+            made.append(b)
+            syncs.append(s)
+        label = f"LionCub {variant} step, {few} vs {many} tensors (1 bucket), profiled"
+        row(
+            "host syncs",
+            label,
+            f"{s_few} CUDA syncs per step; {many} tensors: {syncs[0]}",
+            "same count",
+            verdict(s_few == syncs[0]),
+        )
+        label = f"LionCub {variant} step, {many} tensors in {' / '.join(map(str, made))} buckets, profiled"
+        measured = _per_bucket("CUDA syncs", syncs, made)
+        row(
+            "host syncs",
+            label,
+            measured,
+            "per step: no growth with buckets",
+            verdict(all(s <= syncs[0] for s in syncs)),
+        )
 
 
 # ------------------------------------------------------------------------------------ entry points
 
 
+#: how long the ranks wait for each other to agree after a section (longer than a collective's timeout,
+#: 120 s, after which a rank left waiting in a section fails it)
+AGREE_TIMEOUT_S = 200
+
+
+def _in_step(sections: Sections, name: str, status: Any, world: int) -> str | None:
+    """After section ``name``: ``None`` when the ranks can go on — it failed on no rank, or on every rank
+    with the same error (in step: their collectives still match) — else why they cannot. Collective over
+    ``status``, a gloo group of its own."""
+    if world == 1:
+        return None
+    mine = next((what for n, what in reversed(sections.errors) if n == name), None)
+    if status is None:
+        return "the ranks cannot agree (section 'gloo group' failed)" if mine else None
+    every: list[Any] = [None] * world
+    try:
+        dist.all_gather_object(every, mine, group=status)
+    except Exception as err:
+        return f"the ranks could not agree after section {name!r}: {summary(err)}"
+    failed = [r for r, what in enumerate(every) if what is not None]
+    if not failed or (len(failed) == world and len(set(every)) == 1):
+        return None
+    return (
+        f"section {name!r} failed on rank(s) {failed} of {world}"
+        + (" with different errors" if len(failed) == world else "")
+        + ": their collectives may no longer match"
+    )
+
+
 def vote_path(
-    device: torch.device, n: int, check: Check, row: Row, verdict: Callable[[bool], bool | None]
+    device: torch.device,
+    n: int,
+    check: Check,
+    row: Row,
+    verdict: Callable[[bool], bool | None],
+    sections: Sections | None = None,
 ) -> None:
-    """Every check of this module on this rank (collective: every rank of the default group calls it)."""
-    gloo = dist.new_group(list(range(dist.get_world_size())), backend="gloo")
+    """Every check of this module on this rank (collective: every rank of the default group calls it), each
+    a section of ``sections`` (:data:`SECTIONS`; without it an exception ends the check)."""
+    from lioncub.collectives import exchange_when_alone
+
+    if sections is None:
+        sections = Sections(_raise, lambda name, why: None)
+    world = dist.get_world_size()
+    groups: dict[str, Any] = {}
+    with sections.run("gloo group"):
+        groups["gloo"] = dist.new_group(list(range(world)), backend="gloo")
+        if world > 1:
+            timeout = datetime.timedelta(seconds=AGREE_TIMEOUT_S)
+            groups["status"] = dist.new_group(list(range(world)), backend="gloo", timeout=timeout)
+
+    def gloo() -> Any:
+        if "gloo" not in groups:
+            raise RuntimeError("no gloo group to compare with (section 'gloo group' failed)")
+        return groups["gloo"]
+
+    body: list[tuple[str, Callable[[], None]]] = [
+        ("votes", lambda: votes(device, gloo(), check, n)),
+        ("presets", lambda: presets(device, gloo(), check)),
+        ("overlap hook", lambda: overlap(device, check)),
+        ("local steps", lambda: local_steps(device, gloo(), check)),
+        ("consolidation", lambda: checkpoint_round_trip(device, gloo(), check)),
+        ("host syncs", lambda: host_syncs(device, row, verdict)),
+        ("CUDA syncs (profiler)", lambda: cuda_syncs(device, row, verdict)),
+    ]
+    assert [name for name, _ in body] == list(SECTIONS[1:])
+    stop = _in_step(sections, "gloo group", groups.get("status"), world)
     with exchange_when_alone():
-        votes(device, gloo, check, n)
-        presets(device, gloo, check)
-        overlap(device, check)
-        local_steps(device, gloo, check)
-        checkpoint_round_trip(device, check)
-        host_syncs(device, row, verdict)
+        for name, fn in body:
+            if stop is not None:
+                sections.skip(name, stop)
+                continue
+            with sections.run(name):
+                fn()
+            stop = _in_step(sections, name, groups.get("status"), world)
+
+
+def _write_json(path: str, rows: list[list[Any]]) -> None:
+    """``rows`` as JSON in ``path``, replaced whole (a rank stopped later leaves what it had measured)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(rows, f)
+    os.replace(path + ".tmp", path)
 
 
 def _rank_main() -> int:
-    """One rank of the several-GPU check: the rows it produced as JSON in ``--out``."""
+    """One rank of the several-GPU check: the rows it produced as JSON in ``--out``, rewritten after every
+    section; a failed section is a row ``["fail", section, summary, traceback]``, a skipped one ``["skip",
+    section, why]``. SIGABRT (the parent's on a time-out) dumps every thread's stack to stderr."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)
@@ -323,8 +635,21 @@ def _rank_main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--n", type=int, default=3000)
     parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--fail-section", action="append", default=[], choices=SECTIONS)
     args = parser.parse_args()
+    faulthandler.enable(all_threads=True)
     rows: list[list[Any]] = []
+
+    def failed(section: str, what: str, tb: str) -> None:
+        print(f"[{section}] FAIL: {what}\n{tb}", file=sys.stderr, flush=True)
+        rows.append(["fail", section, what, tb])
+
+    sections = Sections(
+        failed,
+        lambda section, why: rows.append(["skip", section, why]),
+        inject=args.fail_section,
+        after=lambda: _write_json(args.out, rows),
+    )
     device = torch.device("cpu") if args.dry_run else torch.device("cuda", args.rank)
     bound: dict[str, Any] = {}
     if device.type == "cuda":
@@ -349,14 +674,14 @@ def _rank_main() -> int:
                 ["row", section, item, measured, target, ok]
             ),
             lambda ok: None if args.dry_run else ok,
+            sections,
         )
     finally:
         dist.destroy_process_group()
     rows.append(
         ["row", "vote path", f"rank {args.rank}: wall time", f"{time.perf_counter() - t0:.0f} s", "", None]
     )
-    with open(args.out, "w") as f:
-        json.dump(rows, f)
+    _write_json(args.out, rows)
     return 0
 
 

@@ -55,11 +55,22 @@ run_workers(worker_lioncub_kernels, 2, {presets!r}, {out!r}, timeout=200, fresh=
 """
 KERNEL_STEP_PRESETS = ["1bit", "8bit", "8bit-sign"]
 
+#: the sections of gpu_check's dry run that fail by its test hook (--fail-section): one of gpu_check.py,
+#: one of gpu_path.py (at N = 1 and on both ranks of --ranks 2)
+GPU_CHECK_INJECTED = ("bandwidth", "overlap hook")
+
 #: the subprocesses of this module, started when collection ends (they run on the core left idle)
 BACKGROUND = {
     "kernels_interp": _in_background(lambda _: python_cmd(str(ROOT / "tests" / "kernels_interp.py")), 240),
+    # with a failure injected at the end of two sections (after their work: every row is still there)
     "gpu_check_dry_run": _in_background(
-        lambda _: ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run", "--ranks", "2"], 280
+        lambda workdir: [
+            "bash",
+            str(ROOT / "benchmarks" / "gpu_check.sh"),
+            *("--dry-run", "--ranks", "2", "--out", str(workdir / "table.txt")),
+            *(arg for section in GPU_CHECK_INJECTED for arg in ("--fail-section", section)),
+        ],
+        280,
     ),
     "gpu_check_without_cuda": _in_background(
         lambda _: python_cmd(str(ROOT / "benchmarks" / "gpu_check.py")), 120, needs_triton=False
@@ -180,13 +191,32 @@ def test_input_checks():
 # ----------------------------------------------------------------------------- gpu_check CPU mode
 
 
+#: gpu_check's sections in a dry run with --ranks 2, in order (``--fail-section`` takes these names)
+GPU_CHECK_SECTIONS = (
+    *("kernels", "half-way rule", "bandwidth", "process group", "gloo group", "votes", "presets"),
+    *("overlap hook", "local steps", "consolidation", "host syncs", "CUDA syncs (profiler)"),
+    *("350M step", "several ranks"),
+)
+
+
+def _final_table(stdout: str) -> str:
+    """The table gpu_check prints last (from its last header line on)."""
+    start = stdout.rfind("\nsection ")
+    assert start >= 0, stdout[-4000:]
+    return stdout[start:]
+
+
 @pytest.mark.slow
 @pytest.mark.background("gpu_check_dry_run")
 @pytest.mark.skipif(not HAVE_TRITON, reason=NO_TRITON)
 def test_gpu_check_dry_run():
     proc = background.result("gpu_check_dry_run", BACKGROUND["gpu_check_dry_run"])
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    # only the injected failures (test_gpu_check_survives_a_failing_section): exit 1, no other section failed
+    injected = [*GPU_CHECK_INJECTED, "overlap hook N=2"]
+    assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert f"gpu_check: 3 section(s) failed: {'; '.join(injected)} (" in proc.stdout, proc.stdout[-4000:]
     assert "all correctness checks passed" in proc.stdout
+    assert "gpu_check.sh: interpreter " in proc.stdout and "; --dry-run" in proc.stdout  # and its torch
     for item in (
         "quantize_l1",
         "majority_pack",
@@ -205,7 +235,61 @@ def test_gpu_check_dry_run():
             "1bit, local steps h=2: saved at step 3 and resumed = uninterrupted, 4 steps: equal",
         ):
             assert prefix + item in proc.stdout, prefix + item
-    assert "[host syncs] LionCub 1bit step, 8 vs 16 tensors" in proc.stdout  # on a GPU: 8 vs 64
+    # consolidation checked at N = 1 too: rank 0's own entry (the top level), not an empty list
+    assert (
+        "[vote path] 8bit: consolidated on rank 0: 1 entries (rank 0's own on cpu, 0 gathered" in proc.stdout
+    )
+    assert "[vote path N=2] rank 0/2: 8bit: consolidated on rank 0: 2 entries" in proc.stdout
+    # host syncs per step and per bucket: on a GPU 8 vs 64 tensors, 1 / 8 / 64 buckets
+    for prefix in ("[host syncs] ", "[host syncs N=2] rank 1/2: "):
+        assert prefix + "LionCub 1bit step, 4 vs 8 tensors (1 bucket): " in proc.stdout
+        assert (
+            prefix + "LionCub 8bit step, 8 tensors in 1 / 2 / 8 buckets: host reads per step " in proc.stdout
+        )
+    assert "(per bucket " in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.background("gpu_check_dry_run")
+@pytest.mark.skipif(not HAVE_TRITON, reason=NO_TRITON)
+def test_gpu_check_survives_a_failing_section():
+    """A section that raises (here by the test hook --fail-section, at its end) is a FAIL row with its
+    traceback, printed and kept in the table's file; the sections after it run; the whole table is printed
+    last and written to --out; the exit code is 1."""
+    import re
+
+    proc = background.result("gpu_check_dry_run", BACKGROUND["gpu_check_dry_run"])
+    assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-2000:]
+    written = (background.workdir("gpu_check_dry_run") / "table.txt").read_text()
+    printed = _final_table(proc.stdout)
+    for section in ("bandwidth", "overlap hook"):
+        message = f"RuntimeError: failure injected at the end of section {section!r} (--fail-section)"
+        # printed when it happened, with its traceback
+        assert f"[{section}] FAIL: {message}\nTraceback (most recent call last):" in proc.stdout
+        for table in (printed, written):
+            assert re.search(
+                rf"^{section} +section failed +{re.escape(message)} +runs to its end +FAIL$", table, re.M
+            )
+            assert re.search(rf"^sections +{section} +[0-9.]+ s +FAIL$", table, re.M)
+        # kept in the file
+        assert f"--- traceback of section {section}:\nTraceback (most recent call last):" in written
+    for r in (0, 1):
+        label = f"rank {r}/2: RuntimeError: failure injected at the end of section 'overlap hook'"
+        assert re.search(rf"^overlap hook N=2 +section failed +{re.escape(label)}", written, re.M)
+    # every section ran, those after the failures too, and their rows are in both tables
+    for section in GPU_CHECK_SECTIONS:
+        verdict = "FAIL" if section in GPU_CHECK_INJECTED else "ok"
+        for table in (printed, written):
+            assert re.search(rf"^sections +{re.escape(section)} +[0-9.]+ s +{verdict}$", table, re.M), section
+    for section, item in (
+        ("vote path", "LionCub 1bit, local steps h=2 outer=vote: 5 steps vs gloo"),  # after overlap hook
+        ("vote path N=2", "rank 1/2: 1bit, local steps h=2: saved at step 3 and resumed = uninterrupted"),
+        ("350M step", "plain Lion (foreach) step"),
+        ("host syncs N=2", "rank 0/2: LionCub 1bit step, 8 tensors in 1 / 2 / 8 buckets"),
+    ):
+        for table in (printed, written):
+            assert re.search(rf"^{re.escape(section)} +{re.escape(item)}", table, re.M), (section, item)
+    assert written.startswith("section ") and "still running" not in written
 
 
 @pytest.mark.slow

@@ -345,3 +345,32 @@ def test_momentum_sync_stages_in_the_optimizers_buckets() -> None:
     in buckets of the optimizer's ``bucket_mb``."""
     for seen in run_workers(worker_sync_bucket_mb, 2):
         assert seen == [0.01, 0.01, 0.02], seen
+
+
+def worker_contribution_buffers(rank: int, world: int) -> list[list[bool]]:
+    """After each of four steps, which buckets hold a contribution buffer: a vote every step, and local
+    steps with H = 2 (a sign vote and DiLoCo as the outer rule)."""
+    x = torch.randn(16, 24, generator=torch.Generator().manual_seed(rank))
+    out = []
+    for options in (
+        dict(variant="1bit"),
+        dict(variant="1bit", local_steps=LocalSteps(h=2)),
+        dict(variant="32bit", local_steps=LocalSteps(h=2, outer="diloco")),
+    ):
+        model = dense_model()
+        opt = LionCub(model.parameters(), lr=1e-3, bucket_mb=1000 * 4 / 2**20, **options)
+        held = []
+        for _ in range(4):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+            held.append(any(b.flat is not None for b in opt.layout.buckets))
+        out.append(held)
+    return out
+
+
+def test_an_outer_rule_keeps_no_contribution_buffers_between_its_votes() -> None:
+    """The buckets' contribution buffers (one element per parameter) stay between the votes of a vote every
+    step, and are let go after each outer step of local steps (the next is H steps away)."""
+    for held in run_workers(worker_contribution_buffers, 2):
+        assert held == [[True] * 4, [False] * 4, [False] * 4], held

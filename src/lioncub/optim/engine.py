@@ -318,6 +318,13 @@ class StepEngine:
         self.clock.book(times, "exchange", t0)
         return [self.vote.update(ballot) for ballot in ballots]
 
+    @staticmethod
+    def release(buckets: Sequence[Bucket]) -> None:
+        """Let go of the buckets' contribution buffers (made again at the next contribution): for a vote
+        that runs once per H steps (an outer rule), not a bucket-sized buffer per bucket kept between."""
+        for bucket in buckets:
+            bucket.flat = None
+
     def discard(self, ballots: Sequence[Ballot]) -> None:
         """Wait for every posted vote without applying it (a dropped step: none stays in flight)."""
         for ballot in ballots:

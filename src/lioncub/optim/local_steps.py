@@ -316,6 +316,7 @@ class LocalWindow(StepPolicy):
         finally:
             for p, g in zip(params, user_grads, strict=True):
                 p.grad = g
+            opt.engine.release(opt.layout.buckets)  # the next contribution is H steps away
         for p in params:  # the window's weight decay, where the outer step moved the parameter
             decay = self.decay[opt.engine.state.group_index(p)]
             if untouched is not None and id(p) not in untouched and decay != 1.0:

@@ -139,15 +139,52 @@ def quantize_halfway_case() -> None:
 
 
 def majority_case() -> None:
+    """Random rows against the torch reference: word loads (rows of a multiple of 4 bytes, aligned) and byte
+    loads (other lengths, or a misaligned start), several programs (2 KiB of each row per program), n_bits
+    cut inside a byte, ties either way, more workers than rows, and counts needing up to 9 bit planes."""
     gen = torch.Generator().manual_seed(3)
-    for n_rows in (1, 2, 3, 4, 5, 8, 16):
-        for row_bytes in (0, 1, 3, 129):
-            rows = torch.randint(0, 256, (n_rows, row_bytes), dtype=torch.uint8, generator=gen)
-            for tie in (True, False):
-                for n_bits in {row_bytes * 8, max(0, row_bytes * 8 - 5)}:
-                    a = kernels.majority_pack(rows, tie, n_bits=n_bits, backend="torch")
-                    b = kernels.majority_pack(rows, tie, n_bits=n_bits, backend="triton")
-                    same(a, b, f"N={n_rows} B={row_bytes} tie+={tie} n_bits={n_bits}")
+    cases = [(n, b) for n in (1, 2, 3, 4, 5, 8, 16) for b in (0, 1, 3, 4, 129, 132)]
+    cases += [(3, 4101), (4, 4104), (33, 132), (300, 8)]  # several programs (bytes, words); 6, 9 planes
+    for n_rows, row_bytes in cases:
+        rows = torch.randint(0, 256, (n_rows, row_bytes), dtype=torch.uint8, generator=gen)
+        for tie in (True, False):
+            cuts = {row_bytes * 8, max(0, row_bytes * 8 - 5), max(0, row_bytes * 8 - 13)}
+            for n_bits in cuts if n_rows < 300 else {row_bytes * 8 - 3}:  # the long loop: fewer calls
+                for workers in {n_rows, n_rows + 2}:
+                    a = kernels.majority_pack(rows, tie, n_bits=n_bits, n_workers=workers, backend="torch")
+                    b = kernels.majority_pack(rows, tie, n_bits=n_bits, n_workers=workers, backend="triton")
+                    same(a, b, f"N={n_rows} workers={workers} B={row_bytes} tie+={tie} n_bits={n_bits}")
+    backing = torch.randint(0, 256, (5 * 132 + 1,), dtype=torch.uint8, generator=gen)
+    shifted = backing[1:].view(5, 132)  # rows of 4k bytes at an odd address: byte loads
+    for tie in (True, False):
+        a = kernels.majority_pack(shifted, tie, backend="torch")
+        same(a, kernels.majority_pack(shifted, tie, backend="triton"), f"misaligned rows tie+={tie}")
+    ties = torch.tensor([[0b10101010] * 8, [0b01010101] * 8], dtype=torch.uint8)  # every bit a 1-1 tie
+    for tie in (True, False):
+        want = [255 if tie else 0] * 8
+        assert kernels.majority_pack(ties, tie, backend="triton").tolist() == want
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=25, deadline=None, database=None)
+    @given(
+        st.integers(1, 12),
+        st.integers(0, 40),
+        st.integers(0, 7),
+        st.integers(0, 3),
+        st.booleans(),
+        st.integers(0, 2**32 - 1),
+    )
+    def agree(n_rows, row_bytes, cut, extra, tie, seed):
+        g = torch.Generator().manual_seed(seed)
+        rows = torch.randint(0, 256, (n_rows, row_bytes), dtype=torch.uint8, generator=g)
+        n_bits = max(0, row_bytes * 8 - cut)
+        a = kernels.majority_pack(rows, tie, n_bits=n_bits, n_workers=n_rows + extra, backend="torch")
+        b = kernels.majority_pack(rows, tie, n_bits=n_bits, n_workers=n_rows + extra, backend="triton")
+        same(a, b, f"N={n_rows}+{extra} B={row_bytes} n_bits={n_bits} tie+={tie}")
+
+    agree()
 
 
 def apply_case(dtype: torch.dtype) -> None:

@@ -92,6 +92,7 @@ class _Recorder:
     def __init__(self) -> None:
         self.current: list[Any] = []  # the guard's stack of entered tensors' devices
         self.launches: list[tuple[str, Any, list[torch.device]]] = []
+        self.calls: list[tuple[str, Any, tuple, dict]] = []  # (kernel, grid, args, kwargs)
 
     def __getattr__(self, name: str) -> Any:
         if not name.endswith("_kernel"):
@@ -104,6 +105,7 @@ class _Recorder:
                     devices = [a.device for a in args if isinstance(a, torch.Tensor)]
                     where = recorder.current[-1] if recorder.current else None
                     recorder.launches.append((name, where, devices))
+                    recorder.calls.append((name, grid, args, kwargs))
 
                 return launch
 
@@ -145,6 +147,20 @@ def test_every_triton_launch_path_enters_its_tensors_device(recorded: _Recorder)
     for name, where, devices in recorded.launches:
         assert where is not None, f"{name} launched outside the device guard"
         assert devices and all(d == where for d in devices), (name, where, devices)
+
+
+# ----------------------------------------------------------------------------- finding 9: the majority
+
+
+def test_the_majority_kernel_takes_kilobytes_per_program_in_words(recorded: _Recorder) -> None:
+    """Each program takes 2 KiB of every row (the first kernel: 128 bytes), read as 32-bit words where the
+    rows allow it (a row of a multiple of 4 bytes at an aligned address), else as bytes."""
+    rows = torch.zeros(8, 8192, dtype=torch.uint8)
+    kernels.majority_pack(rows, True, backend="triton")
+    kernels.majority_pack(torch.zeros(8, 8191, dtype=torch.uint8), True, backend="triton")
+    (_, grid, args, kwargs), (_, grid_b, args_b, kwargs_b) = recorded.calls
+    assert grid == (4,) and kwargs["WORDS"] and args[0].dtype == torch.int32  # 8 KiB rows: 4 programs
+    assert grid_b == (4,) and not kwargs_b["WORDS"] and args_b[0].dtype == torch.uint8
 
 
 # ----------------------------------------------------------------------------- finding 4: tables per layout

@@ -306,8 +306,20 @@ def _momentum_ref_(m: torch.Tensor, g: torch.Tensor, beta2: float) -> None:
 
 # ------------------------------------------------------------------------------------ Triton kernels
 
-_BLOCK_B = 128  # packed bytes per program (1024 elements)
 _BLOCK = 1024  # elements per program
+
+# The 1-bit majority (issue 44, finding 9): it moves N·B bytes in and B out, so it should run at copy
+# bandwidth. Its first kernel took 128 bytes of each row per program with one byte load per byte and
+# counted each bit apart (unpack to 8 lanes: a shift, an and and an add per bit, 24 integer ops per byte and
+# row), and was measured at ~9 % of copy bandwidth. Now a program takes 2 KiB of each row (512 words,
+# 4 per thread at 4 warps: 16 bytes in flight per thread and row), loads 32-bit words where the rows allow it
+# (row length a multiple of 4 bytes, aligned: one load per 4 bytes, vectorised further where Triton can
+# prove alignment; else 4 byte loads assembled into a word) and counts bit-sliced: 2 bitwise ops per
+# counter plane per word, log2(N + 1) planes, i.e. ~2·log2(N + 1)/4 ops per byte and row (N = 8: 2, not
+# 24). Loads per byte drop 4x and integer work ~10x, so the kernel should be bound by memory, not by
+# instructions (a GPU measures it: benchmarks/gpu_check.py's majority_pack row).
+_MAJORITY_WORDS = 512  # 32-bit words of each row per program (2 KiB)
+_MAX_COUNT = (1 << 16) - 1  # the kernel's 16 counter planes
 
 
 # ------------------------------------------------------------------------------------ L1 quantizer
@@ -535,12 +547,25 @@ def majority_pack(
     if which == "cpu":
         native.majority(rows, out, n_bits=n_bits, threshold=threshold)
         return out
-    if out_bytes:
-        grid = -(-out_bytes // _BLOCK_B)
-        with _on_device(rows):
-            _triton().majority_kernel[(grid,)](
-                rows, out, n, row_bytes, out_bytes, n_bits, threshold, BLOCK_B=_BLOCK_B
-            )
+    if not out_bytes:
+        return out
+    if max(n, threshold) > _MAX_COUNT:  # more workers than the kernel's counters hold: torch's count
+        return out.copy_(packing.pack_majority(packing.count_votes(rows, n_bits), n_workers, tie_positive))
+    words = row_bytes % 4 == 0 and rows.data_ptr() % 4 == 0
+    grid = -(-out_bytes // (4 * _MAJORITY_WORDS))
+    with _on_device(rows):
+        _triton().majority_kernel[(grid,)](
+            rows.view(torch.int32) if words else rows,
+            out,
+            n,
+            row_bytes // 4 if words else row_bytes,
+            out_bytes,
+            n_bits,
+            threshold,
+            BLOCK_W=_MAJORITY_WORDS,
+            PLANES=max(1, n.bit_length()),
+            WORDS=words,
+        )
     return out
 
 

@@ -127,21 +127,128 @@ if HAVE_TRITON:
         tl.store(out_ptr + offs, q.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _bump(c, carry):
+        """One bit plane of a bit-sliced counter plus a carry word: (sum bit, carry out), 32 lanes at once."""
+        return c ^ carry, c & carry
+
+    @triton.jit
+    def _borrow(c, b, ones, threshold, j: tl.constexpr):
+        """Bit plane ``j`` of ``count − threshold``: the borrow out of it, given the borrow ``b`` into it
+        (``ones``: all bits set; ``c ^ ones`` is ``~c``, which the interpreter cannot take on uint32)."""
+        t = ((threshold >> j) & 1) != 0
+        return tl.where(t, (c ^ ones) | b, (c ^ ones) & b)
+
+    @triton.jit
     def majority_kernel(
-        rows_ptr, out_ptr, n_rows, row_bytes, out_bytes, n_bits, threshold, BLOCK_B: tl.constexpr
+        rows_ptr,
+        out_ptr,
+        n_rows,
+        row_stride,
+        out_bytes,
+        n_bits,
+        threshold,
+        BLOCK_W: tl.constexpr,
+        PLANES: tl.constexpr,
+        WORDS: tl.constexpr,
     ):
+        """Majority of ``n_rows`` packed rows over ``BLOCK_W`` 32-bit words (4·BLOCK_W bytes) per program.
+
+        Counts bit-sliced: plane ``c_j`` holds bit j of the 32 per-bit counts of a word, so adding a row
+        word is a ripple carry over the planes (2 bitwise ops per plane for 32 bits), and ``count ≥
+        threshold`` is the borrow out of a bit-sliced subtraction. ``WORDS``: the rows are int32 words
+        (row length a multiple of 4 bytes, aligned; ``row_stride`` in words), one load per 4 bytes; else
+        uint8 (``row_stride`` in bytes), 4 byte loads OR-ed into a word. Bytes are little-endian in a
+        word, as GPUs and x86 load them. Bits at positions ≥ ``n_bits`` are 0.
+        """
         pid = tl.program_id(0)
-        rb = pid.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
-        mask = rb < out_bytes
-        shifts = 7 - tl.arange(0, 8)
-        counts = tl.zeros([BLOCK_B, 8], dtype=tl.int32)
-        for r in range(0, n_rows):
-            v = tl.load(rows_ptr + r * row_bytes + rb, mask=mask, other=0).to(tl.int32)
-            counts += (v[:, None] >> shifts[None, :]) & 1
-        bitpos = rb[:, None] * 8 + tl.arange(0, 8)[None, :]
-        win = (counts >= threshold) & (bitpos < n_bits)
-        byte = tl.sum(win.to(tl.int32) << shifts[None, :], axis=1)
-        tl.store(out_ptr + rb, byte.to(tl.uint8), mask=mask)
+        w = pid.to(tl.int64) * BLOCK_W + tl.arange(0, BLOCK_W)  # word index
+        lane = tl.arange(0, 4)
+        byte = w[:, None] * 4 + lane[None, :]  # [BLOCK_W, 4] byte index
+        bmask = byte < out_bytes
+        wmask = w * 4 < out_bytes
+        shift = (lane * 8).to(tl.uint32)
+        zero = tl.zeros([BLOCK_W], dtype=tl.uint32)
+        ones = tl.full([BLOCK_W], 0xFFFFFFFF, tl.uint32)
+        c0 = zero
+        c1 = zero
+        c2 = zero
+        c3 = zero
+        c4 = zero
+        c5 = zero
+        c6 = zero
+        c7 = zero
+        c8 = zero
+        c9 = zero
+        c10 = zero
+        c11 = zero
+        c12 = zero
+        c13 = zero
+        c14 = zero
+        c15 = zero
+        base = rows_ptr
+        for _r in range(0, n_rows):
+            if WORDS:
+                v = tl.load(base + w, mask=wmask, other=0).to(tl.uint32, bitcast=True)
+            else:
+                at = base + w * 4
+                v = tl.load(at, mask=wmask, other=0).to(tl.uint32)
+                v |= tl.load(at + 1, mask=w * 4 + 1 < out_bytes, other=0).to(tl.uint32) << 8
+                v |= tl.load(at + 2, mask=w * 4 + 2 < out_bytes, other=0).to(tl.uint32) << 16
+                v |= tl.load(at + 3, mask=w * 4 + 3 < out_bytes, other=0).to(tl.uint32) << 24
+            c0, carry = _bump(c0, v)
+            if PLANES > 1:
+                c1, carry = _bump(c1, carry)
+            if PLANES > 2:
+                c2, carry = _bump(c2, carry)
+            if PLANES > 3:
+                c3, carry = _bump(c3, carry)
+            if PLANES > 4:
+                c4, carry = _bump(c4, carry)
+            if PLANES > 5:
+                c5, carry = _bump(c5, carry)
+            if PLANES > 6:
+                c6, carry = _bump(c6, carry)
+            if PLANES > 7:
+                c7, carry = _bump(c7, carry)
+            if PLANES > 8:
+                c8, carry = _bump(c8, carry)
+            if PLANES > 9:
+                c9, carry = _bump(c9, carry)
+            if PLANES > 10:
+                c10, carry = _bump(c10, carry)
+            if PLANES > 11:
+                c11, carry = _bump(c11, carry)
+            if PLANES > 12:
+                c12, carry = _bump(c12, carry)
+            if PLANES > 13:
+                c13, carry = _bump(c13, carry)
+            if PLANES > 14:
+                c14, carry = _bump(c14, carry)
+            if PLANES > 15:
+                c15, carry = _bump(c15, carry)
+            base += row_stride  # pointer arithmetic: no 32-bit product r·stride to overflow
+        borrow = zero  # count − threshold over 16 planes (the unused ones are 0): win where no borrow
+        borrow = _borrow(c0, borrow, ones, threshold, 0)
+        borrow = _borrow(c1, borrow, ones, threshold, 1)
+        borrow = _borrow(c2, borrow, ones, threshold, 2)
+        borrow = _borrow(c3, borrow, ones, threshold, 3)
+        borrow = _borrow(c4, borrow, ones, threshold, 4)
+        borrow = _borrow(c5, borrow, ones, threshold, 5)
+        borrow = _borrow(c6, borrow, ones, threshold, 6)
+        borrow = _borrow(c7, borrow, ones, threshold, 7)
+        borrow = _borrow(c8, borrow, ones, threshold, 8)
+        borrow = _borrow(c9, borrow, ones, threshold, 9)
+        borrow = _borrow(c10, borrow, ones, threshold, 10)
+        borrow = _borrow(c11, borrow, ones, threshold, 11)
+        borrow = _borrow(c12, borrow, ones, threshold, 12)
+        borrow = _borrow(c13, borrow, ones, threshold, 13)
+        borrow = _borrow(c14, borrow, ones, threshold, 14)
+        borrow = _borrow(c15, borrow, ones, threshold, 15)
+        win = borrow ^ ones
+        out = (win[:, None] >> shift[None, :]) & 0xFF
+        valid = tl.minimum(tl.maximum(n_bits - byte * 8, 0), 8)  # bits of each byte below n_bits
+        keep = (0xFF00 >> valid) & 0xFF  # MSB first: the top `valid` bits
+        tl.store(out_ptr + byte, (out & keep.to(tl.uint32)).to(tl.uint8), mask=bmask)
 
     @triton.jit
     def apply_kernel(

@@ -74,6 +74,7 @@ from lioncub._validate import is_int, is_number
 from lioncub.collectives import GroupComm
 from lioncub.collectives.base import CollectiveError
 from lioncub.integrations.common import require
+from lioncub.integrations.group_settings import first_difference, refuse_off_cpu, settings_of
 from lioncub.integrations.group_shares import GroupShares, shard
 from lioncub.optim.lioncub import LionCub
 
@@ -114,52 +115,6 @@ class Heal:
     source: str
     nbytes: int
     seconds: float
-
-
-def settings_of(optimizer: LionCub) -> dict[str, Any]:
-    """What every group of a job must share: the variant, its update rule, the local steps, each param
-    group's betas, weight decay and maximize flag, and each parameter's shape and dtype (the learning rate
-    is not compared: it follows the step, which the heal brings along)."""
-    meta = optimizer.state_dict()["lioncub"]
-    return {
-        "variant": meta["variant"],
-        "rule": meta["rule"],
-        "local_steps": meta["local_steps"],
-        "groups": [
-            {"betas": list(g["betas"]), "weight_decay": g["weight_decay"], "maximize": g["maximize"]}
-            for g in optimizer.param_groups
-        ],
-        "params": [[list(p.shape), str(p.dtype)] for g in optimizer.param_groups for p in g["params"]],
-    }
-
-
-def _first_difference(ours: dict[str, Any], theirs: dict[str, Any]) -> tuple[str, str, str] | None:
-    """The first setting of :func:`settings_of` that differs, as (its name, ours, theirs), or None."""
-    for key in ours:
-        mine, other = ours[key], theirs.get(key)
-        if mine == other:
-            continue
-        if key in ("groups", "params") and isinstance(other, list) and len(mine) == len(other):
-            i = next(i for i in range(len(mine)) if mine[i] != other[i])
-            if key == "params":
-                return f"parameter {i} (shape, dtype)", repr(tuple(mine[i])), repr(tuple(other[i]))
-            field = next(f for f in mine[i] if mine[i][f] != other[i].get(f))
-            show = tuple if field == "betas" else (lambda v: v)
-            return f"param group {i}'s {field}", repr(show(mine[i][field])), repr(show(other[i].get(field)))
-        return key, repr(mine), repr(other)
-    return None
-
-
-def _refuse_off_cpu(params: Sequence[torch.Tensor], where: str) -> None:
-    """``ValueError`` naming the first of ``params`` that is not a CPU tensor: the replica groups exchange
-    CPU tensors over torchft's gloo process group."""
-    for i, p in enumerate(params):
-        if p.device.type != "cpu":
-            raise ValueError(
-                f"{where}: parameter {i} is on {p.device}; the replica groups vote over torchft's gloo "
-                "process group (ProcessGroupGloo) on CPU tensors, so parameters on another device (CUDA) are "
-                "not supported: keep the model and its optimizer on the CPU"
-            )
 
 
 def _nbytes(tree: Any) -> int:
@@ -365,9 +320,9 @@ class ReplicaGroup(_Member):
                 "attach: give the LionCub built with process_group=group.comm (the group's GroupComm)"
             )
         where = f"replica group {self.replica_id}: attach"
-        _refuse_off_cpu([p for g in optimizer.param_groups for p in g["params"]], where)
+        refuse_off_cpu([p for g in optimizer.param_groups for p in g["params"]], where)
         if params is not None:
-            _refuse_off_cpu(list(params), f"{where} (params)")
+            refuse_off_cpu(list(params), f"{where} (params)")
         self._optimizer = optimizer
         self._settings = {**settings_of(optimizer), "ranks_per_group": self.group_world_size}
         if self.group_world_size > 1:
@@ -407,7 +362,7 @@ class ReplicaGroup(_Member):
         opt = self.optimizer
         if not self.boundary:
             return self.participants
-        _refuse_off_cpu(self._params(), f"replica group {self.replica_id}: begin")
+        refuse_off_cpu(self._params(), f"replica group {self.replica_id}: begin")
         self._snapshot = self._take()
         started = time.perf_counter()
         self._healed = None
@@ -497,7 +452,7 @@ class ReplicaGroup(_Member):
         """Load a peer's state (torchft calls it at the quorum that heals this group): refuse other settings
         (:class:`SettingsMismatchError`, naming the first that differs), then the peer's parameters and
         optimizer state; the momenta by ``momentum_on_heal``."""
-        difference = _first_difference(self._settings, state["settings"])
+        difference = first_difference(self._settings, state["settings"])
         if difference is not None:
             name, ours, theirs = difference
             raise SettingsMismatchError(

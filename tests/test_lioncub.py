@@ -12,7 +12,15 @@ import torch
 
 from lioncub.optim import Lion, LionCub
 from lioncub.optim.step_check import STEP_CHECK_WORDS
-from oracles import ALL_PRESETS, SHAPES, initial_params, local_grad, simulate, worker_run_presets
+from oracles import (
+    ALL_PRESETS,
+    SHAPES,
+    initial_params,
+    local_grad,
+    param_groups,
+    simulate,
+    worker_run_presets,
+)
 
 from processes import run_workers
 
@@ -160,3 +168,39 @@ def worker_state_round_trip(rank: int, world: int, tmp: str) -> list[torch.Tenso
 def test_resume_keeps_tie_phase_and_momenta(tmp_path) -> None:
     for res in run_workers(worker_state_round_trip, 2, str(tmp_path)):
         assert all(res)
+
+
+def worker_bucket_subsets(rank: int, world: int, variant: str) -> dict:
+    """Three steps of ``variant`` over small buckets, once by ``step()`` and once as two rounds per step
+    over halves of the buckets (``VoteRound.run(buckets=...)``, what a shard or a fragment runs)."""
+    from lioncub.optim.engine import StepTimes
+
+    out: dict = {}
+    for split in (False, True):
+        params = [torch.nn.Parameter(t) for t in initial_params(rank)]
+        opt = LionCub(param_groups(params), lr=0.01, variant=variant, bucket_mb=0.0005)
+        buckets = opt.layout.buckets
+        halves = [buckets[::2], buckets[1::2]]
+        for step in (1, 2, 3):
+            for i, p in enumerate(params):
+                p.grad = local_grad(rank, step, i, p.detach())
+            if not split:
+                opt.step()
+                continue
+            for half in halves:
+                before, times = opt.accounting.snapshot(), StepTimes()
+                result = opt.round.run(step, times, buckets=half)
+                assert result is not None
+                opt.round.finish(before, times, skipped=False)
+        out[split] = ([p.detach().clone() for p in params], [opt.state[p]["exp_avg"].clone() for p in params])
+        out["buckets"] = len(buckets)
+    return out
+
+
+@pytest.mark.parametrize("variant", ["1bit", "4bit", "dlion-avg"])
+def test_a_round_over_a_subset_of_buckets(variant: str) -> None:
+    """Rounds over disjoint subsets of the buckets, together, are bit for bit the round over all of them."""
+    for res in run_workers(worker_bucket_subsets, 3, variant):
+        assert res["buckets"] >= 3
+        for whole, parts in zip(res[False], res[True], strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(whole, parts, strict=True))

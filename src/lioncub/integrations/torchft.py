@@ -331,7 +331,7 @@ class ReplicaGroup(_Member):
             self._shares = GroupShares(params, self._params(), self.group_rank, size, pg, where)
         # the one-time "did DDP average the gradients?" comparison is a collective of a fresh optimizer's
         # first step: a group joining later would run it alone (groups have no DDP between them anyway)
-        optimizer.round.gradients_compared = True
+        optimizer.round.skip_gradient_comparison()
         self.comm.reconfigure(0, 1)
 
     @property

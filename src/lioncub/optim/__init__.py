@@ -13,11 +13,14 @@ Modules, each importing only those above it in this list:
 * :mod:`~lioncub.optim.engine` — the buckets and the walk of a step over them (:class:`StepEngine`);
 * :mod:`~lioncub.optim.layout` — which parameters a step votes on, in which buckets;
 * :mod:`~lioncub.optim.accounting` — :meth:`LionCub.comm_stats`;
-* :mod:`~lioncub.optim.round` — the vote round: contribute, check, post, apply, book;
-* :mod:`~lioncub.optim.policies` — how a step runs: one process, a vote every step;
-* :mod:`~lioncub.optim.outer` — the outer rules of local steps (vote, dsm, diloco);
+* :mod:`~lioncub.optim.context` — :class:`StepContext`: the parts a step's round, policy and rules take;
+* :mod:`~lioncub.optim.round` — :class:`VoteRound`: contribute, check, post, apply, book (over all buckets
+  or some);
+* :mod:`~lioncub.optim.policies` — how a step runs: one process, a vote every step; the window protocol;
+* :mod:`~lioncub.optim.outer` — the outer rules of local steps (vote, dsm, diloco), :data:`OUTER_RULES`;
 * :mod:`~lioncub.optim.windows` — a local-steps window across a save;
 * :mod:`~lioncub.optim.local_steps` — :class:`LocalSteps` and its policy, the window;
+* :mod:`~lioncub.optim.modes` — the step policy of each mode (:data:`STEP_MODES`);
 * :mod:`~lioncub.optim.state_dict` — per-rank state, consolidation for one-rank saves;
 * :mod:`~lioncub.optim.amp` — a GradScaler whose overflow decision every rank shares;
 * :mod:`~lioncub.optim.ddp` — DDP hooks that keep or count the gradient allreduce;
@@ -46,6 +49,8 @@ _EXPORTS = {
     "GradientChangedError": "lioncub.optim.step_check",
     "LionCub": "lioncub.optim.lioncub",
     "LocalSteps": "lioncub.optim.local_steps",
+    "StepContext": "lioncub.optim.context",
+    "VoteRound": "lioncub.optim.round",
     "ReplicaDivergenceError": "lioncub.optim.lioncub",
 }
 

@@ -59,13 +59,15 @@ from lioncub.optim import topology
 from lioncub.optim.accounting import Accounting
 from lioncub.optim.arguments import check_group, check_local_steps, check_options, vote_config
 from lioncub.optim.config import VoteConfig
+from lioncub.optim.context import StepContext
 from lioncub.optim.engine import StepEngine
 from lioncub.optim.factory import make_vote
 from lioncub.optim.layout import ParamLayout, named_parameters
 from lioncub.optim.lion import LeanOptimizer, check_lion_hyperparameters
-from lioncub.optim.local_steps import LocalSteps, LocalWindow
+from lioncub.optim.local_steps import LocalSteps
+from lioncub.optim.modes import STEP_MODES, PolicyOptions, step_mode
 from lioncub.optim.overlap import OverlapHook, overlap_group
-from lioncub.optim.policies import EveryStep, LionSteps, StepPolicy
+from lioncub.optim.policies import EveryStep
 from lioncub.optim.replicas import (
     ReplicaDivergenceError,
     ReplicaMismatchError,
@@ -74,7 +76,7 @@ from lioncub.optim.replicas import (
     parameter_checksum,
 )
 from lioncub.optim.round import InitialValues, VoteRound
-from lioncub.optim.state_dict import consolidated_entry, gather_states, restore_meta, state_meta
+from lioncub.optim.state_dict import StateOwner, consolidated_entry, gather_states, restore_meta, state_meta
 from lioncub.optim.step_check import (
     NONFINITE_MODES,
     Checks,
@@ -194,29 +196,27 @@ class LionCub(LeanOptimizer):
         self._consolidated: list[dict[str, Any] | None] | None = None
         self._ready = True
         self.accounting = Accounting(self.comm, () if levels is None else levels)
+        #: the parts the round, the policy and the outer rule work with (:mod:`lioncub.optim.context`)
+        self.ctx = StepContext(self, self.comm, self.engine, self.layout, self.accounting, checks, bucket_mb)
         initial = InitialValues(self.comm) if checks.broadcast_init and not self.single_process else None
         #: the vote round the step policy runs (:mod:`lioncub.optim.round`)
         self.round = VoteRound(
-            self, self.engine, self.layout, self.accounting, checks, initial,
-            grad_scale=lambda: self.applied_scale, compare_gradients=config.transport != "dense",
+            self.ctx, initial, grad_scale=lambda: self.applied_scale,
+            compare_gradients=config.transport != "dense",
         )  # fmt: skip
         chosen = self._select_sync(named, model)
         #: names of the parameters whose momenta are synchronized (see :mod:`lioncub.optim.sync`)
         self.sync_names = [n for n, _ in chosen]
-        #: the diagnostics of the last step that computed them: ``(step, {name: {...}, "overall": {...}})``
-        self.last_diagnostics: tuple[int, dict[str, dict[str, float]]] | None = None
-        #: how a step runs (:mod:`lioncub.optim.policies`)
-        self.policy = self._policy([p for _, p in chosen])
+        options = PolicyOptions(
+            self.local_steps, self.momentum_sync, [p for _, p in chosen], diagnostics_every
+        )
+        #: how a step runs (:mod:`lioncub.optim.policies`), and its window (local steps; else none),
+        #: picked by the mode (:mod:`lioncub.optim.modes`)
+        self.policy, self.window = STEP_MODES[step_mode(self.single_process, self.local_steps)](
+            self.ctx, self.round, options
+        )
         if initial is not None:
             initial.give(self.param_groups, self.layout)
-
-    def _policy(self, sync_params: list[torch.Tensor]) -> StepPolicy:
-        """One process: Lion's steps; local steps: windows and their outer rule; else a vote every step."""
-        if self.single_process:
-            return LionSteps(self)
-        if self.local_steps is not None:
-            return LocalWindow(self, self.local_steps)
-        return EveryStep(self, self.momentum_sync, sync_params, self.diagnostics_every)
 
     # -- construction --------------------------------------------------------------------------------
 
@@ -299,9 +299,9 @@ class LionCub(LeanOptimizer):
         self._consolidated = None
         if not self.single_process:  # a model moved after LionCub was built: named, not a kernel's error
             self.layout.check_device(self.comm.device, self.comm.rank)
-        self.policy.before_step()
+        self.window.before_step()
         overflow = self._unscale()
-        if self.policy.rebuilds_layout(self._global_step):
+        if self.window.rebuilds_layout(self._global_step):
             self._refresh_layout()
         self._global_step += 1
         self.comm.step = self._global_step
@@ -341,7 +341,7 @@ class LionCub(LeanOptimizer):
 
     def _own_state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
-        sd["lioncub"] = state_meta(self, self._engines()[-1].vote)
+        sd["lioncub"] = state_meta(self._owner(), self._global_step, self._engines()[-1].vote)
         self.policy.save(sd)
         return sd
 
@@ -374,7 +374,7 @@ class LionCub(LeanOptimizer):
         check_group_sizes(sd.get("param_groups", []), self.param_groups, (meta or {}).get("window"))
         checked = None
         if meta is not None:
-            self._global_step = restore_meta(self, meta, self._engines(), allow_world_size_change)
+            self._global_step = restore_meta(self._owner(), meta, self._engines(), allow_world_size_change)
             checked = self.policy.check_load(sd, meta)
         super().load_state_dict(sd)
         self._consolidated = None
@@ -386,28 +386,28 @@ class LionCub(LeanOptimizer):
         θ of the last outer step instead of this rank's replica (kept aside and put back on exit); else the
         parameters as they are, the same on every rank. Yields whether a window was in progress. Evaluate,
         pick or save a model here, so that every rank scores and writes the same one. Not collective."""
-        shown = self.policy.show_shared()
+        shown = self.window.show_shared()
         try:
             yield shown
         finally:
             if shown:
-                self.policy.hide_shared()
+                self.window.hide_shared()
 
     def show_shared_parameters(self) -> bool:
         """:meth:`shared_parameters` until the next ``step()``, which puts each rank's replica back first
         (for a framework that saves or evaluates with no hook after it); ``state_dict()`` meanwhile saves
         the replicas. Returns whether a window was in progress."""
-        return self.policy.show_shared()
+        return self.window.show_shared()
 
     def shared_values(self) -> dict[int, torch.Tensor]:
         """``id(p)`` → the value the ranks share, for each parameter that holds another one now (this
         rank's replica, in a local-steps window's middle: θ of the last outer step); ``{}`` elsewhere. For
         a framework that has the model's state dict in hand: replace those entries (do not modify them)."""
-        return self.policy.shared_values()
+        return self.window.shared_values()
 
     def hide_shared_parameters(self) -> None:
         """Put back each rank's replica after :meth:`show_shared_parameters` (else the next step does)."""
-        self.policy.hide_shared()
+        self.window.hide_shared()
 
     def continue_at(self, step: int) -> None:
         """Continue a run at optimizer ``step`` without its optimizer state (a model-only checkpoint): the
@@ -417,7 +417,7 @@ class LionCub(LeanOptimizer):
         if not (isinstance(step, int) and step >= 0):
             raise ValueError(f"continue_at(step={step!r}): step must be an int >= 0")
         self._global_step = step
-        self.policy.restart_at(step)
+        self.window.restart_at(step)
 
     # -- overlap ---------------------------------------------------------------------------------------
 
@@ -483,6 +483,10 @@ class LionCub(LeanOptimizer):
 
     # -- properties ------------------------------------------------------------------------------------
 
+    def _owner(self) -> StateOwner:
+        """What a saved state records of this optimizer, and a loaded one must match."""
+        return StateOwner(self.variant, self.config, self.comm, self.local_steps)
+
     def _engines(self) -> list[StepEngine]:
         """The plain step's engine, then the overlap hook's (whose stochastic quantizer draws when
         overlapping)."""
@@ -492,6 +496,12 @@ class LionCub(LeanOptimizer):
     def bucket_numels(self) -> list[int]:
         """Elements per bucket, in the order the buckets are voted on."""
         return [b.numel for b in self.layout.buckets]
+
+    @property
+    def last_diagnostics(self) -> tuple[int, dict[str, dict[str, float]]] | None:
+        """The diagnostics of the last step that computed them: ``(step, {name: {...}, "overall":
+        {...}})``, or ``None``."""
+        return self.policy.last_diagnostics
 
     @property
     def overlap_hook(self) -> OverlapHook | None:

@@ -45,9 +45,11 @@ import torch
 from lioncub._validate import is_int, is_number
 from lioncub.collectives import Comm
 from lioncub.optim.config import INNER_MOMENTA
+from lioncub.optim.context import StepContext
 from lioncub.optim.engine import StepTimes
-from lioncub.optim.outer import OUTER_RULES, OuterRule
+from lioncub.optim.outer import OUTER_RULES, OuterInputs, OuterRule
 from lioncub.optim.policies import StepPolicy, lion_step
+from lioncub.optim.round import VoteRound
 from lioncub.optim.step_check import check_step, grad_checksum, step_settings, warn_identical_gradients
 from lioncub.optim.sync import synchronize
 from lioncub.optim.windows import restore_window, window_record
@@ -184,7 +186,8 @@ def window_flag() -> torch.Tensor:
 
 
 class LocalWindow(StepPolicy):
-    """H local steps on every rank, then the outer rule (see the module docstring).
+    """H local steps on every rank, then the outer rule (see the module docstring); also the optimizer's
+    :class:`~lioncub.optim.policies.Window` (each rank's replicas in a window's middle).
 
     The layout is fixed for a window (:meth:`rebuilds_layout`): a parameter frozen, unfrozen or added in
     the middle of a window takes effect at the next one, so every collective of the window (its outer step)
@@ -193,12 +196,12 @@ class LocalWindow(StepPolicy):
     no rank had one, a zero vote where some did — as a step without local steps treats a ``None`` gradient.
 
     Args:
-        optimizer: the LionCub (its public parts).
+        ctx: the optimizer's parts; ``rnd``: the round the outer rule votes with.
         config: the :class:`LocalSteps`.
     """
 
-    def __init__(self, optimizer: Any, config: LocalSteps) -> None:
-        self.optimizer = optimizer
+    def __init__(self, ctx: StepContext, rnd: VoteRound, config: LocalSteps) -> None:
+        self.ctx, self.round = ctx, rnd
         self.config = config
         self.rule = config.rule()
         #: the window's weight decay so far, per param group: Π (1 − lr·weight_decay) over its inner steps
@@ -224,63 +227,63 @@ class LocalWindow(StepPolicy):
     @torch.no_grad()
     def step(self, overflow: bool) -> None:
         """One inner step on this rank, and after every H of them the outer step (collective then)."""
-        opt, h = self.optimizer, self.config.h
-        step, params = opt.global_step, opt.layout.params()
+        ctx, h = self.ctx, self.config.h
+        step, params = ctx.global_step, ctx.layout.params()
         if (step - 1) % h == 0 or self._restart:  # a window starts (a resume keeps the saved anchors)
             self._start_window(params)
             self._restart = False
-        if not opt.round.gradients_compared:
+        if not self.round.gradients_compared:
             self._compare_first_gradients(params)
-        before, times = opt.accounting.snapshot(), StepTimes()
-        t0 = opt.engine.clock.mark()
+        before, times = ctx.accounting.snapshot(), StepTimes()
+        t0 = ctx.engine.clock.mark()
         window = {id(p) for p in params}
-        alone = Comm.single(opt.comm.device)  # an inner step's nonfinite="raise" is this rank's alone
-        skipped = lion_step(opt, overflow, here=alone, window=window, decay=False)
-        opt.engine.clock.book(times, "apply", t0)
+        alone = Comm.single(ctx.comm.device)  # an inner step's nonfinite="raise" is this rank's alone
+        skipped = lion_step(ctx, overflow, here=alone, window=window, decay=False)
+        ctx.engine.clock.book(times, "apply", t0)
         for p in params:
-            if p.grad is not None and "window_grad" not in opt.state[p]:
-                opt.state[p]["window_grad"] = window_flag()
-        self.decay += [1.0] * (len(opt.param_groups) - len(self.decay))  # groups added in the window
-        for gi, group in enumerate(opt.param_groups):  # every inner step's decay, on every rank alike
+            if p.grad is not None and "window_grad" not in ctx.state[p]:
+                ctx.state[p]["window_grad"] = window_flag()
+        self.decay += [1.0] * (len(ctx.param_groups) - len(self.decay))  # groups added in the window
+        for gi, group in enumerate(ctx.param_groups):  # every inner step's decay, on every rank alike
             self.decay[gi] *= 1.0 - float(group["lr"]) * float(group["weight_decay"])
-        opt.accounting.finish_step(before, times, skipped=skipped)
+        ctx.accounting.finish_step(before, times, skipped=skipped)
         if step % h == 0:
-            opt.accounting.continue_step()  # "last": inner + outer
+            ctx.accounting.continue_step()  # "last": inner + outer
             self._outer_step(step // h, params)
 
     def _start_window(self, params: list[torch.Tensor]) -> None:
         """θ_t: every parameter of the window's layout gets its anchor; the others have none."""
-        opt, in_window = self.optimizer, {id(p) for p in params}
-        for group in opt.param_groups:
+        ctx, in_window = self.ctx, {id(p) for p in params}
+        for group in ctx.param_groups:
             for p in group["params"]:
                 if id(p) in in_window:
-                    state = opt.state[p]
+                    state = ctx.state[p]
                     if "anchor" in state:
                         state["anchor"].copy_(p)
                     else:
                         state["anchor"] = p.detach().clone(memory_format=torch.preserve_format)
                     state.pop("window_grad", None)
-                elif p in opt.state:  # left the layout: its value is the last outer step's
-                    opt.state[p].pop("anchor", None)
-                    opt.state[p].pop("window_grad", None)
-        self.decay = [1.0] * len(opt.param_groups)
+                elif p in ctx.state:  # left the layout: its value is the last outer step's
+                    ctx.state[p].pop("anchor", None)
+                    ctx.state[p].pop("window_grad", None)
+        self.decay = [1.0] * len(ctx.param_groups)
 
     def _compare_first_gradients(self, params: list[torch.Tensor]) -> None:
         """The first step's check, with the gradients' checksum: identical gradients on every rank mean
         that DDP averaged them (its allreduce then runs at every inner step, unseen by the counts)."""
-        opt = self.optimizer
+        ctx = self.ctx
         check = check_step(
-            opt.comm,
+            ctx.comm,
             [],
-            step=opt.global_step,
-            layout=opt.layout.hash,
+            step=ctx.global_step,
+            layout=ctx.layout.hash,
             missing_grads=0,
             grad_checksum=grad_checksum([p.grad for p in params if p.grad is not None]),
             nonfinite="skip",
-            settings=step_settings(None, opt.param_groups),
+            settings=step_settings(None, ctx.param_groups),
         )
-        opt.round.gradients_compared = True
-        if check.identical_grads and opt.comm.rank == 0:
+        self.round.skip_gradient_comparison()  # compared here, once
+        if check.identical_grads and ctx.comm.rank == 0:
             warn_identical_gradients(
                 "every inner step then allreduces the gradients through DDP (each replica follows the mean "
                 "gradient, and the bytes of local steps are not saved)"
@@ -291,12 +294,12 @@ class LocalWindow(StepPolicy):
         user's gradients are put back after), the parameters back to θ_t, the rule's step, the window's
         decay where it moved a parameter, then the inner momentum's policy (also when the outer step was
         skipped: the parameters stay at θ_t)."""
-        opt = self.optimizer
+        ctx = self.ctx
         user_grads = [p.grad for p in params]
         swapped: list[torch.Tensor] = []  # the parameters whose anchor holds Δ during the rule's step
         try:
             for p in params:
-                state = opt.state[p]
+                state = ctx.state[p]
                 if state.pop("window_grad", None) is None:
                     p.grad = None
                     p.copy_(state["anchor"])
@@ -306,61 +309,62 @@ class LocalWindow(StepPolicy):
                 else:
                     p.grad = state["anchor"] - p.detach()
                     p.copy_(state["anchor"])
-            booked = (opt.accounting.snapshot(), StepTimes())
-            opt.applied_scale = None  # Δ is not scaled: the ranks' scales may differ
-            untouched = self.rule.step(opt, outer_step, *booked)
+            booked = (ctx.accounting.snapshot(), StepTimes())
+            inputs = OuterInputs(self.round, outer_step, ctx.state, ctx.engine.state.group, *booked)
+            with self.round.unscaled():  # Δ is not scaled: the ranks' scales may differ
+                untouched = self.rule.step(inputs)
         except BaseException:
             for p in swapped:  # the state as before a failed outer step: the anchors hold θ_t again
-                opt.state[p]["anchor"].copy_(p)
+                ctx.state[p]["anchor"].copy_(p)
             raise
         finally:
             for p, g in zip(params, user_grads, strict=True):
                 p.grad = g
-            opt.engine.release(opt.layout.buckets)  # the next contribution is H steps away
+            ctx.engine.release(ctx.layout.buckets)  # the next contribution is H steps away
         for p in params:  # the window's weight decay, where the outer step moved the parameter
-            decay = self.decay[opt.engine.state.group_index(p)]
+            decay = self.decay[ctx.engine.state.group_index(p)]
             if untouched is not None and id(p) not in untouched and decay != 1.0:
                 p.mul_(decay)
         for p in params:  # the next window starts from θ_{t+1} (θ_t where the outer step was skipped)
-            opt.state[p]["anchor"].copy_(p)
+            ctx.state[p]["anchor"].copy_(p)
         rule = self.config.inner_momentum
         if rule != "keep":  # after the step check: the ranks agree on the layout
-            before, times = opt.accounting.snapshot(), StepTimes()
-            momenta = [opt.engine.state.momentum(p) for p in params]
-            t0 = opt.engine.clock.mark()
+            before, times = ctx.accounting.snapshot(), StepTimes()
+            momenta = [ctx.engine.state.momentum(p) for p in params]
+            t0 = ctx.engine.clock.mark()
             if rule == "reset":
                 for m in momenta:
                     m.zero_()
             else:
-                synchronize(opt.comm, momenta, torch.float32, bucket_mb=opt.bucket_mb)
-            opt.engine.clock.book(times, "sync", t0)
-            opt.accounting.continue_step()
-            opt.accounting.finish_step(before, times, skipped=False)
+                synchronize(ctx.comm, momenta, torch.float32, bucket_mb=ctx.bucket_mb)
+            ctx.engine.clock.book(times, "sync", t0)
+            ctx.accounting.continue_step()
+            ctx.accounting.finish_step(before, times, skipped=False)
 
     # -- a state saved in a window's middle (lioncub.optim.windows) ------------------------------------
 
     def _in_window(self, step: int) -> bool:
-        return step % self.config.h != 0 and not self.optimizer.single_process
+        return step % self.config.h != 0
 
     def save(self, sd: dict[str, Any]) -> None:
         """In a window's middle: every parameter's replica (a copy), the window's layout and its decay."""
-        opt = self.optimizer
-        if not self._in_window(opt.global_step):
+        ctx = self.ctx
+        if not self._in_window(ctx.global_step):
             return
         index = 0
-        for group in opt.param_groups:
+        for group in ctx.param_groups:
             for p in group["params"]:
                 kept = self._aside.get(id(p))  # θ_t shown: the replica is the one kept aside
                 replica = kept[1].clone() if kept is not None else p.detach().clone()
                 sd["state"][index] = {**sd["state"].get(index, {}), "replica": replica}
                 index += 1
-        sd["lioncub"]["window"] = window_record(opt.param_groups, opt.state, opt.layout.names)
+        sd["lioncub"]["window"] = window_record(ctx.param_groups, ctx.state, ctx.layout.names)
         sd["lioncub"]["window_decay"] = list(self.decay)
 
     def check_load(self, sd: dict[str, Any], meta: dict[str, Any]) -> set[int] | None:
         """The parameters of the window in progress at the state's step, checked before anything is
         loaded; ``None`` where no window is in progress."""
-        opt = self.optimizer
+        ctx = self.ctx
         step = int(meta["step"])
         if not self._in_window(step):
             return None
@@ -369,25 +373,26 @@ class LocalWindow(StepPolicy):
         else:
             why = "it was saved by one process (whose steps are Lion's, without windows)"
         return restore_window(
-            opt.param_groups, sd["state"], meta.get("window"), step=step, h=self.config.h, why_missing=why
+            ctx.param_groups, sd["state"], meta.get("window"), step=step, h=self.config.h, why_missing=why
         )
 
     def load(self, meta: dict[str, Any], checked: set[int] | None) -> None:
         """The replicas written into the parameters (now, and again at the next step), the window's layout
         (whatever ``requires_grad`` says now) and its decay."""
-        opt = self.optimizer
+        ctx = self.ctx
         self._replicas, self._aside = {}, {}
         with torch.no_grad():
-            for group in opt.param_groups:
+            for group in ctx.param_groups:
                 for p in group["params"]:
-                    replica = opt.state.get(p, {}).pop("replica", None)
+                    replica = ctx.state.get(p, {}).pop("replica", None)
                     if replica is not None:
                         p.copy_(replica)
                         self._replicas[id(p)] = (p, replica)
-                    if p in opt.state and not opt.state[p]:
-                        del opt.state[p]  # held the replica only
+                    if p in ctx.state and not ctx.state[p]:
+                        del ctx.state[p]  # held the replica only
         if checked is not None:
-            opt.restore_layout(checked)
+            ctx.layout.rebuild(ctx.param_groups, checked)  # the loaded window's layout
+            ctx.engine.state.refresh()
             self.decay = [float(d) for d in meta.get("window_decay", [])]
 
     # -- the ranks' common parameters in a window's middle ----------------------------------------------
@@ -395,24 +400,24 @@ class LocalWindow(StepPolicy):
     def show_shared(self) -> bool:
         """θ_t (each window parameter's anchor: the last outer step's, the same on every rank) into the
         parameters, each rank's replica kept aside; whether a window is in progress."""
-        opt = self.optimizer
+        ctx = self.ctx
         if self._aside:
             return True
-        if not self._in_window(opt.global_step):
+        if not self._in_window(ctx.global_step):
             return False
         with torch.no_grad():
-            for p in opt.layout.params():
-                anchor = opt.state[p].get("anchor")
+            for p in ctx.layout.params():
+                anchor = ctx.state[p].get("anchor")
                 if anchor is not None:
                     self._aside[id(p)] = (p, p.detach().clone())
                     p.copy_(anchor)
         return True
 
     def shared_values(self) -> dict[int, torch.Tensor]:
-        opt = self.optimizer
-        if self._aside or not self._in_window(opt.global_step):
+        ctx = self.ctx
+        if self._aside or not self._in_window(ctx.global_step):
             return {}  # shown already (the parameters hold θ_t), or no window in progress
-        return {id(p): opt.state[p]["anchor"] for p in opt.layout.params() if "anchor" in opt.state[p]}
+        return {id(p): ctx.state[p]["anchor"] for p in ctx.layout.params() if "anchor" in ctx.state[p]}
 
     def hide_shared(self) -> None:
         if self._aside:

@@ -1,8 +1,10 @@
 """The outer steps of local steps, one small class per rule (``LocalSteps(outer=...)``; the formulas are in
-``docs/local-steps.md``). A rule takes the round of the optimizer (:class:`~lioncub.optim.round.VoteRound`)
-with each parameter's pseudo-gradient Δ_r = θ_t − θ_r in ``.grad`` and the parameters at θ_t, and moves
-them to θ_{t+1} (the window's weight decay D is applied after it by the window,
-:class:`~lioncub.optim.local_steps.LocalWindow`).
+``docs/local-steps.md``). A rule is its hyperparameters; :meth:`OuterRule.step` takes
+:class:`OuterInputs` — the round it votes with (:class:`~lioncub.optim.round.VoteRound`), with each
+parameter's pseudo-gradient Δ_r = θ_t − θ_r in ``.grad`` and the parameters at θ_t, and the state it
+keeps (each parameter's outer momentum, in the per-parameter state a state dict saves) — and moves them
+to θ_{t+1} (the window's weight decay D is applied after it by the window,
+:class:`~lioncub.optim.local_steps.LocalWindow`). It reaches nothing else: no optimizer, no window.
 
 * :class:`SignOuter` — ``"vote"``: the optimizer's vote on ``c_r = β1ᵒ·M_r + (1 − β1ᵒ)·Δ_r`` (every rank's
   own outer momentum M_r), applied with ηᵒ = outer_lr·H·lr; ``"dsm"``: the same through a dense variant,
@@ -16,41 +18,70 @@ A new rule is a class here with its name, its defaults and :meth:`OuterRule.step
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, MutableMapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from lioncub.collectives import Hyper, flat_views
-from lioncub.optim.engine import StepTimes
+from lioncub.collectives import CommCounter, Hyper, flat_views
+from lioncub.optim.engine import Bucket, PhaseClock, StepTimes
+from lioncub.optim.round import VoteRound
 
-__all__ = ["OUTER_RULES", "DiLoCoOuter", "OuterRule", "OuterState", "SignOuter"]
+__all__ = ["OUTER_RULES", "DiLoCoOuter", "OuterInputs", "OuterRule", "OuterState", "SignOuter"]
+
+
+@dataclass(frozen=True)
+class OuterInputs:
+    """What an outer step works with.
+
+    Args:
+        round: the vote round it votes with (``.grad``: Δ_r; the parameters at θ_t); over ``buckets``
+            (``None``: the layout's).
+        outer_step: the outer step's number (the vote's tie phase).
+        state: each parameter's state, where the rule keeps its outer momentum (a state dict saves it).
+        group: the param group of a parameter (its current ``lr``).
+        before, times: where the step's booking starts (:meth:`VoteRound.finish`), and its phase times.
+        buckets: the buckets the outer step covers (``None``: all; a fragment's, say).
+    """
+
+    round: VoteRound
+    outer_step: int
+    state: MutableMapping[torch.Tensor, Any]
+    group: Callable[[torch.Tensor], dict[str, Any]]
+    before: CommCounter
+    times: StepTimes
+    buckets: Sequence[Bucket] | None = None
+
+    @property
+    def clock(self) -> PhaseClock:
+        return self.round.engine.clock
 
 
 class OuterState:
-    """The outer step's view of the optimizer (:class:`lioncub.collectives.ParamState`): each parameter's
-    outer momentum ``optimizer.state[p][key]`` (zeros at first), and the outer hyperparameters (ηᵒ =
-    ``lr_scale`` × the group's current lr, β1ᵒ, β2ᵒ, λᵒ; never ``maximize``: Δ already points the way the
-    inner steps went)."""
+    """An outer rule's :class:`lioncub.collectives.ParamState`: each parameter's outer momentum
+    ``state[p][key]`` (zeros at first), and the outer hyperparameters (ηᵒ = ``lr_scale`` × the group's
+    current lr, β1ᵒ, β2ᵒ, λᵒ; never ``maximize``: Δ already points the way the inner steps went)."""
 
     def __init__(
         self,
-        optimizer: Any,
+        inputs: OuterInputs,
         key: str,
         lr_scale: float,
         betas: tuple[float, float],
         weight_decay: float = 0.0,
     ) -> None:
-        self._optimizer, self._key = optimizer, key
+        self._state, self._group, self._key = inputs.state, inputs.group, key
         self._lr_scale, self._betas, self._weight_decay = lr_scale, betas, weight_decay
 
     def momentum(self, p: torch.Tensor) -> torch.Tensor:
-        state = self._optimizer.state[p]
+        state = self._state[p]
         if self._key not in state:
             state[self._key] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state[self._key]
 
     def hyper(self, p: torch.Tensor) -> Hyper:
-        lr = self._lr_scale * float(self._optimizer.engine.state.group(p)["lr"])
+        lr = self._lr_scale * float(self._group(p)["lr"])
         return Hyper(lr, self._betas[0], self._betas[1], self._weight_decay, False)
 
 
@@ -78,16 +109,16 @@ class OuterRule:
         """The outer lr where none is given, for H = ``h``: :attr:`lr`."""
         return cls.lr
 
-    def step(self, optimizer: Any, outer_step: int, before: Any, times: StepTimes) -> frozenset[int] | None:
-        """The outer step (collective), booked as one step from ``before`` with ``times``. Returns
-        ``None`` when it was skipped (the parameters stay at θ_t), else the ``id`` of the parameters it
-        left untouched (no gradient on any rank in the window)."""
+    def step(self, inputs: OuterInputs) -> frozenset[int] | None:
+        """The outer step (collective), booked as one step from ``inputs.before`` with ``inputs.times``.
+        Returns ``None`` when it was skipped (the parameters stay at θ_t), else the ``id`` of the
+        parameters it left untouched (no gradient on any rank in the window)."""
         raise NotImplementedError
 
 
 class SignOuter(OuterRule):
     """``"vote"`` (and ``"dsm"`` with a dense variant): one LionCub step with Δ_r as the gradient, the
-    outer momentum and hyperparameters, through the optimizer's round and vote."""
+    outer momentum and hyperparameters, through the round and its vote."""
 
     name = "vote"
 
@@ -98,12 +129,12 @@ class SignOuter(OuterRule):
         ``docs/findings.md`` §8.7; lioncub before it used 1 at every H)."""
         return min(cls.lr, math.sqrt(8.0 / h))
 
-    def step(self, optimizer: Any, outer_step: int, before: Any, times: StepTimes) -> frozenset[int] | None:
-        state = OuterState(
-            optimizer, self.state_key, self.outer_lr * self.h, self.outer_betas, self.weight_decay
-        )
-        result = optimizer.round.run(outer_step, times, state=state)
-        optimizer.round.finish(before, times, skipped=result is None)
+    def step(self, inputs: OuterInputs) -> frozenset[int] | None:
+        lr_scale = self.outer_lr * self.h
+        state = OuterState(inputs, self.state_key, lr_scale, self.outer_betas, self.weight_decay)
+        rnd, times = inputs.round, inputs.times
+        result = rnd.run(inputs.outer_step, times, state=state, buckets=inputs.buckets)
+        rnd.finish(inputs.before, times, skipped=result is None)
         return None if result is None else result.untouched
 
 
@@ -126,24 +157,24 @@ class DiLoCoOuter(OuterRule):
     state_key = "outer_buf"
     decays = False
 
-    def step(self, optimizer: Any, outer_step: int, before: Any, times: StepTimes) -> frozenset[int] | None:
-        rnd, mu = optimizer.round, self.outer_betas[0]
-        state = OuterState(optimizer, self.state_key, self.outer_lr, self.outer_betas)
-        ballots = rnd.contribute(outer_step, times, state)
-        check = rnd.check(ballots)
+    def step(self, inputs: OuterInputs) -> frozenset[int] | None:
+        rnd, mu, times, buckets = inputs.round, self.outer_betas[0], inputs.times, inputs.buckets
+        state = OuterState(inputs, self.state_key, self.outer_lr, self.outer_betas)
+        ballots = rnd.contribute(inputs.outer_step, times, state, buckets=buckets)
+        check = rnd.check(ballots, buckets=buckets)
         untouched = None
         if check.ok:
-            untouched = rnd.untouched(check)
-            rnd.post(ballots, outer_step, times)
+            untouched = rnd.untouched(check, buckets)
+            rnd.post(ballots, inputs.outer_step, times)
             means = rnd.means(ballots, times)
-            t0 = optimizer.engine.clock.mark()
+            t0 = inputs.clock.mark()
             for ballot, mean in zip(ballots, means, strict=True):
                 for p, d in zip(ballot.params, flat_views(mean, ballot.params), strict=True):
                     if id(p) not in untouched:  # v ← μ·v + Δ̄ (v starts at 0: Δ̄ at the first step)
                         buf = state.momentum(p).mul_(mu).add_(d)
                         p.add_(d.add(buf, alpha=mu), alpha=-self.outer_lr)
-            optimizer.engine.clock.book(times, "apply", t0)
-        rnd.finish(before, times, skipped=not check.ok)
+            inputs.clock.book(times, "apply", t0)
+        rnd.finish(inputs.before, times, skipped=not check.ok)
         return untouched
 
 

@@ -16,25 +16,27 @@ A round, on every rank alike:
    the decoded updates for a rule that applies them itself (DiLoCo's Nesterov step);
 4. :meth:`VoteRound.finish` — the round booked in :meth:`~lioncub.optim.LionCub.comm_stats`.
 
-:meth:`VoteRound.run` is 1–3 with the vote's own apply.
+:meth:`VoteRound.run` is 1–3 with the vote's own apply. Every phase takes ``buckets``, a subset of the
+layout's buckets (default: all of them): a shard of the parameters, or a fragment synchronised on its own
+schedule, runs its own rounds over its buckets (``docs/architecture.md``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from lioncub.collectives import Ballot, Comm, CommCounter, ParamState
-from lioncub.optim.accounting import Accounting
-from lioncub.optim.engine import StepEngine, StepTimes
+from lioncub.optim.context import StepContext
+from lioncub.optim.engine import Bucket, StepTimes
 from lioncub.optim.layout import ParamLayout
 from lioncub.optim.replicas import broadcast_parameters
 from lioncub.optim.step_check import (
-    Checks,
     GradientChangedError,
     NonFiniteGradientError,
     StepCheck,
@@ -87,11 +89,8 @@ class VoteRound:
     """One vote over the ranks with an optimizer's parts (see the module docstring).
 
     Args:
-        optimizer: whose ``param_groups`` (the settings the ranks compare) and step number
-            (``global_step``) the round reads.
-        engine, layout, accounting: the optimizer's (:mod:`lioncub.optim.engine`, ``layout``,
-            ``accounting``).
-        checks: the optimizer's :class:`~lioncub.optim.step_check.Checks`.
+        ctx: the optimizer's parts: its ``param_groups`` (the settings the ranks compare), step number,
+            engine, layout, accounting and checks (:class:`~lioncub.optim.context.StepContext`).
         initial: :class:`InitialValues` (``None``: no broadcast of joining parameters).
         grad_scale: the GradScaler's scale handed to the step (``None`` when none), part of the settings.
         compare_gradients: compare the gradients' checksums in the first round (the votes: identical
@@ -100,42 +99,70 @@ class VoteRound:
 
     def __init__(
         self,
-        optimizer: Any,
-        engine: StepEngine,
-        layout: ParamLayout,
-        accounting: Accounting,
-        checks: Checks,
+        ctx: StepContext,
         initial: InitialValues | None,
         grad_scale: Callable[[], torch.Tensor | None],
         compare_gradients: bool = True,
     ) -> None:
-        self.optimizer = optimizer
-        self.engine = engine
-        self.comm: Comm = engine.comm
-        self.layout = layout
-        self.accounting = accounting
-        self.checks = checks
+        self.ctx = ctx
+        self.engine = ctx.engine
+        self.comm: Comm = ctx.comm
+        self.layout: ParamLayout = ctx.layout
+        self.accounting = ctx.accounting
+        self.checks = ctx.checks
         self.initial = initial
         self._grad_scale = grad_scale
-        #: the one-time "already averaged?" comparison of the gradients has run (the first round, or the
-        #: first inner step of local steps)
-        self.gradients_compared = False
+        self._unscaled = False
+        self._compared = False
         self._compare = compare_gradients
         #: where posted ballots' traffic of another group is taken from (the overlap hook), at booking
         self.overlapped_traffic: Callable[[], tuple[float, float, int]] | None = None
 
+    @property
+    def gradients_compared(self) -> bool:
+        """The one-time "already averaged?" comparison of the gradients has run (the first round, or the
+        first inner step of local steps), or is not to run (:meth:`skip_gradient_comparison`)."""
+        return self._compared
+
+    def skip_gradient_comparison(self) -> None:
+        """No round compares the gradients from now on: the comparison ran elsewhere (a local-steps
+        window's first inner step), or would run alone (a replica group that joins later)."""
+        self._compared = True
+
+    @contextlib.contextmanager
+    def unscaled(self) -> Iterator[None]:
+        """Within: the rounds compare no GradScaler scale among the settings (an outer step's Δ is not
+        scaled: the ranks' scales may differ)."""
+        self._unscaled = True
+        try:
+            yield
+        finally:
+            self._unscaled = False
+
+    def _buckets(self, buckets: Sequence[Bucket] | None) -> Sequence[Bucket]:
+        return self.layout.buckets if buckets is None else buckets
+
+    def _params(self, buckets: Sequence[Bucket] | None) -> list[torch.Tensor]:
+        return self.layout.params() if buckets is None else [p for b in buckets for p in b.params]
+
     # -- the phases ----------------------------------------------------------------------------------
 
     def contribute(
-        self, vote_step: int, times: StepTimes, state: ParamState | None = None, keep_copy: bool = False
+        self,
+        vote_step: int,
+        times: StepTimes,
+        state: ParamState | None = None,
+        keep_copy: bool = False,
+        buckets: Sequence[Bucket] | None = None,
     ) -> list[Ballot]:
-        """Every bucket's contribution for the vote of ``vote_step`` (its tie phase)."""
+        """Every bucket's contribution (of ``buckets``; default: the layout's) for the vote of
+        ``vote_step`` (its tie phase)."""
         t0 = self.engine.clock.mark()
         ballots = [
             self.engine.contribute(
                 b, [p.grad for p in b.params], step=vote_step, keep_copy=keep_copy, state=state
             )
-            for b in self.layout.buckets
+            for b in self._buckets(buckets)
         ]
         self.engine.clock.book(times, "direction", t0)
         return ballots
@@ -147,34 +174,36 @@ class VoteRound:
         overflow: bool = False,
         changed: Sequence[str] = (),
         posted: bool = False,
+        buckets: Sequence[Bucket] | None = None,
     ) -> StepCheck:
         """:func:`~lioncub.optim.step_check.check_step` on the optimizer's group (and, the first time, the
         gradients' checksum: identical gradients on every rank are warned about); ballots already
         ``posted`` (overlap) are waited for before a failed check drops them or raises, so none stays in
-        flight. ``changed``: parameters whose gradients changed after an overlapped backward."""
-        params = self.layout.params()
+        flight. ``changed``: parameters whose gradients changed after an overlapped backward; ``buckets``:
+        those of the ballots (default: the layout's)."""
+        params = self._params(buckets)
         checksum = None
-        if self._compare and not self.gradients_compared:
+        if self._compare and not self._compared:
             checksum = grad_checksum([p.grad for p in params if p.grad is not None])
         try:
             check = check_step(
                 self.comm,
                 [b.peak for b in ballots],
-                step=self.optimizer.global_step,
+                step=self.ctx.global_step,
                 layout=self.layout.hash,
                 missing_grads=sum(p.grad is None for p in params),
                 overflow=overflow,
                 changed=changed,
                 grad_checksum=checksum,
                 nonfinite=self.checks.nonfinite,
-                settings=step_settings(self._grad_scale(), self.optimizer.param_groups),
+                settings=step_settings(None if self._unscaled else self._grad_scale(), self.ctx.param_groups),
             )
         except (NonFiniteGradientError, StepMismatchError, GradientChangedError):
             if posted:
                 self.engine.discard(ballots)
             raise
         if checksum is not None:
-            self.gradients_compared = True
+            self._compared = True
             if check.identical_grads and self.comm.rank == 0:
                 warn_identical_gradients(
                     "every rank votes on the same gradient (global Lion plus a pointless vote, and the "
@@ -184,27 +213,28 @@ class VoteRound:
             _log.warning(
                 "step %d skipped on every rank: non-finite gradients (NaN or Inf) or a GradScaler overflow "
                 "on rank(s) %s",
-                self.optimizer.global_step,
+                self.ctx.global_step,
                 check.bad_ranks,
             )
             if posted:
                 self.engine.discard(ballots)
         return check
 
-    def untouched(self, check: StepCheck) -> frozenset[int]:
-        """``id`` of the layout's parameters whose gradient is ``None`` on every rank (one allreduce of one
-        int32 per parameter tensor, on rounds where the check says some rank lacks a gradient); then rank 0's
-        values for parameters that joined (the ranks agree on the layout now)."""
+    def untouched(self, check: StepCheck, buckets: Sequence[Bucket] | None = None) -> frozenset[int]:
+        """``id`` of the parameters (of ``buckets``; default: the layout's) whose gradient is ``None`` on
+        every rank (one allreduce of one int32 per parameter tensor, on rounds where the check says some
+        rank lacks a gradient); then rank 0's values for parameters that joined (the ranks agree on the
+        layout now)."""
         none: frozenset[int] = frozenset()
         if check.missing_grads:
-            params = self.layout.params()
+            params = self._params(buckets)
             have = torch.tensor(
                 [p.grad is not None for p in params], dtype=torch.int32, device=self.comm.device
             )
             self.comm.all_reduce(have, "missing-gradient check").wait()
             none = frozenset(id(p) for p, n in zip(params, have.tolist(), strict=True) if n == 0)
         if self.initial is not None:
-            self.initial.give(self.optimizer.param_groups, self.layout)
+            self.initial.give(self.ctx.param_groups, self.layout)
         return none
 
     def post(self, ballots: Sequence[Ballot], vote_step: int, times: StepTimes) -> None:
@@ -248,20 +278,22 @@ class VoteRound:
         overflow: bool = False,
         keep_copies: bool = False,
         posted: tuple[list[Ballot], Sequence[str]] | None = None,
+        buckets: Sequence[Bucket] | None = None,
     ) -> RoundResult | None:
         """Contribute (unless ``posted``: ballots the overlap hook contributed and posted during the
         backward, with the gradients changed since), check, post and apply; ``None`` when the check skips
-        the round. ``keep_copies``: keep the contributions and updates (diagnostics). Not booked: the
-        caller books the round with :meth:`finish` once its own work (momentum sync) is done."""
+        the round. ``keep_copies``: keep the contributions and updates (diagnostics); ``buckets``: the
+        round's (default: the layout's). Not booked: the caller books the round with :meth:`finish` once
+        its own work (momentum sync) is done."""
         if posted is None:
-            ballots = self.contribute(vote_step, times, state, keep_copies)
-            check = self.check(ballots, overflow=overflow)
+            ballots = self.contribute(vote_step, times, state, keep_copies, buckets)
+            check = self.check(ballots, overflow=overflow, buckets=buckets)
         else:
             ballots = posted[0]
-            check = self.check(ballots, overflow=overflow, changed=posted[1], posted=True)
+            check = self.check(ballots, overflow=overflow, changed=posted[1], posted=True, buckets=buckets)
         if not check.ok:
             return None
-        untouched = self.untouched(check)
+        untouched = self.untouched(check, buckets)
         if posted is None:
             self.post(ballots, vote_step, times)
         return self.apply(ballots, untouched, times, state, keep_copies)

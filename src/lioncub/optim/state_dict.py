@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,9 +29,10 @@ from lioncub._validate import is_int
 from lioncub.collectives import Comm
 from lioncub.optim.config import ONE_BIT_VOTES, PRESETS, VoteConfig
 from lioncub.optim.engine import StepEngine
+from lioncub.optim.local_steps import LocalSteps
 from lioncub.optim.windows import check_settings_change
 
-__all__ = ["STATE_VERSION", "consolidated_entry", "gather_states", "restore_meta", "state_meta"]
+__all__ = ["STATE_VERSION", "StateOwner", "consolidated_entry", "gather_states", "restore_meta", "state_meta"]
 
 #: 2: ``rule`` (the update's knobs) instead of comparing variant names; ``ranks`` holds the gathering
 #: rank's entry as ``None``; ``consolidated``. 3: local steps decay outside the vote (the window's
@@ -40,18 +42,29 @@ STATE_VERSION = 3
 _READABLE = (1, 2, 3)
 
 
-def state_meta(optimizer: Any, vote: Any) -> dict[str, Any]:
-    """``sd["lioncub"]`` of a :class:`~lioncub.optim.LionCub` (``vote``: the one whose stochastic
-    quantizer's stream is saved: the overlap hook's when overlapping)."""
-    local = optimizer.local_steps
+@dataclass(frozen=True)
+class StateOwner:
+    """What a state records of the optimizer that writes it, and what one that loads it must match: the
+    vote's name and configuration, the group (rank, world size), the local-steps settings."""
+
+    variant: str
+    config: VoteConfig
+    comm: Comm
+    local_steps: LocalSteps | None
+
+
+def state_meta(owner: StateOwner, step: int, vote: Any) -> dict[str, Any]:
+    """``sd["lioncub"]`` of a :class:`~lioncub.optim.LionCub` at optimizer ``step`` (``vote``: the one
+    whose stochastic quantizer's stream is saved: the overlap hook's when overlapping)."""
+    local = owner.local_steps
     gen = getattr(vote, "generator", None)
     return {
         "version": STATE_VERSION,
-        "step": optimizer.global_step,
-        "variant": optimizer.variant,
-        "rule": optimizer.config.update_rule(),
-        "world_size": optimizer.comm.world_size,
-        "rank": optimizer.comm.rank,
+        "step": step,
+        "variant": owner.variant,
+        "rule": owner.config.update_rule(),
+        "world_size": owner.comm.world_size,
+        "rank": owner.comm.rank,
         "consolidated": False,
         "local_steps": None if local is None else local.describe(),
         "generator": None if gen is None else gen.get_state(),
@@ -89,11 +102,11 @@ def consolidated_entry(meta: dict[str, Any], sd: dict[str, Any], comm: Comm, all
     return entry
 
 
-def restore_meta(optimizer: Any, meta: dict[str, Any], engines: Sequence[StepEngine], allow: bool) -> int:
-    """Check ``meta`` against ``optimizer`` (another version, update rule, local-steps settings in a
+def restore_meta(owner: StateOwner, meta: dict[str, Any], engines: Sequence[StepEngine], allow: bool) -> int:
+    """Check ``meta`` against ``owner`` (another version, update rule, local-steps settings in a
     window's middle, world size or rank are refused), restore the stochastic quantizers' streams, and
     return the saved step."""
-    _check_meta(optimizer, meta, allow)
+    _check_meta(owner, meta, allow)
     for engine in engines:
         generator = getattr(engine.vote, "generator", None)
         if meta.get("generator") is not None and generator is not None:
@@ -114,14 +127,14 @@ def _rng_state(state: Any) -> torch.Tensor:
     return state.to("cpu")
 
 
-def _check_meta(optimizer: Any, meta: dict[str, Any], allow_world_size_change: bool) -> None:
+def _check_meta(owner: StateOwner, meta: dict[str, Any], allow_world_size_change: bool) -> None:
     """Refuse a state of another version, update rule, local-steps settings (:mod:`lioncub.optim.windows`),
     world size or rank."""
-    comm, variant = optimizer.comm, optimizer.variant
+    comm, variant = owner.comm, owner.variant
     if meta.get("version") not in _READABLE:
         raise ValueError(f"optimizer state version {meta.get('version')} is not one of {_READABLE}")
-    rule = optimizer.config.update_rule()
-    saved = meta["rule"] if "rule" in meta else _version1_rule(meta["variant"], optimizer.config)
+    rule = owner.config.update_rule()
+    saved = meta["rule"] if "rule" in meta else _version1_rule(meta["variant"], owner.config)
     if saved != rule:
         hint = ""
         if "rule" not in meta and saved.get("zero_vote") == "plus":
@@ -133,7 +146,7 @@ def _check_meta(optimizer: Any, meta: dict[str, Any], allow_world_size_change: b
             f"the checkpoint was written by variant={meta['variant']!r}, this optimizer is "
             f"variant={variant!r}; their updates differ: {saved} against {rule}{hint}"
         )
-    local = None if optimizer.local_steps is None else optimizer.local_steps.describe()
+    local = None if owner.local_steps is None else owner.local_steps.describe()
     check_settings_change(meta.get("local_steps"), local, int(meta["step"]))
     if meta["world_size"] != comm.world_size and not allow_world_size_change:
         raise ValueError(

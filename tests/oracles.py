@@ -28,6 +28,7 @@ from torch import Tensor
 
 from lioncub.ops import quantize
 from lioncub.optim import PRESETS, LionCub, resolve_variant
+from lioncub.optim.config import DENSE_RULES
 
 SHAPES = [(37,), (13, 11), (5,), (3, 7, 2), (64,)]  # 37 + 143 + 5 + 42 + 64 = 291 elements
 GROUPS = [([0, 1, 2], 0.01, 0.1), ([3, 4], 0.003, 0.0)]  # (param indices, lr, weight_decay)
@@ -332,7 +333,7 @@ def _outer_step(
     """Outer step ``t`` of tensor ``i`` (before the window's decay): the new θ; ``m_out`` (the ranks' outer
     momenta; ``dsm``: rank 0's is the one) and ``buf`` (DiLoCo's) move."""
     n = len(deltas)
-    if outer in ("dsm", "diloco"):
+    if outer in DENSE_RULES:
         mean = dense_mean(deltas, _wire(variant, anchor.dtype))
         if outer == "diloco":
             buf[i] = mean.clone() if (b := buf[i]) is None else b.mul_(0.9).add_(mean)

@@ -92,6 +92,26 @@ def test_run_names_that_are_not_understood(name: str, fragment: str) -> None:
         parse_run_name(name)
 
 
+def test_run_names_name_every_outer_rule_but_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The outer rules' names are one torch-free table (``optim.config.OUTER_RULE_FACTS``), the optimizer's
+    rules those; a run name spells every rule but the default, so that a rule of its own that votes (a
+    Nesterov sign step, say) is not named as the default vote of its variant."""
+    from lioncub import names
+    from lioncub.optim.config import DEFAULT_OUTER, OUTER_RULE_FACTS
+    from lioncub.optim.outer import OUTER_RULES
+
+    assert list(OUTER_RULE_FACTS) == list(OUTER_RULES) and LocalSteps.outer == DEFAULT_OUTER
+    for rule in (r for r in OUTER_RULE_FACTS if r != DEFAULT_OUTER):
+        label = run_label({"variant": "16bit", "local_steps": 4, "outer": rule})
+        assert label == f"{rule}-16bit/h4" and parse_run_name(label)["outer"] == rule
+    monkeypatch.setattr(names, "_NAMED_RULES", ["nesterov-sign", *names._NAMED_RULES])
+    new = run_label({"variant": "1bit", "local_steps": 16, "outer": "nesterov-sign"})
+    assert (
+        new == "nesterov-sign-1bit/h16" != run_label({"variant": "1bit", "local_steps": 16, "outer": "vote"})
+    )
+    assert parse_run_name(new) == {"variant": "1bit", "local_steps": 16, "outer": "nesterov-sign"}
+
+
 def test_run_names_tell_the_inner_momentum_and_zero_rules_apart() -> None:
     """A run's name says which inner-momentum rule (reset, the default, is left out) and which zero rule
     (split, the default, is left out) it ran; the defaults may be spelt out; the rules are the optimizer's."""

@@ -9,7 +9,9 @@ object holds, nested or flat (:func:`config_entries`). Torch-free.
   betas), ``dsm/h16`` and ``diloco/h16`` (the fp32 mean of the pseudo-gradients), ``diloco-16bit/h16``
   (its bf16 mean), ``diloco/h16/keep`` (each rank's inner momentum kept across outer steps; ``/average``:
   averaged; without either: reset, the default).
-  RULE is the variant for the ``vote`` rule, else the outer rule, with ``-16bit`` for the 16-bit exchange.
+  RULE is the variant for the default rule (``vote``); every other outer rule is named
+  (:data:`lioncub.optim.config.OUTER_RULE_FACTS`), followed by ``-VARIANT`` where the variant is not
+  ``32bit`` (``diloco-16bit``; a rule of its own that votes, ``RULE-1bit``): no two rules share a name.
 
 A name spells out only what differs from the defaults; :func:`parse_run_name` also takes the defaults
 spelt out (``/reset``, ``/split``), which override ``lioncub compare``'s ``--inner-momentum`` and
@@ -22,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from lioncub.optim.config import INNER_MOMENTA, ZERO_VOTES
+from lioncub.optim.config import DEFAULT_OUTER, INNER_MOMENTA, OUTER_RULE_FACTS, ZERO_VOTES
 
 __all__ = [
     "CONFIG_VERSION_KEY",
@@ -44,8 +46,9 @@ BASELINES = ("32bit", "16bit")
 #: variants that run another project's optimizer in lioncub's harness: torchft's own DiLoCo (Lion inside,
 #: Nesterov SGD outside), with ``--fault-tolerant --local-steps H``; named ``torchft-diloco/hH``
 PEER_VARIANTS = ("torchft-diloco",)
-#: the outer rules that average the pseudo-gradients, named instead of their 32-bit variant
-_DENSE_RULES = ("dsm", "diloco")
+#: the outer rules a run name spells (every one but the default), longest first: a name's head is the rule,
+#: or ``RULE-VARIANT`` (``RULE`` alone: the 32-bit exchange)
+_NAMED_RULES = sorted((r for r in OUTER_RULE_FACTS if r != DEFAULT_OUTER), key=len, reverse=True)
 #: the key of a nested ``config.json``'s version (:mod:`lioncub.train.settings`); a flat one has none
 CONFIG_VERSION_KEY = "version"
 
@@ -74,11 +77,11 @@ def run_label(config: Mapping[str, Any]) -> str:
         return f"{config['chosen_by']} ({run_label(rest)})"
     name = str(config.get("variant", "?"))
     h = config.get("local_steps")
-    outer = config.get("outer") or "vote"
+    outer = config.get("outer") or DEFAULT_OUTER
     if name in PEER_VARIANTS:  # its outer rule and inner momenta are its own
         lr = config.get("outer_lr")
         return name + (f"/h{h}" if h else "") + (f"/lr{float(lr):g}" if h and lr is not None else "")
-    if h and outer in _DENSE_RULES:
+    if h and outer != DEFAULT_OUTER:  # every rule but the default is named: no two rules share a name
         name = outer if name == "32bit" else f"{outer}-{name}"
     topology = config.get("topology")
     if topology not in (None, "flat"):
@@ -129,9 +132,10 @@ def parse_run_name(name: str) -> dict[str, Any]:
     if not (h_text.startswith("h") and h_text[1:].isdigit() and int(h_text[1:]) >= 1):
         raise ValueError(f"{name!r}: {h_text!r} is not understood: {GRAMMAR}")
     fields["local_steps"] = int(h_text[1:])
-    rule, dash, wire = head.partition("-")
-    if rule in _DENSE_RULES:
-        fields["outer"], fields["variant"] = rule, wire if dash else "32bit"
+    for rule in _NAMED_RULES:
+        if head == rule or head.startswith(rule + "-"):
+            fields["outer"], fields["variant"] = rule, head.removeprefix(rule).removeprefix("-") or "32bit"
+            break
     if rest and rest[-1] in INNER_MOMENTA:
         fields["inner_momentum"] = rest.pop()
     if rest and rest[-1].startswith("b"):

@@ -38,9 +38,15 @@ from lioncub._validate import is_int, is_number
 from lioncub.transports import AGGREGATIONS, TOPOLOGIES, TRANSPORTS, ZERO_VOTES
 
 __all__ = [
+    "DEFAULT_OUTER",
+    "DENSE_RULES",
+    "DENSE_SGD_RULE",
+    "DENSE_SIGN_RULE",
     "EXCHANGES",
     "INNER_MOMENTA",
+    "OUTER_RULE_FACTS",
     "PRESETS",
+    "SIGN_RULES",
     "TOPOLOGIES",
     "TRANSPORTS",
     "ZERO_VOTES",
@@ -59,6 +65,37 @@ EXCHANGES = ("auto", "p2p", "native")
 #: (:class:`~lioncub.optim.local_steps.LocalSteps` ``inner_momentum``), the default first; here, without
 #: torch, for ``lioncub cost`` and the run names (:mod:`lioncub.names`)
 INNER_MOMENTA = ("reset", "keep", "average")
+
+
+@dataclass(frozen=True)
+class OuterFacts:
+    """What an outer rule's name stands for, without torch (its step is
+    :data:`lioncub.optim.outer.OUTER_RULES`'): ``sign``, a sign step (its lr scaled by H·lr, the outer
+    betas (0.9, 0.96)); ``dense``, on the mean of the pseudo-gradients, a dense exchange (``variant="32bit"``
+    or ``"16bit"``) instead of the variant's vote."""
+
+    sign: bool
+    dense: bool
+
+
+#: the outer rules of local steps by name, the default first: the one table of their names, here without
+#: torch, for the settings (``--outer``), the run names (:mod:`lioncub.names`) and ``lioncub cost``; every
+#: rule of :data:`lioncub.optim.outer.OUTER_RULES` is one of these
+OUTER_RULE_FACTS = {
+    "vote": OuterFacts(sign=True, dense=False),  # each rank's outer momentum through the variant's vote
+    "dsm": OuterFacts(sign=True, dense=True),  # the sign step on the mean (Yu et al. 2024)
+    "diloco": OuterFacts(sign=False, dense=True),  # Nesterov SGD on the mean (Douillard et al. 2023)
+}
+#: the outer rule where none is given (a run name leaves it out)
+DEFAULT_OUTER = next(iter(OUTER_RULE_FACTS))
+#: the rules that take a sign step (their outer lr: :func:`lioncub.optim.local_steps.default_outer_lr`)
+SIGN_RULES = tuple(name for name, facts in OUTER_RULE_FACTS.items() if facts.sign)
+#: the rules on the mean of the pseudo-gradients (a dense exchange)
+DENSE_RULES = tuple(name for name, facts in OUTER_RULE_FACTS.items() if facts.dense)
+#: the sign step on the mean: what a vote on a dense exchange is (the sign of the mean)
+DENSE_SIGN_RULE = next(name for name in DENSE_RULES if name in SIGN_RULES)
+#: the dense rule that is not a sign step: DiLoCo's Nesterov SGD (torchft's DiLoCo is one)
+DENSE_SGD_RULE = next(name for name in DENSE_RULES if name not in SIGN_RULES)
 #: the transports whose votes are one bit (a zero must vote "+" or "−")
 ONE_BIT_VOTES = ("1bit", "lanes", "server")
 #: the dense transport's wire dtypes, by name, and their bits per element

@@ -12,9 +12,8 @@ follow. On disk (``config.json``, and ``summary.json``'s ``config``) a configura
 lacks the key, ran the papers' rule, ``"plus"``, and resumes with it.
 
 The checks (:meth:`TrainConfig.__post_init__`): each value against its description, the rules that cross
-settings of a run, then the optimizer's own checks -- by building ``VoteConfig`` (``resolve_variant``),
-``LocalSteps``, ``MomentumSync`` and ``Checks`` and by ``lioncub.optim.arguments`` -- whose messages name
-the flags (:func:`lioncub.train.settings.in_flags`).
+settings of a run, then the optimizer's own checks -- by building its objects where the loop builds them,
+:func:`lioncub.train.parts.optimizer_parts` -- whose messages name the flags.
 """
 
 from __future__ import annotations
@@ -29,22 +28,25 @@ from lioncub.integrations.torchft import MOMENTA_ON_HEAL
 from lioncub.launch.config import DEVICES
 from lioncub.names import BASELINES, PEER_VARIANTS, config_version
 from lioncub.ops.quantize import QUANTIZERS
-from lioncub.optim.arguments import check_local_steps, check_options
 from lioncub.optim.config import (
+    DEFAULT_OUTER,
+    DENSE_SGD_RULE,
+    DENSE_SIGN_RULE,
     INNER_MOMENTA,
     ONE_BIT_VOTES,
+    OUTER_RULE_FACTS,
     PRESETS,
+    SIGN_RULES,
     ZERO_VOTES,
     VoteConfig,
-    resolve_variant,
 )
-from lioncub.optim.local_steps import OUTER_RULES, LocalSteps, default_outer_lr
+from lioncub.optim.local_steps import LocalSteps, default_outer_lr
 from lioncub.optim.step_check import NONFINITE_MODES, Checks
-from lioncub.optim.sync import MomentumSync
 from lioncub.train.data import MODES
 from lioncub.train.fault_settings import check_fault_tolerant
 from lioncub.train.lr import lr_factor
-from lioncub.train.settings import Described, check_value, described, flat_document, in_flags, nest, setting
+from lioncub.train.parts import optimizer_parts
+from lioncub.train.settings import Described, check_value, described, flat_document, nest, setting
 from lioncub.train.settings import spell as spell_value
 from lioncub.train.workloads import workload_class, workload_names
 from lioncub.transports import TOPOLOGIES
@@ -118,7 +120,7 @@ def _papers_zero_rule(values: Mapping[str, Any]) -> str:
 def _earlier_outer_betas(values: Mapping[str, Any]) -> list[float] | None:
     """``outer_betas`` of a run whose ``config.json`` (version < 3) lacks it: the sign rules' betas were
     (0.9, 0.99) then, so the run resumes with them; DiLoCo's default did not change."""
-    sign_rule = values.get("local_steps") and values.get("outer") in ("vote", "dsm")
+    sign_rule = values.get("local_steps") and values.get("outer") in SIGN_RULES
     return [0.9, 0.99] if sign_rule else None
 
 
@@ -268,7 +270,7 @@ class OptimizerConfig:
         help="H local Lion steps per rank, then one outer step (docs/local-steps.md)",
     )  # fmt: skip
     outer: str = setting(
-        LocalSteps.outer, commands=("train",), owner="LocalSteps", choices=OUTER_RULES, local=True,
+        LocalSteps.outer, commands=("train",), owner="LocalSteps", choices=OUTER_RULE_FACTS, local=True,
         help="with --local-steps: the outer rule; vote takes the variant's vote, dsm and diloco average the "
         "pseudo-gradients (--variant 32bit or 16bit)",
     )  # fmt: skip
@@ -287,10 +289,10 @@ class OptimizerConfig:
     )  # fmt: skip
 
     def __post_init__(self) -> None:
-        if self.local_steps is not None and self.variant in BASELINES and self.outer == "vote":
-            self.outer = "dsm"  # a vote on the dense mean is its sign: dsm (docs/local-steps.md)
+        if self.local_steps is not None and self.variant in BASELINES and self.outer == DEFAULT_OUTER:
+            self.outer = DENSE_SIGN_RULE  # a vote on the dense mean is its sign: dsm (docs/local-steps.md)
         if self.variant in PEER_VARIANTS:  # torchft's DiLoCo: averaged outer step, each worker's momenta kept
-            self.outer = "diloco" if self.outer == "vote" else self.outer
+            self.outer = DENSE_SGD_RULE if self.outer == DEFAULT_OUTER else self.outer
             self.inner_momentum = "keep" if self.inner_momentum == INNER_MOMENTA[0] else self.inner_momentum
 
     @property
@@ -382,10 +384,7 @@ class TrainConfig:
         _check_what(self)
         _check_run(self)
         _check_per_variant(self)
-        try:
-            _check_with_the_optimizer(self)
-        except ValueError as exc:
-            raise ValueError(in_flags(str(exc), SETTINGS)) from None
+        optimizer_parts(self.optimizer, SETTINGS)  # the optimizer's own checks
 
     def flat(self) -> dict[str, Any]:
         """Every setting by name (the parts merged)."""
@@ -404,7 +403,7 @@ class TrainConfig:
         3 the sign rules' outer lr was 1 at every H: such a run keeps it where today's default differs."""
         values = flat_document(doc, SETTINGS)
         h, outer = values.get("local_steps"), values.get("outer")
-        earlier = config_version(doc) < 3 and values.get("outer_lr") is None and outer in ("vote", "dsm")
+        earlier = config_version(doc) < 3 and values.get("outer_lr") is None and outer in SIGN_RULES
         if earlier and is_int(h, 1) and default_outer_lr(outer, h) != 1.0:
             values["outer_lr"] = 1.0
         return cls.from_values(values)
@@ -527,27 +526,6 @@ def _check_per_variant(config: TrainConfig) -> None:
                 f"{spell(name, values[name])} with --local-steps {h}: must be a multiple of {h}, where the "
                 "ranks hold the same parameters (between outer steps each rank has its own replica)"
             )
-
-
-def _check_with_the_optimizer(config: TrainConfig) -> None:
-    """The optimizer's own checks of its settings (their messages name them ``name=value``): the vote
-    (``VoteConfig``: quantizer, topology, zero rule), ``Checks``, ``MomentumSync``, LionCub's options and
-    local steps (``LocalSteps`` and its rules with the other options)."""
-    opt = config.optimizer
-    topology = "hierarchical" if opt.topology == "auto" else opt.topology  # auto: flat or hierarchical
-    variant = "32bit" if opt.variant in PEER_VARIANTS else opt.variant  # DiLoCo: lioncub's dense outer rule
-    try:
-        vote = resolve_variant(variant, quantizer=opt.quantizer, topology=topology, zero_vote=opt.zero_vote)
-    except ValueError as exc:
-        raise ValueError(f"--topology auto: {exc}" if opt.topology == "auto" else str(exc)) from None
-    checks = Checks(nonfinite=opt.nonfinite)
-    MomentumSync(every=opt.sync_every)
-    check_options(vote, variant, opt.bucket_mb, None, checks, opt.diagnostics_every)
-    if opt.local_steps is not None:
-        local = LocalSteps(
-            opt.local_steps, opt.outer, opt.outer_lr, opt.outer_betas, inner_momentum=opt.inner_momentum
-        )
-        check_local_steps(local, vote, variant, opt.momentum_sync, opt.diagnostics_every)
 
 
 def format_overrides(overrides: dict[str, Any]) -> str:

@@ -19,7 +19,8 @@ from lioncub import env
 from lioncub._validate import is_int
 from lioncub.names import PEER_VARIANTS, config_entries, run_label
 from lioncub.rundir import SpecialFileError, read_run_file
-from lioncub.train.config import BASELINES, TrainConfig, format_overrides
+from lioncub.train.config import BASELINES, SETTINGS, TrainConfig, format_overrides
+from lioncub.train.parts import optimizer_parts
 from lioncub.train.prepare import NEXT_CONFIG, finish_run
 from lioncub.train.progress import Progress
 
@@ -114,15 +115,13 @@ def check_run_options(config: TrainConfig) -> dict[str, Any]:
 def check_lanes(config: TrainConfig) -> None:
     """``ValueError`` if the variant's integer lanes cannot hold the vote's sum over ``nproc`` ranks (what
     the optimizer would refuse inside every rank), naming the variants that can."""
-    from lioncub.optim import PRESETS, resolve_variant
-    from lioncub.optim.config import capacity, check_workers
+    from lioncub.optim.config import PRESETS, capacity, check_workers
 
     opt, n = config.optimizer, config.cluster.nproc
     if opt.variant in BASELINES or opt.variant in PEER_VARIANTS:
         return
-    topology = "flat" if opt.topology == "auto" else opt.topology
     try:
-        check_workers(resolve_variant(opt.variant, quantizer=opt.quantizer, topology=topology), n)
+        check_workers(optimizer_parts(opt, SETTINGS).vote, n)  # the lanes: the same at every topology
     except ValueError as exc:
         fits = [name for name, preset in PRESETS.items() if name in BASELINES or capacity(preset, n)[0]]
         fix = "" if "presets that do" in str(exc) else f"; the variants that serve {n} ranks: {fits}"

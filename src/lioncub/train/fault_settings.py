@@ -7,6 +7,7 @@ from typing import Any
 
 from lioncub.launch.groups import parse_faults
 from lioncub.names import BASELINES, PEER_VARIANTS
+from lioncub.optim.config import DENSE_SGD_RULE
 
 __all__ = ["FT_CUDA", "check_fault_tolerant", "cpu_note"]
 
@@ -31,7 +32,7 @@ def check_fault_tolerant(config: Any) -> None:
                 f"--variant {opt.variant}: runs on torchft's Manager between replica groups, every H steps; "
                 "add --fault-tolerant and --local-steps H (its sync_every)"
             )
-        if opt.outer != "diloco" or opt.inner_momentum != "keep":
+        if opt.outer != DENSE_SGD_RULE or opt.inner_momentum != "keep":
             raise ValueError(
                 f"--variant {opt.variant} with --outer {opt.outer} --inner-momentum {opt.inner_momentum}: "
                 "torchft's DiLoCo averages the pseudo-gradients (--outer diloco) and keeps each worker's "

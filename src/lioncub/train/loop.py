@@ -55,7 +55,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from lioncub.ops.quantize import max_abs
-from lioncub.optim import Checks, Lion, LionCub, LocalSteps, MomentumSync, resolve_variant
+from lioncub.optim import Lion, LionCub
 from lioncub.optim.ddp import (
     GradientTraffic,
     compressed_allreduce_dtype,
@@ -69,8 +69,16 @@ from lioncub.planning.auto import DEFAULT_LATENCY_S, choose_topology
 from lioncub.rundir import is_marked, open_append, record, write_atomically, write_owned
 from lioncub.train import checkpoint
 from lioncub.train.budget import GUARD_FACTOR, budget_summary, over_budget
-from lioncub.train.config import BASELINES, CUDA_UNDER_EMULATION, TrainConfig, emulates_links, lr_factor
+from lioncub.train.config import (
+    BASELINES,
+    CUDA_UNDER_EMULATION,
+    SETTINGS,
+    TrainConfig,
+    emulates_links,
+    lr_factor,
+)
 from lioncub.train.nodebytes import flat_shares, node_bytes
+from lioncub.train.parts import optimizer_parts
 from lioncub.train.runlog import append_record, elapsed_at, truncate_log
 from lioncub.train.workloads import Workload, make_workload
 from lioncub.units import parse_rate
@@ -148,16 +156,7 @@ def build_optimizer(
     if keep is not None:
         groups = [{**g, "params": [p for p in g["params"] if keep(p)]} for g in groups]
         groups = [g for g in groups if g["params"]]
-    local = None
-    if options.local_steps is not None:
-        local = LocalSteps(
-            h=options.local_steps,
-            outer=options.outer,
-            outer_lr=options.outer_lr,
-            outer_betas=options.outer_betas,
-            inner_momentum=options.inner_momentum,
-        )
-    if options.variant in BASELINES and local is None:
+    if options.variant in BASELINES and options.local_steps is None:
         traffic = None
         if world_size > 1:
             wire = (
@@ -165,21 +164,17 @@ def build_optimizer(
             )
             traffic = count_gradient_allreduce(model, wire)  # type: ignore[arg-type]
         return OptimizerSetup(Lion(groups, betas=wl.betas), model, traffic)
-    knobs = {"zero_vote": options.zero_vote} if options.one_bit else {}
+    parts = optimizer_parts(options, SETTINGS, _topology(config, model))
     opt = LionCub(
         groups,
         betas=wl.betas,
-        variant=options.variant
-        if options.variant in BASELINES  # local steps' dsm / diloco: the dense exchange
-        else resolve_variant(
-            options.variant, quantizer=options.quantizer, topology=_topology(config, model), **knobs
-        ),
+        variant=parts.lioncub_variant,  # local steps' dsm / diloco on a baseline: the dense exchange
         bucket_mb=options.bucket_mb,
-        momentum_sync=MomentumSync(options.momentum_sync, every=options.sync_every),
+        momentum_sync=parts.momentum_sync,
         model=getattr(model, "module", model),
-        checks=Checks(broadcast_init=False, nonfinite=options.nonfinite),
+        checks=parts.checks,
         diagnostics_every=options.diagnostics_every,
-        local_steps=local,
+        local_steps=parts.local_steps,
         process_group=process_group,
     )
     if world_size > 1 and options.overlap:
@@ -374,10 +369,7 @@ def _set_up(config: TrainConfig, run_dir: Path, log: Callable[[str], None]) -> _
             log(f"resumed from {resume.path} at step {start}")
     shares, ring = None, (0.0, 0.0)
     if config.cluster.nnodes:  # where the bytes go: lioncub.train.nodebytes
-        opt = config.optimizer
-        vote = (
-            opt.variant if opt.variant in BASELINES else resolve_variant(opt.variant, quantizer=opt.quantizer)
-        )
+        vote = optimizer_parts(config.optimizer, SETTINGS).lioncub_variant  # flat_shares: its flat vote
         d = sum(p.numel() for p in model.parameters() if p.requires_grad)
         nodes = (config.cluster.nnodes, config.cluster.nproc_per_node)
         shares, ring = flat_shares(vote, d, *nodes), flat_shares("32bit", d, *nodes)

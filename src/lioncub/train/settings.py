@@ -8,7 +8,8 @@ document without it means. From these follow the flags of ``lioncub train`` and 
 (:mod:`lioncub.cli.options`), the JSON on disk (:func:`nest`, :func:`flat_document`) and the check of each
 value (:func:`check_value`). A setting the optimizer owns (``owner``: ``VoteConfig``, ``LocalSteps``, ...) is
 checked by building the optimizer's own object instead, whose messages name each option ``name=value``;
-:func:`in_flags` writes them with the flags.
+:func:`spell_message` writes them with the flags of the settings the object was built from
+(:func:`lioncub.train.parts.optimizer_parts` carries them with each object).
 
 ``config.json`` is versioned (:data:`CONFIG_VERSION`): version 1 is the flat object of every lioncub
 before the parts (a key per setting, those unset left out), version 2 the nested one, version 3 adds
@@ -22,7 +23,7 @@ import dataclasses
 import re
 import types
 import typing
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,10 +37,10 @@ __all__ = [
     "check_value",
     "described",
     "flat_document",
-    "in_flags",
     "nest",
     "setting",
     "spell",
+    "spell_message",
 ]
 
 #: the version of the ``config.json`` lioncub writes: 1 flat (every run before the parts), 2 nested, 3 with
@@ -187,15 +188,15 @@ def check_value(d: Described, value: Any) -> None:
 
 #: ``name=value`` as the optimizer's messages write an option (the value a repr: quoted, bracketed or a word)
 _KNOB = re.compile(r"\b([a-z][a-z0-9_]*)=('[^']*'|\[[^\]]*\]|\([^)]*\)|[^\s,;:)\]]+)")
-#: a leading ``Owner: `` of such a message
-_OWNER = re.compile(r"^(?:LocalSteps|MomentumSync|local_steps): ")
 
 
-def in_flags(message: str, settings: Mapping[str, Described]) -> str:
-    """An optimizer's message (``LocalSteps: outer_lr=0 must be ...``) as the command line says it: each
-    ``name=value`` of a setting as its flag and value (``--outer-lr 0 must be ...``), each other mention of
-    a setting's name with an ``_`` (``diagnostics_every``) as its flag, the owner's prefix dropped."""
-    flagged = [d for d in settings.values() if d.setting.commands]
+def spell_message(message: str, settings: Iterable[Described], owner: str = "") -> str:
+    """The message of the optimizer's object ``owner`` (``"LocalSteps"``, ...) built from ``settings``
+    (those and only those, as the caller built it) as the command line says it: the owner's prefix
+    (``LocalSteps: ``) dropped, each ``knob=value`` of one of these settings (its ``knob``, or its name) as
+    its flag and value (``--outer-lr 0``), each other mention of such a name with an ``_``
+    (``diagnostics_every``) as its flag. Other names and values stay as the optimizer wrote them."""
+    flagged = [d for d in settings if d.setting.commands]
     by_knob = {**{d.name: d for d in flagged}, **{d.setting.knob: d for d in flagged if d.setting.knob}}
 
     def knob(match: re.Match[str]) -> str:
@@ -205,9 +206,12 @@ def in_flags(message: str, settings: Mapping[str, Described]) -> str:
         text = match[2][1:-1] if match[2].startswith("'") else match[2]
         return f"{d.flag} {text}"
 
-    text = _KNOB.sub(knob, _OWNER.sub("", message))
-    names = "|".join(re.escape(n) for n, d in settings.items() if "_" in n and d.setting.commands)
-    return re.sub(rf"(?<![\w-])({names})(?![\w=])", lambda m: settings[m[1]].flag, text) if names else text
+    text = _KNOB.sub(knob, message.removeprefix(f"{owner}: ") if owner else message)
+    names = {d.name: d for d in flagged if "_" in d.name}
+    if not names:
+        return text
+    mention = rf"(?<![\w-])({'|'.join(map(re.escape, names))})(?![\w=])"
+    return re.sub(mention, lambda m: names[m[1]].flag, text)
 
 
 def nest(values: Mapping[str, Any], settings: Mapping[str, Described]) -> dict[str, Any]:

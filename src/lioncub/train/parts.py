@@ -1,0 +1,104 @@
+"""A run's optimizer settings as the optimizer's objects, built in one place: :func:`optimizer_parts`.
+
+The vote (:class:`~lioncub.optim.VoteConfig`, from ``resolve_variant``), :class:`~lioncub.optim.Checks`,
+:class:`~lioncub.optim.MomentumSync` and :class:`~lioncub.optim.LocalSteps`, each checked as
+``LionCub`` checks it (``lioncub.optim.arguments``): :meth:`lioncub.train.config.TrainConfig.__post_init__`
+validates a run by building them, and the driver (the vote's lanes), the loop (``LionCub``'s arguments,
+the vote whose bytes the nodes count) and a replica group (torchft's DiLoCo's outer rule) take them from
+here. Each object is built from the settings named with it (:data:`STEPS`), so that an error of the
+optimizer is written with those settings' flags (:func:`lioncub.train.settings.spell_message`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from lioncub.names import BASELINES, PEER_VARIANTS
+from lioncub.optim.arguments import check_local_steps, check_options
+from lioncub.optim.config import VoteConfig, resolve_variant
+from lioncub.optim.local_steps import LocalSteps
+from lioncub.optim.step_check import Checks
+from lioncub.optim.sync import MomentumSync
+from lioncub.train.settings import Described, spell_message
+
+__all__ = ["STEPS", "OptimizerParts", "optimizer_parts"]
+
+#: what :func:`optimizer_parts` builds, in order: the optimizer's object (the prefix of its messages) and
+#: the settings it is built from, whose flags its messages are written with
+STEPS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "vote": ("", ("variant", "quantizer", "topology", "zero_vote")),
+    "checks": ("", ("nonfinite",)),
+    "momentum_sync": ("MomentumSync", ("momentum_sync", "sync_every")),
+    "options": ("", ("variant", "bucket_mb", "diagnostics_every")),
+    "local_steps": ("LocalSteps", ("local_steps", "outer", "outer_lr", "outer_betas", "inner_momentum")),
+    "local_options": (
+        "local_steps",
+        ("variant", "outer", "local_steps", "momentum_sync", "diagnostics_every", "inner_momentum"),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class OptimizerParts:
+    """The optimizer's objects of a run (:func:`optimizer_parts`)."""
+
+    variant: str
+    """The preset the optimizer runs: ``--variant``, ``32bit`` for torchft's DiLoCo (lioncub's dense outer
+    rule)."""
+    vote: VoteConfig
+    """The preset with the run's quantizer, topology and zero rule, validated."""
+    checks: Checks
+    momentum_sync: MomentumSync
+    local_steps: LocalSteps | None
+
+    @property
+    def lioncub_variant(self) -> str | VoteConfig:
+        """``LionCub``'s ``variant=``: a DDP baseline's name (local steps' dense exchange), else the vote."""
+        return self.variant if self.variant in BASELINES else self.vote
+
+
+@contextmanager
+def _flags(step: str, settings: dict[str, Described]) -> Iterator[None]:
+    """Errors of the object ``step`` of :data:`STEPS` written with the flags of its settings."""
+    owner, names = STEPS[step]
+    try:
+        yield
+    except ValueError as exc:
+        raise ValueError(spell_message(str(exc), [settings[n] for n in names], owner)) from None
+
+
+def optimizer_parts(opt: Any, settings: dict[str, Described], topology: str | None = None) -> OptimizerParts:
+    """The optimizer's objects of ``opt`` (a :class:`~lioncub.train.config.OptimizerConfig`), checked;
+    ``settings``: the run's descriptions (:data:`lioncub.train.config.SETTINGS`), whose flags the messages
+    name. ``topology``: the one ``--topology auto`` chose (the loop's, by the cost model); ``None``:
+    ``hierarchical``, the stricter of auto's choices (the checks of a configuration), a ``ValueError``
+    prefixed ``--topology auto: `` where it does not apply."""
+    variant = "32bit" if opt.variant in PEER_VARIANTS else opt.variant  # DiLoCo: lioncub's dense outer rule
+    chosen = opt.topology if opt.topology != "auto" else topology or "hierarchical"
+    try:
+        with _flags("vote", settings):
+            vote = resolve_variant(variant, quantizer=opt.quantizer, topology=chosen, zero_vote=opt.zero_vote)
+    except ValueError as exc:
+        raise ValueError(f"--topology auto: {exc}" if opt.topology == "auto" else str(exc)) from None
+    build: dict[str, Callable[[], Any]] = {
+        "checks": lambda: Checks(broadcast_init=False, nonfinite=opt.nonfinite),
+        "momentum_sync": lambda: MomentumSync(opt.momentum_sync, every=opt.sync_every),
+    }
+    parts = {}
+    for step, make in build.items():
+        with _flags(step, settings):
+            parts[step] = make()
+    with _flags("options", settings):
+        check_options(vote, variant, opt.bucket_mb, None, parts["checks"], opt.diagnostics_every)
+    local = None
+    if opt.local_steps is not None:
+        with _flags("local_steps", settings):
+            local = LocalSteps(
+                opt.local_steps, opt.outer, opt.outer_lr, opt.outer_betas, inner_momentum=opt.inner_momentum
+            )
+        with _flags("local_options", settings):
+            check_local_steps(local, vote, variant, opt.momentum_sync, opt.diagnostics_every)
+    return OptimizerParts(variant, vote, parts["checks"], parts["momentum_sync"], local)

@@ -720,3 +720,15 @@ def test_the_outer_step_keeps_the_pseudo_gradient_in_the_anchors() -> None:
         assert got["seen"] == [True, True, True]
         assert got["error"] == "NonFiniteGradientError"
         assert got["anchors_are_params"] and got["user_grads_back"]
+
+
+def test_the_outer_rules_are_the_named_ones() -> None:
+    """Every outer rule of ``OUTER_RULES`` (torch) is a row of ``OUTER_RULE_FACTS`` (torch-free names), with
+    the same facts: a dense rule needs a dense exchange, a sign rule takes the sign steps' lr and betas."""
+    from lioncub.optim.config import OUTER_RULE_FACTS
+    from lioncub.optim.outer import OUTER_RULES, SignOuter
+
+    assert list(OUTER_RULES) == list(OUTER_RULE_FACTS)
+    for name, rule in OUTER_RULES.items():
+        assert rule.dense == OUTER_RULE_FACTS[name].dense, name
+        assert issubclass(rule, SignOuter) == OUTER_RULE_FACTS[name].sign, name

@@ -173,7 +173,7 @@ class LionCub(LeanOptimizer):
         self.bucket_mb = bucket_mb
         device = _device_of(self.param_groups)
         #: this rank's view of the group the votes travel on (:class:`lioncub.collectives.Comm`)
-        self.comm, levels = _comm(config, process_group, device, checks)
+        self.comm, levels = topology.vote_groups(config, process_group, device, checks.broadcast_init)
         #: one process (no process group, or a group of one): every step is :class:`~lioncub.optim.Lion`'s
         #: (unless built under :func:`lioncub.collectives.base.exchange_when_alone`)
         self.single_process = self.comm.alone
@@ -524,60 +524,3 @@ def _device_of(param_groups: list[dict[str, Any]]) -> torch.device:
             "one optimizer run on one device: give each device's parameters an optimizer of their own"
         )
     return devices[0] if devices else torch.device("cpu")
-
-
-def _comm(
-    config: VoteConfig, process_group: Any, device: torch.device, checks: Checks
-) -> tuple[Comm, tuple[Comm, Comm] | None]:
-    """(this rank's :class:`Comm` of the flat group, the node groups of a topology other than flat) for the
-    ``process_group`` argument (:func:`_groups`); a given ``Comm`` as it is."""
-    group, levels = _groups(config, process_group, device)
-    if isinstance(group, Comm):
-        if checks.broadcast_init and not group.fixed_members:
-            raise ValueError(
-                "checks=Checks(broadcast_init=True) on a comm whose members change (GroupComm): a group "
-                "that joins later has nobody to broadcast with; pass Checks(broadcast_init=False) and give "
-                "the groups their initial values otherwise (lioncub.integrations.torchft heals them)"
-            )
-        return group, levels
-    if group is False:
-        return Comm.single(device), levels
-    return Comm(group, device=device, exchange=config.exchange), levels
-
-
-def _groups(
-    config: VoteConfig, process_group: Any, device: torch.device
-) -> tuple[dist.ProcessGroup | Comm | bool | None, tuple[Comm, Comm] | None]:
-    """(the flat group — ``False`` when there is no process group at all —, the (intra-node, inter-node)
-    groups, on ``device``, of a topology other than flat) for the ``process_group`` argument."""
-    if isinstance(process_group, Comm):
-        if config.topology != "flat" or process_group.device != device:
-            why = (
-                f"; a {type(process_group).__name__} on {process_group.backend} exchanges "
-                f"{process_group.device} tensors (torchft's replica groups vote over ProcessGroupGloo on the "
-                "CPU: keep the model on the CPU)"
-                if not process_group.fixed_members
-                else ""
-            )
-            raise ValueError(
-                f"process_group: a Comm (on {process_group.device}) votes flat on its own device; here the "
-                f"topology is {config.topology!r} and the parameters are on {device}{why}"
-            )
-        return process_group, None
-    if process_group is None and not (dist.is_available() and dist.is_initialized()):
-        return False, None
-    if config.topology == "flat":
-        if topology.is_mesh(process_group):
-            raise ValueError(
-                "process_group: a DeviceMesh is for a topology other than 'flat' (VoteConfig.topology)"
-            )
-        return process_group, None
-    mesh = process_group if topology.is_mesh(process_group) else None
-    if mesh is None and process_group is not None:
-        raise ValueError(
-            f"topology={config.topology!r}: process_group must be a DeviceMesh with dims "
-            f"{topology.MESH_DIMS} (or None: built from torchrun's $LOCAL_WORLD_SIZE)"
-        )
-    mesh = mesh or topology.mesh_from_environment(config.topology, device)
-    flat, intra, inter = topology.node_groups(mesh, config.exchange, device)
-    return flat, (intra, inter)

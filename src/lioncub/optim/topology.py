@@ -4,13 +4,14 @@
 Ranks are numbered node by node (rank = node·L + local), as torchrun numbers them: a
 :class:`torch.distributed.device_mesh.DeviceMesh` of shape ``(M, L)`` with dimension names
 ``("node", "local")`` is passed as ``LionCub(process_group=mesh)``, or built here over the default group
-from the launcher's environment (:func:`mesh_from_environment`).
+from the launcher's environment (:func:`mesh_from_environment`). :func:`vote_groups`: the groups a
+``LionCub`` votes on, from its ``process_group`` argument (a group, a mesh, a ``Comm``, or none).
 """
 
 from __future__ import annotations
 
 import os
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -18,8 +19,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lioncub import env
 from lioncub.collectives import Comm
+from lioncub.optim.config import VoteConfig
 
-__all__ = ["MESH_DIMS", "is_mesh", "mesh_from_environment", "node_groups"]
+__all__ = ["MESH_DIMS", "is_mesh", "mesh_from_environment", "node_groups", "vote_groups"]
 
 #: the dimension names of a node mesh
 MESH_DIMS = ("node", "local")
@@ -85,3 +87,61 @@ def node_groups(
     intra = Comm(cast(dist.ProcessGroup, mesh.get_group("local")), device=device, exchange=exchange)
     inter = Comm(cast(dist.ProcessGroup, mesh.get_group("node")), device=device, exchange=exchange)
     return flat, intra, inter
+
+
+def vote_groups(
+    config: VoteConfig, process_group: Any, device: torch.device, broadcast_init: bool
+) -> tuple[Comm, tuple[Comm, Comm] | None]:
+    """(this rank's :class:`Comm` of the flat group, the node groups of a topology other than flat) for
+    :class:`~lioncub.optim.LionCub`'s ``process_group`` argument; a given ``Comm`` as it is
+    (``broadcast_init``: ``Checks.broadcast_init``, refused on a comm whose members change)."""
+    group, levels = _groups(config, process_group, device)
+    if isinstance(group, Comm):
+        if broadcast_init and not group.fixed_members:
+            raise ValueError(
+                "checks=Checks(broadcast_init=True) on a comm whose members change (GroupComm): a group "
+                "that joins later has nobody to broadcast with; pass Checks(broadcast_init=False) and give "
+                "the groups their initial values otherwise (lioncub.integrations.torchft heals them)"
+            )
+        return group, levels
+    if group is False:
+        return Comm.single(device), levels
+    return Comm(group, device=device, exchange=config.exchange), levels
+
+
+def _groups(
+    config: VoteConfig, process_group: Any, device: torch.device
+) -> tuple[dist.ProcessGroup | Comm | bool | None, tuple[Comm, Comm] | None]:
+    """(the flat group — ``False`` when there is no process group at all —, the (intra-node, inter-node)
+    groups, on ``device``, of a topology other than flat) for the ``process_group`` argument."""
+    if isinstance(process_group, Comm):
+        if config.topology != "flat" or process_group.device != device:
+            why = (
+                f"; a {type(process_group).__name__} on {process_group.backend} exchanges "
+                f"{process_group.device} tensors (torchft's replica groups vote over ProcessGroupGloo on the "
+                "CPU: keep the model on the CPU)"
+                if not process_group.fixed_members
+                else ""
+            )
+            raise ValueError(
+                f"process_group: a Comm (on {process_group.device}) votes flat on its own device; here the "
+                f"topology is {config.topology!r} and the parameters are on {device}{why}"
+            )
+        return process_group, None
+    if process_group is None and not (dist.is_available() and dist.is_initialized()):
+        return False, None
+    if config.topology == "flat":
+        if is_mesh(process_group):
+            raise ValueError(
+                "process_group: a DeviceMesh is for a topology other than 'flat' (VoteConfig.topology)"
+            )
+        return process_group, None
+    mesh = process_group if is_mesh(process_group) else None
+    if mesh is None and process_group is not None:
+        raise ValueError(
+            f"topology={config.topology!r}: process_group must be a DeviceMesh with dims "
+            f"{MESH_DIMS} (or None: built from torchrun's $LOCAL_WORLD_SIZE)"
+        )
+    mesh = mesh or mesh_from_environment(config.topology, device)
+    flat, intra, inter = node_groups(mesh, config.exchange, device)
+    return flat, (intra, inter)

@@ -182,6 +182,27 @@ def _cli(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def test_options_of_several_commands_are_declared_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--nproc-per-node`` (launch, cost, calibrate, train, compare) and ``--timeout`` (launch, train,
+    compare) are one description each (``cli.options.LaunchOptions``): one help, one minimum, one default,
+    ``LaunchConfig``'s too."""
+    import importlib
+
+    required = {"cost": ["--params", "1M"], "calibrate": ["--out", "x.json"], "train": ["--out", "x"]}
+    required["compare"] = ["--out", "x"]
+    required["launch"] = []
+    for command, argv in required.items():
+        parser = argparse.ArgumentParser(prog=f"lioncub {command}")
+        importlib.import_module(f"lioncub.cli.{command}").add_arguments(parser)
+        assert "--nproc-per-node L" in parser.format_help()
+        assert parser.parse_args([*argv, "--nproc-per-node", "1"]).nproc_per_node == 1
+        with pytest.raises(SystemExit):
+            parser.parse_args([*argv, "--nproc-per-node", "0"])
+        assert "must be a whole number >= 1, got 0" in capsys.readouterr().err
+        if command in ("launch", "train", "compare"):
+            assert parser.get_default("timeout") == LaunchConfig(["x.py"]).timeout_s == 7200
+
+
 def test_cli_dry_run_and_bad_rate(capsys: pytest.CaptureFixture[str]) -> None:
     assert launch_cli.run(_cli(["--nproc", "2", "--link", "1gbit", "--dry-run", "--", "-m", "m", "-x"])) == 0
     out = capsys.readouterr().out

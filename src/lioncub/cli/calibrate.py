@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lioncub import env
-from lioncub.cli.options import real_number, whole_number
+from lioncub.cli.options import add_flag, real_number, whole_number
 from lioncub.planning.costmodel import OPS, parse_count
 
 #: what a rank imports, preloaded once for the ranks forked under --nproc (no optimizer: no torch._dynamo)
@@ -139,9 +139,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="start M emulated nodes of --nproc-per-node ranks (with --link; unless inside a job) and "
         "measure both levels",
     )
-    parser.add_argument(
-        "--nproc-per-node", type=whole_number(2), metavar="L", help="with --nnodes: ranks on each node"
-    )
+    add_flag(parser, "nproc_per_node", "calibrate")
     parser.add_argument(
         "--intra-link",
         metavar="RATE",
@@ -216,6 +214,11 @@ def _check_layout(args: argparse.Namespace) -> str:
         )
     if args.nproc_per_node is None:
         return f"--nnodes {args.nnodes}: needs --nproc-per-node L (L >= 2), the ranks on each node"
+    if args.nproc_per_node < 2:
+        return (
+            f"--nproc-per-node {args.nproc_per_node}: a node of one rank has no link inside it to measure; "
+            "give L >= 2, or --nproc N for one level"
+        )
     if not args.link:
         return f"--nnodes {args.nnodes}: needs --link RATE, the rate of each node's NIC (root)"
     if args.flat:

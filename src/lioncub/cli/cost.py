@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Any
 
-from lioncub.cli.options import real_number, whole_number
+from lioncub.cli.options import add_flag, real_number, whole_number
 from lioncub.optim.config import INNER_MOMENTA, PRESETS
 from lioncub.planning import costmodel as cm
 from lioncub.report.cost import figure, format_count, report, report_cluster
@@ -94,9 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="M",
         help="instead of --workers: M nodes of --nproc-per-node",
     )
-    parser.add_argument(
-        "--nproc-per-node", type=whole_number(1), metavar="L", help="with --nnodes: workers on each node"
-    )
+    add_flag(parser, "nproc_per_node", "cost")
     parser.add_argument(
         "--intra-bandwidth",
         type=_arg(cm.parse_bandwidth, "--intra-bandwidth"),

@@ -8,6 +8,7 @@ import os
 import shlex
 import sys
 
+from lioncub.cli.options import add_flag
 from lioncub.launch import (
     EmulatedNetwork,
     LaunchConfig,
@@ -52,13 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="emulate M nodes (network namespaces), each with --nproc-per-node ranks behind one --link NIC, "
         "started by a multi-node torchrun (root)",
     )
-    parser.add_argument(
-        "--nproc-per-node",
-        "--nproc_per_node",
-        type=int,
-        metavar="L",
-        help="with --nnodes: ranks on each node",
-    )
+    add_flag(parser, "nproc_per_node", "launch", aliases=("--nproc_per_node",))
     parser.add_argument(
         "--link",
         metavar="RATE",
@@ -76,13 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="tbf bucket, e.g. 256kb (default: 2 ms at the rate, at least 16kb)",
     )
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=3600.0,
-        metavar="SECONDS",
-        help="kill the whole job after this long, restarts included (default 3600; 0: never)",
-    )
+    add_flag(parser, "timeout", "launch")
     parser.add_argument(
         "--port",
         type=int,

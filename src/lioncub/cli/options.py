@@ -1,6 +1,8 @@
 """Options that ``lioncub train`` and ``lioncub compare`` share, written from their descriptions -- the
 settings of a run (:data:`lioncub.train.config.SETTINGS`) and how it is launched (:class:`LaunchOptions`)
--- and how they become a :class:`~lioncub.train.config.TrainConfig`.
+-- and how they become a :class:`~lioncub.train.config.TrainConfig`. Where ``lioncub launch``, ``cost`` or
+``calibrate`` take the same option (``--nproc-per-node``, ``--timeout``), its flag comes from the same
+description (:func:`add_flag`; the setting's ``commands`` name them).
 
 Each flag's type, choices, metavar and help come from its description, its help ends with the default.
 A setting's flag defaults to None here, so that ``--resume`` tells an option given from one left out.
@@ -15,10 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from lioncub.launch.config import DEFAULT_TIMEOUT_S
 from lioncub.train.settings import Described, described, setting
 
 __all__ = [
     "LaunchOptions",
+    "add_flag",
     "add_run_arguments",
     "config_from_args",
     "parse_set",
@@ -67,14 +71,20 @@ class LaunchOptions:
     """How ``lioncub train`` and ``lioncub compare`` start and watch a run's ranks: not settings of the run
     (a resume may change them; :func:`lioncub.train.driver.check_launch_options` checks them)."""
 
-    nproc_per_node: int | None = setting(None, metavar="L", help="with --nnodes: ranks on each node")
+    nproc_per_node: int | None = setting(
+        None, low=1, parse=whole_number(1), metavar="L", help="with --nnodes: ranks on each node",
+        commands=("train", "compare", "launch", "cost", "calibrate"),
+    )  # fmt: skip
     max_nproc: int | None = setting(
         None,
         metavar="N",
         default_text="as many as 80% of the available memory holds",
         help="allow up to N ranks",
     )
-    timeout: float = setting(7200.0, metavar="SECONDS", help="per run; 0: no limit")
+    timeout: float = setting(
+        DEFAULT_TIMEOUT_S, metavar="SECONDS", commands=("train", "compare", "launch"),
+        help="stop the job (train, compare: each run) after this long, restarts included; 0: no limit",
+    )  # fmt: skip
     collective_timeout: float = setting(
         600.0, metavar="SECONDS",
         help="a collective that gets no answer for this long fails the job, naming the rank, operation and "
@@ -121,9 +131,16 @@ def _parser(parse: Any) -> Any:
     return convert
 
 
-def _add(group: Any, d: Described, *, given_only: bool, extra: tuple[str, str] | None = None) -> None:
-    """The flag of ``d`` in ``group``; its default None where ``given_only``; ``extra``: a choice the
-    command resolves itself, and its help."""
+def _add(
+    group: Any,
+    d: Described,
+    *,
+    given_only: bool,
+    extra: tuple[str, str] | None = None,
+    aliases: tuple[str, ...] = (),
+) -> None:
+    """The flag of ``d`` in ``group`` (and its ``aliases``); its default None where ``given_only``;
+    ``extra``: a choice the command resolves itself, and its help."""
     s = d.setting
     options: dict[str, Any] = {"dest": d.name, "help": _help(d) + (f"; {extra[1]}" if extra else "")}
     default = None if given_only else d.default
@@ -135,7 +152,20 @@ def _add(group: Any, d: Described, *, given_only: bool, extra: tuple[str, str] |
         options.update(type=_parser(s.parse) if s.parse else d.kind, metavar=s.metavar, default=default)
         if s.choices is not None:
             options["choices"] = [*s.choices, *extra[:1]] if extra else list(s.choices)
-    group.add_argument(d.flag, **options)
+    group.add_argument(d.flag, *aliases, **options)
+
+
+def add_flag(parser: Any, name: str, command: str, aliases: tuple[str, ...] = ()) -> None:
+    """The flag of the launch option or setting ``name`` (:data:`LAUNCH`, else
+    :data:`lioncub.train.config.SETTINGS`) in ``parser`` of ``command`` (``launch``, ``cost``,
+    ``calibrate``), with its default: the one declaration of an option several commands take."""
+    d = LAUNCH.get(name)
+    if d is None:
+        from lioncub.train.config import SETTINGS
+
+        d = SETTINGS[name]
+    assert command in d.setting.commands, f"{d.flag} is not an option of {command}: add it to its commands"
+    _add(parser, d, given_only=False, aliases=aliases)
 
 
 def add_run_arguments(

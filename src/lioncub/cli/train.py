@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from lioncub.cli.options import add_run_arguments, config_for_name, config_from_args, train_run
+from lioncub.optim.config import DEFAULT_OUTER
 
 EPILOG = """\
 examples:
@@ -67,7 +68,7 @@ def _check_auto(args: argparse.Namespace) -> None:
             "of torchrun or `lioncub launch` give the variant (lioncub.planning.auto.auto_variant chooses "
             "it in your own script)"
         )
-    if getattr(args, "outer", None) not in (None, "vote"):
+    if getattr(args, "outer", None) not in (None, DEFAULT_OUTER):
         raise ValueError(
             f"--variant auto with --outer {args.outer}: auto chooses among 1-bit votes (outer rule vote); "
             f"for {args.outer} give --variant 32bit --local-steps H --outer {args.outer}"

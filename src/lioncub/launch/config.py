@@ -8,10 +8,13 @@ from lioncub._validate import is_int, is_number
 from lioncub.launch.environment import build_command
 from lioncub.launch.netns import MAX_NODES, MAX_RANKS, LinkSpec
 
-__all__ = ["DEVICES", "LaunchConfig"]
+__all__ = ["DEFAULT_TIMEOUT_S", "DEVICES", "LaunchConfig"]
 
 #: where the ranks compute: ``auto`` (CUDA if available, else the CPU), ``cpu`` or ``cuda``
 DEVICES = ("auto", "cpu", "cuda")
+#: how long a job may run, restarts included, where no timeout is given: ``lioncub launch --timeout``'s
+#: default and ``lioncub train`` / ``compare``'s (per run), the one value of both
+DEFAULT_TIMEOUT_S = 7200.0
 
 
 @dataclass
@@ -26,7 +29,7 @@ class LaunchConfig:
     link_rate_bps: float | None = None  # None: plain loopback, no namespaces
     mtu: int = 1500
     burst_bytes: int | None = None  # tbf bucket; None: 2 ms at the rate, at least 16 KiB
-    timeout_s: float | None = 3600.0  # whole job, restarts included; None: unbounded
+    timeout_s: float | None = DEFAULT_TIMEOUT_S  # whole job, restarts included; None: unbounded
     master_port: int | None = None  # None: 29500 under a link, a free loopback port otherwise
     restarts: int = 0
     env: dict[str, str] = field(default_factory=dict)

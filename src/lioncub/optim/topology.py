@@ -11,7 +11,7 @@ from the launcher's environment (:func:`mesh_from_environment`). :func:`vote_gro
 from __future__ import annotations
 
 import os
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -111,7 +111,7 @@ def vote_groups(
 
 def _groups(
     config: VoteConfig, process_group: Any, device: torch.device
-) -> tuple[dist.ProcessGroup | Comm | bool | None, tuple[Comm, Comm] | None]:
+) -> tuple[dist.ProcessGroup | Comm | Literal[False] | None, tuple[Comm, Comm] | None]:
     """(the flat group — ``False`` when there is no process group at all —, the (intra-node, inter-node)
     groups, on ``device``, of a topology other than flat) for the ``process_group`` argument."""
     if isinstance(process_group, Comm):

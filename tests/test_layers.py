@@ -267,16 +267,10 @@ def test_no_dispatch_on_a_string_kind() -> None:
     assert wrong == []
 
 
-#: no module of ``src/`` is longer (a longer one is split by concern)
-MODULE_LINES = 600
+# A module's length is a review question, not a test (docs/architecture.md, "Reviewing a change"): a cap made
+# files split where the count fell, not where the concerns part.
 #: functions over :data:`FUNCTION_LINES` lines are argparse tables of the CLI only (their names)
 FUNCTION_LINES = 80
-
-
-def test_modules_are_held_in_one_sitting() -> None:
-    """No module of ``src/`` over :data:`MODULE_LINES` lines, none excepted."""
-    long = {m: p.read_text().count("\n") for m, p in MODULES.items()}
-    assert {m: n for m, n in long.items() if n > MODULE_LINES} == {}
 
 
 def test_functions_are_held_in_one_sitting() -> None:

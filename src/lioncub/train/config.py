@@ -45,7 +45,7 @@ from lioncub.optim.step_check import NONFINITE_MODES, Checks
 from lioncub.train.data import MODES
 from lioncub.train.fault_settings import check_fault_tolerant
 from lioncub.train.lr import lr_factor
-from lioncub.train.parts import optimizer_parts
+from lioncub.train.parts import OptimizerParts, optimizer_parts
 from lioncub.train.settings import Described, check_value, described, flat_document, nest, setting
 from lioncub.train.settings import spell as spell_value
 from lioncub.train.workloads import workload_class, workload_names
@@ -300,6 +300,11 @@ class OptimizerConfig:
         """The variant's vote is one bit per element (``zero_vote`` applies)."""
         return _one_bit(self.variant)
 
+    def build(self, topology: str | None = None) -> OptimizerParts:
+        """The optimizer's objects of these settings, checked, their errors in flags
+        (:func:`lioncub.train.parts.optimizer_parts`); ``topology``: the one ``--topology auto`` chose."""
+        return optimizer_parts(self, SETTINGS, topology)
+
 
 @dataclass
 class ClusterConfig:
@@ -384,7 +389,7 @@ class TrainConfig:
         _check_what(self)
         _check_run(self)
         _check_per_variant(self)
-        optimizer_parts(self.optimizer, SETTINGS)  # the optimizer's own checks
+        self.optimizer.build()  # the optimizer's own checks
 
     def flat(self) -> dict[str, Any]:
         """Every setting by name (the parts merged)."""

@@ -19,8 +19,7 @@ from lioncub import env
 from lioncub._validate import is_int
 from lioncub.names import PEER_VARIANTS, config_entries, run_label
 from lioncub.rundir import SpecialFileError, read_run_file
-from lioncub.train.config import BASELINES, SETTINGS, TrainConfig, format_overrides
-from lioncub.train.parts import optimizer_parts
+from lioncub.train.config import BASELINES, TrainConfig, format_overrides
 from lioncub.train.prepare import NEXT_CONFIG, finish_run
 from lioncub.train.progress import Progress
 
@@ -121,7 +120,7 @@ def check_lanes(config: TrainConfig) -> None:
     if opt.variant in BASELINES or opt.variant in PEER_VARIANTS:
         return
     try:
-        check_workers(optimizer_parts(opt, SETTINGS).vote, n)  # the lanes: the same at every topology
+        check_workers(opt.build().vote, n)  # the lanes: the same at every topology
     except ValueError as exc:
         fits = [name for name, preset in PRESETS.items() if name in BASELINES or capacity(preset, n)[0]]
         fix = "" if "presets that do" in str(exc) else f"; the variants that serve {n} ranks: {fits}"

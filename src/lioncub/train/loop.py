@@ -69,16 +69,8 @@ from lioncub.planning.auto import DEFAULT_LATENCY_S, choose_topology
 from lioncub.rundir import is_marked, open_append, record, write_atomically, write_owned
 from lioncub.train import checkpoint
 from lioncub.train.budget import GUARD_FACTOR, budget_summary, over_budget
-from lioncub.train.config import (
-    BASELINES,
-    CUDA_UNDER_EMULATION,
-    SETTINGS,
-    TrainConfig,
-    emulates_links,
-    lr_factor,
-)
+from lioncub.train.config import BASELINES, CUDA_UNDER_EMULATION, TrainConfig, emulates_links, lr_factor
 from lioncub.train.nodebytes import flat_shares, node_bytes
-from lioncub.train.parts import optimizer_parts
 from lioncub.train.runlog import append_record, elapsed_at, truncate_log
 from lioncub.train.workloads import Workload, make_workload
 from lioncub.units import parse_rate
@@ -164,7 +156,7 @@ def build_optimizer(
             )
             traffic = count_gradient_allreduce(model, wire)  # type: ignore[arg-type]
         return OptimizerSetup(Lion(groups, betas=wl.betas), model, traffic)
-    parts = optimizer_parts(options, SETTINGS, _topology(config, model))
+    parts = options.build(_topology(config, model))
     opt = LionCub(
         groups,
         betas=wl.betas,
@@ -369,7 +361,7 @@ def _set_up(config: TrainConfig, run_dir: Path, log: Callable[[str], None]) -> _
             log(f"resumed from {resume.path} at step {start}")
     shares, ring = None, (0.0, 0.0)
     if config.cluster.nnodes:  # where the bytes go: lioncub.train.nodebytes
-        vote = optimizer_parts(config.optimizer, SETTINGS).lioncub_variant  # flat_shares: its flat vote
+        vote = config.optimizer.build().lioncub_variant  # flat_shares: its flat vote
         d = sum(p.numel() for p in model.parameters() if p.requires_grad)
         nodes = (config.cluster.nnodes, config.cluster.nproc_per_node)
         shares, ring = flat_shares(vote, d, *nodes), flat_shares("32bit", d, *nodes)

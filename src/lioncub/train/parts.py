@@ -1,17 +1,18 @@
-"""A run's optimizer settings as the optimizer's objects, built in one place: :func:`optimizer_parts`.
+"""A run's optimizer settings as the optimizer's objects, built in one place: :func:`optimizer_parts`
+(:meth:`lioncub.train.config.OptimizerConfig.build`).
 
 The vote (:class:`~lioncub.optim.VoteConfig`, from ``resolve_variant``), :class:`~lioncub.optim.Checks`,
-:class:`~lioncub.optim.MomentumSync` and :class:`~lioncub.optim.LocalSteps`, each checked as
-``LionCub`` checks it (``lioncub.optim.arguments``): :meth:`lioncub.train.config.TrainConfig.__post_init__`
-validates a run by building them, and the driver (the vote's lanes), the loop (``LionCub``'s arguments,
-the vote whose bytes the nodes count) and a replica group (torchft's DiLoCo's outer rule) take them from
-here. Each object is built from the settings named with it (:data:`STEPS`), so that an error of the
-optimizer is written with those settings' flags (:func:`lioncub.train.settings.spell_message`).
+:class:`~lioncub.optim.MomentumSync` and :class:`~lioncub.optim.LocalSteps`, each checked as ``LionCub``
+checks it (``lioncub.optim.arguments``): :meth:`lioncub.train.config.TrainConfig.__post_init__` validates
+a run by building them, and the driver (the vote's lanes), the loop (``LionCub``'s arguments, the vote
+whose bytes the nodes count) and a replica group (torchft's DiLoCo's outer rule) take them from here.
+Each object is built from the settings named with it (:data:`STEPS`), so that an error of the optimizer
+is written with those settings' flags (:func:`lioncub.train.settings.spell_message`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -83,16 +84,12 @@ def optimizer_parts(opt: Any, settings: dict[str, Described], topology: str | No
             vote = resolve_variant(variant, quantizer=opt.quantizer, topology=chosen, zero_vote=opt.zero_vote)
     except ValueError as exc:
         raise ValueError(f"--topology auto: {exc}" if opt.topology == "auto" else str(exc)) from None
-    build: dict[str, Callable[[], Any]] = {
-        "checks": lambda: Checks(broadcast_init=False, nonfinite=opt.nonfinite),
-        "momentum_sync": lambda: MomentumSync(opt.momentum_sync, every=opt.sync_every),
-    }
-    parts = {}
-    for step, make in build.items():
-        with _flags(step, settings):
-            parts[step] = make()
+    with _flags("checks", settings):
+        checks = Checks(broadcast_init=False, nonfinite=opt.nonfinite)
+    with _flags("momentum_sync", settings):
+        sync = MomentumSync(opt.momentum_sync, every=opt.sync_every)
     with _flags("options", settings):
-        check_options(vote, variant, opt.bucket_mb, None, parts["checks"], opt.diagnostics_every)
+        check_options(vote, variant, opt.bucket_mb, None, checks, opt.diagnostics_every)
     local = None
     if opt.local_steps is not None:
         with _flags("local_steps", settings):
@@ -101,4 +98,4 @@ def optimizer_parts(opt: Any, settings: dict[str, Described], topology: str | No
             )
         with _flags("local_options", settings):
             check_local_steps(local, vote, variant, opt.momentum_sync, opt.diagnostics_every)
-    return OptimizerParts(variant, vote, parts["checks"], parts["momentum_sync"], local)
+    return OptimizerParts(variant, vote, checks, sync, local)

@@ -59,9 +59,8 @@ from lioncub.optim import Lion, LionCub
 from lioncub.optim.engine import PhaseClock
 from lioncub.rundir import open_append, write_atomically
 from lioncub.train import loop
-from lioncub.train.config import SETTINGS, TrainConfig
+from lioncub.train.config import TrainConfig
 from lioncub.train.lr import lr_factor
-from lioncub.train.parts import optimizer_parts
 from lioncub.train.rank import PG_TIMEOUT_S, interrupt_as_one_line, run_of
 from lioncub.train.runlog import append_record
 from lioncub.train.workloads import Workload, make_workload
@@ -216,7 +215,7 @@ def _group(
     size = cluster.nproc_per_node
     if opt.variant in PEER_VARIANTS:
         inner = Lion(wl.param_groups(model), betas=wl.betas)
-        rule = optimizer_parts(opt, SETTINGS).local_steps  # the outer rule diloco, each worker's momenta kept
+        rule = opt.build().local_steps  # the outer rule diloco, each worker's momenta kept
         assert rule is not None  # torchft-diloco runs with --local-steps H (TrainConfig's check)
         peer = DiLoCoGroup(
             lighthouse,

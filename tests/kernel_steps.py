@@ -41,7 +41,8 @@ def worker_lioncub_kernels(rank: int, world: int, presets: list[str], out: str |
     from lioncub.optim import LionCub
 
     results: dict[str, Any] = {}
-    with counted_calls(kernels, ("majority_pack", "quantize_l1", "apply_votes_")) as calls:
+    counted = ("majority_pack", "quantize_l1", "apply_votes_", "apply_votes_multi_", "lion_directions_")
+    with counted_calls(kernels, counted) as calls:
         for preset in presets:
             torch.manual_seed(0)
             params = [torch.nn.Parameter(torch.randn(37, 11)), torch.nn.Parameter(torch.randn(5))]

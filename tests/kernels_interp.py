@@ -14,6 +14,9 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
 
 os.environ["TRITON_INTERPRET"] = "1"
 
@@ -235,6 +238,228 @@ def hypothesis_case() -> None:
     agree()
 
 
+def _device_pass1() -> Any:
+    """Pass 1 as off the CPU (``normalizers._on_host`` False): the reference sums of each tensor and the
+    fused quantizer's per-bucket sums both run :func:`kernels.l1_abs_sums`' Triton kernels."""
+    import contextlib
+
+    from lioncub.ops import normalizers
+
+    @contextlib.contextmanager
+    def patched() -> Iterator[None]:
+        on_host = normalizers._on_host
+        normalizers._on_host = lambda t: False
+        try:
+            yield
+        finally:
+            normalizers._on_host = on_host
+
+    return patched()
+
+
+def pass1_bucket_case() -> None:
+    """The per-bucket pass 1 of a GPU (3 launches per bucket) against the reference run per tensor (off the
+    CPU: the float64 sums of l1_abs_sums): divisors, work-dtype flags and levels bit for bit, for float32,
+    bfloat16 and float16, per tensor and chunked, with all-zero, denormal (float64 work), NaN and Inf
+    chunks and tensors; the sums are exact on exactly summable data and within float64 rounding of the
+    exact sum (math.fsum) on other data."""
+    import math
+
+    gen = torch.Generator().manual_seed(6)
+    with _device_pass1():
+        layouts = [([1031], None), ([5, 0, 7, 300, 719], None), ([5, 0, 7, 300, 719], 64), ([9000], 4100)]
+        layouts += [([1], None), ([3], 7), ([6, 2], 4), ([0, 4097, 0, 8193], None), ([50, 3], 1)]
+        for segments, chunk in layouts:
+            n = sum(segments)
+            base = special(n, F32, gen) * torch.rand(n, generator=gen)
+            if n > 900:
+                base[100:200] = 0  # an all-zero chunk
+                base[300:400] = torch.randn(100, generator=gen) * 1e-41  # float32 denormals: float64 work
+                base[750], base[820] = float("nan"), float("-inf")
+            for dtype in (F32, BF16, F16):
+                x = base.to(dtype)
+                want = kernels._l1_divisors(x, 127, 2.0, chunk, segments)  # per bucket (3 launches)
+                pos, divs, wide = 0, [], []
+                for length in segments:
+                    if length:
+                        d, w = quantize.l1_divisors(x[pos : pos + length], 127, chunk_size=chunk)
+                        divs.append(d)
+                        wide.append(bool(w))
+                    else:
+                        wide.append(False)
+                    pos += length
+                same(want[0], torch.cat(divs), f"divisors {dtype} {segments} chunk={chunk}")
+                assert [bool(v) for v in want[1]] == wide, f"wide {dtype} {segments} chunk={chunk}"
+                for levels in (127, 7) if dtype == F32 else (127,):
+                    a = kernels.quantize_l1(x, levels, chunk_size=chunk, segments=segments, backend="torch")
+                    b = kernels.quantize_l1(x, levels, chunk_size=chunk, segments=segments, backend="triton")
+                    same(a, b, f"levels {dtype} {segments} chunk={chunk} levels={levels}")
+        grid = torch.randint(-255, 256, (3, 70_000), generator=gen).float() / 64  # sums exact in float32
+        exact = grid.double().abs().sum(dim=1)
+        same(kernels.l1_abs_sums(grid), exact, "exact sums")
+        wild = torch.randn(2, 20_000, generator=gen) * 10.0 ** torch.randint(
+            -20, 20, (2, 20_000), generator=gen
+        )
+        for row, got in zip(wild, kernels.l1_abs_sums(wild).tolist(), strict=True):
+            want = math.fsum(abs(v) for v in row.double().tolist())
+            assert abs(got - want) <= 1e-13 * want, (got, want)
+        assert kernels.l1_abs_sums(torch.zeros(4, 0)).tolist() == [0.0] * 4
+
+
+def multi_tensor_case() -> None:
+    """lion_directions_ and apply_votes_multi_ (one launch for all tensors of a bucket) against the torch
+    reference per tensor: float32, bfloat16 and float16 with signed zeros, denormals, huge values, NaN and
+    Inf; missing gradients (zeros, never negated), maximize, weight decay, empty tensors, more tensors
+    than blocks of a binary search, and tensors at an offset in the flat buffer (unused gaps)."""
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(37, 11), (5,), (0,), (1,), (3000,), (2,), (0,), (1024,), (1025,)] + [(k,) for k in range(1, 9)]
+    for dtype in (F32, BF16, F16):
+        ms = [special(int(torch.Size(s).numel()), dtype, gen).view(s) for s in shapes]
+        gs = [with_nonfinite(special(m.numel(), dtype, gen)).view(m.shape) for m in ms]
+        gs[1] = gs[5] = None
+        starts, pos = [], 3
+        for m in ms:
+            starts.append(pos)
+            pos += m.numel() + 2  # gaps: the kernels write only their tensors' ranges
+        n = pos
+        for negate in (False, True):
+            outs = []
+            for backend in ("torch", "triton"):
+                out = torch.full((n,), 7.0, dtype=dtype)
+                kernels.lion_directions_(out, starts, ms, gs, beta1=0.9, negate=negate, backend=backend)
+                outs.append(out)
+            same(*outs, f"lion_directions_ {dtype} negate={negate}")
+        votes = torch.randint(-1, 2, (n,), dtype=torch.int8, generator=gen)
+        for negate, wd in ((False, 0.0), (True, 0.1)):
+            outs = []
+            for backend in ("torch", "triton"):
+                ps = [
+                    special(m.numel(), dtype, torch.Generator().manual_seed(i)).view(m.shape)
+                    for i, m in enumerate(ms)
+                ]
+                mm = [m.clone() for m in ms]
+                kernels.apply_votes_multi_(
+                    ps, votes, starts, lr=1e-2, weight_decay=wd, exp_avgs=mm, grads=gs, beta2=0.99,
+                    negate_grad=negate, backend=backend,
+                )  # fmt: skip
+                outs.append([*ps, *mm])
+            for i, (a, b) in enumerate(zip(*outs, strict=True)):
+                same(a, b, f"apply_votes_multi_ {dtype} negate={negate} wd={wd} tensor {i}")
+        ps_a = [special(m.numel(), dtype, gen) for m in ms]
+        ps_b = [p.clone() for p in ps_a]
+        kernels.apply_votes_multi_(ps_a, votes, starts, lr=3e-4, backend="torch")
+        kernels.apply_votes_multi_(ps_b, votes, starts, lr=3e-4, backend="triton")
+        for a, b in zip(ps_a, ps_b, strict=True):
+            same(a, b, f"apply_votes_multi_ without momentum {dtype}")
+
+
+class _Counts:
+    """Counts, while active, the Triton launches (the kernels of lioncub.ops.triton_kernels wrapped) and the
+    aten operations that would launch a GPU kernel (not views, not allocations; none issued by Triton's
+    interpreter inside a launch)."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from lioncub.ops import triton_kernels
+
+        self.module = triton_kernels
+        self.triton = 0
+        self.aten: dict[str, int] = {}
+        self._inside = False
+        counts = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                name = func.overloadpacket.__name__
+                if not (counts._inside or func.is_view or name.startswith("empty")):
+                    counts.aten[name] = counts.aten.get(name, 0) + 1
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def wrap(self) -> dict[str, Any]:
+        originals = {}
+        for name in self.module.__all__:
+            if not name.endswith("_kernel"):
+                continue
+            kernel = originals[name] = getattr(self.module, name)
+            setattr(self.module, name, _Counted(kernel, self))
+        return originals
+
+    def total(self) -> int:
+        return self.triton + sum(self.aten.values())
+
+
+class _Counted:
+    """A Triton kernel whose launches ``_Counts`` counts."""
+
+    def __init__(self, kernel: Any, counts: _Counts) -> None:
+        self.kernel, self.counts = kernel, counts
+
+    def __getitem__(self, grid: Any) -> Any:
+        def launch(*args: Any, **kwargs: Any) -> Any:
+            self.counts.triton += 1
+            self.counts._inside = True
+            try:
+                return self.kernel[grid](*args, **kwargs)
+            finally:
+                self.counts._inside = False
+
+        return launch
+
+
+def _vote_step(tensors: int, counts: _Counts) -> tuple[dict[str, tuple[int, int]], int]:
+    """Two QuantizedVote(l1, 8) steps (contribution, levels, apply) of one bucket of ``tensors`` float32
+    tensors, 4096 elements in all, on the Triton path: (Triton launches, aten ops) of each phase of the
+    second step, and the device tables it uploaded."""
+    from lioncub.collectives import Comm, QuantizedVote
+    from lioncub.collectives.protocol import Ballot, Hyper
+
+    gen = torch.Generator().manual_seed(tensors)
+    params = [torch.nn.Parameter(torch.randn(4096 // tensors, generator=gen)) for _ in range(tensors)]
+    for i, p in enumerate(params):
+        p.grad = None if i == 1 else torch.randn(p.shape, generator=gen)
+    momenta = {id(p): torch.randn(p.shape, generator=gen) for p in params}
+    hyper = Hyper(lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.1, maximize=False)
+    state = SimpleNamespace(momentum=lambda p: momenta[id(p)], hyper=lambda p: hyper)
+    vote = QuantizedVote(Comm.single(), "l1", 8)
+    local = torch.empty(4096)
+    phases: dict[str, tuple[int, int]] = {}
+    tables = getattr(kernels, "_TABLES", None)
+    uploads = 0
+    for _ in range(2):
+        uploads = tables.uploads if tables is not None else 0
+        ballot = Ballot(key="bucket", params=params, backend=kernels.STEP_BACKENDS["triton"], local=local)
+        for phase in ("contribution", "levels", "apply"):
+            counts.triton, counts.aten = 0, {}
+            with counts.mode:
+                if phase == "contribution":
+                    vote.contribute(ballot, [p.grad for p in params], state, step=1)
+                elif phase == "levels":
+                    ballot.pending = vote.start(local, step=1, key="bucket", segments=ballot.segments)
+                else:
+                    vote.apply(ballot, state)
+            phases[phase] = (counts.triton, sum(counts.aten.values()))
+    return phases, (tables.uploads - uploads if tables is not None else -1)
+
+
+def launch_counts_case() -> dict:
+    """The launches of a vote step's phases per bucket do not grow with the bucket's tensors (8 vs 64),
+    on the Triton path with pass 1 as off the CPU, and a second step uploads no device table."""
+    counts = _Counts()
+    originals = counts.wrap()
+    try:
+        with _device_pass1():
+            got = {tensors: _vote_step(tensors, counts) for tensors in (8, 64)}
+    finally:
+        for name, kernel in originals.items():
+            setattr(counts.module, name, kernel)
+    assert got[8][0] == got[64][0], got
+    assert got[8][1] == got[64][1] == 0, got
+    return {str(k): v[0] for k, v in got.items()}
+
+
 CASES = {
     "quantize_l1_float32": lambda: quantize_case(F32),
     "quantize_l1_bfloat16": lambda: quantize_case(BF16),
@@ -243,6 +468,9 @@ CASES = {
     "apply_float32": lambda: apply_case(F32),
     "apply_bfloat16": lambda: apply_case(BF16),
     "hypothesis_agreement": hypothesis_case,
+    "pass1_bucket": pass1_bucket_case,
+    "multi_tensor": multi_tensor_case,
+    "launch_counts": launch_counts_case,
 }
 
 
@@ -251,15 +479,14 @@ def main(names: list[str]) -> int:
     torch.set_num_threads(1)
     for name in names or list(CASES):
         t0 = time.perf_counter()
+        info = None
         try:
-            CASES[name]()
+            info = CASES[name]()
             ok, error = True, ""
         except Exception as err:  # reported to the test, which fails naming it
             ok, error = False, f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=4)}"
-        print(
-            json.dumps({"case": name, "ok": ok, "error": error, "seconds": time.perf_counter() - t0}),
-            flush=True,
-        )
+        record = {"case": name, "ok": ok, "error": error, "seconds": time.perf_counter() - t0}
+        print(json.dumps(record | ({"info": info} if info is not None else {})), flush=True)
     return 0
 
 

@@ -61,7 +61,9 @@ GPU_CHECK_INJECTED = ("bandwidth", "overlap hook")
 
 #: the subprocesses of this module, started when collection ends (they run on the core left idle)
 BACKGROUND = {
-    "kernels_interp": _in_background(lambda _: python_cmd(str(ROOT / "tests" / "kernels_interp.py")), 240),
+    "kernels_interp": _in_background(
+        lambda _: python_cmd(str(ROOT / "tests" / "kernels_interp.py"), *INTERP_CASES), 240
+    ),
     # with a failure injected at the end of two sections (after their work: every row is still there)
     "gpu_check_dry_run": _in_background(
         lambda workdir: [
@@ -322,8 +324,13 @@ def test_lioncub_step_with_kernels_equals_the_torch_step() -> None:
         mp.setenv("LIONCUB_CPU_KERNELS", "0")  # the ranks take the caller's environment
         plain = run_workers(worker_lioncub_kernels, 2, presets, None)[0]
     assert plain["backend"] == "torch" and plain["calls"] == {}
-    # 3 steps × (1bit: 1 repack + 2 applies; 8bit: 1 quantize + 2 applies; 8bit-sign: 2 applies)
-    assert interp["calls"] == {"majority_pack": 3, "quantize_l1": 3, "apply_votes_": 18}
+    # 3 steps × one bucket: 1 contribution and 1 apply each (1bit: + 1 repack; 8bit: + 1 quantize)
+    assert interp["calls"] == {
+        "majority_pack": 3,
+        "quantize_l1": 3,
+        "apply_votes_multi_": 9,
+        "lion_directions_": 9,
+    }
     for preset in presets:
         for key in ("params", "momenta"):
             for a, b in zip(interp[preset][key], plain[preset][key], strict=True):

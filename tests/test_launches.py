@@ -1,12 +1,17 @@
 """How lioncub.ops.kernels launches its Triton kernels, checked on the CPU (no GPU here): every launch runs
 under its tensors' CUDA device (the kernels replaced by recorders), the device tables of a layout are made
-once however many layouts a run has, and the launches of a vote step per bucket do not grow with the
-bucket's tensors (counted in Triton's interpreter, in a subprocess: tests/kernels_interp.py)."""
+once however many layouts a run has, the majority kernel's programs take kilobytes, and the launches of a
+vote step per bucket do not grow with the bucket's tensors (issue 44, findings 1, 4, 5 and 9). The
+per-bucket kernels run in Triton's interpreter in a subprocess (tests/kernels_interp.py's cases
+``pass1_bucket``, ``multi_tensor`` and ``launch_counts``), as a background job (tests/background.py)."""
 
 from __future__ import annotations
 
 import ast
 import contextlib
+import importlib.util
+import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,10 +20,44 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+import background
 from lioncub.ops import kernels
+
+from processes import python_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ROOT / "src" / "lioncub" / "ops" / "kernels.py"
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+LAUNCH_CASES = ["pass1_bucket", "multi_tensor", "launch_counts"]
+
+
+def _interp_job() -> background.Subprocess | None:
+    if not HAVE_TRITON:
+        return None
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    script = str(ROOT / "tests" / "kernels_interp.py")
+    return background.Subprocess(lambda _: python_cmd(script, *LAUNCH_CASES), 240, env)
+
+
+#: the subprocess of this module, started when collection ends (tests/background.py)
+BACKGROUND = {"launches_interp": _interp_job}
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, dict]:
+    """The records of the interpreter cases, by case."""
+    if not HAVE_TRITON:
+        pytest.skip("triton is not installed (pip install -c constraints.txt -e .[dev] brings it)")
+    proc = background.result("launches_interp", BACKGROUND["launches_interp"])
+    records = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            records[record["case"]] = record
+    if not records:
+        pytest.fail(f"the interpreter cases did not run (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return records
 
 
 # ----------------------------------------------------------------------------- finding 1: the device guard
@@ -132,17 +171,29 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> _Recorder:
     return rec
 
 
-def test_every_triton_launch_path_enters_its_tensors_device(recorded: _Recorder) -> None:
-    """quantize, majority and apply: each launch happens inside the guard, entered with the device of the
+def test_every_triton_launch_path_enters_its_tensors_device(
+    recorded: _Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """quantize (pass 1 per bucket and per tensor, pass 2), majority, apply (per tensor and per bucket) and
+    the per-bucket contribution: each launch happens inside the guard, entered with the device of the
     tensors it launches on."""
+    from lioncub.ops import normalizers
+
     x = torch.randn(300)
     kernels.quantize_l1(x, 63, segments=[100, 0, 200], chunk_size=64, backend="triton")
+    monkeypatch.setattr(normalizers, "_on_host", lambda t: False)  # pass 1 as off the CPU: Triton's
+    kernels.quantize_l1(x, 63, segments=[100, 0, 200], chunk_size=64, backend="triton")
+    kernels.l1_abs_sums(x.view(3, 100))
     kernels.majority_pack(torch.zeros(3, 9, dtype=torch.uint8), True, backend="triton")
     p, m, g = torch.randn(10), torch.randn(10), torch.randn(10)
     votes = torch.ones(10, dtype=torch.int8)
     kernels.apply_votes_(p, votes, lr=0.1, exp_avg=m, grad=g, beta2=0.9, backend="triton")
+    ps, ms, gs = [torch.randn(4), torch.randn(6)], [torch.randn(4), torch.randn(6)], [torch.randn(4), None]
+    kernels.apply_votes_multi_(ps, votes, [0, 4], lr=0.1, exp_avgs=ms, grads=gs, beta2=0.9, backend="triton")
+    kernels.lion_directions_(torch.empty(10), [0, 4], ms, gs, beta1=0.9, backend="triton")
     names = [name for name, _, _ in recorded.launches]
-    for kernel in ("quantize_kernel", "majority_kernel", "apply_kernel"):
+    kinds = ("quantize_kernel", "abs_sum_tiles_kernel", "abs_sum_groups_kernel", "majority_kernel")
+    for kernel in (*kinds, "apply_kernel", "apply_multi_kernel", "lion_kernel"):
         assert kernel in names, names
     for name, where, devices in recorded.launches:
         assert where is not None, f"{name} launched outside the device guard"
@@ -161,6 +212,34 @@ def test_the_majority_kernel_takes_kilobytes_per_program_in_words(recorded: _Rec
     (_, grid, args, kwargs), (_, grid_b, args_b, kwargs_b) = recorded.calls
     assert grid == (4,) and kwargs["WORDS"] and args[0].dtype == torch.int32  # 8 KiB rows: 4 programs
     assert grid_b == (4,) and not kwargs_b["WORDS"] and args_b[0].dtype == torch.uint8
+
+
+# ----------------------------------------------------------------------------- finding 5: launches per bucket
+
+
+@pytest.mark.slow
+@pytest.mark.background("launches_interp")
+@pytest.mark.parametrize("case", LAUNCH_CASES)
+def test_the_per_bucket_kernels_in_the_interpreter(interpreted: dict[str, dict], case: str) -> None:
+    """pass1_bucket: the 3-launch pass 1 of a bucket equals the reference per tensor bit for bit (and its
+    sums the exact ones within float64 rounding); multi_tensor: the one-launch contribution and apply
+    equal the torch reference per tensor; launch_counts: see below."""
+    record = interpreted.get(case)
+    assert record is not None, f"case {case} did not report"
+    assert record["ok"], record["error"]
+
+
+@pytest.mark.slow
+@pytest.mark.background("launches_interp")
+def test_a_vote_step_launches_per_bucket_not_per_tensor(interpreted: dict[str, dict]) -> None:
+    """A QuantizedVote(l1, 8) step of one bucket on the Triton path (pass 1 as off the CPU), 8 vs 64
+    tensors: (Triton launches, other kernel-launching torch ops) per phase are the same — before, per
+    tensor: the contribution 2 torch ops, pass 1 ~17 torch ops, the apply 1 Triton launch (8 tensors:
+    0/21, 1/139, 8/2; 64 tensors: 0/133, 1/1091, 64/2)."""
+    info = interpreted["launch_counts"].get("info")
+    assert info is not None, interpreted["launch_counts"]["error"]
+    per_bucket = {"contribution": [1, 4], "levels": [3, 1], "apply": [1, 1]}
+    assert info == {"8": per_bucket, "64": per_bucket}
 
 
 # ----------------------------------------------------------------------------- finding 4: tables per layout

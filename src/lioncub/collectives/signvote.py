@@ -10,8 +10,9 @@ On rank i, for every parameter of a bucket (``g`` negated under ``maximize``, ``
   ``m_i ← β2·m_i + (1−β2)·g_i`` — on the fused path from the undecoded
   :class:`~lioncub.collectives.protocol.Result` in one pass over ``(p, m, g)``, the next momentum taken
   by swapping storages (``exp_avg`` keeps its identity; a view of it taken before the step does not
-  follow); on GPUs (``"triton"``) with :func:`lioncub.ops.kernels.apply_votes_`; else in torch. Every
-  path gives the same bits.
+  follow); on GPUs (``"triton"``) with :func:`lioncub.ops.kernels.apply_votes_multi_`, one launch for
+  the bucket (the contribution likewise, :func:`lioncub.ops.kernels.lion_directions_`); else in torch.
+  Every path gives the same bits.
 
 A subclass states its payload (:meth:`SignVote.payload_format`) and its collective
 (:meth:`~lioncub.collectives.protocol.Vote.start`, returning its result format).
@@ -21,7 +22,8 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -120,10 +122,22 @@ class SignVote(Vote):
         if ballot.backend.fused and fits_backend(ballot, state, grads):
             self._contribute_fused(ballot, grads, state, step, keep_copy)
             return
-        for p, g, view in zip(ballot.params, grads, flat_views(ballot.local, ballot.params), strict=True):
-            h = state.hyper(p)
-            grad = gradient(p, g, h.maximize)
-            torch.mul(state.momentum(p), h.beta1, out=view).add_(grad, alpha=1.0 - h.beta1)
+        if ballot.backend.votes_kernel and fits_backend(ballot, state, grads):
+            # GPU: one launch per bucket (per distinct β1, maximize), the same bits as the loop below
+            for (beta1, maximize), members in _by_hyper(ballot, state, lambda h: (h.beta1, h.maximize)):
+                kernels.lion_directions_(
+                    ballot.local,
+                    [start for _, start in members],
+                    [state.momentum(p) for p, _ in members],
+                    [grads[i] for i in _indices(ballot, members)],
+                    beta1=beta1,
+                    negate=maximize,
+                )
+        else:
+            for p, g, view in zip(ballot.params, grads, flat_views(ballot.local, ballot.params), strict=True):
+                h = state.hyper(p)
+                grad = gradient(p, g, h.maximize)
+                torch.mul(state.momentum(p), h.beta1, out=view).add_(grad, alpha=1.0 - h.beta1)
         ballot.peak = max_abs(ballot.local).float()
         ballot.direction = ballot.local.clone() if keep_copy else None
 
@@ -196,9 +210,29 @@ class SignVote(Vote):
                 pos += p.numel()
             return copy
         u = result.decode()
+        if backend.votes_kernel and not u.dtype.is_floating_point:
+            # GPU: p·(1 − lr·wd) − lr·u and m ← β2·m + (1−β2)·g in one pass over the whole bucket (one
+            # launch per distinct lr, weight decay, β2, maximize), the same bits as apply_votes_ per tensor
+            def key(h: Hyper) -> tuple:
+                return (h.lr, h.weight_decay, h.beta2, h.maximize)
+
+            for (lr, wd, beta2, maximize), members in _by_hyper(ballot, state, key, untouched):
+                ps = [p for p, _ in members]
+                kernels.apply_votes_multi_(
+                    [p.data for p in ps],
+                    u,
+                    [start for _, start in members],
+                    lr=lr,
+                    weight_decay=wd,
+                    exp_avgs=[state.momentum(p) for p in ps],
+                    grads=[None if p.grad is None else p.grad.detach() for p in ps],
+                    beta2=beta2,
+                    negate_grad=maximize,
+                )
+            return copy
         for p, view in zip(ballot.params, flat_views(u, ballot.params), strict=True):
             if id(p) not in untouched:
-                self._apply_unfused(p, view, state.momentum(p), state.hyper(p), backend)
+                self._apply_unfused(p, view, state.momentum(p), state.hyper(p))
         return copy
 
     def _apply_fused(
@@ -222,16 +256,33 @@ class SignVote(Vote):
             _swap_storage(m, fresh)
 
     @staticmethod
-    def _apply_unfused(
-        p: torch.Tensor, u: torch.Tensor, m: torch.Tensor, h: Hyper, backend: kernels.StepBackend
-    ) -> None:
+    def _apply_unfused(p: torch.Tensor, u: torch.Tensor, m: torch.Tensor, h: Hyper) -> None:
         g = gradient(p, p.grad, h.maximize)
-        if backend.votes_kernel and not u.dtype.is_floating_point:
-            # GPU: p·(1 − lr·wd) − lr·u and m ← β2·m + (1−β2)·g in one pass (bit for bit the same)
-            kernels.apply_votes_(p, u, lr=h.lr, weight_decay=h.weight_decay, exp_avg=m, grad=g, beta2=h.beta2)
-            return
         apply_update_converting_(p, u, lr=h.lr, weight_decay=h.weight_decay)
         update_momentum_(m, g, h.beta2)
+
+
+def _by_hyper(
+    ballot: Ballot,
+    state: ParamState,
+    key: Callable[[Hyper], Hashable],
+    untouched: frozenset[int] | set[int] = frozenset(),
+) -> list[tuple[Any, list[tuple[torch.Tensor, int]]]]:
+    """The bucket's parameters (with their start in the flat layout) grouped by ``key`` of their
+    hyperparameters, in order; ``untouched`` ids left out."""
+    groups: dict[Hashable, list[tuple[torch.Tensor, int]]] = {}
+    pos = 0
+    for p in ballot.params:
+        if id(p) not in untouched:
+            groups.setdefault(key(state.hyper(p)), []).append((p, pos))
+        pos += p.numel()
+    return list(groups.items())
+
+
+def _indices(ballot: Ballot, members: Sequence[tuple[torch.Tensor, int]]) -> list[int]:
+    """The positions in ``ballot.params`` of ``members``' parameters."""
+    index = {id(p): i for i, p in enumerate(ballot.params)}
+    return [index[id(p)] for p, _ in members]
 
 
 def _swap_storage(m: torch.Tensor, fresh: torch.Tensor) -> None:

@@ -12,16 +12,24 @@ arithmetic below (float64 as float32, with double scalars).
 
 * :func:`quantize_l1` — the L1 quantizer of :mod:`lioncub.ops.quantize` (``quantize("l1", ...)`` per segment,
   as ``QuantizedVote.levels_of``), its NaN/Inf/zero/denormal behaviour included. Pass 1 (the normaliser
-  ``mean |c|`` of each tensor or chunk) runs the *same torch reduction* in both backends: a Triton sum
-  adds in another order and its float64 scale could differ in the last bit, which moves levels that lie
-  at a rounding boundary. Pass 2 (divide by the normaliser, scale by ``s / k``, round half to even, clip,
+  ``mean |c|`` of each tensor or chunk) runs the *same reduction* in both backends: a sum in another
+  order could differ in the float64 scale's last bit, which moves levels that lie at a rounding boundary.
+  On the CPU that is the reference's own per-tensor torch reduction; off the CPU the reference sums in
+  float64 with :func:`l1_abs_sums` (two Triton kernels whose order per tensor or chunk depends on its own
+  elements only), so the fused quantizer runs them once for the whole bucket (3 launches, not ~12 per
+  tensor). Pass 2 (divide by the normaliser, scale by ``s / k``, round half to even, clip,
   NaN → 0, cast) is the fused kernel; it divides with ``tl.math.div_rn`` (IEEE round to nearest: Triton's
   ``/`` on float32 compiles to an approximate division) and float64 ``/`` (IEEE).
 * :func:`majority_pack` — the middle step of the 1-bit vote: unpack the N received rows, count the "+"
   votes per bit, apply the tie rule and repack (:func:`lioncub.ops.packing.count_votes` followed by
   :func:`lioncub.ops.packing.pack_majority`).
 * :func:`apply_votes_` — ``p ← p·(1 − lr·wd) − lr·u`` from int8 votes, optionally with the momentum
-  update fused in.
+  update fused in; :func:`apply_votes_multi_` the same for all tensors of a bucket in one launch, and
+  :func:`lion_directions_` a bucket's contribution ``β1·m + (1−β1)·g`` in one launch (Triton reads each
+  tensor's address from a pointer table).
+
+Every Triton launch runs under its tensors' CUDA device (:func:`_on_device`); host tables are copied to
+the device once per layout (:class:`_DeviceTables`).
 
 Arithmetic, so that both backends round identically:
 
@@ -69,15 +77,19 @@ from typing import Any, Literal
 
 import torch
 
-from lioncub.ops import native, packing, quantize
+from lioncub.ops import native, normalizers, packing, quantize
 
 __all__ = [  # and, imported when first asked, HAVE_TRITON, TRITON_ERROR and triton (module __getattr__)
     "STEP_BACKENDS",
     "Backend",
     "StepBackend",
     "apply_votes_",
+    "apply_votes_multi_",
     "backend_for",
     "interpreting",
+    "l1_abs_sums",
+    "l1_sums_backend",
+    "lion_directions_",
     "majority_pack",
     "quantize_l1",
     "step_backend",
@@ -328,25 +340,152 @@ _MAX_COUNT = (1 << 16) - 1  # the kernel's 16 counter planes
 def _l1_divisors(
     x: torch.Tensor, levels: int, clip_multiple: float, chunk_size: int | None, segments: Sequence[int]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pass 1 (torch, the reference's own reduction): per group (segment, or chunk of a segment) the
-    float64 divisor ``mean|x|`` (1 for an all-zero group, +Inf for a non-finite one) and whether its
-    segment works in float64; the segment starts and each segment's first group (int64, int32: made on
-    the device once per layout, not copied from the host at every call)."""
+    """Pass 1 (the reference's own reduction): per group (segment, or chunk of a segment) the float64
+    divisor ``mean|x|`` (1 for an all-zero group, +Inf for a non-finite one); per segment whether it
+    works in float64 (int, ``[len(segments)]``); the segment starts and each segment's first group
+    (int64, int32: made on the device once per layout, not copied from the host at every call).
+
+    On the CPU per segment (:func:`lioncub.ops.quantize.l1_divisors`, whose sums may branch on the host);
+    where the reference sums in float64 with :func:`l1_abs_sums` (Triton's device) in 3 launches for the
+    whole bucket (:func:`_l1_divisors_bucket`): a group's sum there depends on its own elements only, so
+    the bits are those of the reference run per segment."""
+    if not normalizers._on_host(x) and l1_sums_backend(x) == "triton":
+        return _l1_divisors_bucket(x, chunk_size, tuple(segments))
     divisors, wide = [], []
     pos = 0
+    device = x.device
     for length in segments:
         if length:
             d64, work = quantize.l1_divisors(
                 x[pos : pos + length], levels, clip_multiple=clip_multiple, chunk_size=chunk_size
             )
             divisors.append(d64)
-            wide.append(work.expand(d64.numel()))
+            wide.append(work.reshape(1))
+        else:
+            wide.append(_device_constant("false", device, (), [False], torch.bool))
         pos += length
-    device = x.device
     divisor = torch.cat(divisors) if divisors else torch.ones(1, dtype=torch.float64, device=device)
     wide_t = torch.cat(wide).to(torch.int8) if wide else torch.zeros(1, dtype=torch.int8, device=device)
     starts, bases = _segment_tables(device, tuple(segments), chunk_size)
     return divisor, wide_t, starts, bases
+
+
+# Pass 1 in float64 on Triton's device: stage 1 sums |x| over tiles of at most _TILE elements laid out from
+# each group's start (one program per tile, _TILE_BLOCK lanes); stage 2 adds each group's tiles (one program
+# per group). Both orders depend on a group's own elements only, never on the other groups of the launch.
+_TILE_BLOCK = 1024
+_TILE_BLOCKS = 4
+_TILE = _TILE_BLOCK * _TILE_BLOCKS
+_GROUP_BLOCK = 256  # lanes of stage 2 (a group of 1M elements: 256 partials, one pass)
+_TINY32 = float(torch.finfo(torch.float32).tiny)
+_MAX32 = float(torch.finfo(torch.float32).max)
+
+
+def l1_sums_backend(x: torch.Tensor) -> str:
+    """``"triton"`` where :func:`l1_abs_sums` runs ``x`` (Triton's device, float32/bfloat16/float16,
+    contiguous), else ``"torch"``."""
+    return "torch" if _why_not([x], [x]) else "triton"
+
+
+def _group_tables(
+    device: torch.device, key: Hashable, starts: Sequence[int], lengths: Sequence[int], segs: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(tiles int64 ``[T, 2]``: start, length; groups int64 ``[G, 4]``: first tile, end tile, length,
+    segment; T; G) of the groups ``starts``/``lengths`` (of segments ``segs``), on ``device`` once per
+    ``key``."""
+    hit = _TABLES.peek(("tiles", device, key))
+    if hit is not None:
+        return hit
+    start = torch.as_tensor(starts, dtype=torch.int64, device="cpu")
+    length = torch.as_tensor(lengths, dtype=torch.int64, device="cpu")
+    n_tiles = (length + _TILE - 1) // _TILE
+    end = torch.cumsum(n_tiles, 0)
+    first = end - n_tiles
+    owner = torch.repeat_interleave(torch.arange(len(lengths), device="cpu"), n_tiles)
+    k = torch.arange(int(end[-1]) if len(lengths) else 0, device="cpu") - first[owner]
+    tiles = torch.stack([start[owner] + k * _TILE, torch.clamp(length[owner] - k * _TILE, max=_TILE)], 1)
+    groups = torch.stack([first, end, length, torch.as_tensor(segs, dtype=torch.int64, device="cpu")], 1)
+    entry = (
+        _TABLES.get(("tile table", device, key), tiles.reshape(-1), torch.int64, device),
+        _TABLES.get(("group table", device, key), groups.reshape(-1), torch.int64, device),
+        tiles.shape[0],
+        groups.shape[0],
+    )
+    _TABLES.put(("tiles", device, key), entry)
+    return entry
+
+
+def _run_l1_sums(
+    flat: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor, int, int], out: torch.Tensor,
+    wide: torch.Tensor | None,
+) -> None:  # fmt: skip
+    """Stages 1 and 2 over ``flat``: the sums (``wide`` None) or the divisors and ``wide`` into ``out``."""
+    tiles, groups, n_tiles, n_groups = tables
+    partial = torch.empty(max(n_tiles, 1), dtype=torch.float64, device=flat.device)
+    with _on_device(flat):
+        if n_tiles:
+            _triton().abs_sum_tiles_kernel[(n_tiles,)](
+                _raw(flat),
+                tiles,
+                partial,
+                BLOCK=_TILE_BLOCK,
+                TILE_BLOCKS=_TILE_BLOCKS,
+                KIND=_TRITON_DTYPES[flat.dtype],
+                **_launch_options(),
+            )
+        _triton().abs_sum_groups_kernel[(n_groups,)](
+            partial,
+            groups,
+            out,
+            out if wide is None else wide,
+            _TINY32,
+            _MAX32,
+            math.inf,
+            BLOCK=_GROUP_BLOCK,
+            FINISH=wide is not None,
+            **_launch_options(),
+        )
+
+
+def l1_abs_sums(rows: torch.Tensor) -> torch.Tensor:
+    """``Σ|x|`` of each row of ``rows`` (``[m, n]`` float32/bfloat16/float16 on Triton's device) in float64,
+    float64 ``[m]``, in 2 launches and without a float64 copy; a row's bits depend on its own elements
+    only (:func:`_l1_divisors_bucket` sums a bucket's groups in the same order)."""
+    m, n = rows.shape
+    flat = rows.reshape(-1)
+    out = torch.zeros(m, dtype=torch.float64, device=rows.device)
+    if m and n:
+        tables = _group_tables(rows.device, ("rows", m, n), range(0, m * n, n), [n] * m, [0] * m)
+        _run_l1_sums(flat, tables, out, None)
+    return out
+
+
+def _l1_divisors_bucket(
+    flat: torch.Tensor, chunk_size: int | None, segments: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_l1_divisors` of a whole bucket in 3 launches (a zeroed flag per segment, the 2 stages of
+    :func:`l1_abs_sums` with the divisor computed in stage 2)."""
+    device = flat.device
+    starts_t, bases_t = _segment_tables(device, segments, chunk_size)
+    key = ("segments", segments, chunk_size)
+    tables = _TABLES.peek(("tiles", device, key))
+    if tables is None:
+        g_start, g_len, g_seg, pos = [], [], [], 0
+        for s, length in enumerate(segments):
+            step = chunk_size or max(length, 1)
+            for c in range(0, length, step):
+                g_start.append(pos + c)
+                g_len.append(min(step, length - c))
+                g_seg.append(s)
+            pos += length
+        tables = _group_tables(device, key, g_start, g_len, g_seg)
+    n_groups = tables[3]
+    wide = torch.zeros(max(len(segments), 1), dtype=torch.int32, device=device)
+    if not n_groups:
+        return torch.ones(1, dtype=torch.float64, device=device), wide, starts_t, bases_t
+    divisor = torch.empty(n_groups, dtype=torch.float64, device=device)
+    _run_l1_sums(flat, tables, divisor, wide)
+    return divisor, wide, starts_t, bases_t
 
 
 class _DeviceTables:
@@ -366,13 +505,29 @@ class _DeviceTables:
     def __init__(self, cap: int) -> None:
         self.cap = cap
         self.uploads = 0  #: tables copied from the host so far (tests count them)
-        self._tables: OrderedDict[Hashable, torch.Tensor] = OrderedDict()
+        self._tables: OrderedDict[Hashable, Any] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._tables)
 
     def clear(self) -> None:
         self._tables.clear()
+
+    def peek(self, key: Hashable) -> Any:
+        """The entry of ``key`` (made most recent), or None."""
+        entry = self._tables.get(key)
+        if entry is not None:
+            self._tables.move_to_end(key)
+        return entry
+
+    def put(self, key: Hashable, entry: Any) -> None:
+        """Keeps ``entry`` (device tables made by :meth:`get`, bundled) under ``key``."""
+        self._tables[key] = entry
+        self._drop()
+
+    def _drop(self) -> None:
+        while len(self._tables) > self.cap:
+            self._tables.popitem(last=False)  # the least recently used one
 
     def get(self, key: Hashable, values: Sequence | torch.Tensor, dtype: torch.dtype, device: torch.device):
         """The device tensor of ``key`` (made from ``values`` on a miss)."""
@@ -382,8 +537,7 @@ class _DeviceTables:
             return t
         t = self._tables[key] = _upload(values, dtype, device)
         self.uploads += 1
-        while len(self._tables) > self.cap:
-            self._tables.popitem(last=False)  # the least recently used one
+        self._drop()
         return t
 
 
@@ -638,3 +792,160 @@ def apply_votes_(
                 **_launch_options(),
             )
     return param
+
+
+# ------------------------------------------------------------------------------------ per bucket
+#
+# The contribution and the apply of a bucket in one launch each (issue 44, finding 5), over tensors that
+# are separate allocations: the kernels read each tensor's address from a pointer table (int64, on the
+# device) and find their tensor by a binary search over its first block. The tables are device tables
+# (_TABLES): the layout's once, the parameters' and momenta's addresses once (they do not move), the
+# gradients' whenever the allocator hands out other addresses (then one upload per bucket, from pinned
+# memory without blocking the host). Hyperparameters are kernel arguments: a bucket whose tensors hold
+# several (lr, β1, β2, weight decay, maximize) takes one launch per distinct setting.
+
+
+def _pointers(device: torch.device, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """int64 addresses of ``tensors`` (0 for None) on ``device``, uploaded when they change."""
+    addrs = tuple(0 if t is None else t.data_ptr() for t in tensors)
+    return _TABLES.get(("pointers", device, addrs), addrs, torch.int64, device)
+
+
+def _bucket_layout(
+    device: torch.device, starts: Sequence[int], numels: Sequence[int]
+) -> tuple[torch.Tensor, int, int]:
+    """(int64 ``[T, 3]``: first block, elements, start of each tensor; blocks; binary-search steps)."""
+    key = (tuple(starts), tuple(numels))
+    firsts, blocks = [], 0
+    for n in numels:
+        firsts.append(blocks)
+        blocks += -(-n // _BLOCK)
+    rows = [v for row in zip(firsts, numels, starts, strict=True) for v in row]
+    table = _device_constant("bucket layout", device, key, rows, torch.int64)
+    return table, blocks, max(0, (len(numels) - 1).bit_length())
+
+
+def _check_bucket(starts: Sequence[int], tensors: Sequence[torch.Tensor], n: int, what: str) -> None:
+    if len(starts) != len(tensors):
+        raise ValueError(f"{len(starts)} starts for {len(tensors)} tensors")
+    for s, t in zip(starts, tensors, strict=True):
+        if s < 0 or s + t.numel() > n:
+            raise ValueError(f"a tensor of {t.numel()} elements at {s} does not fit in the {n} of {what}")
+
+
+def lion_directions_(
+    out: torch.Tensor,
+    starts: Sequence[int],
+    momenta: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    *,
+    beta1: float,
+    negate: bool = False,
+    backend: Backend = "auto",
+    emulate_fma: bool | None = None,
+) -> torch.Tensor:
+    """``out[s_i : s_i + n_i] ← β1·m_i + (1−β1)·g_i`` for every momentum ``m_i`` (``g_i`` None: zeros;
+    ``negate``: ``−g_i``), rounded as ``torch.mul(m, β1).add_(g, alpha=1−β1)`` (:func:`_lerp_ref`).
+    ``out``: flat, the tensors' dtype. On Triton in one launch for all tensors; else per tensor in torch."""
+    _check_bucket(starts, momenta, out.numel(), "out")
+    present = [g for g in grads if g is not None]
+    tensors = [out, *momenta, *present]
+    which = _resolve(backend, tensors, tensors)
+    if which != "triton" or not momenta:
+        flat = out.reshape(-1)
+        for s, m, g in zip(starts, momenta, grads, strict=True):
+            grad = torch.zeros_like(m) if g is None else (-g if negate else g)
+            flat[s : s + m.numel()].view_as(m).copy_(_lerp_ref(m, grad, beta1))
+        return out
+    device = out.device
+    layout, blocks, search = _bucket_layout(device, starts, [m.numel() for m in momenta])
+    if blocks:
+        m_table, g_table = _pointers(device, momenta), _pointers(device, grads)
+        with _on_device(out):
+            _triton().lion_kernel[(blocks,)](
+                _raw(out),
+                m_table,
+                g_table,
+                layout,
+                len(momenta),
+                _f32(beta1),
+                _f32(1.0 - beta1),
+                BLOCK=_BLOCK,
+                SEARCH=search,
+                KIND=_TRITON_DTYPES[out.dtype],
+                NEG=bool(negate),
+                EMULATE=_emulate(emulate_fma),
+                **_launch_options(),
+            )
+    return out
+
+
+def apply_votes_multi_(
+    params: Sequence[torch.Tensor],
+    votes: torch.Tensor,
+    starts: Sequence[int],
+    *,
+    lr: float,
+    weight_decay: float = 0.0,
+    exp_avgs: Sequence[torch.Tensor] | None = None,
+    grads: Sequence[torch.Tensor | None] | None = None,
+    beta2: float | None = None,
+    negate_grad: bool = False,
+    backend: Backend = "auto",
+    emulate_fma: bool | None = None,
+) -> None:
+    """:func:`apply_votes_` for every parameter ``p_i`` with the votes ``votes[s_i : s_i + n_i]`` (flat
+    integer votes of the bucket), and with ``exp_avgs``/``grads``/``beta2`` the momentum update (a None
+    gradient: zeros, never negated). On Triton in one launch for all parameters; else per parameter."""
+    if votes.dtype not in (torch.int8, torch.uint8, torch.int16, torch.int32):
+        raise TypeError(f"votes must be an integer tensor, got {votes.dtype}")
+    momentum = exp_avgs is not None
+    if momentum and (grads is None or beta2 is None or len(exp_avgs) != len(params)):
+        raise ValueError("the fused momentum update needs exp_avgs, grads and beta2 for every parameter")
+    source = votes.reshape(-1)
+    _check_bucket(starts, params, source.numel(), "votes")
+    gs: Sequence[torch.Tensor | None] = grads if grads is not None else [None] * len(params)
+    floats = [*params, *(exp_avgs or []), *(g for g in gs if momentum and g is not None)]
+    which = _resolve(backend, [source, *floats], floats)
+    if which != "triton" or not params:
+        for i, (s, p) in enumerate(zip(starts, params, strict=True)):
+            mine = source[s : s + p.numel()]
+            if not momentum:
+                apply_votes_(p, mine, lr=lr, weight_decay=weight_decay, backend=backend)
+                continue
+            g = gs[i]
+            apply_votes_(
+                p, mine, lr=lr, weight_decay=weight_decay, exp_avg=exp_avgs[i],  # type: ignore[index]
+                grad=torch.zeros_like(p) if g is None else g, beta2=beta2,
+                negate_grad=negate_grad and g is not None, backend=backend,
+            )  # fmt: skip
+        return
+    device = source.device
+    layout, blocks, search = _bucket_layout(device, starts, [p.numel() for p in params])
+    if not blocks:
+        return
+    b2 = beta2 if beta2 is not None else 0.0
+    p_table = _pointers(device, params)
+    m_table = _pointers(device, exp_avgs) if momentum else p_table
+    g_table = _pointers(device, gs) if momentum else p_table
+    with _on_device(source):
+        _triton().apply_multi_kernel[(blocks,)](
+            source,
+            p_table,
+            m_table,
+            g_table,
+            layout,
+            len(params),
+            _f32(-lr),
+            _f32(1.0 - lr * weight_decay),
+            _f32(b2),
+            _f32(1.0 - b2),
+            BLOCK=_BLOCK,
+            SEARCH=search,
+            KIND=_TRITON_DTYPES[params[0].dtype],
+            DECAY=lr * weight_decay != 0,
+            MOMENTUM=momentum,
+            NEG=bool(negate_grad),
+            EMULATE=_emulate(emulate_fma),
+            **_launch_options(),
+        )

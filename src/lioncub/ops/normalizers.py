@@ -2,7 +2,8 @@
 (:func:`max_abs`) and the power means ``(mean |x|^p)^(1/p)`` over the last dimension
 (:func:`lp_normalizer`; p = 0: the geometric mean, p = inf: the max), in float64 and without overflow or
 underflow however wide the range of ``|x|``. On the CPU the L1 sums run in cache-sized float32 pieces and
-may branch on values read by the host; on a GPU they reduce in float64 and read nothing on the host.
+may branch on values read by the host; on a GPU they reduce in float64 (without a float64 copy of the
+input) and read nothing on the host.
 """
 
 from __future__ import annotations
@@ -32,13 +33,25 @@ def _on_host(x: torch.Tensor) -> bool:
     return x.device.type == "cpu"
 
 
+#: elements per piece of the float64 sums off the CPU without Triton (their float64 copy: 32 MB)
+DEVICE_PIECE = 1 << 22
+
+
 def _abs_sums(x: torch.Tensor) -> torch.Tensor:
     """``Σ|x|`` over the last dimension in float64: on the CPU in float32 cache-sized pieces (faster than
-    ``vector_norm``), a piece that overflows its dtype redone in float64; elsewhere in one float64
-    reduction (no host synchronization; float64 sums of float32/16-bit values cannot overflow)."""
+    ``vector_norm``), a piece that overflows its dtype redone in float64; elsewhere in float64 with no
+    host synchronization (float64 sums of float32/16-bit values cannot overflow) and no float64 copy of
+    ``x`` (``vector_norm(dtype=float64)`` and ``sum(dtype=float64)`` cast their whole input to float64
+    first): where Triton takes ``x`` (a CUDA tensor of float32, bfloat16 or float16) the sums of
+    :func:`lioncub.ops.kernels.l1_abs_sums`, which the fused quantizer's pass 1 runs per bucket with the
+    same bits per row; else ``vector_norm`` in pieces of ``DEVICE_PIECE`` elements."""
     rows = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
     if not _on_host(x):
-        return torch.linalg.vector_norm(rows, 1, dim=1, dtype=torch.float64).reshape(x.shape[:-1])
+        from lioncub.ops import kernels  # kernels imports this module
+
+        if kernels.l1_sums_backend(rows) == "triton":
+            return kernels.l1_abs_sums(rows).reshape(x.shape[:-1])
+        return _abs_sums_pieces(rows).reshape(x.shape[:-1])
     m, n = rows.shape
     sums = torch.empty(m, dtype=torch.float64, device=x.device)
     step = max(1, PIECE // max(n, 1))
@@ -58,6 +71,22 @@ def _abs_sums(x: torch.Tensor) -> torch.Tensor:
             total += part
         sums[r0:r1] = total
     return sums.reshape(x.shape[:-1])
+
+
+def _abs_sums_pieces(rows: torch.Tensor) -> torch.Tensor:
+    """``Σ|x|`` of each row of ``rows`` ``[m, n]`` in float64, ``vector_norm`` over pieces of at most
+    ``DEVICE_PIECE`` elements (each piece's float64 copy, not the whole input's), added in order."""
+    m, n = rows.shape
+    sums = torch.zeros(m, dtype=torch.float64, device=rows.device)
+    if not n:
+        return sums
+    width = min(n, DEVICE_PIECE)
+    step = max(1, DEVICE_PIECE // max(width, 1))
+    for r0 in range(0, m, step):
+        for c0 in range(0, n, width):
+            piece = rows[r0 : r0 + step, c0 : c0 + width]
+            sums[r0 : r0 + step] += torch.linalg.vector_norm(piece, 1, dim=1, dtype=torch.float64)
+    return sums
 
 
 def max_abs(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -93,8 +122,11 @@ def lp_normalizer(x: torch.Tensor, p: float, *, eps: float | None = None) -> tor
         return max_abs(x, dim=-1).to(torch.float64)
     if p == 1:
         mean = _abs_sums(x) / x.shape[-1]
-        if not _on_host(x) and x.dtype != torch.float64:
-            return mean  # a non-finite mean is a NaN/Inf of the row: it stays
+        if not _on_host(x):
+            if x.dtype != torch.float64:
+                return mean  # a non-finite mean is a NaN/Inf of the row: it stays
+            # a float64 sum may overflow: those rows max-scaled, chosen on the device (no host read)
+            return torch.where(torch.isfinite(mean), mean, _scaled_power_mean(x.abs(), 1.0))
         bad = ~torch.isfinite(mean)
         if bool(bad.any()):  # a NaN/Inf (stays), or a float64 sum of huge values overflowed: max-scaled
             mean[bad] = _scaled_power_mean(x.abs()[bad], 1.0)

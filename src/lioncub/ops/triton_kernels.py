@@ -6,7 +6,17 @@ kernels then do not exist and :mod:`lioncub.ops.kernels` takes its other backend
 
 from __future__ import annotations
 
-__all__ = ["HAVE_TRITON", "TRITON_ERROR", "apply_kernel", "majority_kernel", "quantize_kernel"]
+__all__ = [
+    "HAVE_TRITON",
+    "TRITON_ERROR",
+    "abs_sum_groups_kernel",
+    "abs_sum_tiles_kernel",
+    "apply_kernel",
+    "apply_multi_kernel",
+    "lion_kernel",
+    "majority_kernel",
+    "quantize_kernel",
+]
 
 try:  # the torch backend serves everything when Triton is missing or broken
     import triton
@@ -78,6 +88,62 @@ if HAVE_TRITON:
             return tl.fma(a, b, c)
 
     @triton.jit
+    def abs_sum_tiles_kernel(
+        x_ptr, tiles_ptr, partial_ptr, BLOCK: tl.constexpr, TILE_BLOCKS: tl.constexpr, KIND: tl.constexpr
+    ):
+        """Pass 1 of the L1 quantizer, stage 1: ``partial[t] = Σ|x|`` over tile t in float64 (tiles: int64
+        ``[T, 2]`` start and length, ≤ BLOCK·TILE_BLOCKS elements, laid out from each group's start, so
+        that a group's sum does not depend on where it lies). Lane i adds elements i, i + BLOCK, ... in
+        order, then the lanes are summed (Triton's fixed reduction tree): the same order at every call."""
+        pid = tl.program_id(0).to(tl.int64)
+        start = tl.load(tiles_ptr + 2 * pid)
+        length = tl.load(tiles_ptr + 2 * pid + 1)
+        acc = tl.zeros([BLOCK], dtype=tl.float64)
+        for k in tl.static_range(TILE_BLOCKS):
+            offs = k * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < length
+            acc += tl.abs(_load_f32(x_ptr, start + offs, mask, KIND)).to(tl.float64)
+        tl.store(partial_ptr + pid, tl.sum(acc, axis=0))
+
+    @triton.jit
+    def abs_sum_groups_kernel(
+        partial_ptr,
+        groups_ptr,
+        out_ptr,
+        wide_ptr,
+        tiny,
+        huge,
+        inf,
+        BLOCK: tl.constexpr,
+        FINISH: tl.constexpr,
+    ):
+        """Stage 2: per group g (groups: int64 ``[G, 4]``: first tile, end tile, length, segment), the sum
+        of its tiles' partials in float64 (lane i adds partials i, i + BLOCK, ... in order, then the lanes);
+        FINISH: the L1 divisor of :func:`lioncub.ops.quantize.l1_divisors` (``mean = sum / length``; 1
+        where it is 0, +Inf where it is not finite) and, where it is no normal float32 (``< tiny`` or a
+        finite ``> huge``), 1 in ``wide[segment]`` (an atomic max: the same result in any order); else
+        the sum."""
+        g = tl.program_id(0).to(tl.int64)
+        t0 = tl.load(groups_ptr + 4 * g)
+        t1 = tl.load(groups_ptr + 4 * g + 1)
+        acc = tl.zeros([BLOCK], dtype=tl.float64)
+        for k in range(0, t1 - t0, BLOCK):
+            offs = t0 + k + tl.arange(0, BLOCK)
+            acc += tl.load(partial_ptr + offs, mask=offs < t1, other=0.0)
+        total = tl.sum(acc, axis=0)
+        if FINISH:
+            length = tl.load(groups_ptr + 4 * g + 2)
+            mean = total / length.to(tl.float64)
+            finite = (mean - mean) == 0  # false for NaN and ±Inf
+            d = tl.where(finite, tl.where(mean > 0, mean, 1.0), inf)
+            wide = (d < tiny) | ((d > huge) & (d < inf))
+            tl.store(out_ptr + g, d)
+            seg = tl.load(groups_ptr + 4 * g + 3)
+            tl.atomic_max(wide_ptr + seg, wide.to(tl.int32), mask=wide)
+        else:
+            tl.store(out_ptr + g, total)
+
+    @triton.jit
     def quantize_kernel(
         x_ptr,
         out_ptr,
@@ -116,8 +182,8 @@ if HAVE_TRITON:
         t = tl.where(t != t, 0.0, t)
         t = tl.minimum(tl.maximum(t, -levels), levels)  # levels: float32, integral
         q = (t + 12582912.0) - 12582912.0  # round half to even (|t| <= 2^22)
-        if ANY_WIDE:  # float64 work for chunks whose normaliser is not a normal float32 (or levels > 2^24)
-            wide = tl.load(wide_ptr + group, mask=mask, other=0) != 0
+        if ANY_WIDE:  # float64 work for segments with a normaliser that is no normal float32
+            wide = tl.load(wide_ptr + seg, mask=mask, other=0) != 0
             if tl.max(wide.to(tl.int32), axis=0) > 0:  # only blocks holding such a chunk pay for it
                 t64 = (x.to(tl.float64) / d) * scale
                 t64 = tl.where(t64 != t64, 0.0, t64)
@@ -282,5 +348,102 @@ if HAVE_TRITON:
             g = _load_f32(g_ptr, offs, mask, KIND)
             if NEG:
                 g = g * -1.0  # not -g: Triton negates as 0 - g, which turns -(+0.0) into +0.0
+            t = _round(m * beta2, KIND)
+            _store_f32(m_ptr, offs, _round(_fma(g, alpha2, t, EMULATE), KIND), mask, KIND)
+
+    # -- per bucket: one launch over all its tensors, each one's address read from a pointer table
+
+    @triton.jit
+    def _elem_ptr(addr, KIND: tl.constexpr):
+        """An int64 address as a pointer to the storage dtype (bfloat16: its int16 bits)."""
+        if KIND == 1:
+            return addr.to(tl.pointer_type(tl.int16))
+        elif KIND == 2:
+            return addr.to(tl.pointer_type(tl.float16))
+        else:
+            return addr.to(tl.pointer_type(tl.float32))
+
+    @triton.jit
+    def _locate(layout_ptr, n_tensors, BLOCK: tl.constexpr, SEARCH: tl.constexpr):
+        """This program's tensor ``i`` (binary search for the last tensor whose first block is ≤ the
+        program's; layout: int64 ``[T, 3]`` first block, elements, start in the flat buffer), the offsets
+        of its block in the tensor, their mask and the tensor's start."""
+        pid = tl.program_id(0).to(tl.int64)
+        i = tl.zeros([], dtype=tl.int64)
+        for k in tl.static_range(SEARCH):
+            cand = i + (1 << (SEARCH - 1 - k))
+            ok = cand < n_tensors
+            first = tl.load(layout_ptr + 3 * cand, mask=ok, other=0)
+            i = tl.where(ok & (first <= pid), cand, i)
+        numel = tl.load(layout_ptr + 3 * i + 1)
+        offs = (pid - tl.load(layout_ptr + 3 * i)) * BLOCK + tl.arange(0, BLOCK)
+        return i, offs, offs < numel, tl.load(layout_ptr + 3 * i + 2)
+
+    @triton.jit
+    def _grad(g_table, i, offs, mask, KIND: tl.constexpr, NEG: tl.constexpr):
+        """Tensor i's gradient (address 0: none, zeros), negated (``* -1``, as ``-g``) under NEG."""
+        g_addr = tl.load(g_table + i)
+        has_g = g_addr != 0
+        g = _load_f32(_elem_ptr(g_addr, KIND), offs, mask & has_g, KIND)
+        if NEG:
+            g = tl.where(has_g, g * -1.0, g)  # not -g: Triton negates as 0 - g (+0.0 for +0.0)
+        return g
+
+    @triton.jit
+    def lion_kernel(
+        out_ptr,
+        m_table,
+        g_table,
+        layout_ptr,
+        n_tensors,
+        beta,
+        alpha,
+        BLOCK: tl.constexpr,
+        SEARCH: tl.constexpr,
+        KIND: tl.constexpr,
+        NEG: tl.constexpr,
+        EMULATE: tl.constexpr,
+    ):
+        """``out[start_i + j] = β·m_i[j] + (1−β)·g_i[j]`` (rounded as ``m.mul(β).add_(g, alpha=1−β)``) for
+        every tensor i of the tables."""
+        i, offs, mask, start = _locate(layout_ptr, n_tensors, BLOCK, SEARCH)
+        m = _load_f32(_elem_ptr(tl.load(m_table + i), KIND), offs, mask, KIND)
+        g = _grad(g_table, i, offs, mask, KIND, NEG)
+        t = _round(m * beta, KIND)
+        _store_f32(out_ptr, start + offs, _round(_fma(g, alpha, t, EMULATE), KIND), mask, KIND)
+
+    @triton.jit
+    def apply_multi_kernel(
+        u_ptr,
+        p_table,
+        m_table,
+        g_table,
+        layout_ptr,
+        n_tensors,
+        neg_lr,
+        decay,
+        beta2,
+        alpha2,
+        BLOCK: tl.constexpr,
+        SEARCH: tl.constexpr,
+        KIND: tl.constexpr,
+        DECAY: tl.constexpr,
+        MOMENTUM: tl.constexpr,
+        NEG: tl.constexpr,
+        EMULATE: tl.constexpr,
+    ):
+        """:func:`apply_kernel` for every tensor i of the tables (its votes at ``u[start_i:]``)."""
+        i, offs, mask, start = _locate(layout_ptr, n_tensors, BLOCK, SEARCH)
+        u = tl.load(u_ptr + start + offs, mask=mask, other=0).to(tl.float32)
+        p_ptr = _elem_ptr(tl.load(p_table + i), KIND)
+        p = _load_f32(p_ptr, offs, mask, KIND)
+        if DECAY:
+            p = _round(p * decay, KIND)
+        p = _round(_fma(u, neg_lr, p, EMULATE), KIND)
+        _store_f32(p_ptr, offs, p, mask, KIND)
+        if MOMENTUM:
+            m_ptr = _elem_ptr(tl.load(m_table + i), KIND)
+            m = _load_f32(m_ptr, offs, mask, KIND)
+            g = _grad(g_table, i, offs, mask, KIND, NEG)
             t = _round(m * beta2, KIND)
             _store_f32(m_ptr, offs, _round(_fma(g, alpha2, t, EMULATE), KIND), mask, KIND)

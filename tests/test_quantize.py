@@ -320,3 +320,90 @@ def test_max_abs_is_numpy_max_of_abs(dtype: torch.dtype, n: int, specials: list,
         rows = x.reshape(1, n).expand(3, n).contiguous()
         rows[1] = -rows[1]
         np.testing.assert_array_equal(Q.max_abs(rows, dim=-1).double().numpy(), np.max(np.abs(ref)).repeat(3))
+
+
+# ----------------------------------------------------------------------------- off the CPU: no host reads
+
+
+def _host_reads() -> type:
+    """``benchmarks/gpu_path.py``'s ``HostReads`` (what makes a GPU's host wait), loaded read-only."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_path.py"
+    spec = importlib.util.spec_from_file_location("gpu_path", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.HostReads
+
+
+HostReads = _host_reads()
+widths = st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True)
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(
+    st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
+    st.lists(widths, min_size=1, max_size=40),
+    st.integers(-140, 120),
+    st.sampled_from([1, 2, 3, 7, 42, 63, 127, 3000, 40_000, 2**25]),
+    st.sampled_from([2.0, 1.0, 0.7, 3.0]),
+    st.sampled_from([None, 1, 3, 16]),
+    st.sampled_from([1.0, 0.0, math.inf]),
+)
+def test_the_device_scaling_reads_nothing_and_gives_the_host_levels(
+    dtype: torch.dtype, values: list[float], exponent: int, s: int, k: float, chunk: int | None, p: float
+) -> None:
+    """Off the CPU the scaling reads neither whether a tensor is finite nor its work dtype on the host (each
+    was a GPU synchronization per tensor): it works in float64, rounding to float32 where the tensor does
+    not work wide — bit for bit the host's levels, at half-way points, subnormal and huge normalisers
+    (float64 work) and non-finite values included."""
+    x = (torch.tensor(values, dtype=torch.float64) * 2.0**exponent).to(dtype)
+    rows, _n = Q._as_rows(x, chunk)
+    norm = Q.lp_normalizer(rows, p)
+    want = Q._scale_round_clip(rows, norm, s, k)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Q, "_reads_free", lambda t: False)
+        with HostReads() as reads:
+            got = Q._scale_round_clip(rows, norm, s, k)
+    assert reads.count == 0, reads.names
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_the_quantizers_off_the_cpu_read_nothing_on_the_host(dtype: torch.dtype, monkeypatch) -> None:
+    """The torch quantizers as a GPU runs them (the normalisers and the scaling off the CPU) read no value
+    on the host — they read 2 per tensor (finite? float64 work?), float64 input 1 more (overflow?)."""
+    from lioncub.ops import normalizers
+
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(3)).to(dtype)
+    x[7] = float("nan")
+    monkeypatch.setattr(normalizers, "_on_host", lambda t: False)
+    monkeypatch.setattr(Q, "_reads_free", lambda t: False)
+    for chunk in (None, 64):
+        with HostReads() as reads:
+            for name in ("l1", "l0", "linf", "lp"):
+                Q.quantize(name, x, 63, chunk_size=chunk)
+                Q.quantize(name, x[:999], 63, chunk_size=chunk, out=torch.empty(999, dtype=torch.int8))
+        assert reads.count == 0, reads.names
+
+
+def test_the_float64_sums_off_the_cpu_copy_pieces_not_the_input(monkeypatch) -> None:
+    """Off the CPU without Triton the L1 sums cast pieces of at most ``DEVICE_PIECE`` elements to float64,
+    not the whole input (``vector_norm(dtype=float64)`` casts its input first); the sums are the exact
+    ones on data whose sums are exact in any order."""
+    from torch.profiler import profile
+
+    from lioncub.ops import normalizers
+
+    monkeypatch.setattr(normalizers, "_on_host", lambda t: False)
+    monkeypatch.setattr(normalizers, "DEVICE_PIECE", 1000)
+    gen = torch.Generator().manual_seed(4)
+    for shape in ((1, 10_000), (40, 250), (3, 2_500)):
+        x = torch.randint(-255, 256, shape, generator=gen).float() / 64
+        with profile(record_shapes=True) as prof:
+            sums = normalizers._abs_sums(x)
+        casts = [e for e in prof.events() if e.name == "aten::_to_copy"]
+        assert casts and max(math.prod(e.input_shapes[0]) for e in casts) <= 1000
+        assert torch.equal(sums, x.double().abs().sum(dim=1))

@@ -126,6 +126,9 @@ def _scale_round_clip(
     """
     out = torch.empty(rows.shape, dtype=level_dtype(levels), device=rows.device) if out is None else out
     ok, divisor64 = _divisors(norm)
+    if not _reads_free(rows):
+        _scale_round_clip_device(rows, divisor64, levels, clip_multiple, out)
+        return out
     finite = bool(ok.all())
     work = torch.float64 if bool(_works_wide(divisor64, levels, rows.dtype)) else torch.float32
     scale = _level_scale(levels, clip_multiple, work)
@@ -154,6 +157,43 @@ def _scale_round_clip(
             t.nan_to_num_(0.0)
         dst.copy_(t)
     return out
+
+
+def _reads_free(t: torch.Tensor) -> bool:
+    """Whether reading a value of ``t`` on the host costs nothing (a CPU tensor); on a GPU each read is a
+    synchronization, so the quantizers read none there (:func:`_scale_round_clip_device`)."""
+    return t.device.type == "cpu"
+
+
+#: elements per piece of :func:`_scale_round_clip_device` (its float64 temporaries: 32 MB each)
+DEVICE_PIECE = 1 << 22
+
+
+def _scale_round_clip_device(
+    rows: torch.Tensor, divisor64: torch.Tensor, levels: int, clip_multiple: float, out: torch.Tensor
+) -> None:
+    """:func:`_scale_round_clip` off the CPU, without reading on the host which work dtype a tensor takes
+    (or whether it is finite): it computes in float64 and rounds to float32 after the division and after
+    the scaling unless the tensor works wide — the same bits as float32 arithmetic, because float64 holds
+    a product of two float32 exactly and rounding a float64 quotient to float32 is the correctly rounded
+    float32 quotient (double rounding is harmless for ÷ when 53 ≥ 2·24 + 2). NaN quotients become 0 in
+    every tensor (a finite one has none). ``rows`` ``[m, n]``, ``divisor64`` ``[m]`` float64, ``out``
+    integer ``[m, n]``."""
+    wide = _works_wide(divisor64, levels, rows.dtype)  # 0-dim bool on the device
+    f64 = torch.float64
+    divisor = torch.where(wide, divisor64, divisor64.to(torch.float32))[:, None]  # float64
+    scale = torch.full((), _level_scale(levels, clip_multiple, torch.float32), dtype=f64, device=rows.device)
+    scale.masked_fill_(wide, _level_scale(levels, clip_multiple, f64))
+    m, n = rows.shape
+    width = min(n, DEVICE_PIECE)
+    step = max(1, DEVICE_PIECE // max(width, 1))
+    for r in range(0, m, step):
+        for c in range(0, n, width):
+            xs, dst = rows[r : r + step, c : c + width], out[r : r + step, c : c + width]
+            t = xs.to(f64).div_(divisor[r : r + step])
+            t = torch.where(wide, t, t.to(torch.float32)).mul_(scale)
+            t = torch.where(wide, t, t.to(torch.float32))
+            dst.copy_(t.round_().clamp_(-levels, levels).nan_to_num_(0.0))
 
 
 def _divisors(norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

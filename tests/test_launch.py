@@ -201,6 +201,9 @@ def test_options_of_several_commands_are_declared_once(capsys: pytest.CaptureFix
         assert "must be a whole number >= 1, got 0" in capsys.readouterr().err
         if command in ("launch", "train", "compare"):
             assert parser.get_default("timeout") == LaunchConfig(["x.py"]).timeout_s == 7200
+            helps = re.sub(r"\s+", " ", parser.format_help())
+            assert "--nproc N ranks, each its own node under --link" in helps
+            assert "--intra-link RATE with --nnodes: shape each node's loopback, which its" in helps
 
 
 def test_cli_dry_run_and_bad_rate(capsys: pytest.CaptureFixture[str]) -> None:

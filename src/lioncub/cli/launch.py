@@ -43,9 +43,7 @@ the node; LIONCUB_NODE and LIONCUB_NNODES name the emulated node, and --restarts
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument(
-        "--nproc", type=int, metavar="N", help="number of ranks, each its own node under --link (default 1)"
-    )
+    add_flag(parser, "nproc", "launch", given_only=True)  # with --nnodes: refused when given
     parser.add_argument(
         "--nnodes",
         type=int,
@@ -60,11 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="give every rank (with --nnodes: every node's NIC) its own link of RATE in each direction (tbf "
         "in network namespaces; needs root). Faithful up to about 2gbit on a 2-core machine",
     )
-    parser.add_argument(
-        "--intra-link",
-        metavar="RATE",
-        help="with --nnodes: shape the loopback of each node, which all its ranks share (default unshaped)",
-    )
+    add_flag(parser, "intra_link", "launch")
     parser.add_argument("--mtu", type=int, default=1500, help="MTU of the emulated links (default 1500)")
     parser.add_argument(
         "--burst",

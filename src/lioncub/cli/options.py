@@ -155,17 +155,20 @@ def _add(
     group.add_argument(d.flag, *aliases, **options)
 
 
-def add_flag(parser: Any, name: str, command: str, aliases: tuple[str, ...] = ()) -> None:
+def add_flag(
+    parser: Any, name: str, command: str, aliases: tuple[str, ...] = (), *, given_only: bool = False
+) -> None:
     """The flag of the launch option or setting ``name`` (:data:`LAUNCH`, else
     :data:`lioncub.train.config.SETTINGS`) in ``parser`` of ``command`` (``launch``, ``cost``,
-    ``calibrate``), with its default: the one declaration of an option several commands take."""
+    ``calibrate``), with its default (None where ``given_only``, for a command that tells an option given
+    from one left out): the one declaration of an option several commands take."""
     d = LAUNCH.get(name)
     if d is None:
         from lioncub.train.config import SETTINGS
 
         d = SETTINGS[name]
     assert command in d.setting.commands, f"{d.flag} is not an option of {command}: add it to its commands"
-    _add(parser, d, given_only=False, aliases=aliases)
+    _add(parser, d, given_only=given_only, aliases=aliases)
 
 
 def add_run_arguments(

@@ -310,7 +310,10 @@ class OptimizerConfig:
 class ClusterConfig:
     """Where the ranks run: recorded for the report and the resume checks; the launcher applies it."""
 
-    nproc: int = setting(1, low=1, metavar="N", help="ranks (with --nnodes: nodes × ranks per node)")
+    nproc: int = setting(
+        1, low=1, metavar="N", commands=("train", "compare", "launch"),
+        help="ranks, each its own node under --link (with --nnodes: nodes × ranks per node, not given)",
+    )  # fmt: skip
     link: str = setting(
         "loopback", metavar="RATE",
         help="shape every rank's link (with --nnodes each node's NIC), e.g. 1gbit (root)",
@@ -321,8 +324,9 @@ class ClusterConfig:
         "started by a multi-node torchrun (root); with --fault-tolerant every node a replica group",
     )  # fmt: skip
     intra_link: str | None = setting(
-        None, metavar="RATE", default_text="unshaped", help="with --nnodes: shape each node's loopback"
-    )
+        None, metavar="RATE", default_text="unshaped", commands=("train", "compare", "launch"),
+        help="with --nnodes: shape each node's loopback, which its ranks share",
+    )  # fmt: skip
     fault_tolerant: bool = setting(
         False,
         help="every rank (with --nnodes every node) a replica group on torchft (docs/fault-tolerance.md): a "

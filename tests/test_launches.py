@@ -287,3 +287,67 @@ def test_the_table_cache_drops_the_least_recently_used_one_at_a_time() -> None:
     assert tables.uploads == 4
     tables.get("b", [1], torch.int64, cpu)
     assert tables.uploads == 5
+
+
+def test_a_layouts_tables_are_rebuilt_when_one_of_them_was_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    tables = kernels._DeviceTables(2)  # room for two entries: the counts and one of the two tables
+    monkeypatch.setattr(kernels, "_TABLES", tables)
+    cpu = torch.device("cpu")
+    built: list[int] = []
+
+    def layout() -> tuple[list[int], ...]:
+        built.append(1)
+        return [0, 5000], [5000, 3], [0, 1]
+
+    want = kernels._group_tables(cpu, "k", layout)
+    got = kernels._group_tables(cpu, "k", layout)
+    assert len(built) == 2  # a table was dropped: all rebuilt from the layout, not from nothing
+    assert got[2:] == want[2:] == (3, 2)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert want[0].tolist() == [0, 4096, 4096, 904, 5000, 3]
+    assert want[1].tolist() == [0, 2, 5000, 0, 2, 3, 3, 1]
+
+
+def test_a_table_copied_on_one_stream_is_waited_for_on_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU a table is copied without blocking the host on the current stream; a launch on another
+    stream before the copy is known to be done makes its stream wait for it (CUDA faked)."""
+    log: list[Any] = []
+    done = [False]
+    streams = {"now": "side"}
+
+    class Event:
+        def record(self) -> None:
+            log.append(("record", streams["now"]))
+
+        def query(self) -> bool:
+            return done[0]
+
+    class Stream:
+        def __init__(self, name: str) -> None:
+            self.name, self.device = name, torch.device("cuda", 1)
+
+        def __eq__(self, other: object) -> bool:
+            return isinstance(other, Stream) and other.name == self.name
+
+        def wait_event(self, event: Event) -> None:
+            log.append(("wait", self.name))
+
+    @contextlib.contextmanager
+    def device(d: torch.device) -> Iterator[None]:
+        yield
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(streams["now"]))
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(kernels, "_upload", lambda values, dtype, device: torch.tensor(values, dtype=dtype))
+    tables = kernels._DeviceTables(8)
+    gpu = torch.device("cuda", 1)
+    tables.get("k", [1, 2], torch.int64, gpu)
+    tables.get("k", [1, 2], torch.int64, gpu)  # the same stream: ordered after the copy
+    streams["now"] = "main"
+    tables.get("k", [1, 2], torch.int64, gpu)
+    done[0] = True
+    tables.get("k", [1, 2], torch.int64, gpu)  # done: forgotten
+    done[0] = False
+    tables.get("k", [1, 2], torch.int64, gpu)
+    assert log == [("record", "side"), ("wait", "main")] and tables.uploads == 1

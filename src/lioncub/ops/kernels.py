@@ -69,8 +69,9 @@ import importlib
 import math
 import os
 import struct
+import threading
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Literal
@@ -388,14 +389,18 @@ def l1_sums_backend(x: torch.Tensor) -> str:
 
 
 def _group_tables(
-    device: torch.device, key: Hashable, starts: Sequence[int], lengths: Sequence[int], segs: Sequence[int]
+    device: torch.device, key: Hashable, layout: Callable[[], tuple[Sequence[int], ...]]
 ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """(tiles int64 ``[T, 2]``: start, length; groups int64 ``[G, 4]``: first tile, end tile, length,
-    segment; T; G) of the groups ``starts``/``lengths`` (of segments ``segs``), on ``device`` once per
-    ``key``."""
-    hit = _TABLES.peek(("tiles", device, key))
-    if hit is not None:
-        return hit
+    segment; T; G) on ``device``, made once per ``key`` from ``layout()``: the groups' starts, lengths
+    and segments."""
+    counts = _TABLES.peek(("tile counts", device, key))
+    if counts is not None:
+        tiles = _TABLES.peek(("tile table", device, key))
+        groups = _TABLES.peek(("group table", device, key))
+        if tiles is not None and groups is not None:
+            return tiles, groups, counts[0], counts[1]
+    starts, lengths, segs = layout()
     start = torch.as_tensor(starts, dtype=torch.int64, device="cpu")
     length = torch.as_tensor(lengths, dtype=torch.int64, device="cpu")
     n_tiles = (length + _TILE - 1) // _TILE
@@ -405,14 +410,13 @@ def _group_tables(
     k = torch.arange(int(end[-1]) if len(lengths) else 0, device="cpu") - first[owner]
     tiles = torch.stack([start[owner] + k * _TILE, torch.clamp(length[owner] - k * _TILE, max=_TILE)], 1)
     groups = torch.stack([first, end, length, torch.as_tensor(segs, dtype=torch.int64, device="cpu")], 1)
-    entry = (
+    _TABLES.put(("tile counts", device, key), (tiles.shape[0], groups.shape[0]))
+    return (
         _TABLES.get(("tile table", device, key), tiles.reshape(-1), torch.int64, device),
         _TABLES.get(("group table", device, key), groups.reshape(-1), torch.int64, device),
         tiles.shape[0],
         groups.shape[0],
     )
-    _TABLES.put(("tiles", device, key), entry)
-    return entry
 
 
 def _run_l1_sums(
@@ -455,7 +459,7 @@ def l1_abs_sums(rows: torch.Tensor) -> torch.Tensor:
     flat = rows.reshape(-1)
     out = torch.zeros(m, dtype=torch.float64, device=rows.device)
     if m and n:
-        tables = _group_tables(rows.device, ("rows", m, n), range(0, m * n, n), [n] * m, [0] * m)
+        tables = _group_tables(rows.device, ("rows", m, n), lambda: (range(0, m * n, n), [n] * m, [0] * m))
         _run_l1_sums(flat, tables, out, None)
     return out
 
@@ -467,9 +471,8 @@ def _l1_divisors_bucket(
     :func:`l1_abs_sums` with the divisor computed in stage 2)."""
     device = flat.device
     starts_t, bases_t = _segment_tables(device, segments, chunk_size)
-    key = ("segments", segments, chunk_size)
-    tables = _TABLES.peek(("tiles", device, key))
-    if tables is None:
+
+    def layout() -> tuple[list[int], list[int], list[int]]:
         g_start, g_len, g_seg, pos = [], [], [], 0
         for s, length in enumerate(segments):
             step = chunk_size or max(length, 1)
@@ -478,7 +481,9 @@ def _l1_divisors_bucket(
                 g_len.append(min(step, length - c))
                 g_seg.append(s)
             pos += length
-        tables = _group_tables(device, key, g_start, g_len, g_seg)
+        return g_start, g_len, g_seg
+
+    tables = _group_tables(device, ("segments", segments, chunk_size), layout)
     n_groups = tables[3]
     wide = torch.zeros(max(len(segments), 1), dtype=torch.int32, device=device)
     if not n_groups:
@@ -489,7 +494,8 @@ def _l1_divisors_bucket(
 
 
 class _DeviceTables:
-    """Device copies of host tables (segment starts, ...), kept per key in least-recently-used order.
+    """Device copies of host tables (segment starts, pointers, ...), kept per key in least-recently-used
+    order.
 
     A copy from the host is a synchronization on a GPU (and a launch), and a bucket's tables are the same
     at every step, so they are made once per layout. Why an LRU that drops one table at a time with a cap
@@ -498,47 +504,77 @@ class _DeviceTables:
     identifies its tables as well as a bucket would. A step touches each of its layouts' tables (a few per
     bucket), so with ``cap`` above the tables of all buckets (overlap's second layout included) none is
     ever dropped and re-uploaded; beyond it, LRU order drops the tables not touched for longest (e.g. the
-    layouts of a model that is gone) — a wholesale clear at a fixed size (what this replaced, at 256
-    entries) re-uploaded every table of every step past ~127 buckets. The tables are small (8 bytes per
-    tensor or per 4096 elements), so the cap bounds memory at a few MB for typical layouts."""
+    layouts of a model that is gone, or gradients' addresses of earlier steps) — a wholesale clear at a
+    fixed size (what this replaced, at 256 entries) re-uploaded every table of every step past ~127
+    buckets. The tables are small (8 bytes per tensor or per 4096 elements), so the cap bounds memory at
+    a few MB for typical layouts.
+
+    On a GPU a table is copied from pinned memory without blocking the host, on the current stream; a
+    launch on another stream before that copy is known to be done first makes its stream wait for it."""
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
         self.uploads = 0  #: tables copied from the host so far (tests count them)
         self._tables: OrderedDict[Hashable, Any] = OrderedDict()
+        self._copying: dict[Hashable, tuple[Any, Any]] = {}  # key: (CUDA event, stream) of its copy
+        self._lock = threading.RLock()  # the overlap hook's vote thread launches kernels too
 
     def __len__(self) -> int:
         return len(self._tables)
 
     def clear(self) -> None:
-        self._tables.clear()
+        with self._lock:
+            self._tables.clear()
+            self._copying.clear()
 
     def peek(self, key: Hashable) -> Any:
-        """The entry of ``key`` (made most recent), or None."""
-        entry = self._tables.get(key)
-        if entry is not None:
-            self._tables.move_to_end(key)
-        return entry
+        """The entry of ``key`` (made most recent; a device table: ready for the current stream), or None."""
+        with self._lock:
+            entry = self._tables.get(key)
+            if entry is not None:
+                self._tables.move_to_end(key)
+                if key in self._copying:
+                    self._ready(key)
+            return entry
 
     def put(self, key: Hashable, entry: Any) -> None:
-        """Keeps ``entry`` (device tables made by :meth:`get`, bundled) under ``key``."""
-        self._tables[key] = entry
-        self._drop()
-
-    def _drop(self) -> None:
-        while len(self._tables) > self.cap:
-            self._tables.popitem(last=False)  # the least recently used one
+        """Keeps ``entry`` (not a device table: counts of a layout) under ``key``."""
+        with self._lock:
+            self._tables[key] = entry
+            self._drop()
 
     def get(self, key: Hashable, values: Sequence | torch.Tensor, dtype: torch.dtype, device: torch.device):
         """The device tensor of ``key`` (made from ``values`` on a miss)."""
-        t = self._tables.get(key)
-        if t is not None:
-            self._tables.move_to_end(key)
+        with self._lock:
+            t = self.peek(key)
+            if t is not None:
+                return t
+            t = self._tables[key] = _upload(values, dtype, device)
+            self.uploads += 1
+            if device.type == "cuda":
+                with _on_device(device):
+                    event = torch.cuda.Event()
+                    event.record()
+                    self._copying[key] = (event, torch.cuda.current_stream())
+            self._drop()
             return t
-        t = self._tables[key] = _upload(values, dtype, device)
-        self.uploads += 1
-        self._drop()
-        return t
+
+    def _ready(self, key: Hashable) -> None:
+        """Makes the current stream wait for ``key``'s copy where it ran on another stream and may not be
+        done; forgets copies that are done (``query`` does not block the host)."""
+        event, stream = self._copying[key]
+        if event.query():
+            del self._copying[key]
+            return
+        with torch.cuda.device(stream.device):
+            current = torch.cuda.current_stream()
+        if current != stream:
+            current.wait_event(event)
+
+    def _drop(self) -> None:
+        while len(self._tables) > self.cap:
+            key, _ = self._tables.popitem(last=False)  # the least recently used one
+            self._copying.pop(key, None)
 
 
 def _upload(values: Sequence | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

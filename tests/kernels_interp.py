@@ -8,6 +8,7 @@ interpreter setting never reaches the other test files.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -105,10 +106,11 @@ def quantize_halfway_case() -> None:
     def exact(case, chunked):
         segs = None if chunked else [case.chunk] * (case.x.numel() // case.chunk)
         chunk = case.chunk if chunked else None
-        for backend in ("torch", "triton"):
-            got = kernels.quantize_l1(
-                case.x, case.s, clip_multiple=case.k, chunk_size=chunk, segments=segs, backend=backend
-            )
+        for backend in ("torch", "triton", "triton, pass 1 per bucket"):
+            with _device_pass1() if backend.endswith("bucket") else contextlib.nullcontext():
+                got = kernels.quantize_l1(
+                    case.x, case.s, clip_multiple=case.k, chunk_size=chunk, segments=segs, backend=backend[:6]
+                )
             bad = np.flatnonzero(got.to(torch.int64).numpy() != case.want)
             assert bad.size == 0, f"{backend} s={case.s} k={case.k} {case.x.dtype}: at {bad[:5].tolist()}"
 
@@ -241,8 +243,6 @@ def hypothesis_case() -> None:
 def _device_pass1() -> Any:
     """Pass 1 as off the CPU (``normalizers._on_host`` False): the reference sums of each tensor and the
     fused quantizer's per-bucket sums both run :func:`kernels.l1_abs_sums`' Triton kernels."""
-    import contextlib
-
     from lioncub.ops import normalizers
 
     @contextlib.contextmanager

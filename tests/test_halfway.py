@@ -9,13 +9,16 @@ rounds them either way: every 1-element tensor with an odd level budget s and k 
 The inputs (``tests/halfway_cases.py``) are built so that M = μ·2^p (μ a small odd integer) is known in
 advance and ``x / M`` is a dyadic ratio with few bits: the exact level is computed in float64, and every
 backend (the numpy CPU path, the torch path that CUDA runs, ``lioncub.ops.kernels.quantize_l1``'s torch
-backend; the Triton kernel in ``tests/kernels_interp.py``, case ``quantize_l1_halfway``) must give it bit
-for bit. Then the vote (simulated ranks) and ``LionCub`` on two gloo ranks with a scalar parameter (the
-minimal example, ``MINIMAL``).
+backend; the torch path as a GPU runs it, reading nothing on the host; the Triton kernel in
+``tests/kernels_interp.py``, case ``quantize_l1_halfway``) must give it bit for bit. Then the vote
+(simulated ranks) and ``LionCub`` on two gloo ranks with a scalar parameter (the minimal example,
+``MINIMAL``).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from unittest import mock
 
 import numpy as np
@@ -25,12 +28,23 @@ from hypothesis import strategies as st
 
 from halfway_cases import BUDGETS, FLOATS, MINIMAL, Case, halfway_cases, level_budget
 from lioncub.collectives import QuantizedVote
-from lioncub.ops import kernels
+from lioncub.ops import kernels, normalizers
 from lioncub.ops import quantize as Q
 from profiles import examples
 from sim_comm import run_vote
 
 from processes import run_workers
+
+
+@contextlib.contextmanager
+def off_the_cpu() -> Iterator[None]:
+    """The quantizers as a GPU runs them without Triton: float64 sums in pieces, and the scaling in
+    float64 rounded to the work dtype without reading it on the host."""
+    with (
+        mock.patch.object(Q, "_reads_free", lambda t: False),
+        mock.patch.object(normalizers, "_on_host", lambda t: False),
+    ):
+        yield
 
 
 def settings_for(count: int) -> settings:
@@ -45,6 +59,8 @@ def backends(case: Case, name: str, **options) -> dict[str, torch.Tensor]:
     got["numpy, per call"] = torch.cat([Q.quantize(name, g, s, **options) for g in x.split(chunk)])
     with mock.patch.object(Q, "_numpy_path", lambda t: False):  # the device-generic torch path
         got["torch, chunk_size"] = Q.quantize(name, x, s, chunk_size=chunk, **options)
+    with off_the_cpu():
+        got["off the CPU (no host reads), chunk_size"] = Q.quantize(name, x, s, chunk_size=chunk, **options)
     if name == "l1":
         for chunked in (True, False):
             got[f"kernels torch backend, chunked={chunked}"] = kernels.quantize_l1(
@@ -131,6 +147,8 @@ def test_scalar_groups_land_on_s_over_k(dtype, name, s, values) -> None:
     got = Q.quantize(name, x, s, chunk_size=1, **options).to(torch.int64).numpy()
     assert np.array_equal(got, want), f"{name} {dtype} s={s}: {got.tolist()} for {x.tolist()}"
     with mock.patch.object(Q, "_numpy_path", lambda t: False):
+        assert np.array_equal(Q.quantize(name, x, s, chunk_size=1, **options).to(torch.int64).numpy(), want)
+    with off_the_cpu():
         assert np.array_equal(Q.quantize(name, x, s, chunk_size=1, **options).to(torch.int64).numpy(), want)
     if name == "l1":
         got = kernels.quantize_l1(x, s, segments=[1] * x.numel(), backend="torch")

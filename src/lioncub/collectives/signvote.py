@@ -29,7 +29,7 @@ import torch
 
 from lioncub.collectives.base import Comm
 from lioncub.collectives.formats import Decoded, Payload
-from lioncub.collectives.protocol import Ballot, Hyper, ParamState, Vote
+from lioncub.collectives.protocol import Ballot, Hyper, ParamState, Result, Vote
 from lioncub.ops import kernels, native
 from lioncub.ops.quantize import max_abs
 from lioncub.ops.update import apply_update_converting_, update_momentum_
@@ -161,12 +161,20 @@ class SignVote(Vote):
             m, gr = state.momentum(p), (None if g is None else g.detach())
             nxt = self._next_momentum(m)
             nexts.append(None if nxt is None else (nxt, h.beta2))
-            more = {"negate": h.maximize, "next_momentum": nxt, "beta2": h.beta2}
             if fmt is None:
-                peaks.append(native.direction(m, gr, h.beta1, out=view, **more))
+                peaks.append(
+                    native.direction(
+                        m, gr, h.beta1, out=view, negate=h.maximize, next_momentum=nxt, beta2=h.beta2
+                    )
+                )
             else:
-                zeros = {"zeros_vote_plus": self.zeros_vote_plus(step)}
-                peaks.append(fmt.write(m, gr, h.beta1, out=payload, position=pos, **more, **zeros))
+                assert payload is not None  # made with fmt
+                peaks.append(
+                    fmt.write(
+                        m, gr, h.beta1, out=payload, position=pos, negate=h.maximize, next_momentum=nxt,
+                        beta2=h.beta2, zeros_vote_plus=self.zeros_vote_plus(step),
+                    )
+                )  # fmt: skip
             pos += p.numel()
         if fmt is not None:
             fmt.finish(payload, d)  # type: ignore[arg-type]
@@ -238,7 +246,7 @@ class SignVote(Vote):
     def _apply_fused(
         self,
         p: torch.Tensor,
-        result,  # type: ignore[no-untyped-def]
+        result: Result,
         position: int,
         state: ParamState,
         nxt: tuple[torch.Tensor, float] | None,
@@ -289,6 +297,6 @@ def _swap_storage(m: torch.Tensor, fresh: torch.Tensor) -> None:
     """``m`` takes ``fresh``'s storage (its next value); ``fresh`` keeps ``m``'s old storage as the next
     step's scratch. The tensor object ``m`` (the optimizer's ``state[p]["exp_avg"]``) stays the same."""
     old = torch.empty(0, dtype=m.dtype)
-    old.set_(m)
-    m.set_(fresh)
-    fresh.set_(old)
+    old.set_(m)  # type: ignore[call-overload]  # torch's stubs lack set_(Tensor)
+    m.set_(fresh)  # type: ignore[call-overload]
+    fresh.set_(old)  # type: ignore[call-overload]

@@ -543,7 +543,9 @@ class _DeviceTables:
             self._tables[key] = entry
             self._drop()
 
-    def get(self, key: Hashable, values: Sequence | torch.Tensor, dtype: torch.dtype, device: torch.device):
+    def get(
+        self, key: Hashable, values: Sequence | torch.Tensor, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         """The device tensor of ``key`` (made from ``values`` on a miss)."""
         with self._lock:
             t = self.peek(key)
@@ -784,36 +786,37 @@ def apply_votes_(
     source = votes.reshape(-1)
     n = param.numel()
     momentum = exp_avg is not None
-    if momentum and (grad is None or beta2 is None):
+    if exp_avg is not None and (grad is None or beta2 is None):
         raise ValueError("the fused momentum update needs exp_avg, grad and beta2")
-    if momentum and (exp_avg.numel() != n or grad.numel() != n):
+    m, g = (exp_avg, grad) if exp_avg is not None and grad is not None else (param, param)
+    b2 = beta2 if beta2 is not None else 0.0
+    if momentum and (m.numel() != n or g.numel() != n):
         raise ValueError("exp_avg and grad must have the parameter's number of elements")
     if source.numel() != n:
         raise ValueError(f"votes has {source.numel()} elements, the parameter {n}")
-    tensors = [param, source] + ([exp_avg, grad] if momentum else [])
-    which = _resolve(backend, tensors, [param] + ([exp_avg, grad] if momentum else []))
+    tensors = [param, source] + ([m, g] if momentum else [])
+    which = _resolve(backend, tensors, [param] + ([m, g] if momentum else []))
     if which == "cpu" and source.dtype != torch.int8:
         if backend == "cpu":
             raise RuntimeError(f"backend='cpu' takes int8 votes, got {source.dtype}")
         which = "torch"
     if which == "cpu":
-        mom = native.Momentum(exp_avg, grad, beta2 or 0.0, negate_grad) if momentum else None
+        mom = native.Momentum(m, g, b2, negate_grad) if momentum else None
         native.apply_int8(param, source, lr=lr, weight_decay=weight_decay, momentum=mom)
         return param
     if which == "torch":
         _apply_ref_(param, source.reshape(param.shape), lr, weight_decay)
         if momentum:
-            _momentum_ref_(exp_avg, -grad if negate_grad else grad, beta2)
+            _momentum_ref_(m, -g if negate_grad else g, b2)
         return param
     if n:
-        b2 = beta2 if beta2 is not None else 0.0
         grid = -(-n // _BLOCK)
         with _on_device(param):
             _triton().apply_kernel[(grid,)](
                 _raw(param),
                 source,
-                _raw(exp_avg) if momentum else param,
-                _raw(grad) if momentum else param,
+                _raw(m),
+                _raw(g),
                 n,
                 _f32(-lr),
                 _f32(1.0 - lr * weight_decay),
@@ -935,13 +938,14 @@ def apply_votes_multi_(
     gradient: zeros, never negated). On Triton in one launch for all parameters; else per parameter."""
     if votes.dtype not in (torch.int8, torch.uint8, torch.int16, torch.int32):
         raise TypeError(f"votes must be an integer tensor, got {votes.dtype}")
+    momenta: Sequence[torch.Tensor] = exp_avgs if exp_avgs is not None else []
     momentum = exp_avgs is not None
-    if momentum and (grads is None or beta2 is None or len(exp_avgs) != len(params)):
+    if momentum and (grads is None or beta2 is None or len(momenta) != len(params)):
         raise ValueError("the fused momentum update needs exp_avgs, grads and beta2 for every parameter")
     source = votes.reshape(-1)
     _check_bucket(starts, params, source.numel(), "votes")
     gs: Sequence[torch.Tensor | None] = grads if grads is not None else [None] * len(params)
-    floats = [*params, *(exp_avgs or []), *(g for g in gs if momentum and g is not None)]
+    floats = [*params, *momenta, *(g for g in gs if momentum and g is not None)]
     which = _resolve(backend, [source, *floats], floats)
     if which != "triton" or not params:
         for i, (s, p) in enumerate(zip(starts, params, strict=True)):
@@ -951,7 +955,7 @@ def apply_votes_multi_(
                 continue
             g = gs[i]
             apply_votes_(
-                p, mine, lr=lr, weight_decay=weight_decay, exp_avg=exp_avgs[i],  # type: ignore[index]
+                p, mine, lr=lr, weight_decay=weight_decay, exp_avg=momenta[i],
                 grad=torch.zeros_like(p) if g is None else g, beta2=beta2,
                 negate_grad=negate_grad and g is not None, backend=backend,
             )  # fmt: skip
@@ -962,7 +966,7 @@ def apply_votes_multi_(
         return
     b2 = beta2 if beta2 is not None else 0.0
     p_table = _pointers(device, params)
-    m_table = _pointers(device, exp_avgs) if momentum else p_table
+    m_table = _pointers(device, momenta) if momentum else p_table
     g_table = _pointers(device, gs) if momentum else p_table
     with _on_device(source):
         _triton().apply_multi_kernel[(blocks,)](

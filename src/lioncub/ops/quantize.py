@@ -365,7 +365,7 @@ def quantize_lp(
     else:
         norm = lp_normalizer(rows, p, eps=eps)
     direct = out is not None and rows.numel() == n
-    into = out.view(rows.shape) if direct else None
+    into = out.view(rows.shape) if out is not None and direct else None
     q = _scale_round_clip(rows, norm, levels, float(clip_multiple), out=into)
     if out is None:
         return _finish(q, n, x)

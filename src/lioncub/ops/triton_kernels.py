@@ -25,8 +25,8 @@ try:  # the torch backend serves everything when Triton is missing or broken
     HAVE_TRITON = True
     TRITON_ERROR = ""
 except Exception as _err:  # ImportError, or an install whose import fails
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
+    triton = None
+    tl = None
     HAVE_TRITON = False
     TRITON_ERROR = f"{type(_err).__name__}: {_err}"
 

@@ -223,7 +223,7 @@ def _group(
             cluster.replica_groups,
             model,
             inner,
-            opt.local_steps,
+            rule.h,
             outer_lr=rule.lr,
             outer_momentum=rule.betas[0],
             timeout_s=timeout_s,

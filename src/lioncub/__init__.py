@@ -19,9 +19,23 @@ The top-level names are imported lazily, so ``import lioncub.launch`` does not i
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # the lazy names below, for type checkers (tests/test_typing.py: the two lists agree)
+    from lioncub.collectives import CollectiveError as CollectiveError
+    from lioncub.optim.config import PRESETS as PRESETS
+    from lioncub.optim.config import VoteConfig as VoteConfig
+    from lioncub.optim.config import resolve_variant as resolve_variant
+    from lioncub.optim.lion import Lion as Lion
+    from lioncub.optim.lioncub import Checks as Checks
+    from lioncub.optim.lioncub import LionCub as LionCub
+    from lioncub.optim.lioncub import ReplicaDivergenceError as ReplicaDivergenceError
+    from lioncub.optim.local_steps import LocalSteps as LocalSteps
+    from lioncub.optim.sync import MomentumSync as MomentumSync
+    from lioncub.planning.auto import auto_topology as auto_topology
+    from lioncub.planning.auto import auto_variant as auto_variant
 
 _EXPORTS = {
     "Checks": "lioncub.optim.lioncub",

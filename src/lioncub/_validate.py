@@ -7,12 +7,12 @@ values, or uses :func:`check_int` / :func:`check_number`, which raise
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, TypeGuard
 
 __all__ = ["check_int", "check_number", "is_int", "is_number"]
 
 
-def is_int(value: object, low: int | None = None, high: int | None = None) -> bool:
+def is_int(value: object, low: int | None = None, high: int | None = None) -> TypeGuard[int]:
     """``value`` is an ``int`` (not a ``bool``) within ``[low, high]`` (``None``: unbounded)."""
     if isinstance(value, bool) or not isinstance(value, int):
         return False
@@ -27,7 +27,7 @@ def is_number(
     le: float | None = None,
     lt: float | None = None,
     finite: bool = True,
-) -> bool:
+) -> TypeGuard[float]:
     """``value`` is an ``int`` or ``float`` (not a ``bool``, not NaN), finite unless ``finite=False``, and
     within the bounds given (``ge``: ≥, ``gt``: >, ``le``: ≤, ``lt``: <)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
@@ -52,9 +52,19 @@ def check_int(option: str, value: Any, low: int | None = None, high: int | None 
     return value
 
 
-def check_number(option: str, value: Any, what: str, **bounds: float) -> float:
-    """``value`` if :func:`is_number` with ``bounds``, else ``ValueError`` ``"{option}={value!r} must be
+def check_number(
+    option: str,
+    value: Any,
+    what: str,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    finite: bool = True,
+) -> float:
+    """``value`` if :func:`is_number` with these bounds, else ``ValueError`` ``"{option}={value!r} must be
     {what}"`` (``what`` states the allowed values, e.g. ``"a finite number > 0"``)."""
-    if not is_number(value, **bounds):
+    if not is_number(value, ge=ge, gt=gt, le=le, lt=lt, finite=finite):
         raise ValueError(f"{option}={value!r} must be {what}")
     return value

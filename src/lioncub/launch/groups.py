@@ -39,7 +39,7 @@ from typing import Any, TextIO
 from lioncub.launch.config import LaunchConfig
 from lioncub.launch.environment import build_command, free_port, rank_env
 from lioncub.launch.netns import EmulatedNetwork, check_privileges, cleanup, new_launch_id
-from lioncub.launch.preload import PreloadError, Zygote, gpu_refusal, lease
+from lioncub.launch.preload import ForkedRank, PreloadError, Zygote, gpu_refusal, lease
 from lioncub.launch.result import TIMEOUT_RC, LaunchResult, RankTraffic, describe_exit
 from lioncub.launch.supervisor import Output, forward_signals, popen
 from lioncub.units import format_rate
@@ -103,7 +103,8 @@ def parse_faults(kill: Sequence[str], rejoin: Sequence[str], groups: int, steps:
                 )
             faults.append(Fault(step, kind, group))
     faults.sort()
-    alive, dead_since = set(range(groups)), {}
+    alive = set(range(groups))
+    dead_since: dict[int, int] = {}
     for f in faults:
         if f.kind == "kill":
             if f.group not in alive:
@@ -372,7 +373,8 @@ class _GroupRun:
 
     def _spawn(self, group: int, env: dict[str, str]) -> Any:
         """One process of group ``group`` (a zygote's fork, or a fresh interpreter), its output pumped."""
-        net, proc = self.net, None
+        net = self.net
+        proc: ForkedRank | subprocess.Popen[bytes] | None = None
         argv = (net.exec_prefix(group) if net is not None else []) + self.cmd
         if self.zygote is not None:
             try:

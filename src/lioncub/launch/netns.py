@@ -319,17 +319,17 @@ def cleanup(all_launches: bool = False) -> CleanupReport:
         if match:
             by_launch.setdefault(match.group(1), []).append(ns)
     for launch_id in sorted(set(states) | set(by_launch)):
-        path, state = states.get(launch_id, (None, {}))
-        if path is not None and _owner_alive(state) and not all_launches:
+        state_file, state = states.get(launch_id, (None, {}))
+        if state_file is not None and _owner_alive(state) and not all_launches:
             report.live.append(launch_id)
             continue
-        if path is None and not all_launches:
+        if state_file is None and not all_launches:
             report.orphans.extend(by_launch.get(launch_id, []))
             continue
         names = sorted(set(state.get("namespaces", [])) | set(by_launch.get(launch_id, [])))
         _remove_namespaces(names)
-        if path is not None:
-            path.unlink(missing_ok=True)
+        if state_file is not None:
+            state_file.unlink(missing_ok=True)
         report.launches.append(launch_id)
         report.namespaces.extend(names)
     return report

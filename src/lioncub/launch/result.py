@@ -95,7 +95,7 @@ def format_traffic(traffic: Sequence[RankTraffic]) -> str:
 def _traffic_table(
     unit: str,
     interface: str,
-    traffic: Sequence[RankTraffic] | Sequence[NodeTraffic],
+    traffic: Sequence[RankTraffic | NodeTraffic],
     index: list[int],
     local: list[int] | None = None,
 ) -> str:

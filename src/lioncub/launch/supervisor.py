@@ -225,8 +225,8 @@ class Supervisor:
                         pipe.close()
             message = f"{self.unit} {failed} could not start `{argvs[failed][0]}`: {exc}"
             self.output.note(message)
-            rank = failed if self.reports is None else None
-            return Attempt(127, codes, rank, message, failed_index=failed)
+            failed_rank = failed if self.reports is None else None
+            return Attempt(127, codes, failed_rank, message, failed_index=failed)
         passthrough = None if self.reports is None else RANK_LINE
         for rank, proc in enumerate(procs):
             assert proc.stdout is not None and proc.stderr is not None

@@ -57,9 +57,10 @@ def serve(sock: socket.socket, modules: Sequence[str]) -> dict[str, Any] | None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     deathsig = pdeathsig_setup()  # a rank gets SIGTERM when this zygote dies
+    watched: list[socket.socket | int] = [sock, wake_r]
     while True:
         with contextlib.suppress(InterruptedError):
-            ready, _, _ = select.select([sock, wake_r], [], [])
+            ready, _, _ = select.select(watched, [], [])
         if wake_r in ready:
             os.read(wake_r, 4096)
         _report_exits(sock)

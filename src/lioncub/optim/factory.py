@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Literal, cast
 
 import torch
 
@@ -64,7 +64,7 @@ def _flat_vote(comm: Comm, config: VoteConfig, every_step: bool) -> Vote:
     if t == "int8":
         return AverageVote(comm) if agg == "average" else SignSumVote(comm)
     if t == "server":
-        aggregation = "average" if agg == "average" else "majority"
+        aggregation: Literal["average", "majority"] = "average" if agg == "average" else "majority"
         return ServerVote(comm, aggregation, root=config.server_root, zero_vote=config.zero_vote)
     return QuantizedVote(
         comm,

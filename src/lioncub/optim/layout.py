@@ -25,7 +25,7 @@ def named_parameters(
             for i, p in enumerate(g["params"])
             if p.requires_grad
         ]
-    named = [(n, p) for n, p in model.named_parameters() if id(p) in mine]
+    named: list[tuple[str, torch.Tensor]] = [(n, p) for n, p in model.named_parameters() if id(p) in mine]
     missing = len(mine) - len({id(p) for _, p in named})
     if missing:
         raise ValueError(f"model=: {missing} optimized parameters are not parameters of the model")

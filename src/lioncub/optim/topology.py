@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lioncub import env
 from lioncub.collectives import Comm
+from lioncub.collectives.base import Exchange
 from lioncub.optim.config import VoteConfig
 
 __all__ = ["MESH_DIMS", "is_mesh", "mesh_from_environment", "node_groups", "vote_groups"]
@@ -73,7 +74,7 @@ def _ranks_per_node(world: int) -> tuple[int, str]:
 
 
 def node_groups(
-    mesh: DeviceMesh, exchange: str, device: torch.device | None = None
+    mesh: DeviceMesh, exchange: Exchange, device: torch.device | None = None
 ) -> tuple[dist.ProcessGroup | None, Comm, Comm]:
     """(the flat group of all the mesh's ranks — ``None`` for the whole world —, the intra-node
     :class:`Comm`, the inter-node :class:`Comm`) of this rank, on ``device`` (default: :class:`Comm`'s).
@@ -84,8 +85,8 @@ def node_groups(
         )
     ranks = mesh.mesh.flatten().tolist()
     flat = None if ranks == list(range(dist.get_world_size())) else dist.new_group(ranks=ranks)
-    intra = Comm(cast(dist.ProcessGroup, mesh.get_group("local")), device=device, exchange=exchange)
-    inter = Comm(cast(dist.ProcessGroup, mesh.get_group("node")), device=device, exchange=exchange)
+    intra = Comm(mesh.get_group("local"), device=device, exchange=exchange)
+    inter = Comm(mesh.get_group("node"), device=device, exchange=exchange)
     return flat, intra, inter
 
 
@@ -106,7 +107,13 @@ def vote_groups(
         return group, levels
     if group is False:
         return Comm.single(device), levels
-    return Comm(group, device=device, exchange=config.exchange), levels
+    return Comm(group, device=device, exchange=_exchange(config)), levels
+
+
+def _exchange(config: VoteConfig) -> Exchange:
+    """``config.exchange``, one of :data:`~lioncub.collectives.base.Exchange`'s values (``VoteConfig`` checks
+    it; its field is a ``str``)."""
+    return cast(Exchange, config.exchange)
 
 
 def _groups(
@@ -143,5 +150,5 @@ def _groups(
             f"{MESH_DIMS} (or None: built from torchrun's $LOCAL_WORLD_SIZE)"
         )
     mesh = mesh or mesh_from_environment(config.topology, device)
-    flat, intra, inter = node_groups(mesh, config.exchange, device)
+    flat, intra, inter = node_groups(mesh, _exchange(config), device)
     return flat, (intra, inter)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,7 +67,7 @@ class Calibration:
             )
         return Cluster(
             self.nnodes if nnodes is None else nnodes,
-            int(self.nproc_per_node) if nproc_per_node is None else nproc_per_node,
+            self.world_size // self.nnodes if nproc_per_node is None else nproc_per_node,
             self.network,
             self.intra,
             self.flat,
@@ -180,7 +181,7 @@ def calibration_from_json(doc: Mapping[str, Any], where: str = "calibration") ->
     return Calibration(network, compute, world, link_bps, dict(doc), intra, nnodes, intra_bps, flat)
 
 
-def load_calibration(path: str | Path) -> Calibration:
+def load_calibration(path: str | os.PathLike[str]) -> Calibration:
     """Read a JSON file written by ``lioncub calibrate`` (raises ``ValueError`` naming the file)."""
     path = Path(path)
     try:

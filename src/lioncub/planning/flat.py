@@ -12,7 +12,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, ClassVar, NamedTuple, Protocol, TypedDict, TypeVar
 
 from lioncub import transports
 from lioncub._validate import is_int
@@ -185,8 +185,17 @@ def wire_bytes(variant: Variant, d: int, n_workers: int, rank: int = 0) -> tuple
 
 # ------------------------------------------------------------------------------ a step, summed once
 
+class Counted(Protocol):
+    """What :func:`charge` needs of an item: a frozen dataclass with a ``count`` (times per step)."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+
+    @property
+    def count(self) -> float: ...
+
+
 #: a :class:`Collective` or a :class:`~lioncub.planning.nodes.Phase`
-Item = TypeVar("Item")
+Item = TypeVar("Item", bound=Counted)
 
 
 class Step(NamedTuple):
@@ -302,14 +311,33 @@ class StepCost:
         return self.latency_s + self.bandwidth_s
 
 
-def cost_fields(step: Step | None) -> dict[str, float]:
+class CostFields(TypedDict):
+    """:class:`StepCost`'s seconds and bytes, as keyword arguments."""
+
+    latency_s: float
+    bandwidth_s: float
+    compute_s: float
+    sync_s: float
+    bytes_sent: float
+    bytes_recv: float
+
+
+def cost_fields(step: Step | None) -> CostFields:
     """The seconds and bytes of ``step`` as :class:`StepCost`'s keyword arguments (NaN for ``None``: not
     allowed)."""
-    names = ("latency_s", "bandwidth_s", "compute_s", "sync_s", "bytes_sent", "bytes_recv")
     if step is None:
-        return dict.fromkeys(names, math.nan)
-    totals = (step.latency_s, step.bandwidth_s, step.compute_s, step.sync_s)
-    return dict(zip(names, (*totals, step.total("sent"), step.total("recv")), strict=True))
+        nan = math.nan
+        return CostFields(
+            latency_s=nan, bandwidth_s=nan, compute_s=nan, sync_s=nan, bytes_sent=nan, bytes_recv=nan
+        )
+    return CostFields(
+        latency_s=step.latency_s,
+        bandwidth_s=step.bandwidth_s,
+        compute_s=step.compute_s,
+        sync_s=step.sync_s,
+        bytes_sent=step.total("sent"),
+        bytes_recv=step.total("recv"),
+    )
 
 
 @dataclass(frozen=True)

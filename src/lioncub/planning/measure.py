@@ -107,7 +107,7 @@ def _messages(op: str, n: int) -> int:
     return 2 * (n - 1) if op.startswith("allreduce") else n - 1
 
 
-def _op_runner(op: str, comm: Comm, size: int) -> tuple[Callable[[], None], float]:
+def _op_runner(op: str, comm: Comm, size: int) -> tuple[Callable[[], object], float]:
     """A function running ``op`` once on a payload of about ``size`` bytes, and its link bytes."""
     n, r = comm.world_size, comm.rank
     if op.startswith("allreduce"):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TypedDict
 
 from lioncub import transports
 from lioncub.optim.config import PRESETS, VoteConfig
@@ -197,7 +198,11 @@ def _hierarchical_phases(
         phases.append(_at("inter", ring(op, ring_bytes(inter, m), m), ell))
     phases += [intra_gather] if ell > 1 else []
     k = -(-d // ell)
-    work = {"elementwise_s_per_elem": 2 * d, "lane_pack_s_per_elem": k, "lane_unpack_s_per_elem": k}
+    work: dict[str, float] = {
+        "elementwise_s_per_elem": 2 * d,
+        "lane_pack_s_per_elem": k,
+        "lane_unpack_s_per_elem": k,
+    }
     if config.transport == "quantized":
         work["quantize_s_per_elem"] = d
     return phases, work
@@ -213,7 +218,7 @@ def _node_majority_phases(d: int, m: int, ell: int) -> tuple[list[Phase], dict[s
     phases = [intra_sum] if ell > 1 else []
     phases += [_at("inter", c, ell) for c in among_nodes]
     phases += [intra_gather] if ell > 1 else []
-    work = {
+    work: dict[str, float] = {
         "elementwise_s_per_elem": 2 * d,
         "pack_s_per_elem": k,
         "count_s_per_elem": transports.FACTS["1bit"].padded_numel(k, m),
@@ -262,7 +267,21 @@ def topology_phases(
 
 
 #: the bytes of a :class:`ClusterPrediction` by level, summed over its phases' fields of the same names
-LEVEL_BYTES = ("nic_sent", "nic_recv", "intra_sent", "intra_recv")
+class Layout(TypedDict):
+    """:class:`ClusterPrediction`'s layout, as keyword arguments."""
+
+    topology: str
+    nnodes: int
+    nproc_per_node: int
+
+
+class LevelBytes(TypedDict):
+    """:class:`ClusterPrediction`'s bytes per level (``nic_*``, ``intra_*``), as keyword arguments."""
+
+    nic_sent: float
+    nic_recv: float
+    intra_sent: float
+    intra_recv: float
 
 
 @dataclass(frozen=True)
@@ -309,11 +328,12 @@ def predict_cluster(
     name, config = resolve_config(variant)
     check_d(d)
     m, ell = cluster.nnodes, cluster.nproc_per_node
-    layout = {"topology": topology, "nnodes": m, "nproc_per_node": ell}
+    layout = Layout(topology=topology, nnodes=m, nproc_per_node=ell)
     ok, why = topology_allowed(config, topology, m * ell)
     if not ok:
-        nan = dict.fromkeys(LEVEL_BYTES, math.nan)
-        return ClusterPrediction(name, d, False, why, **cost_fields(None), **layout, **nan)
+        nan = math.nan
+        levels = LevelBytes(nic_sent=nan, nic_recv=nan, intra_sent=nan, intra_recv=nan)
+        return ClusterPrediction(name, d, False, why, **cost_fields(None), **layout, **levels)
     compute = compute or Compute()
     step = charge(
         lambda size: topology_phases(config, size, m, ell, topology),
@@ -327,5 +347,10 @@ def predict_cluster(
         bucket_numel=bucket_numel,
         local_steps=local_steps,
     )
-    levels = {k: step.total(k) for k in LEVEL_BYTES}
+    levels = LevelBytes(
+        nic_sent=step.total("nic_sent"),
+        nic_recv=step.total("nic_recv"),
+        intra_sent=step.total("intra_sent"),
+        intra_recv=step.total("intra_recv"),
+    )
     return ClusterPrediction(name, d, True, "", **cost_fields(step), **layout, **levels, phases=step.items)

@@ -386,8 +386,9 @@ def _default_target(rows: list[RunSummary], baseline: str) -> tuple[float | None
     """The target loss and its rule, from the finished runs only (a partial run's last loss is not final)."""
     rows = [r for r in rows if not r.partial]
     base = next((r for r in rows if r.variant == baseline and r.final_val_loss is not None), None)
-    if base is not None and math.isfinite(base.final_val_loss):
-        target = base.final_val_loss * TARGET_FACTOR
+    base_loss = None if base is None else base.final_val_loss
+    if base_loss is not None and math.isfinite(base_loss):
+        target = base_loss * TARGET_FACTOR
         return target, f"{TARGET_FACTOR} × final val loss of the {baseline} run = {target:.4g}"
     finals = [r.final_val_loss for r in rows if r.final_val_loss is not None]
     worst = max((v for v in finals if math.isfinite(v)), default=None)
@@ -403,7 +404,7 @@ def _fmt(value: float | None, scale: float = 1.0, spec: str = ".3g", suffix: str
 def columns(rows: Sequence[RunSummary]) -> tuple[str, ...]:
     """The table's columns: :data:`COLUMNS`, with :data:`NODE_COLUMNS` for "MB/step/rank" when a run was on
     emulated nodes, and :data:`BUDGET_COLUMNS` for the loss at equal steps when a run had a time budget."""
-    names = COLUMNS
+    names: tuple[str, ...] = COLUMNS
     if any(row.nic_bytes_per_step is not None for row in rows):
         i = names.index("MB/step/rank")
         names = (*names[:i], *NODE_COLUMNS, *names[i + 1 :])
@@ -467,9 +468,10 @@ def make_report(
     runs = [load_run(Path(d)) for d in run_dirs]
     rows = [_summarize(run) for run in runs]
     base = next((r for r in rows if r.variant == baseline and r.step_s), None)
+    base_s = None if base is None else base.step_s
     for row in rows:
-        if base is not None and row.step_s:
-            row.speedup = base.step_s / row.step_s
+        if base_s is not None and row.step_s:
+            row.speedup = base_s / row.step_s
     evaluated = [run for run in runs if run.evals]
     common = set.intersection(*({e["step"] for e in run.evals} for run in evaluated)) if evaluated else set()
     if target_loss is None:

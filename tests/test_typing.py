@@ -1,0 +1,169 @@
+"""What the type checker sees (issue 45, item 3): the optimizer's parts take typed inputs, never the whole
+optimizer as ``Any``; no module outside ``optim/lioncub.py`` writes into an optimizer's parts; the lazy
+top-level names are visible to a type checker; ``py.typed`` ships; mypy's configuration has no blanket
+ignores. mypy itself runs in ``./run test`` (the README's test command), not here.
+
+Read from the source (with :mod:`ast`) and from ``pyproject.toml``'s text, not by importing.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "lioncub"
+
+#: the optimizer's parts (``LionCub.round`` …) and its own state that only ``optim/lioncub.py`` sets
+PARTS = {"round", "engine", "policy", "window"}
+OWN_STATE = {"applied_scale"}
+OPTIMIZER = SRC / "optim" / "lioncub.py"
+
+
+def _sources() -> list[Path]:
+    return sorted(SRC.rglob("*.py"))
+
+
+def _targets(node: ast.AST) -> list[ast.expr]:
+    """Every expression ``node`` assigns to (or deletes), tuples and starred targets unpacked."""
+    if isinstance(node, (ast.Assign, ast.Delete)):
+        stack = list(node.targets)
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        stack = [node.target]
+    else:
+        return []
+    out = []
+    while stack:
+        t = stack.pop()
+        if isinstance(t, (ast.Tuple, ast.List)):
+            stack += t.elts
+        elif isinstance(t, ast.Starred):
+            stack.append(t.value)
+        else:
+            out.append(t)
+    return out
+
+
+def _chain(target: ast.expr) -> tuple[list[str], ast.expr]:
+    """The attribute names of ``target`` from the outermost in (``a.round.x[0]`` -> ``["x", "round"]``)
+    and the expression they hang from (``a``)."""
+    names = []
+    while isinstance(target, (ast.Attribute, ast.Subscript)):
+        if isinstance(target, ast.Attribute):
+            names.append(target.attr)
+        target = target.value
+    return names, target
+
+
+def _writes_into_a_part(target: ast.expr) -> bool:
+    """``target`` is ``X.round.y`` (into a part, whoever ``X`` is), ``X.applied_scale``, or ``X.round`` with
+    ``X`` not ``self`` (a class may hold a part of its own: ``self.round = rnd``)."""
+    names, base = _chain(target)
+    if not names:
+        return False
+    own = isinstance(base, ast.Name) and base.id == "self" and len(names) == 1
+    return bool(PARTS & set(names[1:])) or names[0] in OWN_STATE or (names[0] in PARTS and not own)
+
+
+def _writes_into_parts(path: Path) -> list[str]:
+    """``path:line: target`` for each assignment into an optimizer's parts."""
+    return [
+        f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(target)}"
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        for target in _targets(node)
+        if _writes_into_a_part(target)
+    ]
+
+
+def test_no_part_takes_the_optimizer_as_any() -> None:
+    """``grep -rnE "(optimizer|opt): *Any" src/lioncub/optim`` finds nothing."""
+    pattern = re.compile(r"(optimizer|opt): *Any")
+    hits = [
+        f"{path.relative_to(ROOT)}:{i}: {line.strip()}"
+        for path in sorted((SRC / "optim").rglob("*.py"))
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert not hits, "a part takes the whole optimizer as Any (give it a typed input):\n" + "\n".join(hits)
+
+
+def test_no_module_writes_into_the_optimizers_parts() -> None:
+    found = [hit for path in _sources() if path != OPTIMIZER for hit in _writes_into_parts(path)]
+    assert not found, (
+        "only optim/lioncub.py sets the optimizer's parts and applied_scale; ask the part (a method, a "
+        "returned value) instead:\n" + "\n".join(found)
+    )
+
+
+def test_the_check_sees_a_write_into_a_part() -> None:
+    """The check above finds what it looks for (a write into a part, into ``applied_scale``, a part
+    replaced from outside) and lets a class hold a part of its own."""
+    cases = {
+        "opt.round.gradients_compared = True": True,
+        "opt.applied_scale = None": True,
+        "self.opt.engine.state.group_index += 1": True,
+        "a, opt.window.anchors[0] = 1, 2": True,
+        "other.policy = p": True,
+        "self.round = rnd": False,
+        "self.ctx, self.round = ctx, rnd": False,
+        "opt.rounds = 3": False,
+    }
+    for source, expected in cases.items():
+        hits = [t for node in ast.walk(ast.parse(source)) for t in _targets(node) if _writes_into_a_part(t)]
+        assert bool(hits) == expected, source
+
+
+def _exports() -> tuple[dict[str, str], dict[str, str]]:
+    """``lioncub/__init__.py``'s lazy names (name -> module) and the names its ``TYPE_CHECKING`` block
+    imports (name -> module)."""
+    tree = ast.parse((SRC / "__init__.py").read_text())
+    lazy: dict[str, str] = {}
+    typed: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in node.targets
+        ):
+            lazy = ast.literal_eval(node.value)
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            for imp in node.body:
+                assert isinstance(imp, ast.ImportFrom) and imp.module, ast.unparse(imp)
+                for alias in imp.names:
+                    # `import X as X`: an explicit re-export (mypy's no_implicit_reexport)
+                    assert alias.asname == alias.name, ast.unparse(imp)
+                    typed[alias.name] = imp.module
+    return lazy, typed
+
+
+def test_the_lazy_names_are_visible_to_a_type_checker() -> None:
+    lazy, typed = _exports()
+    assert lazy, "lioncub/__init__.py: no _EXPORTS found"
+    assert typed == lazy, "the TYPE_CHECKING block of lioncub/__init__.py must import exactly _EXPORTS"
+
+
+def test_py_typed_ships() -> None:
+    assert (SRC / "py.typed").is_file()
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    package_data = pyproject.split("[tool.setuptools.package-data]", 1)[1].split("\n[", 1)[0]
+    assert re.search(r'^"lioncub" = \[.*"py\.typed".*\]', package_data, re.M), package_data
+
+
+def test_mypy_has_no_blanket_ignores() -> None:
+    """No ``ignore_errors``; ``ignore_missing_imports`` only per named package (never globally); every
+    ``# type: ignore`` in the source names its error code."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    mypy = pyproject[pyproject.index("[tool.mypy]") :]
+    assert "ignore_errors" not in mypy
+    glob = mypy.split("[[tool.mypy.overrides]]", 1)[0]
+    assert "ignore_missing_imports" not in glob, glob
+    for block in mypy.split("[[tool.mypy.overrides]]")[1:]:
+        if "ignore_missing_imports" in block:
+            modules = re.search(r"module = \[(.*?)\]", block, re.S)
+            assert modules and '"*"' not in modules.group(1), block
+    bare = [
+        f"{path.relative_to(ROOT)}:{i}"
+        for path in _sources()
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"#\s*type:\s*ignore(?!\[)", line)
+    ]
+    assert not bare, "a `# type: ignore` without an error code:\n" + "\n".join(bare)

@@ -167,7 +167,8 @@ class _Member:
     @property
     def quorum_rank(self) -> int | None:
         """This group's rank in the last quorum (None: not a participant)."""
-        return self.manager.participating_rank()
+        rank: int | None = self.manager.participating_rank()
+        return rank
 
     @property
     def lighthouse_id(self) -> str:
@@ -175,7 +176,8 @@ class _Member:
         ``Manager`` keeps in the group's store."""
         from torchft.manager import REPLICA_ID_KEY
 
-        return self._store.get(REPLICA_ID_KEY).decode()
+        name: str = self._store.get(REPLICA_ID_KEY).decode()
+        return name
 
 
 @dataclass

@@ -180,7 +180,7 @@ def _start_lighthouse(
     ]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
     proc = popen(argv, env, None)
-    lines: queue.SimpleQueue = queue.SimpleQueue()
+    lines: queue.SimpleQueue[str] = queue.SimpleQueue()
 
     def read() -> None:
         assert proc.stdout is not None
@@ -249,7 +249,7 @@ def launch_groups(
     launch_id = new_launch_id()
     output = Output(out, err, config.nnodes or config.nproc, unit="g")
     spec = config.link_spec()
-    events: queue.SimpleQueue = queue.SimpleQueue()
+    events: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
     with contextlib.ExitStack() as stack:
         stack.enter_context(forward_signals(events))
         net: EmulatedNetwork | None = None
@@ -330,7 +330,7 @@ class _GroupRun:
         net: EmulatedNetwork | None,
         lighthouse: str,
         launch_id: str,
-        events: queue.SimpleQueue,
+        events: queue.SimpleQueue[tuple[Any, ...]],
         output: Output,
         deadline: float | None,
     ) -> None:

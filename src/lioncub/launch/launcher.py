@@ -88,7 +88,7 @@ def _launch_ranks(
     """:func:`launch` for ``config.nproc`` ranks, each its own node: behind its own link, or on loopback."""
     output = Output(out, err, config.nproc)
     spec = config.link_spec()
-    events: queue.SimpleQueue = queue.SimpleQueue()
+    events: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
     traffic: list[RankTraffic] | None = None
     with contextlib.ExitStack() as stack:
         stack.enter_context(forward_signals(events))
@@ -119,7 +119,7 @@ def _run_ranks(
     net: EmulatedNetwork | None,
     master: tuple[str, int],
     launch_id: str,
-    events: queue.SimpleQueue,
+    events: queue.SimpleQueue[tuple[Any, ...]],
     output: Output,
     deadline: float | None,
 ) -> tuple[Attempt, int]:
@@ -295,7 +295,7 @@ def _launch_nodes(
     spec, intra = config.link_spec(), config.intra_link_spec()
     assert spec is not None
     output = Output(out, err, m, unit="n")
-    events: queue.SimpleQueue = queue.SimpleQueue()
+    events: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
     reports = [TorchrunReport() for _ in range(m)]
     with contextlib.ExitStack() as stack:
         stack.enter_context(forward_signals(events))

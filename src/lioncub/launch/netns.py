@@ -45,6 +45,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from lioncub import env
 
@@ -265,7 +266,7 @@ def _pid_start(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[19])
 
 
-def _owner_alive(state: dict) -> bool:
+def _owner_alive(state: dict[str, Any]) -> bool:
     pid = state.get("pid")
     if not isinstance(pid, int):
         return False
@@ -307,7 +308,7 @@ def cleanup(all_launches: bool = False) -> CleanupReport:
     """
     report = CleanupReport()
     directory = state_dir()
-    states: dict[str, tuple[Path, dict]] = {}
+    states: dict[str, tuple[Path, dict[str, Any]]] = {}
     for path in sorted(directory.glob(f"{PREFIX}*.json")) if directory.is_dir() else []:
         try:
             states[path.stem] = (path, json.loads(path.read_text()))

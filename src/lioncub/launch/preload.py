@@ -137,7 +137,9 @@ def receive(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
     return (json.loads(data) if data else None), fds
 
 
-def _key(executable: str, cwd: str, modules: Sequence[str], env: Mapping[str, str]) -> tuple:
+def _key(
+    executable: str, cwd: str, modules: Sequence[str], env: Mapping[str, str]
+) -> tuple[str, str, tuple[str, ...], tuple[tuple[str, str], ...]]:
     """What makes two zygotes the same: the interpreter, directory, modules and environment."""
     return executable, os.path.realpath(cwd), tuple(modules), tuple(sorted(env.items()))
 

@@ -183,7 +183,7 @@ class Supervisor:
 
     def __init__(
         self,
-        events: queue.SimpleQueue,
+        events: queue.SimpleQueue[tuple[Any, ...]],
         output: Output,
         grace_s: float,
         reports: list[TorchrunReport] | None = None,
@@ -365,7 +365,7 @@ class Supervisor:
 
 
 @contextlib.contextmanager
-def forward_signals(events: queue.SimpleQueue) -> Iterator[None]:
+def forward_signals(events: queue.SimpleQueue[tuple[Any, ...]]) -> Iterator[None]:
     """Turn SIGINT/SIGTERM/SIGHUP into events while the launch runs (main thread only)."""
     if threading.current_thread() is not threading.main_thread():
         yield

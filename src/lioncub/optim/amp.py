@@ -38,7 +38,8 @@ def agreement_device(optimizer: torch.optim.Optimizer, flags: list[torch.device]
     gradients)."""
     comm = getattr(optimizer, "comm", None)
     if comm is not None and getattr(comm, "device", None) is not None:
-        return comm.device
+        device: torch.device = comm.device
+        return device
     config = str(dist.get_backend_config(None))
     capability = getattr(dist.Backend, "backend_capability", {})
     if ":" not in config and config in capability:  # a bare name: the device types torch gives it

@@ -96,7 +96,7 @@ def count_gradient_allreduce(
     bytes of every bucket are counted; returns the counter. Call once per DDP instance."""
     if not isinstance(model, DistributedDataParallel):
         raise TypeError(f"expected a DistributedDataParallel model, got {type(model).__name__}")
-    hooks: dict[torch.dtype, Callable] = {
+    hooks: dict[torch.dtype, Callable[..., torch.futures.Future[torch.Tensor]]] = {
         torch.float32: default_hooks.allreduce_hook,
         torch.bfloat16: default_hooks.bf16_compress_hook,
         torch.float16: default_hooks.fp16_compress_hook,

@@ -171,7 +171,8 @@ class OptimizerState:
         state = self._optimizer.state[p]
         if "exp_avg" not in state:
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return state["exp_avg"]
+        momentum: torch.Tensor = state["exp_avg"]
+        return momentum
 
     def hyper(self, p: torch.Tensor) -> Hyper:
         group = self.group(p)

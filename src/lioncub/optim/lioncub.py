@@ -340,7 +340,7 @@ class LionCub(LeanOptimizer):
         return sd
 
     def _own_state_dict(self) -> dict[str, Any]:
-        sd = super().state_dict()
+        sd: dict[str, Any] = super().state_dict()
         sd["lioncub"] = state_meta(self._owner(), self._global_step, self._engines()[-1].vote)
         self.policy.save(sd)
         return sd

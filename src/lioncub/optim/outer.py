@@ -78,7 +78,8 @@ class OuterState:
         state = self._state[p]
         if self._key not in state:
             state[self._key] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return state[self._key]
+        momentum: torch.Tensor = state[self._key]
+        return momentum
 
     def hyper(self, p: torch.Tensor) -> Hyper:
         lr = self._lr_scale * float(self._group(p)["lr"])

@@ -96,7 +96,7 @@ def consolidated_entry(meta: dict[str, Any], sd: dict[str, Any], comm: Comm, all
             f"this job has world_size={comm.world_size}; per-rank momenta do not carry over "
             "(pass allow_world_size_change=True to accept)"
         )
-    entry = ranks[comm.rank % len(ranks)]
+    entry: dict[str, Any] | None = ranks[comm.rank % len(ranks)]
     if entry is None:  # the gathering rank's own state: this dict's top level
         entry = {**sd, "lioncub": {k: v for k, v in meta.items() if k != "ranks"}}
     return entry

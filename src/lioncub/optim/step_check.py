@@ -9,6 +9,7 @@ import warnings
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -204,7 +205,7 @@ def _raise_on_disagreement(
         )
 
 
-def step_settings(grad_scale: torch.Tensor | None, param_groups: Sequence[dict]) -> str:
+def step_settings(grad_scale: torch.Tensor | None, param_groups: Sequence[dict[str, Any]]) -> str:
     """What a step applies, as text every rank compares: the gradient scale it was handed (a GradScaler's)
     and each param group's ``lr``, ``betas``, ``weight_decay`` and ``maximize``, as applied now."""
     scale = "none" if grad_scale is None else repr(float(grad_scale))

@@ -27,6 +27,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -61,7 +62,7 @@ def find_io_parameters(model: nn.Module) -> list[str]:
 def select_parameters(
     spec: str | Sequence[str],
     named: Iterable[tuple[str, torch.Tensor]],
-    groups: Sequence[dict],
+    groups: Sequence[dict[str, Any]],
     model: nn.Module | None,
 ) -> list[tuple[str, torch.Tensor]]:
     """The (name, parameter) pairs whose momenta ``spec`` selects (see the module docstring)."""

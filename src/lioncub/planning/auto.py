@@ -30,7 +30,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lioncub import env
 from lioncub._validate import is_int, is_number
@@ -60,7 +60,7 @@ _log = logging.getLogger("lioncub")
 AUTO_ENV = "LIONCUB_CALIBRATION"
 DEFAULT_LATENCY_S = 50e-6
 
-NetworkSpec = str | os.PathLike | Calibration | Network | None
+NetworkSpec = str | os.PathLike[str] | Calibration | Network | None
 
 
 @dataclass(frozen=True)
@@ -191,7 +191,7 @@ def choose_local_steps(
 
 
 def auto_variant(
-    params: Iterable[torch.Tensor] | Iterable[dict],
+    params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
     *,
     process_group: dist.ProcessGroup | None = None,
     network: NetworkSpec = None,
@@ -304,7 +304,7 @@ def _node_layout(nnodes: int | None, nproc_per_node: int | None) -> tuple[int, i
 
 
 def auto_topology(
-    params: Iterable[torch.Tensor] | Iterable[dict],
+    params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
     variant: str,
     *,
     network: NetworkSpec = None,

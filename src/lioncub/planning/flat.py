@@ -209,7 +209,8 @@ class Step(NamedTuple):
 
     def total(self, attr: str) -> float:
         """``attr`` (bytes) summed over the step, each item times its count."""
-        return sum(c.count * getattr(c, attr) for c in self.items)
+        total: float = sum(c.count * getattr(c, attr) for c in self.items)
+        return total
 
 
 def buckets(d: int, bucket_numel: int | None) -> list[tuple[int, int]]:

@@ -23,7 +23,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
 
-from lioncub.ops import kernels, packing, quantize
+from lioncub.ops import abs_sums, kernels, packing, quantize, triton_launch
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 LENGTHS = (0, 1, 5, 7, 8, 13, 1031)
@@ -241,18 +241,18 @@ def hypothesis_case() -> None:
 
 
 def _device_pass1() -> Any:
-    """Pass 1 as off the CPU (``normalizers._on_host`` False): the reference sums of each tensor and the
-    fused quantizer's per-bucket sums both run :func:`kernels.l1_abs_sums`' Triton kernels."""
+    """Pass 1 as off the CPU (``normalizers.on_host`` False): the reference sums of each tensor and the
+    fused quantizer's per-bucket sums both run :func:`abs_sums.l1_abs_sums`' Triton kernels."""
     from lioncub.ops import normalizers
 
     @contextlib.contextmanager
     def patched() -> Iterator[None]:
-        on_host = normalizers._on_host
-        normalizers._on_host = lambda t: False
+        on_host = normalizers.on_host
+        normalizers.on_host = lambda t: False
         try:
             yield
         finally:
-            normalizers._on_host = on_host
+            normalizers.on_host = on_host
 
     return patched()
 
@@ -296,14 +296,14 @@ def pass1_bucket_case() -> None:
                     same(a, b, f"levels {dtype} {segments} chunk={chunk} levels={levels}")
         grid = torch.randint(-255, 256, (3, 70_000), generator=gen).float() / 64  # sums exact in float32
         exact = grid.double().abs().sum(dim=1)
-        same(kernels.l1_abs_sums(grid), exact, "exact sums")
+        same(abs_sums.l1_abs_sums(grid), exact, "exact sums")
         wild = torch.randn(2, 20_000, generator=gen) * 10.0 ** torch.randint(
             -20, 20, (2, 20_000), generator=gen
         )
-        for row, got in zip(wild, kernels.l1_abs_sums(wild).tolist(), strict=True):
+        for row, got in zip(wild, abs_sums.l1_abs_sums(wild).tolist(), strict=True):
             want = math.fsum(abs(v) for v in row.double().tolist())
             assert abs(got - want) <= 1e-13 * want, (got, want)
-        assert kernels.l1_abs_sums(torch.zeros(4, 0)).tolist() == [0.0] * 4
+        assert abs_sums.l1_abs_sums(torch.zeros(4, 0)).tolist() == [0.0] * 4
 
 
 def multi_tensor_case() -> None:
@@ -426,10 +426,10 @@ def _vote_step(tensors: int, counts: _Counts) -> tuple[dict[str, tuple[int, int]
     vote = QuantizedVote(Comm.single(), "l1", 8)
     local = torch.empty(4096)
     phases: dict[str, tuple[int, int]] = {}
-    tables = getattr(kernels, "_TABLES", None)
+    tables = triton_launch.TABLES
     uploads = 0
     for _ in range(2):
-        uploads = tables.uploads if tables is not None else 0
+        uploads = tables.uploads
         ballot = Ballot(key="bucket", params=params, backend=kernels.STEP_BACKENDS["triton"], local=local)
         for phase in ("contribution", "levels", "apply"):
             counts.triton, counts.aten = 0, {}
@@ -441,7 +441,7 @@ def _vote_step(tensors: int, counts: _Counts) -> tuple[dict[str, tuple[int, int]
                 else:
                     vote.apply(ballot, state)
             phases[phase] = (counts.triton, sum(counts.aten.values()))
-    return phases, (tables.uploads - uploads if tables is not None else -1)
+    return phases, tables.uploads - uploads
 
 
 def launch_counts_case() -> dict:

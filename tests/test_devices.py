@@ -390,7 +390,7 @@ def test_the_l1_divisors_of_a_gpu_step_read_nothing_on_the_host(monkeypatch: pyt
     exact = [60_000, 5, 0, 1_000]  # sums below 2^18 of multiples of 2^-6: exact in float32
     host_divisors = kernels._l1_divisors(x[:61_005], 127, 2.0, None, exact)
     host_levels = quantize.quantize_l1(x[:60_000], 127)
-    monkeypatch.setattr(normalizers, "_on_host", lambda t: False)  # what a CUDA tensor takes
+    monkeypatch.setattr(normalizers, "on_host", lambda t: False)  # what a CUDA tensor takes
     for chunk in (None, 4096):
         kernels._l1_divisors(x, 127, 2.0, chunk, segments)  # builds the layout's device tables
         with gpu_path.HostReads() as reads:

@@ -42,7 +42,7 @@ def off_the_cpu() -> Iterator[None]:
     float64 rounded to the work dtype without reading it on the host."""
     with (
         mock.patch.object(Q, "_reads_free", lambda t: False),
-        mock.patch.object(normalizers, "_on_host", lambda t: False),
+        mock.patch.object(normalizers, "on_host", lambda t: False),
     ):
         yield
 

@@ -14,7 +14,7 @@ import torch
 
 import background
 from kernel_steps import worker_lioncub_kernels
-from lioncub.ops import kernels, native, packing, quantize
+from lioncub.ops import kernels, native, packing, quantize, triton_launch
 from lioncub.optim.lion import apply_update_, update_momentum_
 
 from processes import python_cmd
@@ -163,7 +163,7 @@ def test_l1_divisors_is_pass_one_of_quantize():
 def test_auto_backend_for_cpu_tensors_without_the_interpreter():
     x = torch.zeros(8)
     cpu = "cpu" if native.available() else "torch"  # the C kernels where they compiled
-    want = "triton" if (kernels.HAVE_TRITON and kernels.interpreting()) else cpu
+    want = "triton" if (kernels.HAVE_TRITON and triton_launch.interpreting()) else cpu
     assert kernels.backend_for(x) == want
     assert kernels.backend_for(x, backend="torch") == "torch"
     assert kernels.backend_for(x.double()) == cpu  # float64 is not a Triton kernel dtype, a C one

@@ -1,9 +1,10 @@
-"""How lioncub.ops.kernels launches its Triton kernels, checked on the CPU (no GPU here): every launch runs
-under its tensors' CUDA device (the kernels replaced by recorders), the device tables of a layout are made
-once however many layouts a run has, the majority kernel's programs take kilobytes, and the launches of a
-vote step per bucket do not grow with the bucket's tensors (issue 44, findings 1, 4, 5 and 9). The
-per-bucket kernels run in Triton's interpreter in a subprocess (tests/kernels_interp.py's cases
-``pass1_bucket``, ``multi_tensor`` and ``launch_counts``), as a background job (tests/background.py)."""
+"""How lioncub.ops.kernels and lioncub.ops.abs_sums launch their Triton kernels (lioncub.ops.triton_launch),
+checked on the CPU (no GPU here): every launch runs under its tensors' CUDA device (the kernels replaced by
+recorders), the device tables of a layout are made once however many layouts a run has, the majority
+kernel's programs take kilobytes, and the launches of a vote step per bucket do not grow with the bucket's
+tensors (issue 44, findings 1, 4, 5 and 9). The per-bucket kernels run in Triton's interpreter in a
+subprocess (tests/kernels_interp.py's cases ``pass1_bucket``, ``multi_tensor`` and ``launch_counts``), as a
+background job (tests/background.py)."""
 
 from __future__ import annotations
 
@@ -21,12 +22,13 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import background
-from lioncub.ops import kernels
+from lioncub.ops import abs_sums, kernels, normalizers, triton_launch
 
 from processes import python_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNELS = ROOT / "src" / "lioncub" / "ops" / "kernels.py"
+#: the modules that launch Triton kernels, and the fewest launches each holds
+LAUNCHING = {"kernels.py": 5, "abs_sums.py": 2}  # quantize, majority, apply, per bucket 2; the 2 stages
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 LAUNCH_CASES = ["pass1_bucket", "multi_tensor", "launch_counts"]
 
@@ -63,21 +65,25 @@ def interpreted() -> dict[str, dict]:
 # ----------------------------------------------------------------------------- finding 1: the device guard
 
 
+def _is_launch(node: ast.AST) -> bool:
+    """Whether ``node`` is ``triton_launch.triton_module().KERNEL[grid]`` (a launch, when called)."""
+    return (
+        isinstance(node, ast.Subscript)
+        and isinstance(node.value, ast.Attribute)
+        and isinstance(node.value.value, ast.Call)
+        and ast.unparse(node.value.value.func) == "triton_launch.triton_module"
+    )
+
+
 def _launches_outside_the_guard(tree: ast.Module) -> list[int]:
-    """Lines of ``_triton().KERNEL[grid](...)`` launches not inside a ``with _on_device(...)`` block."""
+    """Lines of launches not inside a ``with triton_launch.on_device(...)`` block."""
     parents: dict[int, ast.AST] = {}
     for node in ast.walk(tree):
         for child in ast.iter_child_nodes(node):
             parents[id(child)] = node
     bad = []
     for node in ast.walk(tree):
-        if not (
-            isinstance(node, ast.Subscript)
-            and isinstance(node.value, ast.Attribute)
-            and isinstance(node.value.value, ast.Call)
-            and isinstance(node.value.value.func, ast.Name)
-            and node.value.value.func.id == "_triton"
-        ):
+        if not _is_launch(node):
             continue
         up: ast.AST | None = node
         guarded = False
@@ -86,7 +92,7 @@ def _launches_outside_the_guard(tree: ast.Module) -> list[int]:
             if isinstance(up, ast.With):
                 guarded = any(
                     isinstance(item.context_expr, ast.Call)
-                    and getattr(item.context_expr.func, "id", "") == "_on_device"
+                    and ast.unparse(item.context_expr.func) == "triton_launch.on_device"
                     for item in up.items
                 )
         if not guarded:
@@ -95,16 +101,24 @@ def _launches_outside_the_guard(tree: ast.Module) -> list[int]:
 
 
 def test_every_triton_launch_sits_inside_the_device_guard() -> None:
-    tree = ast.parse(KERNELS.read_text())
-    launches = [
-        n for n in ast.walk(tree) if isinstance(n, ast.Subscript) and "_triton()" in ast.unparse(n.value)
+    """In every module that launches a Triton kernel; no other module of ``ops/`` names the kernels'
+    module (``triton_module()``) but :mod:`lioncub.ops.triton_launch`, which defines it."""
+    ops = ROOT / "src" / "lioncub" / "ops"
+    for name, fewest in LAUNCHING.items():
+        tree = ast.parse((ops / name).read_text())
+        launches = [n for n in ast.walk(tree) if _is_launch(n)]
+        assert len(launches) >= fewest, name
+        assert _launches_outside_the_guard(tree) == [], name
+    others = [
+        p.name
+        for p in ops.glob("*.py")
+        if p.name not in (*LAUNCHING, "triton_launch.py") and "triton_module()" in p.read_text()
     ]
-    assert len(launches) >= 3  # quantize, majority, apply (and the per-bucket kernels)
-    assert _launches_outside_the_guard(tree) == []
+    assert others == []
 
 
 def test_the_guard_makes_a_cuda_tensors_device_current(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``_on_device`` enters ``torch.cuda.device`` of the tensors' device (faked: no GPU here), and nothing
+    """``on_device`` enters ``torch.cuda.device`` of the tensors' device (faked: no GPU here), and nothing
     for a CPU tensor."""
     entered: list[torch.device] = []
 
@@ -114,9 +128,9 @@ def test_the_guard_makes_a_cuda_tensors_device_current(monkeypatch: pytest.Monke
         yield
 
     monkeypatch.setattr(torch.cuda, "device", device)
-    with kernels._on_device(torch.device("cuda", 3)):
+    with triton_launch.on_device(torch.device("cuda", 3)):
         pass
-    with kernels._on_device(torch.zeros(2)):
+    with triton_launch.on_device(torch.zeros(2)):
         pass
     assert entered == [torch.device("cuda", 3)]
 
@@ -156,8 +170,8 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> _Recorder:
     """Triton 'takes' CPU tensors (as its interpreter does), its kernels record, and the device guard records
     the device it enters."""
     rec = _Recorder()
-    monkeypatch.setattr(kernels, "_triton", lambda: rec)
-    monkeypatch.setattr(kernels, "interpreting", lambda: True)
+    monkeypatch.setattr(triton_launch, "triton_module", lambda: rec)
+    monkeypatch.setattr(triton_launch, "interpreting", lambda: True)
 
     @contextlib.contextmanager
     def guard(t: torch.Tensor | torch.device) -> Iterator[None]:
@@ -167,7 +181,7 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> _Recorder:
         finally:
             rec.current.pop()
 
-    monkeypatch.setattr(kernels, "_on_device", guard)
+    monkeypatch.setattr(triton_launch, "on_device", guard)
     return rec
 
 
@@ -177,13 +191,11 @@ def test_every_triton_launch_path_enters_its_tensors_device(
     """quantize (pass 1 per bucket and per tensor, pass 2), majority, apply (per tensor and per bucket) and
     the per-bucket contribution: each launch happens inside the guard, entered with the device of the
     tensors it launches on."""
-    from lioncub.ops import normalizers
-
     x = torch.randn(300)
     kernels.quantize_l1(x, 63, segments=[100, 0, 200], chunk_size=64, backend="triton")
-    monkeypatch.setattr(normalizers, "_on_host", lambda t: False)  # pass 1 as off the CPU: Triton's
+    monkeypatch.setattr(normalizers, "on_host", lambda t: False)  # pass 1 as off the CPU: Triton's
     kernels.quantize_l1(x, 63, segments=[100, 0, 200], chunk_size=64, backend="triton")
-    kernels.l1_abs_sums(x.view(3, 100))
+    abs_sums.l1_abs_sums(x.view(3, 100))
     kernels.majority_pack(torch.zeros(3, 9, dtype=torch.uint8), True, backend="triton")
     p, m, g = torch.randn(10), torch.randn(10), torch.randn(10)
     votes = torch.ones(10, dtype=torch.int8)
@@ -275,7 +287,7 @@ def test_the_tables_of_300_layouts_are_uploaded_once() -> None:
 
 
 def test_the_table_cache_drops_the_least_recently_used_one_at_a_time() -> None:
-    tables = kernels._DeviceTables(3)
+    tables = triton_launch.DeviceTables(3)
     cpu = torch.device("cpu")
     for key in "abc":
         tables.get(key, [1], torch.int64, cpu)
@@ -290,8 +302,8 @@ def test_the_table_cache_drops_the_least_recently_used_one_at_a_time() -> None:
 
 
 def test_a_layouts_tables_are_rebuilt_when_one_of_them_was_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
-    tables = kernels._DeviceTables(2)  # room for two entries: the counts and one of the two tables
-    monkeypatch.setattr(kernels, "_TABLES", tables)
+    tables = triton_launch.DeviceTables(2)  # room for two entries: the counts and one of the two tables
+    monkeypatch.setattr(triton_launch, "TABLES", tables)
     cpu = torch.device("cpu")
     built: list[int] = []
 
@@ -299,8 +311,8 @@ def test_a_layouts_tables_are_rebuilt_when_one_of_them_was_dropped(monkeypatch: 
         built.append(1)
         return [0, 5000], [5000, 3], [0, 1]
 
-    want = kernels._group_tables(cpu, "k", layout)
-    got = kernels._group_tables(cpu, "k", layout)
+    want = abs_sums.group_tables(cpu, "k", layout)
+    got = abs_sums.group_tables(cpu, "k", layout)
     assert len(built) == 2  # a table was dropped: all rebuilt from the layout, not from nothing
     assert got[2:] == want[2:] == (3, 2)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -339,8 +351,10 @@ def test_a_table_copied_on_one_stream_is_waited_for_on_another(monkeypatch: pyte
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(streams["now"]))
     monkeypatch.setattr(torch.cuda, "device", device)
-    monkeypatch.setattr(kernels, "_upload", lambda values, dtype, device: torch.tensor(values, dtype=dtype))
-    tables = kernels._DeviceTables(8)
+    monkeypatch.setattr(
+        triton_launch, "_upload", lambda values, dtype, device: torch.tensor(values, dtype=dtype)
+    )
+    tables = triton_launch.DeviceTables(8)
     gpu = torch.device("cuda", 1)
     tables.get("k", [1, 2], torch.int64, gpu)
     tables.get("k", [1, 2], torch.int64, gpu)  # the same stream: ordered after the copy

@@ -379,7 +379,7 @@ def test_the_quantizers_off_the_cpu_read_nothing_on_the_host(dtype: torch.dtype,
 
     x = torch.randn(1000, generator=torch.Generator().manual_seed(3)).to(dtype)
     x[7] = float("nan")
-    monkeypatch.setattr(normalizers, "_on_host", lambda t: False)
+    monkeypatch.setattr(normalizers, "on_host", lambda t: False)
     monkeypatch.setattr(Q, "_reads_free", lambda t: False)
     for chunk in (None, 64):
         with HostReads() as reads:
@@ -397,7 +397,7 @@ def test_the_float64_sums_off_the_cpu_copy_pieces_not_the_input(monkeypatch) -> 
 
     from lioncub.ops import normalizers
 
-    monkeypatch.setattr(normalizers, "_on_host", lambda t: False)
+    monkeypatch.setattr(normalizers, "on_host", lambda t: False)
     monkeypatch.setattr(normalizers, "DEVICE_PIECE", 1000)
     gen = torch.Generator().manual_seed(4)
     for shape in ((1, 10_000), (40, 250), (3, 2_500)):

@@ -15,11 +15,11 @@ arithmetic below (float64 as float32, with double scalars).
   ``mean |c|`` of each tensor or chunk) runs the *same reduction* in both backends: a sum in another
   order could differ in the float64 scale's last bit, which moves levels that lie at a rounding boundary.
   On the CPU that is the reference's own per-tensor torch reduction; off the CPU the reference sums in
-  float64 with :func:`l1_abs_sums` (two Triton kernels whose order per tensor or chunk depends on its own
-  elements only), so the fused quantizer runs them once for the whole bucket (3 launches, not ~12 per
-  tensor). Pass 2 (divide by the normaliser, scale by ``s / k``, round half to even, clip,
-  NaN → 0, cast) is the fused kernel; it divides with ``tl.math.div_rn`` (IEEE round to nearest: Triton's
-  ``/`` on float32 compiles to an approximate division) and float64 ``/`` (IEEE).
+  float64 with :func:`lioncub.ops.abs_sums.l1_abs_sums` (two Triton kernels whose order per tensor or
+  chunk depends on its own elements only), so the fused quantizer runs them once for the whole bucket
+  (3 launches, not ~12 per tensor). Pass 2 (divide by the normaliser, scale by ``s / k``, round half to
+  even, clip, NaN → 0, cast) is the fused kernel; it divides with ``tl.math.div_rn`` (IEEE round to
+  nearest: Triton's ``/`` on float32 compiles to an approximate division) and float64 ``/`` (IEEE).
 * :func:`majority_pack` — the middle step of the 1-bit vote: unpack the N received rows, count the "+"
   votes per bit, apply the tie rule and repack (:func:`lioncub.ops.packing.count_votes` followed by
   :func:`lioncub.ops.packing.pack_majority`).
@@ -28,8 +28,8 @@ arithmetic below (float64 as float32, with double scalars).
   :func:`lion_directions_` a bucket's contribution ``β1·m + (1−β1)·g`` in one launch (Triton reads each
   tensor's address from a pointer table).
 
-Every Triton launch runs under its tensors' CUDA device (:func:`_on_device`); host tables are copied to
-the device once per layout (:class:`_DeviceTables`).
+Every Triton launch runs under its tensors' CUDA device (:func:`lioncub.ops.triton_launch.on_device`); host
+tables are copied to the device once per layout (:class:`lioncub.ops.triton_launch.DeviceTables`).
 
 Arithmetic, so that both backends round identically:
 
@@ -57,28 +57,23 @@ Arithmetic, so that both backends round identically:
 
 The Triton kernels take contiguous float32, bfloat16 and float16 tensors (float64 and other dtypes go to
 the torch backend under ``"auto"``, and raise under ``"triton"``). This module sits in the lowest layer:
-it imports torch, numpy, :mod:`lioncub.ops.native`, :mod:`lioncub.ops.packing` and
-:mod:`lioncub.ops.quantize`, and :mod:`lioncub.ops.triton_kernels` (Triton) only when a tensor is on
-Triton's device.
+it imports torch, :mod:`lioncub.ops.native`, :mod:`lioncub.ops.packing`, :mod:`lioncub.ops.quantize`,
+:mod:`lioncub.ops.normalizers`, :mod:`lioncub.ops.abs_sums` (pass 1's float64 sums on Triton's device) and
+:mod:`lioncub.ops.triton_launch` (how a Triton kernel is launched: Triton itself is imported only when a
+tensor is on its device).
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import math
-import os
 import struct
-import threading
-from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any, Literal
 
 import torch
 
-from lioncub.ops import native, normalizers, packing, quantize
+from lioncub.ops import abs_sums, native, normalizers, packing, quantize, triton_launch
 
 __all__ = [  # and, imported when first asked, HAVE_TRITON, TRITON_ERROR and triton (module __getattr__)
     "STEP_BACKENDS",
@@ -87,9 +82,6 @@ __all__ = [  # and, imported when first asked, HAVE_TRITON, TRITON_ERROR and tri
     "apply_votes_",
     "apply_votes_multi_",
     "backend_for",
-    "interpreting",
-    "l1_abs_sums",
-    "l1_sums_backend",
     "lion_directions_",
     "majority_pack",
     "quantize_l1",
@@ -100,74 +92,23 @@ __all__ = [  # and, imported when first asked, HAVE_TRITON, TRITON_ERROR and tri
 Backend = Literal["auto", "triton", "cpu", "torch"]
 BACKENDS = ("auto", "triton", "cpu", "torch")
 
-_TRITON_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_KIND_F32, _KIND_BF16, _KIND_F16 = 0, 1, 2
 _MAX_LEVELS = 1 << 22  # the magic-number rint is exact up to 2^22
-
-
-def interpreting() -> bool:
-    """Whether Triton runs its interpreter (``TRITON_INTERPRET=1``, read when Triton is imported)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _triton() -> ModuleType:
-    """:mod:`lioncub.ops.triton_kernels`, imported on first use (importing Triton costs ~0.2 s per process,
-    which a run on CPU tensors never needs)."""
-    return importlib.import_module("lioncub.ops.triton_kernels")
 
 
 def __getattr__(name: str) -> Any:
     """``HAVE_TRITON``, ``TRITON_ERROR`` and ``triton``: from :mod:`lioncub.ops.triton_kernels`, imported
     when first asked."""
     if name in ("HAVE_TRITON", "TRITON_ERROR", "triton"):
-        return getattr(_triton(), name)
+        return getattr(triton_launch.triton_module(), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _triton_device_ok(tensors: Sequence[torch.Tensor]) -> str:
-    """Why Triton cannot run these tensors ("" if it can); Triton is imported only for tensors on its
-    device."""
-    want = "cpu" if interpreting() else "cuda"
-    for t in tensors:
-        if t.device.type != want:
-            mode = (
-                "under TRITON_INTERPRET=1 the interpreter takes CPU tensors"
-                if want == "cpu"
-                else ("compiled Triton takes CUDA tensors (set TRITON_INTERPRET=1 for CPU tensors)")
-            )
-            return f"a {t.device.type} tensor: {mode}"
-    if not _triton().HAVE_TRITON:
-        return f"triton is not importable ({_triton().TRITON_ERROR})"
-    return ""
-
-
-def _subclass(tensors: Sequence[torch.Tensor]) -> str:
-    """A tensor subclass among ``tensors`` (a DTensor, ...: its data is not behind its pointer), or ""."""
-    odd = [t for t in tensors if type(t) not in (torch.Tensor, torch.nn.Parameter)]
-    return f"a {type(odd[0]).__name__} (a tensor subclass)" if odd else ""
-
-
-def _why_not(tensors: Sequence[torch.Tensor], floats: Sequence[torch.Tensor]) -> str:
-    why = _subclass(tensors) or _triton_device_ok(tensors)
-    if why:
-        return why
-    for t in tensors:
-        if not t.is_contiguous():
-            return "a non-contiguous tensor"
-    for t in floats:
-        if t.dtype not in _TRITON_DTYPES:
-            return f"dtype {t.dtype} (the Triton kernels take float32, bfloat16 and float16)"
-    if floats and len({t.dtype for t in floats}) > 1:
-        return f"mixed dtypes {sorted(str(t.dtype) for t in floats)}"
-    return ""
 
 
 def _why_not_cpu(tensors: Sequence[torch.Tensor], floats: Sequence[torch.Tensor]) -> str:
     """Why the C kernels cannot run these tensors ("" if they can)."""
     if not native.available():
         return f"the fused CPU kernels are unavailable ({native.reason()})"
-    if _subclass(tensors):
-        return _subclass(tensors)
+    if triton_launch.tensor_subclass(tensors):
+        return triton_launch.tensor_subclass(tensors)
     for t in tensors:
         if t.device.type != "cpu":
             return f"a {t.device.type} tensor: the C kernels take CPU tensors"
@@ -191,7 +132,7 @@ def _resolve(backend: str, tensors: Sequence[torch.Tensor], floats: Sequence[tor
         if why:
             raise RuntimeError(f"backend='cpu' cannot run this call: {why}")
         return "cpu"
-    why = _why_not(tensors, floats)
+    why = triton_launch.why_not_triton(tensors, floats)
     if not why:
         return "triton"
     if backend == "triton":
@@ -250,7 +191,7 @@ def step_backend_for(*tensors: torch.Tensor | None) -> str:
     if any(t.layout != torch.strided for t in present):
         return "torch"
     floats = [t for t in present if t.dtype.is_floating_point]
-    if not _why_not(present, floats):
+    if not triton_launch.why_not_triton(present, floats):
         return "triton"
     if not floats or floats[0].dtype not in STEP_DTYPES:
         return "torch"
@@ -265,25 +206,7 @@ def _f32(x: float) -> float:
 
 
 def _emulate(emulate_fma: bool | None) -> bool:
-    return interpreting() if emulate_fma is None else bool(emulate_fma)
-
-
-def _launch_options() -> dict:
-    return {} if interpreting() else {"enable_fp_fusion": False}
-
-
-def _on_device(t: torch.Tensor | torch.device) -> contextlib.AbstractContextManager:
-    """The context every Triton launch (and upload) of this module runs in: ``torch.cuda.device`` of the
-    tensors' device for a CUDA tensor, nothing otherwise. Triton launches on the *current* CUDA device
-    (and its current stream), not on its arguments' device: a rank that moved its model to ``cuda:K``
-    without ``torch.cuda.set_device(K)`` would launch on ``cuda:0`` with pointers of ``cuda:K``."""
-    device = t if isinstance(t, torch.device) else t.device
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    """The storage Triton reads: bfloat16 as its int16 bits (the kernels convert those themselves)."""
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+    return triton_launch.interpreting() if emulate_fma is None else bool(emulate_fma)
 
 
 # ------------------------------------------------------------------------------------ torch reference
@@ -347,10 +270,10 @@ def _l1_divisors(
     (int64, int32: made on the device once per layout, not copied from the host at every call).
 
     On the CPU per segment (:func:`lioncub.ops.quantize.l1_divisors`, whose sums may branch on the host);
-    where the reference sums in float64 with :func:`l1_abs_sums` (Triton's device) in 3 launches for the
-    whole bucket (:func:`_l1_divisors_bucket`): a group's sum there depends on its own elements only, so
-    the bits are those of the reference run per segment."""
-    if not normalizers._on_host(x) and l1_sums_backend(x) == "triton":
+    where the reference sums in float64 with :func:`lioncub.ops.abs_sums.l1_abs_sums` (Triton's device) in
+    3 launches for the whole bucket (:func:`_l1_divisors_bucket`): a group's sum there depends on its own
+    elements only, so the bits are those of the reference run per segment."""
+    if not normalizers.on_host(x) and abs_sums.l1_sums_backend(x) == "triton":
         return _l1_divisors_bucket(x, chunk_size, tuple(segments))
     divisors, wide = [], []
     pos = 0
@@ -363,7 +286,7 @@ def _l1_divisors(
             divisors.append(d64)
             wide.append(work.reshape(1))
         else:
-            wide.append(_device_constant("false", device, (), [False], torch.bool))
+            wide.append(triton_launch.device_constant("false", device, (), [False], torch.bool))
         pos += length
     divisor = torch.cat(divisors) if divisors else torch.ones(1, dtype=torch.float64, device=device)
     wide_t = torch.cat(wide).to(torch.int8) if wide else torch.zeros(1, dtype=torch.int8, device=device)
@@ -371,104 +294,11 @@ def _l1_divisors(
     return divisor, wide_t, starts, bases
 
 
-# Pass 1 in float64 on Triton's device: stage 1 sums |x| over tiles of at most _TILE elements laid out from
-# each group's start (one program per tile, _TILE_BLOCK lanes); stage 2 adds each group's tiles (one program
-# per group). Both orders depend on a group's own elements only, never on the other groups of the launch.
-_TILE_BLOCK = 1024
-_TILE_BLOCKS = 4
-_TILE = _TILE_BLOCK * _TILE_BLOCKS
-_GROUP_BLOCK = 256  # lanes of stage 2 (a group of 1M elements: 256 partials, one pass)
-_TINY32 = float(torch.finfo(torch.float32).tiny)
-_MAX32 = float(torch.finfo(torch.float32).max)
-
-
-def l1_sums_backend(x: torch.Tensor) -> str:
-    """``"triton"`` where :func:`l1_abs_sums` runs ``x`` (Triton's device, float32/bfloat16/float16,
-    contiguous), else ``"torch"``."""
-    return "torch" if _why_not([x], [x]) else "triton"
-
-
-def _group_tables(
-    device: torch.device, key: Hashable, layout: Callable[[], tuple[Sequence[int], ...]]
-) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """(tiles int64 ``[T, 2]``: start, length; groups int64 ``[G, 4]``: first tile, end tile, length,
-    segment; T; G) on ``device``, made once per ``key`` from ``layout()``: the groups' starts, lengths
-    and segments."""
-    counts = _TABLES.peek(("tile counts", device, key))
-    if counts is not None:
-        tiles = _TABLES.peek(("tile table", device, key))
-        groups = _TABLES.peek(("group table", device, key))
-        if tiles is not None and groups is not None:
-            return tiles, groups, counts[0], counts[1]
-    starts, lengths, segs = layout()
-    start = torch.as_tensor(starts, dtype=torch.int64, device="cpu")
-    length = torch.as_tensor(lengths, dtype=torch.int64, device="cpu")
-    n_tiles = (length + _TILE - 1) // _TILE
-    end = torch.cumsum(n_tiles, 0)
-    first = end - n_tiles
-    owner = torch.repeat_interleave(torch.arange(len(lengths), device="cpu"), n_tiles)
-    k = torch.arange(int(end[-1]) if len(lengths) else 0, device="cpu") - first[owner]
-    tiles = torch.stack([start[owner] + k * _TILE, torch.clamp(length[owner] - k * _TILE, max=_TILE)], 1)
-    groups = torch.stack([first, end, length, torch.as_tensor(segs, dtype=torch.int64, device="cpu")], 1)
-    _TABLES.put(("tile counts", device, key), (tiles.shape[0], groups.shape[0]))
-    return (
-        _TABLES.get(("tile table", device, key), tiles.reshape(-1), torch.int64, device),
-        _TABLES.get(("group table", device, key), groups.reshape(-1), torch.int64, device),
-        tiles.shape[0],
-        groups.shape[0],
-    )
-
-
-def _run_l1_sums(
-    flat: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor, int, int], out: torch.Tensor,
-    wide: torch.Tensor | None,
-) -> None:  # fmt: skip
-    """Stages 1 and 2 over ``flat``: the sums (``wide`` None) or the divisors and ``wide`` into ``out``."""
-    tiles, groups, n_tiles, n_groups = tables
-    partial = torch.empty(max(n_tiles, 1), dtype=torch.float64, device=flat.device)
-    with _on_device(flat):
-        if n_tiles:
-            _triton().abs_sum_tiles_kernel[(n_tiles,)](
-                _raw(flat),
-                tiles,
-                partial,
-                BLOCK=_TILE_BLOCK,
-                TILE_BLOCKS=_TILE_BLOCKS,
-                KIND=_TRITON_DTYPES[flat.dtype],
-                **_launch_options(),
-            )
-        _triton().abs_sum_groups_kernel[(n_groups,)](
-            partial,
-            groups,
-            out,
-            out if wide is None else wide,
-            _TINY32,
-            _MAX32,
-            math.inf,
-            BLOCK=_GROUP_BLOCK,
-            FINISH=wide is not None,
-            **_launch_options(),
-        )
-
-
-def l1_abs_sums(rows: torch.Tensor) -> torch.Tensor:
-    """``Σ|x|`` of each row of ``rows`` (``[m, n]`` float32/bfloat16/float16 on Triton's device) in float64,
-    float64 ``[m]``, in 2 launches and without a float64 copy; a row's bits depend on its own elements
-    only (:func:`_l1_divisors_bucket` sums a bucket's groups in the same order)."""
-    m, n = rows.shape
-    flat = rows.reshape(-1)
-    out = torch.zeros(m, dtype=torch.float64, device=rows.device)
-    if m and n:
-        tables = _group_tables(rows.device, ("rows", m, n), lambda: (range(0, m * n, n), [n] * m, [0] * m))
-        _run_l1_sums(flat, tables, out, None)
-    return out
-
-
 def _l1_divisors_bucket(
     flat: torch.Tensor, chunk_size: int | None, segments: tuple[int, ...]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_l1_divisors` of a whole bucket in 3 launches (a zeroed flag per segment, the 2 stages of
-    :func:`l1_abs_sums` with the divisor computed in stage 2)."""
+    :func:`lioncub.ops.abs_sums.l1_abs_sums` with the divisor computed in stage 2)."""
     device = flat.device
     starts_t, bases_t = _segment_tables(device, segments, chunk_size)
 
@@ -483,122 +313,14 @@ def _l1_divisors_bucket(
             pos += length
         return g_start, g_len, g_seg
 
-    tables = _group_tables(device, ("segments", segments, chunk_size), layout)
+    tables = abs_sums.group_tables(device, ("segments", segments, chunk_size), layout)
     n_groups = tables[3]
     wide = torch.zeros(max(len(segments), 1), dtype=torch.int32, device=device)
     if not n_groups:
         return torch.ones(1, dtype=torch.float64, device=device), wide, starts_t, bases_t
     divisor = torch.empty(n_groups, dtype=torch.float64, device=device)
-    _run_l1_sums(flat, tables, divisor, wide)
+    abs_sums.run_l1_sums(flat, tables, divisor, wide)
     return divisor, wide, starts_t, bases_t
-
-
-class _DeviceTables:
-    """Device copies of host tables (segment starts, pointers, ...), kept per key in least-recently-used
-    order.
-
-    A copy from the host is a synchronization on a GPU (and a launch), and a bucket's tables are the same
-    at every step, so they are made once per layout. Why an LRU that drops one table at a time with a cap
-    far above any real count, rather than tables owned by the bucket: this module takes flat tensors and
-    segment lengths and never sees the optimizer's buckets (``optim/`` builds them), and a layout's key
-    identifies its tables as well as a bucket would. A step touches each of its layouts' tables (a few per
-    bucket), so with ``cap`` above the tables of all buckets (overlap's second layout included) none is
-    ever dropped and re-uploaded; beyond it, LRU order drops the tables not touched for longest (e.g. the
-    layouts of a model that is gone, or gradients' addresses of earlier steps) — a wholesale clear at a
-    fixed size (what this replaced, at 256 entries) re-uploaded every table of every step past ~127
-    buckets. The tables are small (8 bytes per tensor or per 4096 elements), so the cap bounds memory at
-    a few MB for typical layouts.
-
-    On a GPU a table is copied from pinned memory without blocking the host, on the current stream; a
-    launch on another stream before that copy is known to be done first makes its stream wait for it."""
-
-    def __init__(self, cap: int) -> None:
-        self.cap = cap
-        self.uploads = 0  #: tables copied from the host so far (tests count them)
-        self._tables: OrderedDict[Hashable, Any] = OrderedDict()
-        self._copying: dict[Hashable, tuple[Any, Any]] = {}  # key: (CUDA event, stream) of its copy
-        self._lock = threading.RLock()  # the overlap hook's vote thread launches kernels too
-
-    def __len__(self) -> int:
-        return len(self._tables)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._tables.clear()
-            self._copying.clear()
-
-    def peek(self, key: Hashable) -> Any:
-        """The entry of ``key`` (made most recent; a device table: ready for the current stream), or None."""
-        with self._lock:
-            entry = self._tables.get(key)
-            if entry is not None:
-                self._tables.move_to_end(key)
-                if key in self._copying:
-                    self._ready(key)
-            return entry
-
-    def put(self, key: Hashable, entry: Any) -> None:
-        """Keeps ``entry`` (not a device table: counts of a layout) under ``key``."""
-        with self._lock:
-            self._tables[key] = entry
-            self._drop()
-
-    def get(
-        self, key: Hashable, values: Sequence | torch.Tensor, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        """The device tensor of ``key`` (made from ``values`` on a miss)."""
-        with self._lock:
-            t = self.peek(key)
-            if t is not None:
-                return t
-            t = self._tables[key] = _upload(values, dtype, device)
-            self.uploads += 1
-            if device.type == "cuda":
-                with _on_device(device):
-                    event = torch.cuda.Event()
-                    event.record()
-                    self._copying[key] = (event, torch.cuda.current_stream())
-            self._drop()
-            return t
-
-    def _ready(self, key: Hashable) -> None:
-        """Makes the current stream wait for ``key``'s copy where it ran on another stream and may not be
-        done; forgets copies that are done (``query`` does not block the host)."""
-        event, stream = self._copying[key]
-        if event.query():
-            del self._copying[key]
-            return
-        with torch.cuda.device(stream.device):
-            current = torch.cuda.current_stream()
-        if current != stream:
-            current.wait_event(event)
-
-    def _drop(self) -> None:
-        while len(self._tables) > self.cap:
-            key, _ = self._tables.popitem(last=False)  # the least recently used one
-            self._copying.pop(key, None)
-
-
-def _upload(values: Sequence | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``values`` as a ``dtype`` tensor on ``device``; to a GPU from pinned memory without blocking the host
-    (the caching host allocator keeps the pinned block until the copy has run)."""
-    host = torch.as_tensor(values, dtype=dtype, device="cpu")  # host side by design: staged, then copied
-    if device.type != "cuda":
-        return host.to(device)
-    with _on_device(device):
-        return host.pin_memory().to(device, non_blocking=True)
-
-
-#: the device tables of every layout seen (see :class:`_DeviceTables` for the cap)
-_TABLES = _DeviceTables(1 << 14)
-
-
-def _device_constant(
-    what: str, device: torch.device, key: object, values: Sequence, dtype: torch.dtype
-) -> torch.Tensor:
-    """``torch.tensor(values, dtype, device)``, made once per ``(what, device, key)``: a copy from the
-    host is a synchronization on a GPU, and a bucket's layout is the same at every step."""
-    return _TABLES.get((what, device, key), values, dtype, device)
 
 
 def _segment_tables(
@@ -613,8 +335,8 @@ def _segment_tables(
         pos += length
     key = (segments, chunk_size)
     return (
-        _device_constant("starts", device, key, starts or [0], torch.int64),
-        _device_constant("bases", device, key, bases or [0], torch.int32),
+        triton_launch.device_constant("starts", device, key, starts or [0], torch.int64),
+        triton_launch.device_constant("bases", device, key, bases or [0], torch.int32),
     )
 
 
@@ -677,15 +399,15 @@ def _quantize_triton(
     """:func:`quantize_l1`'s Triton pass 2 over every segment at once (pass 1: :func:`_l1_divisors`)."""
     n = flat.numel()
     divisor, wide, starts, bases = _l1_divisors(flat, levels, clip_multiple, chunk_size, segs)
-    scale = _device_constant(
+    scale = triton_launch.device_constant(
         "scale", flat.device, (levels, clip_multiple), [levels / clip_multiple], torch.float64
     )
     n_seg = len(segs)
     search = max(0, (n_seg - 1).bit_length())
     grid = -(-n // _BLOCK)
-    with _on_device(flat):
-        _triton().quantize_kernel[(grid,)](
-            _raw(flat),
+    with triton_launch.on_device(flat):
+        triton_launch.triton_module().quantize_kernel[(grid,)](
+            triton_launch.raw(flat),
             out,
             divisor,
             scale,
@@ -697,11 +419,11 @@ def _quantize_triton(
             chunk_size or 1,
             float(levels),
             BLOCK=_BLOCK,
-            KIND=_TRITON_DTYPES[flat.dtype],
+            KIND=triton_launch.TRITON_DTYPES[flat.dtype],
             SEARCH=search,
             CHUNKED=chunk_size is not None,
             ANY_WIDE=True,
-            **_launch_options(),
+            **triton_launch.launch_options(),
         )
 
 
@@ -745,8 +467,8 @@ def majority_pack(
         return out.copy_(packing.pack_majority(packing.count_votes(rows, n_bits), n_workers, tie_positive))
     words = row_bytes % 4 == 0 and rows.data_ptr() % 4 == 0
     grid = -(-out_bytes // (4 * _MAJORITY_WORDS))
-    with _on_device(rows):
-        _triton().majority_kernel[(grid,)](
+    with triton_launch.on_device(rows):
+        triton_launch.triton_module().majority_kernel[(grid,)](
             rows.view(torch.int32) if words else rows,
             out,
             n,
@@ -811,24 +533,24 @@ def apply_votes_(
         return param
     if n:
         grid = -(-n // _BLOCK)
-        with _on_device(param):
-            _triton().apply_kernel[(grid,)](
-                _raw(param),
+        with triton_launch.on_device(param):
+            triton_launch.triton_module().apply_kernel[(grid,)](
+                triton_launch.raw(param),
                 source,
-                _raw(m),
-                _raw(g),
+                triton_launch.raw(m),
+                triton_launch.raw(g),
                 n,
                 _f32(-lr),
                 _f32(1.0 - lr * weight_decay),
                 _f32(b2),
                 _f32(1.0 - b2),
                 BLOCK=_BLOCK,
-                KIND=_TRITON_DTYPES[param.dtype],
+                KIND=triton_launch.TRITON_DTYPES[param.dtype],
                 DECAY=lr * weight_decay != 0,
                 MOMENTUM=momentum,
                 NEG=bool(negate_grad),
                 EMULATE=_emulate(emulate_fma),
-                **_launch_options(),
+                **triton_launch.launch_options(),
             )
     return param
 
@@ -838,16 +560,16 @@ def apply_votes_(
 # The contribution and the apply of a bucket in one launch each (issue 44, finding 5), over tensors that
 # are separate allocations: the kernels read each tensor's address from a pointer table (int64, on the
 # device) and find their tensor by a binary search over its first block. The tables are device tables
-# (_TABLES): the layout's once, the parameters' and momenta's addresses once (they do not move), the
-# gradients' whenever the allocator hands out other addresses (then one upload per bucket, from pinned
-# memory without blocking the host). Hyperparameters are kernel arguments: a bucket whose tensors hold
-# several (lr, β1, β2, weight decay, maximize) takes one launch per distinct setting.
+# (triton_launch.TABLES): the layout's once, the parameters' and momenta's addresses once (they do not
+# move), the gradients' whenever the allocator hands out other addresses (then one upload per bucket, from
+# pinned memory without blocking the host). Hyperparameters are kernel arguments: a bucket whose tensors
+# hold several (lr, β1, β2, weight decay, maximize) takes one launch per distinct setting.
 
 
 def _pointers(device: torch.device, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
     """int64 addresses of ``tensors`` (0 for None) on ``device``, uploaded when they change."""
     addrs = tuple(0 if t is None else t.data_ptr() for t in tensors)
-    return _TABLES.get(("pointers", device, addrs), addrs, torch.int64, device)
+    return triton_launch.TABLES.get(("pointers", device, addrs), addrs, torch.int64, device)
 
 
 def _bucket_layout(
@@ -860,7 +582,7 @@ def _bucket_layout(
         firsts.append(blocks)
         blocks += -(-n // _BLOCK)
     rows = [v for row in zip(firsts, numels, starts, strict=True) for v in row]
-    table = _device_constant("bucket layout", device, key, rows, torch.int64)
+    table = triton_launch.device_constant("bucket layout", device, key, rows, torch.int64)
     return table, blocks, max(0, (len(numels) - 1).bit_length())
 
 
@@ -900,9 +622,9 @@ def lion_directions_(
     layout, blocks, search = _bucket_layout(device, starts, [m.numel() for m in momenta])
     if blocks:
         m_table, g_table = _pointers(device, momenta), _pointers(device, grads)
-        with _on_device(out):
-            _triton().lion_kernel[(blocks,)](
-                _raw(out),
+        with triton_launch.on_device(out):
+            triton_launch.triton_module().lion_kernel[(blocks,)](
+                triton_launch.raw(out),
                 m_table,
                 g_table,
                 layout,
@@ -911,10 +633,10 @@ def lion_directions_(
                 _f32(1.0 - beta1),
                 BLOCK=_BLOCK,
                 SEARCH=search,
-                KIND=_TRITON_DTYPES[out.dtype],
+                KIND=triton_launch.TRITON_DTYPES[out.dtype],
                 NEG=bool(negate),
                 EMULATE=_emulate(emulate_fma),
-                **_launch_options(),
+                **triton_launch.launch_options(),
             )
     return out
 
@@ -968,8 +690,8 @@ def apply_votes_multi_(
     p_table = _pointers(device, params)
     m_table = _pointers(device, momenta) if momentum else p_table
     g_table = _pointers(device, gs) if momentum else p_table
-    with _on_device(source):
-        _triton().apply_multi_kernel[(blocks,)](
+    with triton_launch.on_device(source):
+        triton_launch.triton_module().apply_multi_kernel[(blocks,)](
             source,
             p_table,
             m_table,
@@ -982,10 +704,10 @@ def apply_votes_multi_(
             _f32(1.0 - b2),
             BLOCK=_BLOCK,
             SEARCH=search,
-            KIND=_TRITON_DTYPES[params[0].dtype],
+            KIND=triton_launch.TRITON_DTYPES[params[0].dtype],
             DECAY=lr * weight_decay != 0,
             MOMENTUM=momentum,
             NEG=bool(negate_grad),
             EMULATE=_emulate(emulate_fma),
-            **_launch_options(),
+            **triton_launch.launch_options(),
         )

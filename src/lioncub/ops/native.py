@@ -403,8 +403,10 @@ def apply_lanes(
     if bits not in (2, 4, 8) or len(table) != 1 << bits:
         raise ValueError(f"{bits}-bit lanes need a table of {1 << bits} values, got {len(table)}")
     _check(lanes, "lanes", (torch.uint8,), _lanes_bytes(position, position + param.numel(), bits))
-    extra = {"arg": bits, "table": _table(tuple(table)), "position": position}
-    _apply(param, lanes, _LANES, lr=lr, weight_decay=weight_decay, momentum=momentum, **extra)
+    _apply(
+        param, lanes, _LANES, lr=lr, weight_decay=weight_decay, momentum=momentum,
+        arg=bits, table=_table(tuple(table)), position=position,
+    )  # fmt: skip
 
 
 def apply_int8(

@@ -13,8 +13,9 @@ import math
 import torch
 
 from lioncub._validate import check_number
+from lioncub.ops import abs_sums
 
-__all__ = ["PIECE", "check_eps", "lp_normalizer", "max_abs"]
+__all__ = ["PIECE", "check_eps", "lp_normalizer", "max_abs", "on_host"]
 
 #: elements per piece of a quantizer's pass: keeps temporaries in cache (4 passes over ~1 MiB instead of
 #: over the whole tensor)
@@ -27,7 +28,7 @@ def check_eps(eps: float | None) -> None:
         check_number("eps", eps, "None or a finite number > 0 (authors' L0: 1e-12)", gt=0)
 
 
-def _on_host(x: torch.Tensor) -> bool:
+def on_host(x: torch.Tensor) -> bool:
     """Whether ``x``'s reductions may branch on a value read by the host: on the CPU that costs nothing;
     on a GPU every read is a synchronization, so the GPU paths do not branch (they reduce in float64)."""
     return x.device.type == "cpu"
@@ -43,14 +44,12 @@ def _abs_sums(x: torch.Tensor) -> torch.Tensor:
     host synchronization (float64 sums of float32/16-bit values cannot overflow) and no float64 copy of
     ``x`` (``vector_norm(dtype=float64)`` and ``sum(dtype=float64)`` cast their whole input to float64
     first): where Triton takes ``x`` (a CUDA tensor of float32, bfloat16 or float16) the sums of
-    :func:`lioncub.ops.kernels.l1_abs_sums`, which the fused quantizer's pass 1 runs per bucket with the
+    :func:`lioncub.ops.abs_sums.l1_abs_sums`, which the fused quantizer's pass 1 runs per bucket with the
     same bits per row; else ``vector_norm`` in pieces of ``DEVICE_PIECE`` elements."""
     rows = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
-    if not _on_host(x):
-        from lioncub.ops import kernels  # kernels imports this module
-
-        if kernels.l1_sums_backend(rows) == "triton":
-            return kernels.l1_abs_sums(rows).reshape(x.shape[:-1])
+    if not on_host(x):
+        if abs_sums.l1_sums_backend(rows) == "triton":
+            return abs_sums.l1_abs_sums(rows).reshape(x.shape[:-1])
         return _abs_sums_pieces(rows).reshape(x.shape[:-1])
     m, n = rows.shape
     sums = torch.empty(m, dtype=torch.float64, device=x.device)
@@ -122,7 +121,7 @@ def lp_normalizer(x: torch.Tensor, p: float, *, eps: float | None = None) -> tor
         return max_abs(x, dim=-1).to(torch.float64)
     if p == 1:
         mean = _abs_sums(x) / x.shape[-1]
-        if not _on_host(x):
+        if not on_host(x):
             if x.dtype != torch.float64:
                 return mean  # a non-finite mean is a NaN/Inf of the row: it stays
             # a float64 sum may overflow: those rows max-scaled, chosen on the device (no host read)

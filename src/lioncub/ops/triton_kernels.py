@@ -205,95 +205,63 @@ if HAVE_TRITON:
         return tl.where(t, (c ^ ones) | b, (c ^ ones) & b)
 
     @triton.jit
-    def majority_kernel(
-        rows_ptr,
-        out_ptr,
-        n_rows,
-        row_stride,
-        out_bytes,
-        n_bits,
-        threshold,
-        BLOCK_W: tl.constexpr,
-        PLANES: tl.constexpr,
-        WORDS: tl.constexpr,
-    ):
-        """Majority of ``n_rows`` packed rows over ``BLOCK_W`` 32-bit words (4·BLOCK_W bytes) per program.
+    def _row_word(base, w, wmask, out_bytes, WORDS: tl.constexpr):
+        """A row's 32-bit words ``w`` from ``base`` (its start): one load per word where ``WORDS`` (int32
+        rows), else 4 byte loads OR-ed into a word (little-endian, as GPUs and x86 load them)."""
+        if WORDS:
+            v = tl.load(base + w, mask=wmask, other=0).to(tl.uint32, bitcast=True)
+        else:
+            at = base + w * 4
+            v = tl.load(at, mask=wmask, other=0).to(tl.uint32)
+            v |= tl.load(at + 1, mask=w * 4 + 1 < out_bytes, other=0).to(tl.uint32) << 8
+            v |= tl.load(at + 2, mask=w * 4 + 2 < out_bytes, other=0).to(tl.uint32) << 16
+            v |= tl.load(at + 3, mask=w * 4 + 3 < out_bytes, other=0).to(tl.uint32) << 24
+        return v
 
-        Counts bit-sliced: plane ``c_j`` holds bit j of the 32 per-bit counts of a word, so adding a row
-        word is a ripple carry over the planes (2 bitwise ops per plane for 32 bits), and ``count ≥
-        threshold`` is the borrow out of a bit-sliced subtraction. ``WORDS``: the rows are int32 words
-        (row length a multiple of 4 bytes, aligned; ``row_stride`` in words), one load per 4 bytes; else
-        uint8 (``row_stride`` in bytes), 4 byte loads OR-ed into a word. Bytes are little-endian in a
-        word, as GPUs and x86 load them. Bits at positions ≥ ``n_bits`` are 0.
-        """
-        pid = tl.program_id(0)
-        w = pid.to(tl.int64) * BLOCK_W + tl.arange(0, BLOCK_W)  # word index
-        lane = tl.arange(0, 4)
-        byte = w[:, None] * 4 + lane[None, :]  # [BLOCK_W, 4] byte index
-        bmask = byte < out_bytes
-        wmask = w * 4 < out_bytes
-        shift = (lane * 8).to(tl.uint32)
-        zero = tl.zeros([BLOCK_W], dtype=tl.uint32)
-        ones = tl.full([BLOCK_W], 0xFFFFFFFF, tl.uint32)
-        c0 = zero
-        c1 = zero
-        c2 = zero
-        c3 = zero
-        c4 = zero
-        c5 = zero
-        c6 = zero
-        c7 = zero
-        c8 = zero
-        c9 = zero
-        c10 = zero
-        c11 = zero
-        c12 = zero
-        c13 = zero
-        c14 = zero
-        c15 = zero
-        base = rows_ptr
-        for _r in range(0, n_rows):
-            if WORDS:
-                v = tl.load(base + w, mask=wmask, other=0).to(tl.uint32, bitcast=True)
-            else:
-                at = base + w * 4
-                v = tl.load(at, mask=wmask, other=0).to(tl.uint32)
-                v |= tl.load(at + 1, mask=w * 4 + 1 < out_bytes, other=0).to(tl.uint32) << 8
-                v |= tl.load(at + 2, mask=w * 4 + 2 < out_bytes, other=0).to(tl.uint32) << 16
-                v |= tl.load(at + 3, mask=w * 4 + 3 < out_bytes, other=0).to(tl.uint32) << 24
-            c0, carry = _bump(c0, v)
-            if PLANES > 1:
-                c1, carry = _bump(c1, carry)
-            if PLANES > 2:
-                c2, carry = _bump(c2, carry)
-            if PLANES > 3:
-                c3, carry = _bump(c3, carry)
-            if PLANES > 4:
-                c4, carry = _bump(c4, carry)
-            if PLANES > 5:
-                c5, carry = _bump(c5, carry)
-            if PLANES > 6:
-                c6, carry = _bump(c6, carry)
-            if PLANES > 7:
-                c7, carry = _bump(c7, carry)
-            if PLANES > 8:
-                c8, carry = _bump(c8, carry)
-            if PLANES > 9:
-                c9, carry = _bump(c9, carry)
-            if PLANES > 10:
-                c10, carry = _bump(c10, carry)
-            if PLANES > 11:
-                c11, carry = _bump(c11, carry)
-            if PLANES > 12:
-                c12, carry = _bump(c12, carry)
-            if PLANES > 13:
-                c13, carry = _bump(c13, carry)
-            if PLANES > 14:
-                c14, carry = _bump(c14, carry)
-            if PLANES > 15:
-                c15, carry = _bump(c15, carry)
-            base += row_stride  # pointer arithmetic: no 32-bit product r·stride to overflow
-        borrow = zero  # count − threshold over 16 planes (the unused ones are 0): win where no borrow
+    @triton.jit
+    def _add_word(
+        c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, v, PLANES: tl.constexpr
+    ):  # fmt: skip
+        """The bit-sliced counters ``c0..c15`` plus the row word ``v``: a ripple carry over the first
+        ``PLANES`` planes (2 bitwise ops per plane for 32 bits); the planes above are returned as they are."""
+        c0, carry = _bump(c0, v)
+        if PLANES > 1:
+            c1, carry = _bump(c1, carry)
+        if PLANES > 2:
+            c2, carry = _bump(c2, carry)
+        if PLANES > 3:
+            c3, carry = _bump(c3, carry)
+        if PLANES > 4:
+            c4, carry = _bump(c4, carry)
+        if PLANES > 5:
+            c5, carry = _bump(c5, carry)
+        if PLANES > 6:
+            c6, carry = _bump(c6, carry)
+        if PLANES > 7:
+            c7, carry = _bump(c7, carry)
+        if PLANES > 8:
+            c8, carry = _bump(c8, carry)
+        if PLANES > 9:
+            c9, carry = _bump(c9, carry)
+        if PLANES > 10:
+            c10, carry = _bump(c10, carry)
+        if PLANES > 11:
+            c11, carry = _bump(c11, carry)
+        if PLANES > 12:
+            c12, carry = _bump(c12, carry)
+        if PLANES > 13:
+            c13, carry = _bump(c13, carry)
+        if PLANES > 14:
+            c14, carry = _bump(c14, carry)
+        if PLANES > 15:
+            c15, carry = _bump(c15, carry)
+        return c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15
+
+    @triton.jit
+    def _wins(c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, ones, threshold):
+        """The bits whose count (planes ``c0..c15``) is ≥ ``threshold``: no borrow out of the bit-sliced
+        ``count − threshold`` over the 16 planes (the unused ones are 0)."""
+        borrow = ones ^ ones  # zero
         borrow = _borrow(c0, borrow, ones, threshold, 0)
         borrow = _borrow(c1, borrow, ones, threshold, 1)
         borrow = _borrow(c2, borrow, ones, threshold, 2)
@@ -310,11 +278,59 @@ if HAVE_TRITON:
         borrow = _borrow(c13, borrow, ones, threshold, 13)
         borrow = _borrow(c14, borrow, ones, threshold, 14)
         borrow = _borrow(c15, borrow, ones, threshold, 15)
-        win = borrow ^ ones
+        return borrow ^ ones
+
+    @triton.jit
+    def _store_bytes(out_ptr, byte, bmask, win, shift, n_bits):
+        """The 4 bytes of each word of ``win`` at byte indices ``byte`` ``[BLOCK_W, 4]``; bits at positions
+        ≥ ``n_bits`` are 0."""
         out = (win[:, None] >> shift[None, :]) & 0xFF
         valid = tl.minimum(tl.maximum(n_bits - byte * 8, 0), 8)  # bits of each byte below n_bits
         keep = (0xFF00 >> valid) & 0xFF  # MSB first: the top `valid` bits
         tl.store(out_ptr + byte, (out & keep.to(tl.uint32)).to(tl.uint8), mask=bmask)
+
+    @triton.jit
+    def majority_kernel(
+        rows_ptr,
+        out_ptr,
+        n_rows,
+        row_stride,
+        out_bytes,
+        n_bits,
+        threshold,
+        BLOCK_W: tl.constexpr,
+        PLANES: tl.constexpr,
+        WORDS: tl.constexpr,
+    ):
+        """Majority of ``n_rows`` packed rows over ``BLOCK_W`` 32-bit words (4·BLOCK_W bytes) per program.
+
+        Counts bit-sliced: plane ``c_j`` holds bit j of the 32 per-bit counts of a word, so adding a row
+        word is a ripple carry over the planes (:func:`_add_word`), and ``count ≥ threshold`` is the borrow
+        out of a bit-sliced subtraction (:func:`_wins`). ``WORDS``: the rows are int32 words (row length a
+        multiple of 4 bytes, aligned; ``row_stride`` in words), one load per 4 bytes; else uint8
+        (``row_stride`` in bytes), 4 byte loads OR-ed into a word (:func:`_row_word`). Bits at positions
+        ≥ ``n_bits`` are 0.
+        """
+        pid = tl.program_id(0)
+        w = pid.to(tl.int64) * BLOCK_W + tl.arange(0, BLOCK_W)  # word index
+        lane = tl.arange(0, 4)
+        byte = w[:, None] * 4 + lane[None, :]  # [BLOCK_W, 4] byte index
+        bmask = byte < out_bytes
+        wmask = w * 4 < out_bytes
+        shift = (lane * 8).to(tl.uint32)
+        zero = tl.zeros([BLOCK_W], dtype=tl.uint32)
+        ones = tl.full([BLOCK_W], 0xFFFFFFFF, tl.uint32)
+        c0, c1, c2, c3, c4, c5, c6, c7 = zero, zero, zero, zero, zero, zero, zero, zero
+        c8, c9, c10, c11, c12, c13, c14, c15 = zero, zero, zero, zero, zero, zero, zero, zero
+        base = rows_ptr
+        for _r in range(0, n_rows):
+            v = _row_word(base, w, wmask, out_bytes, WORDS)
+            c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15 = _add_word(
+                c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, v, PLANES
+            )
+            base += row_stride  # pointer arithmetic: no 32-bit product r·stride to overflow
+        win = _wins(c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, ones, threshold)
+        _store_bytes(out_ptr, byte, bmask, win, shift, n_bits)
 
     @triton.jit
     def apply_kernel(

@@ -6,7 +6,9 @@ network is used:
 
 1. correctness: every kernel of :mod:`lioncub.ops.kernels` with ``backend="triton"`` against
    ``backend="torch"`` on fresh random data on the GPU, bit for bit (NaN-aware), with compiled ``fma``
-   and with the exact emulation the interpreter uses;
+   and with the exact emulation the interpreter uses — the per-bucket kernels (``lion_directions_``,
+   ``apply_votes_multi_``) on a bucket of tensors of mixed sizes — and the float64 sums ``l1_abs_sums``
+   against a float64 reference, with the quantizer's per-bucket pass 1 against its per-segment one;
 2. bandwidth: bytes each kernel moves / its median time (CUDA events, warm-up, 25 runs) as a % of a
    device-to-device copy's bandwidth (target ≥ 60 %);
 3. the whole vote path (``benchmarks/gpu_path.py``) on ``cuda:0`` over NCCL at world size 1 with the
@@ -14,8 +16,9 @@ network is used:
    ``LionCub`` preset — step check, encode, exchange, decode, apply — local steps, ``consolidate_state_dict``
    and a checkpoint round trip through the CPU, each against the same ranks on the CPU over gloo, bit for
    bit; ``LionCub.overlap_with`` (the DDP hook and its vote thread) against the plain step; the host
-   synchronizations of a step (host reads, ``synchronize`` calls and the profiler's CUDA syncs), for 8 and
-   64 tensors and for 1, 8 and 64 buckets. With several GPUs the same on N = #GPUs processes, one per GPU;
+   synchronizations of a step (host reads, ``synchronize`` calls and the profiler's CUDA syncs) and its
+   Triton launches, for 8 and 64 tensors and for 1, 8 and 64 buckets. With several GPUs the same on
+   N = #GPUs processes, one per GPU;
 4. a ``LionCub`` step on a 350M-parameter GPT-sized parameter set (24 layers, d = 1024), as one process
    (Lion's step) and with the votes exchanged over NCCL, against a plain ``lioncub.optim.Lion`` step:
    median step times and the overhead (target ≤ 25 %).
@@ -199,6 +202,166 @@ def correctness(device: torch.device, n: int) -> None:
         check("correctness", f"majority_pack N={n_rows}", diff)
 
 
+@contextlib.contextmanager
+def device_pass1():  # type: ignore[no-untyped-def]
+    """Pass 1 of the L1 quantizer as a CUDA tensor takes it. In a dry run (CPU tensors) the normalisers'
+    ``on_host`` test says False for the block, so the fused quantizer's per-bucket pass 1 and the
+    per-segment reference both sum with ``l1_abs_sums`` (in Triton's interpreter); on a GPU they already
+    do and nothing is patched."""
+    if not DRY:
+        yield
+        return
+    from lioncub.ops import normalizers
+
+    saved = normalizers.on_host
+    normalizers.on_host = lambda t: False
+    try:
+        yield
+    finally:
+        normalizers.on_host = saved
+
+
+def check_close(section: str, item: str, rel: float, bound: float) -> None:
+    """A float64 result within ``bound`` (relative) of its reference; a miss is a failed correctness check."""
+    ok = rel <= bound
+    row(section, item, f"max rel. diff {rel:.2g}", f"rel <= {bound:g}", ok)
+    if not ok:
+        FAILURES.append(f"{section}: {item}")
+
+
+def bucket_shapes(n: int) -> list[tuple[int, ...]]:
+    """A bucket's tensors of mixed sizes: tiny ones, an empty one, block edges (1023 / 1024 / 1025
+    elements: a program per 1024), a matrix and one of ``n + 13`` elements (> 1M on a GPU)."""
+    return [(1,), (2,), (5,), (0,), (1023,), (1024,), (37, 11), (n + 13,), (3,), (1025,), (7,)]
+
+
+def multi_tensor(device: torch.device, n: int) -> None:
+    """The per-bucket kernels (one pointer-table launch for all tensors of a bucket) against the torch
+    reference (per tensor), bit for bit and NaN-aware (CUDA's bfloat16 NaN is ``0x7FFF``, the reference's
+    ``0x7FC0``): ``lion_directions_`` with and without ``negate`` (a missing gradient: zeros) and
+    ``apply_votes_multi_`` without momentum (with and without weight decay) and with it (with and without
+    ``negate_grad``), float32 and bfloat16, the tensors at offsets of the flat buffer with gaps."""
+    from lioncub.ops import kernels
+
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    shapes = bucket_shapes(n)
+
+    def rnd(shape: tuple[int, ...], dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+        x = torch.randn(shape, generator=gen) * scale
+        flat = x.view(-1)
+        if flat.numel() > 16:
+            flat[3], flat[5], flat[7], flat[9], flat[11] = 0.0, -0.0, 1e-40, 3e38, float("nan")
+        return x.to(dtype).to(device)
+
+    starts, pos = [], 3  # unused gaps before and between the tensors
+    for shape in shapes:
+        starts.append(pos)
+        pos += torch.Size(shape).numel() + 2
+    total = pos
+    cases = ((0.0, False, False), (0.1, False, False), (0.1, True, False), (0.0, True, True))
+    for dtype in (torch.float32, torch.bfloat16):
+        ms = [rnd(s, dtype) for s in shapes]
+        gs: list[torch.Tensor | None] = [rnd(s, dtype, 3.0) for s in shapes]
+        gs[2] = None
+        ps = [rnd(s, dtype) for s in shapes]
+        votes = torch.randint(-1, 2, (total,), dtype=torch.int8, generator=gen).to(device)
+        for emulate in (True,) if DRY else (False, True):  # the interpreter's tl.fma is not fused
+            tag = f"{str(dtype)[6:]}{' emulated fma' if emulate else ''}, {len(shapes)} tensors"
+            for negate in (False, True):
+                outs = []
+                for backend in ("torch", "triton"):
+                    out = torch.full((total,), 7.0, dtype=dtype, device=device)
+                    emu = emulate if backend == "triton" else None
+                    kernels.lion_directions_(
+                        out, starts, ms, gs, beta1=0.9, negate=negate, backend=backend, emulate_fma=emu
+                    )
+                    outs.append(out)
+                check("correctness", f"lion_directions_ {tag}{', negate' if negate else ''}", same(*outs))
+            for wd, momentum, negate in cases:
+                outs = []
+                for backend in ("torch", "triton"):
+                    p2 = [p.clone() for p in ps]
+                    m2 = [m.clone() for m in ms] if momentum else None
+                    kernels.apply_votes_multi_(
+                        p2, votes, starts, lr=3e-4, weight_decay=wd, exp_avgs=m2,
+                        grads=gs if momentum else None, beta2=0.99 if momentum else None,
+                        negate_grad=negate, backend=backend,
+                        emulate_fma=emulate if backend == "triton" else None,
+                    )  # fmt: skip
+                    outs.append(p2 + (m2 or []))
+                diff = sum(same(a, b) for a, b in zip(*outs, strict=True))
+                what = f"wd={wd}{', momentum' if momentum else ''}{', negate_grad' if negate else ''}"
+                check("correctness", f"apply_votes_multi_ {tag}, {what}", diff)
+
+
+def pass1_segments(n: int) -> list[int]:
+    """Many segments for the quantizer's per-bucket pass 1: tiny and empty ones, a tile (4096) plus one,
+    and one of ``n + 13`` elements: 397 on a GPU, 12 in a dry run (the interpreter's launches are slow).
+    :func:`l1_sums` makes segments 3 and 5 all-zero and denormal, and puts a NaN in 8 and an Inf in 10."""
+    base = [1, 0, 5, 300, 2, 300, 0, 7, 4097, 64, 4097]
+    return base * (1 if DRY else 36) + [n + 13]
+
+
+def l1_sums(device: torch.device, n: int) -> None:
+    """``l1_abs_sums`` (float64 Σ|x| per row, 2 launches) against ``x.double().abs().sum(-1)``: bit for bit
+    (NaN-aware) on data whose sums are exact in float64 in any order (multiples of 2^-6 below 4, exact in
+    bfloat16 too; an all-zero row, rows holding NaN and -Inf), and on other data within float64 rounding
+    (rel. 1e-15) of the exact sum (``math.fsum``), as tests/test_devices.py. Then the quantizer's
+    per-bucket pass 1 (3 launches for all segments) over many segments against the reference run per
+    segment: divisors and work-dtype flags bit for bit (an all-zero, a denormal: float64 work, a NaN and an
+    Inf segment), and the levels of both backends."""
+    import math
+
+    from lioncub.ops import abs_sums, kernels, quantize
+
+    gen = torch.Generator(device="cpu").manual_seed(4)
+    rows, width = 4, max(n // 4, 4099)  # on a GPU rows of 256K elements; in a dry run 2 tiles of 4096
+    grid = torch.randint(-255, 256, (rows, width), generator=gen) / 64.0
+    grid[1] = 0.0
+    grid[2, 17], grid[3, 5] = float("nan"), float("-inf")
+    wild = torch.randn(2, 2 * width + 5, generator=gen) * 1e3
+    segments = pass1_segments(n)
+    starts = [sum(segments[:i]) for i in range(len(segments))]
+    base = torch.randn(sum(segments), generator=gen) * torch.rand(sum(segments), generator=gen)
+    base[starts[3] : starts[3] + 300] = 0.0  # an all-zero segment
+    base[starts[5] : starts[5] + 300] = torch.randn(300, generator=gen) * 1e-39  # denormals: float64 work
+    base[starts[8] + 100], base[starts[10] + 4000] = float("nan"), float("inf")
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype)[6:]
+        x = grid.to(dtype).to(device)  # exact in bfloat16 too
+        got = abs_sums.l1_abs_sums(x)
+        exact = same(got, x.double().abs().sum(-1))
+        check("correctness", f"l1_abs_sums {name} {rows}x{width}, exactly summable", exact)
+        y = wild.to(dtype)
+        rel = 0.0
+        for value, r in zip(abs_sums.l1_abs_sums(y.to(device)).tolist(), y.double().tolist(), strict=True):
+            want = math.fsum(abs(v) for v in r)
+            rel = max(rel, abs(value - want) / want)
+        check_close("correctness", f"l1_abs_sums {name} 2x{y.shape[1]} vs the exact sum", rel, 1e-15)
+        x = base.to(dtype).to(device)
+        with device_pass1():
+            chunks = (None, 64) if not DRY else (None, 1000) if dtype == torch.float32 else (None,)
+            for chunk in chunks:  # a dry run: fewer (every tile or chunk is a program in the interpreter)
+                bucket = kernels._l1_divisors(x, 127, 2.0, chunk, segments)  # 3 launches for the bucket
+                divisors, wide = [], []
+                for start, length in zip(starts, segments, strict=True):
+                    if length:
+                        d, w = quantize.l1_divisors(x[start : start + length], 127, chunk_size=chunk)
+                        divisors.append(d)
+                        wide.append(bool(w))
+                    else:
+                        wide.append(False)
+                diff = same(bucket[0], torch.cat(divisors))
+                diff += sum(bool(a) != b for a, b in zip(bucket[1].tolist(), wide, strict=True))
+                label = f"quantize_l1 pass 1 per bucket {name}, {len(segments)} segments, chunk={chunk}"
+                check("correctness", f"{label}: divisors, work dtypes = per segment", diff)
+                if DRY and chunk is None and dtype == torch.float32:
+                    continue  # the levels (per segment in the reference) of a dry run: chunked float32 only
+                a = kernels.quantize_l1(x, 127, segments=segments, chunk_size=chunk, backend="torch")
+                b = kernels.quantize_l1(x, 127, segments=segments, chunk_size=chunk, backend="triton")
+                check("correctness", f"{label}: levels", same(a, b))
+
+
 def halfway(device: torch.device) -> None:
     """Levels ``round((x / M) · (s / k))`` (issue 20) on the device against the CPU path: 1-element chunks
     (x / M = ±1: half-way for odd s; also against the exact level), float32 chunks whose M is just above
@@ -264,7 +427,7 @@ def timed(fn, device: torch.device, runs: int = 25, warmup: int = 3) -> float:
 
 
 def bandwidth(device: torch.device, n: int, runs: int) -> None:
-    from lioncub.ops import kernels
+    from lioncub.ops import abs_sums, kernels
 
     src = torch.randn(n, device=device)
     dst = torch.empty_like(src)
@@ -276,6 +439,11 @@ def bandwidth(device: torch.device, n: int, runs: int) -> None:
     votes = torch.randint(-1, 2, (n,), dtype=torch.int8, device=device)
     rows8 = torch.randint(0, 256, (8, n // 8), dtype=torch.uint8, device=device)
     maj = torch.empty(n // 8, dtype=torch.uint8, device=device)
+    # a bucket of 16 tensors (views of the same size, each its own address in the kernels' pointer table)
+    parts = 16
+    starts = [i * (n // parts) for i in range(parts)]
+    ms, gs, ps = m.view(parts, -1).unbind(), g.view(parts, -1).unbind(), p.view(parts, -1).unbind()
+    direction = torch.empty(n, device=device)
     f4 = 4 * n
     cases = [
         ("quantize_l1 pass 2 (fp32 -> int8)", lambda: kernels.quantize_l1(m, 127, out=levels), f4 + n),
@@ -284,7 +452,27 @@ def bandwidth(device: torch.device, n: int, runs: int) -> None:
         (
             "apply_votes_ + momentum",
             lambda: kernels.apply_votes_(p, votes, lr=1e-9, exp_avg=m, grad=g, beta2=0.99),
-            4 * f4 + n,
+            5 * f4 + n,  # p and m read and written, g and the votes read
+        ),
+        (
+            f"lion_directions_ ({parts} tensors: m, g -> out)",
+            lambda: kernels.lion_directions_(direction, starts, ms, gs, beta1=0.9),
+            3 * f4,
+        ),
+        (
+            f"apply_votes_multi_ ({parts} tensors, int8)",
+            lambda: kernels.apply_votes_multi_(ps, votes, starts, lr=1e-9, weight_decay=0.1),
+            2 * f4 + n,
+        ),
+        (
+            f"apply_votes_multi_ + momentum ({parts} tensors)",
+            lambda: kernels.apply_votes_multi_(ps, votes, starts, lr=1e-9, exp_avgs=ms, grads=gs, beta2=0.99),
+            5 * f4 + n,
+        ),
+        (
+            f"l1_abs_sums (fp32 [{parts}, {n // parts}] -> fp64)",
+            lambda: abs_sums.l1_abs_sums(m.view(parts, -1)),
+            f4,
         ),
     ]
     for name, fn, nbytes in cases:
@@ -297,8 +485,13 @@ def bandwidth(device: torch.device, n: int, runs: int) -> None:
             ">= 60 %",
             _verdict(pct >= 60),
         )
-    t_total = timed(lambda: kernels.quantize_l1(m, 127, out=levels), device, runs, warmup)
-    row("bandwidth", "quantize_l1 both passes (per-tensor mean |c| in torch)", f"{t_total * 1e3:.3f} ms")
+    with device_pass1():  # in a dry run too: pass 1 as a CUDA tensor takes it
+        t_total = timed(lambda: kernels.quantize_l1(m, 127, out=levels), device, runs, warmup)
+    row(
+        "bandwidth",
+        "quantize_l1 both passes (pass 1: float64 sums of |c| per group, 3 launches per bucket)",
+        f"{t_total * 1e3:.3f} ms",
+    )
 
 
 # ------------------------------------------------------------------------------------ 3. the vote path
@@ -513,6 +706,8 @@ def main() -> int:
     t0 = time.perf_counter()
     with sections.run("kernels"):
         correctness(device, sizes["n"])
+        multi_tensor(device, sizes["n"])
+        l1_sums(device, sizes["n"])
     with sections.run("half-way rule"):
         halfway(device)
     with sections.run("bandwidth"):

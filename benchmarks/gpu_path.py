@@ -404,6 +404,49 @@ class SyncCalls:
         self._saved.clear()
 
 
+class TritonLaunches:
+    """Counts the Triton launches in a block: each ``KERNEL[grid](...)`` of :mod:`lioncub.ops.triton_kernels`
+    (its kernels wrapped for the block). A process that has not imported that module launches none (the
+    probes count a third step, so Triton's import is not put on a step that runs no Triton)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._saved: dict[str, Any] = {}
+        self._module: Any = None
+
+    def __enter__(self) -> TritonLaunches:
+        self._module = sys.modules.get("lioncub.ops.triton_kernels")
+        for name in getattr(self._module, "__all__", ()):
+            if name.endswith("_kernel") and hasattr(self._module, name):
+                kernel = self._saved[name] = getattr(self._module, name)
+                setattr(self._module, name, _Counted(kernel, self))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, kernel in self._saved.items():
+            setattr(self._module, name, kernel)
+        self._saved.clear()
+
+
+class _Counted:
+    """A Triton kernel whose launches :class:`TritonLaunches` counts."""
+
+    def __init__(self, kernel: Any, counter: TritonLaunches) -> None:
+        self.kernel, self.counter = kernel, counter
+
+    def __getitem__(self, grid: Any) -> Callable[..., Any]:
+        launch = self.kernel[grid]
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.counter.count += 1
+            return launch(*args, **kwargs)
+
+        return counted
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.kernel, name)
+
+
 def _sync_events(device: torch.device, step: Callable[[], None]) -> int:
     """CUDA synchronizations (``cuda*Synchronize`` and blocking copies) in one ``step()``, from the
     profiler (CUPTI)."""
@@ -472,19 +515,20 @@ def host_syncs(device: torch.device, row: Row, verdict: Callable[[bool], bool | 
     growing with them (also reported per bucket)."""
     _, few, many, mid = _probe_sizes(device)
 
-    def measure(step: Callable[[], None]) -> tuple[int, dict[str, int], int]:
-        with HostReads() as reads, SyncCalls() as calls:
+    def measure(step: Callable[[], None]) -> tuple[int, dict[str, int], int, int]:
+        with HostReads() as reads, SyncCalls() as calls, TritonLaunches() as launched:
             step()
-        return reads.count, reads.names, calls.count
+        return reads.count, reads.names, calls.count, launched.count
 
     for variant in ("1bit", "8bit"):
-        _, (r_few, names, c_few) = _probe(device, variant, few, 1, measure)
-        made, reads, calls = [], [], []
+        _, (r_few, names, c_few, l_few) = _probe(device, variant, few, 1, measure)
+        made, reads, calls, launches = [], [], [], []
         for buckets in (1, mid, many):
-            b, (r, _, c) = _probe(device, variant, many, buckets, measure)
+            b, (r, _, c, n_launched) = _probe(device, variant, many, buckets, measure)
             made.append(b)
             reads.append(r)
             calls.append(c)
+            launches.append(n_launched)
         measured = f"{r_few} host reads {names}, {c_few} synchronize calls per step; {many} tensors: "
         measured += f"{reads[0]}, {calls[0]}"
         ok = r_few == reads[0] and c_few == calls[0]
@@ -501,6 +545,15 @@ def host_syncs(device: torch.device, row: Row, verdict: Callable[[bool], bool | 
         ok = all(r <= reads[0] for r in reads) and all(c <= calls[0] for c in calls)
         label = f"LionCub {variant} step, {many} tensors in {' / '.join(map(str, made))} buckets"
         row("host syncs", label, measured, "per step: no growth with buckets", verdict(ok))
+        measured = f"{few} vs {many} tensors (1 bucket): {l_few}, {launches[0]}; {many} tensors in "
+        measured += f"{' / '.join(map(str, made))} buckets: " + _per_bucket("", launches, made).lstrip()
+        row(
+            "host syncs",
+            f"LionCub {variant} step, Triton launches",
+            measured,
+            "per bucket: no growth with tensors",
+            verdict(l_few == launches[0]),
+        )
 
 
 def cuda_syncs(device: torch.device, row: Row, verdict: Callable[[bool], bool | None]) -> None:

@@ -227,6 +227,37 @@ def test_gpu_check_dry_run():
         "LionCub 8bit step (N=1, votes exchanged)",
     ):
         assert item in proc.stdout
+    # the per-bucket kernels and the float64 sums, bit for bit (rel. 1e-15 of the exact sum), in the
+    # interpreter; their bandwidth rows (a dry run's timings mean nothing: no verdict)
+    import re
+
+    for dtype in ("float32", "bfloat16"):
+        tag = f"{dtype} emulated fma, 11 tensors"
+        for item in (
+            f"lion_directions_ {tag}: equal",
+            f"lion_directions_ {tag}, negate: equal",
+            f"apply_votes_multi_ {tag}, wd=0.0: equal",
+            f"apply_votes_multi_ {tag}, wd=0.1: equal",
+            f"apply_votes_multi_ {tag}, wd=0.1, momentum: equal",
+            f"apply_votes_multi_ {tag}, wd=0.0, momentum, negate_grad: equal",
+            f"l1_abs_sums {dtype} 4x4099, exactly summable: equal",
+            f"quantize_l1 pass 1 per bucket {dtype}, 12 segments, chunk=None: divisors, work dtypes = per "
+            "segment: equal",
+        ):
+            assert f"[correctness] {item} (target bit-exact) ok" in proc.stdout, item
+        assert re.search(rf"\[correctness\] l1_abs_sums {dtype} 2x8203 vs the exact sum: max rel\. diff "
+                         r"\S+ \(target rel <= 1e-15\) ok", proc.stdout), dtype  # fmt: skip
+    for item in ("float32, 12 segments, chunk=1000", "bfloat16, 12 segments, chunk=None"):
+        assert f"[correctness] quantize_l1 pass 1 per bucket {item}: levels: equal" in proc.stdout, item
+    for item in (
+        "lion_directions_ (16 tensors: m, g -> out)",
+        "apply_votes_multi_ (16 tensors, int8)",
+        "apply_votes_multi_ + momentum (16 tensors)",
+        "l1_abs_sums (fp32 [16, 1024] -> fp64)",
+    ):
+        pattern = rf"^\[bandwidth\] {re.escape(item)}: \d+ GB/s = \d+ % of copy"
+        assert re.search(pattern, proc.stdout, re.M), item
+    assert "[bandwidth] quantize_l1 both passes (pass 1: float64 sums of |c| per group" in proc.stdout
     # the whole vote path at world size 1 with the collectives on, and on 2 ranks (--ranks 2)
     for prefix in ("[vote path] ", "[vote path N=2] rank 0/2: ", "[vote path N=2] rank 1/2: "):
         for item in (
@@ -249,6 +280,19 @@ def test_gpu_check_dry_run():
             prefix + "LionCub 8bit step, 8 tensors in 1 / 2 / 8 buckets: host reads per step " in proc.stdout
         )
     assert "(per bucket " in proc.stdout
+    # Triton launches per step and per bucket: at N = 1 the interpreter's (a step launches some), on the
+    # ranks none (the C kernels)
+    for variant in ("1bit", "8bit"):
+        launches = re.search(
+            rf"^\[host syncs\] LionCub {variant} step, Triton launches: 4 vs 8 tensors \(1 bucket\): (\d+), "
+            r"(\d+); 8 tensors in 1 / 2 / 8 buckets: per step \d+ / \d+ / \d+ \(per bucket ",
+            proc.stdout,
+            re.M,
+        )
+        assert launches and int(launches[1]) > 0 and launches[1] == launches[2], variant
+        none = f"[host syncs N=2] rank 0/2: LionCub {variant} step, Triton launches: 4 vs 8 tensors"
+        none += " (1 bucket): 0, 0;"
+        assert none in proc.stdout, variant
 
 
 @pytest.mark.slow

@@ -369,6 +369,7 @@ def _plan(args: argparse.Namespace, config: TrainConfig, label: str) -> TrainCon
     planned = budget.planned_config(config, args.time_budget_s, times, eval_given=args.eval_every is not None)
     check_before_launch(planned, args.timeout or None, args.max_nproc)
     run, first = planned.run, budget.period(config) + 1
+    assert run.pilot_step_s is not None, "planned_config sets the pilot's step time"
     print(
         f"{label}: {run.pilot_step_s * 1e3:.1f} ms per step in the pilot (its steps {first}-"
         f"{run.pilot_steps}): {run.steps} steps fit {run.time_budget_s:g} s, evaluated every "

@@ -285,7 +285,7 @@ def _complete_save(run_dir: Path, name: str, step: int, world_size: int, meta: d
     doc = {"version": VERSION, "step": step, "world_size": world_size, **meta, "sha256": hashes}
     write_atomically(tmp / "meta.json", (json.dumps(doc, indent=1) + "\n").encode())
     if marked:
-        files = {f"checkpoints/{name}/{n}": [] for n in _final_names(world_size)}
+        files: dict[str, list[str]] = {f"checkpoints/{name}/{n}": [] for n in _final_names(world_size)}
         record(
             run_dir,
             dirs=[f"checkpoints/{name}"],

@@ -413,7 +413,7 @@ class TrainConfig:
         values = flat_document(doc, SETTINGS)
         h, outer = values.get("local_steps"), values.get("outer")
         earlier = config_version(doc) < 3 and values.get("outer_lr") is None and outer in SIGN_RULES
-        if earlier and is_int(h, 1) and default_outer_lr(outer, h) != 1.0:
+        if earlier and isinstance(outer, str) and is_int(h, 1) and default_outer_lr(outer, h) != 1.0:
             values["outer_lr"] = 1.0
         return cls.from_values(values)
 

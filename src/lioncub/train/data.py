@@ -26,7 +26,7 @@ import os
 import struct
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -359,10 +359,12 @@ class CharDataset:
             tokenizer = CharTokenizer(text)
         elif tokenizer == "gpt2":
             tokenizer = gpt2_tokenizer()
-        self.tokenizer = tokenizer
-        vocab = getattr(tokenizer, "vocab_size", None) or tokenizer.n_vocab
+        #: a CharTokenizer, tiktoken's Encoding or a user's object with encode and vocab_size or n_vocab
+        self.tokenizer: Any = tokenizer
+        tok = cast(Any, tokenizer)  # not a str any more
+        vocab = getattr(tok, "vocab_size", None) or tok.n_vocab
         self.vocab_size: int = int(vocab)
-        ids = tokenizer.encode_array(text) if hasattr(tokenizer, "encode_array") else tokenizer.encode(text)
+        ids = tok.encode_array(text) if hasattr(tok, "encode_array") else tok.encode(text)
         dtype = np.uint8 if self.vocab_size <= 256 else np.int32  # compact storage; batches are int64
         data = torch.from_numpy(np.asarray(ids, dtype=dtype))
         n_val = max(1, int(len(data) * val_fraction))

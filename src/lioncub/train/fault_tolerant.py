@@ -144,7 +144,8 @@ def fault_tolerance_summary(
         "digest": digests.pop() if len(digests) == 1 else None,  # SHA-256 of the final parameters
         "lighthouse": lighthouse,
     }
-    return entry, (finished or ends or [None])[0]
+    first = finished or ends
+    return entry, first[0] if first else None
 
 
 def run_fault_tolerant(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -109,7 +109,8 @@ class GPT(nn.Module):
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
-            self.transformer.wte.weight = self.lm_head.weight  # one matrix, named transformer.wte.weight
+            wte = cast(nn.Embedding, self.transformer["wte"])
+            wte.weight = self.lm_head.weight  # one matrix, named transformer.wte.weight
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # scaled init of the residual projections (GPT-2)
@@ -129,10 +130,11 @@ class GPT(nn.Module):
         if self.config.block_size < T:
             raise ValueError(f"sequence of length {T} is longer than block_size {self.config.block_size}")
         pos = torch.arange(T, dtype=torch.long, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        for block in self.transformer.h:
+        t = self.transformer
+        x = t["drop"](t["wte"](idx) + t["wpe"](pos))
+        for block in cast(nn.ModuleList, t["h"]):
             x = block(x)
-        logits = self.lm_head(self.transformer.ln_f(x))
+        logits = self.lm_head(t["ln_f"](x))
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
@@ -151,7 +153,7 @@ def io_parameter_names(model: nn.Module) -> list[str]:
     """
     prefix = "module." if model is not _unwrap(model) else ""
     names = ["transformer.wte.weight", "transformer.wpe.weight"]
-    if not _unwrap(model).config.tie_embeddings:
+    if not cast(GPT, _unwrap(model)).config.tie_embeddings:
         names.append("lm_head.weight")
     return [prefix + n for n in names]
 

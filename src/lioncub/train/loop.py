@@ -140,9 +140,10 @@ def build_optimizer(
     options = config.optimizer
     if world_size > 1:
         # overlapped votes travel in DDP's buckets: --bucket-mb sizes them (DDP's default otherwise)
-        buckets = {"bucket_cap_mb": options.bucket_mb} if options.overlap else {}
         model = DistributedDataParallel(
-            model, device_ids=[wl.device.index] if wl.device.type == "cuda" else None, **buckets
+            model,
+            device_ids=[wl.device.index] if wl.device.type == "cuda" else None,
+            bucket_cap_mb=options.bucket_mb if options.overlap else None,
         )
     groups = wl.param_groups(model)
     if keep is not None:
@@ -170,7 +171,7 @@ def build_optimizer(
         process_group=process_group,
     )
     if world_size > 1 and options.overlap:
-        opt.overlap_with(model)  # type: ignore[arg-type]  # the votes start during the backward
+        opt.overlap_with(model)  # the votes start during the backward
     elif world_size > 1:
         skip_gradient_allreduce(model)  # type: ignore[arg-type]
     return OptimizerSetup(opt, model, None)

@@ -156,15 +156,15 @@ def init_distributed(config: TrainConfig) -> None:
     refused" (pytorch/pytorch#135712): the keys are put under a prefix per attempt
     (``TORCHELASTIC_RESTART_COUNT``), which every worker of a restarted job shares."""
     device = loop.device_for(config)
-    backend, bound = "gloo", {}
+    backend, device_id = "gloo", None
     if device.type == "cuda":  # the rank's GPU is current before NCCL starts, and its communicator's
         torch.cuda.set_device(device)
-        backend, bound = "nccl", {"device_id": device}
+        backend, device_id = "nccl", device
     timeout = env.seconds("LIONCUB_PG_TIMEOUT")
     if timeout is None:  # the group's timeout when no launcher set one: --collective-timeout's default
         timeout = datetime.timedelta(seconds=PG_TIMEOUT_S)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend, timeout=timeout, **bound)
+        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
         return
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -172,7 +172,9 @@ def init_distributed(config: TrainConfig) -> None:
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
     )
     store = dist.PrefixStore(f"lioncub/attempt_{attempt}", agent)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **bound)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world, timeout=timeout, device_id=device_id
+    )
 
 
 @contextlib.contextmanager

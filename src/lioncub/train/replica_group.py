@@ -421,7 +421,7 @@ class _GroupLoop:
         model from the first participant of the last quorum."""
         group, model = self.group, self.model
         digest = params_digest(model)
-        digests = [digest]
+        digests: list[str | None] = [digest]
         if self.size > 1:
             digests = [None] * self.size
             dist.all_gather_object(digests, digest)

@@ -26,7 +26,7 @@ def complete_records(path: Path) -> tuple[list[tuple[bytes, dict[str, Any]]], in
     """The records of the JSONL log ``path`` up to the first line that is not a whole JSON record, and
     that line's number (None if every line is whole: a crash or a full disk can cut the last one short)."""
     lines = read_run_file(path, follow_symlinks=True).split(b"\n")
-    out = []
+    out: list[tuple[bytes, dict[str, Any]]] = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue

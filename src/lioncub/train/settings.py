@@ -175,7 +175,7 @@ def check_value(d: Described, value: Any) -> None:
     elif d.kind is float:
         if s.high is not None and not is_number(value, ge=s.low, le=s.high):
             raise ValueError(f"{d.flag} {value!r} must be within [{s.low:g}, {s.high:g}]")
-        if not is_number(value, **{"gt" if s.above else "ge": s.low}):
+        if not (is_number(value, gt=s.low) if s.above else is_number(value, ge=s.low)):
             bound = "" if s.low is None else f" {'>' if s.above else '>='} {s.low:g}"
             unit = f" of {s.unit}" if s.unit else ""
             raise ValueError(f"{d.flag} {value!r} must be a finite number{unit}{bound}")

@@ -65,7 +65,7 @@ _CHECKS: dict[str, dict[str, tuple[str, Any]]] = {
 }
 
 
-def check_fields(cls: type, values: dict[str, Any]) -> None:
+def check_fields(cls: type[Any], values: dict[str, Any]) -> None:
     """Raise ``ValueError`` naming the field, its value and what is allowed for the first bad field of
     ``values`` (a workload's fields, as ``make_workload`` overrides or ``--set FIELD=VALUE`` give them)."""
     for name, (allowed, ok) in {**_COMMON_CHECKS, **_CHECKS.get(cls.name, {})}.items():

@@ -87,6 +87,10 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)  # DistributedDataParallel keeps the model in .module
 
 
+#: a workload's default device (an immutable value: safe as a dataclass default)
+CPU = torch.device("cpu")
+
+
 @dataclass
 class Workload(ABC):
     """Fields shared by every workload; subclasses add the model and data fields and fill the methods.
@@ -101,7 +105,7 @@ class Workload(ABC):
     world_size: int = 1
     seed: int = 0
     data_mode: Mode = "random"
-    device: str | torch.device = "cpu"
+    device: torch.device = CPU  # a str is converted
     batch_size: int = 32
     lr: float = 3e-4
     betas: tuple[float, float] = (0.9, 0.99)

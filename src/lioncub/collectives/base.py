@@ -34,7 +34,7 @@ import datetime
 import pickle
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -135,6 +135,9 @@ def backend_for_device(config: str, device_type: str) -> str:
         )
     return backends[device_type]
 
+
+#: what a guarded call returns (:meth:`Comm._guard`)
+_T = TypeVar("_T")
 
 _ALONE = {"exchange": False}
 
@@ -348,7 +351,7 @@ class Comm:
         self._tag = (self._tag + 1) % (1 << 20)
         return self._tag
 
-    def _guard(self, what: str, fn: Callable[[], object]) -> object:
+    def _guard(self, what: str, fn: Callable[[], _T]) -> _T:
         try:
             return fn()
         except Exception as err:
@@ -356,7 +359,9 @@ class Comm:
 
     # -- exchanges -----------------------------------------------------------------------------------
 
-    def all_reduce(self, tensor: torch.Tensor, what: str, op: dist.ReduceOp = dist.ReduceOp.SUM) -> Handle:
+    def all_reduce(
+        self, tensor: torch.Tensor, what: str, op: dist.ReduceOp | dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+    ) -> Handle:
         """In-place async SUM (or ``op``) over the group; counts ring-allreduce bytes."""
         n = self.world_size
         nbytes = tensor.numel() * tensor.element_size()
@@ -441,7 +446,7 @@ class Comm:
     # -- how each operation is issued: the raw async work, neither counted nor guarded (the exchanges above
     # -- are the API); :class:`~lioncub.collectives.group.GroupComm` issues them as the group's own methods
 
-    def _issue_all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp) -> Any:
+    def _issue_all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp | dist.ReduceOp.RedOpType) -> Any:
         return dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
 
     def _issue_broadcast(self, tensor: torch.Tensor, root: int) -> Any:
@@ -516,6 +521,9 @@ class GroupComm(Comm):
         exchange, timeout: as :class:`Comm`'s.
     """
 
+    #: torchft's process group object (c10d's ``ProcessGroup`` interface), not one torch.distributed knows
+    group: Any
+
     def __init__(
         self,
         group: Any,
@@ -570,9 +578,10 @@ class GroupComm(Comm):
         every = self.all_gather_object(obj, what)
         return every if self.rank == to else None
 
-    def _issue_all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp) -> Any:
+    def _issue_all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp | dist.ReduceOp.RedOpType) -> Any:
         opts = dist.AllreduceOptions()
-        opts.reduceOp = op
+        # ReduceOp.SUM is a RedOpType member; the option takes a ReduceOp
+        opts.reduceOp = dist.ReduceOp(op) if isinstance(op, dist.ReduceOp.RedOpType) else op
         return self.group.allreduce([tensor], opts)
 
     def _issue_broadcast(self, tensor: torch.Tensor, root: int) -> Any:

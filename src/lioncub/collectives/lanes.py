@@ -37,6 +37,7 @@ class LaneVote(SignVote):
 
     name = "lanes"
     facts = transports.FACTS["lanes"]
+    bits: int  # always a width here (set by the constructor)
 
     def __init__(self, comm: Comm, bits: int | Literal["auto"] = 4, zero_vote: str = "split") -> None:
         super().__init__(comm, zero_vote)

@@ -46,9 +46,10 @@ class ServerVote(SignVote):
         self.root = root
         self.result = "vote" if aggregation == "majority" else "value"
         down = transports.server_down_bits(aggregation, comm.world_size)
-        if down is None:
+        if down is None:  # no width holds the count: this raises, naming it
             packing.require_lane_sum_fits(comm.world_size + 1, 8, 1, what="the server's count lanes")
-        self.down_bits = down
+        assert down is not None, "require_lane_sum_fits raised"
+        self.down_bits: int = down
         self.name = f"server-{aggregation}"
 
     def payload_format(self):

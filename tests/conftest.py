@@ -12,6 +12,7 @@
   collections of the tests' garbage skip them.
 * Tests marked ``@pytest.mark.root`` build emulated networks: skipped, saying what is missing, where this
   process cannot (``emulated_network.netns_missing``).
+* The ``one_rank`` fixture: a one-rank gloo group in the test's process.
 * The ``run_cli`` fixture: ``lioncub ARGV`` in-process with launching refused (``tests/cli_stub.py``).
 
 The map of the suite: tests/README.md. The quick local loop: ``./run test -m "not slow"``; everything:
@@ -21,7 +22,8 @@ The map of the suite: tests/README.md. The quick local loop: ``./run test -m "no
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -87,3 +89,17 @@ def run_cli(
     """``lioncub ARGV`` in-process: (exit code, stderr); -1 if the command reached the launcher (nothing is
     launched)."""
     return cli_runner(capsys, monkeypatch)
+
+
+@pytest.fixture
+def one_rank(tmp_path: Path) -> Iterator[None]:
+    """A one-rank gloo group in this process (the default group), destroyed after the test."""
+    import datetime
+
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
+    yield
+    dist.destroy_process_group()

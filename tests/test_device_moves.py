@@ -22,7 +22,6 @@ from rank 0's.
 from __future__ import annotations
 
 import ast
-import datetime
 import re
 from pathlib import Path
 from typing import Any
@@ -38,16 +37,6 @@ from lioncub.optim.config import resolve_variant
 from processes import run_workers
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def one_rank(tmp_path: Path) -> Any:
-    """A one-rank gloo group in this process."""
-    assert not dist.is_initialized()
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.fixture

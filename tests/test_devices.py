@@ -268,16 +268,6 @@ def test_nccl_point_to_point_pairs_are_posted_as_one_batch(monkeypatch: pytest.M
 # ----------------------------------------------------------------------------- threads, consolidation
 
 
-@pytest.fixture
-def one_rank(tmp_path: Path) -> Any:
-    """A one-rank gloo group in this process."""
-    assert not dist.is_initialized()
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
-    yield
-    dist.destroy_process_group()
-
-
 @pytest.mark.slow
 def test_the_vote_thread_makes_the_parameters_device_current(
     one_rank: Any, monkeypatch: pytest.MonkeyPatch

@@ -604,37 +604,30 @@ def test_frameworks_see_the_shared_parameters_and_resume_from_a_model_only_check
     assert all(torch.equal(a, b) for a, b in zip(r0["C"], r1["C"], strict=True))  # agree after step 8
 
 
-def test_the_window_flags_are_host_flags_and_survive_a_state_dict(tmp_path) -> None:
+def test_the_window_flags_are_host_flags_and_survive_a_state_dict(one_rank: None) -> None:
     """``state[p]["window_grad"]`` (this rank had a gradient for ``p`` in the window) is a 0-dim bool on the
     CPU, not a tensor made on the parameter's device and dtype (on a GPU: an allocation and a fill kernel
     per parameter per window); it is set only for the parameters that had a gradient, and a state dict
     taken in the window's middle carries it."""
-    import datetime
-
     from lioncub.collectives import exchange_when_alone
 
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
-    try:
-        gen = torch.Generator().manual_seed(5)
-        ps = [torch.nn.Parameter(torch.randn(5, 3, generator=gen, dtype=torch.float64)) for _ in range(3)]
-        with exchange_when_alone():
-            opt = LionCub(ps, lr=0.01, variant="1bit", local_steps=LocalSteps(h=4))
-        for step in range(2):
-            for i, p in enumerate(ps[:2]):  # the third parameter has no gradient in this window
-                p.grad = torch.cos(p.detach() * (step + i + 1))
-            opt.step()
-        flags = [opt.state[p].get("window_grad") for p in ps]
-        assert flags[2] is None
-        for flag in flags[:2]:
-            assert (flag.device, flag.dtype, flag.shape) == (torch.device("cpu"), torch.bool, ())
-        saved = opt.state_dict()
-        with exchange_when_alone():
-            again = LionCub(ps, lr=0.01, variant="1bit", local_steps=LocalSteps(h=4))
-        again.load_state_dict(saved)
-        assert [("window_grad" in again.state[p]) for p in ps] == [True, True, False]
-    finally:
-        dist.destroy_process_group()
+    gen = torch.Generator().manual_seed(5)
+    ps = [torch.nn.Parameter(torch.randn(5, 3, generator=gen, dtype=torch.float64)) for _ in range(3)]
+    with exchange_when_alone():
+        opt = LionCub(ps, lr=0.01, variant="1bit", local_steps=LocalSteps(h=4))
+    for step in range(2):
+        for i, p in enumerate(ps[:2]):  # the third parameter has no gradient in this window
+            p.grad = torch.cos(p.detach() * (step + i + 1))
+        opt.step()
+    flags = [opt.state[p].get("window_grad") for p in ps]
+    assert flags[2] is None
+    for flag in flags[:2]:
+        assert (flag.device, flag.dtype, flag.shape) == (torch.device("cpu"), torch.bool, ())
+    saved = opt.state_dict()
+    with exchange_when_alone():
+        again = LionCub(ps, lr=0.01, variant="1bit", local_steps=LocalSteps(h=4))
+    again.load_state_dict(saved)
+    assert [("window_grad" in again.state[p]) for p in ps] == [True, True, False]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])

@@ -12,14 +12,12 @@ step itself runs the whole vote path on CPU tensors of a one-rank gloo group
 from __future__ import annotations
 
 import contextlib
-import datetime
 import time
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from lioncub import LionCub
 from lioncub.collectives import exchange_when_alone
@@ -62,15 +60,6 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: synced.append(d))
     return synced
-
-
-@pytest.fixture
-def one_rank(tmp_path: Path) -> Any:
-    assert not dist.is_initialized()
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
-    yield
-    dist.destroy_process_group()
 
 
 def _model(tensors: int) -> list[torch.nn.Parameter]:

@@ -321,22 +321,27 @@ def worker_sync_bucket_mb(rank: int, world: int) -> list[float]:
     from lioncub.optim import local_steps, policies
 
     seen: list[float] = []
-    for module in (policies, local_steps):
-        real = module.synchronize
-        module.synchronize = lambda *a, _real=real, **k: (
+    modules = (policies, local_steps)
+    real = [module.synchronize for module in modules]
+    for module, sync in zip(modules, real, strict=True):
+        module.synchronize = lambda *a, _real=sync, **k: (
             seen.append(k.get("bucket_mb", -1.0)) or _real(*a, **k)
         )
     x = torch.randn(16, 24, generator=torch.Generator().manual_seed(rank))
-    for options in (
-        dict(variant="1bit", momentum_sync=MomentumSync("all", every=1), bucket_mb=0.01),
-        dict(variant="1bit", local_steps=LocalSteps(h=2, inner_momentum="average"), bucket_mb=0.02),
-    ):
-        model = dense_model()
-        opt = LionCub(model.parameters(), lr=1e-3, **options)
-        for _ in range(2):
-            opt.zero_grad()
-            model(x).square().mean().backward()
-            opt.step()
+    try:
+        for options in (
+            dict(variant="1bit", momentum_sync=MomentumSync("all", every=1), bucket_mb=0.01),
+            dict(variant="1bit", local_steps=LocalSteps(h=2, inner_momentum="average"), bucket_mb=0.02),
+        ):
+            model = dense_model()
+            opt = LionCub(model.parameters(), lr=1e-3, **options)
+            for _ in range(2):
+                opt.zero_grad()
+                model(x).square().mean().backward()
+                opt.step()
+    finally:  # the worker process runs other tests' functions after this one
+        for module, sync in zip(modules, real, strict=True):
+            module.synchronize = sync
     return seen
 
 

@@ -671,13 +671,15 @@ def worker_outer_memory(rank: int, world: int) -> dict:
         params, lr=0.01, variant="1bit", local_steps=LocalSteps(h=2), checks=Checks(nonfinite="raise")
     )
     seen: list[bool] = []
-    rule_step = outer.SignOuter.step
+    rule = opt.policy.rule  # this optimizer's outer rule (patched on the object: the worker process lives on)
+    assert isinstance(rule, outer.SignOuter)
+    rule_step = rule.step
 
-    def watched(self, optimizer, *args):  # the outer rule, with Δ looked at as it starts
-        seen.append(all(p.grad.data_ptr() == optimizer.state[p]["anchor"].data_ptr() for p in params))
-        return rule_step(self, optimizer, *args)
+    def watched(inputs: outer.OuterInputs) -> frozenset[int] | None:  # Δ looked at as the outer step starts
+        seen.append(all(p.grad.data_ptr() == inputs.state[p]["anchor"].data_ptr() for p in params))
+        return rule_step(inputs)
 
-    outer.SignOuter.step = watched
+    rule.step = watched  # type: ignore[method-assign]
     for step in range(1, 5):
         for i, p in enumerate(params):
             p.grad = torch.sin(p.detach() * (i + 2) + step + rank)

@@ -304,9 +304,13 @@ def worker_streams(rank: int, world: int) -> dict:
         entered.append((threading.current_thread().name, s))
         yield
 
+    real = overlap.backward_stream, torch.cuda.stream
     overlap.backward_stream = lambda device: ("backward-stream", rank)
     torch.cuda.stream = stream
-    got = _train(rank, "1bit", True, steps=2)
+    try:
+        got = _train(rank, "1bit", True, steps=2)
+    finally:  # the worker process runs other tests' functions after this one
+        overlap.backward_stream, torch.cuda.stream = real
     return {"entered": entered, "buckets": got["layouts"]}
 
 

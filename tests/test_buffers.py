@@ -33,6 +33,9 @@ from sim_comm import fake_comm
 
 from processes import run_workers
 
+#: every test here runs gloo ranks or stages tens of MB (tests/README.md: slow)
+pytestmark = pytest.mark.slow
+
 DENSE_FILE = os.path.join("collectives", "dense.py")
 
 

@@ -269,6 +269,7 @@ def test_a_generator_state_loaded_onto_another_device_is_accepted() -> None:
         opt.load_state_dict(sd)
 
 
+@pytest.mark.slow
 def test_the_trainer_resume_reads_the_optimizer_onto_the_cpu(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -431,6 +431,7 @@ def test_fault_tolerant_runs_refuse_cuda_before_anything_starts() -> None:
     assert TrainConfig.from_values({"variant": "1bit", "nproc": 2, "device": "cuda"}).run.device == "cuda"
 
 
+@pytest.mark.slow
 def test_lioncub_train_fault_tolerant_cuda_exits_before_training(tmp_path: Path) -> None:
     """The command itself: exit status 2 and the reason on stderr, before the run directory (or a
     lighthouse, a group) exists."""

@@ -36,6 +36,12 @@ class _SimHandle:
             self.done = True
         return self.result
 
+    def tensor(self) -> torch.Tensor:
+        """``Handle.tensor``: the result of an exchange that has one."""
+        result = self.wait()
+        assert result is not None, "this collective has no result tensor"
+        return result
+
 
 def _wire_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The allreduce SUM as the wire computes it: integers wrap modulo 2^bits, floats add in their dtype."""

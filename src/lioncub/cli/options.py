@@ -156,7 +156,12 @@ def _add(
 
 
 def add_flag(
-    parser: Any, name: str, command: str, aliases: tuple[str, ...] = (), *, given_only: bool = False
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    name: str,
+    command: str,
+    aliases: tuple[str, ...] = (),
+    *,
+    given_only: bool = False,
 ) -> None:
     """The flag of the launch option or setting ``name`` (:data:`LAUNCH`, else
     :data:`lioncub.train.config.SETTINGS`) in ``parser`` of ``command`` (``launch``, ``cost``,

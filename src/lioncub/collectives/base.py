@@ -183,6 +183,13 @@ class Handle:
                 self.comm.retire(self.works)
         return self.result
 
+    def tensor(self) -> torch.Tensor:
+        """:meth:`wait`, for an exchange that has a result tensor (an allreduce's, a gather's)."""
+        result = self.wait()
+        if result is None:
+            raise RuntimeError(f"{self.what}: this exchange has no result tensor")
+        return result
+
     def _error(self, err: BaseException) -> CollectiveError:
         comm = self.comm
         where = f"rank {comm.rank}/{comm.world_size}" if comm is not None else "this rank"
@@ -522,7 +529,7 @@ class GroupComm(Comm):
     """
 
     #: torchft's process group object (c10d's ``ProcessGroup`` interface), not one torch.distributed knows
-    group: Any
+    group: dist.ProcessGroup
 
     def __init__(
         self,

@@ -60,4 +60,4 @@ class LaneVote(SignVote):
         lanes = packing.pack_lanes(self.votes(local, step), self.bits) if encoded is None else encoded
         handle = self.comm.all_reduce(lanes, f"{self.bits}-bit vote allreduce")
         table = LaneTable.signs(range(1 << self.bits), 2, -n)  # a lane counts "+" votes: sign(2·count − N)
-        return Pending(lambda: LaneTable(handle.wait(), self.bits, table, d))  # type: ignore[arg-type]
+        return Pending(lambda: LaneTable(handle.tensor(), self.bits, table, d))

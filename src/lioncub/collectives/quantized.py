@@ -107,9 +107,9 @@ class QuantizedVote(SignVote):
             return Pending(lambda: Decoded(torch.sign(levels).to(torch.int8)))
         if self.bits == 8:
             handle = self.comm.all_reduce(levels, f"int8 {self.quantizer} allreduce")
-            return Pending(lambda: SignOfSum(handle.wait()))  # type: ignore[arg-type]
+            return Pending(lambda: SignOfSum(handle.tensor()))
         bits = int(self.bits or 8)  # 2 or 4 here (set in __init__)
         lanes = packing.pack_lanes(packing.offset_encode(levels, self.levels), bits)
         handle = self.comm.all_reduce(lanes, f"{bits}-bit {self.quantizer} allreduce")
         table = LaneTable.signs(range(1 << bits), 1, -n * self.levels)  # lane Σ(q_i + s) → sign(Σ q_i)
-        return Pending(lambda: LaneTable(handle.wait(), bits, table, d))  # type: ignore[arg-type]
+        return Pending(lambda: LaneTable(handle.tensor(), bits, table, d))

@@ -33,7 +33,7 @@ class SignSumVote(SignVote):
         if self.comm.alone:
             return Pending(lambda: Decoded(signs))
         handle = self.comm.all_reduce(signs, "int8 sign allreduce")
-        return Pending(lambda: SignOfSum(handle.wait()))  # type: ignore[arg-type]
+        return Pending(lambda: SignOfSum(handle.tensor()))
 
 
 class AverageVote(SignSumVote):
@@ -50,4 +50,4 @@ class AverageVote(SignSumVote):
             return Pending(lambda: Decoded(signs.to(local.dtype)))
         handle = self.comm.all_reduce(signs, "int8 sign allreduce (average)")
         out = self.buffer(key, "average", local.numel(), local.dtype)  # reused: no fresh pages per step
-        return Pending(lambda: MeanOfSigns(handle.wait(), n, out))  # type: ignore[arg-type]
+        return Pending(lambda: MeanOfSigns(handle.tensor(), n, out))

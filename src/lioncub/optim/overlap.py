@@ -63,7 +63,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -77,13 +76,13 @@ __all__ = ["OverlapHook", "overlap_group"]
 _log = logging.getLogger("lioncub")
 
 
-def backward_stream(device: torch.device) -> Any:
+def backward_stream(device: torch.device) -> torch.cuda.Stream | None:
     """The calling thread's current CUDA stream on ``device`` (in the hook: the backward's, which autograd
     makes current for the ops that produced the gradients), or ``None`` off a GPU."""
     return torch.cuda.current_stream(device) if device.type == "cuda" else None
 
 
-def on_stream(stream: Any) -> contextlib.AbstractContextManager[Any]:
+def on_stream(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager[object]:
     """Make ``stream`` current in this thread (``torch.cuda.stream``); nothing for ``None``."""
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
@@ -131,7 +130,7 @@ class OverlapHook:
         self._closed = False
         self._inflight_at_collect: list[Ballot] = []
         self.bucket_numels: list[int] = []
-        self._queue: queue.Queue[tuple[Ballot, int, int, Any] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[Ballot, int, int, torch.cuda.Stream | None] | None] = queue.Queue()
         self._thread = threading.Thread(
             target=self._vote_thread, name=f"lioncub-overlap-rank{self.comm.rank}", daemon=True
         )
@@ -229,7 +228,7 @@ class OverlapHook:
     # the device: a synchronize there would stall the backward it overlaps.
 
     def _vote_thread(self) -> None:
-        previous: tuple[Ballot, int, int, Any] | None = None
+        previous: tuple[Ballot, int, int, torch.cuda.Stream | None] | None = None
         try:  # the current CUDA device is per host thread: the kernels and NCCL work run on the rank's GPU
             self.comm.bind_thread()
         except BaseException as err:  # raised by the next step()

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from lioncub._validate import is_int
-from lioncub.collectives import Comm
+from lioncub.collectives import Comm, Vote
 from lioncub.optim.config import ONE_BIT_VOTES, PRESETS, VoteConfig
 from lioncub.optim.engine import StepEngine
 from lioncub.optim.local_steps import LocalSteps
@@ -53,7 +53,7 @@ class StateOwner:
     local_steps: LocalSteps | None
 
 
-def state_meta(owner: StateOwner, step: int, vote: Any) -> dict[str, Any]:
+def state_meta(owner: StateOwner, step: int, vote: Vote) -> dict[str, Any]:
     """``sd["lioncub"]`` of a :class:`~lioncub.optim.LionCub` at optimizer ``step`` (``vote``: the one
     whose stochastic quantizer's stream is saved: the overlap hook's when overlapping)."""
     local = owner.local_steps

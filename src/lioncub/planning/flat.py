@@ -185,6 +185,7 @@ def wire_bytes(variant: Variant, d: int, n_workers: int, rank: int = 0) -> tuple
 
 # ------------------------------------------------------------------------------ a step, summed once
 
+
 class Counted(Protocol):
     """What :func:`charge` needs of an item: a frozen dataclass with a ``count`` (times per step)."""
 

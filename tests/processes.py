@@ -104,6 +104,11 @@ def _run_rank(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=pg_timeout),
         )
+        # Every rank has finished connecting before any runs ``fn``: a rank whose ``fn`` returns at once
+        # (a non-member of a subgroup) would otherwise destroy its group, and close its sockets, while a
+        # slower peer was still inside gloo's connectFullMesh ("Connection closed by peer" there, seen in
+        # CI on 2 loaded cores)
+        dist.barrier()
         try:
             result = fn(rank, world_size, *args)
         finally:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from lioncub._validate import is_int, is_number
+from lioncub._validate import NO_VALUE, Named, OptionError, is_int, is_number
 from lioncub.optim.config import VoteConfig, resolve_variant, variant_name
 from lioncub.optim.lion import check_lion_hyperparameters, check_no_duplicates
 from lioncub.optim.local_steps import LocalSteps
@@ -44,7 +44,7 @@ def check_options(
 ) -> None:
     """The constructor's checks of its keyword options (each error names the option)."""
     if not is_number(bucket_mb, gt=0):
-        raise ValueError(f"bucket_mb={bucket_mb!r} must be a finite number of MiB > 0")
+        raise OptionError("LionCub", "bucket_mb", bucket_mb, "must be a finite number of MiB > 0")
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(
             f"model={model!r} must be the torch.nn.Module whose parameters are optimized, or None"
@@ -52,11 +52,15 @@ def check_options(
     if not isinstance(checks, Checks):
         raise TypeError(f"checks={checks!r} must be a lioncub.optim.Checks(...)")
     if not is_int(diagnostics_every, 0):
-        raise ValueError(f"diagnostics_every={diagnostics_every!r} must be an int >= 0 (0: off)")
+        raise OptionError("LionCub", "diagnostics_every", diagnostics_every, "must be an int >= 0 (0: off)")
     if diagnostics_every and config.transport == "dense":
-        raise ValueError(
-            f"diagnostics_every: variant={variant!r} does not vote (global Lion); the vote "
-            "diagnostics apply to the voting variants"
+        raise OptionError(
+            "LionCub",
+            "diagnostics_every",
+            NO_VALUE,
+            "{variant} does not vote (global Lion); the vote diagnostics apply to the voting variants",
+            sep=": ",
+            variant=Named("LionCub", "variant", variant),
         )
 
 
@@ -92,15 +96,25 @@ def check_local_steps(
     sync = momentum_sync.params if isinstance(momentum_sync, MomentumSync) else momentum_sync
     h = local_steps.h
     if sync != "none":
-        raise ValueError(
-            f"momentum_sync={sync!r} with local_steps={h}: the ranks vote every {h} steps and their inner "
-            "momenta are local between outer steps; inner_momentum='average' averages them at each outer step"
+        raise OptionError(
+            "LionCub",
+            "momentum_sync",
+            sync,
+            f"with {{h}}: the ranks vote every {h} steps and their inner momenta are local between outer "
+            "steps; {average} averages them at each outer step",
+            h=Named("LionCub", "local_steps", h),
+            average=Named("LocalSteps", "inner_momentum", "average"),
         )
     if diagnostics_every:
-        raise ValueError(
-            f"diagnostics_every={diagnostics_every!r} with local_steps={h}: the ranks vote every {h} steps "
-            "and the vote diagnostics describe a vote every step; drop diagnostics_every (or local_steps, "
-            "for the per-step vote)"
+        raise OptionError(
+            "LionCub",
+            "diagnostics_every",
+            diagnostics_every,
+            f"with {{h}}: the ranks vote every {h} steps and the vote diagnostics describe a vote every "
+            "step; drop {diagnostics} (or {local_steps}, for the per-step vote)",
+            h=Named("LionCub", "local_steps", h),
+            diagnostics=Named("LionCub", "diagnostics_every"),
+            local_steps=Named("LionCub", "local_steps"),
         )
     return local_steps
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from lioncub import transports
-from lioncub._validate import is_int, is_number
+from lioncub._validate import Named, OptionError, is_int, is_number
 from lioncub.transports import AGGREGATIONS, TOPOLOGIES, TRANSPORTS, ZERO_VOTES
 
 __all__ = [
@@ -169,7 +169,8 @@ class VoteConfig:
                 f"allowed: {allowed}"
             )
         if self.transport == "quantized" and self.quantizer not in quantize.QUANTIZERS:
-            raise ValueError(f"quantizer={self.quantizer!r} is not one of {sorted(quantize.QUANTIZERS)}")
+            names = sorted(quantize.QUANTIZERS)
+            raise OptionError("VoteConfig", "quantizer", self.quantizer, f"is not one of {names}")
         if facts.widths:
             if isinstance(self.bits, bool) or self.bits not in (*facts.widths, "auto"):
                 raise ValueError(
@@ -183,9 +184,11 @@ class VoteConfig:
         if self.transport != "quantized":
             for name in ("quantizer", "quantizer_options"):
                 if getattr(self, name):
-                    raise ValueError(
-                        f"{name}={getattr(self, name)!r} applies only to transport='quantized', "
-                        f"not transport={self.transport!r}"
+                    raise OptionError(
+                        "VoteConfig",
+                        name,
+                        getattr(self, name),
+                        f"applies only to transport='quantized', not transport={self.transport!r}",
                     )
         if self.wire_dtype is not None and self.wire_dtype_name not in _WIRE_BITS:
             raise ValueError(
@@ -207,16 +210,27 @@ class VoteConfig:
                 if self.topology == "auto"
                 else ""
             )
-            raise ValueError(f"topology={self.topology!r}: allowed values are {list(TOPOLOGIES)}{auto}")
+            raise OptionError(
+                "VoteConfig",
+                "topology",
+                self.topology,
+                f"allowed values are {list(TOPOLOGIES)}{auto}",
+                sep=": ",
+            )
         if self.topology == "node-majority" and self.topology not in facts.topologies:
-            raise ValueError(
-                f"topology='node-majority' applies to the 1-bit vote (variant '1bit'), not to "
-                f"transport={self.transport!r}"
+            raise OptionError(
+                "VoteConfig",
+                "topology",
+                self.topology,
+                f"applies to the 1-bit vote (variant '1bit'), not to transport={self.transport!r}",
             )
         if self.topology not in facts.topologies:
-            raise ValueError(
-                f"topology={self.topology!r} applies to the votes, not to transport={self.transport!r} (the "
-                "dense presets leave the gradient allreduce to the backend; the parameter server is a star)"
+            raise OptionError(
+                "VoteConfig",
+                "topology",
+                self.topology,
+                f"applies to the votes, not to transport={self.transport!r} (the dense presets leave the "
+                "gradient allreduce to the backend; the parameter server is a star)",
             )
         return self
 
@@ -236,14 +250,20 @@ class VoteConfig:
         if not is_int(self.seed):
             raise ValueError(f"seed={self.seed!r} must be an int")
         if self.zero_vote not in ZERO_VOTES:
-            raise ValueError(f"zero_vote={self.zero_vote!r}: allowed values are {list(ZERO_VOTES)}")
+            allowed = list(ZERO_VOTES)
+            raise OptionError(
+                "VoteConfig", "zero_vote", self.zero_vote, f"allowed values are {allowed}", sep=": "
+            )
         if self.zero_vote != "split" and self.transport not in ONE_BIT_VOTES:
             one_bit = [name for name, p in PRESETS.items() if p.transport in ONE_BIT_VOTES]
             these = [name for name, p in PRESETS.items() if p.transport == self.transport]
-            raise ValueError(
-                f"zero_vote={self.zero_vote!r} applies to the one-bit votes (transports "
-                f"{list(ONE_BIT_VOTES)}: variants {', '.join(one_bit)}); transport={self.transport!r} "
-                f"(variant {', '.join(these) or 'custom'}) carries an exact zero as 0"
+            raise OptionError(
+                "VoteConfig",
+                "zero_vote",
+                self.zero_vote,
+                f"applies to the one-bit votes (transports {list(ONE_BIT_VOTES)}: variants "
+                f"{', '.join(one_bit)}); transport={self.transport!r} (variant "
+                f"{', '.join(these) or 'custom'}) carries an exact zero as 0",
             )
 
     def update_rule(self) -> dict[str, Any]:
@@ -341,10 +361,15 @@ def resolve_variant(variant: str, **overrides: Any) -> VoteConfig:
     transport = changes.get("transport", PRESETS[variant].transport)
     if transport != "quantized":
         given = [k for k in _QUANTIZED_KNOBS if overrides.get(k) is not None]
-        if given:
-            raise ValueError(
-                f"{', '.join(f'{k}={overrides[k]!r}' for k in given)}: applies only to the quantized vote "
-                f"(variant '8bit', or transport='quantized'); variant={variant!r} has transport={transport!r}"
+        if given:  # the first is the subject, the others (not the command line's) follow it
+            raise OptionError(
+                "VoteConfig",
+                given[0],
+                overrides[given[0]],
+                "applies only to the quantized vote (variant '8bit', or transport='quantized'); {variant} "
+                f"has transport={transport!r}",
+                sep="".join(f", {k}={overrides[k]!r}" for k in given[1:]) + ": ",
+                variant=Named("LionCub", "variant", variant),
             )
     bits = overrides.get("bits")
     facts = transports.FACTS.get(transport)

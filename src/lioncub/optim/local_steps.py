@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from lioncub._validate import is_int, is_number
+from lioncub._validate import Named, OptionError, is_int, is_number
 from lioncub.collectives import Comm
 from lioncub.optim.config import INNER_MOMENTA
 from lioncub.optim.context import StepContext
@@ -61,6 +61,11 @@ def default_outer_lr(outer: str, h: int) -> float:
     """``outer_lr`` where none is given: the rule's default at H = ``h`` (vote, dsm: min(1, √(8/H));
     diloco: 0.7)."""
     return OUTER_RULES[outer].default_lr(h)
+
+
+def _error(option: str, value: Any, problem: str, sep: str = " ") -> OptionError:
+    """:class:`LocalSteps`' error of ``option``: ``LocalSteps: option=value problem``."""
+    return OptionError("LocalSteps", option, value, problem, sep=sep, prefix="LocalSteps: ")
 
 
 @dataclass(frozen=True)
@@ -90,33 +95,31 @@ class LocalSteps:
         if isinstance(self.outer_betas, list):  # a config file's form: hashable, as the dataclass is
             object.__setattr__(self, "outer_betas", tuple(self.outer_betas))
         if not is_int(self.h, 1):
-            raise ValueError(f"LocalSteps: h={self.h!r} must be an int >= 1 (inner steps per outer step)")
+            raise _error("h", self.h, "must be an int >= 1 (inner steps per outer step)")
         if self.outer not in OUTER_RULES:
-            raise ValueError(f"LocalSteps: outer={self.outer!r}: allowed values are {list(OUTER_RULES)}")
+            raise _error("outer", self.outer, f"allowed values are {list(OUTER_RULES)}", sep=": ")
         if self.outer_lr is not None and not is_number(self.outer_lr, gt=0):
-            raise ValueError(f"LocalSteps: outer_lr={self.outer_lr!r} must be a finite number > 0")
+            raise _error("outer_lr", self.outer_lr, "must be a finite number > 0")
         betas = self.outer_betas
         if betas is not None and not (
             isinstance(betas, (tuple, list))
             and len(betas) == 2
             and all(is_number(b, ge=0, lt=1) for b in betas)
         ):
-            raise ValueError(f"LocalSteps: outer_betas={betas!r} must be two numbers in [0, 1)")
+            raise _error("outer_betas", betas, "must be two numbers in [0, 1)")
         if not is_number(self.outer_weight_decay, ge=0):
-            raise ValueError(
-                f"LocalSteps: outer_weight_decay={self.outer_weight_decay!r} must be a number >= 0"
-            )
+            raise _error("outer_weight_decay", self.outer_weight_decay, "must be a number >= 0")
         if not OUTER_RULES[self.outer].decays and self.outer_weight_decay:
-            raise ValueError(
-                f"LocalSteps: outer_weight_decay={self.outer_weight_decay!r} applies to the sign steps "
-                "(outer='vote', 'dsm'); DiLoCo's outer step is Nesterov SGD, without a decay of its own (the "
-                "param groups' weight_decay is applied at every outer step already)"
+            raise _error(
+                "outer_weight_decay",
+                self.outer_weight_decay,
+                "applies to the sign steps (outer='vote', 'dsm'); DiLoCo's outer step is Nesterov SGD, "
+                "without a decay of its own (the param groups' weight_decay is applied at every outer step "
+                "already)",
             )
         if self.inner_momentum not in INNER_MOMENTA:
             allowed = list(INNER_MOMENTA)
-            raise ValueError(
-                f"LocalSteps: inner_momentum={self.inner_momentum!r}: allowed values are {allowed}"
-            )
+            raise _error("inner_momentum", self.inner_momentum, f"allowed values are {allowed}", sep=": ")
 
     @property
     def lr(self) -> float:
@@ -132,9 +135,17 @@ class LocalSteps:
     def check_variant(self, transport: str, variant: str) -> None:
         """``ValueError`` when the rule needs a dense exchange and ``variant`` (``transport``) is not one."""
         if OUTER_RULES[self.outer].dense and transport != "dense":
-            raise ValueError(
-                f"local_steps: outer={self.outer!r} averages the pseudo-gradients in fp32 or bf16: use "
-                f"variant='32bit' or variant='16bit', not variant={variant!r} (outer='vote' takes the votes)"
+            raise OptionError(
+                "LocalSteps",
+                "outer",
+                self.outer,
+                "averages the pseudo-gradients in fp32 or bf16: use {fp32} or {bf16}, not {variant} "
+                "({vote} takes the votes)",
+                prefix="local_steps: ",
+                fp32=Named("LionCub", "variant", "32bit"),
+                bf16=Named("LionCub", "variant", "16bit"),
+                variant=Named("LionCub", "variant", variant),
+                vote=Named("LocalSteps", "outer", "vote"),
             )
 
     def describe(self) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from lioncub._validate import is_int
+from lioncub._validate import OptionError, is_int
 from lioncub.collectives import Comm
 
 __all__ = [
@@ -66,7 +66,10 @@ class Checks:
         if not is_int(self.replica_check_every, 0):
             raise ValueError(f"replica_check_every={self.replica_check_every!r} must be an int >= 0")
         if self.nonfinite not in NONFINITE_MODES:
-            raise ValueError(f"nonfinite={self.nonfinite!r}: allowed values are {list(NONFINITE_MODES)}")
+            allowed = list(NONFINITE_MODES)
+            raise OptionError(
+                "Checks", "nonfinite", self.nonfinite, f"allowed values are {allowed}", sep=": "
+            )
 
 
 #: int32 words every rank all-gathers once per step (:func:`check_step`)

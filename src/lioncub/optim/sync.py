@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lioncub._validate import is_int
+from lioncub._validate import OptionError, is_int
 from lioncub.collectives import Comm
 
 __all__ = ["MomentumSync", "find_io_parameters", "select_parameters", "synchronize"]
@@ -131,7 +131,9 @@ class MomentumSync:
 
     def __post_init__(self) -> None:
         if not is_int(self.every, 1):
-            raise ValueError(f"MomentumSync: every={self.every!r} must be an int >= 1 (steps)")
+            raise OptionError(
+                "MomentumSync", "every", self.every, "must be an int >= 1 (steps)", prefix="MomentumSync: "
+            )
         if self.until is not None and not is_int(self.until, 0):
             raise ValueError(f"MomentumSync: until={self.until!r} must be None or an int >= 0 (steps)")
         if self.exp_k is not None and not is_int(self.exp_k, 1):

@@ -6,8 +6,9 @@ The vote (:class:`~lioncub.optim.VoteConfig`, from ``resolve_variant``), :class:
 checks it (``lioncub.optim.arguments``): :meth:`lioncub.train.config.TrainConfig.__post_init__` validates
 a run by building them, and the driver (the vote's lanes), the loop (``LionCub``'s arguments, the vote
 whose bytes the nodes count) and a replica group (torchft's DiLoCo's outer rule) take them from here.
-Each object is built from the settings named with it (:data:`STEPS`), so that an error of the optimizer
-is written with those settings' flags (:func:`lioncub.train.settings.spell_message`).
+The optimizer's :class:`~lioncub._validate.OptionError` names the option at fault (and the others its
+message mentions) in parts; :func:`_flags` writes it with the settings' flags
+(:func:`lioncub.train.settings.flag_message`). Other errors keep the optimizer's wording.
 """
 
 from __future__ import annotations
@@ -17,29 +18,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from lioncub._validate import OptionError
 from lioncub.names import BASELINES, PEER_VARIANTS
 from lioncub.optim.arguments import check_local_steps, check_options
 from lioncub.optim.config import VoteConfig, resolve_variant
 from lioncub.optim.local_steps import LocalSteps
 from lioncub.optim.step_check import Checks
 from lioncub.optim.sync import MomentumSync
-from lioncub.train.settings import Described, spell_message
+from lioncub.train.settings import Described, flag_message
 
-__all__ = ["STEPS", "OptimizerParts", "optimizer_parts"]
-
-#: what :func:`optimizer_parts` builds, in order: the optimizer's object (the prefix of its messages) and
-#: the settings it is built from, whose flags its messages are written with
-STEPS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "vote": ("", ("variant", "quantizer", "topology", "zero_vote")),
-    "checks": ("", ("nonfinite",)),
-    "momentum_sync": ("MomentumSync", ("momentum_sync", "sync_every")),
-    "options": ("", ("variant", "bucket_mb", "diagnostics_every")),
-    "local_steps": ("LocalSteps", ("local_steps", "outer", "outer_lr", "outer_betas", "inner_momentum")),
-    "local_options": (
-        "local_steps",
-        ("variant", "outer", "local_steps", "momentum_sync", "diagnostics_every", "inner_momentum"),
-    ),
-}
+__all__ = ["OptimizerParts", "optimizer_parts"]
 
 
 @dataclass(frozen=True)
@@ -62,13 +50,12 @@ class OptimizerParts:
 
 
 @contextmanager
-def _flags(step: str, settings: dict[str, Described]) -> Iterator[None]:
-    """Errors of the object ``step`` of :data:`STEPS` written with the flags of its settings."""
-    owner, names = STEPS[step]
+def _flags(settings: dict[str, Described]) -> Iterator[None]:
+    """The optimizer's :class:`~lioncub._validate.OptionError` written with the flags of ``settings``."""
     try:
         yield
-    except ValueError as exc:
-        raise ValueError(spell_message(str(exc), [settings[n] for n in names], owner)) from None
+    except OptionError as exc:
+        raise ValueError(flag_message(exc, settings)) from None
 
 
 def optimizer_parts(opt: Any, settings: dict[str, Described], topology: str | None = None) -> OptimizerParts:
@@ -80,22 +67,18 @@ def optimizer_parts(opt: Any, settings: dict[str, Described], topology: str | No
     variant = "32bit" if opt.variant in PEER_VARIANTS else opt.variant  # DiLoCo: lioncub's dense outer rule
     chosen = opt.topology if opt.topology != "auto" else topology or "hierarchical"
     try:
-        with _flags("vote", settings):
+        with _flags(settings):
             vote = resolve_variant(variant, quantizer=opt.quantizer, topology=chosen, zero_vote=opt.zero_vote)
     except ValueError as exc:
         raise ValueError(f"--topology auto: {exc}" if opt.topology == "auto" else str(exc)) from None
-    with _flags("checks", settings):
+    with _flags(settings):
         checks = Checks(broadcast_init=False, nonfinite=opt.nonfinite)
-    with _flags("momentum_sync", settings):
         sync = MomentumSync(opt.momentum_sync, every=opt.sync_every)
-    with _flags("options", settings):
         check_options(vote, variant, opt.bucket_mb, None, checks, opt.diagnostics_every)
-    local = None
-    if opt.local_steps is not None:
-        with _flags("local_steps", settings):
+        local = None
+        if opt.local_steps is not None:
             local = LocalSteps(
                 opt.local_steps, opt.outer, opt.outer_lr, opt.outer_betas, inner_momentum=opt.inner_momentum
             )
-        with _flags("local_options", settings):
             check_local_steps(local, vote, variant, opt.momentum_sync, opt.diagnostics_every)
     return OptimizerParts(variant, vote, checks, sync, local)

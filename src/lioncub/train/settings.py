@@ -7,9 +7,10 @@ the flag and the commands that take it, the ``config.json`` version from which i
 document without it means. From these follow the flags of ``lioncub train`` and ``lioncub compare``
 (:mod:`lioncub.cli.options`), the JSON on disk (:func:`nest`, :func:`flat_document`) and the check of each
 value (:func:`check_value`). A setting the optimizer owns (``owner``: ``VoteConfig``, ``LocalSteps``, ...) is
-checked by building the optimizer's own object instead, whose messages name each option ``name=value``;
-:func:`spell_message` writes them with the flags of the settings the object was built from
-(:func:`lioncub.train.parts.optimizer_parts` carries them with each object).
+checked by building the optimizer's own object instead (:func:`lioncub.train.parts.optimizer_parts`),
+whose :class:`~lioncub._validate.OptionError` names the option in parts (its owner, name, value and
+problem); :func:`flag_message` writes it with the settings' flags, looking the option up here by its
+owner and ``knob`` or its name -- never by reading the text.
 
 ``config.json`` is versioned (:data:`CONFIG_VERSION`): version 1 is the flat object of every lioncub
 before the parts (a key per setting, those unset left out), version 2 the nested one, version 3 adds
@@ -20,14 +21,13 @@ the next version as its ``since``; a document of an older version lacks it and m
 from __future__ import annotations
 
 import dataclasses
-import re
 import types
 import typing
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lioncub._validate import is_int, is_number
+from lioncub._validate import NO_VALUE, Named, OptionError, is_int, is_number
 from lioncub.names import CONFIG_VERSION_KEY, config_entries, config_version
 
 __all__ = [
@@ -36,11 +36,11 @@ __all__ = [
     "Setting",
     "check_value",
     "described",
+    "flag_message",
     "flat_document",
     "nest",
     "setting",
     "spell",
-    "spell_message",
 ]
 
 #: the version of the ``config.json`` lioncub writes: 1 flat (every run before the parts), 2 nested, 3 with
@@ -186,32 +186,28 @@ def check_value(d: Described, value: Any) -> None:
         raise ValueError(f"{d.flag} {value!r} must be {names}")
 
 
-#: ``name=value`` as the optimizer's messages write an option (the value a repr: quoted, bracketed or a word)
-_KNOB = re.compile(r"\b([a-z][a-z0-9_]*)=('[^']*'|\[[^\]]*\]|\([^)]*\)|[^\s,;:)\]]+)")
+def flag_message(exc: OptionError, settings: Mapping[str, Described]) -> str:
+    """``exc``'s message as the command line says it: each option it names (:class:`~lioncub._validate.Named`)
+    that is one of the optimizer's ``settings`` as its flag (``--outer-lr 0``, ``--diagnostics-every``),
+    the owner's prefix (``LocalSteps: ``) dropped; where the option at fault has no flag
+    (``outer_weight_decay``), the Python wording, ``str(exc)``. An option is a setting's by its ``knob``
+    (``LocalSteps``' ``h``: ``--local-steps``) where the owners agree, else by the setting's name."""
+    flagged = [d for d in settings.values() if d.part == "optimizer" and d.setting.commands]
+    knobs = {(d.setting.owner, d.setting.knob): d for d in flagged if d.setting.knob}
+    names = {d.name: d for d in flagged}
 
+    def lookup(named: Named) -> Described | None:
+        return knobs.get((named.owner, named.option)) or names.get(named.option)
 
-def spell_message(message: str, settings: Iterable[Described], owner: str = "") -> str:
-    """The message of the optimizer's object ``owner`` (``"LocalSteps"``, ...) built from ``settings``
-    (those and only those, as the caller built it) as the command line says it: the owner's prefix
-    (``LocalSteps: ``) dropped, each ``knob=value`` of one of these settings (its ``knob``, or its name) as
-    its flag and value (``--outer-lr 0``), each other mention of such a name with an ``_``
-    (``diagnostics_every``) as its flag. Other names and values stay as the optimizer wrote them."""
-    flagged = [d for d in settings if d.setting.commands]
-    by_knob = {**{d.name: d for d in flagged}, **{d.setting.knob: d for d in flagged if d.setting.knob}}
-
-    def knob(match: re.Match[str]) -> str:
-        d = by_knob.get(match[1])
+    def written(named: Named) -> str:
+        d = lookup(named)
         if d is None:
-            return match[0]
-        text = match[2][1:-1] if match[2].startswith("'") else match[2]
-        return f"{d.flag} {text}"
+            return named.python()
+        return d.flag if named.value is NO_VALUE else spell(d, named.value)
 
-    text = _KNOB.sub(knob, message.removeprefix(f"{owner}: ") if owner else message)
-    names = {d.name: d for d in flagged if "_" in d.name}
-    if not names:
-        return text
-    mention = rf"(?<![\w-])({'|'.join(map(re.escape, names))})(?![\w=])"
-    return re.sub(mention, lambda m: names[m[1]].flag, text)
+    if lookup(exc.subject) is None:
+        return str(exc)
+    return exc.render(written, prefix="")
 
 
 def nest(values: Mapping[str, Any], settings: Mapping[str, Described]) -> dict[str, Any]:

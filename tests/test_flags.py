@@ -4,6 +4,8 @@ declaration."""
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import pickle
 
 import pytest
@@ -14,6 +16,7 @@ from lioncub.optim.arguments import check_local_steps
 from lioncub.optim.config import PRESETS
 from lioncub.train.config import SETTINGS, TrainConfig
 from lioncub.train.settings import flag_message
+from lioncub.train.shared import SHARED
 
 
 def _error(make) -> OptionError:
@@ -75,3 +78,65 @@ def test_no_message_text_is_parsed() -> None:
         "diagnostics_every: off",
         "--diagnostics-every: off",
     )
+
+
+def _parsers() -> dict[str, argparse.ArgumentParser]:
+    """Every command's parser, as ``lioncub COMMAND`` builds it."""
+    from lioncub.cli import COMMANDS
+
+    out = {}
+    for command, (module, _) in COMMANDS.items():
+        parser = argparse.ArgumentParser(prog=f"lioncub {command}")
+        importlib.import_module(module).add_arguments(parser)
+        out[command] = parser
+    return out
+
+
+def test_a_flag_of_several_commands_is_declared_once() -> None:
+    """A flag that two commands take is one description (``cli.options.LAUNCH`` or ``SETTINGS``, added by
+    ``add_flag``): the same type, choices, metavar and help everywhere, and one default besides None (a
+    command that tells a flag given from one left out); or its reason is in ``options.DISTINCT``."""
+    from lioncub.cli.options import DISTINCT, LAUNCH, _help
+
+    described = {d.flag: d for d in [*SETTINGS.values(), *SHARED.values(), *LAUNCH.values()]}
+    by_flag: dict[str, dict[str, argparse.Action]] = {}
+    for command, parser in _parsers().items():
+        for action in parser._actions:
+            for flag in action.option_strings:
+                if flag.startswith("--") and flag not in ("--help", "--version"):
+                    by_flag.setdefault(flag, {})[command] = action
+    shared = {flag: actions for flag, actions in by_flag.items() if len(actions) > 1}
+    assert sorted(set(DISTINCT) - set(shared)) == []  # no reason left for a flag no longer shared
+    for flag, actions in shared.items():
+        if flag in DISTINCT:
+            continue
+        assert flag in described, f"{flag} ({sorted(actions)}) is written by hand: declare it once, add_flag"
+        d = described[flag]
+        for command, action in actions.items():
+            assert command in d.setting.commands, (flag, command)
+            assert action.help == _help(d), (flag, command)
+        kinds = {(type(a), a.type, tuple(a.choices or ()), a.metavar, a.dest) for a in actions.values()}
+        assert len(kinds) == 1, (flag, kinds)
+        defaults = {repr(a.default) for a in actions.values() if a.default is not None}
+        assert len(defaults) <= 1, (flag, defaults)
+    # the issue's two: one --nproc-per-node, one --timeout (the job's, calibrate's too)
+    assert {"launch", "cost", "calibrate", "train", "compare"} <= set(shared["--nproc-per-node"])
+    assert {a.default for a in shared["--timeout"].values()} == {LAUNCH["timeout"].default}
+
+
+def test_how_a_run_starts_is_checked_beside_the_configuration() -> None:
+    """``check_start`` and ``check_auto`` (train/config.py), not the command line's own code: a Python
+    caller gets the same refusals, naming the flags."""
+    from lioncub.train.config import check_auto, check_start
+
+    ft = TrainConfig.from_values({"fault_tolerant": True, "variant": "1bit", "nproc": 2})
+    with pytest.raises(ValueError, match=r"^--resume with --fault-tolerant: "):
+        check_start(ft, resume=True, inside_job=False)
+    with pytest.raises(ValueError, match=r"^--fault-tolerant inside a job "):
+        check_start(ft, resume=False, inside_job=True)
+    check_start(ft.replace(fault_tolerant=False), resume=True, inside_job=True)
+    with pytest.raises(ValueError, match=r"^--variant auto with --outer dsm: .* --outer dsm$"):
+        check_auto({"outer": "dsm"}, resume=False, inside_job=False)
+    with pytest.raises(ValueError, match=r"^--variant auto with --local-steps 4: auto chooses H"):
+        check_auto({"local_steps": 4, "outer": None}, resume=False, inside_job=False)
+    check_auto({"outer": None, "local_steps": None}, resume=False, inside_job=False)

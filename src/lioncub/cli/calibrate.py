@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lioncub import env
-from lioncub.cli.options import add_flag, real_number, whole_number
+from lioncub._validate import is_number
+from lioncub.cli.options import add_flag, whole_number
 from lioncub.planning.costmodel import OPS, parse_count
 
 #: what a rank imports, preloaded once for the ranks forked under --nproc (no optimizer: no torch._dynamo)
@@ -114,37 +115,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="COUNT",
         help="elements of the compute benchmarks, e.g. 4M (0: skip them; default 4194304)",
     )
-    parser.add_argument(
-        "--timeout",
-        type=real_number("a finite number of seconds > 0", 0, low_open=True),
-        default=300.0,
-        metavar="SECONDS",
-        help="process group timeout (default 300)",
-    )
-    parser.add_argument(
-        "--nproc",
-        type=whole_number(1),
-        metavar="N",
-        help="start N ranks with `lioncub launch` (unless inside a job)",
-    )
-    parser.add_argument(
-        "--link",
-        metavar="RATE",
-        help="with --nproc: shape each rank's link; with --nnodes: each node's NIC (needs root)",
-    )
-    parser.add_argument(
-        "--nnodes",
-        type=whole_number(2),
-        metavar="M",
-        help="start M emulated nodes of --nproc-per-node ranks (with --link; unless inside a job) and "
-        "measure both levels",
-    )
+    add_flag(parser, "timeout", "calibrate")  # the job's, as launch's: the process group's is the next
+    add_flag(parser, "collective_timeout", "calibrate")
+    # outside a job: the ranks `lioncub launch` starts (with --nnodes M >= 2, both levels are measured)
+    add_flag(parser, "nproc", "calibrate", given_only=True)
+    add_flag(parser, "link", "calibrate", given_only=True)
+    add_flag(parser, "nnodes", "calibrate")
     add_flag(parser, "nproc_per_node", "calibrate")
-    parser.add_argument(
-        "--intra-link",
-        metavar="RATE",
-        help="with --nnodes: shape each node's loopback, which its ranks share (default unshaped)",
-    )
+    add_flag(parser, "intra_link", "calibrate")
     parser.add_argument(
         "--flat",
         action="store_true",
@@ -170,8 +148,8 @@ def _launch_self(args: argparse.Namespace) -> int:
         ",".join(args.ops),
         "--compute-numel",
         str(args.compute_numel),
-        "--timeout",
-        str(args.timeout),
+        "--collective-timeout",
+        str(args.collective_timeout),
     ]
     if args.sizes is not None:
         argv += ["--sizes", ",".join(str(s) for s in args.sizes)]
@@ -186,7 +164,7 @@ def _launch_self(args: argparse.Namespace) -> int:
             argv,
             nproc=1 if nodes else args.nproc,
             link_rate_bps=parse_rate(args.link) if args.link else None,
-            timeout_s=args.timeout + 60,
+            timeout_s=args.timeout or None,
             nnodes=args.nnodes,
             nproc_per_node=args.nproc_per_node,
             intra_link_rate_bps=parse_rate(args.intra_link, "--intra-link") if args.intra_link else None,
@@ -211,6 +189,11 @@ def _check_layout(args: argparse.Namespace) -> str:
         return (
             f"--nproc {args.nproc} with --nnodes {args.nnodes}: give either --nproc N (N ranks, each its own "
             "link) or --nnodes M --nproc-per-node L (M nodes of L ranks)"
+        )
+    if args.nnodes < 2:
+        return (
+            f"--nnodes {args.nnodes}: the link between nodes needs M >= 2 nodes to measure; for one node "
+            "give --nproc N"
         )
     if args.nproc_per_node is None:
         return f"--nnodes {args.nnodes}: needs --nproc-per-node L (L >= 2), the ranks on each node"
@@ -276,6 +259,8 @@ def _start_job(args: argparse.Namespace) -> int:
         return _fail(layout)
     if args.nnodes is not None:
         return _launch_self(args)
+    if args.nproc is not None and args.nproc < 1:
+        return _fail(f"--nproc {args.nproc} must be an integer >= 1")
     if args.nproc is not None and args.nproc < 2:
         return _fail(f"--nproc {args.nproc}: calibrating the network needs at least 2 ranks")
     if args.nproc is None:
@@ -325,7 +310,7 @@ def _in_job(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     try:
-        created = init_from_env(args.timeout)
+        created = init_from_env(args.collective_timeout)
     except RuntimeError as exc:
         return _fail(str(exc))
     try:
@@ -358,6 +343,10 @@ def run(args: argparse.Namespace) -> int:
     in_job = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
         check_out(args.out)
+        if not is_number(args.collective_timeout, gt=0):
+            raise ValueError(
+                f"--collective-timeout {args.collective_timeout!r} must be a finite number of seconds > 0"
+            )
         if not in_job and not args.link and "allreduce_f32" not in args.ops:
             raise ValueError(
                 f"--ops {','.join(args.ops)}: without --link the link rate is unknown, so the ops must "

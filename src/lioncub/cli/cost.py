@@ -17,7 +17,7 @@ import sys
 from typing import Any
 
 from lioncub.cli.options import add_flag, real_number, whole_number
-from lioncub.optim.config import INNER_MOMENTA, PRESETS
+from lioncub.optim.config import PRESETS
 from lioncub.planning import costmodel as cm
 from lioncub.report.cost import figure, format_count, report, report_cluster
 
@@ -88,12 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workers", type=whole_number(1), metavar="N", help="data-parallel workers, each with its own link"
     )
-    parser.add_argument(
-        "--nnodes",
-        type=whole_number(1),
-        metavar="M",
-        help="instead of --workers: M nodes of --nproc-per-node",
-    )
+    add_flag(parser, "nnodes", "cost")
     add_flag(parser, "nproc_per_node", "cost")
     parser.add_argument(
         "--intra-bandwidth",
@@ -164,18 +159,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="COUNT",
         help="parameters synchronised (default: all; e.g. embedding + head)",
     )
-    parser.add_argument(
-        "--local-steps",
-        type=whole_number(1),
-        metavar="H",
-        help="one vote every H local steps (LionCub local_steps): times and bytes per inner step",
-    )
-    parser.add_argument(
-        "--inner-momentum",
-        choices=INNER_MOMENTA,
-        default=INNER_MOMENTA[0],
-        help="with --local-steps: average prices the inner momenta's fp32 allreduce at each outer step",
-    )
+    add_flag(parser, "local_steps", "cost")
+    add_flag(parser, "inner_momentum", "cost")
     parser.add_argument(
         "--step-compute",
         type=_arg(cm.parse_duration, "--step-compute"),

@@ -44,20 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     add_flag(parser, "nproc", "launch", given_only=True)  # with --nnodes: refused when given
-    parser.add_argument(
-        "--nnodes",
-        type=int,
-        metavar="M",
-        help="emulate M nodes (network namespaces), each with --nproc-per-node ranks behind one --link NIC, "
-        "started by a multi-node torchrun (root)",
-    )
+    add_flag(parser, "nnodes", "launch")
     add_flag(parser, "nproc_per_node", "launch", aliases=("--nproc_per_node",))
-    parser.add_argument(
-        "--link",
-        metavar="RATE",
-        help="give every rank (with --nnodes: every node's NIC) its own link of RATE in each direction (tbf "
-        "in network namespaces; needs root). Faithful up to about 2gbit on a 2-core machine",
-    )
+    add_flag(parser, "link", "launch", given_only=True)  # None: no shaping
     add_flag(parser, "intra_link", "launch")
     parser.add_argument("--mtu", type=int, default=1500, help="MTU of the emulated links (default 1500)")
     parser.add_argument(
@@ -72,20 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="P",
         help=f"MASTER_PORT (default: a free port, {DEFAULT_LINK_PORT} under --link)",
     )
-    parser.add_argument(
-        "--restarts",
-        type=int,
-        default=0,
-        metavar="K",
-        help="restart all ranks up to K times after a failure (default 0)",
-    )
-    parser.add_argument(
-        "--collective-timeout",
-        type=float,
-        metavar="SECONDS",
-        help="set LIONCUB_PG_TIMEOUT for the ranks: every LionCub collective (and `lioncub train`'s process "
-        "group) fails after this long without an answer, naming the rank, the operation and the step",
-    )
+    add_flag(parser, "restarts", "launch")
+    add_flag(parser, "collective_timeout", "launch", given_only=True)  # None: LIONCUB_PG_TIMEOUT unset
     parser.add_argument(
         "--grace",
         type=float,

@@ -1,8 +1,11 @@
 """Options that ``lioncub train`` and ``lioncub compare`` share, written from their descriptions -- the
 settings of a run (:data:`lioncub.train.config.SETTINGS`) and how it is launched (:class:`LaunchOptions`)
 -- and how they become a :class:`~lioncub.train.config.TrainConfig`. Where ``lioncub launch``, ``cost`` or
-``calibrate`` take the same option (``--nproc-per-node``, ``--timeout``), its flag comes from the same
-description (:func:`add_flag`; the setting's ``commands`` name them).
+``calibrate`` take the same option (``--nproc``, ``--nnodes``, ``--nproc-per-node``, ``--link``,
+``--intra-link``, ``--timeout``, ``--collective-timeout``, ``--restarts``, ``--local-steps``,
+``--inner-momentum``), its flag comes from the same description (:func:`add_flag`; the setting's
+``commands`` name them); a name that means different things to different commands is in
+:data:`DISTINCT`, with why.
 
 Each flag's type, choices, metavar and help come from its description, its help ends with the default.
 A setting's flag defaults to None here, so that ``--resume`` tells an option given from one left out.
@@ -11,6 +14,7 @@ A setting's flag defaults to None here, so that ``--resume`` tells an option giv
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 from collections.abc import Callable
@@ -18,7 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from lioncub.launch.config import DEFAULT_TIMEOUT_S
-from lioncub.train.settings import Described, described, setting
+from lioncub.train.settings import Described, described, setting, whole_number
+from lioncub.train.shared import SHARED
 
 __all__ = [
     "LaunchOptions",
@@ -30,21 +35,6 @@ __all__ = [
     "train_run",
     "whole_number",
 ]
-
-
-def whole_number(minimum: int) -> Callable[[str], int]:
-    """An argparse ``type``: a whole number >= ``minimum``."""
-
-    def convert(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be a whole number >= {minimum}, got {value}")
-        return value
-
-    return convert
 
 
 def real_number(
@@ -82,22 +72,39 @@ class LaunchOptions:
         help="allow up to N ranks",
     )
     timeout: float = setting(
-        DEFAULT_TIMEOUT_S, metavar="SECONDS", commands=("train", "compare", "launch"),
+        DEFAULT_TIMEOUT_S, metavar="SECONDS", commands=("train", "compare", "launch", "calibrate"),
         help="stop the job (train, compare: each run) after this long, restarts included; 0: no limit",
     )  # fmt: skip
     collective_timeout: float = setting(
-        600.0, metavar="SECONDS",
+        600.0, metavar="SECONDS", commands=("train", "compare", "launch", "calibrate"),
+        default_text="600; launch: unset, each process group's own",
         help="a collective that gets no answer for this long fails the job, naming the rank, operation and "
-        "step",
+        "step (LIONCUB_PG_TIMEOUT for the ranks; train, calibrate: their process group's timeout too)",
     )  # fmt: skip
     restarts: int = setting(
-        0, metavar="K", help="after a rank fails, restart every rank from the last checkpoint, up to K times"
-    )
+        0, metavar="K", commands=("train", "compare", "launch"),
+        help="after a rank fails, restart every rank (train, compare: from the last checkpoint), up to K "
+        "times",
+    )  # fmt: skip
     no_progress: bool = setting(False, help="no progress bar")
 
 
 #: the flags of :class:`LaunchOptions`
 LAUNCH: dict[str, Described] = described({"launch": LaunchOptions})
+#: the flags that several commands declare each their own way, and why: one name, different things. Every
+#: other flag of more than one command is one description, in :data:`LAUNCH` or
+#: :data:`lioncub.train.config.SETTINGS`, added by :func:`add_flag` (``tests/test_flags.py`` holds to it)
+DISTINCT: dict[str, str] = {
+    "--out": "what each command writes: train's run directory, compare's report directory, calibrate's "
+    "JSON file, report's directory of PNGs",
+    "--warmup": "train's warm-up steps of the lr schedule; calibrate's untimed runs per size",
+    "--variants": "compare's runs to train (run names: 1bit/h16, auto); cost's presets to price "
+    "(preset@topology)",
+    "--bucket-mb": "train's LionCub buckets (> 0, the optimizer's); cost's modelled buckets, where 0 prices "
+    "one bucket",
+    "--sync-every": "train's momentum sync interval (default 10, for --momentum-sync); cost's turns the "
+    "modelled sync on (no default: none)",
+}
 #: the title of each group of flags in ``--help``
 GROUPS = {
     "run": "the run",
@@ -119,8 +126,10 @@ def _help(d: Described) -> str:
     return (s.help + (f" (default {shown})" if shown else "")).replace("%", "%%")
 
 
+@functools.cache
 def _parser(parse: Any) -> Any:
-    """A setting's ``parse`` as an argparse ``type`` whose ``ValueError`` message reaches the user."""
+    """A setting's ``parse`` as an argparse ``type`` whose ``ValueError`` message reaches the user (one per
+    ``parse``: every command's flag has the same type)."""
 
     def convert(text: str) -> Any:
         try:
@@ -163,11 +172,12 @@ def add_flag(
     *,
     given_only: bool = False,
 ) -> None:
-    """The flag of the launch option or setting ``name`` (:data:`LAUNCH`, else
-    :data:`lioncub.train.config.SETTINGS`) in ``parser`` of ``command`` (``launch``, ``cost``,
-    ``calibrate``), with its default (None where ``given_only``, for a command that tells an option given
-    from one left out): the one declaration of an option several commands take."""
-    d = LAUNCH.get(name)
+    """The flag of the launch option or setting ``name`` (:data:`LAUNCH`, the torch-free
+    :data:`lioncub.train.shared.SHARED`, else :data:`lioncub.train.config.SETTINGS`) in ``parser`` of
+    ``command`` (``launch``, ``cost``, ``calibrate``), with its default (None where ``given_only``, for a
+    command that tells an option given from one left out): the one declaration of an option several
+    commands take."""
+    d = LAUNCH.get(name) or SHARED.get(name)
     if d is None:
         from lioncub.train.config import SETTINGS
 

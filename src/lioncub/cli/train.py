@@ -15,7 +15,6 @@ import sys
 from typing import Any
 
 from lioncub.cli.options import add_run_arguments, config_for_name, config_from_args, train_run
-from lioncub.optim.config import DEFAULT_OUTER
 
 EPILOG = """\
 examples:
@@ -55,48 +54,10 @@ def _inside_a_job() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _check_auto(args: argparse.Namespace) -> None:
-    """``--variant auto`` and what it cannot go with; ``ValueError`` naming the option."""
-    if args.resume:
-        raise ValueError(
-            "--variant auto with --resume: the run chose its variant when it started (config.json); "
-            "resume without --variant"
-        )
-    if _inside_a_job():
-        raise ValueError(
-            "--variant auto: chosen by a pilot that `lioncub train` launches before the run; inside a job "
-            "of torchrun or `lioncub launch` give the variant (lioncub.planning.auto.auto_variant chooses "
-            "it in your own script)"
-        )
-    if getattr(args, "outer", None) not in (None, DEFAULT_OUTER):
-        raise ValueError(
-            f"--variant auto with --outer {args.outer}: auto chooses among 1-bit votes (outer rule vote); "
-            f"for {args.outer} give --variant 32bit --local-steps H --outer {args.outer}"
-        )
-    if args.local_steps is not None:
-        raise ValueError(
-            f"--variant auto with --local-steps {args.local_steps}: auto chooses H (or a vote every "
-            "step); give one of them"
-        )
-
-
-def _check_fault_tolerant(args: argparse.Namespace) -> None:
-    """``--fault-tolerant`` and what it cannot go with; ``ValueError`` naming the option."""
-    if args.resume:
-        raise ValueError(
-            "--resume with --fault-tolerant: a fault-tolerant run writes no checkpoints (a group that dies "
-            "heals from a live peer); start it anew"
-        )
-    if _inside_a_job():
-        raise ValueError(
-            "--fault-tolerant inside a job of torchrun or `lioncub launch`: lioncub train starts the replica "
-            "groups itself; in your own script use lioncub.integrations.torchft.ReplicaGroup"
-        )
-
-
 def run(args: argparse.Namespace) -> int:
     from lioncub.cli.auto import AUTO, check_candidates, resolve
     from lioncub.rundir import check_out_path
+    from lioncub.train.config import check_auto, check_start
     from lioncub.train.driver import check_before_launch, check_launch_options, format_summary
     from lioncub.train.prepare import load_saved_config, prepare_run_dir
     from lioncub.train.runfiles import DEEPEST
@@ -106,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         check_launch_options(args.restarts, args.collective_timeout, args.fault_tolerant)
         auto = args.variant == AUTO
         if auto:
-            _check_auto(args)
+            check_auto(vars(args), resume=args.resume, inside_job=_inside_a_job())
         base = load_saved_config(run_dir) if args.resume else None
         if base is not None:
             base.run.convert_momenta = base.run.stop_at = None  # asked for anew each time
@@ -115,8 +76,7 @@ def run(args: argparse.Namespace) -> int:
             return config_for_name(args, name, f"--variant auto (it may choose {name})")
 
         config = check_candidates(config_of) if auto else config_from_args(args, base)
-        if config.cluster.fault_tolerant:
-            _check_fault_tolerant(args)
+        check_start(config, resume=args.resume, inside_job=_inside_a_job())
         if _inside_a_job():
             from lioncub.train.rank import run_rank
 

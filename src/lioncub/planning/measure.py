@@ -87,7 +87,9 @@ def init_from_env(timeout_s: float = 300.0) -> bool:
     Returns True if this call initialised it (the caller then destroys it).
     """
     if not is_number(timeout_s, gt=0):
-        raise RuntimeError(f"timeout_s={timeout_s!r} must be a finite number of seconds > 0 (--timeout)")
+        raise RuntimeError(
+            f"timeout_s={timeout_s!r} must be a finite number of seconds > 0 (--collective-timeout)"
+        )
     if dist.is_initialized():
         return False
     missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]

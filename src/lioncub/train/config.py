@@ -42,6 +42,7 @@ from lioncub.optim.config import (
 )
 from lioncub.optim.local_steps import LocalSteps, default_outer_lr
 from lioncub.optim.step_check import NONFINITE_MODES, Checks
+from lioncub.train import shared
 from lioncub.train.data import MODES
 from lioncub.train.fault_settings import check_fault_tolerant
 from lioncub.train.lr import lr_factor
@@ -64,6 +65,8 @@ __all__ = [
     "RunConfig",
     "TrainConfig",
     "betas_spec",
+    "check_auto",
+    "check_start",
     "emulates_links",
     "fault_list",
     "format_overrides",
@@ -265,10 +268,7 @@ class OptimizerConfig:
         help="the one-bit votes: an exact zero votes + on half the ranks (split) or always (plus: the "
         "papers' rule)",
     )  # fmt: skip
-    local_steps: int | None = setting(
-        None, commands=("train",), owner="LocalSteps", knob="h", metavar="H",
-        help="H local Lion steps per rank, then one outer step (docs/local-steps.md)",
-    )  # fmt: skip
+    local_steps: int | None = shared.field("local_steps")
     outer: str = setting(
         LocalSteps.outer, commands=("train",), owner="LocalSteps", choices=OUTER_RULE_FACTS, local=True,
         help="with --local-steps: the outer rule; vote takes the variant's vote, dsm and diloco average the "
@@ -283,10 +283,7 @@ class OptimizerConfig:
         since=3, absent=_earlier_outer_betas, default_text="vote, dsm 0.9,0.96; diloco μ 0.9",
         help="with --local-steps: the outer momentum's betas (diloco: B1 is Nesterov's μ, B2 unused)",
     )  # fmt: skip
-    inner_momentum: str = setting(
-        LocalSteps.inner_momentum, owner="LocalSteps", choices=INNER_MOMENTA, local=True,
-        help="with local steps: each rank's inner momentum at an outer step",
-    )  # fmt: skip
+    inner_momentum: str = shared.field("inner_momentum")
 
     def __post_init__(self) -> None:
         if self.local_steps is not None and self.variant in BASELINES and self.outer == DEFAULT_OUTER:
@@ -310,23 +307,10 @@ class OptimizerConfig:
 class ClusterConfig:
     """Where the ranks run: recorded for the report and the resume checks; the launcher applies it."""
 
-    nproc: int = setting(
-        1, low=1, metavar="N", commands=("train", "compare", "launch"),
-        help="ranks, each its own node under --link (with --nnodes: nodes × ranks per node, not given)",
-    )  # fmt: skip
-    link: str = setting(
-        "loopback", metavar="RATE",
-        help="shape every rank's link (with --nnodes each node's NIC), e.g. 1gbit (root)",
-    )  # fmt: skip
-    nnodes: int | None = setting(
-        None, metavar="M",
-        help="instead of --nproc: M emulated nodes of --nproc-per-node ranks, one --link NIC per node, "
-        "started by a multi-node torchrun (root); with --fault-tolerant every node a replica group",
-    )  # fmt: skip
-    intra_link: str | None = setting(
-        None, metavar="RATE", default_text="unshaped", commands=("train", "compare", "launch"),
-        help="with --nnodes: shape each node's loopback, which its ranks share",
-    )  # fmt: skip
+    nproc: int = shared.field("nproc")
+    link: str = shared.field("link")
+    nnodes: int | None = shared.field("nnodes")
+    intra_link: str | None = shared.field("intra_link")
     fault_tolerant: bool = setting(
         False,
         help="every rank (with --nnodes every node) a replica group on torchft (docs/fault-tolerance.md): a "
@@ -550,6 +534,52 @@ CUDA_UNDER_EMULATION = (
     "emulated nodes would also share GPUs). Emulate links with --device cpu (gloo crosses them), or run "
     "real nodes with torchrun and lioncub train"
 )
+
+
+def check_start(config: TrainConfig, *, resume: bool, inside_job: bool) -> None:
+    """How a run of ``config`` starts, beside what it is (:class:`TrainConfig`'s checks): ``resume`` its
+    checkpoints, or train as a rank of a job torchrun or ``lioncub launch`` started (``inside_job``).
+    ``ValueError`` naming the option: a fault-tolerant run does neither."""
+    if not config.cluster.fault_tolerant:
+        return
+    if resume:
+        raise ValueError(
+            "--resume with --fault-tolerant: a fault-tolerant run writes no checkpoints (a group that dies "
+            "heals from a live peer); start it anew"
+        )
+    if inside_job:
+        raise ValueError(
+            "--fault-tolerant inside a job of torchrun or `lioncub launch`: lioncub train starts the replica "
+            "groups itself; in your own script use lioncub.integrations.torchft.ReplicaGroup"
+        )
+
+
+def check_auto(given: Mapping[str, Any], *, resume: bool, inside_job: bool) -> None:
+    """``--variant auto`` (what ``chosen_by`` records, :data:`CHOSEN_BY`) with the settings ``given`` (by
+    name; None: not given), before any configuration exists: the pilot chooses the variant, H and the
+    outer rule's defaults, when a run starts from the command line. ``ValueError`` naming the option."""
+    if resume:
+        raise ValueError(
+            "--variant auto with --resume: the run chose its variant when it started (config.json); "
+            "resume without --variant"
+        )
+    if inside_job:
+        raise ValueError(
+            "--variant auto: chosen by a pilot that `lioncub train` launches before the run; inside a job "
+            "of torchrun or `lioncub launch` give the variant (lioncub.planning.auto.auto_variant chooses "
+            "it in your own script)"
+        )
+    outer = given.get("outer")
+    if outer not in (None, DEFAULT_OUTER):
+        raise ValueError(
+            f"--variant auto with {spell('outer', outer)}: auto chooses among 1-bit votes (outer rule "
+            f"{DEFAULT_OUTER}); for {outer} give --variant 32bit --local-steps H --outer {outer}"
+        )
+    if given.get("local_steps") is not None:
+        raise ValueError(
+            f"--variant auto with {spell('local_steps', given['local_steps'])}: auto chooses H (or a vote "
+            "every step); give one of them"
+        )
 
 
 def emulates_links(config: TrainConfig) -> bool:

@@ -165,8 +165,18 @@ def check_before_launch(config: TrainConfig, timeout_s: float | None, max_nproc:
     """Refuse, naming the option, what a launch of ``config`` would only find once it started: the launch
     options, the link rate and the privileges ``--link`` needs, ranks without a GPU of their own
     (:func:`check_devices`), ``--nproc`` beyond what the machine's memory holds (even a single rank;
-    ``max_nproc`` replaces the bound from :func:`max_ranks`), and all that :func:`check_run_options` and
-    :func:`check_lanes` check."""
+    ``max_nproc`` replaces the bound from :func:`max_ranks`), the torchft package of ``--fault-tolerant``,
+    and all that :func:`check_run_options` and :func:`check_lanes` check.
+
+    The last of a run's checks, each stage in one place: argparse, each flag's type and choices
+    (:mod:`lioncub.cli.options`, from the settings' descriptions); what a configuration is, whether it
+    comes from the command line, a ``config.json`` or Python: :class:`~lioncub.train.config.TrainConfig`'s
+    checks -- each value, the rules across settings, the optimizer's own objects
+    (:meth:`~lioncub.train.config.OptimizerConfig.build`); how it starts (a resume, a rank of someone
+    else's job, ``--variant auto``): :func:`~lioncub.train.config.check_start` and
+    :func:`~lioncub.train.config.check_auto`; the launch options that are no setting (``--restarts``,
+    ``--collective-timeout``): :func:`check_launch_options`; and here, the machine: what the environment
+    has (privileges, GPUs, memory, packages, the workload's data)."""
     from lioncub.launch import PrivilegeError, check_privileges
 
     make_launch_config(config, ["-m", RANK_MODULE], timeout_s)  # validates the launch options

@@ -20,6 +20,7 @@ the next version as its ``since``; a document of an older version lacks it and m
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import types
 import typing
@@ -41,11 +42,27 @@ __all__ = [
     "nest",
     "setting",
     "spell",
+    "whole_number",
 ]
 
 #: the version of the ``config.json`` lioncub writes: 1 flat (every run before the parts), 2 nested, 3 with
 #: ``outer_betas``
 CONFIG_VERSION = 3
+
+
+def whole_number(minimum: int) -> Callable[[str], int]:
+    """A flag's conversion (a setting's ``parse``, an argparse ``type``): a whole number >= ``minimum``."""
+
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {minimum}, got {value}")
+        return value
+
+    return convert
 
 
 @dataclass(frozen=True)

@@ -81,11 +81,12 @@ def worker_dtensor(rank: int, world: int) -> str:
 
 
 def test_a_dtensor_parameter_is_refused_on_every_rank() -> None:
-    """FSDP2 / tensor parallelism hand DTensors: refused at construction (no broadcast of a sharded tensor,
-    no kernel reading a DTensor's pointer), naming the parameter and what is supported."""
+    """FSDP2 / tensor parallelism hand DTensors: without the mesh that says who holds which shard
+    (tests/test_shards.py) refused at construction (no broadcast of a sharded tensor, no kernel reading a
+    DTensor's pointer), naming the parameter and what is supported."""
     for msg in run_workers(worker_dtensor, 2, timeout=60):
         assert msg.startswith("LionCub: param_groups[0]['params'][1] is a DTensor"), msg
-        assert "dense, real, materialised parameters" in msg and "FSDP" in msg
+        assert "FSDP2's parameters: DTensors placed (Shard(0),)" in msg and "('replicate', 'shard')" in msg
 
 
 @pytest.mark.parametrize(

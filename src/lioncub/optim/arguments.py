@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from lioncub._validate import NO_VALUE, Named, OptionError, is_int, is_number
 from lioncub.optim.config import VoteConfig, resolve_variant, variant_name
@@ -130,14 +131,18 @@ def check_group(group: dict[str, Any], index: int) -> None:
         if why:
             raise TypeError(
                 f"LionCub: param_groups[{index}]['params'][{i}] is {why}. LionCub takes dense, real, "
-                "materialised parameters that every rank holds whole (a plain torch.Tensor or nn.Parameter "
-                "on CPU or CUDA, on one process or replicated as DDP replicates them): its ranks vote on "
-                "every element. FSDP, tensor parallelism and quantized weights are not supported"
+                "materialised parameters: plain tensors that every rank holds whole (a torch.Tensor or "
+                "nn.Parameter on CPU or CUDA, on one process or replicated as DDP replicates them), or "
+                "FSDP2's DTensors placed (Shard(0),) with process_group=a DeviceMesh with dims ('replicate', "
+                "'shard') (docs/shards.md). Tensor parallelism and quantized weights are not supported"
             )
 
 
 def unsupported(p: torch.Tensor) -> str:
-    """Why LionCub cannot optimize ``p`` ("" when it can)."""
+    """Why LionCub cannot optimize ``p`` ("" when it can). A ``DTensor`` (FSDP2's) passes here; its
+    placements and mesh are checked against ``process_group`` by :mod:`lioncub.optim.shards`."""
+    if isinstance(p, DTensor):
+        return "" if p.layout == torch.strided and not p.is_complex() else f"a {p.dtype} {p.layout} DTensor"
     if type(p) not in (torch.Tensor, torch.nn.Parameter) or type(p.data) is not torch.Tensor:
         return (
             f"a {type(p.data).__name__} (a tensor subclass: DTensor under FSDP2 or tensor parallelism, ...)"

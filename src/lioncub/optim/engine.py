@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, MutableMapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -28,6 +28,7 @@ __all__ = [
     "Mark",
     "OptimizerState",
     "PhaseClock",
+    "StateHolder",
     "StepEngine",
     "StepTimes",
     "make_buckets",
@@ -141,11 +142,22 @@ class PhaseClock:
         return end
 
 
+class StateHolder(Protocol):
+    """What the engine reads of an optimizer (or of :class:`lioncub.optim.shards.ShardView`, its view on
+    shards): the param groups and the per-parameter state."""
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]: ...
+
+    @property
+    def state(self) -> MutableMapping[torch.Tensor, Any]: ...
+
+
 class OptimizerState:
     """A vote's view of an optimizer (:class:`lioncub.collectives.ParamState`): each parameter's momentum
     ``state[p]["exp_avg"]`` and param group, read from the optimizer at every call."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: StateHolder) -> None:
         self._optimizer = optimizer
         self._group_of: dict[int, int] = {}
         self.refresh()
@@ -249,7 +261,7 @@ class StepEngine:
         optimizer: whose ``param_groups`` and ``state`` (momenta) are read at every call.
     """
 
-    def __init__(self, vote: Vote, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, vote: Vote, optimizer: StateHolder) -> None:
         self.vote = vote
         self.comm: Comm = vote.comm
         self.state = OptimizerState(optimizer)

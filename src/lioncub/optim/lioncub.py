@@ -76,6 +76,7 @@ from lioncub.optim.replicas import (
     parameter_checksum,
 )
 from lioncub.optim.round import InitialValues, VoteRound
+from lioncub.optim.shards import ShardView, check_shard_options, shard_view
 from lioncub.optim.state_dict import StateOwner, consolidated_entry, gather_states, restore_meta, state_meta
 from lioncub.optim.step_check import (
     NONFINITE_MODES,
@@ -117,7 +118,11 @@ class LionCub(LeanOptimizer):
             (:mod:`lioncub.optim.topology`; default: built from torchrun's ``$LOCAL_WORLD_SIZE``); or a
             :class:`~lioncub.collectives.Comm` the caller built (a :class:`~lioncub.collectives.GroupComm`
             over a group whose members change: :mod:`lioncub.integrations.torchft`), flat topology only,
-            on the parameters' device.
+            on the parameters' device. For FSDP2's parameters (``DTensor`` s placed ``Shard(0)`` by
+            ``fully_shard(module, mesh=mesh["shard"])``): the 2-D ``DeviceMesh`` with dims
+            ``("replicate", "shard")`` itself — each rank votes on its local shards with the ranks of its
+            ``"replicate"`` group, bit for bit the unsharded vote (:mod:`lioncub.optim.shards`,
+            docs/shards.md).
         local_steps: how often — :class:`~lioncub.optim.local_steps.LocalSteps`: H local Lion steps per
             rank, then one outer step on the pseudo-gradients (a vote every H steps); an int H is
             ``LocalSteps(h=H)``, a dict its fields; ``None`` (default): a vote every step.
@@ -171,9 +176,8 @@ class LionCub(LeanOptimizer):
         )
         self.diagnostics_every = diagnostics_every
         self.bucket_mb = bucket_mb
-        device = _device_of(self.param_groups)
-        #: this rank's view of the group the votes travel on (:class:`lioncub.collectives.Comm`)
-        self.comm, levels = topology.vote_groups(config, process_group, device, checks.broadcast_init)
+        self._global_step = 0
+        levels = self._vote_groups(config, process_group, _device_of(self.param_groups))
         #: one process (no process group, or a group of one): every step is :class:`~lioncub.optim.Lion`'s
         #: (unless built under :func:`lioncub.collectives.base.exchange_when_alone`)
         self.single_process = self.comm.alone
@@ -184,11 +188,10 @@ class LionCub(LeanOptimizer):
         if not self.single_process and self.comm.fixed_members:  # a GroupComm: no quorum yet
             check_same_parameters(self.comm, named, self.param_groups)
         #: the contributions, votes and apply of the step (:mod:`lioncub.optim.engine`)
-        vote = make_vote(self.comm, config, levels, every_step=self.local_steps is None)
-        self.engine = StepEngine(vote, self)
-        self._global_step = 0
+        self.engine = self._engine(config, levels)
+        names = {id(p): n for n, p in named} if self.shards is None else self.shards.names(named)
         #: which parameters a step votes on, in which buckets (:mod:`lioncub.optim.layout`)
-        self.layout = ParamLayout(bucket_mb, {id(p): n for n, p in named})
+        self.layout = ParamLayout(bucket_mb, names)
         self._overlap: OverlapHook | None = None
         #: the GradScaler's scale this step was handed (``None``: none), part of the settings compared
         self.applied_scale: torch.Tensor | None = None
@@ -197,7 +200,9 @@ class LionCub(LeanOptimizer):
         self._ready = True
         self.accounting = Accounting(self.comm, () if levels is None else levels)
         #: the parts the round, the policy and the outer rule work with (:mod:`lioncub.optim.context`)
-        self.ctx = StepContext(self, self.comm, self.engine, self.layout, self.accounting, checks, bucket_mb)
+        self.ctx = StepContext(
+            self._view, self.comm, self.engine, self.layout, self.accounting, checks, bucket_mb
+        )
         initial = InitialValues(self.comm) if checks.broadcast_init and not self.single_process else None
         #: the vote round the step policy runs (:mod:`lioncub.optim.round`)
         self.round = VoteRound(
@@ -207,18 +212,40 @@ class LionCub(LeanOptimizer):
         chosen = self._select_sync(named, model)
         #: names of the parameters whose momenta are synchronized (see :mod:`lioncub.optim.sync`)
         self.sync_names = [n for n, _ in chosen]
-        options = PolicyOptions(
-            self.local_steps, self.momentum_sync, [p for _, p in chosen], diagnostics_every
-        )
+        synced = [p if self.shards is None else self.shards.alias(p) for _, p in chosen]
+        options = PolicyOptions(self.local_steps, self.momentum_sync, synced, diagnostics_every)
         #: how a step runs (:mod:`lioncub.optim.policies`), and its window (local steps; else none),
         #: picked by the mode (:mod:`lioncub.optim.modes`)
         self.policy, self.window = STEP_MODES[step_mode(self.single_process, self.local_steps)](
             self.ctx, self.round, options
         )
         if initial is not None:
-            initial.give(self.param_groups, self.layout)
+            initial.give(self._view.param_groups, self.layout)
 
     # -- construction --------------------------------------------------------------------------------
+
+    def _vote_groups(
+        self, config: VoteConfig, process_group: Any, device: torch.device
+    ) -> tuple[Comm, Comm] | None:
+        """Set :attr:`shards`, the view the parts work on and :attr:`comm` for ``process_group``; returns
+        the (intra-node, inter-node) groups of a topology other than flat."""
+        #: on FSDP2's parameters, what the parts see of them (:mod:`lioncub.optim.shards`); else ``None``
+        self.shards: ShardView | None = shard_view(self, process_group, device)
+        if self.shards is not None:
+            check_shard_options(config, self.diagnostics_every)
+            process_group = self.shards.vote_group
+        #: the param groups and state the parts work on: this optimizer's, or its view of the shards
+        self._view: ShardView | LionCub = self if self.shards is None else self.shards
+        #: this rank's view of the group the votes travel on (:class:`lioncub.collectives.Comm`)
+        self.comm, levels = topology.vote_groups(config, process_group, device, self.checks.broadcast_init)
+        return levels
+
+    def _engine(self, config: VoteConfig, levels: tuple[Comm, Comm] | None) -> StepEngine:
+        """The step engine of the vote of ``config`` (on shards: :meth:`ShardView.vote`'s)."""
+        vote = make_vote(self.comm, config, levels, every_step=self.local_steps is None)
+        if self.shards is not None:
+            vote = self.shards.vote(vote, config, self.shards.pieces_of(lambda: self.layout.buckets))
+        return StepEngine(vote, self._view)
 
     def _select_sync(
         self, named: list[tuple[str, torch.Tensor]], model: torch.nn.Module | None
@@ -249,6 +276,8 @@ class LionCub(LeanOptimizer):
         if self._ready:
             try:
                 check_group(self.param_groups[-1], len(self.param_groups) - 1)
+                if self.shards is not None:
+                    self.shards.refresh(grads=False)  # refuses what is not a shard of the mesh
             except (ValueError, TypeError):
                 self.param_groups.pop()
                 raise
@@ -257,7 +286,7 @@ class LionCub(LeanOptimizer):
         """Rebuild the buckets when the parameters that require grad changed (``requires_grad_``,
         :meth:`add_param_group`); the layout hash travels in every step's check, so ranks that changed
         differently are named instead of voting on different layouts."""
-        if not self.layout.changed(self.param_groups):
+        if not self.layout.changed(self._view.param_groups):
             return
         if self.layout.built and self._overlap is not None:
             raise RuntimeError(
@@ -265,12 +294,12 @@ class LionCub(LeanOptimizer):
                 "add_param_group) after overlap_with(): DDP's buckets are fixed; freeze or add parameters "
                 "before wrapping the model in DDP and calling overlap_with, or use the plain step"
             )
-        self.layout.rebuild(self.param_groups)
+        self.layout.rebuild(self._view.param_groups)
         self.engine.state.refresh()
 
     def restore_layout(self, members: set[int]) -> None:
         """The layout of the parameters whose ``id`` is in ``members`` (a loaded local-steps window's)."""
-        self.layout.rebuild(self.param_groups, members)
+        self.layout.rebuild(self._view.param_groups, members)
         self.engine.state.refresh()
 
     # -- the step ------------------------------------------------------------------------------------
@@ -297,15 +326,23 @@ class LionCub(LeanOptimizer):
             if not isinstance(group["maximize"], bool):
                 check_group(group, index)  # names it
         self._consolidated = None
+        if self.shards is not None:  # the shards' aliases and their gradients of this backward
+            self.shards.refresh()
         if not self.single_process:  # a model moved after LionCub was built: named, not a kernel's error
             self.layout.check_device(self.comm.device, self.comm.rank)
         self.window.before_step()
         overflow = self._unscale()
+        if self.shards is not None:  # a replica's shards skip together
+            overflow = self.shards.agree_skip(overflow)
         if self.window.rebuilds_layout(self._global_step):
             self._refresh_layout()
         self._global_step += 1
         self.comm.step = self._global_step
-        self.policy.step(overflow)
+        try:
+            self.policy.step(overflow)
+        finally:
+            if self.shards is not None:
+                self.shards.release()
         return loss
 
     def _unscale(self) -> bool:
@@ -378,6 +415,8 @@ class LionCub(LeanOptimizer):
             checked = self.policy.check_load(sd, meta)
         super().load_state_dict(sd)
         self._consolidated = None
+        if self.shards is not None:  # the loaded param groups
+            self.shards.refresh(grads=False)
         self.policy.load(meta or {}, checked)
 
     @contextlib.contextmanager
@@ -431,6 +470,11 @@ class LionCub(LeanOptimizer):
         applies them. Results are bitwise those of the step without overlap. Collective: every rank calls
         it (it creates ``process_group``, the group the votes travel on, if not given). Returns the hook
         (``None`` on one process, where there is no vote to overlap)."""
+        if self.shards is not None:
+            raise ValueError(
+                "overlap_with: the parameters are FSDP2's shards and overlap_with hooks DDP's buckets; on "
+                "shards the votes run in step() (call step() without overlap_with)"
+            )
         if self.local_steps is not None:
             raise ValueError(
                 "overlap_with: with local_steps there is no vote in the backward (the ranks vote every "

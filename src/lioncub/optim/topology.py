@@ -81,7 +81,8 @@ def node_groups(
     Collective when the mesh is not the world."""
     if mesh.mesh_dim_names != MESH_DIMS:
         raise ValueError(
-            f"process_group: a DeviceMesh must have the dims {MESH_DIMS}, not {mesh.mesh_dim_names}"
+            f"process_group: a DeviceMesh must have the dims {MESH_DIMS} (a topology over nodes) or "
+            f"('replicate', 'shard') (FSDP2's parameters, docs/shards.md), not {mesh.mesh_dim_names}"
         )
     ranks = mesh.mesh.flatten().tolist()
     flat = None if ranks == list(range(dist.get_world_size())) else dist.new_group(ranks=ranks)
@@ -140,7 +141,9 @@ def _groups(
     if config.topology == "flat":
         if is_mesh(process_group):
             raise ValueError(
-                "process_group: a DeviceMesh is for a topology other than 'flat' (VoteConfig.topology)"
+                f"process_group: a DeviceMesh with dims {MESH_DIMS} is for a topology other than 'flat' "
+                f"(VoteConfig.topology), one with dims ('replicate', 'shard') for FSDP2's parameters "
+                f"(docs/shards.md); this one has dims {process_group.mesh_dim_names}"
             )
         return process_group, None
     mesh = process_group if is_mesh(process_group) else None

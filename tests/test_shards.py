@@ -1,0 +1,212 @@
+"""The vote on shards (issue 46, item 1): :class:`LionCub` over FSDP2's parameters, each rank voting on its
+local shards with the ranks that hold the same shard in the other replicas (:mod:`lioncub.optim.shards`).
+
+The oracle: on 2 replicas × 2 shards, every rank also keeps the whole model and steps an unsharded
+:class:`LionCub` over the same two voters (its ``"replicate"`` group) on the whole gradients — each
+replica's mean gradient as FSDP2 reduce-scattered it, gathered (``full_tensor()``). The sharded
+parameters and momenta must equal the unsharded ones bit for bit, after every step, for every preset,
+quantizers with per-tensor and per-chunk norms, local steps and momentum sync. The model's first-dim
+sizes are uneven (shards of 4 and 3 rows, and an empty shard: ``Linear(5, 1)``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from lioncub.optim import PRESETS, LionCub
+from lioncub.optim.config import resolve_variant
+from lioncub.optim.local_steps import LocalSteps
+from lioncub.optim.shards import SHARD_DIMS, shard_piece
+from lioncub.optim.sync import MomentumSync
+
+from processes import run_workers
+
+STEPS = 3
+
+#: (name, LionCub keyword options) of the cases beyond the presets
+EXTRA: list[tuple[str, dict[str, Any]]] = [
+    ("8bit chunk_size=8", {"variant": resolve_variant("8bit", chunk_size=8)}),
+    ("8bit linf", {"variant": resolve_variant("8bit", quantizer="linf")}),
+    ("8bit l0", {"variant": resolve_variant("8bit", quantizer="l0")}),
+    ("4bit-l1 lanes", {"variant": resolve_variant("8bit", bits=4)}),
+    ("8bit qsgd", {"variant": resolve_variant("8bit", quantizer="qsgd")}),
+    ("1bit local_steps h=2", {"variant": "1bit", "local_steps": LocalSteps(h=2)}),
+    ("8bit local_steps h=2", {"variant": "8bit", "local_steps": LocalSteps(h=2)}),
+    ("32bit local_steps diloco", {"variant": "32bit", "local_steps": LocalSteps(h=2, outer="diloco")}),
+    ("4bit momentum_sync all", {"variant": "4bit", "momentum_sync": MomentumSync("all", every=2)}),
+]
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)  # the same initial values on every rank, sharded or whole
+    return nn.Sequential(nn.Linear(13, 7), nn.Tanh(), nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 1))
+
+
+def _loss(model: nn.Module, step: int, replica: int, shard: int) -> torch.Tensor:
+    """A loss on data that differs per step, replica and shard rank."""
+    g = torch.Generator().manual_seed(10_000 * step + 100 * replica + shard)
+    x, y = torch.randn(6, 13, generator=g), torch.randn(6, 1, generator=g)
+    return nn.functional.mse_loss(model(x), y)
+
+
+def _sharded(mesh: Any) -> nn.Sequential:
+    model = _model()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    return model
+
+
+def _differences(name: str, step: int, sharded: LionCub, whole: LionCub) -> list[str]:
+    """Where this rank's shards differ from the whole model's rows (parameters and momenta)."""
+    assert sharded.shards is not None
+    out = []
+    params = [p for g in sharded.param_groups for p in g["params"]]
+    wholes = [p for g in whole.param_groups for p in g["params"]]
+    for i, (p, w) in enumerate(zip(params, wholes, strict=True)):
+        assert isinstance(p, DTensor)
+        piece = shard_piece(p.shape, sharded.shards.shards, sharded.shards.shard_rank)
+        rows = slice(piece.start, piece.start + piece.counts[sharded.shards.shard_rank])
+        if not torch.equal(p.to_local().reshape(-1), w.detach().reshape(-1)[rows]):
+            out.append(f"{name} step {step}: parameter {i}")
+        m, wm = sharded.state[p].get("exp_avg"), whole.state[w].get("exp_avg")
+        if (m is None) != (wm is None) or (
+            m is not None and not torch.equal(m.reshape(-1), wm.reshape(-1)[rows])
+        ):
+            out.append(f"{name} step {step}: momentum {i}")
+    return out
+
+
+def worker_parity(rank: int, world: int, cases: list[tuple[str, dict[str, Any]]], steps: int) -> list[str]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=SHARD_DIMS)
+    replica, shard = mesh["replicate"].get_local_rank(), mesh["shard"].get_local_rank()
+    bad: list[str] = []
+    for name, options in cases:
+        model, whole = _sharded(mesh), _model()
+        kwargs = dict(lr=0.01, weight_decay=0.1, **options)
+        opt = LionCub(model.parameters(), process_group=mesh, **kwargs)
+        ref = LionCub(whole.parameters(), process_group=mesh.get_group("replicate"), **kwargs)
+        for step in range(steps):
+            _loss(model, step, replica, shard).backward()
+            for p, w in zip(model.parameters(), whole.parameters(), strict=True):
+                assert isinstance(p.grad, DTensor)
+                w.grad = p.grad.full_tensor()  # the replica's mean gradient, whole
+            opt.step()
+            ref.step()
+            opt.zero_grad()
+            ref.zero_grad()
+            bad += _differences(name, step, opt, ref)
+        if not bad and not any(p.to_local().numel() == 0 for p in model.parameters()) and shard == 1:
+            bad.append("no empty shard: the model does not test one")
+    return bad
+
+
+def _cases() -> list[tuple[str, dict[str, Any]]]:
+    return [(name, {"variant": name}) for name in PRESETS] + EXTRA
+
+
+def test_the_vote_on_shards_is_the_unsharded_vote_bit_for_bit() -> None:
+    """Every preset and the extra cases, 3 steps each on 2 replicas × 2 shards (one pool call)."""
+    results = run_workers(worker_parity, 4, _cases(), STEPS, timeout=240)
+    assert [r for r in results if r] == []
+
+
+def test_the_shard_pieces_are_fsdp2s_dim0_chunks() -> None:
+    assert shard_piece((7, 13), 2, 0).counts == (52, 39)
+    assert shard_piece((7, 13), 2, 1).start == 52
+    assert shard_piece((1, 5), 2, 1).counts == (5, 0)
+    assert shard_piece((3,), 4, 3).counts == (1, 1, 1, 0)
+    assert shard_piece((0, 4), 2, 0).counts == (0, 0)
+
+
+def _message(make: Any) -> str:
+    try:
+        make()
+    except (TypeError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "accepted"
+
+
+def worker_refusals(rank: int, world: int) -> dict[str, str]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=SHARD_DIMS)
+    nodes = init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local"))
+    t = torch.zeros(4, 6)
+
+    def dt(placement: Any, on: Any = None) -> nn.Parameter:
+        return nn.Parameter(distribute_tensor(t, on or mesh["shard"], [placement]))
+
+    model = _sharded(mesh)
+    params = list(model.parameters())
+    plain = [nn.Parameter(torch.zeros(3))]
+    return {
+        "no mesh": _message(lambda: LionCub(params)),
+        "node mesh": _message(lambda: LionCub(params, process_group=nodes)),
+        "replicate": _message(lambda: LionCub([dt(Replicate())], process_group=mesh)),
+        "shard(1)": _message(lambda: LionCub([dt(Shard(1))], process_group=mesh)),
+        "other mesh": _message(lambda: LionCub([dt(Shard(0), mesh["replicate"])], process_group=mesh)),
+        "mixed": _message(lambda: LionCub(params + plain, process_group=mesh)),
+        "plain on a shard mesh": _message(lambda: LionCub(plain, process_group=mesh)),
+        "hierarchical": _message(
+            lambda: LionCub(
+                params, process_group=mesh, variant=resolve_variant("1bit", topology="hierarchical")
+            )
+        ),
+        "diagnostics": _message(
+            lambda: LionCub(params, process_group=mesh, variant="1bit", diagnostics_every=1)
+        ),
+        "overlap": _message(lambda: LionCub(params, process_group=mesh).overlap_with(None)),  # type: ignore[arg-type]
+        "added plain group": _message(
+            lambda: LionCub(params, process_group=mesh).add_param_group({"params": plain})
+        ),
+        "other dims": _message(
+            lambda: LionCub(plain, process_group=init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b")))
+        ),
+    }
+
+
+def test_what_is_not_a_shard_of_the_mesh_is_refused_naming_what_is_supported() -> None:
+    (messages, *_) = run_workers(worker_refusals, 4, timeout=120)
+    supported = "DTensors placed (Shard(0),) on the 'shard' dimension"
+    expected = {
+        "no mesh": (
+            "TypeError",
+            "['params'][0] is a DTensor (6 of the 6 parameters are) and process_group=None does not say",
+            supported,
+        ),
+        "node mesh": ("TypeError", "a DeviceMesh with dims ('node', 'local') does not say", supported),
+        "replicate": ("TypeError", "placed (Replicate(),)", supported),
+        "shard(1)": ("TypeError", "placed (Shard(dim=1),)", supported),
+        "other mesh": ("ValueError", "on the mesh [0, 2]", supported),
+        "mixed": (
+            "TypeError",
+            "LionCub: param_groups[0]['params'][6] is a plain Parameter of shape (3,) among DTensor",
+            supported,
+        ),
+        "plain on a shard mesh": ("ValueError", "is for FSDP2's parameters (DTensors)", ""),
+        "hierarchical": ("ValueError", "topology='hierarchical' on sharded parameters", ""),
+        "diagnostics": ("ValueError", "diagnostics_every=1", ""),
+        "overlap": ("ValueError", "overlap_with: the parameters are FSDP2's shards", ""),
+        "added plain group": ("TypeError", "param_groups[1]['params'][0] is a plain Parameter", supported),
+        "other dims": ("ValueError", "('replicate', 'shard') for FSDP2's parameters", "('a', 'b')"),
+    }
+    assert set(messages) == set(expected)
+    for case, parts in expected.items():
+        for part in parts:
+            assert part in messages[case], (case, messages[case])
+
+
+@pytest.mark.parametrize("world", [1])
+def test_plain_parameters_are_unchanged_by_the_shard_code(world: int) -> None:
+    """One process, plain parameters: no view of shards."""
+    opt = LionCub([nn.Parameter(torch.zeros(3))], lr=0.1)
+    assert opt.shards is None
+    assert not dist.is_initialized() or world == 1

@@ -89,6 +89,10 @@ def main() -> None:
             break
     stats = opt.optimizer.comm_stats()
     accelerator.print(f"LionCub sent {stats['last']['bytes_sent']} bytes in the last step")
+    # every rank's collectives finished (and their gloo works released by gloo's threads) before the
+    # process group goes: a work released by a gloo thread while the exiting main thread tears the group
+    # down can leave the two waiting on each other
+    accelerator.wait_for_everyone()
     accelerator.end_training()
 
 

@@ -1,5 +1,6 @@
 """Background jobs: long, self-contained parts of tests (a subprocess, a set of spawned ranks) that start
-when collection ends and run while the suite goes on, one job at a time, in the order of the tests.
+when collection ends and run while the suite goes on, in the order of the tests: one at a time, and a
+second beside it while the machine leaves a core idle (the pump thread, :func:`_pump_while_idle`).
 
 Most of the suite runs in the pytest process on one core; on a 2-core machine a job in the background
 uses the other. A test marked ``@pytest.mark.background("KEY")`` names a job of its module's
@@ -22,6 +23,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -37,6 +39,10 @@ class Job:
 
     def __init__(self) -> None:
         self.workdir = Path(tempfile.mkdtemp(prefix="lioncub-bg-"))
+        # the environment and working directory the job runs in: the process's when the job is made (at the
+        # end of collection, or by the test that asks for it), never a later test's monkeypatched ones (the
+        # pump thread starts jobs while tests run)
+        self.env_at, self.cwd_at = dict(os.environ), os.getcwd()
         self.started_at: float | None = None
         self.ended_at: float | None = None  #: when it was first seen done (or its wait returned)
         self.waited_s = 0.0  #: how long tests blocked in :func:`result` for it
@@ -72,7 +78,8 @@ class Subprocess(Job):
         super().start()
         self.out = open(self.workdir / "stdout", "wb")  # noqa: SIM115 (closed by wait/stop)
         self.err = open(self.workdir / "stderr", "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(self.cmd, stdout=self.out, stderr=self.err, env=self.env)
+        env = self.env if self.env is not None else self.env_at
+        self.proc = subprocess.Popen(self.cmd, stdout=self.out, stderr=self.err, env=env, cwd=self.cwd_at)
 
     def done(self) -> bool:
         return self.proc is not None and self.proc.poll() is not None
@@ -134,7 +141,7 @@ class Spawned(Job):
     def start(self) -> None:
         super().start()
         ctx = processes.context()  # forks of a process that has imported torch
-        caller = (dict(os.environ), os.getcwd(), self.target)
+        caller = (self.env_at, self.cwd_at, self.target)
         self.procs = [
             ctx.Process(
                 target=_as_caller, args=(*caller, r, self.world, self.workdir, *self.args), daemon=True
@@ -165,6 +172,8 @@ class Spawned(Job):
 _JOBS: dict[str, Job] = {}
 _QUEUE: list[str] = []  # keys not started yet, in the order of the tests
 _RUNNING: list[str] = []  # keys started by pump() and not yet seen done
+_LOCK = threading.RLock()  # the queue and the running list: the pytest process's thread and the pump thread
+_STOP = threading.Event()
 
 
 def start_for(items: Iterable[pytest.Item]) -> None:
@@ -181,6 +190,8 @@ def start_for(items: Iterable[pytest.Item]) -> None:
                     _JOBS[key] = job
                     _QUEUE.append(key)
     pump()
+    if _QUEUE:
+        threading.Thread(target=_pump_while_idle, name="background-pump", daemon=True).start()
 
 
 def _ended(key: str) -> bool:
@@ -193,11 +204,47 @@ def _ended(key: str) -> bool:
 def pump(slots: int = 1) -> None:
     """Start queued jobs until ``slots`` are running (called after every test with one slot; with two
     while a test waits for a job, as the pytest process then leaves its core idle)."""
-    _RUNNING[:] = [key for key in _RUNNING if not _ended(key)]
-    while _QUEUE and len(_RUNNING) < slots:
-        key = _QUEUE.pop(0)
-        _JOBS[key].start()
-        _RUNNING.append(key)
+    with _LOCK:
+        _RUNNING[:] = [key for key in _RUNNING if not _ended(key)]
+        while _QUEUE and len(_RUNNING) < slots:
+            key = _QUEUE.pop(0)
+            _JOBS[key].start()
+            _RUNNING.append(key)
+
+
+#: seconds between two looks of the pump thread, and the idle CPU (in cores, averaged over IDLE_WINDOW
+#: looks) above which it starts a second job beside the first
+LOOK_S, IDLE_CORES, IDLE_WINDOW = 0.25, 0.75, 6
+
+
+def _idle_ticks() -> tuple[int, int]:
+    """(idle, total) jiffies of all CPUs since boot (``/proc/stat``; (0, 0) where it cannot be read)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    return fields[3] + fields[4], sum(fields[:8])  # idle + iowait; user .. steal
+
+
+def _pump_while_idle() -> None:
+    """The pump thread: a job that ends mid-test is followed at once (not at the end of the test), and a
+    second job starts beside the first while the machine has a core idle (a test waiting on a timeout, a
+    shaped link or a child's start), until the queue is empty."""
+    cores = os.cpu_count() or 1
+    samples = [_idle_ticks()]
+    while not _STOP.wait(LOOK_S):
+        samples = [*samples, _idle_ticks()][-(IDLE_WINDOW + 1) :]
+        (idle0, total0), (idle1, total1) = samples[0], samples[-1]
+        idle_cores = cores * (idle1 - idle0) / (total1 - total0) if total1 > total0 else 0.0
+        slots = 2 if len(samples) > IDLE_WINDOW and idle_cores > IDLE_CORES else 1
+        with _LOCK:
+            if not _QUEUE:
+                return
+            before = len(_RUNNING)
+            pump(slots)
+            if len(_RUNNING) > before:  # the new job's start is not idle time: look again from here
+                samples = [_idle_ticks()]
 
 
 def result(key: str, factory: Callable[[], Job | None]) -> Any:
@@ -209,12 +256,13 @@ def result(key: str, factory: Callable[[], Job | None]) -> Any:
         if job is None:
             raise RuntimeError(f"background job {key!r}: nothing to run")
         _JOBS[key] = job
-    if job.started_at is None:
-        if key in _QUEUE:
-            _QUEUE.remove(key)
-        job.start()
-        _RUNNING.append(key)
-    pump(slots=2)
+    with _LOCK:
+        if job.started_at is None:
+            if key in _QUEUE:
+                _QUEUE.remove(key)
+            job.start()
+            _RUNNING.append(key)
+        pump(slots=2)
     t0 = time.monotonic()
     try:
         return job.wait()
@@ -246,6 +294,7 @@ def timings() -> list[str]:
 
 
 def stop_all() -> None:
+    _STOP.set()
     for job in _JOBS.values():
         job.cleanup()
     _JOBS.clear()

@@ -54,6 +54,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.skip(reason=f"needs network namespaces: {missing}"))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # one intra-op thread in the pytest process: the background jobs hold the other core, and two threads
+    # of a test that share a core with a job's ranks wait on each other (the tests that measure threads set
+    # their own count and put it back)
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     # what the imports and the collection made stays: the full collections of the tests' garbage skip
     # it (torch's objects alone take a large part of a second per full collection)

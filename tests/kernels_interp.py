@@ -9,6 +9,7 @@ interpreter setting never reaches the other test files.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import sys
@@ -150,15 +151,18 @@ def majority_case() -> None:
     gen = torch.Generator().manual_seed(3)
     cases = [(n, b) for n in (1, 2, 3, 4, 5, 8, 16) for b in (0, 1, 3, 4, 129, 132)]
     cases += [(3, 4101), (4, 4104), (33, 132), (300, 8)]  # several programs (bytes, words); 6, 9 planes
-    for n_rows, row_bytes in cases:
+    for i, (n_rows, row_bytes) in enumerate(cases):
         rows = torch.randint(0, 256, (n_rows, row_bytes), dtype=torch.uint8, generator=gen)
-        for tie in (True, False):
-            cuts = {row_bytes * 8, max(0, row_bytes * 8 - 5), max(0, row_bytes * 8 - 13)}
-            for n_bits in cuts if n_rows < 300 else {row_bytes * 8 - 3}:  # the long loop: fewer calls
-                for workers in {n_rows, n_rows + 2}:
-                    a = kernels.majority_pack(rows, tie, n_bits=n_bits, n_workers=workers, backend="torch")
-                    b = kernels.majority_pack(rows, tie, n_bits=n_bits, n_workers=workers, backend="triton")
-                    same(a, b, f"N={n_rows} workers={workers} B={row_bytes} tie+={tie} n_bits={n_bits}")
+        cuts = [row_bytes * 8, max(0, row_bytes * 8 - 5), max(0, row_bytes * 8 - 13)]
+        if n_rows >= 300:
+            cuts = [row_bytes * 8 - 3]  # the long loop: fewer calls
+        # a third of the 12 (tie, cut, workers) combinations per shape, the next third on the next shape:
+        # every combination on each three shapes in a row, both ties and both worker counts on every shape
+        combos = list(itertools.product((True, False), cuts, (n_rows, n_rows + 2)))
+        for tie, n_bits, workers in combos[i % 3 :: 3] if len(combos) > 4 else combos:
+            a = kernels.majority_pack(rows, tie, n_bits=n_bits, n_workers=workers, backend="torch")
+            b = kernels.majority_pack(rows, tie, n_bits=n_bits, n_workers=workers, backend="triton")
+            same(a, b, f"N={n_rows} workers={workers} B={row_bytes} tie+={tie} n_bits={n_bits}")
     backing = torch.randint(0, 256, (5 * 132 + 1,), dtype=torch.uint8, generator=gen)
     shifted = backing[1:].view(5, 132)  # rows of 4k bytes at an odd address: byte loads
     for tie in (True, False):

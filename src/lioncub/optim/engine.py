@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Hashable, MutableMapping, Sequence
+from collections.abc import Callable, Hashable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -226,13 +226,19 @@ class Bucket:
 
 
 def make_buckets(
-    param_groups: list[dict[str, Any]], bucket_mb: float, members: set[int] | None = None
+    param_groups: list[dict[str, Any]],
+    bucket_mb: float,
+    members: set[int] | None = None,
+    weight: Callable[[torch.Tensor], int] | None = None,
 ) -> list[Bucket]:
     """The parameters that require grad (or whose ``id`` is in ``members``), in ``param_groups`` order, in
     dtype- and device-homogeneous buckets of at most ``bucket_mb`` MiB (a larger parameter gets a bucket of
-    its own), each with its backend."""
+    its own), each with its backend. ``weight``: the elements a parameter counts for the cap (default: its
+    own; on shards the padded shard's, the same on every rank of a replica, which then cut the same
+    buckets: :mod:`lioncub.optim.shards`)."""
     cap = int(bucket_mb * 2**20)
     open_buckets: dict[tuple[torch.dtype, torch.device], Bucket] = {}
+    filled: dict[Hashable, int] = {}  # bucket key → the elements counted for the cap
     buckets: list[Bucket] = []
     for group in param_groups:
         for p in group["params"]:
@@ -242,12 +248,15 @@ def make_buckets(
                 raise ValueError("LionCub does not support complex parameters")
             key = (p.dtype, p.device)
             b = open_buckets.get(key)
-            if b is None or ((b.numel + p.numel()) * p.element_size() > cap and b.params):
+            size = p.numel() if weight is None else weight(p)
+            if b is None or ((filled[b.key] + size) * p.element_size() > cap and b.params):
                 b = Bucket(len(buckets), [], p.dtype, p.device)
                 open_buckets[key] = b
                 buckets.append(b)
+                filled[b.key] = 0
             b.params.append(p)
             b.numel += p.numel()
+            filled[b.key] += size
     for b in buckets:
         b.backend = bucket_backend(b.params)
     return buckets

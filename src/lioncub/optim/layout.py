@@ -4,6 +4,7 @@ and the hash of that layout the ranks compare at every step (:class:`ParamLayout
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,11 +39,18 @@ class ParamLayout:
     Args:
         bucket_mb: the bucket size cap (MiB of parameter bytes).
         model_names: ``id(p)`` → the model's name of ``p`` (others are named ``param_groups[g][i]``).
+        weight: the elements a parameter counts for the bucket cap (:func:`make_buckets`; default: its own).
     """
 
-    def __init__(self, bucket_mb: float, model_names: dict[int, str]) -> None:
+    def __init__(
+        self,
+        bucket_mb: float,
+        model_names: dict[int, str],
+        weight: Callable[[torch.Tensor], int] | None = None,
+    ) -> None:
         self.bucket_mb = bucket_mb
         self.model_names = model_names
+        self.weight = weight
         self.buckets: list[Bucket] = []
         #: ``id(p)`` → name, for every parameter of the groups
         self.names: dict[int, str] = {}
@@ -90,7 +98,7 @@ class ParamLayout:
         layout is the window's, whatever ``requires_grad`` says now)."""
         if members is None:
             members = {id(p) for g in param_groups for p in g["params"] if p.requires_grad}
-        self.buckets = make_buckets(param_groups, self.bucket_mb, members)
+        self.buckets = make_buckets(param_groups, self.bucket_mb, members, self.weight)
         self.names = {
             id(p): self.model_names.get(id(p), f"param_groups[{gi}][{i}]")
             for gi, g in enumerate(param_groups)

@@ -191,7 +191,7 @@ class LionCub(LeanOptimizer):
         self.engine = self._engine(config, levels)
         names = {id(p): n for n, p in named} if self.shards is None else self.shards.names(named)
         #: which parameters a step votes on, in which buckets (:mod:`lioncub.optim.layout`)
-        self.layout = ParamLayout(bucket_mb, names)
+        self.layout = ParamLayout(bucket_mb, names, None if self.shards is None else self.shards.weight)
         self._overlap: OverlapHook | None = None
         #: the GradScaler's scale this step was handed (``None``: none), part of the settings compared
         self.applied_scale: torch.Tensor | None = None

@@ -232,6 +232,12 @@ class ShardView:
         self._point(p, alias)
         return alias
 
+    def weight(self, alias: torch.Tensor) -> int:
+        """The elements ``alias`` counts for the bucket cap: its padded shard's (the largest shard's), the
+        same on every shard rank, so that a replica's ranks cut the same buckets (the quantized vote
+        gathers each bucket over them)."""
+        return max(self._pieces[id(alias)].counts, default=0)
+
     def piece(self, alias: torch.Tensor) -> Piece:
         """Where ``alias``'s shard lies in its whole tensor."""
         return self._pieces[id(alias)]

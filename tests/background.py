@@ -18,6 +18,7 @@ it (:func:`timings`).
 from __future__ import annotations
 
 import atexit
+import multiprocessing.connection
 import multiprocessing.process
 import os
 import shutil
@@ -152,7 +153,10 @@ class Spawned(Job):
             proc.start()
 
     def done(self) -> bool:
-        return bool(self.procs) and not any(self.procs[r].is_alive() for r in self.wait_for)
+        # the sentinels, not is_alive(): the pump thread asks too, and a forkserver process's poll reads
+        # its exit code off the sentinel, so two threads polling at once could leave one with 255
+        sentinels = [self.procs[r].sentinel for r in self.wait_for] if self.procs else []
+        return bool(sentinels) and len(multiprocessing.connection.wait(sentinels, 0)) == len(sentinels)
 
     def wait(self) -> list[int | None]:
         assert self.started_at is not None

@@ -11,6 +11,9 @@ sizes are uneven (shards of 4 and 3 rows, and an empty shard: ``Linear(5, 1)``).
 
 from __future__ import annotations
 
+import copy
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -39,7 +42,7 @@ EXTRA: list[tuple[str, dict[str, Any]]] = [
     ("8bit l0", {"variant": resolve_variant("8bit", quantizer="l0")}),
     ("4bit-l1 lanes", {"variant": resolve_variant("8bit", bits=4)}),
     ("8bit qsgd", {"variant": resolve_variant("8bit", quantizer="qsgd")}),
-    ("1bit local_steps h=2", {"variant": "1bit", "local_steps": LocalSteps(h=2)}),
+    ("1bit local_steps h=2, reloaded", {"variant": "1bit", "local_steps": LocalSteps(h=2), "reload_at": 0}),
     ("8bit local_steps h=2", {"variant": "8bit", "local_steps": LocalSteps(h=2)}),
     ("32bit local_steps diloco", {"variant": "32bit", "local_steps": LocalSteps(h=2, outer="diloco")}),
     ("4bit momentum_sync all", {"variant": "4bit", "momentum_sync": MomentumSync("all", every=2)}),
@@ -100,7 +103,7 @@ def worker_parity(rank: int, world: int, cases: list[tuple[str, dict[str, Any]]]
     for name, options in cases:
         model, whole = _sharded(mesh), _model()
         kwargs = dict(lr=0.01, weight_decay=0.1, **options)
-        nan_at = kwargs.pop("nan_at", None)
+        nan_at, reload_at = kwargs.pop("nan_at", None), kwargs.pop("reload_at", None)
         opt = LionCub(model.parameters(), process_group=mesh, **kwargs)
         ref = LionCub(whole.parameters(), process_group=mesh.get_group("replicate"), **kwargs)
         for step in range(steps):
@@ -114,6 +117,9 @@ def worker_parity(rank: int, world: int, cases: list[tuple[str, dict[str, Any]]]
             ref.step()
             opt.zero_grad()
             ref.zero_grad()
+            if step == reload_at:  # a state dict of a window's middle, loaded back
+                opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+                ref.load_state_dict(copy.deepcopy(ref.state_dict()))
             bad += _differences(name, step, opt, ref)
         if not bad and not any(p.to_local().numel() == 0 for p in model.parameters()) and shard == 1:
             bad.append("no empty shard: the model does not test one")
@@ -224,9 +230,33 @@ def test_what_is_not_a_shard_of_the_mesh_is_refused_naming_what_is_supported() -
             assert part in messages[case], (case, messages[case])
 
 
-@pytest.mark.parametrize("world", [1])
-def test_plain_parameters_are_unchanged_by_the_shard_code(world: int) -> None:
-    """One process, plain parameters: no view of shards."""
+RECIPE = Path(__file__).resolve().parent.parent / "docs" / "shards.md"
+
+
+def worker_recipe(rank: int, world: int, code: str) -> list[str]:
+    """docs/shards.md's recipe as written (its ``train``), 3 steps: the two replicas' shards agree."""
+    namespace: dict[str, Any] = {"__name__": "recipe"}
+    exec(compile(code, str(RECIPE), "exec"), namespace)
+    model = namespace["train"](replicas=2, steps=3)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=SHARD_DIMS)
+    replicate = mesh.get_group("replicate")
+    bad = []
+    for name, p in model.named_parameters():
+        local = p.to_local().contiguous()
+        both = [torch.empty_like(local) for _ in range(2)]
+        dist.all_gather(both, local, group=replicate)
+        if not torch.equal(both[0], both[1]) or not bool(torch.isfinite(local).all()):
+            bad.append(name)
+    return bad
+
+
+def test_the_docs_recipe_runs_and_keeps_the_replicas_equal() -> None:
+    code = re.search(r"```python\n(.*?)```", RECIPE.read_text(), re.S)
+    assert code is not None, "docs/shards.md has no python recipe"
+    assert run_workers(worker_recipe, 4, code.group(1), timeout=120) == [[]] * 4
+
+
+def test_plain_parameters_have_no_view_of_shards() -> None:
+    """One process, plain parameters: the optimizer's parts see its own param groups and state."""
     opt = LionCub([nn.Parameter(torch.zeros(3))], lr=0.1)
-    assert opt.shards is None
-    assert not dist.is_initialized() or world == 1
+    assert opt.shards is None and opt.ctx.optimizer is opt

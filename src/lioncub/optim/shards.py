@@ -255,6 +255,13 @@ class ShardView:
             local.device,
         )
         if self._signatures.get(id(alias)) != signature:
+            if alias.dtype != local.dtype or alias.device != local.device:
+                raise RuntimeError(
+                    f"LionCub: a sharded parameter of shape {tuple(p.shape)} became {local.dtype} on "
+                    f"{local.device} after LionCub was built for {alias.dtype} on {alias.device}: its "
+                    "momenta and vote buckets are the old ones. Cast or move the model first, then build "
+                    "the optimizer"
+                )
             with torch.no_grad():
                 alias.set_(local.untyped_storage(), local.storage_offset(), local.shape, local.stride())
             self._signatures[id(alias)] = signature

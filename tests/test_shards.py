@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from lioncub.optim import PRESETS, Checks, LionCub
+from lioncub.optim import PRESETS, Checks, Lion, LionCub
 from lioncub.optim.config import resolve_variant
 from lioncub.optim.local_steps import LocalSteps
 from lioncub.optim.shards import SHARD_DIMS, shard_piece
@@ -228,6 +228,32 @@ def test_what_is_not_a_shard_of_the_mesh_is_refused_naming_what_is_supported() -
     for case, parts in expected.items():
         for part in parts:
             assert part in messages[case], (case, messages[case])
+
+
+def worker_one_replica(rank: int, world: int, steps: int) -> list[str]:
+    """One replica of 4 shards (a mesh (1, 4)): no vote, each rank's Lion step on its shards, which
+    together are :class:`Lion`'s step on the whole model (``Linear(5, 1)``: three empty shards)."""
+    mesh = init_device_mesh("cpu", (1, 4), mesh_dim_names=SHARD_DIMS)
+    model, whole = _sharded(mesh), _model()
+    opt = LionCub(model.parameters(), lr=0.01, weight_decay=0.1, process_group=mesh)
+    ref = Lion(whole.parameters(), lr=0.01, weight_decay=0.1)
+    assert opt.single_process
+    bad = []
+    for step in range(steps):
+        _loss(model, step, 0, rank).backward()
+        for p, w in zip(model.parameters(), whole.parameters(), strict=True):
+            w.grad = p.grad.full_tensor()  # type: ignore[union-attr]
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+        for i, (p, w) in enumerate(zip(model.parameters(), whole.parameters(), strict=True)):
+            if not torch.equal(p.full_tensor(), w.detach()):  # type: ignore[attr-defined]
+                bad.append(f"step {step}: parameter {i}")
+    return bad
+
+
+def test_one_replica_of_shards_is_lion_on_the_whole_model() -> None:
+    assert run_workers(worker_one_replica, 4, STEPS, timeout=120) == [[]] * 4
 
 
 RECIPE = Path(__file__).resolve().parent.parent / "docs" / "shards.md"

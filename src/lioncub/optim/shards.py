@@ -46,6 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from lioncub.collectives import Comm, QuantizedVote, Vote
+from lioncub.ops.quantize import max_abs
 from lioncub.optim.config import VoteConfig
 from lioncub.optim.topology import MESH_DIMS
 
@@ -312,8 +313,11 @@ class ShardView:
         one all-reduce (MAX) of an int32 over the shard group, so that every shard of a replica skips a
         step together (the vote's own check then skips it in every replica)."""
         grads = [a.grad for g in self._groups for a in g["params"] if a.grad is not None and a.grad.numel()]
-        bad = overflow or any(not bool(torch.isfinite(g).all()) for g in grads)
-        flag = torch.tensor([int(bad)], dtype=torch.int32, device=self.shard_comm.device)
+        device = self.shard_comm.device
+        flag = torch.full((1,), int(overflow), dtype=torch.int32, device=device)
+        if grads and not overflow:  # on the device: the one host read is the verdict's
+            peaks = torch.stack([max_abs(g).float().to(device) for g in grads])
+            flag = (~torch.isfinite(peaks).all()).to(torch.int32).reshape(1)
         self.shard_comm.all_reduce(flag, "shard non-finite agreement", op=dist.ReduceOp.MAX).wait()
         return bool(flag.item())
 

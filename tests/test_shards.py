@@ -256,6 +256,36 @@ def test_one_replica_of_shards_is_lion_on_the_whole_model() -> None:
     assert run_workers(worker_one_replica, 4, STEPS, timeout=120) == [[]] * 4
 
 
+def worker_broadcast_init(rank: int, world: int) -> list[bool]:
+    """Replicas initialised differently: LionCub's initial broadcast writes replica 0's shards into every
+    replica's FSDP2 storage (the model's own ``to_local()`` and the next forward's gathered weights)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=SHARD_DIMS)
+    replica = mesh["replicate"].get_local_rank()
+    torch.manual_seed(replica)
+    model = _model()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    LionCub(model.parameters(), process_group=mesh)
+    group = mesh.get_group("replicate")
+    same = []
+    for p in model.parameters():
+        local = p.to_local().contiguous()  # type: ignore[attr-defined]
+        both = [torch.empty_like(local) for _ in range(2)]
+        dist.all_gather(both, local, group=group)
+        same.append(torch.equal(both[0], both[1]))
+    out = model(torch.ones(1, 13)).detach()
+    outs = [torch.empty_like(out) for _ in range(2)]
+    dist.all_gather(outs, out, group=group)
+    return [*same, torch.equal(outs[0], outs[1])]
+
+
+def test_the_initial_broadcast_writes_replica_0s_shards_into_fsdp2s_storage() -> None:
+    for same in run_workers(worker_broadcast_init, 4, timeout=120):
+        assert all(same), same
+
+
 RECIPE = Path(__file__).resolve().parent.parent / "docs" / "shards.md"
 
 

@@ -157,7 +157,7 @@ def test_the_shard_pieces_are_fsdp2s_dim0_chunks() -> None:
 def _message(make: Any) -> str:
     try:
         make()
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RuntimeError) as exc:
         return f"{type(exc).__name__}: {exc}"
     return "accepted"
 
@@ -173,7 +173,15 @@ def worker_refusals(rank: int, world: int) -> dict[str, str]:
     model = _sharded(mesh)
     params = list(model.parameters())
     plain = [nn.Parameter(torch.zeros(3))]
+
+    def cast() -> None:
+        cast_model = _sharded(mesh)
+        opt = LionCub(cast_model.parameters(), process_group=mesh)
+        cast_model.double()
+        opt.step()
+
     return {
+        "cast after": _message(cast),
         "no mesh": _message(lambda: LionCub(params)),
         "node mesh": _message(lambda: LionCub(params, process_group=nodes)),
         "replicate": _message(lambda: LionCub([dt(Replicate())], process_group=mesh)),
@@ -203,6 +211,7 @@ def test_what_is_not_a_shard_of_the_mesh_is_refused_naming_what_is_supported() -
     (messages, *_) = run_workers(worker_refusals, 4, timeout=120)
     supported = "DTensors placed (Shard(0),) on the 'shard' dimension"
     expected = {
+        "cast after": ("RuntimeError", "became torch.float64 on cpu after LionCub was built", "build"),
         "no mesh": (
             "TypeError",
             "['params'][0] is a DTensor (6 of the 6 parameters are) and process_group=None does not say",

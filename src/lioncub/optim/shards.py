@@ -11,8 +11,9 @@ How the optimizer's parts see the shards (:class:`ShardView`, the :class:`~lionc
 OptimizerView` they are handed): each ``DTensor`` parameter ``P`` has an *alias*, a plain tensor that
 shares the storage of ``P.to_local()`` (FSDP2's sharded storage, padding never included) and stands for
 ``P`` everywhere a part reads a parameter — buckets, kernels, anchors, replicas, checksums. The alias is
-made once and kept (its ``id`` keys the layout); where FSDP2 re-points its local tensor (``model.to``,
-``load_state_dict(assign=True)``) the alias is re-pointed (``set_``) at the next refresh. Its ``.grad``
+made once and kept (its ``id`` keys the layout); where FSDP2 re-points its local tensor (its
+``reset_sharded_param``) the alias is re-pointed (``set_``) at the next refresh — a cast or a move to
+another device after the optimizer was built is refused (its momenta would be the old ones). Its ``.grad``
 is ``P.grad.to_local()``, read at every step (FSDP2 makes a new gradient per backward) and dropped after
 it. Per-parameter state stays in ``optimizer.state[P]`` (plain local tensors: momenta, anchors,
 replicas), so ``state_dict()`` and the param groups keep the model's parameters. Updates are written

@@ -99,6 +99,11 @@ def test_a_group_killed_and_rejoined_heals_and_every_step_says_who_voted(name: s
     ]
     assert (heal["group"], heal["life"], heal["step"], heal["source"]) == (1, 1, rejoined_at, "g0")
     assert heal["nbytes"] >= 2 * 4 * summary["params"]  # the parameters and the momenta, fp32
+    # a group's rank holds the fp32 parameters, their gradients and its momenta (local steps: with the
+    # anchors and the outer momenta), the largest over the groups
+    d, memory = summary["params"], summary["memory"]
+    assert (memory["parameters"], memory["gradients"]) == (4 * d, 4 * d) and memory["peak_rss"] > 0
+    assert memory["optimizer_state"] == (3 if "/h4" in name else 1) * 4 * d
     digests = {json.loads((run_dir / f"groups/g{g}.end.json").read_text())["digest"] for g in range(3)}
     assert digests == {ft["digest"]}
     evals = log(run_dir, "eval")
@@ -136,6 +141,11 @@ def test_the_torchft_diloco_row_equals_lioncub_diloco_with_inner_momenta_kept() 
         json.loads((d / "summary.json").read_text())["fault_tolerance"]["digest"] for d in (theirs, ours)
     ]
     assert digests[0] is not None and digests[0] == digests[1]
+    # the same state, kept in other places: the inner momenta, torchft's backup of the parameters and its
+    # SGD's momenta; lioncub's exp_avg, anchor and outer_buf
+    for d in (theirs, ours):
+        summary = json.loads((d / "summary.json").read_text())
+        assert summary["memory"]["optimizer_state"] == 3 * 4 * summary["params"], d
     assert "torchft-diloco/h4 on 2 rank(s)" in stdout
     steps = log(theirs, "step")
     assert [r["participants"] for r in steps] == [2] * 16

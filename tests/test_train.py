@@ -27,6 +27,7 @@ from lioncub.names import config_entries, run_label
 from lioncub.optim import PRESETS
 from lioncub.train import budget, checkpoint
 from lioncub.train.config import BASELINES, TrainConfig, lr_factor
+from lioncub.train.memory import MEMORY_KEYS
 from train_runs import TINY, expected_bytes, records, train
 
 from processes import python_cmd
@@ -289,6 +290,12 @@ def test_every_variant_trains_through_the_cli(whole_run: Callable[[str], Path], 
         assert parts <= r["step_s"] * 1.0001 + 1e-6
     assert [e["step"] for e in records(out, "eval")] == [EVAL_EVERY, STEPS]  # and the last step's
     assert summary["final"]["val_loss"] > 0 and summary["steps_run"] == STEPS
+    # bytes a rank holds (fp32): the parameters, a gradient for each, one momentum each (DDP + Lion and
+    # every LionCub preset); the peak RSS is the OS's
+    memory = summary["memory"]
+    assert all(isinstance(memory[k], int) and memory[k] > 0 for k in MEMORY_KEYS)
+    assert memory["parameters"] == memory["gradients"] == memory["optimizer_state"] == 4 * d
+    assert memory["peak_rss"] > 4 * 4 * d
     meta = checkpoint.latest(out)
     assert meta is not None and (meta.step, meta.variant, meta.world_size) == (STEPS, variant, 2)
 
@@ -513,6 +520,9 @@ def test_compare_has_a_local_steps_row(compared: tuple[Path, str], capsys: pytes
     assert [r["bytes_sent"] > 0 for r in steps] == [False, True, False, True]
     rows = {r["variant"]: r for r in json.loads((out / "summary.json").read_text())["rows"]}
     assert rows["1bit/h2"]["bytes_sent_per_step"] == pytest.approx(steps[1]["bytes_sent"] / 2)
+    summary = json.loads((out / "1bit_h2" / "summary.json").read_text())
+    # at the run's end (a window's): the inner momentum, the anchor θ_t and the outer momentum, fp32 each
+    assert summary["memory"]["optimizer_state"] == 3 * 4 * summary["params"]
     assert "| 1bit/h2" in (out / "summary.md").read_text()
     capsys.readouterr()
     assert cli.main(["compare", "--out", str(out), "--report-only"]) == 0

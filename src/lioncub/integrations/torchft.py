@@ -522,9 +522,10 @@ class DiLoCoGroup(_Member):
             connect_timeout=timeout, checkpoint_transport=_transport(host, timeout),
         )  # fmt: skip
         self.manager.register_state_dict_fn("inner", self.inner.load_state_dict, self.inner.state_dict)
-        outer = torch.optim.SGD(model.parameters(), lr=outer_lr, momentum=outer_momentum, nesterov=True)
+        #: the outer step's optimizer (its momentum buffers are outer state)
+        self.outer = torch.optim.SGD(model.parameters(), lr=outer_lr, momentum=outer_momentum, nesterov=True)
         self._diloco = DiLoCo(
-            self.manager, [model], inner, outer, sync_every=h, backup_device=torch.device("cpu"),
+            self.manager, [model], inner, self.outer, sync_every=h, backup_device=torch.device("cpu"),
             pin_memory=False,
         )  # fmt: skip
         self._diloco.__enter__()
@@ -537,6 +538,12 @@ class DiLoCoGroup(_Member):
     def _load_model(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self._healed = True
+
+    def backup(self) -> list[torch.Tensor]:
+        """The copy of the parameters torchft's DiLoCo keeps on the CPU (the last sync's, restored when a
+        window's allreduce fails): state beside the inner and the outer optimizers."""
+        fragments = getattr(self._diloco, "_fragments", ())
+        return [t for f in fragments for t in getattr(f, "original_parameters", {}).values()]
 
     @property
     def boundary(self) -> bool:

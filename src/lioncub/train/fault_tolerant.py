@@ -11,6 +11,7 @@ every group that evaluated then scored the same. The summary adds ``fault_tolera
 each number of participants, the steps skipped, every heal (when, which group, from whom, bytes,
 seconds), the schedule, and whether the replicas of the groups that finished were bitwise equal at the
 end (their parameters' digests, and in a group of several ranks whether its ranks held the same).
+``memory`` (:mod:`lioncub.train.memory`) is the largest over the ranks of the groups that finished.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from lioncub.train.driver import (
 )
 from lioncub.train.fault_settings import cpu_note
 from lioncub.train.loop import summarize
+from lioncub.train.memory import largest_of
 from lioncub.train.prepare import NEXT_CONFIG, finish_run
 from lioncub.train.progress import Progress
 from lioncub.train.replica_group import end_name, group_files, log_name
@@ -206,7 +208,9 @@ def run_fault_tolerant(
         lighthouse = cluster.lighthouse or "started for the job"
         entry, end = fault_tolerance_summary(config, run_dir, steps, lighthouse)
         params, info = (end["params"], end["info"]) if end else (0, {})
-        summary = summarize(config, cluster.nproc, params, info, steps, evals, None)
+        ends = [_read_json(run_dir / end_name(g)) or {} for g in range(cluster.replica_groups)]
+        memory = largest_of(e["memory"] for e in ends if "memory" in e)  # the groups that finished
+        summary = summarize(config, cluster.nproc, params, info, steps, evals, None, memory)
         summary["fault_tolerance"] = entry
         ordered = sorted([*steps, *evals], key=lambda r: (r["step"], r["kind"] == "eval"))
         log_text = "".join(json.dumps(r) + "\n" for r in ordered)

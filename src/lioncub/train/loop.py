@@ -35,7 +35,9 @@ and ``intra_bytes`` (sent by a rank inside its node): :mod:`lioncub.train.nodeby
 
 ``eval`` records hold ``val_loss`` (and ``val_acc``) at ``eval_every`` steps and at the end; rank 0
 evaluates (the replicas are identical) while the others wait. With ``diagnostics_every`` a ``diag``
-record holds :mod:`lioncub.optim.diagnostics` overall and per parameter tensor.
+record holds :mod:`lioncub.optim.diagnostics` overall and per parameter tensor. ``summary.json``'s
+``memory``: the bytes of parameters, gradients and optimizer state one rank holds and its peak RSS, the
+largest over the ranks (:mod:`lioncub.train.memory`).
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ from lioncub.rundir import is_marked, open_append, record, write_atomically, wri
 from lioncub.train import checkpoint
 from lioncub.train.budget import GUARD_FACTOR, budget_summary, over_budget
 from lioncub.train.config import BASELINES, CUDA_UNDER_EMULATION, TrainConfig, emulates_links, lr_factor
+from lioncub.train.memory import gradient_bytes, largest_over_ranks, rank_memory
 from lioncub.train.nodebytes import flat_shares, node_bytes
 from lioncub.train.runlog import append_record, elapsed_at, truncate_log
 from lioncub.train.workloads import Workload, make_workload
@@ -262,6 +265,7 @@ class _Rank:
     shares: tuple[float, float] | None = None  # on emulated nodes: a flat step's NIC and in-node shares
     ring_shares: tuple[float, float] = (0.0, 0.0)  # ... and those of a flat ring allreduce
     budget_stop: int | None = None  # the step the time budget's guard stopped the run at
+    gradients: int | None = None  # bytes of the gradients after this process's first backward
 
 
 def train(config: TrainConfig, run_dir: Path, *, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -290,7 +294,8 @@ def train(config: TrainConfig, run_dir: Path, *, log: Callable[[str], None] = pr
         os.close(out)
     model = r.setup.model
     params = sum(p.numel() for p in model.parameters())
-    summary = summarize(config, r.world, params, r.wl.info(), records, evals, r.compute_ref)
+    memory = largest_over_ranks(rank_memory(model, [r.setup.opt], r.gradients or 0), r.wl.device)
+    summary = summarize(config, r.world, params, r.wl.info(), records, evals, r.compute_ref, memory)
     if config.run.time_budget_s is not None:  # lioncub compare --time-budget
         summary["time_budget"] = budget_summary(config, records, r.budget_stop)
     if r.rank == 0:
@@ -380,6 +385,8 @@ def _train_step(r: _Rank, step: int, elapsed: float) -> dict[str, Any]:
     t0 = clock()
     loss = r.wl.loss(setup.model, r.wl.train_batch(step - 1))
     loss.backward()
+    if r.gradients is None:  # once: every backward of the run allocates the same gradients
+        r.gradients = gradient_bytes(setup.model)
     t1 = clock()
     skipped = _optimizer_step(setup, r.config.optimizer.nonfinite, step)
     setup.opt.zero_grad(set_to_none=True)
@@ -531,9 +538,11 @@ def summarize(
     records: list[dict[str, Any]],
     evals: list[dict[str, Any]],
     compute_ref: float | None,
+    memory: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """``summary.json`` of a run: its configuration, ``params`` and the workload's ``info``, the medians
-    (and means) of the step records' times and bytes, and the last ``eval`` record with a ``val_loss``."""
+    (and means) of the step records' times and bytes, the last ``eval`` record with a ``val_loss``, and
+    ``memory``: the bytes one rank holds (:mod:`lioncub.train.memory`)."""
 
     def med(key: str) -> float | None:
         vals = [r[key] for r in records if key in r]
@@ -560,4 +569,5 @@ def summarize(
         **{f"mean_{key}": mean(key) for key in ("step_s", "compute_s", "comm_s", "apply_s", "bytes_sent")},
         "compute_reference_s": compute_ref,
         "final": last_eval,
+        "memory": memory,
     }

@@ -61,6 +61,7 @@ from lioncub.rundir import open_append, write_atomically
 from lioncub.train import loop
 from lioncub.train.config import TrainConfig
 from lioncub.train.lr import lr_factor
+from lioncub.train.memory import gradient_bytes, largest_over_ranks, rank_memory, tensor_bytes
 from lioncub.train.rank import PG_TIMEOUT_S, interrupt_as_one_line, run_of
 from lioncub.train.runlog import append_record
 from lioncub.train.workloads import Workload, make_workload
@@ -305,6 +306,7 @@ class _GroupLoop:
         self.clock = PhaseClock(torch.device("cpu"))
         self.out = -1
         self.heals: list[Heal] = []  # logged
+        self.gradients: int | None = None  # bytes of the gradients after this process's first backward
 
     def join(self) -> None:
         """Say this group is ready once the lighthouse lists it (a quorum then waits for it); at the job's
@@ -350,6 +352,8 @@ class _GroupLoop:
             g["lr"] = g["initial_lr"] * lr_factor(step, run.steps, run.warmup, run.min_lr_ratio)
         loss = self.wl.loss(self.setup.model, self.wl.train_batch(step - 1))
         loss.backward()
+        if self.gradients is None:  # once: every backward allocates the same gradients
+            self.gradients = gradient_bytes(self.model)
         t2 = self.clock()
         ends = group.step_ends_boundary
         committed = group.step()
@@ -410,6 +414,17 @@ class _GroupLoop:
         if self.rank == 0:
             append_record(self.out, record)
 
+    def memory(self) -> dict[str, int]:
+        """The bytes a rank of this group holds (:mod:`lioncub.train.memory`), the largest over the group's
+        ranks (collective among them); torchft's DiLoCo: with its outer momenta and its backup."""
+        optimizers: list[torch.optim.Optimizer] = [self.opt]
+        extra = 0
+        if isinstance(self.group, DiLoCoGroup):
+            optimizers.append(self.group.outer)
+            extra = sum(tensor_bytes(t) for t in self.group.backup())
+        memory = rank_memory(self.model, optimizers, self.gradients or 0, extra_state=extra)
+        return largest_over_ranks(memory, torch.device("cpu")) if self.size > 1 else memory
+
     def new_heals(self) -> list[Heal]:
         """This group's heals since the last call (kept in :attr:`heals`)."""
         new = self.group.heals[len(self.heals) :]
@@ -425,6 +440,7 @@ class _GroupLoop:
         if self.size > 1:
             digests = [None] * self.size
             dist.all_gather_object(digests, digest)
+        memory = self.memory()
         if self.rank != 0:
             return
         end = {
@@ -433,7 +449,7 @@ class _GroupLoop:
             "params": sum(p.numel() for p in model.parameters()),
             "info": {k: v for k, v in self.wl.info().items() if isinstance(v, (int, float, str, bool))},
             "committed": group.committed, "skipped": group.skipped,
-            "heals": [dataclasses.asdict(h) for h in self.heals],
+            "heals": [dataclasses.asdict(h) for h in self.heals], "memory": memory,
         }  # fmt: skip
         write_atomically(self.run_dir / end_name(self.index), json.dumps(end) + "\n")
         if group.quorum_rank == 0:

@@ -9,7 +9,9 @@ Read from the source (with :mod:`ast`) and from ``pyproject.toml``'s text, not b
 from __future__ import annotations
 
 import ast
+import io
 import re
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,8 +151,8 @@ def test_py_typed_ships() -> None:
 
 
 def test_mypy_has_no_blanket_ignores() -> None:
-    """No ``ignore_errors``; ``ignore_missing_imports`` only per named package (never globally); every
-    ``# type: ignore`` in the source names its error code."""
+    """No ``ignore_errors``; ``ignore_missing_imports`` only per named package (never globally); each
+    ``# type: ignore`` names its code and says why (the test below)."""
     pyproject = (ROOT / "pyproject.toml").read_text()
     mypy = pyproject[pyproject.index("[tool.mypy]") :]
     assert "ignore_errors" not in mypy
@@ -160,10 +162,51 @@ def test_mypy_has_no_blanket_ignores() -> None:
         if "ignore_missing_imports" in block:
             modules = re.search(r"module = \[(.*?)\]", block, re.S)
             assert modules and '"*"' not in modules.group(1), block
-    bare = [
-        f"{path.relative_to(ROOT)}:{i}"
-        for path in _sources()
-        for i, line in enumerate(path.read_text().splitlines(), 1)
-        if re.search(r"#\s*type:\s*ignore(?!\[)", line)
+
+
+#: a ``type: ignore`` comment, and one as it must be: its error codes, then a comment saying why
+#: (``# type: ignore[attr-defined]  # torch.cuda.Event has no stubs``)
+IGNORE = re.compile(r"#\s*type:\s*ignore\b")
+EXPLAINED = re.compile(r"#\s*type:\s*ignore\[[a-z-]+(,\s*[a-z-]+)*\]\s*#\s*\S")
+
+#: files whose unexplained ignores wait for a change under way (issue 45): how many each may keep
+WAITING = {"src/lioncub/train/loop.py": 3}
+
+
+def _unexplained(source: str) -> list[tuple[int, str]]:
+    """(line, comment) of each ``type: ignore`` comment in ``source`` without an error code or a reason
+    after it (comments only: a string that mentions one is not one)."""
+    return [
+        (tok.start[0], tok.string)
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+        if tok.type == tokenize.COMMENT and IGNORE.search(tok.string) and not EXPLAINED.search(tok.string)
     ]
-    assert not bare, "a `# type: ignore` without an error code:\n" + "\n".join(bare)
+
+
+def test_every_type_ignore_names_its_code_and_says_why() -> None:
+    found: dict[str, list[str]] = {}
+    for path in _sources():
+        name = str(path.relative_to(ROOT))
+        for line, comment in _unexplained(path.read_text()):
+            found.setdefault(name, []).append(f"{name}:{line}: {comment}")
+    wrong = [hit for name, hits in found.items() if len(hits) > WAITING.get(name, 0) for hit in hits]
+    assert not wrong, (
+        "a `# type: ignore` names its error code and says why after it, or is replaced by a fix (a narrower "
+        "type, a check, a cast with a reason):\n" + "\n".join(wrong)
+    )
+
+
+def test_the_check_sees_an_unexplained_ignore() -> None:
+    cases = {
+        "x = f()  # type: ignore": False,
+        "x = f()  # type: ignore  # no code": False,
+        "x = f()  # type: ignore[attr-defined]": False,
+        "x = f()  # type: ignore[attr-defined]  #": False,
+        "x = f()  #type:ignore[arg-type]": False,
+        "x = f()  # type: ignore[attr-defined]  # torch.cuda.Event has no stubs": True,
+        "x = f()  # type: ignore[method-assign, assignment]  # for this one load": True,
+        "x = f()  # noqa: E501  # type: ignore[misc]  # why": True,
+        "x = '# type: ignore'": True,
+    }
+    for source, explained in cases.items():
+        assert (not _unexplained(source + "\n")) == explained, source

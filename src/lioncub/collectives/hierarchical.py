@@ -30,6 +30,7 @@ flat, but a majority of node majorities is not the global majority.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -74,6 +75,16 @@ def _slice(values: torch.Tensor, ell: int, index: int) -> tuple[torch.Tensor, in
 
 def _int_dtype(max_abs: int) -> torch.dtype:
     return torch.int8 if transports.int_bytes(max_abs) == 1 else torch.int32
+
+
+@dataclass
+class _InterSum:
+    """The inter-node sum a hierarchical vote's middle posted: its handle, the tensor it sums in place
+    (the packed lanes, or the int32 node sums) and the length ``k`` of this rank's slice."""
+
+    handle: Handle
+    sums: torch.Tensor
+    k: int
 
 
 class HierarchicalVote(SignVote):
@@ -133,7 +144,7 @@ class HierarchicalVote(SignVote):
         node_sum = values.to(_int_dtype(ell * self.max_value))
         first = self.intra.all_reduce(node_sum, "hierarchical vote: intra-node sum")
         total_dtype = _int_dtype(self.world_size * self.max_value)
-        state: dict[str, object] = {}
+        sent: list[_InterSum] = []  # what middle posted, for finish
 
         def middle() -> None:  # this rank's slice of the node sum, summed over the nodes
             first.wait()
@@ -147,27 +158,27 @@ class HierarchicalVote(SignVote):
                 else:
                     encoded = (mine.to(torch.int16) + ell * self.offset).to(torch.uint8)
                 lanes = packing.pack_lanes(encoded, self.lane_bits)
-                state["lanes"], state["k"] = lanes, k
-                state["inter"] = self.inter.all_reduce(
+                handle = self.inter.all_reduce(
                     lanes, f"hierarchical vote: {self.lane_bits}-bit inter-node sum"
                 )
+                sent.append(_InterSum(handle, lanes, k))
             else:
                 wide = mine.to(torch.int32)
-                state["wide"], state["k"] = wide, k
-                state["inter"] = self.inter.all_reduce(wide, "hierarchical vote: int32 inter-node sum")
+                handle = self.inter.all_reduce(wide, "hierarchical vote: int32 inter-node sum")
+                sent.append(_InterSum(handle, wide, k))
 
         def finish() -> Decoded:
-            handle: Handle = state["inter"]  # type: ignore[assignment]
-            handle.wait()
-            k = int(state["k"])  # type: ignore[call-overload]
+            inter = sent[0]
+            inter.handle.wait()
+            k = inter.k
             if self.lane_bits is not None:
-                summed = packing.unpack_lanes(state["lanes"], self.lane_bits, k)  # type: ignore[arg-type]
+                summed = packing.unpack_lanes(inter.sums, self.lane_bits, k)
                 if self.offset and total_dtype == torch.int8:  # the total lies in int8: uint8 wraps to it
                     summed = summed.sub(m * ell * self.offset).view(torch.int8)
                 elif self.offset:
                     summed = summed.to(torch.int32) - m * ell * self.offset
             else:
-                summed = state["wide"]  # type: ignore[assignment]
+                summed = inter.sums
             gathered = torch.empty(ell, k, dtype=total_dtype, device=local.device)
             self.intra.all_gather(
                 gathered, summed.to(total_dtype), "hierarchical vote: intra-node all-gather"
@@ -207,19 +218,19 @@ class NodeMajorityVote(SignVote):
         d, ell = local.numel(), self.per_node
         counts = self.votes(local, step).view(torch.int8).to(_int_dtype(ell))
         first = self.intra.all_reduce(counts, "node-majority vote: intra-node count")
-        state: dict[str, object] = {}
+        among: list[tuple[Pending, int]] = []  # the vote among the nodes middle started, its slice's length
 
         def middle() -> None:
             first.wait()
             mine, k = _slice(counts, ell, self.intra.rank)
             node_vote = packing.majority_signs(mine, ell, step % 2 == 1).to(torch.float32)
-            state["k"] = k
-            state["pending"] = self.among_nodes.start(node_vote, step=step)
-            state["pending"].advance()  # type: ignore[attr-defined]
+            pending: Pending = self.among_nodes.start(node_vote, step=step)
+            among.append((pending, k))
+            pending.advance()
 
         def finish() -> Decoded:
-            mine: torch.Tensor = state["pending"].wait()  # type: ignore[attr-defined]
-            k = int(state["k"])  # type: ignore[call-overload]
+            pending, k = among[0]
+            mine = pending.wait()
             gathered = torch.empty(ell, k, dtype=torch.int8, device=local.device)
             self.intra.all_gather(gathered, mine, "node-majority vote: intra-node all-gather").wait()
             return Decoded(gathered.reshape(-1)[:d].clone())

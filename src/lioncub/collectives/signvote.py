@@ -177,7 +177,8 @@ class SignVote(Vote):
                 )  # fmt: skip
             pos += p.numel()
         if fmt is not None:
-            fmt.finish(payload, d)  # type: ignore[arg-type]
+            assert payload is not None  # made with fmt
+            fmt.finish(payload, d)
         peak = math.nan if any(math.isnan(v) for v in peaks) else max(peaks, default=0.0)
         ballot.peak = torch.tensor(peak, dtype=torch.float32)
         ballot.payload, ballot.next_momenta = payload, nexts
@@ -298,5 +299,5 @@ def _swap_storage(m: torch.Tensor, fresh: torch.Tensor) -> None:
     step's scratch. The tensor object ``m`` (the optimizer's ``state[p]["exp_avg"]``) stays the same."""
     old = torch.empty(0, dtype=m.dtype)
     old.set_(m)  # type: ignore[call-overload]  # torch's stubs lack set_(Tensor)
-    m.set_(fresh)  # type: ignore[call-overload]
-    fresh.set_(old)  # type: ignore[call-overload]
+    m.set_(fresh)  # type: ignore[call-overload]  # torch's stubs lack set_(Tensor)
+    fresh.set_(old)  # type: ignore[call-overload]  # torch's stubs lack set_(Tensor)

@@ -51,8 +51,8 @@ from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
 from accelerate.utils import DDPCommunicationHookType  # noqa: E402
 
 from lioncub.integrations.common import find_lioncub, install_vote, world_size  # noqa: E402
-from lioncub.optim import LionCub  # noqa: E402
 from lioncub.optim.amp import agree_on_overflow  # noqa: E402
+from lioncub.optim.lioncub import LionCub  # noqa: E402
 
 __all__ = ["prepare"]
 

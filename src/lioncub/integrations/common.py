@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from lioncub.optim import LionCub
 from lioncub.optim.ddp import skip_gradient_allreduce
+from lioncub.optim.lioncub import LionCub
 
 __all__ = ["CommLog", "find_lioncub", "install_vote", "require", "uncompiled"]
 

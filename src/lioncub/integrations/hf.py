@@ -72,8 +72,8 @@ from transformers.utils import (  # noqa: E402
 )
 
 from lioncub.integrations.common import CommLog, find_lioncub, install_vote, world_size  # noqa: E402
-from lioncub.optim import LionCub  # noqa: E402
 from lioncub.optim.amp import agree_on_overflow  # noqa: E402
+from lioncub.optim.lioncub import LionCub  # noqa: E402
 
 __all__ = ["LionCubCallback", "LionCubTrainer"]
 
@@ -167,7 +167,8 @@ class LionCubCallback(TrainerCallback):
                 "optimizer itself: drop optimizer_cls_and_kwargs and pass LionCub's options to the callback"
             )
         else:
-            trainer.optimizer_cls_and_kwargs = (_Factory(self), {})  # type: ignore[assignment]
+            # transformers types it (an Optimizer class, kwargs); its create_optimizer takes a factory too
+            trainer.optimizer_cls_and_kwargs = (_Factory(self), {})  # type: ignore[assignment]  # a factory
         self._warn_ignored_args(trainer.args)
         self._wrap_the_trainer()
 
@@ -246,7 +247,9 @@ class LionCubCallback(TrainerCallback):
             if checkpoint is None:
                 return load(checkpoint)
             opt = self.optimizer
-            opt.load_state_dict = self._loader(opt, checkpoint)  # type: ignore[method-assign]
+            # this instance's own load_state_dict (without the class's keyword), until it has run once
+            loader = self._loader(opt, checkpoint)
+            opt.load_state_dict = loader  # type: ignore[method-assign, assignment]  # for this one load
             try:
                 if not self._load_on_cpu(checkpoint):
                     load(checkpoint)
@@ -265,10 +268,11 @@ class LionCubCallback(TrainerCallback):
                         stacklevel=2,
                     )
 
-        trainer._save_optimizer_and_scheduler = save_every_rank  # type: ignore[method-assign]
-        trainer._load_optimizer_and_scheduler = load_checked  # type: ignore[method-assign]
-        trainer.evaluate = self._on_shared(trainer.evaluate)  # type: ignore[method-assign]
-        trainer.save_model = self._on_shared(trainer.save_model)  # type: ignore[method-assign]
+        # mypy refuses every assignment to a method: these wrap the Trainer's own, on this instance only
+        trainer._save_optimizer_and_scheduler = save_every_rank  # type: ignore[method-assign]  # wrapped
+        trainer._load_optimizer_and_scheduler = load_checked  # type: ignore[method-assign]  # wrapped
+        trainer.evaluate = self._on_shared(trainer.evaluate)  # type: ignore[method-assign]  # wrapped
+        trainer.save_model = self._on_shared(trainer.save_model)  # type: ignore[method-assign]  # wrapped
 
     def _load_on_cpu(self, checkpoint: str) -> bool:
         """The Trainer's own optimizer and scheduler load for a DDP (or one-process) run, with the
@@ -276,8 +280,10 @@ class LionCubCallback(TrainerCallback):
         (``map_location=args.device`` on several GPUs), and a consolidated LionCub state holds every
         rank's momenta; :meth:`LionCub.load_state_dict` moves this rank's part to the parameters'
         device. Returns False, having loaded nothing, where the Trainer loads otherwise (DeepSpeed, FSDP,
-        XLA, SageMaker) or the files are not both there: then the Trainer's own load runs."""
+        XLA, SageMaker), the files are not both there, or the Trainer has not made its optimizer and
+        scheduler (it loads after making them): then the Trainer's own load runs."""
         trainer = self.trainer
+        optimizer, scheduler = trainer.optimizer, trainer.lr_scheduler
         optim_file, sched_file = (os.path.join(checkpoint, name) for name in (OPTIMIZER_NAME, SCHEDULER_NAME))
         elsewhere = (
             trainer.is_deepspeed_enabled
@@ -285,14 +291,16 @@ class LionCubCallback(TrainerCallback):
             or is_torch_xla_available()
             or is_sagemaker_mp_enabled()
         )
-        if elsewhere or not (os.path.isfile(optim_file) and os.path.isfile(sched_file)):
+        if optimizer is None or scheduler is None or elsewhere:
+            return False
+        if not (os.path.isfile(optim_file) and os.path.isfile(sched_file)):
             return False
         check_torch_load_is_safe()
-        trainer.optimizer.load_state_dict(torch.load(optim_file, map_location="cpu", weights_only=True))
+        optimizer.load_state_dict(torch.load(optim_file, map_location="cpu", weights_only=True))
         # as the Trainer: the warnings are reissued without torch's "save the optimizer too"
         with warnings.catch_warnings(record=True) as caught:
             sched = torch.load(sched_file, map_location="cpu", weights_only=True)
-            trainer.lr_scheduler.load_state_dict(sched)
+            scheduler.load_state_dict(sched)
         reissue_pt_warnings(caught)
         return True
 

@@ -42,8 +42,8 @@ from lightning.pytorch.trainer.states import TrainerFn  # noqa: E402
 from torch.optim import Optimizer  # noqa: E402
 
 from lioncub.integrations.common import find_lioncub, install_vote  # noqa: E402
-from lioncub.optim import LionCub  # noqa: E402
 from lioncub.optim.amp import agree_on_overflow  # noqa: E402
+from lioncub.optim.lioncub import LionCub  # noqa: E402
 
 __all__ = ["LionCubStrategy"]
 

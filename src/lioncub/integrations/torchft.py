@@ -131,7 +131,7 @@ def _transport(host: str, timeout: datetime.timedelta) -> Any:
     at ``host`` rather than the machine's name, which names every network namespace of a host alike."""
     from torchft.checkpointing import HTTPTransport
 
-    class _At(HTTPTransport):
+    class _At(HTTPTransport[dict[str, Any]]):  # what a Manager sends: a state dict
         def address(self) -> str:
             port = self._server.socket.getsockname()[1]
             return f"http://{host}:{port}/checkpoint/"

@@ -24,6 +24,7 @@ import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -138,7 +139,10 @@ def _parts(n: int, align: int = 64, first: int = 0) -> list[tuple[int, int]]:
     return list(itertools.pairwise(bounds))
 
 
-def _run(parts: list[tuple[int, int]], fn: Callable[[int, int], object]) -> list[object]:
+_T = TypeVar("_T")
+
+
+def _run(parts: list[tuple[int, int]], fn: Callable[[int, int], _T]) -> list[_T]:
     if len(parts) == 1:
         return [fn(*parts[0])]
     pool = _pools.get(len(parts))
@@ -149,8 +153,8 @@ def _run(parts: list[tuple[int, int]], fn: Callable[[int, int], object]) -> list
     return results + [f.result() for f in futures]
 
 
-def _peak(parts: list[object]) -> float:
-    values = [float(v) for v in parts]  # type: ignore[arg-type]
+def _peak(parts: list[float]) -> float:
+    values = [float(v) for v in parts]
     return math.nan if any(math.isnan(v) for v in values) else max(values)
 
 

@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 
@@ -57,7 +58,18 @@ PREFETCH_SWITCH = "LIONCUB_CPU_PREFETCH"
 DTYPES = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "lib", "error", "build_s"
+
+
+class _State(TypedDict, total=False):
+    """What :func:`load` found (each key set once it is known)."""
+
+    lib: ctypes.CDLL  # the loaded library
+    error: str  # why there is none
+    build_s: float  # seconds the first load took
+    prefetch: tuple[bool, str]  # whether the kernels prefetch, and why
+
+
+_state: _State = {}
 
 
 def enabled() -> bool:
@@ -72,7 +84,7 @@ def error() -> str:
 
 def prefetch() -> tuple[bool, str]:
     """Whether the loaded kernels prefetch ahead in software, and why."""
-    return _state.get("prefetch", (False, "the kernels are not loaded"))  # type: ignore[return-value]
+    return _state.get("prefetch", (False, "the kernels are not loaded"))
 
 
 def set_prefetch(on: bool) -> None:
@@ -81,7 +93,7 @@ def set_prefetch(on: bool) -> None:
     lib = _state.get("lib")
     if lib is None:
         raise RuntimeError(f"the fused CPU kernels are not loaded: {error()}")
-    lib.lc_set_prefetch(int(bool(on)))  # type: ignore[attr-defined]
+    lib.lc_set_prefetch(int(bool(on)))
     _state["prefetch"] = (bool(on), "set_prefetch")
 
 
@@ -116,7 +128,7 @@ def _cpu_vendor() -> str:
 
 def build_seconds() -> float:
     """Seconds the first :func:`load` of this process took (compiling included when it compiled)."""
-    return float(_state.get("build_s", 0.0))  # type: ignore[arg-type]
+    return float(_state.get("build_s", 0.0))
 
 
 def _compiler() -> str | None:
@@ -205,10 +217,10 @@ def load(probe: Callable[[], None]) -> ctypes.CDLL | None:
     """The loaded library (built on first use, then checked by ``probe``, which raises where the kernels
     disagree with torch), or None (:func:`error` says why)."""
     if "lib" in _state or "error" in _state:
-        return _state.get("lib")  # type: ignore[return-value]
+        return _state.get("lib")
     with _lock:
         if "lib" in _state or "error" in _state:
-            return _state.get("lib")  # type: ignore[return-value]
+            return _state.get("lib")
         choice = prefetch_choice()  # a bad LIONCUB_CPU_PREFETCH raises here, not as "unavailable"
         t0 = time.perf_counter()
         try:
@@ -229,4 +241,4 @@ def load(probe: Callable[[], None]) -> ctypes.CDLL | None:
             _state["error"] = f"{type(exc).__name__}: {exc}"
             _log.info("lioncub: fused CPU kernels unavailable (%s); the torch path runs", _state["error"])
         _state["build_s"] = time.perf_counter() - t0
-    return _state.get("lib")  # type: ignore[return-value]
+    return _state.get("lib")

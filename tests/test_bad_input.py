@@ -576,6 +576,8 @@ RUN_CASES = [  # (options, fragments): refused by `lioncub train` and `lioncub c
         ["--device cuda with --fault-tolerant", "CPU tensors", "CUDA is not supported", "--device cpu"],
     ),
 ]
+#: a sharded run's nodes (--fsdp: each node shards the model over its 2 ranks)
+FSDP = ["--nnodes", "2", "--nproc-per-node", "2", "--link", "1gbit", "--fsdp"]
 #: refused by `lioncub train` only (compare names local steps in --variants: COMPARE_CASES)
 TRAIN_CASES = [
     (["--local-steps", "0"], ["--local-steps", ">= 1"]),
@@ -604,6 +606,29 @@ TRAIN_CASES = [
         ["--variant", "auto", "--steps", "200"],
         ["--variant auto (it may choose 1bit/h16)", "--steps 200", "multiple of 16"],
     ),
+    (["--variant", "1bit", "--fsdp"], ["--fsdp without --nnodes", "--nproc-per-node L with L >= 2"]),
+    (
+        ["--variant", "1bit", "--fsdp", "--nnodes", "4", "--nproc-per-node", "1", "--link", "1gbit"],
+        ["--fsdp with --nproc-per-node 1", "L >= 2"],
+    ),
+    ([*FSDP, "--variant", "1bit", "--overlap"], ["--fsdp with --overlap", "drop --overlap"]),
+    (
+        [*FSDP, "--variant", "1bit", "--topology", "hierarchical"],
+        ["--fsdp with --topology hierarchical", "--topology flat or auto"],
+    ),
+    (
+        [*FSDP, "--variant", "1bit", "--diagnostics-every", "2"],
+        ["--fsdp with --diagnostics-every 2", "--diagnostics-every 0"],
+    ),
+    ([*FSDP, "--variant", "32bit"], ["--fsdp with --variant 32bit", "not built sharded", "--local-steps H"]),
+    ([*FSDP, "--variant", "16bit"], ["--fsdp with --variant 16bit", "a LionCub variant"]),
+    (
+        [*FSDP, "--variant", "1bit", "--checkpoint-every", "4"],
+        ["--fsdp with --checkpoint-every 4", "not supported by lioncub train yet", "--checkpoint-every 0"],
+    ),
+    ([*FSDP, "--variant", "1bit", "--stop-at", "4"], ["--fsdp with --stop-at 4", "not supported yet"]),
+    ([*FSDP, "--variant", "1bit", "--fault-tolerant"], ["--fsdp with --fault-tolerant", "not supported yet"]),
+    ([*FSDP, "--variant", "auto"], ["--variant auto with --fsdp", "give the variant"]),
 ]
 
 
@@ -670,6 +695,12 @@ COMPARE_CASES = [
         ["--variants auto (it may choose 1bit/h16)", "multiple of 16"],
         id="auto-steps",
     ),
+    case(
+        ["--variants", "1bit,32bit+fsdp", *FSDP[:-1]],
+        ["--variants 32bit+fsdp", "--fsdp with --variant 32bit"],
+        id="fsdp-baseline",
+    ),
+    case(["--variants", "1bit+fsdp"], ["--fsdp without --nnodes"], id="fsdp-no-nodes"),
     case(["--target-loss", "nan"], ["--target-loss", "> 0"], id="target-loss-nan"),
     *[
         case(["--time-budget", v], ["--time-budget", v, "seconds > 0"], id=f"time-budget-{v}")

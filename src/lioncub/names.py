@@ -4,6 +4,8 @@ object holds, nested or flat (:func:`config_entries`). Torch-free.
 
 * A vote every step: ``VARIANT[@TOPOLOGY][/plus][+overlap]`` -- ``1bit``, ``1bit@hierarchical``,
   ``8bit+overlap``; ``1bit/plus`` is the one-bit vote with the papers' zero rule (``--zero-vote plus``).
+* A run whose nodes shard the model (``--fsdp``, docs/shards.md): its name and ``+fsdp`` -- ``1bit+fsdp``,
+  ``1bit/h4+fsdp``.
 * Local steps (``docs/local-steps.md``): ``RULE[@TOPOLOGY]/hH[/lrX][/bB1:B2][/keep|/average][/plus]`` --
   ``1bit/h16`` (a 1-bit vote every 16 steps), ``8bit/h16/lr2`` (outer lr 2), ``1bit/h4/b0.9:0.99`` (outer
   betas), ``dsm/h16`` and ``diloco/h16`` (the fp32 mean of the pseudo-gradients), ``diloco-16bit/h16``
@@ -28,6 +30,7 @@ from lioncub.optim.config import DEFAULT_OUTER, INNER_MOMENTA, OUTER_RULE_FACTS,
 
 __all__ = [
     "CONFIG_VERSION_KEY",
+    "FSDP_SUFFIX",
     "GRAMMAR",
     "OVERLAP_SUFFIX",
     "PEER_VARIANTS",
@@ -41,6 +44,8 @@ __all__ = [
 
 #: a LionCub variant's vote overlapped with the backward pass
 OVERLAP_SUFFIX = "+overlap"
+#: a run whose nodes shard the model over their ranks (FSDP2) and vote on the shards
+FSDP_SUFFIX = "+fsdp"
 #: variants trained as DDP + Lion, as users run today (gradient allreduce in fp32 / 16-bit)
 BASELINES = ("32bit", "16bit")
 #: variants that run another project's optimizer in lioncub's harness: torchft's own DiLoCo (Lion inside,
@@ -70,7 +75,8 @@ def config_entries(doc: Mapping[str, Any]) -> dict[str, Any]:
 def run_label(config: Mapping[str, Any]) -> str:
     """The name of the run configured by ``config`` (a ``config.json`` object, nested or flat: its
     ``variant``, ``topology``, ``overlap``, ``local_steps``, ``outer``, ``outer_lr``, ``outer_betas``,
-    ``inner_momentum``, ``zero_vote``); a run ``--variant auto`` chose (``chosen_by``): ``auto (NAME)``."""
+    ``inner_momentum``, ``zero_vote``, ``fsdp``); a run ``--variant auto`` chose (``chosen_by``):
+    ``auto (NAME)``."""
     config = config_entries(config)
     if config.get("chosen_by"):
         rest = {k: v for k, v in config.items() if k != "chosen_by"}
@@ -96,7 +102,8 @@ def run_label(config: Mapping[str, Any]) -> str:
             name += f"/{config['inner_momentum']}"
     if config.get("zero_vote") not in (None, ZERO_VOTES[0]):  # recorded for the one-bit votes only
         name += f"/{config['zero_vote']}"
-    return name + OVERLAP_SUFFIX if config.get("overlap") else name
+    name += OVERLAP_SUFFIX if config.get("overlap") else ""
+    return name + FSDP_SUFFIX if config.get("fsdp") else name
 
 
 #: what may follow ``NAME``, in this order (each part after a ``/``)
@@ -110,12 +117,16 @@ GRAMMAR = (
 
 
 def parse_run_name(name: str) -> dict[str, Any]:
-    """The configuration fields that ``name`` sets (``variant``; ``topology``, ``overlap``, ``local_steps``,
-    ``outer``, ``outer_lr``, ``outer_betas``, ``inner_momentum``, ``zero_vote`` where it names them);
+    """The configuration fields that ``name`` sets (``variant``; ``topology``, ``overlap``, ``fsdp``,
+    ``local_steps``, ``outer``, ``outer_lr``, ``outer_betas``, ``inner_momentum``, ``zero_vote`` where it
+    names them);
     ``ValueError`` naming the part that is not understood (:data:`GRAMMAR`). Whether the variant or
     topology exists, and whether the zero rule applies to the variant, is the configuration's check."""
     fields: dict[str, Any] = {}
     text = name
+    if text.endswith(FSDP_SUFFIX):
+        fields["fsdp"] = True
+        text = text.removesuffix(FSDP_SUFFIX)
     if text.endswith(OVERLAP_SUFFIX):
         fields["overlap"] = True
         text = text.removesuffix(OVERLAP_SUFFIX)

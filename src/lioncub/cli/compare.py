@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lioncub.cli.options import add_run_arguments, config_for_name, train_run
-from lioncub.names import OVERLAP_SUFFIX
+from lioncub.names import FSDP_SUFFIX, OVERLAP_SUFFIX
 
 if TYPE_CHECKING:
     from lioncub.train.config import TrainConfig
@@ -57,6 +57,9 @@ the schedule the cost rule picks: 1bit, 1bit/h4 or 1bit/h16 (docs/local-steps.md
   lioncub compare --variants 1bit,auto --nproc 4 --link 2mbit --time-budget 300 --out runs/auto
 A one-bit vote named NAME/plus (1bit/plus, 1bit/h16/plus) votes + for an exact zero, the papers' rule
 (--zero-vote plus, for every one-bit row).
+A run named NAME+fsdp (or every row, with --fsdp) shards the model inside each node of --nnodes M
+--nproc-per-node L (L >= 2) with FSDP2 and votes between the nodes on the shards (docs/shards.md), e.g.
+  lioncub compare --variants 1bit,1bit+fsdp --nnodes 2 --nproc-per-node 2 --link 1gbit --out runs/fsdp
 """
 
 
@@ -209,6 +212,7 @@ def _variants(args: argparse.Namespace, out: Path) -> list[str]:
         f"overlap) or @TOPOLOGY (e.g. 1bit@hierarchical, 1bit@node-majority; topologies {list(TOPOLOGIES)}); "
         "local steps: NAME/hH[/lrX][/bB1:B2][/keep|/average] (1bit/h16, 8bit/h16/lr2, dsm/h16, diloco/h16, "
         "diloco/h16/keep, diloco-16bit/h16); the one-bit votes' zero rule: NAME[...]/plus (1bit/plus); "
+        f"sharded inside each node: NAME{FSDP_SUFFIX} (1bit{FSDP_SUFFIX}, 1bit/h4{FSDP_SUFFIX}); "
         "auto: a pilot of 1bit measures compute and communication, and the run votes every step or every H "
         "steps as the schedule rule chooses"
     )

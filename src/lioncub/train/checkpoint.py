@@ -234,11 +234,14 @@ def save(
     meta: dict[str, Any],
     barrier: Callable[[], None],
     keep: int = 2,
+    model_state: dict[str, Any] | None = None,
 ) -> Path:
     """Write this rank's part of the checkpoint of ``step`` (collective: every rank calls it).
 
     ``meta`` must hold ``variant``, ``workload``, ``size`` and ``seed``; ``barrier`` synchronises the
-    ranks (e.g. ``torch.distributed.barrier``). Returns the final checkpoint directory. In a run directory
+    ranks (e.g. ``torch.distributed.barrier``); ``model_state``: what rank 0 writes as ``model.pt`` (default:
+    the model's ``state_dict()``; a sharded model's gathered whole state). Returns the final checkpoint
+    directory. In a run directory
     lioncub marked, rank 0 records every path before it is created and deletes only recorded ones
     (:mod:`lioncub.rundir`).
     """
@@ -257,7 +260,8 @@ def save(
     digest = _atomic_torch_save(state, tmp / f"rank{rank}.pt")
     write_atomically(tmp / f"rank{rank}.pt.sha256", digest.encode())
     if rank == 0:
-        digest = _atomic_torch_save(getattr(model, "module", model).state_dict(), tmp / "model.pt")
+        whole = getattr(model, "module", model).state_dict() if model_state is None else model_state
+        digest = _atomic_torch_save(whole, tmp / "model.pt")
         write_atomically(tmp / "model.pt.sha256", digest.encode())
     barrier()
     if rank == 0:

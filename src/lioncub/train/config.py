@@ -45,6 +45,7 @@ from lioncub.optim.step_check import NONFINITE_MODES, Checks
 from lioncub.train import shared
 from lioncub.train.data import MODES
 from lioncub.train.fault_settings import check_fault_tolerant
+from lioncub.train.fsdp_settings import FT_WHY, check_fsdp, fsdp_resume_refusal
 from lioncub.train.lr import lr_factor
 from lioncub.train.parts import OptimizerParts, optimizer_parts
 from lioncub.train.settings import Described, check_value, described, flat_document, nest, setting
@@ -317,6 +318,11 @@ class ClusterConfig:
         "group that dies is left out at the next quorum, one that (re)joins heals from a live peer (pip "
         "install 'lioncub[ft]')",
     )
+    fsdp: bool = setting(
+        False, ft_why=FT_WHY,
+        help="with --nnodes M --nproc-per-node L (L >= 2): each node shards the model over its ranks with "
+        "FSDP2 and the nodes vote on each rank's shard (docs/shards.md): a LionCub variant, or local steps",
+    )  # fmt: skip
     kill: list[str] = setting(
         [], parse=fault_list, metavar="G@STEP,...", ft_only=True,
         help="with --fault-tolerant: SIGKILL group G once it has finished step STEP",
@@ -377,6 +383,7 @@ class TrainConfig:
         _check_what(self)
         _check_run(self)
         _check_per_variant(self)
+        check_fsdp(self)
         self.optimizer.build()  # the optimizer's own checks
 
     def flat(self) -> dict[str, Any]:
@@ -539,7 +546,9 @@ CUDA_UNDER_EMULATION = (
 def check_start(config: TrainConfig, *, resume: bool, inside_job: bool) -> None:
     """How a run of ``config`` starts, beside what it is (:class:`TrainConfig`'s checks): ``resume`` its
     checkpoints, or train as a rank of a job torchrun or ``lioncub launch`` started (``inside_job``).
-    ``ValueError`` naming the option: a fault-tolerant run does neither."""
+    ``ValueError`` naming the option: a fault-tolerant run does neither; a ``--fsdp`` run does not resume."""
+    if resume and config.cluster.fsdp:
+        raise ValueError(fsdp_resume_refusal("--resume"))
     if not config.cluster.fault_tolerant:
         return
     if resume:
@@ -568,6 +577,11 @@ def check_auto(given: Mapping[str, Any], *, resume: bool, inside_job: bool) -> N
             "--variant auto: chosen by a pilot that `lioncub train` launches before the run; inside a job "
             "of torchrun or `lioncub launch` give the variant (lioncub.planning.auto.auto_variant chooses "
             "it in your own script)"
+        )
+    if given.get("fsdp"):
+        raise ValueError(
+            "--variant auto with --fsdp: the pilot's choice is not built for sharded runs; give the variant "
+            "(e.g. 1bit or 1bit --local-steps 4)"
         )
     outer = given.get("outer")
     if outer not in (None, DEFAULT_OUTER):

@@ -33,6 +33,12 @@ Step time split (seconds, rank 0, in every ``step`` record of ``log.jsonl``):
 On emulated nodes (``--nnodes``) a ``step`` record also holds ``nic_bytes`` (sent through a node's NIC)
 and ``intra_bytes`` (sent by a rank inside its node): :mod:`lioncub.train.nodebytes`.
 
+With ``--fsdp`` (:mod:`lioncub.train.sharding`) each node shards the model over its ranks with FSDP2 instead
+of DDP and the ``LionCub`` votes between the nodes on each rank's shard (the mesh's ``"replicate"`` groups):
+``nic_bytes`` is L × a rank's vote bytes (each rank's shard crosses the NIC), ``intra_bytes`` FSDP2's
+all-gathers and reduce-scatter; the ranks of node 0 evaluate (the forward gathers the shards), and
+``model.pt`` is the gathered whole model.
+
 ``eval`` records hold ``val_loss`` (and ``val_acc``) at ``eval_every`` steps and at the end; rank 0
 evaluates (the replicas are identical) while the others wait. With ``diagnostics_every`` a ``diag``
 record holds :mod:`lioncub.optim.diagnostics` overall and per parameter tensor. ``summary.json``'s
@@ -69,9 +75,10 @@ from lioncub.optim.step_check import NonFiniteGradientError
 from lioncub.planning import costmodel
 from lioncub.planning.auto import DEFAULT_LATENCY_S, choose_topology
 from lioncub.rundir import is_marked, open_append, record, write_atomically, write_owned
-from lioncub.train import checkpoint
+from lioncub.train import checkpoint, sharding
 from lioncub.train.budget import GUARD_FACTOR, budget_summary, over_budget
 from lioncub.train.config import BASELINES, CUDA_UNDER_EMULATION, TrainConfig, emulates_links, lr_factor
+from lioncub.train.fsdp_settings import fsdp_resume_refusal
 from lioncub.train.memory import gradient_bytes, largest_over_ranks, rank_memory
 from lioncub.train.nodebytes import flat_shares, node_bytes
 from lioncub.train.runlog import append_record, elapsed_at, truncate_log
@@ -137,11 +144,12 @@ def build_optimizer(
 ) -> OptimizerSetup:
     """Wrap ``model`` in DDP (world size > 1) and build the variant's optimizer over the workload's groups;
     ``process_group``: what a ``LionCub`` votes over (default: the global group; a replica group's
-    :class:`~lioncub.collectives.GroupComm` in a fault-tolerant run, with ``world_size`` 1). ``keep``: the
+    :class:`~lioncub.collectives.GroupComm` in a fault-tolerant run, with ``world_size`` 1; with ``--fsdp``
+    the nodes' mesh, ``model`` sharded over it and not wrapped in DDP). ``keep``: the
     parameters the optimizer steps (default: all; a rank of a replica group of several ranks: its share),
     param groups left empty are dropped."""
-    options = config.optimizer
-    if world_size > 1:
+    options, fsdp = config.optimizer, config.cluster.fsdp
+    if world_size > 1 and not fsdp:  # sharded (--fsdp): FSDP2 already reduce-scatters inside the node
         # overlapped votes travel in DDP's buckets: --bucket-mb sizes them (DDP's default otherwise)
         model = DistributedDataParallel(
             model,
@@ -160,7 +168,7 @@ def build_optimizer(
             )
             traffic = count_gradient_allreduce(model, wire)  # type: ignore[arg-type]
         return OptimizerSetup(Lion(groups, betas=wl.betas), model, traffic)
-    parts = options.build(_topology(config, model))
+    parts = options.build("flat" if fsdp else _topology(config, model))
     opt = LionCub(
         groups,
         betas=wl.betas,
@@ -175,7 +183,7 @@ def build_optimizer(
     )
     if world_size > 1 and options.overlap:
         opt.overlap_with(model)  # the votes start during the backward
-    elif world_size > 1:
+    elif world_size > 1 and not fsdp:
         skip_gradient_allreduce(model)  # type: ignore[arg-type]
     return OptimizerSetup(opt, model, None)
 
@@ -266,6 +274,7 @@ class _Rank:
     ring_shares: tuple[float, float] = (0.0, 0.0)  # ... and those of a flat ring allreduce
     budget_stop: int | None = None  # the step the time budget's guard stopped the run at
     gradients: int | None = None  # bytes of the gradients after this process's first backward
+    fsdp_intra: float = 0.0  # --fsdp: the bytes a rank sends for FSDP2 inside its node per step
 
 
 def train(config: TrainConfig, run_dir: Path, *, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -329,6 +338,9 @@ def _set_up(config: TrainConfig, run_dir: Path, log: Callable[[str], None]) -> _
     seed_rank(run.seed, rank)  # dropout draws from the global generators
     resume = checkpoint.latest(run_dir)
     state = None
+    fsdp = config.cluster.fsdp
+    if resume is not None and fsdp:
+        raise ValueError(fsdp_resume_refusal(f"a checkpoint in {resume.path} (a restart or --resume)"))
     if resume is not None:
         checkpoint.check_compatible(
             resume,
@@ -342,7 +354,11 @@ def _set_up(config: TrainConfig, run_dir: Path, log: Callable[[str], None]) -> _
         )
         model.load_state_dict(checkpoint.model_state(resume))
         state = checkpoint.load_rank_state(resume, rank, world)
-    setup = build_optimizer(config, wl, model, world)
+    mesh = None
+    if fsdp:  # each node shards the model over its ranks; the vote between the nodes on the shards
+        mesh = sharding.node_mesh(config.cluster.nnodes or 1, config.cluster.nproc_per_node, device)
+        sharding.shard_model(model, mesh)
+    setup = build_optimizer(config, wl, model, world, process_group=mesh)
     for group in setup.opt.param_groups:
         group.setdefault("initial_lr", group["lr"])
     start = resume.step if resume is not None else 0
@@ -371,7 +387,11 @@ def _set_up(config: TrainConfig, run_dir: Path, log: Callable[[str], None]) -> _
         d = sum(p.numel() for p in model.parameters() if p.requires_grad)
         nodes = (config.cluster.nnodes, config.cluster.nproc_per_node)
         shares, ring = flat_shares(vote, d, *nodes), flat_shares("32bit", d, *nodes)
-    return _Rank(config, run_dir, rank, world, wl, setup, start, compute_ref, log, shares, ring)
+    r = _Rank(config, run_dir, rank, world, wl, setup, start, compute_ref, log, shares, ring)
+    if fsdp:  # every rank's vote crosses its node's NIC (its voters are in the other nodes)
+        r.shares = (float(config.cluster.nproc_per_node), 0.0)
+        r.fsdp_intra = float(sharding.fsdp_intra_bytes(model, config.cluster.nproc_per_node))
+    return r
 
 
 def _train_step(r: _Rank, step: int, elapsed: float) -> dict[str, Any]:
@@ -397,6 +417,7 @@ def _train_step(r: _Rank, step: int, elapsed: float) -> dict[str, Any]:
         rec.update(
             node_bytes(last, rec["bytes_sent"], r.shares, r.config.cluster.nproc_per_node, r.ring_shares)
         )
+        rec["intra_bytes"] += r.fsdp_intra
     rec["skipped"] = skipped
     if skipped and r.config.optimizer.local_steps is not None:  # each rank's inner steps are its own
         r.log(
@@ -432,7 +453,8 @@ def _after_step(r: _Rank, out: Any, step: int, elapsed: float, evals: list[dict[
                 "too short)"
             )
     if step == run.steps or guard or (run.eval_every and step % run.eval_every == 0):
-        ev = _evaluate(r.wl, r.setup.model, r.rank, step, elapsed)
+        shards = r.config.cluster.nproc_per_node if r.config.cluster.fsdp else 0
+        ev = _evaluate(r.wl, r.setup.model, r.rank, step, elapsed, shards)
         evals.append(ev)
         append_record(out, ev)
     stop = step == run.stop_at or guard
@@ -443,6 +465,7 @@ def _after_step(r: _Rank, out: Any, step: int, elapsed: float, evals: list[dict[
             "size": run.size,
             "seed": run.seed,
         }
+        whole = sharding.full_model_state(r.setup.model) if r.config.cluster.fsdp else None
         checkpoint.save(
             r.run_dir,
             step=step,
@@ -453,6 +476,7 @@ def _after_step(r: _Rank, out: Any, step: int, elapsed: float, evals: list[dict[
             data_state=r.wl.state_dict(),
             meta=meta,
             barrier=dist.barrier,
+            model_state=whole,
         )
     return stop
 
@@ -522,10 +546,16 @@ def step_record(
     return rec
 
 
-def _evaluate(wl: Workload, model: torch.nn.Module, rank: int, step: int, elapsed: float) -> dict[str, Any]:
+def _evaluate(
+    wl: Workload, model: torch.nn.Module, rank: int, step: int, elapsed: float, shards: int = 0
+) -> dict[str, Any]:
+    """The ``eval`` record of ``step``: rank 0 evaluates (a model sharded over ``shards`` ranks per node:
+    the ranks of node 0, whose forward gathers their shards, freed again after it), the others wait."""
     ev: dict[str, Any] = {"kind": "eval", "step": step, "time_s": elapsed}
-    if rank == 0:
+    if rank < max(shards, 1):
         ev.update(wl.evaluate(model))
+    if shards:
+        sharding.reshard(model)
     dist.barrier()  # the others wait here, not inside the next step's timed collectives
     return ev
 

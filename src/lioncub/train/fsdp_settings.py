@@ -1,0 +1,71 @@
+"""The settings of a run sharded inside each node (``lioncub train --fsdp``, docs/shards.md "From the
+command line"), checked with the rest of :class:`lioncub.train.config.TrainConfig`'s checks. Torch-free."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lioncub.names import BASELINES
+
+__all__ = ["FT_WHY", "check_fsdp", "fsdp_resume_refusal"]
+
+#: why ``--fsdp`` is refused with ``--fault-tolerant`` (for now)
+FT_WHY = (
+    "not supported yet: a fault-tolerant node sharded over its ranks would heal shard by shard from a live "
+    "peer (issue 46); drop --fsdp (each node DDP inside) or --fault-tolerant"
+)
+
+_NO_DCP = (
+    "checkpoints of the sharded optimizer state (torch.distributed.checkpoint, each rank its shard) are not "
+    "supported by lioncub train yet; the run's final model.pt is written"
+)
+
+
+def check_fsdp(config: Any) -> None:
+    """``config`` (a :class:`~lioncub.train.config.TrainConfig`) with ``--fsdp``: ``ValueError`` naming the
+    flag and what is allowed for what the sharded run does not take -- no ``--nnodes M --nproc-per-node L``
+    with L >= 2, ``--overlap``, a ``--topology`` other than flat (``auto`` is flat there), ``--diagnostics-
+    every``, the DDP baselines without local steps, ``--checkpoint-every``, ``--stop-at`` (no resume yet)."""
+    cluster, opt = config.cluster, config.optimizer
+    if not cluster.fsdp:
+        return
+    if cluster.nnodes is None or cluster.nproc_per_node < 2:
+        per_node = cluster.nproc_per_node
+        given = "without --nnodes" if cluster.nnodes is None else f"with --nproc-per-node {per_node}"
+        raise ValueError(
+            f"--fsdp {given}: each emulated node shards the model over its ranks; give --nnodes M "
+            "--nproc-per-node L with L >= 2 (and --link RATE)"
+        )
+    if opt.overlap:
+        raise ValueError(
+            "--fsdp with --overlap: the vote on shards runs in the optimizer step (--overlap hooks DDP's "
+            "buckets, which a sharded model has not); drop --overlap"
+        )
+    if opt.topology not in ("flat", "auto"):
+        raise ValueError(
+            f"--fsdp with --topology {opt.topology}: the vote on shards is flat between the nodes (one "
+            "voter per node and shard); allowed: --topology flat or auto"
+        )
+    if opt.diagnostics_every:
+        raise ValueError(
+            f"--fsdp with --diagnostics-every {opt.diagnostics_every}: the vote diagnostics are per-tensor "
+            "statistics and a rank holds shards; allowed: --diagnostics-every 0"
+        )
+    if opt.variant in BASELINES and opt.local_steps is None:
+        raise ValueError(
+            f"--fsdp with --variant {opt.variant}: the DDP baselines (DDP + Lion) are not built sharded; "
+            "give a LionCub variant (e.g. 1bit), or --local-steps H for the dense outer step on shards"
+        )
+    if config.run.stop_at is not None:
+        raise ValueError(
+            f"--fsdp with --stop-at {config.run.stop_at}: a stopped run goes on with --resume, and resuming "
+            f"is not supported yet: {_NO_DCP}"
+        )
+    if config.run.checkpoint_every:
+        raise ValueError(f"--fsdp with --checkpoint-every {config.run.checkpoint_every}: {_NO_DCP}; allowed: "
+                         "--checkpoint-every 0")  # fmt: skip
+
+
+def fsdp_resume_refusal(what: str) -> str:
+    """Why a ``--fsdp`` run does not resume (``what``: ``--resume``, a checkpoint found on a restart)."""
+    return f"{what} with --fsdp: resuming is not supported yet: {_NO_DCP}"

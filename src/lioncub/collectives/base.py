@@ -16,7 +16,8 @@ uses the library collectives (the default on NCCL).
 
 **Devices.** A :class:`Comm` works on one device, the device of the tensors it exchanges (LionCub passes
 its parameters' device): its buffers are made there, the backend is the one the group has for that
-device type (``"cpu:gloo,cuda:nccl"`` sends CUDA tensors over NCCL; :func:`backend_for_device`), and the
+device type (``"cpu:gloo,cuda:nccl"`` sends CUDA tensors over NCCL; :func:`backend_for_device`; CUDA
+tensors on a group whose backend for them is gloo are refused: docs/gpu.md), and the
 small object collectives run under that device (``gather_object``, which carries consolidated optimizer
 states, stays in CPU memory: on a gloo side group where the group is NCCL only). What differs between
 backends is held once, in a :class:`Backend`: on NCCL a wait carries no timeout (``Work.wait(timeout)``
@@ -245,6 +246,8 @@ class Comm:
         self.backend_config = str(dist.get_backend_config(group))
         self.device = _device_of(device, self.backend_config)
         self.backend = _backend_of(self.backend_config, self.device)
+        if self.device.type == "cuda" and self.backend == "gloo":
+            raise ValueError(_gloo_for_cuda(self.backend_config, self.device))
         self.wire = Backend.named(self.backend)
         self.alone = self.world_size == 1 and not _ALONE["exchange"]
         self.exchange = self.wire.exchange if exchange == "auto" else exchange
@@ -491,6 +494,19 @@ def _backend_of(config: str, device: torch.device) -> str:
             "model.cuda() or model.to(f'cuda:{local_rank}') otherwise), or init the process group with "
             "gloo ('gloo', or 'cpu:gloo,cuda:nccl' for both CPU and CUDA tensors)"
         ) from err
+
+
+def _gloo_for_cuda(config: str, device: torch.device) -> str:
+    """Why a :class:`Comm` of CUDA tensors on a group whose backend for them is gloo is refused: the votes
+    of GPU parameters go over NCCL, on the GPU (docs/gpu.md). Gloo would be handed the tensors' device
+    pointers by its point-to-point sends (lioncub's exchanges on gloo), and its collectives stage every
+    tensor through host memory with a host wait per collective."""
+    return (
+        f"the process group's backend for {device} tensors is gloo (its backends: {config!r}): LionCub's "
+        "votes of GPU parameters go over NCCL, on the GPU; nothing is staged on the host (docs/gpu.md). "
+        "init_process_group('nccl') or init_process_group('cpu:gloo,cuda:nccl') (a DeviceMesh: without a "
+        "backend_override of gloo for the vote's dimension), or keep the model on the CPU for a gloo group"
+    )
 
 
 def _device_of(device: torch.device | str | None, config: str) -> torch.device:

@@ -29,9 +29,11 @@ boundary. :class:`ShardQuantizedVote` instead all-gathers the bucket's contribut
 the unsharded vote does, and keeps its own shard's levels; only those travel between the replicas.
 
 What a step adds on shards: one all-reduce of an int32 over the shard group (the replica's ranks agree
-on skipping a step with NaN/Inf, :meth:`ShardView.agree_skip`), and for quantized votes the all-gather
-above. Refused (:func:`check_shard_options`): a topology other than flat, the vote diagnostics (per
-tensor statistics of shards), ``overlap_with`` (a DDP hook; FSDP2 has none of DDP's buckets).
+on skipping a step with NaN/Inf, :meth:`ShardView.agree_skip`; one host read, its verdict), and for
+quantized votes the all-gather above. On GPUs (docs/gpu.md) both groups' exchanges run on the
+parameters' device over the mesh's backend for it (NCCL); nothing is staged on the host. Refused
+(:func:`check_shard_options`): a topology other than flat, the vote diagnostics (per tensor statistics of
+shards), ``overlap_with`` (a DDP hook; FSDP2 has none of DDP's buckets).
 """
 
 from __future__ import annotations
@@ -401,7 +403,9 @@ class ShardQuantizedVote(QuantizedVote):
                 parts.append(every[s, starts[s] : starts[s] + p.counts[s]])
                 starts[s] += p.counts[s]
         whole = torch.cat(parts) if parts else local.new_empty(0)
-        levels = super().levels_of(whole, [p.numel for p in pieces], ("whole", key))
+        # no key: the whole tensors' levels are transient (a buffer kept per bucket would hold the whole
+        # model's elements on every rank, S times its shards'; docs/gpu.md)
+        levels = super().levels_of(whole, [p.numel for p in pieces], None)
         out = torch.empty(local.numel(), dtype=levels.dtype, device=local.device)
         pos = base = 0
         for p, n in zip(pieces, sizes, strict=True):

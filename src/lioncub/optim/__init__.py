@@ -7,6 +7,7 @@ Modules, each importing only those above it in this list:
 * :mod:`~lioncub.optim.sync` — :class:`MomentumSync`: which momenta are averaged over the ranks, and when;
 * :mod:`~lioncub.optim.diagnostics` — match/flip, ties, momentum spread of a vote;
 * :mod:`~lioncub.optim.topology` — the ``("node", "local")`` mesh of a vote laid over nodes;
+* :mod:`~lioncub.optim.shards` — the vote on FSDP2's shards: the optimizer's view of its local shards;
 * :mod:`~lioncub.optim.replicas` — identical replicas: the same parameters, rank 0's values, checksums;
 * :mod:`~lioncub.optim.step_check` — :class:`Checks`, the ranks' agreement before a step, its errors;
 * :mod:`~lioncub.optim.factory` — :func:`make_vote`: the vote of a configuration;
@@ -22,6 +23,7 @@ Modules, each importing only those above it in this list:
 * :mod:`~lioncub.optim.local_steps` — :class:`LocalSteps` and its policy, the window;
 * :mod:`~lioncub.optim.modes` — the step policy of each mode (:data:`STEP_MODES`);
 * :mod:`~lioncub.optim.state_dict` — per-rank state, consolidation for one-rank saves;
+* :mod:`~lioncub.optim.shard_state` — the state on shards as ``torch.distributed.checkpoint`` saves it;
 * :mod:`~lioncub.optim.amp` — a GradScaler whose overflow decision every rank shares;
 * :mod:`~lioncub.optim.ddp` — DDP hooks that keep or count the gradient allreduce;
 * :mod:`~lioncub.optim.overlap` — the vote as a DDP communication hook;

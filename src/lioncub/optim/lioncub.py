@@ -76,6 +76,7 @@ from lioncub.optim.replicas import (
     parameter_checksum,
 )
 from lioncub.optim.round import InitialValues, VoteRound
+from lioncub.optim.shard_state import from_checkpoint, is_checkpoint_form, state_keys, to_checkpoint
 from lioncub.optim.shards import ShardView, check_shard_options, shard_view
 from lioncub.optim.state_dict import StateOwner, consolidated_entry, gather_states, restore_meta, state_meta
 from lioncub.optim.step_check import (
@@ -221,6 +222,7 @@ class LionCub(LeanOptimizer):
         )
         if initial is not None:
             initial.give(self._view.param_groups, self.layout)
+        self._allocate_shard_state()
 
     # -- construction --------------------------------------------------------------------------------
 
@@ -239,6 +241,14 @@ class LionCub(LeanOptimizer):
         #: this rank's view of the group the votes travel on (:class:`lioncub.collectives.Comm`)
         self.comm, levels = topology.vote_groups(config, process_group, device, self.checks.broadcast_init)
         return levels
+
+    def _allocate_shard_state(self) -> None:
+        """On shards, the momenta from construction (zeros, as their first step would make them): DCP's
+        ``get_state_dict``/``set_state_dict`` step an optimizer whose state is empty once, with zero
+        gradients and ``lr=0`` (to create Adam's), which here would be a vote and a step counted."""
+        if self.shards is not None:
+            for p in self.layout.params():
+                self.engine.state.momentum(p)
 
     def _engine(self, config: VoteConfig, levels: tuple[Comm, Comm] | None) -> StepEngine:
         """The step engine of the vote of ``config`` (on shards: :meth:`ShardView.vote`'s)."""
@@ -369,7 +379,11 @@ class LionCub(LeanOptimizer):
         holds every rank's own state dict (index = rank; its own entry ``None``: the top level), until the
         next ``step()``. In a job of several processes an unconsolidated state holds this rank's momenta
         only (``sd["lioncub"]["consolidated"]`` is False): every rank saves its own, or all consolidate
-        before one rank saves; another rank refuses to load it, naming that."""
+        before one rank saves; another rank refuses to load it, naming that. On shards (FSDP2): the form
+        ``torch.distributed.checkpoint`` saves, each state tensor a ``DTensor`` of the whole mesh
+        (:mod:`lioncub.optim.shard_state`; docs/shards.md, "Checkpoints")."""
+        if self.shards is not None:
+            return to_checkpoint(self._own_state_dict(), self.shards, self._state_keys())
         sd = self._own_state_dict()
         if self._consolidated is not None:
             sd["lioncub"]["consolidated"] = True
@@ -389,6 +403,12 @@ class LionCub(LeanOptimizer):
         Collective: every rank calls it. Costs ``N`` times one rank's state in ``to``'s host memory and
         file (the states travel and stay on the CPU; :meth:`load_state_dict` moves them to the
         parameters' device)."""
+        if self.shards is not None:
+            raise ValueError(
+                "consolidate_state_dict: the parameters are FSDP2's shards; save the optimizer with "
+                "torch.distributed.checkpoint (get_state_dict, dcp.save: every rank writes its own "
+                "momenta; docs/shards.md, 'Checkpoints')"
+            )
         self._consolidated = None
         self._consolidated = gather_states(
             self.comm, lambda: self._own_state_dict(), to, alone=self.single_process
@@ -401,7 +421,25 @@ class LionCub(LeanOptimizer):
         world size, or another rank's state, unless ``allow_world_size_change`` (the documented conversions
         of ``lioncub train --convert-momenta``: the momenta are then taken as given — from a consolidated
         state dict, rank r takes entry ``r mod K`` of the K saved); with local steps, one that cannot
-        continue its window (:mod:`lioncub.optim.windows`)."""
+        continue its window (:mod:`lioncub.optim.windows`). On shards: a state dict of
+        :meth:`state_dict` (as ``set_state_dict`` hands it after ``dcp.load``), on the same number of
+        replicas; the number of shards may differ."""
+        if is_checkpoint_form(state_dict):
+            if self.shards is None:
+                raise ValueError(
+                    "load_state_dict: this optimizer state was saved by LionCub on FSDP2's shards (the "
+                    "momenta of every replica as DTensors of its mesh) and this optimizer's parameters are "
+                    "plain tensors: load it into LionCub over the sharded model (process_group=the mesh)"
+                )
+            local = None if self.local_steps is None else self.local_steps.describe()
+            state_dict = from_checkpoint(state_dict, self.shards, self._state_keys(), self.comm.rank, local)
+        elif self.shards is not None and "lioncub" not in state_dict:
+            raise ValueError(
+                "load_state_dict: this optimizer state lacks LionCub's record (param_groups[0]['lioncub']: "
+                "the step, the variant, which state each parameter holds). get_state_dict/set_state_dict "
+                "with StateDictOptions(flatten_optimizer_state_dict=True) drop it (they keep the state keys "
+                "a new optimizer holds only): save and load LionCub on shards with the default options"
+            )
         sd = dict(state_dict)
         meta = sd.pop("lioncub", None)
         if meta is not None and "ranks" in meta:
@@ -530,6 +568,11 @@ class LionCub(LeanOptimizer):
     def _owner(self) -> StateOwner:
         """What a saved state records of this optimizer, and a loaded one must match."""
         return StateOwner(self.variant, self.config, self.comm, self.local_steps)
+
+    def _state_keys(self) -> tuple[str, ...]:
+        """The per-parameter state keys of a checkpoint on shards (:func:`~lioncub.optim.shard_state.
+        state_keys`)."""
+        return state_keys(self.local_steps)
 
     def _engines(self) -> list[StepEngine]:
         """The plain step's engine, then the overlap hook's (whose stochastic quantizer draws when

@@ -17,8 +17,10 @@ network is used:
    and a checkpoint round trip through the CPU, each against the same ranks on the CPU over gloo, bit for
    bit; ``LionCub.overlap_with`` (the DDP hook and its vote thread) against the plain step; the host
    synchronizations of a step (host reads, ``synchronize`` calls and the profiler's CUDA syncs) and its
-   Triton launches, for 8 and 64 tensors and for 1, 8 and 64 buckets. With several GPUs the same on
-   N = #GPUs processes, one per GPU;
+   Triton launches, for 8 and 64 tensors and for 1, 8 and 64 buckets; ``LionCub`` on FSDP2's shards
+   over a mesh of one (``fully_shard``, 1 × 1) against the unsharded ``LionCub`` on the same gradients,
+   bit for bit (docs/gpu.md). With several GPUs the same on N = #GPUs processes, one per GPU (the shards
+   on N × 1 and 1 × N meshes);
 4. a ``LionCub`` step on a 350M-parameter GPT-sized parameter set (24 layers, d = 1024), as one process
    (Lion's step) and with the votes exchanged over NCCL, against a plain ``lioncub.optim.Lion`` step:
    median step times and the overhead (target ≤ 25 %).

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The prepared GPU check (benchmarks/gpu_check.py): kernel correctness and bandwidth; the whole vote path
 # (benchmarks/gpu_path.py: votes, presets, overlap, local steps, consolidation, a checkpoint round trip,
-# host syncs and Triton launches per step and per bucket) on the GPU over NCCL against gloo, at world
-# size 1 with the votes' collectives on and on one process per GPU when there are several; the LionCub
-# step overhead on a 350M-parameter set. More in docs/benchmarks/gpu-check.md.
+# host syncs and Triton launches per step and per bucket, LionCub on FSDP2's shards over a mesh of one)
+# on the GPU over NCCL against gloo, at world size 1 with the votes' collectives on and on one process
+# per GPU when there are several; the LionCub step overhead on a 350M-parameter set. More in
+# docs/benchmarks/gpu-check.md.
 #
 #   benchmarks/gpu_check.sh [--out FILE]             on a machine with NVIDIA GPUs (exit 2 without CUDA)
 #   benchmarks/gpu_check.sh --dry-run [--ranks 2]    the same code paths on the CPU, small sizes (Triton

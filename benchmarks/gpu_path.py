@@ -3,10 +3,12 @@
 Every check runs the same ranks twice: on ``device`` over the default group (NCCL on a GPU) and on the CPU
 over a gloo group of the same ranks, and compares the two bit for bit — the vote algorithms, every
 ``LionCub`` preset, the overlap hook, local steps, ``consolidate_state_dict`` and a checkpoint round trip
-through the CPU — and it counts the host synchronizations of a step. At world size 1 the votes run their
-collectives too (:func:`lioncub.collectives.exchange_when_alone`): step check, encode, exchange, decode
-and apply all run on one GPU. With several GPUs ``gpu_check.py`` also starts one process per GPU, each
-running :func:`vote_path` (``python benchmarks/gpu_path.py --rank R --world N --store FILE``).
+through the CPU — and it counts the host synchronizations of a step. Section ``shards`` compares
+``LionCub`` on FSDP2's shards with the unsharded ``LionCub`` on the same device instead (:func:`shards`).
+At world size 1 the votes run their collectives too (:func:`lioncub.collectives.exchange_when_alone`):
+step check, encode, exchange, decode and apply all run on one GPU. With several GPUs ``gpu_check.py``
+also starts one process per GPU, each running :func:`vote_path` (``python benchmarks/gpu_path.py --rank
+R --world N --store FILE``).
 
 The data of the cross-device checks lies on a grid of multiples of 2^-6 below 4 and the betas are
 (0.5, 0.5), and no tensor has more than 2^16 elements: every contribution, momentum and quantizer
@@ -55,6 +57,7 @@ SECTIONS = (
     "consolidation",
     "host syncs",
     "CUDA syncs (profiler)",
+    "shards",
 )
 
 BETAS = (0.5, 0.5)  # with grid data every value stays exact in float32 (module docstring)
@@ -590,6 +593,99 @@ def cuda_syncs(device: torch.device, row: Row, verdict: Callable[[bool], bool | 
         )
 
 
+# ------------------------------------------------------------------------------------ shards (FSDP2)
+
+
+#: the presets of :func:`shards`: the elementwise vote and the quantized one (whose norms need the whole
+#: tensors: its shard group's all-gather)
+SHARD_PRESETS = ("1bit", "8bit")
+SHARD_STEPS = 3
+
+
+def _shard_model(device: torch.device) -> torch.nn.Sequential:
+    """The model of :func:`shards` (as tests/test_shards.py's: uneven dim-0 sizes 7, 5 and 1, so 2 shards
+    hold 4 and 3 rows, 3 and 2, 1 and none), the same initial values on every rank."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(13, 7), torch.nn.Tanh(), torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1)
+    )
+    return model.to(device)
+
+
+def _shard_batch(device: torch.device, step: int, replica: int, shard: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(10_000 * step + 100 * replica + shard)
+    return torch.randn(6, 13, generator=gen).to(device), torch.randn(6, 1, generator=gen).to(device)
+
+
+def shard_layouts(world: int) -> list[tuple[int, int]]:
+    """The meshes (replicate R × shard S) :func:`shards` runs on ``world`` ranks: a mesh of one at N = 1;
+    on several ranks the vote between replicas (N × 1) and one replica sharded over every rank (1 × N)."""
+    return [(1, 1)] if world == 1 else [(world, 1), (1, world)]
+
+
+def shards(device: torch.device, check: Check, row: Row, verdict: Callable[[bool], bool | None]) -> None:
+    """LionCub on FSDP2's shards (``fully_shard`` over the ``"shard"`` dimension of a 2-D mesh
+    ``("replicate", "shard")``; docs/gpu.md, "Shards") against the unsharded LionCub over the same voters
+    (the ``"replicate"`` group) on the same gradients — each replica's mean gradient as FSDP2
+    reduce-scattered it, gathered whole — bit for bit: parameters and momenta after every step, and the
+    steps skipped. On the device the shards' aliases, gradients and momenta stay on it, FSDP2's
+    collectives and the vote's run over the default group's backend (NCCL on a GPU), and the quantized
+    vote all-gathers its buckets over the shard group. Also the host reads of one step on shards against
+    the unsharded step's: at most one more (the replica's skip verdict, ``ShardView.agree_skip``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from lioncub.optim import LionCub
+    from lioncub.optim.shards import SHARD_DIMS, shard_piece
+
+    for replicas, shards_n in shard_layouts(dist.get_world_size()):
+        mesh = init_device_mesh(device.type, (replicas, shards_n), mesh_dim_names=SHARD_DIMS)
+        replica, shard = mesh["replicate"].get_local_rank(), mesh["shard"].get_local_rank()
+        for preset in SHARD_PRESETS:
+            model, whole = _shard_model(device), _shard_model(device)
+            for layer in model:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=mesh["shard"])
+            fully_shard(model, mesh=mesh["shard"])
+            kwargs: dict[str, Any] = dict(lr=0.01, weight_decay=0.1, variant=preset)
+            opt = LionCub(model.parameters(), process_group=mesh, **kwargs)
+            ref = LionCub(whole.parameters(), process_group=mesh.get_group("replicate"), **kwargs)
+            diff, misplaced, reads = 0, 0, [0, 0]
+            for step in range(SHARD_STEPS):
+                x, y = _shard_batch(device, step, replica, shard)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                for p, w in zip(model.parameters(), whole.parameters(), strict=True):
+                    assert isinstance(p.grad, DTensor)
+                    w.grad = p.grad.full_tensor()  # the replica's mean gradient, whole
+                for i, o in enumerate((opt, ref)):
+                    with HostReads() as counted:
+                        o.step()
+                    reads[i] = counted.count  # the last step's (the first ones build buffers)
+                opt.zero_grad()
+                ref.zero_grad()
+                for p, w in zip(model.parameters(), whole.parameters(), strict=True):
+                    assert isinstance(p, DTensor)
+                    piece = shard_piece(p.shape, shards_n, shard)
+                    rows = slice(piece.start, piece.start + piece.counts[shard])
+                    m, wm = opt.state[p]["exp_avg"], ref.state[w]["exp_avg"]
+                    diff += differing(p.to_local().reshape(-1), w.detach().reshape(-1)[rows])
+                    diff += differing(m.reshape(-1), wm.reshape(-1)[rows])
+                    misplaced += (p.to_local().device != device) + (m.device != device)
+            skipped = [o.comm_stats()["total"]["skipped_steps"] for o in (opt, ref)]
+            diff += abs(skipped[0] - skipped[1])
+            label = f"LionCub {preset} on FSDP2 shards, mesh {replicas}x{shards_n}"
+            check("vote path", f"{label}: {SHARD_STEPS} steps = unsharded, parameters and momenta", diff)
+            check("vote path", f"{label}: shards and momenta on {device.type}", misplaced)
+            row(
+                "host syncs",
+                f"{label}: host reads per step",
+                f"{reads[0]} on shards, {reads[1]} unsharded",
+                "at most 1 more (the skip verdict)",
+                verdict(reads[0] <= reads[1] + 1),
+            )
+
+
 # ------------------------------------------------------------------------------------ entry points
 
 
@@ -657,6 +753,7 @@ def vote_path(
         ("consolidation", lambda: checkpoint_round_trip(device, gloo(), check)),
         ("host syncs", lambda: host_syncs(device, row, verdict)),
         ("CUDA syncs (profiler)", lambda: cuda_syncs(device, row, verdict)),
+        ("shards", lambda: shards(device, check, row, verdict)),
     ]
     assert [name for name, _ in body] == list(SECTIONS[1:])
     stop = _in_step(sections, "gloo group", groups.get("status"), world)

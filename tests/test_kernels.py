@@ -196,7 +196,7 @@ def test_input_checks():
 #: gpu_check's sections in a dry run with --ranks 2, in order (``--fail-section`` takes these names)
 GPU_CHECK_SECTIONS = (
     *("kernels", "half-way rule", "bandwidth", "process group", "gloo group", "votes", "presets"),
-    *("overlap hook", "local steps", "consolidation", "host syncs", "CUDA syncs (profiler)"),
+    *("overlap hook", "local steps", "consolidation", "host syncs", "CUDA syncs (profiler)", "shards"),
     *("350M step", "several ranks"),
 )
 
@@ -293,6 +293,18 @@ def test_gpu_check_dry_run():
         none = f"[host syncs N=2] rank 0/2: LionCub {variant} step, Triton launches: 4 vs 8 tensors"
         none += " (1 bucket): 0, 0;"
         assert none in proc.stdout, variant
+    # LionCub on FSDP2's shards = the unsharded LionCub on the same gradients: a mesh of one at N = 1,
+    # the vote between replicas (2x1) and one replica of 2 shards (1x2) on the ranks; one more host read
+    cases = [("", "", "1x1")] + [(" N=2", f"rank {r}/2: ", m) for r in (0, 1) for m in ("2x1", "1x2")]
+    for section, who, mesh in cases:
+        for preset in ("1bit", "8bit"):
+            label = f"{who}LionCub {preset} on FSDP2 shards, mesh {mesh}"
+            for item in ("3 steps = unsharded, parameters and momenta", "shards and momenta on cpu"):
+                line = f"[vote path{section}] {label}: {item}: equal (target bit-exact) ok"
+                assert line in proc.stdout, line
+            reads = rf"^\[host syncs{section}\] {re.escape(label)}: host reads per step: (\d+) on shards, "
+            found = re.search(reads + r"(\d+) unsharded", proc.stdout, re.M)
+            assert found and int(found[1]) == int(found[2]) + 1, (section, label)
 
 
 @pytest.mark.slow

@@ -319,7 +319,10 @@ class ShardView:
         device = self.shard_comm.device
         flag = torch.full((1,), int(overflow), dtype=torch.int32, device=device)
         if grads and not overflow:  # on the device: the one host read is the verdict's
-            peaks = torch.stack([max_abs(g).float().to(device) for g in grads])
+            if device.type == "cuda":  # multi-tensor launches, not ~4 per gradient shard (as lion_step)
+                peaks = torch.stack([t.float() for t in torch._foreach_norm(grads, float("inf"))])
+            else:  # on CPU the inf norm is ~11x slower than aminmax, the same values
+                peaks = torch.stack([max_abs(g).float().to(device) for g in grads])
             flag = (~torch.isfinite(peaks).all()).to(torch.int32).reshape(1)
         self.shard_comm.all_reduce(flag, "shard non-finite agreement", op=dist.ReduceOp.MAX).wait()
         return bool(flag.item())

@@ -622,11 +622,6 @@ TRAIN_CASES = [
     ),
     ([*FSDP, "--variant", "32bit"], ["--fsdp with --variant 32bit", "not built sharded", "--local-steps H"]),
     ([*FSDP, "--variant", "16bit"], ["--fsdp with --variant 16bit", "a LionCub variant"]),
-    (
-        [*FSDP, "--variant", "1bit", "--checkpoint-every", "4"],
-        ["--fsdp with --checkpoint-every 4", "not supported by lioncub train yet", "--checkpoint-every 0"],
-    ),
-    ([*FSDP, "--variant", "1bit", "--stop-at", "4"], ["--fsdp with --stop-at 4", "not supported yet"]),
     ([*FSDP, "--variant", "1bit", "--fault-tolerant"], ["--fsdp with --fault-tolerant", "not supported yet"]),
     ([*FSDP, "--variant", "auto"], ["--variant auto with --fsdp", "give the variant"]),
 ]

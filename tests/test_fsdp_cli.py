@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import background
+import fsdp_runs
 from emulated_network import netns_usable
 from lioncub.cli import compare as compare_cli
 from lioncub.cli import train as train_cli
@@ -23,10 +24,9 @@ from lioncub.train.config import TrainConfig, check_start
 
 from processes import python_cmd
 
-NODES = ["--nnodes", "2", "--nproc-per-node", "2", "--link", "1gbit"]
-STEPS = 24
-#: the compared runs: the vote of 4 ranks with the model whole on each, and the vote of the 2 nodes on shards
-RUNS = ("1bit", "1bit+fsdp", "1bit/h4", "1bit/h4+fsdp")
+NODES = fsdp_runs.NODES
+RUNS = fsdp_runs.RUNS
+STEPS = fsdp_runs.STEPS
 
 
 def _args(command: str, argv: list[str]) -> argparse.Namespace:
@@ -53,21 +53,21 @@ def test_fsdp_is_a_setting_recorded_and_named() -> None:
     assert run_label(local.to_json()) == "1bit/h4+fsdp"
 
 
-def test_a_sharded_run_does_not_resume_yet() -> None:
+def test_a_sharded_run_resumes_on_its_own_nodes_only() -> None:
     config = config_from_args(_args("train", ["--variant", "1bit", *NODES, "--fsdp"]))
-    check_start(config, resume=False, inside_job=False)
-    with pytest.raises(ValueError, match="--resume with --fsdp: resuming is not supported yet"):
-        check_start(config, resume=True, inside_job=False)
+    check_start(config, resume=True, inside_job=False)
+    with pytest.raises(ValueError, match="--fsdp with --convert-momenta average: each node's momenta"):
+        config.replace(convert_momenta="average")
 
 
-def _compare(workdir: Path) -> list[str]:
-    argv = ["compare", "--variants", ",".join(RUNS), "--workload", "gpt", "--size", "tiny", *NODES,
-            "--steps", str(STEPS), "--no-progress", "--out", str(workdir / "cmp")]  # fmt: skip
-    return python_cmd("-m", "lioncub.cli", *argv)
-
-
-#: the four runs, one after another in one compare (tests/background.py); nothing to run without root
-BACKGROUND = {"fsdp_runs": lambda: background.Subprocess(_compare, 420) if netns_usable() else None}
+#: the runs, one after another in one job (tests/fsdp_runs.py); nothing to run without root
+BACKGROUND = {
+    "fsdp_runs": lambda: (
+        background.Subprocess(lambda workdir: python_cmd(fsdp_runs.__file__, str(workdir)), 600)
+        if netns_usable()
+        else None
+    )
+}
 
 
 def _run_dir(name: str) -> Path:
@@ -101,11 +101,14 @@ def _fsdp_intra_bytes(model: torch.nn.Module, shards: int) -> int:
 def test_fsdp_runs_vote_between_nodes_on_shards() -> None:
     """The issue's Done-when: the sharded run's final validation loss within 1 % of the unsharded one's
     (every step and with local steps), its parameters and gradients at most 0.6× per rank, a NIC that
-    carries one vote per node, and a ``model.pt`` that is the whole trained model."""
+    carries one vote per node, a ``model.pt`` that is the whole trained model, and a run stopped halfway
+    with a checkpoint (torch.distributed.checkpoint, each rank its shards) and resumed that ends with the
+    same bits as the uninterrupted one."""
     from lioncub.train.workloads import make_workload
 
     proc = background.result("fsdp_runs", BACKGROUND["fsdp_runs"])
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    runs = json.loads((background.workdir("fsdp_runs") / "runs.json").read_text())
+    assert proc.returncode == 0, [(r["argv"], r["out"], r["err"]) for r in runs if r["returncode"]]
     for whole, sharded in ((RUNS[0], RUNS[1]), (RUNS[2], RUNS[3])):
         s0, s1 = _summary(whole), _summary(sharded)
         assert s1["config"]["cluster"]["fsdp"] is True and run_label(s1["config"]) == sharded
@@ -126,3 +129,13 @@ def test_fsdp_runs_vote_between_nodes_on_shards() -> None:
     model.load_state_dict(torch.load(saved / "model.pt", weights_only=True))
     final = _summary("1bit+fsdp")["final"]["val_loss"]
     assert wl.evaluate(model)["val_loss"] == pytest.approx(final, rel=1e-5)
+    resumed = background.workdir("fsdp_runs") / "resumed"
+    assert f"resumed from {resumed}/checkpoints/step_{STEPS // 2:08d}" in runs[-1]["out"] + runs[-1]["err"]
+    assert sorted(p.name for p in (resumed / "checkpoints" / f"step_{STEPS:08d}" / "shards").iterdir()) == [
+        ".metadata", *(f"__{r}_0.distcp" for r in range(4))]  # fmt: skip
+    assert json.loads((resumed / "summary.json").read_text())["final"]["val_loss"] == final  # to the last bit
+    losses = [r["loss"] for r in _steps("1bit+fsdp")]
+    steps = [json.loads(line) for line in (resumed / "log.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in steps if r["kind"] == "step"] == losses
+    again = torch.load(resumed / "checkpoints" / f"step_{STEPS:08d}" / "model.pt", weights_only=True)
+    assert all(torch.equal(again[k], v) for k, v in torch.load(saved / "model.pt", weights_only=True).items())

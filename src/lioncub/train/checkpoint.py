@@ -6,6 +6,10 @@ Layout under the run directory::
                              /model.pt      the model once (rank 0; replicas are identical)
                              /rank0.pt ...  per rank: optimizer state (own momentum, step counter and
                                             so the 1-bit tie-rule phase), RNG states, data position
+                             /shards/       a sharded run (``--fsdp``): the model and optimizer state as
+                                            torch.distributed.checkpoint writes them, each rank its shard
+                                            (``__R_0.distcp``, ``.metadata``); ``rankN.pt`` then holds no
+                                            optimizer state, ``model.pt`` the gathered whole model
     checkpoints/latest                      name of the newest complete checkpoint
 
 A checkpoint is written into ``.tmp_step_...`` by all ranks (each file: temporary name, fsync, rename)
@@ -61,12 +65,14 @@ from lioncub.train.runfiles import meta_files
 
 __all__ = [
     "CONVERSIONS",
+    "SHARDS",
     "VERSION",
     "CheckpointMeta",
     "CorruptCheckpointError",
     "check_compatible",
     "latest",
     "load_rank_state",
+    "load_shards",
     "model_state",
     "restore_rng",
     "save",
@@ -77,6 +83,8 @@ _STEP = re.compile(r"step_\d{8}")
 #: rank's own with the vote rule; the same on every rank with dsm and diloco, whose mean is exact)
 MOMENTA = ("exp_avg", "outer_exp_avg", "outer_buf")
 VERSION = 2  # 2: SHA-256 of every file in meta.json, numpy RNG state as tensors (weights_only loading)
+#: the directory of a sharded run's checkpoint that torch.distributed.checkpoint writes
+SHARDS = "shards"
 
 
 class CorruptCheckpointError(ValueError):
@@ -167,19 +175,27 @@ def _previous(meta: CheckpointMeta) -> str:
     )
 
 
-def _tmp_names(world_size: int) -> list[str]:
+def _shard_names(world_size: int) -> list[str]:
+    """The files torch.distributed.checkpoint writes for ``world_size`` ranks (one file per rank, one
+    writer thread), under :data:`SHARDS`."""
+    return [f"{SHARDS}/.metadata", *(f"{SHARDS}/__{r}_0.distcp" for r in range(world_size))]
+
+
+def _tmp_names(world_size: int, sharded: bool = False) -> list[str]:
     """Every file a save of ``world_size`` ranks may create in its ``.tmp_step_*`` directory."""
     names = [
         n + side
         for n in ("model.pt", *(f"rank{r}.pt" for r in range(world_size)))
         for side in ("", ".sha256")
     ]
-    return [n + part for n in (*names, "meta.json") for part in ("", ".part")]
+    shards = [*_shard_names(world_size), f"{SHARDS}/.metadata.tmp"] if sharded else []
+    return [n + part for n in (*names, "meta.json") for part in ("", ".part")] + shards
 
 
-def _final_names(world_size: int) -> list[str]:
+def _final_names(world_size: int, sharded: bool = False) -> list[str]:
     """The files of a complete checkpoint of ``world_size`` ranks."""
-    return ["meta.json", "model.pt", *(f"rank{r}.pt" for r in range(world_size))]
+    shards = _shard_names(world_size) if sharded else []
+    return ["meta.json", "model.pt", *(f"rank{r}.pt" for r in range(world_size)), *shards]
 
 
 def _empty_out(path: Path, names: list[str]) -> None:
@@ -190,6 +206,9 @@ def _empty_out(path: Path, names: list[str]) -> None:
     for name in names:
         if regular_file(path / name):
             os.unlink(path / name)
+    shards = path / SHARDS
+    if shards.is_dir() and not shards.is_symlink() and not os.listdir(shards):
+        shards.rmdir()
     rest = sorted(os.listdir(path)) if path.is_dir() and not path.is_symlink() else [path.name]
     if rest:
         raise ValueError(f"{path} holds files lioncub did not write ({', '.join(rest[:5])}): move them away")
@@ -207,13 +226,19 @@ def _drop_old(run_dir: Path, keep: int, marked: bool) -> list[str]:
     for name in sorted(steps)[:-keep]:
         rel = f"checkpoints/{name}"
         if rec is not None:
-            files = [f.rsplit("/", 1)[1] for f in rec.files if f.startswith(rel + "/") and f.count("/") == 2]
+            files = [f.removeprefix(rel + "/") for f in rec.files if f.startswith(rel + "/")]
         else:
             files = ["meta.json", *meta_files(root / name)]
         for file in files:
             if regular_file(root / name / file):
                 os.unlink(root / name / file)
             gone.append(f"{rel}/{file}")
+        try:
+            if os.path.isdir(root / name / SHARDS) and not os.listdir(root / name / SHARDS):
+                (root / name / SHARDS).rmdir()
+                gone.append(f"{rel}/{SHARDS}")
+        except OSError:
+            pass
         try:
             (root / name).rmdir()
             gone.append(rel)
@@ -235,13 +260,16 @@ def save(
     barrier: Callable[[], None],
     keep: int = 2,
     model_state: dict[str, Any] | None = None,
+    shards: dict[str, Any] | None = None,
 ) -> Path:
     """Write this rank's part of the checkpoint of ``step`` (collective: every rank calls it).
 
     ``meta`` must hold ``variant``, ``workload``, ``size`` and ``seed``; ``barrier`` synchronises the
     ranks (e.g. ``torch.distributed.barrier``); ``model_state``: what rank 0 writes as ``model.pt`` (default:
-    the model's ``state_dict()``; a sharded model's gathered whole state). Returns the final checkpoint
-    directory. In a run directory
+    the model's ``state_dict()``; a sharded model's gathered whole state); ``shards``: a sharded run's
+    model and optimizer state (``get_state_dict``'s, as :func:`load_shards` reads it), which
+    torch.distributed.checkpoint writes into :data:`SHARDS`, each rank its own file; the rank files then
+    hold no optimizer state. Returns the final checkpoint directory. In a run directory
     lioncub marked, rank 0 records every path before it is created and deletes only recorded ones
     (:mod:`lioncub.rundir`).
     """
@@ -249,14 +277,22 @@ def save(
     name = f"step_{step:08d}"
     tmp, final = root / f".tmp_{name}", root / name
     marked = rank == 0 and is_marked(run_dir)
+    sharded = shards is not None
+    tmp_names = _tmp_names(world_size, sharded)
+    dirs = [f"checkpoints/.tmp_{name}", *([f"checkpoints/.tmp_{name}/{SHARDS}"] if sharded else [])]
     if rank == 0:
         if marked:
-            tmp_files = [f"checkpoints/.tmp_{name}/{n}" for n in _tmp_names(world_size)]
-            record(run_dir, dirs=["checkpoints", f"checkpoints/.tmp_{name}"], files=tmp_files)
-        _empty_out(tmp, _tmp_names(world_size))  # a leftover of an interrupted save
+            tmp_files = [f"checkpoints/.tmp_{name}/{n}" for n in tmp_names]
+            record(run_dir, dirs=["checkpoints", *dirs], files=tmp_files)
+        _empty_out(tmp, tmp_names)  # a leftover of an interrupted save
         tmp.mkdir(parents=True)
+        if sharded:
+            (tmp / SHARDS).mkdir()
     barrier()
-    state = {"optimizer": optimizer.state_dict(), "rng": _rng_state(), "data": data_state, "rank": rank}
+    if shards is not None:
+        _save_shards(shards, tmp / SHARDS)
+    own = None if sharded else optimizer.state_dict()
+    state = {"optimizer": own, "rng": _rng_state(), "data": data_state, "rank": rank}
     digest = _atomic_torch_save(state, tmp / f"rank{rank}.pt")
     write_atomically(tmp / f"rank{rank}.pt.sha256", digest.encode())
     if rank == 0:
@@ -265,18 +301,30 @@ def save(
         write_atomically(tmp / "model.pt.sha256", digest.encode())
     barrier()
     if rank == 0:
-        _complete_save(run_dir, name, step, world_size, meta, marked)
+        _complete_save(run_dir, name, step, world_size, meta, marked, sharded)
         gone = _drop_old(run_dir, keep, marked)
         if marked:
-            tmp_files = [f"checkpoints/.tmp_{name}/{n}" for n in _tmp_names(world_size)]
-            record(run_dir, drop=[*tmp_files, f"checkpoints/.tmp_{name}", *gone])
+            tmp_files = [f"checkpoints/.tmp_{name}/{n}" for n in tmp_names]
+            record(run_dir, drop=[*tmp_files, *reversed(dirs), *gone])
     barrier()
     return final
 
 
-def _complete_save(run_dir: Path, name: str, step: int, world_size: int, meta: dict, marked: bool) -> None:
-    """Rank 0, once every rank's file is in ``.tmp_<name>``: ``meta.json``, the rename into place, then
-    ``latest`` (each written, fsynced and renamed)."""
+def _save_shards(shards: dict[str, Any], path: Path) -> None:
+    """``dcp.save`` of ``shards`` into ``path``: each rank one file (one writer thread), fsynced.
+    Collective."""
+    import torch.distributed.checkpoint as dcp
+
+    writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True, thread_count=1)
+    dcp.save(shards, storage_writer=writer)
+
+
+def _complete_save(
+    run_dir: Path, name: str, step: int, world_size: int, meta: dict, marked: bool, sharded: bool = False
+) -> None:
+    """Rank 0, once every rank's file is in ``.tmp_<name>``: ``meta.json`` (with the SHA-256 of the
+    files torch.distributed.checkpoint wrote, ``sharded``), the rename into place, then ``latest`` (each
+    written, fsynced and renamed)."""
     root = run_dir / "checkpoints"
     tmp, final = root / f".tmp_{name}", root / name
     missing = [r for r in range(world_size) if not (tmp / f"rank{r}.pt.sha256").exists()]
@@ -286,16 +334,21 @@ def _complete_save(run_dir: Path, name: str, step: int, world_size: int, meta: d
     for side in sorted(tmp.glob("*.sha256")):
         hashes[side.name.removesuffix(".sha256")] = read_run_file(side, follow_symlinks=True).decode().strip()
         side.unlink()
+    for shard in _shard_names(world_size) if sharded else []:
+        if not regular_file(tmp / shard):
+            raise RuntimeError(f"checkpoint {tmp}: torch.distributed.checkpoint wrote no {shard}")
+        hashes[shard] = hashlib.sha256(read_run_file(tmp / shard, follow_symlinks=True)).hexdigest()
     doc = {"version": VERSION, "step": step, "world_size": world_size, **meta, "sha256": hashes}
     write_atomically(tmp / "meta.json", (json.dumps(doc, indent=1) + "\n").encode())
+    final_names = _final_names(world_size, sharded)
     if marked:
-        files: dict[str, list[str]] = {f"checkpoints/{name}/{n}": [] for n in _final_names(world_size)}
+        files: dict[str, list[str]] = {f"checkpoints/{name}/{n}": [] for n in final_names}
         record(
             run_dir,
-            dirs=[f"checkpoints/{name}"],
+            dirs=[f"checkpoints/{name}", *([f"checkpoints/{name}/{SHARDS}"] if sharded else [])],
             files={**files, "checkpoints/latest": [], "checkpoints/latest.part": []},
         )
-    _empty_out(final, _final_names(world_size))  # this step saved before (a restarted run)
+    _empty_out(final, final_names)  # this step saved before (a restarted run)
     os.replace(tmp, final)
     fsync_dir(root)
     write_atomically(root / "latest", (name + "\n").encode())
@@ -444,6 +497,26 @@ def load_rank_state(meta: CheckpointMeta, rank: int, world_size: int) -> dict[st
                 param_state[key] = stacked.mean(dim=0, dtype=torch.float64).to(param_state[key].dtype)
     base["converted_from"] = meta.world_size
     return base
+
+
+def load_shards(meta: CheckpointMeta, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load a sharded run's model and optimizer state (:data:`SHARDS`) into ``model`` (sharded as it was)
+    and ``optimizer`` (built over it), after checking every file's SHA-256. Collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    for name in sorted(n for n in meta.sha256 if n.startswith(f"{SHARDS}/")):
+        data = read_run_file(meta.path / name, follow_symlinks=True)
+        if hashlib.sha256(data).hexdigest() != meta.sha256[name]:
+            raise CorruptCheckpointError(
+                f"checkpoint {meta.path}: {name} is truncated or corrupted ({len(data)} bytes); nothing was "
+                f"loaded{_previous(meta)}"
+            )
+    model_sd, optim_sd = get_state_dict(model, optimizer)  # what dcp.load fills in place
+    dcp.load(
+        {"model": model_sd, "optim": optim_sd}, storage_reader=dcp.FileSystemReader(str(meta.path / SHARDS))
+    )
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
 
 def model_state(meta: CheckpointMeta) -> dict[str, torch.Tensor]:

@@ -45,7 +45,7 @@ from lioncub.optim.step_check import NONFINITE_MODES, Checks
 from lioncub.train import shared
 from lioncub.train.data import MODES
 from lioncub.train.fault_settings import check_fault_tolerant
-from lioncub.train.fsdp_settings import FT_WHY, check_fsdp, fsdp_resume_refusal
+from lioncub.train.fsdp_settings import FT_WHY, check_fsdp
 from lioncub.train.lr import lr_factor
 from lioncub.train.parts import OptimizerParts, optimizer_parts
 from lioncub.train.settings import Described, check_value, described, flat_document, nest, setting
@@ -546,9 +546,7 @@ CUDA_UNDER_EMULATION = (
 def check_start(config: TrainConfig, *, resume: bool, inside_job: bool) -> None:
     """How a run of ``config`` starts, beside what it is (:class:`TrainConfig`'s checks): ``resume`` its
     checkpoints, or train as a rank of a job torchrun or ``lioncub launch`` started (``inside_job``).
-    ``ValueError`` naming the option: a fault-tolerant run does neither; a ``--fsdp`` run does not resume."""
-    if resume and config.cluster.fsdp:
-        raise ValueError(fsdp_resume_refusal("--resume"))
+    ``ValueError`` naming the option: a fault-tolerant run does neither."""
     if not config.cluster.fault_tolerant:
         return
     if resume:

@@ -7,7 +7,7 @@ from typing import Any
 
 from lioncub.names import BASELINES
 
-__all__ = ["FT_WHY", "check_fsdp", "fsdp_resume_refusal"]
+__all__ = ["FT_WHY", "check_fsdp"]
 
 #: why ``--fsdp`` is refused with ``--fault-tolerant`` (for now)
 FT_WHY = (
@@ -15,17 +15,12 @@ FT_WHY = (
     "peer (issue 46); drop --fsdp (each node DDP inside) or --fault-tolerant"
 )
 
-_NO_DCP = (
-    "checkpoints of the sharded optimizer state (torch.distributed.checkpoint, each rank its shard) are not "
-    "supported by lioncub train yet; the run's final model.pt is written"
-)
-
 
 def check_fsdp(config: Any) -> None:
     """``config`` (a :class:`~lioncub.train.config.TrainConfig`) with ``--fsdp``: ``ValueError`` naming the
     flag and what is allowed for what the sharded run does not take -- no ``--nnodes M --nproc-per-node L``
     with L >= 2, ``--overlap``, a ``--topology`` other than flat (``auto`` is flat there), ``--diagnostics-
-    every``, the DDP baselines without local steps, ``--checkpoint-every``, ``--stop-at`` (no resume yet)."""
+    every``, the DDP baselines without local steps, ``--convert-momenta``."""
     cluster, opt = config.cluster, config.optimizer
     if not cluster.fsdp:
         return
@@ -56,16 +51,8 @@ def check_fsdp(config: Any) -> None:
             f"--fsdp with --variant {opt.variant}: the DDP baselines (DDP + Lion) are not built sharded; "
             "give a LionCub variant (e.g. 1bit), or --local-steps H for the dense outer step on shards"
         )
-    if config.run.stop_at is not None:
+    if config.run.convert_momenta is not None:
         raise ValueError(
-            f"--fsdp with --stop-at {config.run.stop_at}: a stopped run goes on with --resume, and resuming "
-            f"is not supported yet: {_NO_DCP}"
+            f"--fsdp with --convert-momenta {config.run.convert_momenta}: each node's momenta are its own "
+            "voter's; resume a sharded run with the same --nnodes and --nproc-per-node"
         )
-    if config.run.checkpoint_every:
-        raise ValueError(f"--fsdp with --checkpoint-every {config.run.checkpoint_every}: {_NO_DCP}; allowed: "
-                         "--checkpoint-every 0")  # fmt: skip
-
-
-def fsdp_resume_refusal(what: str) -> str:
-    """Why a ``--fsdp`` run does not resume (``what``: ``--resume``, a checkpoint found on a restart)."""
-    return f"{what} with --fsdp: resuming is not supported yet: {_NO_DCP}"

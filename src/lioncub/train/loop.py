@@ -36,8 +36,9 @@ and ``intra_bytes`` (sent by a rank inside its node): :mod:`lioncub.train.nodeby
 With ``--fsdp`` (:mod:`lioncub.train.sharding`) each node shards the model over its ranks with FSDP2 instead
 of DDP and the ``LionCub`` votes between the nodes on each rank's shard (the mesh's ``"replicate"`` groups):
 ``nic_bytes`` is L × a rank's vote bytes (each rank's shard crosses the NIC), ``intra_bytes`` FSDP2's
-all-gathers and reduce-scatter; the ranks of node 0 evaluate (the forward gathers the shards), and
-``model.pt`` is the gathered whole model.
+all-gathers and reduce-scatter; the ranks of node 0 evaluate (the forward gathers the shards);
+``model.pt`` is the gathered whole model, and a checkpoint's model and optimizer state for a resume are
+written by torch.distributed.checkpoint, each rank its shard (:func:`lioncub.train.checkpoint.load_shards`).
 
 ``eval`` records hold ``val_loss`` (and ``val_acc``) at ``eval_every`` steps and at the end; rank 0
 evaluates (the replicas are identical) while the others wait. With ``diagnostics_every`` a ``diag``
@@ -78,7 +79,6 @@ from lioncub.rundir import is_marked, open_append, record, write_atomically, wri
 from lioncub.train import checkpoint, sharding
 from lioncub.train.budget import GUARD_FACTOR, budget_summary, over_budget
 from lioncub.train.config import BASELINES, CUDA_UNDER_EMULATION, TrainConfig, emulates_links, lr_factor
-from lioncub.train.fsdp_settings import fsdp_resume_refusal
 from lioncub.train.memory import gradient_bytes, largest_over_ranks, rank_memory
 from lioncub.train.nodebytes import flat_shares, node_bytes
 from lioncub.train.runlog import append_record, elapsed_at, truncate_log
@@ -339,8 +339,6 @@ def _set_up(config: TrainConfig, run_dir: Path, log: Callable[[str], None]) -> _
     resume = checkpoint.latest(run_dir)
     state = None
     fsdp = config.cluster.fsdp
-    if resume is not None and fsdp:
-        raise ValueError(fsdp_resume_refusal(f"a checkpoint in {resume.path} (a restart or --resume)"))
     if resume is not None:
         checkpoint.check_compatible(
             resume,
@@ -352,7 +350,8 @@ def _set_up(config: TrainConfig, run_dir: Path, log: Callable[[str], None]) -> _
             convert_momenta=run.convert_momenta,
             local_steps=config.optimizer.local_steps,
         )
-        model.load_state_dict(checkpoint.model_state(resume))
+        if not fsdp:  # a sharded run's model is in its shards (loaded below)
+            model.load_state_dict(checkpoint.model_state(resume))
         state = checkpoint.load_rank_state(resume, rank, world)
     mesh = None
     if fsdp:  # each node shards the model over its ranks; the vote between the nodes on the shards
@@ -364,7 +363,9 @@ def _set_up(config: TrainConfig, run_dir: Path, log: Callable[[str], None]) -> _
     start = resume.step if resume is not None else 0
     if state is not None and resume is not None:
         same_world = world == resume.world_size
-        if isinstance(setup.opt, LionCub):
+        if fsdp:  # the model's and the optimizer's shards (torch.distributed.checkpoint)
+            checkpoint.load_shards(resume, setup.model, setup.opt)
+        elif isinstance(setup.opt, LionCub):
             setup.opt.load_state_dict(state["optimizer"], allow_world_size_change=not same_world)
         else:
             setup.opt.load_state_dict(state["optimizer"])
@@ -465,7 +466,10 @@ def _after_step(r: _Rank, out: Any, step: int, elapsed: float, evals: list[dict[
             "size": run.size,
             "seed": run.seed,
         }
-        whole = sharding.full_model_state(r.setup.model) if r.config.cluster.fsdp else None
+        whole, sharded = None, None
+        if r.config.cluster.fsdp:  # model.pt the whole model; the shards for a resume (each rank its own)
+            whole = sharding.full_model_state(r.setup.model)
+            sharded = sharding.sharded_state(r.setup.model, r.setup.opt)
         checkpoint.save(
             r.run_dir,
             step=step,
@@ -477,6 +481,7 @@ def _after_step(r: _Rank, out: Any, step: int, elapsed: float, evals: list[dict[
             meta=meta,
             barrier=dist.barrier,
             model_state=whole,
+            shards=sharded,
         )
     return stop
 

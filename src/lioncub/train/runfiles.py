@@ -40,16 +40,20 @@ V1_RUN_FILES = (
 _STEP = re.compile(r"step_\d{8}")
 _TMP_STEP = re.compile(r"\.tmp_step_\d{8}")
 _CHECKPOINT_FILE = re.compile(r"(model|rank\d+)\.pt")
+_IN_STEP = re.compile(r"(shards/)?[^/]+")  # a checkpoint's file, or one torch.distributed.checkpoint wrote
 _TMP_FILE = re.compile(r"((model|rank\d+)\.pt(\.sha256)?|meta\.json)(\.part)?")
 
 
 def meta_files(step_dir: Path) -> list[str]:
-    """The files a checkpoint's ``meta.json`` lists, in its directory ([] if it cannot be read)."""
+    """The files a checkpoint's ``meta.json`` lists, in its directory or its ``shards/`` ([] if it cannot be
+    read)."""
     try:
         names = json.loads(read_run_file(step_dir / "meta.json", follow_symlinks=True)).get("sha256", {})
     except (OSError, ValueError, AttributeError):
         return []
-    return [n for n in names if isinstance(n, str) and "/" not in n] if isinstance(names, dict) else []
+    if not isinstance(names, dict):
+        return []
+    return [n for n in names if isinstance(n, str) and _IN_STEP.fullmatch(n) and ".." not in n]
 
 
 def _lioncub_config(run_dir: Path) -> bool:

@@ -25,13 +25,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from lioncub.optim.shards import SHARD_DIMS
 
-__all__ = ["fsdp_intra_bytes", "full_model_state", "node_mesh", "reshard", "shard_model"]
+__all__ = ["fsdp_intra_bytes", "full_model_state", "node_mesh", "reshard", "shard_model", "sharded_state"]
 
 
 def node_mesh(nnodes: int, per_node: int, device: torch.device) -> DeviceMesh:
@@ -96,3 +96,11 @@ def full_model_state(model: nn.Module) -> dict[str, Any]:
     model's ``state_dict()``: what ``model.pt`` holds. Collective."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(model, options=options)
+
+
+def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``{"model": ..., "optim": ...}``: the model's and the optimizer's state as ``get_state_dict`` gives
+    them (this rank's shards, ``DTensor`` s; LionCub's momenta of every replica, docs/shards.md
+    "Checkpoints"), for ``dcp.save``. Collective."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}

@@ -1,0 +1,51 @@
+"""The runs of tests/test_fsdp_cli.py, one after another, started in the background when collection ends
+(tests/background.py); root only (network namespaces):
+
+    python tests/fsdp_runs.py OUT
+
+``OUT/cmp``: ``lioncub compare`` of :data:`RUNS` (GPT tiny, 2 nodes × 2 ranks behind 1 Gbit/s NICs,
+:data:`STEPS` steps); ``OUT/resumed``: the sharded per-step run stopped with a checkpoint halfway
+(``--checkpoint-every``, ``--stop-at``) and resumed (``--resume``). ``OUT/runs.json`` holds each command's
+exit status, stdout and stderr; the exit status is 1 if any failed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from processes import python
+
+NODES = ["--nnodes", "2", "--nproc-per-node", "2", "--link", "1gbit"]
+STEPS = 24
+#: the compared runs: every rank a voter with the whole model, and the nodes voting on their shards
+RUNS = ("1bit", "1bit+fsdp", "1bit/h4", "1bit/h4+fsdp")
+GPT = ["--workload", "gpt", "--size", "tiny", *NODES, "--steps", str(STEPS), "--no-progress"]
+
+
+def commands(out: Path) -> list[list[str]]:
+    """The CLI runs, in order."""
+    half = str(STEPS // 2)
+    resumed = ["--out", str(out / "resumed")]
+    stop = ["--checkpoint-every", half, "--stop-at", half]
+    return [
+        ["compare", "--variants", ",".join(RUNS), *GPT, "--out", str(out / "cmp")],
+        ["train", "--variant", "1bit", "--fsdp", *GPT, *stop, *resumed],
+        ["train", "--resume", "--no-progress", *resumed],
+    ]
+
+
+def main(out: Path) -> int:
+    done = []
+    for argv in commands(out):
+        proc = python("-m", "lioncub.cli", *argv, timeout=300)
+        done.append({"argv": argv, "returncode": proc.returncode, "out": proc.stdout, "err": proc.stderr})
+        if proc.returncode:
+            break
+    (out / "runs.json").write_text(json.dumps(done))
+    return 0 if all(d["returncode"] == 0 for d in done) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1])))

@@ -446,6 +446,96 @@ def test_a_resume_after_the_layout_changed_in_the_window_is_bitwise(
         assert all(torch.equal(a, b) for a, b in zip(whole[0]["params"], whole[rank]["params"], strict=True))
 
 
+# -- the order of loading, with gradients that depend on the parameters (a loss on data) ----------------
+
+ORDER_H, ORDER_STEPS, ORDER_STOP = 4, 12, 6  # saved after step 6: in the middle of the second window
+
+
+def _order_model(rank: int) -> torch.nn.Sequential:
+    gen = torch.Generator().manual_seed(70 + rank)  # rank-dependent: the optimizer broadcasts rank 0's
+    model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    return model
+
+
+def _order_loss(model: torch.nn.Sequential, rank: int, step: int, functional: bool) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    x, y = torch.randn(16, 5, generator=gen), torch.randn(16, 3, generator=gen)
+    if functional:  # the parameters used outside an nn.Module call
+        first, last = model[0], model[2]
+        out = torch.nn.functional.linear(torch.tanh(torch.nn.functional.linear(x, first.weight, first.bias)),
+                                         last.weight, last.bias)  # fmt: skip
+    else:
+        out = model(x)
+    return torch.nn.functional.mse_loss(out, y)
+
+
+def worker_load_order(rank: int, world: int, order: str, functional: bool) -> dict:
+    """``ORDER_STEPS`` steps of a real loss with local steps (H = ``ORDER_H``); a resume after
+    ``ORDER_STOP`` steps unless ``order`` is ``"none"``: rank 0's model file and this rank's optimizer
+    state, the model first (``"model_first"``), the optimizer first (``"opt_first"``), or the optimizer
+    first and ``restore_replicas()`` after the model (``"restore"``). A refused step returns its message."""
+    model = _order_model(rank)
+    opt = LionCub(model.parameters(), lr=0.01, weight_decay=0.1, variant="1bit", local_steps=ORDER_H)
+    differs = False  # this rank's replica is not the model file at the save
+    for step in range(1, ORDER_STEPS + 1):
+        if step == ORDER_STOP + 1 and order != "none":
+            state = opt.state_dict()
+            holder = [{k: v.clone() for k, v in model.state_dict().items()}]
+            dist.broadcast_object_list(holder, src=0)  # one model file: rank 0's replica
+            differs = any(not torch.equal(v, holder[0][k]) for k, v in model.state_dict().items())
+            model = _order_model(rank)
+            opt = LionCub(model.parameters(), lr=0.01, weight_decay=0.1, variant="1bit", local_steps=ORDER_H)
+            if order == "model_first":
+                model.load_state_dict(holder[0])
+                opt.load_state_dict(state)
+            else:
+                opt.load_state_dict(state)
+                model.load_state_dict(holder[0])
+                if order == "restore":
+                    opt.restore_replicas()
+        _order_loss(model, rank, step, functional).backward()
+        try:
+            opt.step()
+        except RuntimeError as err:
+            return {"refused": str(err)}
+        opt.zero_grad()
+    params = list(model.parameters())
+    state = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    return {"params": [p.detach().clone() for p in params], "differs": differs, "state": state}
+
+
+@pytest.mark.parametrize("functional", [False, True], ids=["module", "functional"])
+def test_a_state_loaded_before_the_model_resumes_bitwise_or_is_refused(functional: bool) -> None:
+    """Saved in a window's middle (2 ranks, H = 4, step 6) and resumed from rank 0's model file and each
+    rank's optimizer state, with gradients of a loss on data (a wrong parameter after the load changes every
+    later step): the model first, the optimizer first (the first module call puts the replicas back), or the
+    optimizer first and restore_replicas() after the model give the uninterrupted run's bits on every
+    rank. Where the loss uses the parameters outside a module call, the optimizer-first order without
+    restore_replicas() is refused at the next step, naming the parameter and the fix."""
+    whole = run_workers(worker_load_order, 2, "none", functional, timeout=120)
+    orders = ["model_first", "restore"] + ([] if functional else ["opt_first"])
+    for order in orders:
+        resumed = run_workers(worker_load_order, 2, order, functional, timeout=120)
+        for rank in range(2):
+            assert "refused" not in resumed[rank], (order, resumed[rank])
+            for a, b in zip(whole[rank]["params"], resumed[rank]["params"], strict=True):
+                assert torch.equal(a, b), (order, rank)
+            for sa, sb in zip(whole[rank]["state"], resumed[rank]["state"], strict=True):
+                assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa), (order, rank)
+        assert resumed[1]["differs"] and not resumed[0]["differs"]  # rank 1 resumes from another's file
+    if functional:
+        refused = run_workers(worker_load_order, 2, "opt_first", True, timeout=120)
+        for rank in range(2):  # every rank that loaded the model so (rank 0's replica is the file: alike)
+            message = refused[rank].get("refused", "")
+            assert message.startswith(f"rank {rank}: LionCub: param_groups[0][0], param_groups[0][1], "
+                                      "param_groups[0][2] and 1 more was overwritten after load_state_dict"
+                                      ), message  # fmt: skip
+            assert "Load the model before the optimizer state, or call opt.restore_replicas()" in message
+
+
 def worker_refused_layouts(rank: int, world: int) -> list[str]:
     """The messages of loads that cannot continue a window: a parameter removed, another shape, a state of
     one process in a window's middle, a state of an earlier version in a window's middle."""

@@ -486,6 +486,14 @@ class LionCub(LeanOptimizer):
         """Put back each rank's replica after :meth:`show_shared_parameters` (else the next step does)."""
         self.window.hide_shared()
 
+    def restore_replicas(self) -> None:
+        """With local steps, after a state saved in a window's middle was loaded: write this rank's replicas
+        back into the parameters that changed since (a model state loaded after the optimizer's, one file
+        for every rank). Until the next ``step()`` the first call of any ``nn.Module`` does it by itself;
+        call this where the parameters are used outside a module call. Not collective; nothing to do
+        otherwise."""
+        self.window.restore_replicas()
+
     def continue_at(self, step: int) -> None:
         """Continue a run at optimizer ``step`` without its optimizer state (a model-only checkpoint): the
         step count (the 1-bit tie phase, the windows' place) is set, the momenta start at zero; with local

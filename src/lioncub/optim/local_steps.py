@@ -52,7 +52,7 @@ from lioncub.optim.policies import StepPolicy, lion_step
 from lioncub.optim.round import VoteRound
 from lioncub.optim.step_check import check_step, grad_checksum, step_settings, warn_identical_gradients
 from lioncub.optim.sync import synchronize
-from lioncub.optim.windows import restore_window, window_record
+from lioncub.optim.windows import LoadedReplicas, restore_window, window_record
 
 __all__ = ["INNER_MOMENTA", "OUTER_RULES", "LocalSteps", "LocalWindow", "default_outer_lr"]
 
@@ -220,6 +220,7 @@ class LocalWindow(StepPolicy):
         self._replicas: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # a loaded state's, put back
         self._aside: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # replicas while θ_t is shown
         self._restart = False  # a model-only resume in a window's middle: the next step starts a window
+        self._held = LoadedReplicas({}, 0)  # the loaded replicas, kept in the parameters until the next step
 
     def rebuilds_layout(self, steps_taken: int) -> bool:
         return steps_taken % self.config.h == 0  # at window starts only
@@ -227,13 +228,21 @@ class LocalWindow(StepPolicy):
     def before_step(self) -> None:
         """This rank's replicas back in place: those kept aside while θ_t was shown, and those of a loaded
         state, written again (a model file loaded after the optimizer state, one for all ranks, does not
-        replace this rank's own)."""
+        replace this rank's own). Refused where this step's gradients were computed on a parameter
+        overwritten after the load, outside the module calls that put the replicas back first
+        (:class:`~lioncub.optim.windows.LoadedReplicas`)."""
         self.hide_shared()
         if self._replicas:
+            self._held.check()
             with torch.no_grad():
                 for p, replica in self._replicas.values():
                     p.copy_(replica)
             self._replicas = {}
+            self._held.clear()
+
+    def restore_replicas(self) -> None:
+        """The loaded replicas back into the parameters overwritten since the load (until the next step)."""
+        self._held.restore()
 
     @torch.no_grad()
     def step(self, overflow: bool) -> None:
@@ -362,6 +371,7 @@ class LocalWindow(StepPolicy):
         ctx = self.ctx
         if not self._in_window(ctx.global_step):
             return
+        self._held.restore()  # a model loaded after a state: this rank's replica is the loaded one
         index = 0
         for group in ctx.param_groups:
             for p in group["params"]:
@@ -392,6 +402,7 @@ class LocalWindow(StepPolicy):
         (whatever ``requires_grad`` says now) and its decay."""
         ctx = self.ctx
         self._replicas, self._aside = {}, {}
+        self._held.clear()
         with torch.no_grad():
             for group in ctx.param_groups:
                 for p in group["params"]:
@@ -405,6 +416,8 @@ class LocalWindow(StepPolicy):
             ctx.layout.rebuild(ctx.param_groups, checked)  # the loaded window's layout
             ctx.engine.state.refresh()
             self.decay = [float(d) for d in meta.get("window_decay", [])]
+        self._held = LoadedReplicas(ctx.layout.names, ctx.comm.rank)
+        self._held.hold(self._replicas)  # whatever is loaded into the parameters before the next step
 
     # -- the ranks' common parameters in a window's middle ----------------------------------------------
 
@@ -416,12 +429,14 @@ class LocalWindow(StepPolicy):
             return True
         if not self._in_window(ctx.global_step):
             return False
+        self._held.restore()  # the replica kept aside is the loaded one
         with torch.no_grad():
             for p in ctx.layout.params():
                 anchor = ctx.state[p].get("anchor")
                 if anchor is not None:
                     self._aside[id(p)] = (p, p.detach().clone())
                     p.copy_(anchor)
+                    self._held.written(p)
         return True
 
     def shared_values(self) -> dict[int, torch.Tensor]:
@@ -435,10 +450,12 @@ class LocalWindow(StepPolicy):
             with torch.no_grad():
                 for p, replica in self._aside.values():
                     p.copy_(replica)
+                    self._held.written(p)
             self._aside = {}
 
     def restart_at(self, step: int) -> None:
         """In a window's middle the window restarts from the parameters as they are at the next step and
         ends at the next multiple of H (the windows keep their place in the run)."""
         self._replicas, self._aside = {}, {}
+        self._held.clear()
         self._restart = step % self.config.h != 0

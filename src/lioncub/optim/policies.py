@@ -93,6 +93,10 @@ class Window(Protocol):
         """The optimizer continues at ``step`` without a saved state (a model-only checkpoint)."""
         ...
 
+    def restore_replicas(self) -> None:
+        """Put a loaded state's replicas back into the parameters overwritten since the load."""
+        ...
+
 
 class NoWindow:
     """A :class:`Window` of a policy without one: the layout follows ``requires_grad`` at every step, and
@@ -114,6 +118,9 @@ class NoWindow:
         return {}
 
     def restart_at(self, step: int) -> None:
+        pass
+
+    def restore_replicas(self) -> None:
         pass
 
 

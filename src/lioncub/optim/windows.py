@@ -18,11 +18,12 @@ refuses, naming each setting that differs.
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any
 
 import torch
 
-__all__ = ["check_group_sizes", "check_settings_change", "restore_window", "window_record"]
+__all__ = ["LoadedReplicas", "check_group_sizes", "check_settings_change", "restore_window", "window_record"]
 
 
 def window_record(param_groups: list[dict[str, Any]], state: Any, names: dict[int, str]) -> list[list[Any]]:
@@ -118,3 +119,117 @@ def restore_window(
             )
         members.add(id(p))
     return members
+
+
+class LoadedReplicas:
+    """This rank's replicas of a state loaded in a window's middle, held in the parameters until the next
+    ``step()``, whatever else is loaded into them meanwhile.
+
+    ``load_state_dict`` writes each replica into its parameter; a model state loaded *after* it (one file
+    for all ranks: rank 0's replica, or θ_t) overwrites them, and the forward before the next ``step()``
+    would run on those values. So, until that step, a global forward pre-hook of ``torch.nn.Module``
+    (:func:`torch.nn.modules.module.register_module_forward_pre_hook`) writes a replica back into its
+    parameter wherever the parameter was written since (its version counter ``p._version`` moved): every
+    pending parameter at the first module call, then a module's own parameters at each call. The forward
+    and backward so run on this rank's replica in either order of loading, and the results are bitwise
+    those of the uninterrupted run. Where the parameters are used outside an ``nn.Module`` call (a
+    functional loss on ``model.weight``), no hook sees the use: a gradient accumulated into a parameter
+    written after its replica (a post-accumulate-grad hook compares the versions) makes :meth:`check`
+    raise at the next step on every rank that loaded the model so (rank 0 too, whose replica the file may
+    hold: a version counter says "written", not "another value"), naming the parameter and the fix (load
+    the model first, or call ``LionCub.restore_replicas()`` after loading it). The hooks are removed at the
+    next step (or when the optimizer is collected); until then a module call reads a few version counters.
+    """
+
+    def __init__(self, names: dict[int, str], rank: int) -> None:
+        self._names, self._rank = names, rank
+        self._entries: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # id → (p, replica, version)
+        self._handles: list[Any] = []
+        self._stale: list[int] = []  # parameters whose gradient was computed on an overwritten value
+        self._all_checked = False
+
+    def hold(self, replicas: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Hold ``replicas`` (``id(p)`` → ``(p, replica)``, already written into the parameters)."""
+        self.clear()
+        if not replicas:
+            return
+        self._entries = {i: (p, r, p._version) for i, (p, r) in replicas.items()}
+        me = weakref.ref(self)
+
+        def pre_forward(module: torch.nn.Module, args: Any) -> None:
+            guard = me()
+            if guard is None:
+                handle.remove()
+            elif not torch.compiler.is_compiling():
+                guard._on_forward(module)
+
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(pre_forward)
+        self._handles.append(handle)
+        weakref.finalize(self, handle.remove)
+        for p, _, _ in self._entries.values():
+            if p.requires_grad:
+                hook = p.register_post_accumulate_grad_hook
+                self._handles.append(hook(self._grad_hook(me)))  # type: ignore[no-untyped-call]
+
+    @staticmethod
+    def _grad_hook(me: Any) -> Any:
+        def accumulated(p: torch.Tensor) -> None:
+            guard = me()
+            if guard is not None:
+                entry = guard._entries.get(id(p))
+                if entry is not None and p._version != entry[2] and id(p) not in guard._stale:
+                    guard._stale.append(id(p))
+
+        return accumulated
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._entries)
+
+    def _on_forward(self, module: torch.nn.Module) -> None:
+        if not self._all_checked:
+            self._all_checked = True
+            self.restore()
+            return
+        for p in module._parameters.values():
+            if p is not None and id(p) in self._entries:
+                self._restore_one(id(p))
+
+    def _restore_one(self, key: int) -> None:
+        p, replica, version = self._entries[key]
+        if p._version != version:
+            with torch.no_grad():
+                p.copy_(replica)
+            self._entries[key] = (p, replica, p._version)
+
+    def restore(self) -> None:
+        """Every replica back into its parameter where the parameter changed since it was written."""
+        for key in list(self._entries):
+            self._restore_one(key)
+
+    def written(self, p: torch.Tensor) -> None:
+        """``p`` was written by the optimizer itself (θ_t shown, a replica put back): not a change."""
+        entry = self._entries.get(id(p))
+        if entry is not None:
+            self._entries[id(p)] = (p, entry[1], p._version)
+
+    def check(self) -> None:
+        """At the next step: ``RuntimeError`` where a gradient was computed on an overwritten parameter."""
+        stale = [self._names.get(i, "a parameter") for i in self._entries if i in self._stale]
+        if stale:
+            self.clear()
+            shown = ", ".join(stale[:3]) + (f" and {len(stale) - 3} more" if len(stale) > 3 else "")
+            raise RuntimeError(
+                f"rank {self._rank}: LionCub: {shown} was overwritten after load_state_dict wrote this "
+                "rank's local-steps replica into it (a model state loaded after the optimizer's, in the "
+                "middle of a window), and this step's gradient was computed on the changed value outside an "
+                "nn.Module call, where lioncub cannot put the replica back first: the step would continue "
+                "another rank's window. Load the model before the optimizer state, or call "
+                "opt.restore_replicas() after loading the model (before the forward)"
+            )
+
+    def clear(self) -> None:
+        """Nothing held any more (the hooks removed)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._entries, self._stale, self._all_checked = [], {}, [], False

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 
@@ -161,32 +162,38 @@ class LoadedReplicas:
             if guard is None:
                 handle.remove()
             elif not torch.compiler.is_compiling():
-                guard._on_forward(module)
+                guard.before_forward(module)
 
         handle = torch.nn.modules.module.register_module_forward_pre_hook(pre_forward)
         self._handles.append(handle)
         weakref.finalize(self, handle.remove)
-        for p, _, _ in self._entries.values():
-            if p.requires_grad:
-                hook = p.register_post_accumulate_grad_hook
-                self._handles.append(hook(self._grad_hook(me)))  # type: ignore[no-untyped-call]
 
-    @staticmethod
-    def _grad_hook(me: Any) -> Any:
         def accumulated(p: torch.Tensor) -> None:
             guard = me()
             if guard is not None:
-                entry = guard._entries.get(id(p))
-                if entry is not None and p._version != entry[2] and id(p) not in guard._stale:
-                    guard._stale.append(id(p))
+                guard.after_accumulate(p)
 
-        return accumulated
+        register = cast(
+            Callable[[torch.Tensor, Callable[[torch.Tensor], None]], Any],
+            torch.Tensor.register_post_accumulate_grad_hook,
+        )
+        for p, _, _ in self._entries.values():
+            if p.requires_grad:
+                self._handles.append(register(p, accumulated))
+
+    def after_accumulate(self, p: torch.Tensor) -> None:
+        """A gradient was accumulated into ``p``: computed on an overwritten value if ``p`` was written
+        since its replica."""
+        entry = self._entries.get(id(p))
+        if entry is not None and p._version != entry[2] and id(p) not in self._stale:
+            self._stale.append(id(p))
 
     @property
     def pending(self) -> bool:
         return bool(self._entries)
 
-    def _on_forward(self, module: torch.nn.Module) -> None:
+    def before_forward(self, module: torch.nn.Module) -> None:
+        """A module is called: the replicas overwritten since (all at the first call, then its own)."""
         if not self._all_checked:
             self._all_checked = True
             self.restore()

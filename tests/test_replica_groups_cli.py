@@ -214,6 +214,23 @@ def test_nodes_of_two_ranks_are_groups_that_heal_and_agree() -> None:
         (["--fault-tolerant", "--kill", "0@5,1@6,2@7"], "no group would be left to train after step 7"),
         (["--fault-tolerant", "--kill", "1@20", "--rejoin", "1@20"], "the same step as its --kill"),
         (["--fault-tolerant", "--kill", "one@20"], "--kill 'one@20': give GROUP@STEP"),
+        (  # with local steps a group rejoins at a window start, healed there: none is left after step 56
+            ["--fault-tolerant", "--local-steps", "4", "--kill", "1@20", "--rejoin", "1@57"],
+            "--rejoin 1@57: the step must be within 21..56 (--steps 60 --local-steps 4: a group rejoins",
+        ),
+        (
+            ["--fault-tolerant", "--local-steps", "4", "--kill", "1@58", "--rejoin", "1@59"],
+            "--rejoin 1@59: no window start is left after its --kill 1@58 (--steps 60 --local-steps 4",
+        ),
+        (
+            ["--fault-tolerant", "--local-steps", "4", "--kill", "1@5,1@8", "--rejoin", "1@7"],
+            "--kill 1@8: group 1 rejoins in the window after step 8 (--local-steps 4: the next window start "
+            "after its --rejoin); the step must be within 9..59",
+        ),
+        (
+            ["--fault-tolerant", "--local-steps", "4", "--kill", "1@5,2@6,0@8", "--rejoin", "1@7"],
+            "--rejoin 1@7: no other group is alive at the window start after step 8 to heal group 1",
+        ),
         (["--kill", "1@20"], "--kill: applies only with --fault-tolerant"),
         (["--lighthouse", "http://x:1"], "--lighthouse: applies only with --fault-tolerant"),
         (["--fault-tolerant", "--lighthouse", "x:1"], "--lighthouse 'x:1': give the lighthouse's URL"),
@@ -308,6 +325,27 @@ def test_the_schedule_is_sorted_and_alternates() -> None:
         Fault(50, "kill", 1),
     ]  # fmt: skip
     assert faults[0].spec == "--kill 2@5"
+    assert parse_faults(["1@20"], ["1@57"], 3, 60) == parse_faults(["1@20"], ["1@57"], 3, 60, 1)  # H = 1
+    assert parse_faults(["1@20"], ["1@56"], 3, 60, 4) == [Fault(20, "kill", 1), Fault(56, "rejoin", 1)]
+
+
+def test_a_group_started_again_holds_only_at_its_own_lives_kill_and_never_trains_alone() -> None:
+    """A group's later life does not hold at an earlier life's --kill step (it would wait there forever);
+    a group started again whose first quorum neither healed it nor had another group stops, naming why."""
+    from lioncub.integrations.torchft import ReplicaGroupError
+    from lioncub.train import replica_group
+
+    config = TrainConfig.from_values({"variant": "1bit", "nproc": 3, "fault_tolerant": True, "steps": 60,
+                                      "kill": ["1@20", "1@50"], "rejoin": ["1@35"]})  # fmt: skip
+    assert [replica_group._schedule(config, 1, life)[0] for life in (0, 1)] == [{20}, {50}]
+    assert replica_group._schedule(config, 0, 0)[0] == set()
+    loop = object.__new__(replica_group._GroupLoop)
+    loop.life, loop.joined, loop.position = 1, False, replica_group._Position()
+    with pytest.raises(ReplicaGroupError, match=r"started again \(life 1\), its first quorum has no other"):
+        loop.check_joined(1)
+    loop.check_joined(2)  # a peer in the quorum (it heals the group)
+    assert loop.joined
+    loop.check_joined(1)  # later quorums: the group's own business
 
 
 # ---------------------------------------------------------------------------------- the launcher alone

@@ -79,11 +79,77 @@ class Fault:
         return f"--{self.kind} {self.group}@{self.step}"
 
 
-def parse_faults(kill: Sequence[str], rejoin: Sequence[str], groups: int, steps: int) -> list[Fault]:
+def parse_faults(
+    kill: Sequence[str], rejoin: Sequence[str], groups: int, steps: int, h: int | None = None
+) -> list[Fault]:
     """The schedule of ``--kill G@STEP`` and ``--rejoin G@STEP`` (lists of ``"G@STEP"``) for ``groups``
-    groups and ``steps`` steps, sorted by step; ``ValueError`` naming the option: a group that does not
-    exist, a step outside ``[1, steps)``, a group's events that do not alternate kill, rejoin, kill, ...
-    (a rejoin before its kill, two kills), and a schedule that leaves no group alive."""
+    groups and ``steps`` steps with windows of ``h`` steps (``--local-steps``; ``None``: 1, a quorum every
+    step), sorted by step; ``ValueError`` naming the option: a group that does not exist, a step outside
+    ``[1, steps)``, a group's events that do not alternate kill, rejoin, kill, ... (a rejoin before its
+    kill, two kills), a schedule that leaves no group alive, and what cannot happen with windows: a group
+    rejoins at the next window start (after a multiple of ``h``), where a quorum heals it from a live
+    peer, so a rejoin after the last window start (``steps − h``) or where no other group is alive at
+    that start to heal it is refused (else the group would start after the others finished and train
+    alone), and so is a kill of a rejoined group before the window it joins."""
+    h = 1 if h is None else int(h)
+    faults = _read_specs(kill, rejoin, groups, steps)
+    alive = set(range(groups))
+    dead_since: dict[int, int] = {}
+    joins_after: dict[int, int] = {}  # a rejoined group's first window starts after this step
+    last_start = steps - h  # the last window starts after this step: its quorum is the last
+    for f in faults:
+        if f.kind == "kill":
+            if f.group not in alive:
+                raise ValueError(
+                    f"{f.spec}: group {f.group} is not running then (killed at step {dead_since[f.group]}); "
+                    f"give --rejoin {f.group}@STEP before killing it again"
+                )
+            joined = joins_after.get(f.group)
+            if joined is not None and f.step <= joined:
+                raise ValueError(
+                    f"{f.spec}: group {f.group} rejoins in the window after step {joined} (--local-steps "
+                    f"{h}: the next window start after its --rejoin); the step must be within "
+                    f"{joined + 1}..{steps - 1} (--steps {steps})"
+                )
+            alive.discard(f.group)
+            dead_since[f.group] = f.step
+            if not alive:
+                raise ValueError(f"{f.spec}: no group would be left to train after step {f.step}")
+        else:
+            if f.group in alive:
+                raise ValueError(
+                    f"{f.spec}: group {f.group} is running then; a group rejoins after a --kill at an "
+                    "earlier step"
+                )
+            if dead_since[f.group] == f.step:
+                raise ValueError(f"{f.spec}: the same step as its --kill; rejoin at a later step")
+            start = -(-f.step // h) * h  # the window start it joins at
+            if start > last_start:
+                first = dead_since[f.group] + 1
+                allowed = (
+                    f"the step must be within {first}..{last_start}"
+                    if first <= last_start
+                    else f"no window start is left after its --kill {f.group}@{dead_since[f.group]}"
+                )
+                raise ValueError(
+                    f"{f.spec}: {allowed} (--steps {steps} --local-steps {h}: a group rejoins at a window "
+                    f"start, where a quorum of live groups heals it, and the last window starts after step "
+                    f"{last_start}; later it would start after the others finished and train alone)"
+                )
+            alive.add(f.group)
+            joins_after[f.group] = start
+    for f in faults:  # a live peer at the window start each rejoin joins at
+        start = joins_after.get(f.group, -1) if f.kind == "rejoin" else -1
+        if f.kind == "rejoin" and not _healers(faults, groups, start, h) - {f.group}:
+            raise ValueError(
+                f"{f.spec}: no other group is alive at the window start after step {start} to heal group "
+                f"{f.group} (--local-steps {h}: it joins there); rejoin it at a step where another group runs"
+            )
+    return faults
+
+
+def _read_specs(kill: Sequence[str], rejoin: Sequence[str], groups: int, steps: int) -> list[Fault]:
+    """The events of ``--kill`` and ``--rejoin``, each checked alone (its form, group and step), sorted."""
     faults = []
     for kind, specs in (("kill", kill), ("rejoin", rejoin)):
         for text in specs:
@@ -102,30 +168,17 @@ def parse_faults(kill: Sequence[str], rejoin: Sequence[str], groups: int, steps:
                     "fault at or after the last step changes nothing)"
                 )
             faults.append(Fault(step, kind, group))
-    faults.sort()
+    return sorted(faults)
+
+
+def _healers(faults: list[Fault], groups: int, start: int, h: int) -> set[int]:
+    """The groups alive at the quorum after step ``start`` that do not join there themselves (a rejoin
+    in the window before it)."""
     alive = set(range(groups))
-    dead_since: dict[int, int] = {}
     for f in faults:
-        if f.kind == "kill":
-            if f.group not in alive:
-                raise ValueError(
-                    f"{f.spec}: group {f.group} is not running then (killed at step {dead_since[f.group]}); "
-                    f"give --rejoin {f.group}@STEP before killing it again"
-                )
-            alive.discard(f.group)
-            dead_since[f.group] = f.step
-            if not alive:
-                raise ValueError(f"{f.spec}: no group would be left to train after step {f.step}")
-        else:
-            if f.group in alive:
-                raise ValueError(
-                    f"{f.spec}: group {f.group} is running then; a group rejoins after a --kill at an "
-                    "earlier step"
-                )
-            if dead_since[f.group] == f.step:
-                raise ValueError(f"{f.spec}: the same step as its --kill; rejoin at a later step")
-            alive.add(f.group)
-    return faults
+        if f.step <= start:
+            (alive.discard if f.kind == "kill" else alive.add)(f.group)
+    return alive - {f.group for f in faults if f.kind == "rejoin" and start - h < f.step <= start}
 
 
 def serve_lighthouse(bind: str, heartbeat_timeout_ms: int, join_timeout_ms: int) -> None:

@@ -57,7 +57,7 @@ def check_fault_tolerant(config: Any) -> None:
                 f"{flag} with --fault-tolerant --nnodes: each node is one replica group (DDP inside, one "
                 "flat vote between the groups); use --nproc N for groups of one rank"
             )
-    parse_faults(cluster.kill, cluster.rejoin, cluster.replica_groups, config.run.steps)
+    parse_faults(cluster.kill, cluster.rejoin, cluster.replica_groups, config.run.steps, opt.local_steps)
 
 
 def cpu_note(config: Any) -> str | None:

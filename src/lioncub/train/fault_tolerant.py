@@ -173,7 +173,9 @@ def run_fault_tolerant(
     if note is not None:
         print(f"lioncub: {note}", file=err, flush=True)
     cluster, run = config.cluster, config.run
-    faults = parse_faults(cluster.kill, cluster.rejoin, cluster.replica_groups, run.steps)
+    faults = parse_faults(
+        cluster.kill, cluster.rejoin, cluster.replica_groups, run.steps, config.optimizer.local_steps
+    )
     if is_marked(run_dir):
         record(run_dir, dirs=["groups"], files=[*group_files(cluster.replica_groups, faults), "log.jsonl"])
     (run_dir / "groups").mkdir(exist_ok=True)

@@ -255,11 +255,15 @@ def _group(
 
 
 def _schedule(config: TrainConfig, index: int, life: int) -> tuple[set[int], list[tuple[int, int, int]]]:
-    """The steps after which this group holds for its ``--kill``, and the starts again it waits for as
-    ``(group, life, step)``: not its own, nor its earlier lives'."""
+    """The step after which this group holds for its ``--kill`` (this life's: the ``life``-th kill of the
+    group; a group started again never holds at an earlier life's step), and the starts again it waits
+    for as ``(group, life, step)``: not its own, nor its earlier lives'."""
     cluster = config.cluster
-    faults = parse_faults(cluster.kill, cluster.rejoin, cluster.replica_groups, config.run.steps)
-    kills = {f.step for f in faults if f.kind == "kill" and f.group == index}
+    faults = parse_faults(
+        cluster.kill, cluster.rejoin, cluster.replica_groups, config.run.steps, config.optimizer.local_steps
+    )
+    own = [f.step for f in faults if f.kind == "kill" and f.group == index]
+    kills = set(own[life : life + 1])
     lives: dict[int, int] = {}
     pending = []
     for f in faults:
@@ -307,6 +311,7 @@ class _GroupLoop:
         self.out = -1
         self.heals: list[Heal] = []  # logged
         self.gradients: int | None = None  # bytes of the gradients after this process's first backward
+        self.joined = life == 0  # started again: healed at a quorum with a live peer (until then False)
 
     def join(self) -> None:
         """Say this group is ready once the lighthouse lists it (a quorum then waits for it); at the job's
@@ -331,8 +336,11 @@ class _GroupLoop:
                 for r in self.window:
                     self.write({**r, "committed": None})  # the window dies with the group
                 self.write({"kind": "hold", "step": step, "group": self.index})
-                while True:  # until the launcher's SIGKILL (--kill)
-                    time.sleep(60)
+                time.sleep(self.timeout_s)  # until the launcher's SIGKILL (--kill), bounded
+                raise ReplicaGroupError(
+                    f"held after its step {step} (--kill {self.index}@{step}) for {self.timeout_s:g} s "
+                    "without the launcher's SIGKILL; it stops"
+                )
         self.finish()
 
     def step(self) -> int:
@@ -342,8 +350,11 @@ class _GroupLoop:
         if group.boundary:
             held = _await_rejoins(self.run_dir, self.lighthouse, self.pending, position.step, self.timeout_s)
         t0 = self.clock()
+        quorum = group.boundary and not isinstance(group, DiLoCoGroup)
         participants = group.begin()  # the quorum; a heal moves the position to the peer's
         t1 = self.clock()
+        if quorum:
+            self.check_joined(participants)
         if position.healed:  # started again: the starts before it are the others' business
             self.pending[:] = [e for e in self.pending if e[2] > position.step]
         position.healed = False
@@ -366,6 +377,7 @@ class _GroupLoop:
             self.window = [{**r, "replaced": True} for r in self.window]
             step = rec["step"] = position.step + 1
         if isinstance(group, DiLoCoGroup) and ends:  # the sync ran in the inner step's hook
+            self.check_joined(group.participants)
             n = group.participants
             ring = 2 * (n - 1) / n * 4 * sum(p.numel() for p in self.model.parameters())  # fp32 ring
             rec.update(comm_s=t3 - t2, exchange_s=t3 - t2, apply_s=0.0, collectives=1, bytes_sent=ring,
@@ -390,6 +402,21 @@ class _GroupLoop:
         elif step == run.steps:
             raise AssertionError("the run's last step ends a window (--steps is a multiple of H)")
         return step
+
+    def check_joined(self, participants: int) -> None:
+        """After a quorum: a group started again (``--rejoin``) that its first quorum did not heal, alone in
+        it, stops (``ReplicaGroupError``) rather than train alone from scratch: the others finished or died
+        (the schedule's check refuses a rejoin after the last window start; this bounds what it cannot
+        see, e.g. groups that finished early)."""
+        if self.joined:
+            return
+        if self.position.healed or participants > 1:
+            self.joined = True
+            return
+        raise ReplicaGroupError(
+            f"started again (life {self.life}), its first quorum has no other group to heal it from (the "
+            f"others finished or died): it stops rather than train alone from step {self.position.step}"
+        )
 
     def node_bytes(self, sent: float, recv: float) -> dict[str, float]:
         """A step's bytes in a group of L ranks (a node): every rank votes its share with the other groups

@@ -3,10 +3,11 @@
 
     python tests/fsdp_runs.py OUT
 
-``OUT/cmp``: ``lioncub compare`` of :data:`RUNS` (GPT tiny, 2 nodes × 2 ranks behind 1 Gbit/s NICs,
-:data:`STEPS` steps); ``OUT/resumed``: the sharded per-step run stopped with a checkpoint halfway
-(``--checkpoint-every``, ``--stop-at``) and resumed (``--resume``). ``OUT/runs.json`` holds each command's
-exit status, stdout and stderr; the exit status is 1 if any failed.
+GPT tiny on 2 nodes × 2 ranks behind 1 Gbit/s NICs: ``OUT/cmp``, ``lioncub compare`` of :data:`RUNS`
+(:data:`STEPS` steps); ``OUT/resumed``: the
+sharded per-step run stopped with a checkpoint halfway (``--checkpoint-every``, ``--stop-at``) and resumed
+(``--resume``). ``OUT/runs.json`` holds each command's exit status, stdout and stderr; the exit status is 1
+if any failed.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from processes import python
 
 NODES = ["--nnodes", "2", "--nproc-per-node", "2", "--link", "1gbit"]
 STEPS = 24
-#: the compared runs: every rank a voter with the whole model, and the nodes voting on their shards
-RUNS = ("1bit", "1bit+fsdp", "1bit/h4", "1bit/h4+fsdp")
-GPT = ["--workload", "gpt", "--size", "tiny", *NODES, "--steps", str(STEPS), "--no-progress"]
+#: the compared runs: every rank a voter with the whole model, and the nodes voting on their shards (every
+#: step, with local steps; HSDP + Lion for the DDP baseline)
+RUNS = ("1bit", "1bit+fsdp", "1bit/h4+fsdp", "32bit+fsdp")
+GPT = ["--workload", "gpt", "--size", "tiny", *NODES, "--no-progress"]
 
 
 def commands(out: Path) -> list[list[str]]:
@@ -30,8 +32,8 @@ def commands(out: Path) -> list[list[str]]:
     resumed = ["--out", str(out / "resumed")]
     stop = ["--checkpoint-every", half, "--stop-at", half]
     return [
-        ["compare", "--variants", ",".join(RUNS), *GPT, "--out", str(out / "cmp")],
-        ["train", "--variant", "1bit", "--fsdp", *GPT, *stop, *resumed],
+        ["compare", "--variants", ",".join(RUNS), *GPT, "--steps", str(STEPS), "--out", str(out / "cmp")],
+        ["train", "--variant", "1bit", "--fsdp", *GPT, "--steps", str(STEPS), *stop, *resumed],
         ["train", "--resume", "--no-progress", *resumed],
     ]
 

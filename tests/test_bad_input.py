@@ -620,8 +620,10 @@ TRAIN_CASES = [
         [*FSDP, "--variant", "1bit", "--diagnostics-every", "2"],
         ["--fsdp with --diagnostics-every 2", "--diagnostics-every 0"],
     ),
-    ([*FSDP, "--variant", "32bit"], ["--fsdp with --variant 32bit", "not built sharded", "--local-steps H"]),
-    ([*FSDP, "--variant", "16bit"], ["--fsdp with --variant 16bit", "a LionCub variant"]),
+    (
+        [*FSDP, "--variant", "1bit", "--convert-momenta", "average"],
+        ["--fsdp with --convert-momenta average", "same --nnodes and --nproc-per-node"],
+    ),
     ([*FSDP, "--variant", "1bit", "--fault-tolerant"], ["--fsdp with --fault-tolerant", "not supported yet"]),
     ([*FSDP, "--variant", "auto"], ["--variant auto with --fsdp", "give the variant"]),
 ]
@@ -691,9 +693,9 @@ COMPARE_CASES = [
         id="auto-steps",
     ),
     case(
-        ["--variants", "1bit,32bit+fsdp", *FSDP[:-1]],
-        ["--variants 32bit+fsdp", "--fsdp with --variant 32bit"],
-        id="fsdp-baseline",
+        ["--variants", "1bit,8bit@hierarchical+fsdp", *FSDP[:-1]],
+        ["--variants 8bit@hierarchical+fsdp", "--fsdp with --topology hierarchical"],
+        id="fsdp-topology",
     ),
     case(["--variants", "1bit+fsdp"], ["--fsdp without --nnodes"], id="fsdp-no-nodes"),
     case(["--target-loss", "nan"], ["--target-loss", "> 0"], id="target-loss-nan"),

@@ -321,7 +321,7 @@ class ClusterConfig:
     fsdp: bool = setting(
         False, ft_why=FT_WHY,
         help="with --nnodes M --nproc-per-node L (L >= 2): each node shards the model over its ranks with "
-        "FSDP2 and the nodes vote on each rank's shard (docs/shards.md): a LionCub variant, or local steps",
+        "FSDP2 and the nodes vote on each rank's shard (docs/shards.md; 32bit/16bit: HSDP + Lion)",
     )  # fmt: skip
     kill: list[str] = setting(
         [], parse=fault_list, metavar="G@STEP,...", ft_only=True,

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from lioncub.names import BASELINES
-
 __all__ = ["FT_WHY", "check_fsdp"]
 
 #: why ``--fsdp`` is refused with ``--fault-tolerant`` (for now)
@@ -20,7 +18,7 @@ def check_fsdp(config: Any) -> None:
     """``config`` (a :class:`~lioncub.train.config.TrainConfig`) with ``--fsdp``: ``ValueError`` naming the
     flag and what is allowed for what the sharded run does not take -- no ``--nnodes M --nproc-per-node L``
     with L >= 2, ``--overlap``, a ``--topology`` other than flat (``auto`` is flat there), ``--diagnostics-
-    every``, the DDP baselines without local steps, ``--convert-momenta``."""
+    every``, ``--convert-momenta``."""
     cluster, opt = config.cluster, config.optimizer
     if not cluster.fsdp:
         return
@@ -45,11 +43,6 @@ def check_fsdp(config: Any) -> None:
         raise ValueError(
             f"--fsdp with --diagnostics-every {opt.diagnostics_every}: the vote diagnostics are per-tensor "
             "statistics and a rank holds shards; allowed: --diagnostics-every 0"
-        )
-    if opt.variant in BASELINES and opt.local_steps is None:
-        raise ValueError(
-            f"--fsdp with --variant {opt.variant}: the DDP baselines (DDP + Lion) are not built sharded; "
-            "give a LionCub variant (e.g. 1bit), or --local-steps H for the dense outer step on shards"
         )
     if config.run.convert_momenta is not None:
         raise ValueError(

@@ -39,6 +39,8 @@ of DDP and the ``LionCub`` votes between the nodes on each rank's shard (the mes
 all-gathers and reduce-scatter; the ranks of node 0 evaluate (the forward gathers the shards);
 ``model.pt`` is the gathered whole model, and a checkpoint's model and optimizer state for a resume are
 written by torch.distributed.checkpoint, each rank its shard (:func:`lioncub.train.checkpoint.load_shards`).
+The DDP baselines with ``--fsdp`` are HSDP + ``Lion`` (FSDP2 all-reduces the gradient shards between the
+nodes, inside the backward: their ``comm_s`` is in ``compute_s``).
 
 ``eval`` records hold ``val_loss`` (and ``val_acc``) at ``eval_every`` steps and at the end; rank 0
 evaluates (the replicas are identical) while the others wait. With ``diagnostics_every`` a ``diag``
@@ -61,6 +63,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lioncub.ops.quantize import max_abs
@@ -161,12 +164,14 @@ def build_optimizer(
         groups = [{**g, "params": [p for p in g["params"] if keep(p)]} for g in groups]
         groups = [g for g in groups if g["params"]]
     if options.variant in BASELINES and options.local_steps is None:
-        traffic = None
+        traffic: GradientTraffic | None = None
         if world_size > 1:
-            wire = (
-                torch.float32 if options.variant == "32bit" else compressed_allreduce_dtype(device=wl.device)
-            )
-            traffic = count_gradient_allreduce(model, wire)  # type: ignore[arg-type]
+            wire = _wire(options.variant, wl.device)
+            if fsdp:  # HSDP: FSDP2 all-reduces each gradient shard between the nodes
+                cluster = config.cluster
+                traffic = sharding.hsdp_traffic(model, cluster.nnodes or 1, cluster.nproc_per_node, wire)
+            else:
+                traffic = count_gradient_allreduce(model, wire)  # type: ignore[arg-type]
         return OptimizerSetup(Lion(groups, betas=wl.betas), model, traffic)
     parts = options.build("flat" if fsdp else _topology(config, model))
     opt = LionCub(
@@ -186,6 +191,12 @@ def build_optimizer(
     elif world_size > 1 and not fsdp:
         skip_gradient_allreduce(model)  # type: ignore[arg-type]
     return OptimizerSetup(opt, model, None)
+
+
+def _wire(variant: str, device: torch.device) -> torch.dtype:
+    """The dtype of a DDP baseline's gradient reduction: fp32 (``32bit``), else bf16 where the backend can
+    reduce it (fp16 otherwise)."""
+    return torch.float32 if variant == "32bit" else compressed_allreduce_dtype(device=device)
 
 
 def _compute_baseline(model: torch.nn.Module, wl: Workload, step: int) -> float:
@@ -353,10 +364,7 @@ def _set_up(config: TrainConfig, run_dir: Path, log: Callable[[str], None]) -> _
         if not fsdp:  # a sharded run's model is in its shards (loaded below)
             model.load_state_dict(checkpoint.model_state(resume))
         state = checkpoint.load_rank_state(resume, rank, world)
-    mesh = None
-    if fsdp:  # each node shards the model over its ranks; the vote between the nodes on the shards
-        mesh = sharding.node_mesh(config.cluster.nnodes or 1, config.cluster.nproc_per_node, device)
-        sharding.shard_model(model, mesh)
+    mesh = _shard(config, model, device)  # --fsdp: each node shards the model over its ranks
     setup = build_optimizer(config, wl, model, world, process_group=mesh)
     for group in setup.opt.param_groups:
         group.setdefault("initial_lr", group["lr"])
@@ -371,7 +379,10 @@ def _set_up(config: TrainConfig, run_dir: Path, log: Callable[[str], None]) -> _
             setup.opt.load_state_dict(state["optimizer"])
         wl.load_state_dict(state["data"], strict=same_world)
     wl.sampler.position = start
-    compute_ref = _compute_baseline(setup.model, wl, start) if setup.traffic is not None else None
+    # the sharded baseline's all-reduce runs inside FSDP2's backward, whose gradient sync is not skipped
+    # here (FSDP2 would keep the unsharded gradients for the next backward): its compute_s holds it
+    measure = setup.traffic is not None and not fsdp
+    compute_ref = _compute_baseline(setup.model, wl, start) if measure else None
     if state is not None and "converted_from" in state:  # rank 0's RNG states: each rank draws its own
         seed_rank(run.seed, rank, start)
     elif state is not None:  # after everything in the setup that may draw random numbers
@@ -391,8 +402,28 @@ def _set_up(config: TrainConfig, run_dir: Path, log: Callable[[str], None]) -> _
     r = _Rank(config, run_dir, rank, world, wl, setup, start, compute_ref, log, shares, ring)
     if fsdp:  # every rank's vote crosses its node's NIC (its voters are in the other nodes)
         r.shares = (float(config.cluster.nproc_per_node), 0.0)
-        r.fsdp_intra = float(sharding.fsdp_intra_bytes(model, config.cluster.nproc_per_node))
+        wire = _reduce_dtype(config, device) or torch.float32
+        r.fsdp_intra = float(sharding.fsdp_intra_bytes(model, config.cluster.nproc_per_node, wire.itemsize))
     return r
+
+
+def _reduce_dtype(config: TrainConfig, device: torch.device) -> torch.dtype | None:
+    """A sharded run's gradient reduction dtype: a DDP baseline's wire (HSDP), else FSDP2's default."""
+    opt = config.optimizer
+    return _wire(opt.variant, device) if opt.variant in BASELINES and opt.local_steps is None else None
+
+
+def _shard(config: TrainConfig, model: torch.nn.Module, device: torch.device) -> Any:
+    """With ``--fsdp``: the nodes' mesh (:func:`lioncub.train.sharding.node_mesh`), ``model`` sharded over
+    each node's ranks -- a DDP baseline over the whole mesh (HSDP) -- and the vote between the nodes on
+    the shards; else ``None``. Collective."""
+    cluster = config.cluster
+    if not cluster.fsdp:
+        return None
+    mesh = sharding.node_mesh(cluster.nnodes or 1, cluster.nproc_per_node, device)
+    reduce = _reduce_dtype(config, device)
+    sharding.shard_model(model, mesh, replicate=reduce is not None, reduce_dtype=reduce)
+    return mesh
 
 
 def _train_step(r: _Rank, step: int, elapsed: float) -> dict[str, Any]:
@@ -504,8 +535,16 @@ def _optimizer_step(o: OptimizerSetup, nonfinite: str, step: int) -> int:
         o.opt.step()
         return int(o.opt.comm_stats()["last"]["skipped_steps"])
     grads = [p.grad for g in o.opt.param_groups for p in g["params"] if p.grad is not None]
+    shards = [g.to_local() for g in grads if isinstance(g, DTensor)]  # HSDP (--fsdp): each rank its shard
+    if shards:
+        grads = shards
     peaks = torch.stack([max_abs(g).float() for g in grads]) if grads else None
-    if peaks is None or bool(torch.isfinite(peaks).all()):
+    finite = peaks is None or bool(torch.isfinite(peaks).all())
+    if shards:  # a node's ranks hold different shards: every rank takes the same decision
+        flag = torch.tensor([int(not finite)], dtype=torch.int32, device=grads[0].device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        finite = not flag.item()
+    if finite:
         o.opt.step()
         return 0
     if nonfinite == "raise":

@@ -20,6 +20,7 @@ times its padded shard each, fp32. Not counted: the step's one int32 all-reduce 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,11 +28,21 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from lioncub.optim.ddp import GradientTraffic
 from lioncub.optim.shards import SHARD_DIMS
 
-__all__ = ["fsdp_intra_bytes", "full_model_state", "node_mesh", "reshard", "shard_model", "sharded_state"]
+__all__ = [
+    "HsdpTraffic",
+    "fsdp_intra_bytes",
+    "full_model_state",
+    "hsdp_traffic",
+    "node_mesh",
+    "reshard",
+    "shard_model",
+    "sharded_state",
+]
 
 
 def node_mesh(nnodes: int, per_node: int, device: torch.device) -> DeviceMesh:
@@ -48,13 +59,18 @@ def _units(model: nn.Module) -> list[nn.Module]:
     return [block for m in model.modules() if isinstance(m, nn.ModuleList) for block in m]
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+def shard_model(
+    model: nn.Module, mesh: DeviceMesh, *, replicate: bool = False, reduce_dtype: torch.dtype | None = None
+) -> nn.Module:
     """``fully_shard`` each unit of ``model`` (:func:`_units`), then the root, over ``mesh["shard"]``;
-    returns the root (``model`` itself, its parameters now ``DTensor`` shards). Collective."""
-    shard_mesh = mesh["shard"]
+    returns the root (``model`` itself, its parameters now ``DTensor`` shards). ``replicate``: over the
+    whole mesh instead (HSDP: FSDP2 all-reduces each gradient shard between the nodes, the DDP baselines'
+    mean over every rank), the gradients reduced in ``reduce_dtype`` (default: theirs). Collective."""
+    target = mesh if replicate else mesh["shard"]
+    policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     for unit in _units(model):
-        fully_shard(unit, mesh=shard_mesh)
-    fully_shard(model, mesh=shard_mesh)
+        fully_shard(unit, mesh=target, mp_policy=policy)
+    fully_shard(model, mesh=target, mp_policy=policy)
     return model
 
 
@@ -76,19 +92,48 @@ def _padded_bytes(params: Sequence[torch.Tensor], shards: int) -> int:
     return total
 
 
-def fsdp_intra_bytes(model: nn.Module, shards: int) -> int:
-    """Bytes one rank sends inside its node per training step for FSDP2 (module docstring): ``shards − 1``
-    times its padded shard, for each all-gather (a block's: forward and backward; the root's: forward) and
-    for the reduce-scatter of the gradients. ``model``: the sharded model."""
+def _unit_bytes(model: nn.Module, shards: int) -> list[tuple[bool, int]]:
+    """Each FSDP2 unit of ``model`` (its blocks, then the root): whether it is the root, and the bytes of
+    one rank's padded shards of its own parameters."""
     seen: set[int] = set()
     units = []
     for unit in [*_units(model), model]:
         params = [p for p in unit.parameters() if id(p) not in seen]
         seen.update(id(p) for p in params)
         units.append((unit is model, _padded_bytes(params, shards)))
+    return units
+
+
+def fsdp_intra_bytes(model: nn.Module, shards: int, reduce_bytes: int = 4) -> int:
+    """Bytes one rank sends inside its node per training step for FSDP2 (module docstring): ``shards − 1``
+    times its padded shard, for each all-gather (a block's: forward and backward; the root's: forward) and
+    for the reduce-scatter of the gradients (``reduce_bytes`` per element). ``model``: the sharded model."""
+    units = _unit_bytes(model, shards)
     gathers = sum(size * (1 if root else 2) for root, size in units)
-    scatter = sum(size for _, size in units)
+    scatter = sum(size for _, size in units) * reduce_bytes // 4
     return (shards - 1) * (gathers + scatter)
+
+
+@dataclass
+class HsdpTraffic(GradientTraffic):
+    """The bytes a rank of the sharded DDP baseline (HSDP) hands to FSDP2's all-reduce between the nodes:
+    at every step one all-reduce per unit of its gradient shard (ring: ``2·(M−1)/M`` of it, both ways), the
+    units' shard sizes ``units`` (elements)."""
+
+    units: list[int] = field(default_factory=list)
+
+    def take(self) -> tuple[float, float, int]:
+        """A step's (sent, received, collectives)."""
+        for numel in self.units:
+            self.add(numel)
+        return super().take()
+
+
+def hsdp_traffic(model: nn.Module, nnodes: int, shards: int, wire: torch.dtype) -> HsdpTraffic:
+    """The :class:`HsdpTraffic` of ``model`` sharded over ``shards`` ranks per node, its gradients reduced
+    in ``wire``."""
+    units = [size // 4 for _, size in _unit_bytes(model, shards)]  # fp32 parameters: elements
+    return HsdpTraffic(nnodes, wire.itemsize, units=units)
 
 
 def full_model_state(model: nn.Module) -> dict[str, Any]:

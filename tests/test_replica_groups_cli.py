@@ -208,6 +208,7 @@ def test_nodes_of_two_ranks_are_groups_that_heal_and_agree() -> None:
     [
         (["--fault-tolerant", "--kill", "5@20"], "--kill 5@20: there is no group 5 (groups 0..2"),
         (["--fault-tolerant", "--kill", "1@80"], "--kill 1@80: the step must be within 1..59 (--steps 60"),
+        (["--fault-tolerant", "--kill", "1@20,"], "--kill '': give GROUP@STEP"),  # a trailing comma
         (["--fault-tolerant", "--kill", "1@20", "--rejoin", "1@15"], "--rejoin 1@15: group 1 is running"),
         (["--fault-tolerant", "--rejoin", "1@15"], "--rejoin 1@15: group 1 is running then"),
         (["--fault-tolerant", "--kill", "1@20,1@30"], "--kill 1@30: group 1 is not running then"),

@@ -36,7 +36,24 @@ import torch.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the lazy names below, for type checkers (tests/test_typing.py: the two lists agree)
+    from lioncub.optim.config import PRESETS as PRESETS
+    from lioncub.optim.config import VoteConfig as VoteConfig
+    from lioncub.optim.config import resolve_variant as resolve_variant
+    from lioncub.optim.context import StepContext as StepContext
+    from lioncub.optim.factory import make_vote as make_vote
+    from lioncub.optim.lion import Lion as Lion
+    from lioncub.optim.lioncub import LionCub as LionCub
+    from lioncub.optim.lioncub import ReplicaDivergenceError as ReplicaDivergenceError
+    from lioncub.optim.local_steps import LocalSteps as LocalSteps
+    from lioncub.optim.round import VoteRound as VoteRound
+    from lioncub.optim.step_check import Checks as Checks
+    from lioncub.optim.step_check import GradientChangedError as GradientChangedError
+    from lioncub.optim.step_check import NonFiniteGradientError as NonFiniteGradientError
+    from lioncub.optim.step_check import StepMismatchError as StepMismatchError
+    from lioncub.optim.sync import MomentumSync as MomentumSync
 
 _EXPORTS = {
     "PRESETS": "lioncub.optim.config",
@@ -64,3 +81,7 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'lioncub.optim' has no attribute {name!r}")
     return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

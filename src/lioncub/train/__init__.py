@@ -27,9 +27,17 @@ import torch.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lioncub.train import runfiles  # noqa: F401  (registers the run directory's files with lioncub.rundir)
+
+if TYPE_CHECKING:  # the lazy names below, for type checkers (tests/test_typing.py: the two lists agree)
+    from lioncub.train.workloads import SIZES as SIZES
+    from lioncub.train.workloads import CNNWorkload as CNNWorkload
+    from lioncub.train.workloads import GPTWorkload as GPTWorkload
+    from lioncub.train.workloads import Workload as Workload
+    from lioncub.train.workloads import make_workload as make_workload
+    from lioncub.train.workloads import workload_names as workload_names
 
 _EXPORTS = ("SIZES", "CNNWorkload", "GPTWorkload", "Workload", "make_workload", "workload_names")
 
@@ -40,3 +48,7 @@ def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'lioncub.train' has no attribute {name!r}")
     return getattr(importlib.import_module("lioncub.train.workloads"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

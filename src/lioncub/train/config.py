@@ -97,7 +97,7 @@ def sync_spec(text: str) -> str | list[str]:
 def fault_list(text: str) -> list[str]:
     """``--kill`` / ``--rejoin``: comma-separated ``G@STEP`` items (checked with the run's groups and
     steps by :func:`lioncub.launch.groups.parse_faults`)."""
-    return [item.strip() for item in text.split(",") if item.strip()]
+    return [item.strip() for item in text.split(",")]  # an empty item (``1@20,``): parse_faults refuses it
 
 
 def betas_spec(text: str) -> list[float]:

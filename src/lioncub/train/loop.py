@@ -152,13 +152,15 @@ def build_optimizer(
     parameters the optimizer steps (default: all; a rank of a replica group of several ranks: its share),
     param groups left empty are dropped."""
     options, fsdp = config.optimizer, config.cluster.fsdp
+    ddp: DistributedDataParallel | None = None
     if world_size > 1 and not fsdp:  # sharded (--fsdp): FSDP2 already reduce-scatters inside the node
         # overlapped votes travel in DDP's buckets: --bucket-mb sizes them (DDP's default otherwise)
-        model = DistributedDataParallel(
+        ddp = DistributedDataParallel(
             model,
             device_ids=[wl.device.index] if wl.device.type == "cuda" else None,
             bucket_cap_mb=options.bucket_mb if options.overlap else None,
         )
+        model = ddp
     groups = wl.param_groups(model)
     if keep is not None:
         groups = [{**g, "params": [p for p in g["params"] if keep(p)]} for g in groups]
@@ -171,7 +173,8 @@ def build_optimizer(
                 cluster = config.cluster
                 traffic = sharding.hsdp_traffic(model, cluster.nnodes or 1, cluster.nproc_per_node, wire)
             else:
-                traffic = count_gradient_allreduce(model, wire)  # type: ignore[arg-type]
+                assert ddp is not None
+                traffic = count_gradient_allreduce(ddp, wire)
         return OptimizerSetup(Lion(groups, betas=wl.betas), model, traffic)
     parts = options.build("flat" if fsdp else _topology(config, model))
     opt = LionCub(
@@ -186,10 +189,10 @@ def build_optimizer(
         local_steps=parts.local_steps,
         process_group=process_group,
     )
-    if world_size > 1 and options.overlap:
-        opt.overlap_with(model)  # the votes start during the backward
-    elif world_size > 1 and not fsdp:
-        skip_gradient_allreduce(model)  # type: ignore[arg-type]
+    if ddp is not None and options.overlap:
+        opt.overlap_with(ddp)  # the votes start during the backward
+    elif ddp is not None:
+        skip_gradient_allreduce(ddp)
     return OptimizerSetup(opt, model, None)
 
 
@@ -199,14 +202,14 @@ def _wire(variant: str, device: torch.device) -> torch.dtype:
     return torch.float32 if variant == "32bit" else compressed_allreduce_dtype(device=device)
 
 
-def _compute_baseline(model: torch.nn.Module, wl: Workload, step: int) -> float:
+def _compute_baseline(model: DistributedDataParallel, wl: Workload, step: int) -> float:
     """Median forward + backward time without communication (DDP ``no_sync``); leaves no trace: the
     gradients are dropped, the buffers (BatchNorm statistics) put back and the RNG (dropout) too."""
     buffers = {k: v.clone() for k, v in model.named_buffers()}
     times = []
     devices = [wl.device] if wl.device.type == "cuda" else []
     clock = PhaseClock(wl.device)  # on a GPU: after the queued work, not its launch
-    with torch.random.fork_rng(devices=devices), model.no_sync():  # type: ignore[operator]
+    with torch.random.fork_rng(devices=devices), model.no_sync():
         for _ in range(4):
             dist.barrier()  # all ranks compute at once, competing for the cores as in a training step
             t0 = clock()
@@ -381,8 +384,9 @@ def _set_up(config: TrainConfig, run_dir: Path, log: Callable[[str], None]) -> _
     wl.sampler.position = start
     # the sharded baseline's all-reduce runs inside FSDP2's backward, whose gradient sync is not skipped
     # here (FSDP2 would keep the unsharded gradients for the next backward): its compute_s holds it
-    measure = setup.traffic is not None and not fsdp
-    compute_ref = _compute_baseline(setup.model, wl, start) if measure else None
+    ddp = setup.model if setup.traffic is not None and not fsdp else None
+    assert ddp is None or isinstance(ddp, DistributedDataParallel)  # a baseline's traffic: DDP's
+    compute_ref = _compute_baseline(ddp, wl, start) if ddp is not None else None
     if state is not None and "converted_from" in state:  # rank 0's RNG states: each rank draws its own
         seed_rank(run.seed, rank, start)
     elif state is not None:  # after everything in the setup that may draw random numbers

@@ -80,12 +80,9 @@ class Subprocess(Job):
         self.out = open(self.workdir / "stdout", "wb")  # noqa: SIM115 (closed by wait/stop)
         self.err = open(self.workdir / "stderr", "wb")  # noqa: SIM115
         env = self.env if self.env is not None else self.env_at
-        # nice(1), not preexec_fn: the pump thread starts jobs while other threads run, and a forked child
-        # running Python before its exec can wait forever on a lock another thread held at the fork
-        nice = [path, "-n", str(NICE)] if (path := shutil.which("nice")) else []
-        self.proc = subprocess.Popen(
-            [*nice, *self.cmd], stdout=self.out, stderr=self.err, env=env, cwd=self.cwd_at
-        )
+        # no preexec_fn: the pump thread starts jobs while other threads run, and a forked child running
+        # Python before its exec can wait forever on a lock another thread held at the fork (seen once)
+        self.proc = subprocess.Popen(self.cmd, stdout=self.out, stderr=self.err, env=env, cwd=self.cwd_at)
 
     def done(self) -> bool:
         return self.proc is not None and self.proc.poll() is not None
@@ -116,15 +113,8 @@ class Subprocess(Job):
             self.err.close()
 
 
-#: how much less CPU priority a background job has than the tests (``nice``): the tests wait on no job
-#: until the end of the suite, the jobs have time to spare, so where both want a core the tests get it
-NICE = 5
-
-
 def _as_caller(env: dict[str, str], cwd: str, target: Callable[..., Any], *args: Any) -> None:
-    """``target(*args)`` in the environment and working directory the test process had, at the
-    background's lower priority (:data:`NICE`)."""
-    os.nice(NICE)
+    """``target(*args)`` in the environment and working directory the test process had."""
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)

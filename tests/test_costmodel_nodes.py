@@ -395,7 +395,7 @@ def test_calibrate_two_emulated_nodes_measures_the_nic_rate(
 ) -> None:
     """`lioncub calibrate --nnodes 2 --nproc-per-node 2 --link 1gbit` (in this process; torchrun's agents
     start the ranks): the NIC's fitted payload rate is the shaped rate (both ranks of a node share it), the
-    node's loopback (shaped at 4 Gbit/s) is far faster."""
+    node's loopback (shaped at 4 Gbit/s) is faster."""
     out = tmp_path / "nodes.json"
     argv = ["calibrate", "--out", str(out), "--nnodes", "2", "--nproc-per-node", "2", "--link", "1gbit",
             "--intra-link", "4gbit", "--ops", "allreduce_f32", "--sizes", "2mb,4mb,8mb", "--repeats", "3",
@@ -410,7 +410,8 @@ def test_calibrate_two_emulated_nodes_measures_the_nic_rate(
     calib = cm.load_calibration(out)
     assert calib.nnodes == 2 and calib.world_size == 4 and calib.link_bps == 1e9
     assert 0.8 < calib.network.rate("allreduce_f32") * 8 / 1e9 < 1.15
-    assert calib.intra is not None and calib.intra.rate("allreduce_f32") > 2 * calib.network.rate(
+    # the shaped loopback is CPU-bound on 2 loaded cores: 1.9 Gbit/s of its 4 was measured in a full run
+    assert calib.intra is not None and calib.intra.rate("allreduce_f32") > 1.25 * calib.network.rate(
         "allreduce_f32"
     ), (calib.intra.rate("allreduce_f32") * 8 / 1e9, printed)
 

@@ -508,6 +508,12 @@ def run_group(config: TrainConfig, run_dir: Path, index: int, life: int, lightho
                 os.close(group_loop.out)
             group_loop.group.shutdown()
             if group_loop.size > 1:
+                # The GIL released a moment before the group and DDP's reducer go: a gloo worker thread
+                # resets the work it just ran (the last collective's) under the group's lock and needs the
+                # GIL for its tensors, while the reducer's destructor takes that lock holding the GIL (a rank
+                # of a two-rank group hung so at the end of a full run: py-spy, ~ProcessGroupGloo against
+                # ~AsyncAllreduceWork)
+                time.sleep(0.1)
                 dist.destroy_process_group()
     return 0
 

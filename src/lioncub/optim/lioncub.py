@@ -53,6 +53,7 @@ from typing import Any, overload
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from lioncub.collectives import Comm
 from lioncub.optim import topology
@@ -227,7 +228,10 @@ class LionCub(LeanOptimizer):
     # -- construction --------------------------------------------------------------------------------
 
     def _vote_groups(
-        self, config: VoteConfig, process_group: Any, device: torch.device
+        self,
+        config: VoteConfig,
+        process_group: dist.ProcessGroup | Comm | DeviceMesh | None,
+        device: torch.device,
     ) -> tuple[Comm, Comm] | None:
         """Set :attr:`shards`, the view the parts work on and :attr:`comm` for ``process_group``; returns
         the (intra-node, inter-node) groups of a topology other than flat."""

@@ -219,7 +219,7 @@ def _local(value: Any, shape: tuple[int, ...] | None, what: str) -> torch.Tensor
     return local[0]
 
 
-def _params(view: ShardView) -> list[Any]:
+def _params(view: ShardView) -> list[torch.Tensor]:
     return [p for g in view.optimizer.param_groups for p in g["params"]]
 
 
@@ -227,7 +227,7 @@ def _flat(view: ShardView, gi: int, i: int) -> int:
     return sum(len(g["params"]) for g in view.optimizer.param_groups[:gi]) + i
 
 
-def _name(p: Any, index: int) -> str:
+def _name(p: torch.Tensor, index: int) -> str:
     return f"parameter {index} (shape {tuple(p.shape)})"
 
 

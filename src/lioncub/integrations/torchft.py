@@ -199,8 +199,8 @@ class ReplicaGroup(_Member):
         init_sync: at the first quorum every group but the first heals from it (torchft's ``init_sync``),
             which makes the initial values equal whatever they were; ``False`` where every group builds
             the same initial values itself (a model from one seed), saving that transfer.
-        group_rank, group_world_size: this rank's place in its group of several ranks (module docstring);
-            ``0, 1`` for a group of one process.
+        group_rank: this rank's place in its group of several ranks, of ``group_world_size`` ranks (module
+            docstring); ``0, 1`` for a group of one process.
         store: with ``group_world_size`` > 1, the group's own ``TCPStore`` as ``host:port`` (e.g. the
             ``MASTER_ADDR:MASTER_PORT`` of the group's ``torch.distributed`` world), which every rank of the
             group and the other groups reach; each group needs its own.

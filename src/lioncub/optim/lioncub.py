@@ -109,7 +109,8 @@ class LionCub(LeanOptimizer):
 
     Args:
         params: parameters or param groups (the same, in the same order, on every rank; on one device).
-        lr, betas, weight_decay, maximize: as :class:`~lioncub.optim.lion.Lion` (per param group).
+        lr: with ``betas``, ``weight_decay`` and ``maximize``, as :class:`~lioncub.optim.lion.Lion` (per param
+            group).
         variant: how the ranks vote — a preset of :data:`lioncub.optim.config.PRESETS` (``"32bit"``,
             ``"16bit"``, ``"1bit"``, ``"4bit"``, ``"8bit"`` (default), ``"8bit-sign"``, ``"dlion-mavo"``,
             ``"dlion-avg"``) or a :class:`~lioncub.optim.config.VoteConfig`, e.g.
@@ -129,13 +130,14 @@ class LionCub(LeanOptimizer):
             rank, then one outer step on the pseudo-gradients (a vote every H steps); an int H is
             ``LocalSteps(h=H)``, a dict its fields; ``None`` (default): a vote every step.
         model: the module whose parameters these are: names them (``"io"`` sync, name patterns, errors).
-        The tuning of the step, with defaults that rarely need a change: ``bucket_mb`` (bucket size cap in
-        MiB of parameter bytes), ``momentum_sync`` (average some momenta over the ranks at some steps: a
-        :class:`~lioncub.optim.sync.MomentumSync`, or its ``params`` alone — ``"none"`` (default),
-        ``"all"``, ``"io"`` or parameter-name patterns / param-group names — every 10 steps),
-        ``checks`` (:class:`Checks`: initial broadcast, replica checksums, NaN/Inf handling) and
-        ``diagnostics_every`` (every k steps :mod:`lioncub.optim.diagnostics` into
-        :attr:`last_diagnostics`, with extra collectives on those steps; 0: off).
+        bucket_mb: bucket size cap in MiB of parameter bytes. It and the three below tune the step, with
+            defaults that rarely need a change.
+        momentum_sync: average some momenta over the ranks at some steps: a
+            :class:`~lioncub.optim.sync.MomentumSync`, or its ``params`` alone — ``"none"`` (default),
+            ``"all"``, ``"io"`` or parameter-name patterns / param-group names — every 10 steps.
+        checks: :class:`Checks`: initial broadcast, replica checksums, NaN/Inf handling.
+        diagnostics_every: every k steps :mod:`lioncub.optim.diagnostics` into :attr:`last_diagnostics`,
+            with extra collectives on those steps; 0: off.
 
     At construction every rank checks that all ranks hold the same parameter list (names, shapes, dtypes,
     order: one hash all-gathered) and raises :class:`ReplicaMismatchError` naming the first difference.

@@ -327,7 +327,7 @@ def auto_topology(
             (``lioncub calibrate --nnodes``) gives both levels.
         intra: a rank's link inside its node, a rate such as ``"400gbit"`` or a ``Network`` (default: a
             two-level calibration's, else 400 Gbit/s at 5 µs).
-        nnodes, nproc_per_node: M and L (default: the job's — ``$LIONCUB_NNODES`` of ``lioncub launch``,
+        nnodes: M, and ``nproc_per_node`` L (default: the job's — ``$LIONCUB_NNODES`` of ``lioncub launch``,
             else torchrun's ``$LOCAL_WORLD_SIZE``); with one rank per node or one node there is nothing to
             choose: ``"flat"``.
     """

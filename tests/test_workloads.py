@@ -23,7 +23,7 @@ from lioncub.train.data import (
     load_text,
 )
 
-FETCH = "run scripts/fetch_data.sh"
+FETCH = "run `lioncub data fetch`"
 
 
 @pytest.fixture(scope="module")
@@ -149,9 +149,9 @@ def test_make_workload_checks_names_and_fields() -> None:
 
 def test_missing_data_error_names_file_and_command(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("LIONCUB_DATA", str(tmp_path))
-    with pytest.raises(FileNotFoundError, match=r"shakespeare\.txt.*fetch_data\.sh"):
+    with pytest.raises(FileNotFoundError, match=r"shakespeare\.txt.*`lioncub data fetch`"):
         load_text("shakespeare")
-    with pytest.raises(FileNotFoundError, match="fetch-data"):
+    with pytest.raises(FileNotFoundError, match="lioncub data fetch"):
         load_fashion_mnist("train")
 
 
@@ -301,7 +301,7 @@ def test_cnn_digits_forward_io_and_training() -> None:
     assert model.training
 
 
-# ---- full data sets from .data (scripts/fetch_data.sh) -----------------------------------------------------
+# ---- full data sets from the data root (lioncub data fetch) ------------------------------------------------
 
 
 def _need(*names: str) -> None:

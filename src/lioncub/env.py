@@ -137,8 +137,9 @@ VARIABLES: dict[str, Variable] = {
         ),
         Variable(
             "LIONCUB_DATA", "path", None,
-            "the data root prepared by ./run fetch-data (unset or empty: <repo>/.data)",
-            ("lioncub.train.data",),
+            "the data root prepared by lioncub data fetch (unset or empty: <repo>/.data in a clone, else "
+            "$XDG_DATA_HOME/lioncub or ~/.local/share/lioncub)",
+            ("lioncub.train.fetch",),
         ),
     )
 }  # fmt: skip

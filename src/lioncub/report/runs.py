@@ -20,8 +20,10 @@ numbers are medians over all step records (a run with local steps: over its wind
 window's mean per step: :func:`per_step_median`). ``other`` is the rest of the step that no split covers
 (:data:`TABLE_NOTE`, printed under the table, says what that is in a ``lioncub train`` log): the median
 ``step_s`` minus the median compute, comm and apply (a missing split counts 0), so that a row's parts add up
-to its step time. When the step times vary a lot it can come out slightly negative (the medians of the parts
-need not add up to the median of the whole); the bar plot then draws it as 0.
+to its step time. When the step times vary it can come out slightly negative though no step's remainder is
+(the medians of the parts need not add up to the median of the whole: with an even number of steps each
+median is the mean of two other middle steps); the table and the bar plot then show 0 and a note under the
+table says by how much the medians fell short (``summary.json`` keeps the value).
 
 Compute floor (:func:`compute_floor`, printed and written under the table): the median over the runs of
 their median ``compute_s``, the forward + backward time per step. It is the same model on every variant,
@@ -59,8 +61,10 @@ from typing import Any
 
 import numpy as np
 from rich.console import Console
+from rich.markup import escape
 
 from lioncub.names import config_entries, run_label
+from lioncub.report import text
 from lioncub.report.budget import Budget, budget_notes, budget_of
 from lioncub.report.figures import (
     FIGURES,
@@ -428,7 +432,7 @@ def _cells(row: RunSummary) -> dict[str, str]:
         _fmt(row.compute_s, 1e3, ".1f"),
         _fmt(row.comm_s, 1e3, ".1f"),
         _fmt(row.apply_s, 1e3, ".1f"),
-        _fmt(row.other_s, 1e3, ".1f"),
+        _fmt(None if row.other_s is None else max(row.other_s, 0.0), 1e3, ".1f"),
         _fmt(row.speedup, spec=".2f", suffix="x"),
         _fmt(row.bytes_sent_per_step, 1e-6, ".3g"),
         equal,
@@ -441,6 +445,18 @@ def _cells(row: RunSummary) -> dict[str, str]:
     budget = row.budget.cell() if row.budget is not None else "—"
     by_name |= dict(zip(BUDGET_COLUMNS, (str(row.steps), budget), strict=True))
     return by_name
+
+
+def _clamped_notes(rows: Sequence[RunSummary]) -> list[str]:
+    """A note for each row whose "other ms" the table shows as 0 though the medians leave less (see
+    :data:`TABLE_NOTE`)."""
+    return [
+        f"other ms of {row.variant}: shown as 0.0; the medians leave {row.other_s * 1e3:.1f} ms (the median "
+        "of a sum is not the sum of the medians: each column's median comes from other steps), so its parts "
+        f"add up to {-row.other_s * 1e3:.1f} ms more than its step time"
+        for row in rows
+        if row.other_s is not None and round(row.other_s * 1e3, 1) < 0
+    ]
 
 
 def _markdown(rows: list[RunSummary]) -> str:
@@ -530,6 +546,7 @@ def _write(report: Report, out_dir: Path, write: Callable[[str, bytes], None], p
         report.table_markdown,
         TABLE_NOTE,
         "",
+        *(f"{line}\n" for line in _clamped_notes(report.rows)),
         *([floor.line(), ""] if (floor := compute_floor(report)) is not None else []),
         f"Target loss: {report.target_rule}.",
         "",
@@ -558,25 +575,13 @@ def _write(report: Report, out_dir: Path, write: Callable[[str, bytes], None], p
 
 
 def print_table(report: Report, console: Console | None = None) -> None:
-    """Print the comparison table (and the target-loss rule) with rich."""
-    from rich.table import Table
-
-    if console is None:
-        console = Console()
-        if not console.is_terminal:
-            console = Console(width=max(console.width, 160))
+    """Print the comparison table (and the notes, the compute floor and the target-loss rule) within the
+    console's width (:func:`lioncub.report.text.print_table`: cells whole, the variant in every part)."""
+    out = console if console is not None else text.console()
     names = columns(report.rows)
     cells = [[_cells(row)[name] for name in names] for row in report.rows]
-    table = Table(title=report.title, title_justify="left")
-    for i, col in enumerate(names):
-        table.add_column(col, justify="left" if i == 0 else "right", overflow="fold")
-    for row_cells in cells:
-        table.add_row(*row_cells)
-    console.print(table)
-    console.print(TABLE_NOTE)
+    text.print_table(out, report.title, names, [[escape(c) for c in row] for row in cells])
     floor = compute_floor(report)
-    if floor is not None:
-        console.print(floor.line())
-    console.print(f"target loss: {report.target_rule}")
-    for note in report.notes:
-        console.print(note)
+    lines = [TABLE_NOTE, *_clamped_notes(report.rows), *([floor.line()] if floor is not None else [])]
+    for line in [*lines, f"target loss: {report.target_rule}", *report.notes]:
+        text.print_wrapped(out, line)

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import hashlib
 import logging
 import socket
 import time
@@ -79,11 +80,13 @@ from lioncub.optim.lioncub import LionCub
 
 __all__ = [
     "MOMENTA_ON_HEAL",
+    "Agreement",
     "DiLoCoGroup",
     "Heal",
     "ReplicaGroup",
     "ReplicaGroupError",
     "SettingsMismatchError",
+    "params_digest",
     "settings_of",
     "shard",
 ]
@@ -114,6 +117,51 @@ class Heal:
     source: str
     nbytes: int
     seconds: float
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What :meth:`ReplicaGroup.finish` found: this group (``replica_id``), each member of the last
+    quorum's digest of its parameters (``digests``: replica id -> SHA-256), the job's ``max_groups``, and
+    the error that kept the others' digests from arriving ("" if none)."""
+
+    replica_id: str
+    digests: dict[str, str]
+    max_groups: int
+    error: str = ""
+
+    @property
+    def participants(self) -> int:
+        """The last quorum's size (as far as its digests arrived)."""
+        return len(self.digests)
+
+    @property
+    def agrees(self) -> bool:
+        """Every member of the last quorum holds this group's parameters, and the quorum had another
+        member (a group that ran its last step alone in a job of several agrees with nobody)."""
+        mine = self.digests[self.replica_id]
+        alone = self.participants == 1 and self.max_groups > 1
+        return not self.error and not alone and all(d == mine for d in self.digests.values())
+
+    def describe(self) -> str:
+        """One line: who agrees with whom."""
+        if self.error:
+            return f"the other members' digests did not arrive ({self.error}): agreement unknown"
+        if self.participants == 1 and self.max_groups > 1:
+            return "its last quorum had no other group: it ran alone, and agrees with nobody"
+        differ = sorted(r for r, d in self.digests.items() if d != self.digests[self.replica_id])
+        if differ:
+            return f"its parameters differ from those of {', '.join(differ)} (of its last quorum)"
+        members = ", ".join(sorted(self.digests))
+        return f"its parameters equal those of every member of its last quorum ({members})"
+
+
+def params_digest(params: Sequence[torch.Tensor]) -> str:
+    """SHA-256 of the bytes of ``params``, in order (CPU tensors): equal digests, bitwise equal values."""
+    h = hashlib.sha256()
+    for p in params:
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def _nbytes(tree: Any) -> int:
@@ -262,7 +310,7 @@ class ReplicaGroup(_Member):
         self._store = TCPStore(
             store_host, store_port, is_master=not self.store, wait_for_workers=False, timeout=timeout
         )
-        pg = ProcessGroupGloo(timeout=timeout)
+        pg = self._pg = ProcessGroupGloo(timeout=timeout)
         # the votes are sized for max_groups: the optimizer is built on a comm of that size, as rank `index`
         self.comm = GroupComm(pg, rank=self.index, world_size=self.max_groups, timeout=timeout)
         self.manager = Manager(
@@ -289,6 +337,7 @@ class ReplicaGroup(_Member):
         self._settings: dict[str, Any] = {}
         self._healed: tuple[str, int] | None = None
         self._shares: GroupShares | None = None  # in a group of several ranks
+        self.left_out: str | None = None  # why this group sits out the current step (its heal failed)
 
     def _check_group(self) -> tuple[str, int]:
         """Check the group-of-ranks arguments; the store's (host, port) (new for a group of one process)."""
@@ -376,6 +425,10 @@ class ReplicaGroup(_Member):
                 f"replica group {self.replica_id}: no quorum within {self.quorum_timeout_s:g} s (lighthouse "
                 f"{self.lighthouse}, at least {self.min_groups} group(s)): {type(err).__name__}: {err}"
             ) from err
+        failed = self.manager.errored()
+        self.left_out = None
+        if failed is not None:
+            return self._leave(failed)
         healed = self._shares.agree_on_heal(self._healed) if self._shares else self._healed
         if healed is not None:
             if self._shares:
@@ -390,12 +443,35 @@ class ReplicaGroup(_Member):
         self.comm.reconfigure(rank, self.participants)
         return self.participants
 
+    def _leave(self, failed: Any) -> int:
+        """The quorum's heal (or the process group's setup) failed -- the peer it healed from died during
+        the transfer, say: this group must not vote with a state it did not get. It sits this step (window)
+        out: its process group is aborted, so that the others' exchanges with it fail at once instead of
+        waiting for it, and :meth:`step` skips (nothing voted, nothing applied; torchft does not commit an
+        errored group). At the next quorum it heals again, from a live peer. The quorum's size."""
+        self.left_out = f"{type(failed).__name__}: {failed}"
+        _log.warning(
+            "replica group %s: the quorum's heal failed (%s); it sits this step out and heals at the next "
+            "quorum",
+            self.replica_id,
+            self.left_out,
+        )
+        self._pg.abort()
+        self.participants = self.manager.num_participants()
+        return self.participants
+
     def step(self) -> bool:
         """The optimizer's step; at a commit boundary's end, the commit. Whether the step stands: False
-        when it was put back (not committed, or this group's exchange failed)."""
+        when it was put back (not committed, or this group's exchange failed) or when this group sits the
+        step out (:attr:`left_out`: its heal failed; nothing is voted)."""
         opt = self.optimizer
         ends = self.step_ends_boundary
         failed: Exception | None = None
+        if self.left_out is not None:
+            self.manager.should_commit(timeout=datetime.timedelta(seconds=self.timeout_s))  # False: errored
+            self._put_back()
+            self.skipped += 1
+            return False
         try:
             opt.step()
         except CollectiveError as err:
@@ -415,6 +491,26 @@ class ReplicaGroup(_Member):
         if self._shares:  # the group's ranks agree on the commit (should_commit): share what stands
             self._shares.broadcast()
         return stands
+
+    def finish(self) -> Agreement:
+        """After the last step, called by every member of the last quorum (collective over it): the SHA-256
+        of each member's parameters (in a group of several ranks, of this rank's share: rank ℓ of every
+        group compares shares), all-gathered, and whether this group agrees with them
+        (:class:`Agreement`). A group that ran its last step alone, or whose peers do not answer within
+        ``timeout_s``, does not agree; either is logged as a warning."""
+        opt = self.optimizer
+        digest = params_digest(self._params())
+        try:
+            digests = self.comm.all_gather_object((self.replica_id, digest), "finish: the replicas' digests")
+        except CollectiveError as err:
+            agreement = Agreement(self.replica_id, {self.replica_id: digest}, self.max_groups, str(err))
+        else:
+            agreement = Agreement(self.replica_id, dict(digests), self.max_groups)
+        if not agreement.agrees:
+            _log.warning(
+                "replica group %s at step %d: %s", self.replica_id, opt.global_step, agreement.describe()
+            )
+        return agreement
 
     def shutdown(self) -> None:
         """Leave the job: stop this group's manager (the others go on at their next quorum)."""

@@ -38,7 +38,7 @@ from typing import Any, TextIO
 
 from lioncub.launch.config import LaunchConfig
 from lioncub.launch.environment import build_command, free_port, rank_env
-from lioncub.launch.netns import EmulatedNetwork, check_privileges, cleanup, new_launch_id
+from lioncub.launch.netns import EmulatedNetwork, NetnsError, check_privileges, cleanup, new_launch_id
 from lioncub.launch.preload import ForkedRank, PreloadError, Zygote, gpu_refusal, lease
 from lioncub.launch.result import TIMEOUT_RC, LaunchResult, RankTraffic, describe_exit
 from lioncub.launch.supervisor import Output, forward_signals, popen
@@ -50,6 +50,7 @@ __all__ = [
     "Fault",
     "launch_groups",
     "parse_faults",
+    "probe_lighthouse",
     "serve_lighthouse",
 ]
 
@@ -61,6 +62,10 @@ LIGHTHOUSE_PORT = 29510
 HEARTBEAT_TIMEOUT_MS = 2000
 #: ... and a quorum waits this long for a live group that has not joined it yet
 JOIN_TIMEOUT_MS = 60000
+#: a lighthouse given by URL is probed this often (seconds) while the groups run ...
+PROBE_S = 1.0
+#: ... and is lost (the job stops, naming it) when no probe succeeded for this long (seconds)
+LIGHTHOUSE_GRACE_S = 5.0
 _SPEC = re.compile(r"^\s*(\d+)\s*@\s*(\d+)\s*$")
 
 
@@ -291,11 +296,15 @@ def launch_groups(
     lighthouse: str | None = None,
     out: TextIO | None = None,
     err: TextIO | None = None,
+    ended: Callable[[int, int, int], None] | None = None,
 ) -> LaunchResult:
     """Run ``config.cmd`` as replica groups (module docstring) with the schedule
     ``faults``; ``progress(g)`` is the last step group ``g`` finished (its log), read by the schedule.
-    ``lighthouse``: the URL of a running lighthouse (None: the launcher starts one). Returns how it went:
-    ``rank_returncodes`` are each group's last life's; ``traffic`` each group's interface under a link."""
+    ``lighthouse``: the URL of a running lighthouse (None: the launcher starts one); either is watched, and
+    its loss stops the job within :data:`LIGHTHOUSE_GRACE_S` seconds, naming it. ``ended(g, life, code)``
+    is told when a life of a group has ended (its exit code; negative: the signal), whatever the cause.
+    Returns how it went: ``rank_returncodes`` are each group's last life's; ``traffic`` each group's
+    interface under a link."""
     out, err = out or sys.stdout, err or sys.stderr
     started = time.monotonic()
     deadline = None if config.timeout_s is None else started + config.timeout_s
@@ -308,8 +317,7 @@ def launch_groups(
         net: EmulatedNetwork | None = None
         if spec is not None:
             check_privileges()
-            with contextlib.suppress(Exception):
-                cleanup()
+            _remove_leftovers(output)
             nodes, groups = config.nnodes is not None, config.nnodes or config.nproc
             net = stack.enter_context(
                 EmulatedNetwork(
@@ -322,12 +330,15 @@ def launch_groups(
                 f"launch {launch_id}: {groups} replica groups{inside}, each on a {rate} link, "
                 f"subnet {net.subnet}"
             )
+        proc = None
         if lighthouse is None:
             proc, lighthouse = _start_lighthouse(net, output)
             stack.callback(_end, proc)
             output.note(f"torchft lighthouse at {lighthouse}")
+        watch = stack.enter_context(_LighthouseWatch(lighthouse, proc))
         before = net.counters() if net is not None else None
         run = _GroupRun(config, net, lighthouse, launch_id, events, output, deadline)
+        run.watch, run.ended = watch, ended
         if config.preload:
             why = gpu_refusal(config.preload_device)
             try:
@@ -374,6 +385,85 @@ def _end(proc: Any) -> None:
         proc.wait(5.0)
 
 
+def _remove_leftovers(output: Output) -> None:
+    """Remove the network namespaces that launchers which died (``kill -9``) left behind, saying so; a
+    failure is noted, not raised."""
+    try:
+        report = cleanup()
+    except NetnsError as exc:  # not ours to fail on; `lioncub launch --cleanup` retries
+        output.note(f"could not remove leftovers of earlier launches: {exc}")
+        return
+    if report.launches:
+        output.note(
+            f"removed the leftovers of dead launches {', '.join(report.launches)}: network namespaces "
+            f"{', '.join(report.namespaces)}"
+        )
+
+
+class _LighthouseWatch:
+    """Whether the job's lighthouse lives (:meth:`lost`): the process the launcher started (its exit, at
+    once), or for a lighthouse given by URL its ``/status`` page, read every :data:`PROBE_S` seconds by a
+    thread, lost once no read succeeded for :data:`LIGHTHOUSE_GRACE_S` seconds."""
+
+    def __init__(self, url: str, proc: Any | None) -> None:
+        self.url, self.proc = url, proc
+        self.last_seen = time.monotonic()
+        self.error = ""
+        self.stop = threading.Event()
+        self.thread = None if proc is not None else threading.Thread(target=self._probe, daemon=True)
+
+    def __enter__(self) -> _LighthouseWatch:
+        if self.thread is not None:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+
+    def _probe(self) -> None:
+        while not self.stop.wait(PROBE_S):
+            why = probe_lighthouse(self.url, timeout_s=PROBE_S)
+            if why is None:
+                self.last_seen = time.monotonic()
+            else:
+                self.error = why
+
+    def lost(self) -> str | None:
+        """None while the lighthouse lives, else what became of it."""
+        if self.proc is not None:
+            code = self.proc.poll()
+            return None if code is None else f"the torchft lighthouse at {self.url} {_how_it_ended(code)}"
+        silent = time.monotonic() - self.last_seen
+        if silent < LIGHTHOUSE_GRACE_S:
+            return None
+        return f"the torchft lighthouse at {self.url} has not answered for {silent:.0f} s ({self.error})"
+
+
+def _how_it_ended(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def probe_lighthouse(url: str, timeout_s: float = 3.0) -> str | None:
+    """None if a torchft lighthouse answers at ``url`` (its ``/status`` page within ``timeout_s``), else
+    why not (the error, in a few words)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/status", timeout=timeout_s) as page:
+            page.read(1)
+    except urllib.error.HTTPError as exc:  # it answers: a lighthouse without that page is still there
+        return None if exc.code < 500 else f"HTTP {exc.code}"
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return f"{type(reason).__name__}: {reason}" if isinstance(reason, BaseException) else str(reason)
+    return None
+
+
 class _GroupRun:
     """The groups' processes of one launch and their supervision."""
 
@@ -393,6 +483,8 @@ class _GroupRun:
         self.groups, self.size = config.nnodes or config.nproc, config.nproc_per_node or 1
         self.lives: list[list[_Life]] = [[] for _ in range(self.groups)]
         self.zygote: Zygote | None = None  # with config.preload: the groups are its forks
+        self.watch: _LighthouseWatch | None = None  # the job's lighthouse: its loss stops the job
+        self.ended: Callable[[int, int, int], None] | None = None  # told (group, life, code) of every end
 
     def start(self, group: int) -> None:
         """Start (again) group ``group``: its ``size`` processes (module docstring)."""
@@ -472,13 +564,19 @@ class _GroupRun:
                     self.output.note(f"got {name}; forwarding it to the groups")
                     self._stop(signal.Signals(event[1]))
                     return 128 + event[1], None, f"interrupted by {name}", False, name
+                lost = self.watch.lost() if self.watch is not None else None
+                if lost is not None:
+                    message = f"{lost}; the groups cannot form a quorum without it"
+                    self.output.note(message + ": stopping them")
+                    self._stop()
+                    return 1, None, message, False, None
                 self._schedule(pending, progress)
                 for g in self.running():
                     life = self.lives[g][-1]
                     code = life.poll()
                     if code is None:
                         continue
-                    life.code = code
+                    self._end_life(g, life, code)
                     if code != 0 and not life.killed:
                         failures.append((g, code))
                         self.output.note(
@@ -509,7 +607,8 @@ class _GroupRun:
                 if max((progress(g) for g in range(self.groups)), default=0) < fault.step:
                     return
                 life = self.lives[fault.group][-1]
-                life.code = life.poll() if life.code is None else life.code
+                if life.code is None and (code := life.poll()) is not None:
+                    self._end_life(fault.group, life, code)
                 if life.code is None:  # its SIGKILL has not been reaped yet
                     return
                 self.start(fault.group)
@@ -533,7 +632,16 @@ class _GroupRun:
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         codes.append(proc.wait(5.0))
             if len(codes) == len(life.procs):
-                life.code = next((c for c in codes if c != 0), 0)
+                self._end_life(g, life, next((c for c in codes if c != 0), 0))
+
+    def _end_life(self, group: int, life: _Life, code: int) -> None:
+        """Life ``life`` of group ``group`` ended with ``code``: kept, and :attr:`ended` told."""
+        life.code = code
+        if self.ended is not None:
+            try:
+                self.ended(group, life.life, code)
+            except OSError as exc:  # e.g. a full disk: the groups waiting on it time out instead
+                self.output.note(f"could not record the end of group {group} (life {life.life}): {exc}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,10 +37,12 @@ import math
 import os
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -138,11 +140,23 @@ def check_privileges() -> None:
         if os.geteuid() == 0:
             who, how = "root", "a container needs --cap-add NET_ADMIN --cap-add SYS_ADMIN (or --privileged)"
         else:
-            who, how = f"uid {os.geteuid()}, not root", "run as root (sudo) or grant both capabilities"
+            who = f"uid {os.geteuid()}, not root"
+            how = f"run it as root ({sudo_hint()}) or grant both capabilities"
         raise PrivilegeError(
             f"--link needs network namespaces, but this process ({who}) lacks: {', '.join(missing)}; {how}. "
             "Without --link the ranks run unshaped on loopback and need no privileges."
         )
+
+
+def sudo_hint(argv0: str | None = None) -> str:
+    """How to run this command as root: ``sudo /path/to/venv/bin/lioncub ...``. sudo resets ``PATH``, so a
+    bare ``sudo lioncub`` finds no lioncub of a virtual environment (or another one): the hint names this
+    program by its absolute path (``argv0``, default ``sys.argv[0]``), else by ``command -v lioncub``."""
+    prog = sys.argv[0] if argv0 is None and sys.argv else argv0 or ""
+    path = os.path.abspath(prog) if prog else ""
+    if os.path.basename(path) == "lioncub" and os.access(path, os.X_OK):
+        return f"sudo {shlex.quote(path)} ...; sudo resets PATH, so name your lioncub by its path"
+    return 'sudo "$(command -v lioncub)" ...; sudo resets PATH, so name your lioncub by its path'
 
 
 def list_netns() -> list[str]:
@@ -336,6 +350,61 @@ def cleanup(all_launches: bool = False) -> CleanupReport:
     return report
 
 
+@dataclass
+class Guard:
+    """A process that outlives this one to remove the namespaces its state file lists, should this one die
+    without removing them (:func:`start_guard`): ``fd`` is this process's end of the pipe it waits on."""
+
+    proc: subprocess.Popen[bytes]
+    fd: int
+
+    def release(self) -> None:
+        """The namespaces are removed (and the state file with them): let the guard go."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5.0)
+
+
+def start_guard(state_path: Path) -> Guard | None:
+    """Start the guard of a launch's namespaces (:func:`guard`): a process in a session of its own (a
+    signal to this process's group does not reach it), reading a pipe whose only writer is this process,
+    so that it sees the pipe's end when this process ends however it ends -- ``kill -9`` included -- and
+    then removes what the launch's state file ``state_path`` still lists. None (and nothing is guarded
+    but by the next launch's :func:`cleanup`) if it cannot start."""
+    read, write = os.pipe()  # not inherited by the processes this one starts (close-on-exec)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "lioncub.launch.netns", "guard", str(state_path)],
+            stdin=read, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+    except OSError:
+        os.close(write)
+        return None
+    finally:
+        os.close(read)
+    return Guard(proc, write)
+
+
+def guard(state_path: Path) -> None:
+    """Wait until standard input ends (the launcher that started this process released it, or died), then
+    remove the namespaces the launch's state file ``state_path`` still lists and the file (nothing if the
+    launcher removed them itself)."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)  # the launcher's ^C or its terminal's end: not the guard's
+    with contextlib.suppress(OSError):
+        while os.read(0, 4096):
+            pass
+    try:
+        state = json.loads(state_path.read_text())
+    except (OSError, ValueError):
+        return
+    names = [n for n in state.get("namespaces", []) if isinstance(n, str) and _NS_RE.match(n)]
+    _remove_namespaces(names)
+    state_path.unlink(missing_ok=True)
+
+
 # ---------------------------------------------------------------------------------------------- network
 
 
@@ -392,6 +461,7 @@ class EmulatedNetwork:
         self.state_path = state_dir() / f"{self.launch_id}.json"
         self._created = False
         self._closed = False
+        self._guard: Guard | None = None
 
     @property
     def hosts(self) -> list[RankLink]:
@@ -445,6 +515,7 @@ class EmulatedNetwork:
         self._write_state()  # before creating anything, so a crash mid-setup is still cleaned up
         self._created = True
         atexit.register(self.close)
+        self._guard = start_guard(self.state_path)  # removes it all should this process die (kill -9)
         try:
             self._build()
         except BaseException:
@@ -557,3 +628,13 @@ class EmulatedNetwork:
         atexit.unregister(self.close)
         _remove_namespaces(self.namespaces)
         self.state_path.unlink(missing_ok=True)
+        if self._guard is not None:
+            self._guard.release()  # nothing left to remove: the guard exits
+            self._guard = None
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "guard":
+        guard(Path(sys.argv[2]))
+    else:
+        sys.exit("usage: python -m lioncub.launch.netns guard STATE_FILE  (started by a launch under --link)")

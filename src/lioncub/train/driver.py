@@ -165,8 +165,9 @@ def check_before_launch(config: TrainConfig, timeout_s: float | None, max_nproc:
     """Refuse, naming the option, what a launch of ``config`` would only find once it started: the launch
     options, the link rate and the privileges ``--link`` needs, ranks without a GPU of their own
     (:func:`check_devices`), ``--nproc`` beyond what the machine's memory holds (even a single rank;
-    ``max_nproc`` replaces the bound from :func:`max_ranks`), the torchft package of ``--fault-tolerant``,
-    and all that :func:`check_run_options` and :func:`check_lanes` check.
+    ``max_nproc`` replaces the bound from :func:`max_ranks`), the torchft package of ``--fault-tolerant``
+    and its ``--lighthouse`` (its ``/status`` page read within 3 s), and all that
+    :func:`check_run_options` and :func:`check_lanes` check.
 
     The last of a run's checks, each stage in one place: argparse, each flag's type and choices
     (:mod:`lioncub.cli.options`, from the settings' descriptions); what a configuration is, whether it
@@ -198,6 +199,16 @@ def check_before_launch(config: TrainConfig, timeout_s: float | None, max_nproc:
                 "--fault-tolerant: needs the torchft package, which is not installed: pip install "
                 "'lioncub[ft]' (Linux x86-64)"
             )
+        if cluster.lighthouse is not None:
+            from lioncub.launch.groups import probe_lighthouse
+
+            why = probe_lighthouse(cluster.lighthouse)
+            if why is not None:
+                raise ValueError(
+                    f"--lighthouse {cluster.lighthouse}: no torchft lighthouse answers there ({why}); start "
+                    "one (python -m lioncub.launch.groups lighthouse HOST:PORT), or leave --lighthouse out "
+                    "and the launcher starts one for the job"
+                )
     per_param = RANK_BYTES_PER_PARAM + (LOCAL_STEPS_BYTES_PER_PARAM if config.optimizer.local_steps else 0)
     rank_bytes = RANK_BASE_BYTES + per_param * estimate_params(run.workload, values)
     limit = max_nproc if max_nproc is not None else max_ranks(rank_bytes)
@@ -392,7 +403,10 @@ def format_fault_tolerance(entry: dict[str, Any] | None) -> str:
             for h in heals
         )
         text += f"; {len(heals)} heal{'s' if len(heals) != 1 else ''} ({shown})"
-    groups = ", ".join(map(str, entry["groups_finished"]))
+    finished = entry["groups_finished"]
+    groups = ", ".join(map(str, finished))
+    if entry["replicas_equal"] and len(finished) == 1:
+        return text + f"; group {groups} alone finished (no replica to compare with)"
     return text + (
         f"; the replicas of groups {groups} were bitwise equal at the end"
         if entry["replicas_equal"]

@@ -24,27 +24,42 @@ from typing import Any, TextIO
 
 from lioncub.launch.groups import launch_groups, parse_faults
 from lioncub.launch.preload import MODULES
-from lioncub.rundir import SpecialFileError, is_marked, read_run_file, record, write_owned
+from lioncub.launch.result import LaunchResult
+from lioncub.rundir import SpecialFileError, is_marked, read_run_file, record, write_atomically, write_owned
 from lioncub.train.config import TrainConfig
 from lioncub.train.driver import (
     RANK_MODULE,
     RunOutcome,
     check_launch_options,
+    format_summary,
     make_launch_config,
     preload_ranks,
 )
 from lioncub.train.fault_settings import cpu_note
 from lioncub.train.loop import summarize
 from lioncub.train.memory import largest_of
-from lioncub.train.prepare import NEXT_CONFIG, finish_run
+from lioncub.train.prepare import FAILURE_FILE, NEXT_CONFIG, finish_run
 from lioncub.train.progress import Progress
-from lioncub.train.replica_group import end_name, group_files, log_name
+from lioncub.train.replica_group import MODEL_FILE, end_name, ended_name, group_files, log_name
 from lioncub.train.runlog import complete_records
 
-__all__ = ["GroupLogs", "fault_tolerance_summary", "merge_group_logs", "run_fault_tolerant"]
+__all__ = [
+    "FAILURE_FILE",
+    "SURVIVORS_RC",
+    "UNEQUAL_RC",
+    "GroupLogs",
+    "fault_tolerance_summary",
+    "job_status",
+    "merge_group_logs",
+    "run_fault_tolerant",
+]
 
 #: what the groups of a fault-tolerant run start as
 GROUP_MODULE = "lioncub.train.replica_group"
+#: the exit status of a job where a group failed on its own and the others finished with equal replicas
+SURVIVORS_RC = 3
+#: the exit status of a job whose finished groups do not hold bitwise equal replicas
+UNEQUAL_RC = 4
 
 
 class GroupLogs:
@@ -97,6 +112,8 @@ def merge_group_logs(run_dir: Path, groups: int) -> tuple[list[dict[str, Any]], 
     for step in sorted(by_step):
         recs = by_step[step]
         done = [r for r in recs if r["committed"]] or recs  # a skipped step: every participant's put back
+        largest = max(r["participants"] for r in done)  # two quorums made it: the larger is the job
+        done = [r for r in done if r["participants"] == largest]
         chosen = min(done, key=lambda r: r["group"])
         merged = {k: v for k, v in chosen.items() if k != "group"}
         merged["loss"] = sum(r["loss"] for r in done) / len(done)
@@ -177,7 +194,8 @@ def run_fault_tolerant(
         cluster.kill, cluster.rejoin, cluster.replica_groups, run.steps, config.optimizer.local_steps
     )
     if is_marked(run_dir):
-        record(run_dir, dirs=["groups"], files=[*group_files(cluster.replica_groups, faults), "log.jsonl"])
+        files = [*group_files(cluster.replica_groups, faults), "log.jsonl", FAILURE_FILE]
+        record(run_dir, dirs=["groups"], files=[*files, FAILURE_FILE + ".part"])
     (run_dir / "groups").mkdir(exist_ok=True)
     cmd = [sys.executable, "-m", GROUP_MODULE, str(run_dir)]
     if (run_dir / NEXT_CONFIG).exists():
@@ -198,14 +216,20 @@ def run_fault_tolerant(
     logs = GroupLogs(run_dir, cluster.replica_groups)
     try:
         result = launch_groups(
-            launch_config, faults, logs.progress, lighthouse=cluster.lighthouse, out=out, err=err
+            launch_config,
+            faults,
+            logs.progress,
+            lighthouse=cluster.lighthouse,
+            out=out,
+            err=err,
+            ended=lambda g, life, code: _mark_end(run_dir, g, life, code),
         )
     finally:
         if bar is not None:
             bar.done.set()
             bar.join(timeout=5)
     steps, evals = merge_group_logs(run_dir, cluster.replica_groups)
-    summary = None
+    summary, entry = None, None
     if steps:
         lighthouse = cluster.lighthouse or "started for the job"
         entry, end = fault_tolerance_summary(config, run_dir, steps, lighthouse)
@@ -215,18 +239,74 @@ def run_fault_tolerant(
         summary = summarize(config, cluster.nproc, params, info, steps, evals, None, memory)
         summary["fault_tolerance"] = entry
         ordered = sorted([*steps, *evals], key=lambda r: (r["step"], r["kind"] == "eval"))
-        log_text = "".join(json.dumps(r) + "\n" for r in ordered)
-        summary_text = json.dumps(summary, indent=1) + "\n"
-        if is_marked(run_dir):
-            write_owned(run_dir, "log.jsonl", log_text)
-            if result.ok:
-                write_owned(run_dir, "summary.json", summary_text)
-        else:
-            (run_dir / "log.jsonl").write_text(log_text)
-            if result.ok:
-                (run_dir / "summary.json").write_text(summary_text)
-    try:
-        finish_run(run_dir, result.ok)
-    except OSError as exc:
-        print(f"lioncub: could not finish {run_dir} ({exc}); it stays as the groups left it", file=err)
-    return RunOutcome(result.returncode, result.message, summary if result.ok else None)
+        _write(run_dir, "log.jsonl", "".join(json.dumps(r) + "\n" for r in ordered))
+    code, message = job_status(result, entry)
+    if summary is not None and code in (0, SURVIVORS_RC, UNEQUAL_RC):  # groups finished: their summary
+        summary["fault_tolerance"]["status"] = {"exit_code": code, "message": message}
+        _write(run_dir, "summary.json", json.dumps(summary, indent=1) + "\n")
+    if code != 0:
+        failure = {
+            "exit_code": code, "message": message, "launcher": result.message,
+            "group_exit_codes": result.rank_returncodes,
+            "groups_finished": entry["groups_finished"] if entry else [],
+            "kept": sorted(_kept(run_dir, cluster.replica_groups)),
+        }  # fmt: skip
+        _write(run_dir, FAILURE_FILE, json.dumps(failure, indent=1) + "\n")
+        if summary is not None and code != 0:
+            print(format_summary(summary), file=err, flush=True)
+        print(
+            f"lioncub: {message}; nothing was deleted: {run_dir / FAILURE_FILE} says what failed, the "
+            f"groups' logs are in {run_dir / 'groups'}",
+            file=err,
+            flush=True,
+        )
+    if code == 0 or (run_dir / NEXT_CONFIG).exists():  # a failed run is kept whole (finish_run would not)
+        try:
+            finish_run(run_dir, code == 0)
+        except OSError as exc:
+            print(f"lioncub: could not finish {run_dir} ({exc}); it stays as the groups left it", file=err)
+    return RunOutcome(code, message, summary if code == 0 else None)
+
+
+def _mark_end(run_dir: Path, group: int, life: int, code: int) -> None:
+    """Life ``life`` of group ``group`` ended with ``code``: its mark (:func:`ended_name`), which the groups
+    waiting for it to start again read."""
+    write_atomically(run_dir / ended_name(group, life), f"{code}\n")
+
+
+def _write(run_dir: Path, name: str, text: str) -> None:
+    """Write ``name`` into the run directory (recorded where the directory is lioncub's)."""
+    if is_marked(run_dir):
+        write_owned(run_dir, name, text)
+    else:
+        (run_dir / name).write_text(text)
+
+
+def _kept(run_dir: Path, groups: int) -> list[str]:
+    """The files of the run a failure keeps (all of them): the merged log, the groups' logs and ends, the
+    model and the summary, those that exist."""
+    names = ["log.jsonl", MODEL_FILE, "summary.json"]
+    names += [n for g in range(groups) for n in (log_name(g), end_name(g))]
+    return [n for n in names if (run_dir / n).is_file()]
+
+
+def job_status(result: LaunchResult, entry: dict[str, Any] | None) -> tuple[int, str]:
+    """The exit status of a fault-tolerant job and what it says (docs/fault-tolerance.md, "Exit status"):
+    0 when every group ended as the schedule said and the groups that finished hold bitwise equal replicas;
+    :data:`SURVIVORS_RC` when a group failed on its own (not by the schedule) but the others finished with
+    equal replicas (their results are kept); :data:`UNEQUAL_RC` when the groups that finished do not hold
+    equal replicas; otherwise the launcher's code (a timeout, a signal; 1 if it said 0 and no group
+    finished)."""
+    finished = bool(entry and entry["groups_finished"])
+    equal = bool(entry and entry["replicas_equal"])
+    if finished and not equal:
+        groups = ", ".join(map(str, entry["groups_finished"])) if entry else ""
+        return UNEQUAL_RC, f"the replicas of the groups that finished ({groups}) are NOT bitwise equal"
+    if result.ok and finished:
+        return 0, result.message
+    if finished and result.failed_rank is not None and not result.timed_out and not result.interrupted_by:
+        groups = ", ".join(map(str, entry["groups_finished"])) if entry else ""
+        return SURVIVORS_RC, f"{result.message}; groups {groups} finished with bitwise equal replicas"
+    if result.ok:
+        return 1, "no group finished the run"
+    return result.returncode, result.message

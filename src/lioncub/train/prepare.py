@@ -15,7 +15,8 @@ Every state that lioncub can leave a run directory in can be resumed or run agai
 * a run with a complete checkpoint (``checkpoints/latest`` missing or naming no complete one: the newest
   complete one, said so): ``--resume`` goes on from it; a new run is refused (``--resume``);
 * a run that stopped before its first checkpoint (killed launcher, failed ranks) and has no summary: the
-  same command starts it afresh (said so); ``--resume`` is refused, saying to do that;
+  same command starts it afresh (said so); ``--resume`` is refused, saying to do that; but a failed
+  fault-tolerant run (its ``failure.json``) is kept whole: a new run there is refused;
 * ``config.json`` changed since lioncub wrote it: refused, naming the file; files lioncub did not write:
   a new run is refused, naming them; a resume leaves them alone (and is refused if one is a symbolic link
   or replaced a file of the run).
@@ -57,7 +58,11 @@ from lioncub.train import checkpoint
 from lioncub.train.config import SETTINGS, TrainConfig
 from lioncub.train.runfiles import DEEPEST, NEXT_CONFIG
 
+#: what a failed fault-tolerant run writes beside the files it keeps (what failed, each group's exit code)
+FAILURE_FILE = "failure.json"
+
 __all__ = [
+    "FAILURE_FILE",
     "FROZEN_ON_RESUME",
     "NEXT_CONFIG",
     "RunState",
@@ -293,6 +298,11 @@ def _new(
             )
         if found.foreign:
             raise _foreign(run_dir, found.foreign)
+        if FAILURE_FILE in found.owned:  # a failed fault-tolerant run: kept whole, logs and results
+            raise ValueError(
+                f"--out {run_dir} holds a fault-tolerant run that failed ({FAILURE_FILE} says what failed; "
+                "the groups' logs are in groups/); lioncub deletes none of it: choose another --out"
+            )
         note(
             f"{run_dir} holds a run that stopped before its first checkpoint (nothing to resume): "
             "starting it afresh"

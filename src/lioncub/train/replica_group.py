@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import hashlib
 import io
 import json
 import logging
@@ -53,6 +52,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lioncub import env
 from lioncub.integrations.group_shares import share_of
 from lioncub.integrations.torchft import DiLoCoGroup, Heal, ReplicaGroup, ReplicaGroupError
+from lioncub.integrations.torchft import params_digest as tensors_digest
 from lioncub.launch.groups import Fault, parse_faults
 from lioncub.names import PEER_VARIANTS
 from lioncub.optim import Lion, LionCub
@@ -69,6 +69,7 @@ from lioncub.train.workloads import Workload, make_workload
 __all__ = [
     "MODEL_FILE",
     "end_name",
+    "ended_name",
     "group_files",
     "log_name",
     "main",
@@ -98,25 +99,33 @@ def ready_name(group: int, life: int) -> str:
     return f"groups/g{group}.ready{life}"
 
 
+def ended_name(group: int, life: int) -> str:
+    """The mark the launcher's driver leaves when life ``life`` of group ``group`` ended (its exit code):
+    the groups waiting for it to start again (``--rejoin``) go on without it."""
+    return f"groups/g{group}.ended{life}"
+
+
 def group_files(groups: int, faults: list[Fault]) -> list[str]:
-    """Every file the groups of a run write (the driver records them before the launch)."""
+    """Every file the groups of a run write, and the driver's marks of their ends (recorded before the
+    launch)."""
     files = [name for g in range(groups) for name in (log_name(g), end_name(g), end_name(g) + ".part")]
     files += [MODEL_FILE, MODEL_FILE + ".part"]
-    marks = [ready_name(g, 0) for g in range(groups)]
     lives = {g: 0 for g in range(groups)}
     for f in faults:
         if f.kind == "rejoin":
             lives[f.group] += 1
-            marks.append(ready_name(f.group, lives[f.group]))
+    marks = [
+        mark(g, life)
+        for g in range(groups)
+        for life in range(lives[g] + 1)
+        for mark in (ready_name, ended_name)
+    ]
     return files + [name for mark in marks for name in (mark, mark + ".part")]
 
 
 def params_digest(model: torch.nn.Module) -> str:
     """SHA-256 of every parameter's bytes, in order: equal digests, bitwise equal replicas."""
-    h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+    return tensors_digest(list(model.parameters()))
 
 
 @dataclasses.dataclass
@@ -173,23 +182,26 @@ def _await_rejoins(
     by then (``pending``'s ``(group, life, step)``, removed once handled), wait for their ready marks and
     until they have asked the lighthouse for the quorum themselves. torchft forms a quorum at once when
     the previous one's members have all asked ("fast quorum"), so a group that asks later joins one step
-    (window) later; asking first, the groups that start again are in the quorum at a known step. The
-    seconds waited (emulation: not training time)."""
+    (window) later; asking first, the groups that start again are in the quorum at a known step. A group
+    whose start ended (the driver's :func:`ended_name` mark: it died at its start) is not waited for: the
+    others go on without it. The seconds waited (emulation: not training time)."""
     due = [e for e in pending if e[2] <= done]
     if not due:
         return 0.0
-    waited = 0.0
-    for g, life, s in due:
-        mark = run_dir / ready_name(g, life)
-        waited += _wait(mark.exists, timeout_s, f"group {g} did not start again after --rejoin {g}@{s}")
-    waited += _wait(
-        lambda: _pending(lighthouse) >= len(due),
-        timeout_s,
-        f"groups {[e[0] for e in due]} did not ask for a quorum",
-    )
+    t0 = time.perf_counter()
+    while True:
+        coming = [e for e in due if not (run_dir / ended_name(e[0], e[1])).exists()]
+        waiting = [e for e in coming if not (run_dir / ready_name(e[0], e[1])).exists()]
+        if not waiting and (not coming or _pending(lighthouse) >= len(coming)):
+            break
+        if time.perf_counter() - t0 > timeout_s:
+            g, _, s = (waiting or coming)[0]
+            what = "start again after" if waiting else "ask for a quorum after"
+            raise ReplicaGroupError(f"group {g} did not {what} --rejoin {g}@{s} within {timeout_s:g} s")
+        time.sleep(0.02)
     for e in due:
         pending.remove(e)
-    return waited
+    return time.perf_counter() - t0
 
 
 class _Quiet(logging.Filter):
@@ -353,7 +365,14 @@ class _GroupLoop:
         quorum = group.boundary and not isinstance(group, DiLoCoGroup)
         participants = group.begin()  # the quorum; a heal moves the position to the peer's
         t1 = self.clock()
+        left_out = group.left_out if isinstance(group, ReplicaGroup) else None
+        if left_out is not None:  # its heal failed: it sits this step out, and heals at the next quorum
+            group.step()
+            self.write({"kind": "left_out", "step": position.step + 1, "group": self.index,
+                        "life": self.life, "why": left_out})  # fmt: skip
+            return position.step
         if quorum:
+            self.check_alone(participants)
             self.check_joined(participants)
         if position.healed:  # started again: the starts before it are the others' business
             self.pending[:] = [e for e in self.pending if e[2] > position.step]
@@ -389,7 +408,9 @@ class _GroupLoop:
                    loss=float(loss.detach()), lr=opt.param_groups[0]["lr"], group=self.index)  # fmt: skip
         self.window.append(rec)
         for heal in self.new_heals():  # a group killed later has no end record: log it now
-            self.write({"kind": "heal", "group": self.index, "life": self.life, **dataclasses.asdict(heal)})
+            # the loop's step it healed to (the schedule's steps), and the optimizer's (skipped steps aside)
+            self.write({"kind": "heal", "group": self.index, "life": self.life, **dataclasses.asdict(heal),
+                        "step": step - 1, "optimizer_step": heal.step})  # fmt: skip
         if ends:
             if self.rank == 0 and ((run.eval_every and step % run.eval_every == 0) or step == run.steps):
                 # before the step records: the launcher's --kill waits for those
@@ -402,6 +423,23 @@ class _GroupLoop:
         elif step == run.steps:
             raise AssertionError("the run's last step ends a window (--steps is a multiple of H)")
         return step
+
+    def check_alone(self, participants: int) -> None:
+        """After a quorum: a group alone in it (not healed) after another group of the job has finished
+        the run stops (``ReplicaGroupError``): it missed the quorums (stalled past ``--collective-timeout``,
+        say) while the others trained on and finished, and training alone now would make a replica of its
+        own -- its steps are not the job's and it writes no ``model.pt``. Alone while the others are only
+        gone (killed) it trains on: the job's one live group."""
+        groups = self.config.cluster.replica_groups
+        if participants > 1 or self.position.healed or groups == 1:
+            return
+        done = [g for g in range(groups) if g != self.index and (self.run_dir / end_name(g)).exists()]
+        if done:
+            raise ReplicaGroupError(
+                f"alone in its quorum after its step {self.position.step}, and group(s) "
+                f"{', '.join(map(str, done))} finished the run without it (it missed their quorums: stalled "
+                "past --collective-timeout?): it stops rather than train alone; its replica is not the job's"
+            )
 
     def check_joined(self, participants: int) -> None:
         """After a quorum: a group started again (``--rejoin``) that its first quorum did not heal, alone in

@@ -196,7 +196,7 @@ def _variants(args: argparse.Namespace, out: Path) -> list[str]:
     (default :data:`DEFAULT_VARIANTS`); ``ValueError`` if a name is not understood or given twice (whether
     its options go together is :func:`_config`'s check)."""
     from lioncub.cli.auto import AUTO, PILOT_VARIANT
-    from lioncub.names import parse_run_name
+    from lioncub.names import PEER_VARIANTS, parse_run_name
     from lioncub.optim import PRESETS
     from lioncub.train.config import BASELINES
     from lioncub.transports import TOPOLOGIES
@@ -214,7 +214,8 @@ def _variants(args: argparse.Namespace, out: Path) -> list[str]:
         "diloco/h16/keep, diloco-16bit/h16); the one-bit votes' zero rule: NAME[...]/plus (1bit/plus); "
         f"sharded inside each node: NAME{FSDP_SUFFIX} (1bit{FSDP_SUFFIX}, 1bit/h4{FSDP_SUFFIX}); "
         "auto: a pilot of 1bit measures compute and communication, and the run votes every step or every H "
-        "steps as the schedule rule chooses"
+        "steps as the schedule rule chooses; torchft's own DiLoCo between replica groups, with "
+        f"--fault-tolerant: {', '.join(f'{p}/hH' for p in PEER_VARIANTS)}"
     )
     for v in variants:
         if v == AUTO:  # the pilot's run until it has chosen
@@ -223,7 +224,21 @@ def _variants(args: argparse.Namespace, out: Path) -> list[str]:
             fields = parse_run_name(v)
         except ValueError as exc:
             raise ValueError(f"--variants {given!r}: {exc}; {grammar}") from None
-        bad = fields["variant"] not in allowed or fields.get("topology", "flat") not in TOPOLOGIES
+        peer = fields["variant"] in PEER_VARIANTS
+        if peer and "local_steps" not in fields:
+            raise ValueError(
+                f"--variants {given!r}: {v!r}: torchft's DiLoCo synchronises every H steps: name it {v}/hH "
+                f"(e.g. {v}/h4)"
+            )
+        if peer and not args.fault_tolerant:
+            raise ValueError(
+                f"--variants {given!r}: {v!r} runs torchft's DiLoCo between replica groups on torchft's "
+                "Manager (as `lioncub train --variant torchft-diloco --local-steps H --fault-tolerant`): add "
+                "--fault-tolerant, and every row runs fault-tolerant under the same --kill/--rejoin schedule"
+            )
+        bad = (fields["variant"] not in allowed and not peer) or fields.get(
+            "topology", "flat"
+        ) not in TOPOLOGIES
         bad |= fields.get("overlap", False) and fields["variant"] in BASELINES
         if bad:
             raise ValueError(f"--variants {given!r}: {v!r} is not understood; {grammar}")
@@ -354,8 +369,17 @@ def _train(
                 file=sys.stderr,
             )
             return outcome.returncode or 1
-        print(f"{label}: {format_summary(outcome.summary)}", file=sys.stderr, flush=True)
+        _say(f"{label}: {format_summary(outcome.summary)}")
     return 0
+
+
+def _say(line: str) -> None:
+    """``line`` on stderr in short lines (:func:`lioncub.report.text.wrap`: the terminal's width, else
+    ``COLUMNS``, else :data:`lioncub.report.text.LOG_WIDTH`)."""
+    from lioncub.report import text
+
+    text.print_wrapped(text.console(sys.stderr), line)
+    sys.stderr.flush()
 
 
 def _plan(args: argparse.Namespace, config: TrainConfig, label: str) -> TrainConfig | int:
@@ -374,12 +398,10 @@ def _plan(args: argparse.Namespace, config: TrainConfig, label: str) -> TrainCon
     check_before_launch(planned, args.timeout or None, args.max_nproc)
     run, first = planned.run, budget.period(config) + 1
     assert run.pilot_step_s is not None, "planned_config sets the pilot's step time"
-    print(
+    _say(
         f"{label}: {run.pilot_step_s * 1e3:.1f} ms per step in the pilot (its steps {first}-"
         f"{run.pilot_steps}): {run.steps} steps fit {run.time_budget_s:g} s, evaluated every "
-        f"{run.eval_every}",
-        file=sys.stderr,
-        flush=True,
+        f"{run.eval_every}"
     )
     return planned
 

@@ -19,7 +19,9 @@ from typing import Any
 from lioncub.cli.options import add_flag, real_number, whole_number
 from lioncub.optim.config import PRESETS
 from lioncub.planning import costmodel as cm
+from lioncub.report import text
 from lioncub.report.cost import figure, format_count, report, report_cluster
+from lioncub.report.text import print_wrapped
 
 EPILOG = """\
 examples:
@@ -336,15 +338,11 @@ def _print_schedule(console: Any, vote: Any, compute_s: float) -> None:
 
     choice = choose_schedule(compute_s, vote.total_s)
     where = f" {vote.topology}" if getattr(vote, "topology", None) else ""
-    console.print(f"schedule for {vote.variant}{where}: {choice.reason}", soft_wrap=True)
+    print_wrapped(console, f"schedule for {vote.variant}{where}: {choice.reason}")
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=max(console.width, 132))
+    console = text.console()
     try:
         _check_layout(args)
         network, measured_intra, compute, source = _setup(args)

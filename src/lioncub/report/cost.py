@@ -322,6 +322,9 @@ def figure(
     """Two panels: time per step vs link rate (log, 10 Mbit/s–400 Gbit/s) and vs N (2–128)."""
     import numpy as np
     from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
+
+    from lioncub.report.figures import readable_log_axis
 
     names = list(variants or PRESETS)
     fig = Figure(figsize=(12, 4.8), layout="constrained")  # no pyplot: no global backend state
@@ -338,7 +341,7 @@ def figure(
     ax_bw.set(
         xscale="log",
         yscale="log",
-        xlabel="link rate (bit/s)",
+        xlabel="link rate",
         ylabel="predicted time per step (s)",
         title=f"d = {format_count(d)}, N = {n}, α = {format_seconds(network.latency_s)}",
     )
@@ -349,7 +352,13 @@ def figure(
         title=f"d = {format_count(d)}, {format_bitrate(network.bandwidth_Bps)}",
     )
     ax_n.set_xscale("log", base=2)
+    # plain labels (10 Mbit/s, 100 ms, 16), not powers of ten
+    readable_log_axis(ax_bw.xaxis, lambda bps: format_bitrate(bps / 8), SWEEP_BPS[0], SWEEP_BPS[1])
+    ax_n.xaxis.set_major_formatter(FuncFormatter(lambda k, _pos: f"{k:g}"))
     for ax in (ax_bw, ax_n):
+        times = [t for line in ax.get_lines() for t in line.get_ydata() if 0 < t < math.inf]
+        if times:
+            readable_log_axis(ax.yaxis, format_seconds, min(times), max(times))
         ax.grid(True, which="both", alpha=0.3)
     ax_bw.legend(fontsize="small")
     fig.suptitle("Communication + compute cost per optimizer step (α–β–γ model)")

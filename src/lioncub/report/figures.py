@@ -6,10 +6,13 @@ importing program's backend is untouched."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from matplotlib.axis import Axis
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 __all__ = [
     "BAR_PARTS",
@@ -22,6 +25,7 @@ __all__ = [
     "figure_val_loss_vs_step",
     "figure_val_loss_vs_time",
     "plot_series",
+    "readable_log_axis",
 ]
 
 BAR_PARTS = (
@@ -69,8 +73,20 @@ def _cumulative_mb(steps: list[dict[str, Any]]) -> dict[int, float]:
     return out
 
 
+def readable_log_axis(axis: Axis, fmt: Callable[[float], str], low: float, high: float) -> None:
+    """Label a log-scale ``axis`` with plain numbers, ``fmt(value)`` (``"0.5"``, ``"10 Mbit/s"``), not
+    powers of ten: its ticks at 1, 2 and 5 per decade when the data (``low`` to ``high``, > 0) span at most
+    three decades, else at every power of ten; no labels on the minor ticks."""
+    decades = math.log10(high / low) if 0 < low <= high else math.inf
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0) if decades <= 3 else (1.0,)))
+    axis.set_major_formatter(FuncFormatter(lambda x, _pos: fmt(x)))
+    axis.set_minor_formatter(NullFormatter())
+
+
 def _line_figure(report: Any, name: str, xlabel: str, budgets: tuple[float, ...] = ()) -> Figure:
-    fig = Figure(figsize=(6.4, 4.0))
+    """Validation loss against ``name``'s x, one line per run; the legend below the axes, where it hides
+    no line."""
+    fig = Figure(figsize=(6.4, 4.0), layout="constrained")
     ax = fig.subplots()
     for variant, (x, y) in plot_series(report)[name].items():
         ax.plot(x, y, marker="o", markersize=3, label=variant)
@@ -85,9 +101,9 @@ def _line_figure(report: Any, name: str, xlabel: str, budgets: tuple[float, ...]
         )
     ax.set(xlabel=xlabel, ylabel="validation loss", title=report.title)
     ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend()
-    fig.tight_layout()
+    handles = ax.get_legend_handles_labels()[0]
+    if handles:
+        fig.legend(loc="outside lower center", ncols=min(len(handles), 3), fontsize="small")
     return fig
 
 
@@ -104,11 +120,13 @@ def figure_val_loss_vs_time(report: Any) -> Figure:
 
 
 def figure_val_loss_vs_bytes(report: Any) -> Figure:
-    """Validation loss vs the MB a rank sent so far (log axis), one line per variant: what a link's data
-    cap buys (local steps send every H steps)."""
+    """Validation loss vs the MB a rank sent so far (log axis, labelled in MB), one line per variant: what
+    a link's data cap buys (local steps send every H steps)."""
     fig = _line_figure(report, "val_loss_vs_bytes", "MB sent per rank so far (log scale)")
-    if plot_series(report)["val_loss_vs_bytes"]:
+    sent = [v for x, _ in plot_series(report)["val_loss_vs_bytes"].values() for v in x]
+    if sent:
         fig.axes[0].set_xscale("log")
+        readable_log_axis(fig.axes[0].xaxis, lambda mb: f"{mb:g}", min(sent), max(sent))
     return fig
 
 
@@ -131,7 +149,9 @@ def figure_step_time_split(report: Any) -> Figure:
 
 def figure_bytes_per_step(report: Any) -> Figure:
     """Bars: median MB (1e6 bytes) sent per rank per step -- on emulated nodes, through a node's NIC per
-    step; log scale if the values span more than 10×."""
+    step; each bar labelled with its value. A linear axis however far apart the values are: a bar's
+    length is its bytes (on a log axis it would be its ratio to the axis' arbitrary bottom), and a bar too
+    short to see still shows its label."""
     fig = Figure(figsize=(6.4, 4.0))
     ax = fig.subplots()
     nodes = any(row.nic_bytes_per_step is not None for row in report.rows)
@@ -140,9 +160,6 @@ def figure_bytes_per_step(report: Any) -> Figure:
     ]
     ax.bar_label(ax.bar(range(len(mb)), mb, color="tab:blue"), fmt="%.3g")
     ax.set_xticks(range(len(mb)), [row.variant for row in report.rows], rotation=30, ha="right")
-    positive = [v for v in mb if v > 0]
-    if positive and max(positive) > 10 * min(positive):
-        ax.set_yscale("log")
     ax.margins(y=0.1)
     ax.set(
         ylabel="MB through a node's NIC per step" if nodes else "MB sent per rank per step",

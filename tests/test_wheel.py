@@ -1,0 +1,103 @@
+"""The wheel as users install it (issue 48, item 1): built from the clone's sources, installed into a fresh
+venv, run from outside the clone (``wheel_runs.py``, one background job of ~17 CPU-s: the build, the
+install, two ``lioncub train`` runs of 2 ranks and a probe of the installed package)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from email.parser import Parser
+from pathlib import Path
+
+import pytest
+
+import background
+import wheel_runs
+from lioncub.train.fetch import source_checkout
+
+from processes import python_cmd
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "src" / "lioncub" / "train" / "data_files"
+
+
+def _wheel_runs() -> background.Subprocess:
+    return background.Subprocess(lambda workdir: python_cmd(wheel_runs.__file__, str(workdir)), 300)
+
+
+BACKGROUND = {"wheel": _wheel_runs}
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    """``wheel_runs.py``'s ``results.json`` (its job's output when it wrote none)."""
+    done = background.result("wheel", BACKGROUND["wheel"])
+    path = background.workdir("wheel") / "results.json"
+    assert path.exists(), f"exit {done.returncode}: {done.stdout[-2000:]}{done.stderr[-3000:]}"
+    return json.loads(path.read_text())
+
+
+def _ok(results: dict, key: str) -> dict:
+    """The step ``key`` of the job, asserted to have run and exited 0 (else its output)."""
+    assert results["install"]["rc"] == 0, results["install"]
+    assert results[key]["rc"] == 0, f"{results[key]['cmd']}:\n{results[key]['out']}\n{results[key]['err']}"
+    return results[key]
+
+
+def _source_version() -> str:
+    """``lioncub.__version__`` as written in the clone (what pyproject's dynamic version reads)."""
+    import lioncub
+
+    return lioncub.__version__
+
+
+@pytest.mark.slow
+@pytest.mark.background("wheel")
+def test_wheel_ships_data_types_and_license(results: dict) -> None:
+    files = set(results["wheel"]["files"])
+    shipped = ("README.md", "austen_slice.txt.gz", "digits.csv.gz")
+    assert sorted(p.name for p in DATA.iterdir()) == list(shipped)  # all of the folder, nothing else
+    assert {f"lioncub/train/data_files/{name}" for name in shipped} <= files and "lioncub/py.typed" in files
+    dist_info = f"lioncub-{_source_version()}.dist-info"
+    assert f"{dist_info}/licenses/LICENSE" in files
+    meta = Parser().parsestr(results["wheel"]["metadata"])
+    assert meta["Version"] == _source_version() and meta["License-Expression"] == "MIT"
+    assert meta.get_all("License-File") == ["LICENSE"]
+    assert not [f for f in files if "__pycache__" in f or f.endswith(".pyc") or f.startswith("tests/")]
+
+
+@pytest.mark.slow
+@pytest.mark.background("wheel")
+def test_installed_package_is_the_wheel_not_the_clone(results: dict) -> None:
+    venv = background.workdir("wheel") / "venv"
+    assert source_checkout() == REPO  # the probe's answer below is not what it is in a clone
+    probe = json.loads(_ok(results, "probe")["out"])
+    assert Path(probe["file"]).is_relative_to(venv) and not Path(probe["file"]).is_relative_to(REPO)
+    assert probe["source_checkout"] is None and not Path(probe["data_root"]).is_relative_to(REPO)
+    for path, name in zip(probe["package_files"], ("austen_slice.txt.gz", "digits.csv.gz"), strict=True):
+        assert Path(path).is_relative_to(venv) and Path(path).read_bytes() == (DATA / name).read_bytes()
+    assert "LionCub" in probe["dir"] and "Lion" in probe["dir"]
+    assert probe["version"] == probe["metadata_version"] == probe["source_version"] == _source_version()
+    assert _ok(results, "version")["out"] == f"lioncub {_source_version()}\n"
+
+
+@pytest.mark.slow
+@pytest.mark.background("wheel")
+@pytest.mark.parametrize("workload", sorted(wheel_runs.RUNS))
+def test_installed_wheel_trains_outside_the_clone(results: dict, workload: str) -> None:
+    """``lioncub train --size tiny`` of the installed wheel: 4 steps on 2 ranks, on the data it ships (its
+    sizes those of the clone's files, read here with the standard library)."""
+    _ok(results, workload)
+    out = background.workdir("wheel") / "outside" / f"r-{workload}"
+    assert not out.is_relative_to(REPO)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps_run"] == 4 and summary["world_size"] == 2 and summary["skipped_steps"] == 0
+    info = summary["info"]
+    if workload == "gpt":
+        text = gzip.decompress((DATA / "austen_slice.txt.gz").read_bytes()).decode()
+        assert info["train_tokens"] + info["val_tokens"] == len(text)
+        assert info["vocab_size"] == len(set(text))
+    else:
+        rows = gzip.decompress((DATA / "digits.csv.gz").read_bytes()).decode().split()
+        assert info["train_images"] + info["val_images"] == len(rows)
+    assert summary["final"]["step"] == 4 and summary["final"]["val_loss"] > 0

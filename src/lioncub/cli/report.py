@@ -1,5 +1,7 @@
-"""``lioncub report RUN_DIR``: the vote diagnostics of a run (``lioncub train --diagnostics-every K``) as a
-table and plots (:mod:`lioncub.report.diagnostics`). The plots go into the run directory, or ``--out DIR``:
+"""``lioncub report RUN_DIR``: a run's summary (speed, bytes, loss, fault-tolerance events:
+:mod:`lioncub.report.summary`) and, when it logged them (``lioncub train --diagnostics-every K``), its vote
+diagnostics as a table and plots (:mod:`lioncub.report.diagnostics`). The plots go into the run directory,
+or ``--out DIR``:
 a new or empty directory (then lioncub's, :mod:`lioncub.rundir`), or one lioncub made for plots or a run;
 never over a file lioncub did not write. No torch is imported (``tests/test_layers.py`` runs it with torch
 blocked)."""
@@ -79,11 +81,28 @@ def _store(run_dir: Path, out: Path | None, plots: dict[str, bytes]) -> dict[str
 def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     out = Path(args.out) if args.out else None
+    paths: dict[str, Path] = {}
     try:
         check_paths(run_dir, out)
         from lioncub.report import diagnostics as diag_report  # matplotlib: after the quick checks
+        from lioncub.report import summary, text
 
-        diag_report.print_table(run_dir)
+        console = text.console()
+        try:
+            lines, unusable = summary.run_summary(run_dir), None
+        except ValueError as exc:  # no config.json or no step: the diagnostics alone, if any
+            lines, unusable = [], exc
+        diags = diag_report.load_diagnostics(run_dir, required=False)
+        if unusable is not None and not diags:
+            raise unusable
+        for line in lines:
+            text.print_wrapped(console, line)
+        if not diags:
+            text.print_wrapped(
+                console, "no vote diagnostics in its log (`lioncub train --diagnostics-every K` logs them)"
+            )
+            return 0
+        diag_report.print_table(run_dir, console)
         with tempfile.TemporaryDirectory(prefix="lioncub-report-") as tmp:
             drawn = diag_report.write_plots(run_dir, Path(tmp))  # drawn apart, then stored as lioncub's
             paths = _store(run_dir, out, {name: path.read_bytes() for name, path in drawn.items()})

@@ -23,6 +23,7 @@ from rich.markup import escape
 
 from lioncub.names import config_entries
 from lioncub.report import text
+from lioncub.report.figures import readable_log_axis
 from lioncub.rundir import read_run_file
 
 __all__ = ["load_diagnostics", "print_table", "write_plots"]
@@ -30,15 +31,16 @@ __all__ = ["load_diagnostics", "print_table", "write_plots"]
 LAYER_KEYS = ("match", "flip", "tie", "momentum_max_std", "max_over_mean", "kurtosis")
 
 
-def load_diagnostics(run_dir: Path) -> list[dict[str, Any]]:
-    """The ``diag`` records of ``run_dir/log.jsonl`` in step order; ``ValueError`` if there are none."""
+def load_diagnostics(run_dir: Path, required: bool = True) -> list[dict[str, Any]]:
+    """The ``diag`` records of ``run_dir/log.jsonl`` in step order; ``ValueError`` if there are none and
+    they are ``required`` (else an empty list)."""
     path = Path(run_dir) / "log.jsonl"
     if not path.is_file():
         raise ValueError(f"{run_dir}: no log.jsonl (is it a `lioncub train --out` directory?)")
     text = read_run_file(path, follow_symlinks=True).decode()  # a FIFO: refused, never waited on
     records = [json.loads(line) for line in text.splitlines() if line.strip()]
     diags = sorted((r for r in records if r.get("kind") == "diag"), key=lambda r: r["step"])
-    if not diags:
+    if not diags and required:
         raise ValueError(f"{run_dir}: log.jsonl has no diagnostics; train with --diagnostics-every K")
     return diags
 
@@ -68,6 +70,7 @@ def _layer_figure(last: dict[str, Any], keys: tuple[str, ...], labels: tuple[str
         positive = [v for v in values if v and v > 0]
         if positive and max(positive) > 10 * min(positive):
             ax.set_xscale("log")
+            readable_log_axis(ax.xaxis, lambda x: f"{x:g}", min(positive), max(positive))
         ax.set(xlabel=label, title=f"{title}, step {last['step']}" if i == 0 else "")
         ax.grid(alpha=0.3, axis="x")
     fig.tight_layout()

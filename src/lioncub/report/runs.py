@@ -97,8 +97,10 @@ __all__ = [
     "figure_val_loss_vs_time",
     "load_run",
     "make_report",
+    "per_step_median",
     "plot_series",
     "print_table",
+    "summarize",
 ]
 
 COLUMNS = (
@@ -346,7 +348,9 @@ def per_step_median(run: RunLog, key: str) -> float | None:
     return _median([sum(v) / h for v in windows.values() if len(v) == h])
 
 
-def _summarize(run: RunLog) -> RunSummary:
+def summarize(run: RunLog) -> RunSummary:
+    """The table row of ``run`` (:class:`RunSummary`); no speedup, equal-step loss or time to target (they
+    compare it with other runs: :func:`make_report` sets them)."""
     numbers = [s for s in (rec.get("step") for rec in run.steps) if isinstance(s, int)]
     target = run.config.get("stop_at") or run.config.get("steps")
     last = run.evals[-1] if run.evals else None
@@ -482,7 +486,7 @@ def make_report(
     if not run_dirs:
         raise ValueError("make_report: no run directories given")
     runs = [load_run(Path(d)) for d in run_dirs]
-    rows = [_summarize(run) for run in runs]
+    rows = [summarize(run) for run in runs]
     base = next((r for r in rows if r.variant == baseline and r.step_s), None)
     base_s = None if base is None else base.step_s
     for row in rows:

@@ -29,6 +29,13 @@ RUNS = {
     "torchft-diloco": ["--variant", "torchft-diloco", *PEER],
     "diloco/keep": ["--variant", "32bit", "--outer", "diloco", "--inner-momentum", "keep", *PEER],
 }
+#: a straggler: group 1 SIGSTOPped after its step 10 until group 0 has finished (past --collective-timeout:
+#: group 0 trains on alone and finishes); woken, group 1 is alone in its quorum after group 0 finished and
+#: stops. The job exits 3 (a group failed, the survivor finished), keeping every file (:func:`stall`)
+STRAGGLER = ["--variant", "1bit", "--nproc", "2", "--steps", "30", "--collective-timeout", "5"]
+RUNS["straggler"] = STRAGGLER
+#: the exit status each run ends with (0 if not named)
+EXPECTED_RC = {"straggler": 3}
 #: 2 emulated nodes of 2 ranks, each node a group (DDP inside), node 1 SIGKILLed after step 12 and started
 #: again at step 24: root only (network namespaces), run when ``NODES`` is given
 NODES = ["--variant", "1bit", "--nnodes", "2", "--nproc-per-node", "2", "--link", "1gbit", "--steps", "40"]
@@ -40,19 +47,49 @@ def slug(name: str) -> str:
     return name.replace("/", "_").replace(", ", "_").replace(" ", "_")
 
 
+def stall(run_dir: Path, group: int, after: int, until: int, deadline_s: float = 300.0) -> None:
+    """SIGSTOP group ``group`` once its log has step ``after``, SIGCONT it once group ``until`` has
+    finished (its end record), each within ``deadline_s`` (the group's pid: its ready mark)."""
+    import json
+    import os
+    import signal
+    import time
+
+    log, end = run_dir / "groups" / f"g{group}.jsonl", run_dir / "groups" / f"g{until}.end.json"
+    deadline = time.monotonic() + deadline_s
+
+    def reached() -> bool:
+        lines = log.read_text().splitlines() if log.exists() else []
+        return any(json.loads(x).get("kind") == "step" and json.loads(x)["step"] >= after for x in lines[:-1])
+
+    while not reached() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    pid = int((run_dir / "groups" / f"g{group}.ready0").read_text())
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        while not end.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def main(out: Path, nodes: bool) -> int:
+    import threading
+
     from lioncub import cli
 
     failed = 0
     for name, args in {**RUNS, **({"nodes": NODES} if nodes else {})}.items():
         argv = ["train", *TINY, "--fault-tolerant", "--out", str(out / slug(name)), *args]
+        if name == "straggler":
+            threading.Thread(target=stall, args=(out / slug(name), 1, 10, 0), daemon=True).start()
         with (
             open(out / f"{slug(name)}.out", "w") as log,
             contextlib.redirect_stdout(log),
             contextlib.redirect_stderr(log),
         ):
             rc = cli.main(argv)
-        failed += rc != 0
+        failed += rc != EXPECTED_RC.get(name, 0)
     return failed
 
 

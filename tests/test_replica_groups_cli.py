@@ -7,15 +7,18 @@ launcher is also tested alone, on small scripts that stand in for groups."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import io
 import json
 import re
+import shutil
 import statistics
 import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 import background
 import ft_runs
@@ -169,6 +172,56 @@ def test_a_rerun_of_the_same_schedule_gives_the_same_bits() -> None:
 @needs_torchft
 @pytest.mark.slow
 @pytest.mark.background("ft_runs")
+def test_a_straggler_never_trains_alone_and_a_failed_run_keeps_everything(tmp_path: Path) -> None:
+    """Group 1 SIGSTOPped after its step 10 until group 0 finished (tests/ft_runs.py, ``--collective-timeout
+    5``): group 0 trains on alone and finishes; group 1, woken, fails rather than train alone. The job
+    exits 3 (a group failed, the survivor finished), keeps every file (group 0's model.pt, the logs) with
+    failure.json saying what failed, and a new run into the directory is refused, deleting nothing."""
+    run_dir, stdout = finished("straggler")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    ft = summary["fault_tolerance"]
+    assert ft["groups_finished"] == [0] and ft["status"]["exit_code"] == 3
+    steps = log(run_dir, "step")
+    assert [r["step"] for r in steps] == list(range(1, 31))  # every step once: no step of group 1 alone
+    assert sum(ft["participants"].values()) + ft["skipped_steps"] == 30 and ft["participants"]["2"] >= 10
+    assert all(r["groups"] == [0] for r in steps if r["participants"] == 1)
+    assert not [
+        r for r in map(json.loads, (run_dir / "groups" / "g1.jsonl").read_text().splitlines())
+        if r.get("kind") == "step" and r["committed"] and r["participants"] == 1
+    ]  # fmt: skip
+    end = json.loads((run_dir / "groups" / "g0.end.json").read_text())
+    assert not (run_dir / "groups" / "g1.end.json").exists() and ft["digest"] == end["digest"]
+    state = torch.load(run_dir / "model.pt")
+    assert params_digest_of(state) == end["digest"]  # group 0's model, not the straggler's
+    failure = json.loads((run_dir / "failure.json").read_text())
+    assert failure["exit_code"] == 3 and failure["group_exit_codes"] == [0, 1]
+    assert failure["message"] == "group 1 exited with code 1; group 0 finished"
+    assert {"model.pt", "log.jsonl", "groups/g0.jsonl", "groups/g1.jsonl"} <= set(failure["kept"])
+    assert "nothing was deleted" in stdout and "failed (exit code 3" in stdout
+    before = sorted(p.name for p in run_dir.rglob("*"))
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = cli.main(["train", *ft_runs.TINY, "--fault-tolerant", "--out", str(copy), *ft_runs.STRAGGLER])
+    assert rc == 2, err.getvalue()
+    assert "holds a fault-tolerant run that failed (failure.json says what failed" in err.getvalue()
+    assert sorted(p.name for p in copy.rglob("*")) == before
+
+
+def params_digest_of(state: dict) -> str:
+    """The digest of a saved model's parameters (``torch.save`` of its ``state_dict``), as the groups
+    compute theirs: its tensors that are parameters, in the model's order."""
+    from lioncub.train.replica_group import params_digest
+    from lioncub.train.workloads import make_workload
+
+    model = make_workload("gpt", "tiny", rank=0, world_size=1, seed=0).build_model()
+    model.load_state_dict(state)
+    return params_digest(model)
+
+
+@pytest.mark.slow
+@pytest.mark.background("ft_runs")
 @pytest.mark.root
 def test_nodes_of_two_ranks_are_groups_that_heal_and_agree() -> None:
     """``--nnodes 2 --nproc-per-node 2 --fault-tolerant``: each node one group (DDP inside, one voter), node
@@ -235,6 +288,10 @@ def test_nodes_of_two_ranks_are_groups_that_heal_and_agree() -> None:
         (["--kill", "1@20"], "--kill: applies only with --fault-tolerant"),
         (["--lighthouse", "http://x:1"], "--lighthouse: applies only with --fault-tolerant"),
         (["--fault-tolerant", "--lighthouse", "x:1"], "--lighthouse 'x:1': give the lighthouse's URL"),
+        (  # probed before anything starts: nothing listens there
+            ["--fault-tolerant", "--lighthouse", "http://127.0.0.1:1"],
+            "--lighthouse http://127.0.0.1:1: no torchft lighthouse answers there (ConnectionRefusedError",
+        ),
         (["--fault-tolerant", "--variant", "32bit"], "DDP + Lion has no vote between groups"),
         (["--fault-tolerant", "--overlap"], "--overlap with --fault-tolerant"),
         (["--fault-tolerant", "--checkpoint-every", "10"], "checkpoints of a fault-tolerant run"),

@@ -297,16 +297,17 @@ def job_status(result: LaunchResult, entry: dict[str, Any] | None) -> tuple[int,
     equal replicas (their results are kept); :data:`UNEQUAL_RC` when the groups that finished do not hold
     equal replicas; otherwise the launcher's code (a timeout, a signal; 1 if it said 0 and no group
     finished)."""
-    finished = bool(entry and entry["groups_finished"])
-    equal = bool(entry and entry["replicas_equal"])
-    if finished and not equal:
-        groups = ", ".join(map(str, entry["groups_finished"])) if entry else ""
+    done = list(entry["groups_finished"]) if entry else []
+    groups = ", ".join(map(str, done))
+    if done and not (entry and entry["replicas_equal"]):
         return UNEQUAL_RC, f"the replicas of the groups that finished ({groups}) are NOT bitwise equal"
-    if result.ok and finished:
+    if result.ok and done:
         return 0, result.message
-    if finished and result.failed_rank is not None and not result.timed_out and not result.interrupted_by:
-        groups = ", ".join(map(str, entry["groups_finished"])) if entry else ""
-        return SURVIVORS_RC, f"{result.message}; groups {groups} finished with bitwise equal replicas"
+    if done and result.failed_rank is not None and not result.timed_out and not result.interrupted_by:
+        survivors = (
+            f"group {groups} finished" if len(done) == 1 else f"groups {groups} finished with equal replicas"
+        )
+        return SURVIVORS_RC, f"{result.message}; {survivors}"
     if result.ok:
         return 1, "no group finished the run"
     return result.returncode, result.message

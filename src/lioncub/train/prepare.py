@@ -292,17 +292,17 @@ def _new(
     if state.saved is not None and replace:
         remove_owned(run_dir, keep_marker=True)  # names what lioncub did not write, and deletes nothing then
     elif state.saved is not None:
+        if FAILURE_FILE in found.owned:  # a failed fault-tolerant run: kept whole, logs and results
+            raise ValueError(
+                f"--out {run_dir} holds a fault-tolerant run that failed ({FAILURE_FILE} says what failed; "
+                "the groups' logs are in groups/); lioncub deletes none of it: choose another --out"
+            )
         if state.meta is not None or state.meta_error or state.finished:
             raise ValueError(
                 f"--out {run_dir} already holds a run; pass --resume to continue it, or choose another --out"
             )
         if found.foreign:
             raise _foreign(run_dir, found.foreign)
-        if FAILURE_FILE in found.owned:  # a failed fault-tolerant run: kept whole, logs and results
-            raise ValueError(
-                f"--out {run_dir} holds a fault-tolerant run that failed ({FAILURE_FILE} says what failed; "
-                "the groups' logs are in groups/); lioncub deletes none of it: choose another --out"
-            )
         note(
             f"{run_dir} holds a run that stopped before its first checkpoint (nothing to resume): "
             "starting it afresh"

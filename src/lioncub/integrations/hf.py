@@ -57,6 +57,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from lioncub.integrations.callers import user_stacklevel
 from lioncub.integrations.common import require
 
 require(["transformers", "accelerate"], "hf", "lioncub.integrations.hf")
@@ -223,7 +224,7 @@ class LionCubCallback(TrainerCallback):
             warnings.warn(
                 f"{self.where}: TrainingArguments({', '.join(ignored)}) is ignored: the Trainer trains with "
                 f"LionCub, whose options go in {self.option('variant=..., betas=..., ...')}",
-                stacklevel=4 if self.where == "LionCubTrainer" else 3,  # the user's line
+                stacklevel=user_stacklevel("transformers", "accelerate"),  # the user's line
             )
 
     def _wrap_the_trainer(self) -> None:
@@ -265,7 +266,7 @@ class LionCubCallback(TrainerCallback):
                         "that step with zero momenta on every rank, a fresh warm-up (with local steps the "
                         "window in progress restarts from the saved model, θ of its last outer step). Save "
                         "with save_only_model=False to resume the momenta",
-                        stacklevel=2,
+                        stacklevel=user_stacklevel("transformers", "accelerate"),  # trainer.train(...)
                     )
 
         # mypy refuses every assignment to a method: these wrap the Trainer's own, on this instance only
@@ -360,7 +361,7 @@ class LionCubCallback(TrainerCallback):
                 f"{state.max_steps % h} inner steps end without an outer step. The Trainer's evaluations and "
                 "saves use θ of the last outer step, but after train() each rank's model holds its own "
                 "replica (evaluate or save it inside opt.shared_parameters())",
-                stacklevel=2,
+                stacklevel=user_stacklevel("transformers", "accelerate"),  # trainer.train()
             )
         # fp16: every rank's scaler skips, backs off and grows together (lioncub.optim.amp)
         agree_on_overflow(getattr(self.trainer.accelerator, "scaler", None))

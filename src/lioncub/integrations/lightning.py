@@ -32,6 +32,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from lioncub.integrations.callers import user_stacklevel
 from lioncub.integrations.common import require
 
 require(["lightning"], "lightning", "lioncub.integrations.lightning")
@@ -109,7 +110,7 @@ class LionCubStrategy(DDPStrategy):
                 f"last {trainer.max_steps % h} inner steps end without an outer step. Validation and the "
                 "checkpoints use θ of the last outer step, but after fit() each rank's model holds its own "
                 "replica (evaluate or export it inside opt.shared_parameters())",
-                stacklevel=2,
+                stacklevel=user_stacklevel("lightning", "pytorch_lightning", "lightning_utilities"),  # fit()
             )
         if not self.overlap:
             # Lightning refuses gradient_clip_val for an optimizer that unscales in its own step. Without a

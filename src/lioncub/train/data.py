@@ -142,8 +142,8 @@ def check_files(files: Sequence[tuple[Path, str]]) -> None:
 
 TEXTS: dict[str, str] = {
     "austen_slice": "the first ~200 KB of Pride and Prejudice (shipped with lioncub)",
-    "shakespeare": "the complete works of Shakespeare (.data/shakespeare.txt)",
-    "austen": "Jane Austen's six novels (.data/austen.txt)",
+    "shakespeare": "the complete works of Shakespeare (in the data root)",
+    "austen": "Jane Austen's six novels (in the data root)",
 }
 
 

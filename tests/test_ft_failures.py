@@ -249,6 +249,7 @@ def test_a_group_whose_heal_failed_sits_the_step_out_and_votes_nothing() -> None
     group.manager, group._pg, group.comm, group._optimizer = _Manager(), pg, comm, opt
     group._snapshot, group._healed, group._shares, group.heals = None, None, None, []
     group.participants = group.skipped = group.committed = 0
+    group._alone_since = None
     before = [p.detach().clone() for p in params]
     assert group.begin() == 3
     assert group.left_out == "ConnectionResetError: the heal's source went away" and pg.aborted

@@ -629,3 +629,76 @@ def test_the_lighthouse_lost_is_a_clear_error_within_the_quorum_timeout(tmp_path
     for r, run in enumerate(runs):
         assert f"replica group g{r}: no quorum within 2 s" in run["error"], run["error"]
         assert f"http://localhost:{port}" in run["error"] and run["log"], run
+
+
+# ------------------------------------------------- the loop of docs/fault-tolerance.md, run as written
+
+#: the lighthouse docs/fault-tolerance.md gives the loop (what `lioncub train --fault-tolerant` starts)
+DOCS_LIGHTHOUSE = {
+    "min_replicas": 1,
+    "join_timeout_ms": 60000,
+    "quorum_tick_ms": 20,
+    "heartbeat_timeout_ms": 2000,
+}
+
+
+def _docs_loop(rank: int, world_size: int, lighthouse: str, steps: int, restart_after: int | None) -> dict:
+    """docs/fault-tolerance.md's loop ("In a training loop"), as written: a linear model on this group's
+    data (the gradients depend on the parameters), ``--local-steps 16``, ``finish()`` and ``shutdown()``
+    at the end; with ``restart_after`` k, group 1 leaves after its step k and starts again from scratch
+    (another seed) half a second later."""
+    from lioncub.integrations.torchft import ReplicaGroup
+
+    def build(seed: int) -> tuple[ReplicaGroup, LionCub, torch.nn.Linear]:
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(24, 3)
+        group = ReplicaGroup(lighthouse=lighthouse, index=rank, max_groups=world_size, timeout_s=20,
+                             quorum_timeout_s=60)  # fmt: skip
+        opt = LionCub(model.parameters(), lr=3e-3, variant="1bit", local_steps=16, process_group=group.comm,
+                      checks=Checks(broadcast_init=False))  # fmt: skip
+        group.attach(opt)
+        return group, opt, model
+
+    group, opt, model = build(0)
+    restarted = False
+    while opt.global_step < steps:
+        if rank == 1 and opt.global_step == restart_after and not restarted:
+            group.shutdown()
+            time.sleep(0.5)
+            group, opt, model = build(1)  # from scratch: the heal must replace all of it
+            restarted = True
+        group.begin()
+        for g in opt.param_groups:
+            g["lr"] = 3e-3 * (1 - opt.global_step / steps)
+        data = torch.Generator().manual_seed(1000 * opt.global_step + rank)
+        x, y = torch.randn(32, 24, generator=data), torch.randn(32, 3, generator=data)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        group.step()
+        opt.zero_grad()
+    agreement = group.finish()
+    group.shutdown()
+    return {"agreement": agreement, "params": [p.detach().clone() for p in model.parameters()],
+            "heals": group.heals}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("restart_after", [None, 16])
+def test_the_docs_loop_and_lighthouse_end_with_equal_replicas(restart_after: int | None) -> None:
+    """Three groups run the docs' loop with the docs' lighthouse settings, without a failure and with group
+    1 restarted from scratch after step 16 (it heals at the next window): every group's ``finish()`` agrees
+    with all three, and their parameters are bitwise equal."""
+    pytest.importorskip("torchft", reason="torchft is not installed: pip install 'lioncub[ft]'")
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", **DOCS_LIGHTHOUSE)
+    try:
+        runs = run_workers(_docs_loop, 3, lighthouse.address(), 48, restart_after)
+    finally:
+        lighthouse.shutdown()
+    for r, run in enumerate(runs):
+        agreement = run["agreement"]
+        assert agreement.agrees and agreement.participants == 3, (r, agreement.describe())
+        assert len(set(agreement.digests.values())) == 1
+        assert all(torch.equal(a, b) for a, b in zip(run["params"], runs[0]["params"], strict=True)), r
+    if restart_after is not None:
+        assert runs[1]["heals"] and runs[1]["heals"][-1].step == 32  # the window after its restart

@@ -63,6 +63,7 @@ import copy
 import datetime
 import hashlib
 import logging
+import re
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -83,9 +84,11 @@ __all__ = [
     "Agreement",
     "DiLoCoGroup",
     "Heal",
+    "LighthouseStatus",
     "ReplicaGroup",
     "ReplicaGroupError",
     "SettingsMismatchError",
+    "lighthouse_status",
     "params_digest",
     "settings_of",
     "shard",
@@ -162,6 +165,42 @@ def params_digest(params: Sequence[torch.Tensor]) -> str:
     for p in params:
         h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class LighthouseStatus:
+    """What a torchft lighthouse's ``/status`` page says (:func:`lighthouse_status`): its page (``text``),
+    how many groups have asked for the next quorum (``asking``), how many heartbeat to it
+    (``heartbeating``: groups alive, in a quorum or not) and its ``min_replicas`` (None: not said)."""
+
+    text: str
+    asking: int
+    heartbeating: int
+    min_replicas: int | None
+
+
+_ASKING = re.compile(r"\[(\d+)/\d+ participants healthy\]")
+_BEATING = re.compile(r"\[(\d+) heartbeating\]")
+_MIN = re.compile(r"need min_replicas (\d+)")
+
+
+def lighthouse_status(lighthouse: str, timeout_s: float = 5.0) -> LighthouseStatus:
+    """The lighthouse's ``/status`` page read within ``timeout_s`` (an empty page, every count 0, when it
+    cannot be read)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{lighthouse.rstrip('/')}/status", timeout=timeout_s) as page:
+            text = page.read().decode(errors="replace")
+    except OSError:
+        text = ""
+    asking, beating, least = (p.search(text) for p in (_ASKING, _BEATING, _MIN))
+    return LighthouseStatus(
+        text,
+        int(asking[1]) if asking else 0,
+        int(beating[1]) if beating else 0,
+        int(least[1]) if least else None,
+    )
 
 
 def _nbytes(tree: Any) -> int:
@@ -338,6 +377,7 @@ class ReplicaGroup(_Member):
         self._healed: tuple[str, int] | None = None
         self._shares: GroupShares | None = None  # in a group of several ranks
         self.left_out: str | None = None  # why this group sits out the current step (its heal failed)
+        self._alone_since: float | None = None  # alone in its quorums while other groups heartbeat, since
 
     def _check_group(self) -> tuple[str, int]:
         """Check the group-of-ranks arguments; the store's (host, port) (new for a group of one process)."""
@@ -413,6 +453,8 @@ class ReplicaGroup(_Member):
         if not self.boundary:
             return self.participants
         refuse_off_cpu(self._params(), f"replica group {self.replica_id}: begin")
+        if self._alone_since is not None:
+            self._await_peers()
         self._snapshot = self._take()
         started = time.perf_counter()
         self._healed = None
@@ -440,8 +482,36 @@ class ReplicaGroup(_Member):
         if rank is None:
             raise ReplicaGroupError(f"replica group {self.replica_id}: not a participant of the quorum")
         self.participants = self.manager.num_participants()
+        if self.participants == 1 and self.max_groups > 1 and healed is None:
+            beating = lighthouse_status(self.lighthouse).heartbeating
+            if beating > 1:  # peers alive, not in this quorum: it would train a replica of its own
+                self._alone_since = self._alone_since or time.monotonic()
+                self.left_out = f"alone in its quorum while {beating} groups heartbeat to the lighthouse"
+                return self.participants
+        self._alone_since = None
         self.comm.reconfigure(rank, self.participants)
         return self.participants
+
+    def _await_peers(self) -> None:
+        """After a quorum that had this group alone while other groups heartbeat to the lighthouse (its
+        join timeout shorter than a step, say, or a group that came back while the others were inside a
+        window): wait until another group asks for a quorum, so that the next one has them (and heals
+        whoever is behind), or until no other group heartbeats (they are gone: training alone is the
+        job's). ``ReplicaGroupError`` after ``quorum_timeout_s`` alone (a group that finished without
+        :meth:`shutdown` heartbeats on)."""
+        while True:
+            status = lighthouse_status(self.lighthouse)
+            if status.asking >= 1 or status.heartbeating <= 1:
+                return
+            assert self._alone_since is not None
+            if time.monotonic() - self._alone_since > self.quorum_timeout_s:
+                raise ReplicaGroupError(
+                    f"replica group {self.replica_id}: alone in its quorums for {self.quorum_timeout_s:g} s "
+                    f"while {status.heartbeating} groups heartbeat to the lighthouse {self.lighthouse} "
+                    "without asking for one (a group that finished without shutdown()?): it does not train "
+                    "a replica of its own"
+                )
+            time.sleep(0.02)
 
     def _leave(self, failed: Any) -> int:
         """The quorum's heal (or the process group's setup) failed -- the peer it healed from died during
@@ -468,6 +538,8 @@ class ReplicaGroup(_Member):
         ends = self.step_ends_boundary
         failed: Exception | None = None
         if self.left_out is not None:
+            if self.manager.errored() is None:  # alone while peers heartbeat: not an error to torchft
+                self.manager.report_error(ReplicaGroupError(self.left_out))
             self.manager.should_commit(timeout=datetime.timedelta(seconds=self.timeout_s))  # False: errored
             self._put_back()
             self.skipped += 1

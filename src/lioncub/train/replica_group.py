@@ -37,7 +37,6 @@ import io
 import json
 import logging
 import os
-import re
 import sys
 import time
 import warnings
@@ -51,7 +50,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lioncub import env
 from lioncub.integrations.group_shares import share_of
-from lioncub.integrations.torchft import DiLoCoGroup, Heal, ReplicaGroup, ReplicaGroupError
+from lioncub.integrations.torchft import (
+    DiLoCoGroup,
+    Heal,
+    ReplicaGroup,
+    ReplicaGroupError,
+    lighthouse_status,
+)
 from lioncub.integrations.torchft import params_digest as tensors_digest
 from lioncub.launch.groups import Fault, parse_faults
 from lioncub.names import PEER_VARIANTS
@@ -144,17 +149,6 @@ class _Position:
         self.step, self.elapsed, self.healed = int(state["step"]), float(state["elapsed"]), True
 
 
-def _lighthouse_status(lighthouse: str) -> str:
-    """The lighthouse's ``/status`` page ("" when it cannot be read)."""
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(f"{lighthouse}/status", timeout=5) as page:
-            return page.read().decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def _wait(ready: Callable[[], bool], timeout_s: float, what: str) -> float:
     """Poll ``ready()`` until it is true; the seconds waited. ``ReplicaGroupError`` naming ``what`` after
     ``timeout_s``."""
@@ -164,15 +158,6 @@ def _wait(ready: Callable[[], bool], timeout_s: float, what: str) -> float:
             raise ReplicaGroupError(f"{what} within {timeout_s:g} s")
         time.sleep(0.02)
     return time.perf_counter() - t0
-
-
-_PENDING = re.compile(r"\[(\d+)/\d+ participants healthy\]")
-
-
-def _pending(lighthouse: str) -> int:
-    """How many groups have asked the lighthouse for the next quorum (its status line)."""
-    found = _PENDING.search(_lighthouse_status(lighthouse))
-    return int(found[1]) if found else 0
 
 
 def _await_rejoins(
@@ -192,7 +177,7 @@ def _await_rejoins(
     while True:
         coming = [e for e in due if not (run_dir / ended_name(e[0], e[1])).exists()]
         waiting = [e for e in coming if not (run_dir / ready_name(e[0], e[1])).exists()]
-        if not waiting and (not coming or _pending(lighthouse) >= len(coming)):
+        if not waiting and (not coming or lighthouse_status(lighthouse).asking >= len(coming)):
             break
         if time.perf_counter() - t0 > timeout_s:
             g, _, s = (waiting or coming)[0]
@@ -330,7 +315,7 @@ class _GroupLoop:
         start, wait for every group, so that the first quorum has them all."""
         listed = f"{self.group.lighthouse_id}: seen"
         what = f"the lighthouse did not list group {self.index}"
-        _wait(lambda: listed in _lighthouse_status(self.lighthouse), self.timeout_s, what)
+        _wait(lambda: listed in lighthouse_status(self.lighthouse).text, self.timeout_s, what)
         if self.rank == 0:
             write_atomically(self.run_dir / ready_name(self.index, self.life), f"{os.getpid()}\n")
         if self.life == 0:

@@ -1,11 +1,16 @@
 """A plain training loop with Hugging Face accelerate and LionCub's 1-bit vote, with save/resume.
 
-    torchrun --nproc-per-node 2 examples/accelerate_loop.py           # CPU, gloo (on GPUs: NCCL)
-    lioncub launch --nproc 2 -- python examples/accelerate_loop.py --variant 8bit --overlap
-    lioncub launch --nproc 2 -- python examples/accelerate_loop.py --resume
+    torchrun --nproc-per-node 2 examples/accelerate_loop.py --out runs/acc   # CPU, gloo (GPUs: NCCL)
+    lioncub launch --nproc 2 -- python examples/accelerate_loop.py --variant 8bit --overlap --out runs/acc8
+    lioncub launch --nproc 2 -- python examples/accelerate_loop.py --out runs/acc --resume --steps 90
 
-A character-level MLP language model on the opening of Pride and Prejudice (``data/austen_slice.txt.gz``).
-Needs ``pip install 'lioncub[hf]'``.
+The first trains 60 steps into runs/acc (its state saved at step 30 and at its last step), the
+second the 8-bit vote overlapped with the backward pass in its own directory, the third continues the first
+from its last saved state (step 60) to step 90 (a resume needs the variant the state was trained with:
+every rank's momenta are its own).
+
+A character-level MLP language model on the opening of Pride and Prejudice (shipped with lioncub:
+``lioncub.train.data.package_file``). Needs ``pip install 'lioncub[hf]'``.
 """
 
 from __future__ import annotations
@@ -21,14 +26,15 @@ from torch.utils.data import DataLoader
 
 import lioncub.integrations.accelerate as lioncub_accelerate
 from lioncub import LionCub
+from lioncub.train.data import package_file
 
-TEXT = Path(__file__).resolve().parents[1] / "data" / "austen_slice.txt.gz"
 CONTEXT = 16
 
 
 def windows() -> torch.Tensor:
     """int64 ``[n, CONTEXT + 1]``: byte windows of the text (the last byte is the target)."""
-    raw = torch.frombuffer(bytearray(gzip.decompress(TEXT.read_bytes())), dtype=torch.uint8).long()
+    text = package_file("austen_slice.txt.gz").read_bytes()
+    raw = torch.frombuffer(bytearray(gzip.decompress(text)), dtype=torch.uint8).long()
     n = raw.numel() // (CONTEXT + 1)
     return raw[: n * (CONTEXT + 1)].view(n, CONTEXT + 1)
 
@@ -39,16 +45,24 @@ def build_model() -> nn.Module:
     )
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
+    """The example's options (argparse only: tests/test_docs_run.py parses the docstring's commands)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--variant", default="1bit", help="a LionCub preset (1bit, 4bit, 8bit, ...)")
     parser.add_argument("--overlap", action="store_true", help="vote during the backward pass (no clipping)")
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--out", default="runs/accelerate_loop")
+    parser.add_argument("--steps", type=int, default=60, help="train up to this optimizer step")
+    parser.add_argument("--out", default="runs/accelerate_loop", help="where the state is saved")
     parser.add_argument("--resume", action="store_true", help="continue from the state saved in --out")
+    return parser
+
+
+def main() -> None:
+    parser = arguments()
     opts = parser.parse_args()
+    if opts.resume and not (Path(opts.out) / "step.txt").is_file():
+        parser.error(f"--resume: no saved state in --out {opts.out} (train without --resume first)")
 
     # joins the process group; on CPU accelerate needs cpu=True to run as several processes
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=2)
@@ -81,7 +95,7 @@ def main() -> None:
         step += 1
         if step % 10 == 0:
             accelerator.print(f"step {step}: loss {loss.item():.3f}")
-        if step == opts.steps // 2:
+        if step in (opts.steps // 2, opts.steps):  # halfway and at the end
             accelerator.save_state(str(state))
             if accelerator.is_main_process:
                 (Path(opts.out) / "step.txt").write_text(str(step))

@@ -1,11 +1,16 @@
 """A LightningModule trained with LionCub's 1-bit vote through ``LionCubStrategy``, with resume.
 
-    torchrun --nproc-per-node 2 examples/lightning_module.py          # CPU, gloo
-    lioncub launch --nproc 2 -- python examples/lightning_module.py --variant 8bit --overlap
-    lioncub launch --nproc 2 -- python examples/lightning_module.py --resume   # from the last checkpoint
+    torchrun --nproc-per-node 2 examples/lightning_module.py --out runs/pl   # CPU, gloo
+    lioncub launch --nproc 2 -- python examples/lightning_module.py --variant 8bit --overlap --out runs/pl8
+    lioncub launch --nproc 2 -- python examples/lightning_module.py --out runs/pl --resume --steps 90
 
-A character-level MLP language model on the opening of Pride and Prejudice (``data/austen_slice.txt.gz``).
-Needs ``pip install 'lioncub[lightning]'``.
+The first trains 60 steps into runs/pl (checkpoints every 30 steps in its checkpoints/: no logger, so no
+lightning_logs/version_N/), the second the 8-bit vote overlapped with the backward pass in its own
+directory, the third continues the first from its last.ckpt (step 60) to step 90 (a resume needs the
+variant the checkpoint was trained with: every rank's momenta are its own).
+
+A character-level MLP language model on the opening of Pride and Prejudice (shipped with lioncub:
+``lioncub.train.data.package_file``). Needs ``pip install 'lioncub[lightning]'``.
 """
 
 from __future__ import annotations
@@ -23,14 +28,15 @@ from torch.utils.data import DataLoader
 
 from lioncub import LionCub
 from lioncub.integrations.lightning import LionCubStrategy
+from lioncub.train.data import package_file
 
-TEXT = Path(__file__).resolve().parents[1] / "data" / "austen_slice.txt.gz"
 CONTEXT = 16
 
 
 def windows() -> torch.Tensor:
     """int64 ``[n, CONTEXT + 1]``: byte windows of the text (the last byte is the target)."""
-    raw = torch.frombuffer(bytearray(gzip.decompress(TEXT.read_bytes())), dtype=torch.uint8).long()
+    text = package_file("austen_slice.txt.gz").read_bytes()
+    raw = torch.frombuffer(bytearray(gzip.decompress(text)), dtype=torch.uint8).long()
     n = raw.numel() // (CONTEXT + 1)
     return raw[: n * (CONTEXT + 1)].view(n, CONTEXT + 1)
 
@@ -54,16 +60,24 @@ class CharModel(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
+    """The example's options (argparse only: tests/test_docs_run.py parses the docstring's commands)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--variant", default="1bit", help="a LionCub preset (1bit, 4bit, 8bit, ...)")
     parser.add_argument("--overlap", action="store_true", help="vote during the backward pass (no clipping)")
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--out", default="runs/lightning_module")
+    parser.add_argument("--steps", type=int, default=60, help="train up to this optimizer step")
+    parser.add_argument("--out", default="runs/lightning_module", help="the Trainer's default_root_dir")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
+    return parser
+
+
+def main() -> None:
+    parser = arguments()
     opts = parser.parse_args()
+    if opts.resume and not (Path(opts.out) / "checkpoints" / "last.ckpt").is_file():
+        parser.error(f"--resume: no checkpoints/last.ckpt in --out {opts.out} (train without --resume first)")
 
     trainer = pl.Trainer(
         strategy=LionCubStrategy(overlap=opts.overlap),
@@ -71,7 +85,9 @@ def main() -> None:
         max_steps=opts.steps,
         accumulate_grad_batches=2,
         gradient_clip_val=None if opts.overlap else 1.0,  # overlap: .grad must stay as the backward left it
-        callbacks=[ModelCheckpoint(every_n_train_steps=max(1, opts.steps // 2), save_last=True)],
+        # every 30 steps and at the end; the same settings on every run, so that a resumed run keeps
+        # writing last.ckpt (other settings would make it a new callback, writing last-v1.ckpt)
+        callbacks=[ModelCheckpoint(every_n_train_steps=30, save_last=True)],
         default_root_dir=opts.out,
         enable_progress_bar=False,
         logger=False,

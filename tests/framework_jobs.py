@@ -12,10 +12,13 @@ through the framework's resume path. The test compares the files.
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import json
 import os
 import re
 import runpy
+import shlex
 import sys
 import tempfile
 import traceback
@@ -90,12 +93,24 @@ def readme_model() -> nn.Module:
     return nn.Sequential(nn.Embedding(VOCAB, 8), nn.Flatten(), nn.Linear(8 * SEQ, VOCAB))
 
 
+class CountedPairs(torch.utils.data.TensorDataset):
+    """A ``TensorDataset`` that counts the samples read from it (``reads``)."""
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        super().__init__(*tensors)
+        self.reads = 0
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        self.reads += 1
+        return super().__getitem__(index)
+
+
 def readme_loader() -> Any:
-    """The README reader's ``loader``: batches of 8 ``(x, y)`` pairs."""
-    from torch.utils.data import DataLoader, TensorDataset
+    """The README reader's ``loader``: batches of 8 ``(x, y)`` pairs (a :class:`CountedPairs`)."""
+    from torch.utils.data import DataLoader
 
     x = tokens()
-    return DataLoader(TensorDataset(x, x.sum(1) % VOCAB), batch_size=8)
+    return DataLoader(CountedPairs(x, x.sum(1) % VOCAB), batch_size=8)
 
 
 def param_groups(model: nn.Module) -> list[dict[str, Any]]:
@@ -202,16 +217,23 @@ def readme_block(tag: str) -> str:
     return found[0]
 
 
-def run_readme(tag: str, names: dict[str, Any], workdir: Path) -> dict[str, Any]:
-    """Run the README block ``tag`` with the reader's own ``names`` (their model, data...), in ``workdir``."""
+def run_readme(
+    tag: str,
+    names: dict[str, Any],
+    workdir: Path,
+    probe: Callable[[dict[str, Any]], dict[str, Any]] = lambda namespace: {},
+) -> dict[str, Any]:
+    """Run the README block ``tag`` with the reader's own ``names`` (their model, data...), in ``workdir``;
+    ``probe`` reads what it needs from the block's namespace afterwards."""
     here = Path.cwd()
     workdir.mkdir(parents=True, exist_ok=True)
     os.chdir(workdir)
+    namespace = dict(names)
     try:
-        exec(compile(readme_block(tag), f"README.md[python {tag}]", "exec"), dict(names))
+        exec(compile(readme_block(tag), f"README.md[python {tag}]", "exec"), namespace)
     finally:
         os.chdir(here)
-    return {"ran": tag}
+    return {"ran": tag, **probe(namespace)}
 
 
 def expect_error(fn: Callable[[], Any]) -> str:
@@ -411,7 +433,10 @@ def hf_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
     scenarios["factory"] = factory
 
     def example(w: Path) -> dict[str, Any]:
-        return run_example("hf_trainer.py", ["--steps", "2", "--out", str(w / "example")])
+        ran = run_example_sequence("hf_trainer.py", w / "example")
+        resumed = Path(ran["outs"][-1]) / f"checkpoint-{RESUMED_STEPS}" / "trainer_state.json"
+        ran["final_step"] = json.loads(resumed.read_text())["global_step"]
+        return ran
 
     scenarios["example"] = example
     scenarios["readme"] = lambda w: run_readme(
@@ -519,8 +544,18 @@ def accelerate_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
 
     scenarios["comm_hook"] = comm_hook
 
+    def reset() -> None:
+        """The example ends the process group (``accelerator.end_training``): accelerate's state forgotten,
+        so that the next command's ``Accelerator()`` joins a new one."""
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
     def example(w: Path) -> dict[str, Any]:
-        return run_example("accelerate_loop.py", ["--steps", "2", "--out", str(w / "example")])
+        ran = run_example_sequence("accelerate_loop.py", w / "example", reset)
+        ran["final_step"] = int((Path(ran["outs"][-1]) / "step.txt").read_text())
+        return ran
 
     scenarios["readme"] = lambda w: run_readme(
         "accelerate",
@@ -677,14 +712,29 @@ def lightning_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
         "overlap_clip": expect_error(lambda: train(w / "r", "1bit", True, clip=1.0, steps=1)),
         "comm_hook": expect_error(lambda: LionCubStrategy(ddp_comm_hook=lambda s, b: None)),
     }
-    scenarios["example"] = lambda w: run_example(
-        "lightning_module.py", ["--steps", "2", "--out", str(w / "ex")]
-    )
-    scenarios["readme"] = lambda w: run_readme(
-        "lightning",
-        {"torch": torch, "LionCub": LionCub, "build_model": readme_model, "loader": readme_loader()},
-        w / "readme",
-    )
+
+    def example(w: Path) -> dict[str, Any]:
+        ran = run_example_sequence("lightning_module.py", w / "ex")
+        last = Path(ran["outs"][-1]) / "checkpoints" / "last.ckpt"
+        ran["final_step"] = torch.load(last, map_location="cpu", weights_only=False)["global_step"]
+        return ran
+
+    scenarios["example"] = example
+    def readme(w: Path) -> dict[str, Any]:
+        """The README's Lightning recipe as a reader runs it: twice in the same directory. What each run read
+        of the data, the checkpoint it started from, where it stopped."""
+        loader = readme_loader()
+        names = {"build_model": readme_model, "loader": loader}
+        probe = lambda ns: {
+            "reads": loader.dataset.reads,
+            "samples": len(loader.dataset),
+            "ckpt_path": ns["trainer"].ckpt_path,
+            "global_step": ns["trainer"].global_step,
+        }
+        return run_readme("lightning", names, w / "readme", probe)
+
+    scenarios["readme"] = readme
+    scenarios["readme-again"] = readme  # the second run, after the first (scenarios run in order)
     return scenarios
 
 
@@ -830,6 +880,43 @@ def run_example(name: str, argv: list[str]) -> dict[str, Any]:
     finally:
         sys.argv = saved
     return {"ran": name}
+
+
+def example_commands(name: str) -> list[list[str]]:
+    """The options (what follows ``examples/<name>``) of each command in the example's docstring, in order."""
+    doc = ast.get_docstring(ast.parse((REPO / "examples" / name).read_text())) or ""
+    commands = []
+    for line in doc.splitlines():
+        if f" examples/{name}" in line:
+            words = shlex.split(line, comments=True)
+            commands.append(words[words.index(f"examples/{name}") + 1 :])
+    return commands
+
+
+#: the example sequences' shrunk lengths: the first runs (and the variant beside them) 2 steps, the resumed
+#: run continues to 4
+EXAMPLE_STEPS, RESUMED_STEPS = 2, 4
+
+
+def run_example_sequence(
+    name: str, workdir: Path, between: Callable[[], None] = lambda: None
+) -> dict[str, Any]:
+    """The commands of ``examples/<name>``'s docstring run in order in this job's ranks, shrunk: ``--steps``
+    EXAMPLE_STEPS (RESUMED_STEPS with ``--resume``), every ``--out`` under ``workdir``; ``between`` runs
+    after each (accelerate's state reset). The outs each command named, in order."""
+    outs = []
+    for argv in example_commands(name):
+        steps = str(RESUMED_STEPS if "--resume" in argv else EXAMPLE_STEPS)
+        if "--steps" in argv:
+            argv[argv.index("--steps") + 1] = steps
+        else:
+            argv += ["--steps", steps]
+        out = argv.index("--out") + 1
+        argv[out] = str(workdir / argv[out])
+        outs.append(argv[out])
+        run_example(name, argv)
+        between()
+    return {"ran": name, "outs": outs}
 
 
 SCENARIOS = {

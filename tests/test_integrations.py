@@ -217,6 +217,31 @@ def test_examples_and_readme_blocks_run(framework: str, what: str) -> None:
         assert r["ran"]
 
 
+@pytest.mark.parametrize("framework", [pytest.param(f, marks=_marks(f)) for f in NEEDS])
+def test_the_examples_command_sequences_run_in_order(framework: str) -> None:
+    """Each example's docstring commands, run in order in the job (``--steps`` shrunk to 2, the resume to
+    4): the second writes into its own ``--out``, the third resumes the first's and ends at step 4 (the
+    HF Trainer's checkpoint-4, accelerate's step.txt, Lightning's last.ckpt)."""
+    for r in scenario(framework, "example"):
+        first, second, third = r["outs"]
+        assert second != first and third == first
+        assert r["final_step"] == jobs.RESUMED_STEPS
+
+
+@pytest.mark.slow
+@pytest.mark.background("framework:lightning")
+def test_the_readme_lightning_recipe_resumes_when_run_again() -> None:
+    """The README's Lightning block run twice in one directory: the first trains its 2 epochs from no
+    checkpoint; the second starts from the first's checkpoints/last.ckpt and reads no sample (with a
+    logger, each run writes to a new lightning_logs/version_N/ and ``ckpt_path="last"`` finds nothing)."""
+    runs = zip(scenario("lightning", "readme"), scenario("lightning", "readme-again"), strict=True)
+    for first, again in runs:
+        assert first["ckpt_path"] is None
+        assert first["reads"] == 2 * first["samples"] // 2  # 2 epochs of this rank's half
+        assert again["ckpt_path"].endswith("runs/lightning/checkpoints/last.ckpt")
+        assert again["reads"] == 0 and again["global_step"] == first["global_step"] > 0
+
+
 def test_every_tagged_readme_block_is_run_by_a_framework_job() -> None:
     """tests/test_readme.py runs the untagged ```python blocks; the tagged ones run in the jobs here."""
     tags = re.findall(r"```python (\S+)\n", (REPO / "README.md").read_text())

@@ -17,8 +17,9 @@ starts group G again once the job (the furthest group) has finished step STEP. U
 the death of one group does not stop the others: they go on without it at their next quorum. A group one
 of whose processes exits with a non-zero code the schedule did not cause is stopped whole (its other
 processes SIGKILLed) and fails the launch when the others have finished (its code, and the message naming
-it). Signals, the timeout and the grace period are as in
-:mod:`lioncub.launch.launcher`.
+it). The lighthouse is watched (:class:`_LighthouseWatch`): its loss stops every group and fails the launch
+naming it, at once for the one the launcher started, within :data:`LIGHTHOUSE_GRACE_S` for one given by
+URL. Signals, the timeout and the grace period are as in :mod:`lioncub.launch.launcher`.
 """
 
 from __future__ import annotations

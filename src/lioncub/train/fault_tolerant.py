@@ -12,6 +12,11 @@ each number of participants, the steps skipped, every heal (when, which group, f
 seconds), the schedule, and whether the replicas of the groups that finished were bitwise equal at the
 end (their parameters' digests, and in a group of several ranks whether its ranks held the same).
 ``memory`` (:mod:`lioncub.train.memory`) is the largest over the ranks of the groups that finished.
+
+A failure deletes nothing (docs/fault-tolerance.md, "When something fails"): the merged log, the groups'
+logs and, where groups finished, their summary and ``model.pt`` stay, with :data:`FAILURE_FILE` saying
+what failed; the exit status is :func:`job_status`'s. The driver marks the end of each group's life
+(:func:`lioncub.train.replica_group.ended_name`), which groups waiting for a rejoin read.
 """
 
 from __future__ import annotations
@@ -183,7 +188,9 @@ def run_fault_tolerant(
     """What :func:`lioncub.train.driver.run_training` is for a ``--fault-tolerant`` run: launch the groups
     with the schedule, merge their logs, write ``log.jsonl`` and ``summary.json``, finish the run directory.
     The groups train on the CPU (``--device cuda`` was refused by the configuration's check); with
-    ``--device auto`` on a machine with CUDA a line says so. Returns how it ended."""
+    ``--device auto`` on a machine with CUDA a line says so. Returns how it ended: the exit status of
+    :func:`job_status`, and the summary only with status 0 (with 3 or 4 it is written and printed on
+    ``err``); a failed run is kept whole."""
     check_launch_options(restarts, collective_timeout_s, fault_tolerant=True)
     err = err or sys.stderr
     note = cpu_note(config)

@@ -25,6 +25,10 @@ process that votes with the other groups through :class:`lioncub.integrations.to
    groups are: the merged log says whether they were); its record comes before the window's step
    records, which the launcher's schedule reads. At the end ``groups/gG.end.json``: the digest of
    the parameters, the heals, the steps committed and skipped.
+5. What it never does: train alone after another group finished the run (a straggler back too late:
+   :meth:`_GroupLoop.check_alone` stops it, before it writes a step or ``model.pt``), start again and
+   train alone from scratch (:meth:`_GroupLoop.check_joined`), vote at a step whose heal failed (it sits
+   it out: ``left_out`` records), or wait for a rejoin whose start died (the driver's ended marks).
 
 :mod:`lioncub.train.fault_tolerant` launches the groups and merges their logs into the run's.
 """

@@ -1,20 +1,27 @@
-"""The two ``lioncub compare`` runs that tests/test_train.py's comparison tests read, one after the other in
-ONE interpreter, started in the background when collection ends (tests/background.py):
+"""The two ``lioncub compare`` runs that the comparison tests of tests/test_train.py and tests/test_report.py
+read, one after the other in ONE interpreter, started in the background when collection ends
+(tests/background.py):
 
     python tests/compare_runs.py OUT
 
 ``OUT/<name>/cmp`` is the comparison's output directory and ``OUT/<name>.out`` what it printed (stdout) for
-each ``name`` of :data:`RUNS`; the exit status is the number of comparisons that failed.
+each ``name`` of :data:`RUNS`; the exit status is the number of comparisons that failed. ``compare`` prints
+for a terminal of :data:`COLUMNS` columns (``COLUMNS`` set: its table in parts, its notes wrapped).
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from train_runs import TINY
+
+if TYPE_CHECKING:
+    import background
 
 #: the tables, plots, diagnostics, momentum sync, an overlapped and a local-steps row (the votes only take
 #: the diagnostics and the momentum sync)
@@ -24,6 +31,17 @@ COMPARE += ["--eval-every", "2", "--diagnostics-every", "2", "--momentum-sync", 
 BUDGET = ["compare", *TINY, "--variants", "32bit,1bit/h2,auto", "--nproc", "2", "--time-budget", "1"]
 BUDGET += ["--target-loss", "10"]
 RUNS = {"compare": COMPARE, "budget": BUDGET}
+#: the width ``compare`` prints for (tests/test_report.py reads its table back)
+COLUMNS = 80
+
+
+def job() -> background.Subprocess:
+    """The background job of both comparisons (``compares``: tests/test_train.py, tests/test_report.py)."""
+    import background  # the tests' modules: not needed where this file runs the comparisons
+
+    from processes import python_cmd
+
+    return background.Subprocess(lambda workdir: python_cmd(__file__, str(workdir)), 300)
 
 
 def _shorter_pilots() -> None:
@@ -42,6 +60,10 @@ def main(out: Path) -> int:
     for name, argv in RUNS.items():
         if name == "budget":
             _shorter_pilots()
+        if name == "compare":
+            os.environ["COLUMNS"] = str(COLUMNS)
+        else:
+            os.environ.pop("COLUMNS", None)
         printed = io.StringIO()
         with (
             contextlib.redirect_stdout(printed),

@@ -1,7 +1,9 @@
 """Output that must not mislead: what the commands print for degenerate or unusual inputs (the comparison
 table's parts add up, ``lioncub cost`` for one worker and equal rows, the ``bps`` spellings, an
 underdetermined calibration fit, a rank's failure and interruption, the final validation line, the lr
-schedule's ends)."""
+schedule's ends), and output for people: tables and notes that fit a terminal of 80 or 120 columns (no
+cell, number or name cut or split), ``lioncub report``'s summary of a run, the progress lines' end,
+compare's torchft-diloco row."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import io
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -16,13 +19,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from rich.cells import cell_len
 from rich.console import Console
 
+import background
+import compare_runs
 from lioncub import cli
 from lioncub.report import runs as rp
 from lioncub.units import parse_rate
 
 from processes import python_cmd
+
+#: tests/compare_runs.py's comparisons (shared with tests/test_train.py): ``compare`` printed for 80 columns
+BACKGROUND = {"compares": compare_runs.job}
 
 # ----------------------------------------------------------------------- 1. lioncub compare's table
 
@@ -339,3 +348,331 @@ def test_lr_with_warmup_peaks_at_its_last_step_and_ends_at_the_minimum() -> None
     assert factors[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
     assert factors[-1] == pytest.approx(0.0) and factors[-2] > 0
     assert factors[11] == pytest.approx(0.5)  # step 12: progress (12 - 4) / (20 - 4) = 1/2
+
+
+# ------------------------------------------------------------------------- 8. a terminal of any width
+
+#: a number split from its unit over two lines: a line ending in a digit, the next starting with a unit
+UNIT_SPLIT = re.compile(r"\d\n\s*(ms|s|us|ns|MB|kB|GB|B|Mbit/s|Gbit/s|kbit/s|steps?|x)\b")
+
+
+def _rows(text: str) -> dict[str, list[str]]:
+    """The rows of the box-drawn tables in ``text`` by their first cell: every cell of the row in all the
+    tables its columns were printed in (a row continued on a second line has the first cell "")."""
+    rows: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if line.startswith("│"):
+            cells = [cell.strip() for cell in line.strip().strip("│").split("│")]
+            rows.setdefault(cells[0], []).extend(cells[1:])
+    return rows
+
+
+def _fits(text: str, columns: int) -> None:
+    """Every line of ``text`` within ``columns``; no number split from its unit; nothing cut to '…'."""
+    assert max(cell_len(line) for line in text.splitlines()) <= columns, text
+    assert UNIT_SPLIT.search(text) is None, text
+    assert "…" not in text, text
+
+
+def test_wrap_breaks_between_phrases_never_inside_a_number_or_a_name() -> None:
+    from lioncub.report.text import wrap
+
+    paragraph = (
+        "gpt/tiny 1bit/h16 on 4 rank(s), 20mbit: 512 steps, mean step 85.3 ms (compute 60.1 ms, "
+        "communication 20.2 ms, apply 1.2 ms), 0.042 MB sent per rank per step; at step 512: val_loss "
+        "2.8349; fault-tolerant: 40 steps with 3 groups, 20 steps with 2 groups; 1 heal (group 1 at step 35 "
+        "from g0: 0.9 MB in 0.06 s); the replicas of groups 0, 1, 2 were bitwise equal at the end"
+    )
+    glued = re.findall(r"\d+(?:\.\d+)? (?:ms|s|MB|steps|groups)\b", paragraph)
+    for width in (120, 80, 40, 20):
+        lines = wrap(paragraph, width)
+        assert " ".join(line.strip() for line in lines).split() == paragraph.split()  # nothing lost
+        assert all(line.startswith("  ") for line in lines[1:]) and not lines[0].startswith(" ")
+        assert all(cell_len(line) <= width for line in lines), lines
+        for pair in glued:  # "85.3 ms", "512 steps": on one line, whatever the width
+            assert any(pair in line for line in lines), (width, pair, lines)
+    for width in (120, 80):  # wide enough for every phrase: the lines end between phrases
+        assert all(line.endswith((";", ",")) for line in wrap(paragraph, width)[:-1]), wrap(paragraph, width)
+    assert wrap(paragraph, len(paragraph)) == [paragraph]
+    assert wrap("  a note: " + "x" * 30, 20) == ["  a note:", "    " + "x" * 30]  # a word stands alone
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_cost_tables_fit_the_terminal(
+    columns: int, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``lioncub cost`` at COLUMNS=80 and 120 (rich's width): every cell whole (each prediction's numbers,
+    formatted, are cells of its row), every name whole and distinct (dlion-mavo, dlion-avg), no line wider."""
+    from lioncub.optim.config import PRESETS
+    from lioncub.planning import costmodel as cm
+    from lioncub.report.cost import format_bytes, format_seconds
+
+    monkeypatch.setenv("COLUMNS", str(columns))
+    rc, out = _cost(capsys, "--params", "25M", "--workers", "4")
+    assert rc == 0
+    _fits(out, columns)
+    rows = _rows(out)
+    assert set(rows) == set(PRESETS)  # no continued row (""), no name cut into another
+    network, bucket = cm.Network(50e-6, 1e9 / 8, cm.TCP_EFFICIENCY), int(25 * 2**20 / 4)
+    for p in cm.table(25_000_000, 4, network, cm.DEFAULT_CPU_COMPUTE, bucket_numel=bucket):
+        cells = [format_seconds(s) for s in (p.latency_s, p.bandwidth_s, p.compute_s, p.total_s)]
+        assert set(cells) | {format_bytes(p.bytes_sent)} <= set(rows[p.variant]), (p.variant, rows[p.variant])
+    assert "1.00x" in rows["32bit"]
+    rc, out = _cost(capsys, "--params", "25M", "--nnodes", "2", "--nproc-per-node", "2")
+    assert rc == 0
+    _fits(out, columns)
+    rows = _rows(out)
+    cluster = cm.Cluster(2, 2, network, cm.Network(5e-6, 400e9 / 8, cm.TCP_EFFICIENCY))
+    ranked = sorted(
+        (p for p in cm.cluster_table(25_000_000, cluster, cm.DEFAULT_CPU_COMPUTE, bucket_numel=bucket)
+         if p.allowed), key=lambda p: p.total_s,
+    )  # fmt: skip
+    assert list(rows) == [str(i) for i in range(1, len(ranked) + 1)]
+    for i, p in enumerate(ranked, 1):
+        cells = rows[str(i)]
+        assert {p.variant, format_seconds(p.total_s), format_bytes(p.nic_sent)} <= set(cells), cells
+        assert p.topology in {c.removesuffix(" *") for c in cells}
+
+
+@pytest.mark.background("compares")
+@pytest.mark.slow
+@pytest.mark.parametrize("columns", [compare_runs.COLUMNS, 120])
+def test_a_compare_prints_for_the_terminal(columns: int, tmp_path: Path) -> None:
+    """tests/compare_runs.py's ``compare`` (32bit, 1bit, 1bit+overlap, 1bit/h2) printed its table and notes
+    for COLUMNS=80; the same runs' table at 120. Every row's name and numbers (summary.json's, formatted
+    here) are whole cells; no line is wider (but the file paths, printed whole)."""
+    done = background.result("compares", BACKGROUND["compares"])
+    workdir = background.workdir("compares")
+    out = workdir / "compare" / "cmp"
+    assert (out / "summary.json").exists(), done.stderr[-2000:]
+    rows = json.loads((out / "summary.json").read_text())["rows"]
+    if columns == compare_runs.COLUMNS:
+        text = (workdir / "compare.out").read_text()
+        text = "\n".join(line for line in text.splitlines() if not line.startswith(("report: ", "plot ")))
+        log = (workdir / "compare.log").read_text()  # the runs' summaries: short lines (but paths)
+        summaries = [line for line in log.splitlines() if str(workdir) not in line]
+        assert sum(line.startswith("[") for line in summaries) == 4, log
+        assert all(cell_len(line) <= columns for line in summaries), log
+    else:
+        report = rp.make_report([Path(row["run_dir"]) for row in rows], tmp_path, plots=False)
+        buf = io.StringIO()
+        rp.print_table(report, Console(file=buf, width=columns, color_system=None))
+        text = buf.getvalue()
+    _fits(text, columns)
+    printed = _rows(text)
+    assert list(printed) == ["32bit", "1bit", "1bit+overlap", "1bit/h2"]
+    for row in rows:
+        cells = {
+            f"{row['step_s'] * 1e3:.1f}",
+            f"{row['compute_s'] * 1e3:.1f}",
+            f"{row['final_val_loss']:.4f}",
+        }
+        assert cells | {f"{row['bytes_sent_per_step'] / 1e6:.3g}"} <= set(printed[row["variant"]]), row
+
+
+def _named_run(root: Path, dirname: str, config: dict, steps: list[float]) -> Path:
+    """A run dir of ``config`` (its name's settings) with 2 ranks' step records of ``steps`` seconds (a
+    tenth each of compute and apply, the rest communication) and an evaluation at the last step."""
+    run_dir = root / dirname
+    run_dir.mkdir()
+    base = {"workload": "gpt", "size": "tiny", "world_size": 2, "link": "1gbit", "seed": 0}
+    (run_dir / "config.json").write_text(json.dumps({**base, "steps": 4, **config}))
+    lines = [
+        {"kind": "step", "step": i + 1, "loss": 3.0, "time_s": 0.5 * (i + 1), "step_s": s,
+         "compute_s": s / 10, "comm_s": s * 0.8, "apply_s": s / 10, "bytes_sent": 1.5e6 / (i + 1)}
+        for i, s in enumerate(steps)
+    ]  # fmt: skip
+    lines.append({"kind": "eval", "step": len(steps), "val_loss": 2.123456, "time_s": 2.0})
+    (run_dir / "log.jsonl").write_text("".join(json.dumps(rec) + "\n" for rec in lines))
+    return run_dir
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_compare_table_fits_the_terminal(tmp_path: Path, columns: int) -> None:
+    """Names that share their start (dlion-mavo, dlion-avg, 1bit@...) and a partial run's long label stay
+    whole and distinct at 80 and 120 columns; the numbers are whole cells of their rows."""
+    configs = {
+        "32bit": {"variant": "32bit"},
+        "dlion-mavo": {"variant": "dlion-mavo"},
+        "dlion-avg": {"variant": "dlion-avg"},
+        "1bit@hierarchical": {"variant": "1bit", "topology": "hierarchical"},
+        "1bit@node-majority": {"variant": "1bit", "topology": "node-majority"},
+    }
+    runs = [_named_run(tmp_path, f"r{i}", c, [0.2, 0.1, 0.3, 0.25]) for i, c in enumerate(configs.values())]
+    runs.append(_named_run(tmp_path, "partial", {"variant": "8bit-sign"}, [0.2, 0.4]))  # 2 steps of 4
+    report = rp.make_report(runs, tmp_path / "out", plots=False)
+    buf = io.StringIO()
+    rp.print_table(report, Console(file=buf, width=columns, color_system=None))
+    text = buf.getvalue()
+    _fits(text, columns)
+    rows = _rows(text)
+    assert list(rows) == [*configs, "8bit-sign (partial: step 2 of 4)"]
+    # medians: step (0.2 + 0.25) / 2 = 225.0 ms, bytes (0.75 + 0.5) / 2 = 0.625 MB; the partial run 300.0 ms
+    # and 1.125 MB; no step evaluated by every run (4; the partial run's 2): no loss at equal steps
+    for name in configs:
+        assert {"225.0", "0.625", "2.1235", "—"} <= set(rows[name]), rows[name]
+    assert {"300.0", "1.12", "1.00x"} & set(rows["8bit-sign (partial: step 2 of 4)"]) == {"300.0", "1.12"}
+
+
+def test_other_ms_the_medians_leave_below_zero_is_shown_as_0_with_its_reason(tmp_path: Path) -> None:
+    # every step's parts add up to it (remainder 0), but the medians do not: step (20 + 30) / 2 = 25 ms,
+    # compute 5, apply sorted 1 1 4 4 -> 2.5, comm = step - 5 - apply = 1 14 24 31 -> 19: 26.5 ms of parts
+    steps, apply = [0.010, 0.020, 0.030, 0.040], [0.004, 0.001, 0.001, 0.004]
+    parts = [(s, 0.005, s - 0.005 - a, a) for s, a in zip(steps, apply, strict=True)]
+    run = _write_run(tmp_path, "32bit", parts)
+    report = rp.make_report([run], tmp_path / "out", plots=False)
+    assert report.rows[0].other_s == pytest.approx(-0.0015)  # kept as it is in summary.json
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["rows"][0]["other_s"] == pytest.approx(
+        -0.0015
+    )
+    md = (tmp_path / "out" / "summary.md").read_text()
+    assert "| 32bit | 25.0 | 5.0 | 19.0 | 2.5 | 0.0 |" in md
+    assert "other ms of 32bit: shown as 0.0; the medians leave -1.5 ms" in md
+    assert "the median of a sum is not the sum of the medians" in md
+    buf = io.StringIO()
+    rp.print_table(report, Console(file=buf, width=200, color_system=None))
+    assert "0.0" in _rows(buf.getvalue())["32bit"] and "-1.5" not in _rows(buf.getvalue())["32bit"]
+    assert "the medians leave -1.5 ms" in buf.getvalue()
+
+
+def _diag_run(root: Path) -> Path:
+    """A run dir with one diagnostics record of two long-named tensors (values with exponents)."""
+    root.mkdir()
+    layer = {"match": 0.91234, "flip": 3.8481e-05, "tie": 0.08, "momentum_max_std": 1.25e-07,
+             "max_over_mean": 12.5, "kurtosis": None}  # fmt: skip
+    names = ["transformer.h.0.attn.c_attn.weight", "transformer.h.11.mlp.c_proj.weight"]
+    diag = {"kind": "diag", "step": 4, "overall": layer, "layers": dict.fromkeys(names, layer)}
+    (root / "log.jsonl").write_text(json.dumps(diag) + "\n")
+    return root
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_diagnostics_table_fits_the_terminal(tmp_path: Path, columns: int) -> None:
+    from lioncub.report import diagnostics
+
+    buf = io.StringIO()
+    diagnostics.print_table(_diag_run(tmp_path / "run"), Console(file=buf, width=columns, color_system=None))
+    text = buf.getvalue()
+    _fits(text, columns)
+    rows = _rows(text)
+    assert list(rows) == [
+        "transformer.h.0.attn.c_attn.weight",
+        "transformer.h.11.mlp.c_proj.weight",
+        "overall",
+    ]
+    for cells in rows.values():
+        assert {"0.9123", "3.848e-05", "0.08", "1.25e-07", "12.5", "—"} <= set(cells), cells
+
+
+# --------------------------------------------------------------------------------- 9. lioncub report
+
+
+def _finished_run(run_dir: Path) -> None:
+    """A finished fault-tolerant run of 4 steps without diagnostics: config, log and summary.json."""
+    run_dir.mkdir()
+    config = {"variant": "1bit", "workload": "gpt", "size": "tiny", "nproc": 3, "link": "loopback"}
+    (run_dir / "config.json").write_text(json.dumps({**config, "steps": 4, "seed": 0}))
+    step_s, sent, loss = [0.1, 0.3, 0.2, 0.4], [1000, 3000, 2000, 4000], [4.0, 3.6, 3.3, 3.0]
+    records, t = [], 0.0
+    for i in range(4):
+        t += step_s[i]
+        records.append({"kind": "step", "step": i + 1, "time_s": t, "step_s": step_s[i], "compute_s": 0.05,
+                        "comm_s": 0.02, "apply_s": 0.01, "bytes_sent": sent[i], "loss": loss[i],
+                        "participants": 3 if i != 2 else 2})  # fmt: skip
+    records.append({"kind": "eval", "step": 4, "time_s": t, "val_loss": 2.75})
+    (run_dir / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    heal = {"group": 1, "life": 1, "step": 4, "source": "g0", "nbytes": 900_000, "seconds": 0.05}
+    fault = {"participants": {"3": 3, "2": 1}, "skipped_steps": 0, "heals": [heal], "kill": ["1@3"],
+             "rejoin": ["1@4"], "groups_finished": [0, 1, 2], "replicas_equal": True}  # fmt: skip
+    memory = {"parameters": 448_768, "gradients": 448_768, "optimizer_state": 1_346_304, "peak_rss": 416e6}
+    summary = {"steps_run": 4, "final": records[-1], "fault_tolerance": fault, "memory": memory}
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+
+
+def test_report_summarises_a_run_without_diagnostics(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = tmp_path / "run"
+    _finished_run(run)
+    monkeypatch.setenv("COLUMNS", "80")
+    capsys.readouterr()
+    assert cli.main(["report", str(run)]) == 0
+    out = capsys.readouterr().out
+    _fits(out, 80)
+    flat = " ".join(out.split())
+    # medians: step (0.2 + 0.3) / 2 = 250 ms, bytes (2000 + 3000) / 2 = 2500 B; 10000 B in all; 1 s trained
+    assert flat.startswith("gpt/tiny 1bit on 3 rank(s), link loopback: 4 steps ")
+    assert "speed: 250.0 ms per step (median; compute 50.0 ms, communication 20.0 ms, apply 10.0 ms" in flat
+    assert "other 170.0 ms); 1.0 s of training, 4.00 steps/s" in flat
+    assert "bytes: a rank sent 0.0025 MB per step, 0.01 MB in all (4 steps)" in flat
+    assert "loss: training 4.0000 at step 1 → 3.0000 at step 4; validation: val_loss 2.7500 at step 4" in flat
+    assert "fault tolerance: 3 steps with 3 groups, 1 step with 2 groups; 0 steps skipped" in flat
+    assert "heal: group 1 at step 4 from g0, 0.9 MB in 0.05 s" in flat
+    assert "the replicas of groups 0, 1, 2 were bitwise equal at the end" in flat
+    assert "memory per rank: parameters 0.449 MB, gradients 0.449 MB, optimizer state 1.35 MB" in flat
+    assert "no vote diagnostics in its log" in flat
+    assert sorted(p.name for p in run.iterdir()) == ["config.json", "log.jsonl", "summary.json"]  # no plots
+    (run / "summary.json").unlink()  # not finished (yet): said so, the groups per step from the log
+    assert cli.main(["report", str(run)]) == 0
+    flat = " ".join(capsys.readouterr().out.split())
+    assert "4 steps of 4 (not finished" in flat
+    assert "fault tolerance: 3 steps with 3 groups, 1 steps with 2 groups (so far)" in flat
+
+
+# ------------------------------------------------------------------------------------ 10. progress
+
+
+def test_no_progress_line_after_the_final_evaluation(tmp_path: Path) -> None:
+    """Rank 0 prints its final validation line once it has logged its last evaluation: a progress line
+    for what is read with (or after) that evaluation would come after it."""
+    from lioncub.train.progress import Progress
+
+    log, stream = tmp_path / "log.jsonl", io.StringIO()
+
+    def steps(first: int, last: int) -> str:
+        recs = [{"kind": "step", "step": s, "loss": 1.0, "time_s": 0.1 * s} for s in range(first, last + 1)]
+        return "".join(json.dumps(r) + "\n" for r in recs)
+
+    log.write_text(steps(1, 5))
+    bar = Progress(log, "1bit/h2", 0, 10, stream)
+    bar.start()
+    try:
+        deadline = time.monotonic() + 20
+        while "step 5/10" not in stream.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "step 5/10" in stream.getvalue()
+        with log.open("a") as f:  # the rest in one write, as rank 0's last steps and its final evaluation
+            f.write(steps(6, 10) + json.dumps({"kind": "eval", "step": 10, "val_loss": 1.0}) + "\n")
+        time.sleep(0.7)  # a read of the log (every 0.5 s); a later one would print nothing either way
+    finally:
+        bar.done.set()
+        bar.join(timeout=5)
+    printed = [line for line in stream.getvalue().splitlines() if line.startswith("[train]")]
+    assert [line.split()[3] for line in printed] == [f"{s}/10" for s in range(1, 6)], printed
+    assert all(line.startswith("[train] 1bit/h2 step") for line in printed)
+
+
+# ------------------------------------------------------------------------ 11. compare's peer row
+
+
+def test_compare_takes_the_torchft_diloco_row_it_advertises(run_cli: Callable) -> None:
+    """``compare --variants ...,torchft-diloco/h4 --fault-tolerant`` (README, docs/fault-tolerance.md) gets
+    past the names check; without --fault-tolerant, or without /hH, the refusal names what to add."""
+    import argparse
+
+    from lioncub.cli import compare
+
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+    argv = ["--variants", "1bit,1bit/h4,torchft-diloco/h4", "--nproc", "3", "--out", "x"]
+    args = parser.parse_args([*argv, "--fault-tolerant"])
+    assert compare._variants(args, Path("x")) == ["1bit", "1bit/h4", "torchft-diloco/h4"]
+    with pytest.raises(
+        ValueError, match=r"'torchft-diloco/h4' runs torchft's DiLoCo .* add --fault-tolerant"
+    ):
+        compare._variants(parser.parse_args(argv), Path("x"))
+    bare = parser.parse_args([*argv[:1], "1bit,torchft-diloco", *argv[2:], "--fault-tolerant"])
+    with pytest.raises(
+        ValueError, match=r"every H steps: name it torchft-diloco/hH \(e.g. torchft-diloco/h4\)"
+    ):
+        compare._variants(bare, Path("x"))

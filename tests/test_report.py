@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
 import matplotlib.image
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from rich.console import Console
 
 from lioncub.report import runs as rp
@@ -227,7 +229,8 @@ def test_figure_series(reported: tuple[list[Path], Path, rp.Report]) -> None:
 
     ax = rp.figure_bytes_per_step(report).axes[0]
     assert [p.get_height() for p in ax.patches] == pytest.approx([4.0, 0.125, 1.0])
-    assert ax.get_yscale() == "log"  # 4 / 0.125 = 32 > 10
+    assert ax.get_yscale() == "linear"  # 4 / 0.125 = 32: linear still, a bar's length is its bytes
+    assert [t.get_text() for t in ax.texts] == ["4", "0.125", "1"]  # each bar labelled with its MB
 
 
 def _diag(step: int, match: float, tie: float) -> dict:
@@ -266,6 +269,50 @@ def test_bytes_linear_scale_within_10x(tmp_path: Path) -> None:
     ax = rp.figure_bytes_per_step(report).axes[0]
     assert ax.get_yscale() == "linear"
     assert report.rows[1].speedup == pytest.approx(0.4 / 0.3)
+
+
+def _shown(axis, coordinate: int) -> list[str]:
+    """The labels of an axis' major ticks inside its view (``coordinate``: 0 for x, 1 for y)."""
+    low, high = sorted(axis.get_view_interval())
+    return [t.get_text() for t in axis.get_ticklabels() if low <= t.get_position()[coordinate] <= high]
+
+
+def _overlaps(a, b) -> bool:  # two matplotlib Bboxes in display units
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+@pytest.mark.parametrize("name", ["val_loss_vs_step", "val_loss_vs_bytes"])
+def test_loss_plots_put_their_legend_where_it_hides_no_line(tmp_path: Path, name: str) -> None:
+    """The legend is outside the axes (below them), so it covers no line, whatever the lines do; the bytes
+    axis is labelled in plain MB (no powers of ten)."""
+    runs = write_three_runs(tmp_path)
+    report = rp.make_report(runs, tmp_path / "out", plots=False)
+    fig = rp.FIGURES[name](report)
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    (ax,) = fig.axes
+    legend = fig.legends[0]
+    assert [t.get_text() for t in legend.get_texts()] == ["32bit", "1bit", "8bit", "target 1.53"]
+    assert not _overlaps(legend.get_window_extent(renderer), ax.get_window_extent(renderer))
+    assert ax.get_legend() is None
+    if name == "val_loss_vs_bytes":  # 0.25 .. 24 MB (and margins): ticks at 1, 2, 5 per decade, plain
+        assert _shown(ax.xaxis, 0) == ["0.2", "0.5", "1", "2", "5", "10", "20"]
+
+
+def test_cost_plot_labels_rates_and_times_in_units(tmp_path: Path) -> None:
+    """cost.png: the link rates as 10 Mbit/s .. 100 Gbit/s, the times in s/ms, N as plain numbers."""
+    from lioncub.planning import costmodel as cm
+    from lioncub.report import cost
+
+    fig = cost.figure(25_000_000, 4, cm.Network.from_rate(1e9, 50e-6), cm.DEFAULT_CPU_COMPUTE)
+    FigureCanvasAgg(fig).draw()
+    ax_bw, ax_n = fig.axes
+    assert _shown(ax_bw.xaxis, 0) == ["10 Mbit/s", "100 Mbit/s", "1 Gbit/s", "10 Gbit/s", "100 Gbit/s"]
+    assert _shown(ax_n.xaxis, 0) == ["2", "4", "8", "16", "32", "64", "128"]
+    for axis in (ax_bw.yaxis, ax_n.yaxis):
+        labels = _shown(axis, 1)
+        assert labels and all(re.fullmatch(r"\d+(\.\d+)? (s|ms|us)", text) for text in labels), labels
 
 
 def test_print_table(reported: tuple[list[Path], Path, rp.Report]) -> None:

@@ -120,8 +120,9 @@ def print_table(
         _widen_headers([headers[i] for i in group], need, width - _table_width(need))
         table = Table(title=None if n == 0 else "(continued)", title_justify="left")
         for k, i in enumerate(group):
-            justify = "left" if i in left else "right"
-            table.add_column(escape(headers[i]), justify=justify, width=need[k], overflow="fold")
+            table.add_column(
+                escape(headers[i]), justify="left" if i in left else "right", width=need[k], overflow="fold"
+            )
         for row in rows:
             table.add_row(*(row[i] for i in group))
         out.print(table)
@@ -133,7 +134,7 @@ BREAKS = (". ", "; ", ", ")
 GLUED = re.compile(r"(?<=\d) (?=[^\W\d])")
 
 
-def _pieces(text: str, sep: str, depth: int) -> list[str] | None:
+def _pieces(text: str, sep: str, depth: int | None) -> list[str] | None:
     """``text`` cut after each ``sep`` at parenthesis depth ``depth`` (``None``: any depth above 0); None
     if there is no such ``sep``."""
     cuts, level = [], 0

@@ -16,7 +16,8 @@ __all__ = ["Progress"]
 class Progress(threading.Thread):
     """Follows ``log.jsonl`` and shows steps, rate, loss and ETA (a rich bar on a terminal, else a line
     every 10 %). Rate and ETA come from the log's own training times (``time_s``), not from when the log
-    is read; nothing is printed for what is read after the run ended (its summary comes last)."""
+    is read; no line is printed for what is read after the run ended, or after its last evaluation was
+    logged (rank 0's final validation line and the run's summary come last)."""
 
     def __init__(self, log_path: Path, label: str, start: int, total: int, stream: TextIO) -> None:
         super().__init__(daemon=True)
@@ -41,7 +42,7 @@ class Progress(threading.Thread):
         ]
         pos, t0 = 0, time.monotonic()
         first: tuple[int, float] | None = None  # (step, time_s) of the first step record read
-        next_line = self.start_step
+        next_line, ended = self.start_step, False
         with RichProgress(*columns, console=console, disable=not console.is_terminal) as bar:
             task = bar.add_task(
                 self.label, total=self.total, completed=self.start_step, rate="-", loss="-", val="", eta="-"
@@ -58,9 +59,12 @@ class Progress(threading.Thread):
                         chunk = f.read()
                     complete = chunk[: chunk.rfind("\n") + 1]
                     pos += len(complete.encode())
-                    for line in complete.splitlines():
-                        rec = _record(line)
-                        if rec is None or rec["step"] <= self.start_step:
+                    records = [r for r in map(_record, complete.splitlines()) if r is not None]
+                    # rank 0 prints its final validation line once it has logged the last evaluation (or
+                    # a time budget's stop): no progress line after it
+                    ended = ended or any(self._ended(r) for r in records)
+                    for rec in records:
+                        if rec["step"] <= self.start_step:
                             continue
                         if rec["kind"] == "eval" and "val_loss" in rec:
                             bar.update(task, val=f"val {rec['val_loss']:.4f}")
@@ -70,7 +74,7 @@ class Progress(threading.Thread):
                         rate, eta = _rate_and_eta(first, rec, self.total)
                         first = first or (rec["step"], rec.get("time_s", 0.0))
                         bar.update(task, completed=rec["step"], rate=rate, loss=f"{rec['loss']:.4f}", eta=eta)
-                        if not console.is_terminal and not finished and rec["step"] >= next_line:
+                        if not console.is_terminal and not (finished or ended) and rec["step"] >= next_line:
                             print(
                                 f"[train] {self.label} step {rec['step']}/{self.total} "
                                 f"loss {rec['loss']:.4f} {rate}, ETA {eta}, "
@@ -82,6 +86,10 @@ class Progress(threading.Thread):
                 if finished:
                     return
                 self.done.wait(0.5)
+
+    def _ended(self, rec: dict[str, Any]) -> bool:
+        """``rec`` says the training has ended: the evaluation at the last step, or a ``stop`` record."""
+        return rec["kind"] == "stop" or (rec["kind"] == "eval" and rec["step"] >= self.total)
 
 
 def _record(line: str) -> dict[str, Any] | None:

@@ -362,3 +362,50 @@ def test_the_next_launch_removes_a_dead_launchers_leftovers_and_says_so(
     assert f"removed the leftovers of dead launches {net.launch_id}: network namespaces " in err.getvalue()
     assert f"{net.launch_id}-br" in err.getvalue()
     net._closed = True  # nothing left for it to remove
+
+
+@pytest.mark.slow
+def test_a_heals_transfer_writes_no_access_line(capfd: pytest.CaptureFixture[str]) -> None:
+    """torchft's checkpoint server logs every request (``"GET /checkpoint/3/full HTTP/1.1" 200 -``) to
+    stderr, a few lines per heal; lioncub's transport keeps them out (the state arrives all the same)."""
+    pytest.importorskip("torchft", reason="torchft is not installed: pip install 'lioncub[ft]'")
+    from torchft.checkpointing import HTTPTransport
+
+    from lioncub.integrations.torchft import _transport
+
+    timeout = datetime.timedelta(seconds=10)
+    for transport, lines in (
+        (HTTPTransport(timeout=timeout, num_chunks=0), 1),
+        (_transport("127.0.0.1", timeout), 0),
+    ):
+        transport.send_checkpoint(dst_ranks=[1], step=3, state_dict={"x": torch.arange(4.0)}, timeout=timeout)
+        got = transport.recv_checkpoint(src_rank=0, metadata=transport.metadata(), step=3, timeout=timeout)
+        transport.shutdown()
+        assert torch.equal(got["x"], torch.arange(4.0))
+        assert capfd.readouterr().err.count('"GET /checkpoint/3/full HTTP/1.1" 200') == lines
+
+
+def test_a_launch_that_cannot_start_is_a_failed_launch_naming_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lighthouse that does not start, an emulated network that cannot be built: a failed launch (exit
+    status 1, its message), so that the run is kept and its failure.json says why -- not a traceback."""
+    from lioncub.launch.netns import NetnsError
+    from lioncub.train import fault_tolerant
+
+    def refuse(*args: Any, **kwargs: Any) -> LaunchResult:
+        raise NetnsError("namespaces already exist: lcb12345-br")
+
+    monkeypatch.setattr(fault_tolerant, "launch_groups", refuse)
+    err = io.StringIO()
+    result = fault_tolerant._launch(
+        LaunchConfig(["x"], nproc=2),
+        [],
+        lambda g: 0,
+        lighthouse=None,
+        out=None,
+        err=err,
+        ended=lambda *a: None,
+    )
+    assert (result.returncode, result.failed_rank) == (1, None)
+    assert result.message == "the launch failed: namespaces already exist: lcb12345-br"
+    assert job_status(result, None) == (1, result.message)
+    assert f"lioncub: {result.message}" in err.getvalue()

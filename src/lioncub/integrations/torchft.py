@@ -219,11 +219,22 @@ def _transport(host: str, timeout: datetime.timedelta) -> Any:
     from torchft.checkpointing import HTTPTransport
 
     class _At(HTTPTransport[dict[str, Any]]):  # what a Manager sends: a state dict
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            # its server writes an access line per request to stderr (BaseHTTPRequestHandler), a few per
+            # heal: errors only (its handler class is this transport's own)
+            handler = self._server.RequestHandlerClass
+            handler.log_request = _no_access_line  # type: ignore[attr-defined]  # a BaseHTTPRequestHandler subclass, typed as its factory
+
         def address(self) -> str:
             port = self._server.socket.getsockname()[1]
             return f"http://{host}:{port}/checkpoint/"
 
     return _At(timeout=timeout, num_chunks=0)
+
+
+def _no_access_line(handler: Any, code: Any = "-", size: Any = "-") -> None:
+    """``BaseHTTPRequestHandler.log_request`` that writes nothing (its ``log_error`` still writes)."""
 
 
 def _free_port() -> int:

@@ -24,10 +24,12 @@ from __future__ import annotations
 import json
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from lioncub.launch.groups import launch_groups, parse_faults
+from lioncub.launch.config import LaunchConfig
+from lioncub.launch.groups import Fault, launch_groups, parse_faults
 from lioncub.launch.preload import MODULES
 from lioncub.launch.result import LaunchResult
 from lioncub.rundir import SpecialFileError, is_marked, read_run_file, record, write_atomically, write_owned
@@ -222,7 +224,7 @@ def run_fault_tolerant(
         bar.start()
     logs = GroupLogs(run_dir, cluster.replica_groups)
     try:
-        result = launch_groups(
+        result = _launch(
             launch_config,
             faults,
             logs.progress,
@@ -273,6 +275,26 @@ def run_fault_tolerant(
         except OSError as exc:
             print(f"lioncub: could not finish {run_dir} ({exc}); it stays as the groups left it", file=err)
     return RunOutcome(code, message, summary if code == 0 else None)
+
+
+def _launch(
+    config: LaunchConfig,
+    faults: list[Fault],
+    progress: Callable[[int], int],
+    *,
+    lighthouse: str | None,
+    out: TextIO | None,
+    err: TextIO,
+    ended: Callable[[int, int, int], None],
+) -> LaunchResult:
+    """:func:`lioncub.launch.groups.launch_groups`, its failures to start (the lighthouse, the emulated
+    network) as a failed launch naming them, so that the run is kept and says what failed."""
+    try:
+        return launch_groups(config, faults, progress, lighthouse=lighthouse, out=out, err=err, ended=ended)
+    except (RuntimeError, OSError) as exc:  # NetnsError, a lighthouse that did not start, no fork
+        message = f"the launch failed: {exc}"
+        print(f"lioncub: {message}", file=err, flush=True)
+        return LaunchResult(1, [], None, message, 0.0, 0, False, None, "", None)
 
 
 def _mark_end(run_dir: Path, group: int, life: int, code: int) -> None:

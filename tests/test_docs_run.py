@@ -58,13 +58,10 @@ RUN_ELSEWHERE = {
     ("docs/shards.md", "## A recipe for your own loop"): "tests/test_shards.py",
     ("docs/shards.md", "## Checkpoints"): "tests/test_shard_checkpoints.py",
 }
-#: blocks of pages this test's authors do not own, marked as excerpts here until their page marks them
-#: (the same meaning as ``<!-- excerpt -->`` before the fence): (page, the start of the block's first line)
-EXCERPTS_ELSEWHERE = {
-    # a replica group's loop: needs a torchft lighthouse, a schedule and data of the reader's
-    ("docs/fault-tolerance.md", "from torchft.coordination import LighthouseServer"),
-    # a node's ranks as one group: needs torchrun's nodes and a lighthouse
-    ("docs/fault-tolerance.md", "from lioncub.integrations.group_shares import shard"),
+#: pages whose python blocks are all excerpts, marked here until the page marks each block (the same meaning
+#: as ``<!-- excerpt -->`` before the fence): page -> why they cannot run as they stand
+PYTHON_EXCERPT_PAGES = {
+    "docs/fault-tolerance.md": "a lighthouse, replica groups and the reader's schedule and data",
 }
 
 READER = '''
@@ -123,7 +120,7 @@ def all_blocks() -> list[Block]:
 
 def coverage(block: Block) -> str | None:
     """How ``block`` is run or checked (a phrase), None where it is neither run nor marked."""
-    if block.excerpt or any(block.page == p and block.code.startswith(s) for p, s in EXCERPTS_ELSEWHERE):
+    if block.excerpt or (block.lang == "python" and block.page in PYTHON_EXCERPT_PAGES):
         return "an excerpt"
     if block.lang == "bash":
         return "flags parsed (test_bash_commands_parse)"
@@ -146,8 +143,8 @@ def test_every_code_block_is_run_or_marked_as_an_excerpt() -> None:
     for (page, section), test in RUN_ELSEWHERE.items():
         assert any(b.page == page and b.section == section and b.lang == "python" for b in found), page
         assert page in (ROOT / test).read_text(), f"{test} does not name {page}"
-    for page, start in EXCERPTS_ELSEWHERE:
-        assert any(b.page == page and b.code.startswith(start) for b in found), (page, start)
+    for page in PYTHON_EXCERPT_PAGES:
+        assert any(b.page == page and b.lang == "python" for b in found), page
 
 
 def test_the_markers_are_read(tmp_path: Path) -> None:

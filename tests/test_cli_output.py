@@ -26,6 +26,7 @@ import background
 import compare_runs
 from lioncub import cli
 from lioncub.report import runs as rp
+from lioncub.train.config import TrainConfig
 from lioncub.units import parse_rate
 
 from processes import python_cmd
@@ -655,24 +656,36 @@ def test_no_progress_line_after_the_final_evaluation(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------ 11. compare's peer row
 
 
-def test_compare_takes_the_torchft_diloco_row_it_advertises(run_cli: Callable) -> None:
+def test_compare_takes_the_torchft_diloco_row_it_advertises(
+    run_cli: Callable, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``compare --variants ...,torchft-diloco/h4 --fault-tolerant`` (README, docs/fault-tolerance.md) gets
-    past the names check; without --fault-tolerant, or without /hH, the refusal names what to add."""
-    import argparse
-
+    through every check to training, each row fault-tolerant (as ``train --variant torchft-diloco
+    --local-steps 4 --fault-tolerant``); without --fault-tolerant, or without /hH, the refusal names what to
+    add."""
     from lioncub.cli import compare
+    from lioncub.train.driver import RunOutcome
 
-    parser = argparse.ArgumentParser()
-    compare.add_arguments(parser)
-    argv = ["--variants", "1bit,1bit/h4,torchft-diloco/h4", "--nproc", "3", "--out", "x"]
-    args = parser.parse_args([*argv, "--fault-tolerant"])
-    assert compare._variants(args, Path("x")) == ["1bit", "1bit/h4", "torchft-diloco/h4"]
-    with pytest.raises(
-        ValueError, match=r"'torchft-diloco/h4' runs torchft's DiLoCo .* add --fault-tolerant"
-    ):
-        compare._variants(parser.parse_args(argv), Path("x"))
-    bare = parser.parse_args([*argv[:1], "1bit,torchft-diloco", *argv[2:], "--fault-tolerant"])
-    with pytest.raises(
-        ValueError, match=r"every H steps: name it torchft-diloco/hH \(e.g. torchft-diloco/h4\)"
-    ):
-        compare._variants(bare, Path("x"))
+    trained = []
+
+    def train_run(args: object, config: TrainConfig, *rest: object) -> RunOutcome:
+        trained.append(config)
+        return RunOutcome(3, "not trained here", None)
+
+    monkeypatch.setattr(compare, "train_run", train_run)
+    argv = ["compare", "--workload", "gpt", "--size", "tiny", "--nproc", "2", "--steps", "8"]
+    argv += ["--variants", "1bit/h4,torchft-diloco/h4", "--out", str(tmp_path / "cmp")]
+    rc, err = run_cli([*argv, "--fault-tolerant"])
+    assert rc == 3 and "1bit/h4 failed (exit code 3" in err, err  # the first row reached training
+    rc, err = run_cli(
+        [*argv[:-3], "torchft-diloco/h4,1bit/h4", *argv[-2:], "--fault-tolerant", "--overwrite"]
+    )
+    assert rc == 3 and "torchft-diloco/h4 failed (exit code 3" in err, err
+    assert [(c.optimizer.variant, c.optimizer.local_steps, c.cluster.fault_tolerant) for c in trained] == [
+        ("1bit", 4, True),
+        ("torchft-diloco", 4, True),
+    ]
+    rc, err = run_cli(argv)
+    assert rc == 2 and "'torchft-diloco/h4' runs torchft's DiLoCo" in err and "add --fault-tolerant" in err
+    rc, err = run_cli([*argv[:-3], "1bit,torchft-diloco", *argv[-2:], "--fault-tolerant"])
+    assert rc == 2 and "name it torchft-diloco/hH (e.g. torchft-diloco/h4)" in err, err

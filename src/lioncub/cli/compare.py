@@ -57,6 +57,10 @@ the schedule the cost rule picks: 1bit, 1bit/h4 or 1bit/h16 (docs/local-steps.md
   lioncub compare --variants 1bit,auto --nproc 4 --link 2mbit --time-budget 300 --out runs/auto
 A one-bit vote named NAME/plus (1bit/plus, 1bit/h16/plus) votes + for an exact zero, the papers' rule
 (--zero-vote plus, for every one-bit row).
+With --fault-tolerant every row runs between replica groups on torchft's lighthouse, under one --kill/--rejoin
+schedule, and torchft-diloco/hH is torchft's own DiLoCo there (docs/fault-tolerance.md), e.g.
+  lioncub compare --variants 1bit,1bit/h4,torchft-diloco/h4 --nproc 4 --fault-tolerant --kill 1@64 \
+      --rejoin 1@128 --steps 192 --out runs/ft
 A run named NAME+fsdp (or every row, with --fsdp) shards the model inside each node of --nnodes M
 --nproc-per-node L (L >= 2) with FSDP2 and votes between the nodes on the shards (docs/shards.md), e.g.
   lioncub compare --variants 1bit,1bit+fsdp --nnodes 2 --nproc-per-node 2 --link 1gbit --out runs/fsdp

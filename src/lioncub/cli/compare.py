@@ -45,12 +45,12 @@ A LionCub variant named NAME+overlap (or every LionCub variant, with --overlap) 
 backward pass (DDP communication hook; bitwise the same training as NAME). NAME@hierarchical votes node by
 node (bitwise NAME's training, other bytes per NIC) and 1bit@node-majority takes the majority of the
 nodes' majorities (another estimator); with --nnodes M --nproc-per-node L, e.g.
-  lioncub compare --variants 32bit,1bit,1bit@hierarchical,1bit@node-majority --nnodes 2 --nproc-per-node 2 \
+  lioncub compare --variants 32bit,1bit,1bit@hierarchical,1bit@node-majority --nnodes 2 --nproc-per-node 2 \\
       --link 100mbit --out runs/topo
 Local steps (docs/local-steps.md): NAME/hH votes every H steps -- 1bit/h16, 8bit/h16; dsm/h16 and
 diloco/h16 average the pseudo-gradients in fp32 (diloco-16bit/h16: bf16); /lrX sets the outer lr,
 /bB1:B2 the outer betas, and /keep or /average the inner momentum at an outer step (default: reset), e.g.
-  lioncub compare --variants 32bit,1bit,1bit/h16,1bit/h16/lr2,diloco/h16,diloco/h16/keep --nproc 4 \
+  lioncub compare --variants 32bit,1bit,1bit/h16,1bit/h16/lr2,diloco/h16,diloco/h16/keep --nproc 4 \\
       --link 20mbit --steps 512 --eval-every 32 --out runs/local
 The row auto measures the per-step 1bit vote's compute and communication in a short pilot and trains
 the schedule the cost rule picks: 1bit, 1bit/h4 or 1bit/h16 (docs/local-steps.md, 'Choosing H'), e.g.
@@ -59,7 +59,7 @@ A one-bit vote named NAME/plus (1bit/plus, 1bit/h16/plus) votes + for an exact z
 (--zero-vote plus, for every one-bit row).
 With --fault-tolerant every row runs between replica groups on torchft's lighthouse, under one --kill/--rejoin
 schedule, and torchft-diloco/hH is torchft's own DiLoCo there (docs/fault-tolerance.md), e.g.
-  lioncub compare --variants 1bit,1bit/h4,torchft-diloco/h4 --nproc 4 --fault-tolerant --kill 1@64 \
+  lioncub compare --variants 1bit,1bit/h4,torchft-diloco/h4 --nproc 4 --fault-tolerant --kill 1@64 \\
       --rejoin 1@128 --steps 192 --out runs/ft
 A run named NAME+fsdp (or every row, with --fsdp) shards the model inside each node of --nnodes M
 --nproc-per-node L (L >= 2) with FSDP2 and votes between the nodes on the shards (docs/shards.md), e.g.

@@ -69,3 +69,38 @@ def test_readme_examples_run_as_written() -> None:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     for i in range(len(blocks)):
         assert out.stdout.count(f"README block {i} ran") == 2, out.stdout  # on both ranks
+
+
+#: the names the README's blocks leave to the reader: their model and data (tests supply them), and what an
+#: earlier block or the framework recipe's text made (``model``, ``dataset``, ``loader``)
+READER_NAMES = {"build_model", "my_shard_of_the_data", "model", "dataset", "loader"}
+
+
+def free_names(code: str) -> set[str]:
+    """The names ``code`` reads but neither binds, imports nor finds among the builtins."""
+    import ast
+    import builtins
+
+    tree = ast.parse(code)
+    bound = set(dir(builtins))
+    read = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (read if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, ast.alias):
+            bound.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, ast.FunctionDef | ast.ClassDef):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+    return read - bound
+
+
+def test_the_readme_blocks_import_what_they_use() -> None:
+    """Every python block (tagged ones too) imports what it uses: the only names it takes from outside are
+    the reader's model and data (``READER_NAMES``)."""
+    blocks = re.findall(r"```python[^\n]*\n(.*?)```", README.read_text(), re.S)
+    assert len(blocks) >= 8
+    for block in blocks:
+        assert free_names(block) <= READER_NAMES, (free_names(block) - READER_NAMES, block[:200])
+    assert free_names("import torch\nx = torch.zeros(1)\nprint(y)\n") == {"y"}

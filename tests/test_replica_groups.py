@@ -701,4 +701,6 @@ def test_the_docs_loop_and_lighthouse_end_with_equal_replicas(restart_after: int
         assert len(set(agreement.digests.values())) == 1
         assert all(torch.equal(a, b) for a, b in zip(run["params"], runs[0]["params"], strict=True)), r
     if restart_after is not None:
-        assert runs[1]["heals"] and runs[1]["heals"][-1].step == 32  # the window after its restart
+        # the first window start its new life reached with the others (16 if they were still at it)
+        assert runs[1]["heals"] and runs[1]["heals"][-1].step in (16, 32), runs[1]["heals"]
+        assert runs[1]["heals"][-1].source in ("g0", "g2")

@@ -480,8 +480,8 @@ class ReplicaGroup(_Member):
             ) from err
         failed = self.manager.errored()
         self.left_out = None
-        if failed is not None:
-            return self._leave(failed)
+        if self._in_group_any(failed is not None):  # a group of ranks sits out whole
+            return self._leave(failed or ReplicaGroupError("another rank of the group could not heal"))
         healed = self._shares.agree_on_heal(self._healed) if self._shares else self._healed
         if healed is not None:
             if self._shares:
@@ -495,13 +495,24 @@ class ReplicaGroup(_Member):
         self.participants = self.manager.num_participants()
         if self.participants == 1 and self.max_groups > 1 and healed is None:
             beating = lighthouse_status(self.lighthouse).heartbeating
-            if beating > 1:  # peers alive, not in this quorum: it would train a replica of its own
+            if self._in_group_any(beating > 1):  # peers alive, not in this quorum: a replica of its own
                 self._alone_since = self._alone_since or time.monotonic()
                 self.left_out = f"alone in its quorum while {beating} groups heartbeat to the lighthouse"
                 return self.participants
         self._alone_since = None
         self.comm.reconfigure(rank, self.participants)
         return self.participants
+
+    def _in_group_any(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank of this group (collective in a group of several ranks, so that
+        its ranks decide alike; a group of one process: ``flag``)."""
+        if self.group_world_size == 1:
+            return flag
+        import torch.distributed as dist
+
+        held = torch.tensor([int(flag)], dtype=torch.int64)
+        dist.all_reduce(held, op=dist.ReduceOp.MAX, group=self.group_pg)
+        return bool(held.item())
 
     def _await_peers(self) -> None:
         """After a quorum that had this group alone while other groups heartbeat to the lighthouse (its

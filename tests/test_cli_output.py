@@ -398,6 +398,25 @@ def test_wrap_breaks_between_phrases_never_inside_a_number_or_a_name() -> None:
     assert wrap("  a note: " + "x" * 30, 20) == ["  a note:", "    " + "x" * 30]  # a word stands alone
 
 
+def test_a_table_too_wide_for_one_column_beside_its_names_is_printed_row_by_row() -> None:
+    from lioncub.report.text import print_table
+
+    buf = io.StringIO()
+    rows = [["dlion-mavo", "[bold]381 ms[/bold]"], ["dlion-avg", "336 ms"]]  # markup printed as styles
+    print_table(
+        Console(file=buf, width=16, color_system=None), "two presets", ["variant", "time / step"], rows
+    )
+    assert buf.getvalue().splitlines() == [
+        "two presets",
+        "dlion-mavo",
+        "  time / step:",
+        "      381 ms",
+        "dlion-avg",
+        "  time / step:",
+        "      336 ms",
+    ]
+
+
 @pytest.mark.parametrize("columns", [80, 120])
 def test_cost_tables_fit_the_terminal(
     columns: int, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch

@@ -54,6 +54,11 @@ def _longest_word(text: str) -> int:
     return max((cell_len(w) for w in text.split()), default=0)
 
 
+def _needs(headers: Sequence[str], rows: Sequence[Sequence[str]], columns: Sequence[int]) -> list[int]:
+    """The width each of ``columns`` needs: its widest cell, and its header's longest word."""
+    return [max([_longest_word(headers[i]), *(_plain_len(r[i]) for r in rows)]) for i in columns]
+
+
 def _table_width(widths: Sequence[int]) -> int:
     return sum(widths) + COLUMN_EXTRA * len(widths) + 1
 
@@ -64,7 +69,7 @@ def table_groups(
     """The columns of each table :func:`print_table` prints within ``width``: the ``keys`` first columns
     in every group, the others in order, as many as fit; ``None`` when not even one more column fits
     beside the keys (one block per row then)."""
-    need = [max([_longest_word(h), *(_plain_len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
+    need = _needs(headers, rows, range(len(headers)))
     key_cols = list(range(keys))
     groups: list[list[int]] = []
     for i in range(keys, len(headers)):
@@ -116,7 +121,7 @@ def print_table(
                 print_wrapped(out, f"  {header}: {Text.from_markup(cell).plain}", width=width, indent="    ")
         return
     for n, group in enumerate(groups):
-        need = [max([_longest_word(headers[i]), *(_plain_len(r[i]) for r in rows)]) for i in group]
+        need = _needs(headers, rows, group)
         _widen_headers([headers[i] for i in group], need, width - _table_width(need))
         table = Table(title=None if n == 0 else "(continued)", title_justify="left")
         for k, i in enumerate(group):

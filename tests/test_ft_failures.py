@@ -249,7 +249,7 @@ def test_a_group_whose_heal_failed_sits_the_step_out_and_votes_nothing() -> None
     group.manager, group._pg, group.comm, group._optimizer = _Manager(), pg, comm, opt
     group._snapshot, group._healed, group._shares, group.heals = None, None, None, []
     group.participants = group.skipped = group.committed = 0
-    group._alone_since = None
+    group._alone_since, group._rules_checked = None, True
     before = [p.detach().clone() for p in params]
     assert group.begin() == 3
     assert group.left_out == "ConnectionResetError: the heal's source went away" and pg.aborted
@@ -409,3 +409,24 @@ def test_a_launch_that_cannot_start_is_a_failed_launch_naming_why(monkeypatch: p
     assert result.message == "the launch failed: namespaces already exist: lcb12345-br"
     assert job_status(result, None) == (1, result.message)
     assert f"lioncub: {result.message}" in err.getvalue()
+
+
+def test_a_lighthouse_whose_quorum_can_never_form_is_named() -> None:
+    """A lighthouse that needs more groups than the job has (its /status page says min_replicas)."""
+    pytest.importorskip("torchft", reason="torchft is not installed: pip install 'lioncub[ft]'")
+    from torchft.coordination import LighthouseServer
+
+    from lioncub.integrations.torchft import lighthouse_status, quorum_rules_problem
+
+    server = LighthouseServer(bind="[::]:0", min_replicas=4, join_timeout_ms=100)
+    try:
+        status = lighthouse_status(server.address())
+    finally:
+        server.shutdown()
+    assert (status.min_replicas, status.asking, status.heartbeating) == (4, 0, 0)
+    assert quorum_rules_problem(status, 4) is None
+    problem = quorum_rules_problem(status, 3)
+    assert problem is not None and problem.startswith(
+        "the lighthouse needs min_replicas 4 groups for a quorum"
+    )
+    assert quorum_rules_problem(lighthouse_status("http://127.0.0.1:1"), 3) is None  # nothing said: no guess

@@ -90,6 +90,7 @@ __all__ = [
     "SettingsMismatchError",
     "lighthouse_status",
     "params_digest",
+    "quorum_rules_problem",
     "settings_of",
     "shard",
 ]
@@ -201,6 +202,19 @@ def lighthouse_status(lighthouse: str, timeout_s: float = 5.0) -> LighthouseStat
         int(beating[1]) if beating else 0,
         int(least[1]) if least else None,
     )
+
+
+def quorum_rules_problem(status: LighthouseStatus, max_groups: int) -> str | None:
+    """What in a lighthouse's rules (its ``/status``) keeps a job of at most ``max_groups`` groups from
+    ever forming a quorum: a ``min_replicas`` above ``max_groups`` (None: nothing, or the page says
+    nothing)."""
+    if status.min_replicas is not None and status.min_replicas > max_groups:
+        return (
+            f"the lighthouse needs min_replicas {status.min_replicas} groups for a quorum and this job has "
+            f"at most max_groups={max_groups}: no quorum could ever form; start the lighthouse with "
+            f"min_replicas <= {max_groups} (docs/fault-tolerance.md gives 1 and join_timeout_ms 60000)"
+        )
+    return None
 
 
 def _nbytes(tree: Any) -> int:
@@ -389,6 +403,7 @@ class ReplicaGroup(_Member):
         self._shares: GroupShares | None = None  # in a group of several ranks
         self.left_out: str | None = None  # why this group sits out the current step (its heal failed)
         self._alone_since: float | None = None  # alone in its quorums while other groups heartbeat, since
+        self._rules_checked = False  # the lighthouse's quorum rules (quorum_rules_problem)
 
     def _check_group(self) -> tuple[str, int]:
         """Check the group-of-ranks arguments; the store's (host, port) (new for a group of one process)."""
@@ -464,6 +479,11 @@ class ReplicaGroup(_Member):
         if not self.boundary:
             return self.participants
         refuse_off_cpu(self._params(), f"replica group {self.replica_id}: begin")
+        if not self._rules_checked:  # once: a lighthouse whose quorum can never form is refused at once
+            problem = quorum_rules_problem(lighthouse_status(self.lighthouse), self.max_groups)
+            if problem is not None:
+                raise ReplicaGroupError(f"replica group {self.replica_id}: {problem}")
+            self._rules_checked = True
         if self._alone_since is not None:
             self._await_peers()
         self._snapshot = self._take()

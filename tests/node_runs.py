@@ -93,12 +93,13 @@ dist.destroy_process_group()
 
 def main(out: Path) -> int:
     from lioncub.launch import LaunchConfig, launch
+    from lioncub.launch.preload import MODULES
 
     from processes import PY
 
     stdout, stderr = io.StringIO(), io.StringIO()
-    config = LaunchConfig(
-        [PY, "-c", NODE_STEPS], nnodes=M, nproc_per_node=L, link_rate_bps=1e9, timeout_s=120
+    config = LaunchConfig(  # torchrun's agents and ranks forked from one interpreter (as lioncub train's)
+        [PY, "-c", NODE_STEPS], nnodes=M, nproc_per_node=L, link_rate_bps=1e9, timeout_s=120, preload=MODULES
     )
     result = launch(config, out=stdout, err=stderr)
     traffic = result.node_traffic

@@ -300,15 +300,21 @@ def test_two_nodes_of_two_ranks_wire_bytes_match_the_node_nic() -> None:
 
 @pytest.mark.root
 @pytest.mark.slow
-def test_a_failed_rank_on_a_node_is_named_and_every_node_stops() -> None:
+@pytest.mark.parametrize("preload", [(), ("json",)], ids=["fresh", "forked"])
+def test_a_failed_rank_on_a_node_is_named_and_every_node_stops(preload: tuple[str, ...]) -> None:
+    """Fresh interpreters, or torchrun's agents and ranks forked from a zygote (:mod:`lioncub.launch.workers`:
+    the ranks' exit statuses reach torchrun through their shims; the other ranks are stopped through them)."""
     code = "import os, sys, time\nif os.environ['RANK'] == '3':\n    sys.exit(3)\ntime.sleep(60)\n"
     out, err = io.StringIO(), io.StringIO()
-    config = LaunchConfig([PY, "-c", code], nnodes=2, nproc_per_node=2, link_rate_bps=1e8, timeout_s=90)
+    config = LaunchConfig([PY, "-c", code], nnodes=2, nproc_per_node=2, link_rate_bps=1e8, timeout_s=90,
+                          preload=preload)  # fmt: skip
     result = launch(config, out=out, err=err)
     assert (result.returncode, result.failed_rank, result.failed_node) == (3, 3, 1), err.getvalue()
     assert result.message == "rank 3 (node 1, local rank 1) exited with code 3"
     assert "[lioncub] rank 3 (node 1, local rank 1) exited with code 3; stopping node 0" in err.getvalue()
     assert result.rank_returncodes[3] == 3 and result.wall_s < 40  # rank 0..2 sleep 60 s: they were stopped
+    if preload:  # torchrun ran the shims, and no process fell back to a fresh interpreter
+        assert "worker_shim.py FAILED" in err.getvalue() and "fresh interpreter" not in err.getvalue()
     assert_nothing_left(result.launch_id)
 
 

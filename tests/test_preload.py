@@ -15,6 +15,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,6 +23,7 @@ from emulated_network import assert_nothing_left
 from lioncub import cli
 from lioncub.launch import LaunchConfig, launch, preload
 from lioncub.launch.preload import MODULES, PreloadError, Zygote, shared_env
+from lioncub.launch.workers import WorkerRelay
 from lioncub.train.config import TrainConfig
 from lioncub.train.driver import RANK_MODULE, make_launch_config
 
@@ -230,11 +232,11 @@ def test_shared_env_leaves_out_what_differs_and_what_is_read_at_run_time() -> No
 
 
 def test_preload_is_refused_where_a_rank_cannot_be_forked() -> None:
-    with pytest.raises(ValueError, match=r"--preload forks ranks of `-m MODULE \.\.\.` started by --nproc"):
+    with pytest.raises(ValueError, match=r"--preload forks ranks of `-m MODULE \.\.\.` or `-c CODE`"):
         LaunchConfig(["train.py"], nproc=2, preload=MODULES)
-    with pytest.raises(ValueError, match="with --nnodes"):
-        LaunchConfig(["-m", "x"], nnodes=2, nproc_per_node=2, preload=MODULES, link_rate_bps=1e8)
+    LaunchConfig(["-m", "x"], nnodes=2, nproc_per_node=2, preload=MODULES, link_rate_bps=1e8)  # torchrun's
     LaunchConfig(["-m", "x"], nproc=2, preload=MODULES, link_rate_bps=1e8)  # a link: forked, then setns
+    LaunchConfig(["-c", "pass"], nproc=2, preload=MODULES)
     with pytest.raises(ValueError, match="--preload must be a tuple of module names"):
         LaunchConfig(["-m", "x"], nproc=2, preload="torch")  # type: ignore[arg-type]
 
@@ -242,7 +244,7 @@ def test_preload_is_refused_where_a_rank_cannot_be_forked() -> None:
 @pytest.mark.parametrize(
     ("device", "link", "nnodes", "preload_env", "forked"),
     [("cpu", "loopback", None, None, True), ("cpu", "100mbit", None, None, True),
-     ("cpu", "100mbit", 2, None, False), ("cpu", "loopback", None, "0", False),
+     ("cpu", "100mbit", 2, None, True), ("cpu", "loopback", None, "0", False),
      ("cuda", "loopback", None, None, False)],
 )  # fmt: skip
 def test_lioncub_train_forks_its_ranks_on_the_cpu_under_nproc(
@@ -272,7 +274,7 @@ def test_lioncub_launch_preload(
     parents = {int((probe_dir / f"pid{k}").read_text().split()[1]) for k in range(2)}
     assert len(parents) == 1 and parents != {os.getpid()}  # both forked by one zygote, not by the launcher
     assert cli.main(["launch", "--nproc", "2", "--preload", "torch", "--", "probe_rank.py", "ok"]) == 2
-    assert "--preload forks ranks of `-m MODULE ...` started by --nproc" in capfd.readouterr().err
+    assert "--preload forks ranks of `-m MODULE ...` or `-c CODE`" in capfd.readouterr().err
 
 
 @pytest.mark.slow
@@ -427,7 +429,7 @@ def test_the_network_namespace_is_a_field_of_the_request(probe_dir: Path) -> Non
         assert rank.wait(10) == 1
         assert "cannot enter network namespace lioncub-no-such-netns" in rank.stderr.read().decode()
         rank.stdout.close(), rank.stderr.close()
-        with pytest.raises(PreloadError, match=r"runs `python -m MODULE \.\.\.`, got \['ip', 'netns'"):
+        with pytest.raises(PreloadError, match=r"or `-c CODE`, got \['ip', 'netns'"):
             zygote.fork(["ip", "netns", "exec", "lioncub-no-such-netns", *argv], env, str(probe_dir))
 
 
@@ -457,3 +459,110 @@ def test_no_fork_where_a_gpu_may_be_used(
     assert launch(config, out=io.StringIO(), err=io.StringIO()).ok  # ranks on the CPU: forked
     pids = _rank_pids(probe_dir)
     assert pids is not None and pids[0][1] == pids[1][1] != os.getpid()
+
+
+#: ``python -c`` code that says what a fresh interpreter's ``-c`` gives it
+C_PROBE = textwrap.dedent("""
+    import json, os, sys
+    print(json.dumps({"argv": sys.argv, "name": __name__, "path0": sys.path[0], "spec": __spec__,
+                      "names": sorted(n for n in globals() if not n.startswith("__")), "pid": os.getpid()}))
+    sys.exit(int(sys.argv[1]))
+""")
+
+
+def test_a_c_rank_is_the_fresh_interpreter(probe_dir: Path) -> None:
+    """``python -c CODE ARGS`` forked: the same argv, ``__main__``, ``sys.path[0]`` and globals as fresh (none
+    of the zygote's names), and its exit status."""
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1"}
+    argv = [PY, "-c", C_PROBE, "4", "x"]
+    fresh = subprocess.run(argv, capture_output=True, text=True, cwd=probe_dir, env=env)
+    with preload.lease(shared_env([env]), str(probe_dir), LIGHT) as zygote:
+        rank = zygote.fork([PY, "-c", C_PROBE, "4", "x"], env, str(probe_dir))
+        assert rank.wait(20) == fresh.returncode == 4
+        assert rank.stdout is not None and rank.stderr is not None
+        forked, err = json.loads(rank.stdout.read()), rank.stderr.read().decode()
+        rank.stdout.close(), rank.stderr.close()
+    expected = json.loads(fresh.stdout)
+    assert forked.pop("pid") == rank.pid and expected.pop("pid") != rank.pid
+    assert forked == expected and err == fresh.stderr == "", (forked, expected)
+    assert expected["argv"] == ["-c", "4", "x"] and expected["names"] == ["json", "os", "sys"]
+
+
+def test_concurrent_forks_each_get_their_own_rank(probe_dir: Path) -> None:
+    """Forks asked for from several threads at once (the relay of torchrun's shims does) each get the pid of
+    the rank they asked for: the zygote's replies carry no request id, so one request at a time."""
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1"}
+    n = 8
+    start, got = threading.Barrier(n), [None] * n
+
+    def fork(k: int) -> None:
+        start.wait()
+        code = f"import os; print({k}, os.getpid())"
+        rank = zygote.fork([PY, "-c", code], {**env, "RANK": str(k)}, str(probe_dir))
+        assert rank.wait(20) == 0 and rank.stdout is not None and rank.stderr is not None
+        got[k] = (rank.pid, rank.stdout.read().decode().split())
+        rank.stdout.close(), rank.stderr.close()
+
+    with preload.lease(shared_env([env]), str(probe_dir), LIGHT) as zygote:
+        threads = [threading.Thread(target=fork, args=(k,)) for k in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    assert got == [(pid, [str(k), str(pid)]) for k, (pid, _) in enumerate(got)], got
+
+
+def _shim(relay: WorkerRelay, code: str, *args: str, **popen: Any) -> subprocess.Popen[str]:
+    """A rank's shim as torchrun's agent starts it (its own session), running ``python -c code args``."""
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1"}
+    return subprocess.Popen(relay.command(0, [PY, "-c", code, *args]), env=env, text=True,
+                            start_new_session=True, **popen)  # fmt: skip
+
+
+def test_a_shim_stands_in_for_its_forked_rank(probe_dir: Path) -> None:
+    """:mod:`lioncub.launch.workers`: the rank a shim asks for is a fork of the zygote writing to the shim's
+    stdout and stderr, with the shim's environment and directory; the shim exits as the rank did (code, or
+    the same signal), passes SIGTERM on, and a shim killed by SIGKILL takes its rank with it."""
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1"}
+    code = textwrap.dedent("""
+        import os, sys, time
+        open(f"part{sys.argv[1]}", "w").write(f"{os.getpid()} {os.getppid()}")
+        os.rename(f"part{sys.argv[1]}", f"rank{sys.argv[1]}")  # whole when the test sees it
+        print("out", os.environ["RANK"], os.getcwd()); print("err", sys.argv[1:], file=sys.stderr)
+        if sys.argv[2] == "sleep":
+            time.sleep(60)
+        sys.exit(int(sys.argv[2]))
+    """)
+    with preload.lease(shared_env([env]), str(probe_dir), LIGHT) as zygote, \
+            WorkerRelay(zygote, str(probe_dir), [None]) as relay:  # fmt: skip
+        shim = _shim(relay, code, "a", "5", cwd=probe_dir, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = shim.communicate(timeout=30)
+        assert shim.returncode == 5 and out == f"out 0 {probe_dir}\n" and err == "err ['a', '5']\n", err
+        pid, parent = map(int, (probe_dir / "ranka").read_text().split())
+        assert pid != shim.pid and parent == zygote.proc.pid  # forked by the zygote, not the shim
+
+        for sig, expected in ((signal.SIGTERM, -signal.SIGTERM), (signal.SIGKILL, -signal.SIGKILL)):
+            name = f"b{int(sig)}"
+            shim = _shim(relay, code, name, "sleep", cwd=probe_dir)
+            deadline = time.monotonic() + 20
+            while not (probe_dir / f"rank{name}").exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            pid = int((probe_dir / f"rank{name}").read_text().split()[0])
+            os.kill(shim.pid, sig)
+            assert shim.wait(20) == expected
+            deadline = time.monotonic() + 10
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert not _alive(pid), f"rank {pid} outlived its shim ({sig.name})"
+
+
+def test_a_shim_whose_rank_cannot_be_forked_runs_it_fresh(probe_dir: Path) -> None:
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1"}
+    with preload.lease(shared_env([env]), str(probe_dir), LIGHT) as zygote, \
+            WorkerRelay(zygote, str(probe_dir), [None]) as relay:  # fmt: skip
+        zygote.closed = True  # as after its death: no fork
+        shim = _shim(relay, "import os, sys; print(os.getpid()); sys.exit(6)", stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE)  # fmt: skip
+        out, err = shim.communicate(timeout=30)
+    assert shim.returncode == 6 and out.split() == [str(shim.pid)]  # the shim became the rank (exec)
+    assert "this rank starts as a fresh interpreter: the preloaded interpreter has exited" in err

@@ -39,7 +39,8 @@ class LaunchConfig:
     nproc_per_node: int | None = None
     intra_link_rate_bps: float | None = None  # None: the node's loopback, unshaped
     #: modules an interpreter imports once before it forks each rank (:mod:`lioncub.launch.preload`; e.g.
-    #: its ``MODULES``, torch); ``()``: each rank is a fresh interpreter. Only for ``-m MODULE``, not nodes
+    #: its ``MODULES``, torch); ``()``: each rank is a fresh interpreter. For ``-m MODULE`` and ``-c CODE``;
+    #: under ``--nnodes`` torchrun's agents and their ranks are forked (:mod:`lioncub.launch.workers`)
     preload: tuple[str, ...] = ()
     #: with ``preload``, the device the ranks use (``auto``, ``cpu``, ``cuda``): on a machine with a GPU only
     #: ranks on the CPU are forked (:func:`lioncub.launch.preload.gpu_refusal`)
@@ -72,11 +73,8 @@ class LaunchConfig:
             raise ValueError(f"--preload must be a tuple of module names, got {self.preload!r}")
         if self.preload_device not in DEVICES:
             raise ValueError(f"preload_device must be one of {list(DEVICES)}, got {self.preload_device!r}")
-        if self.preload and (argv[1:2] != ["-m"] or self.nnodes is not None):
-            raise ValueError(
-                "--preload forks ranks of `-m MODULE ...` started by --nproc (under --nnodes torchrun "
-                f"starts them); got cmd {self.cmd!r}" + (" with --nnodes" if self.nnodes is not None else "")
-            )
+        if self.preload and argv[1:2] not in (["-m"], ["-c"]):
+            raise ValueError(f"--preload forks ranks of `-m MODULE ...` or `-c CODE`; got cmd {self.cmd!r}")
 
     def _check_nodes(self) -> None:
         """Validate --nnodes / --nproc-per-node / --intra-link and set ``nproc`` to the world size."""

@@ -20,13 +20,14 @@ __all__ = [
 
 
 def build_command(cmd: Sequence[str]) -> list[str]:
-    """The argv each rank runs: ``-m mod ...`` and ``script.py ...`` get the current interpreter prepended."""
+    """The argv each rank runs: ``-m mod ...``, ``-c code ...`` and ``script.py ...`` get the current
+    interpreter prepended."""
     cmd = list(cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if not cmd:
         raise ValueError("no command to launch: put it after `--`, e.g. `lioncub launch --nproc 2 -- x.py`")
-    if cmd[0] == "-m" or cmd[0].endswith(".py"):
+    if cmd[0] in ("-m", "-c") or cmd[0].endswith(".py"):
         return [sys.executable, *cmd]
     return cmd
 

@@ -55,6 +55,7 @@ from lioncub.launch.supervisor import (
     forward_signals,
     popen,
 )
+from lioncub.launch.workers import WorkerRelay
 from lioncub.units import format_rate
 
 __all__ = ["AGENT_SHUTDOWN_MARGIN_S", "DEFAULT_LINK_PORT", "launch", "node_commands"]
@@ -189,18 +190,45 @@ def _preloaded(
     return [_forked(zygote, k, cmd, net.ranks[k].netns if net else None, output) for k in range(config.nproc)]
 
 
-def _forked(zygote: Zygote, rank: int, cmd: list[str], netns: str | None, output: Output) -> Start:
-    """Start rank ``rank`` as a fork of ``zygote`` running ``cmd`` inside ``netns``; if it cannot fork
-    (it died, or a thread started in it), as the fresh interpreter of the supervisor's argv, with a note."""
+def _forked(
+    zygote: Zygote, rank: int, cmd: list[str], netns: str | None, output: Output, unit: str = "rank"
+) -> Start:
+    """Start rank (or node agent) ``rank`` as a fork of ``zygote`` running ``cmd`` inside ``netns``; if it
+    cannot fork (it died, or a thread started in it), as the fresh interpreter of the supervisor's argv,
+    with a note."""
 
     def start(argv: list[str], env: dict[str, str], cwd: str | None) -> Any:
         try:
             return zygote.fork(cmd, env, cwd, netns=netns)
         except PreloadError as exc:
-            output.note(f"starting rank {rank} as a fresh interpreter: {exc}")
+            output.note(f"starting {unit} {rank} as a fresh interpreter: {exc}")
             return popen(argv, env, cwd)
 
     return start
+
+
+def _node_zygote(
+    config: LaunchConfig,
+    net: EmulatedNetwork,
+    port: int,
+    log_dir: str,
+    output: Output,
+    held: contextlib.ExitStack,
+) -> Zygote | None:
+    """The zygote that forks a launch of nodes' agents and ranks (:mod:`lioncub.launch.workers`), held by
+    ``held``; ``None`` (every process a fresh interpreter, with a note saying why) without ``preload``,
+    where ranks may use a GPU, or where no zygote can start."""
+    if not config.preload:
+        return None
+    why = gpu_refusal(config.preload_device)
+    if why is None:
+        _, envs = node_commands(config, net, port, log_dir)
+        try:
+            return held.enter_context(lease(shared_env(envs), config.cwd or os.getcwd(), config.preload))
+        except PreloadError as exc:
+            why = str(exc)
+    output.note(f"starting every agent and rank as a fresh interpreter: {why}")
+    return None
 
 
 def _result(
@@ -240,16 +268,21 @@ def _remove_leftovers(output: Output) -> None:
 
 
 def node_commands(
-    config: LaunchConfig, net: EmulatedNetwork, port: int, log_dir: str | None
+    config: LaunchConfig,
+    net: EmulatedNetwork,
+    port: int,
+    log_dir: str | None,
+    relay: WorkerRelay | None = None,
 ) -> tuple[list[list[str]], list[dict[str, str]]]:
-    """Each node's argv (its torchrun agent inside its namespace) and environment."""
+    """Each node's argv (its torchrun agent inside its namespace) and environment; with ``relay`` the agent
+    starts each rank through :data:`lioncub.launch.workers.SHIM` (a fork of the preloaded interpreter)."""
     assert config.nnodes is not None and config.nproc_per_node is not None and config.link_rate_bps
     cmd = build_command(config.cmd)
     shutdown_s = max(1, math.ceil(config.grace_s))
     argvs, envs = [], []
     for k, host in enumerate(net.hosts):
         agent = torchrun_command(
-            cmd,
+            cmd if relay is None else relay.command(k, cmd),
             nnodes=config.nnodes,
             nproc_per_node=config.nproc_per_node,
             endpoint=f"{net.master_addr}:{port}",
@@ -311,10 +344,20 @@ def _launch_nodes(
             f"(MTU {spec.mtu}, burst {spec.burst} B), ranks of a node on its {inside}, subnet {net.subnet}; "
             f"torchrun rendezvous at {net.master_addr}:{port}"
         )
-        argvs, envs = node_commands(config, net, port, log_dir)
+        zygote = _node_zygote(config, net, port, log_dir, output, stack)
+        relay = None
+        if zygote is not None:
+            netns = [net.ranks[k].netns for k in range(m)]
+            relay = stack.enter_context(WorkerRelay(zygote, log_dir, netns))
+        argvs, envs = node_commands(config, net, port, log_dir, relay)
+        start: Start | list[Start] = popen
+        if zygote is not None:  # each agent a fork too, inside its node's namespace
+            start = [_forked(zygote, k, argv[len(net.exec_prefix(k)) :], netns[k], output, "node")
+                     for k, argv in enumerate(argvs)]  # fmt: skip
         before, before_lo = net.counters(), net.loopback_counters()
         grace = config.grace_s + AGENT_SHUTDOWN_MARGIN_S  # the agents stop their own ranks first
-        attempt = Supervisor(events, output, grace, reports).run(argvs, envs, config.cwd, deadline)
+        supervisor = Supervisor(events, output, grace, reports, start=start)
+        attempt = supervisor.run(argvs, envs, config.cwd, deadline)
         nic, lo = _deltas(net.counters(), before), _deltas(net.loopback_counters(), before_lo)
         traffic = [
             NodeTraffic(k, net.hosts[k].ifname, d.tx_bytes, d.rx_bytes, d.tx_packets, d.rx_packets,

@@ -103,7 +103,7 @@ class ForkedRank:
     """A rank the zygote forked: the part of :class:`subprocess.Popen` the launcher uses, and ``reason``:
     why it ended when that was not its own doing (the zygote died), else ``None``."""
 
-    def __init__(self, pid: int, stdout: IO[bytes], stderr: IO[bytes]) -> None:
+    def __init__(self, pid: int, stdout: IO[bytes] | None, stderr: IO[bytes] | None) -> None:
         self.pid, self.stdout, self.stderr = pid, stdout, stderr
         self.returncode: int | None = None
         self.reason: str | None = None
@@ -164,6 +164,9 @@ class Zygote:
         self.executable, self.modules, self.env, self.cwd = executable, tuple(modules), dict(env), cwd
         self.key = _key(executable, cwd, modules, env)
         self.lock = threading.Lock()
+        # one request at a time until its reply: waiting for a reply releases ``lock``, and replies carry
+        # no request id, so a second request sent meanwhile could take the first one's pid
+        self.forking = threading.Lock()
         self.replies: list[dict[str, Any]] = []
         self.replied = threading.Condition(self.lock)
         self.ranks: dict[int, ForkedRank] = {}
@@ -214,19 +217,30 @@ class Zygote:
         return not self.closed and self.proc.poll() is None and self.thread.is_alive()
 
     def fork(
-        self, argv: Sequence[str], env: Mapping[str, str], cwd: str | None, *, netns: str | None = None
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        cwd: str | None,
+        *,
+        netns: str | None = None,
+        stdio: tuple[int, int] | None = None,
     ) -> ForkedRank:
-        """Start ``argv`` (``[python, "-m", MODULE, *ARGS]``) as a fork of the zygote inside network
-        namespace ``netns`` (a name in ``/run/netns``; ``None``: the zygote's), like ``subprocess.Popen(["ip",
-        "netns", "exec", netns, *argv], env=env, cwd=cwd, stdin=DEVNULL, stdout=PIPE, stderr=PIPE,
-        start_new_session=True)``. Raises :class:`PreloadError` if it cannot."""
-        if len(argv) < 3 or argv[1] != "-m":
-            raise PreloadError(f"a forked rank runs `python -m MODULE ...`, got {list(argv)!r}")
+        """Start ``argv`` (``[python, "-m", MODULE, *ARGS]`` or ``[python, "-c", CODE, *ARGS]``) as a fork of
+        the zygote inside network namespace ``netns`` (a name in ``/run/netns``; ``None``: the zygote's),
+        like ``subprocess.Popen(["ip", "netns", "exec", netns, *argv], env=env, cwd=cwd, stdin=DEVNULL,
+        stdout=PIPE, stderr=PIPE, start_new_session=True)``; with ``stdio`` (two descriptors, which stay the
+        caller's to close) the rank writes its stdout and stderr there instead, and the returned rank has no
+        pipes. Raises :class:`PreloadError` if it cannot."""
+        if len(argv) < 3 or argv[1] not in ("-m", "-c"):
+            raise PreloadError(f"a forked rank runs `python -m MODULE ...` or `-c CODE`, got {list(argv)!r}")
         request = {"argv": list(argv[1:]), "env": dict(env), "cwd": cwd or self.cwd, "netns": netns}
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
+        if stdio is not None:
+            out_r, out_w, err_r, err_w = -1, os.dup(stdio[0]), -1, os.dup(stdio[1])
+        else:
+            out_r, out_w = os.pipe()
+            err_r, err_w = os.pipe()
         try:
-            with self.lock:
+            with self.forking, self.lock:
                 if self.closed:
                     raise PreloadError("the preloaded interpreter has exited")
                 try:
@@ -246,15 +260,19 @@ class Zygote:
                 reply = self.replies.pop(0)
                 if "pid" not in reply:
                     raise PreloadError(f"the preloaded interpreter could not fork the rank: {reply['error']}")
-                rank = ForkedRank(reply["pid"], os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"))
+                if stdio is not None:
+                    rank = ForkedRank(reply["pid"], None, None)
+                else:
+                    rank = ForkedRank(reply["pid"], os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"))
                 self.ranks[rank.pid] = rank
                 if rank.pid in self.exits:
                     rank._exited(self.exits.pop(rank.pid))
                 return rank
         except BaseException:
             for fd in (out_r, err_r):
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+                if fd >= 0:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
             raise
         finally:
             os.close(out_w)

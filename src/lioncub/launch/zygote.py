@@ -212,13 +212,13 @@ def enter_netns(name: str) -> None:
 
 
 def run_rank(request: dict[str, Any]) -> None:
-    """Become ``python ARGV`` (``ARGV``: ``-m MODULE ARGS``) in the request's ``cwd`` with its ``env``,
-    inside network namespace ``netns`` if given, with a random state of its own."""
+    """Become ``python ARGV`` (``ARGV``: ``-m MODULE ARGS`` or ``-c CODE ARGS``) in the request's ``cwd``
+    with its ``env``, inside network namespace ``netns`` if given, with a random state of its own."""
     import runpy
 
     argv, env, cwd, netns = request["argv"], request["env"], request["cwd"], request["netns"]
-    if len(argv) < 2 or argv[0] != "-m":
-        raise SystemExit(f"lioncub.launch.zygote: a rank runs `-m MODULE ...`, got {argv!r}")
+    if len(argv) < 2 or argv[0] not in ("-m", "-c"):
+        raise SystemExit(f"lioncub.launch.zygote: a rank runs `-m MODULE ...` or `-c CODE`, got {argv!r}")
     if netns is not None:
         try:
             enter_netns(netns)
@@ -229,6 +229,15 @@ def run_rank(request: dict[str, Any]) -> None:
     os.environ.clear()
     os.environ.update(env)
     reseed()
+    if argv[0] == "-c":  # as `python -c CODE ARGS`: sys.argv[0] is "-c", the code runs as __main__
+        import types
+
+        sys.argv = ["-c", *argv[2:]]
+        sys.path[0] = ""  # as `python -c` puts it: the working directory, as it is when imports run
+        main = types.ModuleType("__main__")  # not the zygote's module: none of its names
+        sys.modules["__main__"] = main
+        exec(compile(argv[1], "<string>", "exec"), vars(main))
+        return
     sys.argv = ["-m", *argv[2:]]
     runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
 

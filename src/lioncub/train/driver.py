@@ -329,7 +329,7 @@ def run_training(
         cmd.append(str(next_config))
     bar = None
     if progress:
-        bar = Progress(run_dir / "log.jsonl", label or run_label(config.flat()), start, config.run.steps, err)
+        bar = Progress(run_dir / "log.jsonl", label or config.optimizer.variant, start, config.run.steps, err)
         bar.start()
     try:
         rank_env = {"LIONCUB_PG_TIMEOUT": f"{collective_timeout_s:g}", **(env or {})}

@@ -272,15 +272,14 @@ def make_launch_config(
 
 def preload_ranks(config: TrainConfig, cmd: list[str]) -> bool:
     """Whether the ranks start as forks of an interpreter that imported torch once
-    (:mod:`lioncub.launch.preload`): for the rank module under ``--nproc`` (on loopback or behind links;
-    under ``--nnodes`` torchrun starts them, but not a fault-tolerant run's, whose launcher starts every
-    process itself), unless ``LIONCUB_PRELOAD=0`` or the ranks may use a GPU
-    (:func:`lioncub.launch.preload.gpu_refusal`: ``--device cpu``, or ``auto`` on a machine without one)."""
+    (:mod:`lioncub.launch.preload`): for the rank module under ``--nproc`` (on loopback or behind links)
+    and ``--nnodes`` (torchrun's agents and the ranks they start, :mod:`lioncub.launch.workers`; a
+    fault-tolerant run's launcher forks every process itself), unless ``LIONCUB_PRELOAD=0`` or the ranks
+    may use a GPU (:func:`lioncub.launch.preload.gpu_refusal`: ``--device cpu``, or ``auto`` on a machine
+    without one)."""
     from lioncub.launch.preload import gpu_refusal
 
-    cluster = config.cluster
-    torchrun = cluster.nnodes is not None and not cluster.fault_tolerant
-    if env.text("LIONCUB_PRELOAD") == "0" or torchrun or cmd[1:3] != ["-m", RANK_MODULE]:
+    if env.text("LIONCUB_PRELOAD") == "0" or cmd[1:3] != ["-m", RANK_MODULE]:
         return False
     return gpu_refusal(config.run.device) is None
 
@@ -330,7 +329,7 @@ def run_training(
         cmd.append(str(next_config))
     bar = None
     if progress:
-        bar = Progress(run_dir / "log.jsonl", label or config.optimizer.variant, start, config.run.steps, err)
+        bar = Progress(run_dir / "log.jsonl", label or run_label(config.flat()), start, config.run.steps, err)
         bar.start()
     try:
         rank_env = {"LIONCUB_PG_TIMEOUT": f"{collective_timeout_s:g}", **(env or {})}

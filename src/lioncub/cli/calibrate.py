@@ -157,9 +157,9 @@ def _launch_self(args: argparse.Namespace) -> int:
         argv.append("--flat")
     try:
         nodes = args.nnodes is not None
-        # under --nproc the ranks are forks of one interpreter that imported torch and the measurements once
-        # (under --nnodes torchrun starts them), unless they may use a GPU
-        fork = not nodes and gpu_refusal() is None and env.text("LIONCUB_PRELOAD") != "0"
+        # the ranks are forks of one interpreter that imported torch and the measurements once (under
+        # --nnodes torchrun's agents and the ranks they start), unless they may use a GPU
+        fork = gpu_refusal() is None and env.text("LIONCUB_PRELOAD") != "0"
         config = LaunchConfig(
             argv,
             nproc=1 if nodes else args.nproc,

@@ -15,6 +15,7 @@ import re
 import shutil
 import statistics
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -429,6 +430,31 @@ STAND_IN = textwrap.dedent(
 )
 
 
+@pytest.fixture
+def lighthouse_page() -> Iterator[str]:
+    """The URL of a page that answers as a lighthouse's ``/status`` does (HTTP 200), in this process: what
+    the launcher watches of a lighthouse given by URL, for the stand-in groups (which need no quorum)."""
+    import http.server
+    import threading
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"Next quorum status: [0/0 participants healthy][0 heartbeating]")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def _progress(out: Path) -> object:
     def progress(group: int) -> int:
         path = out / f"g{group}.jsonl"
@@ -439,13 +465,15 @@ def _progress(out: Path) -> object:
 
 
 @pytest.mark.slow
-def test_the_launcher_kills_a_group_after_its_step_and_starts_it_again(tmp_path: Path) -> None:
+def test_the_launcher_kills_a_group_after_its_step_and_starts_it_again(
+    tmp_path: Path, lighthouse_page: str
+) -> None:
     script = tmp_path / "group.py"
     script.write_text(STAND_IN)
     config = LaunchConfig(python_cmd(str(script), str(tmp_path), "6", "12"), nproc=3, timeout_s=60)
     out, err = io.StringIO(), io.StringIO()
     faults = [Fault(6, "kill", 1), Fault(12, "rejoin", 1)]
-    result = launch_groups(config, faults, _progress(tmp_path), lighthouse="http://lh:1", out=out, err=err)
+    result = launch_groups(config, faults, _progress(tmp_path), lighthouse=lighthouse_page, out=out, err=err)
     assert result.ok, err.getvalue()
     assert result.rank_returncodes == [0, 0, 0]
     lines = [json.loads(x) for x in (tmp_path / "g1.jsonl").read_text().splitlines()]
@@ -453,12 +481,12 @@ def test_the_launcher_kills_a_group_after_its_step_and_starts_it_again(tmp_path:
     assert [(r["step"], r["life"]) for r in lines] == expected
     assert "--kill 1@6: group 1 SIGKILLed after its step 6" in err.getvalue()
     assert "--rejoin 1@12: group 1 started again at step 12" in err.getvalue()
-    assert "[g1] group 1 life 1 lighthouse http://lh:1" in out.getvalue()
+    assert f"[g1] group 1 life 1 lighthouse {lighthouse_page}" in out.getvalue()
 
 
 @pytest.mark.slow
 def test_a_group_that_fails_on_its_own_fails_the_job_once_the_others_finish(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lighthouse_page: str
 ) -> None:
     script = tmp_path / "group.py"
     script.write_text(STAND_IN)
@@ -466,7 +494,7 @@ def test_a_group_that_fails_on_its_own_fails_the_job_once_the_others_finish(
     config = LaunchConfig(python_cmd(str(script), str(tmp_path), "0", "0"), nproc=3, timeout_s=60)
     err = io.StringIO()
     result = launch_groups(
-        config, [], _progress(tmp_path), lighthouse="http://lh:1", out=io.StringIO(), err=err
+        config, [], _progress(tmp_path), lighthouse=lighthouse_page, out=io.StringIO(), err=err
     )
     assert (result.returncode, result.failed_rank) == (3, 2)
     assert result.message == "group 2 exited with code 3"
@@ -476,13 +504,13 @@ def test_a_group_that_fails_on_its_own_fails_the_job_once_the_others_finish(
 
 
 @pytest.mark.slow
-def test_the_launcher_times_out_with_the_groups_still_running(tmp_path: Path) -> None:
+def test_the_launcher_times_out_with_the_groups_still_running(tmp_path: Path, lighthouse_page: str) -> None:
     script = tmp_path / "group.py"
     script.write_text(STAND_IN)
     config = LaunchConfig(python_cmd(str(script), str(tmp_path), "2", "0"), nproc=2, timeout_s=4)
     err = io.StringIO()
     result = launch_groups(
-        config, [], _progress(tmp_path), lighthouse="http://lh:1", out=io.StringIO(), err=err
+        config, [], _progress(tmp_path), lighthouse=lighthouse_page, out=io.StringIO(), err=err
     )
     assert result.timed_out and result.returncode == 124
     assert result.message == "timed out; groups still running: 1"

@@ -261,7 +261,7 @@ def run_fault_tolerant(
             "kept": sorted(_kept(run_dir, cluster.replica_groups)),
         }  # fmt: skip
         _write(run_dir, FAILURE_FILE, json.dumps(failure, indent=1) + "\n")
-        if summary is not None and code != 0:
+        if summary is not None:  # groups finished: what they did, though the job failed
             print(format_summary(summary), file=err, flush=True)
         print(
             f"lioncub: {message}; nothing was deleted: {run_dir / FAILURE_FILE} says what failed, the "
@@ -312,8 +312,8 @@ def _write(run_dir: Path, name: str, text: str) -> None:
 
 
 def _kept(run_dir: Path, groups: int) -> list[str]:
-    """The files of the run a failure keeps (all of them): the merged log, the groups' logs and ends, the
-    model and the summary, those that exist."""
+    """What a failed run holds for its reader (a failure deletes nothing): the merged log, the model, the
+    summary, the groups' logs and end records, those that exist."""
     names = ["log.jsonl", MODEL_FILE, "summary.json"]
     names += [n for g in range(groups) for n in (log_name(g), end_name(g))]
     return [n for n in names if (run_dir / n).is_file()]

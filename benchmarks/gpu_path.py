@@ -118,7 +118,9 @@ class Sections:
 
     @contextlib.contextmanager
     def run(self, name: str, bound_s: float | None = None) -> Iterator[None]:
-        """The with-block as section ``name``: its exception (an ``Exception``) is reported, not raised."""
+        """The with-block as section ``name``: its exception (an ``Exception``, or a ``SystemExit`` that a
+        library raised) is reported, not raised; a ``KeyboardInterrupt`` ends the check. Past ``bound_s``
+        every thread's stack is dumped to stderr (the section goes on)."""
         t0 = time.perf_counter()
         self.current = name
         if self.after is not None:
@@ -129,7 +131,7 @@ class Sections:
             yield
             if name in self.inject:
                 raise RuntimeError(f"failure injected at the end of section {name!r} (--fail-section)")
-        except Exception as err:
+        except (Exception, SystemExit) as err:
             status = "FAIL"
             self.errors.append((name, summary(err)))
             self.on_fail(name, summary(err), traceback.format_exc())

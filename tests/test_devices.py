@@ -16,7 +16,9 @@ import ast
 import datetime
 import functools
 import importlib.util
+import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -599,3 +601,26 @@ def test_the_votes_exchanged_at_world_size_one_equal_the_simulation() -> None:
             assert torch.equal(a, b), preset
     lion = simulate("1bit", 1)  # the shortcut: Lion's step, which differs where c is exactly 0
     assert not all(torch.equal(a, b) for a, b in zip(got["1bit"]["params"], lion, strict=True))
+
+
+def test_a_device_check_section_that_hangs_dumps_the_stacks_and_an_exit_is_its_failure(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """``benchmarks/gpu_path.py``'s section guard (issue 44, item 4): past its bound a section's threads'
+    stacks reach stderr and it goes on; a ``SystemExit`` inside a section fails that section only."""
+    failed: list[tuple[str, str]] = []
+    sections = gpu_path.Sections(
+        lambda name, what, tb: failed.append((name, what)), lambda *_: None, bound_s=0.05
+    )
+    with sections.run("waits"):
+        time.sleep(0.5)
+    with sections.run("exits"):
+        sys.exit(3)
+    with sections.run("after"):
+        pass
+    err = capfd.readouterr().err
+    assert "Timeout (0:00:00.050000)!" in err and "test_a_device_check_section_that_hangs" in err, err
+    assert [(name, status) for name, _, status in sections.results] == [
+        ("waits", "ok"), ("exits", "FAIL"), ("after", "ok")
+    ]  # fmt: skip
+    assert failed == [("exits", "SystemExit: 3")], failed

@@ -440,7 +440,7 @@ def test_workload_names_and_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("LIONCUB_DATA", str(tmp_path / "nowhere"))
     with pytest.raises(FileNotFoundError) as err3:
         check_workload("gpt", "small")
-    assert_names(str(err3.value), ["shakespeare.txt", "LIONCUB_DATA=", "fetch-data"])
+    assert_names(str(err3.value), ["shakespeare.txt", "LIONCUB_DATA=", "lioncub data fetch"])
     with pytest.raises(ValueError) as err4:
         make_workload("gpt", "tiny", block_size=100_000)
     assert_names(str(err4.value), ["block_size=100000", "below"])

@@ -22,6 +22,8 @@ import torch
 from lioncub import LionCub
 from lioncub.collectives import exchange_when_alone
 from lioncub.optim.engine import PHASES, PhaseClock, StepTimes
+from lioncub.optim.local_steps import LocalSteps
+from lioncub.optim.sync import MomentumSync
 
 
 class FakeEvent:
@@ -75,17 +77,32 @@ def _steps(opt: LionCub, params: list[torch.nn.Parameter], steps: int) -> None:
         opt.step()
 
 
-@pytest.mark.parametrize("variant", ["1bit", "8bit", "32bit"])
-def test_a_gpu_step_never_synchronizes_the_device(one_rank: Any, fake_cuda: list[Any], variant: str) -> None:
+#: the paths of a step besides the plain vote: H local steps (an outer step every second), momentum sync
+OPTIONS: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "local-steps": {"local_steps": LocalSteps(h=2)},
+    "momentum-sync": {"momentum_sync": MomentumSync("all", every=2)},
+}
+
+
+@pytest.mark.parametrize(
+    ("variant", "options"),
+    [("1bit", "plain"), ("8bit", "plain"), ("32bit", "plain"), ("1bit", "local-steps"),
+     ("8bit", "local-steps"), ("1bit", "momentum-sync")],
+)  # fmt: skip
+def test_a_gpu_step_never_synchronizes_the_device(
+    one_rank: Any, fake_cuda: list[Any], variant: str, options: str
+) -> None:
     """With the clock on a GPU a step makes no ``torch.cuda.synchronize`` at 4 or at 32 buckets (the
     old clock: 3 per bucket plus 2 per phase), records two events per bucket (the wait and the apply)
     and a few per step, waits on none of them inside the step, and ``comm_stats`` reads them without a
-    device-wide synchronization."""
+    device-wide synchronization; also on the steps of local steps (inner and outer) and of momentum
+    sync."""
     made = {}
     for tensors in (4, 32):
         params = _model(tensors)
         with exchange_when_alone():
-            opt = LionCub(params, lr=1e-3, variant=variant, bucket_mb=4096 * 4 / 2**20)
+            opt = LionCub(params, lr=1e-3, variant=variant, bucket_mb=4096 * 4 / 2**20, **OPTIONS[options])
         assert len(opt.layout.buckets) == tensors
         opt.engine.clock = PhaseClock(torch.device("cuda", 0))
         _steps(opt, params, 1)  # the first step: the layout's one-time work

@@ -96,34 +96,62 @@ def _differences(name: str, step: int, sharded: LionCub, whole: LionCub) -> list
     return out
 
 
+def _share_differences(name: str, step: int, shared: LionCub, whole: LionCub) -> list[str]:
+    """Where the model of DDP inside the shard dimension differs from the whole model (every parameter,
+    after the shares' broadcast), and its momenta from the whole model's (this rank's share; none
+    elsewhere)."""
+    assert shared.shares is not None
+    out = []
+    params = [p for g in shared.param_groups for p in g["params"]]
+    wholes = [p for g in whole.param_groups for p in g["params"]]
+    for i, (p, w) in enumerate(zip(params, wholes, strict=True)):
+        if not torch.equal(p, w):
+            out.append(f"{name} step {step}: DDP inside, parameter {i}")
+        m, wm = shared.state.get(p, {}).get("exp_avg"), whole.state[w].get("exp_avg")
+        if not shared.shares.owns(p):
+            wm = None  # another rank of the replica votes on it
+        if (m is None) != (wm is None) or (m is not None and not torch.equal(m, wm)):
+            out.append(f"{name} step {step}: DDP inside, momentum {i}")
+    return out
+
+
 def worker_parity(rank: int, world: int, cases: list[tuple[str, dict[str, Any]]], steps: int) -> list[str]:
+    """The sharded vote (FSDP2) and DDP inside the shard dimension (plain parameters, each rank voting
+    on its share of whole tensors) against the unsharded vote of the two replicas' mean gradients."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=SHARD_DIMS)
     replica, shard = mesh["replicate"].get_local_rank(), mesh["shard"].get_local_rank()
     bad: list[str] = []
     for name, options in cases:
-        model, whole = _sharded(mesh), _model()
+        model, whole, plain = _sharded(mesh), _model(), _model()
         kwargs = dict(lr=0.01, weight_decay=0.1, **options)
         nan_at, reload_at = kwargs.pop("nan_at", None), kwargs.pop("reload_at", None)
         opt = LionCub(model.parameters(), process_group=mesh, **kwargs)
         ref = LionCub(whole.parameters(), process_group=mesh.get_group("replicate"), **kwargs)
+        shared = LionCub(plain.parameters(), process_group=mesh, **kwargs)
         for step in range(steps):
             _loss(model, step, replica, shard).backward()
             if step == nan_at and (replica, shard) == (0, 1):
                 next(model.parameters()).grad.to_local()[0, 0] = float("nan")  # type: ignore[union-attr]
-            for p, w in zip(model.parameters(), whole.parameters(), strict=True):
+            for p, w, d in zip(model.parameters(), whole.parameters(), plain.parameters(), strict=True):
                 assert isinstance(p.grad, DTensor)
                 w.grad = p.grad.full_tensor()  # the replica's mean gradient, whole
-            opt.step()
-            ref.step()
-            opt.zero_grad()
-            ref.zero_grad()
+                d.grad = w.grad.clone()  # as DDP inside the shard group would average it
+            for o in (opt, ref, shared):
+                o.step()
+                o.zero_grad()
             if step == reload_at:  # a state dict of a window's middle, loaded back
-                opt.load_state_dict(copy.deepcopy(opt.state_dict()))
-                ref.load_state_dict(copy.deepcopy(ref.state_dict()))
+                for o in (opt, ref, shared):
+                    o.load_state_dict(copy.deepcopy(o.state_dict()))
             bad += _differences(name, step, opt, ref)
+            if shared.config.quantizer != "qsgd":  # a share's tensors draw a stream of their own
+                bad += _share_differences(name, step, shared, ref)
+        if shared.shares is not None and not any(p in shared.state for p in plain.parameters()):
+            bad.append(f"{name}: shard rank {shard} owns no tensor: the model does not test the shares")
         if not bad and not any(p.to_local().numel() == 0 for p in model.parameters()) and shard == 1:
             bad.append("no empty shard: the model does not test one")
         skipped = opt.comm_stats()["total"]["skipped_steps"]  # local steps: the NaN's replica only
+        if shared.comm_stats()["total"]["skipped_steps"] != skipped:
+            bad.append(f"{name}: {skipped} steps skipped on shards, DDP inside skipped otherwise")
         if ref.comm_stats()["total"]["skipped_steps"] != skipped or (
             replica == 0 and skipped != (nan_at is not None)
         ):
@@ -162,6 +190,14 @@ def _message(make: Any) -> str:
     return "accepted"
 
 
+def _load_share(params: list[nn.Parameter], mesh: Any, *, whole: bool) -> None:
+    """A state of DDP inside the shard dimension (a share's) into an optimizer of the whole model, or the
+    other way round."""
+    shares = LionCub(params, process_group=mesh)
+    plain = LionCub(params, process_group=mesh.get_group("replicate"))
+    (plain if whole else shares).load_state_dict((shares if whole else plain).state_dict())
+
+
 def worker_refusals(rank: int, world: int) -> dict[str, str]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=SHARD_DIMS)
     nodes = init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local"))
@@ -188,7 +224,13 @@ def worker_refusals(rank: int, world: int) -> dict[str, str]:
         "shard(1)": _message(lambda: LionCub([dt(Shard(1))], process_group=mesh)),
         "other mesh": _message(lambda: LionCub([dt(Shard(0), mesh["replicate"])], process_group=mesh)),
         "mixed": _message(lambda: LionCub(params + plain, process_group=mesh)),
-        "plain on a shard mesh": _message(lambda: LionCub(plain, process_group=mesh)),
+        "shares over nodes": _message(
+            lambda: LionCub(
+                plain, process_group=mesh, variant=resolve_variant("1bit", topology="hierarchical")
+            )
+        ),
+        "a share's state, whole": _message(lambda: _load_share(plain, mesh, whole=True)),
+        "a whole state, shares": _message(lambda: _load_share(plain, mesh, whole=False)),
         "hierarchical": _message(
             lambda: LionCub(
                 params, process_group=mesh, variant=resolve_variant("1bit", topology="hierarchical")
@@ -226,7 +268,13 @@ def test_what_is_not_a_shard_of_the_mesh_is_refused_naming_what_is_supported() -
             "LionCub: param_groups[0]['params'][6] is a plain Parameter of shape (3,) among DTensor",
             supported,
         ),
-        "plain on a shard mesh": ("ValueError", "is for FSDP2's parameters (DTensors)", ""),
+        "shares over nodes": (
+            "ValueError",
+            "topology='hierarchical' on a ('replicate', 'shard') mesh's shares",
+            "",
+        ),
+        "a share's state, whole": ("ValueError", "holds the momenta of share ", "votes on the whole model"),
+        "a whole state, shares": ("ValueError", "holds the momenta of the whole model", " votes on share "),
         "hierarchical": ("ValueError", "topology='hierarchical' on sharded parameters", ""),
         "diagnostics": ("ValueError", "diagnostics_every=1", ""),
         "overlap": ("ValueError", "overlap_with: the parameters are FSDP2's shards", ""),

@@ -14,6 +14,14 @@ ranks so that the group's NIC carries one vote's bytes, as a single rank's would
 torchft heals the ranks of a group that is behind together, each from its peer rank; at the first quorum
 with ``init_sync`` it picks each rank's source by its rank, so that only some ranks of a group heal: the
 ranks agree on a heal (:meth:`GroupShares.agree_on_heal`) before they broadcast.
+
+The shares are the optimizer's own mechanism for "which part of the model this rank votes on" with DDP
+inside: ``LionCub(params, process_group=mesh)`` on a ``("replicate", "shard")`` mesh with plain parameters
+takes the same share (:func:`lioncub.optim.shards.share_owners`) and broadcasts it the same way
+(:func:`lioncub.optim.shards.broadcast_shares`) after its step (docs/shards.md). Here torchft's group
+(a :class:`~lioncub.collectives.GroupComm`, whose members change) is the replicate dimension, the caller
+hands the optimizer its share, and the broadcast waits for torchft's commit (a step is shared once the
+group's ranks agree that it stands).
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lioncub._validate import is_int
+from lioncub.optim.shards import broadcast_shares, share_owners
 
 __all__ = ["GroupShares", "shard", "share_of"]
 
@@ -32,15 +40,10 @@ __all__ = ["GroupShares", "shard", "share_of"]
 def shard(params: Sequence[torch.Tensor], parts: int) -> list[int]:
     """Which of ``parts`` ranks owns each tensor of ``params``: whole tensors, largest first, each to the
     rank with the fewest elements so far (ties: the lowest rank). The same on every rank and group for the
-    same shapes. A list of owners, one per tensor of ``params``, in its order."""
-    if not is_int(parts, 1):
-        raise ValueError(f"parts={parts!r} must be an int >= 1")
-    owners, load = [0] * len(params), [0] * parts
-    for i in sorted(range(len(params)), key=lambda i: (-params[i].numel(), i)):
-        owner = min(range(parts), key=lambda r: (load[r], r))
-        owners[i] = owner
-        load[owner] += params[i].numel()
-    return owners
+    same shapes. A list of owners, one per tensor of ``params``, in its order (the assignment of
+    ``LionCub(process_group=mesh)`` with DDP inside the mesh's shard dimension:
+    :func:`lioncub.optim.shards.share_owners`)."""
+    return share_owners(params, parts)
 
 
 def share_of(params: Sequence[torch.Tensor], parts: int, part: int) -> list[torch.Tensor]:
@@ -85,19 +88,9 @@ class GroupShares:
         self.shares = [(r, share_of(params, size, r)) for r in range(size)]
 
     def broadcast(self) -> None:
-        """Every rank's share to the others of the group (collective in the group)."""
-        with torch.no_grad():
-            for owner, tensors in self.shares:
-                src = dist.get_global_rank(self.group_pg, owner) if self.group_pg is not None else owner
-                for dtype in dict.fromkeys(t.dtype for t in tensors):
-                    same = [t for t in tensors if t.dtype == dtype]
-                    flat = torch.cat([t.detach().reshape(-1) for t in same])
-                    dist.broadcast(flat, src=src, group=self.group_pg)
-                    if owner != self.rank:
-                        offset = 0
-                        for t in same:
-                            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                            offset += t.numel()
+        """Every rank's share to the others of the group (collective in the group;
+        :func:`lioncub.optim.shards.broadcast_shares`, as ``LionCub`` on a mesh does after its step)."""
+        broadcast_shares(self.shares, self.rank, self.group_pg)
 
     def agree_on_heal(self, mine: tuple[str, int] | None) -> tuple[str, int] | None:
         """What the group's ranks healed at this quorum (``mine``: this rank's (source, bytes received), or

@@ -78,7 +78,7 @@ from lioncub.optim.replicas import (
 )
 from lioncub.optim.round import InitialValues, VoteRound
 from lioncub.optim.shard_state import from_checkpoint, is_checkpoint_form, state_keys, to_checkpoint
-from lioncub.optim.shards import ShardView, check_shard_options, shard_view
+from lioncub.optim.shards import ShardView, ShareView, check_shard_options, part_view, refuse_unsharded_mesh
 from lioncub.optim.state_dict import StateOwner, consolidated_entry, gather_states, restore_meta, state_meta
 from lioncub.optim.step_check import (
     NONFINITE_MODES,
@@ -154,7 +154,7 @@ class LionCub(LeanOptimizer):
         weight_decay: float = 0.0,
         *,
         variant: str | VoteConfig = "8bit",
-        process_group: dist.ProcessGroup | Comm | None = None,
+        process_group: dist.ProcessGroup | DeviceMesh | str | Comm | None = None,
         local_steps: LocalSteps | int | Mapping[str, Any] | None = None,
         model: torch.nn.Module | None = None,
         maximize: bool = False,
@@ -225,6 +225,8 @@ class LionCub(LeanOptimizer):
         )
         if initial is not None:
             initial.give(self._view.param_groups, self.layout)
+            if self.shares is not None:  # each share's replica-0 values to the rest of its replica
+                self.shares.broadcast()
         self._allocate_shard_state()
 
     # -- construction --------------------------------------------------------------------------------
@@ -232,20 +234,25 @@ class LionCub(LeanOptimizer):
     def _vote_groups(
         self,
         config: VoteConfig,
-        process_group: dist.ProcessGroup | Comm | DeviceMesh | None,
+        process_group: dist.ProcessGroup | DeviceMesh | str | Comm | None,
         device: torch.device,
     ) -> tuple[Comm, Comm] | None:
-        """Set :attr:`shards`, the view the parts work on and :attr:`comm` for ``process_group``; returns
-        the (intra-node, inter-node) groups of a topology other than flat."""
+        """Set :attr:`shards` / :attr:`shares`, the view the parts work on and :attr:`comm` for
+        ``process_group`` (resolved by :func:`lioncub.optim.topology.who_votes`); returns the (intra-node,
+        inter-node) groups of a topology other than flat."""
+        sharded = refuse_unsharded_mesh(self, process_group)
+        who = topology.who_votes(process_group, config.topology, sharded=sharded)
+        view = part_view(self, who, device)
         #: on FSDP2's parameters, what the parts see of them (:mod:`lioncub.optim.shards`); else ``None``
-        self.shards: ShardView | None = shard_view(self, process_group, device)
-        if self.shards is not None:
-            check_shard_options(config, self.diagnostics_every)
-            process_group = self.shards.vote_group
-        #: the param groups and state the parts work on: this optimizer's, or its view of the shards
-        self._view: ShardView | LionCub = self if self.shards is None else self.shards
+        self.shards: ShardView | None = view if isinstance(view, ShardView) else None
+        #: with DDP inside a mesh's shard dimension, this rank's share of whole tensors; else ``None``
+        self.shares: ShareView | None = view if isinstance(view, ShareView) else None
+        if view is not None:
+            check_shard_options(config, self.diagnostics_every, who.part)
+        #: the param groups and state the parts work on: this optimizer's, or its view of its part
+        self._view: ShardView | ShareView | LionCub = self if view is None else view
         #: this rank's view of the group the votes travel on (:class:`lioncub.collectives.Comm`)
-        self.comm, levels = topology.vote_groups(config, process_group, device, self.checks.broadcast_init)
+        self.comm, levels = topology.vote_groups(config, who, device, self.checks.broadcast_init)
         return levels
 
     def _allocate_shard_state(self) -> None:
@@ -268,6 +275,8 @@ class LionCub(LeanOptimizer):
     ) -> list[tuple[str, torch.Tensor]]:
         spec = self.momentum_sync.params
         chosen = select_parameters(spec, named, self.param_groups, model)
+        if self.shares is not None:
+            chosen = [(n, p) for n, p in chosen if self.shares.owns(p)]
         if chosen and self.config.transport == "dense":
             raise ValueError(
                 f"momentum_sync={spec!r}: variant={self.variant!r} keeps one global momentum already; "
@@ -292,8 +301,9 @@ class LionCub(LeanOptimizer):
         if self._ready:
             try:
                 check_group(self.param_groups[-1], len(self.param_groups) - 1)
-                if self.shards is not None:
-                    self.shards.refresh(grads=False)  # refuses what is not a shard of the mesh
+                part = self.shards or self.shares
+                if part is not None:
+                    part.refresh(grads=False)  # shards: refuses what is not a shard of the mesh
             except (ValueError, TypeError):
                 self.param_groups.pop()
                 raise
@@ -342,14 +352,15 @@ class LionCub(LeanOptimizer):
             if not isinstance(group["maximize"], bool):
                 check_group(group, index)  # names it
         self._consolidated = None
-        if self.shards is not None:  # the shards' aliases and their gradients of this backward
-            self.shards.refresh()
+        part = self.shards or self.shares  # the part of the model this rank votes on (None: all of it)
+        if part is not None:  # the param groups; on shards the aliases and their gradients of this backward
+            part.refresh()
         if not self.single_process:  # a model moved after LionCub was built: named, not a kernel's error
             self.layout.check_device(self.comm.device, self.comm.rank)
         self.window.before_step()
         overflow = self._unscale()
-        if self.shards is not None:  # a replica's shards skip together
-            overflow = self.shards.agree_skip(overflow)
+        if part is not None:  # a replica's shards (shares) skip together
+            overflow = part.agree_skip(overflow)
         if self.window.rebuilds_layout(self._global_step):
             self._refresh_layout()
         self._global_step += 1
@@ -357,8 +368,10 @@ class LionCub(LeanOptimizer):
         try:
             self.policy.step(overflow)
         finally:
-            if self.shards is not None:
-                self.shards.release()
+            if part is not None:
+                part.release()
+        if self.shares is not None:  # each share's update to the rest of its replica
+            self.shares.broadcast()
         return loss
 
     def _unscale(self) -> bool:
@@ -391,16 +404,38 @@ class LionCub(LeanOptimizer):
         if self.shards is not None:
             return to_checkpoint(self._own_state_dict(), self.shards, self._state_keys())
         sd = self._own_state_dict()
+        if self.shares is not None:  # whose share's momenta these are
+            sd["lioncub"]["share"] = [self.shares.shard_rank, self.shares.shards]
         if self._consolidated is not None:
             sd["lioncub"]["consolidated"] = True
             sd["lioncub"]["ranks"] = self._consolidated
         return sd
 
     def _own_state_dict(self) -> dict[str, Any]:
-        sd: dict[str, Any] = super().state_dict()
-        sd["lioncub"] = state_meta(self._owner(), self._global_step, self._engines()[-1].vote)
-        self.policy.save(sd)
+        with self._as_share():
+            sd: dict[str, Any] = super().state_dict()
+            sd["lioncub"] = state_meta(self._owner(), self._global_step, self._engines()[-1].vote)
+            self.policy.save(sd)
         return sd
+
+    @contextlib.contextmanager
+    def _as_share(self) -> Iterator[None]:
+        """With DDP inside a mesh's shard dimension: within, :attr:`param_groups` are those of this rank's
+        share (:class:`~lioncub.optim.shards.ShareView`), so that the state dict saved and loaded is the
+        one of an optimizer of that share alone (its parameters indexed 0…k−1, as the local-steps window's
+        record counts them); on exit the full groups take the hyperparameters a load gave the share's."""
+        if self.shares is None:
+            yield
+            return
+        full = self.param_groups
+        self.shares.refresh(grads=False)
+        self.param_groups = self.shares.param_groups
+        try:
+            yield
+        finally:
+            for group, share in zip(full, self.param_groups, strict=True):
+                group.update({k: v for k, v in share.items() if k != "params"})
+            self.param_groups = full
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's :meth:`state_dict` on rank ``to`` (a rank of the optimizer's group), so that
@@ -414,6 +449,11 @@ class LionCub(LeanOptimizer):
                 "consolidate_state_dict: the parameters are FSDP2's shards; save the optimizer with "
                 "torch.distributed.checkpoint (get_state_dict, dcp.save: every rank writes its own "
                 "momenta; docs/shards.md, 'Checkpoints')"
+            )
+        if self.shares is not None:
+            raise ValueError(
+                "consolidate_state_dict: each rank of a mesh's shard dimension holds the momenta of its "
+                "share of the model only; every rank saves its own state_dict (docs/shards.md, 'DDP inside')"
             )
         self._consolidated = None
         self._consolidated = gather_states(
@@ -448,20 +488,43 @@ class LionCub(LeanOptimizer):
             )
         sd = dict(state_dict)
         meta = sd.pop("lioncub", None)
+        self._check_share(meta)
         if meta is not None and "ranks" in meta:
             entry = consolidated_entry(meta, sd, self.comm, allow_world_size_change)
             self.load_state_dict(entry, allow_world_size_change=True)
             return
-        check_group_sizes(sd.get("param_groups", []), self.param_groups, (meta or {}).get("window"))
-        checked = None
-        if meta is not None:
-            self._global_step = restore_meta(self._owner(), meta, self._engines(), allow_world_size_change)
-            checked = self.policy.check_load(sd, meta)
-        super().load_state_dict(sd)
+        with self._as_share():
+            check_group_sizes(sd.get("param_groups", []), self.param_groups, (meta or {}).get("window"))
+            checked = None
+            if meta is not None:
+                step = restore_meta(self._owner(), meta, self._engines(), allow_world_size_change)
+                self._global_step = step
+                checked = self.policy.check_load(sd, meta)
+            super().load_state_dict(sd)
         self._consolidated = None
-        if self.shards is not None:  # the loaded param groups
-            self.shards.refresh(grads=False)
+        part = self.shards or self.shares
+        if part is not None:  # the loaded param groups
+            part.refresh(grads=False)
         self.policy.load(meta or {}, checked)
+
+    def _check_share(self, meta: dict[str, Any] | None) -> None:
+        """Refuse a state of another share of whole tensors (DDP inside a mesh's shard dimension), or of
+        one share into an optimizer of the whole model and back: its momenta would land on other tensors."""
+        saved = None if meta is None else meta.get("share")
+        mine = None if self.shares is None else [self.shares.shard_rank, self.shares.shards]
+        if saved is not None and saved != mine:
+            whose = "the whole model" if mine is None else f"share {mine[0]} of {mine[1]}"
+            raise ValueError(
+                f"load_state_dict: this optimizer state holds the momenta of share {saved[0]} of {saved[1]} "
+                f"(shard rank {saved[0]} of a mesh's shard dimension of {saved[1]} ranks) and this optimizer "
+                f"votes on {whose}: load the state that shard rank saved"
+            )
+        if mine is not None and meta is not None and saved is None and "ranks" not in meta:
+            raise ValueError(
+                "load_state_dict: this optimizer state holds the momenta of the whole model and this "
+                f"optimizer votes on share {mine[0]} of {mine[1]} (DDP inside a mesh's shard dimension): "
+                "load a state it saved on the same mesh"
+            )
 
     @contextlib.contextmanager
     def shared_parameters(self) -> Iterator[bool]:
@@ -526,6 +589,11 @@ class LionCub(LeanOptimizer):
             raise ValueError(
                 "overlap_with: the parameters are FSDP2's shards and overlap_with hooks DDP's buckets; on "
                 "shards the votes run in step() (call step() without overlap_with)"
+            )
+        if self.shares is not None:
+            raise ValueError(
+                "overlap_with: with DDP inside a mesh's shard dimension each rank votes on its share after "
+                "the backward, DDP averaging the gradients in its own hook; call step() without overlap_with"
             )
         if self.local_steps is not None:
             raise ValueError(

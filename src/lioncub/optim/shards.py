@@ -48,20 +48,26 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from lioncub._validate import is_int
 from lioncub.collectives import Comm, QuantizedVote, Vote
 from lioncub.ops.quantize import max_abs
 from lioncub.optim.config import VoteConfig
-from lioncub.optim.topology import MESH_DIMS
+from lioncub.optim.topology import MESH_DIMS, Part, Voters
 
 __all__ = [
     "SHARD_DIMS",
     "Piece",
     "ShardQuantizedVote",
     "ShardView",
+    "ShareView",
+    "agree_skip",
+    "broadcast_shares",
     "check_shard_options",
     "is_shard_mesh",
+    "part_view",
+    "refuse_unsharded_mesh",
     "shard_piece",
-    "shard_view",
+    "share_owners",
 ]
 
 #: the dimension names of the mesh of sharded replicas (``LionCub(process_group=mesh)``)
@@ -99,18 +105,25 @@ def shard_piece(shape: Sequence[int], shards: int, rank: int) -> Piece:
     return Piece(sum(counts[:rank]), rows * row, tuple(counts))
 
 
-def check_shard_options(config: VoteConfig, diagnostics_every: int) -> None:
-    """The options that do not work on shards (each error names the option and what is supported)."""
+def check_shard_options(config: VoteConfig, diagnostics_every: int, part: Part = "shards") -> None:
+    """The options that do not work on a mesh's ``part`` (``"shards"``: FSDP2's; ``"shares"``: whole
+    tensors with DDP inside the shard dimension); each error names the option and what is supported."""
+    on = (
+        "sharded parameters"
+        if part == "shards"
+        else "a ('replicate', 'shard') mesh's shares of whole tensors"
+    )
+    held = "shards of the tensors" if part == "shards" else "a share of the tensors"
     if config.topology != "flat":
         raise ValueError(
-            f"topology={config.topology!r} on sharded parameters: the vote on shards is flat over the "
-            f"mesh's 'replicate' dimension (each group of it is the ranks that hold one shard); a topology "
-            f"over nodes takes a mesh with dims {MESH_DIMS} and parameters every rank holds whole"
+            f"topology={config.topology!r} on {on}: the vote on shards is flat over the mesh's "
+            f"'replicate' dimension (each group of it is the ranks that hold one shard); a topology over "
+            f"nodes takes a mesh with dims {MESH_DIMS} and parameters every rank holds and votes on whole"
         )
     if diagnostics_every:
         raise ValueError(
-            f"diagnostics_every={diagnostics_every}: the vote diagnostics are per-tensor statistics and a "
-            "rank holds shards of the tensors; drop diagnostics_every on sharded parameters"
+            f"diagnostics_every={diagnostics_every}: the vote diagnostics are per-tensor statistics of the "
+            f"whole model and a rank votes on {held}; drop diagnostics_every on {on}"
         )
 
 
@@ -315,17 +328,7 @@ class ShardView:
         """Whether any rank of this replica has NaN/Inf in its gradient shards (or a GradScaler overflow):
         one all-reduce (MAX) of an int32 over the shard group, so that every shard of a replica skips a
         step together (the vote's own check then skips it in every replica)."""
-        grads = [a.grad for g in self._groups for a in g["params"] if a.grad is not None and a.grad.numel()]
-        device = self.shard_comm.device
-        flag = torch.full((1,), int(overflow), dtype=torch.int32, device=device)
-        if grads and not overflow:  # on the device: the one host read is the verdict's
-            if device.type == "cuda":  # multi-tensor launches, not ~4 per gradient shard (as lion_step)
-                peaks = torch.stack([t.float() for t in torch._foreach_norm(grads, float("inf"))])
-            else:  # on CPU the inf norm is ~11x slower than aminmax, the same values
-                peaks = torch.stack([max_abs(g).float().to(device) for g in grads])
-            flag = (~torch.isfinite(peaks).all()).to(torch.int32).reshape(1)
-        self.shard_comm.all_reduce(flag, "shard non-finite agreement", op=dist.ReduceOp.MAX).wait()
-        return bool(flag.item())
+        return agree_skip(self.shard_comm, self._groups, overflow)
 
     def names(self, named: Sequence[tuple[str, torch.Tensor]]) -> dict[int, str]:
         """``id(alias)`` → the model's name of its parameter."""
@@ -417,25 +420,154 @@ class ShardQuantizedVote(QuantizedVote):
         return out
 
 
-def shard_view(optimizer: _Owner, process_group: Any, device: torch.device) -> ShardView | None:
-    """The :class:`ShardView` of an optimizer whose parameters are ``DTensor`` s, over ``process_group``
-    (a 2-D mesh of :data:`SHARD_DIMS`); ``None`` when no parameter is one and no such mesh is given.
-    Raises, naming what is supported, for DTensors without that mesh, and that mesh without DTensors."""
+def agree_skip(shard_comm: Comm, groups: Sequence[dict[str, Any]], overflow: bool) -> bool:
+    """Whether any rank of ``shard_comm`` has NaN/Inf in the gradients of ``groups``' parameters (or a
+    GradScaler overflow): one all-reduce (MAX) of an int32 over it; one host read, the verdict."""
+    grads = [a.grad for g in groups for a in g["params"] if a.grad is not None and a.grad.numel()]
+    device = shard_comm.device
+    flag = torch.full((1,), int(overflow), dtype=torch.int32, device=device)
+    if grads and not overflow:  # on the device: the one host read is the verdict's
+        if device.type == "cuda":  # multi-tensor launches, not ~4 per gradient shard (as lion_step)
+            peaks = torch.stack([t.float() for t in torch._foreach_norm(grads, float("inf"))])
+        else:  # on CPU the inf norm is ~11x slower than aminmax, the same values
+            peaks = torch.stack([max_abs(g).float().to(device) for g in grads])
+        flag = (~torch.isfinite(peaks).all()).to(torch.int32).reshape(1)
+    shard_comm.all_reduce(flag, "shard non-finite agreement", op=dist.ReduceOp.MAX).wait()
+    return bool(flag.item())
+
+
+def share_owners(params: Sequence[torch.Tensor], parts: int, loads: list[int] | None = None) -> list[int]:
+    """Which of ``parts`` ranks owns each tensor of ``params`` (a list, in its order) when each rank votes
+    on a share of whole tensors: largest first, each to the rank with the fewest elements so far (ties:
+    the lowest rank); ``loads`` (each rank's elements so far, updated in place) continues an earlier
+    assignment, so that tensors added later leave the earlier ones where they were. The same on every
+    rank for the same shapes."""
+    if not is_int(parts, 1):
+        raise ValueError(f"parts={parts!r} must be an int >= 1")
+    load = [0] * parts if loads is None else loads
+    owners = [0] * len(params)
+    for i in sorted(range(len(params)), key=lambda i: (-params[i].numel(), i)):
+        owner = min(range(parts), key=lambda r: (load[r], r))
+        owners[i] = owner
+        load[owner] += params[i].numel()
+    return owners
+
+
+def broadcast_shares(
+    shares: Sequence[tuple[int, Sequence[torch.Tensor]]], rank: int, group: dist.ProcessGroup | None
+) -> None:
+    """Each ``(owner, tensors)`` of ``shares`` from rank ``owner`` of ``group`` (None: the default group)
+    to its other ranks, copied in place there (``rank``: this rank's in ``group``); one broadcast per
+    owner and dtype, the tensors flattened into one buffer on their device. Collective in ``group``."""
+    with torch.no_grad():
+        for owner, tensors in shares:
+            src = dist.get_global_rank(group, owner) if group is not None else owner
+            for dtype in dict.fromkeys(t.dtype for t in tensors):
+                same = [t for t in tensors if t.dtype == dtype]
+                flat = torch.cat([t.detach().reshape(-1) for t in same])
+                dist.broadcast(flat, src=src, group=group)
+                if owner != rank:
+                    offset = 0
+                    for t in same:
+                        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                        offset += t.numel()
+
+
+class ShareView:
+    """The optimizer as its parts see it with DDP inside the shard dimension (plain parameters, every rank
+    holding the whole model, a replica's ranks averaging its gradients): param groups of this rank's
+    share of whole tensors (:func:`share_owners` over the shard group's ranks, fixed at construction;
+    parameters added later continue the assignment), the optimizer's own state. The rank votes on its share
+    with the ranks that own the same share in the other replicas (the ``"replicate"`` group) and
+    :meth:`broadcast` s it to its replica after the step.
+
+    Args:
+        optimizer: whose param groups hold the plain parameters.
+        mesh: the 2-D mesh of :data:`SHARD_DIMS`.
+        device: the parameters' device (the shard group's agreement runs there).
+    """
+
+    def __init__(self, optimizer: _Owner, mesh: DeviceMesh, device: torch.device) -> None:
+        self.optimizer = optimizer
+        self.mesh = mesh
+        #: the group of the ranks that own one share in every replica (the vote's)
+        self.vote_group: dist.ProcessGroup = mesh.get_group("replicate")
+        #: the ranks of this replica, one per share (agreeing on a skipped step, the broadcast)
+        self.shard_group: dist.ProcessGroup = mesh.get_group("shard")
+        self.shard_comm = Comm(self.shard_group, device=device)
+        self.shards = mesh["shard"].size()
+        self.shard_rank = mesh["shard"].get_local_rank()
+        self._owners: dict[int, int] = {}
+        self._loads = [0] * self.shards
+        self._groups: list[dict[str, Any]] = []
+        self.refresh(grads=False)
+
+    @property
+    def global_step(self) -> int:
+        return self.optimizer.global_step
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The optimizer's param groups with this rank's share for ``"params"`` (as of the last refresh)."""
+        return self._groups
+
+    @property
+    def state(self) -> MutableMapping[torch.Tensor, Any]:
+        return self.optimizer.state
+
+    def owns(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is in this rank's share."""
+        return self._owners[id(p)] == self.shard_rank
+
+    def refresh(self, *, grads: bool = True) -> None:
+        """Re-read the param groups (their hyperparameters; parameters added since get owners). ``grads``:
+        unused (the parameters' own gradients are voted on)."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        new = [p for p in params if id(p) not in self._owners]
+        for p, owner in zip(new, share_owners(new, self.shards, self._loads), strict=True):
+            if isinstance(p, DTensor):
+                raise TypeError(
+                    f"LionCub: a DTensor of shape {tuple(p.shape)} among plain parameters: an optimizer's "
+                    f"parameters are all sharded or all whole. {_SUPPORTED}"
+                )
+            self._owners[id(p)] = owner
+        self._groups = [
+            {**g, "params": [p for p in g["params"] if self.owns(p)]} for g in self.optimizer.param_groups
+        ]
+
+    def release(self) -> None:
+        """Nothing to drop: the gradients are the parameters' own."""
+
+    def agree_skip(self, overflow: bool) -> bool:
+        """As :meth:`ShardView.agree_skip`, over this rank's share: a replica's shares skip together."""
+        return agree_skip(self.shard_comm, self._groups, overflow)
+
+    def broadcast(self) -> None:
+        """Every rank's share to the others of its replica (collective in the shard group)."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        shares = [(r, [p for p in params if self._owners[id(p)] == r]) for r in range(self.shards)]
+        broadcast_shares(shares, self.shard_rank, self.shard_group)
+
+
+def part_view(optimizer: _Owner, who: Voters, device: torch.device) -> ShardView | ShareView | None:
+    """What the optimizer's parts see of its parameters for ``who`` (``process_group`` resolved by
+    :func:`~lioncub.optim.topology.who_votes`): a :class:`ShardView` (FSDP2's shards), a
+    :class:`ShareView` (DDP inside the shard dimension), or ``None`` (all of them)."""
+    if who.mesh is None or who.part == "whole":
+        return None
+    return (ShardView if who.part == "shards" else ShareView)(optimizer, who.mesh, device)
+
+
+def refuse_unsharded_mesh(optimizer: _Owner, process_group: object) -> bool:
+    """Whether the parameters are ``DTensor`` s; raises, naming what is supported, where they are and
+    ``process_group`` is not a mesh of :data:`SHARD_DIMS` (it does not say which ranks hold a shard)."""
     params = [
         (f"param_groups[{gi}]['params'][{i}]", p)
         for gi, g in enumerate(optimizer.param_groups)
         for i, p in enumerate(g["params"])
     ]
     sharded = [where for where, p in params if isinstance(p, DTensor)]
-    if is_shard_mesh(process_group):
-        if not sharded:
-            raise ValueError(
-                f"process_group: a DeviceMesh with dims {SHARD_DIMS} is for FSDP2's parameters (DTensors), "
-                "and these parameters are plain tensors: pass the data-parallel group (or None) for "
-                "parameters every rank holds whole"
-            )
-        return ShardView(optimizer, process_group, device)
-    if sharded:
+    if sharded and not is_shard_mesh(process_group):
         given = (
             f"a DeviceMesh with dims {process_group.mesh_dim_names}"
             if isinstance(process_group, DeviceMesh)
@@ -445,4 +577,4 @@ def shard_view(optimizer: _Owner, process_group: Any, device: torch.device) -> S
             f"LionCub: {sharded[0]} is a DTensor ({len(sharded)} of the {len(params)} parameters are) and "
             f"{given} does not say which ranks hold the same shard. {_SUPPORTED}"
         )
-    return None
+    return bool(sharded)

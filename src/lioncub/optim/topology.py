@@ -1,17 +1,38 @@
-"""The ``("node", "local")`` layout of a data-parallel group, for votes laid over nodes
-(``VoteConfig.topology``, :mod:`lioncub.collectives.hierarchical`).
+"""Who votes with whom: ``LionCub``'s one ``process_group`` argument (:func:`who_votes`), and the
+``("node", "local")`` layout of a data-parallel group for votes laid over nodes (``VoteConfig.topology``,
+:mod:`lioncub.collectives.hierarchical`).
 
-Ranks are numbered node by node (rank = node·L + local), as torchrun numbers them: a
-:class:`torch.distributed.device_mesh.DeviceMesh` of shape ``(M, L)`` with dimension names
-``("node", "local")`` is passed as ``LionCub(process_group=mesh)``, or built here over the default group
-from the launcher's environment (:func:`mesh_from_environment`). :func:`vote_groups`: the groups a
-``LionCub`` votes on, from its ``process_group`` argument (a group, a mesh, a ``Comm``, or none).
+The argument, resolved by :func:`who_votes` into :class:`Voters` (the flat group the votes travel on, the
+node mesh of a topology over nodes, and which part of the model this rank votes on):
+
+* ``None`` — the default process group (every rank votes with every other). Under a launcher
+  (``$WORLD_SIZE`` > 1 and ``$RANK`` set) with no default group initialised this is refused, naming
+  ``init_process_group``: a job that forgot it would train one model per rank, silently;
+* :data:`LOCAL` (``"local"``) — this process alone: no vote, every step is ``Lion``'s (also under a
+  launcher, for who means it);
+* a ``ProcessGroup`` — the flat case: its ranks vote with each other (a
+  :class:`~lioncub.collectives.GroupComm`, a group whose members change, is one too:
+  :mod:`lioncub.integrations.torchft`);
+* a ``DeviceMesh`` with a replicate dimension, and optionally a shard dimension (:data:`MESH_SHAPES`):
+  ``("replicate",)`` votes flat over it; ``("replicate", "shard")``: the ranks of one ``"replicate"``
+  group hold the same part of the model and vote on it, the ranks of one ``"shard"`` group hold one
+  replica between them — on FSDP2's parameters each rank's part is its local shards
+  (:mod:`lioncub.optim.shards`), on plain tensors (DDP inside the shard group) its share of whole tensors,
+  broadcast to the shard group after every step; ``("node", "local")`` is the replicate dimension laid over
+  M nodes of L ranks, for a ``topology`` other than flat (numbered node by node, rank = node·L + local, as
+  torchrun numbers them; default: built over the default group from the launcher's environment,
+  :func:`mesh_from_environment`).
+
+Deprecated: a plain :class:`~lioncub.collectives.Comm` (fixed members) — pass its process group
+(``comm.group``, or ``None`` for the default one) instead.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Literal, cast
+import warnings
+from dataclasses import dataclass
+from typing import Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -20,12 +41,36 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from lioncub import env
 from lioncub.collectives import Comm
 from lioncub.collectives.base import Exchange
+from lioncub.optim.callers import caller_stacklevel
 from lioncub.optim.config import VoteConfig
 
-__all__ = ["MESH_DIMS", "is_mesh", "mesh_from_environment", "node_groups", "vote_groups"]
+__all__ = [
+    "LOCAL",
+    "MESH_DIMS",
+    "MESH_SHAPES",
+    "Part",
+    "Voters",
+    "is_mesh",
+    "mesh_from_environment",
+    "node_groups",
+    "refuse_forgotten_init",
+    "vote_groups",
+    "who_votes",
+]
 
 #: the dimension names of a node mesh
 MESH_DIMS = ("node", "local")
+#: ``LionCub(process_group=LOCAL)``: this process alone (no vote), also under a launcher
+LOCAL = "local"
+#: the dims a ``DeviceMesh`` given as ``process_group`` may have: the replicate dimension, optionally a shard
+#: dimension; or the replicate dimension laid over nodes (a topology other than flat)
+MESH_SHAPES = (("replicate",), ("replicate", "shard"), MESH_DIMS)
+#: which part of the model a rank votes on (:class:`Voters`)
+Part = Literal["whole", "shards", "shares"]
+_SHAPES = (
+    f"None (the default group), {LOCAL!r} (this process alone), a ProcessGroup, or a DeviceMesh with dims "
+    + ", ".join(map(str, MESH_SHAPES))
+)
 
 
 def is_mesh(value: object) -> bool:
@@ -91,13 +136,112 @@ def node_groups(
     return flat, intra, inter
 
 
+@dataclass(frozen=True)
+class Voters:
+    """``process_group`` resolved (:func:`who_votes`): who this rank votes with, on which part of the model.
+
+    Attributes:
+        group: the flat group the votes travel on — a ``ProcessGroup``, ``None`` (the default group), a
+            :class:`~lioncub.collectives.Comm` the caller built, or ``False``: this process alone.
+        nodes: the ``("node", "local")`` mesh of a topology over nodes (``None``: built from the
+            environment where the topology needs one).
+        mesh: the ``("replicate", "shard")`` mesh (``None``: no shard dimension).
+        part: which part of the model this rank votes on — ``"whole"`` (all of it), ``"shards"`` (its
+            local shards of FSDP2's ``DTensor`` s), ``"shares"`` (its share of whole tensors, the model
+            replicated in the shard group: DDP inside it).
+    """
+
+    group: dist.ProcessGroup | Comm | Literal[False] | None
+    nodes: DeviceMesh | None = None
+    mesh: DeviceMesh | None = None
+    part: Part = "whole"
+
+
+def who_votes(process_group: object, topology: str = "flat", *, sharded: bool = False) -> Voters:
+    """:class:`Voters` of ``LionCub``'s ``process_group`` argument (the shapes of the module docstring);
+    ``topology``: ``VoteConfig.topology``; ``sharded``: whether the parameters are ``DTensor`` s. Nothing
+    collective. ``ValueError`` naming the accepted shapes for anything else; ``RuntimeError`` naming
+    ``init_process_group`` for ``None`` under a launcher with no default group."""
+    if isinstance(process_group, Comm):
+        if process_group.fixed_members:
+            warnings.warn(
+                "LionCub(process_group=a Comm) is deprecated: pass its process group (comm.group; None for "
+                "the default group) or a DeviceMesh (lioncub.optim.topology); the Comm is rebuilt there on "
+                "the parameters' device",
+                DeprecationWarning,
+                stacklevel=caller_stacklevel(),
+            )
+        return Voters(process_group)
+    if isinstance(process_group, str):
+        if process_group != LOCAL:
+            raise ValueError(
+                f"process_group={process_group!r}: the one string accepted is {LOCAL!r} ({_SHAPES})"
+            )
+        return Voters(False)
+    initialised = dist.is_available() and dist.is_initialized()
+    if process_group is None and not initialised:
+        refuse_forgotten_init()
+        return Voters(False)
+    if isinstance(process_group, DeviceMesh):
+        return _mesh_voters(process_group, topology, sharded)
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise ValueError(f"process_group: a {type(process_group).__name__} is not one of {_SHAPES}")
+    if topology != "flat" and process_group is not None:
+        raise ValueError(
+            f"topology={topology!r}: process_group must be a DeviceMesh with dims {MESH_DIMS} (or None: "
+            "built from torchrun's $LOCAL_WORLD_SIZE)"
+        )
+    return Voters(process_group)
+
+
+def _mesh_voters(mesh: DeviceMesh, topology: str, sharded: bool) -> Voters:
+    dims = mesh.mesh_dim_names
+    if dims == MESH_DIMS:
+        if topology == "flat":
+            raise ValueError(
+                f"process_group: a DeviceMesh with dims {MESH_DIMS} is for a topology other than 'flat' "
+                f"(VoteConfig.topology), one with dims ('replicate', 'shard') for FSDP2's parameters "
+                f"(docs/shards.md); this one has dims {dims}"
+            )
+        return Voters(None, nodes=mesh)
+    if dims == ("replicate",):
+        if topology != "flat":
+            raise ValueError(
+                f"topology={topology!r}: a DeviceMesh with dims ('replicate',) votes flat; lay the replicate "
+                f"dimension over nodes with a DeviceMesh with dims {MESH_DIMS}"
+            )
+        return Voters(mesh.get_group("replicate"))
+    if dims == ("replicate", "shard"):
+        return Voters(mesh.get_group("replicate"), mesh=mesh, part="shards" if sharded else "shares")
+    raise ValueError(
+        "process_group: a DeviceMesh must have the dims ('replicate',) (a flat vote), ('replicate', "
+        f"'shard') for FSDP2's parameters or DDP inside the shard dimension (docs/shards.md), or "
+        f"{MESH_DIMS} (a topology over nodes); this one has dims {dims}"
+    )
+
+
+def refuse_forgotten_init() -> None:
+    """Under a launcher (``$WORLD_SIZE`` > 1, ``$RANK`` set) with no default process group: a
+    ``RuntimeError`` naming ``init_process_group`` (each rank would otherwise train a model of its own)."""
+    world, rank = os.environ.get("WORLD_SIZE", ""), os.environ.get("RANK")
+    if rank is None or not world.isdigit() or int(world) <= 1:
+        return
+    raise RuntimeError(
+        f"rank {rank} of WORLD_SIZE={world}: LionCub has no process group to vote over: call "
+        "torch.distributed.init_process_group(...) before building the optimizer (each rank would otherwise "
+        f"train a model of its own, silently); process_group={LOCAL!r} runs this process alone on purpose"
+    )
+
+
 def vote_groups(
-    config: VoteConfig, process_group: Any, device: torch.device, broadcast_init: bool
+    config: VoteConfig, process_group: object, device: torch.device, broadcast_init: bool
 ) -> tuple[Comm, tuple[Comm, Comm] | None]:
     """(this rank's :class:`Comm` of the flat group, the node groups of a topology other than flat) for
-    :class:`~lioncub.optim.LionCub`'s ``process_group`` argument; a given ``Comm`` as it is
-    (``broadcast_init``: ``Checks.broadcast_init``, refused on a comm whose members change)."""
-    group, levels = _groups(config, process_group, device)
+    :class:`~lioncub.optim.LionCub`'s ``process_group`` argument (or its :class:`Voters`); a given
+    ``Comm`` as it is (``broadcast_init``: ``Checks.broadcast_init``, refused on a comm whose members
+    change)."""
+    who = process_group if isinstance(process_group, Voters) else who_votes(process_group, config.topology)
+    group, levels = _groups(config, who, device)
     if isinstance(group, Comm):
         if broadcast_init and not group.fixed_members:
             raise ValueError(
@@ -118,40 +262,26 @@ def _exchange(config: VoteConfig) -> Exchange:
 
 
 def _groups(
-    config: VoteConfig, process_group: Any, device: torch.device
+    config: VoteConfig, who: Voters, device: torch.device
 ) -> tuple[dist.ProcessGroup | Comm | Literal[False] | None, tuple[Comm, Comm] | None]:
     """(the flat group — ``False`` when there is no process group at all —, the (intra-node, inter-node)
-    groups, on ``device``, of a topology other than flat) for the ``process_group`` argument."""
-    if isinstance(process_group, Comm):
-        if config.topology != "flat" or process_group.device != device:
+    groups, on ``device``, of a topology other than flat) for ``who``."""
+    group = who.group
+    if isinstance(group, Comm):
+        if config.topology != "flat" or group.device != device:
             why = (
-                f"; a {type(process_group).__name__} on {process_group.backend} exchanges "
-                f"{process_group.device} tensors (torchft's replica groups vote over ProcessGroupGloo on the "
-                "CPU: keep the model on the CPU)"
-                if not process_group.fixed_members
+                f"; a {type(group).__name__} on {group.backend} exchanges {group.device} tensors (torchft's "
+                "replica groups vote over ProcessGroupGloo on the CPU: keep the model on the CPU)"
+                if not group.fixed_members
                 else ""
             )
             raise ValueError(
-                f"process_group: a Comm (on {process_group.device}) votes flat on its own device; here the "
+                f"process_group: a Comm (on {group.device}) votes flat on its own device; here the "
                 f"topology is {config.topology!r} and the parameters are on {device}{why}"
             )
-        return process_group, None
-    if process_group is None and not (dist.is_available() and dist.is_initialized()):
-        return False, None
-    if config.topology == "flat":
-        if is_mesh(process_group):
-            raise ValueError(
-                f"process_group: a DeviceMesh with dims {MESH_DIMS} is for a topology other than 'flat' "
-                f"(VoteConfig.topology), one with dims ('replicate', 'shard') for FSDP2's parameters "
-                f"(docs/shards.md); this one has dims {process_group.mesh_dim_names}"
-            )
-        return process_group, None
-    mesh = process_group if is_mesh(process_group) else None
-    if mesh is None and process_group is not None:
-        raise ValueError(
-            f"topology={config.topology!r}: process_group must be a DeviceMesh with dims "
-            f"{MESH_DIMS} (or None: built from torchrun's $LOCAL_WORLD_SIZE)"
-        )
-    mesh = mesh or mesh_from_environment(config.topology, device)
+        return group, None
+    if group is False or config.topology == "flat" or who.mesh is not None:
+        return group, None  # a shard mesh's topology is refused by the shards' checks
+    mesh = who.nodes or mesh_from_environment(config.topology, device)
     flat, intra, inter = node_groups(mesh, _exchange(config), device)
     return flat, (intra, inter)

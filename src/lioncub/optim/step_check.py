@@ -15,6 +15,7 @@ import torch
 
 from lioncub._validate import OptionError, is_int
 from lioncub.collectives import Comm
+from lioncub.optim.callers import caller_stacklevel
 
 __all__ = [
     "NONFINITE_MODES",
@@ -268,5 +269,5 @@ def warn_identical_gradients(consequence: str) -> None:
         f"by DDP's allreduce, so {consequence}. Register lioncub.optim.ddp.skip_gradient_allreduce(model) or "
         f"call opt.overlap_with(model) on the DDP model{framework_hint()} (identical data on every rank also "
         "gives identical gradients)",
-        stacklevel=5,
+        stacklevel=caller_stacklevel(),  # the line that called step()
     )

@@ -24,6 +24,8 @@ from typing import Any, cast
 
 import torch
 
+from lioncub.optim.callers import caller_stacklevel
+
 __all__ = ["LoadedReplicas", "check_group_sizes", "check_settings_change", "restore_window", "window_record"]
 
 
@@ -59,7 +61,7 @@ def check_settings_change(saved: dict[str, Any] | None, mine: dict[str, Any] | N
             f"LionCub: the optimizer state was saved at step {step} with other local-steps settings: "
             f"{', '.join(differ)}; the windows from step {step + 1} run the new ones (give the saved values "
             "to keep them)",
-            stacklevel=5,  # the caller of load_state_dict
+            stacklevel=caller_stacklevel(),  # the line that called load_state_dict
         )
         return
     raise ValueError(

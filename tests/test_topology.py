@@ -1,0 +1,173 @@
+"""Who votes with whom (issue 46 item 2, issue 48 items 4 and 6): ``LionCub``'s one ``process_group``
+argument resolved by :func:`lioncub.optim.topology.who_votes`; a launcher's job that forgot
+``init_process_group`` refused on every rank (in-process with the launcher's environment, and once under
+``torchrun``); the optimizer's warnings naming the caller's line.
+
+The mesh shapes on gloo ranks (``("replicate", "shard")`` on FSDP2's shards and with DDP inside) are
+``test_shards.py``'s; ``("node", "local")`` is ``test_hierarchical.py``'s."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import background
+from lioncub import LionCub
+from lioncub.collectives import Comm
+from lioncub.optim import Lion
+from lioncub.optim.topology import LOCAL, who_votes
+
+from processes import python_cmd, run_workers
+
+
+@pytest.fixture
+def no_group(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """No default process group (whatever an earlier test of this process left) and no launcher."""
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    for name in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def _params() -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(torch.linspace(-1.0, 1.0, 7).reshape(7, 1)), torch.nn.Parameter(torch.ones(3))]
+
+
+def test_the_accepted_shapes_and_the_rest(no_group: pytest.MonkeyPatch) -> None:
+    assert who_votes(None).group is False and who_votes(LOCAL).group is False  # alone: nothing to vote with
+    assert who_votes(None).part == "whole"
+    with pytest.raises(
+        ValueError, match=r"process_group='locals': the one string accepted is 'local' \(None"
+    ):
+        who_votes("locals")
+    with pytest.raises(ValueError, match=r"process_group: a int is not one of None .* a ProcessGroup, or a "):
+        who_votes(3)
+
+
+def test_local_runs_alone_as_lion_even_under_a_launcher(no_group: pytest.MonkeyPatch) -> None:
+    no_group.setenv("WORLD_SIZE", "2")
+    no_group.setenv("RANK", "1")
+    mine, ref = _params(), _params()
+    opt = LionCub(mine, lr=0.1, weight_decay=0.5, variant="1bit", process_group="local")
+    lion = Lion(ref, lr=0.1, weight_decay=0.5)
+    for p, q in zip(mine, ref, strict=True):
+        p.grad = torch.arange(p.numel(), dtype=p.dtype).reshape(p.shape) - 2.5
+        q.grad = p.grad.clone()
+    opt.step()
+    lion.step()
+    assert opt.single_process and opt.comm.world_size == 1
+    assert all(torch.equal(p, q) for p, q in zip(mine, ref, strict=True)) and not torch.equal(
+        mine[1], _params()[1]
+    )
+
+
+@pytest.mark.parametrize(
+    ("world", "rank", "refused"), [("2", "1", True), ("4", "0", True), ("1", "0", False)]
+)
+def test_a_launcher_without_a_process_group_is_refused(
+    no_group: pytest.MonkeyPatch, world: str, rank: str, refused: bool
+) -> None:
+    no_group.setenv("WORLD_SIZE", world)
+    no_group.setenv("RANK", rank)
+    if not refused:
+        assert LionCub(_params()).single_process
+        return
+    with pytest.raises(
+        RuntimeError, match=rf"rank {rank} of WORLD_SIZE={world}: .*init_process_group.*process_group='local'"
+    ):
+        LionCub(_params())
+
+
+def test_without_rank_there_is_no_launcher(no_group: pytest.MonkeyPatch) -> None:
+    no_group.setenv("WORLD_SIZE", "2")  # set by hand, not a launcher's rank
+    assert LionCub(_params()).single_process
+
+
+def test_a_comm_is_deprecated_at_the_callers_line(no_group: pytest.MonkeyPatch) -> None:
+    with pytest.warns(
+        DeprecationWarning, match=r"process_group=a Comm\) is deprecated: pass its process group"
+    ) as seen:
+        line = sys._getframe().f_lineno + 1
+        opt = LionCub(_params(), process_group=Comm.single("cpu"))
+    assert [(w.filename, w.lineno) for w in seen] == [(__file__, line)]
+    assert opt.single_process
+
+
+def worker_warning_lines(rank: int, world: int) -> list[tuple[str, int]]:
+    """The identical-gradients warning of a first step (rank 0 warns), from ``opt.step()`` and from a
+    GradScaler's ``scaler.step(opt)`` (torch's frames between): where each points."""
+    lines = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for scaled in (False, True):
+            params = _params()
+            for p in params:
+                p.grad = torch.full_like(p, 0.5)  # the same on every rank: as if DDP had averaged them
+            opt = LionCub(params, variant="1bit")
+            if scaled:
+                scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+                scaler.scale(torch.ones(()))  # the scaler's scale, made lazily
+                lines.append(sys._getframe().f_lineno + 1)
+                scaler.step(opt)
+            else:
+                lines.append(sys._getframe().f_lineno + 1)
+                opt.step()
+    seen = [(w.filename, w.lineno) for w in caught if "identical on every rank" in str(w.message)]
+    return seen if rank == 0 else [(__file__, line) for line in lines]
+
+
+def test_the_optimizers_warnings_name_the_callers_line() -> None:
+    warned, expected = run_workers(worker_warning_lines, 2)
+    assert warned == expected and [f for f, _ in warned] == [__file__] * 2
+
+
+#: a torchrun job that builds LionCub without init_process_group: each rank waits (files) until both
+#: started, so that neither is stopped by torchrun before it builds the optimizer
+FORGOT_INIT = """
+import os, pathlib, sys, time
+import torch
+from lioncub import LionCub
+here = pathlib.Path(sys.argv[1])
+(here / f"started.{os.environ['RANK']}").touch()
+deadline = time.monotonic() + 60
+while len(list(here.glob("started.*"))) < 2 and time.monotonic() < deadline:
+    time.sleep(0.05)
+LionCub(torch.nn.Linear(3, 1).parameters(), lr=1e-3)
+print("trained alone", flush=True)
+"""
+
+
+def _torchrun_forgot_init(workdir: Path) -> list[str]:
+    """``torchrun --standalone --nproc-per-node 2 forgot_init.py WORKDIR`` (the script written there)."""
+    script = workdir / "forgot_init.py"
+    script.write_text(FORGOT_INIT)
+    torchrun = (
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--monitor-interval",
+        "0.5",
+    )
+    return python_cmd(*torchrun, str(script), str(workdir))
+
+
+BACKGROUND = {"forgot_init": lambda: background.Subprocess(_torchrun_forgot_init, 120)}
+
+
+@pytest.mark.slow
+@pytest.mark.background("forgot_init")
+def test_torchrun_without_init_process_group_fails_on_every_rank() -> None:
+    done = background.result("forgot_init", BACKGROUND["forgot_init"])
+    out = done.stdout + done.stderr
+    assert done.returncode != 0 and "trained alone" not in out, out[-3000:]
+    for rank in (0, 1):
+        assert f"RuntimeError: rank {rank} of WORLD_SIZE=2: LionCub has no process group" in out, out[-3000:]
+    assert out.count("call torch.distributed.init_process_group(...) before building the optimizer") >= 2
+    assert Path(background.workdir("forgot_init"), "started.1").exists()

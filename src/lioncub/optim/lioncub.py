@@ -116,16 +116,23 @@ class LionCub(LeanOptimizer):
             ``"dlion-avg"``) or a :class:`~lioncub.optim.config.VoteConfig`, e.g.
             ``resolve_variant("8bit", quantizer="l0")``; the cost model's choice for a network is
             :func:`lioncub.planning.auto.auto_variant`.
-        process_group: over whom — the data-parallel group (default: the default group); for a ``variant``
-            whose ``topology`` is not ``"flat"``, a ``DeviceMesh`` with dims ``("node", "local")``
-            (:mod:`lioncub.optim.topology`; default: built from torchrun's ``$LOCAL_WORLD_SIZE``); or a
-            :class:`~lioncub.collectives.Comm` the caller built (a :class:`~lioncub.collectives.GroupComm`
-            over a group whose members change: :mod:`lioncub.integrations.torchft`), flat topology only,
-            on the parameters' device. For FSDP2's parameters (``DTensor`` s placed ``Shard(0)`` by
-            ``fully_shard(module, mesh=mesh["shard"])``): the 2-D ``DeviceMesh`` with dims
-            ``("replicate", "shard")`` itself — each rank votes on its local shards with the ranks of its
-            ``"replicate"`` group, bit for bit the unsharded vote (:mod:`lioncub.optim.shards`,
-            docs/shards.md).
+        process_group: who votes with whom, and on which part of the model (one argument, resolved by
+            :func:`lioncub.optim.topology.who_votes`; docs/shards.md, "How to say it"):
+            ``None`` (default) — the default process group; refused (``RuntimeError`` naming
+            ``init_process_group``) under a launcher (``$WORLD_SIZE`` > 1, ``$RANK`` set) with no default
+            group initialised; ``"local"`` — this process alone, every step :class:`~lioncub.optim.lion.
+            Lion`'s; a ``ProcessGroup`` — its ranks vote (the flat case; a
+            :class:`~lioncub.collectives.GroupComm`, whose members change, is one:
+            :mod:`lioncub.integrations.torchft`); a ``DeviceMesh`` with a replicate dimension, and
+            optionally a shard dimension — ``("replicate",)``: flat over it; ``("replicate", "shard")``:
+            each rank votes with its ``"replicate"`` group on its part of the model, with FSDP2's
+            parameters (``DTensor`` s placed ``Shard(0)`` by ``fully_shard(module, mesh=mesh["shard"])``)
+            its local shards, bit for bit the unsharded vote (:mod:`lioncub.optim.shards`), with plain
+            parameters (DDP inside the shard dimension) its share of whole tensors, broadcast to its
+            ``"shard"`` group after each step; ``("node", "local")``: the replicate dimension laid over
+            nodes, for a ``variant`` whose ``topology`` is not ``"flat"`` (default for those: built from
+            torchrun's ``$LOCAL_WORLD_SIZE``, :mod:`lioncub.optim.topology`). A hand-built
+            :class:`~lioncub.collectives.Comm` is deprecated (pass its process group).
         local_steps: how often — :class:`~lioncub.optim.local_steps.LocalSteps`: H local Lion steps per
             rank, then one outer step on the pseudo-gradients (a vote every H steps); an int H is
             ``LocalSteps(h=H)``, a dict its fields; ``None`` (default): a vote every step.
@@ -223,11 +230,7 @@ class LionCub(LeanOptimizer):
         self.policy, self.window = STEP_MODES[step_mode(self.single_process, self.local_steps)](
             self.ctx, self.round, options
         )
-        if initial is not None:
-            initial.give(self._view.param_groups, self.layout)
-            if self.shares is not None:  # each share's replica-0 values to the rest of its replica
-                self.shares.broadcast()
-        self._allocate_shard_state()
+        self._give_initial(initial)
 
     # -- construction --------------------------------------------------------------------------------
 
@@ -254,6 +257,16 @@ class LionCub(LeanOptimizer):
         #: this rank's view of the group the votes travel on (:class:`lioncub.collectives.Comm`)
         self.comm, levels = topology.vote_groups(config, who, device, self.checks.broadcast_init)
         return levels
+
+    def _give_initial(self, initial: InitialValues | None) -> None:
+        """Rank 0's values to every rank (``Checks.broadcast_init``; with DDP inside a mesh's shard
+        dimension each share's replica-0 values, then to the rest of its replica); on shards the momenta
+        from construction (:meth:`_allocate_shard_state`)."""
+        if initial is not None:
+            initial.give(self._view.param_groups, self.layout)
+            if self.shares is not None:
+                self.shares.broadcast()
+        self._allocate_shard_state()
 
     def _allocate_shard_state(self) -> None:
         """On shards, the momenta from construction (zeros, as their first step would make them): DCP's

@@ -34,6 +34,11 @@ quantized votes the all-gather above. On GPUs (docs/gpu.md) both groups' exchang
 parameters' device over the mesh's backend for it (NCCL); nothing is staged on the host. Refused
 (:func:`check_shard_options`): a topology other than flat, the vote diagnostics (per tensor statistics of
 shards), ``overlap_with`` (a DDP hook; FSDP2 has none of DDP's buckets).
+
+The same mesh with plain parameters is DDP inside the shard dimension (:class:`ShareView`): a rank's part
+is a share of whole tensors (:func:`share_owners`), voted on with its ``"replicate"`` group and
+broadcast to its replica after the step (:func:`broadcast_shares`); the fault-tolerant replica groups of
+several ranks (:mod:`lioncub.integrations.group_shares`) use the same two functions.
 """
 
 from __future__ import annotations

@@ -343,6 +343,47 @@ def test_the_initial_broadcast_writes_replica_0s_shards_into_fsdp2s_storage() ->
         assert all(same), same
 
 
+def worker_ddp_inside(rank: int, world: int) -> list[str]:
+    """DDP inside the shard dimension as docs/shards.md says it: replicas initialised differently, each
+    wrapped in DDP over its ``"shard"`` group (its allreduce kept), ``LionCub(process_group=mesh)``; the
+    reference: one plain model per rank started from replica 0's values, its gradient the replica's
+    mean (an all-reduce over the shard group, halved), the unsharded vote over ``"replicate"``."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=SHARD_DIMS)
+    replica, shard = mesh["replicate"].get_local_rank(), mesh["shard"].get_local_rank()
+    torch.manual_seed(replica)
+    ddp = nn.parallel.DistributedDataParallel(_model(), process_group=mesh.get_group("shard"))
+    opt = LionCub(ddp.parameters(), lr=0.01, weight_decay=0.1, variant="1bit", process_group=mesh)
+    whole = _model()  # seed 0: replica 0's values
+    ref = LionCub(
+        whole.parameters(),
+        lr=0.01,
+        weight_decay=0.1,
+        variant="1bit",
+        process_group=mesh.get_group("replicate"),
+    )
+    bad = []
+    for step in range(3):
+        _loss(ddp, step, replica, shard).backward()
+        _loss(whole, step, replica, shard).backward()
+        for w in whole.parameters():
+            assert w.grad is not None
+            dist.all_reduce(w.grad, group=mesh.get_group("shard"))
+            w.grad /= 2
+        for o in (opt, ref):
+            o.step()
+            o.zero_grad()
+        bad += [
+            f"step {step}: parameter {i}"
+            for i, (p, w) in enumerate(zip(ddp.parameters(), whole.parameters(), strict=True))
+            if not torch.equal(p, w)
+        ]
+    return bad
+
+
+def test_ddp_inside_the_shard_dimension_is_the_unsharded_vote_of_the_replicas_means() -> None:
+    assert run_workers(worker_ddp_inside, 4, timeout=120) == [[]] * 4
+
+
 RECIPE = Path(__file__).resolve().parent.parent / "docs" / "shards.md"
 
 

@@ -398,7 +398,8 @@ class LionCub(LeanOptimizer):
             )
         self.applied_scale = scale
         if scale is not None:
-            grads = [p.grad for g in self._view.param_groups for p in g["params"] if p.grad is not None]
+            groups = self.param_groups if self.shares is not None else self._view.param_groups  # shares: all
+            grads = [p.grad for g in groups for p in g["params"] if p.grad is not None]
             if grads:
                 torch._foreach_mul_(grads, scale.double().reciprocal().float().to(grads[0].device))
         return found_inf is not None and bool(found_inf.item() > 0)

@@ -27,6 +27,7 @@ import torch
 from lioncub.launch import LaunchConfig
 from lioncub.launch.groups import LIGHTHOUSE_GRACE_S, launch_groups, probe_lighthouse
 from lioncub.launch.result import LaunchResult
+from lioncub.optim import Checks, LionCub
 from lioncub.train.fault_tolerant import SURVIVORS_RC, UNEQUAL_RC, job_status
 
 from processes import python_cmd
@@ -236,7 +237,6 @@ def test_a_group_whose_heal_failed_sits_the_step_out_and_votes_nothing() -> None
     the parameters and the optimizer's state are those before the quorum, bit for bit."""
     from lioncub.collectives import GroupComm
     from lioncub.integrations.torchft import ReplicaGroup
-    from lioncub.optim import Checks, LionCub
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(4))]

@@ -555,13 +555,14 @@ class ReplicaGroup(_Member):
                 )
             time.sleep(0.02)
 
-    def _leave(self, failed: Any) -> int:
+    def _leave(self, failed: object) -> int:
         """The quorum's heal (or the process group's setup) failed -- the peer it healed from died during
         the transfer, say: this group must not vote with a state it did not get. It sits this step (window)
         out: its process group is aborted, so that the others' exchanges with it fail at once instead of
         waiting for it, and :meth:`step` skips (nothing voted, nothing applied; torchft does not commit an
         errored group). At the next quorum it heals again, from a live peer. The quorum's size."""
-        self.left_out = f"{type(failed).__name__}: {failed}"
+        cause = getattr(failed, "original_exception", failed)  # torchft's ExceptionWithTraceback: its cause
+        self.left_out = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
         _log.warning(
             "replica group %s: the quorum's heal failed (%s); it sits this step out and heals at the next "
             "quorum",

@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 import background
 from lioncub import LionCub
-from lioncub.collectives import Comm
-from lioncub.optim import Lion
+from lioncub.collectives import Comm, GroupComm
+from lioncub.optim import Checks, Lion, VoteMesh
 from lioncub.optim.topology import LOCAL, who_votes
 
 from processes import python_cmd, run_workers
@@ -45,7 +45,10 @@ def test_the_accepted_shapes_and_the_rest(no_group: pytest.MonkeyPatch) -> None:
         ValueError, match=r"process_group='locals': the one string accepted is 'local' \(None"
     ):
         who_votes("locals")
-    with pytest.raises(ValueError, match=r"process_group: a int is not one of None .* a ProcessGroup, or a "):
+    with pytest.raises(
+        ValueError,
+        match=r"process_group: a int is not one of None .* a ProcessGroup, a DeviceMesh .* or a VoteMesh",
+    ):
         who_votes(3)
 
 
@@ -124,6 +127,51 @@ def worker_warning_lines(rank: int, world: int) -> list[tuple[str, int]]:
 def test_the_optimizers_warnings_name_the_callers_line() -> None:
     warned, expected = run_workers(worker_warning_lines, 2)
     assert warned == expected and [f for f, _ in warned] == [__file__] * 2
+
+
+def worker_vote_mesh(rank: int, world: int) -> list[str]:
+    """2 replicas × 2 shares given as groups (``VoteMesh``): the replicate dimension a ``GroupComm`` (as
+    torchft's replica groups of several ranks hold it), the caller broadcasting the shares. Against the
+    unsharded vote of the replicas' mean gradients over the same groups: after ``step()`` this rank's
+    share equals it and the rest is untouched; after ``opt.shares.broadcast()`` all of it does."""
+    replica, share = divmod(rank, 2)
+    replicates = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    shards = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    torch.manual_seed(0)
+    model, whole = torch.nn.Linear(6, 5), torch.nn.Linear(6, 5)
+    whole.load_state_dict(model.state_dict())
+    comm = GroupComm(replicates[share], rank=replica, world_size=2)
+    mesh = VoteMesh(replicate=comm, shard=shards[replica], broadcast="caller")
+    opt = LionCub(
+        model.parameters(), lr=0.1, variant="1bit", process_group=mesh, checks=Checks(broadcast_init=False)
+    )
+    ref = LionCub(whole.parameters(), lr=0.1, variant="1bit", process_group=replicates[share])
+    assert opt.shares is not None
+    bad = []
+    for step in range(2):
+        g = torch.Generator().manual_seed(10 * step + replica)  # the replica's mean gradient
+        for p, w in zip(model.parameters(), whole.parameters(), strict=True):
+            p.grad = torch.randn(p.shape, generator=g)
+            w.grad = p.grad.clone()
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.step()
+        ref.step()
+        for i, (p, w, b) in enumerate(zip(model.parameters(), whole.parameters(), before, strict=True)):
+            if not torch.equal(p, w if opt.shares.owns(p) else b):
+                bad.append(f"step {step}: parameter {i} before the caller's broadcast")
+        opt.shares.broadcast()
+        bad += [
+            f"step {step}: parameter {i}"
+            for i, (p, w) in enumerate(zip(model.parameters(), whole.parameters(), strict=True))
+            if not torch.equal(p, w)
+        ]
+    if sum(opt.shares.owns(p) for p in model.parameters()) != 1:
+        bad.append("each rank owns one of the two tensors")
+    return bad
+
+
+def test_a_vote_mesh_of_groups_votes_shares_and_the_caller_broadcasts() -> None:
+    assert run_workers(worker_vote_mesh, 4, timeout=120) == [[]] * 4
 
 
 #: a torchrun job that builds LionCub without init_process_group: each rank waits (files) until both

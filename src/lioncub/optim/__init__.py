@@ -2,12 +2,16 @@
 
 Modules, each importing only those above it in this list:
 
+* :mod:`~lioncub.optim.callers` — where the optimizer's warnings point (the caller's line);
 * :mod:`~lioncub.optim.config` — :class:`VoteConfig`, the presets, the lane-capacity limits (no torch);
 * :mod:`~lioncub.optim.lion` — Lion's step and :class:`Lion`;
 * :mod:`~lioncub.optim.sync` — :class:`MomentumSync`: which momenta are averaged over the ranks, and when;
 * :mod:`~lioncub.optim.diagnostics` — match/flip, ties, momentum spread of a vote;
-* :mod:`~lioncub.optim.topology` — the ``("node", "local")`` mesh of a vote laid over nodes;
-* :mod:`~lioncub.optim.shards` — the vote on FSDP2's shards: the optimizer's view of its local shards;
+* :mod:`~lioncub.optim.topology` — who votes with whom: ``LionCub``'s one ``process_group`` argument
+  (:func:`~lioncub.optim.topology.who_votes`, :class:`VoteMesh`), the ``("node", "local")`` mesh of a
+  vote laid over nodes;
+* :mod:`~lioncub.optim.shards` — the part of the model a rank votes on: its local shards of FSDP2's
+  parameters, or its share of whole tensors (DDP inside a mesh's shard dimension);
 * :mod:`~lioncub.optim.replicas` — identical replicas: the same parameters, rank 0's values, checksums;
 * :mod:`~lioncub.optim.step_check` — :class:`Checks`, the ranks' agreement before a step, its errors;
 * :mod:`~lioncub.optim.factory` — :func:`make_vote`: the vote of a configuration;
@@ -54,6 +58,7 @@ if TYPE_CHECKING:  # the lazy names below, for type checkers (tests/test_typing.
     from lioncub.optim.step_check import NonFiniteGradientError as NonFiniteGradientError
     from lioncub.optim.step_check import StepMismatchError as StepMismatchError
     from lioncub.optim.sync import MomentumSync as MomentumSync
+    from lioncub.optim.topology import VoteMesh as VoteMesh
 
 _EXPORTS = {
     "PRESETS": "lioncub.optim.config",
@@ -71,6 +76,7 @@ _EXPORTS = {
     "StepContext": "lioncub.optim.context",
     "VoteRound": "lioncub.optim.round",
     "ReplicaDivergenceError": "lioncub.optim.lioncub",
+    "VoteMesh": "lioncub.optim.topology",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -88,6 +88,7 @@ from lioncub.optim.step_check import (
     StepMismatchError,
 )
 from lioncub.optim.sync import MomentumSync, select_parameters
+from lioncub.optim.topology import VoteMesh
 from lioncub.optim.windows import check_group_sizes
 
 __all__ = [
@@ -161,7 +162,7 @@ class LionCub(LeanOptimizer):
         weight_decay: float = 0.0,
         *,
         variant: str | VoteConfig = "8bit",
-        process_group: dist.ProcessGroup | DeviceMesh | str | Comm | None = None,
+        process_group: dist.ProcessGroup | DeviceMesh | VoteMesh | str | Comm | None = None,
         local_steps: LocalSteps | int | Mapping[str, Any] | None = None,
         model: torch.nn.Module | None = None,
         maximize: bool = False,
@@ -237,7 +238,7 @@ class LionCub(LeanOptimizer):
     def _vote_groups(
         self,
         config: VoteConfig,
-        process_group: dist.ProcessGroup | DeviceMesh | str | Comm | None,
+        process_group: dist.ProcessGroup | DeviceMesh | VoteMesh | str | Comm | None,
         device: torch.device,
     ) -> tuple[Comm, Comm] | None:
         """Set :attr:`shards` / :attr:`shares`, the view the parts work on and :attr:`comm` for
@@ -264,7 +265,7 @@ class LionCub(LeanOptimizer):
         from construction (:meth:`_allocate_shard_state`)."""
         if initial is not None:
             initial.give(self._view.param_groups, self.layout)
-            if self.shares is not None:
+            if self.shares is not None and self.shares.after_step:
                 self.shares.broadcast()
         self._allocate_shard_state()
 
@@ -383,7 +384,7 @@ class LionCub(LeanOptimizer):
         finally:
             if part is not None:
                 part.release()
-        if self.shares is not None:  # each share's update to the rest of its replica
+        if self.shares is not None and self.shares.after_step:  # each share's update to its replica
             self.shares.broadcast()
         return loss
 

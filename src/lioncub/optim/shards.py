@@ -488,20 +488,23 @@ class ShareView:
 
     Args:
         optimizer: whose param groups hold the plain parameters.
-        mesh: the 2-D mesh of :data:`SHARD_DIMS`.
+        shard_group: the ranks of this replica, one per share (a mesh's ``"shard"`` group; ``None``: the
+            default group).
         device: the parameters' device (the shard group's agreement runs there).
+        after_step: whether ``step()`` broadcasts the shares (else its caller does: :class:`~lioncub.optim.
+            topology.VoteMesh`'s ``broadcast="caller"``).
     """
 
-    def __init__(self, optimizer: _Owner, mesh: DeviceMesh, device: torch.device) -> None:
+    def __init__(
+        self, optimizer: _Owner, shard_group: dist.ProcessGroup | None, device: torch.device, after_step: bool
+    ) -> None:
         self.optimizer = optimizer
-        self.mesh = mesh
-        #: the group of the ranks that own one share in every replica (the vote's)
-        self.vote_group: dist.ProcessGroup = mesh.get_group("replicate")
         #: the ranks of this replica, one per share (agreeing on a skipped step, the broadcast)
-        self.shard_group: dist.ProcessGroup = mesh.get_group("shard")
-        self.shard_comm = Comm(self.shard_group, device=device)
-        self.shards = mesh["shard"].size()
-        self.shard_rank = mesh["shard"].get_local_rank()
+        self.shard_group = shard_group
+        self.shard_comm = Comm(shard_group, device=device)
+        self.shards = dist.get_world_size(shard_group)
+        self.shard_rank = dist.get_rank(shard_group)
+        self.after_step = after_step
         self._owners: dict[int, int] = {}
         self._loads = [0] * self.shards
         self._groups: list[dict[str, Any]] = []
@@ -558,9 +561,12 @@ def part_view(optimizer: _Owner, who: Voters, device: torch.device) -> ShardView
     """What the optimizer's parts see of its parameters for ``who`` (``process_group`` resolved by
     :func:`~lioncub.optim.topology.who_votes`): a :class:`ShardView` (FSDP2's shards), a
     :class:`ShareView` (DDP inside the shard dimension), or ``None`` (all of them)."""
-    if who.mesh is None or who.part == "whole":
-        return None
-    return (ShardView if who.part == "shards" else ShareView)(optimizer, who.mesh, device)
+    if who.part == "shards":
+        assert who.mesh is not None  # who_votes gives the part with its mesh
+        return ShardView(optimizer, who.mesh, device)
+    if who.part == "shares":
+        return ShareView(optimizer, who.shard_group, device, after_step=who.broadcast == "step")
+    return None
 
 
 def refuse_unsharded_mesh(optimizer: _Owner, process_group: object) -> bool:

@@ -23,6 +23,9 @@ node mesh of a topology over nodes, and which part of the model this rank votes 
   torchrun numbers them; default: built over the default group from the launcher's environment,
   :func:`mesh_from_environment`).
 
+A :class:`VoteMesh` gives a replicate and a shard dimension as groups where a ``DeviceMesh`` cannot hold
+them (the replicate dimension a group whose members change: torchft's replica groups of several ranks).
+
 Deprecated: a plain :class:`~lioncub.collectives.Comm` (fixed members) — pass its process group
 (``comm.group``, or ``None`` for the default one) instead.
 """
@@ -49,6 +52,7 @@ __all__ = [
     "MESH_DIMS",
     "MESH_SHAPES",
     "Part",
+    "VoteMesh",
     "Voters",
     "is_mesh",
     "mesh_from_environment",
@@ -68,8 +72,9 @@ MESH_SHAPES = (("replicate",), ("replicate", "shard"), MESH_DIMS)
 #: which part of the model a rank votes on (:class:`Voters`)
 Part = Literal["whole", "shards", "shares"]
 _SHAPES = (
-    f"None (the default group), {LOCAL!r} (this process alone), a ProcessGroup, or a DeviceMesh with dims "
+    f"None (the default group), {LOCAL!r} (this process alone), a ProcessGroup, a DeviceMesh with dims "
     + ", ".join(map(str, MESH_SHAPES))
+    + " or a VoteMesh"
 )
 
 
@@ -155,6 +160,32 @@ class Voters:
     nodes: DeviceMesh | None = None
     mesh: DeviceMesh | None = None
     part: Part = "whole"
+    #: ``"shares"``: the shard group (a replica's ranks) and who broadcasts the shares (:class:`VoteMesh`)
+    shard_group: dist.ProcessGroup | None = None
+    broadcast: Literal["step", "caller"] = "step"
+
+
+@dataclass(frozen=True)
+class VoteMesh:
+    """A replicate and a shard dimension given as groups, for groups a ``DeviceMesh`` cannot hold: the
+    replicate dimension a :class:`~lioncub.collectives.GroupComm` whose members change
+    (:mod:`lioncub.integrations.torchft`'s replica groups of several ranks), the shard dimension the
+    process group of this rank's replica. The parameters are plain (DDP inside the shard group): each rank
+    votes on its share of whole tensors with the ranks of ``replicate``, as with a ``("replicate",
+    "shard")`` mesh (docs/shards.md, "DDP inside").
+
+    Args:
+        replicate: the ranks that own the same share, one per replica (a ``ProcessGroup``, a
+            ``GroupComm``, or ``None``: the default group).
+        shard: the ranks of this rank's replica, one per share (``None``: the default group).
+        broadcast: ``"step"`` — ``step()`` broadcasts the shares to the replica after each step;
+            ``"caller"`` — the caller does (``opt.shares.broadcast()``, collective in ``shard``), e.g. only
+            once its replica's ranks agree that the step stands.
+    """
+
+    replicate: dist.ProcessGroup | Comm | None
+    shard: dist.ProcessGroup | None
+    broadcast: Literal["step", "caller"] = "step"
 
 
 def who_votes(process_group: object, topology: str = "flat", *, sharded: bool = False) -> Voters:
@@ -162,6 +193,8 @@ def who_votes(process_group: object, topology: str = "flat", *, sharded: bool = 
     ``topology``: ``VoteConfig.topology``; ``sharded``: whether the parameters are ``DTensor`` s. Nothing
     collective. ``ValueError`` naming the accepted shapes for anything else; ``RuntimeError`` naming
     ``init_process_group`` for ``None`` under a launcher with no default group."""
+    if isinstance(process_group, VoteMesh):
+        return _vote_mesh_voters(process_group, topology, sharded)
     if isinstance(process_group, Comm):
         if process_group.fixed_members:
             warnings.warn(
@@ -194,6 +227,27 @@ def who_votes(process_group: object, topology: str = "flat", *, sharded: bool = 
     return Voters(process_group)
 
 
+def _vote_mesh_voters(given: VoteMesh, topology: str, sharded: bool) -> Voters:
+    if sharded:
+        raise TypeError(
+            "process_group=VoteMesh(...) is for plain parameters (DDP inside the shard group); FSDP2's "
+            "parameters take the DeviceMesh with dims ('replicate', 'shard') they were sharded over"
+        )
+    if given.broadcast not in ("step", "caller"):
+        raise ValueError(f"VoteMesh(broadcast={given.broadcast!r}): allowed values are 'step', 'caller'")
+    replicate = given.replicate
+    if isinstance(replicate, Comm) and replicate.fixed_members:
+        raise ValueError("VoteMesh(replicate=a Comm): give its process group (a GroupComm is accepted)")
+    if topology != "flat":
+        raise ValueError(
+            f"topology={topology!r} on a VoteMesh's shares of whole tensors: the vote is flat over its "
+            f"replicate group; a topology over nodes takes a DeviceMesh with dims {MESH_DIMS}"
+        )
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("process_group=VoteMesh(...): init_process_group first (the shards share over it)")
+    return Voters(replicate, part="shares", shard_group=given.shard, broadcast=given.broadcast)
+
+
 def _mesh_voters(mesh: DeviceMesh, topology: str, sharded: bool) -> Voters:
     dims = mesh.mesh_dim_names
     if dims == MESH_DIMS:
@@ -212,7 +266,13 @@ def _mesh_voters(mesh: DeviceMesh, topology: str, sharded: bool) -> Voters:
             )
         return Voters(mesh.get_group("replicate"))
     if dims == ("replicate", "shard"):
-        return Voters(mesh.get_group("replicate"), mesh=mesh, part="shards" if sharded else "shares")
+        shard_group = None if sharded else mesh.get_group("shard")
+        return Voters(
+            mesh.get_group("replicate"),
+            mesh=mesh,
+            part="shards" if sharded else "shares",
+            shard_group=shard_group,
+        )
     raise ValueError(
         "process_group: a DeviceMesh must have the dims ('replicate',) (a flat vote), ('replicate', "
         f"'shard') for FSDP2's parameters or DDP inside the shard dimension (docs/shards.md), or "
@@ -280,7 +340,7 @@ def _groups(
                 f"topology is {config.topology!r} and the parameters are on {device}{why}"
             )
         return group, None
-    if group is False or config.topology == "flat" or who.mesh is not None:
+    if group is False or config.topology == "flat" or who.part != "whole":
         return group, None  # a shard mesh's topology is refused by the shards' checks
     mesh = who.nodes or mesh_from_environment(config.topology, device)
     flat, intra, inter = node_groups(mesh, _exchange(config), device)

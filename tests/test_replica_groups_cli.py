@@ -473,9 +473,14 @@ def test_the_launcher_kills_a_group_after_its_step_and_starts_it_again(
     config = LaunchConfig(python_cmd(str(script), str(tmp_path), "6", "12"), nproc=3, timeout_s=60)
     out, err = io.StringIO(), io.StringIO()
     faults = [Fault(6, "kill", 1), Fault(12, "rejoin", 1)]
-    result = launch_groups(config, faults, _progress(tmp_path), lighthouse=lighthouse_page, out=out, err=err)
+    ends: list[tuple[int, int, int]] = []  # what the driver is told: each life's end, its code
+    result = launch_groups(
+        config, faults, _progress(tmp_path), lighthouse=lighthouse_page, out=out, err=err,
+        ended=lambda g, life, code: ends.append((g, life, code)),
+    )  # fmt: skip
     assert result.ok, err.getvalue()
     assert result.rank_returncodes == [0, 0, 0]
+    assert sorted(ends) == [(0, 0, 0), (1, 0, -9), (1, 1, 0), (2, 0, 0)]  # the SIGKILLed life: -SIGKILL
     lines = [json.loads(x) for x in (tmp_path / "g1.jsonl").read_text().splitlines()]
     expected = [(s, 0) for s in range(1, 7)] + [(s, 1) for s in range(13, 21)]
     assert [(r["step"], r["life"]) for r in lines] == expected

@@ -52,6 +52,23 @@ def test_the_accepted_shapes_and_the_rest(no_group: pytest.MonkeyPatch) -> None:
         who_votes(3)
 
 
+def test_a_vote_mesh_is_refused_where_it_cannot_vote(no_group: pytest.MonkeyPatch) -> None:
+    with pytest.raises(
+        ValueError, match=r"VoteMesh\(broadcast='later'\): allowed values are 'step', 'caller'"
+    ):
+        who_votes(VoteMesh(None, None, broadcast="later"))  # type: ignore[arg-type]  # the wrong value is the test
+    with pytest.raises(
+        ValueError, match=r"topology='hierarchical' on a VoteMesh's shares .* dims \('node', 'local'\)"
+    ):
+        who_votes(VoteMesh(None, None), "hierarchical")
+    with pytest.raises(
+        TypeError, match=r"VoteMesh\(\.\.\.\) is for plain parameters .* FSDP2's parameters take"
+    ):
+        who_votes(VoteMesh(None, None), sharded=True)
+    with pytest.raises(ValueError, match=r"process_group=VoteMesh\(\.\.\.\): init_process_group first"):
+        who_votes(VoteMesh(None, None))
+
+
 def test_local_runs_alone_as_lion_even_under_a_launcher(no_group: pytest.MonkeyPatch) -> None:
     no_group.setenv("WORLD_SIZE", "2")
     no_group.setenv("RANK", "1")

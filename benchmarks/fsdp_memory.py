@@ -24,7 +24,8 @@ without ``--fsdp``) stops climbing at its first run that does not complete.
 the run (its descendants, tracked by parent pid and start time, except the network's guard, which then
 removes the namespaces) when MemAvailable drops below ``--min-available-gib`` (default 4): recorded as
 "does not fit (killed at MemAvailable < 4 GiB)". The same kill ends a run past ``--timeout``. The
-watchdog also records the lowest MemAvailable and the largest sum of the run's processes' RSS.
+watchdog also records the lowest MemAvailable, the largest sum of the run's processes' RSS and each
+process's peak RSS (``VmHWM``, sampled: a peak in its last half second can be missed).
 
 Prints markdown tables and writes ``results.json`` in ``--out``; each run's directory is removed after it
 is read unless ``--keep``.
@@ -56,6 +57,11 @@ VOCAB = 74  # the tiny workload's corpus (austen_slice): characters
 RANK_BASE = 400 * MIB
 #: the launcher, one torchrun agent per node, the zygotes and the network's guard, all together
 RUN_BASE = 1536 * MIB
+#: a rank's peak RSS over torch's, in fp32 copies of the model, measured on the 8x512 pairs (25 M
+#: parameters, 8 steps): DDP inside 5.2-6.1, --fsdp 5.1 (2 steps) to 6.8: the largest ladder starts there
+COPIES = {False: 6.5, True: 7.0}
+#: a rank's peak RSS with a negligible model (gpt/tiny, 0.1 M parameters): 316 MB
+TORCH_RSS = 316 * MIB
 
 
 @dataclass(frozen=True)
@@ -85,27 +91,23 @@ class Shape:
         return f"{self.n_layer}x{self.n_embd}"
 
 
-def predict(shape: Shape, per_node: int, fsdp: bool, nnodes: int = 2) -> dict[str, int]:
+def predict(shape: Shape, per_node: int, fsdp: bool, copies: float, nnodes: int = 2) -> dict[str, int]:
     """Predicted bytes of one run: ``rank`` (a rank's peak) and ``total`` (the machine's), fp32.
 
-    DDP inside the node: every rank holds the parameters, their gradients, DDP's flat bucket copy of them
-    and a vote's worth of work buffers (4 model copies) plus its share of the momenta (1/L). FSDP2: each
-    rank builds the whole model before sharding it (1 copy, freed) and then holds a 1/L shard of the
-    parameters, gradients and momenta, plus a block gathered in the forward and its gradient in the
-    backward; the final checkpoint gathers the whole model on one rank (1 copy, counted once in
-    ``total``). Activations: ~40 floats per token and layer, twice (forward and backward)."""
+    A rank's peak is :data:`RANK_BASE` plus the larger of ``copies`` (measured: :data:`COPIES`, then the
+    last rung's) and the structural count of fp32 copies of the model's ``p`` bytes, plus activations
+    (~40 floats per token and layer, forward and backward). Structurally, DDP inside the node: the
+    parameters, their gradients, DDP's flat bucket copy of them, the momenta and a vote's work buffers
+    (5 copies); FSDP2: each rank builds the whole model before sharding it (1 copy), then holds 1/L of the
+    parameters, gradients and momenta, a block gathered in the forward and its gradient in the backward;
+    the final checkpoint gathers the whole model on one rank (1 copy)."""
     p = 4 * shape.params()
     tokens = shape.batch_size * shape.block_size
     act = 2 * 4 * tokens * (40 * shape.n_embd * shape.n_layer + 2 * VOCAB)
     block = 4 * 12 * shape.n_embd**2
-    if fsdp:
-        model = max(p, 3 * p // per_node + 2 * block)
-        rank = RANK_BASE + model + act
-        total = RUN_BASE + nnodes * per_node * rank + p
-    else:
-        rank = RANK_BASE + 4 * p + p // per_node + act
-        total = RUN_BASE + nnodes * per_node * rank
-    return {"rank": rank, "total": total}
+    structural = 1 + max(1, (3 * p + 2 * block) / per_node / p) if fsdp else 5.0
+    rank = RANK_BASE + int(max(copies, structural) * p) + act
+    return {"rank": rank, "total": RUN_BASE + nnodes * per_node * rank}
 
 
 # ---------------------------------------------------------------------------------------------- watchdog
@@ -139,6 +141,17 @@ def _rss(pid: int) -> int:
         return 0
 
 
+def _hwm(pid: int) -> int:
+    """``pid``'s peak resident set size so far (``VmHWM``) in bytes; 0 when it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, IndexError, ValueError):
+        pass
+    return 0
+
+
 def _is_guard(pid: int) -> bool:
     """The network's guard (``python -m lioncub.launch.netns guard``): left alive to remove the
     namespaces once the launcher is gone."""
@@ -161,6 +174,7 @@ class Watchdog:
     known: dict[int, int] = field(default_factory=dict)  # pid -> starttime
     lowest_available: int = 1 << 62
     peak_tree_rss: int = 0
+    hwm: dict[int, int] = field(default_factory=dict)  # pid -> the largest VmHWM seen
     killed_for_memory: bool = False
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -199,7 +213,10 @@ class Watchdog:
             self._scan()
             available = _meminfo()["MemAvailable"]
             self.lowest_available = min(self.lowest_available, available)
-            self.peak_tree_rss = max(self.peak_tree_rss, sum(_rss(pid) for pid in self._alive()))
+            alive = self._alive()
+            self.peak_tree_rss = max(self.peak_tree_rss, sum(_rss(pid) for pid in alive))
+            for pid in alive:
+                self.hwm[pid] = max(self.hwm.get(pid, 0), _hwm(pid))
             if available < self.min_available:
                 self.killed_for_memory = True
                 self.kill()
@@ -257,6 +274,7 @@ def run_one(cmd: list[str], out: Path, timeout_s: float, min_available: int, kee
         "available_before": available_before,
         "lowest_available": dog.lowest_available,
         "peak_tree_rss": dog.peak_tree_rss,
+        "process_hwm": sorted(dog.hwm.values(), reverse=True),
     }
     if dog.killed_for_memory:
         res["status"] = f"does not fit (killed at MemAvailable < {min_available / GIB:g} GiB)"
@@ -297,7 +315,7 @@ def pairs(args: argparse.Namespace, shape: Shape) -> list[dict[str, Any]]:
             order = [False, True] if rep % 2 == 0 else [True, False]
             for fsdp in order:
                 name = f"L{per_node}-{'fsdp' if fsdp else 'ddp'}-r{rep}"
-                pred = predict(shape, per_node, fsdp)
+                pred = predict(shape, per_node, fsdp, COPIES[fsdp])
                 if pred["total"] > args.budget_gib * GIB:
                     sys.exit(
                         f"{name}: predicted {pred['total'] / GIB:.1f} GiB > --budget-gib {args.budget_gib:g}"
@@ -337,9 +355,10 @@ def largest(args: argparse.Namespace) -> list[dict[str, Any]]:
     complete or the next is predicted over the budget."""
     results = []
     for fsdp in (False, True):
+        copies = COPIES[fsdp]
         for width in args.widths:
             shape = Shape(args.depth, width, block_size=32, batch_size=2, eval_windows=4)
-            pred = predict(shape, args.largest_l, fsdp)
+            pred = predict(shape, args.largest_l, fsdp, copies)
             name = f"largest-L{args.largest_l}-{'fsdp' if fsdp else 'ddp'}-{shape.label()}"
             base: dict[str, Any] = dict(
                 name=name,
@@ -348,6 +367,7 @@ def largest(args: argparse.Namespace) -> list[dict[str, Any]]:
                 shape=shape.label(),
                 params_predicted=shape.params(),
                 predicted=pred,
+                copies=copies,
             )
             if pred["total"] > args.budget_gib * GIB:
                 over = f"{pred['total'] / GIB:.1f} GiB > {args.budget_gib:g} GiB"
@@ -366,6 +386,8 @@ def largest(args: argparse.Namespace) -> list[dict[str, Any]]:
             results.append(res)
             if res["status"] != "ok":
                 break
+            # the next rung's prediction: this one's copies of the model in its largest rank, 10 % more
+            copies = 1.1 * (max(res["process_hwm"]) - TORCH_RSS) / (4 * shape.params())
     return results
 
 
@@ -427,7 +449,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=8, help="the pairs' GPT depth (default 8)")
     ap.add_argument("--width", type=int, default=512, help="the pairs' GPT width (default 512)")
     ap.add_argument("--depth", type=int, default=8, help="--largest: the ladder's depth (default 8)")
-    widths = [768, 1024, 1280, 1536, 1792, 2048, 2304, 2560]
+    widths = [512, 640, 768, 896, 1024, 1152, 1280, 1536, 1792, 2048]
     ap.add_argument("--widths", type=_ints, default=widths, help="--largest: the ladder's widths")
     ap.add_argument("--largest-l", type=int, default=4, help="--largest: ranks per node (default 4)")
     ap.add_argument("--seed", type=int, default=0)

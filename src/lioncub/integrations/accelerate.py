@@ -38,6 +38,7 @@ it, and refuses accelerate's compression hooks too (they would allreduce the gra
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any
 
@@ -48,7 +49,8 @@ require(["accelerate"], "hf", "lioncub.integrations.accelerate")
 import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
-from accelerate.utils import DDPCommunicationHookType  # noqa: E402
+from accelerate.utils import DDPCommunicationHookType, DistributedType  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 
 from lioncub.integrations.common import find_lioncub, install_vote, world_size  # noqa: E402
 from lioncub.optim.amp import agree_on_overflow  # noqa: E402
@@ -88,6 +90,7 @@ def prepare(
             "accelerator.prepare(...) returned (its checkpoints hold the prepared optimizers only)"
         )
     opt = find_lioncub(optimizer, where)
+    refuse_fsdp(accelerator.distributed_type, _fsdp_version(accelerator), opt, world_size(), where)
     if not opt.single_process:
         fix = (
             "accelerator.prepare moved the model, not the optimizer: build LionCub after model = "
@@ -126,6 +129,64 @@ def prepare(
         accelerator.register_save_state_pre_hook(gather_every_rank)
         hooked.add(accelerator)
     return opt
+
+
+#: what to do instead of accelerate's FSDP, in every refusal of it
+_OWN_LOOP = (
+    "To vote on FSDP2's shards, shard the model yourself and run your own loop (docs/shards.md): a "
+    "DeviceMesh ('replicate', 'shard'), fully_shard(..., mesh=mesh['shard']), LionCub(model.parameters(), "
+    "process_group=mesh), torchrun; to vote on the whole model, drop the fsdp_plugin (accelerate's DDP)"
+)
+
+
+def refuse_fsdp(
+    distributed_type: DistributedType, fsdp_version: int | None, opt: LionCub, world: int, where: str
+) -> None:
+    """Raise ``ValueError`` for accelerate's FSDP, which cannot host LionCub's vote (module docstring), and
+    for an optimizer whose parameters became ``DTensor`` s after LionCub was built.
+
+    Args:
+        distributed_type: ``accelerator.distributed_type``.
+        fsdp_version: the ``fsdp_plugin``'s ``fsdp_version`` (``None``: no plugin in the state).
+        opt: the LionCub inside the prepared optimizer.
+        world: the number of processes of the job.
+        where: the caller, for the messages.
+    """
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if opt.shards is None and any(isinstance(p, DTensor) for p in params):
+        raise ValueError(
+            f"{where}: the optimizer's parameters were replaced by FSDP2's sharded ones (DTensors) after "
+            "LionCub was built on the whole tensors — what accelerate's FSDP2 prepare does "
+            "(fsdp2_switch_optimizer_parameters) — so LionCub's buckets and momenta are not those of the "
+            f"parameters it would step. {_OWN_LOOP}"
+        )
+    if distributed_type == DistributedType.FSDP:
+        version = "?" if fsdp_version is None else fsdp_version
+        raise ValueError(
+            f"{where}: accelerate's FSDP (FullyShardedDataParallelPlugin(fsdp_version={version})) cannot "
+            "host LionCub's vote: accelerator.prepare shards the model itself over its own mesh (the whole "
+            "job, or with ParallelismConfig(dp_replicate_size=...) HSDP, whose gradients FSDP2 averages "
+            "between the replicas: nothing is left to vote on), FSDP1's flat shards are not tensors, and "
+            "FSDP2's prepare swaps the optimizer's parameters for the sharded ones after the optimizer was "
+            "built. " + _OWN_LOOP
+        )
+    if opt.shards is not None:
+        raise ValueError(
+            f"{where}: LionCub votes on FSDP2's shards here, which accelerate does not support without its "
+            f"FSDP plugin (it wraps a model in DDP, and refuses DTensor parameters). {_OWN_LOOP}"
+        )
+    if world > 1 and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        raise ValueError(
+            f"{where}: accelerate was asked for FSDP (an fsdp_plugin, or accelerate launch --use_fsdp: "
+            f"ACCELERATE_USE_FSDP=true) but runs {distributed_type.value}: it shards only on GPUs and other "
+            "accelerators, so here every rank holds the whole model, in DDP. " + _OWN_LOOP
+        )
+
+
+def _fsdp_version(accelerator: Accelerator) -> int | None:
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    version = getattr(plugin, "fsdp_version", None)
+    return version if isinstance(version, int) else None
 
 
 def _refuse_comm_hook(accelerator: Accelerator, where: str) -> None:

@@ -380,6 +380,9 @@ class _GroupLoop:
         t3 = self.clock()
         rec = loop.step_record(self.setup, step, t2 - t1, t3 - t2, None)
         rec["step_s"] += t1 - t0
+        if ends and not committed:  # put back: its exchange (or commit) failed, nothing was applied, and
+            # the optimizer's figures are not this step's: its phase was the wait on a peer that failed
+            rec.update(comm_s=t3 - t2, exchange_s=t3 - t2, apply_s=0.0)
         if position.healed:  # torchft's DiLoCo heals at a window's end: this window was replaced
             self.pending[:] = [e for e in self.pending if e[2] > position.step]
             self.window = [{**r, "replaced": True} for r in self.window]

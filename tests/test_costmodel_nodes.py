@@ -394,8 +394,8 @@ def test_calibrate_two_emulated_nodes_measures_the_nic_rate(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """`lioncub calibrate --nnodes 2 --nproc-per-node 2 --link 1gbit` (in this process; torchrun's agents,
-    forks of the zygote, start the ranks, forks too): the NIC's fitted payload rate is the shaped rate (both ranks of a node share it), the
-    node's loopback (shaped at 4 Gbit/s) is faster."""
+    forks of the zygote, start the ranks, forks too): the NIC's fitted payload rate is the shaped rate
+    (both ranks of a node share it), the node's loopback (shaped at 4 Gbit/s) is faster."""
     out = tmp_path / "nodes.json"
     argv = ["calibrate", "--out", str(out), "--nnodes", "2", "--nproc-per-node", "2", "--link", "1gbit",
             "--intra-link", "4gbit", "--ops", "allreduce_f32", "--sizes", "2mb,4mb,8mb", "--repeats", "3",

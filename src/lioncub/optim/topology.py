@@ -199,8 +199,8 @@ def who_votes(process_group: object, topology: str = "flat", *, sharded: bool = 
         if process_group.fixed_members:
             warnings.warn(
                 "LionCub(process_group=a Comm) is deprecated: pass its process group (comm.group; None for "
-                "the default group) or a DeviceMesh (lioncub.optim.topology); the Comm is rebuilt there on "
-                "the parameters' device",
+                "the default group) or a DeviceMesh (lioncub.optim.topology): LionCub builds its own Comm "
+                "on the parameters' device",
                 DeprecationWarning,
                 stacklevel=caller_stacklevel(),
             )

@@ -488,7 +488,7 @@ def test_a_replica_group_refuses_parameters_off_the_cpu(monkeypatch: pytest.Monk
     """A ``ReplicaGroup`` votes on CPU tensors (torchft's gloo): an optimizer whose parameters are on CUDA
     (moved after it was built) is refused at ``attach``, and a parameter moved after ``attach`` at the next
     ``begin``, before the quorum, naming the parameter and its device."""
-    pytest.importorskip("torchft", reason="torchft is not installed: pip install 'lioncub[ft]'")
+    pytest.importorskip("torchft", reason="torchft is not installed: the ft extra, docs/install.md")
     from torchft.coordination import LighthouseServer
 
     from lioncub.integrations.torchft import ReplicaGroup

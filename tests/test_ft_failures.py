@@ -104,7 +104,7 @@ SLEEPER = textwrap.dedent(
 
 @pytest.mark.slow
 def test_the_launchers_lighthouse_killed_stops_the_job_at_once_naming_it(tmp_path: Path) -> None:
-    pytest.importorskip("torchft", reason="torchft is not installed: pip install 'lioncub[ft]'")
+    pytest.importorskip("torchft", reason="torchft is not installed: the ft extra, docs/install.md")
     script = tmp_path / "group.py"
     script.write_text(SLEEPER)
     config = LaunchConfig(python_cmd(str(script), "kill"), nproc=2, timeout_s=60)
@@ -122,7 +122,7 @@ def test_the_launchers_lighthouse_killed_stops_the_job_at_once_naming_it(tmp_pat
 
 @pytest.mark.slow
 def test_a_lighthouse_given_by_url_that_dies_stops_the_job_after_the_grace_period(tmp_path: Path) -> None:
-    pytest.importorskip("torchft", reason="torchft is not installed: pip install 'lioncub[ft]'")
+    pytest.importorskip("torchft", reason="torchft is not installed: the ft extra, docs/install.md")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -368,7 +368,7 @@ def test_the_next_launch_removes_a_dead_launchers_leftovers_and_says_so(
 def test_a_heals_transfer_writes_no_access_line(capfd: pytest.CaptureFixture[str]) -> None:
     """torchft's checkpoint server logs every request (``"GET /checkpoint/3/full HTTP/1.1" 200 -``) to
     stderr, a few lines per heal; lioncub's transport keeps them out (the state arrives all the same)."""
-    pytest.importorskip("torchft", reason="torchft is not installed: pip install 'lioncub[ft]'")
+    pytest.importorskip("torchft", reason="torchft is not installed: the ft extra, docs/install.md")
     from torchft.checkpointing import HTTPTransport
 
     from lioncub.integrations.torchft import _transport
@@ -413,7 +413,7 @@ def test_a_launch_that_cannot_start_is_a_failed_launch_naming_why(monkeypatch: p
 
 def test_a_lighthouse_whose_quorum_can_never_form_is_named() -> None:
     """A lighthouse that needs more groups than the job has (its /status page says min_replicas)."""
-    pytest.importorskip("torchft", reason="torchft is not installed: pip install 'lioncub[ft]'")
+    pytest.importorskip("torchft", reason="torchft is not installed: the ft extra, docs/install.md")
     from torchft.coordination import LighthouseServer
 
     from lioncub.integrations.torchft import lighthouse_status, quorum_rules_problem

@@ -144,7 +144,7 @@ def test_a_group_comm_refuses_the_broadcast_at_construction() -> None:
 
 def _lighthouse(min_groups: int) -> Any:
     """torchft's lighthouse in this process: a quorum of at least ``min_groups`` groups."""
-    pytest.importorskip("torchft", reason="torchft is not installed: pip install 'lioncub[ft]'")
+    pytest.importorskip("torchft", reason="torchft is not installed: the ft extra, docs/install.md")
     from torchft.coordination import LighthouseServer
 
     return LighthouseServer(
@@ -597,7 +597,7 @@ def test_the_lighthouse_lost_is_a_clear_error_within_the_quorum_timeout(tmp_path
     import subprocess
     import threading
 
-    pytest.importorskip("torchft", reason="torchft is not installed: pip install 'lioncub[ft]'")
+    pytest.importorskip("torchft", reason="torchft is not installed: the ft extra, docs/install.md")
     port = _free_port()
     # lioncub's lighthouse program (what `lioncub train --fault-tolerant` starts): torchft's server without
     # importing torch; it prints "ready URL" once it listens
@@ -687,7 +687,7 @@ def test_the_docs_loop_and_lighthouse_end_with_equal_replicas(restart_after: int
     """Three groups run the docs' loop with the docs' lighthouse settings, without a failure and with group
     1 restarted from scratch after step 16 (it heals at the next window): every group's ``finish()`` agrees
     with all three, and their parameters are bitwise equal."""
-    pytest.importorskip("torchft", reason="torchft is not installed: pip install 'lioncub[ft]'")
+    pytest.importorskip("torchft", reason="torchft is not installed: the ft extra, docs/install.md")
     from torchft.coordination import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", **DOCS_LIGHTHOUSE)

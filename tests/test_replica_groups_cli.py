@@ -34,7 +34,7 @@ from processes import python_cmd
 
 HAS_TORCHFT = importlib.util.find_spec("torchft") is not None
 needs_torchft = pytest.mark.skipif(
-    not HAS_TORCHFT, reason="torchft is not installed (pip install 'lioncub[ft]')"
+    not HAS_TORCHFT, reason="torchft is not installed (the ft extra, docs/install.md)"
 )
 
 

@@ -3,13 +3,13 @@
 * :mod:`lioncub.integrations.hf` — :class:`~lioncub.integrations.hf.LionCubTrainer`, a
   ``transformers.Trainer`` that trains with LionCub, and
   :class:`~lioncub.integrations.hf.LionCubCallback` for your own Trainer subclass
-  (``pip install 'lioncub[hf]'``);
+  (the ``hf`` extra, docs/install.md);
 * :mod:`lioncub.integrations.accelerate` — :func:`~lioncub.integrations.accelerate.prepare`, one call
-  after ``accelerator.prepare(...)`` (``pip install 'lioncub[hf]'``);
+  after ``accelerator.prepare(...)`` (the ``hf`` extra, docs/install.md);
 * :mod:`lioncub.integrations.lightning` — :class:`~lioncub.integrations.lightning.LionCubStrategy`, a
-  Lightning ``DDPStrategy`` (``pip install 'lioncub[lightning]'``);
+  Lightning ``DDPStrategy`` (the ``lightning`` extra, docs/install.md);
 * :mod:`lioncub.integrations.torchft` — :class:`~lioncub.integrations.torchft.ReplicaGroup`: votes
-  between replica groups that leave and join, on torchft's lighthouse (``pip install 'lioncub[ft]'``).
+  between replica groups that leave and join, on torchft's lighthouse (the ``ft`` extra, docs/install.md).
 
 Each does the same three things the framework cannot know it has to: it keeps DDP's gradient allreduce
 from running (each rank's ``.grad`` stays its local gradient; the ranks vote instead) or overlaps the

@@ -1,4 +1,4 @@
-"""LionCub with Hugging Face ``accelerate`` (``pip install 'lioncub[hf]'``): one call after
+"""LionCub with Hugging Face ``accelerate`` (the ``hf`` extra, docs/install.md): one call after
 ``accelerator.prepare(...)``::
 
     import lioncub.integrations.accelerate as lioncub_accelerate

@@ -28,14 +28,15 @@ _INSTALLED: weakref.WeakKeyDictionary[DistributedDataParallel, tuple[LionCub, st
 
 
 def require(modules: Sequence[str], extra: str, user: str) -> None:
-    """Import ``modules`` or raise an ``ImportError`` that names ``pip install 'lioncub[extra]'``."""
+    """Import ``modules`` or raise an ``ImportError`` that names the extra to install (docs/install.md:
+    lioncub is not on PyPI, so the install is from a clone or a wheel)."""
     for name in modules:
         try:
             importlib.import_module(name)
         except ImportError as err:
             raise ImportError(
-                f"{user} needs the {name!r} package, which is not installed: pip install 'lioncub[{extra}]' "
-                f"({err})"
+                f"{user} needs the {name!r} package, which is not installed: pip install '.[{extra}]' in a "
+                f"clone of lioncub, or its wheel with [{extra}] (docs/install.md) ({err})"
             ) from err
 
 

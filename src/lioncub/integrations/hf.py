@@ -1,4 +1,4 @@
-"""LionCub in the Hugging Face ``transformers.Trainer`` (``pip install 'lioncub[hf]'``).
+"""LionCub in the Hugging Face ``transformers.Trainer`` (the ``hf`` extra, docs/install.md).
 
 ::
 
@@ -236,7 +236,7 @@ class LionCubCallback(TrainerCallback):
         if not (callable(save) and callable(load)):
             raise RuntimeError(
                 f"{self.where}: this transformers Trainer has no {names[0]} / {names[1]}, where lioncub "
-                "gathers every rank's momenta into the checkpoint; install transformers>=5 (lioncub[hf])"
+                "gathers every rank's momenta into the checkpoint; install transformers>=5 (the hf extra)"
             )
 
         def save_every_rank(output_dir: str) -> None:

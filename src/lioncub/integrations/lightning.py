@@ -1,4 +1,5 @@
-"""LionCub in Lightning (``pip install 'lioncub[lightning]'``): :class:`LionCubStrategy`, a ``DDPStrategy``::
+"""LionCub in Lightning (the ``lightning`` extra, docs/install.md): :class:`LionCubStrategy`, a
+``DDPStrategy``::
 
     from lioncub.integrations.lightning import LionCubStrategy
 

@@ -1,4 +1,4 @@
-"""Votes between replica groups that come and go, on torchft (``pip install 'lioncub[ft]'``).
+"""Votes between replica groups that come and go, on torchft (the ``ft`` extra, docs/install.md).
 
 A *replica group* is one process (or L processes: below) training a full replica. The groups vote with
 each other over torchft's reconfigurable process group: torchft's lighthouse forms a quorum of the groups

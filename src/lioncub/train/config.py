@@ -315,8 +315,8 @@ class ClusterConfig:
     fault_tolerant: bool = setting(
         False,
         help="every rank (with --nnodes every node) a replica group on torchft (docs/fault-tolerance.md): a "
-        "group that dies is left out at the next quorum, one that (re)joins heals from a live peer (pip "
-        "install 'lioncub[ft]')",
+        "group that dies is left out at the next quorum, one that (re)joins heals from a live peer (the ft "
+        "extra, docs/install.md)",
     )
     fsdp: bool = setting(
         False, ft_why=FT_WHY,

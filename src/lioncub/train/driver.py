@@ -197,7 +197,7 @@ def check_before_launch(config: TrainConfig, timeout_s: float | None, max_nproc:
         if importlib.util.find_spec("torchft") is None:
             raise ValueError(
                 "--fault-tolerant: needs the torchft package, which is not installed: pip install "
-                "'lioncub[ft]' (Linux x86-64)"
+                "'.[ft]' in a clone of lioncub, or its wheel with [ft] (Linux x86-64; docs/install.md)"
             )
         if cluster.lighthouse is not None:
             from lioncub.launch.groups import probe_lighthouse

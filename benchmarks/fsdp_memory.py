@@ -252,6 +252,7 @@ def run_one(cmd: list[str], out: Path, timeout_s: float, min_available: int, kee
     shutil.rmtree(out, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     available_before = _meminfo()["MemAvailable"]
+    load_before = os.getloadavg()[0]
     t0 = time.monotonic()
     with open(out.parent / f"{out.name}.console.txt", "wb") as console:
         proc = subprocess.Popen(
@@ -272,6 +273,8 @@ def run_one(cmd: list[str], out: Path, timeout_s: float, min_available: int, kee
         "command": " ".join(cmd),
         "wall_s": round(wall, 1),
         "available_before": available_before,
+        # the machine's 1-minute load average before and after (other users' work shows here)
+        "loadavg": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "lowest_available": dog.lowest_available,
         "peak_tree_rss": dog.peak_tree_rss,
         "process_hwm": sorted(dog.hwm.values(), reverse=True),
@@ -346,6 +349,46 @@ def pairs_table(results: list[dict[str, Any]]) -> str:
             f"{_mb(m['optimizer_state'])} | {_mb(m['peak_rss'])} ({_mb(r['predicted']['rank'])}) | "
             f"{r['lowest_available'] / GIB:.1f} | {r['nic_bytes']:,.0f} | {r['intra_bytes']:,.0f} | "
             f"{r['median_step_s']:.2f} | {r['val_loss']:.4f} | {r['wall_s']} |"
+        )
+    return "\n".join(rows)
+
+
+def _field(run: dict[str, Any], key: str) -> float:
+    """``run[key]``, or ``run["memory"][key]`` for a memory field."""
+    return float(run["memory"][key] if key in run["memory"] else run[key])
+
+
+def pairs_summary(results: list[dict[str, Any]]) -> str:
+    """Per L: each kind's median over the repeats of its median step time, the median over the repeats
+    of the paired ratio ``--fsdp`` / DDP inside (the two runs of one repeat ran back to back), and the
+    ratios of the memory fields and NIC bytes (medians over the repeats; all but the peak RSS are the
+    same in every repeat)."""
+    rows = [
+        "| L | median step, DDP inside (s) | median step, --fsdp (s) | paired ratio fsdp/ddp: median "
+        "(each repeat) | parameters | gradients | optimizer state | peak RSS | NIC bytes per step |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for per_node in sorted({r["L"] for r in results}):
+        by_rep: dict[int, dict[bool, dict[str, Any]]] = {}
+        for r in results:
+            if r["L"] == per_node and r["status"] == "ok":
+                by_rep.setdefault(r["repeat"], {})[r["fsdp"]] = r
+        both = [rep for rep in by_rep.values() if len(rep) == 2]
+        if not both:
+            rows.append(f"| {per_node} | no complete pair |||||||| ")
+            continue
+        keys = ("parameters", "gradients", "optimizer_state", "peak_rss", "nic_bytes")
+        med = {
+            (fsdp, key): statistics.median(_field(rep[fsdp], key) for rep in both)
+            for fsdp in (False, True)
+            for key in ("median_step_s", *keys)
+        }
+        ratios = [rep[True]["median_step_s"] / rep[False]["median_step_s"] for rep in both]
+        each = ", ".join(f"{x:.2f}" for x in ratios)
+        cells = " | ".join(f"{med[(True, k)] / med[(False, k)]:.2f}×" for k in keys)
+        rows.append(
+            f"| {per_node} | {med[(False, 'median_step_s')]:.2f} | {med[(True, 'median_step_s')]:.2f} | "
+            f"{statistics.median(ratios):.2f} ({each}) | {cells} |"
         )
     return "\n".join(rows)
 
@@ -479,7 +522,7 @@ def main(argv: list[str] | None = None) -> None:
         shape = Shape(args.layers, args.width)
         print(f"GPT {shape.label()}: {shape.params() / 1e6:.2f} M parameters", flush=True)
         results = pairs(args, shape)
-        table = pairs_table(results)
+        table = pairs_table(results) + "\n\n" + pairs_summary(results)
     (args.out / "results.json").write_text(json.dumps({"meta": meta, "runs": results}, indent=1) + "\n")
     print(table)
 

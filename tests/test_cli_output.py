@@ -17,6 +17,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rich.cells import cell_len
@@ -708,3 +709,40 @@ def test_compare_takes_the_torchft_diloco_row_it_advertises(
     assert rc == 2 and "'torchft-diloco/h4' runs torchft's DiLoCo" in err and "add --fault-tolerant" in err
     rc, err = run_cli([*argv[:-3], "1bit,torchft-diloco", *argv[-2:], "--fault-tolerant"])
     assert rc == 2 and "name it torchft-diloco/hH (e.g. torchft-diloco/h4)" in err, err
+
+
+def test_train_prints_its_summary_in_lines_that_fit_the_terminal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``lioncub train``'s closing summary (a paragraph of ~250 characters for a fault-tolerant run) in
+    lines of at most ``COLUMNS`` cells, broken between phrases; the training itself is replaced by an
+    outcome whose summary is built from the configuration the command checked."""
+    from lioncub.cli import train as train_cli
+    from lioncub.train.driver import RunOutcome
+
+    def finished(args: object, config: Any, run_dir: Path, lock: object) -> RunOutcome:
+        fault = {"participants": {"3": 40, "2": 20}, "skipped_steps": 0, "groups_finished": [0, 1, 2],
+                 "heals": [{"group": 1, "step": 35, "source": "g0", "nbytes": 900_000, "seconds": 0.06}],
+                 "replicas_equal": True}  # fmt: skip
+        summary = {"config": config.to_json(), "world_size": 3, "steps_run": 60, "median_step_s": 0.0853,
+                   "median_compute_s": 0.0601, "median_comm_s": 0.0202, "median_apply_s": 0.0012,
+                   "median_bytes_sent": 42_000, "final": {"step": 60, "val_loss": 2.83491},
+                   "fault_tolerance": fault}  # fmt: skip
+        return RunOutcome(0, "", summary)
+
+    monkeypatch.setattr(train_cli, "train_run", finished)
+    for columns in (80, 60):
+        monkeypatch.setenv("COLUMNS", str(columns))
+        out_dir = tmp_path / f"run{columns}"
+        argv = ["train", "--workload", "gpt", "--size", "tiny", "--variant", "1bit", "--steps", "60",
+                "--out", str(out_dir)]  # fmt: skip
+        assert cli.main(argv) == 0
+        out = capsys.readouterr().out
+        summary = out[: out.index("log: ")]
+        _fits(summary, columns)
+        assert len(summary.splitlines()) >= 3, summary
+        flat = " ".join(summary.split())
+        assert flat.startswith("gpt/tiny 1bit on 3 rank(s), ")
+        assert "60 steps, median step 85.3 ms (compute 60.1 ms, communication 20.2 ms, apply 1.2 ms)" in flat
+        assert "0.042 MB sent per rank per step; at step 60: val_loss 2.8349" in flat
+        assert "1 heal (group 1 at step 35 from g0: 0.9 MB in 0.06 s)" in flat

@@ -97,7 +97,10 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return outcome.returncode or 1
-    print(format_summary(outcome.summary))
+    from lioncub.report import text  # the summary in lines that fit the terminal (or COLUMNS, or 100)
+
+    text.print_wrapped(text.console(sys.stdout), format_summary(outcome.summary))
+    sys.stdout.flush()
     if config.cluster.fault_tolerant:
         print(f"log: {run_dir / 'log.jsonl'}  the groups' logs: {run_dir / 'groups'}")
     else:

@@ -303,7 +303,12 @@ def worker_consolidate(rank: int, world: int) -> dict:
         "loaded": fresh.state[q]["exp_avg"].clone(),
         "step": fresh.global_step,
         "has_ranks": "ranks" in saved["lioncub"],
+        "sent_per_step": opt.comm_stats()["last"]["bytes_sent"],
     }
+    for step in range(3, 5):  # the resumed run's steps: its totals count them alone, not the restored 2
+        q.grad = torch.arange(5, dtype=torch.float64) * (rank + 1) - step
+        fresh.step()
+    out["resumed_total"] = fresh.comm_stats()["total"]
     other = [plain if rank == 0 else None]
     torch.distributed.broadcast_object_list(other, src=0)
     try:
@@ -317,11 +322,15 @@ def worker_consolidate(rank: int, world: int) -> dict:
 
 
 def test_every_rank_state_survives_a_save_from_rank_zero() -> None:
+    """Each rank's momenta through rank 0's consolidated file; the resumed optimizer's ``comm_stats``
+    totals count its own steps (bytes / steps stays a per-step rate, which the frameworks' logs use)."""
     results = run_workers(worker_consolidate, 2, timeout=60)
     assert results[0]["has_ranks"] and not results[1]["has_ranks"]
     assert not torch.equal(results[0]["own"], results[1]["own"])  # the momenta are per rank
     for res in results:
         assert torch.equal(res["loaded"], res["own"]) and res["step"] == 2
+        total = res["resumed_total"]  # bytes per step after a resume: 2 steps' bytes over 2 steps
+        assert total["steps"] == 2 and total["bytes_sent"] == 2 * res["sent_per_step"] > 0
     assert results[0]["other_rank"] == "loaded"
     assert "rank 1: this optimizer state was saved by rank 0" in results[1]["other_rank"]
     assert "consolidate_state_dict(to=0)" in results[1]["other_rank"]

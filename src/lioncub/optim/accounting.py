@@ -29,6 +29,7 @@ class Accounting:
         self._last = (CommCounter(), StepTimes())
         self._total = (CommCounter(), StepTimes())
         self._skipped = (0, 0)  # (last step, total): steps skipped for non-finite gradients
+        self._steps = 0  # steps booked since construction (not the step counter a state dict restores)
         self._continues = False  # the next booking is the second part of the last step
 
     def continue_step(self) -> None:
@@ -80,10 +81,13 @@ class Accounting:
         adds to its first)."""
         last = int(skipped) | (self._skipped[0] if self._continues else 0)
         self._skipped = (last, self._skipped[1] + int(skipped))
+        self._steps += 0 if self._continues else 1
         self._continues = False
 
-    def stats(self, steps: int) -> dict[str, dict[str, float | int]]:
-        """See :meth:`lioncub.optim.LionCub.comm_stats` (``steps``: optimizer steps taken)."""
+    def stats(self) -> dict[str, dict[str, float | int]]:
+        """See :meth:`lioncub.optim.LionCub.comm_stats`: ``"total"`` holds the bytes, times and ``steps``
+        booked since construction, so that bytes / steps is a rate also after a resume (which restores the
+        optimizer's step counter, not these totals)."""
         out: dict[str, dict[str, float | int]] = {}
         for name, (counter, times) in (("last", self._last), ("total", self._total)):
             out[name] = {
@@ -97,5 +101,5 @@ class Accounting:
                 out[name][f"{level}_bytes_sent"] = counter.bytes_sent
                 out[name][f"{level}_bytes_recv"] = counter.bytes_recv
         out["last"]["skipped_steps"], out["total"]["skipped_steps"] = self._skipped
-        out["total"]["steps"] = steps
+        out["total"]["steps"] = self._steps
         return out

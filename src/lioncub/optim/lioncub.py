@@ -655,10 +655,11 @@ class LionCub(LeanOptimizer):
         ``overlapped_s`` (with :meth:`overlap_with`: the contributions, quantize/pack and between-phase
         work done during the backward; ``exchange_s`` is then what the step still waited for) and
         ``communication_s`` = encode + exchange + sync), for the ``"last"`` step and the ``"total"`` since
-        construction. With a ``topology`` other than flat, ``intra_node_bytes_sent/recv`` and
-        ``inter_node_bytes_sent/recv`` split the vote's bytes by level (the step check travels on the flat
-        group and is in ``bytes_sent`` only)."""
-        return self.accounting.stats(self._global_step)
+        construction (its ``steps``: the steps taken since construction, also after a ``load_state_dict``).
+        With a ``topology`` other than flat, ``intra_node_bytes_sent/recv`` and ``inter_node_bytes_sent/recv``
+        split the vote's bytes by level (the step check travels on the flat group and is in ``bytes_sent``
+        only)."""
+        return self.accounting.stats()
 
     # -- properties ------------------------------------------------------------------------------------
 

@@ -631,6 +631,18 @@ class ReplicaGroup(_Member):
         """Leave the job: stop this group's manager (the others go on at their next quorum)."""
         self.manager.shutdown(wait=False)
 
+    def state_dict(self) -> dict[str, int]:
+        """What a checkpoint keeps of this group beside the model and the optimizer: torchft's committed
+        count (``step``, ``batches_committed``), which decides who heals whom at the next quorum, and the
+        steps (windows) committed and skipped."""
+        return {**self.manager.state_dict(), "committed": self.committed, "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore :meth:`state_dict`'s (a resume from a checkpoint, before the first :meth:`begin`)."""
+        counts = {"step": int(state["step"]), "batches_committed": int(state["batches_committed"])}
+        self.manager.load_state_dict(counts)
+        self.committed, self.skipped = int(state["committed"]), int(state["skipped"])
+
     # -- snapshot and heal ---------------------------------------------------------------------------
 
     def _params(self) -> list[torch.Tensor]:

@@ -49,9 +49,11 @@ __all__ = [
     "FAULT_KINDS",
     "LIGHTHOUSE_PORT",
     "Fault",
+    "Resumed",
     "launch_groups",
     "parse_faults",
     "probe_lighthouse",
+    "schedule_after",
     "serve_lighthouse",
 ]
 
@@ -152,6 +154,32 @@ def parse_faults(
                 f"{f.group} (--local-steps {h}: it joins there); rejoin it at a step where another group runs"
             )
     return faults
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """The schedule seen from a resume after a step (:func:`schedule_after`): the life each group starts
+    as next (``lives``: its ``--rejoin`` events up to the step, one more for a group dead then), the groups
+    dead then (``absent``: killed and not started again; they stay out until their next rejoin), and the
+    events after the step (``pending``), which the resumed job carries out as the whole run would have."""
+
+    lives: tuple[int, ...]
+    absent: frozenset[int]
+    pending: tuple[Fault, ...]
+
+
+def schedule_after(faults: Sequence[Fault], groups: int, step: int) -> Resumed:
+    """The schedule ``faults`` (:func:`parse_faults`) of ``groups`` groups seen from a resume after
+    ``step`` (:class:`Resumed`); ``step`` 0: the whole schedule, every group starting as its life 0."""
+    rejoins, absent = [0] * groups, set()
+    for f in faults:
+        if f.step <= step and f.kind == "kill":
+            absent.add(f.group)
+        elif f.step <= step:
+            rejoins[f.group] += 1
+            absent.discard(f.group)
+    lives = tuple(n + (g in absent) for g, n in enumerate(rejoins))
+    return Resumed(lives, frozenset(absent), tuple(f for f in faults if f.step > step))
 
 
 def _read_specs(kill: Sequence[str], rejoin: Sequence[str], groups: int, steps: int) -> list[Fault]:
@@ -298,9 +326,12 @@ def launch_groups(
     out: TextIO | None = None,
     err: TextIO | None = None,
     ended: Callable[[int, int, int], None] | None = None,
+    resumed: Resumed | None = None,
 ) -> LaunchResult:
     """Run ``config.cmd`` as replica groups (module docstring) with the schedule
     ``faults``; ``progress(g)`` is the last step group ``g`` finished (its log), read by the schedule.
+    ``resumed``: a resumed job's (:func:`schedule_after`): group g starts as its life ``resumed.lives[g]``,
+    the groups ``resumed.absent`` only at a rejoin of ``faults``; default: every group at once, life 0.
     ``lighthouse``: the URL of a running lighthouse (None: the launcher starts one); either is watched, and
     its loss stops the job within :data:`LIGHTHOUSE_GRACE_S` seconds, naming it. ``ended(g, life, code)``
     is told when a life of a group has ended (its exit code; negative: the signal), whatever the cause.
@@ -340,6 +371,8 @@ def launch_groups(
         before = net.counters() if net is not None else None
         run = _GroupRun(config, net, lighthouse, launch_id, events, output, deadline)
         run.watch, run.ended = watch, ended
+        if resumed is not None:
+            run.first, run.absent = list(resumed.lives), set(resumed.absent)
         if config.preload:
             why = gpu_refusal(config.preload_device)
             try:
@@ -483,13 +516,17 @@ class _GroupRun:
         self.cmd = build_command(config.cmd)
         self.groups, self.size = config.nnodes or config.nproc, config.nproc_per_node or 1
         self.lives: list[list[_Life]] = [[] for _ in range(self.groups)]
+        #: the life each group starts as first, and the groups not started until a rejoin (a resumed job)
+        self.first: list[int] = [0] * self.groups
+        self.absent: set[int] = set()
         self.zygote: Zygote | None = None  # with config.preload: the groups are its forks
         self.watch: _LighthouseWatch | None = None  # the job's lighthouse: its loss stops the job
         self.ended: Callable[[int, int, int], None] | None = None  # told (group, life, code) of every end
 
     def start(self, group: int) -> None:
         """Start (again) group ``group``: its ``size`` processes (module docstring)."""
-        net, life, size = self.net, len(self.lives[group]), self.size
+        life = self.first[group] + len(self.lives[group])
+        net, size = self.net, self.size
         host = "127.0.0.1" if net is None else net.ranks[group].address
         port = free_port() if net is None else 29500
         extra = {
@@ -549,7 +586,8 @@ class _GroupRun:
         """Start every group, carry out the schedule, wait for the groups; (returncode, failed group,
         message, timed out, the signal that interrupted it)."""
         for g in range(self.groups):
-            self.start(g)
+            if g not in self.absent:
+                self.start(g)
         failures: list[tuple[int, int]] = []
         try:
             while self.running():
@@ -607,10 +645,10 @@ class _GroupRun:
             else:
                 if max((progress(g) for g in range(self.groups)), default=0) < fault.step:
                     return
-                life = self.lives[fault.group][-1]
-                if life.code is None and (code := life.poll()) is not None:
+                life = self.lives[fault.group][-1] if self.lives[fault.group] else None
+                if life is not None and life.code is None and (code := life.poll()) is not None:
                     self._end_life(fault.group, life, code)
-                if life.code is None:  # its SIGKILL has not been reaped yet
+                if life is not None and life.code is None:  # its SIGKILL has not been reaped yet
                     return
                 self.start(fault.group)
                 self.output.note(f"{fault.spec}: group {fault.group} started again at step {fault.step}")

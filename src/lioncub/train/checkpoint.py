@@ -12,6 +12,14 @@ Layout under the run directory::
                                             optimizer state, ``model.pt`` the gathered whole model
     checkpoints/latest                      name of the newest complete checkpoint
 
+A fault-tolerant run (``lioncub train --fault-tolerant``, :mod:`lioncub.train.replica_group`) writes the
+same layout with ``rank{k}.pt`` for the job's rank k of every group in the committing quorum (a group
+absent from it has no file; ``meta.json``'s ``fault_tolerant`` says which were there). Its groups have no
+barrier between them: each writes its part (:func:`encode`, :func:`write_part`, from a background
+thread), and the first participant of the quorum completes the checkpoint (:func:`complete_parts`) once
+every participant's part is there (:func:`parts_written`); the driver records every path beforehand
+(:func:`paths`).
+
 A checkpoint is written into ``.tmp_step_...`` by all ranks (each file: temporary name, fsync, rename)
 and renamed into place by rank 0 only when every rank's file is there; ``latest`` then moves to it (again
 written, fsynced and renamed), and only after that are checkpoints older than the newest ``keep``
@@ -70,15 +78,25 @@ __all__ = [
     "CheckpointMeta",
     "CorruptCheckpointError",
     "check_compatible",
+    "complete_parts",
+    "drop_incomplete",
+    "encode",
     "latest",
     "load_rank_state",
     "load_shards",
     "model_state",
+    "part_state",
+    "parts_written",
+    "paths",
     "restore_rng",
     "save",
+    "step_name",
+    "write_part",
 ]
 
 _STEP = re.compile(r"step_\d{8}")
+#: the entries of ``meta.json`` that :class:`CheckpointMeta` has fields for
+_META_KEYS = ("version", "step", "variant", "world_size", "workload", "size", "seed", "sha256")
 #: the per-rank momenta a conversion averages: the (inner) momentum, and local steps' outer momenta (a
 #: rank's own with the vote rule; the same on every rank with dsm and diloco, whose mean is exact)
 MOMENTA = ("exp_avg", "outer_exp_avg", "outer_buf")
@@ -104,6 +122,8 @@ class CheckpointMeta:
     seed: int
     sha256: dict[str, str] = field(default_factory=dict, repr=False)  # file name -> SHA-256 (hex)
     note: str = field(default="", compare=False)  # how it was found, when ``latest`` did not name it
+    #: the rest of ``meta.json`` (a fault-tolerant run's ``fault_tolerant``: the groups it holds)
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -135,13 +155,36 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _atomic_torch_save(obj: Any, path: Path) -> str:
-    """``torch.save`` ``obj`` atomically to ``path``; returns the SHA-256 (hex) of the bytes written."""
+def step_name(step: int) -> str:
+    """The directory of the checkpoint of ``step``: ``step_00000200``."""
+    return f"step_{step:08d}"
+
+
+def encode(obj: Any) -> tuple[bytes, str]:
+    """``torch.save`` of ``obj`` into memory: the bytes and their SHA-256 (hex)."""
     buf = io.BytesIO()
     torch.save(obj, buf)
     data = buf.getvalue()
+    return data, hashlib.sha256(data).hexdigest()
+
+
+def part_state(optimizer: dict[str, Any] | None, data_state: dict[str, Any], rank: int) -> dict[str, Any]:
+    """What ``rank{rank}.pt`` holds: the optimizer's state dict (``optimizer``), this process's RNG states
+    now, the data position (``data_state``) and the rank."""
+    return {"optimizer": optimizer, "rng": _rng_state(), "data": data_state, "rank": rank}
+
+
+def _write_part(tmp: Path, name: str, data: bytes, digest: str) -> None:
+    """``name`` into ``tmp`` (written, fsynced, renamed), then its ``.sha256`` side file."""
+    write_atomically(tmp / name, data)
+    write_atomically(tmp / f"{name}.sha256", digest.encode())
+
+
+def _atomic_torch_save(obj: Any, path: Path) -> str:
+    """``torch.save`` ``obj`` atomically to ``path``; returns the SHA-256 (hex) of the bytes written."""
+    data, digest = encode(obj)
     write_atomically(path, data)
-    return hashlib.sha256(data).hexdigest()
+    return digest
 
 
 def _verified_load(meta: CheckpointMeta, name: str) -> Any:
@@ -196,6 +239,19 @@ def _final_names(world_size: int, sharded: bool = False) -> list[str]:
     """The files of a complete checkpoint of ``world_size`` ranks."""
     shards = _shard_names(world_size) if sharded else []
     return ["meta.json", "model.pt", *(f"rank{r}.pt" for r in range(world_size)), *shards]
+
+
+def paths(steps: list[int], world_size: int) -> tuple[list[str], list[str]]:
+    """Every directory and file (relative to the run directory) that the checkpoints of ``steps`` of a run
+    of ``world_size`` ranks may create, temporary ones included: what a run records before its processes,
+    which have no barrier between them, write (a fault-tolerant run)."""
+    dirs, files = ["checkpoints"], ["checkpoints/latest", "checkpoints/latest.part"]
+    for step in sorted(set(steps)):
+        name = step_name(step)
+        dirs += [f"checkpoints/.tmp_{name}", f"checkpoints/{name}"]
+        files += [f"checkpoints/.tmp_{name}/{n}" for n in _tmp_names(world_size)]
+        files += [f"checkpoints/{name}/{n}" for n in _final_names(world_size)]
+    return dirs, files
 
 
 def _empty_out(path: Path, names: list[str]) -> None:
@@ -274,7 +330,7 @@ def save(
     (:mod:`lioncub.rundir`).
     """
     root = run_dir / "checkpoints"
-    name = f"step_{step:08d}"
+    name = step_name(step)
     tmp, final = root / f".tmp_{name}", root / name
     marked = rank == 0 and is_marked(run_dir)
     sharded = shards is not None
@@ -292,13 +348,10 @@ def save(
     if shards is not None:
         _save_shards(shards, tmp / SHARDS)
     own = None if sharded else optimizer.state_dict()
-    state = {"optimizer": own, "rng": _rng_state(), "data": data_state, "rank": rank}
-    digest = _atomic_torch_save(state, tmp / f"rank{rank}.pt")
-    write_atomically(tmp / f"rank{rank}.pt.sha256", digest.encode())
+    _write_part(tmp, f"rank{rank}.pt", *encode(part_state(own, data_state, rank)))
     if rank == 0:
         whole = getattr(model, "module", model).state_dict() if model_state is None else model_state
-        digest = _atomic_torch_save(whole, tmp / "model.pt")
-        write_atomically(tmp / "model.pt.sha256", digest.encode())
+        _write_part(tmp, "model.pt", *encode(whole))
     barrier()
     if rank == 0:
         _complete_save(run_dir, name, step, world_size, meta, marked, sharded)
@@ -308,6 +361,52 @@ def save(
             record(run_dir, drop=[*tmp_files, *reversed(dirs), *gone])
     barrier()
     return final
+
+
+def write_part(run_dir: Path, step: int, name: str, data: bytes, digest: str) -> None:
+    """One process's part of the checkpoint of ``step`` (``rank{k}.pt`` or ``model.pt``: ``data`` and its
+    SHA-256 from :func:`encode`) into its temporary directory, which is made if missing (the paths are
+    recorded beforehand: :func:`paths`): the file, then its ``.sha256`` side file, each atomically."""
+    tmp = run_dir / "checkpoints" / f".tmp_{step_name(step)}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    _write_part(tmp, name, data, digest)
+
+
+def drop_incomplete(run_dir: Path, world_size: int) -> None:
+    """Remove the checkpoints left incomplete in ``run_dir`` (``checkpoints/.tmp_step_*``, the files a save
+    of ``world_size`` ranks writes there): before a launch over the newest complete one, when no process
+    of the run writes any more. ``ValueError`` naming a directory that holds files lioncub did not write
+    (they and it stay)."""
+    root = run_dir / "checkpoints"
+    if not root.is_dir() or root.is_symlink():
+        return
+    for entry in sorted(root.glob(".tmp_step_*")):
+        if _STEP.fullmatch(entry.name.removeprefix(".tmp_")) and entry.is_dir() and not entry.is_symlink():
+            _empty_out(entry, _tmp_names(world_size))
+
+
+def parts_written(run_dir: Path, step: int) -> list[int]:
+    """The ranks whose part of the checkpoint of ``step`` is whole in its temporary directory."""
+    tmp = run_dir / "checkpoints" / f".tmp_{step_name(step)}"
+    found = tmp.glob("rank*.pt.sha256") if tmp.is_dir() else []
+    return sorted(int(p.name[4:].removesuffix(".pt.sha256")) for p in found)
+
+
+def complete_parts(
+    run_dir: Path, step: int, world_size: int, ranks: list[int], meta: dict[str, Any], keep: int = 2
+) -> Path:
+    """Complete the checkpoint of ``step`` whose parts (:func:`write_part`: ``model.pt`` and ``rank{k}.pt``
+    of every rank in ``ranks``) are in its temporary directory: ``meta.json`` with their SHA-256 (``meta``
+    as :func:`save`'s, with more entries if wanted), the rename into place, ``latest``; then the
+    checkpoints older than the newest ``keep`` are removed (in a marked run directory only the files its
+    record holds: :func:`paths` recorded them). The final directory; ``RuntimeError`` if a part is
+    missing (nothing is renamed)."""
+    name = step_name(step)
+    if not (run_dir / "checkpoints" / f".tmp_{name}" / "model.pt.sha256").exists():
+        raise RuntimeError(f"checkpoint {run_dir / 'checkpoints' / name}: no model.pt was written")
+    _complete_save(run_dir, name, step, world_size, meta, marked=False, ranks=ranks)
+    _drop_old(run_dir, keep, is_marked(run_dir))
+    return run_dir / "checkpoints" / name
 
 
 def _save_shards(shards: dict[str, Any], path: Path) -> None:
@@ -320,14 +419,22 @@ def _save_shards(shards: dict[str, Any], path: Path) -> None:
 
 
 def _complete_save(
-    run_dir: Path, name: str, step: int, world_size: int, meta: dict, marked: bool, sharded: bool = False
+    run_dir: Path,
+    name: str,
+    step: int,
+    world_size: int,
+    meta: dict,
+    marked: bool,
+    sharded: bool = False,
+    ranks: list[int] | None = None,
 ) -> None:
     """Rank 0, once every rank's file is in ``.tmp_<name>``: ``meta.json`` (with the SHA-256 of the
     files torch.distributed.checkpoint wrote, ``sharded``), the rename into place, then ``latest`` (each
-    written, fsynced and renamed)."""
+    written, fsynced and renamed). ``ranks``: the ranks whose files it holds (default: all)."""
     root = run_dir / "checkpoints"
     tmp, final = root / f".tmp_{name}", root / name
-    missing = [r for r in range(world_size) if not (tmp / f"rank{r}.pt.sha256").exists()]
+    expected = range(world_size) if ranks is None else ranks
+    missing = [r for r in expected if not (tmp / f"rank{r}.pt.sha256").exists()]
     if missing:
         raise RuntimeError(f"checkpoint {tmp}: ranks {missing} wrote no state")
     hashes = {}
@@ -391,6 +498,7 @@ def _complete(path: Path) -> tuple[CheckpointMeta | None, str]:
             doc["size"],
             doc["seed"],
             dict(doc["sha256"]),
+            extra={k: v for k, v in doc.items() if k not in _META_KEYS},
         )
     except (KeyError, TypeError, ValueError) as err:
         return None, f"checkpoint {path}: meta.json lacks or garbles {err}"

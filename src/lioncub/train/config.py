@@ -83,8 +83,6 @@ CONVERSIONS = ("average",)
 #: what may have chosen a run's variant and local steps (``chosen_by``): ``lioncub train --variant auto``
 #: and the ``lioncub compare`` row ``auto`` (:mod:`lioncub.cli.auto`)
 CHOSEN_BY = ("auto",)
-#: why a fault-tolerant run takes no checkpoint options
-_NO_CHECKPOINTS = "checkpoints of a fault-tolerant run are not written: a group heals from a live peer"
 #: the largest ``--seed``: torch's generators take 64-bit seeds
 MAX_SEED = 2**63 - 1
 
@@ -170,10 +168,9 @@ class RunConfig:
         low=0,
         metavar="STEPS",
         help="a checkpoint every STEPS steps; 0: only at the end",
-        ft_why=_NO_CHECKPOINTS,
     )
     stop_at: int | None = setting(
-        None, commands=("train",), metavar="STEP", ft_why=_NO_CHECKPOINTS,
+        None, commands=("train",), metavar="STEP",
         help="stop after STEP with a checkpoint (the lr schedule stays that of --steps); --resume goes on",
     )  # fmt: skip
     convert_momenta: str | None = setting(
@@ -546,14 +543,10 @@ CUDA_UNDER_EMULATION = (
 def check_start(config: TrainConfig, *, resume: bool, inside_job: bool) -> None:
     """How a run of ``config`` starts, beside what it is (:class:`TrainConfig`'s checks): ``resume`` its
     checkpoints, or train as a rank of a job torchrun or ``lioncub launch`` started (``inside_job``).
-    ``ValueError`` naming the option: a fault-tolerant run does neither."""
+    ``ValueError`` naming the option: a fault-tolerant run is never a rank of such a job (it resumes as
+    any run: :mod:`lioncub.train.replica_group`)."""
     if not config.cluster.fault_tolerant:
         return
-    if resume:
-        raise ValueError(
-            "--resume with --fault-tolerant: a fault-tolerant run writes no checkpoints (a group that dies "
-            "heals from a live peer); start it anew"
-        )
     if inside_job:
         raise ValueError(
             "--fault-tolerant inside a job of torchrun or `lioncub launch`: lioncub train starts the replica "

@@ -46,15 +46,10 @@ RANK_MODULE = "lioncub.train.rank"
 
 
 def check_launch_options(restarts: int, collective_timeout_s: float, fault_tolerant: bool = False) -> None:
-    """``ValueError`` naming ``--restarts`` / ``--collective-timeout`` if out of range (``--restarts`` at
-    all with ``--fault-tolerant``)."""
+    """``ValueError`` naming ``--restarts`` / ``--collective-timeout`` if out of range (with
+    ``--fault-tolerant`` a restart relaunches a job that lost every group: the same bounds)."""
     if not (isinstance(restarts, int) and restarts >= 0):
         raise ValueError(f"--restarts {restarts!r} must be an integer >= 0")
-    if restarts and fault_tolerant:
-        raise ValueError(
-            f"--restarts {restarts} with --fault-tolerant: the groups that die are left out and rejoin by "
-            "healing from a live peer; nothing restarts the job"
-        )
     if not (collective_timeout_s > 0 and math.isfinite(collective_timeout_s)):
         raise ValueError(f"--collective-timeout {collective_timeout_s!r} must be a number of seconds > 0")
 

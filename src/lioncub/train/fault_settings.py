@@ -9,7 +9,7 @@ from lioncub.launch.groups import parse_faults
 from lioncub.names import BASELINES, PEER_VARIANTS
 from lioncub.optim.config import DENSE_SGD_RULE
 
-__all__ = ["FT_CUDA", "check_fault_tolerant", "cpu_note"]
+__all__ = ["FT_CUDA", "check_checkpoints", "check_fault_tolerant", "cpu_note"]
 
 #: why ``--device cuda`` is refused with ``--fault-tolerant``
 FT_CUDA = (
@@ -24,7 +24,8 @@ def check_fault_tolerant(config: Any) -> None:
     schedule against the groups and steps (:func:`lioncub.launch.groups.parse_faults`), the lighthouse's
     URL, the variants it takes, what groups of several ranks (``--nnodes``) do not take; and
     ``--variant torchft-diloco`` (torchft's DiLoCo: Lion inside, Nesterov SGD outside, each worker's inner
-    momenta kept), which needs it and ``--local-steps H``; ``--device cuda`` (:data:`FT_CUDA`)."""
+    momenta kept), which needs it and ``--local-steps H``; ``--device cuda`` (:data:`FT_CUDA`); the
+    checkpoints (:func:`check_checkpoints`)."""
     cluster, opt = config.cluster, config.optimizer
     if opt.variant in PEER_VARIANTS:
         if not cluster.fault_tolerant or opt.local_steps is None:
@@ -58,6 +59,30 @@ def check_fault_tolerant(config: Any) -> None:
                 "flat vote between the groups); use --nproc N for groups of one rank"
             )
     parse_faults(cluster.kill, cluster.rejoin, cluster.replica_groups, config.run.steps, opt.local_steps)
+    check_checkpoints(config)
+
+
+def check_checkpoints(config: Any) -> None:
+    """A fault-tolerant run's ``--checkpoint-every K`` and ``--stop-at STEP``: at a commit boundary's end,
+    where the quorum's groups hold equal parameters (a multiple of ``--local-steps H``), and not with
+    ``--variant torchft-diloco`` (torchft's DiLoCo keeps its outer state and backup inside torchft)."""
+    run, opt = config.run, config.optimizer
+    given = [f"--{name.replace('_', '-')} {value}" for name, value in
+             (("checkpoint_every", run.checkpoint_every), ("stop_at", run.stop_at)) if value]  # fmt: skip
+    if given and opt.variant in PEER_VARIANTS:
+        raise ValueError(
+            f"{given[0]} with --fault-tolerant --variant {opt.variant}: torchft's DiLoCo keeps its state "
+            "(the outer momenta, its backup of the parameters) inside torchft, which lioncub does not "
+            "checkpoint; drop it, or use --variant 32bit --outer diloco --inner-momentum keep"
+        )
+    h = opt.local_steps
+    for text, value in zip(given, (v for v in (run.checkpoint_every, run.stop_at) if v), strict=True):
+        if h and value % h:
+            raise ValueError(
+                f"{text} with --fault-tolerant --local-steps {h}: must be a multiple of {h} (e.g. "
+                f"{max(h, value // h * h)}): a checkpoint is taken at a window's end, where the groups' "
+                "parameters are equal and committed"
+            )
 
 
 def cpu_note(config: Any) -> str | None:

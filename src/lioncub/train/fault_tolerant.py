@@ -13,6 +13,14 @@ seconds), the schedule, and whether the replicas of the groups that finished wer
 end (their parameters' digests, and in a group of several ranks whether its ranks held the same).
 ``memory`` (:mod:`lioncub.train.memory`) is the largest over the ranks of the groups that finished.
 
+Checkpoints (``--checkpoint-every``, ``--stop-at``) are written by the groups
+(:mod:`lioncub.train.replica_group`); every path they may create is recorded before the launch. A launch
+over a checkpoint -- ``--resume``, or a restart of a job that lost every group (``--restarts N``) --
+first puts the groups' files back to the checkpoint's step (:func:`rewind`: their logs cut back to it, the
+marks and end records of the earlier launch removed, a checkpoint left incomplete removed), then starts the
+groups the schedule has alive at that step, each as its life then, and carries out the rest of the
+schedule (:func:`lioncub.launch.groups.schedule_after`).
+
 A failure deletes nothing (docs/fault-tolerance.md, "When something fails"): the merged log, the groups'
 logs and, where groups finished, their summary and ``model.pt`` stay, with :data:`FAILURE_FILE` saying
 what failed; the exit status is :func:`job_status`'s. The driver marks the end of each group's life
@@ -22,6 +30,7 @@ what failed; the exit status is :func:`job_status`'s. The driver marks the end o
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -29,10 +38,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from lioncub.launch.config import LaunchConfig
-from lioncub.launch.groups import Fault, launch_groups, parse_faults
+from lioncub.launch.groups import Fault, Resumed, launch_groups, parse_faults, schedule_after
 from lioncub.launch.preload import MODULES
 from lioncub.launch.result import LaunchResult
 from lioncub.rundir import SpecialFileError, is_marked, read_run_file, record, write_atomically, write_owned
+from lioncub.train import checkpoint
 from lioncub.train.config import TrainConfig
 from lioncub.train.driver import (
     RANK_MODULE,
@@ -47,7 +57,16 @@ from lioncub.train.loop import summarize
 from lioncub.train.memory import largest_of
 from lioncub.train.prepare import FAILURE_FILE, NEXT_CONFIG, finish_run
 from lioncub.train.progress import Progress
-from lioncub.train.replica_group import MODEL_FILE, end_name, ended_name, group_files, log_name
+from lioncub.train.replica_group import (
+    MODEL_FILE,
+    checkpoint_steps,
+    cut_name,
+    end_name,
+    ended_name,
+    group_files,
+    log_name,
+    ready_name,
+)
 from lioncub.train.runlog import complete_records
 
 __all__ = [
@@ -58,6 +77,7 @@ __all__ = [
     "fault_tolerance_summary",
     "job_status",
     "merge_group_logs",
+    "rewind",
     "run_fault_tolerant",
 ]
 
@@ -146,7 +166,7 @@ def fault_tolerance_summary(
     record (its parameter count and workload info), None if none finished."""
     cluster = config.cluster
     ends = [e for g in range(cluster.replica_groups) if (e := _read_json(run_dir / end_name(g))) is not None]
-    finished = [e for e in ends if e.get("step") == config.run.steps]
+    finished = [e for e in ends if e.get("step") == (config.run.stop_at or config.run.steps)]
     digests = {e["digest"] for e in finished}
     heals = []  # each group's log has its heals, also a group's that was killed later
     for g in range(cluster.replica_groups):
@@ -203,8 +223,9 @@ def run_fault_tolerant(
         cluster.kill, cluster.rejoin, cluster.replica_groups, run.steps, config.optimizer.local_steps
     )
     if is_marked(run_dir):
-        files = [*group_files(cluster.replica_groups, faults), "log.jsonl", FAILURE_FILE]
-        record(run_dir, dirs=["groups"], files=[*files, FAILURE_FILE + ".part"])
+        dirs, saved = checkpoint.paths(checkpoint_steps(config), cluster.nproc)
+        files = [*group_files(cluster.replica_groups, faults), "log.jsonl", FAILURE_FILE, *saved]
+        record(run_dir, dirs=["groups", *dirs], files=[*files, FAILURE_FILE + ".part"])
     (run_dir / "groups").mkdir(exist_ok=True)
     cmd = [sys.executable, "-m", GROUP_MODULE, str(run_dir)]
     if (run_dir / NEXT_CONFIG).exists():
@@ -217,26 +238,32 @@ def run_fault_tolerant(
     # the bar follows the group the schedule kills least (the lowest of them)
     kills = Counter(f.group for f in faults if f.kind == "kill")
     followed = min(range(cluster.replica_groups), key=lambda g: (kills[g], g))
-    bar = None
-    if progress:
-        title = f"{label or config.optimizer.variant} (group {followed})"
-        bar = Progress(run_dir / log_name(followed), title, 0, run.steps, err)
-        bar.start()
-    logs = GroupLogs(run_dir, cluster.replica_groups)
-    try:
-        result = _launch(
-            launch_config,
-            faults,
-            logs.progress,
-            lighthouse=cluster.lighthouse,
-            out=out,
-            err=err,
-            ended=lambda g, life, code: _mark_end(run_dir, g, life, code),
-        )
-    finally:
-        if bar is not None:
-            bar.done.set()
-            bar.join(timeout=5)
+    for attempt in range(restarts + 1):
+        resumed, start = _rewind_to_latest(run_dir, config, faults, err, attempt, restarts)
+        bar = None
+        if progress:
+            title = f"{label or config.optimizer.variant} (group {followed})"
+            bar = Progress(run_dir / log_name(followed), title, start, run.steps, err)
+            bar.start()
+        logs = GroupLogs(run_dir, cluster.replica_groups)
+        try:
+            result = _launch(
+                launch_config,
+                list(resumed.pending),
+                logs.progress,
+                lighthouse=cluster.lighthouse,
+                out=out,
+                err=err,
+                ended=lambda g, life, code: _mark_end(run_dir, g, life, code),
+                resumed=resumed,
+            )
+        finally:
+            if bar is not None:
+                bar.done.set()
+                bar.join(timeout=5)
+        if attempt == restarts or not _lost_every_group(config, run_dir, result):
+            break
+        print(f"lioncub: every group was lost ({result.message})", file=err, flush=True)
     steps, evals = merge_group_logs(run_dir, cluster.replica_groups)
     summary, entry = None, None
     if steps:
@@ -286,15 +313,87 @@ def _launch(
     out: TextIO | None,
     err: TextIO,
     ended: Callable[[int, int, int], None],
+    resumed: Resumed,
 ) -> LaunchResult:
     """:func:`lioncub.launch.groups.launch_groups`, its failures to start (the lighthouse, the emulated
     network) as a failed launch naming them, so that the run is kept and says what failed."""
     try:
-        return launch_groups(config, faults, progress, lighthouse=lighthouse, out=out, err=err, ended=ended)
+        return launch_groups(
+            config, faults, progress, lighthouse=lighthouse, out=out, err=err, ended=ended, resumed=resumed
+        )
     except (RuntimeError, OSError) as exc:  # NetnsError, a lighthouse that did not start, no fork
         message = f"the launch failed: {exc}"
         print(f"lioncub: {message}", file=err, flush=True)
         return LaunchResult(1, [], None, message, 0.0, 0, False, None, "", None)
+
+
+def _rewind_to_latest(
+    run_dir: Path, config: TrainConfig, faults: list[Fault], err: TextIO, attempt: int, restarts: int
+) -> tuple[Resumed, int]:
+    """Before launch ``attempt`` (0: the first; then a restart of ``restarts``): the newest complete
+    checkpoint's step (0: none), the groups' files rewound to it (:func:`rewind`), and the schedule seen
+    from it. A restart says where it starts from."""
+    meta = checkpoint.latest(run_dir)
+    step = meta.step if meta is not None else 0
+    groups = config.cluster.replica_groups
+    if attempt:
+        where = f"its newest complete checkpoint, {meta.path}" if meta is not None else "step 0 (none)"
+        text = f"restart {attempt} of {restarts} (--restarts): the job goes on from {where}"
+        print(f"lioncub: {text}", file=err, flush=True)
+    rewind(run_dir, step, groups, config.cluster.nproc, lambda text: print(f"lioncub: {text}", file=err))
+    return schedule_after(faults, groups, step), step
+
+
+def rewind(run_dir: Path, step: int, groups: int, world_size: int, log: Callable[[str], None]) -> None:
+    """Put the groups' files of ``run_dir`` back to the checkpoint of ``step`` for a launch over it: each
+    group's log keeps its records up to ``step`` (a heal's, before it: a heal logged at ``step`` came at
+    the quorum after it), the records after it are appended to ``groups/gG.cut.jsonl`` (kept, not
+    deleted); the marks and end records of the launch before (:func:`ready_name`, :func:`ended_name`,
+    :func:`end_name`) are removed, and so is a checkpoint that was left incomplete (``.tmp_step_*``)."""
+    for g in range(groups):
+        path = run_dir / log_name(g)
+        if os.path.lexists(path):
+            records, cut = complete_records(path)
+            if cut is not None:
+                log(f"{path}: line {cut} is not a whole record (cut when the group died); it is dropped")
+            kept: list[bytes] = []
+            dropped: list[bytes] = []
+            for line, rec in records:
+                limit = step - 1 if rec.get("kind") == "heal" else step
+                (kept if isinstance(rec.get("step"), int) and rec["step"] <= limit else dropped).append(line)
+            if dropped:
+                with open(run_dir / cut_name(g), "ab") as f:
+                    f.write(b"".join(line + b"\n" for line in dropped))
+            write_atomically(path, b"".join(line + b"\n" for line in kept))
+        marks = [n for life in range(_lives(run_dir, g)) for n in (ready_name(g, life), ended_name(g, life))]
+        for name in [*marks, end_name(g)]:
+            if os.path.isfile(run_dir / name) and not os.path.islink(run_dir / name):
+                os.unlink(run_dir / name)
+    try:
+        checkpoint.drop_incomplete(run_dir, world_size)
+    except ValueError as exc:  # files of the user's in it: they stay, and so does the directory
+        log(str(exc))
+
+
+def _lives(run_dir: Path, group: int) -> int:
+    """One more than the highest life of ``group`` whose marks are in ``run_dir`` (0: none)."""
+    lives = [
+        int(p.name.rsplit(kind, 1)[1])
+        for kind in ("ready", "ended")
+        for p in (run_dir / "groups").glob(f"g{group}.{kind}*")
+        if p.name.rsplit(kind, 1)[1].isdigit()
+    ]
+    return max(lives, default=-1) + 1
+
+
+def _lost_every_group(config: TrainConfig, run_dir: Path, result: LaunchResult) -> bool:
+    """Whether the launch ended with every group lost: it failed (not by a timeout or a signal to the
+    launcher) and no group finished (``--stop-at`` included), so that ``--restarts`` relaunches it."""
+    if result.ok or result.timed_out or result.interrupted_by:
+        return False
+    end = config.run.stop_at or config.run.steps
+    ends = [_read_json(run_dir / end_name(g)) for g in range(config.cluster.replica_groups)]
+    return not any(e is not None and e.get("step") == end for e in ends)
 
 
 def _mark_end(run_dir: Path, group: int, life: int, code: int) -> None:

@@ -25,7 +25,16 @@ process that votes with the other groups through :class:`lioncub.integrations.to
    groups are: the merged log says whether they were); its record comes before the window's step
    records, which the launcher's schedule reads. At the end ``groups/gG.end.json``: the digest of
    the parameters, the heals, the steps committed and skipped.
-5. What it never does: train alone after another group finished the run (a straggler back too late:
+5. Checkpoints (``--checkpoint-every K``, ``--stop-at``; docs/fault-tolerance.md, "Checkpoints"): after a
+   committed step that is due (K | step, ``--stop-at``, the last step), every rank of every group in the
+   quorum writes its own part -- its optimizer state (momenta, step, generator, outer state), RNG states,
+   data and loop position, torchft's committed count -- and the first participant also ``model.pt``
+   (the parameters, equal in every participant after a commit); serialised in the step, written by a
+   background thread (:class:`_Writer`), completed by the first participant once every participant's part
+   is there (:func:`lioncub.train.checkpoint.complete_parts`). A group started by a launch over a
+   checkpoint (a resume, a restart) loads its own part (:meth:`_GroupLoop.restore`); one absent from the
+   checkpoint starts afresh and heals from the others at the first quorum.
+6. What it never does: train alone after another group finished the run (a straggler back too late:
    :meth:`_GroupLoop.check_alone` stops it, before it writes a step or ``model.pt``), start again and
    train alone from scratch (:meth:`_GroupLoop.check_joined`), vote at a step whose heal failed (it sits
    it out: ``left_out`` records), or wait for a rejoin whose start died (the driver's ended marks).
@@ -41,7 +50,9 @@ import io
 import json
 import logging
 import os
+import queue
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -62,12 +73,12 @@ from lioncub.integrations.torchft import (
     lighthouse_status,
 )
 from lioncub.integrations.torchft import params_digest as tensors_digest
-from lioncub.launch.groups import Fault, parse_faults
+from lioncub.launch.groups import Fault, Resumed, parse_faults, schedule_after
 from lioncub.names import PEER_VARIANTS
 from lioncub.optim import Lion, LionCub
 from lioncub.optim.engine import PhaseClock
 from lioncub.rundir import open_append, write_atomically
-from lioncub.train import loop
+from lioncub.train import checkpoint, loop
 from lioncub.train.config import TrainConfig
 from lioncub.train.lr import lr_factor
 from lioncub.train.memory import gradient_bytes, largest_over_ranks, rank_memory, tensor_bytes
@@ -77,6 +88,8 @@ from lioncub.train.workloads import Workload, make_workload
 
 __all__ = [
     "MODEL_FILE",
+    "checkpoint_steps",
+    "cut_name",
     "end_name",
     "ended_name",
     "group_files",
@@ -95,6 +108,12 @@ MODEL_FILE = "model.pt"
 def log_name(group: int) -> str:
     """Group ``group``'s log in the run directory."""
     return f"groups/g{group}.jsonl"
+
+
+def cut_name(group: int) -> str:
+    """Where the records of group ``group``'s log after a checkpoint go when a launch over it (a resume, a
+    restart) cuts the log back to it: kept, not deleted."""
+    return f"groups/g{group}.cut.jsonl"
 
 
 def end_name(group: int) -> str:
@@ -117,7 +136,11 @@ def ended_name(group: int, life: int) -> str:
 def group_files(groups: int, faults: list[Fault]) -> list[str]:
     """Every file the groups of a run write, and the driver's marks of their ends (recorded before the
     launch)."""
-    files = [name for g in range(groups) for name in (log_name(g), end_name(g), end_name(g) + ".part")]
+    files = [
+        name
+        for g in range(groups)
+        for name in (log_name(g), log_name(g) + ".part", cut_name(g), end_name(g), end_name(g) + ".part")
+    ]
     files += [MODEL_FILE, MODEL_FILE + ".part"]
     lives = {g: 0 for g in range(groups)}
     for f in faults:
@@ -130,6 +153,19 @@ def group_files(groups: int, faults: list[Fault]) -> list[str]:
         for mark in (ready_name, ended_name)
     ]
     return files + [name for mark in marks for name in (mark, mark + ".part")]
+
+
+def checkpoint_steps(config: TrainConfig) -> list[int]:
+    """The steps after which a fault-tolerant run writes a checkpoint (if the step was committed): every
+    ``--checkpoint-every`` K steps, ``--stop-at``, and the last step when K is given ([] without K and
+    ``--stop-at``)."""
+    run = config.run
+    steps = (
+        list(range(run.checkpoint_every, run.steps + 1, run.checkpoint_every)) if run.checkpoint_every else []
+    )
+    steps += [run.stop_at] if run.stop_at is not None else []
+    steps += [run.steps] if steps else []
+    return sorted(set(steps))
 
 
 def params_digest(model: torch.nn.Module) -> str:
@@ -191,6 +227,75 @@ def _await_rejoins(
     for e in due:
         pending.remove(e)
     return time.perf_counter() - t0
+
+
+class _Writer:
+    """This process's part of the checkpoints, written by a background thread (one at a time, in order),
+    so that the step waits only for the serialisation: :meth:`put` a part (encoded bytes); with
+    ``complete``, once every expected rank's part of the step is there, the checkpoint is completed (this
+    process is the quorum's first participant). :meth:`wait` blocks until everything put is written;
+    :attr:`done` lists what was written (the records of the group's log), :attr:`errors` what failed."""
+
+    def __init__(self, run_dir: Path, world_size: int, meta: dict[str, Any], timeout_s: float) -> None:
+        self.run_dir, self.world_size, self.meta, self.timeout_s = run_dir, world_size, meta, timeout_s
+        self.jobs: queue.Queue[tuple[int, list[tuple[str, bytes, str]], int, dict[str, Any]] | None] = (
+            queue.Queue()
+        )
+        self.done: list[dict[str, Any]] = []
+        self.errors: list[str] = []
+        self.thread = threading.Thread(target=self._run, name="lioncub-checkpoints", daemon=True)
+        self.thread.start()
+
+    def put(self, step: int, parts: list[tuple[str, bytes, str]], expected: int, ft: dict[str, Any]) -> None:
+        """Write ``parts`` (name, bytes, SHA-256) of the checkpoint of ``step``; ``expected`` > 0: then
+        complete it once ``expected`` ranks' parts are there, with ``ft`` in its ``meta.json``."""
+        self.jobs.put((step, parts, expected, ft))
+
+    def wait(self) -> None:
+        """Until every part put so far is written (and its checkpoint completed, where this process does)."""
+        self.jobs.join()
+
+    def close(self) -> None:
+        self.wait()
+        self.jobs.put(None)
+        self.thread.join(timeout=5.0)
+
+    def _run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            try:
+                self._write(*job)
+            except (OSError, RuntimeError, ValueError) as exc:
+                self.errors.append(f"checkpoint of step {job[0]}: {exc}")
+            finally:
+                self.jobs.task_done()
+        self.jobs.task_done()
+
+    def _write(
+        self, step: int, parts: list[tuple[str, bytes, str]], expected: int, ft: dict[str, Any]
+    ) -> None:
+        t0 = time.perf_counter()
+        for name, data, digest in parts:
+            checkpoint.write_part(self.run_dir, step, name, data, digest)
+        rec: dict[str, Any] = {"step": step, "write_s": time.perf_counter() - t0,
+                               "bytes": sum(len(p[1]) for p in parts)}  # fmt: skip
+        if expected:
+            deadline = time.monotonic() + self.timeout_s
+            while len(ranks := checkpoint.parts_written(self.run_dir, step)) < expected:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"only ranks {ranks} of the {expected} of the quorum wrote their part within "
+                        f"{self.timeout_s:g} s (--collective-timeout); it stays incomplete"
+                    )
+                time.sleep(0.01)
+            path = checkpoint.complete_parts(
+                self.run_dir,
+                step,
+                self.world_size,
+                ranks,
+                {**self.meta, "fault_tolerant": {**ft, "ranks": ranks}},
+            )
+            rec.update(completed=str(path.relative_to(self.run_dir)), complete_s=time.perf_counter() - t0)
+        self.done.append(rec)
 
 
 class _Quiet(logging.Filter):
@@ -313,27 +418,105 @@ class _GroupLoop:
         self.heals: list[Heal] = []  # logged
         self.gradients: int | None = None  # bytes of the gradients after this process's first backward
         self.joined = life == 0  # started again: healed at a quorum with a live peer (until then False)
+        self.stood = False  # the last step ended a commit boundary and was committed
+        self.k = index * self.size + self.rank  # this process's rank in the job: its rank{k}.pt
+        self.due = set(checkpoint_steps(config))
+        self.writer: _Writer | None = None
+        if self.due and isinstance(self.group, ReplicaGroup):
+            meta = {"variant": config.optimizer.variant, "workload": run.workload, "size": run.size,
+                    "seed": run.seed}  # fmt: skip
+            self.writer = _Writer(run_dir, cluster.nproc, meta, self.timeout_s)
+        self.launch = self.restore()  # last: the RNG states of a checkpoint
+
+    def restore(self) -> Resumed | None:
+        """The launch this start is one of (None: a start again, ``--rejoin``), as :func:`schedule_after`
+        sees it from the newest checkpoint. Started by a launch over a checkpoint (a resume, a restart), the
+        group loads its own part of it -- the parameters (``model.pt``), its optimizer state, RNG states,
+        data and loop position, torchft's committed count -- and its rejoins to wait for are those after
+        the checkpoint; a group without a part there (it was not in the quorum) starts afresh and heals
+        from the others at the first quorum, where it is behind them."""
+        cluster = self.config.cluster
+        meta = checkpoint.latest(self.run_dir) if isinstance(self.group, ReplicaGroup) else None
+        step = meta.step if meta is not None else 0
+        faults = parse_faults(cluster.kill, cluster.rejoin, cluster.replica_groups, self.config.run.steps,
+                              self.config.optimizer.local_steps)  # fmt: skip
+        launch = schedule_after(faults, cluster.replica_groups, step)
+        if self.index in launch.absent or self.life != launch.lives[self.index]:
+            return None
+        if meta is None or f"rank{self.k}.pt" not in meta.sha256:
+            return launch
+        assert isinstance(self.group, ReplicaGroup)
+        self.pending[:] = [e for e in self.pending if e[2] > step]
+        state = checkpoint.load_rank_state(meta, self.k, meta.world_size)
+        self.model.load_state_dict(checkpoint.model_state(meta))
+        assert isinstance(self.opt, LionCub)  # a ReplicaGroup's
+        self.opt.load_state_dict(state["optimizer"], allow_world_size_change=True)  # the quorum's N then
+        self.wl.load_state_dict(state["data"])
+        self.group.load_state_dict(state["group"]["replica_group"])
+        self.position.step, self.position.elapsed = state["group"]["step"], state["group"]["elapsed"]
+        self.joined = True
+        checkpoint.restore_rng(state)
+        return launch
+
+    def save(self, step: int) -> None:
+        """This process's part of the checkpoint of ``step`` (module docstring, point 5): serialised now,
+        written by :attr:`writer`; the quorum's first participant also writes ``model.pt`` and completes it.
+        The step's stall (wall and CPU seconds of the serialisation) goes into the group's log."""
+        assert self.writer is not None and isinstance(self.group, ReplicaGroup)
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        group = self.group
+        state = checkpoint.part_state(self.opt.state_dict(), self.wl.state_dict(), self.k)
+        state["group"] = {"replica_group": group.state_dict(), "life": self.life, "index": self.index,
+                          **self.position.save()}  # fmt: skip
+        parts = [(f"rank{self.k}.pt", *checkpoint.encode(state))]
+        first = group.quorum_rank == 0 and self.rank == 0
+        if first:
+            parts.append(("model.pt", *checkpoint.encode(self.model.state_dict())))
+        ft = {"participants": group.participants, "ranks_per_group": self.size}
+        self.writer.put(step, parts, group.participants * self.size if first else 0, ft)
+        self.write({"kind": "checkpoint", "step": step, "group": self.index, "life": self.life,
+                    "stall_s": time.perf_counter() - t0, "stall_cpu_s": time.process_time() - cpu0,
+                    "bytes": sum(len(p[1]) for p in parts), "completes": first})  # fmt: skip
+        self.drain()
+
+    def drain(self, wait: bool = False) -> None:
+        """The writer's news into the log (what it wrote, in how long) and its errors on stderr; ``wait``:
+        first until everything put is written."""
+        if self.writer is None:
+            return
+        if wait:
+            self.writer.wait()
+        while self.writer.done:
+            self.write({"kind": "checkpoint_written", "group": self.index, **self.writer.done.pop(0)})
+        while self.writer.errors:
+            print(f"group {self.index}: {self.writer.errors.pop(0)}", file=sys.stderr, flush=True)
 
     def join(self) -> None:
-        """Say this group is ready once the lighthouse lists it (a quorum then waits for it); at the job's
-        start, wait for every group, so that the first quorum has them all."""
+        """Say this group is ready once the lighthouse lists it (a quorum then waits for it); started by
+        the launch (not a rejoin), wait for every group it starts, so that the first quorum has them all."""
         listed = f"{self.group.lighthouse_id}: seen"
         what = f"the lighthouse did not list group {self.index}"
         _wait(lambda: listed in lighthouse_status(self.lighthouse).text, self.timeout_s, what)
         if self.rank == 0:
             write_atomically(self.run_dir / ready_name(self.index, self.life), f"{os.getpid()}\n")
-        if self.life == 0:
-            for g in range(self.config.cluster.replica_groups):
-                _wait((self.run_dir / ready_name(g, 0)).exists, self.timeout_s, f"group {g} did not start")
+        launch = self.launch
+        for g in range(self.config.cluster.replica_groups) if launch is not None else ():
+            if launch is not None and g not in launch.absent:
+                mark = self.run_dir / ready_name(g, launch.lives[g])
+                _wait(mark.exists, self.timeout_s, f"group {g} did not start")
 
     def run(self) -> None:
         """Every step until the run's last (holding after a ``--kill`` step), then the end record."""
         self.join()
         if self.rank == 0:
             self.out = open_append(self.run_dir / log_name(self.index))
-        while self.position.step < self.config.run.steps:
+        run = self.config.run
+        while self.position.step < (run.stop_at or run.steps):
             step = self.step()
+            if self.stood and step in self.due and self.writer is not None:
+                self.save(step)
             if step in self.kills:
+                self.drain(wait=True)  # its part of a checkpoint of this step is whole before it dies
                 for r in self.window:
                     self.write({**r, "committed": None})  # the window dies with the group
                 self.write({"kind": "hold", "step": step, "group": self.index})
@@ -376,6 +559,7 @@ class _GroupLoop:
         t2 = self.clock()
         ends = group.step_ends_boundary
         committed = group.step()
+        self.stood = ends and committed
         self.model.zero_grad(set_to_none=True)  # all of them: in a group of ranks the optimizer has a share
         t3 = self.clock()
         rec = loop.step_record(self.setup, step, t2 - t1, t3 - t2, None)
@@ -492,6 +676,7 @@ class _GroupLoop:
         """``groups/gG.end.json`` (with whether the ranks of the group hold the same parameters), and the
         model from the first participant of the last quorum."""
         group, model = self.group, self.model
+        self.drain(wait=True)  # the last checkpoint complete before the group says it finished
         digest = params_digest(model)
         digests: list[str | None] = [digest]
         if self.size > 1:
@@ -509,7 +694,7 @@ class _GroupLoop:
             "heals": [dataclasses.asdict(h) for h in self.heals], "memory": memory,
         }  # fmt: skip
         write_atomically(self.run_dir / end_name(self.index), json.dumps(end) + "\n")
-        if group.quorum_rank == 0:
+        if group.quorum_rank == 0 and self.position.step == self.config.run.steps:  # not at --stop-at
             buffer = io.BytesIO()
             torch.save(model.state_dict(), buffer)
             write_atomically(self.run_dir / MODEL_FILE, buffer.getvalue())
@@ -534,6 +719,8 @@ def run_group(config: TrainConfig, run_dir: Path, index: int, life: int, lightho
         return 1
     finally:
         if group_loop is not None:
+            if group_loop.writer is not None:
+                group_loop.writer.close()
             if group_loop.out >= 0:
                 os.close(group_loop.out)
             group_loop.group.shutdown()

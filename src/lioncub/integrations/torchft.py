@@ -530,7 +530,7 @@ class ReplicaGroup(_Member):
             return flag
         import torch.distributed as dist
 
-        held = torch.tensor([int(flag)], dtype=torch.int64)
+        held = torch.tensor([int(flag)], dtype=torch.int64, device="cpu")  # the group's gloo group
         dist.all_reduce(held, op=dist.ReduceOp.MAX, group=self.group_pg)
         return bool(held.item())
 

@@ -34,6 +34,20 @@ RUNS = {
 #: stops. The job exits 3 (a group failed, the survivor finished), keeping every file (:func:`stall`)
 STRAGGLER = ["--variant", "1bit", "--nproc", "2", "--steps", "30", "--collective-timeout", "5"]
 RUNS["straggler"] = STRAGGLER
+#: checkpoints (docs/fault-tolerance.md, "Checkpoints, resume, restarts"): local steps H = 2, group 1 killed
+#: after step 2 and started again at step 3 (it joins at the window after step 4), a checkpoint every 4 steps
+CKPT = ["--variant", "1bit", "--nproc", "3", "--steps", "12", "--eval-every", "4", "--local-steps", "2"]
+CKPT += ["--checkpoint-every", "4", "--kill", "1@2", "--rejoin", "1@3"]
+RUNS["checkpoints"] = CKPT
+RUNS["checkpoints, stopped"] = [*CKPT, "--stop-at", "6"]
+#: resumed in the stopped run's directory (:data:`RESUMES`; what the stop left is copied to
+#: ``<slug>.at_stop`` first) from the checkpoint of step 4, that of step 6 made incomplete (its meta.json
+#: removed): group 1 has no part in it (it joined after step 4) and heals from the others; every group of the
+#: resumed job is SIGKILLed once it finished step 9 (:func:`kill_all`), and --restarts 1 relaunches the job
+#: from the checkpoint of step 8
+RUNS["checkpoints, resumed"] = ["--resume", "--restarts", "1", "--no-progress"]
+#: a run -> the earlier run whose directory it resumes
+RESUMES = {"checkpoints, resumed": "checkpoints, stopped"}
 #: the exit status each run ends with (0 if not named)
 EXPECTED_RC = {"straggler": 3}
 #: 2 emulated nodes of 2 ranks, each node a group (DDP inside), node 1 SIGKILLed after step 12 and started
@@ -73,14 +87,42 @@ def stall(run_dir: Path, group: int, after: int, until: int, deadline_s: float =
         os.kill(pid, signal.SIGCONT)
 
 
+def kill_all(run_dir: Path, after: int, deadline_s: float = 300.0) -> None:
+    """SIGKILL every group of the job in ``run_dir`` (the pids of their ready marks) once group 0's log has
+    a step record above ``after - 1``, within ``deadline_s``."""
+    import json
+    import os
+    import signal
+    import time
+
+    log, deadline = run_dir / "groups" / "g0.jsonl", time.monotonic() + deadline_s
+
+    def reached() -> bool:
+        lines = log.read_text().splitlines() if log.exists() else []
+        return any(json.loads(x).get("kind") == "step" and json.loads(x)["step"] >= after for x in lines[:-1])
+
+    while not reached() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for mark in (run_dir / "groups").glob("g*.ready*"):
+        with contextlib.suppress(ValueError, ProcessLookupError):
+            os.kill(int(mark.read_text()), signal.SIGKILL)
+
+
 def main(out: Path, nodes: bool) -> int:
+    import shutil
     import threading
 
     from lioncub import cli
 
     failed = 0
     for name, args in {**RUNS, **({"nodes": NODES} if nodes else {})}.items():
-        argv = ["train", *TINY, "--fault-tolerant", "--out", str(out / slug(name)), *args]
+        run_dir = out / slug(RESUMES.get(name, name))
+        argv = ["train", *TINY, "--fault-tolerant", "--out", str(run_dir), *args]
+        if name in RESUMES:
+            argv = ["train", "--out", str(run_dir), *args]
+            shutil.copytree(run_dir, out / f"{slug(RESUMES[name])}.at_stop")
+            (run_dir / "checkpoints" / "step_00000006" / "meta.json").unlink()
+            threading.Thread(target=kill_all, args=(run_dir, 9), daemon=True).start()
         if name == "straggler":
             threading.Thread(target=stall, args=(out / slug(name), 1, 10, 0), daemon=True).start()
         with (

@@ -297,9 +297,24 @@ def test_nodes_of_two_ranks_are_groups_that_heal_and_agree() -> None:
         ),
         (["--fault-tolerant", "--variant", "32bit"], "DDP + Lion has no vote between groups"),
         (["--fault-tolerant", "--overlap"], "--overlap with --fault-tolerant"),
-        (["--fault-tolerant", "--checkpoint-every", "10"], "checkpoints of a fault-tolerant run"),
-        (["--fault-tolerant", "--restarts", "1"], "--restarts 1 with --fault-tolerant"),
-        (["--fault-tolerant", "--resume"], "--resume with --fault-tolerant"),
+        (  # checkpoints at a window's end only (a plain run's may fall inside one)
+            ["--fault-tolerant", "--local-steps", "4", "--checkpoint-every", "10"],
+            "--checkpoint-every 10 with --fault-tolerant --local-steps 4: must be a multiple of 4 (e.g. 8)",
+        ),
+        (
+            ["--fault-tolerant", "--local-steps", "4", "--stop-at", "30"],
+            "--stop-at 30 with --fault-tolerant --local-steps 4: must be a multiple of 4 (e.g. 28)",
+        ),
+        (  # stopped between its start and its first quorum, group 1 would stop unhealed
+            ["--fault-tolerant", "--kill", "1@10", "--rejoin", "1@20", "--stop-at", "20"],
+            "--stop-at 20 with --rejoin 1@20: group 1 is started again after step 20 and joins the quorum "
+            "only after step 20, so it would stop unhealed; stop before step 20 or after step 20",
+        ),
+        (
+            ["--fault-tolerant", "--variant", "torchft-diloco", "--local-steps", "4", "--checkpoint-every=8"],
+            "--checkpoint-every 8 with --fault-tolerant --variant torchft-diloco: torchft's DiLoCo keeps",
+        ),
+        (["--fault-tolerant", "--resume"], "holds no lioncub run"),  # resumes as any run: from a checkpoint
         (["--variant", "torchft-diloco", "--local-steps", "4"], "runs on torchft's Manager"),
         (["--fault-tolerant", "--variant", "torchft-diloco"], "add --fault-tolerant and --local-steps H"),
         (

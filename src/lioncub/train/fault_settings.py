@@ -83,6 +83,16 @@ def check_checkpoints(config: Any) -> None:
                 f"{max(h, value // h * h)}): a checkpoint is taken at a window's end, where the groups' "
                 "parameters are equal and committed"
             )
+    cluster = config.cluster
+    faults = parse_faults(cluster.kill, cluster.rejoin, cluster.replica_groups, run.steps, h)
+    for f in faults if run.stop_at is not None else ():
+        joins = -(-f.step // (h or 1)) * (h or 1)  # it joins the quorum after this step
+        if f.kind == "rejoin" and f.step <= run.stop_at <= joins:
+            raise ValueError(
+                f"--stop-at {run.stop_at} with {f.spec}: group {f.group} is started again after step "
+                f"{f.step} and joins the quorum only after step {joins}, so it would stop unhealed; stop "
+                f"before step {f.step} or after step {joins}"
+            )
 
 
 def cpu_note(config: Any) -> str | None:

@@ -130,8 +130,7 @@ def test_how_a_run_starts_is_checked_beside_the_configuration() -> None:
     from lioncub.train.config import check_auto, check_start
 
     ft = TrainConfig.from_values({"fault_tolerant": True, "variant": "1bit", "nproc": 2})
-    with pytest.raises(ValueError, match=r"^--resume with --fault-tolerant: "):
-        check_start(ft, resume=True, inside_job=False)
+    check_start(ft, resume=True, inside_job=False)  # a fault-tolerant run resumes from its checkpoints
     with pytest.raises(ValueError, match=r"^--fault-tolerant inside a job "):
         check_start(ft, resume=False, inside_job=True)
     check_start(ft.replace(fault_tolerant=False), resume=True, inside_job=True)

@@ -223,6 +223,89 @@ def params_digest_of(state: dict) -> str:
     return params_digest(model)
 
 
+def records(path: Path, kind: str) -> list[dict]:
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("kind") == kind]
+
+
+@needs_torchft
+@pytest.mark.slow
+@pytest.mark.background("ft_runs")
+def test_a_job_stopped_resumed_and_restarted_ends_with_the_bits_of_the_whole_run() -> None:
+    """tests/ft_runs.py's checkpointed runs (local steps H = 2, group 1 killed after step 2 and started
+    again at step 3, a checkpoint every 4 steps): stopped after step 6, then resumed from the checkpoint of
+    step 4 (that of step 6 made incomplete), where group 1, which joined after step 4, has no part and heals
+    from the others as it did in the whole run; the resumed job's groups all SIGKILLed after step 9 and
+    restarted (``--restarts 1``) from the checkpoint of step 8. It ends with the whole run's bits: the same
+    final parameters (its ``model.pt`` bitwise, the digest), the same quorums and losses at every step."""
+    whole, _ = finished("checkpoints")
+    run_dir, _ = finished("checkpoints, stopped")  # the resume went on in it
+    stdout = (background.workdir("ft_runs") / f"{ft_runs.slug('checkpoints, resumed')}.out").read_text()
+    assert "resuming from step_00000004, the newest complete checkpoint" in stdout
+    assert "every group was lost" in stdout and "restart 1 of 1 (--restarts)" in stdout
+    assert "goes on from its newest complete checkpoint" in stdout and "step_00000008" in stdout
+    a, b = (json.loads((d / "summary.json").read_text())["fault_tolerance"] for d in (whole, run_dir))
+    assert b["replicas_equal"] and b["groups_finished"] == [0, 1, 2] and b["digest"] == a["digest"]
+    assert [(h["group"], h["life"], h["step"], h["source"]) for h in b["heals"]] == [(1, 1, 4, "g0")]
+    assert [(h["group"], h["life"], h["step"], h["source"]) for h in a["heals"]] == [(1, 1, 4, "g0")]
+    for kind, keys in (("step", ("step", "participants", "groups", "loss")), ("eval", ("step", "val_loss"))):
+        assert [[r[k] for k in keys] for r in log(run_dir, kind)] == [
+            [r[k] for k in keys] for r in log(whole, kind)
+        ]
+    assert [r["step"] for r in log(run_dir, "step")] == list(range(1, 13))
+    saved = [torch.load(d / "model.pt", weights_only=True) for d in (whole, run_dir)]
+    assert saved[0].keys() == saved[1].keys() and all(torch.equal(saved[0][k], saved[1][k]) for k in saved[0])
+    # the last checkpoint holds the final parameters; what each launch cut from the logs is kept
+    last = torch.load(run_dir / "checkpoints" / "step_00000012" / "model.pt", weights_only=True)
+    assert all(torch.equal(last[k], saved[0][k]) for k in last)
+    cut = records(run_dir / "groups" / "g0.cut.jsonl", "step")
+    assert {5, 6} <= {r["step"] for r in cut} and max(r["step"] for r in cut) >= 9  # the stop's, the killed
+
+
+@needs_torchft
+@pytest.mark.slow
+@pytest.mark.background("ft_runs")
+def test_every_group_of_the_quorum_keeps_its_own_part_atomically_and_one_model() -> None:
+    """What the stopped run left (copied before its resume): the checkpoints of steps 4 and 6, complete,
+    each file's SHA-256 the one ``meta.json`` records; a part (``rankK.pt``) for every group of the quorum
+    that committed the step -- groups 0 and 2 at step 4 (group 1 joined after it), all three at step 6 --
+    each with its own momenta (Distributed Lion: they differ between groups; with local steps the outer
+    momenta, the inner ones reset at the window's end) and one ``model.pt``; no
+    temporary directory left, no ``model.pt`` of the run (it stopped), every group ended at step 6. Each
+    group logged the step's stall (the serialisation) and its background write."""
+    import hashlib
+
+    stopped = background.workdir("ft_runs") / f"{ft_runs.slug('checkpoints, stopped')}.at_stop"
+    root = stopped / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000004", "step_00000006"]
+    assert (root / "latest").read_text() == "step_00000006\n" and not (stopped / "model.pt").exists()
+    for step, ranks in ((4, [0, 2]), (6, [0, 1, 2])):
+        path = root / f"step_{step:08d}"
+        meta = json.loads((path / "meta.json").read_text())
+        files = ["model.pt", *(f"rank{r}.pt" for r in ranks)]
+        assert sorted(p.name for p in path.iterdir()) == sorted([*files, "meta.json"])
+        assert meta["sha256"] == {n: hashlib.sha256((path / n).read_bytes()).hexdigest() for n in files}
+        assert (meta["step"], meta["world_size"], meta["variant"]) == (step, 3, "1bit")
+        assert meta["fault_tolerant"]["ranks"] == ranks
+        parts = {r: torch.load(path / f"rank{r}.pt", weights_only=True) for r in ranks}
+        assert [p["group"]["step"] for p in parts.values()] == [step] * len(ranks)
+        momenta = [p["optimizer"]["state"][0]["outer_exp_avg"] for p in parts.values()]  # the vote's (H = 2)
+        assert not torch.equal(momenta[0], momenta[-1])  # groups 0 and 2: each its own
+    for g in range(3):
+        end = json.loads((stopped / "groups" / f"g{g}.end.json").read_text())
+        assert end["step"] == 6
+        logged = records(stopped / "groups" / f"g{g}.jsonl", "checkpoint")
+        assert [r["step"] for r in logged] == ([6] if g == 1 else [4, 6]), logged
+        assert all(r["stall_s"] > 0 and r["bytes"] > 0 for r in logged)
+        written = records(stopped / "groups" / f"g{g}.jsonl", "checkpoint_written")
+        assert [r["step"] for r in written] == [r["step"] for r in logged]
+    completed = [
+        r for g in range(3) for r in records(stopped / "groups" / f"g{g}.jsonl", "checkpoint_written")
+    ]
+    assert sorted(r["completed"] for r in completed if "completed" in r) == [
+        "checkpoints/step_00000004", "checkpoints/step_00000006"
+    ]  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.background("ft_runs")
 @pytest.mark.root

@@ -27,6 +27,13 @@ removes the namespaces) when MemAvailable drops below ``--min-available-gib`` (d
 watchdog also records the lowest MemAvailable, the largest sum of the run's processes' RSS and each
 process's peak RSS (``VmHWM``, sampled: a peak in its last half second can be missed).
 
+**The allocator** (``--malloc-mmap-threshold B``): glibc's malloc serves an allocation above its mmap
+threshold with its own mapping, returned to the OS when freed; the threshold rises with every such block
+freed, up to 32 MiB, and smaller blocks then come from heaps that keep what was freed. FSDP2's all-gather
+and reduce-scatter buffers, a block's bytes each, come and go every step: below 32 MiB they can stay in the
+heaps, and the peak RSS does not show what the ranks hold. This option sets ``MALLOC_MMAP_THRESHOLD_``
+(a fixed threshold, which does not rise) for the runs.
+
 Prints markdown tables and writes ``results.json`` in ``--out``; each run's directory is removed after it
 is read unless ``--keep``.
 """
@@ -500,7 +507,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--min-available-gib", type=float, default=4.0, help="the watchdog's floor (default 4)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per run (default 900)")
     ap.add_argument("--keep", action="store_true", help="keep each run's directory")
+    ap.add_argument(
+        "--malloc-mmap-threshold",
+        type=int,
+        default=None,
+        help="bytes: MALLOC_MMAP_THRESHOLD_ of the runs (a fixed threshold; default: glibc's, dynamic)",
+    )
     args = ap.parse_args(argv)
+    if args.malloc_mmap_threshold is not None:
+        if args.malloc_mmap_threshold < 0:
+            sys.exit(f"--malloc-mmap-threshold {args.malloc_mmap_threshold}: expected bytes >= 0")
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)  # the runs inherit it
     if os.geteuid() != 0:
         sys.exit("fsdp_memory: lioncub train --link needs root (network namespaces)")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -511,6 +528,7 @@ def main(argv: list[str] | None = None) -> None:
         "nproc": os.cpu_count(),
         "cpu": _cpu_model(),
         "mem_total_gib": round(_meminfo()["MemTotal"] / GIB, 1),
+        "malloc_mmap_threshold": args.malloc_mmap_threshold,
     }
     print(json.dumps(meta), flush=True)
     if args.largest:

@@ -543,27 +543,33 @@ def accelerate_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
         return {"message": expect_error(lambda: lioncub_accelerate.prepare(accelerator, pm, popt))}
 
     scenarios["comm_hook"] = comm_hook
-
-    def reset() -> None:
-        """The example ends the process group (``accelerator.end_training``): accelerate's state forgotten,
-        so that the next command's ``Accelerator()`` joins a new one."""
-        from accelerate.state import AcceleratorState, GradientState
-
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
-
-    def example(w: Path) -> dict[str, Any]:
-        ran = run_example_sequence("accelerate_loop.py", w / "example", reset)
-        ran["final_step"] = int((Path(ran["outs"][-1]) / "step.txt").read_text())
-        return ran
-
     scenarios["readme"] = lambda w: run_readme(
         "accelerate",
         {"torch": torch, "LionCub": LionCub, "model": readme_model(), "loader": readme_loader()},
         w / "readme",
     )
-    scenarios["example"] = example  # last: the example ends the process group (accelerator.end_training)
     return scenarios
+
+
+def accelerate_example_scenarios() -> dict[str, Callable[[Path], dict[str, Any]]]:
+    """The commands of ``examples/accelerate_loop.py``'s docstring, one per launch as a user runs them
+    (``example-1``, ``example-2``, then ``example``: the resume). Not in one process: the example ends
+    the process group (``accelerator.end_training``), and a second ``init_process_group`` in the same
+    launch reuses the first one's keys in the launcher's store (torch names the default group the same
+    each time), so a rank may read its peer's stale gloo address and both hang in the first collective."""
+    name = "accelerate_loop.py"
+
+    def command(i: int) -> Callable[[Path], dict[str, Any]]:
+        def run(w: Path) -> dict[str, Any]:
+            commands = shrunk_example_commands(name, w / "example")
+            run_example(name, commands[i])
+            outs = [argv[argv.index("--out") + 1] for argv in commands]
+            return {"ran": name, "outs": outs, "final_step": int((Path(outs[i]) / "step.txt").read_text())}
+
+        return run
+
+    count = len(example_commands(name))
+    return {**{f"example-{i + 1}": command(i) for i in range(count - 1)}, "example": command(count - 1)}
 
 
 # -- Lightning ----------------------------------------------------------------------------------------
@@ -898,13 +904,10 @@ def example_commands(name: str) -> list[list[str]]:
 EXAMPLE_STEPS, RESUMED_STEPS = 2, 4
 
 
-def run_example_sequence(
-    name: str, workdir: Path, between: Callable[[], None] = lambda: None
-) -> dict[str, Any]:
-    """The commands of ``examples/<name>``'s docstring run in order in this job's ranks, shrunk: ``--steps``
-    EXAMPLE_STEPS (RESUMED_STEPS with ``--resume``), every ``--out`` under ``workdir``; ``between`` runs
-    after each (accelerate's state reset). The outs each command named, in order."""
-    outs = []
+def shrunk_example_commands(name: str, workdir: Path) -> list[list[str]]:
+    """The commands of ``examples/<name>``'s docstring, shrunk: ``--steps`` EXAMPLE_STEPS (RESUMED_STEPS
+    with ``--resume``), every ``--out`` under ``workdir``."""
+    commands = []
     for argv in example_commands(name):
         steps = str(RESUMED_STEPS if "--resume" in argv else EXAMPLE_STEPS)
         if "--steps" in argv:
@@ -913,10 +916,16 @@ def run_example_sequence(
             argv += ["--steps", steps]
         out = argv.index("--out") + 1
         argv[out] = str(workdir / argv[out])
-        outs.append(argv[out])
+        commands.append(argv)
+    return commands
+
+
+def run_example_sequence(name: str, workdir: Path) -> dict[str, Any]:
+    """:func:`shrunk_example_commands` run in order in this job's ranks; the outs each named, in order."""
+    commands = shrunk_example_commands(name, workdir)
+    for argv in commands:
         run_example(name, argv)
-        between()
-    return {"ran": name, "outs": outs}
+    return {"ran": name, "outs": [argv[argv.index("--out") + 1] for argv in commands]}
 
 
 SCENARIOS = {
@@ -926,6 +935,7 @@ SCENARIOS = {
     "hf-guards": hf_guard_scenarios,
     "hf-resize": hf_resize_scenarios,
     "accelerate-guards": accelerate_guard_scenarios,
+    "accelerate-example": accelerate_example_scenarios,
     "lightning-guards": lightning_guard_scenarios,
 }
 
@@ -935,7 +945,11 @@ SCENARIOS = {
 #: tests/test_framework_guards.py's
 SEQUENCES = {
     "hf": [("hf", 2), ("hf-guards", 2), ("hf-resize", 3)],
-    "accelerate": [("accelerate", 2), ("accelerate-guards", 2)],
+    "accelerate": [
+        ("accelerate", 2),
+        ("accelerate-guards", 2),
+        *((f"accelerate-example/{name}", 2) for name in ("example-1", "example-2", "example")),
+    ],
     "lightning": [("lightning", 2), ("lightning-guards", 2)],
 }
 #: what each framework's jobs import
@@ -981,18 +995,20 @@ FRAMEWORK_MODULES = {
 
 
 def run_sequence(out: str, timeout: str, *jobs: str) -> int:
-    """``--sequence``: ``lioncub launch --nproc K -- -m framework_jobs NAME OUT`` for each ``NAME:K``, the
-    ranks forked from one interpreter that imported torch, lioncub and the framework once (``lioncub
-    launch --preload``; a fresh interpreter per rank would import them again for every rank of every job)."""
+    """``--sequence``: ``lioncub launch --nproc K -- -m framework_jobs NAME OUT`` for each ``NAME:K`` (and
+    ``... NAME OUT SCENARIO`` for ``NAME/SCENARIO:K``: that scenario alone), the ranks forked from one
+    interpreter that imported torch, lioncub and the framework once (``lioncub launch --preload``; a fresh
+    interpreter per rank would import them again for every rank of every job)."""
     from lioncub.launch import LaunchConfig, launch
     from lioncub.launch.preload import MODULES
 
     failed = 0
     for job in jobs:
-        name, nproc = job.split(":")
+        spec, nproc = job.split(":")  # NAME or NAME/SCENARIO (that scenario alone)
+        name, *only = spec.split("/")
         preload = (*MODULES, "lioncub", *FRAMEWORK_MODULES[name.split("-")[0]])
         config = LaunchConfig(
-            ["-m", "framework_jobs", name, out], nproc=int(nproc), timeout_s=float(timeout),
+            ["-m", "framework_jobs", name, out, *only], nproc=int(nproc), timeout_s=float(timeout),
             cwd=str(Path(__file__).parent), preload=preload,
         )  # fmt: skip
         code = launch(config).returncode

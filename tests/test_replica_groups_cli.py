@@ -450,7 +450,7 @@ def test_without_torchft_the_option_says_how_to_install_it(monkeypatch: pytest.M
     )
     config = TrainConfig.from_values({"variant": "1bit", "nproc": 3, "fault_tolerant": True, "steps": 60})
     with pytest.raises(
-        ValueError, match=r"--fault-tolerant: needs the torchft package.*pip install 'lioncub\[ft\]'"
+        ValueError, match=r"--fault-tolerant: needs the torchft package.*pip install '\.\[ft\]' in a clone"
     ):
         check_before_launch(config, None)
 

@@ -373,19 +373,7 @@ def launch_groups(
         run.watch, run.ended = watch, ended
         if resumed is not None:
             run.first, run.absent = list(resumed.lives), set(resumed.absent)
-        if config.preload:
-            why = gpu_refusal(config.preload_device)
-            try:
-                env = {k: v for k, v in os.environ.items() if not k.startswith("LIONCUB_GROUP")}
-                run.zygote = (
-                    None
-                    if why
-                    else stack.enter_context(lease(env, config.cwd or os.getcwd(), config.preload))
-                )
-            except PreloadError as exc:
-                why = str(exc)
-            if why is not None:
-                output.note(f"starting every group as a fresh interpreter: {why}")
+        run.zygote = _zygote(config, stack, output) if config.preload else None
         returncode, failed, message, timed_out, interrupted = run.supervise(sorted(faults), progress)
         traffic = None
         if net is not None and before is not None:
@@ -406,6 +394,20 @@ def launch_groups(
         launch_id=launch_id,
         traffic=traffic,
     )
+
+
+def _zygote(config: LaunchConfig, stack: contextlib.ExitStack, output: Output) -> Zygote | None:
+    """The preloaded interpreter the groups are forked from (held by ``stack``), or None where it cannot be
+    (a GPU the ranks may use, a failed start: said so)."""
+    why = gpu_refusal(config.preload_device)
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LIONCUB_GROUP")}
+        if why is None:
+            return stack.enter_context(lease(env, config.cwd or os.getcwd(), config.preload))
+    except PreloadError as exc:
+        why = str(exc)
+    output.note(f"starting every group as a fresh interpreter: {why}")
+    return None
 
 
 def _end(proc: Any) -> None:

@@ -235,47 +235,13 @@ def run_fault_tolerant(
     )
     if preload_ranks(config, [sys.executable, "-m", RANK_MODULE]):  # the groups: forks of one interpreter
         launch_config.preload = (*MODULES, "lioncub.train.loop")  # as a plain run's: one zygote
-    # the bar follows the group the schedule kills least (the lowest of them)
-    kills = Counter(f.group for f in faults if f.kind == "kill")
-    followed = min(range(cluster.replica_groups), key=lambda g: (kills[g], g))
     for attempt in range(restarts + 1):
         resumed, start = _rewind_to_latest(run_dir, config, faults, err, attempt, restarts)
-        bar = None
-        if progress:
-            title = f"{label or config.optimizer.variant} (group {followed})"
-            bar = Progress(run_dir / log_name(followed), title, start, run.steps, err)
-            bar.start()
-        logs = GroupLogs(run_dir, cluster.replica_groups)
-        try:
-            result = _launch(
-                launch_config,
-                list(resumed.pending),
-                logs.progress,
-                lighthouse=cluster.lighthouse,
-                out=out,
-                err=err,
-                ended=lambda g, life, code: _mark_end(run_dir, g, life, code),
-                resumed=resumed,
-            )
-        finally:
-            if bar is not None:
-                bar.done.set()
-                bar.join(timeout=5)
+        result = _attempt(launch_config, config, run_dir, resumed, start, progress, label, out, err)
         if attempt == restarts or not _lost_every_group(config, run_dir, result):
             break
         print(f"lioncub: every group was lost ({result.message})", file=err, flush=True)
-    steps, evals = merge_group_logs(run_dir, cluster.replica_groups)
-    summary, entry = None, None
-    if steps:
-        lighthouse = cluster.lighthouse or "started for the job"
-        entry, end = fault_tolerance_summary(config, run_dir, steps, lighthouse)
-        params, info = (end["params"], end["info"]) if end else (0, {})
-        ends = [_read_json(run_dir / end_name(g)) or {} for g in range(cluster.replica_groups)]
-        memory = largest_of(e["memory"] for e in ends if "memory" in e)  # the groups that finished
-        summary = summarize(config, cluster.nproc, params, info, steps, evals, None, memory)
-        summary["fault_tolerance"] = entry
-        ordered = sorted([*steps, *evals], key=lambda r: (r["step"], r["kind"] == "eval"))
-        _write(run_dir, "log.jsonl", "".join(json.dumps(r) + "\n" for r in ordered))
+    summary, entry = _merge(config, run_dir)
     code, message = job_status(result, entry)
     if summary is not None and code in (0, SURVIVORS_RC, UNEQUAL_RC):  # groups finished: their summary
         summary["fault_tolerance"]["status"] = {"exit_code": code, "message": message}
@@ -302,6 +268,64 @@ def run_fault_tolerant(
         except OSError as exc:
             print(f"lioncub: could not finish {run_dir} ({exc}); it stays as the groups left it", file=err)
     return RunOutcome(code, message, summary if code == 0 else None)
+
+
+def _attempt(
+    launch_config: LaunchConfig,
+    config: TrainConfig,
+    run_dir: Path,
+    resumed: Resumed,
+    start: int,
+    progress: bool,
+    label: str | None,
+    out: TextIO | None,
+    err: TextIO,
+) -> LaunchResult:
+    """One launch of the groups from step ``start`` (``resumed``: the schedule from there), with the
+    progress bar, which follows the group the schedule kills least (the lowest of them)."""
+    cluster = config.cluster
+    kills = Counter(f.group for f in resumed.pending if f.kind == "kill")
+    followed = min(range(cluster.replica_groups), key=lambda g: (kills[g], g))
+    bar = None
+    if progress:
+        title = f"{label or config.optimizer.variant} (group {followed})"
+        bar = Progress(run_dir / log_name(followed), title, start, config.run.steps, err)
+        bar.start()
+    logs = GroupLogs(run_dir, cluster.replica_groups)
+    try:
+        return _launch(
+            launch_config,
+            list(resumed.pending),
+            logs.progress,
+            lighthouse=cluster.lighthouse,
+            out=out,
+            err=err,
+            ended=lambda g, life, code: _mark_end(run_dir, g, life, code),
+            resumed=resumed,
+        )
+    finally:
+        if bar is not None:
+            bar.done.set()
+            bar.join(timeout=5)
+
+
+def _merge(config: TrainConfig, run_dir: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The groups' logs merged into ``log.jsonl`` (written), and the run's summary with its
+    ``fault_tolerance`` entry (None, None: no step was logged)."""
+    cluster = config.cluster
+    steps, evals = merge_group_logs(run_dir, cluster.replica_groups)
+    if not steps:
+        return None, None
+    lighthouse = cluster.lighthouse or "started for the job"
+    entry, end = fault_tolerance_summary(config, run_dir, steps, lighthouse)
+    params, info = (end["params"], end["info"]) if end else (0, {})
+    ends = [_read_json(run_dir / end_name(g)) or {} for g in range(cluster.replica_groups)]
+    memory = largest_of(e["memory"] for e in ends if "memory" in e)  # the groups that finished
+    summary = summarize(config, cluster.nproc, params, info, steps, evals, None, memory)
+    summary["fault_tolerance"] = entry
+    ordered = sorted([*steps, *evals], key=lambda r: (r["step"], r["kind"] == "eval"))
+    _write(run_dir, "log.jsonl", "".join(json.dumps(r) + "\n" for r in ordered))
+    return summary, entry
 
 
 def _launch(

@@ -25,15 +25,15 @@ process that votes with the other groups through :class:`lioncub.integrations.to
    groups are: the merged log says whether they were); its record comes before the window's step
    records, which the launcher's schedule reads. At the end ``groups/gG.end.json``: the digest of
    the parameters, the heals, the steps committed and skipped.
-5. Checkpoints (``--checkpoint-every K``, ``--stop-at``; docs/fault-tolerance.md, "Checkpoints"): after a
-   committed step that is due (K | step, ``--stop-at``, the last step), every rank of every group in the
-   quorum writes its own part -- its optimizer state (momenta, step, generator, outer state), RNG states,
-   data and loop position, torchft's committed count -- and the first participant also ``model.pt``
-   (the parameters, equal in every participant after a commit); serialised in the step, written by a
-   background thread (:class:`_Writer`), completed by the first participant once every participant's part
-   is there (:func:`lioncub.train.checkpoint.complete_parts`). A group started by a launch over a
-   checkpoint (a resume, a restart) loads its own part (:meth:`_GroupLoop.restore`); one absent from the
-   checkpoint starts afresh and heals from the others at the first quorum.
+5. Checkpoints (``--checkpoint-every K``, ``--stop-at``; docs/fault-tolerance.md, "Checkpoints, resume,
+   restarts"): after a committed step that is due (K | step, ``--stop-at``, the last step), every rank of
+   every group in the quorum writes its own part -- its optimizer state (momenta, step, generator, outer
+   state), RNG states, data and loop position, torchft's committed count -- and the first participant
+   also ``model.pt`` (the parameters, equal in every participant after a commit); serialised in the step,
+   written by a background thread (:class:`_Writer`), completed by the first participant once every
+   participant's part is there (:func:`lioncub.train.checkpoint.complete_parts`). A group started by a
+   launch over a checkpoint (a resume, a restart) loads its own part (:meth:`_GroupLoop.restore`); one
+   absent from the checkpoint starts afresh and heals from the others at the first quorum.
 6. What it never does: train alone after another group finished the run (a straggler back too late:
    :meth:`_GroupLoop.check_alone` stops it, before it writes a step or ``model.pt``), start again and
    train alone from scratch (:meth:`_GroupLoop.check_joined`), vote at a step whose heal failed (it sits
@@ -264,8 +264,8 @@ class _Writer:
         while (job := self.jobs.get()) is not None:
             try:
                 self._write(*job)
-            except (OSError, RuntimeError, ValueError) as exc:
-                self.errors.append(f"checkpoint of step {job[0]}: {exc}")
+            except Exception as exc:  # any: a thread that died would leave wait() waiting forever
+                self.errors.append(f"checkpoint of step {job[0]}: {type(exc).__name__}: {exc}")
             finally:
                 self.jobs.task_done()
         self.jobs.task_done()

@@ -16,9 +16,13 @@ the median step time and final validation loss; from ``log.jsonl``: the median b
 NIC per step (``nic_bytes``) and over its loopback (``intra_bytes``).
 
 **Largest** (``--largest``): a ladder of widths at ``--depth`` layers, L = 4 (8 ranks), ``--steps 2``,
-with and without ``--fsdp``. Before each launch the run's resident bytes are predicted
-(:func:`predict`); a configuration predicted over ``--budget-gib`` is not launched, and a kind (with or
-without ``--fsdp``) stops climbing at its first run that does not complete.
+with and without ``--fsdp``. Before each launch the run's cost to the machine, the drop of MemAvailable,
+is predicted: from the kind's rungs that completed (:func:`predict_drop`), or before the first from the
+resident bytes :func:`predict` gives (an over-estimate: the ranks are forked from a preloaded interpreter
+and share its pages, which the sum of their RSS counts once per rank). A rung predicted to drop
+MemAvailable by more than ``--budget-gib``, or below the watchdog's floor from where it stands, is not
+launched, and a kind (with or without ``--fsdp``) stops climbing there or at its first run that does
+not complete.
 
 **Memory safety**: a watchdog thread reads ``/proc/meminfo`` every 0.5 s and SIGKILLs every process of
 the run (its descendants, tracked by parent pid and start time, except the network's guard, which then
@@ -400,15 +404,36 @@ def pairs_summary(results: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def predict_drop(done: list[tuple[int, int]], model_bytes: int) -> int | None:
+    """The MemAvailable drop of a run of ``model_bytes`` (fp32 parameters) predicted from ``done``, the
+    ``(model bytes, drop)`` of the rungs that completed, smallest first; ``None`` before the first. One
+    rung: its drop scaled with the model (an over-estimate: part of the drop does not grow with it); two
+    or more: the line through the last two (the proportional scaling where noise makes it fall); 15 %
+    over either."""
+    if not done:
+        return None
+    p2, d2 = done[-1]
+    linear = d2 * model_bytes / p2
+    if len(done) >= 2:
+        p1, d1 = done[-2]
+        slope = (d2 - d1) / (p2 - p1) if p2 != p1 else 0.0
+        if slope > 0:
+            linear = d2 + slope * (model_bytes - p2)
+    return int(1.15 * linear)
+
+
 def largest(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Climb the width ladder at ``--depth`` layers, L = ``--largest-l``, each kind until a run does not
     complete or the next is predicted over the budget."""
     results = []
     for fsdp in (False, True):
         copies = COPIES[fsdp]
+        done: list[tuple[int, int]] = []  # (model bytes, MemAvailable drop) of the rungs that completed
         for width in args.widths:
             shape = Shape(args.depth, width, block_size=32, batch_size=2, eval_windows=4)
             pred = predict(shape, args.largest_l, fsdp, copies)
+            drop = predict_drop(done, 4 * shape.params())
+            pred["drop"] = pred["total"] if drop is None else drop
             name = f"largest-L{args.largest_l}-{'fsdp' if fsdp else 'ddp'}-{shape.label()}"
             base: dict[str, Any] = dict(
                 name=name,
@@ -419,8 +444,13 @@ def largest(args: argparse.Namespace) -> list[dict[str, Any]]:
                 predicted=pred,
                 copies=copies,
             )
-            if pred["total"] > args.budget_gib * GIB:
-                over = f"{pred['total'] / GIB:.1f} GiB > {args.budget_gib:g} GiB"
+            available = _meminfo()["MemAvailable"]
+            if pred["drop"] > args.budget_gib * GIB or available - pred["drop"] < _floor(args):
+                over = (
+                    f"a drop of {pred['drop'] / GIB:.1f} GiB > --budget-gib {args.budget_gib:g}"
+                    if pred["drop"] > args.budget_gib * GIB
+                    else f"{available / GIB:.1f} - {pred['drop'] / GIB:.1f} GiB below the floor"
+                )
                 base.update(status=f"not launched: predicted {over}")
                 print(f"{name}: {base['status']}", flush=True)
                 results.append(base)
@@ -429,13 +459,15 @@ def largest(args: argparse.Namespace) -> list[dict[str, Any]]:
             res = run_one(cmd, args.out / name, args.timeout, _floor(args), args.keep)
             res.update(base)
             print(
-                f"{name}: {res['status']} in {res['wall_s']} s (predicted {pred['total'] / GIB:.1f} GiB, "
-                f"lowest MemAvailable {res['lowest_available'] / GIB:.1f} GiB)",
+                f"{name}: {res['status']} in {res['wall_s']} s (predicted drop {pred['drop'] / GIB:.1f} "
+                f"GiB, MemAvailable {res['available_before'] / GIB:.1f} -> "
+                f"{res['lowest_available'] / GIB:.1f} GiB)",
                 flush=True,
             )
             results.append(res)
             if res["status"] != "ok":
                 break
+            done.append((4 * shape.params(), res["available_before"] - res["lowest_available"]))
             # the next rung's prediction: this one's copies of the model in its largest rank, 10 % more
             copies = 1.1 * (max(res["process_hwm"]) - TORCH_RSS) / (4 * shape.params())
     return results
@@ -443,14 +475,14 @@ def largest(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def largest_table(results: list[dict[str, Any]]) -> str:
     rows = [
-        "| run | layers × width | parameters | predicted (per rank / run, GiB) | outcome | peak RSS per "
-        "rank (MiB) | sum of the run's RSS (GiB) | MemAvailable before → lowest (GiB) | median step (s) "
-        "| wall (s) |",
+        "| run | layers × width | parameters | predicted: rank's RSS / MemAvailable drop (GiB) | outcome "
+        "| peak RSS per rank (MiB) | sum of the run's RSS (GiB) | MemAvailable before → lowest (GiB) "
+        "| median step (s) | wall (s) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         kind = "1bit+fsdp" if r["fsdp"] else "1bit (DDP inside)"
-        pred = f"{r['predicted']['rank'] / GIB:.2f} / {r['predicted']['total'] / GIB:.1f}"
+        pred = f"{r['predicted']['rank'] / GIB:.2f} / {r['predicted']['drop'] / GIB:.1f}"
         shape = r["shape"].replace("x", " × ")
         head = f"| {kind} | {shape} | {r['params_predicted'] / 1e6:.1f} M | {pred} | {r['status']} |"
         if "wall_s" not in r:
@@ -503,7 +535,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--widths", type=_ints, default=widths, help="--largest: the ladder's widths")
     ap.add_argument("--largest-l", type=int, default=4, help="--largest: ranks per node (default 4)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--budget-gib", type=float, default=14.0, help="launch runs predicted below (default 14)")
+    ap.add_argument(
+        "--budget-gib",
+        type=float,
+        default=14.0,
+        help="--largest: the most MemAvailable a run may be predicted to take; the pairs: "
+        "their predicted resident bytes (default 14)",
+    )
     ap.add_argument("--min-available-gib", type=float, default=4.0, help="the watchdog's floor (default 4)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per run (default 900)")
     ap.add_argument("--keep", action="store_true", help="keep each run's directory")

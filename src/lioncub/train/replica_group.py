@@ -231,9 +231,9 @@ def _await_rejoins(
 
 class _Writer:
     """This process's part of the checkpoints, written by a background thread (one at a time, in order),
-    so that the step waits only for the serialisation: :meth:`put` a part (encoded bytes); with
-    ``complete``, once every expected rank's part of the step is there, the checkpoint is completed (this
-    process is the quorum's first participant). :meth:`wait` blocks until everything put is written;
+    so that the step waits only for the serialisation: :meth:`put` a step's parts (encoded bytes); in the
+    quorum's first participant, once every participant's part of the step is there (bounded by
+    ``timeout_s``), the checkpoint is completed. :meth:`wait` blocks until everything put is written;
     :attr:`done` lists what was written (the records of the group's log), :attr:`errors` what failed."""
 
     def __init__(self, run_dir: Path, world_size: int, meta: dict[str, Any], timeout_s: float) -> None:
@@ -499,10 +499,10 @@ class _GroupLoop:
         _wait(lambda: listed in lighthouse_status(self.lighthouse).text, self.timeout_s, what)
         if self.rank == 0:
             write_atomically(self.run_dir / ready_name(self.index, self.life), f"{os.getpid()}\n")
-        launch = self.launch
-        for g in range(self.config.cluster.replica_groups) if launch is not None else ():
-            if launch is not None and g not in launch.absent:
-                mark = self.run_dir / ready_name(g, launch.lives[g])
+        if self.launch is not None:
+            lives, absent = self.launch.lives, self.launch.absent
+            for g in (g for g in range(self.config.cluster.replica_groups) if g not in absent):
+                mark = self.run_dir / ready_name(g, lives[g])
                 _wait(mark.exists, self.timeout_s, f"group {g} did not start")
 
     def run(self) -> None:

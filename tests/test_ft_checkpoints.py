@@ -17,7 +17,7 @@ import torch
 from lioncub.launch.groups import parse_faults, schedule_after
 from lioncub.train import checkpoint
 from lioncub.train.config import TrainConfig
-from lioncub.train.fault_tolerant import rewind
+from lioncub.train.fault_tolerant import resume_refusal, rewind
 from lioncub.train.replica_group import checkpoint_steps, cut_name, end_name, ended_name, log_name, ready_name
 
 
@@ -172,3 +172,32 @@ def test_the_steps_that_are_checkpointed() -> None:
     assert checkpoint_steps(config.replace(local_steps=5)) == [10, 20, 25, 30, 40]  # validated: accepted
     with pytest.raises(ValueError, match=r"^--stop-at 25 with --fault-tolerant --local-steps 2: must be a "):
         config.replace(local_steps=2)
+
+
+def test_a_resume_keeps_the_schedule_up_to_its_checkpoint(tmp_path: Path) -> None:
+    """The groups' lives at a checkpoint follow from the schedule's events up to it: a resume that changes
+    them is refused before anything starts, naming both; events after it may change. A checkpoint of a
+    run without ``--fault-tolerant`` (no ``fault_tolerant`` entry) is refused too."""
+    ft = {"ranks": [0, 2], "kill": ["1@5"], "rejoin": ["1@12"]}
+    _write(tmp_path, 10, [0, 2])
+    checkpoint.complete_parts(tmp_path, 10, 3, [0, 2], {**META, "fault_tolerant": ft})
+    meta = checkpoint.latest(tmp_path)
+    assert meta is not None
+    values = {"fault_tolerant": True, "variant": "1bit", "nproc": 3, "steps": 40}
+
+    def refusal(kill: list[str], rejoin: list[str]) -> str | None:
+        config = TrainConfig.from_values({**values, "kill": kill, "rejoin": rejoin})
+        return resume_refusal(config, parse_faults(kill, rejoin, 3, 40), meta)
+
+    assert refusal(["1@5"], ["1@12"]) is None and refusal(["1@5"], ["1@30"]) is None  # after step 10: free
+    assert refusal(["1@5", "2@20"], ["1@12"]) is None
+    assert refusal(["1@6"], ["1@12"]) == (
+        f"--resume with --kill 1@6: the run of checkpoint {meta.path} carried out --kill 1@5 up to its step "
+        "10, and the groups' lives there follow from them: keep those events (the ones after it may change)"
+    )
+    assert "carried out --kill 1@5 up to" in (refusal([], []) or "")
+    _write(tmp_path, 20, [0, 1, 2])
+    checkpoint.complete_parts(tmp_path, 20, 3, [0, 1, 2], META)
+    plain = checkpoint.latest(tmp_path)
+    config = TrainConfig.from_values(values)
+    assert "was written by a run without --fault-tolerant" in (resume_refusal(config, [], plain) or "")

@@ -77,6 +77,7 @@ __all__ = [
     "fault_tolerance_summary",
     "job_status",
     "merge_group_logs",
+    "resume_refusal",
     "rewind",
     "run_fault_tolerant",
 ]
@@ -235,6 +236,11 @@ def run_fault_tolerant(
     )
     if preload_ranks(config, [sys.executable, "-m", RANK_MODULE]):  # the groups: forks of one interpreter
         launch_config.preload = (*MODULES, "lioncub.train.loop")  # as a plain run's: one zygote
+    refused = resume_refusal(config, faults, checkpoint.latest(run_dir))
+    if refused is not None:  # nothing started: the run stays as it was
+        print(f"lioncub train: error: {refused}", file=err, flush=True)
+        finish_run(run_dir, False)
+        return RunOutcome(2, refused, None)
     for attempt in range(restarts + 1):
         resumed, start = _rewind_to_latest(run_dir, config, faults, err, attempt, restarts)
         result = _attempt(launch_config, config, run_dir, resumed, start, progress, label, out, err)
@@ -349,6 +355,37 @@ def _launch(
         message = f"the launch failed: {exc}"
         print(f"lioncub: {message}", file=err, flush=True)
         return LaunchResult(1, [], None, message, 0.0, 0, False, None, "", None)
+
+
+def resume_refusal(
+    config: TrainConfig, faults: list[Fault], meta: checkpoint.CheckpointMeta | None
+) -> str | None:
+    """Why the job cannot go on from the checkpoint ``meta`` (None: it can, or there is none): one a run
+    without ``--fault-tolerant`` wrote (its ranks' state, not each group's), or a schedule whose events up to
+    its step differ from those the checkpoint's run carried out (the groups' lives there follow from them;
+    later events may change)."""
+    if meta is None:
+        return None
+    ft = meta.extra.get("fault_tolerant")
+    if not isinstance(ft, dict):
+        return (
+            f"--resume --fault-tolerant: checkpoint {meta.path} was written by a run without "
+            "--fault-tolerant (its ranks' state, not each replica group's): resume it without it"
+        )
+    cluster, run = config.cluster, config.run
+    try:
+        saved = parse_faults(ft.get("kill", []), ft.get("rejoin", []), cluster.replica_groups, run.steps,
+                             config.optimizer.local_steps)  # fmt: skip
+    except ValueError:
+        saved = []
+    before, now = ([f.spec for f in s if f.step <= meta.step] for s in (saved, faults))
+    if before == now:
+        return None
+    return (
+        f"--resume with {' '.join(now) or 'no --kill/--rejoin'}: the run of checkpoint {meta.path} carried "
+        f"out {' '.join(before) or 'no --kill/--rejoin'} up to its step {meta.step}, and the groups' lives "
+        "there follow from them: keep those events (the ones after it may change)"
+    )
 
 
 def _rewind_to_latest(

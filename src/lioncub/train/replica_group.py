@@ -472,7 +472,9 @@ class _GroupLoop:
         first = group.quorum_rank == 0 and self.rank == 0
         if first:
             parts.append(("model.pt", *checkpoint.encode(self.model.state_dict())))
-        ft = {"participants": group.participants, "ranks_per_group": self.size}
+        cluster = self.config.cluster  # the schedule: a resume's lives follow from its events up to here
+        ft = {"participants": group.participants, "ranks_per_group": self.size, "kill": list(cluster.kill),
+              "rejoin": list(cluster.rejoin)}  # fmt: skip
         self.writer.put(step, parts, group.participants * self.size if first else 0, ft)
         self.write({"kind": "checkpoint", "step": step, "group": self.index, "life": self.life,
                     "stall_s": time.perf_counter() - t0, "stall_cpu_s": time.process_time() - cpu0,

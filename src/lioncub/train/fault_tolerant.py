@@ -343,7 +343,7 @@ def _launch(
     out: TextIO | None,
     err: TextIO,
     ended: Callable[[int, int, int], None],
-    resumed: Resumed,
+    resumed: Resumed | None = None,
 ) -> LaunchResult:
     """:func:`lioncub.launch.groups.launch_groups`, its failures to start (the lighthouse, the emulated
     network) as a failed launch naming them, so that the run is kept and says what failed."""

@@ -5,9 +5,10 @@
     .venv/bin/python benchmarks/fsdp_memory.py --quick --out /tmp/fsdp-quick               # a smoke run
 
 Every run is ``lioncub train --workload gpt --size tiny --set ... --variant 1bit --nnodes 2
---nproc-per-node L --link 1gbit`` (root: network namespaces) in a subprocess under ``nice -n 19``, with
-and without ``--fsdp``. The model is the tiny workload's corpus (Austen, 74 characters) with a wider and
-deeper GPT (``--set n_layer=..,n_embd=..``) so that its bytes stand out of torch's ~300 MB per process.
+--nproc-per-node L --link 1gbit --max-nproc 2L`` (root: network namespaces) in a subprocess under
+``nice -n 19``, with and without ``--fsdp``. The model is the tiny workload's corpus (Austen, 74
+characters) with a wider and deeper GPT (``--set n_layer=..,n_embd=..``) so that its bytes stand out of
+torch's ~300 MB per process.
 
 **Pairs** (default): for each L (``--ls``, default 2,4) and each repeat, the DDP-inside run and the
 ``--fsdp`` run back to back, their order alternating between repeats. Per run, from ``summary.json``:
@@ -254,6 +255,9 @@ def command(shape: Shape, per_node: int, fsdp: bool, steps: int, seed: int, out:
     cmd += ["--size", "tiny", *shape.sets(), "--variant", "1bit", "--seed", str(seed), "--steps", str(steps)]
     cmd += ["--eval-every", "0", "--nnodes", "2", "--nproc-per-node", str(per_node), "--link", "1gbit"]
     cmd += ["--fsdp"] if fsdp else []
+    # the watchdog stands in for train's bound on the ranks the memory holds, which counts a whole model
+    # per rank (24 B per parameter) with --fsdp too and refuses the ladder's upper rungs before they start
+    cmd += ["--max-nproc", str(2 * per_node)]
     return [*cmd, "--no-progress", "--out", str(out)]
 
 

@@ -87,9 +87,10 @@ def stall(run_dir: Path, group: int, after: int, until: int, deadline_s: float =
         os.kill(pid, signal.SIGCONT)
 
 
-def kill_all(run_dir: Path, after: int, deadline_s: float = 300.0) -> None:
+def kill_all(run_dir: Path, after: int, saved: int, deadline_s: float = 300.0) -> None:
     """SIGKILL every group of the job in ``run_dir`` (the pids of their ready marks) once group 0's log has
-    a step record above ``after - 1``, within ``deadline_s``."""
+    a step record above ``after - 1`` and the checkpoint of step ``saved`` is complete, within
+    ``deadline_s``."""
     import json
     import os
     import signal
@@ -101,7 +102,8 @@ def kill_all(run_dir: Path, after: int, deadline_s: float = 300.0) -> None:
         lines = log.read_text().splitlines() if log.exists() else []
         return any(json.loads(x).get("kind") == "step" and json.loads(x)["step"] >= after for x in lines[:-1])
 
-    while not reached() and time.monotonic() < deadline:
+    meta = run_dir / "checkpoints" / f"step_{saved:08d}" / "meta.json"
+    while not (reached() and meta.exists()) and time.monotonic() < deadline:
         time.sleep(0.01)
     for mark in (run_dir / "groups").glob("g*.ready*"):
         with contextlib.suppress(ValueError, ProcessLookupError):
@@ -122,7 +124,7 @@ def main(out: Path, nodes: bool) -> int:
             argv = ["train", "--out", str(run_dir), *args]
             shutil.copytree(run_dir, out / f"{slug(RESUMES[name])}.at_stop")
             (run_dir / "checkpoints" / "step_00000006" / "meta.json").unlink()
-            threading.Thread(target=kill_all, args=(run_dir, 9), daemon=True).start()
+            threading.Thread(target=kill_all, args=(run_dir, 9, 8), daemon=True).start()
         if name == "straggler":
             threading.Thread(target=stall, args=(out / slug(name), 1, 10, 0), daemon=True).start()
         with (

@@ -746,3 +746,14 @@ def test_train_prints_its_summary_in_lines_that_fit_the_terminal(
         assert "60 steps, median step 85.3 ms (compute 60.1 ms, communication 20.2 ms, apply 1.2 ms)" in flat
         assert "0.042 MB sent per rank per step; at step 60: val_loss 2.8349" in flat
         assert "1 heal (group 1 at step 35 from g0: 0.9 MB in 0.06 s)" in flat
+
+
+def test_the_progress_bar_names_the_run_not_the_bare_variant() -> None:
+    """The bar of a plain and of a fault-tolerant run (both take :func:`progress_title`): ``1bit/h16`` for
+    a run with local steps, compare's row name when given."""
+    from lioncub.train.driver import progress_title
+
+    config = TrainConfig.from_values({"variant": "1bit", "local_steps": 16, "steps": 32, "eval_every": 16})
+    assert progress_title(config) == "1bit/h16"
+    assert progress_title(config, "1bit/h16, again") == "1bit/h16, again"
+    assert progress_title(TrainConfig.from_values({"variant": "8bit"})) == "8bit"

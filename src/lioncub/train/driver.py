@@ -38,6 +38,7 @@ __all__ = [
     "gpu_shortage",
     "make_launch_config",
     "max_ranks",
+    "progress_title",
     "run_training",
 ]
 
@@ -324,7 +325,7 @@ def run_training(
         cmd.append(str(next_config))
     bar = None
     if progress:
-        bar = Progress(run_dir / "log.jsonl", label or run_label(config.flat()), start, config.run.steps, err)
+        bar = Progress(run_dir / "log.jsonl", progress_title(config, label), start, config.run.steps, err)
         bar.start()
     try:
         rank_env = {"LIONCUB_PG_TIMEOUT": f"{collective_timeout_s:g}", **(env or {})}
@@ -345,6 +346,12 @@ def run_training(
     except SpecialFileError as exc:  # put there meanwhile: no summary
         print(f"lioncub: {exc}", file=err)
     return RunOutcome(result.returncode, result.message, summary)
+
+
+def progress_title(config: TrainConfig, label: str | None = None) -> str:
+    """The progress bar's title: ``label`` (compare's row name) or the run's name (``1bit/h16``, not the
+    bare variant)."""
+    return label or run_label(config.flat())
 
 
 def format_summary(summary: dict[str, Any]) -> str:

@@ -51,6 +51,7 @@ from lioncub.train.driver import (
     format_summary,
     make_launch_config,
     preload_ranks,
+    progress_title,
 )
 from lioncub.train.fault_settings import cpu_note
 from lioncub.train.loop import summarize
@@ -294,7 +295,7 @@ def _attempt(
     followed = min(range(cluster.replica_groups), key=lambda g: (kills[g], g))
     bar = None
     if progress:
-        title = f"{label or config.optimizer.variant} (group {followed})"
+        title = f"{progress_title(config, label)} (group {followed})"
         bar = Progress(run_dir / log_name(followed), title, start, config.run.steps, err)
         bar.start()
     logs = GroupLogs(run_dir, cluster.replica_groups)

@@ -757,3 +757,30 @@ def test_the_progress_bar_names_the_run_not_the_bare_variant() -> None:
     assert progress_title(config) == "1bit/h16"
     assert progress_title(config, "1bit/h16, again") == "1bit/h16, again"
     assert progress_title(TrainConfig.from_values({"variant": "8bit"})) == "8bit"
+
+
+def test_a_run_stopped_by_stop_at_says_the_replicas_were_equal_at_that_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault-tolerant run stopped with ``--stop-at 4`` (of 8 steps): its summary line and ``lioncub
+    report`` say the replicas were equal at step 4, not "at the end"."""
+    from lioncub.train.driver import format_fault_tolerance
+
+    entry = {"participants": {"3": 4}, "skipped_steps": 0, "heals": [], "groups_finished": [0, 1, 2],
+             "replicas_equal": True}  # fmt: skip
+    assert format_fault_tolerance(entry).endswith("groups 0, 1, 2 were bitwise equal at the end")
+    stopped = format_fault_tolerance(entry, 4)
+    assert stopped.endswith("groups 0, 1, 2 were bitwise equal at step 4 (--stop-at)")
+    alone = format_fault_tolerance({**entry, "groups_finished": [0]}, 4)
+    assert alone.endswith("group 0 alone finished at step 4 (--stop-at) (no replica to compare with)")
+    unequal = {**entry, "replicas_equal": False}
+    assert "NOT equal at step 4 (--stop-at)" in format_fault_tolerance(unequal, 4)
+    run = tmp_path / "run"
+    _finished_run(run)
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**config, "steps": 8, "stop_at": 4}))
+    monkeypatch.setenv("COLUMNS", "100")
+    capsys.readouterr()
+    assert cli.main(["report", str(run)]) == 0
+    flat = " ".join(capsys.readouterr().out.split())
+    assert "the replicas of groups 0, 1, 2 were bitwise equal at step 4 (--stop-at)" in flat

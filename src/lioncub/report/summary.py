@@ -125,10 +125,12 @@ def _fault_tolerance(run: RunLog, done: dict[str, Any] | None) -> list[str]:
             f"{_mb(heal['nbytes'])} in {heal['seconds']:.2f} s"
         )
     groups = ", ".join(map(str, entry.get("groups_finished", [])))
+    stop_at = run.config.get("stop_at")
+    when = "the end" if stop_at is None else f"step {stop_at} (--stop-at)"
     lines.append(
-        f"  the replicas of groups {groups} were bitwise equal at the end"
+        f"  the replicas of groups {groups} were bitwise equal at {when}"
         if entry.get("replicas_equal")
-        else f"  the replicas were NOT equal at the end (groups finished: {groups or 'none'})"
+        else f"  the replicas were NOT equal at {when} (groups finished: {groups or 'none'})"
     )
     return lines
 

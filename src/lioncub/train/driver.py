@@ -379,14 +379,15 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"{(summary.get(f'{stat}_bytes_sent') or 0) / 1e6:.3f} MB sent per rank per step"
         + (f"; at step {final.get('step')}: {metrics}" if metrics else "")
         + _budget_line(summary.get("time_budget"))
-        + format_fault_tolerance(summary.get("fault_tolerance"))
+        + format_fault_tolerance(summary.get("fault_tolerance"), cfg.get("stop_at"))
     )
 
 
-def format_fault_tolerance(entry: dict[str, Any] | None) -> str:
+def format_fault_tolerance(entry: dict[str, Any] | None, stop_at: int | None = None) -> str:
     """A fault-tolerant run's part of the summary line (:mod:`lioncub.train.fault_tolerant`): ``; 40 steps
     with 3 groups, 20 with 2; 1 heal (group 1 at step 35 from g0: 0.9 MB in 0.06 s); the replicas of groups
-    0, 1, 2 were bitwise equal at the end`` ("" without one)."""
+    0, 1, 2 were bitwise equal at the end`` ("" without one); of a run stopped by ``--stop-at S``: ``... at
+    step S (--stop-at)``."""
     if not entry:
         return ""
     counts = ", ".join(
@@ -406,12 +407,13 @@ def format_fault_tolerance(entry: dict[str, Any] | None) -> str:
         text += f"; {len(heals)} heal{'s' if len(heals) != 1 else ''} ({shown})"
     finished = entry["groups_finished"]
     groups = ", ".join(map(str, finished))
+    when = "the end" if stop_at is None else f"step {stop_at} (--stop-at)"
     if entry["replicas_equal"] and len(finished) == 1:
-        return text + f"; group {groups} alone finished (no replica to compare with)"
+        return text + f"; group {groups} alone finished at {when} (no replica to compare with)"
     return text + (
-        f"; the replicas of groups {groups} were bitwise equal at the end"
+        f"; the replicas of groups {groups} were bitwise equal at {when}"
         if entry["replicas_equal"]
-        else f"; the replicas were NOT equal at the end (groups finished: {groups or 'none'})"
+        else f"; the replicas were NOT equal at {when} (groups finished: {groups or 'none'})"
     )
 
 

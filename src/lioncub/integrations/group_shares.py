@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from lioncub.optim.shards import broadcast_shares, share_owners
 
-__all__ = ["GroupShares", "shard", "share_of"]
+__all__ = ["GroupShares", "agree_on_heal", "shard", "share_of"]
 
 
 def shard(params: Sequence[torch.Tensor], parts: int) -> list[int]:
@@ -93,14 +93,19 @@ class GroupShares:
         broadcast_shares(self.shares, self.rank, self.group_pg)
 
     def agree_on_heal(self, mine: tuple[str, int] | None) -> tuple[str, int] | None:
-        """What the group's ranks healed at this quorum (``mine``: this rank's (source, bytes received), or
-        None) as (the sources, comma-separated, and the bytes all received), or None if none did
-        (collective in the group)."""
-        any_healed = torch.tensor([int(mine is not None)], dtype=torch.int64)
-        dist.all_reduce(any_healed, group=self.group_pg)
-        if not any_healed.item():
-            return None
-        every: list[tuple[str, int] | None] = [None] * self.size
-        dist.all_gather_object(every, mine, group=self.group_pg)
-        got = [h for h in every if h is not None]
-        return ",".join(sorted({source for source, _ in got})), sum(nbytes for _, nbytes in got)
+        """:func:`agree_on_heal` over the group."""
+        return agree_on_heal(mine, self.size, self.group_pg)
+
+
+def agree_on_heal(mine: tuple[str, int] | None, size: int, group_pg: Any) -> tuple[str, int] | None:
+    """What the ``size`` ranks of ``group_pg`` (None: the default group) healed at this quorum (``mine``:
+    this rank's (source, bytes received), or None) as (the sources, comma-separated, and the bytes all
+    received), or None if none did (collective in the group)."""
+    any_healed = torch.tensor([int(mine is not None)], dtype=torch.int64)
+    dist.all_reduce(any_healed, group=group_pg)
+    if not any_healed.item():
+        return None
+    every: list[tuple[str, int] | None] = [None] * size
+    dist.all_gather_object(every, mine, group=group_pg)
+    got = [h for h in every if h is not None]
+    return ",".join(sorted({source for source, _ in got})), sum(nbytes for _, nbytes in got)

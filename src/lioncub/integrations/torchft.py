@@ -62,6 +62,7 @@ from __future__ import annotations
 import copy
 import datetime
 import hashlib
+import json
 import logging
 import re
 import socket
@@ -71,13 +72,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
 
 from lioncub._validate import is_int, is_number
 from lioncub.collectives import GroupComm
 from lioncub.collectives.base import CollectiveError
 from lioncub.integrations.common import require
-from lioncub.integrations.group_shares import GroupShares, shard
+from lioncub.integrations.group_shares import GroupShares, agree_on_heal, shard
 from lioncub.optim.lioncub import LionCub
+from lioncub.optim.shard_state import is_checkpoint_form
 
 __all__ = [
     "MOMENTA_ON_HEAL",
@@ -89,7 +94,9 @@ __all__ = [
     "ReplicaGroupError",
     "SettingsMismatchError",
     "lighthouse_status",
+    "load_portable",
     "params_digest",
+    "portable_state",
     "quorum_rules_problem",
     "settings_of",
     "shard",
@@ -217,7 +224,69 @@ def quorum_rules_problem(status: LighthouseStatus, max_groups: int) -> str | Non
     return None
 
 
+@dataclass(frozen=True)
+class _Piece:
+    """A ``DTensor`` of a state dict without its mesh (:func:`portable_state`): this rank's local piece and
+    what rebuilds it on another replica's mesh of the same shape."""
+
+    local: torch.Tensor
+    placements: tuple[Placement, ...]
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def _unmesh(tree: Any) -> Any:
+    """A copy of ``tree`` whose tensors are clones and whose ``DTensor`` s are :class:`_Piece` s."""
+    if isinstance(tree, DTensor):
+        local = tree.to_local().detach().clone()
+        return _Piece(local, tuple(tree.placements), tuple(tree.shape), tuple(tree.stride()))
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _unmesh(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_unmesh(v) for v in tree)
+    return copy.deepcopy(tree)
+
+
+def _onto(tree: Any, mesh: DeviceMesh | None) -> Any:
+    """:func:`_unmesh`'s ``tree`` back, a copy, each :class:`_Piece` a ``DTensor`` on ``mesh``."""
+    if isinstance(tree, _Piece):
+        if mesh is None:
+            raise ValueError("a state of FSDP2's shards cannot be loaded into an optimizer of whole tensors")
+        return DTensor.from_local(
+            tree.local.clone(), mesh, tree.placements, run_check=False, shape=torch.Size(tree.shape),
+            stride=tree.stride,
+        )  # fmt: skip
+    if isinstance(tree, torch.Tensor):
+        return tree.clone()
+    if isinstance(tree, dict):
+        return {k: _onto(v, mesh) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_onto(v, mesh) for v in tree)
+    return copy.deepcopy(tree)
+
+
+def portable_state(optimizer: LionCub) -> dict[str, Any]:
+    """``optimizer.state_dict()`` as a heal carries it to another group (and a snapshot keeps it): a copy
+    that holds no live tensor of the optimizer's. On FSDP2's shards (a ``VoteMesh`` whose shard dimension is
+    the replica's own ``(1, S)`` mesh) every ``DTensor`` of the checkpoint form is this rank's local piece
+    and its layout, without the mesh, so that rank ℓ of a peer group loads it on its own mesh
+    (:func:`load_portable`)."""
+    return dict(_unmesh(optimizer.state_dict()))
+
+
+def load_portable(optimizer: LionCub, state: dict[str, Any]) -> None:
+    """Load a :func:`portable_state` (this rank's, or the same shard rank's of a peer replica) into
+    ``optimizer`` (``allow_world_size_change``: the quorum's N and rank may differ); ``state`` is left as it
+    was."""
+    mesh = optimizer.shards.mesh if optimizer.shards is not None else None
+    optimizer.load_state_dict(_onto(state, mesh), allow_world_size_change=True)
+
+
 def _nbytes(tree: Any) -> int:
+    if isinstance(tree, _Piece):
+        return _nbytes(tree.local)
     if isinstance(tree, torch.Tensor):
         return tree.numel() * tree.element_size()
     if isinstance(tree, dict):
@@ -441,7 +510,7 @@ class ReplicaGroup(_Member):
             refuse_off_cpu(list(params), f"{where} (params)")
         self._optimizer = optimizer
         self._settings = {**settings_of(optimizer), "ranks_per_group": self.group_world_size}
-        if self.group_world_size > 1:
+        if self.group_world_size > 1 and optimizer.shards is None:  # on FSDP2's shards nothing to share
             where = f"rank {self.group_rank} of replica group {self.replica_id}"
             size, pg = self.group_world_size, self.group_pg
             self._shares = GroupShares(params, self._params(), self.group_rank, size, pg, where)
@@ -502,7 +571,9 @@ class ReplicaGroup(_Member):
         self.left_out = None
         if self._in_group_any(failed is not None):  # a group of ranks sits out whole
             return self._leave(failed or ReplicaGroupError("another rank of the group could not heal"))
-        healed = self._shares.agree_on_heal(self._healed) if self._shares else self._healed
+        healed = self._healed
+        if self.group_world_size > 1:  # the group's ranks healed alike (each from its peer rank), or none
+            healed = agree_on_heal(self._healed, self.group_world_size, self.group_pg)
         if healed is not None:
             if self._shares:
                 self._shares.broadcast()
@@ -614,7 +685,7 @@ class ReplicaGroup(_Member):
         (:class:`Agreement`). A group that ran its last step alone, or whose peers do not answer within
         ``timeout_s``, does not agree; either is logged as a warning."""
         opt = self.optimizer
-        digest = params_digest(self._params())
+        digest = params_digest(self._tensors())
         try:
             digests = self.comm.all_gather_object((self.replica_id, digest), "finish: the replicas' digests")
         except CollectiveError as err:
@@ -648,18 +719,22 @@ class ReplicaGroup(_Member):
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
+    def _tensors(self) -> list[torch.Tensor]:
+        """The parameters as this rank holds them: FSDP2's ``DTensor`` s as their local shards (views of
+        the sharded storage: copying into them writes the parameters)."""
+        return [p.to_local() if isinstance(p, DTensor) else p for p in self._params()]
+
     def _take(self) -> _Snapshot:
-        opt = self.optimizer
-        return _Snapshot([p.detach().clone() for p in self._params()], copy.deepcopy(opt.state_dict()))
+        return _Snapshot([p.detach().clone() for p in self._tensors()], portable_state(self.optimizer))
 
     def _put_back(self) -> None:
         snap = self._snapshot
         if snap is None:
             raise ReplicaGroupError(f"replica group {self.replica_id}: no snapshot to put back")
         with torch.no_grad():
-            for p, saved in zip(self._params(), snap.params, strict=True):
+            for p, saved in zip(self._tensors(), snap.params, strict=True):
                 p.copy_(saved)
-        self.optimizer.load_state_dict(copy.deepcopy(snap.optimizer), allow_world_size_change=True)
+        load_portable(self.optimizer, snap.optimizer)
 
     def _peer_state(self) -> dict[str, Any]:
         """What a healing peer receives: this group's snapshot at the boundary (copies: torchft serves them
@@ -684,12 +759,18 @@ class ReplicaGroup(_Member):
                 f"{state['source']}) is {theirs}; start it with the job's settings"
             )
         with torch.no_grad():
-            for p, value in zip(self._params(), state["params"], strict=True):
+            for p, value in zip(self._tensors(), state["params"], strict=True):
                 p.copy_(value)
         opt = self.optimizer
         peer = dict(state["optimizer"])  # this group keeps its own stochastic-rounding stream
-        peer["lioncub"] = {**peer["lioncub"], "generator": opt.state_dict()["lioncub"]["generator"]}
-        opt.load_state_dict(peer, allow_world_size_change=True)
+        if "lioncub" in peer:
+            peer["lioncub"] = {**peer["lioncub"], "generator": opt.state_dict()["lioncub"]["generator"]}
+        else:  # on shards: the record in the first param group (docs/shards.md, "Checkpoints")
+            own = portable_state(opt)["param_groups"][0][_STATE_KEY]["generator"]
+            groups = [dict(g) for g in peer["param_groups"]]
+            groups[0] = {**groups[0], _STATE_KEY: {**groups[0][_STATE_KEY], "generator": own}}
+            peer["param_groups"] = groups
+        load_portable(opt, peer)
         if self.momentum_on_heal == "zeros":
             for p in self._params():
                 if "exp_avg" in opt.state.get(p, {}):
@@ -819,7 +900,10 @@ def settings_of(optimizer: LionCub) -> dict[str, Any]:
     """What every group of a job must share: the variant, its update rule, the local steps, each param
     group's betas, weight decay and maximize flag, and each parameter's shape and dtype (the learning rate
     is not compared: it follows the step, which the heal brings along)."""
-    meta = optimizer.state_dict()["lioncub"]
+    sd = optimizer.state_dict()
+    meta = (
+        json.loads(sd["param_groups"][0][_STATE_KEY]["record"]) if is_checkpoint_form(sd) else sd["lioncub"]
+    )
     return {
         "variant": meta["variant"],
         "rule": meta["rule"],

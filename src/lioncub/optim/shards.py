@@ -57,7 +57,7 @@ from lioncub._validate import is_int
 from lioncub.collectives import Comm, QuantizedVote, Vote
 from lioncub.ops.quantize import max_abs
 from lioncub.optim.config import VoteConfig
-from lioncub.optim.topology import MESH_DIMS, Part, Voters
+from lioncub.optim.topology import MESH_DIMS, Part, VoteMesh, Voters
 
 __all__ = [
     "SHARD_DIMS",
@@ -80,8 +80,9 @@ SHARD_DIMS = ("replicate", "shard")
 
 _SUPPORTED = (
     "LionCub votes on FSDP2's parameters: DTensors placed (Shard(0),) on the 'shard' dimension of "
-    f"process_group=a 2-D DeviceMesh with dims {SHARD_DIMS} (fully_shard(module, mesh=mesh['shard'])), "
-    "or on plain tensors that every rank holds whole"
+    f"process_group=a 2-D DeviceMesh with dims {SHARD_DIMS} (fully_shard(module, mesh=mesh['shard'])) "
+    "or a VoteMesh(replicate, shard=such a mesh of one replica), or on plain tensors that every rank "
+    "holds whole"
 )
 
 
@@ -578,7 +579,8 @@ def refuse_unsharded_mesh(optimizer: _Owner, process_group: object) -> bool:
         for i, p in enumerate(g["params"])
     ]
     sharded = [where for where, p in params if isinstance(p, DTensor)]
-    if sharded and not is_shard_mesh(process_group):
+    one_replica = isinstance(process_group, VoteMesh) and is_shard_mesh(process_group.shard)
+    if sharded and not (is_shard_mesh(process_group) or one_replica):
         given = (
             f"a DeviceMesh with dims {process_group.mesh_dim_names}"
             if isinstance(process_group, DeviceMesh)

@@ -170,21 +170,24 @@ class VoteMesh:
     """A replicate and a shard dimension given as groups, for groups a ``DeviceMesh`` cannot hold: the
     replicate dimension a :class:`~lioncub.collectives.GroupComm` whose members change
     (:mod:`lioncub.integrations.torchft`'s replica groups of several ranks), the shard dimension the
-    process group of this rank's replica. The parameters are plain (DDP inside the shard group): each rank
-    votes on its share of whole tensors with the ranks of ``replicate``, as with a ``("replicate",
-    "shard")`` mesh (docs/shards.md, "DDP inside").
+    ranks of this rank's replica. On plain parameters (DDP inside the shard group) each rank votes on its
+    share of whole tensors with the ranks of ``replicate``, as with a ``("replicate", "shard")`` mesh
+    (docs/shards.md, "DDP inside"); on FSDP2's parameters, on its local shards (no broadcast: FSDP2 gathers
+    them), ``shard`` then the mesh of this replica alone: dims ``("replicate", "shard")``, shape ``(1, S)``,
+    the model sharded over ``shard["shard"]`` (its ``state_dict()`` is this replica's, R = 1).
 
     Args:
-        replicate: the ranks that own the same share, one per replica (a ``ProcessGroup``, a
+        replicate: the ranks that own the same share (shard), one per replica (a ``ProcessGroup``, a
             ``GroupComm``, or ``None``: the default group).
-        shard: the ranks of this rank's replica, one per share (``None``: the default group).
+        shard: the ranks of this rank's replica, one per share (``None``: the default group); on FSDP2's
+            parameters the ``(1, S)`` mesh of this replica.
         broadcast: ``"step"`` — ``step()`` broadcasts the shares to the replica after each step;
             ``"caller"`` — the caller does (``opt.shares.broadcast()``, collective in ``shard``), e.g. only
-            once its replica's ranks agree that the step stands.
+            once its replica's ranks agree that the step stands. Nothing is broadcast on shards.
     """
 
     replicate: dist.ProcessGroup | Comm | None
-    shard: dist.ProcessGroup | None
+    shard: dist.ProcessGroup | DeviceMesh | None
     broadcast: Literal["step", "caller"] = "step"
 
 
@@ -228,10 +231,22 @@ def who_votes(process_group: object, topology: str = "flat", *, sharded: bool = 
 
 
 def _vote_mesh_voters(given: VoteMesh, topology: str, sharded: bool) -> Voters:
-    if sharded:
+    one_replica = (
+        isinstance(given.shard, DeviceMesh)
+        and given.shard.mesh_dim_names == ("replicate", "shard")
+        and given.shard.size(0) == 1
+    )
+    if sharded and not one_replica:
         raise TypeError(
-            "process_group=VoteMesh(...) is for plain parameters (DDP inside the shard group); FSDP2's "
-            "parameters take the DeviceMesh with dims ('replicate', 'shard') they were sharded over"
+            "process_group=VoteMesh(...) is for plain parameters with shard=a process group (DDP inside the "
+            "shard group); FSDP2's parameters take the DeviceMesh with dims ('replicate', 'shard') they were "
+            "sharded over, or VoteMesh(replicate, shard=the mesh of this replica alone: dims ('replicate', "
+            f"'shard'), shape (1, S)), not shard={given.shard!r}"
+        )
+    if one_replica and not sharded:
+        raise TypeError(
+            "process_group=VoteMesh(replicate, shard=a DeviceMesh) is for FSDP2's parameters (DTensors "
+            "sharded over shard['shard']); these are plain tensors: give shard=the replica's process group"
         )
     if given.broadcast not in ("step", "caller"):
         raise ValueError(f"VoteMesh(broadcast={given.broadcast!r}): allowed values are 'step', 'caller'")
@@ -245,6 +260,8 @@ def _vote_mesh_voters(given: VoteMesh, topology: str, sharded: bool) -> Voters:
         )
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("process_group=VoteMesh(...): init_process_group first (the shards share over it)")
+    if isinstance(given.shard, DeviceMesh):  # FSDP2's shards: this replica's mesh, the vote on replicate
+        return Voters(replicate, mesh=given.shard, part="shards")
     return Voters(replicate, part="shares", shard_group=given.shard, broadcast=given.broadcast)
 
 

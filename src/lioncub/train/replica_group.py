@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import io
 import json
 import logging
@@ -61,6 +62,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lioncub import env
@@ -75,10 +78,10 @@ from lioncub.integrations.torchft import (
 from lioncub.integrations.torchft import params_digest as tensors_digest
 from lioncub.launch.groups import Fault, Resumed, parse_faults, schedule_after
 from lioncub.names import PEER_VARIANTS
-from lioncub.optim import Lion, LionCub
+from lioncub.optim import Lion, LionCub, VoteMesh
 from lioncub.optim.engine import PhaseClock
 from lioncub.rundir import open_append, write_atomically
-from lioncub.train import checkpoint, loop
+from lioncub.train import checkpoint, loop, sharding
 from lioncub.train.config import TrainConfig
 from lioncub.train.lr import lr_factor
 from lioncub.train.memory import gradient_bytes, largest_over_ranks, rank_memory, tensor_bytes
@@ -169,8 +172,9 @@ def checkpoint_steps(config: TrainConfig) -> list[int]:
 
 
 def params_digest(model: torch.nn.Module) -> str:
-    """SHA-256 of every parameter's bytes, in order: equal digests, bitwise equal replicas."""
-    return tensors_digest(list(model.parameters()))
+    """SHA-256 of every parameter's bytes, in order (FSDP2's: of this rank's local shards): equal digests,
+    bitwise equal replicas (shards)."""
+    return tensors_digest([p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()])
 
 
 @dataclasses.dataclass
@@ -313,11 +317,15 @@ def _group(
     lighthouse: str,
     host: str,
     timeout_s: float,
+    mesh: DeviceMesh | None = None,
 ) -> tuple[ReplicaGroup | DiLoCoGroup, loop.OptimizerSetup]:
     """This replica group and its optimizer: the variant's ``LionCub`` over a :class:`ReplicaGroup`, or
     for ``torchft-diloco`` lioncub's ``Lion`` inside torchft's DiLoCo (:class:`DiLoCoGroup`). In a group of
     several ranks (``--nnodes``) ``model`` is DDP over the group's ranks and this rank's ``LionCub`` steps
-    and votes its share of the parameters (:func:`lioncub.integrations.group_shares.share_of`)."""
+    and votes its share of the parameters (:func:`lioncub.integrations.group_shares.share_of`); with
+    ``--fsdp`` (``mesh``: the group's own ``(1, L)`` mesh) ``model`` is sharded over the group's ranks and
+    ``LionCub`` votes on this rank's shards with the same shard rank of the other groups
+    (``VoteMesh(group.comm, mesh)``)."""
     opt, cluster = config.optimizer, config.cluster
     size = cluster.nproc_per_node
     if opt.variant in PEER_VARIANTS:
@@ -350,6 +358,11 @@ def _group(
         group_world_size=size,
         store=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}" if size > 1 else "",
     )
+    if mesh is not None:  # FSDP2 inside the group: each rank votes on its shards, nothing to share
+        setup = loop.build_optimizer(config, wl, model, 1, process_group=VoteMesh(group.comm, mesh))
+        assert isinstance(setup.opt, LionCub)
+        group.attach(setup.opt)
+        return group, setup
     params = list(getattr(model, "module", model).parameters())
     mine = {id(p) for p in share_of(params, size, group.group_rank)}
     setup = loop.build_optimizer(
@@ -405,8 +418,18 @@ class _GroupLoop:
         )  # fmt: skip
         self.model = self.wl.build_model()
         loop.seed_rank(run.seed, index * self.size + self.rank, life)  # dropout: each rank's and life's
-        model = DistributedDataParallel(self.model) if self.size > 1 else self.model
-        self.group, self.setup = _group(config, self.wl, model, index, lighthouse, host, self.timeout_s)
+        #: --fsdp: the group's own mesh (1, L), the model sharded over its ranks (no DDP); else None
+        self.mesh = sharding.node_mesh(1, self.size, torch.device("cpu")) if cluster.fsdp else None
+        model: torch.nn.Module = self.model
+        if self.mesh is not None:
+            sharding.shard_model(self.model, self.mesh)
+        elif self.size > 1:
+            model = DistributedDataParallel(self.model)
+        #: --fsdp: the bytes a rank sends for FSDP2 inside its group per step (0: none)
+        self.fsdp_intra = sharding.fsdp_intra_bytes(self.model, self.size) if self.mesh is not None else 0
+        self.group, self.setup = _group(
+            config, self.wl, model, index, lighthouse, host, self.timeout_s, self.mesh
+        )
         self.opt = self.setup.opt
         self.position = _Position()
         self.group.register_state("loop", self.position.load, self.position.save)
@@ -590,10 +613,14 @@ class _GroupLoop:
             self.write({"kind": "heal", "group": self.index, "life": self.life, **dataclasses.asdict(heal),
                         "step": step - 1, "optimizer_step": heal.step})  # fmt: skip
         if ends:
-            if self.rank == 0 and ((run.eval_every and step % run.eval_every == 0) or step == run.steps):
+            due = (run.eval_every and step % run.eval_every == 0) or step == run.steps
+            if due and (self.rank == 0 or self.mesh is not None):  # on shards: every rank's forward gathers
                 # before the step records: the launcher's --kill waits for those
+                scores = self.wl.evaluate(self.model)
+                if self.mesh is not None:
+                    sharding.reshard(self.model)  # the root stays gathered after a forward
                 self.write({"kind": "eval", "step": step, "time_s": position.elapsed, "group": self.index,
-                            **self.wl.evaluate(self.model)})  # fmt: skip
+                            **scores})  # fmt: skip
             for r in self.window:  # the quorum's size, known at the window's end with torchft's DiLoCo
                 done = committed and not r.pop("replaced", False)
                 self.write({**r, "participants": group.participants, "committed": done})
@@ -641,10 +668,16 @@ class _GroupLoop:
         parameters' bytes per rank, the mean: whatever the tree, a broadcast reaches L − 1 ranks), both
         estimated from the parameters, sent and received alike. ``bytes_sent``/``bytes_recv``: a rank's,
         the mean of the node's ranks (their shares differ); ``nic_bytes``: the node's vote, all its ranks'
-        shares; ``intra_bytes``: a rank's inside the node (:mod:`lioncub.train.nodebytes`)."""
+        shares; ``intra_bytes``: a rank's inside the node (:mod:`lioncub.train.nodebytes`). With ``--fsdp``
+        as the plain sharded run records them (docs/shards.md): ``bytes_sent``/``bytes_recv`` the vote's
+        only (the mean of the ranks'), ``intra_bytes`` FSDP2's
+        (:func:`lioncub.train.sharding.fsdp_intra_bytes`)."""
         traffic = torch.tensor([sent, recv], dtype=torch.float64)
         dist.all_reduce(traffic)
         node_sent, node_recv = traffic.tolist()
+        if self.mesh is not None:
+            return {"bytes_sent": node_sent / self.size, "bytes_recv": node_recv / self.size,
+                    "nic_bytes": node_sent, "intra_bytes": float(self.fsdp_intra)}  # fmt: skip
         nbytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         inside = 3 * (self.size - 1) / self.size * nbytes  # the ring's 2·(L−1)/L and the broadcasts' (L−1)/L
         return {
@@ -684,21 +717,28 @@ class _GroupLoop:
         if self.size > 1:
             digests = [None] * self.size
             dist.all_gather_object(digests, digest)
+        ranks_equal = len(set(digests)) == 1
+        if self.mesh is not None:  # each rank its shards: the group's digest is its ranks' in shard order,
+            # so equal digests of two groups are every shard equal to the same shard rank's
+            digest = hashlib.sha256(",".join(map(str, digests)).encode()).hexdigest()
+            ranks_equal = True  # the ranks hold different shards of one replica
         memory = self.memory()
+        last = group.quorum_rank == 0 and self.position.step == self.config.run.steps  # not at --stop-at
+        whole = sharding.full_model_state(model) if self.mesh is not None and last else None  # collective
         if self.rank != 0:
             return
         end = {
             "group": self.index, "life": self.life, "step": self.position.step,
-            "digest": digest, "ranks_equal": len(set(digests)) == 1,
+            "digest": digest, "ranks_equal": ranks_equal,
             "params": sum(p.numel() for p in model.parameters()),
             "info": {k: v for k, v in self.wl.info().items() if isinstance(v, (int, float, str, bool))},
             "committed": group.committed, "skipped": group.skipped,
             "heals": [dataclasses.asdict(h) for h in self.heals], "memory": memory,
         }  # fmt: skip
         write_atomically(self.run_dir / end_name(self.index), json.dumps(end) + "\n")
-        if group.quorum_rank == 0 and self.position.step == self.config.run.steps:  # not at --stop-at
+        if last:
             buffer = io.BytesIO()
-            torch.save(model.state_dict(), buffer)
+            torch.save(whole if whole is not None else model.state_dict(), buffer)
             write_atomically(self.run_dir / MODEL_FILE, buffer.getvalue())
 
 

@@ -54,6 +54,8 @@ EXPECTED_RC = {"straggler": 3}
 #: again at step 24: root only (network namespaces), run when ``NODES`` is given
 NODES = ["--variant", "1bit", "--nnodes", "2", "--nproc-per-node", "2", "--link", "1gbit", "--steps", "40"]
 NODES += ["--eval-every", "20", "--kill", "1@12", "--rejoin", "1@24"]
+#: the same with each node's ranks sharding the model (FSDP2), healing shard by shard (root only too)
+NODES_FSDP = [*NODES, "--fsdp"]
 
 
 def slug(name: str) -> str:
@@ -117,7 +119,7 @@ def main(out: Path, nodes: bool) -> int:
     from lioncub import cli
 
     failed = 0
-    for name, args in {**RUNS, **({"nodes": NODES} if nodes else {})}.items():
+    for name, args in {**RUNS, **({"nodes": NODES, "nodes, fsdp": NODES_FSDP} if nodes else {})}.items():
         run_dir = out / slug(RESUMES.get(name, name))
         argv = ["train", *TINY, "--fault-tolerant", "--out", str(run_dir), *args]
         if name in RESUMES:

@@ -20,8 +20,6 @@ from lioncub.optim.topology import who_votes
 
 from processes import run_workers
 
-pytestmark = pytest.mark.slow
-
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)  # the same initial model in every replica
@@ -88,6 +86,7 @@ def worker_ft_shards(rank: int, world: int, variant: str) -> list[str]:
     return bad
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["1bit", "8bit"])
 def test_the_vote_on_a_replica_groups_shards_is_the_unsharded_vote(variant: str) -> None:
     assert run_workers(worker_ft_shards, 4, variant, timeout=180) == [[]] * 4
@@ -96,3 +95,28 @@ def test_the_vote_on_a_replica_groups_shards_is_the_unsharded_vote(variant: str)
 def test_a_vote_mesh_of_shards_needs_the_replicas_own_mesh() -> None:
     with pytest.raises(TypeError, match=r"VoteMesh\(\.\.\.\) is for plain parameters .* shape \(1, S\)"):
         who_votes(VoteMesh(None, None), sharded=True)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (
+            {"checkpoint_every": 12},
+            "--fsdp --fault-tolerant with --checkpoint-every 12: .* drop --checkpoint-every",
+        ),
+        (
+            {"stop_at": 12},
+            "--fsdp --fault-tolerant with --stop-at 12: .* drop --checkpoint-every and --stop-at",
+        ),
+    ],
+)
+def test_fault_tolerant_shards_take_no_checkpoints(values: dict, message: str) -> None:
+    """``--fsdp --fault-tolerant`` is accepted; its checkpoints (a group's part holds whole tensors) are
+    refused, naming the flag."""
+    from lioncub.train.config import TrainConfig
+
+    nodes = {"variant": "1bit", "nproc": 4, "nnodes": 2, "link": "1gbit", "fault_tolerant": True, "steps": 24}
+    assert TrainConfig.from_values({**nodes, "fsdp": True}).cluster.fsdp
+    TrainConfig.from_values({**nodes, **values})  # without --fsdp: checkpoints of whole tensors
+    with pytest.raises(ValueError, match=message):
+        TrainConfig.from_values({**nodes, "fsdp": True, **values})

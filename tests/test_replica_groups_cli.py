@@ -343,6 +343,40 @@ def test_nodes_of_two_ranks_are_groups_that_heal_and_agree() -> None:
     assert "2 replica groups of 2 ranks" in stdout
 
 
+@pytest.mark.slow
+@pytest.mark.background("ft_runs")
+@pytest.mark.root
+def test_nodes_sharded_over_their_ranks_heal_shard_by_shard_as_ddp_inside() -> None:
+    """The same run with ``--fsdp``: each node's group shards the model over its two ranks (FSDP2) and votes
+    on each rank's shard with the same shard rank of the other node; node 1's ranks heal at step 24, each
+    from the same shard rank of node 0. Held to the run without ``--fsdp`` (DDP inside: the same two voters,
+    each node's gradient its ranks' mean, a/2 + b/2 = (a + b)/2 in floats): the same loss at every step, the
+    same final validation loss and model, to the last bit; half the parameter and gradient bytes per rank,
+    the same vote through the node's NIC."""
+    run_dir, stdout = finished("nodes, fsdp")
+    whole, _ = finished("nodes")
+    steps, plain = log(run_dir, "step"), log(whole, "step")
+    assert [r["participants"] for r in steps] == [2] * 12 + [1] * 12 + [2] * 16
+    assert all(r["committed"] for r in steps) and [r["step"] for r in steps] == list(range(1, 41))
+    assert [r["loss"] for r in steps] == [r["loss"] for r in plain]
+    assert [r["val_loss"] for r in log(run_dir, "eval")] == [r["val_loss"] for r in log(whole, "eval")]
+    ours, theirs = (torch.load(d / "model.pt") for d in (run_dir, whole))
+    assert list(ours) == list(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    ft, params = summary["fault_tolerance"], summary["params"]
+    assert ft["replicas_equal"] and ft["groups_finished"] == [0, 1]
+    (heal,) = ft["heals"]
+    assert (heal["group"], heal["step"], heal["source"]) == (1, 24, "g0")  # both ranks, each from g0's rank
+    assert heal["nbytes"] >= 2 * 4 * params  # the two ranks' shards: the parameters and their momenta, fp32
+    memory, dense = summary["memory"], json.loads((whole / "summary.json").read_text())["memory"]
+    for key in ("parameters", "gradients"):  # the largest rank's shards: about half of each tensor
+        assert 2 * params <= memory[key] <= 0.6 * dense[key] and dense[key] == 4 * params, (memory, dense)
+    for r, p in zip(steps, plain, strict=True):
+        assert r["nic_bytes"] == p["nic_bytes"] and r["bytes_sent"] == r["nic_bytes"] / 2, (r, p)
+        assert r["intra_bytes"] == steps[0]["intra_bytes"] > 0, r  # FSDP2's gathers and reduce-scatter
+    assert "1bit+fsdp on 2 nodes" in stdout
+
+
 # ------------------------------------------------------------------------------------------ bad input
 
 

@@ -11,12 +11,12 @@ exit status, stdout and stderr; the exit status is 1 if any failed.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
 import sys
 from pathlib import Path
-
-from processes import python
 
 NODES = ["--nnodes", "2", "--nproc-per-node", "2", "--link", "1gbit"]
 STEPS = 24
@@ -64,13 +64,19 @@ def _copy_to_resume(out: Path) -> None:
 
 
 def main(out: Path) -> int:
+    """The runs in this interpreter (``lioncub.cli.main``, as ``lioncub`` runs them): no interpreter of the
+    CLI's own per run, and the second launch forks its ranks from the first one's zygote where it can."""
+    from lioncub import cli
+
     done = []
     for i, argv in enumerate(commands(out)):
         if i == 1:
             _copy_to_resume(out)
-        proc = python("-m", "lioncub.cli", *argv, timeout=300)
-        done.append({"argv": argv, "returncode": proc.returncode, "out": proc.stdout, "err": proc.stderr})
-        if proc.returncode:
+        printed, errors = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
+            code = cli.main(argv)
+        done.append({"argv": argv, "returncode": code, "out": printed.getvalue(), "err": errors.getvalue()})
+        if code:
             break
     (out / "runs.json").write_text(json.dumps(done))
     return 0 if all(d["returncode"] == 0 for d in done) else 1

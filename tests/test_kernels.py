@@ -51,7 +51,7 @@ import sys
 sys.path.insert(0, {tests!r})
 from processes import run_workers
 from kernel_steps import worker_lioncub_kernels
-run_workers(worker_lioncub_kernels, 2, {presets!r}, {out!r}, timeout=200, fresh=True)
+run_workers(worker_lioncub_kernels, 2, {presets!r}, {out!r}, timeout=200)
 """
 KERNEL_STEP_PRESETS = ["1bit", "8bit", "8bit-sign"]
 

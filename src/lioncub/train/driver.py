@@ -61,6 +61,8 @@ RANK_BASE_BYTES = 600 * 2**20
 RANK_BYTES_PER_PARAM = 24
 #: and with local steps: the window's anchor, the outer momentum and the pseudo-gradient (fp32)
 LOCAL_STEPS_BYTES_PER_PARAM = 12
+#: with ``--fsdp``: the whole model a rank builds before ``fully_shard`` keeps its shard (fp32 weights)
+FSDP_BUILD_BYTES_PER_PARAM = 4
 
 
 def estimate_params(workload: str, values: dict[str, Any]) -> int:
@@ -82,6 +84,17 @@ def available_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def rank_memory(config: TrainConfig, params: int) -> int:
+    """Bytes one rank of ``config``'s run needs for a model of ``params`` parameters: the interpreter and
+    data, and per parameter its weights, gradient, momentum and buffers (fp32) -- a 1/L share of them with
+    ``--fsdp`` over a node's L ranks, plus the whole model each rank builds before sharding it."""
+    per_param = RANK_BYTES_PER_PARAM + (LOCAL_STEPS_BYTES_PER_PARAM if config.optimizer.local_steps else 0)
+    if config.cluster.fsdp:
+        share = per_param / config.cluster.nproc_per_node
+        return RANK_BASE_BYTES + int(params * (FSDP_BUILD_BYTES_PER_PARAM + share))
+    return RANK_BASE_BYTES + per_param * params
 
 
 def max_ranks(rank_bytes: int) -> int:
@@ -205,8 +218,7 @@ def check_before_launch(config: TrainConfig, timeout_s: float | None, max_nproc:
                     "one (python -m lioncub.launch.groups lighthouse HOST:PORT), or leave --lighthouse out "
                     "and the launcher starts one for the job"
                 )
-    per_param = RANK_BYTES_PER_PARAM + (LOCAL_STEPS_BYTES_PER_PARAM if config.optimizer.local_steps else 0)
-    rank_bytes = RANK_BASE_BYTES + per_param * estimate_params(run.workload, values)
+    rank_bytes = rank_memory(config, estimate_params(run.workload, values))
     limit = max_nproc if max_nproc is not None else max_ranks(rank_bytes)
     if cluster.nproc <= limit:
         check_lanes(config)

@@ -45,7 +45,11 @@ participant decides a tie alike whatever N was before. The votes size their lane
 DDP inside the group, the group one voter, each rank voting its share of the parameters and broadcasting
 it in the group (:mod:`lioncub.integrations.group_shares`). torchft forms the quorum per group, heals a
 group's ranks (rank ℓ from rank ℓ of the peer) and commits a step only if every rank of the group commits
-it (``should_commit``): a failed exchange on one rank puts the whole group's step back.
+it (``should_commit``): a failed exchange on one rank puts the whole group's step back. Or FSDP2 inside the
+group: the model sharded over the group's own ``(1, L)`` mesh and ``LionCub(params,
+process_group=VoteMesh(group.comm, mesh))`` (docs/shards.md): each rank votes on its local shards with the
+same shard rank of the other groups, nothing is broadcast, and a heal is shard by shard -- rank ℓ takes
+rank ℓ's local shards and its optimizer state of them (:func:`portable_state`, :func:`load_portable`).
 
 **On the CPU only.** The groups vote over torchft's gloo process group (``ProcessGroupGloo``) on CPU
 tensors: the model and the optimizer stay on the CPU, and parameters on another device (CUDA) are refused
@@ -498,7 +502,8 @@ class ReplicaGroup(_Member):
         ``Checks(broadcast_init=False)``: the groups' initial values come from the heal, not a broadcast).
         In a group of several ranks, ``params`` are all the model's parameters (in the same order on every
         rank) and the optimizer holds this rank's share of them (in any order and param groups): those
-        :func:`shard` gives it. Parameters off the CPU are refused (``ValueError`` naming the first and its
+        :func:`shard` gives it; on FSDP2's shards (the optimizer over a ``VoteMesh`` of this group's mesh)
+        ``params`` are not needed. Parameters off the CPU are refused (``ValueError`` naming the first and its
         device): the groups vote on CPU tensors (module docstring)."""
         if not isinstance(optimizer, LionCub) or optimizer.comm is not self.comm:
             raise ValueError(

@@ -9,9 +9,11 @@ process that votes with the other groups through :class:`lioncub.integrations.to
 1. The workload (data shard G·L + ℓ of ``--nproc`` for rank ℓ of group G), the model (every group builds
    the same one from the seed; in a group of several ranks wrapped in DDP over them) and the variant's
    ``LionCub`` over the group's :class:`~lioncub.collectives.GroupComm` (with L > 1 over this rank's
-   share of the parameters, :func:`lioncub.integrations.group_shares.share_of`), attached to the
-   ``ReplicaGroup``. The group's rank 0 writes its files. The loop's position
-   (the last step finished and the training seconds so far) is state a healing group takes from its peer.
+   share of the parameters, :func:`lioncub.integrations.group_shares.share_of`; with ``--fsdp`` the model
+   sharded over the group's own ``(1, L)`` mesh and ``LionCub`` over ``VoteMesh(group.comm, mesh)``, each
+   rank voting on its shards), attached to the ``ReplicaGroup``. The group's rank 0 writes its files. The
+   loop's position (the last step finished and the training seconds so far) is state a healing group takes
+   from its peer.
 2. Each step: at a commit boundary (every step; with local steps each window's first) the group first
    waits for a group the schedule starts again (``--rejoin``, so that a rerun of a schedule gives the same
    bits; this wait is not training time), then ``begin()`` (the quorum, a heal), the forward and backward

@@ -26,15 +26,14 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
 
 
-def worker_ft_shards(rank: int, world: int, variant: str) -> list[str]:
+def worker_ft_shards(rank: int, world: int, variants: list[str]) -> list[str]:
     """2 replicas × 2 shards: replica r's mesh of its own ``[[2r, 2r+1]]`` (the replicate dimension of one
     rank), the vote between the replicas over a ``GroupComm`` of the ranks holding the same shard. After
     every step each rank's shards equal the rows of the unsharded vote of the replicas' gradients (as a
     replica's mean); then replica 1's ranks take replica 0's state through the heal's portable form
-    (each from the same shard rank) and both replicas step on, bit for bit with the unsharded vote."""
-    from lioncub.integrations.torchft import load_portable, portable_state
-
-    replica, shard = divmod(rank, 2)
+    (each from the same shard rank) and both replicas step on, bit for bit with the unsharded vote. For
+    each of ``variants`` (one set of groups: their setup is most of the cost)."""
+    replica = rank // 2
     singles = [dist.new_group([r]) for r in range(world)]
     replicates = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     shards = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -42,6 +41,14 @@ def worker_ft_shards(rank: int, world: int, variant: str) -> list[str]:
         [singles[rank], shards[replica]], "cpu", mesh=[[2 * replica, 2 * replica + 1]],
         mesh_dim_names=("replicate", "shard"),
     )  # fmt: skip
+    return [f"{variant}: {line}" for variant in variants for line in _vote(rank, variant, mesh, replicates)]
+
+
+def _vote(rank: int, variant: str, mesh: DeviceMesh, replicates: list[dist.ProcessGroup]) -> list[str]:
+    """:func:`worker_ft_shards` for ``variant``: what differs from the unsharded vote."""
+    from lioncub.integrations.torchft import load_portable, portable_state
+
+    replica, shard = divmod(rank, 2)
     model, whole = _model(), _model()
     for layer in model:
         fully_shard(layer, mesh=mesh["shard"])
@@ -87,9 +94,10 @@ def worker_ft_shards(rank: int, world: int, variant: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["1bit", "8bit"])
-def test_the_vote_on_a_replica_groups_shards_is_the_unsharded_vote(variant: str) -> None:
-    assert run_workers(worker_ft_shards, 4, variant, timeout=180) == [[]] * 4
+def test_the_vote_on_a_replica_groups_shards_is_the_unsharded_vote() -> None:
+    """``1bit`` (elementwise) and ``8bit`` (a quantizer whose norms are the whole tensors': the shard
+    group's gather runs on the replica's own mesh)."""
+    assert run_workers(worker_ft_shards, 4, ["1bit", "8bit"], timeout=180) == [[]] * 4
 
 
 def test_a_vote_mesh_of_shards_needs_the_replicas_own_mesh() -> None:

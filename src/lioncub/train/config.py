@@ -45,7 +45,7 @@ from lioncub.optim.step_check import NONFINITE_MODES, Checks
 from lioncub.train import shared
 from lioncub.train.data import MODES
 from lioncub.train.fault_settings import check_fault_tolerant
-from lioncub.train.fsdp_settings import FT_WHY, check_fsdp
+from lioncub.train.fsdp_settings import check_fsdp
 from lioncub.train.lr import lr_factor
 from lioncub.train.parts import OptimizerParts, optimizer_parts
 from lioncub.train.settings import Described, check_value, described, flat_document, nest, setting
@@ -316,7 +316,7 @@ class ClusterConfig:
         "extra, docs/install.md)",
     )
     fsdp: bool = setting(
-        False, ft_why=FT_WHY,
+        False,
         help="with --nnodes M --nproc-per-node L (L >= 2): each node shards the model over its ranks with "
         "FSDP2 and the nodes vote on each rank's shard (docs/shards.md; 32bit/16bit: HSDP + Lion)",
     )  # fmt: skip

@@ -5,11 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["FT_WHY", "check_fsdp"]
-
-#: why ``--fsdp`` is refused with ``--fault-tolerant``: nothing (empty), it is accepted -- each node's group
-#: shards the model over its ranks (docs/shards.md); :func:`check_fsdp` refuses what those groups do not take
-FT_WHY = ""
+__all__ = ["check_fsdp"]
 
 
 def check_fsdp(config: Any) -> None:

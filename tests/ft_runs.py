@@ -54,8 +54,17 @@ EXPECTED_RC = {"straggler": 3}
 #: again at step 24: root only (network namespaces), run when ``NODES`` is given
 NODES = ["--variant", "1bit", "--nnodes", "2", "--nproc-per-node", "2", "--link", "1gbit", "--steps", "40"]
 NODES += ["--eval-every", "20", "--kill", "1@12", "--rejoin", "1@24"]
-#: the same with each node's ranks sharding the model (FSDP2), healing shard by shard (root only too)
-NODES_FSDP = [*NODES, "--fsdp"]
+#: the same with each node's ranks sharding the model (FSDP2), healing shard by shard, a checkpoint every 8
+#: steps (each rank's part its shards) (root only too)
+NODES_FSDP = [*NODES, "--fsdp", "--checkpoint-every", "8"]
+#: the same stopped after step 28 (node 1 back since step 25), then resumed (:data:`RESUMES`) to step 40
+NODES_RUNS = {
+    "nodes": NODES,
+    "nodes, fsdp": NODES_FSDP,
+    "nodes, fsdp, stopped": [*NODES_FSDP, "--stop-at", "28"],
+    "nodes, fsdp, resumed": ["--resume", "--no-progress"],
+}
+RESUMES["nodes, fsdp, resumed"] = "nodes, fsdp, stopped"
 
 
 def slug(name: str) -> str:
@@ -119,11 +128,12 @@ def main(out: Path, nodes: bool) -> int:
     from lioncub import cli
 
     failed = 0
-    for name, args in {**RUNS, **({"nodes": NODES, "nodes, fsdp": NODES_FSDP} if nodes else {})}.items():
+    for name, args in {**RUNS, **(NODES_RUNS if nodes else {})}.items():
         run_dir = out / slug(RESUMES.get(name, name))
         argv = ["train", *TINY, "--fault-tolerant", "--out", str(run_dir), *args]
         if name in RESUMES:
             argv = ["train", "--out", str(run_dir), *args]
+        if name == "checkpoints, resumed":
             shutil.copytree(run_dir, out / f"{slug(RESUMES[name])}.at_stop")
             (run_dir / "checkpoints" / "step_00000006" / "meta.json").unlink()
             threading.Thread(target=kill_all, args=(run_dir, 9, 8), daemon=True).start()

@@ -624,10 +624,6 @@ TRAIN_CASES = [
         [*FSDP, "--variant", "1bit", "--convert-momenta", "average"],
         ["--fsdp with --convert-momenta average", "same --nnodes and --nproc-per-node"],
     ),
-    (
-        [*FSDP, "--variant", "1bit", "--fault-tolerant", "--checkpoint-every", "12"],
-        ["--fsdp --fault-tolerant with --checkpoint-every 12", "drop --checkpoint-every"],
-    ),
     ([*FSDP, "--variant", "auto"], ["--variant auto with --fsdp", "give the variant"]),
 ]
 

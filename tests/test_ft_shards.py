@@ -6,6 +6,8 @@ carries between groups (:func:`lioncub.integrations.torchft.portable_state`), ra
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -46,7 +48,7 @@ def worker_ft_shards(rank: int, world: int, variants: list[str]) -> list[str]:
 
 def _vote(rank: int, variant: str, mesh: DeviceMesh, replicates: list[dist.ProcessGroup]) -> list[str]:
     """:func:`worker_ft_shards` for ``variant``: what differs from the unsharded vote."""
-    from lioncub.integrations.torchft import load_portable, portable_state
+    from lioncub.integrations.torchft import from_storable, load_portable, portable_state, storable
 
     replica, shard = divmod(rank, 2)
     model, whole = _model(), _model()
@@ -80,13 +82,18 @@ def _vote(rank: int, variant: str, mesh: DeviceMesh, replicates: list[dist.Proce
     for n in range(2):
         step(n)
     # the heal: replica 1's ranks take replica 0's state (each shard rank from the same shard rank), the
-    # unsharded reference its replica 0's state dict (as ReplicaGroup heals an unsharded group)
+    # unsharded reference its replica 0's state dict (as ReplicaGroup heals an unsharded group); the state
+    # goes as a checkpoint part holds it (storable, torch.save, torch.load(weights_only=True)), so that a
+    # resume from a part is held to the same bits
     if replica == 0:
-        dist.send_object_list([portable_state(opt), ref.state_dict()], dst=2 + shard)
+        part = io.BytesIO()
+        torch.save(storable(portable_state(opt)), part)
+        dist.send_object_list([part.getvalue(), ref.state_dict()], dst=2 + shard)
     else:
         got: list[object] = [None, None]
         dist.recv_object_list(got, src=shard)
-        load_portable(opt, got[0])
+        assert isinstance(got[0], bytes)
+        load_portable(opt, from_storable(torch.load(io.BytesIO(got[0]), weights_only=True)))
         ref.load_state_dict(got[1], allow_world_size_change=True)  # type: ignore[arg-type]  # a state dict
     for n in range(2, 4):
         step(n)
@@ -105,26 +112,11 @@ def test_a_vote_mesh_of_shards_needs_the_replicas_own_mesh() -> None:
         who_votes(VoteMesh(None, None), sharded=True)
 
 
-@pytest.mark.parametrize(
-    ("values", "message"),
-    [
-        (
-            {"checkpoint_every": 12},
-            "--fsdp --fault-tolerant with --checkpoint-every 12: .* drop --checkpoint-every",
-        ),
-        (
-            {"stop_at": 12},
-            "--fsdp --fault-tolerant with --stop-at 12: .* drop --checkpoint-every and --stop-at",
-        ),
-    ],
-)
-def test_fault_tolerant_shards_take_no_checkpoints(values: dict, message: str) -> None:
-    """``--fsdp --fault-tolerant`` is accepted; its checkpoints (a group's part holds whole tensors) are
-    refused, naming the flag."""
+def test_fault_tolerant_shards_take_checkpoints() -> None:
+    """``--fsdp --fault-tolerant`` takes ``--checkpoint-every`` and ``--stop-at`` (each rank's part holds its
+    shards: tests/test_replica_groups_cli.py resumes such a run to the bits of the whole one)."""
     from lioncub.train.config import TrainConfig
 
     nodes = {"variant": "1bit", "nproc": 4, "nnodes": 2, "link": "1gbit", "fault_tolerant": True, "steps": 24}
-    assert TrainConfig.from_values({**nodes, "fsdp": True}).cluster.fsdp
-    TrainConfig.from_values({**nodes, **values})  # without --fsdp: checkpoints of whole tensors
-    with pytest.raises(ValueError, match=message):
-        TrainConfig.from_values({**nodes, "fsdp": True, **values})
+    config = TrainConfig.from_values({**nodes, "fsdp": True, "checkpoint_every": 8, "stop_at": 12})
+    assert config.cluster.fsdp and (config.run.checkpoint_every, config.run.stop_at) == (8, 12)

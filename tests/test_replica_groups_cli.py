@@ -377,6 +377,45 @@ def test_nodes_sharded_over_their_ranks_heal_shard_by_shard_as_ddp_inside() -> N
     assert "1bit+fsdp on 2 nodes" in stdout
 
 
+@pytest.mark.slow
+@pytest.mark.background("ft_runs")
+@pytest.mark.root
+def test_nodes_sharded_stopped_and_resumed_end_with_the_bits_of_the_whole_run() -> None:
+    """The sharded run with a checkpoint every 8 steps, stopped after step 28 (node 1 killed after step 12,
+    back and healed at step 24) and resumed in its directory: each rank loads its own shards of the
+    parameters and of the optimizer state from its part, and the job ends with the whole run's bits (the
+    digest, ``model.pt``), quorums and losses. Each rank's part holds its shards, not the whole model;
+    a checkpoint's ``model.pt`` is the gathered whole model (that of step 40: the final one)."""
+    whole, _ = finished("nodes, fsdp")
+    run_dir, _ = finished("nodes, fsdp, stopped")  # the resume went on in it
+    out = (background.workdir("ft_runs") / f"{ft_runs.slug('nodes, fsdp, resumed')}.out").read_text()
+    assert "40 steps" in out, out[-3000:]
+    # the stop's checkpoint of step 28, then the resumed launch's (it went on from there, not from step 1)
+    g0 = run_dir / "groups" / "g0.jsonl"
+    assert [r["step"] for r in records(g0, "checkpoint")] == [8, 16, 24, 28, 32, 40]
+    assert [r["step"] for r in records(g0, "step")] == list(range(1, 41))
+    a, b = (json.loads((d / "summary.json").read_text())["fault_tolerance"] for d in (whole, run_dir))
+    assert b["replicas_equal"] and b["groups_finished"] == [0, 1] and b["digest"] == a["digest"]
+    assert [(h["group"], h["step"], h["source"]) for h in b["heals"]] == [(1, 24, "g0")]
+    for kind, keys in (("step", ("step", "participants", "loss")), ("eval", ("step", "val_loss"))):
+        assert [[r[k] for k in keys] for r in log(run_dir, kind)] == [
+            [r[k] for k in keys] for r in log(whole, kind)
+        ]
+    final = torch.load(whole / "model.pt", weights_only=True)
+    for d in (run_dir, whole / "checkpoints" / "step_00000040"):
+        saved = torch.load(d / "model.pt", weights_only=True)
+        assert saved.keys() == final.keys() and all(torch.equal(saved[k], final[k]) for k in final), d
+    path = whole / "checkpoints" / "step_00000040"
+    meta = json.loads((path / "meta.json").read_text())
+    assert sorted(n for n in meta["sha256"] if n.startswith("rank")) == [f"rank{k}.pt" for k in range(4)]
+    params = json.loads((whole / "summary.json").read_text())["params"]
+    for k in range(4):  # ranks 2ℓ, 2ℓ+1: node ℓ's shards, together every element once
+        part = torch.load(path / f"rank{k}.pt", weights_only=True)
+        assert 0 < sum(t.numel() for t in part["shards"]) < params and part["rank"] == k
+    pairs = [torch.load(path / f"rank{k}.pt", weights_only=True)["shards"] for k in (0, 1)]
+    assert sum(t.numel() for s in pairs for t in s) == params
+
+
 # ------------------------------------------------------------------------------------------ bad input
 
 

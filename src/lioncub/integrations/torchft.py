@@ -77,7 +77,7 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from lioncub._validate import is_int, is_number
@@ -97,6 +97,7 @@ __all__ = [
     "ReplicaGroup",
     "ReplicaGroupError",
     "SettingsMismatchError",
+    "from_storable",
     "lighthouse_status",
     "load_portable",
     "params_digest",
@@ -104,6 +105,7 @@ __all__ = [
     "quorum_rules_problem",
     "settings_of",
     "shard",
+    "storable",
 ]
 
 _log = logging.getLogger("lioncub")
@@ -286,6 +288,45 @@ def load_portable(optimizer: LionCub, state: dict[str, Any]) -> None:
     was."""
     mesh = optimizer.shards.mesh if optimizer.shards is not None else None
     optimizer.load_state_dict(_onto(state, mesh), allow_world_size_change=True)
+
+
+#: the key that marks a :class:`_Piece` in :func:`storable`'s form
+_PIECE_KEY = "lioncub_dtensor_piece"
+
+
+def _placement(p: Placement) -> list[int | str]:
+    if type(p) is Shard:
+        return ["shard", p.dim]
+    if type(p) is Replicate:
+        return ["replicate"]
+    raise ValueError(f"a DTensor placed {p!r} cannot be stored: only Shard(dim) and Replicate() are")
+
+
+def storable(tree: Any) -> Any:
+    """:func:`portable_state`'s ``tree`` (or any tree of its form) as ``torch.load(weights_only=True)``
+    reads it back: each :class:`_Piece` a dict of plain values (its local tensor, placements as
+    ``["shard", dim]``/``["replicate"]``, shape and stride as lists); shares the tensors of ``tree``.
+    :func:`from_storable` is its inverse. ``ValueError`` for a placement other than those."""
+    if isinstance(tree, _Piece):
+        return {_PIECE_KEY: tree.local, "placements": [_placement(p) for p in tree.placements],
+                "shape": list(tree.shape), "stride": list(tree.stride)}  # fmt: skip
+    if isinstance(tree, dict):
+        return {k: storable(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(storable(v) for v in tree)
+    return tree
+
+
+def from_storable(tree: Any) -> Any:
+    """:func:`storable`'s ``tree`` back in :func:`portable_state`'s form (for :func:`load_portable`)."""
+    if isinstance(tree, dict) and _PIECE_KEY in tree:
+        places = tuple(Shard(int(p[1])) if p[0] == "shard" else Replicate() for p in tree["placements"])
+        return _Piece(tree[_PIECE_KEY], places, tuple(tree["shape"]), tuple(tree["stride"]))
+    if isinstance(tree, dict):
+        return {k: from_storable(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(from_storable(v) for v in tree)
+    return tree
 
 
 def _nbytes(tree: Any) -> int:

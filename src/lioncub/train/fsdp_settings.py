@@ -12,7 +12,7 @@ def check_fsdp(config: Any) -> None:
     """``config`` (a :class:`~lioncub.train.config.TrainConfig`) with ``--fsdp``: ``ValueError`` naming the
     flag and what is allowed for what the sharded run does not take -- no ``--nnodes M --nproc-per-node L``
     with L >= 2, ``--overlap``, a ``--topology`` other than flat (``auto`` is flat there), ``--diagnostics-
-    every``, ``--convert-momenta``; with ``--fault-tolerant``, ``--checkpoint-every`` and ``--stop-at``."""
+    every``, ``--convert-momenta``."""
     cluster, opt = config.cluster, config.optimizer
     if not cluster.fsdp:
         return
@@ -37,18 +37,6 @@ def check_fsdp(config: Any) -> None:
         raise ValueError(
             f"--fsdp with --diagnostics-every {opt.diagnostics_every}: the vote diagnostics are per-tensor "
             "statistics and a rank holds shards; allowed: --diagnostics-every 0"
-        )
-    run = config.run
-    if cluster.fault_tolerant and (run.checkpoint_every or run.stop_at is not None):
-        given = (
-            f"--checkpoint-every {run.checkpoint_every}"
-            if run.checkpoint_every
-            else f"--stop-at {run.stop_at}"
-        )
-        raise ValueError(
-            f"--fsdp --fault-tolerant with {given}: a fault-tolerant group's checkpoint part holds whole "
-            "tensors, not its ranks' shards (not built yet); drop --checkpoint-every and --stop-at (and "
-            "--resume), or --fsdp (each node DDP inside)"
         )
     if config.run.convert_momenta is not None:
         raise ValueError(

@@ -31,7 +31,9 @@ process that votes with the other groups through :class:`lioncub.integrations.to
    restarts"): after a committed step that is due (K | step, ``--stop-at``, the last step), every rank of
    every group in the quorum writes its own part -- its optimizer state (momenta, step, generator, outer
    state), RNG states, data and loop position, torchft's committed count -- and the first participant
-   also ``model.pt`` (the parameters, equal in every participant after a commit); serialised in the step,
+   also ``model.pt`` (the parameters, equal in every participant after a commit; with ``--fsdp`` each part
+   holds its rank's shards of the parameters and of the optimizer state, in the heal's portable form, and
+   ``model.pt`` is gathered by the first participant's ranks together); serialised in the step,
    written by a background thread (:class:`_Writer`), completed by the first participant once every
    participant's part is there (:func:`lioncub.train.checkpoint.complete_parts`). A group started by a
    launch over a checkpoint (a resume, a restart) loads its own part (:meth:`_GroupLoop.restore`); one
@@ -75,7 +77,11 @@ from lioncub.integrations.torchft import (
     Heal,
     ReplicaGroup,
     ReplicaGroupError,
+    from_storable,
     lighthouse_status,
+    load_portable,
+    portable_state,
+    storable,
 )
 from lioncub.integrations.torchft import params_digest as tensors_digest
 from lioncub.launch.groups import Fault, Resumed, parse_faults, schedule_after
@@ -177,6 +183,14 @@ def params_digest(model: torch.nn.Module) -> str:
     """SHA-256 of every parameter's bytes, in order (FSDP2's: of this rank's local shards): equal digests,
     bitwise equal replicas (shards)."""
     return tensors_digest([p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()])
+
+
+def _local_shards(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The local shards of a model sharded by FSDP2 (every parameter a ``DTensor``), in parameter order:
+    views of its storage (copying into them writes the parameters)."""
+    shards = [p.to_local() for p in model.parameters() if isinstance(p, DTensor)]
+    assert len(shards) == len(list(model.parameters())), "a model sharded by fully_shard"
+    return shards
 
 
 @dataclasses.dataclass
@@ -456,7 +470,8 @@ class _GroupLoop:
     def restore(self) -> Resumed | None:
         """The launch this start is one of (None: a start again, ``--rejoin``), as :func:`schedule_after`
         sees it from the newest checkpoint. Started by a launch over a checkpoint (a resume, a restart), the
-        group loads its own part of it -- the parameters (``model.pt``), its optimizer state, RNG states,
+        group loads its own part of it -- the parameters (``model.pt``; with ``--fsdp`` this rank's shards
+        in its part), its optimizer state, RNG states,
         data and loop position, torchft's committed count -- and its rejoins to wait for are those after
         the checkpoint; a group without a part there (it was not in the quorum) starts afresh and heals
         from the others at the first quorum, where it is behind them."""
@@ -473,9 +488,15 @@ class _GroupLoop:
         assert isinstance(self.group, ReplicaGroup)
         self.pending[:] = [e for e in self.pending if e[2] > step]
         state = checkpoint.load_rank_state(meta, self.k, meta.world_size)
-        self.model.load_state_dict(checkpoint.model_state(meta))
         assert isinstance(self.opt, LionCub)  # a ReplicaGroup's
-        self.opt.load_state_dict(state["optimizer"], allow_world_size_change=True)  # the quorum's N then
+        if self.mesh is not None:  # this rank's shards from its part (a resume keeps the run's mesh)
+            with torch.no_grad():
+                for t, value in zip(_local_shards(self.model), state["shards"], strict=True):
+                    t.copy_(value)
+            load_portable(self.opt, from_storable(state["optimizer"]))  # the quorum's N then
+        else:
+            self.model.load_state_dict(checkpoint.model_state(meta))
+            self.opt.load_state_dict(state["optimizer"], allow_world_size_change=True)  # the quorum's N then
         self.wl.load_state_dict(state["data"])
         self.group.load_state_dict(state["group"]["replica_group"])
         self.position.step, self.position.elapsed = state["group"]["step"], state["group"]["elapsed"]
@@ -490,13 +511,24 @@ class _GroupLoop:
         assert self.writer is not None and isinstance(self.group, ReplicaGroup)
         t0, cpu0 = time.perf_counter(), time.process_time()
         group = self.group
-        state = checkpoint.part_state(self.opt.state_dict(), self.wl.state_dict(), self.k)
+        if self.mesh is not None:  # this rank's shards: the optimizer's in the heal's form, the parameters'
+            assert isinstance(self.opt, LionCub)
+            optimizer = storable(portable_state(self.opt))
+        else:
+            optimizer = self.opt.state_dict()
+        state = checkpoint.part_state(optimizer, self.wl.state_dict(), self.k)
         state["group"] = {"replica_group": group.state_dict(), "life": self.life, "index": self.index,
                           **self.position.save()}  # fmt: skip
+        if self.mesh is not None:
+            state["shards"] = [t.detach().clone() for t in _local_shards(self.model)]
         parts = [(f"rank{self.k}.pt", *checkpoint.encode(state))]
+        whole: dict[str, Any] | None = None
+        if self.mesh is not None and group.quorum_rank == 0:  # every rank of the first group: collective
+            whole = sharding.full_model_state(self.model)
         first = group.quorum_rank == 0 and self.rank == 0
         if first:
-            parts.append(("model.pt", *checkpoint.encode(self.model.state_dict())))
+            model = whole if whole is not None else self.model.state_dict()
+            parts.append(("model.pt", *checkpoint.encode(model)))
         cluster = self.config.cluster  # the schedule: a resume's lives follow from its events up to here
         ft = {"participants": group.participants, "ranks_per_group": self.size, "kill": list(cluster.kill),
               "rejoin": list(cluster.rejoin)}  # fmt: skip

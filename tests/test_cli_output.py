@@ -13,9 +13,8 @@ import json
 import os
 import re
 import signal
-import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +25,12 @@ from rich.console import Console
 import background
 import compare_runs
 from lioncub import cli
+from lioncub.launch.preload import Zygote, shared_env
 from lioncub.report import runs as rp
 from lioncub.train.config import TrainConfig
 from lioncub.units import parse_rate
 
-from processes import python_cmd
+from processes import PY
 
 #: tests/compare_runs.py's comparisons (shared with tests/test_train.py): ``compare`` printed for 80 columns
 BACKGROUND = {"compares": compare_runs.job}
@@ -232,22 +232,43 @@ sys.exit(0)
 """
 
 
+@pytest.fixture(scope="module")
+def rank_zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote]:
+    """An interpreter that imported ``lioncub.train.rank`` (and torch), which the interrupted ranks below
+    are forked from, as ``lioncub train`` forks its ranks (``lioncub.launch.preload``): one import of torch
+    for the three of them, not one each (~2.7 s of CPU)."""
+    zygote = Zygote(PY, ("lioncub.train.rank",), shared_env([os.environ]), str(tmp_path_factory.mktemp("z")))
+    zygote.start()
+    yield zygote
+    zygote.close()
+
+
+def _interrupted(zygote: Zygote, code: str, sig: signal.Signals, cwd: Path) -> tuple[int, str]:
+    """``python -c code`` forked from ``zygote`` in ``cwd``: once it printed ``ready``, ``sig``; its exit
+    status and what it wrote to stderr."""
+    rank = zygote.fork([PY, "-c", code], {**os.environ, "PYTHONUNBUFFERED": "1"}, str(cwd))
+    assert rank.stdout is not None and rank.stderr is not None
+    try:
+        assert rank.stdout.readline() == b"ready\n"
+        time.sleep(0.1)
+        os.kill(rank.pid, sig)
+        status = rank.wait(20)
+        return status, rank.stderr.read().decode()
+    finally:
+        if rank.poll() is None:
+            os.kill(rank.pid, signal.SIGKILL)
+        rank.stdout.close()
+        rank.stderr.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_an_interrupted_rank_ends_with_one_line(tmp_path: Path, sig: signal.Signals) -> None:
-    script = tmp_path / "rank.py"
-    script.write_text(RANK_SCRIPT)
-    proc = subprocess.Popen(
-        python_cmd(str(script)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
-        proc.send_signal(sig)
-        _, err = proc.communicate(timeout=20)
-    finally:
-        proc.kill()
+def test_an_interrupted_rank_ends_with_one_line(
+    rank_zygote: Zygote, tmp_path: Path, sig: signal.Signals
+) -> None:
+    code, err = _interrupted(rank_zygote, RANK_SCRIPT, sig, tmp_path)
     assert err == f"interrupted ({sig.name}) at step 7\n"
-    assert proc.returncode == 128 + sig
+    assert code == 128 + sig
 
 
 def test_the_rank_entry_point_has_no_keyboard_interrupt_traceback(
@@ -291,22 +312,10 @@ rank.run_rank(TrainConfig(), Path("."), driven=True)
 
 
 @pytest.mark.slow
-def test_a_training_rank_ends_with_one_line_when_interrupted(tmp_path: Path) -> None:
-    script = tmp_path / "rank.py"
-    script.write_text(RUN_RANK_SCRIPT)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        python_cmd(str(script)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
-    try:
-        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
-        time.sleep(0.1)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=20)
-    finally:
-        proc.kill()
+def test_a_training_rank_ends_with_one_line_when_interrupted(rank_zygote: Zygote, tmp_path: Path) -> None:
+    code, err = _interrupted(rank_zygote, RUN_RANK_SCRIPT, signal.SIGINT, tmp_path)
     assert err == "interrupted (SIGINT) at step 7\n"
-    assert proc.returncode == 130
+    assert code == 130
 
 
 # -------------------------------------------------------------------------------- 6. final validation

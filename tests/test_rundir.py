@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 
 import background
-import kill_rank
 from lioncub.rundir import (
     MARKER,
     SpecialFileError,
@@ -35,7 +34,7 @@ from lioncub.rundir import (
     remove_owned,
 )
 
-from processes import python_cmd
+from processes import TESTS, python_cmd
 
 THESIS = b"irreplaceable\n"
 
@@ -237,36 +236,61 @@ def test_train_refuses_a_directory_with_user_files(run_cli: Callable, tmp_path: 
     assert not (tmp_path / "y").exists()
 
 
-def _stopped_run(workdir: Path) -> list[str]:
-    cmd = python_cmd("-m", "lioncub", "train", "--nproc", "1", "--steps", "4", "--stop-at", "2")
-    cmd += ["--eval-every", "0", "--set", "batch_size=4", "--no-progress"]
-    return [*cmd, "--out", str(workdir / "part")]
+#: the module's two launches: ``part``, a 1-rank run stopped at step 2 of 4; ``x``, a 2-rank run whose rank 1
+#: SIGKILLs itself after the backward of step 2 (tests/kill_rank.py); each ``(name, argv, kill_rank spec)``
+RUNS = [
+    ("part", ["train", "--nproc", "1", "--steps", "4", "--stop-at", "2", "--eval-every", "0", "--set",
+              "batch_size=4", "--no-progress"], None),
+    ("x", ["train", "--nproc", "2", "--steps", "3", "--no-progress"], "1:2"),
+]  # fmt: skip
+#: :data:`RUNS` one after the other in ONE interpreter (``lioncub.cli.main``): one launcher and one preloaded
+#: interpreter for both (each another ~2–3 s of CPU importing torch); ``WORKDIR/runs.json``: each run's exit
+#: status and stderr
+RUN_BOTH = """
+import contextlib, io, json, sys
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+import kill_rank
+from lioncub import cli
+work, done = Path(sys.argv[1]), {{}}
+for name, argv, spec in {runs!r}:
+    err = io.StringIO()
+    killing = kill_rank.launches(spec) if spec else contextlib.nullcontext()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err), killing:
+        code = cli.main([*argv, "--out", str(work / name)])
+    done[name] = {{"returncode": code, "stderr": err.getvalue()}}
+(work / "runs.json").write_text(json.dumps(done))
+"""
 
 
-def _failed_new_run(workdir: Path) -> list[str]:
-    """``lioncub train`` whose rank 1 SIGKILLs itself after the backward of step 2 (tests/kill_rank.py)."""
-    cmd = python_cmd(kill_rank.__file__, "--launches", "1:2", "lioncub", "train", "--nproc", "2")
-    return [*cmd, "--steps", "3", "--out", str(workdir / "x"), "--no-progress"]
-
-
-#: subprocess.run(command, capture_output=True, text=True, timeout=120[, env=env]), started in the
-#: background when collection ends (tests/background.py)
+#: subprocess.run(command, capture_output=True, text=True, timeout=180), started in the background when
+#: collection ends (tests/background.py)
 BACKGROUND = {
-    "stopped_run": lambda: background.Subprocess(_stopped_run, 120),
-    "failed_new_run": lambda: background.Subprocess(_failed_new_run, 120),
+    "runs": lambda: background.Subprocess(
+        lambda workdir: python_cmd("-c", RUN_BOTH.format(tests=str(TESTS), runs=RUNS), str(workdir)), 180
+    ),
 }
+
+
+def _run(name: str) -> tuple[int, str, Path]:
+    """Run ``name`` of :data:`RUNS` (the background job): its exit status, stderr and directory."""
+    proc = background.result("runs", BACKGROUND["runs"])
+    path = background.workdir("runs") / "runs.json"
+    assert path.exists(), proc.stdout + proc.stderr
+    done = json.loads(path.read_text())[name]
+    return done["returncode"], done["stderr"], background.workdir("runs") / name
 
 
 @pytest.fixture(scope="module")
 def stopped_run() -> Path:
     """A real 1-rank run of the tiny GPT stopped at step 2 of 4 (a checkpoint to resume from)."""
-    out = background.result("stopped_run", BACKGROUND["stopped_run"])
-    assert out.returncode == 0, out.stderr
-    return background.workdir("stopped_run") / "part"
+    code, err, path = _run("part")
+    assert code == 0, err
+    return path
 
 
 @pytest.mark.slow
-@pytest.mark.background("stopped_run")
+@pytest.mark.background("runs")
 def test_a_refused_resume_leaves_the_run_as_it_was(run_cli: Callable, stopped_run: Path) -> None:
     before = snapshot(stopped_run)
     for argv, fragment in (
@@ -288,7 +312,7 @@ def test_a_refused_resume_leaves_the_run_as_it_was(run_cli: Callable, stopped_ru
 
 
 @pytest.mark.slow
-@pytest.mark.background("stopped_run")
+@pytest.mark.background("runs")
 def test_report_only_reports_the_runs_in_out(run_cli: Callable, stopped_run: Path, tmp_path: Path) -> None:
     out = tmp_path / "cmp"
     out.mkdir()
@@ -351,11 +375,10 @@ def test_workload_data_is_checked_before_writing(
 
 
 @pytest.mark.slow
-@pytest.mark.background("failed_new_run")
+@pytest.mark.background("runs")
 def test_a_failed_new_run_leaves_nothing_in_the_way() -> None:
-    res = background.result("failed_new_run", BACKGROUND["failed_new_run"])
-    out = background.workdir("failed_new_run") / "x"
-    assert res.returncode != 0 and "killed by SIGKILL" in res.stderr, res.stderr
+    code, err, out = _run("x")
+    assert code != 0 and "killed by SIGKILL" in err, err
     assert out.is_dir() and list(out.iterdir()) == []  # no config.json blocking a rerun
 
 

@@ -323,13 +323,14 @@ def _mean_grads(params: list[torch.nn.Parameter], group: int, step: int, size: i
 def _ranks_run(
     rank: int, world_size: int, lighthouse: str, steps: int, local_steps: int | None, plan: dict
 ) -> dict:
-    """Groups of 2 ranks (ranks 2g, 2g+1 are group g): each rank's ``LionCub`` holds its share of the
-    parameters, the group's gradient is the mean of its ranks' (an all-reduce in the group, as DDP's);
+    """Groups of 2 ranks (ranks 2g, 2g+1 are group g): each rank's ``LionCub`` votes on its share of the
+    parameters (``VoteMesh(group.comm, pg, broadcast="caller")``), the group's gradient is the mean of its
+    ranks' (an all-reduce in the group, as DDP's);
     ``rejoin: (g, k, pause_s)``: group g leaves after its step k and starts again (fresh parameters)."""
     from torch.distributed import TCPStore
 
-    from lioncub.integrations.group_shares import share_of
     from lioncub.integrations.torchft import ReplicaGroup
+    from lioncub.optim import VoteMesh
 
     size, index, local = 2, rank // 2, rank % 2
     pgs = [dist.new_group([2 * g, 2 * g + 1]) for g in range(world_size // size)]
@@ -345,12 +346,27 @@ def _ranks_run(
         )  # fmt: skip
         torch.manual_seed(seed)
         params = [torch.nn.Parameter(torch.randn(s)) for s in ((37, 24), (24,), (40, 24), (3,))]
-        mine = share_of(params, size, local)
         opt = LionCub(
-            mine, lr=0.01, weight_decay=0.1, variant="1bit", process_group=group.comm,
+            params, lr=0.01, weight_decay=0.1, variant="1bit",
+            process_group=VoteMesh(group.comm, pg, broadcast="caller"),
             checks=Checks(broadcast_init=False), local_steps=local_steps,
         )  # fmt: skip
-        group.attach(opt, params)
+        if seed == 0:  # refused in a group of several ranks: a plain vote, a broadcast before the commit
+            for wrong, why in (
+                (group.comm, r"build the optimizer as LionCub\(model.parameters\(\), process_group=VoteMesh"),
+                (VoteMesh(group.comm, pg), "broadcast='step'"),
+            ):
+                plain = LionCub(
+                    params, variant="1bit", process_group=wrong, checks=Checks(broadcast_init=False)
+                )
+                with pytest.raises(ValueError, match=why):
+                    group.attach(plain)
+            old = LionCub(
+                params[:1], variant="1bit", process_group=group.comm, checks=Checks(broadcast_init=False)
+            )
+            with pytest.warns(DeprecationWarning, match="params is deprecated"), pytest.raises(ValueError):
+                group.attach(old, params)  # the earlier form: the optimizer on its share, then params
+        group.attach(opt)
         return store, group, opt, params
 
     store, group, opt, params = build(0)
@@ -395,14 +411,22 @@ def _plain_groups_run(rank: int, world_size: int, steps: int, local_steps: int |
     return [p.detach().clone() for p in params]
 
 
-def test_shard_balances_whole_tensors_alike_everywhere() -> None:
-    from lioncub.integrations.group_shares import shard
+def test_share_owners_balance_whole_tensors_alike_everywhere() -> None:
+    from lioncub.integrations.group_shares import shard, share_of
+    from lioncub.optim.shards import share_owners
 
     tensors = [torch.empty(s) for s in ((37, 24), (24,), (40, 24), (3,), (24,))]
-    assert shard(tensors, 2) == [1, 1, 0, 1, 1]  # 960 | 888 + 24 + 24 + 3
-    assert shard(tensors, 1) == [0] * 5 and shard(tensors, 9)[:2] == [1, 2]
+    assert share_owners(tensors, 2) == [1, 1, 0, 1, 1]  # 960 | 888 + 24 + 24 + 3
+    assert share_owners(tensors, 1) == [0] * 5 and share_owners(tensors, 9)[:2] == [1, 2]
+    loads = [0, 0]  # tensors added later continue the assignment: 960 | 888 + 24, then 24 + 3 to rank 1
+    assert share_owners(tensors[:3], 2, loads) + share_owners(tensors[3:], 2, loads) == [1, 1, 0, 1, 1]
+    assert loads == [960, 939]
     with pytest.raises(ValueError, match="parts=0"):
-        shard(tensors, 0)
+        share_owners(tensors, 0)
+    with pytest.warns(DeprecationWarning, match=r"VoteMesh\(group.comm, group_pg, broadcast='caller'\)"):
+        assert shard(tensors, 2) == [1, 1, 0, 1, 1]
+    with pytest.warns(DeprecationWarning, match="opt.shares"):
+        assert share_of(tensors, 2, 0) == [tensors[2]]
 
 
 @pytest.mark.slow

@@ -42,8 +42,9 @@ participant decides a tie alike whatever N was before. The votes size their lane
 ``max_groups`` (a preset that cannot hold it, ``4bit`` over 15, is refused at :meth:`attach`).
 
 **Groups of several ranks** (``group_world_size`` L > 1; ``lioncub train --fault-tolerant --nnodes M``):
-DDP inside the group, the group one voter, each rank voting its share of the parameters and broadcasting
-it in the group (:mod:`lioncub.integrations.group_shares`). torchft forms the quorum per group, heals a
+DDP inside the group, the group one voter, each rank's optimizer over ``VoteMesh(group.comm, group_pg,
+broadcast="caller")``: it votes on its share of the parameters (``opt.shares``), which the group broadcasts
+once the step stands (:mod:`lioncub.integrations.group_shares`). torchft forms the quorum per group, heals a
 group's ranks (rank ℓ from rank ℓ of the peer) and commits a step only if every rank of the group commits
 it (``should_commit``): a failed exchange on one rank puts the whole group's step back. Or FSDP2 inside the
 group: the model sharded over the group's own ``(1, L)`` mesh and ``LionCub(params,
@@ -71,6 +72,7 @@ import logging
 import re
 import socket
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,9 +86,10 @@ from lioncub._validate import is_int, is_number
 from lioncub.collectives import GroupComm
 from lioncub.collectives.base import CollectiveError
 from lioncub.integrations.common import require
-from lioncub.integrations.group_shares import GroupShares, agree_on_heal, shard
+from lioncub.integrations.group_shares import agree_on_heal, shard  # shard: deprecated, re-exported
 from lioncub.optim.lioncub import LionCub
 from lioncub.optim.shard_state import is_checkpoint_form
+from lioncub.optim.shards import ShareView
 
 __all__ = [
     "MOMENTA_ON_HEAL",
@@ -514,7 +517,6 @@ class ReplicaGroup(_Member):
         self._snapshot: _Snapshot | None = None
         self._settings: dict[str, Any] = {}
         self._healed: tuple[str, int] | None = None
-        self._shares: GroupShares | None = None  # in a group of several ranks
         self.left_out: str | None = None  # why this group sits out the current step (its heal failed)
         self._alone_since: float | None = None  # alone in its quorums while other groups heartbeat, since
         self._rules_checked = False  # the lighthouse's quorum rules (quorum_rules_problem)
@@ -541,29 +543,55 @@ class ReplicaGroup(_Member):
     def attach(self, optimizer: LionCub, params: Sequence[torch.Tensor] | None = None) -> None:
         """Vote with ``optimizer``, a :class:`~lioncub.optim.LionCub` built on :attr:`comm` (with
         ``Checks(broadcast_init=False)``: the groups' initial values come from the heal, not a broadcast).
-        In a group of several ranks, ``params`` are all the model's parameters (in the same order on every
-        rank) and the optimizer holds this rank's share of them (in any order and param groups): those
-        :func:`shard` gives it; on FSDP2's shards (the optimizer over a ``VoteMesh`` of this group's mesh)
-        ``params`` are not needed. Parameters off the CPU are refused (``ValueError`` naming the first and its
-        device): the groups vote on CPU tensors (module docstring)."""
+        In a group of several ranks the optimizer holds all the model's parameters over
+        ``VoteMesh(group.comm, group_pg, broadcast="caller")`` (each rank votes on its share, broadcast to
+        the group once a step stands or a heal landed) or, on FSDP2's shards, ``VoteMesh(group.comm,
+        mesh)`` (docs/shards.md). Parameters off the CPU are refused (``ValueError`` naming the first and
+        its device): the groups vote on CPU tensors (module docstring). ``params``: deprecated, unused (the
+        optimizer holds all the parameters and knows its share)."""
+        if params is not None:
+            warnings.warn(
+                "ReplicaGroup.attach(optimizer, params): params is deprecated and unused; in a group of "
+                "several ranks build LionCub(model.parameters(), process_group=VoteMesh(group.comm, "
+                "group_pg, broadcast='caller')) and call attach(optimizer)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         if not isinstance(optimizer, LionCub) or optimizer.comm is not self.comm:
             raise ValueError(
-                "attach: give the LionCub built with process_group=group.comm (the group's GroupComm)"
+                "attach: give the LionCub built with process_group=group.comm (the group's GroupComm), or "
+                "in a group of several ranks VoteMesh(group.comm, group_pg, broadcast='caller')"
             )
         where = f"replica group {self.replica_id}: attach"
         refuse_off_cpu([p for g in optimizer.param_groups for p in g["params"]], where)
-        if params is not None:
-            refuse_off_cpu(list(params), f"{where} (params)")
+        if self.group_world_size > 1 and optimizer.shards is None:  # on FSDP2's shards nothing to share
+            self._check_shares(optimizer.shares)
         self._optimizer = optimizer
         self._settings = {**settings_of(optimizer), "ranks_per_group": self.group_world_size}
-        if self.group_world_size > 1 and optimizer.shards is None:  # on FSDP2's shards nothing to share
-            where = f"rank {self.group_rank} of replica group {self.replica_id}"
-            size, pg = self.group_world_size, self.group_pg
-            self._shares = GroupShares(params, self._params(), self.group_rank, size, pg, where)
         # the one-time "did DDP average the gradients?" comparison is a collective of a fresh optimizer's
         # first step: a group joining later would run it alone (groups have no DDP between them anyway)
         optimizer.round.skip_gradient_comparison()
         self.comm.reconfigure(0, 1)
+
+    def _check_shares(self, shares: ShareView | None) -> None:
+        """Refuse, in a group of several ranks, an optimizer whose shares are not this group's: built
+        without ``VoteMesh(group.comm, group_pg, broadcast="caller")``, over another shard group, or
+        broadcasting in its own ``step()`` (before the group's ranks agree that the step stands)."""
+        size, rank = self.group_world_size, self.group_rank
+        fix = "LionCub(model.parameters(), process_group=VoteMesh(group.comm, group_pg, broadcast='caller'))"
+        where = f"attach: rank {rank} of replica group {self.replica_id}, a group of {size} ranks"
+        if shares is None:
+            raise ValueError(f"{where}: build the optimizer as {fix}: each rank votes on its share")
+        if (shares.shards, shares.shard_rank) != (size, rank):
+            raise ValueError(
+                f"{where}: the optimizer's shard group has {shares.shards} ranks and this is its rank "
+                f"{shares.shard_rank}; give VoteMesh the group's process group (group_pg) as shard"
+            )
+        if shares.after_step:
+            raise ValueError(
+                f"{where}: VoteMesh(..., broadcast='step') shares a step before the group's ranks agree that "
+                "it stands; use broadcast='caller' (the group broadcasts after the commit)"
+            )
 
     @property
     def optimizer(self) -> LionCub:
@@ -621,8 +649,7 @@ class ReplicaGroup(_Member):
         if self.group_world_size > 1:  # the group's ranks healed alike (each from its peer rank), or none
             healed = agree_on_heal(self._healed, self.group_world_size, self.group_pg)
         if healed is not None:
-            if self._shares:
-                self._shares.broadcast()
+            self._broadcast_shares()
             source, nbytes = healed
             self.heals.append(Heal(opt.global_step, source, nbytes, time.perf_counter() - started))
             self._snapshot = self._take()
@@ -720,8 +747,7 @@ class ReplicaGroup(_Member):
             self._put_back()
             self.skipped += 1
             stands = False
-        if self._shares:  # the group's ranks agree on the commit (should_commit): share what stands
-            self._shares.broadcast()
+        self._broadcast_shares()  # the group's ranks agree on the commit (should_commit): share what stands
         return stands
 
     def finish(self) -> Agreement:
@@ -762,8 +788,17 @@ class ReplicaGroup(_Member):
 
     # -- snapshot and heal ---------------------------------------------------------------------------
 
+    def _broadcast_shares(self) -> None:
+        """In a group of several ranks voting on shares of whole tensors, each rank's share to the others
+        of the group (``opt.shares.broadcast()``, collective in ``group_pg``); else nothing."""
+        shares = self.optimizer.shares
+        if shares is not None:
+            shares.broadcast()
+
     def _params(self) -> list[torch.Tensor]:
-        return [p for g in self.optimizer.param_groups for p in g["params"]]
+        """The parameters this rank votes on: all of the optimizer's, or its share (``opt.shares``)."""
+        groups = self.optimizer.shares.param_groups if self.optimizer.shares else self.optimizer.param_groups
+        return [p for g in groups for p in g["params"]]
 
     def _tensors(self) -> list[torch.Tensor]:
         """The parameters as this rank holds them: FSDP2's ``DTensor`` s as their local shards (views of

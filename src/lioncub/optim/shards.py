@@ -37,8 +37,8 @@ shards), ``overlap_with`` (a DDP hook; FSDP2 has none of DDP's buckets).
 
 The same mesh with plain parameters is DDP inside the shard dimension (:class:`ShareView`): a rank's part
 is a share of whole tensors (:func:`share_owners`), voted on with its ``"replicate"`` group and
-broadcast to its replica after the step (:func:`broadcast_shares`); the fault-tolerant replica groups of
-several ranks (:mod:`lioncub.integrations.group_shares`) use the same two functions.
+broadcast to its replica after the step (:func:`broadcast_shares`); with ``VoteMesh(..., broadcast=
+"caller")`` the caller broadcasts (the fault-tolerant replica groups of several ranks, once a step stands).
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ process that votes with the other groups through :class:`lioncub.integrations.to
 
 1. The workload (data shard G·L + ℓ of ``--nproc`` for rank ℓ of group G), the model (every group builds
    the same one from the seed; in a group of several ranks wrapped in DDP over them) and the variant's
-   ``LionCub`` over the group's :class:`~lioncub.collectives.GroupComm` (with L > 1 over this rank's
-   share of the parameters, :func:`lioncub.integrations.group_shares.share_of`; with ``--fsdp`` the model
+   ``LionCub`` over the group's :class:`~lioncub.collectives.GroupComm` (with L > 1 over
+   ``VoteMesh(group.comm, the group's world, broadcast="caller")``, each rank voting on its share of whole
+   tensors, ``opt.shares``, broadcast to the group after the commit; with ``--fsdp`` the model
    sharded over the group's own ``(1, L)`` mesh and ``LionCub`` over ``VoteMesh(group.comm, mesh)``, each
    rank voting on its shards), attached to the ``ReplicaGroup``. The group's rank 0 writes its files. The
    loop's position (the last step finished and the training seconds so far) is state a healing group takes
@@ -71,7 +72,6 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lioncub import env
-from lioncub.integrations.group_shares import share_of
 from lioncub.integrations.torchft import (
     DiLoCoGroup,
     Heal,
@@ -337,8 +337,9 @@ def _group(
 ) -> tuple[ReplicaGroup | DiLoCoGroup, loop.OptimizerSetup]:
     """This replica group and its optimizer: the variant's ``LionCub`` over a :class:`ReplicaGroup`, or
     for ``torchft-diloco`` lioncub's ``Lion`` inside torchft's DiLoCo (:class:`DiLoCoGroup`). In a group of
-    several ranks (``--nnodes``) ``model`` is DDP over the group's ranks and this rank's ``LionCub`` steps
-    and votes its share of the parameters (:func:`lioncub.integrations.group_shares.share_of`); with
+    several ranks (``--nnodes``) ``model`` is DDP over the group's ranks and this rank's ``LionCub`` votes
+    its share of the parameters (``VoteMesh(group.comm, None, broadcast="caller")``: ``opt.shares``, whose
+    broadcast the ``ReplicaGroup`` runs once the step stands); with
     ``--fsdp`` (``mesh``: the group's own ``(1, L)`` mesh) ``model`` is sharded over the group's ranks and
     ``LionCub`` votes on this rank's shards with the same shard rank of the other groups
     (``VoteMesh(group.comm, mesh)``)."""
@@ -379,13 +380,10 @@ def _group(
         assert isinstance(setup.opt, LionCub)
         group.attach(setup.opt)
         return group, setup
-    params = list(getattr(model, "module", model).parameters())
-    mine = {id(p) for p in share_of(params, size, group.group_rank)}
-    setup = loop.build_optimizer(
-        config, wl, model, 1, process_group=group.comm, keep=(lambda p: id(p) in mine) if size > 1 else None
-    )
+    shares = VoteMesh(group.comm, None, broadcast="caller")  # each rank its share, broadcast at the commit
+    setup = loop.build_optimizer(config, wl, model, 1, process_group=shares if size > 1 else group.comm)
     assert isinstance(setup.opt, LionCub)
-    group.attach(setup.opt, params if size > 1 else None)
+    group.attach(setup.opt)
     return group, setup
 
 
@@ -619,7 +617,7 @@ class _GroupLoop:
         ends = group.step_ends_boundary
         committed = group.step()
         self.stood = ends and committed
-        self.model.zero_grad(set_to_none=True)  # all of them: in a group of ranks the optimizer has a share
+        self.model.zero_grad(set_to_none=True)  # every parameter's, the ones of other ranks' shares too
         t3 = self.clock()
         rec = loop.step_record(self.setup, step, t2 - t1, t3 - t2, None)
         rec["step_s"] += t1 - t0

@@ -143,14 +143,12 @@ def build_optimizer(
     model: torch.nn.Module,
     world_size: int,
     process_group: Any = None,
-    keep: Callable[[torch.Tensor], bool] | None = None,
 ) -> OptimizerSetup:
     """Wrap ``model`` in DDP (world size > 1) and build the variant's optimizer over the workload's groups;
     ``process_group``: what a ``LionCub`` votes over (default: the global group; a replica group's
     :class:`~lioncub.collectives.GroupComm` in a fault-tolerant run, with ``world_size`` 1; with ``--fsdp``
-    the nodes' mesh, ``model`` sharded over it and not wrapped in DDP). ``keep``: the
-    parameters the optimizer steps (default: all; a rank of a replica group of several ranks: its share),
-    param groups left empty are dropped."""
+    the nodes' mesh, ``model`` sharded over it and not wrapped in DDP; a replica group of several ranks: a
+    :class:`~lioncub.optim.topology.VoteMesh`)."""
     options, fsdp = config.optimizer, config.cluster.fsdp
     ddp: DistributedDataParallel | None = None
     if world_size > 1 and not fsdp:  # sharded (--fsdp): FSDP2 already reduce-scatters inside the node
@@ -162,9 +160,6 @@ def build_optimizer(
         )
         model = ddp
     groups = wl.param_groups(model)
-    if keep is not None:
-        groups = [{**g, "params": [p for p in g["params"] if keep(p)]} for g in groups]
-        groups = [g for g in groups if g["params"]]
     if options.variant in BASELINES and options.local_steps is None:
         traffic: GradientTraffic | None = None
         if world_size > 1:

@@ -390,6 +390,7 @@ def test_nodes_sharded_stopped_and_resumed_end_with_the_bits_of_the_whole_run() 
     run_dir, _ = finished("nodes, fsdp, stopped")  # the resume went on in it
     out = (background.workdir("ft_runs") / f"{ft_runs.slug('nodes, fsdp, resumed')}.out").read_text()
     assert "40 steps" in out, out[-3000:]
+    assert f"lioncub: resumed from {run_dir / 'checkpoints' / 'step_00000028'} at step 28" in out, out[-3000:]
     # the stop's checkpoint of step 28, then the resumed launch's (it went on from there, not from step 1)
     g0 = run_dir / "groups" / "g0.jsonl"
     assert [r["step"] for r in records(g0, "checkpoint")] == [8, 16, 24, 28, 32, 40]

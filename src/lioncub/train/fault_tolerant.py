@@ -394,7 +394,7 @@ def _rewind_to_latest(
 ) -> tuple[Resumed, int]:
     """Before launch ``attempt`` (0: the first; then a restart of ``restarts``): the newest complete
     checkpoint's step (0: none), the groups' files rewound to it (:func:`rewind`), and the schedule seen
-    from it. A restart says where it starts from."""
+    from it. A restart says where it starts from, and so does a resume."""
     meta = checkpoint.latest(run_dir)
     step = meta.step if meta is not None else 0
     groups = config.cluster.replica_groups
@@ -402,6 +402,8 @@ def _rewind_to_latest(
         where = f"its newest complete checkpoint, {meta.path}" if meta is not None else "step 0 (none)"
         text = f"restart {attempt} of {restarts} (--restarts): the job goes on from {where}"
         print(f"lioncub: {text}", file=err, flush=True)
+    elif meta is not None:  # --resume (as a plain run says it; a checkpoint found past `latest` said so)
+        print(f"lioncub: resumed from {meta.path} at step {step}", file=err, flush=True)
     rewind(run_dir, step, groups, config.cluster.nproc, lambda text: print(f"lioncub: {text}", file=err))
     return schedule_after(faults, groups, step), step
 

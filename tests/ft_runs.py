@@ -50,18 +50,18 @@ RUNS["checkpoints, resumed"] = ["--resume", "--restarts", "1", "--no-progress"]
 RESUMES = {"checkpoints, resumed": "checkpoints, stopped"}
 #: the exit status each run ends with (0 if not named)
 EXPECTED_RC = {"straggler": 3}
-#: 2 emulated nodes of 2 ranks, each node a group (DDP inside), node 1 SIGKILLed after step 12 and started
-#: again at step 24: root only (network namespaces), run when ``NODES`` is given
-NODES = ["--variant", "1bit", "--nnodes", "2", "--nproc-per-node", "2", "--link", "1gbit", "--steps", "40"]
-NODES += ["--eval-every", "20", "--kill", "1@12", "--rejoin", "1@24"]
+#: 2 emulated nodes of 2 ranks, each node a group (DDP inside), node 1 SIGKILLed after step 8 and started
+#: again at step 16: root only (network namespaces), run when ``NODES`` is given
+NODES = ["--variant", "1bit", "--nnodes", "2", "--nproc-per-node", "2", "--link", "1gbit", "--steps", "24"]
+NODES += ["--eval-every", "12", "--kill", "1@8", "--rejoin", "1@16"]
 #: the same with each node's ranks sharding the model (FSDP2), healing shard by shard, a checkpoint every 8
 #: steps (each rank's part its shards) (root only too)
 NODES_FSDP = [*NODES, "--fsdp", "--checkpoint-every", "8"]
-#: the same stopped after step 28 (node 1 back since step 25), then resumed (:data:`RESUMES`) to step 40
+#: the same stopped after step 20 (node 1 back since step 17), then resumed (:data:`RESUMES`) to step 24
 NODES_RUNS = {
     "nodes": NODES,
     "nodes, fsdp": NODES_FSDP,
-    "nodes, fsdp, stopped": [*NODES_FSDP, "--stop-at", "28"],
+    "nodes, fsdp, stopped": [*NODES_FSDP, "--stop-at", "20"],
     "nodes, fsdp, resumed": ["--resume", "--no-progress"],
 }
 RESUMES["nodes, fsdp, resumed"] = "nodes, fsdp, stopped"

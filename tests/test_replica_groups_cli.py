@@ -315,27 +315,27 @@ def test_every_group_of_the_quorum_keeps_its_own_part_atomically_and_one_model()
 @pytest.mark.root
 def test_nodes_of_two_ranks_are_groups_that_heal_and_agree() -> None:
     """``--nnodes 2 --nproc-per-node 2 --fault-tolerant``: each node one group (DDP inside, one voter), node
-    1 killed after step 12 and started again at step 24: 2, 1, then 2 participants; its two ranks heal at
-    step 24, each from its peer rank of node 0; at the end the two ranks of each node and the two nodes hold
+    1 killed after step 8 and started again at step 16: 2, 1, then 2 participants; its two ranks heal at
+    step 16, each from its peer rank of node 0; at the end the two ranks of each node and the two nodes hold
     the same parameters; each step's bytes: a rank's (its share of the vote, and DDP's ring and the share
     broadcasts inside the node), and the node's NIC (both ranks' shares)."""
     run_dir, stdout = finished("nodes")
     steps = log(run_dir, "step")
-    assert [r["participants"] for r in steps] == [2] * 12 + [1] * 12 + [2] * 16
-    assert all(r["committed"] for r in steps) and [r["step"] for r in steps] == list(range(1, 41))
+    assert [r["participants"] for r in steps] == [2] * 8 + [1] * 8 + [2] * 8
+    assert all(r["committed"] for r in steps) and [r["step"] for r in steps] == list(range(1, 25))
     ft = json.loads((run_dir / "summary.json").read_text())["fault_tolerance"]
     assert ft["replicas_equal"] and ft["groups_finished"] == [0, 1]
     ends = [json.loads((run_dir / f"groups/g{g}.end.json").read_text()) for g in (0, 1)]
     assert [e["ranks_equal"] for e in ends] == [True, True]
     (heal,) = ft["heals"]
     params = json.loads((run_dir / "summary.json").read_text())["params"]
-    assert (heal["group"], heal["step"], heal["source"]) == (1, 24, "g0")
+    assert (heal["group"], heal["step"], heal["source"]) == (1, 16, "g0")
     assert heal["nbytes"] >= 2 * 4 * params  # both ranks' shares: the parameters and their momenta, fp32
     # through a node's NIC a 1-bit vote of the whole model per step: N = 2 groups, ~2·(N−1)/N·d/8 bytes (one
     # rank's share alone would be about half of it); inside it, per rank, DDP's fp32 ring of 2 ranks (4·d)
     # and the broadcast of its share of the parameters (2·d, the mean)
     inside = 6 * params
-    for r in steps[:12]:
+    for r in steps[:8]:
         assert r["nic_bytes"] >= params / 8 and r["intra_bytes"] == inside, r
         assert r["bytes_sent"] == pytest.approx(r["nic_bytes"] / 2 + inside), r  # a rank's: its share
     summary = json.loads((run_dir / "summary.json").read_text())  # a rank's, as its line says
@@ -348,7 +348,7 @@ def test_nodes_of_two_ranks_are_groups_that_heal_and_agree() -> None:
 @pytest.mark.root
 def test_nodes_sharded_over_their_ranks_heal_shard_by_shard_as_ddp_inside() -> None:
     """The same run with ``--fsdp``: each node's group shards the model over its two ranks (FSDP2) and votes
-    on each rank's shard with the same shard rank of the other node; node 1's ranks heal at step 24, each
+    on each rank's shard with the same shard rank of the other node; node 1's ranks heal at step 16, each
     from the same shard rank of node 0. Held to the run without ``--fsdp`` (DDP inside: the same two voters,
     each node's gradient its ranks' mean, a/2 + b/2 = (a + b)/2 in floats): the same loss at every step, the
     same final validation loss and model, to the last bit; half the parameter and gradient bytes per rank,
@@ -356,8 +356,8 @@ def test_nodes_sharded_over_their_ranks_heal_shard_by_shard_as_ddp_inside() -> N
     run_dir, stdout = finished("nodes, fsdp")
     whole, _ = finished("nodes")
     steps, plain = log(run_dir, "step"), log(whole, "step")
-    assert [r["participants"] for r in steps] == [2] * 12 + [1] * 12 + [2] * 16
-    assert all(r["committed"] for r in steps) and [r["step"] for r in steps] == list(range(1, 41))
+    assert [r["participants"] for r in steps] == [2] * 8 + [1] * 8 + [2] * 8
+    assert all(r["committed"] for r in steps) and [r["step"] for r in steps] == list(range(1, 25))
     assert [r["loss"] for r in steps] == [r["loss"] for r in plain]
     assert [r["val_loss"] for r in log(run_dir, "eval")] == [r["val_loss"] for r in log(whole, "eval")]
     ours, theirs = (torch.load(d / "model.pt") for d in (run_dir, whole))
@@ -366,7 +366,7 @@ def test_nodes_sharded_over_their_ranks_heal_shard_by_shard_as_ddp_inside() -> N
     ft, params = summary["fault_tolerance"], summary["params"]
     assert ft["replicas_equal"] and ft["groups_finished"] == [0, 1]
     (heal,) = ft["heals"]
-    assert (heal["group"], heal["step"], heal["source"]) == (1, 24, "g0")  # both ranks, each from g0's rank
+    assert (heal["group"], heal["step"], heal["source"]) == (1, 16, "g0")  # both ranks, each from g0's rank
     assert heal["nbytes"] >= 2 * 4 * params  # the two ranks' shards: the parameters and their momenta, fp32
     memory, dense = summary["memory"], json.loads((whole / "summary.json").read_text())["memory"]
     for key in ("parameters", "gradients"):  # the largest rank's shards: about half of each tensor
@@ -381,32 +381,32 @@ def test_nodes_sharded_over_their_ranks_heal_shard_by_shard_as_ddp_inside() -> N
 @pytest.mark.background("ft_runs")
 @pytest.mark.root
 def test_nodes_sharded_stopped_and_resumed_end_with_the_bits_of_the_whole_run() -> None:
-    """The sharded run with a checkpoint every 8 steps, stopped after step 28 (node 1 killed after step 12,
-    back and healed at step 24) and resumed in its directory: each rank loads its own shards of the
+    """The sharded run with a checkpoint every 8 steps, stopped after step 20 (node 1 killed after step 8,
+    back and healed at step 16) and resumed in its directory: each rank loads its own shards of the
     parameters and of the optimizer state from its part, and the job ends with the whole run's bits (the
     digest, ``model.pt``), quorums and losses. Each rank's part holds its shards, not the whole model;
-    a checkpoint's ``model.pt`` is the gathered whole model (that of step 40: the final one)."""
+    a checkpoint's ``model.pt`` is the gathered whole model (that of step 24: the final one)."""
     whole, _ = finished("nodes, fsdp")
     run_dir, _ = finished("nodes, fsdp, stopped")  # the resume went on in it
     out = (background.workdir("ft_runs") / f"{ft_runs.slug('nodes, fsdp, resumed')}.out").read_text()
-    assert "40 steps" in out, out[-3000:]
-    assert f"lioncub: resumed from {run_dir / 'checkpoints' / 'step_00000028'} at step 28" in out, out[-3000:]
-    # the stop's checkpoint of step 28, then the resumed launch's (it went on from there, not from step 1)
+    assert "24 steps" in out, out[-3000:]
+    assert f"lioncub: resumed from {run_dir / 'checkpoints' / 'step_00000020'} at step 20" in out, out[-3000:]
+    # the stop's checkpoint of step 20, then the resumed launch's (it went on from there, not from step 1)
     g0 = run_dir / "groups" / "g0.jsonl"
-    assert [r["step"] for r in records(g0, "checkpoint")] == [8, 16, 24, 28, 32, 40]
-    assert [r["step"] for r in records(g0, "step")] == list(range(1, 41))
+    assert [r["step"] for r in records(g0, "checkpoint")] == [8, 16, 20, 24]
+    assert [r["step"] for r in records(g0, "step")] == list(range(1, 25))
     a, b = (json.loads((d / "summary.json").read_text())["fault_tolerance"] for d in (whole, run_dir))
     assert b["replicas_equal"] and b["groups_finished"] == [0, 1] and b["digest"] == a["digest"]
-    assert [(h["group"], h["step"], h["source"]) for h in b["heals"]] == [(1, 24, "g0")]
+    assert [(h["group"], h["step"], h["source"]) for h in b["heals"]] == [(1, 16, "g0")]
     for kind, keys in (("step", ("step", "participants", "loss")), ("eval", ("step", "val_loss"))):
         assert [[r[k] for k in keys] for r in log(run_dir, kind)] == [
             [r[k] for k in keys] for r in log(whole, kind)
         ]
     final = torch.load(whole / "model.pt", weights_only=True)
-    for d in (run_dir, whole / "checkpoints" / "step_00000040"):
+    for d in (run_dir, whole / "checkpoints" / "step_00000024"):
         saved = torch.load(d / "model.pt", weights_only=True)
         assert saved.keys() == final.keys() and all(torch.equal(saved[k], final[k]) for k in final), d
-    path = whole / "checkpoints" / "step_00000040"
+    path = whole / "checkpoints" / "step_00000024"
     meta = json.loads((path / "meta.json").read_text())
     assert sorted(n for n in meta["sha256"] if n.startswith("rank")) == [f"rank{k}.pt" for k in range(4)]
     params = json.loads((whole / "summary.json").read_text())["params"]
@@ -697,3 +697,28 @@ def test_the_launcher_times_out_with_the_groups_still_running(tmp_path: Path, li
     )
     assert result.timed_out and result.returncode == 124
     assert result.message == "timed out; groups still running: 1"
+
+
+def test_a_kill_step_counts_for_the_schedule_once_the_group_holds(tmp_path: Path) -> None:
+    """The launcher SIGKILLs group G after its step N only once G logged its ``hold`` (written after its
+    part of a checkpoint of step N is on disk), not at the step record: a kill that coincided with a
+    checkpoint step lost the part, and the first participant waited out --collective-timeout for it (seen
+    with ``--checkpoint-every 8 --kill 1@8`` on nodes sharded with --fsdp). Other steps count at once."""
+    from lioncub.train.fault_tolerant import GroupLogs
+    from lioncub.train.replica_group import log_name
+
+    (tmp_path / "groups").mkdir()
+    logs = GroupLogs(tmp_path, 2, {(1, 8)})
+    lines = {0: [], 1: []}
+
+    def write(group: int, rec: dict) -> None:
+        lines[group].append(json.dumps(rec) + "\n")
+        (tmp_path / log_name(group)).write_text("".join(lines[group]))
+
+    for step in range(1, 9):
+        write(0, {"kind": "step", "step": step})
+        write(1, {"kind": "step", "step": step})
+    write(1, {"kind": "checkpoint", "step": 8})
+    assert (logs.progress(0), logs.progress(1)) == (8, 7)  # group 1's step 8 is a kill's: not yet
+    write(1, {"kind": "hold", "step": 8, "group": 1})
+    assert logs.progress(1) == 8

@@ -33,7 +33,7 @@ import json
 import os
 import sys
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -93,12 +93,16 @@ UNEQUAL_RC = 4
 
 class GroupLogs:
     """The groups' logs as they grow: :meth:`progress` is the last step a group finished (its ``step`` or
-    ``hold`` records), read incrementally; what the failure schedule waits on."""
+    ``hold`` records), read incrementally; what the failure schedule waits on. A step of the group's
+    ``kills`` counts once its ``hold`` record is there: the group writes that after its part of a
+    checkpoint of the step is on disk (a SIGKILL at the step record lost it, and the first participant then
+    waited out --collective-timeout for the missing part)."""
 
-    def __init__(self, run_dir: Path, groups: int) -> None:
+    def __init__(self, run_dir: Path, groups: int, kills: Collection[tuple[int, int]] = ()) -> None:
         self.paths = [run_dir / log_name(g) for g in range(groups)]
         self.offsets = [0] * groups
         self.last = [0] * groups
+        self.kills = set(kills)  # (group, step) of the kills still to come
 
     def progress(self, group: int) -> int:
         path = self.paths[group]
@@ -112,8 +116,11 @@ class GroupLogs:
         self.offsets[group] += len(complete)
         for line in complete.splitlines():
             rec = json.loads(line)
-            if rec.get("kind") in ("step", "hold"):
-                self.last[group] = max(self.last[group], int(rec["step"]))
+            kind, step = rec.get("kind"), rec.get("step")
+            if kind == "hold" or (kind == "step" and (group, step) not in self.kills):
+                self.last[group] = max(self.last[group], int(step))
+            elif kind == "step":  # a kill's step: finished once held
+                self.last[group] = max(self.last[group], int(step) - 1)
         return self.last[group]
 
 
@@ -298,7 +305,8 @@ def _attempt(
         title = f"{progress_title(config, label)} (group {followed})"
         bar = Progress(run_dir / log_name(followed), title, start, config.run.steps, err)
         bar.start()
-    logs = GroupLogs(run_dir, cluster.replica_groups)
+    kill_steps = {(f.group, f.step) for f in resumed.pending if f.kind == "kill"}
+    logs = GroupLogs(run_dir, cluster.replica_groups, kill_steps)
     try:
         return _launch(
             launch_config,

@@ -1,6 +1,7 @@
 """The wheel as users install it (issue 48, item 1): built from the clone's sources, installed into a fresh
-venv, run from outside the clone (``wheel_runs.py``, one background job of ~17 CPU-s: the build, the
-install, two ``lioncub train`` runs of 2 ranks and a probe of the installed package); and the commands it
+venv, run from outside the clone (``wheel_runs.py``, one background job of ~10 CPU-s: the build, the
+install, ``lioncub --version``, then in one interpreter two ``lioncub train`` runs of 2 ranks and a probe of
+the installed package); and the commands it
 ships for its data and version (``lioncub data fetch|list``, ``lioncub --version``), in this process."""
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def results() -> dict:
 def _ok(results: dict, key: str) -> dict:
     """The step ``key`` of the job, asserted to have run and exited 0 (else its output)."""
     assert results["install"]["rc"] == 0, results["install"]
+    assert key in results, results.get("driver")  # the driver (wheel_runs.DRIVER) ended before it
     assert results[key]["rc"] == 0, f"{results[key]['cmd']}:\n{results[key]['out']}\n{results[key]['err']}"
     return results[key]
 

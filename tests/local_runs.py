@@ -1,5 +1,6 @@
 """The runs of tests/test_local_steps_cli.py's mid-window resume, one after the other in ONE interpreter
-(one zygote for every run's ranks), started in the background when collection ends (tests/background.py):
+(one zygote for every run's ranks): tests/compare_runs.py's, between its two comparisons (the background
+job ``compares``, started when collection ends: tests/background.py), or alone:
 
     python tests/local_runs.py OUT
 

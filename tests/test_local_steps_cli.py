@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import background
+import compare_runs
 import local_runs
 from lioncub import cli
 from lioncub.cli.options import config_from_args
@@ -20,8 +21,6 @@ from lioncub.report.runs import RunLog, per_step_median
 from lioncub.train import checkpoint
 from lioncub.train.config import TrainConfig
 from train_runs import expected_bytes, records, train
-
-from processes import python_cmd
 
 # -- names ---------------------------------------------------------------------------------------------
 
@@ -243,28 +242,26 @@ def test_the_report_takes_medians_over_windows() -> None:
 
 # -- lioncub train --local-steps ---------------------------------------------------------------------------
 
-#: subprocess.run(python tests/local_runs.py WORKDIR, ...), started in the background when collection ends
-#: (tests/background.py): the three runs of the mid-window resume, one interpreter
-BACKGROUND = {
-    "local_runs": lambda: background.Subprocess(
-        lambda workdir: python_cmd(local_runs.__file__, str(workdir)), 300
-    )
-}
+#: tests/compare_runs.py's job (shared with tests/test_train.py and tests/test_cli_output.py), started in the
+#: background when collection ends (tests/background.py): the three runs of the mid-window resume
+#: (tests/local_runs.py) in its interpreter, their ranks forked from its zygote, in ``WORKDIR/local``
+BACKGROUND = {"compares": compare_runs.job}
 
 
 @pytest.mark.slow
-@pytest.mark.background("local_runs")
+@pytest.mark.background("compares")
 def test_train_with_local_steps_resumes_from_the_middle_of_a_window_bitwise(
     capsys: pytest.CaptureFixture,
 ) -> None:
     """A stop after step 3 and a resume (given the default ``--outer-lr 1``) give the uninterrupted run bit
     for bit: every rank's replica comes back from its optimizer state (the checkpoint's model file is rank
     0's); the ranks send only at the outer steps, the 1-bit vote of the model and the step check. The runs
-    (tests/local_runs.py) ran in the background."""
-    done = background.result("local_runs", BACKGROUND["local_runs"])
-    workdir = background.workdir("local_runs")
+    (tests/local_runs.py) ran in the background, in tests/compare_runs.py's job."""
+    done = background.result("compares", BACKGROUND["compares"])
+    workdir = background.workdir("compares") / "local"
     printed = [path.read_text()[-2000:] for path in sorted(workdir.glob("*.out"))]
-    assert done.returncode == 0 and len(printed) == len(local_runs.RUNS), f"{done.stderr[-2000:]}{printed}"
+    failed = (workdir / "failed").read_text() if (workdir / "failed").exists() else None
+    assert failed == "0" and len(printed) == len(local_runs.RUNS), f"{done.stderr[-2000:]}{printed}"
     whole, parts = workdir / "whole", workdir / "parts"
     steps, stop = local_runs.STEPS, local_runs.STOP
     assert (

@@ -30,8 +30,6 @@ from lioncub.train.config import BASELINES, TrainConfig, lr_factor
 from lioncub.train.memory import MEMORY_KEYS
 from train_runs import TINY, expected_bytes, records, train
 
-from processes import python_cmd
-
 ALL_VARIANTS = sorted({*PRESETS, *BASELINES})
 
 
@@ -365,12 +363,9 @@ def test_resume_refuses_another_world_size_or_variant(
     assert json.loads((out / "summary.json").read_text())["world_size"] == 1
 
 
-def _compare_runs() -> background.Subprocess:
-    return background.Subprocess(lambda workdir: python_cmd(compare_runs.__file__, str(workdir)), 300)
-
-
 #: the two comparisons of tests/compare_runs.py, one after the other in one interpreter, in the background
-BACKGROUND = {"compares": _compare_runs}
+#: (the job shared with tests/test_cli_output.py and tests/test_local_steps_cli.py)
+BACKGROUND = {"compares": compare_runs.job}
 
 
 def compare_run(name: str) -> tuple[Path, str]:

@@ -33,6 +33,7 @@ import io
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
@@ -81,6 +82,60 @@ def grid(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """float32 multiples of 2^-6 in (−4, 4) (module docstring)."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(-255, 256, shape, generator=gen).to(torch.float32) / 64
+
+
+# ------------------------------------------------------------------------------------ Triton's interpreter
+
+_PATCHED = threading.local()  # .langs: ids of the globals whose language this thread's launch patched
+
+
+def interpreter_patches_once() -> bool:
+    """Make Triton's interpreter (``TRITON_INTERPRET=1``: a dry run, the suite's interpreter cases) patch
+    ``triton.language`` once per globals per launch instead of at every call of a ``@triton.jit`` helper.
+
+    The interpreter's launch patches the language seen from the kernel's globals (builtins wrapped for
+    numpy, restored after the launch); each call of a helper inside it patches the language seen from the
+    helper's globals again (``inspect.getmembers`` over ``triton.language``: about a third of the
+    interpreter's time in these kernels) and never restores that. Within one launch a second patch from
+    the same globals finds every builtin already wrapped and sets the other attributes to equal values: it
+    changes nothing, and here it is skipped (the first one from each globals, e.g. ``triton.language.
+    standard``'s, still runs). Kernels, programs and numpy arithmetic are the interpreter's own. Returns
+    whether the interpreter is patched (False, and nothing changed, if Triton or the two functions are
+    missing); idempotent, per thread."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    executor = getattr(interpreter, "GridExecutor", None)
+    scope = getattr(interpreter, "_LangPatchScope", None)
+    if patch_lang is None or executor is None or scope is None or "__call__" not in vars(executor):
+        return False
+    if getattr(patch_lang, "patches_once", False):
+        return True
+    launch = executor.__call__
+
+    def once(fn: Any) -> Any:
+        langs = getattr(_PATCHED, "langs", None)
+        if langs is None:  # outside a launch: as the interpreter does
+            return patch_lang(fn)
+        if id(fn.__globals__) in langs:
+            return scope()  # nothing patched, nothing to restore
+        langs.add(id(fn.__globals__))
+        return patch_lang(fn)
+
+    def launch_patching_once(self: Any, *args: Any, **kwargs: Any) -> Any:
+        outer = getattr(_PATCHED, "langs", None)
+        _PATCHED.langs = set()
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            _PATCHED.langs = outer
+
+    once.patches_once = True  # type: ignore[attr-defined]  # marks the module patched
+    interpreter._patch_lang = once
+    executor.__call__ = launch_patching_once
+    return True
 
 
 # ------------------------------------------------------------------------------------ sections

@@ -44,8 +44,17 @@ def test_the_readme_has_examples() -> None:
     assert any("LionCub(" in b for b in blocks)
 
 
+#: what the ranks' interpreter imported before it forked them: torch and lioncub (``lioncub launch
+#: --preload``; two fresh interpreters each importing torch cost ~3 CPU-s more, and the examples do not
+#: depend on a fresh start: the blocks import what they use, the test checks that below)
+PRELOAD = "torch,torch._dynamo,torch.distributed,torch.nn.parallel,lioncub"
+#: ``lioncub ARGV`` (as ``python -m lioncub`` runs it) in the directory ``sys.argv[1]``, where the ranks run
+IN_DIR = "import os, sys; os.chdir(sys.argv[1]); from lioncub.cli import main; sys.exit(main(sys.argv[2:]))"
+
+
 def _launch_the_examples(workdir: Path) -> list[str]:
-    """Writes the examples' script into ``workdir``; the command that runs it on 2 ranks."""
+    """Writes the examples' module ``readme_examples`` into ``workdir``; the command that runs it on 2 ranks
+    (``lioncub launch --preload ... -- -m readme_examples``, in ``workdir``)."""
     blocks = python_blocks()
     script = workdir / "readme_examples.py"
     body = "\n".join(
@@ -53,7 +62,8 @@ def _launch_the_examples(workdir: Path) -> list[str]:
         for i, block in enumerate(blocks)
     )
     script.write_text(PRELUDE + "\n" + body + "\ntorch.distributed.destroy_process_group()\n")
-    return python_cmd("-m", "lioncub", "launch", "--nproc", "2", "--timeout", "120", "--", str(script))
+    launch = ["launch", "--nproc", "2", "--timeout", "120", "--preload", PRELOAD]
+    return python_cmd("-c", IN_DIR, str(workdir), *launch, "--", "-m", "readme_examples")
 
 
 #: subprocess.run(command, capture_output=True, text=True, timeout=180), started in the background when

@@ -34,7 +34,8 @@ past its bound, without stopping it. ``--fail-section NAME`` (repeatable), the g
 section NAME raise at its end, after its work.
 
 ``--dry-run`` runs the same code paths on the CPU at small sizes: the Triton kernels in Triton's
-interpreter (``TRITON_INTERPRET=1``), gloo instead of NCCL, wall-clock timing (its numbers mean nothing);
+interpreter (``TRITON_INTERPRET=1``; section 3's CPU reference on the C kernels, as beside a GPU: the
+two compared), gloo instead of NCCL, wall-clock timing (its numbers mean nothing);
 ``--ranks K`` adds section 3 on K CPU processes (with the CPU kernels: the interpreter ran it at N = 1).
 Without CUDA and without ``--dry-run`` it says so and exits 2. Exit 1 when a correctness check or a
 section failed. The table printed last lists every measurement next to its target, and every section

@@ -14,7 +14,9 @@ The data of the cross-device checks lies on a grid of multiples of 2^-6 below 4 
 (0.5, 0.5), and no tensor has more than 2^16 elements: every contribution, momentum and quantizer
 normaliser (a sum of |c|, below 2^18) is then exact in float32, so the CPU's and the GPU's reductions,
 which add in different orders and widths, agree to the bit and any difference is a defect. The overlap
-check compares two runs on the same device and takes any data.
+check compares two runs on the same device and takes any data. The CPU reference runs the path CPU
+tensors take beside a GPU (the C kernels, :func:`host_path`), in a dry run too, where the device's CPU
+tensors take the Triton kernels in Triton's interpreter.
 
 Each check is a section run under :class:`Sections`' guard: an exception marks the section FAIL with its
 traceback and the next section runs. On several ranks the ranks then agree (over a gloo group of their own)
@@ -136,6 +138,26 @@ def interpreter_patches_once() -> bool:
     interpreter._patch_lang = once
     executor.__call__ = launch_patching_once
     return True
+
+
+@contextlib.contextmanager
+def host_path() -> Iterator[None]:
+    """CPU tensors take, in the block, the path they take beside a GPU: the C kernels (or torch), not
+    Triton. Under ``TRITON_INTERPRET=1`` (a dry run) they would take the Triton kernels in Triton's
+    interpreter, the device's path: for the block :func:`lioncub.ops.triton_launch.interpreting` says
+    False, so the CPU reference is the GPU run's one and the dry run compares the interpreted Triton path
+    with it (a third of the interpreter's work less). Elsewhere nothing changes."""
+    from lioncub.ops import triton_launch
+
+    if not triton_launch.interpreting():
+        yield
+        return
+    saved = triton_launch.interpreting
+    triton_launch.interpreting = lambda: False
+    try:
+        yield
+    finally:
+        triton_launch.interpreting = saved
 
 
 # ------------------------------------------------------------------------------------ sections
@@ -264,7 +286,8 @@ def votes(device: torch.device, gloo: Any, check: Check, n: int) -> None:
     for step in (1, 2):  # both phases of the tie rule
         for name, make in makers.items():
             out_dev = make(comm_dev).start(local.to(device), step=step, segments=segments).wait()
-            out_cpu = make(comm_cpu).start(local.clone(), step=step, segments=segments).wait()
+            with host_path():
+                out_cpu = make(comm_cpu).start(local.clone(), step=step, segments=segments).wait()
             what = f"{name}, step {step} ({comm_dev.backend} vs gloo)"
             check("vote path", what, differing(out_dev, out_cpu))
 
@@ -275,7 +298,8 @@ def presets(device: torch.device, gloo: Any, check: Check) -> None:
 
     for preset in PRESETS:
         ours = _run(device, None, preset, 3)
-        ref = _run(torch.device("cpu"), gloo, preset, 3)
+        with host_path():
+            ref = _run(torch.device("cpu"), gloo, preset, 3)
         diff = sum(differing(a, b) for a, b in zip(ours, ref, strict=True))
         check("vote path", f"LionCub {preset}: 3 steps, parameters and momenta vs gloo", diff)
 
@@ -321,7 +345,8 @@ def local_steps(device: torch.device, gloo: Any, check: Check) -> None:
     for preset, rule in (("1bit", "vote"), ("4bit", "vote"), ("32bit", "diloco")):
         local = LocalSteps(h=2, outer=rule)
         ours = _run(device, None, preset, 5, local_steps=local)
-        ref = _run(torch.device("cpu"), gloo, preset, 5, local_steps=local)
+        with host_path():
+            ref = _run(torch.device("cpu"), gloo, preset, 5, local_steps=local)
         diff = sum(differing(a, b) for a, b in zip(ours, ref, strict=True))
         check("vote path", f"LionCub {preset}, local steps h=2 outer={rule}: 5 steps vs gloo", diff)
 

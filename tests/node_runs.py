@@ -1,19 +1,35 @@
-"""The launch of tests/test_nodes.py's wire-bytes test, started in the background when collection ends
-(tests/background.py); root only (network namespaces):
+"""The launches on emulated nodes of tests/test_fsdp_cli.py and tests/test_nodes.py, one after the other in
+ONE interpreter (one zygote for every launch's agents and ranks), started in the background when collection
+ends (tests/background.py); root only (network namespaces):
 
     python tests/node_runs.py OUT
 
-2 emulated nodes of 2 ranks behind 1 Gbit/s NICs run :data:`NODE_STEPS` (flat 1-bit LionCub) under
-``lioncub.launch.launch``. ``OUT/wire.json`` holds what the test reads: ``ok``, ``launch_id``, each node's
-NIC ``tx_bytes`` as the launcher counted them, and the launch's stdout and stderr.
+1. ``OUT/fsdp``: tests/fsdp_runs.py's sharded run and its resume (:func:`fsdp_runs.main`; ``runs.json``
+   holds each command's exit status and output);
+2. ``OUT/two_nodes``: ``lioncub train`` of the tiny GPT on 2 nodes × 2 ranks, ``--topology auto``
+   (:data:`TWO_NODES`); ``OUT/two_nodes.json`` its exit status, stdout and stderr;
+3. ``OUT/wire.json``: 2 emulated nodes of 2 ranks behind 1 Gbit/s NICs run :data:`NODE_STEPS` (flat 1-bit
+   LionCub) under ``lioncub.launch.launch``: ``ok``, ``launch_id``, each node's NIC ``tx_bytes`` as the
+   launcher counted them, and the launch's stdout and stderr.
+
+The exit status is the number of parts that failed. One job instead of one per part: each interpreter of
+its own costs ~2.5 s of CPU, and each zygote of its own (which a launch whose modules or environment differ
+starts) ~3 s more.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import fsdp_runs
+
+if TYPE_CHECKING:
+    import background
 
 M, L = 2, 2  # nodes, ranks per node
 D = 4_000_003  # parameters: not a multiple of 8·N, so padding travels too
@@ -91,15 +107,52 @@ dist.destroy_process_group()
 """
 
 
-def main(out: Path) -> int:
+#: ``lioncub train`` on 2 nodes of 2 ranks, the topology left to ``auto`` (tests/test_nodes.py)
+TWO_NODES = ["train", "--workload", "gpt", "--size", "tiny", "--variant", "8bit", "--nnodes", "2",
+             "--nproc-per-node", "2", "--link", "1gbit", "--steps", "2", "--eval-every", "0", "--no-progress",
+             "--topology", "auto"]  # fmt: skip
+
+
+def job() -> background.Subprocess | None:
+    """The background job ``node_runs`` (tests/test_fsdp_cli.py, tests/test_nodes.py); None without the
+    privileges to build network namespaces."""
+    import background  # the tests' modules: not needed where this file runs the launches
+    from emulated_network import netns_usable
+
+    from processes import python_cmd
+
+    if not netns_usable():
+        return None
+    return background.Subprocess(lambda workdir: python_cmd(__file__, str(workdir)), 600)
+
+
+def two_nodes(out: Path) -> int:
+    """:data:`TWO_NODES` into ``out/two_nodes`` (``lioncub.cli.main`` in this process): its exit status,
+    stdout and stderr in ``out/two_nodes.json``."""
+    from lioncub import cli
+
+    printed, errors = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
+        code = cli.main([*TWO_NODES, "--out", str(out / "two_nodes")])
+    doc = {"returncode": code, "out": printed.getvalue(), "err": errors.getvalue()}
+    (out / "two_nodes.json").write_text(json.dumps(doc))
+    return code
+
+
+def wire(out: Path) -> int:
+    """The launch of :data:`NODE_STEPS`: what tests/test_nodes.py's wire-bytes test reads in
+    ``out/wire.json``."""
     from lioncub.launch import LaunchConfig, launch
     from lioncub.launch.preload import MODULES
 
     from processes import PY
 
     stdout, stderr = io.StringIO(), io.StringIO()
-    config = LaunchConfig(  # torchrun's agents and ranks forked from one interpreter (as lioncub train's)
-        [PY, "-c", NODE_STEPS], nnodes=M, nproc_per_node=L, link_rate_bps=1e9, timeout_s=120, preload=MODULES
+    # torchrun's agents and ranks forked from one interpreter that imported lioncub train's modules: the
+    # zygote of the train runs before this launch
+    preload = (*MODULES, "lioncub.train.loop")
+    config = LaunchConfig(
+        [PY, "-c", NODE_STEPS], nnodes=M, nproc_per_node=L, link_rate_bps=1e9, timeout_s=120, preload=preload
     )
     result = launch(config, out=stdout, err=stderr)
     traffic = result.node_traffic
@@ -112,6 +165,13 @@ def main(out: Path) -> int:
     }
     (out / "wire.json").write_text(json.dumps(doc))
     return 0 if result.ok else 1
+
+
+def main(out: Path) -> int:
+    (out / "fsdp").mkdir()
+    failed = fsdp_runs.main(out / "fsdp") != 0
+    failed += two_nodes(out) != 0
+    return failed + wire(out)
 
 
 if __name__ == "__main__":

@@ -15,14 +15,12 @@ import torch
 
 import background
 import fsdp_runs
-from emulated_network import netns_usable
+import node_runs
 from lioncub.cli import compare as compare_cli
 from lioncub.cli import train as train_cli
 from lioncub.cli.options import config_for_name, config_from_args
 from lioncub.names import parse_run_name, run_label
 from lioncub.train.config import TrainConfig, check_start
-
-from processes import python_cmd
 
 NODES = fsdp_runs.NODES
 STEPS = fsdp_runs.STEPS
@@ -59,18 +57,13 @@ def test_a_sharded_run_resumes_on_its_own_nodes_only() -> None:
         config.replace(convert_momenta="average")
 
 
-#: the runs, one after another in one job (tests/fsdp_runs.py); nothing to run without root
-BACKGROUND = {
-    "fsdp_runs": lambda: (
-        background.Subprocess(lambda workdir: python_cmd(fsdp_runs.__file__, str(workdir)), 600)
-        if netns_usable()
-        else None
-    )
-}
+#: the runs (tests/fsdp_runs.py), one after another in the job of every launch on emulated nodes
+#: (tests/node_runs.py, shared with tests/test_nodes.py), in ``WORKDIR/fsdp``; nothing to run without root
+BACKGROUND = {"node_runs": node_runs.job}
 
 
 def _run_dir(which: str = "run") -> Path:
-    return background.workdir("fsdp_runs") / which
+    return background.workdir("node_runs") / "fsdp" / which
 
 
 def _summary(which: str = "run") -> dict:
@@ -96,7 +89,7 @@ def _fsdp_intra_bytes(model: torch.nn.Module, shards: int) -> int:
 
 @pytest.mark.root
 @pytest.mark.slow
-@pytest.mark.background("fsdp_runs")
+@pytest.mark.background("node_runs")
 def test_fsdp_runs_vote_between_nodes_on_shards() -> None:
     """The issue's Done-when on a local-steps run: parameters and gradients at most 0.6× an unsharded
     rank's per rank, a NIC that carries one vote per node, FSDP2's bytes inside it, a ``model.pt`` that is
@@ -106,9 +99,11 @@ def test_fsdp_runs_vote_between_nodes_on_shards() -> None:
     of the nodes' mean gradients: tests/test_shards.py.)"""
     from lioncub.train.workloads import make_workload
 
-    proc = background.result("fsdp_runs", BACKGROUND["fsdp_runs"])
-    runs = json.loads((background.workdir("fsdp_runs") / "runs.json").read_text())
-    assert proc.returncode == 0, [(r["argv"], r["out"], r["err"]) for r in runs if r["returncode"]]
+    proc = background.result("node_runs", BACKGROUND["node_runs"])
+    path = _run_dir("runs.json")
+    assert path.exists(), proc.stdout[-2000:] + proc.stderr[-3000:]
+    runs = json.loads(path.read_text())
+    assert [r["returncode"] for r in runs] == [0, 0], [(r["argv"], r["out"], r["err"]) for r in runs]
     wl = make_workload("gpt", "tiny", rank=0, world_size=1, seed=0)
     model = wl.build_model()
     d = sum(p.numel() for p in model.parameters())

@@ -12,13 +12,12 @@ import io
 import json
 import re
 import subprocess
-from pathlib import Path
 
 import pytest
 
 import background
 import node_runs
-from emulated_network import assert_nothing_left, netns_usable, tcp_payload
+from emulated_network import assert_nothing_left, tcp_payload
 from lioncub.cli import launch as launch_cli
 from lioncub.cli import train as train_cli
 from lioncub.cli.options import config_from_args
@@ -32,7 +31,7 @@ from lioncub.launch import (
 )
 from lioncub.launch.supervisor import TorchrunReport
 
-from processes import PY, python_cmd
+from processes import PY
 
 
 def _cli(argv: list[str]) -> argparse.Namespace:
@@ -244,7 +243,7 @@ def less_idle(record: dict, name: str) -> tuple[float, float]:
 
 @pytest.mark.root
 @pytest.mark.slow
-@pytest.mark.background("wire_bytes")
+@pytest.mark.background("node_runs")
 def test_two_nodes_of_two_ranks_wire_bytes_match_the_node_nic() -> None:
     """2 nodes × 2 ranks, flat 1-bit LionCub: torchrun's environment lays the ranks out node by node, and the
     bytes LionCub counts go through the node's NIC (to the 2 remote ranks) and its loopback (to the local
@@ -252,8 +251,8 @@ def test_two_nodes_of_two_ranks_wire_bytes_match_the_node_nic() -> None:
     ``bytes_retrans``) and less the control traffic the interfaces carry when idle (torchrun's agents poll
     their store at 10 Hz; measured in an idle window). Without those two a loaded CI-like run read +3 % on
     the loopback."""
-    proc = background.result("wire_bytes", BACKGROUND["wire_bytes"])
-    path = background.workdir("wire_bytes") / "wire.json"
+    proc = background.result("node_runs", BACKGROUND["node_runs"])
+    path = background.workdir("node_runs") / "wire.json"
     assert path.exists(), proc.stdout + proc.stderr
     done = json.loads(path.read_text())
     assert done["ok"], done["out"] + done["err"]
@@ -318,35 +317,25 @@ def test_a_failed_rank_on_a_node_is_named_and_every_node_stops(preload: tuple[st
     assert_nothing_left(result.launch_id)
 
 
-def _train_on_two_nodes(workdir: Path) -> list[str]:
-    argv = ["train", "--workload", "gpt", "--size", "tiny", "--variant", "8bit", "--nnodes", "2",
-            "--nproc-per-node", "2", "--link", "1gbit", "--steps", "2", "--eval-every", "0", "--no-progress",
-            "--topology", "auto", "--out", str(workdir / "run")]  # fmt: skip
-    return python_cmd("-m", "lioncub.cli", *argv)
-
-
-#: subprocess.run(command, capture_output=True, text=True, timeout=180), started in the background when
+#: the launches on emulated nodes (tests/node_runs.py: the wire bytes' launch, ``lioncub train`` on two nodes;
+#: shared with tests/test_fsdp_cli.py), one after another in one interpreter, started in the background when
 #: collection ends (tests/background.py); nothing to run without root
-BACKGROUND = {
-    "train_on_two_nodes": lambda: background.Subprocess(_train_on_two_nodes, 180) if netns_usable() else None,
-    "wire_bytes": lambda: (
-        background.Subprocess(lambda workdir: python_cmd(node_runs.__file__, str(workdir)), 180)
-        if netns_usable()
-        else None
-    ),
-}
+BACKGROUND = {"node_runs": node_runs.job}
 
 
 @pytest.mark.root
 @pytest.mark.slow
-@pytest.mark.background("train_on_two_nodes")
+@pytest.mark.background("node_runs")
 def test_lioncub_train_on_two_nodes() -> None:
-    proc = background.result("train_on_two_nodes", BACKGROUND["train_on_two_nodes"])
-    out = background.workdir("train_on_two_nodes") / "run"
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = background.result("node_runs", BACKGROUND["node_runs"])
+    path = background.workdir("node_runs") / "two_nodes.json"
+    assert path.exists(), proc.stdout[-2000:] + proc.stderr[-3000:]
+    done = json.loads(path.read_text())
+    out = background.workdir("node_runs") / "two_nodes"
+    assert done["returncode"] == 0, done["out"] + done["err"]
     # 8bit at 2×2: a NIC carries 1.5·d bytes of the flat int8 ring, d of the hierarchical 8-bit lanes
-    assert "topology='auto' chose 'hierarchical' for 8bit" in proc.stdout
-    assert "gpt/tiny 8bit@auto on 2 nodes × 2 ranks, 1gbit NICs: 2 steps" in proc.stdout
+    assert "topology='auto' chose 'hierarchical' for 8bit" in done["out"]
+    assert "gpt/tiny 8bit@auto on 2 nodes × 2 ranks, 1gbit NICs: 2 steps" in done["out"]
     saved = json.loads((out / "config.json").read_text())
     cluster, topology = saved["cluster"], saved["optimizer"]["topology"]
     assert (cluster["nnodes"], cluster["nproc"], topology) == (2, 4, "auto")

@@ -11,18 +11,29 @@ every launch's ranks), started in the background when collection ends (tests/bac
    ``checkpoints/step_00000002/notes.txt`` and ``OUT/resumed/outside/thesis.tex``; the same launch with
    ``--resume --steps 5``.
 
-Each launch's exit code and output (stdout and stderr together) are in ``OUT/launches.json``; the exit
-status is 0 once all three have run.
+Each launch's exit code and output (stdout and stderr together) are in ``OUT/launches.json``.
+
+Then, in ``OUT/rundir``, tests/test_rundir.py's two runs (:data:`RUNDIR_RUNS`, ``lioncub train``):
+``part``, a 1-rank run stopped at step 2 of 4; ``x``, a 2-rank run whose rank 1 SIGKILLs itself after the
+backward of step 2 (tests/kill_rank.py); each run's exit status and stderr in ``OUT/rundir/runs.json``.
+Both modules' runs in one job: each interpreter of its own costs ~2.5 s of CPU importing torch. The exit
+status is 0 once all five have run.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import background
 
 RUN = ["--workload", "gpt", "--size", "tiny", "--set", "batch_size=4", "--eval-every", "0", "--no-progress"]
 FINISHED = [*RUN, "--steps", "3", "--checkpoint-every", "1", "--diagnostics-every", "1"]
@@ -70,6 +81,39 @@ def _copy_with_user_files(finished: Path, root: Path) -> Path:
     return run
 
 
+#: tests/test_rundir.py's runs: ``(name, argv, kill_rank spec)``
+RUNDIR_RUNS = [
+    ("part", ["train", "--nproc", "1", "--steps", "4", "--stop-at", "2", "--eval-every", "0", "--set",
+              "batch_size=4", "--no-progress"], None),
+    ("x", ["train", "--nproc", "2", "--steps", "3", "--no-progress"], "1:2"),
+]  # fmt: skip
+
+
+def job() -> background.Subprocess:
+    """The background job ``launched`` (tests/test_run_ownership.py, tests/test_rundir.py)."""
+    import background  # the tests' modules: not needed where this file runs the launches
+
+    from processes import python_cmd
+
+    return background.Subprocess(lambda workdir: python_cmd(__file__, str(workdir)), 300)
+
+
+def rundir_runs(out: Path) -> None:
+    """:data:`RUNDIR_RUNS` into ``out`` (``lioncub.cli.main`` in this process): ``out/runs.json`` holds each
+    run's exit status and stderr."""
+    import kill_rank
+    from lioncub import cli
+
+    done = {}
+    for name, argv, spec in RUNDIR_RUNS:
+        err = io.StringIO()
+        killing = kill_rank.launches(spec) if spec else contextlib.nullcontext()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err), killing:
+            code = cli.main([*argv, "--out", str(out / name)])
+        done[name] = {"returncode": code, "stderr": err.getvalue()}
+    (out / "runs.json").write_text(json.dumps(done))
+
+
 def main(out: Path) -> int:
     launches = {"finished": _launch(launch_argv(out / "finished"))}
     if launches["finished"]["rc"] == 0:
@@ -80,6 +124,8 @@ def main(out: Path) -> int:
         (resumed / "checkpoints" / "step_00000002" / "notes.txt").write_bytes(THESIS)
         launches["resumed"] = _launch(launch_argv(resumed, "--resume", "--steps", "5"))
     (out / "launches.json").write_text(json.dumps(launches, indent=1))
+    (out / "rundir").mkdir()
+    rundir_runs(out / "rundir")
     return 0 if len(launches) == 3 else 1
 
 

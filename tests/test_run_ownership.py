@@ -801,11 +801,8 @@ def test_calibrate_names_the_intra_link_option(
 
 #: subprocess.run(python tests/ownership_runs.py WORKDIR, capture_output=True, text=True, timeout=300),
 #: started in the background when collection ends (tests/background.py): the launched runs, one interpreter
-BACKGROUND = {
-    "launched": lambda: background.Subprocess(
-        lambda workdir: python_cmd(ownership_runs.__file__, str(workdir)), 300
-    )
-}
+#: (shared with tests/test_rundir.py, whose runs follow them there)
+BACKGROUND = {"launched": ownership_runs.job}
 
 
 def launched(name: str) -> dict:

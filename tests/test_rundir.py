@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import background
+import ownership_runs
 from lioncub.rundir import (
     MARKER,
     SpecialFileError,
@@ -33,8 +34,6 @@ from lioncub.rundir import (
     record,
     remove_owned,
 )
-
-from processes import TESTS, python_cmd
 
 THESIS = b"irreplaceable\n"
 
@@ -236,49 +235,22 @@ def test_train_refuses_a_directory_with_user_files(run_cli: Callable, tmp_path: 
     assert not (tmp_path / "y").exists()
 
 
-#: the module's two launches: ``part``, a 1-rank run stopped at step 2 of 4; ``x``, a 2-rank run whose rank 1
-#: SIGKILLs itself after the backward of step 2 (tests/kill_rank.py); each ``(name, argv, kill_rank spec)``
-RUNS = [
-    ("part", ["train", "--nproc", "1", "--steps", "4", "--stop-at", "2", "--eval-every", "0", "--set",
-              "batch_size=4", "--no-progress"], None),
-    ("x", ["train", "--nproc", "2", "--steps", "3", "--no-progress"], "1:2"),
-]  # fmt: skip
-#: :data:`RUNS` one after the other in ONE interpreter (``lioncub.cli.main``): one launcher and one preloaded
-#: interpreter for both (each another ~2–3 s of CPU importing torch); ``WORKDIR/runs.json``: each run's exit
-#: status and stderr
-RUN_BOTH = """
-import contextlib, io, json, sys
-from pathlib import Path
-sys.path.insert(0, {tests!r})
-import kill_rank
-from lioncub import cli
-work, done = Path(sys.argv[1]), {{}}
-for name, argv, spec in {runs!r}:
-    err = io.StringIO()
-    killing = kill_rank.launches(spec) if spec else contextlib.nullcontext()
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err), killing:
-        code = cli.main([*argv, "--out", str(work / name)])
-    done[name] = {{"returncode": code, "stderr": err.getvalue()}}
-(work / "runs.json").write_text(json.dumps(done))
-"""
-
-
-#: subprocess.run(command, capture_output=True, text=True, timeout=180), started in the background when
-#: collection ends (tests/background.py)
-BACKGROUND = {
-    "runs": lambda: background.Subprocess(
-        lambda workdir: python_cmd("-c", RUN_BOTH.format(tests=str(TESTS), runs=RUNS), str(workdir)), 180
-    ),
-}
+#: the module's two launches (tests/ownership_runs.py's ``RUNDIR_RUNS``, in ``WORKDIR/rundir`` of its job,
+#: shared with tests/test_run_ownership.py: one interpreter and one preloaded interpreter for every launch of
+#: both modules): ``part``, a 1-rank run stopped at step 2 of 4; ``x``, a 2-rank run whose rank 1 SIGKILLs
+#: itself after the backward of step 2 (tests/kill_rank.py); started in the background when collection ends
+#: (tests/background.py)
+BACKGROUND = {"launched": ownership_runs.job}
 
 
 def _run(name: str) -> tuple[int, str, Path]:
-    """Run ``name`` of :data:`RUNS` (the background job): its exit status, stderr and directory."""
-    proc = background.result("runs", BACKGROUND["runs"])
-    path = background.workdir("runs") / "runs.json"
-    assert path.exists(), proc.stdout + proc.stderr
+    """Run ``name`` of ``ownership_runs.RUNDIR_RUNS`` (the background job): its exit status, stderr and
+    directory."""
+    proc = background.result("launched", BACKGROUND["launched"])
+    path = background.workdir("launched") / "rundir" / "runs.json"
+    assert path.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     done = json.loads(path.read_text())[name]
-    return done["returncode"], done["stderr"], background.workdir("runs") / name
+    return done["returncode"], done["stderr"], background.workdir("launched") / "rundir" / name
 
 
 @pytest.fixture(scope="module")
@@ -290,7 +262,7 @@ def stopped_run() -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.background("runs")
+@pytest.mark.background("launched")
 def test_a_refused_resume_leaves_the_run_as_it_was(run_cli: Callable, stopped_run: Path) -> None:
     before = snapshot(stopped_run)
     for argv, fragment in (
@@ -312,7 +284,7 @@ def test_a_refused_resume_leaves_the_run_as_it_was(run_cli: Callable, stopped_ru
 
 
 @pytest.mark.slow
-@pytest.mark.background("runs")
+@pytest.mark.background("launched")
 def test_report_only_reports_the_runs_in_out(run_cli: Callable, stopped_run: Path, tmp_path: Path) -> None:
     out = tmp_path / "cmp"
     out.mkdir()
@@ -375,7 +347,7 @@ def test_workload_data_is_checked_before_writing(
 
 
 @pytest.mark.slow
-@pytest.mark.background("runs")
+@pytest.mark.background("launched")
 def test_a_failed_new_run_leaves_nothing_in_the_way() -> None:
     code, err, out = _run("x")
     assert code != 0 and "killed by SIGKILL" in err, err

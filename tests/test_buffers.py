@@ -274,14 +274,15 @@ def test_momentum_sync_stages_one_bucket_at_a_time() -> None:
 
 def sync_cases() -> list[tuple[list[torch.Tensor], torch.dtype]]:
     """Momenta of several dtypes and layouts (a non-contiguous one, an empty one, one larger than a
-    bucket), each with the wire dtype it is synchronized in."""
+    bucket: 301 elements, cut across fillings at every bucket size of the test but the whole, as 1000 were;
+    fewer 1-element allreduces), each with the wire dtype it is synchronized in."""
     g = torch.Generator().manual_seed(dist.get_rank())
 
     def rand(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.randn(*shape, generator=g).to(dtype)
 
     channels_last = rand(3, 4, 5, 6).to(memory_format=torch.channels_last)
-    mixed = [rand(7, 5), rand(1000), rand(0), channels_last, rand(33, dtype=torch.bfloat16), rand(300, 2)]
+    mixed = [rand(7, 5), rand(301), rand(0), channels_last, rand(33, dtype=torch.bfloat16), rand(300, 2)]
     return [(mixed, torch.float32), ([rand(517), rand(64, 3, dtype=torch.bfloat16)], torch.bfloat16)]
 
 

@@ -34,6 +34,10 @@ def counted_calls(module: ModuleType, names: tuple[str, ...]) -> Iterator[dict[s
             setattr(module, name, original)
 
 
+#: the presets of :func:`worker_lioncub_kernels` in tests/test_kernels.py (and its interpreter run)
+STEP_PRESETS = ["1bit", "8bit", "8bit-sign"]
+
+
 def worker_lioncub_kernels(rank: int, world: int, presets: list[str], out: str | None) -> dict:
     """3 steps of every preset on two fp32 tensors with rank-dependent gradients; counts the kernel calls
     the step made (under ``TRITON_INTERPRET=1`` the kernels take CPU tensors, as they take CUDA ones).

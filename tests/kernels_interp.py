@@ -1,10 +1,13 @@
-"""Cases of tests/test_kernels.py that run lioncub.ops.kernels' Triton kernels in Triton's interpreter.
+"""Cases of tests/test_kernels.py and tests/test_launches.py that run lioncub.ops.kernels' Triton kernels
+in Triton's interpreter.
 
-Run as a script (``python tests/kernels_interp.py [CASE ...]``): it sets ``TRITON_INTERPRET=1`` before
-anything imports triton, runs the cases (all by default) and prints one JSON line per case:
-``{"case": name, "ok": bool, "error": str, "seconds": float}``. A separate process, so that the
-interpreter setting never reaches the other test files. The interpreter patches ``triton.language`` once
-per launch, not at every call of a kernel's helpers (``benchmarks/gpu_path.py``'s
+Run as a script (``python tests/kernels_interp.py [--out FILE] [CASE ...]``): it sets
+``TRITON_INTERPRET=1`` before anything imports triton, runs the cases (all by default) and prints one JSON
+line per case: ``{"case": name, "ok": bool, "error": str, "seconds": float}``; case ``lioncub_steps``
+saves rank 0's results in FILE. A separate process, so that the interpreter setting never reaches the
+other test files: both test files take the records of one run of every case (:func:`job`, the
+background job ``kernels_interp``; imported, this module sets nothing). The interpreter patches
+``triton.language`` once per launch, not at every call of a kernel's helpers (``benchmarks/gpu_path.py``'s
 ``interpreter_patches_once``, as gpu_check's dry run: the same kernels and programs, ~40 % less CPU).
 """
 
@@ -22,15 +25,17 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
-os.environ["TRITON_INTERPRET"] = "1"
+if __name__ == "__main__":
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
 
 from lioncub.ops import abs_sums, kernels, packing, quantize, triton_launch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-import gpu_path  # benchmarks/gpu_path.py: interpreter_patches_once
-
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: the file case ``lioncub_steps`` saves rank 0's results in, in :func:`job`'s working directory
+STEPS_FILE = "lioncub_steps.pt"
+_STEPS_OUT: list[str] = []  # --out, if given
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 LENGTHS = (0, 1, 5, 7, 8, 13, 1031)
 
@@ -469,6 +474,17 @@ def launch_counts_case() -> dict:
     return {str(k): v[0] for k, v in got.items()}
 
 
+def lioncub_steps_case() -> None:
+    """LionCub's steps with the kernels in them (tests/kernel_steps.py) on 2 gloo ranks of
+    tests/processes.py's pool, in this interpreter's environment; rank 0 saves its results in ``--out``
+    (tests/test_kernels.py compares them with the torch step's)."""
+    from kernel_steps import STEP_PRESETS, worker_lioncub_kernels
+
+    from processes import run_workers
+
+    run_workers(worker_lioncub_kernels, 2, STEP_PRESETS, (_STEPS_OUT or [None])[0], timeout=200)
+
+
 CASES = {
     "quantize_l1_float32": lambda: quantize_case(F32),
     "quantize_l1_bfloat16": lambda: quantize_case(BF16),
@@ -480,12 +496,54 @@ CASES = {
     "pass1_bucket": pass1_bucket_case,
     "multi_tensor": multi_tensor_case,
     "launch_counts": launch_counts_case,
+    "lioncub_steps": lioncub_steps_case,
 }
 
 
-def main(names: list[str]) -> int:
+def job() -> Any:
+    """A ``background.Subprocess`` of every case (tests/background.py's job ``kernels_interp``, shared by
+    tests/test_kernels.py and tests/test_launches.py; ``STEPS_FILE`` in its working directory), or None
+    without triton."""
+    import importlib.util
+
+    import background
+
+    from processes import python_cmd
+
+    if importlib.util.find_spec("triton") is None:
+        return None
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "src"), env.get("PYTHONPATH", "")])
+    return background.Subprocess(
+        lambda workdir: python_cmd(os.path.abspath(__file__), "--out", str(workdir / STEPS_FILE)), 360, env
+    )
+
+
+def records(proc: Any) -> dict[str, dict]:
+    """The records of a run's cases (``proc``: its ``CompletedProcess``), by case; ``pytest.fail`` with its
+    stderr if no case reported."""
+    import pytest
+
+    found = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            found[record["case"]] = record
+    if not found:
+        pytest.fail(f"the interpreter cases did not run (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return found
+
+
+def main(argv: list[str]) -> int:
+    names = list(argv)
+    if names[:1] == ["--out"]:
+        _STEPS_OUT.append(names[1])
+        names = names[2:]
     warnings.simplefilter("ignore")  # numpy's "invalid value" warnings of NaN/Inf inputs in the interpreter
     torch.set_num_threads(1)
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gpu_path  # benchmarks/gpu_path.py: interpreter_patches_once
+
     gpu_path.interpreter_patches_once()
     for name in names or list(CASES):
         t0 = time.perf_counter()

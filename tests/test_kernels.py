@@ -5,7 +5,6 @@ of benchmarks/gpu_check.py."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 from pathlib import Path
 
@@ -13,7 +12,8 @@ import pytest
 import torch
 
 import background
-from kernel_steps import worker_lioncub_kernels
+import kernels_interp
+from kernel_steps import STEP_PRESETS, worker_lioncub_kernels
 from lioncub.ops import kernels, native, packing, quantize, triton_launch
 from lioncub.optim.lion import apply_update_, update_momentum_
 
@@ -39,21 +39,12 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _in_background(cmd, timeout: float, needs_triton: bool = True, **extra_env: str):  # type: ignore[no-untyped-def]
+def _in_background(cmd, timeout: float, needs_triton: bool = True):  # type: ignore[no-untyped-def]
     """``subprocess.run(cmd(workdir), capture_output=True, text=True, timeout=timeout, check=False)`` with the
-    project's ``src`` on the path (and ``extra_env``), as a background job (tests/background.py)."""
+    project's ``src`` on the path, as a background job (tests/background.py)."""
     wanted = HAVE_TRITON or not needs_triton
-    return lambda: background.Subprocess(cmd, timeout, {**_env(), **extra_env}) if wanted else None
+    return lambda: background.Subprocess(cmd, timeout, _env()) if wanted else None
 
-
-_LIONCUB_INTERP = """
-import sys
-sys.path.insert(0, {tests!r})
-from processes import run_workers
-from kernel_steps import worker_lioncub_kernels
-run_workers(worker_lioncub_kernels, 2, {presets!r}, {out!r}, timeout=200)
-"""
-KERNEL_STEP_PRESETS = ["1bit", "8bit", "8bit-sign"]
 
 #: the sections of gpu_check's dry run that fail by its test hook (--fail-section): one of gpu_check.py,
 #: one of gpu_path.py (at N = 1 and on both ranks of --ranks 2)
@@ -61,9 +52,8 @@ GPU_CHECK_INJECTED = ("bandwidth", "overlap hook")
 
 #: the subprocesses of this module, started when collection ends (they run on the core left idle)
 BACKGROUND = {
-    "kernels_interp": _in_background(
-        lambda _: python_cmd(str(ROOT / "tests" / "kernels_interp.py"), *INTERP_CASES), 240
-    ),
+    # every case of tests/kernels_interp.py in one interpreter, with tests/test_launches.py's
+    "kernels_interp": kernels_interp.job,
     # with a failure injected at the end of two sections (after their work: every row is still there)
     "gpu_check_dry_run": _in_background(
         lambda workdir: [
@@ -77,16 +67,6 @@ BACKGROUND = {
     "gpu_check_without_cuda": _in_background(
         lambda _: python_cmd(str(ROOT / "benchmarks" / "gpu_check.py")), 120, needs_triton=False
     ),
-    "lioncub_kernels_interp": _in_background(
-        lambda workdir: python_cmd(
-            "-c",
-            _LIONCUB_INTERP.format(
-                tests=str(ROOT / "tests"), presets=KERNEL_STEP_PRESETS, out=str(workdir / "interp.pt")
-            ),
-        ),
-        300,
-        TRITON_INTERPRET="1",
-    ),
 }
 
 
@@ -94,15 +74,7 @@ BACKGROUND = {
 def interpreter_results() -> dict[str, dict]:
     if not HAVE_TRITON:
         pytest.skip(NO_TRITON)
-    proc = background.result("kernels_interp", BACKGROUND["kernels_interp"])
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            record = json.loads(line)
-            results[record["case"]] = record
-    if not results:
-        pytest.fail(f"the interpreter cases did not run (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return results
+    return kernels_interp.records(background.result("kernels_interp", BACKGROUND["kernels_interp"]))
 
 
 @pytest.mark.slow
@@ -363,18 +335,18 @@ def test_gpu_check_without_cuda_says_so():
 
 
 @pytest.mark.slow
-@pytest.mark.background("lioncub_kernels_interp")
-@pytest.mark.skipif(not HAVE_TRITON, reason=NO_TRITON)
-def test_lioncub_step_with_kernels_equals_the_torch_step() -> None:
+@pytest.mark.background("kernels_interp")
+def test_lioncub_step_with_kernels_equals_the_torch_step(interpreter_results: dict[str, dict]) -> None:
     """The 1-bit majority repack, the L1 quantizer and the fused apply + momentum inside LionCub's step
-    (2 gloo ranks, Triton's interpreter) give bit for bit the parameters and momenta of the torch step."""
+    (2 gloo ranks, Triton's interpreter: case ``lioncub_steps`` of the interpreter job) give bit for bit
+    the parameters and momenta of the torch step."""
     from processes import run_workers
 
-    presets = KERNEL_STEP_PRESETS
-    job = BACKGROUND["lioncub_kernels_interp"]
-    proc = background.result("lioncub_kernels_interp", job)  # in a subprocess: TRITON_INTERPRET=1
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    interp = torch.load(background.workdir("lioncub_kernels_interp") / "interp.pt", weights_only=False)
+    presets = STEP_PRESETS
+    record = interpreter_results.get("lioncub_steps")
+    assert record is not None and record["ok"], record
+    steps = background.workdir("kernels_interp") / kernels_interp.STEPS_FILE
+    interp = torch.load(steps, weights_only=False)
     assert interp["backend"] == "triton"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LIONCUB_CPU_KERNELS", "0")  # the ranks take the caller's environment

@@ -4,15 +4,13 @@ recorders), the device tables of a layout are made once however many layouts a r
 kernel's programs take kilobytes, and the launches of a vote step per bucket do not grow with the bucket's
 tensors (issue 44, findings 1, 4, 5 and 9). The per-bucket kernels run in Triton's interpreter in a
 subprocess (tests/kernels_interp.py's cases ``pass1_bucket``, ``multi_tensor`` and ``launch_counts``), as a
-background job (tests/background.py)."""
+background job (tests/background.py) shared with tests/test_kernels.py: one interpreter for every case."""
 
 from __future__ import annotations
 
 import ast
 import contextlib
 import importlib.util
-import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,9 +20,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import background
+import kernels_interp
 from lioncub.ops import abs_sums, kernels, normalizers, triton_launch
-
-from processes import python_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the modules that launch Triton kernels, and the fewest launches each holds
@@ -33,17 +30,9 @@ HAVE_TRITON = importlib.util.find_spec("triton") is not None
 LAUNCH_CASES = ["pass1_bucket", "multi_tensor", "launch_counts"]
 
 
-def _interp_job() -> background.Subprocess | None:
-    if not HAVE_TRITON:
-        return None
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    script = str(ROOT / "tests" / "kernels_interp.py")
-    return background.Subprocess(lambda _: python_cmd(script, *LAUNCH_CASES), 240, env)
-
-
-#: the subprocess of this module, started when collection ends (tests/background.py)
-BACKGROUND = {"launches_interp": _interp_job}
+#: the subprocess of this module (with tests/test_kernels.py's cases), started when collection ends
+#: (tests/background.py)
+BACKGROUND = {"kernels_interp": kernels_interp.job}
 
 
 @pytest.fixture(scope="module")
@@ -51,15 +40,7 @@ def interpreted() -> dict[str, dict]:
     """The records of the interpreter cases, by case."""
     if not HAVE_TRITON:
         pytest.skip("triton is not installed (pip install -c constraints.txt -e .[dev] brings it)")
-    proc = background.result("launches_interp", BACKGROUND["launches_interp"])
-    records = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            record = json.loads(line)
-            records[record["case"]] = record
-    if not records:
-        pytest.fail(f"the interpreter cases did not run (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return records
+    return kernels_interp.records(background.result("kernels_interp", BACKGROUND["kernels_interp"]))
 
 
 # ----------------------------------------------------------------------------- finding 1: the device guard
@@ -230,7 +211,7 @@ def test_the_majority_kernel_takes_kilobytes_per_program_in_words(recorded: _Rec
 
 
 @pytest.mark.slow
-@pytest.mark.background("launches_interp")
+@pytest.mark.background("kernels_interp")
 @pytest.mark.parametrize("case", LAUNCH_CASES)
 def test_the_per_bucket_kernels_in_the_interpreter(interpreted: dict[str, dict], case: str) -> None:
     """pass1_bucket: the 3-launch pass 1 of a bucket equals the reference per tensor bit for bit (and its
@@ -242,7 +223,7 @@ def test_the_per_bucket_kernels_in_the_interpreter(interpreted: dict[str, dict],
 
 
 @pytest.mark.slow
-@pytest.mark.background("launches_interp")
+@pytest.mark.background("kernels_interp")
 def test_a_vote_step_launches_per_bucket_not_per_tensor(interpreted: dict[str, dict]) -> None:
     """A QuantizedVote(l1, 8) step of one bucket on the Triton path (pass 1 as off the CPU), 8 vs 64
     tensors: (Triton launches, other kernel-launching torch ops) per phase are the same — before, per

@@ -394,6 +394,9 @@ def test_nodes_sharded_stopped_and_resumed_end_with_the_bits_of_the_whole_run() 
     # the stop's checkpoint of step 20, then the resumed launch's (it went on from there, not from step 1)
     g0 = run_dir / "groups" / "g0.jsonl"
     assert [r["step"] for r in records(g0, "checkpoint")] == [8, 16, 20, 24]
+    # each completed: that of step 8 too, both parts of node 1 (SIGKILLed after step 8) on disk before it died
+    completed = [r.get("completed") for r in records(g0, "checkpoint_written")]
+    assert completed == [f"checkpoints/step_{s:08d}" for s in (8, 16, 20, 24)], completed
     assert [r["step"] for r in records(g0, "step")] == list(range(1, 25))
     a, b = (json.loads((d / "summary.json").read_text())["fault_tolerance"] for d in (whole, run_dir))
     assert b["replicas_equal"] and b["groups_finished"] == [0, 1] and b["digest"] == a["digest"]

@@ -94,9 +94,9 @@ UNEQUAL_RC = 4
 class GroupLogs:
     """The groups' logs as they grow: :meth:`progress` is the last step a group finished (its ``step`` or
     ``hold`` records), read incrementally; what the failure schedule waits on. A step of the group's
-    ``kills`` counts once its ``hold`` record is there: the group writes that after its part of a
-    checkpoint of the step is on disk (a SIGKILL at the step record lost it, and the first participant then
-    waited out --collective-timeout for the missing part)."""
+    ``kills`` counts once its ``hold`` record is there: the group writes that after its parts (every
+    rank's) of a checkpoint of the step are on disk (a SIGKILL at the step record lost them, and the first
+    participant then waited out --collective-timeout for a missing part)."""
 
     def __init__(self, run_dir: Path, groups: int, kills: Collection[tuple[int, int]] = ()) -> None:
         self.paths = [run_dir / log_name(g) for g in range(groups)]

@@ -574,6 +574,8 @@ class _GroupLoop:
                 self.save(step)
             if step in self.kills:
                 self.drain(wait=True)  # its part of a checkpoint of this step is whole before it dies
+                if self.size > 1:  # and every rank's: the launcher's SIGKILL follows rank 0's hold record
+                    dist.barrier()
                 for r in self.window:
                     self.write({**r, "committed": None})  # the window dies with the group
                 self.write({"kind": "hold", "step": step, "group": self.index})

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 TINY = ["--workload", "gpt", "--size", "tiny", "--no-progress"]
-KILL_REJOIN = ["--kill", "1@8", "--rejoin", "1@13"]
-THREE = ["--nproc", "3", "--steps", "36", "--eval-every", "12"]
+KILL_REJOIN = ["--kill", "1@4", "--rejoin", "1@9"]
+THREE = ["--nproc", "3", "--steps", "24", "--eval-every", "8"]
 #: torchft's DiLoCo and lioncub's outer="diloco" with the inner momenta kept, 2 groups, no weight decay
 PEER = ["--nproc", "2", "--steps", "16", "--eval-every", "8", "--local-steps", "4", "--set", "weight_decay=0"]
 #: name -> the options of ``lioncub train --fault-tolerant`` (besides the tiny GPT and --out)

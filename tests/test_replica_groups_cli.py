@@ -1,8 +1,8 @@
 """``lioncub train --fault-tolerant``: every rank a torchft replica group, the failure schedule carried out
 by the launcher (:mod:`lioncub.launch.groups`), the groups' logs merged (:mod:`lioncub.train.fault_tolerant`).
 
-The end-to-end runs (3 groups of the tiny GPT, 36 steps; group 1 SIGKILLed after step 8 and started again
-at step 13: tests/ft_runs.py) run one after the other in one interpreter in the background; the schedule's
+The end-to-end runs (3 groups of the tiny GPT, 24 steps; group 1 SIGKILLed after step 4 and started again
+at step 9: tests/ft_runs.py) run one after the other in one interpreter in the background; the schedule's
 launcher is also tested alone, on small scripts that stand in for groups."""
 
 from __future__ import annotations
@@ -74,26 +74,26 @@ def log(run_dir: Path, kind: str) -> list[dict]:
 @pytest.mark.parametrize(
     ("name", "rejoined_at"),
     [
-        ("1bit", 13),
-        ("1bit/h4", 16),  # with local steps the group joins at the window after step 13: steps 17.. have 3
+        ("1bit", 9),
+        ("1bit/h4", 12),  # with local steps the group joins at the window after step 9: steps 13.. have 3
     ],
 )
 def test_a_group_killed_and_rejoined_heals_and_every_step_says_who_voted(name: str, rejoined_at: int) -> None:
     run_dir, stdout = finished(name)
     steps = log(run_dir, "step")
-    assert [r["step"] for r in steps] == list(range(1, 37))
-    expected = [3] * 8 + [2] * (rejoined_at - 8) + [3] * (36 - rejoined_at)
+    assert [r["step"] for r in steps] == list(range(1, 25))
+    expected = [3] * 4 + [2] * (rejoined_at - 4) + [3] * (24 - rejoined_at)
     assert [r["participants"] for r in steps] == expected
     assert all(r["committed"] for r in steps)  # killed at a commit boundary: nothing was put back
-    assert [r["groups"] for r in steps[8:rejoined_at]] == [[0, 2]] * (rejoined_at - 8)
+    assert [r["groups"] for r in steps[4:rejoined_at]] == [[0, 2]] * (rejoined_at - 4)
     # the step after the kill waited for the lost group's heartbeats to stop (2 s), inside its step time
     # (never longer than the quorum's bound: the heartbeat timeout of the launcher's lighthouse, 2 s)
-    assert 1.0 < steps[8]["quorum_s"] < 4.0 and steps[8]["step_s"] > steps[8]["quorum_s"]
-    assert max(r["quorum_s"] for r in steps[9:]) < 4.0
+    assert 1.0 < steps[4]["quorum_s"] < 4.0 and steps[4]["step_s"] > steps[4]["quorum_s"]
+    assert max(r["quorum_s"] for r in steps[5:]) < 4.0
     summary = json.loads((run_dir / "summary.json").read_text())
     ft = summary["fault_tolerance"]
-    assert ft["participants"] == {"3": 36 - (rejoined_at - 8), "2": rejoined_at - 8}
-    assert ft["skipped_steps"] == 0 and ft["kill"] == ["1@8"] and ft["rejoin"] == ["1@13"]
+    assert ft["participants"] == {"3": 24 - (rejoined_at - 4), "2": rejoined_at - 4}
+    assert ft["skipped_steps"] == 0 and ft["kill"] == ["1@4"] and ft["rejoin"] == ["1@9"]
     assert ft["replicas_equal"] and ft["groups_finished"] == [0, 1, 2]
     (heal,) = ft["heals"]
     assert [
@@ -111,8 +111,8 @@ def test_a_group_killed_and_rejoined_heals_and_every_step_says_who_voted(name: s
     digests = {json.loads((run_dir / f"groups/g{g}.end.json").read_text())["digest"] for g in range(3)}
     assert digests == {ft["digest"]}
     evals = log(run_dir, "eval")
-    assert [e["step"] for e in evals] == [12, 24, 36] and all(e["replicas_agree"] for e in evals)
-    assert [e["groups"] for e in evals] == [[0, 2], [0, 1, 2], [0, 1, 2]]  # group 1 away from 9 to 13/16
+    assert [e["step"] for e in evals] == [8, 16, 24] and all(e["replicas_agree"] for e in evals)
+    assert [e["groups"] for e in evals] == [[0, 2], [0, 1, 2], [0, 1, 2]]  # group 1 away from 5 to 9/12
     assert "1 heal (group 1 at step" in stdout and "bitwise equal at the end" in stdout
 
 

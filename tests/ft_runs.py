@@ -55,12 +55,11 @@ EXPECTED_RC = {"straggler": 3}
 NODES = ["--variant", "1bit", "--nnodes", "2", "--nproc-per-node", "2", "--link", "1gbit", "--steps", "24"]
 NODES += ["--eval-every", "12", "--kill", "1@8", "--rejoin", "1@16"]
 #: the same with each node's ranks sharding the model (FSDP2), healing shard by shard, a checkpoint every 8
-#: steps (each rank's part its shards) (root only too)
+#: steps (each rank's part its shards), stopped after step 20 (node 1 back since step 17), then resumed
+#: (:data:`RESUMES`) to step 24: the sharded run whose bits are held to those of ``nodes`` (root only too)
 NODES_FSDP = [*NODES, "--fsdp", "--checkpoint-every", "8"]
-#: the same stopped after step 20 (node 1 back since step 17), then resumed (:data:`RESUMES`) to step 24
 NODES_RUNS = {
     "nodes": NODES,
-    "nodes, fsdp": NODES_FSDP,
     "nodes, fsdp, stopped": [*NODES_FSDP, "--stop-at", "20"],
     "nodes, fsdp, resumed": ["--resume", "--no-progress"],
 }

@@ -343,28 +343,60 @@ def test_nodes_of_two_ranks_are_groups_that_heal_and_agree() -> None:
     assert "2 replica groups of 2 ranks" in stdout
 
 
+def sharded() -> tuple[Path, str]:
+    """The sharded nodes run (tests/ft_runs.py's ``nodes, fsdp, stopped``, resumed in its directory by
+    ``nodes, fsdp, resumed``: the one run of ``--fsdp`` on nodes) and the resumed launch's output."""
+    run_dir, _ = finished("nodes, fsdp, stopped")
+    out = background.workdir("ft_runs") / f"{ft_runs.slug('nodes, fsdp, resumed')}.out"
+    return run_dir, out.read_text()
+
+
+def shards_digest_of(state: dict, ranks: int) -> str:
+    """The digest a group of ``ranks`` FSDP2 ranks reports for a saved model's parameters ``state``: each
+    rank's local shards (dim 0 cut as ``torch.chunk`` cuts it, FSDP2's ``Shard(0)``) hashed in the model's
+    parameter order, then those ``ranks`` digests hashed in rank order."""
+    import hashlib
+
+    from lioncub.train.workloads import make_workload
+
+    model = make_workload("gpt", "tiny", rank=0, world_size=1, seed=0).build_model()
+    model.load_state_dict(state)
+    digests = []
+    for r in range(ranks):
+        h = hashlib.sha256()
+        for p in model.parameters():
+            if len(chunks := torch.chunk(p.detach(), ranks, dim=0)) > r:
+                h.update(chunks[r].contiguous().view(torch.uint8).numpy().tobytes())
+        digests.append(h.hexdigest())
+    return hashlib.sha256(",".join(digests).encode()).hexdigest()
+
+
 @pytest.mark.slow
 @pytest.mark.background("ft_runs")
 @pytest.mark.root
 def test_nodes_sharded_over_their_ranks_heal_shard_by_shard_as_ddp_inside() -> None:
-    """The same run with ``--fsdp``: each node's group shards the model over its two ranks (FSDP2) and votes
-    on each rank's shard with the same shard rank of the other node; node 1's ranks heal at step 16, each
-    from the same shard rank of node 0. Held to the run without ``--fsdp`` (DDP inside: the same two voters,
-    each node's gradient its ranks' mean, a/2 + b/2 = (a + b)/2 in floats): the same loss at every step, the
-    same final validation loss and model, to the last bit; half the parameter and gradient bytes per rank,
-    the same vote through the node's NIC."""
-    run_dir, stdout = finished("nodes, fsdp")
+    """The same run with ``--fsdp`` (and a checkpoint every 8 steps, stopped after step 20 and resumed:
+    :func:`sharded`): each node's group shards the model over its two ranks (FSDP2) and votes on each
+    rank's shard with the same shard rank of the other node; node 1's ranks heal at step 16, each from the
+    same shard rank of node 0. Held to the run without ``--fsdp`` (DDP inside: the same two voters, each
+    node's gradient its ranks' mean, a/2 + b/2 = (a + b)/2 in floats): the same loss at every step, the
+    same final validation loss and model, to the last bit (the groups' digest: that model's parameters cut
+    into FSDP2's shards); half the parameter and gradient bytes per rank, the same vote through the node's
+    NIC."""
+    run_dir, stdout = sharded()
     whole, _ = finished("nodes")
     steps, plain = log(run_dir, "step"), log(whole, "step")
     assert [r["participants"] for r in steps] == [2] * 8 + [1] * 8 + [2] * 8
     assert all(r["committed"] for r in steps) and [r["step"] for r in steps] == list(range(1, 25))
     assert [r["loss"] for r in steps] == [r["loss"] for r in plain]
     assert [r["val_loss"] for r in log(run_dir, "eval")] == [r["val_loss"] for r in log(whole, "eval")]
+    assert [r["step"] for r in log(run_dir, "eval")] == [r["step"] for r in log(whole, "eval")] == [12, 24]
     ours, theirs = (torch.load(d / "model.pt") for d in (run_dir, whole))
     assert list(ours) == list(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs)
     summary = json.loads((run_dir / "summary.json").read_text())
     ft, params = summary["fault_tolerance"], summary["params"]
     assert ft["replicas_equal"] and ft["groups_finished"] == [0, 1]
+    assert ft["digest"] == shards_digest_of(theirs, 2)
     (heal,) = ft["heals"]
     assert (heal["group"], heal["step"], heal["source"]) == (1, 16, "g0")  # both ranks, each from g0's rank
     assert heal["nbytes"] >= 2 * 4 * params  # the two ranks' shards: the parameters and their momenta, fp32
@@ -383,12 +415,12 @@ def test_nodes_sharded_over_their_ranks_heal_shard_by_shard_as_ddp_inside() -> N
 def test_nodes_sharded_stopped_and_resumed_end_with_the_bits_of_the_whole_run() -> None:
     """The sharded run with a checkpoint every 8 steps, stopped after step 20 (node 1 killed after step 8,
     back and healed at step 16) and resumed in its directory: each rank loads its own shards of the
-    parameters and of the optimizer state from its part, and the job ends with the whole run's bits (the
-    digest, ``model.pt``), quorums and losses. Each rank's part holds its shards, not the whole model;
-    a checkpoint's ``model.pt`` is the gathered whole model (that of step 24: the final one)."""
-    whole, _ = finished("nodes, fsdp")
-    run_dir, _ = finished("nodes, fsdp, stopped")  # the resume went on in it
-    out = (background.workdir("ft_runs") / f"{ft_runs.slug('nodes, fsdp, resumed')}.out").read_text()
+    parameters and of the optimizer state from its part, and the job ends with the bits of the whole run
+    (that without ``--fsdp``, which an uninterrupted sharded run equals: the model, and the digest of its
+    shards), its quorums and losses. Each rank's part holds its shards, not the whole model; a checkpoint's
+    ``model.pt`` is the gathered whole model (that of step 24: the final one)."""
+    whole, _ = finished("nodes")
+    run_dir, out = sharded()  # the resume went on in it
     assert "24 steps" in out, out[-3000:]
     assert f"lioncub: resumed from {run_dir / 'checkpoints' / 'step_00000020'} at step 20" in out, out[-3000:]
     # the stop's checkpoint of step 20, then the resumed launch's (it went on from there, not from step 1)
@@ -398,18 +430,19 @@ def test_nodes_sharded_stopped_and_resumed_end_with_the_bits_of_the_whole_run() 
     completed = [r.get("completed") for r in records(g0, "checkpoint_written")]
     assert completed == [f"checkpoints/step_{s:08d}" for s in (8, 16, 20, 24)], completed
     assert [r["step"] for r in records(g0, "step")] == list(range(1, 25))
-    a, b = (json.loads((d / "summary.json").read_text())["fault_tolerance"] for d in (whole, run_dir))
-    assert b["replicas_equal"] and b["groups_finished"] == [0, 1] and b["digest"] == a["digest"]
+    b = json.loads((run_dir / "summary.json").read_text())["fault_tolerance"]
+    final = torch.load(whole / "model.pt", weights_only=True)
+    assert b["replicas_equal"] and b["groups_finished"] == [0, 1]
+    assert b["digest"] == shards_digest_of(final, 2)
     assert [(h["group"], h["step"], h["source"]) for h in b["heals"]] == [(1, 16, "g0")]
     for kind, keys in (("step", ("step", "participants", "loss")), ("eval", ("step", "val_loss"))):
         assert [[r[k] for k in keys] for r in log(run_dir, kind)] == [
             [r[k] for k in keys] for r in log(whole, kind)
         ]
-    final = torch.load(whole / "model.pt", weights_only=True)
-    for d in (run_dir, whole / "checkpoints" / "step_00000024"):
+    path = run_dir / "checkpoints" / "step_00000024"
+    for d in (run_dir, path):
         saved = torch.load(d / "model.pt", weights_only=True)
         assert saved.keys() == final.keys() and all(torch.equal(saved[k], final[k]) for k in final), d
-    path = whole / "checkpoints" / "step_00000024"
     meta = json.loads((path / "meta.json").read_text())
     assert sorted(n for n in meta["sha256"] if n.startswith("rank")) == [f"rank{k}.pt" for k in range(4)]
     params = json.loads((whole / "summary.json").read_text())["params"]

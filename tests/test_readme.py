@@ -4,14 +4,15 @@ the reader's own: ``build_model()`` and ``my_shard_of_the_data``."""
 
 from __future__ import annotations
 
+import os
 import re
+import sys
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
 
 import background
-
-from processes import python_cmd
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -48,13 +49,15 @@ def test_the_readme_has_examples() -> None:
 #: --preload``; two fresh interpreters each importing torch cost ~3 CPU-s more, and the examples do not
 #: depend on a fresh start: the blocks import what they use, the test checks that below)
 PRELOAD = "torch,torch._dynamo,torch.distributed,torch.nn.parallel,lioncub"
-#: ``lioncub ARGV`` (as ``python -m lioncub`` runs it) in the directory ``sys.argv[1]``, where the ranks run
-IN_DIR = "import os, sys; os.chdir(sys.argv[1]); from lioncub.cli import main; sys.exit(main(sys.argv[2:]))"
 
 
-def _launch_the_examples(workdir: Path) -> list[str]:
-    """Writes the examples' module ``readme_examples`` into ``workdir``; the command that runs it on 2 ranks
-    (``lioncub launch --preload ... -- -m readme_examples``, in ``workdir``)."""
+def _launch_the_examples(rank: int, world: int, workdir: Path) -> None:
+    """Writes the examples' module ``readme_examples`` into ``workdir`` and runs ``lioncub launch --nproc 2
+    --preload ... -- -m readme_examples`` there, what it prints in ``workdir/output``; exits with its exit
+    status. The launcher is ``lioncub.cli.main`` in this process, a fork of the worker pool's fork server
+    (``background.Spawned``: torch imported, where an interpreter of its own imported it again)."""
+    from lioncub.cli import main
+
     blocks = python_blocks()
     script = workdir / "readme_examples.py"
     body = "\n".join(
@@ -62,23 +65,27 @@ def _launch_the_examples(workdir: Path) -> list[str]:
         for i, block in enumerate(blocks)
     )
     script.write_text(PRELUDE + "\n" + body + "\ntorch.distributed.destroy_process_group()\n")
+    os.chdir(workdir)  # the ranks' directory: -m readme_examples finds it there
     launch = ["launch", "--nproc", "2", "--timeout", "120", "--preload", PRELOAD]
-    return python_cmd("-c", IN_DIR, str(workdir), *launch, "--", "-m", "readme_examples")
+    with open(workdir / "output", "w") as output, redirect_stdout(output), redirect_stderr(output):
+        code = main([*launch, "--", "-m", "readme_examples"])
+    sys.exit(code)
 
 
-#: subprocess.run(command, capture_output=True, text=True, timeout=180), started in the background when
+#: the launch on 1 process forked from the worker pool's fork server, started in the background when
 #: collection ends (tests/background.py)
-BACKGROUND = {"readme_examples": lambda: background.Subprocess(_launch_the_examples, 180)}
+BACKGROUND = {"readme_examples": lambda: background.Spawned(_launch_the_examples, 1, timeout=180)}
 
 
 @pytest.mark.slow
 @pytest.mark.background("readme_examples")
 def test_readme_examples_run_as_written() -> None:
     blocks = python_blocks()
-    out = background.result("readme_examples", BACKGROUND["readme_examples"])
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    exits = background.result("readme_examples", BACKGROUND["readme_examples"])
+    printed = (background.workdir("readme_examples") / "output").read_text(errors="replace")
+    assert exits == [0], printed[-6000:]
     for i in range(len(blocks)):
-        assert out.stdout.count(f"README block {i} ran") == 2, out.stdout  # on both ranks
+        assert printed.count(f"README block {i} ran") == 2, printed  # on both ranks
 
 
 #: the names the README's blocks leave to the reader: their model and data (tests supply them), and what an

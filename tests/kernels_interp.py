@@ -282,7 +282,9 @@ def pass1_bucket_case() -> None:
     gen = torch.Generator().manual_seed(6)
     with _device_pass1():
         layouts = [([1031], None), ([5, 0, 7, 300, 719], None), ([5, 0, 7, 300, 719], 64), ([9000], 4100)]
-        layouts += [([1], None), ([3], 7), ([6, 2], 4), ([0, 4097, 0, 8193], None), ([50, 3], 1)]
+        layouts += [([1], None), ([3], 7), ([6, 2], 4), ([0, 4097, 0, 8193], None), ([10, 3], 1)]
+        # chunks of 1: each element its own group (one program per group and stage in the interpreter);
+        # 13 elements hold every kind special() sprinkles (8), each alone in its group, as 53 did
         for segments, chunk in layouts:
             n = sum(segments)
             base = special(n, F32, gen) * torch.rand(n, generator=gen)

@@ -1,17 +1,22 @@
-"""The two ``lioncub compare`` runs that the comparison tests of tests/test_train.py and
-tests/test_cli_output.py read, and between them tests/test_local_steps_cli.py's three runs of a
-mid-window resume (tests/local_runs.py), one after the other in ONE interpreter, started in the background
-when collection ends (tests/background.py):
+"""The launched runs of several test modules, one after the other in ONE interpreter, their ranks forked
+from one zygote, started in the background when collection ends (tests/background.py):
 
     python tests/compare_runs.py OUT
 
-``OUT/<name>/cmp`` is the comparison's output directory and ``OUT/<name>.out`` what it printed (stdout) for
-each ``name`` of :data:`RUNS`; ``OUT/local`` is local_runs' directory (its runs' exit statuses in
-``OUT/local/failed``); the exit status is the number of comparisons and runs that failed. All print for a
-terminal of :data:`COLUMNS` columns (``COLUMNS`` set: the tables in parts, the notes wrapped): the runs'
-environment is the same, so every launch after the first forks its ranks from the first one's zygote (an
-environment that differs in any variable starts another zygote: ~3 s of CPU importing torch; a job of its
-own, another interpreter: ~2.5 s more).
+1. ``compare``: the first of the two ``lioncub compare`` runs that the comparison tests of
+   tests/test_train.py and tests/test_cli_output.py read;
+2. ``OUT/local``: tests/test_local_steps_cli.py's three runs of a mid-window resume (tests/local_runs.py;
+   their exit statuses in ``OUT/local/failed``);
+3. ``OUT/launched``: tests/test_run_ownership.py's three launches and tests/test_rundir.py's two runs
+   (tests/ownership_runs.py);
+4. ``budget``: the second comparison (at equal time).
+
+``OUT/<name>/cmp`` is a comparison's output directory and ``OUT/<name>.out`` what it printed (stdout) for
+each ``name`` of :data:`RUNS`; the exit status is the number of comparisons and runs that failed. All print
+for a terminal of :data:`COLUMNS` columns (``COLUMNS`` set: the tables in parts, the notes wrapped): the
+runs' environment is the same, so every launch after the first forks its ranks from the first one's zygote
+(an environment that differs in any variable starts another zygote: ~3 s of CPU importing torch; a job of
+its own, another interpreter: ~2.5 s more).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import local_runs
+import ownership_runs
 from train_runs import TINY
 
 if TYPE_CHECKING:
@@ -42,8 +48,8 @@ COLUMNS = 80
 
 
 def job() -> background.Subprocess:
-    """The background job of both comparisons and the local-steps runs (``compares``: tests/test_train.py,
-    tests/test_cli_output.py, tests/test_local_steps_cli.py)."""
+    """The background job ``compares`` (tests/test_train.py, tests/test_cli_output.py,
+    tests/test_local_steps_cli.py, tests/test_run_ownership.py, tests/test_rundir.py)."""
     import background  # the tests' modules: not needed where this file runs the comparisons
 
     from processes import python_cmd
@@ -76,12 +82,18 @@ def main(out: Path) -> int:
         ):
             failed += cli.main([*argv, "--out", str(out / name / "cmp")]) != 0
         (out / f"{name}.out").write_text(printed.getvalue())
-        if name == "compare":  # local_runs' three launches: same environment, same zygote
-            (out / "local").mkdir()
-            local_failed = local_runs.main(out / "local")
-            (out / "local" / "failed").write_text(str(local_failed))
-            failed += local_failed
+        if name == "compare":  # the other modules' launches: same environment, same zygote
+            failed += _others(out)
     return failed
+
+
+def _others(out: Path) -> int:
+    """local_runs' runs into ``out/local`` and ownership_runs' into ``out/launched``: how many failed."""
+    (out / "local").mkdir()
+    local_failed = local_runs.main(out / "local")
+    (out / "local" / "failed").write_text(str(local_failed))
+    (out / "launched").mkdir()
+    return local_failed + ownership_runs.main(out / "launched")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""The launched runs of tests/test_run_ownership.py, one after the other in ONE interpreter (one zygote for
-every launch's ranks), started in the background when collection ends (tests/background.py):
+"""The launched runs of tests/test_run_ownership.py and tests/test_rundir.py, one after the other in ONE
+interpreter (one zygote for every launch's ranks): tests/compare_runs.py's, after its first comparison (the
+background job ``compares``, started when collection ends: tests/background.py), or alone:
 
     python tests/ownership_runs.py OUT
 
@@ -16,8 +17,7 @@ Each launch's exit code and output (stdout and stderr together) are in ``OUT/lau
 Then, in ``OUT/rundir``, tests/test_rundir.py's two runs (:data:`RUNDIR_RUNS`, ``lioncub train``):
 ``part``, a 1-rank run stopped at step 2 of 4; ``x``, a 2-rank run whose rank 1 SIGKILLs itself after the
 backward of step 2 (tests/kill_rank.py); each run's exit status and stderr in ``OUT/rundir/runs.json``.
-Both modules' runs in one job: each interpreter of its own costs ~2.5 s of CPU importing torch. The exit
-status is 0 once all five have run.
+The exit status is 0 once all five have run.
 """
 
 from __future__ import annotations
@@ -30,10 +30,6 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import background
 
 RUN = ["--workload", "gpt", "--size", "tiny", "--set", "batch_size=4", "--eval-every", "0", "--no-progress"]
 FINISHED = [*RUN, "--steps", "3", "--checkpoint-every", "1", "--diagnostics-every", "1"]
@@ -87,15 +83,6 @@ RUNDIR_RUNS = [
               "batch_size=4", "--no-progress"], None),
     ("x", ["train", "--nproc", "2", "--steps", "3", "--no-progress"], "1:2"),
 ]  # fmt: skip
-
-
-def job() -> background.Subprocess:
-    """The background job ``launched`` (tests/test_run_ownership.py, tests/test_rundir.py)."""
-    import background  # the tests' modules: not needed where this file runs the launches
-
-    from processes import python_cmd
-
-    return background.Subprocess(lambda workdir: python_cmd(__file__, str(workdir)), 300)
 
 
 def rundir_runs(out: Path) -> None:

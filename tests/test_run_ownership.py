@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import background
-import ownership_runs
+import compare_runs
 from cli_stub import cli_runner
 from lioncub import cli
 from lioncub.optim import Lion
@@ -799,16 +799,21 @@ def test_calibrate_names_the_intra_link_option(
 
 # ----------------------------------------------------------------------------- real runs (slow)
 
-#: subprocess.run(python tests/ownership_runs.py WORKDIR, capture_output=True, text=True, timeout=300),
-#: started in the background when collection ends (tests/background.py): the launched runs, one interpreter
-#: (shared with tests/test_rundir.py, whose runs follow them there)
-BACKGROUND = {"launched": ownership_runs.job}
+#: the launched runs (tests/ownership_runs.py), in ``WORKDIR/launched`` of tests/compare_runs.py's job (one
+#: interpreter and one zygote for the launches of several modules), started in the background when
+#: collection ends (tests/background.py)
+BACKGROUND = {"compares": compare_runs.job}
+
+
+def _workdir() -> Path:
+    """Where tests/ownership_runs.py's launches ran."""
+    return background.workdir("compares") / "launched"
 
 
 def launched(name: str) -> dict:
     """Launch ``name`` of tests/ownership_runs.py: its exit code (``rc``) and its output (``output``)."""
-    proc = background.result("launched", BACKGROUND["launched"])
-    path = background.workdir("launched") / "launches.json"
+    proc = background.result("compares", BACKGROUND["compares"])
+    path = _workdir() / "launches.json"
     launches = json.loads(path.read_text()) if path.exists() else {}
     assert name in launches, f"exit {proc.returncode}: {proc.stdout[-3000:]}{proc.stderr[-3000:]}"
     return launches[name]
@@ -819,7 +824,7 @@ def finished() -> Path:
     """A 2-rank run of the tiny GPT that its ranks prepared (no driver): 3 steps, checkpoints at 2 and 3."""
     done = launched("finished")
     assert done["rc"] == 0, done["output"]
-    return background.workdir("launched") / "finished"
+    return _workdir() / "finished"
 
 
 def in_job(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -840,7 +845,7 @@ def in_job(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.background("launched")
+@pytest.mark.background("compares")
 def test_the_rank_path_checks_before_it_writes(
     run_cli: Callable, finished: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -851,7 +856,7 @@ def test_the_rank_path_checks_before_it_writes(
     The launches ran in tests/ownership_runs.py, each on its own copy of the finished run; the refusals
     inside a job run here, in-process, on another."""
     pristine = tree(finished)
-    root = background.workdir("launched")
+    root = _workdir()
     again = launched("again")
     assert again["rc"] == 2 and "already holds a run; pass --resume" in again["output"], again["output"]
     assert tree(root / "again") == {
@@ -970,7 +975,7 @@ def small_disk(where: Path) -> Iterator[Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.background("launched")
+@pytest.mark.background("compares")
 def test_a_full_disk_mid_resume_leaves_a_run_that_resumes(
     finished: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import background
-import ownership_runs
+import compare_runs
 from lioncub.rundir import (
     MARKER,
     SpecialFileError,
@@ -235,22 +235,22 @@ def test_train_refuses_a_directory_with_user_files(run_cli: Callable, tmp_path: 
     assert not (tmp_path / "y").exists()
 
 
-#: the module's two launches (tests/ownership_runs.py's ``RUNDIR_RUNS``, in ``WORKDIR/rundir`` of its job,
-#: shared with tests/test_run_ownership.py: one interpreter and one preloaded interpreter for every launch of
-#: both modules): ``part``, a 1-rank run stopped at step 2 of 4; ``x``, a 2-rank run whose rank 1 SIGKILLs
-#: itself after the backward of step 2 (tests/kill_rank.py); started in the background when collection ends
+#: the module's two launches (tests/ownership_runs.py's ``RUNDIR_RUNS``, in ``WORKDIR/launched/rundir`` of
+#: tests/compare_runs.py's job: one interpreter and one preloaded interpreter for the launches of several
+#: modules): ``part``, a 1-rank run stopped at step 2 of 4; ``x``, a 2-rank run whose rank 1 SIGKILLs itself
+#: after the backward of step 2 (tests/kill_rank.py); started in the background when collection ends
 #: (tests/background.py)
-BACKGROUND = {"launched": ownership_runs.job}
+BACKGROUND = {"compares": compare_runs.job}
 
 
 def _run(name: str) -> tuple[int, str, Path]:
     """Run ``name`` of ``ownership_runs.RUNDIR_RUNS`` (the background job): its exit status, stderr and
     directory."""
-    proc = background.result("launched", BACKGROUND["launched"])
-    path = background.workdir("launched") / "rundir" / "runs.json"
+    proc = background.result("compares", BACKGROUND["compares"])
+    path = background.workdir("compares") / "launched" / "rundir" / "runs.json"
     assert path.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     done = json.loads(path.read_text())[name]
-    return done["returncode"], done["stderr"], background.workdir("launched") / "rundir" / name
+    return done["returncode"], done["stderr"], path.parent / name
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +262,7 @@ def stopped_run() -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.background("launched")
+@pytest.mark.background("compares")
 def test_a_refused_resume_leaves_the_run_as_it_was(run_cli: Callable, stopped_run: Path) -> None:
     before = snapshot(stopped_run)
     for argv, fragment in (
@@ -284,7 +284,7 @@ def test_a_refused_resume_leaves_the_run_as_it_was(run_cli: Callable, stopped_ru
 
 
 @pytest.mark.slow
-@pytest.mark.background("launched")
+@pytest.mark.background("compares")
 def test_report_only_reports_the_runs_in_out(run_cli: Callable, stopped_run: Path, tmp_path: Path) -> None:
     out = tmp_path / "cmp"
     out.mkdir()
@@ -347,7 +347,7 @@ def test_workload_data_is_checked_before_writing(
 
 
 @pytest.mark.slow
-@pytest.mark.background("launched")
+@pytest.mark.background("compares")
 def test_a_failed_new_run_leaves_nothing_in_the_way() -> None:
     code, err, out = _run("x")
     assert code != 0 and "killed by SIGKILL" in err, err

@@ -3,6 +3,9 @@
 
     cd tests && python -m lioncub launch --nproc 2 -- -m framework_jobs {hf,accelerate,lightning} OUT
 
+(the tests' background job runs every framework's jobs from one runner: ``python framework_jobs.py
+--sequences OUT 240 hf accelerate lightning``, :func:`run_sequences`).
+
 Every scenario trains a tiny model for a few steps with LionCub through the framework's own API and
 writes ``OUT/<scenario>.rank<r>.pt``: ``{"ok": {...}}`` (final parameters and this rank's momenta, the
 first step's local gradients, the lr and the largest update of every step, logs) or ``{"error": text}``.
@@ -940,22 +943,25 @@ SCENARIOS = {
 }
 
 
-#: every job of a framework, in order, one sequence for both test modules (one runner; launches whose ranks
-#: share an environment reuse its preloaded interpreter): tests/test_integrations.py's scenarios, then
-#: tests/test_framework_guards.py's
+#: every job of a framework, in order, one sequence for both test modules: tests/test_integrations.py's
+#: scenarios, then tests/test_framework_guards.py's, in the same launch where that changes nothing they
+#: check (``NAME+NAME``: one launch fewer), and every framework's sequence in one runner (below)
 SEQUENCES = {
-    "hf": [("hf", 2), ("hf-guards", 2), ("hf-resize", 3)],
+    "hf": [("hf+hf-guards", 2), ("hf-resize", 3)],
     "accelerate": [
         ("accelerate", 2),
-        ("accelerate-guards", 2),
+        ("accelerate-guards", 2),  # its own: Accelerator(dynamo_backend=...) after an earlier Accelerator in
+        # the process takes that one's state (AcceleratorState is process-wide) and compiles nothing
         *((f"accelerate-example/{name}", 2) for name in ("example-1", "example-2", "example")),
     ],
-    "lightning": [("lightning", 2), ("lightning-guards", 2)],
+    "lightning": [("lightning+lightning-guards", 2)],
 }
 #: what each framework's jobs import
 NEEDS = {"hf": ["transformers", "accelerate"], "accelerate": ["accelerate"], "lightning": ["lightning"]}
-#: each sequence's bound (s): every job's launch gets its own 240 s
-SEQUENCE_TIMEOUT = 600
+#: the bound (s) of the one job that runs every framework's sequence, and of each launch in it
+JOB_TIMEOUT, LAUNCH_TIMEOUT = 900, 240
+#: both test modules' one background job (tests/background.py): every installed framework's sequence
+KEY = "frameworks"
 
 
 def missing(framework: str) -> list[str]:
@@ -965,28 +971,24 @@ def missing(framework: str) -> list[str]:
     return [m for m in NEEDS[framework] if importlib.util.find_spec(m) is None]
 
 
-def sequence_job(framework: str) -> Any:
-    """The background job (tests/background.py) of ``framework``'s sequence, for both test modules (their
-    key ``framework:NAME``); None where the framework is missing."""
+def frameworks_job() -> Any:
+    """The background job of every installed framework's sequence, one after the other in one runner
+    (:func:`run_sequences`); None where no framework is installed."""
     import background
 
-    if missing(framework):
+    installed = [f for f in SEQUENCES if not missing(f)]
+    if not installed:
         return None
-    command = lambda workdir: sequence_command(workdir / "out", SEQUENCES[framework], 240)
-    return background.Subprocess(command, SEQUENCE_TIMEOUT)
+    command = lambda workdir: python_cmd(
+        __file__, "--sequences", str(workdir / "out"), str(LAUNCH_TIMEOUT), *installed
+    )
+    return background.Subprocess(command, JOB_TIMEOUT)
 
 
-#: both test modules' background jobs: one sequence per framework
-BACKGROUND = {f"framework:{f}": (lambda f=f: sequence_job(f)) for f in SEQUENCES}
+BACKGROUND = {KEY: frameworks_job}
 
 
-def sequence_command(out: Path, jobs: list[tuple[str, int]], timeout: int) -> list[str]:
-    """The command that launches ``jobs`` (scenario set, ranks) one after the other, all writing to ``out``
-    (a later job may start from an earlier one's checkpoints); it fails if any job failed."""
-    return python_cmd(__file__, "--sequence", str(out), str(timeout), *(f"{n}:{k}" for n, k in jobs))
-
-
-#: what a job's ranks import besides torch (and lioncub): preloaded once per sequence (below)
+#: what a job's ranks import besides torch (and lioncub): preloaded once per framework's sequence (below)
 FRAMEWORK_MODULES = {
     "hf": ("transformers", "transformers.trainer", "accelerate"),
     "accelerate": ("accelerate",),
@@ -994,27 +996,56 @@ FRAMEWORK_MODULES = {
 }
 
 
-def run_sequence(out: str, timeout: str, *jobs: str) -> int:
-    """``--sequence``: ``lioncub launch --nproc K -- -m framework_jobs NAME OUT`` for each ``NAME:K`` (and
-    ``... NAME OUT SCENARIO`` for ``NAME/SCENARIO:K``: that scenario alone), the ranks forked from one
-    interpreter that imported torch, lioncub and the framework once (``lioncub launch --preload``; a fresh
-    interpreter per rank would import them again for every rank of every job)."""
+def run_sequences(out: str, timeout: str, *frameworks: str) -> int:
+    """``--sequences``: each framework's :data:`SEQUENCES` in turn, ``lioncub launch --nproc K -- -m
+    framework_jobs NAME OUT/FRAMEWORK`` for each ``(NAME, K)`` (``NAME+NAME``: those scenario sets in one
+    launch; ``... NAME OUT/FRAMEWORK SCENARIO`` for ``NAME/SCENARIO``: that scenario alone; a later job may
+    start from an earlier one's checkpoints), the
+    ranks of a framework's launches forked from one interpreter that imported torch, lioncub and that
+    framework once (``lioncub launch --preload``; a fresh interpreter per rank would import them again for
+    every rank of every job); one runner for all (a runner per framework imported torch once more each).
+    Not one zygote for every framework: with lightning and transformers preloaded too, rank 1 of an
+    accelerate example hung in its teardown after ``end_training`` 3 times in ~210 launches (main()'s
+    locals released, a gloo thread waiting), in 0 of 60 each with accelerate's or Hugging Face's modules
+    alone (too few to rule it out: accelerate's keep the zygote its launches always had).
+    Writes each framework's launches' exit codes to ``OUT/FRAMEWORK.codes.json``
+    (:func:`sequence_results`); fails if any launch failed."""
     from lioncub.launch import LaunchConfig, launch
     from lioncub.launch.preload import MODULES
 
     failed = 0
-    for job in jobs:
-        spec, nproc = job.split(":")  # NAME or NAME/SCENARIO (that scenario alone)
-        name, *only = spec.split("/")
-        preload = (*MODULES, "lioncub", *FRAMEWORK_MODULES[name.split("-")[0]])
-        config = LaunchConfig(
-            ["-m", "framework_jobs", name, out, *only], nproc=int(nproc), timeout_s=float(timeout),
-            cwd=str(Path(__file__).parent), preload=preload,
-        )  # fmt: skip
-        code = launch(config).returncode
-        print(f"job {job}: exit code {code}", flush=True)
-        failed = failed or code
+    for framework in frameworks:
+        print(f"== framework {framework}", flush=True)
+        preload = (*MODULES, "lioncub", *FRAMEWORK_MODULES[framework])
+        codes = {}
+        for spec, nproc in SEQUENCES[framework]:
+            name, *only = spec.split("/")  # NAME or NAME/SCENARIO (that scenario alone)
+            config = LaunchConfig(
+                ["-m", "framework_jobs", name, str(Path(out) / framework), *only], nproc=nproc,
+                timeout_s=float(timeout), cwd=str(Path(__file__).parent), preload=preload,
+            )  # fmt: skip
+            codes[f"{spec}:{nproc}"] = code = launch(config).returncode
+            print(f"job {spec}:{nproc}: exit code {code}", flush=True)
+            failed = failed or code
+        (Path(out) / f"{framework}.codes.json").write_text(json.dumps(codes))
     return failed
+
+
+def sequence_results(framework: str) -> dict[str, list[dict[str, Any]]]:
+    """For the tests: what ``framework``'s sequence saw, scenario -> each rank's result (waits for the
+    job); fails with that framework's part of the job's output if any of its launches failed."""
+    import background
+
+    proc = background.result(KEY, BACKGROUND[KEY])
+    out = background.workdir(KEY) / "out"
+    codes = out / f"{framework}.codes.json"
+    if not codes.exists() or any(json.loads(codes.read_text()).values()):
+        part = proc.stdout.partition(f"== framework {framework}\n")[2] or proc.stdout
+        raise AssertionError(
+            f"{framework}: launches {codes.read_text() if codes.exists() else 'not all run'} (job exit "
+            f"{proc.returncode})\n{part[:4000]}\n{proc.stderr[-4000:]}"
+        )
+    return load_results(out / framework)
 
 
 def load_results(out: Path) -> dict[str, list[dict[str, Any]]]:
@@ -1029,11 +1060,15 @@ def load_results(out: Path) -> dict[str, list[dict[str, Any]]]:
 
 
 def main() -> None:
-    if sys.argv[1] == "--sequence":
-        sys.exit(run_sequence(*sys.argv[2:]))
-    framework, out, *only = sys.argv[1:]
+    if sys.argv[1] == "--sequences":
+        sys.exit(run_sequences(*sys.argv[2:]))
+    names, out, *only = sys.argv[1:]
     torch.set_num_threads(1)
-    scenarios = SCENARIOS[framework]()
+    scenarios: dict[str, Callable[[Path], dict[str, Any]]] = {}
+    for name in names.split("+"):  # NAME or NAME+NAME...: those sets, in order, in this one launch
+        more = SCENARIOS[name]()
+        assert not scenarios.keys() & more.keys(), f"{names}: scenarios named alike"
+        scenarios |= more
     with contextlib.ExitStack():
         run_scenarios(scenarios, Path(out), only)
     if dist.is_initialized():

@@ -1,5 +1,6 @@
 """Issue 26's framework half, through each framework on gloo ranks (``tests/framework_jobs.py``: the
-``*-guards`` scenario sets on 2 ranks, then ``hf-resize`` on 3 ranks from a 2-rank checkpoint).
+``*-guards`` scenario sets in the 2-rank launches of tests/test_integrations.py's scenarios, then
+``hf-resize`` on 3 ranks from a 2-rank checkpoint).
 
 * A save that a user's callback requests (``should_save`` set in ``on_evaluate``, or by a callback added
   after the Trainer was built) holds every rank's momenta: the resume is bitwise on every rank.
@@ -20,7 +21,6 @@ from typing import Any
 import pytest
 import torch
 
-import background
 import framework_jobs as jobs
 
 #: one sequence per framework (tests/framework_jobs.py): tests/test_integrations.py's scenarios, then these
@@ -34,10 +34,7 @@ def scenario(framework: str, name: str) -> list[dict[str, Any]]:
     if framework not in _LOADED:
         if jobs.missing(framework):
             pytest.skip(f"{jobs.missing(framework)} not installed")
-        key = f"framework:{framework}"
-        proc = background.result(key, BACKGROUND[key])
-        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-        _LOADED[framework] = jobs.load_results(background.workdir(key) / "out")
+        _LOADED[framework] = jobs.sequence_results(framework)
     got = _LOADED[framework]
     assert name in got, f"{framework}: no result for scenario {name!r} (has {sorted(got)})"
     assert "error" not in got[name][0], got[name][0]["error"]
@@ -52,8 +49,8 @@ def differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
 def marks(framework: str) -> list[Any]:
     return [
         pytest.mark.slow,
-        pytest.mark.background(f"framework:{framework}"),
-        pytest.mark.timeout(jobs.SEQUENCE_TIMEOUT + 60),
+        pytest.mark.background(jobs.KEY),
+        pytest.mark.timeout(jobs.JOB_TIMEOUT + 60),
     ]
 
 
@@ -86,8 +83,8 @@ def test_torch_compile_around_ddp(framework: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.background("framework:lightning")
-@pytest.mark.timeout(jobs.SEQUENCE_TIMEOUT + 60)
+@pytest.mark.background(jobs.KEY)
+@pytest.mark.timeout(jobs.JOB_TIMEOUT + 60)
 @pytest.mark.parametrize(("run", "scaler"), [("bf16-clip", "NoneType"), ("16-clip", "GradScaler")])
 def test_lightning_clips_under_mixed_precision(run: str, scaler: str) -> None:
     """``gradient_clip_val`` clips each rank's local (unscaled) gradient: its norm is the clip value after
@@ -103,8 +100,8 @@ def test_lightning_clips_under_mixed_precision(run: str, scaler: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.background("framework:hf")
-@pytest.mark.timeout(jobs.SEQUENCE_TIMEOUT + 60)
+@pytest.mark.background(jobs.KEY)
+@pytest.mark.timeout(jobs.JOB_TIMEOUT + 60)
 def test_trainer_resumes_on_another_world_size_when_allowed() -> None:
     """A 2-rank checkpoint resumed on 3 ranks: refused, naming the option; with
     ``lioncub=dict(allow_world_size_change=True)``, rank r takes saved rank r mod 2's momenta."""
@@ -121,8 +118,8 @@ def test_trainer_resumes_on_another_world_size_when_allowed() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.background("framework:hf")
-@pytest.mark.timeout(jobs.SEQUENCE_TIMEOUT + 60)
+@pytest.mark.background(jobs.KEY)
+@pytest.mark.timeout(jobs.JOB_TIMEOUT + 60)
 def test_trainer_warns_that_optim_is_ignored() -> None:
     for r in scenario("hf", "optim-arg"):
         assert r["None"] == []  # the default optim: no warning
@@ -132,8 +129,8 @@ def test_trainer_warns_that_optim_is_ignored() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.background("framework:hf")
-@pytest.mark.timeout(jobs.SEQUENCE_TIMEOUT + 60)
+@pytest.mark.background(jobs.KEY)
+@pytest.mark.timeout(jobs.JOB_TIMEOUT + 60)
 def test_a_resume_without_optimizer_state_warns_once() -> None:
     """``save_only_model=True`` checkpoints hold no optimizer state: the resume warns once (rank 0) that
     the momenta start from zero, and LionCub continues at the checkpoint's step (the tie phase keeps its
@@ -148,8 +145,8 @@ def test_a_resume_without_optimizer_state_warns_once() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.background("framework:hf")
-@pytest.mark.timeout(jobs.SEQUENCE_TIMEOUT + 60)
+@pytest.mark.background(jobs.KEY)
+@pytest.mark.timeout(jobs.JOB_TIMEOUT + 60)
 def test_trainer_evaluates_the_shared_parameters_in_a_window_and_warns_of_an_odd_end() -> None:
     """``local_steps=2`` with ``max_steps=3`` and ``eval_steps=1`` (and an evaluation at step 0): rank 0
     warns once that the run ends in a window's middle; the evaluations in a window's middle are of θ of
@@ -164,8 +161,8 @@ def test_trainer_evaluates_the_shared_parameters_in_a_window_and_warns_of_an_odd
 
 
 @pytest.mark.slow
-@pytest.mark.background("framework:lightning")
-@pytest.mark.timeout(jobs.SEQUENCE_TIMEOUT + 60)
+@pytest.mark.background(jobs.KEY)
+@pytest.mark.timeout(jobs.JOB_TIMEOUT + 60)
 def test_lightning_validates_and_checkpoints_the_shared_parameters_in_a_window() -> None:
     """``local_steps`` H = 2, validated after every micro-batch (Lightning counts those): a validation in a
     window's middle (after optimizer steps 1, 3, 5) sees θ of the last outer step — the parameters after
@@ -186,5 +183,8 @@ def test_lightning_validates_and_checkpoints_the_shared_parameters_in_a_window()
 
 
 def test_the_guard_jobs_exist() -> None:
-    """Every job named here is a scenario set of tests/framework_jobs.py (``NAME/SCENARIO``: that set's)."""
-    assert {name.split("/")[0] for runs in jobs.SEQUENCES.values() for name, _ in runs} <= set(jobs.SCENARIOS)
+    """Every job named here is a scenario set of tests/framework_jobs.py (``NAME/SCENARIO``: that set's;
+    ``NAME+NAME``: those sets), and every set is run."""
+    jobs_named = [name.split("/")[0] for runs in jobs.SEQUENCES.values() for name, _ in runs]
+    named = {part for name in jobs_named for part in name.split("+")}
+    assert named == set(jobs.SCENARIOS)

@@ -1,12 +1,13 @@
 """``lioncub.integrations`` with the real frameworks: Hugging Face Trainer, accelerate, Lightning.
 
-One job of 2 gloo ranks per framework (``tests/framework_jobs.py``, started in the background when
-collection ends) runs every scenario; each rank writes what it saw, and the tests here compare:
-for 1bit and 8bit, plain and overlapped — the gradients LionCub gets are each rank's own (they differ
-across ranks), the replicas end identical, the framework's lr schedule sets the lr LionCub applies,
-gradient accumulation 2 gives the gradient of the same samples in one batch, and a run resumed through the
-framework's own resume path from a checkpoint after 3 of 6 steps is bitwise the uninterrupted run on every
-rank (parameters and that rank's momenta). Plus the refusals, the examples and the README's blocks.
+A launch of 2 gloo ranks per framework (``tests/framework_jobs.py``; every framework's launches in one
+job started in the background when collection ends) runs every scenario; each rank writes what it saw,
+and the tests here compare: for 1bit and 8bit, plain and overlapped — the gradients LionCub gets are each
+rank's own (they differ across ranks), the replicas end identical, the framework's lr schedule sets the lr
+LionCub applies, gradient accumulation 2 gives the gradient of the same samples in one batch, and a run
+resumed through the framework's own resume path from a checkpoint after 3 of 6 steps is bitwise the
+uninterrupted run on every rank (parameters and that rank's momenta). Plus the refusals, the examples and
+the README's blocks.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from typing import Any
 import pytest
 import torch
 
-import background
 import framework_jobs as jobs
 
 from processes import context
@@ -33,8 +33,8 @@ EXTRA = {"hf": "hf", "accelerate": "hf", "lightning": "lightning"}
 RUNS = [f"{v}-{m}" for v in ("1bit", "8bit") for m in ("plain", "overlap")]
 
 
-#: one sequence of launched jobs per framework (shared with tests/test_framework_guards.py), started in the
-#: background when collection ends
+#: one sequence of launched jobs per framework (shared with tests/test_framework_guards.py), all in one job
+#: started in the background when collection ends
 BACKGROUND = jobs.BACKGROUND
 _LOADED: dict[str, dict[str, list[dict[str, Any]]]] = {}
 
@@ -46,10 +46,7 @@ def results(framework: str) -> dict[str, list[dict[str, Any]]]:
     missing = jobs.missing(framework)
     if missing:
         pytest.skip(f"{missing} not installed (the {EXTRA[framework]} extra, docs/install.md)")
-    key = f"framework:{framework}"
-    proc = background.result(key, BACKGROUND[key])
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    loaded = jobs.load_results(background.workdir(key) / "out")
+    loaded = jobs.sequence_results(framework)
     _LOADED[framework] = loaded
     return loaded
 
@@ -67,7 +64,7 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
 
 
 def _marks(framework: str) -> list[Any]:
-    return [pytest.mark.slow, pytest.mark.background(f"framework:{framework}")]
+    return [pytest.mark.slow, pytest.mark.background(jobs.KEY)]
 
 
 def _cases(runs: list[str] = RUNS) -> list[Any]:
@@ -147,7 +144,7 @@ def test_accumulation_keeps_every_micro_batch(framework: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.background("framework:hf")
+@pytest.mark.background(jobs.KEY)
 @pytest.mark.parametrize("run", RUNS)
 def test_trainer_weight_decay_split(run: str) -> None:
     """LionCub's groups are the Trainer's: ``args.weight_decay`` on get_decay_parameter_names (matrices),
@@ -161,7 +158,7 @@ def test_trainer_weight_decay_split(run: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.background("framework:hf")
+@pytest.mark.background(jobs.KEY)
 def test_trainer_logs_the_bytes_per_step() -> None:
     for run in RUNS:
         for r in scenario("hf", run):
@@ -175,7 +172,7 @@ def test_trainer_logs_the_bytes_per_step() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.background("framework:hf")
+@pytest.mark.background(jobs.KEY)
 def test_trainer_refusals() -> None:
     for r in scenario("hf", "refusals"):
         assert "max_grad_norm=1.0" in r["overlap_clip"] and "max_grad_norm=0" in r["overlap_clip"]
@@ -183,7 +180,7 @@ def test_trainer_refusals() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.background("framework:hf")
+@pytest.mark.background(jobs.KEY)
 def test_trainer_optimizer_factory_both_ways() -> None:
     for r in scenario("hf", "factory"):
         (decayed, wd, betas), (plain, no_wd, _) = r["by_model"]
@@ -193,7 +190,7 @@ def test_trainer_optimizer_factory_both_ways() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.background("framework:accelerate")
+@pytest.mark.background(jobs.KEY)
 def test_accelerate_refuses_a_callable_comm_hook() -> None:
     for r in scenario("accelerate", "comm_hook"):
         message = r["message"]
@@ -203,7 +200,7 @@ def test_accelerate_refuses_a_callable_comm_hook() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.background("framework:lightning")
+@pytest.mark.background(jobs.KEY)
 def test_lightning_refusals() -> None:
     for r in scenario("lightning", "refusals"):
         assert "gradient_clip_val=1.0" in r["overlap_clip"]
@@ -230,7 +227,7 @@ def test_the_examples_command_sequences_run_in_order(framework: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.background("framework:lightning")
+@pytest.mark.background(jobs.KEY)
 def test_the_readme_lightning_recipe_resumes_when_run_again() -> None:
     """The README's Lightning block run twice in one directory: the first trains its 2 epochs from no
     checkpoint; the second starts from the first's checkpoints/last.ckpt and reads no sample (with a

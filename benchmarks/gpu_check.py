@@ -671,6 +671,12 @@ def main() -> int:
         help=f"test hook: section NAME raises at its end (repeatable; one of {', '.join(SECTIONS)})",
     )
     args = parser.parse_args()
+    if not args.dry_run and not torch.cuda.is_available():  # before anything changes the process's state
+        print(
+            f"gpu_check: torch {torch.__version__} sees no CUDA GPU. Run it on a machine with an NVIDIA "
+            "GPU, with a CUDA build of torch and triton; or use --dry-run for the CPU mode."
+        )
+        return 2
     out = args.out or default_out()
     warnings.simplefilter("ignore")
     faulthandler.enable(all_threads=True)  # SIGABRT (gpu_check.sh's time-out), SIGSEGV: every stack
@@ -681,12 +687,6 @@ def main() -> int:
         sizes = dict(n=3000, bw_n=1 << 14, runs=1, layers=1, d=16, vocab=32, ctx=8, step_runs=1)
         torch.set_num_threads(1)
     else:
-        if not torch.cuda.is_available():
-            print(
-                f"gpu_check: torch {torch.__version__} sees no CUDA GPU. Run it on a machine with an NVIDIA "
-                "GPU, with a CUDA build of torch and triton; or use --dry-run for the CPU mode."
-            )
-            return 2
         device = torch.device("cuda", 0)
         torch.cuda.set_device(device)
         backend = "nccl"

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -16,8 +18,6 @@ import kernels_interp
 from kernel_steps import STEP_PRESETS, worker_lioncub_kernels
 from lioncub.ops import kernels, native, packing, quantize, triton_launch
 from lioncub.optim.lion import apply_update_, update_momentum_
-
-from processes import python_cmd
 
 ROOT = Path(__file__).resolve().parent.parent
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -39,11 +39,10 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _in_background(cmd, timeout: float, needs_triton: bool = True):  # type: ignore[no-untyped-def]
+def _in_background(cmd, timeout: float):  # type: ignore[no-untyped-def]
     """``subprocess.run(cmd(workdir), capture_output=True, text=True, timeout=timeout, check=False)`` with the
-    project's ``src`` on the path, as a background job (tests/background.py)."""
-    wanted = HAVE_TRITON or not needs_triton
-    return lambda: background.Subprocess(cmd, timeout, _env()) if wanted else None
+    project's ``src`` on the path, as a background job (tests/background.py), if triton is installed."""
+    return lambda: background.Subprocess(cmd, timeout, _env()) if HAVE_TRITON else None
 
 
 #: the sections of gpu_check's dry run that fail by its test hook (--fail-section): one of gpu_check.py,
@@ -63,9 +62,6 @@ BACKGROUND = {
             *(arg for section in GPU_CHECK_INJECTED for arg in ("--fail-section", section)),
         ],
         280,
-    ),
-    "gpu_check_without_cuda": _in_background(
-        lambda _: python_cmd(str(ROOT / "benchmarks" / "gpu_check.py")), 120, needs_triton=False
     ),
 }
 
@@ -322,13 +318,23 @@ def test_gpu_check_survives_a_failing_section():
     assert written.startswith("section ") and "still running" not in written
 
 
-@pytest.mark.slow
-@pytest.mark.background("gpu_check_without_cuda")
-def test_gpu_check_without_cuda_says_so():
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA")
-    proc = background.result("gpu_check_without_cuda", BACKGROUND["gpu_check_without_cuda"])
-    assert proc.returncode == 2 and "no CUDA GPU" in proc.stdout
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_gpu_check_without_cuda_says_so(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``python benchmarks/gpu_check.py`` (no --dry-run) without CUDA: exit 2, saying so. Its ``main`` in
+    this process (the script's module loaded as it runs, its ``sys.path`` and ``sys.argv``): it returns
+    before it changes anything of the process."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # restored after the test, with the module's
+    monkeypatch.setattr(sys, "argv", ["benchmarks/gpu_check.py"])
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    filters = list(warnings.filters)
+    assert module.main() == 2
+    assert "no CUDA GPU" in capsys.readouterr().out
+    assert warnings.filters == filters  # returned before its warnings.simplefilter (and faulthandler)
 
 
 # -- LionCub with the kernels in its step (what a CUDA run takes), against the plain torch step --------

@@ -14,7 +14,10 @@ import contextlib
 import sys
 from pathlib import Path
 
-TINY = ["--workload", "gpt", "--size", "tiny", "--no-progress"]
+#: the tiny GPT with 4 sequences a batch (16 by default) and 32 validation windows (128): the checks compare
+#: runs of the same settings with each other, or count steps, groups, seconds waited and parameter bytes
+TINY = ["--workload", "gpt", "--size", "tiny", "--set", "batch_size=4", "--set", "eval_windows=32"]
+TINY += ["--no-progress"]
 KILL_REJOIN = ["--kill", "1@4", "--rejoin", "1@9"]
 THREE = ["--nproc", "3", "--steps", "24", "--eval-every", "8"]
 #: torchft's DiLoCo and lioncub's outer="diloco" with the inner momenta kept, 2 groups, no weight decay

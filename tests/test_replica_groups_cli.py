@@ -1,9 +1,9 @@
 """``lioncub train --fault-tolerant``: every rank a torchft replica group, the failure schedule carried out
 by the launcher (:mod:`lioncub.launch.groups`), the groups' logs merged (:mod:`lioncub.train.fault_tolerant`).
 
-The end-to-end runs (3 groups of the tiny GPT, 24 steps; group 1 SIGKILLed after step 4 and started again
-at step 9: tests/ft_runs.py) run one after the other in one interpreter in the background; the schedule's
-launcher is also tested alone, on small scripts that stand in for groups."""
+The end-to-end runs (3 groups of the tiny GPT with a batch of 4 sequences, 24 steps; group 1 SIGKILLed after
+step 4 and started again at step 9: tests/ft_runs.py) run one after the other in one interpreter in the
+background; the schedule's launcher is also tested alone, on small scripts that stand in for groups."""
 
 from __future__ import annotations
 

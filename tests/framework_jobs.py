@@ -3,8 +3,8 @@
 
     cd tests && python -m lioncub launch --nproc 2 -- -m framework_jobs {hf,accelerate,lightning} OUT
 
-(the tests' background job runs every framework's jobs from one runner: ``python framework_jobs.py
---sequences OUT 240 hf accelerate lightning``, :func:`run_sequences`).
+(the tests' background job runs every framework's jobs from one runner, :func:`run_job`; by hand:
+``python framework_jobs.py --sequences OUT 240 hf accelerate lightning``).
 
 Every scenario trains a tiny model for a few steps with LionCub through the framework's own API and
 writes ``OUT/<scenario>.rank<r>.pt``: ``{"ok": {...}}`` (final parameters and this rank's momenta, the
@@ -29,15 +29,13 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from lioncub import LionCub
-
-from processes import python_cmd
 
 STEPS = 6  # optimizer steps of a full run
 SAVE_AT = 3  # the checkpoint a "-resume" scenario starts from
@@ -973,16 +971,25 @@ def missing(framework: str) -> list[str]:
 
 def frameworks_job() -> Any:
     """The background job of every installed framework's sequence, one after the other in one runner
-    (:func:`run_sequences`); None where no framework is installed."""
+    (:func:`run_job`); None where no framework is installed."""
     import background
 
     installed = [f for f in SEQUENCES if not missing(f)]
     if not installed:
         return None
-    command = lambda workdir: python_cmd(
-        __file__, "--sequences", str(workdir / "out"), str(LAUNCH_TIMEOUT), *installed
-    )
-    return background.Subprocess(command, JOB_TIMEOUT)
+    return background.Spawned(run_job, 1, (LAUNCH_TIMEOUT, *installed), timeout=JOB_TIMEOUT)
+
+
+def run_job(rank: int, world: int, workdir: Path, timeout: int, *frameworks: str) -> None:
+    """The background job's runner: :func:`run_sequences` into ``workdir/out``, what it and the ranks print
+    in ``workdir/output``; a fork of the worker pool's fork server (``background.Spawned``: torch already
+    imported, where an interpreter of its own imported it again, ~2.5 CPU-s)."""
+    with open(workdir / "output", "w") as output:
+        try:
+            run_sequences(str(workdir / "out"), str(timeout), *frameworks, output=output)
+        except BaseException:
+            traceback.print_exc(file=output)
+            raise
 
 
 BACKGROUND = {KEY: frameworks_job}
@@ -996,7 +1003,7 @@ FRAMEWORK_MODULES = {
 }
 
 
-def run_sequences(out: str, timeout: str, *frameworks: str) -> int:
+def run_sequences(out: str, timeout: str, *frameworks: str, output: TextIO | None = None) -> int:
     """``--sequences``: each framework's :data:`SEQUENCES` in turn, ``lioncub launch --nproc K -- -m
     framework_jobs NAME OUT/FRAMEWORK`` for each ``(NAME, K)`` (``NAME+NAME``: those scenario sets in one
     launch; ``... NAME OUT/FRAMEWORK SCENARIO`` for ``NAME/SCENARIO``: that scenario alone; a later job may
@@ -1009,13 +1016,15 @@ def run_sequences(out: str, timeout: str, *frameworks: str) -> int:
     locals released, a gloo thread waiting), in 0 of 60 each with accelerate's or Hugging Face's modules
     alone (too few to rule it out: accelerate's keep the zygote its launches always had).
     Writes each framework's launches' exit codes to ``OUT/FRAMEWORK.codes.json``
-    (:func:`sequence_results`); fails if any launch failed."""
+    (:func:`sequence_results`), what they print to ``output`` (default stdout); fails if any launch
+    failed."""
     from lioncub.launch import LaunchConfig, launch
     from lioncub.launch.preload import MODULES
 
+    output = output or sys.stdout
     failed = 0
     for framework in frameworks:
-        print(f"== framework {framework}", flush=True)
+        print(f"== framework {framework}", file=output, flush=True)
         preload = (*MODULES, "lioncub", *FRAMEWORK_MODULES[framework])
         codes = {}
         for spec, nproc in SEQUENCES[framework]:
@@ -1024,8 +1033,8 @@ def run_sequences(out: str, timeout: str, *frameworks: str) -> int:
                 ["-m", "framework_jobs", name, str(Path(out) / framework), *only], nproc=nproc,
                 timeout_s=float(timeout), cwd=str(Path(__file__).parent), preload=preload,
             )  # fmt: skip
-            codes[f"{spec}:{nproc}"] = code = launch(config).returncode
-            print(f"job {spec}:{nproc}: exit code {code}", flush=True)
+            codes[f"{spec}:{nproc}"] = code = launch(config, out=output, err=output).returncode
+            print(f"job {spec}:{nproc}: exit code {code}", file=output, flush=True)
             failed = failed or code
         (Path(out) / f"{framework}.codes.json").write_text(json.dumps(codes))
     return failed
@@ -1036,14 +1045,15 @@ def sequence_results(framework: str) -> dict[str, list[dict[str, Any]]]:
     job); fails with that framework's part of the job's output if any of its launches failed."""
     import background
 
-    proc = background.result(KEY, BACKGROUND[KEY])
+    exits = background.result(KEY, BACKGROUND[KEY])
     out = background.workdir(KEY) / "out"
     codes = out / f"{framework}.codes.json"
     if not codes.exists() or any(json.loads(codes.read_text()).values()):
-        part = proc.stdout.partition(f"== framework {framework}\n")[2] or proc.stdout
+        printed = (background.workdir(KEY) / "output").read_text(errors="replace")
+        part = printed.partition(f"== framework {framework}\n")[2] or printed
         raise AssertionError(
-            f"{framework}: launches {codes.read_text() if codes.exists() else 'not all run'} (job exit "
-            f"{proc.returncode})\n{part[:4000]}\n{proc.stderr[-4000:]}"
+            f"{framework}: launches {codes.read_text() if codes.exists() else 'not all run'} (the "
+            f"runner's exit code {exits[0]})\n{part[:6000]}"
         )
     return load_results(out / framework)
 

@@ -8,7 +8,6 @@ SIGKILL mid-run is restarted from the last checkpoint (``lioncub train --restart
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -17,12 +16,13 @@ import torch
 
 import background
 import kill_rank
+import torchrun_runs
 from lioncub import cli
 from lioncub.optim import Lion, LionCub
 from lioncub.optim.lioncub import Checks, NonFiniteGradientError, ReplicaMismatchError
 from lioncub.train import checkpoint
 
-from processes import python_cmd, run_workers
+from processes import run_workers
 
 SHAPES = [(5, 7), (7,), (3, 3, 2)]
 BAD = {2: (1, float("nan")), 4: (2, float("inf")), 5: (0, float("-inf"))}  # step: (rank, value)
@@ -310,23 +310,7 @@ def test_checkpoints_are_verified_and_a_crash_mid_save_keeps_the_previous(tmp_pa
         checkpoint.model_state(meta)
 
 
-TINY = [
-    "train",
-    "--workload",
-    "gpt",
-    "--size",
-    "tiny",
-    "--no-progress",
-    "--variant",
-    "1bit",
-    "--steps",
-    "6",
-    "--eval-every",
-    "4",
-]
-#: checkpoints at steps 3 and 6; a rank killed before step 5's update (tests/kill_rank.py's 1:5) restarts from
-#: step 3, rewrites steps 4-5 and trains step 6
-TINY += ["--checkpoint-every", "3"]
+TINY = torchrun_runs.TINY  # 6 steps, checkpoints at 3 and 6 (the torchrun job's run too)
 TINY_RUN = [*TINY, "--nproc", "2"]
 
 
@@ -361,33 +345,29 @@ def test_killed_rank_restarts_from_the_checkpoint_bitwise(
     assert [r["step"] for r in steps if r["kind"] == "step"] == list(range(1, 7))  # steps 4-5 rewritten
 
 
-def _torchrun_cmd(workdir: Path) -> list[str]:
-    """torchrun's workers run ``lioncub.cli train`` through ``tests/kill_rank.py``: rank 1 SIGKILLs itself
-    after the backward of step 5 in the first attempt."""
-    cmd = python_cmd("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
-    cmd += ["--max-restarts", "1", kill_rank.__file__, "1:5", "lioncub.cli"]
-    return [*cmd, *TINY, "--out", str(workdir / "torchrun")]
-
-
 #: started in the background when collection ends (tests/background.py), in the order of the tests: 3 spawned
 #: ranks of _die_or_stall per fault (the test waits for ranks 0 and 2; spawning and importing torch included
-#: in the 90 s), and the torchrun job (ranks: torchrun's)
+#: in the 90 s), and tests/torchrun_runs.py's jobs (ranks: torchrun's; shared with tests/test_topology.py):
+#: its ``kill`` job runs ``lioncub.cli train`` through ``tests/kill_rank.py``, rank 1 SIGKILLing itself after
+#: the backward of step 5 in the first attempt
 BACKGROUND = {
     **{
         f"rank_{how}": lambda how=how: background.Spawned(_die_or_stall, 3, (how,), 90.0, wait_for=(0, 2))
         for how in FAULTS
     },
-    "torchrun_kill": lambda: background.Subprocess(
-        _torchrun_cmd, 300, {**os.environ, "OMP_NUM_THREADS": "1"}
-    ),
+    "torchruns": torchrun_runs.job,
 }
 
 
 @pytest.mark.slow
-@pytest.mark.background("torchrun_kill")
+@pytest.mark.background("torchruns")
 def test_killed_rank_under_torchrun_max_restarts_bitwise(uninterrupted: Path) -> None:
-    proc = background.result("torchrun_kill", BACKGROUND["torchrun_kill"])
-    out = background.workdir("torchrun_kill") / "torchrun"
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "exitcode: -9) local_rank: 1" in proc.stderr  # torchrun saw rank 1 die of SIGKILL, then restarted
+    proc = background.result("torchruns", BACKGROUND["torchruns"])
+    path = background.workdir("torchruns") / "runs.json"
+    assert path.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    done = json.loads(path.read_text())["kill"]
+    out = background.workdir("torchruns") / "torchrun"
+    assert done["rc"] == 0, done["output"][-3000:]
+    # torchrun saw rank 1 die of SIGKILL, then restarted
+    assert "exitcode: -9) local_rank: 1" in done["output"]
     _same_final_model(uninterrupted, out)

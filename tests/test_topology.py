@@ -8,6 +8,7 @@ The mesh shapes on gloo ranks (``("replicate", "shard")`` on FSDP2's shards and 
 
 from __future__ import annotations
 
+import json
 import sys
 import warnings
 from pathlib import Path
@@ -17,12 +18,13 @@ import torch
 import torch.distributed as dist
 
 import background
+import torchrun_runs
 from lioncub import LionCub
 from lioncub.collectives import Comm, GroupComm
 from lioncub.optim import Checks, Lion, VoteMesh
 from lioncub.optim.topology import LOCAL, who_votes
 
-from processes import python_cmd, run_workers
+from processes import run_workers
 
 
 @pytest.fixture
@@ -191,48 +193,22 @@ def test_a_vote_mesh_of_groups_votes_shares_and_the_caller_broadcasts() -> None:
     assert run_workers(worker_vote_mesh, 4, timeout=120) == [[]] * 4
 
 
-#: a torchrun job that builds LionCub without init_process_group: each rank waits (files) until both
-#: started, so that neither is stopped by torchrun before it builds the optimizer
-FORGOT_INIT = """
-import os, pathlib, sys, time
-import torch
-from lioncub import LionCub
-here = pathlib.Path(sys.argv[1])
-(here / f"started.{os.environ['RANK']}").touch()
-deadline = time.monotonic() + 60
-while len(list(here.glob("started.*"))) < 2 and time.monotonic() < deadline:
-    time.sleep(0.05)
-LionCub(torch.nn.Linear(3, 1).parameters(), lr=1e-3)
-print("trained alone", flush=True)
-"""
-
-
-def _torchrun_forgot_init(workdir: Path) -> list[str]:
-    """``torchrun --standalone --nproc-per-node 2 forgot_init.py WORKDIR`` (the script written there)."""
-    script = workdir / "forgot_init.py"
-    script.write_text(FORGOT_INIT)
-    torchrun = (
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "--monitor-interval",
-        "0.5",
-    )
-    return python_cmd(*torchrun, str(script), str(workdir))
-
-
-BACKGROUND = {"forgot_init": lambda: background.Subprocess(_torchrun_forgot_init, 120)}
+#: tests/torchrun_runs.py's jobs (shared with tests/test_reliability.py), one torchrun agent's interpreter
+#: for both, started in the background when collection ends (tests/background.py): its ``forgot_init`` is a
+#: torchrun job of 2 ranks that build LionCub without init_process_group
+BACKGROUND = {"torchruns": torchrun_runs.job}
 
 
 @pytest.mark.slow
-@pytest.mark.background("forgot_init")
+@pytest.mark.background("torchruns")
 def test_torchrun_without_init_process_group_fails_on_every_rank() -> None:
-    done = background.result("forgot_init", BACKGROUND["forgot_init"])
-    out = done.stdout + done.stderr
-    assert done.returncode != 0 and "trained alone" not in out, out[-3000:]
+    proc = background.result("torchruns", BACKGROUND["torchruns"])
+    path = background.workdir("torchruns") / "runs.json"
+    assert path.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    done = json.loads(path.read_text())["forgot_init"]
+    out = done["output"]
+    assert done["rc"] != 0 and "trained alone" not in out, out[-3000:]
     for rank in (0, 1):
         assert f"RuntimeError: rank {rank} of WORLD_SIZE=2: LionCub has no process group" in out, out[-3000:]
     assert out.count("call torch.distributed.init_process_group(...) before building the optimizer") >= 2
-    assert Path(background.workdir("forgot_init"), "started.1").exists()
+    assert Path(background.workdir("torchruns"), "started.1").exists()

@@ -23,7 +23,12 @@ import traceback
 import warnings
 from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import subprocess
+
+    import background
 
 if __name__ == "__main__":
     os.environ["TRITON_INTERPRET"] = "1"
@@ -502,7 +507,7 @@ CASES = {
 }
 
 
-def job() -> Any:
+def job() -> background.Subprocess | None:
     """A ``background.Subprocess`` of every case (tests/background.py's job ``kernels_interp``, shared by
     tests/test_kernels.py and tests/test_launches.py; ``STEPS_FILE`` in its working directory), or None
     without triton."""
@@ -521,7 +526,7 @@ def job() -> Any:
     )
 
 
-def records(proc: Any) -> dict[str, dict]:
+def records(proc: subprocess.CompletedProcess[str]) -> dict[str, dict]:
     """The records of a run's cases (``proc``: its ``CompletedProcess``), by case; ``pytest.fail`` with its
     stderr if no case reported."""
     import pytest

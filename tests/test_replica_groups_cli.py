@@ -185,12 +185,14 @@ def test_a_straggler_never_trains_alone_and_a_failed_run_keeps_everything(tmp_pa
     steps = log(run_dir, "step")
     assert [r["step"] for r in steps] == list(range(1, 31))  # every step once: no step of group 1 alone
     assert sum(ft["participants"].values()) + ft["skipped_steps"] == 30 and ft["participants"]["2"] >= 10
-    # group 0's 5 s wait for the stalled group 1 is in its log: usually in the exchange of a step that was
-    # not committed (comm_s), or, when group 1 stopped before that step's quorum (a loaded machine), in the
-    # quorum that left it out (quorum_s)
+    # group 0's wait for the stalled group 1 is in its log: group 1 stopped inside a step, in the exchange of
+    # that step, not committed (comm_s: --collective-timeout, 5 s); stopped between two steps (before it
+    # asked for the next quorum), in the quorum that left it out once its heartbeats stopped (quorum_s: the
+    # launcher's lighthouse drops a group after 2 s without them; seen in 2 of 11 runs)
     skipped = [r for r in steps if not r["committed"]]
     assert all(r["comm_s"] >= 4.0 for r in skipped), skipped
-    assert max(r["quorum_s"] + r["comm_s"] for r in steps if r["step"] > 10) >= 4.0, steps[9:]
+    alone = next(r for r in steps if r["participants"] == 1)
+    assert skipped or alone["quorum_s"] >= 1.0, steps[9:]
     assert all(r["groups"] == [0] for r in steps if r["participants"] == 1)
     assert not [
         r for r in map(json.loads, (run_dir / "groups" / "g1.jsonl").read_text().splitlines())

@@ -1029,7 +1029,9 @@ def run_sequences(out: str, timeout: str, *frameworks: str, output: TextIO | Non
     Not one zygote for every framework: with lightning and transformers preloaded too, rank 1 of an
     accelerate example hung in its teardown after ``end_training`` 3 times in ~210 launches (main()'s
     locals released, a gloo thread waiting), in 0 of 60 each with accelerate's or Hugging Face's modules
-    alone (too few to rule it out: accelerate's keep the zygote its launches always had).
+    alone; accelerate's keep the zygote its launches always had. That hang is not the big zygote's alone:
+    it was seen once with accelerate's own (example-2, a whole job on a machine at load ~9), a race in the
+    example's teardown that the 240 s launch timeout bounds.
     Writes each framework's launches' exit codes to ``OUT/FRAMEWORK.codes.json``
     (:func:`sequence_results`), what they print to ``output`` (default stdout); fails if any launch
     failed."""

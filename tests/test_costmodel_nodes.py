@@ -11,12 +11,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
+import background
+from emulated_network import netns_usable
 from lioncub import cli, transports
 from lioncub.cli import cost as cost_cli
 from lioncub.optim.config import PRESETS, VoteConfig
@@ -388,26 +392,51 @@ def test_calibrate_on_nodes_reaches_the_launcher_and_refuses_layout_options_insi
     assert rc == 2 and "--nnodes, --nproc-per-node: start a job from outside one" in err
 
 
+#: ``lioncub calibrate`` on 2 emulated nodes of 2 ranks (``--out`` follows); the node's loopback shaped (4
+#: Gbit/s): unshaped, it moved 2-8 MB in a few ms, and with the suite's background jobs on the same cores its
+#: fit had no slope (three times in full runs, with 2 and with 5 repeats); shaped, the time grows with the
+#: payload by milliseconds
+CALIBRATE_NODES = ["calibrate", "--nnodes", "2", "--nproc-per-node", "2", "--link", "1gbit", "--intra-link",
+                   "4gbit", "--ops", "allreduce_f32", "--sizes", "2mb,4mb,8mb", "--repeats", "3",
+                   "--compute-numel", "0"]  # fmt: skip
+
+
+def _calibrate_nodes(rank: int, world: int, workdir: Path) -> None:
+    """The background job ``calibrate_nodes``: :data:`CALIBRATE_NODES` (``lioncub.cli.main`` in this forked
+    process; torchrun's agents, forks of the zygote, start the ranks) into ``workdir/nodes.json``; its stdout,
+    stderr and exit status in ``workdir/stdout``, ``stderr``, ``rc``."""
+    with open(workdir / "stdout", "w") as out, open(workdir / "stderr", "w") as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        rc = cli.main([*CALIBRATE_NODES, "--out", str(workdir / "nodes.json")])
+        sys.stdout.flush()
+        sys.stderr.flush()
+    (workdir / "rc").write_text(str(rc))
+
+
+#: tests/background.py's jobs of this module; nothing to run without root (network namespaces)
+BACKGROUND = {
+    "calibrate_nodes": lambda: (
+        background.Spawned(_calibrate_nodes, 1, timeout=180) if netns_usable() else None
+    )
+}
+
+
 @pytest.mark.slow
 @pytest.mark.root
-def test_calibrate_two_emulated_nodes_measures_the_nic_rate(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
-) -> None:
-    """`lioncub calibrate --nnodes 2 --nproc-per-node 2 --link 1gbit` (in this process; torchrun's agents,
-    forks of the zygote, start the ranks, forks too): the NIC's fitted payload rate is the shaped rate
-    (both ranks of a node share it), the node's loopback (shaped at 4 Gbit/s) is faster."""
-    out = tmp_path / "nodes.json"
-    argv = ["calibrate", "--out", str(out), "--nnodes", "2", "--nproc-per-node", "2", "--link", "1gbit",
-            "--intra-link", "4gbit", "--ops", "allreduce_f32", "--sizes", "2mb,4mb,8mb", "--repeats", "3",
-            "--compute-numel", "0"]  # fmt: skip
-    # the node's loopback shaped (4 Gbit/s): unshaped, it moved 2-8 MB in a few ms, and with the suite's
-    # background jobs on the same cores its fit had no slope (three times in full runs, with 2 and with 5
-    # repeats); shaped, the time grows with the payload by milliseconds
-    rc = cli.main(argv)
-    printed, errors = capfd.readouterr()
+@pytest.mark.background("calibrate_nodes")
+def test_calibrate_two_emulated_nodes_measures_the_nic_rate() -> None:
+    """`lioncub calibrate --nnodes 2 --nproc-per-node 2 --link 1gbit` (the background job ``calibrate_nodes``:
+    it mostly waits on the shaped links): the NIC's fitted payload rate is the shaped rate (both ranks of a
+    node share it), the node's loopback (shaped at 4 Gbit/s) is faster."""
+    codes = background.result("calibrate_nodes", BACKGROUND["calibrate_nodes"])
+    workdir = background.workdir("calibrate_nodes")
+    assert (workdir / "rc").exists(), f"the job's process exited with {codes}"
+    rc = int((workdir / "rc").read_text())
+    printed, errors = (workdir / "stdout").read_text(), (workdir / "stderr").read_text()
     assert rc == 0, printed + errors
     assert "NIC:" in printed and "inside a node:" in printed, printed
-    calib = cm.load_calibration(out)
+    calib = cm.load_calibration(workdir / "nodes.json")
     assert calib.nnodes == 2 and calib.world_size == 4 and calib.link_bps == 1e9
     assert 0.8 < calib.network.rate("allreduce_f32") * 8 / 1e9 < 1.15
     # the shaped loopback is CPU-bound on 2 loaded cores: 1.9 Gbit/s of its 4 was measured in a full run

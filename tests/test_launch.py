@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import pickle
 import re
 import signal
 import subprocess
@@ -17,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from emulated_network import assert_nothing_left, tcp_payload
+import background
+from emulated_network import assert_nothing_left, netns_usable, tcp_payload
 from lioncub.cli import launch as launch_cli
 from lioncub.launch import (
     EmulatedNetwork,
@@ -395,14 +397,40 @@ dist.destroy_process_group()
 """
 
 
+LINK_RATE = 100e6  # bits/s of the links of test_allreduce_over_100mbit_links_matches_bandwidth
+
+
+def _links_100mbit(rank: int, world: int, workdir: Path) -> None:
+    """The background job ``links_100mbit`` (one forked process, one zygote for both launches' ranks):
+    :data:`TIMED_ALLREDUCE` behind :data:`LINK_RATE` links on 2, then on 4 ranks; ``workdir/<nproc>.pickle``
+    holds (result, stdout, stderr)."""
+    for n in (2, 4):
+        config = LaunchConfig(**forked(TIMED_ALLREDUCE), nproc=n, link_rate_bps=LINK_RATE, timeout_s=120)
+        (workdir / f"{n}.pickle").write_bytes(pickle.dumps(_run(config)))
+
+
+def _launched(nproc: int) -> tuple:
+    """(result, stdout, stderr) of the launch on ``nproc`` ranks of the background job ``links_100mbit``."""
+    codes = background.result("links_100mbit", BACKGROUND["links_100mbit"])
+    path = background.workdir("links_100mbit") / f"{nproc}.pickle"
+    assert path.exists(), f"the job's process exited with {codes}"
+    return pickle.loads(path.read_bytes())
+
+
+#: tests/background.py's jobs of this module: the launches that mostly wait on shaped links (root only)
+BACKGROUND = {
+    "links_100mbit": lambda: background.Spawned(_links_100mbit, 1, timeout=240) if netns_usable() else None
+}
+
+
 @pytest.mark.root
 @pytest.mark.slow
+@pytest.mark.background("links_100mbit")
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_allreduce_over_100mbit_links_matches_bandwidth(nproc: int) -> None:
-    rate = 100e6
-    result, out, err = _run(
-        LaunchConfig(**forked(TIMED_ALLREDUCE), nproc=nproc, link_rate_bps=rate, timeout_s=120)
-    )
+    """Launched in the background job ``links_100mbit`` (its time is the shaped links')."""
+    rate = LINK_RATE
+    result, out, err = _launched(nproc)
     assert result.ok, out + err
     measured_ms = float(re.search(r"\[r0\] ALLREDUCE_MS=([\d.]+)", out).group(1))  # type: ignore[union-attr]
     wire_bytes = 2 * (nproc - 1) / nproc * 4e6  # ring allreduce, per rank and direction

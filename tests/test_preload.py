@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import textwrap
 import threading
 import time
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 
+import background
 from emulated_network import assert_nothing_left
 from lioncub import cli
 from lioncub.launch import LaunchConfig, launch, preload
@@ -311,26 +313,54 @@ DRAWS = textwrap.dedent("""
 """)
 
 
-def _draws(capfd: pytest.CaptureFixture[str], *args: str) -> list[dict]:
-    """What each rank of ``lioncub launch --nproc 2 --preload torch -- -m draws ARGS`` drew, forked."""
-    assert cli.main(["launch", "--nproc", "2", "--preload", "torch", "--", "-m", "draws", *args]) == 0
-    out, err = capfd.readouterr()
+#: the runs of ``lioncub launch --nproc 2 --preload torch -- -m draws ARGS`` of the background job ``draws``:
+#: twice unseeded (the second from the same zygote), then seeded
+DRAW_RUNS: list[tuple[str, ...]] = [(), (), ("seeded",)]
+
+
+def _draw_runs(rank: int, world: int, workdir: Path) -> None:
+    """The background job ``draws``: :data:`DRAW_RUNS` by ``lioncub.cli.main`` in this forked process (the
+    launcher), in ``workdir``; run ``i``'s stdout and stderr in ``workdir/out<i>``, ``err<i>``, and its exit
+    status and the launcher's pid in ``workdir/rc<i>``."""
+    (workdir / "draws.py").write_text(DRAWS)
+    os.chdir(workdir)
+    for i, args in enumerate(DRAW_RUNS):
+        with open(workdir / f"out{i}", "w") as out, open(workdir / f"err{i}", "w") as err:
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+            rc = cli.main(["launch", "--nproc", "2", "--preload", "torch", "--", "-m", "draws", *args])
+            sys.stdout.flush()
+            sys.stderr.flush()
+        (workdir / f"rc{i}").write_text(f"{rc} {os.getpid()}")
+
+
+#: tests/background.py's jobs of this module: the launches of a zygote that imports torch (its start, the
+#: ranks' import of numpy)
+BACKGROUND = {"draws": lambda: background.Spawned(_draw_runs, 1, timeout=180)}
+
+
+def _draws(i: int) -> list[dict]:
+    """What each rank of run ``i`` of :data:`DRAW_RUNS` drew, forked (the background job ``draws``)."""
+    codes = background.result("draws", BACKGROUND["draws"])
+    workdir = background.workdir("draws")
+    assert (workdir / f"rc{i}").exists(), f"the job's process exited with {codes}"
+    rc, launcher = (int(v) for v in (workdir / f"rc{i}").read_text().split())
+    out, err = (workdir / f"out{i}").read_text(), (workdir / f"err{i}").read_text()
+    assert rc == 0, out + err
     assert "fresh interpreter" not in err, err  # numpy's BLAS threads stop at a fork: no reason to refuse
     draws = sorted((json.loads(line.split("] ", 1)[1]) for line in out.splitlines()), key=lambda d: d["rank"])
-    assert len(draws) == 2 and draws[0]["ppid"] == draws[1]["ppid"] != os.getpid()  # forked
+    assert len(draws) == 2 and draws[0]["ppid"] == draws[1]["ppid"] != launcher  # forked
     return draws
 
 
 @pytest.mark.slow
-def test_an_unseeded_script_draws_other_numbers_on_every_rank_and_run(
-    probe_dir: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
-) -> None:
+@pytest.mark.background("draws")
+def test_an_unseeded_script_draws_other_numbers_on_every_rank_and_run() -> None:
     import numpy
     import torch
 
-    (probe_dir / "draws.py").write_text(DRAWS)
-    monkeypatch.chdir(probe_dir)
-    runs = [_draws(capfd), _draws(capfd)]  # the second from the same zygote
+    assert DRAW_RUNS[2] == ("seeded",) and DRAW_RUNS[0] == DRAW_RUNS[1] == ()
+    runs = [_draws(0), _draws(1)]  # the second from the same zygote
     for source in ("torch", "numpy", "random"):
         drawn = [str(rank[source]) for run in runs for rank in run]
         assert len(set(drawn)) == 4, (source, drawn)  # as fresh interpreters: seeded from OS entropy
@@ -339,7 +369,7 @@ def test_an_unseeded_script_draws_other_numbers_on_every_rank_and_run(
 
     seeded = {"torch": torch_1, "numpy": numpy.random.RandomState(1).rand(2).tolist()}
     seeded["random"] = random.Random(1).random()
-    for rank in _draws(capfd, "seeded"):  # a script that seeds gets its seed
+    for rank in _draws(2):  # a script that seeds gets its seed
         assert {k: rank[k] for k in seeded} == seeded
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import background
 from lioncub.collectives import GroupComm
 from lioncub.optim import PRESETS, Checks, LionCub
 
@@ -142,18 +143,97 @@ def test_a_group_comm_refuses_the_broadcast_at_construction() -> None:
 # ------------------------------------------------------------------ replica groups on torchft's lighthouse
 
 
+def _settings(min_groups: int) -> dict[str, int]:
+    """The tests' lighthouse: a quorum of at least ``min_groups`` groups, a group dropped after 1 s
+    without heartbeats."""
+    return {
+        "min_replicas": min_groups,
+        "join_timeout_ms": 500,
+        "quorum_tick_ms": 20,
+        "heartbeat_timeout_ms": 1000,
+    }
+
+
 def _lighthouse(min_groups: int) -> Any:
-    """torchft's lighthouse in this process: a quorum of at least ``min_groups`` groups."""
+    """torchft's lighthouse in this process (:func:`_settings`)."""
     pytest.importorskip("torchft", reason="torchft is not installed: the ft extra, docs/install.md")
     from torchft.coordination import LighthouseServer
 
-    return LighthouseServer(
-        bind="[::]:0",
-        min_replicas=min_groups,
-        join_timeout_ms=500,
-        quorum_tick_ms=20,
-        heartbeat_timeout_ms=1000,
-    )
+    return LighthouseServer(bind="[::]:0", **_settings(min_groups))
+
+
+def _hosted(rank: int, world: int, workdir: Path, settings: dict[str, int], fn: Any, args: tuple) -> None:
+    """A background job's rank (``background.Spawned``): rank ``world - 1`` hosts torchft's lighthouse
+    (``settings``) and writes its address to ``workdir/lighthouse``, then sleeps until the job kills it;
+    ranks ``0 .. world - 2`` join a gloo group of their own (as ``run_workers``' ranks) and write
+    ``{"ok": fn(rank, world - 1, address, *args)}`` (or ``{"error": traceback}``) to
+    ``workdir/rank{rank}.pt``."""
+    import datetime
+    import os
+    import traceback
+
+    torch.set_num_threads(1)
+    address = workdir / "lighthouse"
+    if rank == world - 1:
+        from torchft.coordination import LighthouseServer
+
+        server = LighthouseServer(bind="[::]:0", **settings)
+        (workdir / "lighthouse.tmp").write_text(server.address())
+        os.replace(workdir / "lighthouse.tmp", address)
+        time.sleep(600)
+        return
+    out = workdir / f"rank{rank}.pt"
+    try:
+        # what fn imports, before the barrier: the ranks start fn together, as the pool's warm workers do
+        # (a rank still importing torchft when another asks for the first quorum is left out of it)
+        import torchft.checkpointing
+        import torchft.local_sgd  # noqa: F401
+
+        import lioncub.integrations.torchft  # noqa: F401
+
+        deadline = time.monotonic() + 60
+        while not address.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no lighthouse address in {address} within 60 s")
+            time.sleep(0.02)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{workdir / 'store'}", rank=rank, world_size=world - 1,
+            timeout=datetime.timedelta(seconds=60),
+        )  # fmt: skip
+        dist.barrier()
+        try:
+            result = fn(rank, world - 1, address.read_text(), *args)
+        finally:
+            dist.destroy_process_group()
+        torch.save({"ok": result}, out)
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, out)
+
+
+def _hosted_job(settings: dict[str, int], fn: Any, n: int, *args: Any) -> background.Spawned | None:
+    """``fn(rank, n, lighthouse, *args)`` on ``n`` ranks beside a lighthouse of ``settings``, in the
+    background (:func:`_hosted`; None without torchft)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchft") is None:
+        return None
+    return background.Spawned(_hosted, n + 1, (settings, fn, args), timeout=120.0, wait_for=range(n))
+
+
+def _hosted_results(key: str) -> list:
+    """What each rank of job ``key`` returned; a rank's failure re-raised here, with its traceback."""
+    pytest.importorskip("torchft", reason="torchft is not installed: the ft extra, docs/install.md")
+    codes = background.result(key, BACKGROUND[key])
+    results, errors = [], []
+    for r in range(len(codes) - 1):
+        path = background.workdir(key) / f"rank{r}.pt"
+        data = torch.load(path, weights_only=False) if path.exists() else {"error": f"exit code {codes[r]}"}
+        if "error" in data:
+            errors.append(f"rank {r} failed (no result within 120 s if still running):\n{data['error']}")
+        results.append(data.get("ok"))
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return results
 
 
 def _grads(params: list[torch.nn.Parameter], group: int, step: int) -> None:
@@ -281,17 +361,14 @@ def test_three_groups_without_failures_vote_as_three_ranks(variant: str, local_s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("local_steps", [None, 4])
+@pytest.mark.parametrize(
+    "local_steps", [pytest.param(h, marks=pytest.mark.background(f"rejoin_{h}")) for h in (None, 4)]
+)
 def test_a_group_that_leaves_and_rejoins_heals_and_the_replicas_agree(local_steps: int | None) -> None:
     """Group 1 leaves after step 8 and starts again (other initial values) 0.8 s later: the others go on
     with 2 participants, it heals from a live peer at a boundary and joins; at the end every group holds
     the same parameters, bit for bit, and the committed steps of the survivors are each step once."""
-    lighthouse = _lighthouse(2)
-    try:
-        plan = {"rejoin": (1, 8, 0.8)}
-        runs = run_workers(_group_run, 3, lighthouse.address(), "1bit", 40, local_steps, plan)
-    finally:
-        lighthouse.shutdown()
+    runs = _hosted_results(f"rejoin_{local_steps}")  # the job: BACKGROUND
     for r in (1, 2):
         for i, (a, b) in enumerate(zip(runs[0]["params"], runs[r]["params"], strict=True)):
             assert torch.equal(a, b), (r, i)
@@ -449,16 +526,13 @@ def test_groups_of_two_ranks_vote_as_two_ranks_of_their_mean_gradients(local_ste
 
 
 @pytest.mark.slow
+@pytest.mark.background("ranks_rejoin")
 def test_a_group_of_two_ranks_that_rejoins_heals_every_rank() -> None:
     """Group 1 (ranks 2, 3) leaves after step 6 and starts again 1.5 s later with other parameters (the
     lighthouse drops it after 1 s without heartbeats): group 0 goes on
     alone, group 1's ranks heal (each its share from its peer rank, then the shares in the group) and
     every rank of both groups ends bitwise equal."""
-    lighthouse = _lighthouse(1)
-    try:
-        runs = run_workers(_ranks_run, 4, lighthouse.address(), 48, None, {"rejoin": (1, 6, 1.5)})
-    finally:
-        lighthouse.shutdown()
+    runs = _hosted_results("ranks_rejoin")  # 4 ranks, 48 steps, {"rejoin": (1, 6, 1.5)}: BACKGROUND
     for r in (1, 2, 3):
         for i, (a, b) in enumerate(zip(runs[0]["params"], runs[r]["params"], strict=True)):
             assert torch.equal(a, b), (r, i)
@@ -556,20 +630,19 @@ def _lives(log: list[dict]) -> list[list[int]]:
     return lives
 
 
-def _run_groups(n: int, min_groups: int, steps: int, plan: dict, local_steps: int | None = None) -> list:
-    lighthouse = _lighthouse(min_groups)
-    try:
-        return run_workers(_group_run, n, lighthouse.address(), "1bit", steps, local_steps, plan)
-    finally:
-        lighthouse.shutdown()
+def _groups_job(n: int, min_groups: int, steps: int, plan: dict) -> background.Spawned | None:
+    """``n`` replica groups of :func:`_group_run` (1-bit, ``steps`` steps, ``plan``) on a lighthouse of a
+    quorum of ``min_groups``, in the background."""
+    return _hosted_job(_settings(min_groups), _group_run, n, "1bit", steps, None, plan)
 
 
 @pytest.mark.slow
+@pytest.mark.background("killed")
 def test_a_group_killed_during_the_exchange_is_applied_nowhere() -> None:
     """Group 1 dies in the middle of the vote's all-to-all at step 6: the survivors' exchange fails, each
     puts its snapshot back (step 6 applied nowhere), and step 6 runs again with the next quorum, of 2; the
     survivors end bitwise equal, each step once."""
-    runs = _run_groups(3, 2, 16, {"abort": (1, 6), "timeout_s": 2})
+    runs = _hosted_results("killed")  # _groups_job(3, 2, 16, {"abort": (1, 6), "timeout_s": 2})
     assert runs[1]["killed"] == 6
     for r in (0, 2):
         assert _lives(runs[r]["log"]) == [list(range(16))], r
@@ -580,10 +653,11 @@ def test_a_group_killed_during_the_exchange_is_applied_nowhere() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.background("two_lost")
 def test_two_groups_lost_at_once() -> None:
     """Groups 1 and 3 of 4 leave together at step 6: the other two go on with 2 participants, bitwise
     equal, each step once."""
-    runs = _run_groups(4, 1, 16, {"stop": {1: 6, 3: 6}, "timeout_s": 2})
+    runs = _hosted_results("two_lost")  # _groups_job(4, 1, 16, {"stop": {1: 6, 3: 6}, "timeout_s": 2})
     for r in (0, 2):
         assert _lives(runs[r]["log"]) == [list(range(16))], r
         ns = [e["n"] for e in runs[r]["log"] if "step" in e and e["ok"]]
@@ -593,10 +667,11 @@ def test_two_groups_lost_at_once() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.background("other_settings")
 def test_a_group_with_other_settings_is_refused_and_the_others_go_on() -> None:
     """Group 2 starts with other betas: it is refused when it heals (at the first quorum), with a message
     naming the setting; groups 0 and 1 train on, bitwise equal."""
-    runs = _run_groups(3, 2, 12, {"betas": {2: (0.8, 0.99)}, "timeout_s": 2})
+    runs = _hosted_results("other_settings")  # _groups_job(3, 2, 12, {"betas": {2: (0.8, 0.99)}, ...})
     assert "SettingsMismatchError" in runs[2]["error"] and "betas" in runs[2]["error"], runs[2]["error"]
     assert "(0.8, 0.99)" in runs[2]["error"] and "(0.9, 0.99)" in runs[2]["error"], runs[2]["error"]
     for r in (0, 1):
@@ -706,19 +781,14 @@ def _docs_loop(rank: int, world_size: int, lighthouse: str, steps: int, restart_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("restart_after", [None, 16])
+@pytest.mark.parametrize(
+    "restart_after", [pytest.param(k, marks=pytest.mark.background(f"docs_{k}")) for k in (None, 16)]
+)
 def test_the_docs_loop_and_lighthouse_end_with_equal_replicas(restart_after: int | None) -> None:
     """Three groups run the docs' loop with the docs' lighthouse settings, without a failure and with group
     1 restarted from scratch after step 16 (it heals at the next window): every group's ``finish()`` agrees
     with all three, and their parameters are bitwise equal."""
-    pytest.importorskip("torchft", reason="torchft is not installed: the ft extra, docs/install.md")
-    from torchft.coordination import LighthouseServer
-
-    lighthouse = LighthouseServer(bind="[::]:0", **DOCS_LIGHTHOUSE)
-    try:
-        runs = run_workers(_docs_loop, 3, lighthouse.address(), 48, restart_after)
-    finally:
-        lighthouse.shutdown()
+    runs = _hosted_results(f"docs_{restart_after}")  # 3 groups, 48 steps, DOCS_LIGHTHOUSE: BACKGROUND
     for r, run in enumerate(runs):
         agreement = run["agreement"]
         assert agreement.agrees and agreement.participants == 3, (r, agreement.describe())
@@ -728,3 +798,21 @@ def test_the_docs_loop_and_lighthouse_end_with_equal_replicas(restart_after: int
         # the first window start its new life reached with the others (16 if they were still at it)
         assert runs[1]["heals"] and runs[1]["heals"][-1].step in (16, 32), runs[1]["heals"]
         assert runs[1]["heals"][-1].source in ("g0", "g2")
+
+
+#: started in the background when collection ends (tests/background.py), in the order of the tests: the
+#: multi-group runs that mostly wait (heartbeats, quorums, a group's pause before it rejoins), each on its
+#: own spawned ranks beside a process that hosts the lighthouse (:func:`_hosted`)
+BACKGROUND = {
+    **{
+        f"rejoin_{h}": lambda h=h: _hosted_job(
+            _settings(2), _group_run, 3, "1bit", 40, h, {"rejoin": (1, 8, 0.8)}
+        )
+        for h in (None, 4)
+    },
+    "ranks_rejoin": lambda: _hosted_job(_settings(1), _ranks_run, 4, 48, None, {"rejoin": (1, 6, 1.5)}),
+    "killed": lambda: _groups_job(3, 2, 16, {"abort": (1, 6), "timeout_s": 2}),
+    "two_lost": lambda: _groups_job(4, 1, 16, {"stop": {1: 6, 3: 6}, "timeout_s": 2}),
+    "other_settings": lambda: _groups_job(3, 2, 12, {"betas": {2: (0.8, 0.99)}, "timeout_s": 2}),
+    **{f"docs_{k}": lambda k=k: _hosted_job(DOCS_LIGHTHOUSE, _docs_loop, 3, 48, k) for k in (None, 16)},
+}

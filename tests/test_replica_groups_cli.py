@@ -728,7 +728,7 @@ def test_a_group_that_fails_on_its_own_fails_the_job_once_the_others_finish(
 def test_the_launcher_times_out_with_the_groups_still_running(tmp_path: Path, lighthouse_page: str) -> None:
     script = tmp_path / "group.py"
     script.write_text(STAND_IN)
-    config = LaunchConfig(python_cmd(str(script), str(tmp_path), "2", "0"), nproc=2, timeout_s=4)
+    config = LaunchConfig(python_cmd(str(script), str(tmp_path), "2", "0"), nproc=2, timeout_s=2)
     err = io.StringIO()
     result = launch_groups(
         config, [], _progress(tmp_path), lighthouse=lighthouse_page, out=io.StringIO(), err=err

@@ -227,9 +227,13 @@ def _hosted_results(key: str) -> list:
     results, errors = [], []
     for r in range(len(codes) - 1):
         path = background.workdir(key) / f"rank{r}.pt"
-        data = torch.load(path, weights_only=False) if path.exists() else {"error": f"exit code {codes[r]}"}
+        if not path.exists():
+            errors.append(f"rank {r}: no result (exit code {codes[r]}; None: still running at 120 s, killed)")
+            results.append(None)
+            continue
+        data = torch.load(path, weights_only=False)
         if "error" in data:
-            errors.append(f"rank {r} failed (no result within 120 s if still running):\n{data['error']}")
+            errors.append(f"rank {r} failed:\n{data['error']}")
         results.append(data.get("ok"))
     if errors:
         raise AssertionError("\n".join(errors))

@@ -162,25 +162,67 @@ def _lighthouse(min_groups: int) -> Any:
     return LighthouseServer(bind="[::]:0", **_settings(min_groups))
 
 
-def _hosted(rank: int, world: int, workdir: Path, settings: dict[str, int], fn: Any, args: tuple) -> None:
-    """A background job's rank (``background.Spawned``): rank ``world - 1`` hosts torchft's lighthouse
-    (``settings``) and writes its address to ``workdir/lighthouse``, then sleeps until the job kills it;
-    ranks ``0 .. world - 2`` join a gloo group of their own (as ``run_workers``' ranks) and write
-    ``{"ok": fn(rank, world - 1, address, *args)}`` (or ``{"error": traceback}``) to
-    ``workdir/rank{rank}.pt``."""
-    import datetime
+def _host(workdir: Path, settings: dict[str, int] | None, ranks: int) -> None:
+    """The lighthouse of a background job, its URL written to ``workdir/lighthouse``: torchft's server in
+    this process (``settings``), kept until the job kills this process; or (None) lioncub's lighthouse
+    program (what ``lioncub train --fault-tolerant`` starts: torchft's server without importing torch) in a
+    process of its own, SIGKILLed 0.2 s after ``workdir/stepping`` appears (the groups have a quorum and
+    step; or when the ``ranks`` ranks have written their results, or after 60 s)."""
     import os
+    import select
+    import signal
+    import subprocess
+
+    if settings is not None:
+        from torchft.coordination import LighthouseServer
+
+        server = LighthouseServer(bind="[::]:0", **settings)
+        url = server.address()
+    else:
+        port = _free_port()
+        lighthouse = subprocess.Popen(
+            python_cmd("-m", "lioncub.launch.groups", "lighthouse", f"[::]:{port}", "1000", "500"),
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )  # fmt: skip
+        assert lighthouse.stdout is not None
+        started = select.select([lighthouse.stdout], [], [], 60)[0]
+        ready = lighthouse.stdout.readline() if started else ""  # it prints "ready URL" once it listens
+        if not ready.startswith("ready http://"):
+            lighthouse.kill()
+            raise AssertionError(f"the lighthouse did not start within 60 s: {ready!r}")
+        url = f"http://localhost:{port}"
+    (workdir / "lighthouse.tmp").write_text(url)
+    os.replace(workdir / "lighthouse.tmp", workdir / "lighthouse")
+    if settings is not None:
+        time.sleep(600)
+        return
+    deadline = time.monotonic() + 60
+    while not (workdir / "stepping").exists() and time.monotonic() < deadline:
+        if all((workdir / f"rank{r}.pt").exists() for r in range(ranks)):
+            break
+        time.sleep(0.02)
+    time.sleep(0.2)
+    lighthouse.send_signal(signal.SIGKILL)
+    lighthouse.wait()
+
+
+def _hosted(
+    rank: int, world: int, workdir: Path, settings: dict[str, int] | None, fn: Any, args: tuple
+) -> None:
+    """A background job's rank (``background.Spawned``): rank ``world - 1`` hosts the lighthouse
+    (:func:`_host`; its failure to ``workdir/host.pt``); ranks ``0 .. world - 2`` join a gloo group of
+    their own (as ``run_workers``' ranks) and write ``{"ok": fn(rank, world - 1, address, *args)}`` (or
+    ``{"error": traceback}``) to ``workdir/rank{rank}.pt``."""
+    import datetime
     import traceback
 
     torch.set_num_threads(1)
     address = workdir / "lighthouse"
     if rank == world - 1:
-        from torchft.coordination import LighthouseServer
-
-        server = LighthouseServer(bind="[::]:0", **settings)
-        (workdir / "lighthouse.tmp").write_text(server.address())
-        os.replace(workdir / "lighthouse.tmp", address)
-        time.sleep(600)
+        try:
+            _host(workdir, settings, world - 1)
+        except BaseException:
+            torch.save({"error": traceback.format_exc()}, workdir / "host.pt")
         return
     out = workdir / f"rank{rank}.pt"
     try:
@@ -210,7 +252,7 @@ def _hosted(rank: int, world: int, workdir: Path, settings: dict[str, int], fn: 
         torch.save({"error": traceback.format_exc()}, out)
 
 
-def _hosted_job(settings: dict[str, int], fn: Any, n: int, *args: Any) -> background.Spawned | None:
+def _hosted_job(settings: dict[str, int] | None, fn: Any, n: int, *args: Any) -> background.Spawned | None:
     """``fn(rank, n, lighthouse, *args)`` on ``n`` ranks beside a lighthouse of ``settings``, in the
     background (:func:`_hosted`; None without torchft)."""
     import importlib.util
@@ -224,7 +266,10 @@ def _hosted_results(key: str) -> list:
     """What each rank of job ``key`` returned; a rank's failure re-raised here, with its traceback."""
     pytest.importorskip("torchft", reason="torchft is not installed: the ft extra, docs/install.md")
     codes = background.result(key, BACKGROUND[key])
+    host = background.workdir(key) / "host.pt"
     results, errors = [], []
+    if host.exists():
+        errors.append(f"the lighthouse's host failed:\n{torch.load(host)['error']}")
     for r in range(len(codes) - 1):
         path = background.workdir(key) / f"rank{r}.pt"
         if not path.exists():
@@ -685,53 +730,35 @@ def test_a_group_with_other_settings_is_refused_and_the_others_go_on() -> None:
 
 
 def _lighthouse_lost(rank: int, world_size: int, lighthouse: str, stepping: str) -> dict:
-    return _group_run(
-        rank, world_size, lighthouse, "1bit", 10_000, None, {"quorum_timeout_s": 2, "stepping": stepping}
-    )
+    """:func:`_group_run` until its lighthouse is lost, and how long it ran (``elapsed_s``)."""
+    started = time.monotonic()
+    plan = {"quorum_timeout_s": 2, "stepping": stepping}
+    run = _group_run(rank, world_size, lighthouse, "1bit", 10_000, None, plan)
+    return {**run, "elapsed_s": time.monotonic() - started}
+
+
+def _lighthouse_lost_job() -> background.Spawned | None:
+    """Groups 0 and 1 of :func:`_lighthouse_lost` beside lioncub's lighthouse program, SIGKILLed once group
+    0 stepped (:func:`_host`), in the background."""
+    job = _hosted_job(None, _lighthouse_lost, 2)
+    if job is not None:  # the file that group 0 creates is in the job's own directory
+        job.args = (None, _lighthouse_lost, (str(job.workdir / "stepping"),))
+    return job
 
 
 @pytest.mark.slow
-def test_the_lighthouse_lost_is_a_clear_error_within_the_quorum_timeout(tmp_path: Path) -> None:
-    """The lighthouse (torchft's server, in a process of its own) is SIGKILLed once the groups train: every
-    group's next quorum fails within its 2 s timeout with an error naming the group, the lighthouse and the
-    timeout."""
-    import select
-    import signal
-    import subprocess
-    import threading
-
-    pytest.importorskip("torchft", reason="torchft is not installed: the ft extra, docs/install.md")
-    port = _free_port()
-    # lioncub's lighthouse program (what `lioncub train --fault-tolerant` starts): torchft's server without
-    # importing torch; it prints "ready URL" once it listens
-    lighthouse = subprocess.Popen(
-        python_cmd("-m", "lioncub.launch.groups", "lighthouse", f"[::]:{port}", "1000", "500"),
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
-    assert lighthouse.stdout is not None
-    started = select.select([lighthouse.stdout], [], [], 60)[0]
-    ready = lighthouse.stdout.readline() if started else ""
-    assert ready.startswith("ready http://"), f"the lighthouse did not start within 60 s: {ready!r}"
-    stepping = tmp_path / "stepping"
-
-    def kill_once_stepping() -> None:  # the groups have a quorum and step: then the lighthouse goes
-        deadline = time.monotonic() + 60
-        while not stepping.exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        time.sleep(0.2)
-        lighthouse.send_signal(signal.SIGKILL)
-
-    try:
-        threading.Thread(target=kill_once_stepping, daemon=True).start()
-        started = time.monotonic()
-        runs = run_workers(_lighthouse_lost, 2, f"http://localhost:{port}", str(stepping))
-        assert time.monotonic() - started < 30
-    finally:
-        lighthouse.kill()
-        lighthouse.wait()
+@pytest.mark.background("lighthouse_lost")
+def test_the_lighthouse_lost_is_a_clear_error_within_the_quorum_timeout() -> None:
+    """The lighthouse (lioncub's lighthouse program: torchft's server, in a process of its own) is SIGKILLed
+    once the groups train: every group's next quorum fails within its 2 s timeout with an error naming the
+    group, the lighthouse and the timeout."""
+    runs = _hosted_results("lighthouse_lost")  # the job: _lighthouse_lost_job
+    url = (background.workdir("lighthouse_lost") / "lighthouse").read_text()
+    assert url.startswith("http://localhost:"), url
+    assert max(run["elapsed_s"] for run in runs) < 30
     for r, run in enumerate(runs):
         assert f"replica group g{r}: no quorum within 2 s" in run["error"], run["error"]
-        assert f"http://localhost:{port}" in run["error"] and run["log"], run
+        assert url in run["error"] and run["log"], run
 
 
 # ------------------------------------------------- the loop of docs/fault-tolerance.md, run as written
@@ -818,5 +845,6 @@ BACKGROUND = {
     "killed": lambda: _groups_job(3, 2, 16, {"abort": (1, 6), "timeout_s": 2}),
     "two_lost": lambda: _groups_job(4, 1, 16, {"stop": {1: 6, 3: 6}, "timeout_s": 2}),
     "other_settings": lambda: _groups_job(3, 2, 12, {"betas": {2: (0.8, 0.99)}, "timeout_s": 2}),
+    "lighthouse_lost": _lighthouse_lost_job,
     **{f"docs_{k}": lambda k=k: _hosted_job(DOCS_LIGHTHOUSE, _docs_loop, 3, 48, k) for k in (None, 16)},
 }

@@ -119,6 +119,7 @@ def _factory_calls() -> list[tuple[str, str, str, int]]:
     return found
 
 
+@pytest.mark.slow  # over 1 s: the quick loop (-m 'not slow') leaves it to the full suite
 def test_every_tensor_factory_names_its_device() -> None:
     """A tensor made in the step's layers lands on the parameters' device (``device=`` given), or is host
     side by design and listed in :data:`HOST_SIDE` with the reason."""
@@ -132,6 +133,7 @@ def test_every_tensor_factory_names_its_device() -> None:
     assert not stale, f"HOST_SIDE lists calls that are gone: {sorted(stale)}"
 
 
+@pytest.mark.slow  # over 1 s: the quick loop (-m 'not slow') leaves it to the full suite
 def test_torch_load_is_always_given_map_location() -> None:
     """``torch.load`` without ``map_location`` puts every tensor back on the device it was saved from
     (cuda:K of another rank, or of a GPU this machine lacks)."""

@@ -143,6 +143,7 @@ def worker_resume(rank: int, world: int, cases: list[Any], root: str) -> list[st
     return bad
 
 
+@pytest.mark.slow  # over 1 s: the quick loop (-m 'not slow') leaves it to the full suite
 def test_a_dcp_checkpoint_of_shards_resumes_bit_for_bit(tmp_path: Path) -> None:
     """1-bit, 8-bit and local steps in a window's middle (h=3, saved after step 4, the outer step at 6)."""
     results = run_workers(worker_resume, 4, CASES, str(tmp_path), timeout=240)
@@ -198,6 +199,7 @@ def worker_refusals(rank: int, world: int, root: str) -> dict[str, str]:
     }
 
 
+@pytest.mark.slow  # over 1 s: the quick loop (-m 'not slow') leaves it to the full suite
 def test_a_checkpoint_of_other_settings_or_replicas_is_refused_naming_what_changed(tmp_path: Path) -> None:
     (messages, *_) = run_workers(worker_refusals, 4, str(tmp_path), timeout=240)
     expected = {

@@ -159,6 +159,7 @@ def worker_parity(rank: int, world: int, cases: list[tuple[str, dict[str, Any]]]
     return bad
 
 
+@pytest.mark.slow  # over 1 s: the quick loop (-m 'not slow') leaves it to the full suite
 def test_the_vote_on_shards_is_the_unsharded_vote_bit_for_bit() -> None:
     """Every preset, 3 steps each on 2 replicas × 2 shards (one pool call)."""
     cases = [(name, {"variant": name}) for name in PRESETS]

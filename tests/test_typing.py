@@ -93,6 +93,7 @@ def test_no_part_takes_the_optimizer_as_any() -> None:
     assert not hits, "a part takes the whole optimizer as Any (give it a typed input):\n" + "\n".join(hits)
 
 
+@pytest.mark.slow  # over 1 s: the quick loop (-m 'not slow') leaves it to the full suite
 def test_no_module_writes_into_the_optimizers_parts() -> None:
     found = [hit for path in _sources() if path != OPTIMIZER for hit in _writes_into_parts(path)]
     assert not found, (

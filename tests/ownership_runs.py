@@ -25,11 +25,11 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
+
+import processes
 
 RUN = ["--workload", "gpt", "--size", "tiny", "--set", "batch_size=4", "--eval-every", "0", "--no-progress"]
 FINISHED = [*RUN, "--steps", "3", "--checkpoint-every", "1", "--diagnostics-every", "1"]
@@ -52,21 +52,7 @@ def _launch(argv: list[str]) -> dict[str, object]:
     output) on one temporary file: its exit code and that output."""
     from lioncub import cli
 
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    with tempfile.TemporaryFile() as captured:
-        os.dup2(captured.fileno(), 1)
-        os.dup2(captured.fileno(), 2)
-        try:
-            rc = cli.main(argv)
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-        captured.seek(0)
-        return {"rc": rc, "output": captured.read().decode(errors="replace")}
+    return processes.output_captured(lambda: cli.main(argv))
 
 
 def _copy_with_user_files(finished: Path, root: Path) -> Path:

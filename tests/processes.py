@@ -364,6 +364,28 @@ def python(
     )
 
 
+def output_captured(fn: Callable[[], int]) -> dict[str, object]:
+    """``fn()`` in this process with file descriptors 1 and 2 (its output and that of the processes it
+    starts: a launcher's ranks) on one temporary file: ``{"rc": what fn returned, "output": that output}``."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 1)
+        os.dup2(captured.fileno(), 2)
+        try:
+            rc = fn()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+        captured.seek(0)
+        return {"rc": rc, "output": captured.read().decode(errors="replace")}
+
+
 def forked(code: str) -> dict[str, Any]:
     """The :class:`lioncub.launch.LaunchConfig` fields that run ``python -c code`` on ranks forked from one
     interpreter that imported torch (``tests/exec_program.py``, run in ``tests/``; one zygote serves every

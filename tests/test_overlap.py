@@ -147,6 +147,7 @@ def _nan_equal(a: object, b: object) -> bool:
     return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
 
 
+@pytest.mark.slow  # ~1 s: the quick loop (-m 'not slow') leaves it to the full suite
 def test_sync_diagnostics_and_skip_with_overlap() -> None:
     """Momentum sync every 2 steps, diagnostics every 2 steps, and a NaN on rank 1 at step 3 (skipped on
     every rank): the same parameters, momenta and diagnostics with and without overlap."""

@@ -393,6 +393,7 @@ def test_missing_config_or_steps(tmp_path: Path) -> None:
         rp.make_report([], tmp_path / "out")
 
 
+@pytest.mark.slow  # ~1 s: the quick loop (-m 'not slow') leaves it to the full suite
 def test_run_without_evals_or_timings(tmp_path: Path) -> None:
     base = write_run(tmp_path, "32bit", [0.4, 0.5, 0.6], evals=[(2, 2.0, 0.9), (3, 1.8, 1.5)])
     no_evals = write_run(tmp_path, "1bit", [0.2, 0.2, 0.3])
@@ -432,6 +433,7 @@ def test_val_acc_reported(tmp_path: Path) -> None:
     assert report.target_loss == 0.5  # no 32bit run: the worst (only) final val loss
 
 
+@pytest.mark.slow  # ~1 s: the quick loop (-m 'not slow') leaves it to the full suite
 def test_module_does_not_import_torch() -> None:
     code = (
         "import importlib.util, sys\n"

@@ -19,9 +19,10 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import processes
 
 if TYPE_CHECKING:
     import background
@@ -77,25 +78,15 @@ def _torchrun(argv: list[str]) -> dict[str, object]:
     and that output."""
     from torch.distributed import run
 
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    with tempfile.TemporaryFile() as captured:
-        os.dup2(captured.fileno(), 1)
-        os.dup2(captured.fileno(), 2)
+    def attempt() -> int:
         try:
             run.main(argv)
-            rc = 0
+            return 0
         except Exception as exc:  # torchrun's ChildFailedError (and anything it did not expect)
             print(f"torchrun raised {type(exc).__name__}: {exc}", file=sys.stderr)
-            rc = 1
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-        captured.seek(0)
-        return {"rc": rc, "output": captured.read().decode(errors="replace")}
+            return 1
+
+    return processes.output_captured(attempt)
 
 
 def main(out: Path) -> int:

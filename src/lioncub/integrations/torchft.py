@@ -75,7 +75,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias, Union, cast
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -297,7 +297,7 @@ def load_portable(optimizer: LionCub, state: dict[str, Any]) -> None:
 _PIECE_KEY = "lioncub_dtensor_piece"
 
 
-def _placement(p: Placement) -> list[int | str]:
+def _placement(p: Placement) -> list[StateTree]:
     if type(p) is Shard:
         return ["shard", p.dim]
     if type(p) is Replicate:
@@ -305,30 +305,57 @@ def _placement(p: Placement) -> list[int | str]:
     raise ValueError(f"a DTensor placed {p!r} cannot be stored: only Shard(dim) and Replicate() are")
 
 
-def storable(tree: Any) -> Any:
-    """:func:`portable_state`'s ``tree`` (or any tree of its form) as ``torch.load(weights_only=True)``
+#: a state tree as :func:`portable_state` makes it and :func:`storable` stores it: tensors, DTensor pieces and
+#: plain values in nested dicts, lists and tuples
+StateTree: TypeAlias = Union[
+    "_Piece", torch.Tensor, dict[str, "StateTree"], list["StateTree"], tuple["StateTree", ...],
+    int, float, str, None,
+]
+
+
+def storable(state: dict[str, StateTree]) -> dict[str, StateTree]:
+    """:func:`portable_state`'s ``state`` (or any state of its form) as ``torch.load(weights_only=True)``
     reads it back: each :class:`_Piece` a dict of plain values (its local tensor, placements as
-    ``["shard", dim]``/``["replicate"]``, shape and stride as lists); shares the tensors of ``tree``.
+    ``["shard", dim]``/``["replicate"]``, shape and stride as lists); shares the tensors of ``state``.
     :func:`from_storable` is its inverse. ``ValueError`` for a placement other than those."""
+    return {k: _stored(v) for k, v in state.items()}
+
+
+def from_storable(state: dict[str, StateTree]) -> dict[str, StateTree]:
+    """:func:`storable`'s ``state`` back in :func:`portable_state`'s form (for :func:`load_portable`)."""
+    return {k: _unstored(v) for k, v in state.items()}
+
+
+def _stored(tree: StateTree) -> StateTree:
     if isinstance(tree, _Piece):
         return {_PIECE_KEY: tree.local, "placements": [_placement(p) for p in tree.placements],
                 "shape": list(tree.shape), "stride": list(tree.stride)}  # fmt: skip
     if isinstance(tree, dict):
-        return {k: storable(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(storable(v) for v in tree)
+        return {k: _stored(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_stored(v) for v in tree]
+    if isinstance(tree, tuple):
+        return tuple(_stored(v) for v in tree)
     return tree
 
 
-def from_storable(tree: Any) -> Any:
-    """:func:`storable`'s ``tree`` back in :func:`portable_state`'s form (for :func:`load_portable`)."""
+def _piece(stored: dict[str, StateTree]) -> _Piece:
+    """The :class:`_Piece` that :func:`_stored` wrote as ``stored`` (the casts: the form it writes)."""
+    placements = cast(list[list[int | str]], stored["placements"])
+    places = tuple(Shard(int(p[1])) if p[0] == "shard" else Replicate() for p in placements)
+    shape, stride = (tuple(cast(list[int], stored[k])) for k in ("shape", "stride"))
+    return _Piece(cast(torch.Tensor, stored[_PIECE_KEY]), places, shape, stride)
+
+
+def _unstored(tree: StateTree) -> StateTree:
     if isinstance(tree, dict) and _PIECE_KEY in tree:
-        places = tuple(Shard(int(p[1])) if p[0] == "shard" else Replicate() for p in tree["placements"])
-        return _Piece(tree[_PIECE_KEY], places, tuple(tree["shape"]), tuple(tree["stride"]))
+        return _piece(tree)
     if isinstance(tree, dict):
-        return {k: from_storable(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(from_storable(v) for v in tree)
+        return {k: _unstored(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_unstored(v) for v in tree]
+    if isinstance(tree, tuple):
+        return tuple(_unstored(v) for v in tree)
     return tree
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ast
 import datetime
-import functools
 import importlib.util
 import sys
 import threading
@@ -26,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import sources
 from lioncub.collectives import Backend, Comm, exchange_when_alone
 from lioncub.collectives.base import Handle, backend_for_device
 
@@ -41,10 +41,9 @@ _spec.loader.exec_module(gpu_path)
 # ----------------------------------------------------------------------------- structural guards
 
 
-@functools.cache
 def _tree(path: Path) -> ast.Module:
-    """The syntax tree of ``path``, parsed once for this module's tests."""
-    return ast.parse(path.read_text())
+    """The syntax tree of ``path`` (parsed once for the suite: ``sources.py``)."""
+    return sources.tree(path)
 
 
 #: torch factories that make a tensor from nothing (``*_like`` and ``new_*`` follow their input)
@@ -99,13 +98,11 @@ def _factory_calls() -> list[tuple[str, str, str, int]]:
     found = []
     for package in SCANNED:
         for path in sorted((SRC / package).rglob("*.py")):
-            tree = _tree(path)
-            enclosing: dict[int, str] = {}
-            for node in ast.walk(tree):
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    for inner in ast.walk(node):
-                        enclosing.setdefault(id(inner), node.name)
-            for node in ast.walk(tree):
+            enclosing: dict[int, str] = {}  # the outermost function around each node
+            for node in sources.nodes(path):  # breadth first: a function before the functions inside it
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and id(node) not in enclosing:
+                    enclosing.update((id(inner), node.name) for inner in ast.walk(node))
+            for node in sources.nodes(path):
                 func = node.func if isinstance(node, ast.Call) else None
                 if (
                     isinstance(func, ast.Attribute)
@@ -123,13 +120,14 @@ def _factory_calls() -> list[tuple[str, str, str, int]]:
 def test_every_tensor_factory_names_its_device() -> None:
     """A tensor made in the step's layers lands on the parameters' device (``device=`` given), or is host
     side by design and listed in :data:`HOST_SIDE` with the reason."""
+    calls = _factory_calls()
     unlisted = [
         f"{module}:{line} {function}: torch.{factory}(...) without device="
-        for module, function, factory, line in _factory_calls()
+        for module, function, factory, line in calls
         if (module, function, factory) not in HOST_SIDE
     ]
     assert not unlisted, "\n".join(unlisted)
-    stale = set(HOST_SIDE) - {(m, f, k) for m, f, k, _ in _factory_calls()}
+    stale = set(HOST_SIDE) - {(m, f, k) for m, f, k, _ in calls}
     assert not stale, f"HOST_SIDE lists calls that are gone: {sorted(stale)}"
 
 
@@ -139,7 +137,7 @@ def test_torch_load_is_always_given_map_location() -> None:
     (cuda:K of another rank, or of a GPU this machine lacks)."""
     missing = []
     for path in sorted([*SRC.rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]):
-        for node in ast.walk(_tree(path)):
+        for node in sources.nodes(path):
             func = node.func if isinstance(node, ast.Call) else None
             if (
                 isinstance(func, ast.Attribute)

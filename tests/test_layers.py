@@ -10,7 +10,6 @@ Read from the source with :mod:`ast` (every import, including those inside funct
 from __future__ import annotations
 
 import ast
-import functools
 import inspect
 import json
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import background
+import sources
 
 from processes import python, python_cmd
 
@@ -56,10 +56,14 @@ def _module_name(path: Path) -> str:
 MODULES = {_module_name(p): p for p in sorted((SRC / "lioncub").rglob("*.py"))}
 
 
-@functools.cache
 def _parse(path: Path) -> ast.Module:
-    """The syntax tree of ``path`` (parsed once for all the tests of this module)."""
-    return ast.parse(path.read_text())
+    """The syntax tree of ``path`` (parsed once for the suite: ``sources.py``)."""
+    return sources.tree(path)
+
+
+def _nodes(path: Path) -> tuple[ast.AST, ...]:
+    """Every node of ``path``'s tree, as ``ast.walk`` gives them (listed once for the suite)."""
+    return sources.nodes(path)
 
 
 def _unit(module: str) -> str:
@@ -69,9 +73,8 @@ def _unit(module: str) -> str:
 
 def _imports(module: str) -> list[tuple[str, list[str], int]]:
     """(imported module, names taken from it, line) for every ``lioncub`` import of ``module``."""
-    tree = _parse(MODULES[module])
     out = []
-    for node in ast.walk(tree):
+    for node in _nodes(MODULES[module]):
         if isinstance(node, ast.Import):
             out += [(a.name, [], node.lineno) for a in node.names if a.name.startswith("lioncub")]
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lioncub"):
@@ -137,15 +140,15 @@ def test_no_private_name_crosses_a_module_boundary() -> None:
             private = [n for n in names if n.startswith("_") and not n.startswith("__")]
             if private and target != module:
                 wrong.append(f"{module}:{line} imports {private} from {target}")
-        tree = _parse(MODULES[module])
+        tree = _nodes(MODULES[module])
         aliases = {  # local names bound to lioncub modules
             (a.asname or a.name): f"{node.module}.{a.name}"
-            for node in ast.walk(tree)
+            for node in tree
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lioncub")
             for a in node.names
             if f"{node.module}.{a.name}" in MODULES
         }
-        for node in ast.walk(tree):
+        for node in tree:
             if (
                 isinstance(node, ast.Attribute)
                 and isinstance(node.value, ast.Name)
@@ -166,9 +169,7 @@ def test_subcommands_do_not_import_each_other() -> None:
 
 
 def test_one_definition_of_the_shared_checks() -> None:
-    defined = {
-        m: [n.name for n in ast.walk(_parse(p)) if isinstance(n, ast.FunctionDef)] for m, p in MODULES.items()
-    }
+    defined = {m: [n.name for n in _nodes(p) if isinstance(n, ast.FunctionDef)] for m, p in MODULES.items()}
     twins = [m for m, names in defined.items() if {"_is_int", "_is_number"} & set(names)]
     assert twins == []  # lioncub._validate.is_int / is_number
 
@@ -196,9 +197,9 @@ def test_a_transport_fact_is_stated_once() -> None:
 
     wrong = []
     for module, path in MODULES.items():
-        tree = _parse(path)
+        tree = _nodes(path)
         if module == "lioncub.transports":
-            compares = [n for n in ast.walk(tree) if isinstance(n, ast.Compare)]
+            compares = [n for n in tree if isinstance(n, ast.Compare)]
             wrong += [
                 f"{module}:{n.lineno} compares with a transport's name"
                 for n in compares
@@ -206,9 +207,7 @@ def test_a_transport_fact_is_stated_once() -> None:
             ]
             continue
         formulas = [
-            f
-            for f in ast.walk(tree)
-            if isinstance(f, ast.FunctionDef) and ("bytes" in f.name or "payload" in f.name)
+            f for f in tree if isinstance(f, ast.FunctionDef) and ("bytes" in f.name or "payload" in f.name)
         ]
         for f in formulas:
             for n in ast.walk(f):
@@ -235,7 +234,7 @@ def test_the_engine_calls_the_votes_only_through_their_protocol() -> None:
     for module, path in MODULES.items():
         if not module.startswith("lioncub.optim"):
             continue
-        for node in ast.walk(_parse(path)):
+        for node in _nodes(path):
             if (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Attribute)
@@ -254,7 +253,7 @@ def test_no_dispatch_on_a_string_kind() -> None:
     for module, path in MODULES.items():
         if not module.startswith(("lioncub.ops", "lioncub.collectives", "lioncub.optim")):
             continue
-        for node in ast.walk(_parse(path)):
+        for node in _nodes(path):
             if isinstance(node, ast.Compare):
                 sides = [node.left, *node.comparators]
                 named = [s for s in sides if getattr(s, "attr", getattr(s, "id", None)) == "kind"]
@@ -277,7 +276,7 @@ def test_functions_are_held_in_one_sitting() -> None:
     """No function over :data:`FUNCTION_LINES` lines (docstring included) but the CLI's argument tables."""
     wrong = []
     for module, path in MODULES.items():
-        for node in ast.walk(_parse(path)):
+        for node in _nodes(path):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = node.end_lineno - node.lineno + 1  # type: ignore[operator]
                 table = (
@@ -387,7 +386,7 @@ def test_rundir_imports_only_the_standard_library() -> None:
     for module, path in MODULES.items():
         if module != "lioncub.rundir" and not module.startswith("lioncub.rundir."):
             continue
-        for node in ast.walk(_parse(path)):
+        for node in _nodes(path):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names = [node.module]
@@ -437,10 +436,10 @@ def _env_reads() -> tuple[dict[str, set[str]], list[str]]:
     for module, path in MODULES.items():
         if module == "lioncub.env":
             continue
-        tree = _parse(path)
+        tree = _nodes(path)
         constants = {
             t.id: n.value.value
-            for n in tree.body
+            for n in _parse(path).body
             if isinstance(n, ast.Assign)
             and isinstance(n.value, ast.Constant)
             and isinstance(n.value.value, str)
@@ -449,12 +448,12 @@ def _env_reads() -> tuple[dict[str, set[str]], list[str]]:
         }
         aliases = {  # local names of the module lioncub.env
             a.asname or a.name
-            for n in ast.walk(tree)
+            for n in tree
             if isinstance(n, ast.ImportFrom) and n.module == "lioncub"
             for a in n.names
             if a.name == "env"
         }
-        for node in ast.walk(tree):
+        for node in tree:
             key = _environ_key(node)
             if key is not None and (name := _lioncub_name(key, constants)):
                 direct.append(f"{module}:{node.lineno} {name}")
@@ -488,9 +487,9 @@ def test_environment_variables_are_read_through_one_table() -> None:
             assert v.set_by, name
             writers = [m for m, p in MODULES.items() if m != "lioncub.env" and name in p.read_text()]
             assert writers, name
-    tree = _parse(MODULES["lioncub.env"])
-    imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
-    imported += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+    tree = _nodes(MODULES["lioncub.env"])
+    imported = [a.name for n in tree if isinstance(n, ast.Import) for a in n.names]
+    imported += [n.module for n in tree if isinstance(n, ast.ImportFrom) and n.module]
     assert [m for m in imported if m.split(".")[0] not in sys.stdlib_module_names] == []
     readme = (SRC.parent / "README.md").read_text()
     section = readme.split("## Environment variables", 1)[1].split("\n## ", 1)[0]
@@ -560,7 +559,7 @@ def written_choice_lists(src: Path, lists: dict[frozenset[str], str]) -> dict[st
     found: dict[str, list[str]] = {}
     for path in sorted((src / "lioncub").rglob("*.py")):
         module = _module_name(path)
-        for node in ast.walk(_parse(path)):
+        for node in _nodes(path):
             items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else []
             strings = [e.value for e in items if isinstance(e, ast.Constant) and isinstance(e.value, str)]
             if len(strings) == len(items) > 1 and frozenset(strings) in lists:
@@ -610,12 +609,12 @@ def test_the_optimizer_core_composes_parts() -> None:
     ignores = [f"{m}:{i}" for m, p in optim.items() for i, line in enumerate(p.read_text().splitlines(), 1)
                if "type: " + "ignore" in line]  # fmt: skip
     assert ignores == [], ignores
-    trees = {m: _parse(p) for m, p in optim.items()}
-    ours = {n.name for t in trees.values() for n in ast.walk(t) if isinstance(n, ast.ClassDef)}
+    trees = {m: _nodes(p) for m, p in optim.items()}
+    ours = {n.name for t in trees.values() for n in t if isinstance(n, ast.ClassDef)}
     mixed = [
         f"{m}.{n.name}"
         for m, t in trees.items()
-        for n in ast.walk(t)
+        for n in t
         if isinstance(n, ast.ClassDef)
         and sum(getattr(b, "id", getattr(b, "attr", "")) in ours for b in n.bases) > 1
     ]
@@ -623,14 +622,14 @@ def test_the_optimizer_core_composes_parts() -> None:
     own = {
         n.attr
         for t in trees.values()
-        for n in ast.walk(t)
+        for n in t
         if isinstance(n, ast.Attribute) and getattr(n.value, "id", "") == "self" and n.attr.startswith("_")
         and not n.attr.startswith("__")
     }  # fmt: skip
     reaching = [
         f"{m}:{n.lineno} {ast.unparse(n)}"
         for m, t in trees.items()
-        for n in ast.walk(t)
+        for n in t
         if isinstance(n, ast.Attribute)
         and n.attr in own
         and getattr(n.value, "id", "") not in ("self", "cls")

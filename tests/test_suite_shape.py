@@ -7,17 +7,25 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Iterable
 from pathlib import Path
+
+import sources
 
 TESTS = Path(__file__).resolve().parent
 #: an import statement inside a string (a script run with ``python -c``)
 SCRIPT_IMPORT = re.compile(r"^\s*(?:from\s+([\w.]+)\s+import|import\s+([\w., ]+))", re.MULTILINE)
 
 
-def imported_modules(source: str) -> set[str]:
+def _walk(source: str | Path) -> Iterable[ast.AST]:
+    """The nodes of ``source`` (a text, or a file whose tree ``sources.py`` holds) in ``ast.walk``'s order."""
+    return ast.walk(ast.parse(source)) if isinstance(source, str) else sources.nodes(source)
+
+
+def imported_modules(source: str | Path) -> set[str]:
     """Top-level names of the modules ``source`` imports, in its code and in the scripts its strings hold."""
     names: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
+    for node in _walk(source):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -36,7 +44,7 @@ def test_imports_in_code_and_in_scripts_are_found() -> None:
 
 def test_no_module_imports_a_test_module() -> None:
     paths = [p for p in sorted(TESTS.glob("*.py")) if p.name != Path(__file__).name]  # not the sample above
-    found = {path.name: imported_modules(path.read_text()) for path in paths}
+    found = {path.name: imported_modules(path) for path in paths}
     offenders = {name: sorted(m for m in modules if m.startswith("test_")) for name, modules in found.items()}
     assert {name: modules for name, modules in offenders.items() if modules} == {}
     assert "oracles" in found["test_lioncub.py"]  # the check reads what the files import
@@ -46,11 +54,11 @@ def test_no_module_imports_a_test_module() -> None:
 STARTERS = {"run", "Popen", "call", "check_call", "check_output"}
 
 
-def interpreter_starts(source: str) -> list[int]:
+def interpreter_starts(source: str | Path) -> list[int]:
     """Lines of ``source`` that name ``sys.executable`` or hand ``[PY, ...]`` to :mod:`subprocess`: the
     interpreter started other than through ``processes.py``."""
     lines = []
-    for node in ast.walk(ast.parse(source)):
+    for node in _walk(source):
         if isinstance(node, ast.Attribute) and node.attr == "executable":
             if isinstance(node.value, ast.Name) and node.value.id == "sys":
                 lines.append(node.lineno)
@@ -74,5 +82,5 @@ def test_only_processes_starts_the_interpreter() -> None:
     """A Python program is started through ``processes.py`` (``python``, ``python_cmd``; ``PY`` for what a
     launch starts), N ranks with its ``run_workers``: tests/README.md's "Starting processes"."""
     paths = [p for p in sorted(TESTS.glob("*.py")) if p.name != "processes.py"]
-    found = {path.name: interpreter_starts(path.read_text()) for path in paths}
+    found = {path.name: interpreter_starts(path) for path in paths}
     assert {name: lines for name, lines in found.items() if lines} == {}

@@ -6,14 +6,14 @@ fused path against the torch path (``LIONCUB_CPU_KERNELS=0``) and against the N-
 from __future__ import annotations
 
 import math
-import os
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import background
+import exec_program
 from kernel_steps import counted_calls
 from lioncub.collectives.formats import sign_int8
 from lioncub.ops import kernels, native, packing
@@ -21,9 +21,8 @@ from lioncub.ops.update import apply_update_converting_, update_momentum_
 from lioncub.optim import PRESETS, Lion, LionCub
 from profiles import examples
 
-from processes import python, run_workers
+from processes import run_workers
 
-ROOT = Path(__file__).resolve().parent.parent
 LENGTHS = [0, 1, 7, 8, 9, 15, 17, 63, 64, 65, 1000, 4097]
 DTYPES = [torch.float32, torch.float64, torch.bfloat16]
 
@@ -123,20 +122,36 @@ def test_step_backend_keeps_bfloat16_and_odd_layouts_on_torch() -> None:
     assert kernels.step_backend_for(torch.zeros(4).to_sparse()) == "torch"
 
 
-@pytest.mark.slow
-def test_no_compiler_falls_back_with_a_reason(tmp_path) -> None:
-    code = (
-        "import torch\nfrom lioncub.ops import kernels, native\nfrom lioncub.optim import Lion\n"
-        "p = torch.nn.Parameter(torch.ones(10)); p.grad = torch.ones(10)\n"
-        "Lion([p], lr=0.5).step()\n"
-        "print(native.available(), kernels.backend_for(p.detach()), float(p[0]))\nprint(native.reason())\n"
-    )
-    env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "LIONCUB_KERNEL_CACHE": str(tmp_path / "cache")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    env.pop("LIONCUB_CPU_KERNELS", None)
-    done = python("-c", code, env=env, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    first, why = done.stdout.splitlines()[:2]
+#: the background job ``no_compiler``: Lion's step where ``$CC`` names no compiler, in a fork of the fork
+#: server (torch imported; lioncub imported after the environment is set, its kernels never loaded before)
+NO_COMPILER = """
+import os
+os.environ["CC"] = str(workdir / "no-such-cc")
+os.environ["LIONCUB_KERNEL_CACHE"] = str(workdir / "cache")
+os.environ.pop("LIONCUB_CPU_KERNELS", None)
+import torch
+from lioncub.ops import kernels, native
+from lioncub.optim import Lion
+p = torch.nn.Parameter(torch.ones(10)); p.grad = torch.ones(10)
+Lion([p], lr=0.5).step()
+chosen = f"{native.available()} {kernels.backend_for(p.detach())} {float(p[0])}"
+(workdir / "out").write_text(f"{chosen}\\n{native.reason()}")
+"""
+
+#: tests/background.py's jobs of this module
+BACKGROUND = {
+    "no_compiler": lambda: background.Spawned(exec_program.in_job, 1, args=(NO_COMPILER,), timeout=120)
+}
+
+
+@pytest.mark.background("no_compiler")
+def test_no_compiler_falls_back_with_a_reason() -> None:
+    """Run in the background job ``no_compiler`` (a process whose lioncub had never loaded its kernels)."""
+    codes = background.result("no_compiler", BACKGROUND["no_compiler"])
+    workdir = background.workdir("no_compiler")
+    error = workdir / "error"
+    assert codes == [0], error.read_text() if error.exists() else f"the job's process exited with {codes}"
+    first, why = (workdir / "out").read_text().splitlines()[:2]
     assert first == "False torch 0.5"
     assert "no C compiler found" in why
 

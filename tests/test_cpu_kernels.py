@@ -144,6 +144,7 @@ BACKGROUND = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.background("no_compiler")
 def test_no_compiler_falls_back_with_a_reason() -> None:
     """Run in the background job ``no_compiler`` (a process whose lioncub had never loaded its kernels)."""

@@ -335,11 +335,16 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_killed_rank_restarts_from_the_checkpoint_bitwise(
     uninterrupted: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
+    """The first attempt fails on the SIGKILL (that a run without ``--restarts`` then fails, naming the
+    rank, is tests/test_rundir.py's ``test_a_failed_new_run_leaves_nothing_in_the_way``); the second
+    resumes from step 3 and ends as the uninterrupted run."""
+    out = tmp_path / "restarted"
     with kill_rank.launches("1:5"):  # rank 1 SIGKILLs itself after the backward of step 5 (first attempt)
-        assert cli.main([*TINY_RUN, "--out", str(tmp_path / "fails")]) != 0  # without a restart: fails
-        assert "rank 1" in capsys.readouterr().err
-        out = tmp_path / "restarted"
         assert cli.main([*TINY_RUN, "--out", str(out), "--restarts", "1"]) == 0
+    printed = capsys.readouterr()
+    assert "rank 1 was killed by SIGKILL; stopping rank 0" in printed.err, printed.err
+    assert "restarting all ranks (1/1)" in printed.err, printed.err
+    assert f"resumed from {out}/checkpoints/step_00000003 at step 3" in printed.out + printed.err
     _same_final_model(uninterrupted, out)
     steps = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in steps if r["kind"] == "step"] == list(range(1, 7))  # steps 4-5 rewritten

@@ -350,7 +350,7 @@ def test_workload_data_is_checked_before_writing(
 @pytest.mark.background("compares")
 def test_a_failed_new_run_leaves_nothing_in_the_way() -> None:
     code, err, out = _run("x")
-    assert code != 0 and "killed by SIGKILL" in err, err
+    assert code != 0 and "rank 1 was killed by SIGKILL" in err, err  # the launcher names the rank
     assert out.is_dir() and list(out.iterdir()) == []  # no config.json blocking a rerun
 
 

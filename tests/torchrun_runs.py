@@ -6,10 +6,16 @@
 1. ``kill``: tests/test_reliability.py's ``lioncub.cli train`` of :data:`TINY` on 2 ranks, ``--max-restarts
    1``, whose rank 1 SIGKILLs itself after the backward of step 5 in the first attempt (tests/kill_rank.py),
    into ``OUT/torchrun``;
-2. ``forgot_init``: tests/test_topology.py's :data:`FORGOT_INIT` on 2 ranks (``OUT/forgot_init.py``), which
-   builds LionCub without ``init_process_group`` (its ranks' files ``OUT/started.RANK``).
+2. ``forgot_init``: tests/test_topology.py's :data:`FORGOT_INIT` on 2 ranks, which builds LionCub without
+   ``init_process_group`` (its ranks' files ``OUT/started.RANK``).
 
-The workers are torchrun's own: fresh interpreters. ``OUT/runs.json`` holds each job's exit status (1 where
+The ``kill`` job's workers are torchrun's own: fresh interpreters. ``forgot_init``'s are lioncub's worker
+shim (:mod:`lioncub.launch.workers`; torchrun runs it with ``--no-python`` and watches and stops it as its
+worker), a standard-library interpreter that has its rank forked, with the shim's environment (torchrun's),
+directory and output, from one interpreter that imported torch and LionCub (:mod:`lioncub.launch.preload`),
+and exits as the rank did: two ranks for one import of torch. (The ``kill`` job's ranks cannot go the same
+way yet: a shim whose rank was SIGKILLed exits with 1, not by SIGKILL, and torchrun's report of the
+signal is what tests/test_reliability.py checks.) ``OUT/runs.json`` holds each job's exit status (1 where
 torchrun raised) and what it printed on file descriptors 1 and 2 (the agent's and its workers'); the exit
 status is 0 once both have run.
 """
@@ -26,6 +32,7 @@ import processes
 
 if TYPE_CHECKING:
     import background
+    from lioncub.launch.workers import WorkerRelay
 
 HERE = Path(__file__).resolve().parent
 
@@ -49,6 +56,10 @@ LionCub(torch.nn.Linear(3, 1).parameters(), lr=1e-3)
 print("trained alone", flush=True)
 """
 
+#: what the zygote of :data:`FORGOT_INIT`'s ranks imports: torch, torch._dynamo (which the optimizer's
+#: constructor imports) and LionCub
+FORGOT_INIT_MODULES = ("torch", "torch._dynamo", "lioncub.optim.lioncub")
+
 
 def job() -> background.Subprocess:
     """The background job ``torchruns`` (tests/test_reliability.py, tests/test_topology.py)."""
@@ -61,15 +72,17 @@ def job() -> background.Subprocess:
     )
 
 
-def torchruns(out: Path) -> dict[str, list[str]]:
-    """Each job's ``torchrun`` arguments (``python -m torch.distributed.run ARGS``)."""
+def torchruns(out: Path, relay: WorkerRelay) -> dict[str, list[str]]:
+    """Each job's ``torchrun`` arguments (``python -m torch.distributed.run ARGS``); ``forgot_init``'s
+    workers are ``relay``'s shims."""
+    from processes import PY
+
     standalone = ["--standalone", "--nproc-per-node", "2"]
-    script = out / "forgot_init.py"
-    script.write_text(FORGOT_INIT)
     kill = [*standalone, "--max-restarts", "1", str(HERE / "kill_rank.py"), "1:5", "lioncub.cli", *TINY]
+    shim = relay.command(0, [PY, "-c", FORGOT_INIT, str(out)])
     return {
         "kill": [*kill, "--out", str(out / "torchrun")],
-        "forgot_init": [*standalone, "--monitor-interval", "0.5", str(script), str(out)],
+        "forgot_init": [*standalone, "--monitor-interval", "0.5", "--no-python", *shim],
     }
 
 
@@ -90,7 +103,12 @@ def _torchrun(argv: list[str]) -> dict[str, object]:
 
 
 def main(out: Path) -> int:
-    runs = {name: _torchrun(argv) for name, argv in torchruns(out).items()}
+    from lioncub.launch.preload import lease, shared_env
+    from lioncub.launch.workers import WorkerRelay
+
+    zygote = lease(shared_env([dict(os.environ)]), os.getcwd(), FORGOT_INIT_MODULES)
+    with zygote as forks, WorkerRelay(forks, str(out), [None]) as relay:
+        runs = {name: _torchrun(argv) for name, argv in torchruns(out, relay).items()}
     (out / "runs.json").write_text(json.dumps(runs, indent=1))
     return 0
 

@@ -898,11 +898,20 @@ def test_the_rank_path_checks_before_it_writes(
     assert tree(root / "resumed" / "outside") == {"thesis.tex": hashlib.sha256(THESIS).hexdigest()}
 
 
-def _wait_for_a_step(log: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+def _wait_for_a_step(log: Path, running: Callable[[], bool], timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not (log.exists() and log.read_text().count("\n") >= 1):
-        assert proc.poll() is None and time.monotonic() < deadline, "the run ended or took too long"
+        assert running() and time.monotonic() < deadline, "the run ended or took too long"
         time.sleep(0.2)
+
+
+def _driver(rank: int, world: int, workdir: Path, argv: list[str]) -> None:
+    """``background.Spawned``'s target: ``lioncub ARGV`` as this process (a fork of the fork server, torch
+    imported: the driver need not import it again), its output discarded."""
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 1)
+        os.dup2(null.fileno(), 2)
+    raise SystemExit(cli.main(argv))
 
 
 @pytest.mark.slow
@@ -913,17 +922,17 @@ def test_a_killed_launcher_leaves_a_run_that_runs_again(run_cli: Callable, tmp_p
     user_files(tmp_path)
     run = tmp_path / "K"
     argv = ["train", *RUN, "--steps", "400", "--checkpoint-every", "0", "--out", str(run)]
-    proc = subprocess.Popen(
-        python_cmd("-m", "lioncub", *argv), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    driver = background.Spawned(_driver, 1, args=(argv,), timeout=120)  # the launcher: `lioncub ARGV`
+    driver.start()
+    proc = driver.procs[0]
     try:
-        _wait_for_a_step(run / "log.jsonl", proc)
+        _wait_for_a_step(run / "log.jsonl", proc.is_alive)
         rc, err = run_cli(["train", *RUN, "--out", str(run), "--resume"])
         assert rc == 2 and f"in use by process {proc.pid}" in err, err
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
     finally:
-        proc.kill()
+        driver.cleanup()
     deadline = time.monotonic() + 30
     while True:
         rc, err = run_cli(
@@ -946,7 +955,7 @@ def test_rank_zero_of_a_job_holds_the_lock(run_cli: Callable, tmp_path: Path) ->
                      "--steps", "400", "--checkpoint-every", "0", "--out", str(run))  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_for_a_step(run / "log.jsonl", proc)
+        _wait_for_a_step(run / "log.jsonl", lambda: proc.poll() is None)
         rc, err = run_cli(["train", *RUN, "--out", str(run), "--resume"])
         assert rc == 2 and "is in use by process" in err and "lioncub.cli train" in err, err
         assert f"process {proc.pid} " not in err  # not the launcher: its rank 0

@@ -247,15 +247,20 @@ def test_momentum_conversion_is_the_mean(tmp_path: Path) -> None:
 
 #: the runs of test_every_variant_trains_through_the_cli: 7 steps (evaluated at 4 and, as the last, at 7), a
 #: checkpoint at step 5. test_resume_equals_uninterrupted stops and resumes the same runs of its variants
-#: (dropout on for 32bit and 1bit), so one launch of each serves both tests.
-STEPS, EVAL_EVERY, CHECKPOINT_AT = 7, 4, 5
-DROPOUT = {"32bit": ["--set", "dropout=0.1"], "1bit": ["--set", "dropout=0.1"]}
+#: (dropout on for 32bit and 1bit), so one launch of each serves both tests; test_report_command_plots_the_
+#: diagnostics reads a copy of the 8bit one (the quantizer l0, diagnostics at step 4).
+STEPS, EVAL_EVERY, CHECKPOINT_AT, DIAGNOSTICS_AT = 7, 4, 5, 4
+EXTRA = {
+    "32bit": ["--set", "dropout=0.1"],
+    "1bit": ["--set", "dropout=0.1"],
+    "8bit": ["--quantizer", "l0", "--diagnostics-every", str(DIAGNOSTICS_AT)],
+}
 
 
 def run_args(variant: str) -> list[str]:
     """Everything but ``--checkpoint-every`` of the uninterrupted run of ``variant`` (2 ranks)."""
     return ["--variant", variant, "--nproc", "2", "--steps", str(STEPS), "--eval-every", str(EVAL_EVERY),
-            *DROPOUT.get(variant, [])]  # fmt: skip
+            *EXTRA.get(variant, [])]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -445,21 +450,14 @@ def test_diagnostics_and_momentum_sync_through_the_cli(compared: tuple[Path, str
 
 
 @pytest.mark.slow
-def test_report_command_plots_the_diagnostics(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_report_command_plots_the_diagnostics(
+    whole_run: Callable[[str], Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """``lioncub report`` of the 8bit run of test_every_variant_trains_through_the_cli (a copy: the report
+    writes its plots into the run directory): ``--quantizer l0``, diagnostics at step 4 of 7."""
     out = tmp_path / "run"
-    extra = [
-        "--variant",
-        "8bit",
-        "--quantizer",
-        "l0",
-        "--nproc",
-        "2",
-        "--steps",
-        "4",
-        "--diagnostics-every",
-        "2",
-    ]
-    assert train(out, *extra) == 0
+    shutil.copytree(whole_run("8bit"), out)
+    assert [d["step"] for d in records(out, "diag")] == [DIAGNOSTICS_AT]
     capsys.readouterr()
     assert cli.main(["report", str(out)]) == 0
     printed = capsys.readouterr().out

@@ -257,14 +257,46 @@ t = torch.tensor(""",
 )
 
 
+def _forked_launches(rank: int, world: int, workdir: Path) -> None:
+    """The background job ``forked_launches``: every launch of :func:`forked` ranks of this module, in one
+    forked process, so that one zygote (torch imported once) forks every launch's ranks:
+    :data:`ALLREDUCE_AND_LISTENERS` on 3 ranks on loopback; where network namespaces can be built, also
+    :data:`TIMED_ALLREDUCE` behind :data:`LINK_RATE` links on 2, then on 4 ranks, and :data:`ONE_BIT_STEPS`
+    on 3 ranks behind 1 Gbit/s links. ``workdir/NAME.pickle`` holds each one's (result, stdout, stderr)."""
+    launches = {"loopback": LaunchConfig(**forked(ALLREDUCE_AND_LISTENERS), nproc=3, timeout_s=120)}
+    if netns_usable():
+        for n in (2, 4):
+            launches[f"links_{n}"] = LaunchConfig(
+                **forked(TIMED_ALLREDUCE), nproc=n, link_rate_bps=LINK_RATE, timeout_s=120
+            )
+        launches["one_bit"] = LaunchConfig(**forked(ONE_BIT_STEPS), nproc=3, link_rate_bps=1e9, timeout_s=120)
+    for name, config in launches.items():
+        (workdir / f"{name}.pickle").write_bytes(pickle.dumps(_run(config)))
+
+
+def _launched(name: str) -> tuple:
+    """(result, stdout, stderr) of launch ``name`` of the background job ``forked_launches``."""
+    codes = background.result("forked_launches", BACKGROUND["forked_launches"])
+    path = background.workdir("forked_launches") / f"{name}.pickle"
+    assert path.exists(), f"the job's process exited with {codes}"
+    return pickle.loads(path.read_bytes())
+
+
+#: tests/background.py's jobs of this module: the launches of ranks forked from a zygote that imported torch
+#: (the shaped links' launches, which mostly wait, only where network namespaces can be built)
+BACKGROUND = {"forked_launches": lambda: background.Spawned(_forked_launches, 1, timeout=240)}
+
+
 @pytest.fixture(scope="module")
 def loopback_three_ranks() -> tuple:
-    """One launch of 3 ranks on loopback serves the two tests below: (result, stdout, stderr)."""
+    """One launch of 3 ranks on loopback (in the background job ``forked_launches``) serves the two tests
+    below: (result, stdout, stderr)."""
     assert ALLREDUCE_AND_LISTENERS != ALLREDUCE
-    return _run(LaunchConfig(**forked(ALLREDUCE_AND_LISTENERS), nproc=3, timeout_s=120))
+    return _launched("loopback")
 
 
 @pytest.mark.slow
+@pytest.mark.background("forked_launches")
 def test_the_rendezvous_store_listens_on_loopback_only(loopback_three_ranks: tuple) -> None:
     result, out, err = loopback_three_ranks
     assert result.ok, err
@@ -274,6 +306,7 @@ def test_the_rendezvous_store_listens_on_loopback_only(loopback_three_ranks: tup
 
 
 @pytest.mark.slow
+@pytest.mark.background("forked_launches")
 def test_loopback_allreduce_three_ranks(loopback_three_ranks: tuple) -> None:
     result, out, err = loopback_three_ranks
     assert result.ok, err
@@ -400,37 +433,14 @@ dist.destroy_process_group()
 LINK_RATE = 100e6  # bits/s of the links of test_allreduce_over_100mbit_links_matches_bandwidth
 
 
-def _links_100mbit(rank: int, world: int, workdir: Path) -> None:
-    """The background job ``links_100mbit`` (one forked process, one zygote for both launches' ranks):
-    :data:`TIMED_ALLREDUCE` behind :data:`LINK_RATE` links on 2, then on 4 ranks; ``workdir/<nproc>.pickle``
-    holds (result, stdout, stderr)."""
-    for n in (2, 4):
-        config = LaunchConfig(**forked(TIMED_ALLREDUCE), nproc=n, link_rate_bps=LINK_RATE, timeout_s=120)
-        (workdir / f"{n}.pickle").write_bytes(pickle.dumps(_run(config)))
-
-
-def _launched(nproc: int) -> tuple:
-    """(result, stdout, stderr) of the launch on ``nproc`` ranks of the background job ``links_100mbit``."""
-    codes = background.result("links_100mbit", BACKGROUND["links_100mbit"])
-    path = background.workdir("links_100mbit") / f"{nproc}.pickle"
-    assert path.exists(), f"the job's process exited with {codes}"
-    return pickle.loads(path.read_bytes())
-
-
-#: tests/background.py's jobs of this module: the launches that mostly wait on shaped links (root only)
-BACKGROUND = {
-    "links_100mbit": lambda: background.Spawned(_links_100mbit, 1, timeout=240) if netns_usable() else None
-}
-
-
 @pytest.mark.root
 @pytest.mark.slow
-@pytest.mark.background("links_100mbit")
+@pytest.mark.background("forked_launches")
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_allreduce_over_100mbit_links_matches_bandwidth(nproc: int) -> None:
-    """Launched in the background job ``links_100mbit`` (its time is the shaped links')."""
+    """Launched in the background job ``forked_launches`` (its time is the shaped links')."""
     rate = LINK_RATE
-    result, out, err = _launched(nproc)
+    result, out, err = _launched(f"links_{nproc}")
     assert result.ok, out + err
     measured_ms = float(re.search(r"\[r0\] ALLREDUCE_MS=([\d.]+)", out).group(1))  # type: ignore[union-attr]
     wire_bytes = 2 * (nproc - 1) / nproc * 4e6  # ring allreduce, per rank and direction
@@ -470,11 +480,11 @@ dist.destroy_process_group()
 
 @pytest.mark.root
 @pytest.mark.slow
+@pytest.mark.background("forked_launches")
 def test_interface_counters_agree_with_the_optimizers_accounting() -> None:
+    """Launched in the background job ``forked_launches``: 3 ranks behind 1 Gbit/s links."""
     nproc, d = 3, 4_000_003
-    result, out, err = _run(
-        LaunchConfig(**forked(ONE_BIT_STEPS), nproc=nproc, link_rate_bps=1e9, timeout_s=120)
-    )
+    result, out, err = _launched("one_bit")
     assert result.ok, out + err
     d_pad = -(-d // (8 * nproc)) * 8 * nproc
     expected = 4 * 2 * (nproc - 1) / nproc * d_pad / 8  # 4 steps of all-to-all + all-gather of packed bits

@@ -7,6 +7,7 @@ mean of the saved momenta for a world-size conversion (numpy).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -385,6 +386,15 @@ def compare_run(name: str) -> tuple[Path, str]:
     return out, (workdir / f"{name}.out").read_text()
 
 
+def without_plots(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compare called again in a test only rebuilds its tables (``make_report(plots=False)``): the PNGs,
+    about 0.3 s of CPU each, are test_compare_writes_table_and_plots' (it checks the first call's, and its
+    second call draws them again)."""
+    from lioncub.report import runs
+
+    monkeypatch.setattr(runs, "make_report", functools.partial(runs.make_report, plots=False))
+
+
 @pytest.fixture(scope="module")
 def compared() -> tuple[Path, str]:
     """``compare_runs.COMPARE``'s output directory and what it printed (stdout): test_compare_writes_table_
@@ -503,7 +513,9 @@ def test_compare_with_an_overlapped_variant(
 
 @pytest.mark.background("compares")
 @pytest.mark.slow
-def test_compare_has_a_local_steps_row(compared: tuple[Path, str], capsys: pytest.CaptureFixture) -> None:
+def test_compare_has_a_local_steps_row(
+    compared: tuple[Path, str], capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """test_train's compare has ``1bit/h2`` (its run in ``1bit_h2``): no diagnostics or momentum sync there
     (they apply to a vote every step), bytes at the outer steps, and the per-window median in the table."""
     out = compared[0]
@@ -518,6 +530,7 @@ def test_compare_has_a_local_steps_row(compared: tuple[Path, str], capsys: pytes
     assert summary["memory"]["optimizer_state"] == 3 * 4 * summary["params"]
     assert "| 1bit/h2" in (out / "summary.md").read_text()
     capsys.readouterr()
+    without_plots(monkeypatch)
     assert cli.main(["compare", "--out", str(out), "--report-only"]) == 0
     assert "1bit/h2" in capsys.readouterr().out
 
@@ -648,7 +661,7 @@ def test_compare_at_equal_time_plans_each_run_from_its_pilot(budget_compared: tu
 @pytest.mark.background("compares")
 @pytest.mark.slow
 def test_compare_at_equal_time_reports_the_loss_at_the_budget(
-    budget_compared: tuple[Path, str], capsys: pytest.CaptureFixture
+    budget_compared: tuple[Path, str], capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The table: each run's steps, its validation loss at the budget (the last evaluation by 1.05 × the
     budget, with its time; none for the run stopped far over it) and its time to the target; the loss-vs-time
@@ -672,6 +685,7 @@ def test_compare_at_equal_time_reports_the_loss_at_the_budget(
     )
     assert (out / "val_loss_vs_time.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     capsys.readouterr()
+    without_plots(monkeypatch)
     assert cli.main([*compare_runs.BUDGET, "--out", str(out)]) == 0
     err = capsys.readouterr().err
     assert err.count("reusing the finished run") == 3 and "pilot" not in err

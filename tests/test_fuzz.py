@@ -93,6 +93,17 @@ def _ldexp(mantissa: float, exponent: int) -> float:
         return float(np.ldexp(mantissa, exponent))  # ±inf beyond float64 (clipped by to_tensor)
 
 
+#: an element of :func:`float_arrays` before its binade is known: an extreme, (mantissa, negative) to scale
+#: into the array's binade, or any double (built once: a strategy built per draw costs more than the draw)
+ELEMENT = (
+    st.sampled_from(EXTREMES)
+    | st.tuples(
+        st.sampled_from([0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0]) | st.floats(-4, 4), st.booleans()
+    )
+    | st.floats(allow_nan=False, allow_infinity=False)
+)
+
+
 @st.composite
 def float_arrays(
     draw, n: int | None = None, non_finite: bool = True, rows: int | None = None, dtype=torch.float64
@@ -105,15 +116,17 @@ def float_arrays(
     shape = (n,) if rows is None else (rows, n)
     info = torch.finfo(dtype)
     exponent = draw(st.integers(math.floor(math.log2(info.tiny)) - info.bits, math.ceil(math.log2(info.max))))
-    mantissas = st.sampled_from([0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0]) | st.floats(-4, 4)
-    scaled = st.tuples(mantissas, st.booleans()).map(lambda mb: _ldexp(-mb[0] if mb[1] else mb[0], exponent))
-    element = st.sampled_from(EXTREMES) | scaled | st.floats(allow_nan=False, allow_infinity=False)
+
+    def values_of(elements: list) -> np.ndarray:  # (mantissa, negative) scaled into the binade 2^exponent
+        scaled = [_ldexp(-e[0] if e[1] else e[0], exponent) if isinstance(e, tuple) else e for e in elements]
+        return np.array(scaled, dtype=np.float64)
+
     size = math.prod(shape)
     if size <= 9 and draw(st.booleans()):
-        values = np.array(draw(st.lists(element, min_size=size, max_size=size)), dtype=np.float64)
+        values = values_of(draw(st.lists(ELEMENT, min_size=size, max_size=size)))
         rng = np.random.default_rng(0)
     else:
-        pool = np.array(draw(st.lists(element, min_size=1, max_size=8)), dtype=np.float64)
+        pool = values_of(draw(st.lists(ELEMENT, min_size=1, max_size=8)))
         rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
         values = pool[rng.integers(pool.size, size=size)]
         if draw(st.booleans()):  # jitter: distinct values (never larger, so never an overflow)
@@ -551,7 +564,12 @@ def test_lanes_round_trip_and_map_exactly(bits: int, n: int, rnd, data: st.DataO
     if bits == 1:
         assert np.array_equal(packing.pack_bits(lanes.bool()).numpy(), np.packbits(values, bitorder="big"))
         assert torch.equal(packing.unpack_bits(packed, n), lanes.bool())
-    table = tuple(rnd.choice([-128, -1, 0, 1, 127, rnd.randint(-128, 127)]) for _ in range(1 << bits))
+
+    def entry() -> int:  # an edge value or any int8 (drawn only where it is the choice)
+        edge = rnd.choice([-128, -1, 0, 1, 127, None])
+        return rnd.randint(-128, 127) if edge is None else edge
+
+    table = tuple(entry() for _ in range(1 << bits))
     mapped = packing.map_lanes(packed, bits, n, table)
     assert mapped.dtype == torch.int8 and mapped.tolist() == [table[v] for v in values.tolist()]
     wide = list(table)

@@ -5,6 +5,7 @@ Every expected number is worked out by hand in the comments next to it.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import re
@@ -210,12 +211,13 @@ def test_figure_series(reported: tuple[list[Path], Path, rp.Report]) -> None:
     assert series["val_loss_vs_bytes"].keys() == by_bytes.keys()
     for variant, (x, y) in by_bytes.items():
         assert series["val_loss_vs_bytes"][variant] == (pytest.approx(x), y), variant
-    assert _lines(rp.figure_val_loss_vs_step(report)) == by_step
-    assert _lines(rp.figure_val_loss_vs_time(report)) == by_time
-    budget = [ln for ln in rp.figure_val_loss_vs_time(report).axes[0].get_lines() if ln.get_gid() == "budget"]
+    by_step_figure, by_time_figure = rp.figure_val_loss_vs_step(report), rp.figure_val_loss_vs_time(report)
+    assert _lines(by_step_figure) == by_step
+    assert _lines(by_time_figure) == by_time
+    budget = [ln for ln in by_time_figure.axes[0].get_lines() if ln.get_gid() == "budget"]
     assert budget == []  # runs without a time budget
     assert rp.figure_val_loss_vs_bytes(report).axes[0].get_xscale() == "log"
-    target = [ln for ln in rp.figure_val_loss_vs_step(report).axes[0].get_lines() if ln.get_gid() == "target"]
+    target = [ln for ln in by_step_figure.axes[0].get_lines() if ln.get_gid() == "target"]
     assert target[0].get_ydata()[0] == pytest.approx(1.53)
 
     ax = rp.figure_step_time_split(report).axes[0]
@@ -360,11 +362,14 @@ def test_compute_floor_comes_from_the_logs(tmp_path: Path) -> None:
 
 
 def test_compare_prints_the_compute_floor_next_to_its_table(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """What ``lioncub compare --report-only`` prints: its tables only are read here, so it draws no PNG
+    (``make_report(plots=False)``; the report's PNGs are checked by the tests of ``reported``)."""
     from lioncub import cli
     from lioncub.rundir import claim
 
+    monkeypatch.setattr(rp, "make_report", functools.partial(rp.make_report, plots=False))
     out = tmp_path / "cmp"
     for v, steps, c, a in FLOOR_RUNS:
         claim(write_run(out, v, steps, compute=c, apply=a))

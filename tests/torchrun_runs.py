@@ -9,15 +9,18 @@
 2. ``forgot_init``: tests/test_topology.py's :data:`FORGOT_INIT` on 2 ranks, which builds LionCub without
    ``init_process_group`` (its ranks' files ``OUT/started.RANK``).
 
-The ``kill`` job's workers are torchrun's own: fresh interpreters. ``forgot_init``'s are lioncub's worker
-shim (:mod:`lioncub.launch.workers`; torchrun runs it with ``--no-python`` and watches and stops it as its
-worker), a standard-library interpreter that has its rank forked, with the shim's environment (torchrun's),
-directory and output, from one interpreter that imported torch and LionCub (:mod:`lioncub.launch.preload`),
-and exits as the rank did: two ranks for one import of torch. (The ``kill`` job's ranks cannot go the same
-way yet: a shim whose rank was SIGKILLed exits with 1, not by SIGKILL, and torchrun's report of the
-signal is what tests/test_reliability.py checks.) ``OUT/runs.json`` holds each job's exit status (1 where
-torchrun raised) and what it printed on file descriptors 1 and 2 (the agent's and its workers'); the exit
-status is 0 once both have run.
+Each worker torchrun starts (``--no-python``) is lioncub's worker shim (:mod:`lioncub.launch.workers`), a
+standard-library interpreter that torchrun watches, stops and restarts as its worker: it has its rank
+forked, with the shim's environment (torchrun's), directory and output, from one interpreter that imported
+torch and lioncub's training loop (:mod:`lioncub.launch.preload`), and exits as the rank did. All but one:
+the rank that kills itself (rank 1 of the ``kill`` job's first attempt, :data:`KILLED`) is torchrun's own
+child, a fresh interpreter, because a shim whose rank was SIGKILLed exits with 1 instead of dying of
+SIGKILL (``signal.signal(SIGKILL, ...)`` raises in lioncub/launch/worker_shim.py), and torchrun's report of
+the signal is what tests/test_reliability.py checks. The restart resumes from the checkpoint whether its
+ranks are forks or fresh interpreters: a fork has nothing of the first attempt. 5 of the 6 ranks without
+an import of torch (~3.5 CPU-s each). ``OUT/runs.json`` holds each job's exit status (1 where torchrun
+raised) and what it printed on file descriptors 1 and 2 (the agent's and its workers'); the exit status is
+0 once both have run.
 """
 
 from __future__ import annotations
@@ -56,9 +59,19 @@ LionCub(torch.nn.Linear(3, 1).parameters(), lr=1e-3)
 print("trained alone", flush=True)
 """
 
-#: what the zygote of :data:`FORGOT_INIT`'s ranks imports: torch, torch._dynamo (which the optimizer's
-#: constructor imports) and LionCub
-FORGOT_INIT_MODULES = ("torch", "torch._dynamo", "lioncub.optim.lioncub")
+#: which rank of the ``kill`` job kills itself, before which optimizer step (tests/kill_rank.py's spec)
+KILLED = "1:5"
+
+#: a ``kill`` job's worker (standard library, run by torchrun): ``python -c PICK SPEC SHIM... -- FRESH...``
+#: execs ``FRESH`` for the rank that kills itself in the first attempt, ``SHIM`` for every other one
+PICK = """
+import os, sys
+killed = sys.argv[1].split(":")[0] == os.environ["RANK"]
+killed = killed and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+at = sys.argv.index("--")
+argv = sys.argv[at + 1 :] if killed else sys.argv[2:at]
+os.execv(argv[0], argv)
+"""
 
 
 def job() -> background.Subprocess:
@@ -73,16 +86,18 @@ def job() -> background.Subprocess:
 
 
 def torchruns(out: Path, relay: WorkerRelay) -> dict[str, list[str]]:
-    """Each job's ``torchrun`` arguments (``python -m torch.distributed.run ARGS``); ``forgot_init``'s
-    workers are ``relay``'s shims."""
+    """Each job's ``torchrun`` arguments (``python -m torch.distributed.run ARGS``), its workers ``relay``'s
+    shims but the ``kill`` job's killed rank (:data:`PICK`)."""
     from processes import PY
 
     standalone = ["--standalone", "--nproc-per-node", "2"]
-    kill = [*standalone, "--max-restarts", "1", str(HERE / "kill_rank.py"), "1:5", "lioncub.cli", *TINY]
-    shim = relay.command(0, [PY, "-c", FORGOT_INIT, str(out)])
+    train = ["lioncub.cli", *TINY, "--out", str(out / "torchrun")]
+    fresh = [PY, "-u", str(HERE / "kill_rank.py"), KILLED, *train]  # as torchrun runs a script
+    kill = [PY, "-I", "-S", "-c", PICK, KILLED, *relay.command(0, [PY, "-m", *train]), "--", *fresh]
+    forgot_init = relay.command(0, [PY, "-c", FORGOT_INIT, str(out)])
     return {
-        "kill": [*kill, "--out", str(out / "torchrun")],
-        "forgot_init": [*standalone, "--monitor-interval", "0.5", "--no-python", *shim],
+        "kill": [*standalone, "--max-restarts", "1", "--no-python", *kill],
+        "forgot_init": [*standalone, "--monitor-interval", "0.5", "--no-python", *forgot_init],
     }
 
 
@@ -103,10 +118,10 @@ def _torchrun(argv: list[str]) -> dict[str, object]:
 
 
 def main(out: Path) -> int:
-    from lioncub.launch.preload import lease, shared_env
+    from lioncub.launch.preload import MODULES, lease, shared_env
     from lioncub.launch.workers import WorkerRelay
 
-    zygote = lease(shared_env([dict(os.environ)]), os.getcwd(), FORGOT_INIT_MODULES)
+    zygote = lease(shared_env([dict(os.environ)]), os.getcwd(), (*MODULES, "lioncub.train.loop"))
     with zygote as forks, WorkerRelay(forks, str(out), [None]) as relay:
         runs = {name: _torchrun(argv) for name, argv in torchruns(out, relay).items()}
     (out / "runs.json").write_text(json.dumps(runs, indent=1))

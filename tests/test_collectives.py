@@ -54,13 +54,15 @@ def test_allowed_lane_votes_never_overflow_exhaustively(bits: int) -> None:
 
 @pytest.mark.parametrize("n, bits", [(1, 4), (3, 4), pytest.param(7, 4, marks=pytest.mark.slow), (1, 2)])
 def test_allowed_offset_levels_never_overflow_extremes(n: int, bits: int) -> None:
+    """Every combination of the extreme levels (−s, 0, s) of N workers: the uint8 byte sum of their offset
+    lanes decodes to the true sum (a worker's lanes, a function of its level, encoded once per level)."""
     s = QuantizedVote(fake_comm(n), "l1", bits).levels
+    encoded = {
+        q: packing.pack_lanes(packing.offset_encode(torch.tensor([q] * 5, dtype=torch.int8), s), bits)
+        for q in (-s, 0, s)
+    }
     for levels in itertools.product([-s, 0, s], repeat=n):
-        lanes = [
-            packing.pack_lanes(packing.offset_encode(torch.tensor([q] * 5, dtype=torch.int8), s), bits)
-            for q in levels
-        ]
-        wire = (sum(lane.to(torch.int64) for lane in lanes) % 256).to(torch.uint8)
+        wire = (sum(encoded[q].to(torch.int64) for q in levels) % 256).to(torch.uint8)
         total = packing.offset_decode(packing.unpack_lanes(wire, bits, 5), n, s)
         assert total.tolist() == [sum(levels)] * 5
 

@@ -13,7 +13,6 @@ import math
 import struct
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -612,38 +611,3 @@ def test_calibrate_needs_a_job(monkeypatch: pytest.MonkeyPatch, capsys: pytest.C
         monkeypatch.delenv(var, raising=False)
     assert cli.main(["calibrate", "--out", "x.json"]) == 2
     assert "lioncub launch --nproc" in capsys.readouterr().err
-
-
-@pytest.mark.slow
-def test_calibrate_on_two_loopback_ranks(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    """``lioncub calibrate --nproc 2`` (its ranks forked from this process's zygote: torch imported once)."""
-    path = tmp_path / "calib.json"
-    ops = "allreduce_f32,allreduce_u8,all_to_all,gather_root"
-    argv = ["calibrate", "--nproc", "2", "--out", str(path), "--sizes", "1mb,4mb,16mb", "--repeats", "3",
-            "--ops", ops, "--compute-numel", "256K"]  # fmt: skip
-    rc = cli.main(argv)
-    printed = "".join(capfd.readouterr())
-    assert rc == 0 and "wrote" in printed, printed
-    assert "as a fresh interpreter" not in printed  # every rank was forked
-    doc = json.loads(path.read_text())
-    assert doc["version"] == 1 and doc["world_size"] == 2 and doc["link_bps"] is None
-    assert set(doc["per_op"]) == {"allreduce_f32", "allreduce_u8", "all_to_all", "gather_root"}
-    for op, fit in doc["per_op"].items():
-        assert len(fit["points"]) == 3 and [b for b, _ in fit["points"]] == sorted(
-            b for b, _ in fit["points"]
-        )
-        # a fit is usable exactly when the time grew with the payload (else the network's values stand in)
-        assert fit["ok"] == (fit["seconds_per_byte"] > 0), op
-        assert ("efficiency" in fit) == fit["ok"], op
-        # the stored line and residual are those of its points (float64, the residual's formula); how well
-        # loopback on a shared CPU fits a line depends on the load, so no bound on the residual itself
-        x, t = (np.array([p[i] for p in fit["points"]], dtype=np.float64) for i in (0, 1))
-        line = fit["intercept_s"] + fit["seconds_per_byte"] * x
-        assert fit["rel_rms_residual"] == pytest.approx(np.sqrt(np.mean(((t - line) / t) ** 2)), rel=1e-9)
-    # another op's slope may come out <= 0 under load; the ring allreduce is the steadiest, the reference
-    assert doc["per_op"]["allreduce_f32"]["ok"]
-    assert doc["network"]["bandwidth_Bps"] > 0 and doc["network"]["efficiency"] == pytest.approx(1.0)
-    assert all(v > 0 for k, v in doc["compute"].items() if k != "reduce_s_per_byte")
-    calib = cm.load_calibration(path)
-    p = cm.predict("1bit", 10**6, 2, calib.network, calib.compute)
-    assert p.allowed and math.isfinite(p.total_s) and p.total_s > 0

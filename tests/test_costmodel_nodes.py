@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -23,6 +25,7 @@ import background
 from emulated_network import netns_usable
 from lioncub import cli, transports
 from lioncub.cli import cost as cost_cli
+from lioncub.launch.environment import RANK_LINE_PREFIX
 from lioncub.optim.config import PRESETS, VoteConfig
 from lioncub.planning import costmodel as cm
 
@@ -392,6 +395,10 @@ def test_calibrate_on_nodes_reaches_the_launcher_and_refuses_layout_options_insi
     assert rc == 2 and "--nnodes, --nproc-per-node: start a job from outside one" in err
 
 
+#: ``lioncub calibrate`` on 2 loopback ranks (``--out`` follows)
+CALIBRATE_LOOPBACK = ["calibrate", "--nproc", "2", "--sizes", "1mb,4mb,16mb", "--repeats", "3",
+                      "--ops", "allreduce_f32,allreduce_u8,all_to_all,gather_root",
+                      "--compute-numel", "256K"]  # fmt: skip
 #: ``lioncub calibrate`` on 2 emulated nodes of 2 ranks (``--out`` follows); the node's loopback shaped (4
 #: Gbit/s): unshaped, it moved 2-8 MB in a few ms, and with the suite's background jobs on the same cores its
 #: fit had no slope (three times in full runs, with 2 and with 5 repeats); shaped, the time grows with the
@@ -401,42 +408,88 @@ CALIBRATE_NODES = ["calibrate", "--nnodes", "2", "--nproc-per-node", "2", "--lin
                    "--compute-numel", "0"]  # fmt: skip
 
 
-def _calibrate_nodes(rank: int, world: int, workdir: Path) -> None:
-    """The background job ``calibrate_nodes``: :data:`CALIBRATE_NODES` (``lioncub.cli.main`` in this forked
-    process; torchrun's agents, forks of the zygote, start the ranks) into ``workdir/nodes.json``; its stdout,
-    stderr and exit status in ``workdir/stdout``, ``stderr``, ``rc``."""
-    with open(workdir / "stdout", "w") as out, open(workdir / "stderr", "w") as err:
-        os.dup2(out.fileno(), 1)
-        os.dup2(err.fileno(), 2)
-        rc = cli.main([*CALIBRATE_NODES, "--out", str(workdir / "nodes.json")])
+def _calibrate(argv: list[str], out: Path) -> None:
+    """``lioncub ARGV --out out/calib.json`` (``lioncub.cli.main`` in this process); its stdout, stderr and
+    exit status in ``out/stdout``, ``stderr``, ``rc``."""
+    out.mkdir()
+    with open(out / "stdout", "w") as stdout, open(out / "stderr", "w") as stderr:
+        os.dup2(stdout.fileno(), 1)
+        os.dup2(stderr.fileno(), 2)
+        rc = cli.main([*argv, "--out", str(out / "calib.json")])
         sys.stdout.flush()
         sys.stderr.flush()
-    (workdir / "rc").write_text(str(rc))
+    (out / "rc").write_text(str(rc))
 
 
-#: tests/background.py's jobs of this module; nothing to run without root (network namespaces)
-BACKGROUND = {
-    "calibrate_nodes": lambda: (
-        background.Spawned(_calibrate_nodes, 1, timeout=180) if netns_usable() else None
-    )
-}
+def _calibrations(rank: int, world: int, workdir: Path) -> None:
+    """The background job ``calibrations`` (one forked process): :data:`CALIBRATE_LOOPBACK` into
+    ``workdir/loopback``, then, where network namespaces can be built, :data:`CALIBRATE_NODES` into
+    ``workdir/nodes``. One zygote forks the ranks of both (and the nodes' torchrun agents): the nodes launch
+    gives its agents torchrun's line prefix, which no rank reads while importing; set here for both runs, it
+    leaves the zygote's environment the same, so the second run does not import torch again."""
+    os.environ["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = RANK_LINE_PREFIX
+    _calibrate(CALIBRATE_LOOPBACK, workdir / "loopback")
+    if netns_usable():
+        _calibrate(CALIBRATE_NODES, workdir / "nodes")
+
+
+#: tests/background.py's jobs of this module
+BACKGROUND = {"calibrations": lambda: background.Spawned(_calibrations, 1, timeout=240)}
+
+
+def _calibrated(name: str) -> tuple[int, str, str, Path]:
+    """Run ``name`` of the background job ``calibrations``: (exit status, stdout, stderr, its calib.json)."""
+    codes = background.result("calibrations", BACKGROUND["calibrations"])
+    out = background.workdir("calibrations") / name
+    assert (out / "rc").exists(), f"the job's process exited with {codes}"
+    printed, errors = (out / "stdout").read_text(), (out / "stderr").read_text()
+    return int((out / "rc").read_text()), printed, errors, out / "calib.json"
+
+
+@pytest.mark.slow
+@pytest.mark.background("calibrations")
+def test_calibrate_on_two_loopback_ranks() -> None:
+    """``lioncub calibrate --nproc 2`` (the background job ``calibrations``; its ranks forked from the job's
+    zygote: torch imported once)."""
+    rc, out, err, path = _calibrated("loopback")
+    printed = out + err
+    assert rc == 0 and "wrote" in printed, printed
+    assert "as a fresh interpreter" not in printed  # every rank was forked
+    doc = json.loads(path.read_text())
+    assert doc["version"] == 1 and doc["world_size"] == 2 and doc["link_bps"] is None
+    assert set(doc["per_op"]) == {"allreduce_f32", "allreduce_u8", "all_to_all", "gather_root"}
+    for op, fit in doc["per_op"].items():
+        assert len(fit["points"]) == 3 and [b for b, _ in fit["points"]] == sorted(
+            b for b, _ in fit["points"]
+        )
+        # a fit is usable exactly when the time grew with the payload (else the network's values stand in)
+        assert fit["ok"] == (fit["seconds_per_byte"] > 0), op
+        assert ("efficiency" in fit) == fit["ok"], op
+        # the stored line and residual are those of its points (float64, the residual's formula); how well
+        # loopback on a shared CPU fits a line depends on the load, so no bound on the residual itself
+        x, t = (np.array([p[i] for p in fit["points"]], dtype=np.float64) for i in (0, 1))
+        line = fit["intercept_s"] + fit["seconds_per_byte"] * x
+        assert fit["rel_rms_residual"] == pytest.approx(np.sqrt(np.mean(((t - line) / t) ** 2)), rel=1e-9)
+    # another op's slope may come out <= 0 under load; the ring allreduce is the steadiest, the reference
+    assert doc["per_op"]["allreduce_f32"]["ok"]
+    assert doc["network"]["bandwidth_Bps"] > 0 and doc["network"]["efficiency"] == pytest.approx(1.0)
+    assert all(v > 0 for k, v in doc["compute"].items() if k != "reduce_s_per_byte")
+    calib = cm.load_calibration(path)
+    p = cm.predict("1bit", 10**6, 2, calib.network, calib.compute)
+    assert p.allowed and math.isfinite(p.total_s) and p.total_s > 0
 
 
 @pytest.mark.slow
 @pytest.mark.root
-@pytest.mark.background("calibrate_nodes")
+@pytest.mark.background("calibrations")
 def test_calibrate_two_emulated_nodes_measures_the_nic_rate() -> None:
-    """`lioncub calibrate --nnodes 2 --nproc-per-node 2 --link 1gbit` (the background job ``calibrate_nodes``:
+    """`lioncub calibrate --nnodes 2 --nproc-per-node 2 --link 1gbit` (the background job ``calibrations``:
     it mostly waits on the shaped links): the NIC's fitted payload rate is the shaped rate (both ranks of a
     node share it), the node's loopback (shaped at 4 Gbit/s) is faster."""
-    codes = background.result("calibrate_nodes", BACKGROUND["calibrate_nodes"])
-    workdir = background.workdir("calibrate_nodes")
-    assert (workdir / "rc").exists(), f"the job's process exited with {codes}"
-    rc = int((workdir / "rc").read_text())
-    printed, errors = (workdir / "stdout").read_text(), (workdir / "stderr").read_text()
+    rc, printed, errors, path = _calibrated("nodes")
     assert rc == 0, printed + errors
     assert "NIC:" in printed and "inside a node:" in printed, printed
-    calib = cm.load_calibration(workdir / "nodes.json")
+    calib = cm.load_calibration(path)
     assert calib.nnodes == 2 and calib.world_size == 4 and calib.link_bps == 1e9
     assert 0.8 < calib.network.rate("allreduce_f32") * 8 / 1e9 < 1.15
     # the shaped loopback is CPU-bound on 2 loaded cores: 1.9 Gbit/s of its 4 was measured in a full run

@@ -302,7 +302,9 @@ def test_two_nodes_of_two_ranks_wire_bytes_match_the_node_nic() -> None:
 FAILED_RANK = "import os, sys, time\nif os.environ['RANK'] == '3':\n    sys.exit(3)\ntime.sleep(60)\n"
 
 
-PRELOADS: list[tuple[str, ...]] = [(), ("json",)]  # fresh interpreters; forks of a zygote
+#: fresh interpreters; forks of a zygote that imported torchrun (which each agent runs: it imports torch once
+#: for both agents, where a zygote of lighter modules left each agent to import it after the fork)
+PRELOADS: list[tuple[str, ...]] = [(), ("torch.distributed.run",)]
 
 
 def _failed_rank_path(workdir: Path, preload: tuple[str, ...]) -> Path:

@@ -107,22 +107,26 @@ def test_offset_encoding_round_trip(s: int) -> None:
         assert torch.equal(packing.offset_decode(total, n_workers, s), levels.to(torch.int16) * n_workers)
 
 
-def _summed_lanes_survive(n_workers: int, bits: int, value: int) -> bool:
-    """Really sum N packed buffers as a uint8 allreduce would (mod 256) and check every lane decodes."""
+def _summed_lanes_survive(n_workers: int, bits: int) -> list[bool]:
+    """For every lane value v in ``[0, 2^bits − 1]``: really sum N packed buffers of two bytes of lanes
+    all v, as a uint8 allreduce would (mod 256), and check every lane decodes to N·v. The values' buffers
+    side by side, packed and summed at once (each value's lanes fill two bytes of their own)."""
     per_byte = 8 // bits
-    lanes = torch.full((2 * per_byte,), value, dtype=torch.uint8)
+    values = torch.arange(1 << bits, dtype=torch.int64)
+    lanes = values.repeat_interleave(2 * per_byte).to(torch.uint8)
     packed = packing.pack_lanes(lanes, bits).to(torch.int64)
     wire = (packed * n_workers) % 256  # byte-wise SUM in uint8 arithmetic
     decoded = packing.unpack_lanes(wire.to(torch.uint8), bits, lanes.numel()).to(torch.int64)
-    return bool((decoded == n_workers * value).all())
+    return (decoded.view(-1, 2 * per_byte) == n_workers * values[:, None]).all(dim=1).tolist()
 
 
 def test_lane_overflow_helper_is_exact() -> None:
     """Exhaustive for small N and p: 'fits' exactly when a real packed byte sum decodes correctly."""
     for bits, n_workers in itertools.product(packing.LANE_BITS, range(1, 20)):
         capacity = (1 << bits) - 1
+        survive = _summed_lanes_survive(n_workers, bits)
         for value in range(0, capacity + 1):
-            really_fits = _summed_lanes_survive(n_workers, bits, value)
+            really_fits = survive[value]
             assert packing.lane_sum_fits(n_workers, bits, value) == really_fits, (bits, n_workers, value)
             if value == 0:
                 continue

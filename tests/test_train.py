@@ -246,11 +246,12 @@ def test_momentum_conversion_is_the_mean(tmp_path: Path) -> None:
 # -- end to end --------------------------------------------------------------------------------------
 
 
-#: the runs of test_every_variant_trains_through_the_cli: 7 steps (evaluated at 4 and, as the last, at 7), a
-#: checkpoint at step 5. test_resume_equals_uninterrupted stops and resumes the same runs of its variants
-#: (dropout on for 32bit and 1bit), so one launch of each serves both tests; test_report_command_plots_the_
-#: diagnostics reads a copy of the 8bit one (the quantizer l0, diagnostics at step 4).
-STEPS, EVAL_EVERY, CHECKPOINT_AT, DIAGNOSTICS_AT = 7, 4, 5, 4
+#: the runs of test_every_variant_trains_through_the_cli: 5 steps (evaluated at 4 and, as the last, at 5),
+#: checkpoints at steps 3 and 5. test_resume_equals_uninterrupted stops the same runs of its variants at
+#: step 3 and resumes them (dropout on for 32bit and 1bit), so one launch of each serves both tests;
+#: test_report_command_plots_the_diagnostics reads a copy of the 8bit one (the quantizer l0, diagnostics at
+#: step 4).
+STEPS, EVAL_EVERY, CHECKPOINT_AT, DIAGNOSTICS_AT = 5, 4, 3, 4
 EXTRA = {
     "32bit": ["--set", "dropout=0.1"],
     "1bit": ["--set", "dropout=0.1"],
@@ -330,9 +331,9 @@ def assert_same_checkpoint(a: Path, b: Path, ranks: int = 2) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["32bit", "1bit", "8bit"], ids=["32bit-dropout", "1bit-dropout", "8bit"])
 def test_resume_equals_uninterrupted(whole_run: Callable[[str], Path], tmp_path: Path, variant: str) -> None:
-    """Stopped at step 5 and resumed = uninterrupted, bitwise; with dropout drawing from each rank's global
+    """Stopped at step 3 and resumed = uninterrupted, bitwise; with dropout drawing from each rank's global
     generator (seeded from ``(seed, rank)``, saved and restored by the checkpoints) this also shows that two
-    runs of one seed agree: ``whole`` and the first part of ``parts`` are two such runs up to step 5. The
+    runs of one seed agree: ``whole`` and the first part of ``parts`` are two such runs up to step 3. The
     32bit baseline measures its forward + backward before training (dropout draws there too)."""
     whole, parts = whole_run(variant), tmp_path / "parts"
     assert train(parts, *run_args(variant), "--stop-at", str(CHECKPOINT_AT)) == 0
@@ -356,7 +357,7 @@ def test_resume_refuses_another_world_size_or_variant(
     whole_run: Callable[[str], Path], tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     out = tmp_path / "run"
-    shutil.copytree(whole_run("1bit"), out)  # 2 ranks, ended at step 7: a resume goes on to --steps 9
+    shutil.copytree(whole_run("1bit"), out)  # 2 ranks, ended at step 5: a resume goes on to --steps 7
     capsys.readouterr()
     assert train(out, "--resume", "--nproc", "1") == 2
     assert "written by 2 ranks; this run has 1" in capsys.readouterr().err
@@ -364,8 +365,9 @@ def test_resume_refuses_another_world_size_or_variant(
     assert "written by --variant 1bit; this run is --variant 8bit" in capsys.readouterr().err
     assert train(out, "--variant", "1bit") == 2  # without --resume an existing run is not overwritten
     assert "already holds a run; pass --resume" in capsys.readouterr().err
-    assert train(out, "--resume", "--nproc", "1", "--convert-momenta", "average", "--steps", "9") == 0
-    assert [r["step"] for r in records(out, "step")] == list(range(1, 10))
+    resume = ["--resume", "--nproc", "1", "--convert-momenta", "average", "--steps", str(STEPS + 2)]
+    assert train(out, *resume) == 0
+    assert [r["step"] for r in records(out, "step")] == list(range(1, STEPS + 3))
     assert json.loads((out / "summary.json").read_text())["world_size"] == 1
 
 

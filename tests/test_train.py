@@ -432,11 +432,13 @@ def test_compare_writes_table_and_plots(compared: tuple[Path, str], capsys: pyte
 
 @pytest.mark.slow
 def test_cnn_trains_with_batchnorm_and_reports_accuracy(tmp_path: Path) -> None:
+    """12 steps of the 4bit vote on 2 ranks: the digits' validation accuracy is ~0.8 at step 6 and ~0.84 at
+    step 12 (~0.92 at step 30), far above chance."""
     out = tmp_path / "cnn"
     argv = ["train", "--workload", "cnn", "--size", "tiny", "--no-progress", "--variant", "4bit"]
-    assert cli.main([*argv, "--nproc", "2", "--steps", "30", "--eval-every", "15", "--out", str(out)]) == 0
+    assert cli.main([*argv, "--nproc", "2", "--steps", "12", "--eval-every", "6", "--out", str(out)]) == 0
     evals = records(out, "eval")
-    assert [e["step"] for e in evals] == [15, 30]
+    assert [e["step"] for e in evals] == [6, 12]
     assert 0.0 <= evals[0]["val_acc"] <= 1.0
     assert evals[-1]["val_acc"] > 0.5  # ten digit classes: chance is 0.1
 

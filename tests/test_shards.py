@@ -3,7 +3,8 @@ local shards with the ranks that hold the same shard in the other replicas (:mod
 
 The oracle: on 2 replicas × 2 shards, every rank also keeps the whole model and steps an unsharded
 :class:`LionCub` over the same two voters (its ``"replicate"`` group) on the whole gradients — each
-replica's mean gradient as FSDP2 reduce-scattered it, gathered (``full_tensor()``). The sharded
+replica's mean gradient as FSDP2 reduce-scattered it, gathered (``full_tensor()``'s bits, in one
+all-gather: :func:`_whole_grads`). The sharded
 parameters and momenta must equal the unsharded ones bit for bit, after every step, for every preset,
 quantizers with per-tensor and per-chunk norms, local steps and momentum sync. The model's first-dim
 sizes are uneven (shards of 4 and 3 rows, and an empty shard: ``Linear(5, 1)``).

@@ -7,7 +7,7 @@
   single-threaded tests leave idle.
 * The ranks of ``processes.run_workers`` run in a session-wide pool of worker processes
   (``tests/processes.py``), forks of a fork server that has imported torch, started when collection
-  ends if a selected test's module uses the pool.
+  ends if a selected test's module uses the pool (when the suite runs as a whole, before collection).
 * Once collected, the objects the imports and the collection made are frozen (``gc.freeze``): the full
   collections of the tests' garbage skip them.
 * Tests marked ``@pytest.mark.root`` build emulated networks: skipped, saying what is missing, where this
@@ -68,6 +68,11 @@ def pytest_configure(config: pytest.Config) -> None:
     import torch
 
     torch.set_num_threads(1)
+    # the suite run as a whole (no paths given: ./run test) uses the worker pool: its fork server imports
+    # torch on the core that the collection leaves idle, instead of after it (the first test of the pool
+    # waited ~3 s for it); a run given paths starts it once the collection found a test that needs it
+    if config.args_source is pytest.Config.ArgsSource.TESTPATHS and not config.option.collectonly:
+        processes.start_fork_server()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -25,7 +25,6 @@ import background
 from emulated_network import netns_usable
 from lioncub import cli, transports
 from lioncub.cli import cost as cost_cli
-from lioncub.launch.environment import RANK_LINE_PREFIX
 from lioncub.optim.config import PRESETS, VoteConfig
 from lioncub.planning import costmodel as cm
 
@@ -424,10 +423,8 @@ def _calibrate(argv: list[str], out: Path) -> None:
 def _calibrations(rank: int, world: int, workdir: Path) -> None:
     """The background job ``calibrations`` (one forked process): :data:`CALIBRATE_LOOPBACK` into
     ``workdir/loopback``, then, where network namespaces can be built, :data:`CALIBRATE_NODES` into
-    ``workdir/nodes``. One zygote forks the ranks of both (and the nodes' torchrun agents): the nodes launch
-    gives its agents torchrun's line prefix, which no rank reads while importing; set here for both runs, it
-    leaves the zygote's environment the same, so the second run does not import torch again."""
-    os.environ["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = RANK_LINE_PREFIX
+    ``workdir/nodes``. One zygote forks the ranks of both (and the nodes' torchrun agents): the second run
+    does not import torch again."""
     _calibrate(CALIBRATE_LOOPBACK, workdir / "loopback")
     if netns_usable():
         _calibrate(CALIBRATE_NODES, workdir / "nodes")

@@ -233,6 +233,19 @@ def test_shared_env_leaves_out_what_differs_and_what_is_read_at_run_time() -> No
     assert shared_env(envs) == {"A": "1"}
 
 
+def test_a_launch_across_nodes_and_a_plain_launch_share_the_zygotes_environment() -> None:
+    """What the agents of a launch across nodes get (torchrun's line prefix, the node's NIC, the emulated
+    network) is read at run time: a process that launches both keeps one zygote, which imports torch once."""
+    from lioncub.launch.environment import node_env, rank_env
+
+    base = {"PATH": "/usr/bin", "A": "1"}
+    plain = [rank_env(r, 2, master_addr="127.0.0.1", master_port=5, ifname="lo", launch_id="p", base=base)
+             for r in range(2)]  # fmt: skip
+    nodes = [node_env(n, 2, ifname=f"lcb{n}", launch_id="q", link_bps=1e8, base=base) for n in range(2)]
+    assert "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE" in nodes[0]
+    assert shared_env(nodes) == shared_env(plain) == {**base, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
 def test_preload_is_refused_where_a_rank_cannot_be_forked() -> None:
     with pytest.raises(ValueError, match=r"--preload forks ranks of `-m MODULE \.\.\.` or `-c CODE`"):
         LaunchConfig(["train.py"], nproc=2, preload=MODULES)

@@ -86,8 +86,13 @@ __all__ = [
 #: what a zygote imports: torch, torch._dynamo (imported by the first optimizer or DDP), torch.distributed
 MODULES = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel")
 #: variables (names, or prefixes ending in ``_``) that are set per launch or per test and read only at run
-#: time, never while torch imports: the zygote's environment leaves them out (each rank gets its own)
-RUNTIME_ONLY = (*TORCHRUN_VARIABLES, "GLOO_SOCKET_IFNAME", "PYTEST_CURRENT_TEST", "LIONCUB_")
+#: time, never while torch imports: the zygote's environment leaves them out (each rank gets its own).
+#: torchrun's line prefix is set for the agents of a launch across nodes only, which a plain launch of the
+#: same process then shares a zygote with
+RUNTIME_ONLY = (
+    *TORCHRUN_VARIABLES, "GLOO_SOCKET_IFNAME", "PYTEST_CURRENT_TEST", "LIONCUB_",
+    "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE",
+)  # fmt: skip
 #: device files of NVIDIA's driver, AMD's (ROCm) and WSL's: a machine with one may run ranks on a GPU
 GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
 _PACKET = 1 << 20  # the largest message (an environment) in bytes

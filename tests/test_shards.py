@@ -2,12 +2,11 @@
 local shards with the ranks that hold the same shard in the other replicas (:mod:`lioncub.optim.shards`).
 
 The oracle: on 2 replicas × 2 shards, every rank also keeps the whole model and steps an unsharded
-:class:`LionCub` over the same two voters (its ``"replicate"`` group) on the whole gradients — each
-replica's mean gradient as FSDP2 reduce-scattered it, gathered (``full_tensor()``'s bits, in one
-all-gather: :func:`_whole_grads`). The sharded
-parameters and momenta must equal the unsharded ones bit for bit, after every step, for every preset,
-quantizers with per-tensor and per-chunk norms, local steps and momentum sync. The model's first-dim
-sizes are uneven (shards of 4 and 3 rows, and an empty shard: ``Linear(5, 1)``).
+:class:`LionCub` over the same two voters (its ``"replicate"`` group) on the whole gradients — each replica's
+mean gradient as FSDP2 reduce-scattered it, gathered (``full_tensor()``'s bits, in one all-gather:
+:func:`_whole_grads`). The sharded parameters and momenta must equal the unsharded ones bit for bit, after
+every step, for every preset, quantizers with per-tensor and per-chunk norms, local steps and momentum sync.
+The model's first-dim sizes are uneven (shards of 4 and 3 rows, and an empty shard: ``Linear(5, 1)``).
 """
 
 from __future__ import annotations
@@ -36,23 +35,34 @@ from processes import run_workers
 STEPS = 3
 
 #: (name, LionCub keyword options) of the cases beyond the presets; ``nan_at``: the step at which shard
-#: rank 1 of replica 0 finds a NaN in its gradient (every rank skips that step, as the unsharded vote does)
+#: rank 1 of replica 0 finds a NaN in its gradient (every rank skips that step, as the unsharded vote does);
+#: ``steps``: 4 where a case's events need them (two windows of h=2, two syncs every 2, a NaN at step 2
+#: then a window's end), else :data:`STEPS` (3, as the presets: a step after the first, with momenta)
 EXTRA: list[tuple[str, dict[str, Any]]] = [
     ("8bit chunk_size=8", {"variant": resolve_variant("8bit", chunk_size=8)}),
     ("8bit linf", {"variant": resolve_variant("8bit", quantizer="linf")}),
     ("8bit l0", {"variant": resolve_variant("8bit", quantizer="l0")}),
     ("4bit-l1 lanes", {"variant": resolve_variant("8bit", bits=4)}),
     ("8bit qsgd", {"variant": resolve_variant("8bit", quantizer="qsgd")}),
-    ("1bit local_steps h=2, reloaded", {"variant": "1bit", "local_steps": LocalSteps(h=2), "reload_at": 0}),
-    ("8bit local_steps h=2", {"variant": "8bit", "local_steps": LocalSteps(h=2)}),
-    ("32bit local_steps diloco", {"variant": "32bit", "local_steps": LocalSteps(h=2, outer="diloco")}),
-    ("4bit momentum_sync all", {"variant": "4bit", "momentum_sync": MomentumSync("all", every=2)}),
+    (
+        "1bit local_steps h=2, reloaded",
+        {"variant": "1bit", "local_steps": LocalSteps(h=2), "reload_at": 0, "steps": 4},
+    ),
+    ("8bit local_steps h=2", {"variant": "8bit", "local_steps": LocalSteps(h=2), "steps": 4}),
+    (
+        "32bit local_steps diloco",
+        {"variant": "32bit", "local_steps": LocalSteps(h=2, outer="diloco"), "steps": 4},
+    ),
+    (
+        "4bit momentum_sync all",
+        {"variant": "4bit", "momentum_sync": MomentumSync("all", every=2), "steps": 4},
+    ),
     ("8bit a bucket per tensor (empty ones)", {"variant": "8bit", "bucket_mb": 1e-6}),
     ("8bit buckets of 50 elements", {"variant": "8bit", "bucket_mb": 200 / 2**20}),  # cut by whole shards
     ("1bit a bucket per tensor (empty ones)", {"variant": "1bit", "bucket_mb": 1e-6}),
     ("dlion-mavo a bucket per tensor", {"variant": "dlion-mavo", "bucket_mb": 1e-6}),
     ("8bit NaN, replica check", {"variant": "8bit", "nan_at": 1, "checks": Checks(replica_check_every=1)}),
-    ("1bit local_steps NaN", {"variant": "1bit", "local_steps": LocalSteps(h=2), "nan_at": 2}),
+    ("1bit local_steps NaN", {"variant": "1bit", "local_steps": LocalSteps(h=2), "nan_at": 2, "steps": 4}),
 ]
 
 
@@ -142,7 +152,8 @@ def _whole_grads(params: list[nn.Parameter], group: dist.ProcessGroup) -> list[t
 
 def worker_parity(rank: int, world: int, cases: list[tuple[str, dict[str, Any]]], steps: int) -> list[str]:
     """The sharded vote (FSDP2) and DDP inside the shard dimension (plain parameters, each rank voting
-    on its share of whole tensors) against the unsharded vote of the two replicas' mean gradients."""
+    on its share of whole tensors) against the unsharded vote of the two replicas' mean gradients;
+    ``steps`` steps per case, or the case's own ``"steps"``."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=SHARD_DIMS)
     replica, shard = mesh["replicate"].get_local_rank(), mesh["shard"].get_local_rank()
     bad: list[str] = []
@@ -150,10 +161,11 @@ def worker_parity(rank: int, world: int, cases: list[tuple[str, dict[str, Any]]]
         model, whole, plain = _sharded(mesh), _model(), _model()
         kwargs = dict(lr=0.01, weight_decay=0.1, **options)
         nan_at, reload_at = kwargs.pop("nan_at", None), kwargs.pop("reload_at", None)
+        case_steps = kwargs.pop("steps", steps)
         opt = LionCub(model.parameters(), process_group=mesh, **kwargs)
         ref = LionCub(whole.parameters(), process_group=mesh.get_group("replicate"), **kwargs)
         shared = LionCub(plain.parameters(), process_group=mesh, **kwargs)
-        for step in range(steps):
+        for step in range(case_steps):
             _loss(model, step, replica, shard).backward()
             if step == nan_at and (replica, shard) == (0, 1):
                 next(model.parameters()).grad.to_local()[0, 0] = float("nan")  # type: ignore[union-attr]
@@ -195,8 +207,9 @@ def test_the_vote_on_shards_is_the_unsharded_vote_bit_for_bit() -> None:
 @pytest.mark.slow
 def test_quantizers_local_steps_momentum_sync_and_nan_on_shards_are_the_unsharded_vote() -> None:
     """Quantizers with per-tensor and per-chunk norms, stochastic levels, local steps (two windows),
-    momentum sync, a NaN on one shard rank (every rank skips), the replica check: 4 steps each."""
-    results = run_workers(worker_parity, 4, EXTRA, 4, timeout=240)
+    momentum sync, a NaN on one shard rank (every rank skips), the replica check: 3 steps each, 4 for
+    local steps, momentum sync and the NaN in a window (:data:`EXTRA`)."""
+    results = run_workers(worker_parity, 4, EXTRA, STEPS, timeout=240)
     assert [r for r in results if r] == []
 
 

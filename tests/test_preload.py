@@ -569,7 +569,8 @@ def _shim(relay: WorkerRelay, code: str, *args: str, **popen: Any) -> subprocess
 def test_a_shim_stands_in_for_its_forked_rank(probe_dir: Path) -> None:
     """:mod:`lioncub.launch.workers`: the rank a shim asks for is a fork of the zygote writing to the shim's
     stdout and stderr, with the shim's environment and directory; the shim exits as the rank did (code, or
-    the same signal), passes SIGTERM on, and a shim killed by SIGKILL takes its rank with it."""
+    the same signal, SIGKILL included), passes SIGTERM on, and a shim killed by SIGKILL takes its rank with
+    it."""
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1"}
     code = textwrap.dedent("""
         import os, sys, time
@@ -588,15 +589,18 @@ def test_a_shim_stands_in_for_its_forked_rank(probe_dir: Path) -> None:
         pid, parent = map(int, (probe_dir / "ranka").read_text().split())
         assert pid != shim.pid and parent == zygote.proc.pid  # forked by the zygote, not the shim
 
-        for sig, expected in ((signal.SIGTERM, -signal.SIGTERM), (signal.SIGKILL, -signal.SIGKILL)):
-            name = f"b{int(sig)}"
-            shim = _shim(relay, code, name, "sleep", cwd=probe_dir)
+        # SIGTERM to the shim reaches the rank, which dies of it, and so does the shim; SIGKILL to the shim
+        # cannot be passed on (the relay kills the rank); a rank SIGKILLed from outside (the OOM killer) is
+        # a shim dying of SIGKILL, a signal whose handler cannot be set to its default
+        for target, sig in (("shim", signal.SIGTERM), ("shim", signal.SIGKILL), ("rank", signal.SIGKILL)):
+            name = f"b{target}{int(sig)}"
+            shim = _shim(relay, code, name, "sleep", cwd=probe_dir, stderr=subprocess.PIPE)
             deadline = time.monotonic() + 20
             while not (probe_dir / f"rank{name}").exists() and time.monotonic() < deadline:
                 time.sleep(0.02)
             pid = int((probe_dir / f"rank{name}").read_text().split()[0])
-            os.kill(shim.pid, sig)
-            assert shim.wait(20) == expected
+            os.kill(shim.pid if target == "shim" else pid, sig)
+            assert shim.wait(20) == -sig, shim.stderr and shim.stderr.read()
             deadline = time.monotonic() + 10
             while _alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.02)

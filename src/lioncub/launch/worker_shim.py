@@ -54,7 +54,8 @@ def main(path: str, argv: list[str]) -> int:
         print(f"[lioncub] lost the launcher while rank pid {pid} ran", file=sys.stderr)
         return 1
     if code < 0:  # killed by a signal: so is this process, as torchrun should see it
-        signal.signal(-code, signal.SIG_DFL)
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):  # these two always act as their default
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     return int(code)
 

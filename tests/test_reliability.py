@@ -353,9 +353,8 @@ def test_killed_rank_restarts_from_the_checkpoint_bitwise(
 #: started in the background when collection ends (tests/background.py), in the order of the tests: 3 spawned
 #: ranks of _die_or_stall per fault (the test waits for ranks 0 and 2; spawning and importing torch included
 #: in the 90 s), and tests/torchrun_runs.py's jobs (torchrun's workers; shared with tests/test_topology.py):
-#: its ``kill`` job runs ``lioncub.cli train``, rank 1 of the first attempt through ``tests/kill_rank.py``
-#: (torchrun's own child, a fresh interpreter), SIGKILLing itself after the backward of step 5, the other
-#: ranks forked through lioncub's worker shim
+#: its ``kill`` job runs ``lioncub.cli train`` through ``tests/kill_rank.py``, every rank forked through
+#: lioncub's worker shim, rank 1 of the first attempt SIGKILLing itself after the backward of step 5
 BACKGROUND = {
     **{
         f"rank_{how}": lambda how=how: background.Spawned(_die_or_stall, 3, (how,), 90.0, wait_for=(0, 2))

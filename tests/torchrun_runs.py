@@ -12,13 +12,11 @@
 Each worker torchrun starts (``--no-python``) is lioncub's worker shim (:mod:`lioncub.launch.workers`), a
 standard-library interpreter that torchrun watches, stops and restarts as its worker: it has its rank
 forked, with the shim's environment (torchrun's), directory and output, from one interpreter that imported
-torch and lioncub's training loop (:mod:`lioncub.launch.preload`), and exits as the rank did. All but one:
-the rank that kills itself (rank 1 of the ``kill`` job's first attempt, :data:`KILLED`) is torchrun's own
-child, a fresh interpreter, because a shim whose rank was SIGKILLed exits with 1 instead of dying of
-SIGKILL (``signal.signal(SIGKILL, ...)`` raises in lioncub/launch/worker_shim.py), and torchrun's report of
-the signal is what tests/test_reliability.py checks. The restart resumes from the checkpoint whether its
-ranks are forks or fresh interpreters: a fork has nothing of the first attempt. 5 of the 6 ranks without
-an import of torch (~3.5 CPU-s each). ``OUT/runs.json`` holds each job's exit status (1 where torchrun
+torch and lioncub's training loop (:mod:`lioncub.launch.preload`), and exits as the rank did: the rank that
+SIGKILLs itself (:data:`KILLED`, through tests/kill_rank.py) is a shim killed by SIGKILL, which is what
+torchrun reports and tests/test_reliability.py checks. The restart resumes from the checkpoint whether its
+ranks are forks or fresh interpreters: a fork has nothing of the first attempt. None of the 6 ranks imports
+torch (~3.5 CPU-s each). ``OUT/runs.json`` holds each job's exit status (1 where torchrun
 raised) and what it printed on file descriptors 1 and 2 (the agent's and its workers'); the exit status is
 0 once both have run.
 """
@@ -37,7 +35,6 @@ if TYPE_CHECKING:
     import background
     from lioncub.launch.workers import WorkerRelay
 
-HERE = Path(__file__).resolve().parent
 
 #: the run of tests/test_reliability.py's restart tests: checkpoints at steps 3 and 6; a rank killed before
 #: step 5's update (tests/kill_rank.py's ``1:5``) restarts from step 3, rewrites steps 4-5 and trains step 6
@@ -62,17 +59,6 @@ print("trained alone", flush=True)
 #: which rank of the ``kill`` job kills itself, before which optimizer step (tests/kill_rank.py's spec)
 KILLED = "1:5"
 
-#: a ``kill`` job's worker (standard library, run by torchrun): ``python -c PICK SPEC SHIM... -- FRESH...``
-#: execs ``FRESH`` for the rank that kills itself in the first attempt, ``SHIM`` for every other one
-PICK = """
-import os, sys
-killed = sys.argv[1].split(":")[0] == os.environ["RANK"]
-killed = killed and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-at = sys.argv.index("--")
-argv = sys.argv[at + 1 :] if killed else sys.argv[2:at]
-os.execv(argv[0], argv)
-"""
-
 
 def job() -> background.Subprocess:
     """The background job ``torchruns`` (tests/test_reliability.py, tests/test_topology.py)."""
@@ -87,13 +73,12 @@ def job() -> background.Subprocess:
 
 def torchruns(out: Path, relay: WorkerRelay) -> dict[str, list[str]]:
     """Each job's ``torchrun`` arguments (``python -m torch.distributed.run ARGS``), its workers ``relay``'s
-    shims but the ``kill`` job's killed rank (:data:`PICK`)."""
+    shims."""
     from processes import PY
 
     standalone = ["--standalone", "--nproc-per-node", "2"]
     train = ["lioncub.cli", *TINY, "--out", str(out / "torchrun")]
-    fresh = [PY, "-u", str(HERE / "kill_rank.py"), KILLED, *train]  # as torchrun runs a script
-    kill = [PY, "-I", "-S", "-c", PICK, KILLED, *relay.command(0, [PY, "-m", *train]), "--", *fresh]
+    kill = relay.command(0, [PY, "-m", "tests.kill_rank", KILLED, *train])
     forgot_init = relay.command(0, [PY, "-c", FORGOT_INIT, str(out)])
     return {
         "kill": [*standalone, "--max-restarts", "1", "--no-python", *kill],
@@ -121,6 +106,7 @@ def main(out: Path) -> int:
     from lioncub.launch.preload import MODULES, lease, shared_env
     from lioncub.launch.workers import WorkerRelay
 
+    os.chdir(Path(__file__).resolve().parents[1])  # the repository: the ranks run ``-m tests.kill_rank``
     zygote = lease(shared_env([dict(os.environ)]), os.getcwd(), (*MODULES, "lioncub.train.loop"))
     with zygote as forks, WorkerRelay(forks, str(out), [None]) as relay:
         runs = {name: _torchrun(argv) for name, argv in torchruns(out, relay).items()}

@@ -1,6 +1,7 @@
 """The syntax trees of the sources that the suite's structural checks read (``test_layers.py``,
-``test_devices.py``, ``test_typing.py``, ``test_suite_shape.py``): each file parsed once per pytest
-process, and its nodes listed once, instead of again in every file and test that reads it.
+``test_devices.py``, ``test_typing.py``, ``test_suite_shape.py``, ``test_phase_clock.py``): each file
+parsed once per pytest process, and its nodes listed once, instead of again in every file and test that
+reads it.
 
 Read-only: a check walks the trees, never changes them.
 """

@@ -163,13 +163,15 @@ def test_the_optimizer_never_takes_the_synchronized_reading() -> None:
     that time whole steps (``train/``, ``benchmarks/``)."""
     import ast
 
+    import sources
+
     src = Path(__file__).resolve().parents[1] / "src" / "lioncub" / "optim"
     calls = []
     for path in sorted(src.glob("*.py")):
-        tree = ast.parse(path.read_text())
-        clock = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "PhaseClock"]
+        every = sources.nodes(path)  # parsed once per pytest process (test_layers reads the same trees)
+        clock = [n for n in every if isinstance(n, ast.ClassDef) and n.name == "PhaseClock"]
         inside = {id(n) for c in clock for n in ast.walk(c)}  # the reading itself
-        for node in ast.walk(tree):
+        for node in every:
             if isinstance(node, ast.Call) and id(node) not in inside:
                 f = node.func
                 name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")

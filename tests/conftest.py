@@ -42,8 +42,13 @@ def pytest_report_header() -> str:
     return f"hypothesis profile: {selected_profile()} (ci when $CI is set, else dev: tests/profiles.py)"
 
 
+#: modules whose jobs are queued early (in name order) but whose tests run after every other module's:
+#: the readers of the early jobs (``compares``, ``calibrations``, ``node_runs``, ``kernels_interp``), which
+#: otherwise reach them before they end and wait (~55 s in all, once the fork server started before the
+#: collection)
+READ_LATE = ("test_cli_output.py", "test_costmodel_nodes.py", "test_fsdp_cli.py", "test_launches.py")
 #: modules whose tests wait on the longest background jobs (the frameworks' 2-rank jobs, the Triton
-#: interpreter, gpu_check): they run last, so that their jobs have the rest of the suite to finish in
+#: interpreter, gpu_check): they run after those, so that their jobs have the rest of the suite to finish in
 RUN_LAST = ("test_framework_guards.py", "test_integrations.py", "test_kernels.py")
 #: modules whose tests run after those, while their job keeps its place in the queue: the fault-tolerant
 #: end-to-end runs (~75 s, started in the middle of the suite), read at the end instead of waited for
@@ -51,7 +56,7 @@ READ_LAST = ("test_replica_groups_cli.py",)
 
 
 def _order(name: str) -> int:
-    return 2 if name in READ_LAST else int(name in RUN_LAST)
+    return 3 if name in READ_LAST else 2 if name in RUN_LAST else int(name in READ_LATE)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -83,8 +88,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if not session.config.option.collectonly:
         if any(getattr(getattr(item, "module", None), "run_workers", None) for item in session.items):
             processes.start_fork_server()  # the worker pool's processes fork from it
-        # the jobs queued in the order of their tests, but a READ_LAST module's where collection put it (the
-        # modules in name order, each one's tests in theirs)
+        # the jobs queued in the order of their tests, but a READ_LATE or READ_LAST module's where collection
+        # put it (the modules in name order, each one's tests in theirs)
         queued = sorted(session.items, key=lambda item: (item.path.name in RUN_LAST, item.path.name))
         background.start_for(queued)
 

@@ -469,7 +469,7 @@ def test_report_command_plots_the_diagnostics(
     whole_run: Callable[[str], Path], tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     """``lioncub report`` of the 8bit run of test_every_variant_trains_through_the_cli (a copy: the report
-    writes its plots into the run directory): ``--quantizer l0``, diagnostics at step 4 of 7."""
+    writes its plots into the run directory): ``--quantizer l0``, diagnostics at step 4 of 5."""
     out = tmp_path / "run"
     shutil.copytree(whole_run("8bit"), out)
     assert [d["step"] for d in records(out, "diag")] == [DIAGNOSTICS_AT]

@@ -48,7 +48,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -226,12 +226,21 @@ def _shutdown() -> None:
 atexit.register(_shutdown)
 
 
-def _read_results(tmp: str, world_size: int, exitcodes: list[int | None], errors: list[str]) -> list[Any]:
+def read_results(
+    tmp: str | os.PathLike[str],
+    world_size: int,
+    exitcodes: Sequence[int | None],
+    errors: list[str],
+    missing: str = "",
+) -> list[Any]:
+    """What ranks ``0 .. world_size-1`` wrote to ``tmp/rank{r}.pt`` (``{"ok": result}`` or ``{"error":
+    traceback}``): their results (``None`` for a rank that failed or wrote nothing), each failure appended
+    to ``errors`` (``missing``: said after the exit code of a rank that wrote nothing)."""
     results: list[Any] = []
     for r in range(world_size):
         path = os.path.join(tmp, f"rank{r}.pt")
         if not os.path.exists(path):
-            errors.append(f"rank {r}: no result (exit code {exitcodes[r]})")
+            errors.append(f"rank {r}: no result (exit code {exitcodes[r]}{missing})")
             results.append(None)
             continue
         data = torch.load(path, weights_only=False)
@@ -274,7 +283,7 @@ def _run_pooled(
             exitcodes = [None if r in replies else w.proc.exitcode for r, w in enumerate(workers)]
             _print_logs(tmp, world_size)
             errors: list[str] = []
-            results = _read_results(tmp, world_size, exitcodes, errors)
+            results = read_results(tmp, world_size, exitcodes, errors)
             if hung:
                 errors.insert(0, f"ranks {hung} still running after {timeout} s (killed)")
             clean = not errors and all(replies.get(r) is True for r in range(world_size))
@@ -317,7 +326,7 @@ def _run_fresh(
                 p.kill()
                 p.join(5)
         errors: list[str] = []
-        results = _read_results(tmp, world_size, [p.exitcode for p in procs], errors)
+        results = read_results(tmp, world_size, [p.exitcode for p in procs], errors)
         if hung:
             errors.insert(0, f"ranks {hung} still running after {timeout} s (killed)")
         if errors:

@@ -21,7 +21,7 @@ import background
 from lioncub.collectives import GroupComm
 from lioncub.optim import PRESETS, Checks, LionCub
 
-from processes import python_cmd, run_workers
+from processes import python_cmd, read_results, run_workers
 
 STEPS = 4
 
@@ -267,19 +267,11 @@ def _hosted_results(key: str) -> list:
     pytest.importorskip("torchft", reason="torchft is not installed: the ft extra, docs/install.md")
     codes = background.result(key, BACKGROUND[key])
     host = background.workdir(key) / "host.pt"
-    results, errors = [], []
+    errors: list[str] = []
     if host.exists():
         errors.append(f"the lighthouse's host failed:\n{torch.load(host)['error']}")
-    for r in range(len(codes) - 1):
-        path = background.workdir(key) / f"rank{r}.pt"
-        if not path.exists():
-            errors.append(f"rank {r}: no result (exit code {codes[r]}; None: still running at 120 s, killed)")
-            results.append(None)
-            continue
-        data = torch.load(path, weights_only=False)
-        if "error" in data:
-            errors.append(f"rank {r} failed:\n{data['error']}")
-        results.append(data.get("ok"))
+    missing = "; None: still running at 120 s, killed"
+    results = read_results(background.workdir(key), len(codes) - 1, codes, errors, missing)
     if errors:
         raise AssertionError("\n".join(errors))
     return results

@@ -41,11 +41,6 @@ _spec.loader.exec_module(gpu_path)
 # ----------------------------------------------------------------------------- structural guards
 
 
-def _tree(path: Path) -> ast.Module:
-    """The syntax tree of ``path`` (parsed once for the suite: ``sources.py``)."""
-    return sources.tree(path)
-
-
 #: torch factories that make a tensor from nothing (``*_like`` and ``new_*`` follow their input)
 FACTORIES = {
     "arange", "zeros", "ones", "empty", "full", "tensor", "randn", "rand", "randint", "randperm",
@@ -154,7 +149,7 @@ def test_the_step_times_its_phases_with_the_phase_clock() -> None:
     overlap hook's thread times are host times on purpose."""
     offenders = []
     for module in ("optim/lioncub.py", "optim/local_steps.py", "optim/engine.py", "train/loop.py"):
-        tree = _tree(SRC / module)
+        tree = sources.tree(SRC / module)
         clock = next(
             (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "PhaseClock"), None
         )

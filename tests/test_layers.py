@@ -56,16 +56,6 @@ def _module_name(path: Path) -> str:
 MODULES = {_module_name(p): p for p in sorted((SRC / "lioncub").rglob("*.py"))}
 
 
-def _parse(path: Path) -> ast.Module:
-    """The syntax tree of ``path`` (parsed once for the suite: ``sources.py``)."""
-    return sources.tree(path)
-
-
-def _nodes(path: Path) -> tuple[ast.AST, ...]:
-    """Every node of ``path``'s tree, as ``ast.walk`` gives them (listed once for the suite)."""
-    return sources.nodes(path)
-
-
 def _unit(module: str) -> str:
     """The key of :data:`LAYERS` a module belongs to."""
     return next(k for k in sorted(LAYERS, key=len, reverse=True) if module == k or module.startswith(k + "."))
@@ -74,7 +64,7 @@ def _unit(module: str) -> str:
 def _imports(module: str) -> list[tuple[str, list[str], int]]:
     """(imported module, names taken from it, line) for every ``lioncub`` import of ``module``."""
     out = []
-    for node in _nodes(MODULES[module]):
+    for node in sources.nodes(MODULES[module]):
         if isinstance(node, ast.Import):
             out += [(a.name, [], node.lineno) for a in node.names if a.name.startswith("lioncub")]
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lioncub"):
@@ -140,7 +130,7 @@ def test_no_private_name_crosses_a_module_boundary() -> None:
             private = [n for n in names if n.startswith("_") and not n.startswith("__")]
             if private and target != module:
                 wrong.append(f"{module}:{line} imports {private} from {target}")
-        tree = _nodes(MODULES[module])
+        tree = sources.nodes(MODULES[module])
         aliases = {  # local names bound to lioncub modules
             (a.asname or a.name): f"{node.module}.{a.name}"
             for node in tree
@@ -169,7 +159,9 @@ def test_subcommands_do_not_import_each_other() -> None:
 
 
 def test_one_definition_of_the_shared_checks() -> None:
-    defined = {m: [n.name for n in _nodes(p) if isinstance(n, ast.FunctionDef)] for m, p in MODULES.items()}
+    defined = {
+        m: [n.name for n in sources.nodes(p) if isinstance(n, ast.FunctionDef)] for m, p in MODULES.items()
+    }
     twins = [m for m, names in defined.items() if {"_is_int", "_is_number"} & set(names)]
     assert twins == []  # lioncub._validate.is_int / is_number
 
@@ -180,7 +172,7 @@ CONFIG_ACCESSORS = {"lioncub.optim.config": {"capacity", "lane_bits", "server_do
 
 
 def _top_functions(module: str) -> set[str]:
-    return {n.name for n in _parse(MODULES[module]).body if isinstance(n, ast.FunctionDef)}
+    return {n.name for n in sources.tree(MODULES[module]).body if isinstance(n, ast.FunctionDef)}
 
 
 def test_a_transport_fact_is_stated_once() -> None:
@@ -197,7 +189,7 @@ def test_a_transport_fact_is_stated_once() -> None:
 
     wrong = []
     for module, path in MODULES.items():
-        tree = _nodes(path)
+        tree = sources.nodes(path)
         if module == "lioncub.transports":
             compares = [n for n in tree if isinstance(n, ast.Compare)]
             wrong += [
@@ -234,7 +226,7 @@ def test_the_engine_calls_the_votes_only_through_their_protocol() -> None:
     for module, path in MODULES.items():
         if not module.startswith("lioncub.optim"):
             continue
-        for node in _nodes(path):
+        for node in sources.nodes(path):
             if (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Attribute)
@@ -253,7 +245,7 @@ def test_no_dispatch_on_a_string_kind() -> None:
     for module, path in MODULES.items():
         if not module.startswith(("lioncub.ops", "lioncub.collectives", "lioncub.optim")):
             continue
-        for node in _nodes(path):
+        for node in sources.nodes(path):
             if isinstance(node, ast.Compare):
                 sides = [node.left, *node.comparators]
                 named = [s for s in sides if getattr(s, "attr", getattr(s, "id", None)) == "kind"]
@@ -276,7 +268,7 @@ def test_functions_are_held_in_one_sitting() -> None:
     """No function over :data:`FUNCTION_LINES` lines (docstring included) but the CLI's argument tables."""
     wrong = []
     for module, path in MODULES.items():
-        for node in _nodes(path):
+        for node in sources.nodes(path):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = node.end_lineno - node.lineno + 1  # type: ignore[operator]
                 table = (
@@ -386,7 +378,7 @@ def test_rundir_imports_only_the_standard_library() -> None:
     for module, path in MODULES.items():
         if module != "lioncub.rundir" and not module.startswith("lioncub.rundir."):
             continue
-        for node in _nodes(path):
+        for node in sources.nodes(path):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names = [node.module]
@@ -436,10 +428,10 @@ def _env_reads() -> tuple[dict[str, set[str]], list[str]]:
     for module, path in MODULES.items():
         if module == "lioncub.env":
             continue
-        tree = _nodes(path)
+        tree = sources.nodes(path)
         constants = {
             t.id: n.value.value
-            for n in _parse(path).body
+            for n in sources.tree(path).body
             if isinstance(n, ast.Assign)
             and isinstance(n.value, ast.Constant)
             and isinstance(n.value.value, str)
@@ -487,7 +479,7 @@ def test_environment_variables_are_read_through_one_table() -> None:
             assert v.set_by, name
             writers = [m for m, p in MODULES.items() if m != "lioncub.env" and name in p.read_text()]
             assert writers, name
-    tree = _nodes(MODULES["lioncub.env"])
+    tree = sources.nodes(MODULES["lioncub.env"])
     imported = [a.name for n in tree if isinstance(n, ast.Import) for a in n.names]
     imported += [n.module for n in tree if isinstance(n, ast.ImportFrom) and n.module]
     assert [m for m in imported if m.split(".")[0] not in sys.stdlib_module_names] == []
@@ -559,7 +551,7 @@ def written_choice_lists(src: Path, lists: dict[frozenset[str], str]) -> dict[st
     found: dict[str, list[str]] = {}
     for path in sorted((src / "lioncub").rglob("*.py")):
         module = _module_name(path)
-        for node in _nodes(path):
+        for node in sources.nodes(path):
             items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else []
             strings = [e.value for e in items if isinstance(e, ast.Constant) and isinstance(e.value, str)]
             if len(strings) == len(items) > 1 and frozenset(strings) in lists:
@@ -609,7 +601,7 @@ def test_the_optimizer_core_composes_parts() -> None:
     ignores = [f"{m}:{i}" for m, p in optim.items() for i, line in enumerate(p.read_text().splitlines(), 1)
                if "type: " + "ignore" in line]  # fmt: skip
     assert ignores == [], ignores
-    trees = {m: _nodes(p) for m, p in optim.items()}
+    trees = {m: sources.nodes(p) for m, p in optim.items()}
     ours = {n.name for t in trees.values() for n in t if isinstance(n, ast.ClassDef)}
     mixed = [
         f"{m}.{n.name}"

@@ -460,8 +460,10 @@ def group_hyper(step: int, i: int) -> tuple[float, float]:
     return lr * lr_factor(step - 1), wd
 
 
-def simulate(preset: str, n: int, vote: Vote | None = None, alone: bool = True) -> list[Tensor]:
-    """Every rank's parameters after ``STEPS`` steps of ``preset`` on ``n`` workers (float64) of the tests'
+def simulate(
+    preset: str, n: int, vote: Vote | None = None, alone: bool = True, steps: int = STEPS
+) -> list[Tensor]:
+    """Every rank's parameters after ``steps`` steps of ``preset`` on ``n`` workers (float64) of the tests'
     problem (:func:`simulate_steps`; the dense presets' gradients on :func:`local_grad`'s grid)."""
     grid = n if preset in DENSE else 0
 
@@ -472,7 +474,7 @@ def simulate(preset: str, n: int, vote: Vote | None = None, alone: bool = True) 
         ]
 
     return simulate_steps(
-        preset, n, initial_params(0), STEPS, grads, group_hyper, vote=vote, alone=alone
+        preset, n, initial_params(0), steps, grads, group_hyper, vote=vote, alone=alone
     ).theta
 
 
@@ -510,9 +512,10 @@ def worker_run_presets(
     topology: str = "flat",
     nodes: int = 1,
     exchange_alone: bool = False,
+    steps: int = STEPS,
 ) -> dict:
-    """:func:`simulate`'s run of every preset in ``presets`` with LionCub on this rank (``topology``: over an
-    ``(nodes, world // nodes)`` device mesh; ``exchange_alone``: built under
+    """:func:`simulate`'s run of every preset in ``presets`` with LionCub on this rank, ``steps`` steps
+    (``topology``: over an ``(nodes, world // nodes)`` device mesh; ``exchange_alone``: built under
     :func:`lioncub.collectives.exchange_when_alone`): each preset's parameters, comm stats, buckets and vote
     class."""
     import contextlib
@@ -536,7 +539,7 @@ def worker_run_presets(
                 process_group=group,
             )
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
-        for step in range(1, STEPS + 1):
+        for step in range(1, steps + 1):
             grid = world if preset in DENSE else 0
             for i, p in enumerate(params):
                 p.grad = local_grad(rank, step, i, p.detach(), grid)

@@ -24,6 +24,11 @@ from oracles import (
 
 from processes import run_workers
 
+#: steps of the oracle's problem run on the ranks (not all of :data:`oracles.STEPS`): every event of it
+#: happens by step 4 — step 1's exact zero directions (momenta 0), step 2's missing gradient, the tie rule's
+#: and the zero split's two step parities twice each, momenta from step 2 on, a new lr every step
+STEPS = 4
+
 
 def expected_bytes(preset: str, n: int, buckets: list[int], rank: int) -> float:
     """Bytes sent per rank per step, from the wire formats (independent of the accounting code)."""
@@ -49,9 +54,11 @@ def expected_bytes(preset: str, n: int, buckets: list[int], rank: int) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
 def test_every_preset_matches_simulation_on_every_rank(world: int) -> None:
-    results = run_workers(worker_run_presets, world, ALL_PRESETS, 0.0008, timeout=240)
+    results = run_workers(
+        worker_run_presets, world, ALL_PRESETS, 0.0008, "auto", "flat", 1, False, STEPS, timeout=240
+    )
     for preset in ALL_PRESETS:
-        want = simulate(preset, world)
+        want = simulate(preset, world, steps=STEPS)
         for rank in range(world):
             got = results[rank][preset]["params"]
             for i, (g, w) in enumerate(zip(got, want, strict=True)):
@@ -74,9 +81,11 @@ def test_every_preset_matches_simulation_on_every_rank(world: int) -> None:
 def test_native_exchange_matches_simulation(world: int) -> None:
     """gloo's own all_to_all / all_gather (exchange="native") give the same result as the p2p exchange."""
     presets = ["1bit", "dlion-mavo", "4bit"]
-    results = run_workers(worker_run_presets, world, presets, 0.0008, "native", timeout=240)
+    results = run_workers(
+        worker_run_presets, world, presets, 0.0008, "native", "flat", 1, False, STEPS, timeout=240
+    )
     for preset in presets:
-        want = simulate(preset, world)
+        want = simulate(preset, world, steps=STEPS)
         for rank in range(world):
             for i, (g, w) in enumerate(zip(results[rank][preset]["params"], want, strict=True)):
                 assert torch.equal(g, w), f"{preset}: rank {rank} parameter {i} differs from simulation"

@@ -593,15 +593,21 @@ def test_a_window_that_cannot_continue_is_refused_naming_the_parameter() -> None
 UNTOUCHED_RULES = [(v, "vote") for v in VOTES] + [("32bit", "dsm"), ("32bit", "diloco")]
 
 
+#: steps of the untouched-rows runs: 10 windows of H = 16 (the issue measured 20; an even number of windows
+#: brings the 1-bit vote's alternating ties back; with the inner steps decaying, the rows end ~100 % off
+#: under the sign rules and 1.6 % under DiLoCo in these 10)
+UNTOUCHED_STEPS = 160
+
+
 def worker_untouched_rows(rank: int, world: int, variant: str, outer: str) -> dict:
-    """320 steps of H = 16 on an embedding whose rows 6..11 no batch uses (exactly zero gradients on every
-    rank; init std 0.02, lr 3e-4, weight decay 0.1, as the issue's measurement)."""
+    """:data:`UNTOUCHED_STEPS` steps of H = 16 on an embedding whose rows 6..11 no batch uses (exactly zero
+    gradients on every rank; init std 0.02, lr 3e-4, weight decay 0.1, as the issue's measurement)."""
     emb = torch.nn.Parameter(torch.randn(12, 8, generator=torch.Generator().manual_seed(0)) * 0.02)
     start = emb.detach().clone()
     opt = LionCub(
         [emb], lr=3e-4, weight_decay=0.1, variant=variant, local_steps=LocalSteps(h=16, outer=outer)
     )
-    for step in range(320):
+    for step in range(UNTOUCHED_STEPS):
         grad = torch.zeros(12, 8)
         grad[:6] = torch.randn(6, 8, generator=torch.Generator().manual_seed(1000 * step + rank))
         emb.grad = grad
@@ -614,11 +620,11 @@ def worker_untouched_rows(rank: int, world: int, variant: str, outer: str) -> di
 def test_a_coordinate_no_rank_moves_decays_as_weight_decay_alone(variant: str, outer: str) -> None:
     """Under every rule an untouched row ends where weight decay alone takes it: within rounding for the
     votes that hold a zero (``docs/local-steps.md``, "Coordinates no rank moves"), within 5 % for the 1-bit
-    vote, whose ties alternate ±ηᵒ (back after every second window: 20 windows here). Before decay left
-    the vote the row's norm fell by 85 % under 1bit/h16."""
+    vote, whose ties alternate ±ηᵒ (back after every second window: 10 windows here). Before decay left
+    the vote the row's norm fell by 85 % under 1bit/h16 in 20 windows."""
     res = run_workers(worker_untouched_rows, 2, variant, outer, timeout=120)
     start, end = res[0]["start"][6:].double(), res[0]["end"][6:].double()
-    alone = start * (1 - 3e-4 * 0.1) ** 320
+    alone = start * (1 - 3e-4 * 0.1) ** UNTOUCHED_STEPS
     err = float((end - alone).norm() / alone.norm())
     assert err < (0.05 if variant == "1bit" else 1e-5), (variant, outer, err)
     assert torch.equal(res[0]["end"], res[1]["end"])  # the replicas agree

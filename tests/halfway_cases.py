@@ -8,6 +8,7 @@ dyadic ratio with few bits: the exact level is computed in float64 without round
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -71,6 +72,20 @@ def _exact(ratios: np.ndarray, s: int, k: float) -> tuple[np.ndarray, np.ndarray
     return np.clip(np.rint(t), -s, s).astype(np.int64), (frac == 0.5) & (np.abs(t) < s)
 
 
+@functools.cache
+def _l1_ratios(e: int, others: bool) -> st.SearchStrategy[float]:
+    """L1's ratios ``o / 2^E`` (o odd, in (0, 2)), and with ``others`` ratios ``q / 128`` besides (not
+    half-way in general); built once per (E, others), not per drawn group."""
+    odd = st.integers(0, (1 << e) - 1).map(lambda i: (2 * i + 1) / 2**e)
+    return odd | st.integers(1, 255).map(lambda q: q / 128) if others else odd
+
+
+@functools.cache
+def _linf_ratios(e: int) -> st.SearchStrategy[float]:
+    """L∞'s ratios ``o / 2^E <= 1`` (o odd), built once per E."""
+    return st.integers(0, max(1, (1 << e) // 2) - 1).map(lambda i: (2 * i + 1) / 2**e)
+
+
 @st.composite
 def halfway_cases(draw, name: str = "l1", dtypes=FLOATS) -> Case:
     """Groups of ``chunk`` values with a normaliser M = μ·2^p (μ odd) and many entries at exact half-way
@@ -103,18 +118,17 @@ def halfway_cases(draw, name: str = "l1", dtypes=FLOATS) -> Case:
         assume(low <= high)
         m = mu * 2.0 ** draw(st.integers(low, high))
         if name == "l1":
-            odd = st.integers(0, (1 << e) - 1).map(lambda i: 2 * i + 1)  # o / 2^E in (0, 2)
-            other = st.integers(1, 255).map(lambda q: q / 128)  # not half-way (in general)
-            ratio = odd.map(lambda o: o / 2**e) | other if others else odd.map(lambda o: o / 2**e)
-            rs = draw(st.lists(ratio, min_size=pairs, max_size=pairs))
+            rs = draw(st.lists(_l1_ratios(e, others), min_size=pairs, max_size=pairs))
             group = [v for r in rs for v in (r, 2.0 - r)]
         elif name == "linf":
-            odd = st.integers(0, max(1, (1 << e) // 2) - 1).map(lambda i: (2 * i + 1) / 2**e)  # <= 1
-            group = [1.0, *draw(st.lists(odd, min_size=chunk - 1, max_size=chunk - 1))]
+            group = [1.0, *draw(st.lists(_linf_ratios(e), min_size=chunk - 1, max_size=chunk - 1))]
         else:
             group = [1.0] * chunk
         group = np.array(group)
-        signs = np.where(np.array(draw(st.lists(st.booleans(), min_size=chunk, max_size=chunk))), -1.0, 1.0)
+        # the signs: bit j of one drawn integer is entry j's (all positive, all negative, any mix), one
+        # choice instead of a list of ``chunk`` booleans (each element of a list costs hypothesis a span)
+        negative = draw(st.integers(0, (1 << chunk) - 1)) >> np.arange(chunk) & 1
+        signs = np.where(negative == 1, -1.0, 1.0)
         order = np.random.default_rng(draw(st.integers(0, 2**16))).permutation(chunk)
         r = (signs * group)[order]
         ratios.append(r)

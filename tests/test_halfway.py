@@ -170,20 +170,25 @@ def test_the_minimal_example_through_the_vote() -> None:
     assert _vote([[MINIMAL[0]], [MINIMAL[1]]], 8).tolist() == [0]
 
 
+#: the magnitudes of the vote's scalars per dtype: normal (nonzero and finite in the dtype), or near 1
+MAGNITUDES = {
+    dtype: st.floats(torch.finfo(dtype).tiny, torch.finfo(dtype).max) | st.floats(0.5, 2.0)
+    for dtype in FLOATS[:3]
+}
+
+
 @settings_for(200)
 @given(st.integers(2, 16), st.sampled_from([8, 4, 2]), st.integers(1, 6), st.data())
 def test_scalar_parameters_vote_the_majority_of_signs(n: int, bits: int, d: int, data) -> None:
     """Every rank's scalar lands on ±round(s/2): the vote is the sign of the sum of the signs (0 on a
-    tie), whatever the magnitudes (and 0 where round(s/2) is 0)."""
+    tie), whatever the magnitudes (and 0 where round(s/2) is 0). A rank's d signs are the bits of one drawn
+    integer (all positive, all negative, any mix: one choice, not d list elements)."""
     assume(level_budget(n, bits) > 0)
     dtype = data.draw(st.sampled_from(FLOATS[:3]))
-    info = torch.finfo(dtype)
-    floats = st.floats(info.tiny, info.max) | st.floats(0.5, 2.0)  # normal: nonzero and finite in dtype
-    mags = data.draw(st.lists(st.lists(floats, min_size=d, max_size=d), min_size=n, max_size=n))
-    signs = data.draw(st.lists(st.lists(st.booleans(), min_size=d, max_size=d), min_size=n, max_size=n))
-    values = [
-        [-m if neg else m for m, neg in zip(ms, ss, strict=True)] for ms, ss in zip(mags, signs, strict=True)
-    ]
+    mags = np.array(data.draw(st.lists(MAGNITUDES[dtype], min_size=n * d, max_size=n * d))).reshape(n, d)
+    negative = np.array(data.draw(st.lists(st.integers(0, (1 << d) - 1), min_size=n, max_size=n)))
+    negative = negative[:, None] >> np.arange(d) & 1
+    values = np.where(negative == 1, -mags, mags).tolist()
     level = np.rint(level_budget(n, bits) / 2)  # s = 1 (e.g. 4 bits, 4 workers): 0.5 rounds to 0, no vote
     want = np.sign(level * np.sign(np.array(values)).sum(0)).astype(np.int8)
     got = _vote(values, bits, dtype)

@@ -961,13 +961,13 @@ SCENARIOS = {
 #: check (``NAME+NAME``: one launch fewer), and every framework's sequence in one runner (below)
 SEQUENCES = {
     "hf": [("hf+hf-guards", 2), ("hf-resize", 3)],
+    "lightning": [("lightning+lightning-guards", 2)],
     "accelerate": [
         ("accelerate", 2),
         ("accelerate-guards", 2),  # its own: Accelerator(dynamo_backend=...) after an earlier Accelerator in
         # the process takes that one's state (AcceleratorState is process-wide) and compiles nothing
         *((f"accelerate-example/{name}", 2) for name in ("example-1", "example-2", "example")),
     ],
-    "lightning": [("lightning+lightning-guards", 2)],
 }
 #: what each framework's jobs import
 NEEDS = {"hf": ["transformers", "accelerate"], "accelerate": ["accelerate"], "lightning": ["lightning"]}
@@ -1010,12 +1010,27 @@ def run_job(rank: int, world: int, workdir: Path, timeout: int, *frameworks: str
 BACKGROUND = {KEY: frameworks_job}
 
 
-#: what a job's ranks import besides torch (and lioncub): preloaded once per framework's sequence (below)
+#: what a job's ranks import besides torch (and lioncub): preloaded by the zygote of that framework's
+#: launches (below)
 FRAMEWORK_MODULES = {
     "hf": ("transformers", "transformers.trainer", "accelerate"),
     "accelerate": ("accelerate",),
     "lightning": ("lightning.pytorch",),
 }
+#: the frameworks whose launches share one zygote, which preloads what each of them imports (one zygote
+#: importing transformers and lightning costs ~6.8 CPU-s, one for each ~6.6 and ~6.9); accelerate's keep
+#: one of their own (see :func:`run_sequences`)
+SHARED_ZYGOTE = ("hf", "lightning")
+
+
+def preloaded(framework: str, frameworks: tuple[str, ...]) -> tuple[str, ...]:
+    """What the zygote of ``framework``'s launches imports when ``frameworks`` run: its own modules, with
+    those of the others of :data:`SHARED_ZYGOTE` that run too where it is one of them (the same tuple for
+    each of them, so consecutive sequences keep the zygote)."""
+    from lioncub.launch.preload import MODULES
+
+    shared = [f for f in SHARED_ZYGOTE if f in frameworks] if framework in SHARED_ZYGOTE else [framework]
+    return (*MODULES, "lioncub", *dict.fromkeys(m for f in shared for m in FRAMEWORK_MODULES[f]))
 
 
 def run_sequences(out: str, timeout: str, *frameworks: str, output: TextIO | None = None) -> int:
@@ -1025,7 +1040,8 @@ def run_sequences(out: str, timeout: str, *frameworks: str, output: TextIO | Non
     start from an earlier one's checkpoints), the
     ranks of a framework's launches forked from one interpreter that imported torch, lioncub and that
     framework once (``lioncub launch --preload``; a fresh interpreter per rank would import them again for
-    every rank of every job); one runner for all (a runner per framework imported torch once more each).
+    every rank of every job), Hugging Face's and Lightning's from one that imported both
+    (:func:`preloaded`); one runner for all (a runner per framework imported torch once more each).
     Not one zygote for every framework: with lightning and transformers preloaded too, rank 1 of an
     accelerate example hung in its teardown after ``end_training`` 3 times in ~210 launches (main()'s
     locals released, a gloo thread waiting), in 0 of 60 each with accelerate's or Hugging Face's modules
@@ -1036,13 +1052,12 @@ def run_sequences(out: str, timeout: str, *frameworks: str, output: TextIO | Non
     (:func:`sequence_results`), what they print to ``output`` (default stdout); fails if any launch
     failed."""
     from lioncub.launch import LaunchConfig, launch
-    from lioncub.launch.preload import MODULES
 
     output = output or sys.stdout
     failed = 0
     for framework in frameworks:
         print(f"== framework {framework}", file=output, flush=True)
-        preload = (*MODULES, "lioncub", *FRAMEWORK_MODULES[framework])
+        preload = preloaded(framework, frameworks)
         codes = {}
         for spec, nproc in SEQUENCES[framework]:
             name, *only = spec.split("/")  # NAME or NAME/SCENARIO (that scenario alone)

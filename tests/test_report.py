@@ -19,8 +19,6 @@ from rich.console import Console
 
 from lioncub.report import runs as rp
 
-from processes import python
-
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -436,19 +434,6 @@ def test_val_acc_reported(tmp_path: Path) -> None:
     assert (report.rows[0].final_val_loss, report.rows[0].final_val_acc) == (0.5, 0.83)
     assert "acc 0.830" in report.table_markdown
     assert report.target_loss == 0.5  # no 32bit run: the worst (only) final val loss
-
-
-@pytest.mark.slow  # ~1 s: the quick loop (-m 'not slow') leaves it to the full suite
-def test_module_does_not_import_torch() -> None:
-    code = (
-        "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('report', {rp.__file__!r})\n"
-        "mod = sys.modules['report'] = importlib.util.module_from_spec(spec)\n"
-        "spec.loader.exec_module(mod)\n"
-        "print('torch' in sys.modules)\n"
-    )
-    result = python("-c", code, check=True)
-    assert result.stdout.strip() == "False"
 
 
 def test_runs_of_one_preset_on_several_topologies_are_told_apart(tmp_path: Path) -> None:

@@ -32,12 +32,14 @@ from lioncub.optim.sync import MomentumSync
 
 from processes import run_workers
 
-STEPS = 3
+#: steps of a case: the first (zero momenta; the 1-bit tie rule's odd parity) and one on momenta (the even
+#: parity), checked after each; a case whose events need more says so (``steps`` in :data:`EXTRA`)
+STEPS = 2
 
 #: (name, LionCub keyword options) of the cases beyond the presets; ``nan_at``: the step at which shard
 #: rank 1 of replica 0 finds a NaN in its gradient (every rank skips that step, as the unsharded vote does);
 #: ``steps``: 4 where a case's events need them (two windows of h=2, two syncs every 2, a NaN at step 2
-#: then a window's end), else :data:`STEPS` (3, as the presets: a step after the first, with momenta)
+#: then a window's end), 3 for a NaN at step 1 (a step after the skipped one), else :data:`STEPS`
 EXTRA: list[tuple[str, dict[str, Any]]] = [
     ("8bit chunk_size=8", {"variant": resolve_variant("8bit", chunk_size=8)}),
     ("8bit linf", {"variant": resolve_variant("8bit", quantizer="linf")}),
@@ -61,7 +63,10 @@ EXTRA: list[tuple[str, dict[str, Any]]] = [
     ("8bit buckets of 50 elements", {"variant": "8bit", "bucket_mb": 200 / 2**20}),  # cut by whole shards
     ("1bit a bucket per tensor (empty ones)", {"variant": "1bit", "bucket_mb": 1e-6}),
     ("dlion-mavo a bucket per tensor", {"variant": "dlion-mavo", "bucket_mb": 1e-6}),
-    ("8bit NaN, replica check", {"variant": "8bit", "nan_at": 1, "checks": Checks(replica_check_every=1)}),
+    (
+        "8bit NaN, replica check",
+        {"variant": "8bit", "nan_at": 1, "checks": Checks(replica_check_every=1), "steps": 3},
+    ),
     ("1bit local_steps NaN", {"variant": "1bit", "local_steps": LocalSteps(h=2), "nan_at": 2, "steps": 4}),
 ]
 
@@ -198,7 +203,7 @@ def worker_parity(rank: int, world: int, cases: list[tuple[str, dict[str, Any]]]
 
 @pytest.mark.slow  # over 1 s: the quick loop (-m 'not slow') leaves it to the full suite
 def test_the_vote_on_shards_is_the_unsharded_vote_bit_for_bit() -> None:
-    """Every preset, 3 steps each on 2 replicas × 2 shards (one pool call)."""
+    """Every preset, :data:`STEPS` steps each on 2 replicas × 2 shards (one pool call)."""
     cases = [(name, {"variant": name}) for name in PRESETS]
     results = run_workers(worker_parity, 4, cases, STEPS, timeout=240)
     assert [r for r in results if r] == []
@@ -207,8 +212,9 @@ def test_the_vote_on_shards_is_the_unsharded_vote_bit_for_bit() -> None:
 @pytest.mark.slow
 def test_quantizers_local_steps_momentum_sync_and_nan_on_shards_are_the_unsharded_vote() -> None:
     """Quantizers with per-tensor and per-chunk norms, stochastic levels, local steps (two windows),
-    momentum sync, a NaN on one shard rank (every rank skips), the replica check: 3 steps each, 4 for
-    local steps, momentum sync and the NaN in a window (:data:`EXTRA`)."""
+    momentum sync, a NaN on one shard rank (every rank skips), the replica check: :data:`STEPS` steps
+    each, 3 for a step after a NaN, 4 for local steps, momentum sync and the NaN in a window
+    (:data:`EXTRA`)."""
     results = run_workers(worker_parity, 4, EXTRA, STEPS, timeout=240)
     assert [r for r in results if r] == []
 

@@ -27,7 +27,7 @@ from processes import run_workers
 SHAPES = [(7, 5), (11,), (3, 4), (6,), (5,), (4, 2)]
 LR, WD = 0.01, 0.1
 HEAD_LR = 0.003
-STEPS = 5
+STEPS = 4  # step 3 changes the layout; step 4 is the first on the momenta of what it added/unfroze
 BUCKET_MB = 1e-4  # about one parameter per bucket
 #: p0 always trained; p1 frozen from step 3; p2 never used (grad None everywhere); p3 without a gradient
 #: on rank 1 at step 2 (a zero vote); p4 added by add_param_group at step 3; p5 frozen at construction

@@ -604,8 +604,8 @@ def test_lioncub_presets_fused_equal_the_torch_path(monkeypatch, world: int, dty
 def test_torch_path_matches_the_simulation(monkeypatch) -> None:
     """The fallback (``LIONCUB_CPU_KERNELS=0``) still agrees with the N-worker simulation (the fused path
     is what tests/test_lioncub.py runs by default), over 4 steps as there: every event of the tests'
-    problem happens by step 4 (exact zero directions with zero momenta, a missing gradient, both parities
-    of the tie rule twice, a new lr each step)."""
+    problem happens by step 4 (exact zero directions with zero momenta, a missing gradient, odd and even
+    steps twice each, a new lr each step)."""
     from oracles import ALL_PRESETS, simulate, worker_run_presets
 
     monkeypatch.setenv("LIONCUB_CPU_KERNELS", "0")

@@ -140,6 +140,44 @@ def interpreter_patches_once() -> bool:
     return True
 
 
+def interpreter_dtypes_once() -> bool:
+    """Make Triton's interpreter (``TRITON_INTERPRET=1``) map each Triton dtype to its numpy dtype once.
+
+    The interpreter's ``_get_np_dtype`` builds its table of 19 dtypes (hashing each) at every call, i.e. at
+    nearly every operation of a program (5-10 % of the interpreter's CPU in these kernels). Its result
+    depends on the scalar dtype only (a block's: its element dtype's), and scalar dtypes that compare
+    equal (hashed by their names) give the same one; here each scalar dtype's result is remembered at its
+    first call (pointers, unhashable, go to the lookup: its first line answers them). Returns whether the
+    interpreter is patched (False, and nothing changed, if Triton or the function is missing); idempotent.
+    """
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    lookup = getattr(interpreter, "_get_np_dtype", None)
+    if lookup is None:
+        return False
+    if getattr(lookup, "remembers", False):
+        return True
+    known: dict[Any, Any] = {}
+    block = tl.block_type
+
+    def remembered(tt_dtype: Any) -> Any:
+        scalar = tt_dtype.element_ty if isinstance(tt_dtype, block) else tt_dtype  # blocks: unhashable
+        try:
+            return known[scalar]
+        except KeyError:
+            found = known[scalar] = lookup(scalar)
+            return found
+        except TypeError:  # a pointer (unhashable): the lookup's first line returns uint64, no table
+            return lookup(scalar)
+
+    remembered.remembers = True  # type: ignore[attr-defined]  # marks the module patched
+    interpreter._get_np_dtype = remembered
+    return True
+
+
 @contextlib.contextmanager
 def host_path() -> Iterator[None]:
     """CPU tensors take, in the block, the path they take beside a GPU: the C kernels (or torch), not

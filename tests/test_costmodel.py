@@ -12,6 +12,7 @@ import json
 import math
 import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -532,12 +533,26 @@ def png_size(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
-def test_cost_plot_has_both_panels(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cost_plot_has_both_panels(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The panels of the figure that ``lioncub cost --plot`` saved (kept, not built a second time)."""
+    from matplotlib.figure import Figure
+
+    from lioncub.cli import cost as cost_cli
+
+    drawn: list[Figure] = []
+
+    def keep(*args: Any, **kwargs: Any) -> Figure:
+        drawn.append(cost_report.figure(*args, **kwargs))
+        return drawn[-1]
+
+    monkeypatch.setattr(cost_cli, "figure", keep)
     out = tmp_path / "cost.png"
     assert cli.main(["cost", "--params", "25M", "--workers", "4", "--plot", str(out)]) == 0
     assert f"saved {out}" in capsys.readouterr().out
     assert png_size(out) == (1440, 576)  # 12 x 4.8 inches at 120 dpi
-    fig = cost_report.figure(25_000_000, 4, cm.Network.from_rate(1e9, 50e-6), NO_COMPUTE)
+    (fig,) = drawn
     panels = fig.get_axes()
     assert len(panels) == 2
     assert [ax.get_xscale() for ax in panels] == ["log", "log"]

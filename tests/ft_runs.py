@@ -1,6 +1,6 @@
-"""The end-to-end runs of tests/test_replica_groups_cli.py, one after the other in ONE interpreter (one
+"""The end-to-end runs of tests/test_replica_groups_cli.py, one after the other in ONE process (one
 import of torch, one preloaded interpreter for every group), started in the background when collection
-ends (tests/background.py):
+ends (tests/background.py; :func:`run_job`, a fork of the worker pool's fork server), or by hand:
 
     python tests/ft_runs.py OUT [NODES]
 
@@ -149,6 +149,25 @@ def main(out: Path, nodes: bool) -> int:
             rc = cli.main(argv)
         failed += rc != EXPECTED_RC.get(name, 0)
     return failed
+
+
+def run_job(rank: int, world: int, workdir: Path, nodes: bool) -> None:
+    """``background.Spawned``'s target: :func:`main` into ``workdir``, in this fork of the worker pool's
+    fork server (torch already imported, where an interpreter of its own imported it again, ~1.5 CPU-s);
+    the exit code is the number of runs that failed, and what the process prints besides the runs' own
+    output (a traceback) is in ``workdir/job.out``."""
+    import os
+    import traceback
+
+    with open(workdir / "job.out", "w") as out:
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+    try:
+        failed = main(workdir, nodes)
+    except BaseException:
+        traceback.print_exc()
+        raise
+    raise SystemExit(failed)
 
 
 if __name__ == "__main__":

@@ -38,26 +38,24 @@ needs_torchft = pytest.mark.skipif(
 )
 
 
-def _job() -> background.Subprocess | None:
+def _job() -> background.Spawned | None:
     if not HAS_TORCHFT:
         return None
-    nodes = ["NODES"] if netns_usable() else []
-    return background.Subprocess(lambda workdir: python_cmd(ft_runs.__file__, str(workdir), *nodes), 600)
+    return background.Spawned(ft_runs.run_job, 1, (netns_usable(),), timeout=600)
 
 
-#: every run of tests/ft_runs.py, one after the other in one interpreter, in the background
+#: every run of tests/ft_runs.py, one after the other in one process, in the background
 BACKGROUND = {"ft_runs": _job}
 
 
 def finished(name: str) -> tuple[Path, str]:
     """The run directory of ``ft_runs.RUNS[name]`` and its output, once it exited 0."""
-    done = background.result("ft_runs", BACKGROUND["ft_runs"])
+    (code,) = background.result("ft_runs", BACKGROUND["ft_runs"])
     workdir = background.workdir("ft_runs")
     log_file, run_dir = workdir / f"{ft_runs.slug(name)}.out", workdir / ft_runs.slug(name)
     output = log_file.read_text() if log_file.exists() else ""
-    assert (run_dir / "summary.json").exists(), (
-        f"exit {done.returncode}: {output[-3000:]}{done.stderr[-2000:]}"
-    )
+    job = (workdir / "job.out").read_text() if (workdir / "job.out").exists() else ""
+    assert (run_dir / "summary.json").exists(), f"exit {code}: {output[-3000:]}{job[-2000:]}"
     return run_dir, output
 
 

@@ -1110,7 +1110,7 @@ TEARDOWN = {"accelerate-example"}
 def exit_without_teardown() -> None:
     """End a rank whose results are written (``torch.save`` closed each file) without the interpreter's
     teardown: it frees the objects of every module the zygote imported, writing each page the rank shares
-    with it, ~0.3 CPU-s per rank (17 ranks in the job), and checks nothing the tests read. Where a thread
+    with it, ~0.3 CPU-s per rank (11 of the job's ranks), and checks nothing the tests read. Where a thread
     that the teardown would wait for is alive (not a daemon), the rank exits normally, as before (a thread
     that never ends then still hangs the launch until its timeout)."""
     if any(t is not threading.main_thread() and not t.daemon for t in threading.enumerate()):

@@ -92,9 +92,20 @@ def _launch(
     return result, probes, others, err.getvalue()
 
 
+@pytest.fixture(scope="module")
+def modes_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One probe directory for every mode of :func:`test_a_forked_rank_is_the_fresh_interpreter`: their
+    forked launches have one zygote's key (environment, directory, modules), so one zygote forks them all
+    instead of one started per mode."""
+    path = tmp_path_factory.mktemp("modes")
+    (path / "probe_rank.py").write_text(PROBE)
+    return path
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ok", "atexit", "exit", "raise", "kill"])
-def test_a_forked_rank_is_the_fresh_interpreter(probe_dir: Path, mode: str) -> None:
+def test_a_forked_rank_is_the_fresh_interpreter(modes_dir: Path, mode: str) -> None:
+    probe_dir = modes_dir
     fresh = _launch(probe_dir, mode, ())
     forked = _launch(probe_dir, mode, LIGHT)
     (r0, p0, o0, e0), (r1, p1, o1, e1) = fresh, forked

@@ -62,7 +62,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 from lioncub.launch.environment import TORCHRUN_VARIABLES
 from lioncub.launch.supervisor import pdeathsig_setup
@@ -76,6 +76,7 @@ __all__ = [
     "ForkedRank",
     "PreloadError",
     "Zygote",
+    "end_rank",
     "gpu_refusal",
     "lease",
     "receive",
@@ -364,6 +365,26 @@ def gpu_refusal(device: str = "auto") -> str | None:
 _lock = threading.Lock()
 _current: Zygote | None = None  # the zygote the next launch of the same key gets
 _open: set[Zygote] = set()  # the current one and replaced ones still held by a launch
+
+
+def end_rank(status: int) -> NoReturn:
+    """End this process as the interpreter ends ``python -m MODULE`` whose main returned ``status``: its
+    other non-daemon threads joined, the atexit handlers run, stdout and stderr flushed, exit status
+    ``status``; but without the interpreter's teardown, which frees every object still alive. In a rank
+    forked from a zygote that writes each page it still shares with the zygote: about 0.27 s of a core per
+    rank with torch imported, against 0.01 s without it (measured on a 2-core AMD EPYC VM), at the end of
+    every rank while its launcher waits. For lioncub's own ranks (``lioncub.train.rank``,
+    ``lioncub.train.replica_group``), whose files are written and closed when their main returns; a
+    user's module keeps Python's own exit, which also flushes a file its script left open."""
+    main = threading.main_thread()
+    for thread in threading.enumerate():
+        if thread is not main and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # what the interpreter runs at its exit (CPython's own entry point)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed or broken stream: nothing left to flush
+            stream.flush()
+    os._exit(status)
 
 
 @contextlib.contextmanager

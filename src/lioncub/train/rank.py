@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from lioncub import env
+from lioncub.launch.preload import end_rank
 from lioncub.launch.supervisor import FORWARDED_SIGNALS
 from lioncub.rundir import hold_ranks, is_marked
 from lioncub.train import loop
@@ -268,4 +269,4 @@ def run_of(args: list[str]) -> tuple[Path, TrainConfig]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end_rank(main())  # without the interpreter's teardown (lioncub.launch.preload.end_rank)

@@ -36,7 +36,8 @@ section NAME raise at its end, after its work.
 ``--dry-run`` runs the same code paths on the CPU at small sizes: the Triton kernels in Triton's
 interpreter (``TRITON_INTERPRET=1``; section 3's CPU reference on the C kernels, as beside a GPU: the
 two compared), gloo instead of NCCL, wall-clock timing (its numbers mean nothing);
-``--ranks K`` adds section 3 on K CPU processes (with the CPU kernels: the interpreter ran it at N = 1).
+``--ranks K`` adds section 3 on K CPU processes (with the CPU kernels: the interpreter ran it at N = 1),
+started with the check and run beside its other sections (GPU ranks start after them: the same GPUs).
 Without CUDA and without ``--dry-run`` it says so and exits 2. Exit 1 when a correctness check or a
 section failed. The table printed last lists every measurement next to its target, and every section
 with its time and verdict.
@@ -45,9 +46,11 @@ with its time and verdict.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import datetime
 import faulthandler
+import functools
 import json
 import os
 import signal
@@ -57,6 +60,8 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
+from typing import IO
 
 DRY = "--dry-run" in sys.argv
 if DRY:  # before anything imports triton
@@ -501,74 +506,103 @@ def bandwidth(device: torch.device, n: int, runs: int) -> None:
 # ------------------------------------------------------------------------------------ 3. the vote path
 
 
-def vote_path_on_ranks(world: int, n: int, timeout_s: float, inject: list[str]) -> None:
-    """:func:`gpu_path.vote_path` on ``world`` processes, one per GPU (``cuda:rank``, NCCL; in a dry run
-    CPU processes over gloo), each against its CPU over gloo; their rows are added here, a rank's failed
-    sections as FAIL rows with its traceback. Past ``timeout_s`` each rank still running gets SIGABRT (its
-    ``faulthandler`` dumps its stacks into its log, kept as its traceback), then SIGKILL."""
-    with tempfile.TemporaryDirectory() as tmp:
-        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_path.py")
-        common = ["--world", str(world), "--n", str(n), "--store", f"{tmp}/store"] + (["--dry-run"] * DRY)
-        common += [f"--fail-section={name}" for name in inject if name in gpu_path.SECTIONS]
-        # a dry run's ranks take the CPU kernels: the Triton interpreter (slow) ran the same code at N = 1
-        child_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        logs = [open(f"{tmp}/rank{r}.log", "w") for r in range(world)]  # noqa: SIM115 (closed below)
-        procs = [
-            subprocess.Popen(
-                [sys.executable, script, "--rank", str(r), "--out", f"{tmp}/rows{r}.json", *common],
-                stdout=logs[r],
-                stderr=subprocess.STDOUT,
-                text=True,
-                env=child_env,
-            )
-            for r in range(world)
-        ]
-        deadline = time.monotonic() + timeout_s
-        timed_out = False
+def start_ranks(world: int, n: int, timeout_s: float, inject: list[str]) -> Callable[[], None]:
+    """Start :func:`gpu_path.vote_path` on ``world`` processes, one per GPU (``cuda:rank``, NCCL; in a dry
+    run CPU processes over gloo), each against its CPU over gloo; returns ``collect()``, which waits for
+    them and adds their rows here, a rank's failed sections as FAIL rows with its traceback. Past
+    ``timeout_s`` (from ``collect()``'s call) each rank still running gets SIGABRT (its ``faulthandler``
+    dumps its stacks into its log, kept as its traceback), then SIGKILL; ranks still running when this
+    process exits are killed."""
+    tmp = tempfile.TemporaryDirectory()
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_path.py")
+    common = ["--world", str(world), "--n", str(n), "--store", f"{tmp.name}/store"] + (["--dry-run"] * DRY)
+    common += [f"--fail-section={name}" for name in inject if name in gpu_path.SECTIONS]
+    # a dry run's ranks take the CPU kernels: the Triton interpreter (slow) ran the same code at N = 1
+    child_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    logs = [open(f"{tmp.name}/rank{r}.log", "w") for r in range(world)]  # noqa: SIM115 (closed below)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, "--rank", str(r), "--out", f"{tmp.name}/rows{r}.json", *common],
+            stdout=logs[r],
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=child_env,
+        )
+        for r in range(world)
+    ]
+
+    def kill_left() -> None:  # a check ending before collect() leaves no rank behind
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+
+    atexit.register(kill_left)
+
+    def collect() -> None:
+        try:
+            _collect_ranks(procs, logs, tmp.name, timeout_s)
+        finally:
+            tmp.cleanup()
+
+    return collect
+
+
+def _reraise(err: Exception) -> None:
+    """``collect()`` of ranks that did not start: ``err``, raised in section 'several ranks'."""
+    raise err
+
+
+def _collect_ranks(
+    procs: list[subprocess.Popen[str]], logs: list[IO[str]], tmp: str, timeout_s: float
+) -> None:
+    """:func:`start_ranks`' ``collect()``: the ranks ``procs`` writing into ``tmp``."""
+    world = len(procs)
+    deadline = time.monotonic() + timeout_s
+    timed_out = False
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            break
+    if timed_out:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGABRT)
         for proc in procs:
             try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
-                timed_out = True
-                break
-        if timed_out:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGABRT)
-            for proc in procs:
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-        for log in logs:
-            log.close()
-        section = f"vote path N={world}"
-        for r, proc in enumerate(procs):
-            path = f"{tmp}/rows{r}.json"
-            rows = []
-            if os.path.exists(path):
-                with open(path) as f:
-                    rows = json.load(f)
-            for kind, name, item, *rest in rows:
-                label = f"rank {r}/{world}: {item}"
-                if kind == "check":
-                    check(f"{name} N={world}", label, rest[0])
-                elif kind == "fail":
-                    section_failed(f"{name} N={world}", label, rest[0])
-                elif kind == "skip":
-                    section_skipped(f"{name} N={world}", label)
-                else:
-                    row(f"{name} N={world}", label, *rest)
-            if proc.returncode != 0:
-                with open(f"{tmp}/rank{r}.log", errors="replace") as f:
-                    tail = f.read()[-6000:]
-                why = (
-                    f"timed out after {timeout_s:.0f} s, stopped (SIGABRT: stacks in its log)"
-                    if timed_out
-                    else ""
-                )
-                section_failed(section, f"rank {r}/{world} exited {proc.returncode} {why}".rstrip(), tail)
+                proc.kill()
+                proc.wait()
+    for log in logs:
+        log.close()
+    section = f"vote path N={world}"
+    for r, proc in enumerate(procs):
+        path = f"{tmp}/rows{r}.json"
+        rows = []
+        if os.path.exists(path):
+            with open(path) as f:
+                rows = json.load(f)
+        for kind, name, item, *rest in rows:
+            label = f"rank {r}/{world}: {item}"
+            if kind == "check":
+                check(f"{name} N={world}", label, rest[0])
+            elif kind == "fail":
+                section_failed(f"{name} N={world}", label, rest[0])
+            elif kind == "skip":
+                section_skipped(f"{name} N={world}", label)
+            else:
+                row(f"{name} N={world}", label, *rest)
+        if proc.returncode != 0:
+            with open(f"{tmp}/rank{r}.log", errors="replace") as f:
+                tail = f.read()[-6000:]
+            why = (
+                f"timed out after {timeout_s:.0f} s, stopped (SIGABRT: stacks in its log)"
+                if timed_out
+                else ""
+            )
+            section_failed(section, f"rank {r}/{world} exited {proc.returncode} {why}".rstrip(), tail)
 
 
 # ------------------------------------------------------------------------------------ 4. 350M step
@@ -610,7 +644,9 @@ def step_overhead(device: torch.device, layers: int, d: int, vocab: int, ctx: in
         return params
 
     def sync_time(fn) -> float:
-        for _ in range(1 if DRY else 2):  # warm-up (the first step builds buffers)
+        # warm-up (the first step builds buffers); a dry run's timings mean nothing: none (steps after
+        # the first are walked by sections 'presets' and 'host syncs')
+        for _ in range(0 if DRY else 2):
             fn()
         times = []
         for _ in range(runs):
@@ -710,6 +746,12 @@ def main() -> int:
     )
     print(f"gpu_check: the table goes to {out} (rewritten after every section)")
     t0 = time.perf_counter()
+    early_ranks: Callable[[], None] | None = None
+    if DRY and ranks >= 2:  # CPU ranks run beside the sections below (GPU ranks after them: the same GPUs)
+        try:
+            early_ranks = start_ranks(ranks, sizes["n"], ranks_timeout_s, args.fail_section)
+        except Exception as err:  # raised in section 'several ranks', as where they start on GPUs
+            early_ranks = functools.partial(_reraise, err)
     with sections.run("kernels"):
         correctness(device, sizes["n"])
         multi_tensor(device, sizes["n"])
@@ -744,7 +786,7 @@ def main() -> int:
                 print(f"gpu_check: destroy_process_group: {gpu_path.summary(err)}")
     if ranks >= 2:
         with sections.run("several ranks", bound_s=ranks_timeout_s + 60):
-            vote_path_on_ranks(ranks, sizes["n"], ranks_timeout_s, args.fail_section)
+            (early_ranks or start_ranks(ranks, sizes["n"], ranks_timeout_s, args.fail_section))()
     row("device", "wall time", f"{time.perf_counter() - t0:.0f} s")
     write_table(out, sections, final=True)
     print("\n" + table(sections, final=True, tracebacks=False), end="")

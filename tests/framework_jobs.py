@@ -24,7 +24,6 @@ import runpy
 import shlex
 import sys
 import tempfile
-import threading
 import traceback
 import warnings
 from collections.abc import Callable
@@ -37,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lioncub import LionCub
+from lioncub.launch.preload import end_rank
 
 STEPS = 6  # optimizer steps of a full run
 SAVE_AT = 3  # the checkpoint a "-resume" scenario starts from
@@ -1103,21 +1103,10 @@ def load_results(out: Path) -> dict[str, list[dict[str, Any]]]:
 
 
 #: scenario sets whose ranks end as a user's process does, through the interpreter's teardown: the
-#: accelerate example's commands, one per launch as a user runs them
+#: accelerate example's commands, one per launch as a user runs them. The other ranks' results are written
+#: (``torch.save`` closed each file) when they end, and they end as lioncub's training ranks do, without the
+#: teardown (:func:`lioncub.launch.preload.end_rank`: ~0.3 CPU-s a rank forked from a zygote)
 TEARDOWN = {"accelerate-example"}
-
-
-def exit_without_teardown() -> None:
-    """End a rank whose results are written (``torch.save`` closed each file) without the interpreter's
-    teardown: it frees the objects of every module the zygote imported, writing each page the rank shares
-    with it, ~0.3 CPU-s per rank (11 of the job's ranks), and checks nothing the tests read. Where a thread
-    that the teardown would wait for is alive (not a daemon), the rank exits normally, as before (a thread
-    that never ends then still hangs the launch until its timeout)."""
-    if any(t is not threading.main_thread() and not t.daemon for t in threading.enumerate()):
-        return
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def main() -> None:
@@ -1141,4 +1130,4 @@ if __name__ == "__main__":
     with tempfile.TemporaryDirectory():
         main()
     if sys.argv[1] != "--sequences" and not set(sys.argv[1].split("+")) & TEARDOWN:
-        exit_without_teardown()
+        end_rank(0)

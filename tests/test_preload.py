@@ -29,7 +29,7 @@ from lioncub.launch.workers import WorkerRelay
 from lioncub.train.config import TrainConfig
 from lioncub.train.driver import RANK_MODULE, make_launch_config
 
-from processes import PY, python_cmd
+from processes import PY, context
 
 #: a cheap zygote for the tests of process semantics (torch's import is what a real one saves)
 LIGHT = ("json",)
@@ -162,25 +162,30 @@ def test_stop_timeout_and_the_reused_zygote(probe_dir: Path) -> None:
     assert {int((probe_dir / f"pid{k}").read_text().split()[1]) for k in range(2)}.isdisjoint(zygote_pid)
 
 
+def _launcher(probe_dir: str) -> None:
+    """The launcher that :func:`test_a_killed_launcher_takes_its_forked_ranks_with_it` kills: a fork of the
+    fork server of ``processes.context`` (torch, which the launcher's rendezvous store imports, already
+    imported: a fresh interpreter spent a second importing it), its output in ``probe_dir/launcher.out``."""
+    out = os.open(os.path.join(probe_dir, "launcher.out"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    config = LaunchConfig(["-m", "probe_rank", "sleep"], nproc=2, timeout_s=60, cwd=probe_dir, preload=LIGHT)
+    sys.exit(launch(config).returncode)
+
+
 @pytest.mark.slow
 def test_a_killed_launcher_takes_its_forked_ranks_with_it(probe_dir: Path) -> None:
-    driver = (
-        "import sys; from lioncub.launch import LaunchConfig, launch; "
-        "sys.exit(launch(LaunchConfig(['-m', 'probe_rank', 'sleep'], nproc=2, timeout_s=60, "
-        f"cwd={str(probe_dir)!r}, preload={LIGHT!r})).returncode)"
-    )
-    proc = subprocess.Popen(
-        python_cmd("-c", driver), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    proc = context().Process(target=_launcher, args=(str(probe_dir),), daemon=True)
+    proc.start()
     try:
         deadline = time.monotonic() + 30
         while not all((probe_dir / f"pid{k}").exists() for k in range(2)):
-            assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read()  # type: ignore[union-attr]
+            assert time.monotonic() < deadline and proc.is_alive(), (probe_dir / "launcher.out").read_text()
             time.sleep(0.05)
         time.sleep(0.2)
         pids = [int((probe_dir / f"pid{k}").read_text().split()[0]) for k in range(2)]
         proc.kill()
-        proc.wait(10)
+        proc.join(10)
         deadline = time.monotonic() + 10
         while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -19,7 +19,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import background
 from lioncub import cli
 from lioncub.collectives import (
     AverageVote,
@@ -37,8 +36,6 @@ from lioncub.planning.measure import fit_alpha_beta
 from lioncub.report import cost as cost_report
 from profiles import examples
 from sim_comm import fake_comm
-
-from processes import python_cmd
 
 PRESET_NAMES = list(PRESETS)
 NO_COMPUTE = cm.Compute()
@@ -409,35 +406,6 @@ def test_parse_bandwidth_uses_the_launchers_rates() -> None:
         cm.parse_bandwidth("fast")
     with pytest.raises(ValueError, match=r"^--bandwidth: .*ambiguous"):
         cm.parse_bandwidth("1gbps")
-
-
-#: the cost model, ``lioncub cost --plot``, and the comparison report's module (``lioncub.report.runs``,
-#: loaded from its file: what ``lioncub report`` and ``compare --report-only`` read) in one fresh interpreter
-#: that never imports torch (the report's own interpreter: its matplotlib and rich are the plot's)
-NO_TORCH_CODE = (
-    "import importlib.util, sys, lioncub.planning.costmodel as cm\n"
-    "from lioncub import cli\n"
-    "assert cli.main(['cost', '--params', '1M', '--workers', '2', '--plot', sys.argv[1]]) == 0\n"
-    "spec = importlib.util.spec_from_file_location('report', sys.argv[2])\n"
-    "report = sys.modules['report'] = importlib.util.module_from_spec(spec)\n"
-    "spec.loader.exec_module(report)\n"
-    "assert 'torch' not in sys.modules, 'torch was imported'\n"
-)
-#: the file of ``lioncub.report.runs`` (the job loads it itself: this process has imported torch)
-REPORT_MODULE = str(Path(cost_report.__file__).with_name("runs.py"))
-#: subprocess.run(command, capture_output=True, text=True, timeout=60), started in the background when
-#: collection ends (tests/background.py)
-BACKGROUND = {
-    "cost_without_torch": lambda: background.Subprocess(
-        lambda workdir: python_cmd("-c", NO_TORCH_CODE, str(workdir / "x.png"), REPORT_MODULE), 60
-    )
-}
-
-
-@pytest.mark.background("cost_without_torch")
-def test_the_model_the_cost_command_and_the_report_do_not_import_torch() -> None:
-    done = background.result("cost_without_torch", BACKGROUND["cost_without_torch"])
-    assert done.returncode == 0, done.stderr
 
 
 # ------------------------------------------------------------------------------------ lioncub cost

@@ -297,8 +297,9 @@ BACKGROUND = {
     for module in ("lioncub", "lioncub.cli")
 }
 
-#: ``lioncub report`` on a run directory and ``lioncub cost`` (a table, a plot, nodes) in an interpreter where
-#: importing torch fails: prints what tried to import it, the exit codes and the plots written (JSON)
+#: ``lioncub report`` on a run directory and ``lioncub cost`` (a table, a plot, nodes), then the comparison
+#: report's module imported, in an interpreter where importing torch fails: prints what tried to import it,
+#: the exit codes and the plots written (JSON)
 WITHOUT_TORCH = """
 import json, os, sys
 from pathlib import Path
@@ -336,6 +337,7 @@ plot = ["--bandwidth", "100mbit", "--plot", str(work / "cost.png")]
 codes["cost --plot"] = cli.main(["cost", "--params", "25M", "--workers", "4", *plot])
 nodes = ["--nnodes", "2", "--nproc-per-node", "4", "--bandwidth", "10gbit"]
 codes["cost --nnodes"] = cli.main(["cost", "--params", "774M", *nodes])
+import lioncub.report.runs  # the comparison report (lioncub compare's, --report-only's)
 loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
 plots = sorted(p.name for p in run.iterdir() if p.suffix == ".png") + [p.name for p in work.glob("*.png")]
 print(json.dumps({"tried": tried, "loaded": loaded, "codes": codes, "plots": plots}))
@@ -361,8 +363,9 @@ def test_python_dash_m(module: str) -> None:
 @pytest.mark.slow
 @pytest.mark.background("without torch")
 def test_report_and_cost_run_without_torch() -> None:
-    """``lioncub report`` (its table and plots written into a run directory, under its lock and record) and
-    ``lioncub cost`` (a table, a plot, a cluster of nodes) where importing torch fails: nothing tries."""
+    """``lioncub report`` (its table and plots written into a run directory, under its lock and record),
+    ``lioncub cost`` (a table, a plot, a cluster of nodes) and the comparison report's module
+    (``lioncub.report.runs``) where importing torch fails: nothing tries."""
     out = background.result("without torch", BACKGROUND["without torch"])
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])

@@ -633,3 +633,44 @@ def test_a_shim_whose_rank_cannot_be_forked_runs_it_fresh(probe_dir: Path) -> No
         out, err = shim.communicate(timeout=30)
     assert shim.returncode == 6 and out.split() == [str(shim.pid)]  # the shim became the rank (exec)
     assert "this rank starts as a fresh interpreter: the preloaded interpreter has exited" in err
+
+
+#: a script's end: a non-daemon thread that finishes after the main thread, an atexit handler, output left in
+#: stdout's and stderr's buffers, and an object still alive whose finalizer writes (each event a line of
+#: ``order``); it ends with ``sys.exit(7)``, or with ``preload.end_rank(7)`` as lioncub's own processes do
+END_SCRIPT = textwrap.dedent("""
+    import atexit, sys, threading, time
+    from lioncub.launch.preload import end_rank
+
+    def note(line, open=open):
+        with open("order", "a") as f:
+            f.write(line + "\\n")
+
+    class Alive:
+        def __del__(self, note=note):
+            note("teardown")
+
+    alive = Alive()
+    threading.Thread(target=lambda: (time.sleep(0.2), note("thread"))).start()
+    atexit.register(note, "atexit")
+    sys.stdout.write("out, unflushed")
+    sys.stderr.write("err, unflushed")
+    if sys.argv[1] == "end_rank":
+        end_rank(7)
+    sys.exit(7)
+""")
+
+
+def test_end_rank_ends_as_python_does_but_for_the_teardown(tmp_path: Path) -> None:
+    """``preload.end_rank(7)`` ends a process as Python's own exit does (the oracle: the same script ending
+    with ``sys.exit(7)``): the non-daemon thread joined, then the atexit handlers, stdout and stderr
+    flushed, exit status 7; only the teardown is left out: an object alive at the end is not finalized."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # the streams buffer their writes
+    ends = {}
+    for how in ("sys.exit", "end_rank"):
+        (cwd := tmp_path / how).mkdir()
+        argv = [PY, "-c", END_SCRIPT, how]
+        proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=30)
+        ends[how] = (proc.returncode, proc.stdout, proc.stderr, (cwd / "order").read_text().split())
+    assert ends["sys.exit"] == (7, "out, unflushed", "err, unflushed", ["thread", "atexit", "teardown"])
+    assert ends["end_rank"] == (7, "out, unflushed", "err, unflushed", ["thread", "atexit"])

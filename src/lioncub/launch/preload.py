@@ -28,7 +28,9 @@ that a preloaded module itself seeded while it was imported is drawn again in ea
 (the same on all ranks; ``PYTHONHASHSEED`` set for the launch reaches the zygote, which then has exactly
 that seed); and the objects of the preloaded imports are frozen (``gc.freeze`` in the zygote, after a
 collection): a rank's garbage collections, and the full one at its exit, skip them (about 0.6 s of a core
-per rank with torch imported, measured on a 2-core AMD EPYC VM), and their pages stay shared.
+per rank with torch imported, measured on a 2-core AMD EPYC VM), and their pages stay shared. lioncub's
+own processes (its training ranks, its replica groups, the zygote) end through :func:`end_rank`: as Python's
+exit, without the teardown that would write those pages; a user's module keeps Python's own exit.
 
 When a rank is not forked: only launches that ask for it fork ranks (``LaunchConfig.preload``,
 ``lioncub launch --preload``): ``lioncub train`` does for ranks on the CPU under ``--nproc``, unless

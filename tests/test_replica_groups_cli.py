@@ -173,7 +173,7 @@ def test_a_rerun_of_the_same_schedule_gives_the_same_bits() -> None:
 @pytest.mark.background("ft_runs")
 def test_a_straggler_never_trains_alone_and_a_failed_run_keeps_everything(tmp_path: Path) -> None:
     """Group 1 SIGSTOPped after its step 10 until group 0 finished (tests/ft_runs.py, ``--collective-timeout
-    5``): group 0 trains on alone and finishes; group 1, woken, fails rather than train alone. The job
+    3``): group 0 trains on alone and finishes; group 1, woken, fails rather than train alone. The job
     exits 3 (a group failed, the survivor finished), keeps every file (group 0's model.pt, the logs) with
     failure.json saying what failed, and a new run into the directory is refused, deleting nothing."""
     run_dir, stdout = finished("straggler")
@@ -184,11 +184,11 @@ def test_a_straggler_never_trains_alone_and_a_failed_run_keeps_everything(tmp_pa
     assert [r["step"] for r in steps] == list(range(1, 31))  # every step once: no step of group 1 alone
     assert sum(ft["participants"].values()) + ft["skipped_steps"] == 30 and ft["participants"]["2"] >= 10
     # group 0's wait for the stalled group 1 is in its log: group 1 stopped inside a step, in the exchange of
-    # that step, not committed (comm_s: --collective-timeout, 5 s); stopped between two steps (before it
+    # that step, not committed (comm_s: --collective-timeout, 3 s); stopped between two steps (before it
     # asked for the next quorum), in the quorum that left it out once its heartbeats stopped (quorum_s: the
     # launcher's lighthouse drops a group after 2 s without them; seen in 2 of 11 runs)
     skipped = [r for r in steps if not r["committed"]]
-    assert all(r["comm_s"] >= 4.0 for r in skipped), skipped
+    assert all(r["comm_s"] >= 0.8 * ft_runs.STRAGGLER_TIMEOUT_S for r in skipped), skipped  # 4 s of 5 before
     alone = next(r for r in steps if r["participants"] == 1)
     assert skipped or alone["quorum_s"] >= 1.0, steps[9:]
     assert all(r["groups"] == [0] for r in steps if r["participants"] == 1)

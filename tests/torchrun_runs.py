@@ -45,6 +45,9 @@ TINY = ["train", "--workload", "gpt", "--size", "tiny", "--no-progress", "--vari
 #: started, so that neither is stopped by torchrun before it builds the optimizer
 FORGOT_INIT = """
 import os, pathlib, sys, time
+# each line of the traceback in one write: both ranks print theirs at once on one file (with PYTHONUNBUFFERED
+# set, a line went out in pieces, and the two ranks' pieces interleaved within a line)
+sys.stderr.reconfigure(write_through=False, line_buffering=True)
 import torch
 from lioncub import LionCub
 here = pathlib.Path(sys.argv[1])

@@ -230,3 +230,74 @@ def test_the_check_sees_an_unexplained_ignore() -> None:
     }
     for source, explained in cases.items():
         assert (not _unexplained(source + "\n")) == explained, source
+
+
+def _mypy_follow(pyproject: str) -> dict[str, str]:
+    """Each module pattern of ``pyproject.toml``'s ``[[tool.mypy.overrides]]`` blocks that set
+    ``follow_imports``, mapped to that setting (``"transformers.*"`` -> ``"skip"``)."""
+    mypy = pyproject[pyproject.index("[tool.mypy]") :]
+    follow: dict[str, str] = {}
+    for block in mypy.split("[[tool.mypy.overrides]]")[1:]:
+        setting = re.search(r'^follow_imports = "(\w+)"', block, re.M)
+        modules = re.search(r"^module = \[(.*?)\]", block, re.M | re.S)
+        if setting and modules:
+            follow.update(dict.fromkeys(re.findall(r'"([\w.*]+)"', modules.group(1)), setting.group(1)))
+    return follow
+
+
+def _followed(name: str, follow: dict[str, str]) -> str:
+    """The ``follow_imports`` mypy applies to the module of ``name`` (a module, or a name in one): the most
+    specific pattern's, from the longest prefix of ``name`` down (an exact module name, then ``a.b.*``,
+    which matches ``a.b`` and everything under it), else ``"normal"``."""
+    parts = name.split(".")
+    for n in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:n])
+        for pattern in (prefix, prefix + ".*"):
+            if pattern in follow:
+                return follow[pattern]
+    return "normal"
+
+
+def _used_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, dotted name) of every module and name ``path`` imports (absolute imports), and of every
+    attribute chain it reads from ``torch`` (``torch.jit.is_scripting()`` -> ``"torch.jit.is_scripting"``)."""
+    used = []
+    for node in sources.nodes(path):
+        if isinstance(node, ast.Import):
+            used += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            used += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+        elif isinstance(node, ast.Attribute):
+            names, base = _chain(node)
+            if isinstance(base, ast.Name) and base.id == "torch":
+                used.append((node.lineno, ".".join(["torch", *reversed(names)])))
+    return used
+
+
+def test_no_module_uses_what_the_type_checker_skips() -> None:
+    """The packages mypy skips (``follow_imports = "skip"``: their names are ``Any``, so nothing is checked
+    against them) are ones lioncub does not use: no import from them and no ``torch.<skipped>`` attribute
+    in ``src/lioncub``. Using one means reading it back (a ``"normal"`` block naming the module)."""
+    follow = _mypy_follow((ROOT / "pyproject.toml").read_text())
+    assert "skip" in follow.values() and "torch.fx.*" in follow, sorted(follow)  # the check reads the config
+    hits = [
+        f"{path.relative_to(ROOT)}:{line}: {name}"
+        for path in _sources()
+        for line, name in _used_modules(path)
+        if _followed(name, follow) == "skip"
+    ]
+    assert not hits, (
+        "lioncub uses a module the type checker skips, so its types are Any there: read it back in "
+        'pyproject.toml (a follow_imports = "normal" block naming it) or use another API:\n' + "\n".join(hits)
+    )
+
+
+def test_the_skip_check_sees_a_skipped_module() -> None:
+    follow = {"torch.fx.*": "skip", "torch._dynamo.*": "skip", "torch._dynamo.eval_frame": "normal"}
+    assert _followed("torch.fx", follow) == "skip"
+    assert _followed("torch.fx.graph", follow) == "skip"
+    assert _followed("torch._dynamo.eval_frame", follow) == "normal"
+    assert _followed("torch._dynamo.eval_frame.OptimizedModule", follow) == "normal"
+    assert _followed("torch.fx.GraphModule", follow) == "skip"
+    assert _followed("torch._dynamo.utils", follow) == "skip"
+    assert _followed("torch.nn", follow) == "normal"

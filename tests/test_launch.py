@@ -8,10 +8,12 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import pickle
 import re
 import signal
 import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -37,7 +39,7 @@ from lioncub.launch import (
 )
 from lioncub.optim.step_check import STEP_CHECK_WORDS
 
-from processes import PY, forked, python_cmd
+from processes import PY, context, forked
 
 
 def _run(config: LaunchConfig):  # type: ignore[no-untyped-def]
@@ -371,9 +373,20 @@ def test_unstartable_command_is_reported() -> None:
     assert "could not start" in err
 
 
+def _sigint_launcher(rank: str, out: str) -> None:
+    """The launcher that :func:`test_sigint_is_forwarded_to_the_ranks` interrupts: a fork of the fork server
+    of ``processes.context`` (torch, which the launcher's rendezvous store imports, already imported: a fresh
+    interpreter spent ~1.5 s of CPU importing it), its output (and its ranks') in ``out``, its exit status
+    the launch's. A long grace: a rank slow to answer under load is still waited for, not SIGKILLed."""
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.exit(launch(LaunchConfig([rank], nproc=2, timeout_s=60, grace_s=30)).returncode)
+
+
 @pytest.mark.slow
 def test_sigint_is_forwarded_to_the_ranks(tmp_path: Path) -> None:
-    rank = tmp_path / "rank.py"
+    rank, out = tmp_path / "rank.py", tmp_path / "launcher.out"
     rank.write_text(
         textwrap.dedent("""
         import signal, sys, time
@@ -385,27 +398,22 @@ def test_sigint_is_forwarded_to_the_ranks(tmp_path: Path) -> None:
         time.sleep(60)
     """)
     )
-    driver = (
-        "import sys; from lioncub.launch import LaunchConfig, launch; "
-        f"sys.exit(launch(LaunchConfig([{str(rank)!r}], nproc=2, timeout_s=60, grace_s=30)).returncode)"
-    )  # a long grace: a rank slow to answer under load is still waited for, not SIGKILLed
-    proc = subprocess.Popen(
-        python_cmd("-c", driver), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    proc = context().Process(target=_sigint_launcher, args=(str(rank), str(out)), daemon=True)
+    proc.start()
     try:
-        assert proc.stdout is not None
-        seen: list[str] = []
-        while not {"[r0] ready\n", "[r1] ready\n"} <= set(seen):
-            line = proc.stdout.readline()
-            assert line, "".join(seen)
-            seen.append(line)
-        proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=30)
+        deadline = time.monotonic() + 60
+        while not {"[r0] ready", "[r1] ready"} <= set(out.read_text().splitlines() if out.exists() else ()):
+            assert proc.is_alive() and time.monotonic() < deadline, out.read_text()
+            time.sleep(0.05)
+        assert proc.pid is not None
+        os.kill(proc.pid, signal.SIGINT)
+        proc.join(30)
     finally:
         proc.kill()
-    assert proc.returncode == 130, "".join(seen) + rest
+    printed = out.read_text()
+    assert proc.exitcode == 130, printed
     for r in (0, 1):
-        assert f"[r{r}] got {int(signal.SIGINT)}" in rest, "".join(seen) + rest
+        assert f"[r{r}] got {int(signal.SIGINT)}" in printed, printed
 
 
 # ------------------------------------------------------------------------------- emulated network

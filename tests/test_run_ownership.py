@@ -949,21 +949,25 @@ def test_a_killed_launcher_leaves_a_run_that_runs_again(run_cli: Callable, tmp_p
 @pytest.mark.slow
 def test_rank_zero_of_a_job_holds_the_lock(run_cli: Callable, tmp_path: Path) -> None:
     """Finding 6: a run that ``lioncub launch -- -m lioncub.cli train`` started (no driver) is held by its
-    rank 0: another writer is refused naming that process."""
+    rank 0: another writer is refused naming that process. The launcher (``lioncub launch`` by
+    ``cli.main``) is a fork of the fork server, as in the test above; its rank a fresh interpreter, whose
+    command line the refusal names."""
     run = tmp_path / "J"
-    cmd = python_cmd("-m", "lioncub", "launch", "--nproc", "1", "--", "-m", "lioncub.cli", "train", *RUN,
-                     "--steps", "400", "--checkpoint-every", "0", "--out", str(run))  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    argv = ["launch", "--nproc", "1", "--", "-m", "lioncub.cli", "train", *RUN, "--steps", "400",
+            "--checkpoint-every", "0", "--out", str(run)]  # fmt: skip
+    driver = background.Spawned(_driver, 1, args=(argv,), timeout=120)  # the launcher: `lioncub ARGV`
+    driver.start()
+    proc = driver.procs[0]
     try:
-        _wait_for_a_step(run / "log.jsonl", lambda: proc.poll() is None)
+        _wait_for_a_step(run / "log.jsonl", proc.is_alive)
         rc, err = run_cli(["train", *RUN, "--out", str(run), "--resume"])
         assert rc == 2 and "is in use by process" in err and "lioncub.cli train" in err, err
         assert f"process {proc.pid} " not in err  # not the launcher: its rank 0
+        assert proc.pid is not None
+        os.kill(proc.pid, signal.SIGTERM)  # the launcher stops its rank
+        proc.join(20)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(20)
-        proc.kill()
+        driver.cleanup()
 
 
 @contextlib.contextmanager

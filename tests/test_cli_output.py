@@ -25,7 +25,7 @@ from rich.console import Console
 import background
 import compare_runs
 from lioncub import cli
-from lioncub.launch.preload import Zygote, shared_env
+from lioncub.launch.preload import Zygote, lease, shared_env
 from lioncub.report import runs as rp
 from lioncub.train.config import TrainConfig
 from lioncub.units import parse_rate
@@ -232,15 +232,21 @@ sys.exit(0)
 """
 
 
-@pytest.fixture(scope="module")
-def rank_zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote]:
-    """An interpreter that imported ``lioncub.train.rank`` (and torch), which the interrupted ranks below
-    are forked from, as ``lioncub train`` forks its ranks (``lioncub.launch.preload``): one import of torch
-    for the three of them, not one each (~2.7 s of CPU)."""
-    zygote = Zygote(PY, ("lioncub.train.rank",), shared_env([os.environ]), str(tmp_path_factory.mktemp("z")))
-    zygote.start()
-    yield zygote
-    zygote.close()
+@pytest.fixture
+def rank_zygote() -> Iterator[Zygote]:
+    """The zygote that ``lioncub train``'s launches in this process fork their ranks from (torch and the
+    training loop imported): :func:`lioncub.launch.preload.lease` of a plain launch's modules, directory and
+    shared environment, held for the test. The interrupted ranks below are forked as ``lioncub train``'s
+    are, and share one import of torch (~3 s of CPU) with each other and with the suite's launches before
+    and after them (test_train.py's, which run before this module's tests)."""
+    from lioncub.launch.environment import rank_env
+    from lioncub.train.driver import RANK_MODULE, make_launch_config
+
+    config = TrainConfig.from_values({"device": "cpu"})  # forked on a machine with a GPU too
+    launch = make_launch_config(config, [PY, "-m", RANK_MODULE, "."], None)
+    env = rank_env(0, 1, master_addr="127.0.0.1", master_port=0, ifname="lo", launch_id="", extra=launch.env)
+    with lease(shared_env([env]), os.getcwd(), launch.preload) as zygote:
+        yield zygote
 
 
 def _interrupted(zygote: Zygote, code: str, sig: signal.Signals, cwd: Path) -> tuple[int, str]:

@@ -155,15 +155,31 @@ def _whole_grads(params: list[nn.Parameter], group: dist.ProcessGroup) -> list[t
     return out
 
 
+def _restart(models: tuple[nn.Module, ...], initial: list[list[torch.Tensor]]) -> None:
+    """The models back to their values when built (``initial``: each one's, the sharded model's local
+    shards as FSDP2 cut them), without gradients."""
+    with torch.no_grad():
+        for model, values in zip(models, initial, strict=True):
+            for p, value in zip(model.parameters(), values, strict=True):
+                (p.to_local() if isinstance(p, DTensor) else p).copy_(value)
+                p.grad = None
+
+
 def worker_parity(rank: int, world: int, cases: list[tuple[str, dict[str, Any]]], steps: int) -> list[str]:
     """The sharded vote (FSDP2) and DDP inside the shard dimension (plain parameters, each rank voting
     on its share of whole tensors) against the unsharded vote of the two replicas' mean gradients;
     ``steps`` steps per case, or the case's own ``"steps"``."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=SHARD_DIMS)
     replica, shard = mesh["replicate"].get_local_rank(), mesh["shard"].get_local_rank()
+    # the three models are built (and FSDP2 initialised) once, each case starting from their initial values
+    models = model, whole, plain = _sharded(mesh), _model(), _model()
+    initial = [
+        [(p.to_local() if isinstance(p, DTensor) else p).detach().clone() for p in m.parameters()]
+        for m in models
+    ]
     bad: list[str] = []
     for name, options in cases:
-        model, whole, plain = _sharded(mesh), _model(), _model()
+        _restart(models, initial)
         kwargs = dict(lr=0.01, weight_decay=0.1, **options)
         nan_at, reload_at = kwargs.pop("nan_at", None), kwargs.pop("reload_at", None)
         case_steps = kwargs.pop("steps", steps)

@@ -367,10 +367,8 @@ BACKGROUND = {
 @pytest.mark.slow
 @pytest.mark.background("torchruns")
 def test_killed_rank_under_torchrun_max_restarts_bitwise(uninterrupted: Path) -> None:
-    proc = background.result("torchruns", BACKGROUND["torchruns"])
-    path = background.workdir("torchruns") / "runs.json"
-    assert path.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    done = json.loads(path.read_text())["kill"]
+    codes = background.result("torchruns", BACKGROUND["torchruns"])
+    done = torchrun_runs.runs(background.workdir("torchruns"), codes)["kill"]
     out = background.workdir("torchruns") / "torchrun"
     assert done["rc"] == 0, done["output"][-3000:]
     # torchrun saw rank 1 die of SIGKILL, then restarted

@@ -8,7 +8,6 @@ The mesh shapes on gloo ranks (``("replicate", "shard")`` on FSDP2's shards and 
 
 from __future__ import annotations
 
-import json
 import sys
 import warnings
 from pathlib import Path
@@ -202,10 +201,8 @@ BACKGROUND = {"torchruns": torchrun_runs.job}
 @pytest.mark.slow
 @pytest.mark.background("torchruns")
 def test_torchrun_without_init_process_group_fails_on_every_rank() -> None:
-    proc = background.result("torchruns", BACKGROUND["torchruns"])
-    path = background.workdir("torchruns") / "runs.json"
-    assert path.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    done = json.loads(path.read_text())["forgot_init"]
+    codes = background.result("torchruns", BACKGROUND["torchruns"])
+    done = torchrun_runs.runs(background.workdir("torchruns"), codes)["forgot_init"]
     out = done["output"]
     assert done["rc"] != 0 and "trained alone" not in out, out[-3000:]
     for rank in (0, 1):

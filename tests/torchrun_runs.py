@@ -1,5 +1,7 @@
 """The suite's two torchrun jobs, one after the other in ONE interpreter (torchrun's agent imported once:
-``torch.distributed.run.main``), started in the background when collection ends (tests/background.py):
+``torch.distributed.run.main``), started in the background when collection ends (tests/background.py) as
+:func:`in_job` in a fork of the tests' fork server (``background.Spawned``: torch already imported, the
+agent's interpreter imports it no more); by hand:
 
     python tests/torchrun_runs.py OUT
 
@@ -18,7 +20,7 @@ torchrun reports and tests/test_reliability.py checks. The restart resumes from 
 ranks are forks or fresh interpreters: a fork has nothing of the first attempt. None of the 6 ranks imports
 torch (~3.5 CPU-s each). ``OUT/runs.json`` holds each job's exit status (1 where torchrun
 raised) and what it printed on file descriptors 1 and 2 (the agent's and its workers'); the exit status is
-0 once both have run.
+0 once both have run (:func:`runs` reads it).
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import processes
 
@@ -63,15 +66,32 @@ print("trained alone", flush=True)
 KILLED = "1:5"
 
 
-def job() -> background.Subprocess:
-    """The background job ``torchruns`` (tests/test_reliability.py, tests/test_topology.py)."""
+def job() -> background.Spawned:
+    """The background job ``torchruns`` (tests/test_reliability.py, tests/test_topology.py): :func:`in_job`
+    in one fork of the fork server; its tests read :func:`runs`."""
     import background  # the tests' modules: not needed where this file runs the jobs
 
-    from processes import python_cmd
+    return background.Spawned(in_job, 1, timeout=300)
 
-    return background.Subprocess(
-        lambda workdir: python_cmd(__file__, str(workdir)), 300, {**os.environ, "OMP_NUM_THREADS": "1"}
-    )
+
+def in_job(rank: int, world: int, workdir: Path) -> None:
+    """``background.Spawned``'s target: :func:`main` into the job's ``workdir`` with ``OMP_NUM_THREADS=1``
+    (as the job's interpreter had it); an exception's traceback goes to ``workdir/error`` (exit 1)."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        main(workdir)
+    except BaseException:
+        (workdir / "error").write_text(traceback.format_exc())
+        raise SystemExit(1) from None
+
+
+def runs(workdir: Path, codes: list[int | None]) -> dict[str, dict[str, Any]]:
+    """``runs.json`` of the job that ended with exit codes ``codes`` in ``workdir``: each job's ``rc`` and
+    ``output``; an AssertionError with the job's traceback where it wrote none."""
+    path, error = workdir / "runs.json", workdir / "error"
+    why = error.read_text()[-3000:] if error.exists() else "no traceback"
+    assert path.exists(), f"the torchruns job exited with {codes} and wrote no runs.json: {why}"
+    return json.loads(path.read_text())
 
 
 def torchruns(out: Path, relay: WorkerRelay) -> dict[str, list[str]]:
@@ -112,8 +132,9 @@ def main(out: Path) -> int:
     os.chdir(Path(__file__).resolve().parents[1])  # the repository: the ranks run ``-m tests.kill_rank``
     zygote = lease(shared_env([dict(os.environ)]), os.getcwd(), (*MODULES, "lioncub.train.loop"))
     with zygote as forks, WorkerRelay(forks, str(out), [None]) as relay:
-        runs = {name: _torchrun(argv) for name, argv in torchruns(out, relay).items()}
-    (out / "runs.json").write_text(json.dumps(runs, indent=1))
+        done = {name: _torchrun(argv) for name, argv in torchruns(out, relay).items()}
+    forks.close()  # now: a forked job (in_job) ends without running atexit, which closes it in a script
+    (out / "runs.json").write_text(json.dumps(done, indent=1))
     return 0
 
 

@@ -209,7 +209,9 @@ def _host(workdir: Path, settings: dict[str, int] | None, ranks: int) -> None:
 def _hosted(
     rank: int, world: int, workdir: Path, settings: dict[str, int] | None, fn: Any, args: tuple
 ) -> None:
-    """A background job's rank (``background.Spawned``): rank ``world - 1`` hosts the lighthouse
+    """A scenario's rank (a fork of :func:`_run_scenarios`' process, which imported what ``fn`` imports:
+    the ranks start ``fn`` together, as the pool's warm workers do; a rank still importing torchft when
+    another asks for the first quorum is left out of it): rank ``world - 1`` hosts the lighthouse
     (:func:`_host`; its failure to ``workdir/host.pt``); ranks ``0 .. world - 2`` join a gloo group of
     their own (as ``run_workers``' ranks) and write ``{"ok": fn(rank, world - 1, address, *args)}`` (or
     ``{"error": traceback}``) to ``workdir/rank{rank}.pt``."""
@@ -226,13 +228,6 @@ def _hosted(
         return
     out = workdir / f"rank{rank}.pt"
     try:
-        # what fn imports, before the barrier: the ranks start fn together, as the pool's warm workers do
-        # (a rank still importing torchft when another asks for the first quorum is left out of it)
-        import torchft.checkpointing
-        import torchft.local_sgd  # noqa: F401
-
-        import lioncub.integrations.torchft  # noqa: F401
-
         deadline = time.monotonic() + 60
         while not address.exists():
             if time.monotonic() > deadline:
@@ -252,26 +247,107 @@ def _hosted(
         torch.save({"error": traceback.format_exc()}, out)
 
 
-def _hosted_job(settings: dict[str, int] | None, fn: Any, n: int, *args: Any) -> background.Spawned | None:
-    """``fn(rank, n, lighthouse, *args)`` on ``n`` ranks beside a lighthouse of ``settings``, in the
-    background (:func:`_hosted`; None without torchft)."""
+#: seconds a scenario's ranks may run; then they and the lighthouse's host are SIGKILLed
+SCENARIO_TIMEOUT_S = 120.0
+
+
+def _fork(target: Any, *args: Any) -> int:
+    """``target(*args)`` in a fork of this process (exit code 0 once it returned, 1 if it raised); its
+    pid."""
+    import os
+    import sys
+    import traceback
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        target(*args)
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _reap(pids: list[int], wait_for: int, timeout_s: float) -> list[int | None]:
+    """The exit codes of the forks ``pids`` once the first ``wait_for`` have exited (within ``timeout_s``);
+    the forks still running then are SIGKILLed, their code None."""
+    import os
+    import signal
+
+    codes: list[int | None] = [None] * len(pids)
+    deadline = time.monotonic() + timeout_s
+    while any(c is None for c in codes[:wait_for]) and time.monotonic() < deadline:
+        for i, pid in enumerate(pids):
+            if codes[i] is None and (status := os.waitpid(pid, os.WNOHANG))[0]:
+                codes[i] = os.waitstatus_to_exitcode(status[1])
+        time.sleep(0.02)
+    for i, pid in enumerate(pids):
+        if codes[i] is None and not os.waitpid(pid, os.WNOHANG)[0]:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    return codes
+
+
+def _run_scenarios(rank: int, world: int, workdir: Path, names: tuple[str, ...]) -> None:
+    """A background job of :data:`JOBS` (``background.Spawned``, one process): its scenarios (``names``, of
+    :func:`_scenarios`) in turn, each on ranks forked from this process (:func:`_hosted`), which imported
+    torchft and lioncub once for all of them (a fork of the worker pool's fork server has torch; a job of
+    its own per scenario imported them in each of its ranks again). A scenario's exit codes (None: still
+    running after :data:`SCENARIO_TIMEOUT_S`, killed), the lighthouse's host's last, in
+    ``workdir/NAME/codes.json``."""
+    import json
+
+    import torchft.checkpointing
+    import torchft.coordination
+    import torchft.local_sgd  # noqa: F401
+
+    import lioncub.integrations.torchft  # noqa: F401
+
+    scenarios = _scenarios(workdir)
+    for name in names:
+        settings, fn, n, args = scenarios[name]
+        run_dir = workdir / name
+        run_dir.mkdir()
+        pids = [_fork(_hosted, r, n + 1, run_dir, settings, fn, args) for r in range(n + 1)]
+        codes = _reap(pids, n, SCENARIO_TIMEOUT_S)
+        (run_dir / "codes.json").write_text(json.dumps(codes))
+
+
+def _hosted_job(key: str) -> background.Spawned | None:
+    """Job ``key`` of :data:`JOBS`: :func:`_run_scenarios` in the background (None without torchft)."""
     import importlib.util
 
     if importlib.util.find_spec("torchft") is None:
         return None
-    return background.Spawned(_hosted, n + 1, (settings, fn, args), timeout=120.0, wait_for=range(n))
+    return background.Spawned(_run_scenarios, 1, (JOBS[key],), timeout=300.0)
 
 
-def _hosted_results(key: str) -> list:
-    """What each rank of job ``key`` returned; a rank's failure re-raised here, with its traceback."""
+def _hosted_results(name: str) -> list:
+    """What each rank of scenario ``name`` returned; a rank's failure re-raised here, with its traceback."""
+    import json
+
     pytest.importorskip("torchft", reason="torchft is not installed: the ft extra, docs/install.md")
-    codes = background.result(key, BACKGROUND[key])
-    host = background.workdir(key) / "host.pt"
+    key = next(k for k, names in JOBS.items() if name in names)
+    (job,) = background.result(key, BACKGROUND[key])
+    run_dir = background.workdir(key) / name
+    if not (run_dir / "codes.json").exists():
+        raise AssertionError(
+            f"scenario {name} did not end: the job's exit code {job} (None: killed at 300 s)"
+        )
+    codes = json.loads((run_dir / "codes.json").read_text())
+    host = run_dir / "host.pt"
     errors: list[str] = []
     if host.exists():
         errors.append(f"the lighthouse's host failed:\n{torch.load(host)['error']}")
-    missing = "; None: still running at 120 s, killed"
-    results = read_results(background.workdir(key), len(codes) - 1, codes, errors, missing)
+    missing = f"; None: still running at {SCENARIO_TIMEOUT_S:g} s, killed"
+    results = read_results(run_dir, len(codes) - 1, codes, errors, missing)
     if errors:
         raise AssertionError("\n".join(errors))
     return results
@@ -403,13 +479,13 @@ def test_three_groups_without_failures_vote_as_three_ranks(variant: str, local_s
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "local_steps", [pytest.param(h, marks=pytest.mark.background(f"rejoin_{h}")) for h in (None, 4)]
+    "local_steps", [pytest.param(h, marks=pytest.mark.background("hosted_1")) for h in (None, 4)]
 )
 def test_a_group_that_leaves_and_rejoins_heals_and_the_replicas_agree(local_steps: int | None) -> None:
     """Group 1 leaves after step 8 and starts again (other initial values) 0.8 s later: the others go on
     with 2 participants, it heals from a live peer at a boundary and joins; at the end every group holds
     the same parameters, bit for bit, and the committed steps of the survivors are each step once."""
-    runs = _hosted_results(f"rejoin_{local_steps}")  # the job: BACKGROUND
+    runs = _hosted_results(f"rejoin_{local_steps}")  # 3 groups, 40 steps: _scenarios
     for r in (1, 2):
         for i, (a, b) in enumerate(zip(runs[0]["params"], runs[r]["params"], strict=True)):
             assert torch.equal(a, b), (r, i)
@@ -567,13 +643,13 @@ def test_groups_of_two_ranks_vote_as_two_ranks_of_their_mean_gradients(local_ste
 
 
 @pytest.mark.slow
-@pytest.mark.background("ranks_rejoin")
+@pytest.mark.background("hosted_1")
 def test_a_group_of_two_ranks_that_rejoins_heals_every_rank() -> None:
     """Group 1 (ranks 2, 3) leaves after step 6 and starts again 1.5 s later with other parameters (the
     lighthouse drops it after 1 s without heartbeats): group 0 goes on
     alone, group 1's ranks heal (each its share from its peer rank, then the shares in the group) and
     every rank of both groups ends bitwise equal."""
-    runs = _hosted_results("ranks_rejoin")  # 4 ranks, 48 steps, {"rejoin": (1, 6, 1.5)}: BACKGROUND
+    runs = _hosted_results("ranks_rejoin")  # 4 ranks, 48 steps, {"rejoin": (1, 6, 1.5)}: _scenarios
     for r in (1, 2, 3):
         for i, (a, b) in enumerate(zip(runs[0]["params"], runs[r]["params"], strict=True)):
             assert torch.equal(a, b), (r, i)
@@ -671,19 +747,19 @@ def _lives(log: list[dict]) -> list[list[int]]:
     return lives
 
 
-def _groups_job(n: int, min_groups: int, steps: int, plan: dict) -> background.Spawned | None:
-    """``n`` replica groups of :func:`_group_run` (1-bit, ``steps`` steps, ``plan``) on a lighthouse of a
-    quorum of ``min_groups``, in the background."""
-    return _hosted_job(_settings(min_groups), _group_run, n, "1bit", steps, None, plan)
+def _groups(n: int, min_groups: int, steps: int, plan: dict) -> tuple:
+    """The scenario of ``n`` replica groups of :func:`_group_run` (1-bit, ``steps`` steps, ``plan``) on a
+    lighthouse of a quorum of ``min_groups``."""
+    return _settings(min_groups), _group_run, n, ("1bit", steps, None, plan)
 
 
 @pytest.mark.slow
-@pytest.mark.background("killed")
+@pytest.mark.background("hosted_1")
 def test_a_group_killed_during_the_exchange_is_applied_nowhere() -> None:
     """Group 1 dies in the middle of the vote's all-to-all at step 6: the survivors' exchange fails, each
     puts its snapshot back (step 6 applied nowhere), and step 6 runs again with the next quorum, of 2; the
     survivors end bitwise equal, each step once."""
-    runs = _hosted_results("killed")  # _groups_job(3, 2, 16, {"abort": (1, 6), "timeout_s": 2})
+    runs = _hosted_results("killed")  # _groups(3, 2, 16, {"abort": (1, 6), "timeout_s": 2})
     assert runs[1]["killed"] == 6
     for r in (0, 2):
         assert _lives(runs[r]["log"]) == [list(range(16))], r
@@ -694,11 +770,11 @@ def test_a_group_killed_during_the_exchange_is_applied_nowhere() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.background("two_lost")
+@pytest.mark.background("hosted_2")
 def test_two_groups_lost_at_once() -> None:
     """Groups 1 and 3 of 4 leave together at step 6: the other two go on with 2 participants, bitwise
     equal, each step once."""
-    runs = _hosted_results("two_lost")  # _groups_job(4, 1, 16, {"stop": {1: 6, 3: 6}, "timeout_s": 2})
+    runs = _hosted_results("two_lost")  # _groups(4, 1, 16, {"stop": {1: 6, 3: 6}, "timeout_s": 2})
     for r in (0, 2):
         assert _lives(runs[r]["log"]) == [list(range(16))], r
         ns = [e["n"] for e in runs[r]["log"] if "step" in e and e["ok"]]
@@ -708,11 +784,11 @@ def test_two_groups_lost_at_once() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.background("other_settings")
+@pytest.mark.background("hosted_2")
 def test_a_group_with_other_settings_is_refused_and_the_others_go_on() -> None:
     """Group 2 starts with other betas: it is refused when it heals (at the first quorum), with a message
     naming the setting; groups 0 and 1 train on, bitwise equal."""
-    runs = _hosted_results("other_settings")  # _groups_job(3, 2, 12, {"betas": {2: (0.8, 0.99)}, ...})
+    runs = _hosted_results("other_settings")  # _groups(3, 2, 12, {"betas": {2: (0.8, 0.99)}, ...})
     assert "SettingsMismatchError" in runs[2]["error"] and "betas" in runs[2]["error"], runs[2]["error"]
     assert "(0.8, 0.99)" in runs[2]["error"] and "(0.9, 0.99)" in runs[2]["error"], runs[2]["error"]
     for r in (0, 1):
@@ -729,23 +805,14 @@ def _lighthouse_lost(rank: int, world_size: int, lighthouse: str, stepping: str)
     return {**run, "elapsed_s": time.monotonic() - started}
 
 
-def _lighthouse_lost_job() -> background.Spawned | None:
-    """Groups 0 and 1 of :func:`_lighthouse_lost` beside lioncub's lighthouse program, SIGKILLed once group
-    0 stepped (:func:`_host`), in the background."""
-    job = _hosted_job(None, _lighthouse_lost, 2)
-    if job is not None:  # the file that group 0 creates is in the job's own directory
-        job.args = (None, _lighthouse_lost, (str(job.workdir / "stepping"),))
-    return job
-
-
 @pytest.mark.slow
-@pytest.mark.background("lighthouse_lost")
+@pytest.mark.background("hosted_2")
 def test_the_lighthouse_lost_is_a_clear_error_within_the_quorum_timeout() -> None:
     """The lighthouse (lioncub's lighthouse program: torchft's server, in a process of its own) is SIGKILLed
     once the groups train: every group's next quorum fails within its 2 s timeout with an error naming the
     group, the lighthouse and the timeout."""
-    runs = _hosted_results("lighthouse_lost")  # the job: _lighthouse_lost_job
-    url = (background.workdir("lighthouse_lost") / "lighthouse").read_text()
+    runs = _hosted_results("lighthouse_lost")  # groups 0 and 1 beside lioncub's lighthouse: _scenarios
+    url = (background.workdir("hosted_2") / "lighthouse_lost" / "lighthouse").read_text()
     assert url.startswith("http://localhost:"), url
     assert max(run["elapsed_s"] for run in runs) < 30
     for r, run in enumerate(runs):
@@ -805,13 +872,13 @@ def _docs_loop(rank: int, world_size: int, lighthouse: str, steps: int, restart_
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "restart_after", [pytest.param(k, marks=pytest.mark.background(f"docs_{k}")) for k in (None, 16)]
+    "restart_after", [pytest.param(k, marks=pytest.mark.background("hosted_2")) for k in (None, 16)]
 )
 def test_the_docs_loop_and_lighthouse_end_with_equal_replicas(restart_after: int | None) -> None:
     """Three groups run the docs' loop with the docs' lighthouse settings, without a failure and with group
     1 restarted from scratch after step 16 (it heals at the next window): every group's ``finish()`` agrees
     with all three, and their parameters are bitwise equal."""
-    runs = _hosted_results(f"docs_{restart_after}")  # 3 groups, 48 steps, DOCS_LIGHTHOUSE: BACKGROUND
+    runs = _hosted_results(f"docs_{restart_after}")  # 3 groups, 48 steps, DOCS_LIGHTHOUSE: _scenarios
     for r, run in enumerate(runs):
         agreement = run["agreement"]
         assert agreement.agrees and agreement.participants == 3, (r, agreement.describe())
@@ -823,20 +890,31 @@ def test_the_docs_loop_and_lighthouse_end_with_equal_replicas(restart_after: int
         assert runs[1]["heals"][-1].source in ("g0", "g2")
 
 
-#: started in the background when collection ends (tests/background.py), in the order of the tests: the
-#: multi-group runs that mostly wait (heartbeats, quorums, a group's pause before it rejoins), each on its
-#: own spawned ranks beside a process that hosts the lighthouse (:func:`_hosted`)
-BACKGROUND = {
-    **{
-        f"rejoin_{h}": lambda h=h: _hosted_job(
-            _settings(2), _group_run, 3, "1bit", 40, h, {"rejoin": (1, 8, 0.8)}
-        )
-        for h in (None, 4)
-    },
-    "ranks_rejoin": lambda: _hosted_job(_settings(1), _ranks_run, 4, 48, None, {"rejoin": (1, 6, 1.5)}),
-    "killed": lambda: _groups_job(3, 2, 16, {"abort": (1, 6), "timeout_s": 2}),
-    "two_lost": lambda: _groups_job(4, 1, 16, {"stop": {1: 6, 3: 6}, "timeout_s": 2}),
-    "other_settings": lambda: _groups_job(3, 2, 12, {"betas": {2: (0.8, 0.99)}, "timeout_s": 2}),
-    "lighthouse_lost": _lighthouse_lost_job,
-    **{f"docs_{k}": lambda k=k: _hosted_job(DOCS_LIGHTHOUSE, _docs_loop, 3, 48, k) for k in (None, 16)},
+def _scenarios(workdir: Path) -> dict[str, tuple[dict[str, int] | None, Any, int, tuple]]:
+    """The multi-group runs that mostly wait (heartbeats, quorums, a group's pause before it rejoins), in
+    the order of their tests: name -> (the lighthouse's settings, None for lioncub's lighthouse program;
+    ``fn``; its ranks; ``fn``'s arguments after the lighthouse's URL) of :func:`_hosted`. ``workdir``: the
+    job's directory (each scenario runs in ``workdir/NAME``)."""
+    return {
+        **{
+            f"rejoin_{h}": (_settings(2), _group_run, 3, ("1bit", 40, h, {"rejoin": (1, 8, 0.8)}))
+            for h in (None, 4)
+        },
+        "ranks_rejoin": (_settings(1), _ranks_run, 4, (48, None, {"rejoin": (1, 6, 1.5)})),
+        "killed": _groups(3, 2, 16, {"abort": (1, 6), "timeout_s": 2}),
+        "two_lost": _groups(4, 1, 16, {"stop": {1: 6, 3: 6}, "timeout_s": 2}),
+        "other_settings": _groups(3, 2, 12, {"betas": {2: (0.8, 0.99)}, "timeout_s": 2}),
+        # the file that group 0 creates once it stepped: the host then SIGKILLs the lighthouse (:func:`_host`)
+        "lighthouse_lost": (None, _lighthouse_lost, 2, (str(workdir / "lighthouse_lost" / "stepping"),)),
+        **{f"docs_{k}": (DOCS_LIGHTHOUSE, _docs_loop, 3, (48, k)) for k in (None, 16)},
+    }
+
+
+#: the background jobs (:func:`_run_scenarios`) and their scenarios (:func:`_scenarios`), in the order of the
+#: tests: two jobs, so that the first tests need not wait for the last scenarios
+JOBS = {
+    "hosted_1": ("rejoin_None", "rejoin_4", "ranks_rejoin", "killed"),
+    "hosted_2": ("two_lost", "other_settings", "lighthouse_lost", "docs_None", "docs_16"),
 }
+#: started in the background when collection ends (tests/background.py), in the order of the tests
+BACKGROUND = {key: lambda key=key: _hosted_job(key) for key in JOBS}

@@ -17,7 +17,11 @@ Each launch's exit code and output (stdout and stderr together) are in ``OUT/lau
 Then, in ``OUT/rundir``, tests/test_rundir.py's two runs (:data:`RUNDIR_RUNS`, ``lioncub train``):
 ``part``, a 1-rank run stopped at step 2 of 4; ``x``, a 2-rank run whose rank 1 SIGKILLs itself after the
 backward of step 2 (tests/kill_rank.py); each run's exit status and stderr in ``OUT/rundir/runs.json``.
-The exit status is 0 once all five have run.
+
+Last, in ``OUT/forked``, tests/test_launch.py's launches of ``python -c CODE`` ranks
+(``test_launch.forked_launches``), their ranks forked from the same zygote (:data:`PRELOAD`, the same
+environment and directory): ``NAME.pickle`` holds launch ``NAME``'s (result, stdout, stderr), or
+``NAME.error`` the traceback of the launcher's exception. The exit status is 0 once the first five have run.
 """
 
 from __future__ import annotations
@@ -25,9 +29,13 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import pickle
 import shutil
 import sys
+import traceback
 from pathlib import Path
+
+from lioncub.launch.preload import MODULES
 
 import processes
 
@@ -35,16 +43,16 @@ RUN = ["--workload", "gpt", "--size", "tiny", "--set", "batch_size=4", "--eval-e
 FINISHED = [*RUN, "--steps", "3", "--checkpoint-every", "1", "--diagnostics-every", "1"]
 #: the bytes of every file of the user's that the runs must leave alone
 THESIS = b"irreplaceable\n"
+#: what the zygote of every launch here imports: ``lioncub train``'s modules (lioncub.train.driver), which
+#: tests/compare_runs.py's comparisons before these launches forked their ranks from
+PRELOAD = (*MODULES, "lioncub.train.loop")
 
 
 def launch_argv(out: Path, *extra: str) -> list[str]:
     """``lioncub launch --nproc 2 --preload ... -- -m lioncub.cli train FINISHED --out OUT EXTRA``: the
     ranks (forks of one interpreter that imported torch and the training loop once) run ``lioncub train``."""
-    from lioncub.launch.preload import MODULES
-
-    preload = ",".join((*MODULES, "lioncub.train.loop"))
-    return ["launch", "--nproc", "2", "--preload", preload, "--", "-m", "lioncub.cli", "train", *FINISHED,
-            "--out", str(out), *extra]  # fmt: skip
+    return ["launch", "--nproc", "2", "--preload", ",".join(PRELOAD), "--", "-m", "lioncub.cli", "train",
+            *FINISHED, "--out", str(out), *extra]  # fmt: skip
 
 
 def _launch(argv: list[str]) -> dict[str, object]:
@@ -87,6 +95,24 @@ def rundir_runs(out: Path) -> None:
     (out / "runs.json").write_text(json.dumps(done))
 
 
+def forked_runs(out: Path) -> None:
+    """tests/test_launch.py's launches (``test_launch.forked_launches``, those behind shaped links only where
+    network namespaces can be built) into ``out``: ``NAME.pickle`` or ``NAME.error`` each."""
+    import test_launch
+    from emulated_network import netns_usable
+    from lioncub.launch import launch
+
+    out.mkdir()
+    for name, config in test_launch.forked_launches(PRELOAD, netns_usable()).items():
+        printed, errors = io.StringIO(), io.StringIO()
+        try:
+            result = launch(config, out=printed, err=errors)
+        except Exception:
+            (out / f"{name}.error").write_text(traceback.format_exc() + errors.getvalue())
+            continue
+        (out / f"{name}.pickle").write_bytes(pickle.dumps((result, printed.getvalue(), errors.getvalue())))
+
+
 def main(out: Path) -> int:
     launches = {"finished": _launch(launch_argv(out / "finished"))}
     if launches["finished"]["rc"] == 0:
@@ -99,6 +125,7 @@ def main(out: Path) -> int:
     (out / "launches.json").write_text(json.dumps(launches, indent=1))
     (out / "rundir").mkdir()
     rundir_runs(out / "rundir")
+    forked_runs(out / "forked")
     return 0 if len(launches) == 3 else 1
 
 

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 import background
-from emulated_network import assert_nothing_left, netns_usable, tcp_payload
+import compare_runs
+from emulated_network import assert_nothing_left, tcp_payload
 from lioncub.cli import launch as launch_cli
 from lioncub.launch import (
     EmulatedNetwork,
@@ -39,7 +40,7 @@ from lioncub.launch import (
 )
 from lioncub.optim.step_check import STEP_CHECK_WORDS
 
-from processes import PY, context, forked
+from processes import PY, context
 
 
 def _run(config: LaunchConfig):  # type: ignore[no-untyped-def]
@@ -259,46 +260,51 @@ t = torch.tensor(""",
 )
 
 
-def _forked_launches(rank: int, world: int, workdir: Path) -> None:
-    """The background job ``forked_launches``: every launch of :func:`forked` ranks of this module, in one
-    forked process, so that one zygote (torch imported once) forks every launch's ranks:
-    :data:`ALLREDUCE_AND_LISTENERS` on 3 ranks on loopback; where network namespaces can be built, also
-    :data:`TIMED_ALLREDUCE` behind :data:`LINK_RATE` links on 2, then on 4 ranks, and :data:`ONE_BIT_STEPS`
-    on 3 ranks behind 1 Gbit/s links. ``workdir/NAME.pickle`` holds each one's (result, stdout, stderr)."""
-    launches = {"loopback": LaunchConfig(**forked(ALLREDUCE_AND_LISTENERS), nproc=3, timeout_s=120)}
-    if netns_usable():
+def forked_launches(preload: tuple[str, ...], links: bool) -> dict[str, LaunchConfig]:
+    """Every launch of this module whose ranks are forked from a zygote (``python -c CODE`` ranks, the
+    zygote importing ``preload``), by name: :data:`ALLREDUCE_AND_LISTENERS` on 3 ranks on loopback; with
+    ``links`` (where network namespaces can be built), also :data:`TIMED_ALLREDUCE` behind
+    :data:`LINK_RATE` links on 2, then on 4 ranks, and :data:`ONE_BIT_STEPS` on 3 ranks behind 1 Gbit/s links.
+    tests/ownership_runs.py runs them in the background job ``compares``, with the modules of its
+    ``lioncub train`` launches: their zygote forks these ranks too (one import of torch for all)."""
+
+    def forked(code: str, nproc: int, link: float | None = None) -> LaunchConfig:
+        return LaunchConfig([PY, "-c", code], nproc=nproc, link_rate_bps=link, timeout_s=120, preload=preload)
+
+    launches = {"loopback": forked(ALLREDUCE_AND_LISTENERS, 3)}
+    if links:
         for n in (2, 4):
-            launches[f"links_{n}"] = LaunchConfig(
-                **forked(TIMED_ALLREDUCE), nproc=n, link_rate_bps=LINK_RATE, timeout_s=120
-            )
-        launches["one_bit"] = LaunchConfig(**forked(ONE_BIT_STEPS), nproc=3, link_rate_bps=1e9, timeout_s=120)
-    for name, config in launches.items():
-        (workdir / f"{name}.pickle").write_bytes(pickle.dumps(_run(config)))
+            launches[f"links_{n}"] = forked(TIMED_ALLREDUCE, n, LINK_RATE)
+        launches["one_bit"] = forked(ONE_BIT_STEPS, 3, 1e9)
+    return launches
 
 
 def _launched(name: str) -> tuple:
-    """(result, stdout, stderr) of launch ``name`` of the background job ``forked_launches``."""
-    codes = background.result("forked_launches", BACKGROUND["forked_launches"])
-    path = background.workdir("forked_launches") / f"{name}.pickle"
-    assert path.exists(), f"the job's process exited with {codes}"
-    return pickle.loads(path.read_bytes())
+    """(result, stdout, stderr) of launch ``name`` of :func:`forked_launches` (the background job
+    ``compares``, tests/ownership_runs.py)."""
+    proc = background.result("compares", BACKGROUND["compares"])
+    done = background.workdir("compares") / "launched" / "forked"
+    error = done / f"{name}.error"
+    assert not error.exists(), error.read_text()
+    assert (done / f"{name}.pickle").exists(), f"exit {proc.returncode}: {proc.stderr[-3000:]}"
+    return pickle.loads((done / f"{name}.pickle").read_bytes())
 
 
-#: tests/background.py's jobs of this module: the launches of ranks forked from a zygote that imported torch
-#: (the shaped links' launches, which mostly wait, only where network namespaces can be built)
-BACKGROUND = {"forked_launches": lambda: background.Spawned(_forked_launches, 1, timeout=240)}
+#: tests/background.py's job that runs :func:`forked_launches` (after the launches of other modules whose
+#: zygote forks their ranks too): tests/compare_runs.py's
+BACKGROUND = {"compares": compare_runs.job}
 
 
 @pytest.fixture(scope="module")
 def loopback_three_ranks() -> tuple:
-    """One launch of 3 ranks on loopback (in the background job ``forked_launches``) serves the two tests
+    """One launch of 3 ranks on loopback (in the background job ``compares``) serves the two tests
     below: (result, stdout, stderr)."""
     assert ALLREDUCE_AND_LISTENERS != ALLREDUCE
     return _launched("loopback")
 
 
 @pytest.mark.slow
-@pytest.mark.background("forked_launches")
+@pytest.mark.background("compares")
 def test_the_rendezvous_store_listens_on_loopback_only(loopback_three_ranks: tuple) -> None:
     result, out, err = loopback_three_ranks
     assert result.ok, err
@@ -308,7 +314,7 @@ def test_the_rendezvous_store_listens_on_loopback_only(loopback_three_ranks: tup
 
 
 @pytest.mark.slow
-@pytest.mark.background("forked_launches")
+@pytest.mark.background("compares")
 def test_loopback_allreduce_three_ranks(loopback_three_ranks: tuple) -> None:
     result, out, err = loopback_three_ranks
     assert result.ok, err
@@ -443,10 +449,10 @@ LINK_RATE = 100e6  # bits/s of the links of test_allreduce_over_100mbit_links_ma
 
 @pytest.mark.root
 @pytest.mark.slow
-@pytest.mark.background("forked_launches")
+@pytest.mark.background("compares")
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_allreduce_over_100mbit_links_matches_bandwidth(nproc: int) -> None:
-    """Launched in the background job ``forked_launches`` (its time is the shaped links')."""
+    """Launched in the background job ``compares`` (its time is the shaped links')."""
     rate = LINK_RATE
     result, out, err = _launched(f"links_{nproc}")
     assert result.ok, out + err
@@ -488,9 +494,9 @@ dist.destroy_process_group()
 
 @pytest.mark.root
 @pytest.mark.slow
-@pytest.mark.background("forked_launches")
+@pytest.mark.background("compares")
 def test_interface_counters_agree_with_the_optimizers_accounting() -> None:
-    """Launched in the background job ``forked_launches``: 3 ranks behind 1 Gbit/s links."""
+    """Launched in the background job ``compares``: 3 ranks behind 1 Gbit/s links."""
     nproc, d = 3, 4_000_003
     result, out, err = _launched("one_bit")
     assert result.ok, out + err

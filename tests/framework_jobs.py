@@ -1011,54 +1011,57 @@ def run_job(rank: int, world: int, workdir: Path, timeout: int, *frameworks: str
 BACKGROUND = {KEY: frameworks_job}
 
 
-#: what a job's ranks import besides torch (and lioncub): preloaded by the zygote of that framework's
-#: launches (below)
+#: what dynamo imports at its first trace (the ``compile`` scenarios of the Trainer and of accelerate): its
+#: context-parallel attention (with networkx, inductor's and functorch's modules) and the eager backend's
+#: module, ~0.45 CPU-s in each compiling rank (~0.1 left to them)
+COMPILE_MODULES = ("torch.distributed.tensor.experimental", "torch._dynamo.backends.debugging")
+#: what a framework's ranks import besides torch: the framework, lioncub's integration with it, what its
+#: scenarios load lazily (GPT-2's module for the Trainer's runs; dynamo's for ``compile``)
 FRAMEWORK_MODULES = {
-    "hf": ("transformers", "transformers.trainer", "accelerate"),
-    "accelerate": ("accelerate",),
-    "lightning": ("lightning.pytorch",),
-}
-#: the frameworks whose launches share one zygote, which preloads what each of them imports (one zygote
-#: importing transformers and lightning costs ~6.8 CPU-s, one for each ~6.6 and ~6.9); accelerate's keep
-#: one of their own (see :func:`run_sequences`)
-SHARED_ZYGOTE = ("hf", "lightning")
+    "hf": (
+        "transformers", "transformers.trainer", "transformers.models.gpt2.modeling_gpt2", "accelerate",
+        "lioncub.integrations.hf", *COMPILE_MODULES,
+    ),
+    "accelerate": ("accelerate", "lioncub.integrations.accelerate", *COMPILE_MODULES),
+    "lightning": ("lightning.pytorch", "lioncub.integrations.lightning"),
+}  # fmt: skip
+#: what every framework's ranks import: lioncub, its optimizer (``import lioncub`` alone loads it lazily,
+#: ~0.05 CPU-s in every rank) and the data module of the examples and the README's blocks
+COMMON_MODULES = ("lioncub", "lioncub.optim.lioncub", "lioncub.train.data")
 
 
-def preloaded(framework: str, frameworks: tuple[str, ...]) -> tuple[str, ...]:
-    """What the zygote of ``framework``'s launches imports when ``frameworks`` run: its own modules, with
-    those of the others of :data:`SHARED_ZYGOTE` that run too where it is one of them (the same tuple for
-    each of them, so consecutive sequences keep the zygote)."""
+def preloaded(frameworks: tuple[str, ...]) -> tuple[str, ...]:
+    """What the one zygote of every launch imports when ``frameworks`` run: what each of them imports
+    (:data:`FRAMEWORK_MODULES`) besides torch (``lioncub.launch.preload.MODULES``) and lioncub. One zygote
+    importing every framework costs ~7.5 CPU-s; a second one for accelerate's launches imported torch,
+    lioncub and accelerate again (~3.2 CPU-s)."""
     from lioncub.launch.preload import MODULES
 
-    shared = [f for f in SHARED_ZYGOTE if f in frameworks] if framework in SHARED_ZYGOTE else [framework]
-    return (*MODULES, "lioncub", *dict.fromkeys(m for f in shared for m in FRAMEWORK_MODULES[f]))
+    ours = (m for f in frameworks for m in FRAMEWORK_MODULES[f])
+    return tuple(dict.fromkeys([*MODULES, *COMMON_MODULES, *ours]))
 
 
 def run_sequences(out: str, timeout: str, *frameworks: str, output: TextIO | None = None) -> int:
     """``--sequences``: each framework's :data:`SEQUENCES` in turn, ``lioncub launch --nproc K -- -m
     framework_jobs NAME OUT/FRAMEWORK`` for each ``(NAME, K)`` (``NAME+NAME``: those scenario sets in one
     launch; ``... NAME OUT/FRAMEWORK SCENARIO`` for ``NAME/SCENARIO``: that scenario alone; a later job may
-    start from an earlier one's checkpoints), the
-    ranks of a framework's launches forked from one interpreter that imported torch, lioncub and that
-    framework once (``lioncub launch --preload``; a fresh interpreter per rank would import them again for
-    every rank of every job), Hugging Face's and Lightning's from one that imported both
-    (:func:`preloaded`); one runner for all (a runner per framework imported torch once more each).
-    Not one zygote for every framework: with lightning and transformers preloaded too, rank 1 of an
-    accelerate example hung in its teardown after ``end_training`` 3 times in ~210 launches (main()'s
-    locals released, a gloo thread waiting), in 0 of 60 each with accelerate's or Hugging Face's modules
-    alone; accelerate's keep the zygote its launches always had. That hang is not the big zygote's alone:
-    it was seen once with accelerate's own (example-2, a whole job on a machine at load ~9), a race in the
-    example's teardown that the 240 s launch timeout bounds.
+    start from an earlier one's checkpoints), every launch's ranks forked from one interpreter that
+    imported torch, lioncub and every framework that runs once (``lioncub launch --preload``,
+    :func:`preloaded`; a fresh interpreter per rank would import them again for every rank of every job),
+    and one runner for all (a runner per framework imported torch once more each).
+    The accelerate example's launches end through the interpreter's teardown (:data:`TEARDOWN`): once in
+    a while rank 0 of one hangs after its last step (in ``wait_for_everyone``/``end_training``), with
+    accelerate's own zygote as with every framework preloaded (3 times in ~210 launches with lightning
+    and transformers preloaded, once in ~12 with accelerate's alone); the 240 s launch timeout bounds it.
     Writes each framework's launches' exit codes to ``OUT/FRAMEWORK.codes.json``
     (:func:`sequence_results`), what they print to ``output`` (default stdout); fails if any launch
     failed."""
     from lioncub.launch import LaunchConfig, launch
 
     output = output or sys.stdout
-    failed = 0
+    failed, preload = 0, preloaded(frameworks)
     for framework in frameworks:
         print(f"== framework {framework}", file=output, flush=True)
-        preload = preloaded(framework, frameworks)
         codes = {}
         for spec, nproc in SEQUENCES[framework]:
             name, *only = spec.split("/")  # NAME or NAME/SCENARIO (that scenario alone)

@@ -33,12 +33,17 @@ from lioncub.optim.shards import SHARD_DIMS
 
 from processes import run_workers
 
-#: (name, LionCub options, k steps before the save, m after it, save inside ``shared_parameters()``)
+#: the options of the checkpoint saved in a window's middle (4 steps of h=3) that 2 × 1 ranks load
+RESHARDED = {"variant": "1bit", "local_steps": LocalSteps(h=3)}
+#: (name, LionCub options, k steps before the save, m after it, save inside ``shared_parameters()``); their
+#: checkpoints (``ROOT/case{i}``) are also what the refusals and the load onto other shards read
 CASES: list[tuple[str, dict[str, Any], int, int, bool]] = [
     ("1bit", {"variant": "1bit"}, 2, 2, False),
     ("8bit", {"variant": "8bit"}, 2, 2, False),
-    ("1bit local_steps h=3, saved after 4", {"variant": "1bit", "local_steps": LocalSteps(h=3)}, 4, 3, False),
+    ("1bit local_steps h=3, saved after 4", RESHARDED, 4, 3, False),
 ]
+#: the checkpoints of :data:`CASES` that other tests read: a 1-bit vote's, and one in a window's middle
+ONE_BIT, IN_WINDOW = "case0", "case2"
 SLOW_CASES: list[tuple[str, dict[str, Any], int, int, bool]] = [
     ("8bit qsgd", {"variant": resolve_variant("8bit", quantizer="qsgd")}, 2, 2, False),
     (
@@ -109,10 +114,24 @@ def _recipe() -> dict[str, Any]:
 _save, _load = _recipe()["save"], _recipe()["load"]
 
 
-def worker_resume(rank: int, world: int, cases: list[Any], root: str) -> list[str]:
+def _whole_state(model: nn.Module, opt: LionCub) -> dict[str, torch.Tensor]:
+    """Every replica's whole state (the rows of the ``DTensor`` s ``state_dict()`` gives), by parameter
+    name and key."""
+    names = [name for name, _ in model.named_parameters()]
+    return {
+        f"{names[i]} {key}": value.full_tensor()
+        for i, entry in opt.state_dict()["state"].items()
+        for key, value in entry.items()
+    }
+
+
+def worker_resume(rank: int, world: int, cases: list[Any], root: str, keep: str = "") -> dict[str, Any]:
+    """Each case saved to ``root/case{i}`` and resumed against the uninterrupted run: ``{"bad": what
+    differs, "saved": every replica's whole state when case ``keep`` was saved (rank 0; else None)}``."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=SHARD_DIMS)
     replica, shard = mesh["replicate"].get_local_rank(), mesh["shard"].get_local_rank()
     bad: list[str] = []
+    saved = None
     for case, (name, options, k, m, shared) in enumerate(cases):
         path = f"{root}/case{case}"
         kwargs = dict(lr=0.01, weight_decay=0.1, **options)
@@ -126,6 +145,9 @@ def worker_resume(rank: int, world: int, cases: list[Any], root: str) -> list[st
             _save(model, opt, path)
         if opt.global_step != k:
             bad.append(f"{name}: get_state_dict stepped the optimizer ({opt.global_step} steps, not {k})")
+        if f"case{case}" == keep:
+            whole = _whole_state(model, opt)
+            saved = whole if rank == 0 else None
         _train(model, opt, range(k, k + m), replica, shard)
         reference = _snapshot(model, opt)
 
@@ -140,14 +162,21 @@ def worker_resume(rank: int, world: int, cases: list[Any], root: str) -> list[st
             bad.append(f"{name}: state {sorted(set(got) ^ set(reference))} on one side only")
             continue
         bad += [f"{name}: {key}" for key in reference if not torch.equal(got.get(key), reference[key])]
-    return bad
+    return {"bad": bad, "saved": saved}
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    """:data:`CASES` saved and resumed (one run of 4 ranks): their checkpoints' folder and each rank's
+    :func:`worker_resume`."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    return root, run_workers(worker_resume, 4, CASES, str(root), IN_WINDOW, timeout=240)
 
 
 @pytest.mark.slow  # over 1 s: the quick loop (-m 'not slow') leaves it to the full suite
-def test_a_dcp_checkpoint_of_shards_resumes_bit_for_bit(tmp_path: Path) -> None:
+def test_a_dcp_checkpoint_of_shards_resumes_bit_for_bit(resumed: tuple[Path, list[dict[str, Any]]]) -> None:
     """1-bit, 8-bit and local steps in a window's middle (h=3, saved after step 4, the outer step at 6)."""
-    results = run_workers(worker_resume, 4, CASES, str(tmp_path), timeout=240)
-    assert [r for r in results if r] == []
+    assert [r["bad"] for r in resumed[1] if r["bad"]] == []
 
 
 @pytest.mark.slow
@@ -155,7 +184,7 @@ def test_a_dcp_checkpoint_of_shards_resumes_qsgd_shared_parameters_diloco_and_st
     """qsgd's generator, a save inside ``shared_parameters()`` (the model file holds θ_t), DiLoCo's outer
     buffer, and a save before the first step (the state exists from construction: no extra step)."""
     results = run_workers(worker_resume, 4, SLOW_CASES, str(tmp_path), timeout=240)
-    assert [r for r in results if r] == []
+    assert [r["bad"] for r in results if r["bad"]] == []
 
 
 def _message(make: Any) -> str:
@@ -167,15 +196,10 @@ def _message(make: Any) -> str:
 
 
 def worker_refusals(rank: int, world: int, root: str) -> dict[str, str]:
+    """Loads of :data:`CASES`' checkpoints in ``root`` (a 1-bit vote's after 2 steps; one of 1bit, h=3,
+    after 4 steps: a window's middle) that are refused."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=SHARD_DIMS)
-    replica, shard = mesh["replicate"].get_local_rank(), mesh["shard"].get_local_rank()
-    saved: dict[str, str] = {}
-    for name, options in [("1bit", {"variant": "1bit"}), ("local", {"variant": "1bit", "local_steps": 2})]:
-        model = _sharded(mesh)
-        opt = LionCub(model.parameters(), lr=0.01, process_group=mesh, **options)
-        _train(model, opt, range(1), replica, shard)
-        saved[name] = f"{root}/{name}"
-        _save(model, opt, saved[name])
+    saved = {"1bit": f"{root}/{ONE_BIT}", "local": f"{root}/{IN_WINDOW}"}
 
     def load(path: str, on: Any = mesh, **options: Any) -> None:
         model = _sharded(on)
@@ -188,7 +212,7 @@ def worker_refusals(rank: int, world: int, root: str) -> dict[str, str]:
         "other variant": _message(lambda: load(saved["1bit"], variant="8bit")),
         "local steps, loaded without": _message(lambda: load(saved["local"], variant="1bit")),
         "no local steps, loaded with": _message(lambda: load(saved["1bit"], variant="1bit", local_steps=2)),
-        "other h in the window": _message(lambda: load(saved["local"], variant="1bit", local_steps=3)),
+        "other h in the window": _message(lambda: load(saved["local"], variant="1bit", local_steps=2)),
         "4 replicas": _message(lambda: load(saved["1bit"], on=replicas, variant="1bit")),
         "whole parameters": _message(
             lambda: LionCub(plain.parameters(), process_group=mesh.get_group("replicate")).load_state_dict(
@@ -200,13 +224,15 @@ def worker_refusals(rank: int, world: int, root: str) -> dict[str, str]:
 
 
 @pytest.mark.slow  # over 1 s: the quick loop (-m 'not slow') leaves it to the full suite
-def test_a_checkpoint_of_other_settings_or_replicas_is_refused_naming_what_changed(tmp_path: Path) -> None:
-    (messages, *_) = run_workers(worker_refusals, 4, str(tmp_path), timeout=240)
+def test_a_checkpoint_of_other_settings_or_replicas_is_refused_naming_what_changed(
+    resumed: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    (messages, *_) = run_workers(worker_refusals, 4, str(resumed[0]), timeout=240)
     expected = {
         "other variant": ["written by variant='1bit', this optimizer is variant='8bit'"],
         "local steps, loaded without": ["saved with local steps", "local_steps=None"],
         "no local steps, loaded with": ["Missing key in checkpoint state_dict", "anchor"],
-        "other h in the window": ["h=2", "(now 3)"],
+        "other h in the window": ["saved at step 4", "h=3", "(now 2)"],
         "4 replicas": ["Size mismatch", "[2, 7, 13]", "[4, 7, 13]"],
         "whole parameters": ["saved by LionCub on FSDP2's shards"],
         "consolidate": ["torch.distributed.checkpoint"],
@@ -215,28 +241,6 @@ def test_a_checkpoint_of_other_settings_or_replicas_is_refused_naming_what_chang
     for case, parts in expected.items():
         for part in parts:
             assert part in messages[case], (case, messages[case])
-
-
-RESHARDED = {"variant": "1bit", "local_steps": LocalSteps(h=3)}
-
-
-def worker_save_for_reshard(rank: int, world: int, path: str) -> dict[str, Any] | None:
-    """2 replicas × 2 shards: 4 steps (a window of 3 in its middle), saved; every replica's whole state
-    (the rows of the saved ``DTensor`` s) from rank 0."""
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=SHARD_DIMS)
-    replica, shard = mesh["replicate"].get_local_rank(), mesh["shard"].get_local_rank()
-    model = _sharded(mesh)
-    opt = LionCub(model.parameters(), lr=0.01, weight_decay=0.1, process_group=mesh, **RESHARDED)
-    _train(model, opt, range(4), replica, shard)
-    _save(model, opt, path)
-    sd = opt.state_dict()
-    names = [name for name, _ in model.named_parameters()]
-    whole = {
-        f"{names[i]} {key}": value.full_tensor()
-        for i, entry in sd["state"].items()
-        for key, value in entry.items()
-    }
-    return whole if rank == 0 else None
 
 
 def worker_load_resharded(rank: int, world: int, path: str) -> tuple[int, dict[str, torch.Tensor], int]:
@@ -252,11 +256,13 @@ def worker_load_resharded(rank: int, world: int, path: str) -> tuple[int, dict[s
     return replica, loaded, step
 
 
-def test_a_dcp_checkpoint_of_shards_loads_onto_another_number_of_shards(tmp_path: Path) -> None:
-    """Saved by 2 replicas × 2 shards, loaded by 2 × 1 (each rank the whole model): every rank holds its
-    replica's saved parameters (the window's replica), momenta, anchors, outer momenta and flags."""
-    path = str(tmp_path / "checkpoint")
-    whole = run_workers(worker_save_for_reshard, 4, path, timeout=240)[0]
+def test_a_dcp_checkpoint_of_shards_loads_onto_another_number_of_shards(
+    resumed: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    """Saved by 2 replicas × 2 shards (4 steps, a window of 3 in its middle: :data:`CASES`' ``case2``),
+    loaded by 2 × 1 (each rank the whole model): every rank holds its replica's saved parameters (the
+    window's replica), momenta, anchors, outer momenta and flags."""
+    path, whole = str(resumed[0] / IN_WINDOW), resumed[1][0]["saved"]
     for replica, loaded, step in run_workers(worker_load_resharded, 2, path, timeout=240):
         assert step == 4
         expected = {}

@@ -15,6 +15,7 @@ import contextlib
 import gc
 import os
 import sys
+import time
 import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -100,9 +101,9 @@ def own_garbage() -> Iterator[None]:
     """The pooled worker's objects from before (torch's modules, earlier calls' leftovers) frozen for the
     while: a full collection then walks this call's objects only (over 0.2 s of CPU each when it also walks
     torch's). It still frees every unreachable cycle of them (one through a frozen object that is garbage
-    too would stay, and be counted alive: a failure, never a pass). Only for p2p exchanges: a native
-    collective's tensors are held by gloo's worker thread a moment after its wait returned, which
-    :func:`worker_dense_phases` leaves to the slower collection's 0.2 s."""
+    too would stay, and be counted alive: a failure, never a pass). A native collective's tensors are held
+    by gloo's worker thread a moment after its wait returned: :func:`worker_dense_phases` waits for them
+    (:func:`settled`)."""
     gc.freeze()
     try:
         yield
@@ -206,45 +207,62 @@ def test_dense_buffers_are_kept_only_without_a_caching_allocator() -> None:
         assert res["made"][1:] == [0, 0, 0], res["made"]  # nothing allocated after the first step
 
 
-def worker_dense_phases(rank: int, world: int, exchange: str) -> list[list[int]]:
-    """One :meth:`DenseMean.start` of d elements, phase by phase: the bytes of what it allocated that are
-    still alive after the post, after ``advance()`` (the reduce-scatter done, the all-gather posted) and
-    after the result was taken and dropped (p2p: under :func:`own_garbage`)."""
-    with own_garbage() if exchange == "p2p" else contextlib.nullcontext():
-        return _dense_phases(rank, exchange)
+#: elements of the phases test's exchange
+PHASE_D = 10_001
 
 
-def _dense_phases(rank: int, exchange: str) -> list[list[int]]:
-    vote = DenseMean(Comm(exchange=exchange), torch.float32)
-    vote.keep_buffers = False  # as on CUDA
-    d = 10_001
-    local = torch.randn(d, generator=torch.Generator().manual_seed(rank))
-    alive = []
-    with Allocations(min_numel=64) as allocations:
-        pending = vote.start(local, step=1)
-        let_go(vote.comm)
-        alive.append(allocations.alive_bytes())
-        pending.advance()
-        let_go(vote.comm)
-        alive.append(allocations.alive_bytes())
-        mean = pending.result().decode()
-        assert torch.isfinite(mean).all()
-        del mean, pending
-        let_go(vote.comm)
-        alive.append(allocations.alive_bytes())
-    return [alive, [d]]
+def phase_bytes(world: int) -> list[int]:
+    """The bytes :meth:`DenseMean.start` of :data:`PHASE_D` fp32 elements keeps alive after each phase on
+    ``world`` ranks: send and receive buffers (2 × N·⌈d/N⌉ fp32) while the reduce-scatter is in flight,
+    the slice and the all-gather's output once this rank's slice is summed, nothing after the result."""
+    padded = -(-PHASE_D // world) * world * 4
+    return [2 * padded, padded + padded // world, 0]
+
+
+def settled(allocations: Allocations, comm: Comm, bound: int | None) -> int:
+    """The bytes alive once the comm's finished works are let go (:func:`let_go`); ``bound`` (a native
+    exchange: gloo's worker thread lets go of a collective's tensors a moment after its wait returned):
+    polled every 5 ms until they are at most ``bound``, for 1 s at most. What is returned is what was
+    measured last, so a phase that keeps more than ``bound`` still fails the test, 1 s later."""
+    deadline = time.monotonic() + 1.0
+    while True:
+        let_go(comm)
+        alive = allocations.alive_bytes()
+        if bound is None or alive <= bound or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.005)
+
+
+def worker_dense_phases(rank: int, world: int, exchange: str) -> list[int]:
+    """One :meth:`DenseMean.start` of :data:`PHASE_D` elements, phase by phase, under :func:`own_garbage`:
+    the bytes of what it allocated that are still alive after the post, after ``advance()`` (the
+    reduce-scatter done, the all-gather posted) and after the result was taken and dropped (native: once
+    gloo's thread let go, :func:`settled`)."""
+    bounds = phase_bytes(world) if exchange == "native" else [None] * 3
+    with own_garbage():
+        vote = DenseMean(Comm(exchange=exchange), torch.float32)
+        vote.keep_buffers = False  # as on CUDA
+        local = torch.randn(PHASE_D, generator=torch.Generator().manual_seed(rank))
+        alive = []
+        with Allocations(min_numel=64) as allocations:
+            pending = vote.start(local, step=1)
+            alive.append(settled(allocations, vote.comm, bounds[0]))
+            pending.advance()
+            alive.append(settled(allocations, vote.comm, bounds[1]))
+            mean = pending.result().decode()
+            assert torch.isfinite(mean).all()
+            del mean, pending
+            alive.append(settled(allocations, vote.comm, bounds[2]))
+        return alive
 
 
 @pytest.mark.parametrize("exchange", ["p2p", "native"])
 def test_dense_exchange_frees_each_phase_when_done(exchange: str) -> None:
     """While the reduce-scatter is in flight: send and receive buffers (2 × N·⌈d/N⌉ fp32); once this
-    rank's slice is summed only the slice and the all-gather's output are alive; nothing after the result."""
-    world = 2
-    for alive, (d,) in run_workers(worker_dense_phases, world, exchange):
-        padded = -(-d // world) * world * 4
-        assert alive[0] == 2 * padded
-        assert alive[1] == padded + padded // world
-        assert alive[2] == 0
+    rank's slice is summed only the slice and the all-gather's output are alive; nothing after the result
+    (:func:`phase_bytes`)."""
+    for alive in run_workers(worker_dense_phases, 2, exchange):
+        assert alive == phase_bytes(2)
 
 
 # -- momentum sync ----------------------------------------------------------------------------------------

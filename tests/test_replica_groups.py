@@ -24,6 +24,9 @@ from lioncub.optim import PRESETS, Checks, LionCub
 from processes import python_cmd, read_results, run_workers
 
 STEPS = 4
+#: the steps of the runs on torchft's lighthouse without failures: two windows of H = 4 (a window's sync,
+#: then the steps after it from the synced anchors), every step a quorum with H = 1
+CLEAN_STEPS = 8
 
 
 def _params() -> list[torch.nn.Parameter]:
@@ -463,16 +466,16 @@ def _plain_run(rank: int, world_size: int, variant: str, steps: int, local_steps
 @pytest.mark.parametrize(("variant", "local_steps"), [("1bit", None), ("1bit", 4), ("8bit", None)])
 def test_three_groups_without_failures_vote_as_three_ranks(variant: str, local_steps: int | None) -> None:
     """Three replica groups on torchft's lighthouse, none lost: every step has 3 participants and commits,
-    and the parameters equal a plain 3-rank vote on the same gradients, bit for bit."""
+    and the parameters equal a plain 3-rank vote on the same gradients, bit for bit (:data:`CLEAN_STEPS`)."""
     lighthouse = _lighthouse(3)
     try:
-        runs = run_workers(_group_run, 3, lighthouse.address(), variant, 12, local_steps, {})
+        runs = run_workers(_group_run, 3, lighthouse.address(), variant, CLEAN_STEPS, local_steps, {})
     finally:
         lighthouse.shutdown()
-    plain = run_workers(_plain_run, 3, variant, 12, local_steps)
+    plain = run_workers(_plain_run, 3, variant, CLEAN_STEPS, local_steps)
     for r, run in enumerate(runs):
         steps = [e for e in run["log"] if "step" in e]  # (the others heal from group 0 at step 0)
-        assert [e["n"] for e in steps] == [3] * 12 and all(e["ok"] for e in steps), r
+        assert [e["n"] for e in steps] == [3] * CLEAN_STEPS and all(e["ok"] for e in steps), r
         for i, (a, b) in enumerate(zip(run["params"], plain[r], strict=True)):
             assert torch.equal(a, b), (r, i)
 
@@ -628,16 +631,17 @@ def test_share_owners_balance_whole_tensors_alike_everywhere() -> None:
 def test_groups_of_two_ranks_vote_as_two_ranks_of_their_mean_gradients(local_steps: int | None) -> None:
     """Two groups of two ranks, none lost: every step has 2 participants (the groups, not the ranks) and
     every rank ends with the parameters of a plain 2-rank vote whose rank g has group g's mean gradient,
-    bit for bit (each rank stepped and voted its share and received the rest from its group)."""
+    bit for bit (each rank stepped and voted its share and received the rest from its group;
+    :data:`CLEAN_STEPS`)."""
     lighthouse = _lighthouse(2)
     try:
-        runs = run_workers(_ranks_run, 4, lighthouse.address(), 12, local_steps, {})
+        runs = run_workers(_ranks_run, 4, lighthouse.address(), CLEAN_STEPS, local_steps, {})
     finally:
         lighthouse.shutdown()
-    plain = run_workers(_plain_groups_run, 2, 12, local_steps)
+    plain = run_workers(_plain_groups_run, 2, CLEAN_STEPS, local_steps)
     for r, run in enumerate(runs):
         steps = [e for e in run["log"] if "step" in e]
-        assert [e["n"] for e in steps] == [2] * 12 and all(e["ok"] for e in steps), r
+        assert [e["n"] for e in steps] == [2] * CLEAN_STEPS and all(e["ok"] for e in steps), r
         for i, (a, b) in enumerate(zip(run["params"], plain[r // 2], strict=True)):
             assert torch.equal(a, b), (r, i)
 

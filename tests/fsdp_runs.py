@@ -19,14 +19,17 @@ import sys
 from pathlib import Path
 
 NODES = ["--nnodes", "2", "--nproc-per-node", "2", "--link", "1gbit"]
-#: two windows of H = 4: the resume from step 6 (mid-window) trains step 7 and the outer step 8 from what the
-#: checkpoint of the shards restored; each step of the 4 ranks costs ~0.2 s of CPU
-STEPS = 8
-#: the one sharded run (each launch of 2 nodes costs ~15 s of the suite's CPU): local steps, H = 4, with a
-#: checkpoint every 6 steps (kept: 6, mid-window, and the last, 8); the per-step vote on shards is bit for bit
+#: local steps: windows of H
+H = 2
+#: two windows of H = 2: the resume from step 3 (mid-window, after the first window's outer step) trains
+#: step 4, an inner step and the outer step, from what the checkpoint of the shards restored; each step of
+#: the 4 ranks costs ~0.2 s of CPU
+STEPS = 4
+#: the one sharded run (each launch of 2 nodes costs ~15 s of the suite's CPU): local steps, H = 2, with a
+#: checkpoint every 3 steps (kept: 3, mid-window, and the last, 4); the per-step vote on shards is bit for bit
 #: the unsharded vote in tests/test_shards.py, the unsharded run's loss (within 1 %) and the HSDP baseline
 #: are measured by hand (BENCHMARKS.md), an unsharded rank's memory is a closed form (tests/test_train.py)
-RUN, EVERY, CHECKPOINT_AT = "1bit/h4+fsdp", 6, 6
+RUN, EVERY, CHECKPOINT_AT = f"1bit/h{H}+fsdp", 3, 3
 GPT = ["--workload", "gpt", "--size", "tiny", *NODES, "--no-progress"]
 
 
@@ -40,7 +43,7 @@ def commands(out: Path) -> list[list[str]]:
             "--variant",
             "1bit",
             "--local-steps",
-            "4",
+            str(H),
             "--fsdp",
             *GPT,
             "--steps",

@@ -111,8 +111,8 @@ def test_fsdp_runs_vote_between_nodes_on_shards() -> None:
     assert summary["config"]["cluster"]["fsdp"] is True and run_label(summary["config"]) == fsdp_runs.RUN
     for key in ("parameters", "gradients"):  # an unsharded rank holds 4·d bytes of each (tests/test_train.py)
         assert summary["memory"][key] <= 0.6 * 4 * d, (key, summary["memory"])
-    steps = _steps()  # a 1-bit vote of each rank's shard every 4 steps, FSDP2's traffic every step
-    assert [r["nic_bytes"] > 0 for r in steps] == [s % 4 == 0 for s in range(1, STEPS + 1)]
+    steps = _steps()  # a 1-bit vote of each rank's shard every H steps, FSDP2's traffic every step
+    assert [r["nic_bytes"] > 0 for r in steps] == [s % fsdp_runs.H == 0 for s in range(1, STEPS + 1)]
     for record in steps:
         assert record["intra_bytes"] == _fsdp_intra_bytes(model, 2)
         if record["nic_bytes"]:  # each rank's shard crosses its NIC: one vote per node (flat: about 2×)

@@ -308,6 +308,11 @@ def test_cost_predicts_with_both_measured_levels(tmp_path: Path, capsys: pytest.
     assert "predict with --nnodes M --nproc-per-node L" in capsys.readouterr().err
 
 
+#: the payloads (bytes) of the two-level calibration on loopback: its test checks the bytes each point
+#: moves, never its time (both rates are told), so 64 and 256 KiB (they were 1 and 4 MiB)
+TWO_LEVEL_SIZES = (1 << 16, 1 << 18)
+
+
 def worker_two_level_calibration(rank: int, world: int) -> dict:
     """2 nodes × 2 ranks on loopback, both levels' rates told (on a loaded CPU a loopback fit's slope can
     come out <= 0, so no level here depends on one; the unknown-rate path runs in the emulated test)."""
@@ -317,7 +322,7 @@ def worker_two_level_calibration(rank: int, world: int) -> dict:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local"))
     calib = calibrate(
-        [1 << 20, 4 << 20], 2, 1, ops=["allreduce_f32", "all_gather"], compute_numel=0, link_bps=1e9,
+        TWO_LEVEL_SIZES, 2, 1, ops=["allreduce_f32", "all_gather"], compute_numel=0, link_bps=1e9,
         nodes=mesh, intra_link_bps=8e9,
     )  # fmt: skip
     return calib.to_json()
@@ -333,7 +338,7 @@ def test_calibrate_measures_the_nic_and_the_node_separately() -> None:
     assert doc["network"]["bandwidth_Bps"] == 1e9 / 8  # the NIC's rate as told
     assert doc["intra_link_bps"] == 8e9 and doc["intra_network"]["bandwidth_Bps"] == 1e9
     for size, (nic, _), (node, _) in zip(
-        (1 << 20, 4 << 20),
+        TWO_LEVEL_SIZES,
         doc["per_op"]["allreduce_f32"]["points"],
         doc["intra_per_op"]["allreduce_f32"]["points"],
         strict=True,
@@ -341,17 +346,15 @@ def test_calibrate_measures_the_nic_and_the_node_separately() -> None:
         # ring over M = 2 nodes: 2·(M−1)/M·size per rank, the node's L = 2 rings share its NIC; inside: over L
         assert nic == 2 * size and node == size
     for size, (nic, _), (node, _) in zip(
-        (1 << 20, 4 << 20),
+        TWO_LEVEL_SIZES,
         doc["per_op"]["all_gather"]["points"],
         doc["intra_per_op"]["all_gather"]["points"],
         strict=True,
     ):
         assert nic == 2 * (size // 2) and node == size // 2  # (n−1)·size/n per rank, n = 2 at each level
-    for size, (flat, _) in zip(
-        (1 << 20, 4 << 20), doc["flat_per_op"]["allreduce_f32"]["points"], strict=True
-    ):
+    for size, (flat, _) in zip(TWO_LEVEL_SIZES, doc["flat_per_op"]["allreduce_f32"]["points"], strict=True):
         assert flat == 1.5 * size  # the 4-rank ring: 2·(N−1)/N·size through each NIC, once
-    for size, (flat, _) in zip((1 << 20, 4 << 20), doc["flat_per_op"]["all_gather"]["points"], strict=True):
+    for size, (flat, _) in zip(TWO_LEVEL_SIZES, doc["flat_per_op"]["all_gather"]["points"], strict=True):
         assert flat == pytest.approx(4 * (size // 4))  # L·(N−L) = 4 slices of size/N through a NIC
     calib = cm.calibration_from_json(doc)
     assert calib.cluster().n_workers == 4 and calib.intra is not None and calib.intra.bandwidth_Bps == 1e9

@@ -717,7 +717,7 @@ def main() -> int:
     warnings.simplefilter("ignore")
     faulthandler.enable(all_threads=True)  # SIGABRT (gpu_check.sh's time-out), SIGSEGV: every stack
     if args.dry_run:
-        gpu_path.interpreter_patches_once()  # the language patched once per launch (a fifth of the CPU)
+        gpu_path.interpreter_patches_once()  # the language patched once per process, not per launch
         gpu_path.interpreter_dtypes_once()  # each dtype's numpy dtype looked up once (5-10 %)
         device = torch.device("cpu")
         backend = "gloo"

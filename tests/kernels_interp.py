@@ -7,9 +7,10 @@ line per case: ``{"case": name, "ok": bool, "error": str, "seconds": float}``; c
 saves rank 0's results in FILE. A separate process, so that the interpreter setting never reaches the
 other test files: both test files take the records of one run of every case (:func:`job`, the
 background job ``kernels_interp``; imported, this module sets nothing). The interpreter patches
-``triton.language`` once per launch, not at every call of a kernel's helpers (``benchmarks/gpu_path.py``'s
-``interpreter_patches_once``, as gpu_check's dry run: the same kernels and programs, ~40 % less CPU), and
-looks up each dtype's numpy dtype once (``interpreter_dtypes_once``: 5-10 % less).
+``triton.language`` once per process, not at every launch and every call of a kernel's helpers
+(``benchmarks/gpu_path.py``'s ``interpreter_patches_once``, as gpu_check's dry run: the same kernels and
+programs; ~15 % less CPU than patching it at every launch), and looks up each dtype's numpy dtype once
+(``interpreter_dtypes_once``: 5-10 % less).
 """
 
 from __future__ import annotations

@@ -10,7 +10,10 @@ ends (tests/background.py); root only (network namespaces):
    (:data:`TWO_NODES`); ``OUT/two_nodes.json`` its exit status, stdout and stderr;
 3. ``OUT/wire.json``: 2 emulated nodes of 2 ranks behind 1 Gbit/s NICs run :data:`NODE_STEPS` (flat 1-bit
    LionCub) under ``lioncub.launch.launch``: ``ok``, ``launch_id``, each node's NIC ``tx_bytes`` as the
-   launcher counted them, and the launch's stdout and stderr.
+   launcher counted them, and the launch's stdout and stderr;
+4. ``OUT/failed_rank``: tests/test_nodes.py's launches of a rank that fails on a node, with fresh
+   interpreters then forked from a zygote of their own (``test_nodes.failed_rank_launches``): last, as
+   their zygote replaces the one of the launches before.
 
 The exit status is the number of parts that failed. One job instead of one per part: each interpreter of
 its own costs ~2.5 s of CPU, and each zygote of its own (which a launch whose modules or environment differ
@@ -168,10 +171,14 @@ def wire(out: Path) -> int:
 
 
 def main(out: Path) -> int:
+    import test_nodes
+
     (out / "fsdp").mkdir()
     failed = fsdp_runs.main(out / "fsdp") != 0
     failed += two_nodes(out) != 0
-    return failed + wire(out)
+    failed += wire(out)
+    test_nodes.failed_rank_launches(out / "failed_rank")
+    return failed
 
 
 if __name__ == "__main__":

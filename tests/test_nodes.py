@@ -19,7 +19,7 @@ import pytest
 
 import background
 import node_runs
-from emulated_network import assert_nothing_left, netns_usable, tcp_payload
+from emulated_network import assert_nothing_left, tcp_payload
 from lioncub.cli import launch as launch_cli
 from lioncub.cli import train as train_cli
 from lioncub.cli.options import config_from_args
@@ -311,9 +311,11 @@ def _failed_rank_path(workdir: Path, preload: tuple[str, ...]) -> Path:
     return workdir / f"{'-'.join(preload) or 'fresh'}.pickle"
 
 
-def _failed_rank_launches(rank: int, world: int, workdir: Path) -> None:
-    """The background job ``failed_rank``: :data:`FAILED_RANK` on 2 nodes of 2 ranks, with fresh interpreters
-    then forked from a zygote; ``workdir/<preload>.pickle`` holds each launch's result and stderr."""
+def failed_rank_launches(workdir: Path) -> None:
+    """:data:`FAILED_RANK` on 2 nodes of 2 ranks, with fresh interpreters then forked from a zygote (the
+    last launches of tests/node_runs.py's background job ``node_runs``); ``workdir/<preload>.pickle`` holds
+    each launch's result and stderr."""
+    workdir.mkdir()
     for preload in PRELOADS:
         out, err = io.StringIO(), io.StringIO()
         config = LaunchConfig([PY, "-c", FAILED_RANK], nnodes=2, nproc_per_node=2, link_rate_bps=1e8,
@@ -322,23 +324,18 @@ def _failed_rank_launches(rank: int, world: int, workdir: Path) -> None:
         _failed_rank_path(workdir, preload).write_bytes(pickle.dumps((result, err.getvalue())))
 
 
-def _failed_rank_job() -> background.Spawned | None:
-    """The background job ``failed_rank``: :func:`_failed_rank_launches` in one forked process; None
-    without the privileges to build network namespaces."""
-    return background.Spawned(_failed_rank_launches, 1, timeout=200) if netns_usable() else None
-
-
 @pytest.mark.root
 @pytest.mark.slow
-@pytest.mark.background("failed_rank")
+@pytest.mark.background("node_runs")
 @pytest.mark.parametrize("preload", PRELOADS, ids=["fresh", "forked"])
 def test_a_failed_rank_on_a_node_is_named_and_every_node_stops(preload: tuple[str, ...]) -> None:
     """Fresh interpreters, or torchrun's agents and ranks forked from a zygote (:mod:`lioncub.launch.workers`:
     the ranks' exit statuses reach torchrun through their shims; the other ranks are stopped through them).
-    Both launches run in the background job ``failed_rank`` (mostly waiting: torchruns' start, the stop)."""
-    codes = background.result("failed_rank", BACKGROUND["failed_rank"])
-    path = _failed_rank_path(background.workdir("failed_rank"), preload)
-    assert path.exists(), f"the job's ranks exited with {codes}"
+    Both launches run last in the background job ``node_runs`` (mostly waiting: torchruns' start, the
+    stop)."""
+    proc = background.result("node_runs", BACKGROUND["node_runs"])
+    path = _failed_rank_path(background.workdir("node_runs") / "failed_rank", preload)
+    assert path.exists(), proc.stdout[-2000:] + proc.stderr[-3000:]
     result, err = pickle.loads(path.read_bytes())
     assert (result.returncode, result.failed_rank, result.failed_node) == (3, 3, 1), err
     assert result.message == "rank 3 (node 1, local rank 1) exited with code 3"
@@ -349,14 +346,10 @@ def test_a_failed_rank_on_a_node_is_named_and_every_node_stops(preload: tuple[st
     assert_nothing_left(result.launch_id)
 
 
-#: the launches on emulated nodes (tests/node_runs.py: the wire bytes' launch, ``lioncub train`` on two nodes;
-#: shared with tests/test_fsdp_cli.py), one after another in one interpreter, started in the background when
-#: collection ends (tests/background.py); nothing to run without root. ``failed_rank``: the two launches of
-#: test_a_failed_rank_on_a_node_is_named_and_every_node_stops, one after the other in one forked process
-BACKGROUND = {
-    "node_runs": node_runs.job,
-    "failed_rank": _failed_rank_job,
-}
+#: the launches on emulated nodes (tests/node_runs.py: the wire bytes' launch, ``lioncub train`` on two nodes,
+#: the failed rank's two launches; shared with tests/test_fsdp_cli.py), one after another in one interpreter,
+#: started in the background when collection ends (tests/background.py); nothing to run without root
+BACKGROUND = {"node_runs": node_runs.job}
 
 
 @pytest.mark.root

@@ -93,11 +93,13 @@ def test_chunked_normalisation_equals_per_chunk_calls(chunk: int, name: str) -> 
 
 
 def test_qsgd_matches_definition_and_is_unbiased() -> None:
+    """4000 draws of x's levels from one call on 4000 copies of x: the copies have x's max |x| (the whole
+    tensor's normaliser), and each element's rounding is its own uniform draw, so each copy's levels are
+    one draw of x's (4000 calls of 5 elements took ~0.4 s of CPU)."""
     x = torch.tensor([0.5, -0.25, 0.1, 0.0, -1.0], dtype=torch.float64)
     s = 4
-    draws = torch.stack(
-        [Q.quantize_qsgd(x, s, generator=torch.Generator().manual_seed(i)) for i in range(4000)]
-    ).to(torch.float64)
+    copies = Q.quantize_qsgd(x.repeat(4000), s, generator=torch.Generator().manual_seed(0))
+    draws = copies.view(4000, x.numel()).to(torch.float64)
     # levels are floor or ceil of s|x|/max|x|
     rel = (s * x.abs() / x.abs().max()).numpy()
     mags = draws.abs().numpy()

@@ -124,21 +124,34 @@ def test_other_normalisations_halfway_levels(name: str, data: st.DataObject) -> 
     assert_levels(case, backends(case, name, **options))
 
 
+#: a group's values per dtype: any finite float64 that stays finite in the dtype (at most its largest
+#: value; the subnormal ones lifted to its smallest normal by the test), instead of any finite float64 and
+#: a rejection of those that overflow (~40 % of the draws were rejected)
+FINITE_VALUES = {
+    dtype: st.lists(
+        st.floats(-torch.finfo(dtype).max, torch.finfo(dtype).max, allow_subnormal=False),
+        min_size=1,
+        max_size=20,
+    )
+    for dtype in FLOATS
+}
+
+
 @settings_for(200)
 @given(
-    st.sampled_from(FLOATS),
-    st.sampled_from(["l1", "linf", "lp", "l0"]),
-    st.sampled_from([b for b in BUDGETS if b < 1000]),
-    st.lists(
-        st.floats(allow_nan=False, allow_infinity=False, allow_subnormal=False), min_size=1, max_size=20
+    st.sampled_from(["l1", "linf", "lp", "l0"]).flatmap(
+        lambda name: st.tuples(st.just(name), st.sampled_from(FLOATS if name != "l0" else FLOATS[:3]))
     ),
+    st.sampled_from([b for b in BUDGETS if b < 1000]),
+    st.data(),
 )
-def test_scalar_groups_land_on_s_over_k(dtype, name, s, values) -> None:
+def test_scalar_groups_land_on_s_over_k(name_dtype, s, data) -> None:
     """A group of one element (a scalar parameter, or chunk_size=1) has x / M = ±1 exactly: its level is
-    ``sign(x) · round(s / 2)``, half-way for every odd s."""
-    assume(not (name == "l0" and dtype == torch.float64))
-    x = torch.tensor(values, dtype=torch.float64).to(dtype)
-    assume(bool(torch.isfinite(x).all()))
+    ``sign(x) · round(s / 2)``, half-way for every odd s (L0 over float64 left out, as in
+    test_other_normalisations_halfway_levels)."""
+    name, dtype = name_dtype
+    x = torch.tensor(data.draw(FINITE_VALUES[dtype]), dtype=torch.float64).to(dtype)
+    assert bool(torch.isfinite(x).all())  # at most the dtype's largest value: rounds to a finite one
     tiny = torch.finfo(dtype).tiny
     x = torch.where(x.abs() < tiny, torch.full_like(x, tiny), x)  # normal, nonzero
     sign = np.sign(x.double().numpy())

@@ -255,12 +255,16 @@ SCENARIO_TIMEOUT_S = 120.0
 
 
 def _fork(target: Any, *args: Any) -> int:
-    """``target(*args)`` in a fork of this process (exit code 0 once it returned, 1 if it raised); its
+    """``target(*args)`` in a fork of this process (exit code 0 once it returned, 1 if it raised), which
+    gets SIGTERM if this process dies first (the job killed at its bound or at the session's end); its
     pid."""
     import os
     import sys
     import traceback
 
+    from lioncub.launch.supervisor import pdeathsig_setup
+
+    setup = pdeathsig_setup()
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
@@ -268,6 +272,8 @@ def _fork(target: Any, *args: Any) -> int:
         return pid
     code = 1
     try:
+        if setup is not None:
+            setup()
         target(*args)
         code = 0
     except BaseException:

@@ -18,10 +18,12 @@ Then, in ``OUT/rundir``, tests/test_rundir.py's two runs (:data:`RUNDIR_RUNS`, `
 ``part``, a 1-rank run stopped at step 2 of 4; ``x``, a 2-rank run whose rank 1 SIGKILLs itself after the
 backward of step 2 (tests/kill_rank.py); each run's exit status and stderr in ``OUT/rundir/runs.json``.
 
-Last, in ``OUT/forked``, tests/test_launch.py's launches of ``python -c CODE`` ranks
-(``test_launch.forked_launches``), their ranks forked from the same zygote (:data:`PRELOAD`, the same
-environment and directory): ``NAME.pickle`` holds launch ``NAME``'s (result, stdout, stderr), or
-``NAME.error`` the traceback of the launcher's exception. The exit status is 0 once the first five have run.
+Last, the launches of ``python -c CODE`` ranks of other modules, forked from the same zygote
+(:data:`PRELOAD`, the same environment and directory): in ``OUT/forked``, tests/test_launch.py's
+(``test_launch.forked_launches``; ``NAME.pickle`` holds launch ``NAME``'s (result, stdout, stderr), or
+``NAME.error`` the traceback of the launcher's exception); in ``OUT/draws``, tests/test_preload.py's
+(``test_preload.draw_runs``; ``OUT/draws.error`` the traceback if they raised). The exit status is 0 once
+the first five have run.
 """
 
 from __future__ import annotations
@@ -126,6 +128,12 @@ def main(out: Path) -> int:
     (out / "rundir").mkdir()
     rundir_runs(out / "rundir")
     forked_runs(out / "forked")
+    import test_preload
+
+    try:
+        test_preload.draw_runs(out / "draws", PRELOAD)
+    except Exception:
+        (out / "draws.error").write_text(traceback.format_exc())
     return 0 if len(launches) == 3 else 1
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 import background
+import compare_runs
 from emulated_network import assert_nothing_left
 from lioncub import cli
 from lioncub.launch import LaunchConfig, launch, preload
@@ -346,37 +347,39 @@ DRAWS = textwrap.dedent("""
 """)
 
 
-#: the runs of ``lioncub launch --nproc 2 --preload torch -- -m draws ARGS`` of the background job ``draws``:
+#: the runs of :data:`DRAWS` (``python -c DRAWS ARGS`` on 2 ranks forked from a zygote that imported torch):
 #: twice unseeded (the second from the same zygote), then seeded
 DRAW_RUNS: list[tuple[str, ...]] = [(), (), ("seeded",)]
 
 
-def _draw_runs(rank: int, world: int, workdir: Path) -> None:
-    """The background job ``draws``: :data:`DRAW_RUNS` by ``lioncub.cli.main`` in this forked process (the
-    launcher), in ``workdir``; run ``i``'s stdout and stderr in ``workdir/out<i>``, ``err<i>``, and its exit
-    status and the launcher's pid in ``workdir/rc<i>``."""
-    (workdir / "draws.py").write_text(DRAWS)
-    os.chdir(workdir)
+def draw_runs(workdir: Path, modules: tuple[str, ...]) -> None:
+    """:data:`DRAW_RUNS`, their ranks forked from a zygote importing ``modules`` (torch among them), by this
+    process: tests/ownership_runs.py runs them in the background job ``compares``, whose zygote (the same
+    modules, environment and directory) forked the ranks of the launches before. Run ``i``'s stdout and
+    stderr in ``workdir/out<i>``, ``err<i>``, its exit status and the launcher's pid in ``workdir/rc<i>``."""
+    assert "torch" in modules
+    workdir.mkdir()
     for i, args in enumerate(DRAW_RUNS):
-        with open(workdir / f"out{i}", "w") as out, open(workdir / f"err{i}", "w") as err:
-            os.dup2(out.fileno(), 1)
-            os.dup2(err.fileno(), 2)
-            rc = cli.main(["launch", "--nproc", "2", "--preload", "torch", "--", "-m", "draws", *args])
-            sys.stdout.flush()
-            sys.stderr.flush()
+        out, err = io.StringIO(), io.StringIO()
+        config = LaunchConfig([PY, "-c", DRAWS, *args], nproc=2, timeout_s=120, preload=modules)
+        rc = launch(config, out=out, err=err).returncode
+        (workdir / f"out{i}").write_text(out.getvalue())
+        (workdir / f"err{i}").write_text(err.getvalue())
         (workdir / f"rc{i}").write_text(f"{rc} {os.getpid()}")
 
 
-#: tests/background.py's jobs of this module: the launches of a zygote that imports torch (its start, the
-#: ranks' import of numpy)
-BACKGROUND = {"draws": lambda: background.Spawned(_draw_runs, 1, timeout=180)}
+#: tests/background.py's job that runs :func:`draw_runs` (after the launches of other modules whose zygote
+#: forks these ranks too): tests/compare_runs.py's
+BACKGROUND = {"compares": compare_runs.job}
 
 
 def _draws(i: int) -> list[dict]:
-    """What each rank of run ``i`` of :data:`DRAW_RUNS` drew, forked (the background job ``draws``)."""
-    codes = background.result("draws", BACKGROUND["draws"])
-    workdir = background.workdir("draws")
-    assert (workdir / f"rc{i}").exists(), f"the job's process exited with {codes}"
+    """What each rank of run ``i`` of :data:`DRAW_RUNS` drew, forked (the background job ``compares``)."""
+    proc = background.result("compares", BACKGROUND["compares"])
+    workdir = background.workdir("compares") / "launched" / "draws"
+    error = workdir.with_name("draws.error")
+    assert not error.exists(), error.read_text()
+    assert (workdir / f"rc{i}").exists(), f"exit {proc.returncode}: {proc.stderr[-3000:]}"
     rc, launcher = (int(v) for v in (workdir / f"rc{i}").read_text().split())
     out, err = (workdir / f"out{i}").read_text(), (workdir / f"err{i}").read_text()
     assert rc == 0, out + err
@@ -387,7 +390,7 @@ def _draws(i: int) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.background("draws")
+@pytest.mark.background("compares")
 def test_an_unseeded_script_draws_other_numbers_on_every_rank_and_run() -> None:
     import numpy
     import torch

@@ -37,7 +37,8 @@ section NAME raise at its end, after its work.
 interpreter (``TRITON_INTERPRET=1``; section 3's CPU reference on the C kernels, as beside a GPU: the
 two compared), gloo instead of NCCL, wall-clock timing (its numbers mean nothing);
 ``--ranks K`` adds section 3 on K CPU processes (with the CPU kernels: the interpreter ran it at N = 1),
-started with the check and run beside its other sections (GPU ranks start after them: the same GPUs).
+forks of the check (no Python to start per rank; GPU ranks are ``python gpu_path.py`` processes), started
+with the check and run beside its other sections (GPU ranks start after them: the same GPUs).
 Without CUDA and without ``--dry-run`` it says so and exits 2. Exit 1 when a correctness check or a
 section failed. The table printed last lists every measurement next to its target, and every section
 with its time and verdict.
@@ -51,7 +52,9 @@ import contextlib
 import datetime
 import faulthandler
 import functools
+import importlib
 import json
+import multiprocessing
 import os
 import signal
 import statistics
@@ -506,13 +509,58 @@ def bandwidth(device: torch.device, n: int, runs: int) -> None:
 # ------------------------------------------------------------------------------------ 3. the vote path
 
 
+class _ForkedRank:
+    """A dry run's CPU rank: a fork of this process (torch and ``torch._dynamo`` imported: no interpreter
+    to start, nothing to import again) running ``gpu_path.py``'s entry point (:func:`gpu_path.rank_main`)
+    with the arguments a GPU rank's command gets, its output into its log, without ``TRITON_INTERPRET``
+    (the CPU kernels); waited for and signalled as the ``subprocess.Popen`` of a GPU rank. Forked before
+    this process made a process group, before any section ran."""
+
+    def __init__(self, argv: list[str], log: IO[str]) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        ctx = multiprocessing.get_context("fork")
+        self.proc = ctx.Process(target=_forked_rank, args=(argv, log.fileno()), daemon=True)
+        self.proc.start()
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit code (``-N``: killed by signal N), None while it runs."""
+        return self.proc.exitcode
+
+    def poll(self) -> int | None:
+        return self.proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.proc.join(timeout)
+        if self.proc.exitcode is None:
+            raise subprocess.TimeoutExpired(f"rank {self.proc.name}", timeout or 0.0)
+        return self.proc.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self.proc.exitcode is None:
+            os.kill(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _forked_rank(argv: list[str], log_fd: int) -> None:
+    """:class:`_ForkedRank`'s process: ``python gpu_path.py ARGV`` without starting Python again."""
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.environ.pop("TRITON_INTERPRET", None)  # the CPU kernels (read at each call, not at import)
+    sys.argv = [gpu_path.__file__, *argv]
+    sys.exit(gpu_path.rank_main())
+
+
 def start_ranks(world: int, n: int, timeout_s: float, inject: list[str]) -> Callable[[], None]:
     """Start :func:`gpu_path.vote_path` on ``world`` processes, one per GPU (``cuda:rank``, NCCL; in a dry
-    run CPU processes over gloo), each against its CPU over gloo; returns ``collect()``, which waits for
-    them and adds their rows here, a rank's failed sections as FAIL rows with its traceback. Past
-    ``timeout_s`` (from ``collect()``'s call) each rank still running gets SIGABRT (its ``faulthandler``
-    dumps its stacks into its log, kept as its traceback), then SIGKILL; ranks still running when this
-    process exits are killed."""
+    run CPU processes over gloo, forks of this one: :class:`_ForkedRank`), each against its CPU over gloo;
+    returns ``collect()``, which waits for them and adds their rows here, a rank's failed sections as FAIL
+    rows with its traceback. Past ``timeout_s`` (from ``collect()``'s call) each rank still running gets
+    SIGABRT (its ``faulthandler`` dumps its stacks into its log, kept as its traceback), then SIGKILL;
+    ranks still running when this process exits are killed."""
     tmp = tempfile.TemporaryDirectory()
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_path.py")
     common = ["--world", str(world), "--n", str(n), "--store", f"{tmp.name}/store"] + (["--dry-run"] * DRY)
@@ -520,9 +568,12 @@ def start_ranks(world: int, n: int, timeout_s: float, inject: list[str]) -> Call
     # a dry run's ranks take the CPU kernels: the Triton interpreter (slow) ran the same code at N = 1
     child_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     logs = [open(f"{tmp.name}/rank{r}.log", "w") for r in range(world)]  # noqa: SIM115 (closed below)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, script, "--rank", str(r), "--out", f"{tmp.name}/rows{r}.json", *common],
+    argv = [["--rank", str(r), "--out", f"{tmp.name}/rows{r}.json", *common] for r in range(world)]
+    procs: list[subprocess.Popen[str] | _ForkedRank] = [
+        _ForkedRank(argv[r], logs[r])
+        if DRY
+        else subprocess.Popen(
+            [sys.executable, script, *argv[r]],
             stdout=logs[r],
             stderr=subprocess.STDOUT,
             text=True,
@@ -553,7 +604,7 @@ def _reraise(err: Exception) -> None:
 
 
 def _collect_ranks(
-    procs: list[subprocess.Popen[str]], logs: list[IO[str]], tmp: str, timeout_s: float
+    procs: list[subprocess.Popen[str] | _ForkedRank], logs: list[IO[str]], tmp: str, timeout_s: float
 ) -> None:
     """:func:`start_ranks`' ``collect()``: the ranks ``procs`` writing into ``tmp``."""
     world = len(procs)
@@ -723,6 +774,8 @@ def main() -> int:
         backend = "gloo"
         sizes = dict(n=3000, bw_n=1 << 14, runs=1, layers=1, d=16, vocab=32, ctx=8, step_runs=1)
         torch.set_num_threads(1)
+        # what LionCub's first parameter group imports (~1.3 s of CPU), once, before the --ranks fork
+        importlib.import_module("torch._dynamo")
     else:
         device = torch.device("cuda", 0)
         torch.cuda.set_device(device)

@@ -885,7 +885,7 @@ def _write_json(path: str, rows: list[list[Any]]) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _rank_main() -> int:
+def rank_main() -> int:
     """One rank of the several-GPU check: the rows it produced as JSON in ``--out``, rewritten after every
     section; a failed section is a row ``["fail", section, summary, traceback]``, a skipped one ``["skip",
     section, why]``. SIGABRT (the parent's on a time-out) dumps every thread's stack to stderr."""
@@ -947,4 +947,4 @@ def _rank_main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_rank_main())
+    sys.exit(rank_main())

@@ -1,6 +1,6 @@
 """The README's Python examples run as written: every ```python block, in order and in one namespace (as a
-reader follows them), on 2 gloo ranks started by ``lioncub launch``. The only names the test supplies are
-the reader's own: ``build_model()`` and ``my_shard_of_the_data``."""
+reader follows them), on 2 gloo ranks in the environment ``lioncub launch`` gives them. The only names the
+test supplies are the reader's own: ``build_model()`` and ``my_shard_of_the_data``."""
 
 from __future__ import annotations
 
@@ -45,36 +45,61 @@ def test_the_readme_has_examples() -> None:
     assert any("LionCub(" in b for b in blocks)
 
 
-#: what the ranks' interpreter imported before it forked them: torch and lioncub (``lioncub launch
-#: --preload``; two fresh interpreters each importing torch cost ~3 CPU-s more, and the examples do not
-#: depend on a fresh start: the blocks import what they use, the test checks that below)
-PRELOAD = "torch,torch._dynamo,torch.distributed,torch.nn.parallel,lioncub"
+def _master_port(rank: int, workdir: Path, timeout_s: float = 60.0) -> int:
+    """A free port that rank 0 picks now (as the launcher picks one when it starts the ranks) and writes to
+    ``workdir/port``; the other ranks read it from there (waiting up to ``timeout_s``)."""
+    import time
+
+    from lioncub.launch.environment import free_port
+
+    path = workdir / "port"
+    if rank == 0:
+        (workdir / "port.part").write_text(str(free_port()))
+        (workdir / "port.part").rename(path)
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: rank 0 wrote no {path} in {timeout_s:.0f} s")
+        time.sleep(0.01)
+    return int(path.read_text())
 
 
-def _launch_the_examples(rank: int, world: int, workdir: Path) -> None:
-    """Writes the examples' module ``readme_examples`` into ``workdir`` and runs ``lioncub launch --nproc 2
-    --preload ... -- -m readme_examples`` there, what it prints in ``workdir/output``; exits with its exit
-    status. The launcher is ``lioncub.cli.main`` in this process, a fork of the worker pool's fork server
-    (``background.Spawned``: torch imported, where an interpreter of its own imported it again)."""
-    from lioncub.cli import main
+def _run_the_examples(rank: int, world: int, workdir: Path) -> None:
+    """One of the 2 ranks that run the examples (the blocks in order, in one namespace, after
+    :data:`PRELUDE`) in ``workdir``, what it prints in ``workdir/output.r<rank>``; exits with its exit
+    status. A fork of the worker pool's fork server (``background.Spawned``: torch imported, not lioncub;
+    the blocks import what they use, checked below), in the environment ``lioncub launch --nproc 2`` gives
+    a rank (``lioncub.launch.environment.rank_env``: ``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+    ``MASTER_ADDR``/``MASTER_PORT``, ...; rank 0 hosts the store). Not a launch: its zygote imported torch
+    and lioncub again for these 2 ranks (~2 CPU-s), and what the blocks do does not depend on how the
+    ranks started."""
+    import traceback
 
-    blocks = python_blocks()
-    script = workdir / "readme_examples.py"
+    import torch
+
+    from lioncub.launch.environment import rank_env
+
+    port = _master_port(rank, workdir)
+    env = rank_env(rank, world, master_addr="127.0.0.1", master_port=port, ifname="lo", launch_id="readme")
+    os.environ.clear()
+    os.environ.update(env)
+    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # what OMP_NUM_THREADS gives a fresh rank
+    os.chdir(workdir)
     body = "\n".join(
         f"# --- README block {i}\n{block}\nprint('README block {i} ran', flush=True)\n"
-        for i, block in enumerate(blocks)
+        for i, block in enumerate(python_blocks())
     )
-    script.write_text(PRELUDE + "\n" + body + "\ntorch.distributed.destroy_process_group()\n")
-    os.chdir(workdir)  # the ranks' directory: -m readme_examples finds it there
-    launch = ["launch", "--nproc", "2", "--timeout", "120", "--preload", PRELOAD]
-    with open(workdir / "output", "w") as output, redirect_stdout(output), redirect_stderr(output):
-        code = main([*launch, "--", "-m", "readme_examples"])
-    sys.exit(code)
+    code = PRELUDE + "\n" + body + "\ntorch.distributed.destroy_process_group()\n"
+    with open(workdir / f"output.r{rank}", "w") as output, redirect_stdout(output), redirect_stderr(output):
+        try:
+            exec(compile(code, "README.md examples", "exec"), {"__name__": "__main__"})
+        except BaseException:
+            traceback.print_exc()
+            sys.exit(1)
 
 
-#: the launch on 1 process forked from the worker pool's fork server, started in the background when
-#: collection ends (tests/background.py)
-BACKGROUND = {"readme_examples": lambda: background.Spawned(_launch_the_examples, 1, timeout=180)}
+#: the 2 ranks, started in the background when collection ends (tests/background.py)
+BACKGROUND = {"readme_examples": lambda: background.Spawned(_run_the_examples, 2, timeout=180)}
 
 
 @pytest.mark.slow
@@ -82,10 +107,12 @@ BACKGROUND = {"readme_examples": lambda: background.Spawned(_launch_the_examples
 def test_readme_examples_run_as_written() -> None:
     blocks = python_blocks()
     exits = background.result("readme_examples", BACKGROUND["readme_examples"])
-    printed = (background.workdir("readme_examples") / "output").read_text(errors="replace")
-    assert exits == [0], printed[-6000:]
-    for i in range(len(blocks)):
-        assert printed.count(f"README block {i} ran") == 2, printed  # on both ranks
+    outputs = [background.workdir("readme_examples") / f"output.r{rank}" for rank in (0, 1)]
+    printed = [path.read_text(errors="replace") if path.exists() else "" for path in outputs]
+    assert exits == [0, 0], "\n".join(f"[r{rank}] {text[-4000:]}" for rank, text in enumerate(printed))
+    for text in printed:  # on both ranks, in order
+        ran = [line for line in text.splitlines() if line.startswith("README block ")]
+        assert ran == [f"README block {i} ran" for i in range(len(blocks))], text
 
 
 #: the names the README's blocks leave to the reader: their model and data (tests supply them), and what an

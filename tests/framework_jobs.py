@@ -1050,9 +1050,10 @@ def run_sequences(out: str, timeout: str, *frameworks: str, output: TextIO | Non
     :func:`preloaded`; a fresh interpreter per rank would import them again for every rank of every job),
     and one runner for all (a runner per framework imported torch once more each).
     The accelerate example's launches end through the interpreter's teardown (:data:`TEARDOWN`): once in
-    a while rank 0 of one hangs after its last step (in ``wait_for_everyone``/``end_training``), with
-    accelerate's own zygote as with every framework preloaded (3 times in ~210 launches with lightning
-    and transformers preloaded, once in ~12 with accelerate's alone); the 240 s launch timeout bounds it.
+    a while a rank of one hangs at its end (rank 1 in its teardown after ``end_training``; rank 0 once
+    before the example's ``wait_for_everyone``/``end_training`` returned), with accelerate's own zygote
+    as with every framework preloaded: 3 times in ~240 launches with lightning and transformers preloaded
+    too, twice in ~70 with accelerate's alone; the 240 s launch timeout bounds it.
     Writes each framework's launches' exit codes to ``OUT/FRAMEWORK.codes.json``
     (:func:`sequence_results`), what they print to ``output`` (default stdout); fails if any launch
     failed."""

@@ -1,5 +1,7 @@
 """The launched runs of several test modules, one after the other in ONE interpreter, their ranks forked
-from one zygote, started in the background when collection ends (tests/background.py):
+from one zygote, started in the background when collection ends (tests/background.py) as :func:`in_job` in
+a fork of the tests' fork server (torch already imported: the job's interpreter imports it no more); by
+hand:
 
     python tests/compare_runs.py OUT
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -49,14 +52,33 @@ RUNS = {"compare": COMPARE, "budget": BUDGET}
 COLUMNS = 80
 
 
-def job() -> background.Subprocess:
+def job() -> background.Spawned:
     """The background job ``compares`` (tests/test_train.py, tests/test_cli_output.py,
-    tests/test_local_steps_cli.py, tests/test_run_ownership.py, tests/test_rundir.py)."""
+    tests/test_local_steps_cli.py, tests/test_run_ownership.py, tests/test_rundir.py, tests/test_launch.py):
+    :func:`in_job` in one fork of the fork server; its result what the script's process gave, a
+    ``CompletedProcess`` (:func:`main`'s exit status, what it wrote on file descriptors 1 and 2)."""
     import background  # the tests' modules: not needed where this file runs the comparisons
 
-    from processes import python_cmd
+    class Compares(background.Spawned):
+        def wait(self) -> subprocess.CompletedProcess[str]:  # type: ignore[override]  # a process's result
+            (code,) = super().wait()  # None: killed at the timeout
+            out, err = (
+                path.read_text(errors="replace") if path.exists() else ""
+                for path in (self.workdir / "stdout", self.workdir / "stderr")
+            )
+            return subprocess.CompletedProcess([__file__], -9 if code is None else code, out, err)
 
-    return background.Subprocess(lambda workdir: python_cmd(__file__, str(workdir)), 300)
+    return Compares(in_job, 1, timeout=300)
+
+
+def in_job(rank: int, world: int, workdir: Path) -> None:
+    """``background.Spawned``'s target: :func:`main` into the job's ``workdir``, file descriptors 1 and 2 on
+    ``workdir/stdout`` and ``workdir/stderr`` (an exception's traceback too); exits with main's status. The
+    zygote the launches leased ends when this process does (its socket closed): a fork ends without atexit."""
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        with open(workdir / name, "wb") as file:
+            os.dup2(file.fileno(), fd)
+    sys.exit(main(workdir))
 
 
 def _shorter_pilots() -> None:

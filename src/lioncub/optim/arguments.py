@@ -143,6 +143,14 @@ def unsupported(p: torch.Tensor) -> str:
     placements and mesh are checked against ``process_group`` by :mod:`lioncub.optim.shards`."""
     if isinstance(p, DTensor):
         return "" if p.layout == torch.strided and not p.is_complex() else f"a {p.dtype} {p.layout} DTensor"
+    # FSDP1 (FullyShardedDataParallel, Lightning's FSDPStrategy) marks its FlatParameter and, under
+    # use_orig_params=True, each parameter it turned into a view of this rank's flat shard: plain-looking
+    # tensors that hold other elements on every rank, which a vote would mix silently
+    if getattr(p, "_fsdp_flattened", False):
+        return (
+            "a parameter of FSDP1 (FullyShardedDataParallel: each rank holds its own flat shard of it, not "
+            "the tensor; use FSDP2's fully_shard)"
+        )
     if type(p) not in (torch.Tensor, torch.nn.Parameter) or type(p.data) is not torch.Tensor:
         return (
             f"a {type(p.data).__name__} (a tensor subclass: DTensor under FSDP2 or tensor parallelism, ...)"

@@ -11,9 +11,9 @@ ends (tests/background.py); root only (network namespaces):
 3. ``OUT/wire.json``: 2 emulated nodes of 2 ranks behind 1 Gbit/s NICs run :data:`NODE_STEPS` (flat 1-bit
    LionCub) under ``lioncub.launch.launch``: ``ok``, ``launch_id``, each node's NIC ``tx_bytes`` as the
    launcher counted them, and the launch's stdout and stderr;
-4. ``OUT/failed_rank``: tests/test_nodes.py's launches of a rank that fails on a node, with fresh
-   interpreters then forked from a zygote of their own (``test_nodes.failed_rank_launches``): last, as
-   their zygote replaces the one of the launches before.
+4. ``OUT/failed_rank``: :data:`FAILED_RANK` on 2 nodes of 2 ranks (tests/test_nodes.py), with fresh
+   interpreters then forked from a zygote of their own (:func:`failed_rank_launches`): last, as their
+   zygote replaces the one of the launches before.
 
 The exit status is the number of parts that failed. One job instead of one per part: each interpreter of
 its own costs ~2.5 s of CPU, and each zygote of its own (which a launch whose modules or environment differ
@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import pickle
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -170,14 +171,40 @@ def wire(out: Path) -> int:
     return 0 if result.ok else 1
 
 
-def main(out: Path) -> int:
-    import test_nodes
+#: a rank of 4 that fails on node 1 while the others sleep (tests/test_nodes.py)
+FAILED_RANK = "import os, sys, time\nif os.environ['RANK'] == '3':\n    sys.exit(3)\ntime.sleep(60)\n"
+#: fresh interpreters; forks of a zygote that imported torchrun (which each agent runs: it imports torch once
+#: for both agents, where a zygote of lighter modules left each agent to import it after the fork)
+PRELOADS: list[tuple[str, ...]] = [(), ("torch.distributed.run",)]
 
+
+def failed_rank_path(workdir: Path, preload: tuple[str, ...]) -> Path:
+    """Where :func:`failed_rank_launches` put the launch of ``preload``."""
+    return workdir / f"{'-'.join(preload) or 'fresh'}.pickle"
+
+
+def failed_rank_launches(workdir: Path) -> None:
+    """:data:`FAILED_RANK` on 2 nodes of 2 ranks, with each of :data:`PRELOADS`: ``workdir/<preload>.pickle``
+    holds each launch's result and stderr."""
+    from lioncub.launch import LaunchConfig, launch
+
+    from processes import PY
+
+    workdir.mkdir()
+    for preload in PRELOADS:
+        out, err = io.StringIO(), io.StringIO()
+        config = LaunchConfig([PY, "-c", FAILED_RANK], nnodes=2, nproc_per_node=2, link_rate_bps=1e8,
+                              timeout_s=90, preload=preload)  # fmt: skip
+        result = launch(config, out=out, err=err)
+        failed_rank_path(workdir, preload).write_bytes(pickle.dumps((result, err.getvalue())))
+
+
+def main(out: Path) -> int:
     (out / "fsdp").mkdir()
     failed = fsdp_runs.main(out / "fsdp") != 0
     failed += two_nodes(out) != 0
     failed += wire(out)
-    test_nodes.failed_rank_launches(out / "failed_rank")
+    failed_rank_launches(out / "failed_rank")
     return failed
 
 

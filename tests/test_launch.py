@@ -22,6 +22,7 @@ import pytest
 
 import background
 import compare_runs
+import ownership_runs
 from emulated_network import assert_nothing_left, tcp_payload
 from lioncub.cli import launch as launch_cli
 from lioncub.launch import (
@@ -235,53 +236,11 @@ def test_cli_is_registered() -> None:
 
 # ------------------------------------------------------------------------------- loopback launches
 
-ALLREDUCE = """
-import datetime, os, torch, torch.distributed as dist
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-t = torch.tensor([dist.get_rank() + 1.0])
-dist.all_reduce(t)
-print(f"sum={t.item():g} ifname={os.environ['GLOO_SOCKET_IFNAME']} world={dist.get_world_size()}")
-print(f"threads={torch.get_num_threads()}")  # the launcher's OMP_NUM_THREADS=1, in a forked rank too
-print("no newline at the end", end="")
-dist.destroy_process_group()
-"""
-
-
-#: rank 0 also prints every socket listening on the rendezvous port, as (local address, port) in hex
-ALLREDUCE_AND_LISTENERS = ALLREDUCE.replace(
-    "t = torch.tensor(",
-    """port = int(os.environ["MASTER_PORT"])
-if dist.get_rank() == 0:
-    paths = ("/proc/net/tcp", "/proc/net/tcp6")
-    rows = [line.split() for path in paths for line in open(path).readlines()[1:]]
-    print("listen", sorted({r[1] for r in rows if r[3] == "0A" and int(r[1].split(":")[1], 16) == port}))
-t = torch.tensor(""",
-    1,
-)
-
-
-def forked_launches(preload: tuple[str, ...], links: bool) -> dict[str, LaunchConfig]:
-    """Every launch of this module whose ranks are forked from a zygote (``python -c CODE`` ranks, the
-    zygote importing ``preload``), by name: :data:`ALLREDUCE_AND_LISTENERS` on 3 ranks on loopback; with
-    ``links`` (where network namespaces can be built), also :data:`TIMED_ALLREDUCE` behind
-    :data:`LINK_RATE` links on 2, then on 4 ranks, and :data:`ONE_BIT_STEPS` on 3 ranks behind 1 Gbit/s links.
-    tests/ownership_runs.py runs them in the background job ``compares``, with the modules of its
-    ``lioncub train`` launches: their zygote forks these ranks too (one import of torch for all)."""
-
-    def forked(code: str, nproc: int, link: float | None = None) -> LaunchConfig:
-        return LaunchConfig([PY, "-c", code], nproc=nproc, link_rate_bps=link, timeout_s=120, preload=preload)
-
-    launches = {"loopback": forked(ALLREDUCE_AND_LISTENERS, 3)}
-    if links:
-        for n in (2, 4):
-            launches[f"links_{n}"] = forked(TIMED_ALLREDUCE, n, LINK_RATE)
-        launches["one_bit"] = forked(ONE_BIT_STEPS, 3, 1e9)
-    return launches
-
 
 def _launched(name: str) -> tuple:
-    """(result, stdout, stderr) of launch ``name`` of :func:`forked_launches` (the background job
-    ``compares``, tests/ownership_runs.py)."""
+    """(result, stdout, stderr) of launch ``name`` of ``ownership_runs.forked_launches`` (the background job
+    ``compares``; its programs, :data:`ownership_runs.ALLREDUCE_AND_LISTENERS`, ``TIMED_ALLREDUCE`` and
+    ``ONE_BIT_STEPS``, are there: no module imports a test module)."""
     proc = background.result("compares", BACKGROUND["compares"])
     done = background.workdir("compares") / "launched" / "forked"
     error = done / f"{name}.error"
@@ -290,8 +249,8 @@ def _launched(name: str) -> tuple:
     return pickle.loads((done / f"{name}.pickle").read_bytes())
 
 
-#: tests/background.py's job that runs :func:`forked_launches` (after the launches of other modules whose
-#: zygote forks their ranks too): tests/compare_runs.py's
+#: tests/background.py's job that runs ``ownership_runs.forked_launches`` (after the launches of other modules
+#: whose zygote forks their ranks too): tests/compare_runs.py's
 BACKGROUND = {"compares": compare_runs.job}
 
 
@@ -299,7 +258,7 @@ BACKGROUND = {"compares": compare_runs.job}
 def loopback_three_ranks() -> tuple:
     """One launch of 3 ranks on loopback (in the background job ``compares``) serves the two tests
     below: (result, stdout, stderr)."""
-    assert ALLREDUCE_AND_LISTENERS != ALLREDUCE
+    assert ownership_runs.ALLREDUCE_AND_LISTENERS != ownership_runs.ALLREDUCE
     return _launched("loopback")
 
 
@@ -425,35 +384,13 @@ def test_sigint_is_forwarded_to_the_ranks(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------- emulated network
 
 
-TIMED_ALLREDUCE = """
-import datetime, time, torch, torch.distributed as dist
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-x = torch.ones(1_000_000)  # 4 MB of fp32
-times = []
-for _ in range(4):  # one warm-up, then 3 timed
-    dist.barrier()
-    t0 = time.perf_counter()
-    dist.all_reduce(x)
-    times.append(time.perf_counter() - t0)
-t = torch.tensor(times[1:], dtype=torch.float64)
-dist.all_reduce(t, op=dist.ReduceOp.MAX)
-if dist.get_rank() == 0:
-    ms = [v * 1e3 for v in t.tolist()]
-    print(f"ALLREDUCE_MS={min(ms):.1f} all={[round(v) for v in ms]}")  # the least-disturbed run
-dist.destroy_process_group()
-"""
-
-
-LINK_RATE = 100e6  # bits/s of the links of test_allreduce_over_100mbit_links_matches_bandwidth
-
-
 @pytest.mark.root
 @pytest.mark.slow
 @pytest.mark.background("compares")
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_allreduce_over_100mbit_links_matches_bandwidth(nproc: int) -> None:
     """Launched in the background job ``compares`` (its time is the shaped links')."""
-    rate = LINK_RATE
+    rate = ownership_runs.LINK_RATE
     result, out, err = _launched(f"links_{nproc}")
     assert result.ok, out + err
     measured_ms = float(re.search(r"\[r0\] ALLREDUCE_MS=([\d.]+)", out).group(1))  # type: ignore[union-attr]
@@ -473,23 +410,6 @@ def test_allreduce_over_100mbit_links_matches_bandwidth(nproc: int) -> None:
         assert 4 * wire_bytes <= rx_payload <= 1.01 * 4 * wire_bytes + 300e3, t
     assert "hostname of the client socket" not in err  # /etc/netns/<ns>/hosts silences the c10d warning
     assert_nothing_left(result.launch_id)
-
-
-ONE_BIT_STEPS = """
-import datetime, torch, torch.distributed as dist
-from lioncub import Checks, LionCub
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-torch.manual_seed(0)
-p = torch.nn.Parameter(torch.randn(4_000_003))  # not a multiple of 8·N: padding travels too
-opt = LionCub([p], lr=1e-3, variant="1bit", checks=Checks(broadcast_init=False))  # same seed: no broadcast
-g = torch.Generator().manual_seed(dist.get_rank())
-for _ in range(4):
-    p.grad = torch.randn(p.shape, generator=g)
-    opt.step()
-total = opt.comm_stats()["total"]
-print(f"ACCOUNTED sent={int(total['bytes_sent'])} recv={int(total['bytes_recv'])}")
-dist.destroy_process_group()
-"""
 
 
 @pytest.mark.root

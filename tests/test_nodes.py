@@ -8,12 +8,10 @@ The network tests need root (network namespaces, tc) and are skipped with a stat
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import pickle
 import re
 import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -27,7 +25,6 @@ from lioncub.launch import (
     EmulatedNetwork,
     LaunchConfig,
     LinkSpec,
-    launch,
     node_env,
     torchrun_command,
 )
@@ -299,42 +296,17 @@ def test_two_nodes_of_two_ranks_wire_bytes_match_the_node_nic() -> None:
     assert_nothing_left(launch_id)
 
 
-FAILED_RANK = "import os, sys, time\nif os.environ['RANK'] == '3':\n    sys.exit(3)\ntime.sleep(60)\n"
-
-
-#: fresh interpreters; forks of a zygote that imported torchrun (which each agent runs: it imports torch once
-#: for both agents, where a zygote of lighter modules left each agent to import it after the fork)
-PRELOADS: list[tuple[str, ...]] = [(), ("torch.distributed.run",)]
-
-
-def _failed_rank_path(workdir: Path, preload: tuple[str, ...]) -> Path:
-    return workdir / f"{'-'.join(preload) or 'fresh'}.pickle"
-
-
-def failed_rank_launches(workdir: Path) -> None:
-    """:data:`FAILED_RANK` on 2 nodes of 2 ranks, with fresh interpreters then forked from a zygote (the
-    last launches of tests/node_runs.py's background job ``node_runs``); ``workdir/<preload>.pickle`` holds
-    each launch's result and stderr."""
-    workdir.mkdir()
-    for preload in PRELOADS:
-        out, err = io.StringIO(), io.StringIO()
-        config = LaunchConfig([PY, "-c", FAILED_RANK], nnodes=2, nproc_per_node=2, link_rate_bps=1e8,
-                              timeout_s=90, preload=preload)  # fmt: skip
-        result = launch(config, out=out, err=err)
-        _failed_rank_path(workdir, preload).write_bytes(pickle.dumps((result, err.getvalue())))
-
-
 @pytest.mark.root
 @pytest.mark.slow
 @pytest.mark.background("node_runs")
-@pytest.mark.parametrize("preload", PRELOADS, ids=["fresh", "forked"])
+@pytest.mark.parametrize("preload", node_runs.PRELOADS, ids=["fresh", "forked"])
 def test_a_failed_rank_on_a_node_is_named_and_every_node_stops(preload: tuple[str, ...]) -> None:
     """Fresh interpreters, or torchrun's agents and ranks forked from a zygote (:mod:`lioncub.launch.workers`:
     the ranks' exit statuses reach torchrun through their shims; the other ranks are stopped through them).
     Both launches run last in the background job ``node_runs`` (mostly waiting: torchruns' start, the
     stop)."""
     proc = background.result("node_runs", BACKGROUND["node_runs"])
-    path = _failed_rank_path(background.workdir("node_runs") / "failed_rank", preload)
+    path = node_runs.failed_rank_path(background.workdir("node_runs") / "failed_rank", preload)
     assert path.exists(), proc.stdout[-2000:] + proc.stderr[-3000:]
     result, err = pickle.loads(path.read_bytes())
     assert (result.returncode, result.failed_rank, result.failed_node) == (3, 3, 1), err

@@ -22,6 +22,7 @@ import pytest
 
 import background
 import compare_runs
+import ownership_runs
 from emulated_network import assert_nothing_left
 from lioncub import cli
 from lioncub.launch import LaunchConfig, launch, preload
@@ -335,46 +336,14 @@ def test_every_wait_on_the_zygote_is_bounded(probe_dir: Path, monkeypatch: pytes
 
 # -- what a fresh interpreter has and a fork must not share: random state, threads, the zygote's life ----
 
-DRAWS = textwrap.dedent("""
-    import json, os, random, sys
-    import numpy, torch
-    if sys.argv[1:] == ["seeded"]:
-        torch.manual_seed(1), numpy.random.seed(1), random.seed(1)
-    print(json.dumps({
-        "rank": os.environ["RANK"], "torch": torch.randint(0, 2**62, (4,)).tolist(),
-        "numpy": numpy.random.rand(2).tolist(), "random": random.random(), "ppid": os.getppid(),
-    }), flush=True)
-""")
-
-
-#: the runs of :data:`DRAWS` (``python -c DRAWS ARGS`` on 2 ranks forked from a zygote that imported torch):
-#: twice unseeded (the second from the same zygote), then seeded
-DRAW_RUNS: list[tuple[str, ...]] = [(), (), ("seeded",)]
-
-
-def draw_runs(workdir: Path, modules: tuple[str, ...]) -> None:
-    """:data:`DRAW_RUNS`, their ranks forked from a zygote importing ``modules`` (torch among them), by this
-    process: tests/ownership_runs.py runs them in the background job ``compares``, whose zygote (the same
-    modules, environment and directory) forked the ranks of the launches before. Run ``i``'s stdout and
-    stderr in ``workdir/out<i>``, ``err<i>``, its exit status and the launcher's pid in ``workdir/rc<i>``."""
-    assert "torch" in modules
-    workdir.mkdir()
-    for i, args in enumerate(DRAW_RUNS):
-        out, err = io.StringIO(), io.StringIO()
-        config = LaunchConfig([PY, "-c", DRAWS, *args], nproc=2, timeout_s=120, preload=modules)
-        rc = launch(config, out=out, err=err).returncode
-        (workdir / f"out{i}").write_text(out.getvalue())
-        (workdir / f"err{i}").write_text(err.getvalue())
-        (workdir / f"rc{i}").write_text(f"{rc} {os.getpid()}")
-
-
-#: tests/background.py's job that runs :func:`draw_runs` (after the launches of other modules whose zygote
-#: forks these ranks too): tests/compare_runs.py's
+#: tests/background.py's job that runs ``ownership_runs.draw_runs`` (after the launches of other modules whose
+#: zygote forks these ranks too): tests/compare_runs.py's
 BACKGROUND = {"compares": compare_runs.job}
 
 
 def _draws(i: int) -> list[dict]:
-    """What each rank of run ``i`` of :data:`DRAW_RUNS` drew, forked (the background job ``compares``)."""
+    """What each rank of run ``i`` of ``ownership_runs.DRAW_RUNS`` drew, forked (the background job
+    ``compares``)."""
     proc = background.result("compares", BACKGROUND["compares"])
     workdir = background.workdir("compares") / "launched" / "draws"
     error = workdir.with_name("draws.error")
@@ -395,7 +364,8 @@ def test_an_unseeded_script_draws_other_numbers_on_every_rank_and_run() -> None:
     import numpy
     import torch
 
-    assert DRAW_RUNS[2] == ("seeded",) and DRAW_RUNS[0] == DRAW_RUNS[1] == ()
+    planned = ownership_runs.DRAW_RUNS
+    assert planned[2] == ("seeded",) and planned[0] == planned[1] == ()
     runs = [_draws(0), _draws(1)]  # the second from the same zygote
     for source in ("torch", "numpy", "random"):
         drawn = [str(rank[source]) for run in runs for rank in run]

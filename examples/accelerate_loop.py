@@ -16,6 +16,7 @@ A character-level MLP language model on the opening of Pride and Prejudice (ship
 from __future__ import annotations
 
 import argparse
+import gc
 import gzip
 from pathlib import Path
 
@@ -103,10 +104,14 @@ def main() -> None:
             break
     stats = opt.optimizer.comm_stats()
     accelerator.print(f"LionCub sent {stats['last']['bytes_sent']} bytes in the last step")
-    # every rank's collectives finished (and their gloo works released by gloo's threads) before the
-    # process group goes: a work released by a gloo thread while the exiting main thread tears the group
-    # down can leave the two waiting on each other
-    accelerator.wait_for_everyone()
+    accelerator.wait_for_everyone()  # every rank's state (and rank 0's step.txt) is saved
+    # The DDP model goes before the process group, not after: a gloo thread that drops a finished
+    # collective's tensors may need the GIL, and a group freed last by the DDP model's reducer is joined
+    # with the GIL held (torch's deadlock: rank 0 waiting forever at the end, ~1 run in 40 here). Freed
+    # by end_training instead, its threads are joined with the GIL released.
+    accelerator.free_memory()  # accelerate's references to what it prepared
+    del model, opt, sched, loader, batches
+    gc.collect()  # and the cycles between them
     accelerator.end_training()
 
 

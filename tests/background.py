@@ -10,7 +10,8 @@ which waits for it (or starts it at once, if its turn has not come). What the te
 is unchanged: only *when* the work happens moves. Deselected (or skipped) tests start nothing;
 ``--collect-only`` starts nothing; the jobs still running when the session ends are killed.
 
-Kinds of job: :class:`Subprocess` (one command) and :class:`Spawned` (a function on N spawned processes).
+Kinds of job: :class:`Subprocess` (one command), :class:`Spawned` (a function on N spawned processes) and
+:class:`Forked` (a script's ``main`` in one of them, its result a ``CompletedProcess`` as a command's).
 With ``-v`` or ``--durations`` the session ends with each job's start, end and how long tests waited for
 it (:func:`timings`).
 """
@@ -23,6 +24,7 @@ import multiprocessing.process
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -173,6 +175,36 @@ class Spawned(Job):
             if proc.is_alive():
                 proc.kill()
             proc.join(5)
+
+
+def _script_main(rank: int, world: int, workdir: Path, main: Callable[[Path], int]) -> None:
+    """:class:`Forked`'s process: ``main(workdir)`` with file descriptors 1 and 2 on ``workdir/stdout`` and
+    ``workdir/stderr`` (an exception's traceback too), exiting with its status."""
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        with open(workdir / name, "wb") as file:
+            os.dup2(file.fileno(), fd)
+    sys.exit(main(workdir))
+
+
+class Forked(Spawned):
+    """A script's ``main(workdir) -> exit status`` in one fork of the fork server (torch imported: no
+    interpreter to start, as :class:`Subprocess` would), in the environment of the test process updated
+    with ``env``; :meth:`wait` returns a ``CompletedProcess`` as :class:`Subprocess`'s does (its output from
+    file descriptors 1 and 2; ``returncode`` -9 where it was killed at ``timeout``)."""
+
+    def __init__(self, main: Callable[[Path], int], timeout: float, env: dict[str, str] | None = None):
+        super().__init__(_script_main, 1, (main,), timeout)
+        self.main = main
+        self.env_at = {**self.env_at, **(env or {})}
+
+    def wait(self) -> subprocess.CompletedProcess[str]:  # type: ignore[override]  # a script's result
+        (code,) = super().wait()
+        out, err = (
+            path.read_text(errors="replace") if path.exists() else ""
+            for path in (self.workdir / "stdout", self.workdir / "stderr")
+        )
+        name = f"{self.main.__module__}.{self.main.__name__}"
+        return subprocess.CompletedProcess([name], -9 if code is None else code, out, err)
 
 
 _JOBS: dict[str, Job] = {}

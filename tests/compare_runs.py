@@ -1,5 +1,5 @@
 """The launched runs of several test modules, one after the other in ONE interpreter, their ranks forked
-from one zygote, started in the background when collection ends (tests/background.py) as :func:`in_job` in
+from one zygote, started in the background when collection ends (tests/background.py) as :func:`main` in
 a fork of the tests' fork server (torch already imported: the job's interpreter imports it no more); by
 hand:
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -52,33 +51,14 @@ RUNS = {"compare": COMPARE, "budget": BUDGET}
 COLUMNS = 80
 
 
-def job() -> background.Spawned:
+def job() -> background.Forked:
     """The background job ``compares`` (tests/test_train.py, tests/test_cli_output.py,
     tests/test_local_steps_cli.py, tests/test_run_ownership.py, tests/test_rundir.py, tests/test_launch.py):
-    :func:`in_job` in one fork of the fork server; its result what the script's process gave, a
-    ``CompletedProcess`` (:func:`main`'s exit status, what it wrote on file descriptors 1 and 2)."""
+    :func:`main` in one fork of the fork server. The zygote its launches leased ends when that process does
+    (its socket closed)."""
     import background  # the tests' modules: not needed where this file runs the comparisons
 
-    class Compares(background.Spawned):
-        def wait(self) -> subprocess.CompletedProcess[str]:  # type: ignore[override]  # a process's result
-            (code,) = super().wait()  # None: killed at the timeout
-            out, err = (
-                path.read_text(errors="replace") if path.exists() else ""
-                for path in (self.workdir / "stdout", self.workdir / "stderr")
-            )
-            return subprocess.CompletedProcess([__file__], -9 if code is None else code, out, err)
-
-    return Compares(in_job, 1, timeout=300)
-
-
-def in_job(rank: int, world: int, workdir: Path) -> None:
-    """``background.Spawned``'s target: :func:`main` into the job's ``workdir``, file descriptors 1 and 2 on
-    ``workdir/stdout`` and ``workdir/stderr`` (an exception's traceback too); exits with main's status. The
-    zygote the launches leased ends when this process does (its socket closed): a fork ends without atexit."""
-    for fd, name in ((1, "stdout"), (2, "stderr")):
-        with open(workdir / name, "wb") as file:
-            os.dup2(file.fileno(), fd)
-    sys.exit(main(workdir))
+    return background.Forked(main, 300)
 
 
 def _shorter_pilots() -> None:

@@ -367,8 +367,8 @@ BACKGROUND = {
 @pytest.mark.slow
 @pytest.mark.background("torchruns")
 def test_killed_rank_under_torchrun_max_restarts_bitwise(uninterrupted: Path) -> None:
-    codes = background.result("torchruns", BACKGROUND["torchruns"])
-    done = torchrun_runs.runs(background.workdir("torchruns"), codes)["kill"]
+    proc = background.result("torchruns", BACKGROUND["torchruns"])
+    done = torchrun_runs.runs(background.workdir("torchruns"), proc)["kill"]
     out = background.workdir("torchruns") / "torchrun"
     assert done["rc"] == 0, done["output"][-3000:]
     # torchrun saw rank 1 die of SIGKILL, then restarted

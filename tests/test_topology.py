@@ -201,8 +201,8 @@ BACKGROUND = {"torchruns": torchrun_runs.job}
 @pytest.mark.slow
 @pytest.mark.background("torchruns")
 def test_torchrun_without_init_process_group_fails_on_every_rank() -> None:
-    codes = background.result("torchruns", BACKGROUND["torchruns"])
-    done = torchrun_runs.runs(background.workdir("torchruns"), codes)["forgot_init"]
+    proc = background.result("torchruns", BACKGROUND["torchruns"])
+    done = torchrun_runs.runs(background.workdir("torchruns"), proc)["forgot_init"]
     out = done["output"]
     assert done["rc"] != 0 and "trained alone" not in out, out[-3000:]
     for rank in (0, 1):

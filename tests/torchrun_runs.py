@@ -1,6 +1,6 @@
 """The suite's two torchrun jobs, one after the other in ONE interpreter (torchrun's agent imported once:
 ``torch.distributed.run.main``), started in the background when collection ends (tests/background.py) as
-:func:`in_job` in a fork of the tests' fork server (``background.Spawned``: torch already imported, the
+:func:`main` in a fork of the tests' fork server (``background.Spawned``: torch already imported, the
 agent's interpreter imports it no more); by hand:
 
     python tests/torchrun_runs.py OUT
@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
-import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -66,31 +66,21 @@ print("trained alone", flush=True)
 KILLED = "1:5"
 
 
-def job() -> background.Spawned:
-    """The background job ``torchruns`` (tests/test_reliability.py, tests/test_topology.py): :func:`in_job`
-    in one fork of the fork server; its tests read :func:`runs`."""
+def job() -> background.Forked:
+    """The background job ``torchruns`` (tests/test_reliability.py, tests/test_topology.py): :func:`main` in
+    one fork of the fork server, with ``OMP_NUM_THREADS=1``; its tests read :func:`runs`."""
     import background  # the tests' modules: not needed where this file runs the jobs
 
-    return background.Spawned(in_job, 1, timeout=300)
+    return background.Forked(main, 300, {"OMP_NUM_THREADS": "1"})
 
 
-def in_job(rank: int, world: int, workdir: Path) -> None:
-    """``background.Spawned``'s target: :func:`main` into the job's ``workdir`` with ``OMP_NUM_THREADS=1``
-    (as the job's interpreter had it); an exception's traceback goes to ``workdir/error`` (exit 1)."""
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        main(workdir)
-    except BaseException:
-        (workdir / "error").write_text(traceback.format_exc())
-        raise SystemExit(1) from None
-
-
-def runs(workdir: Path, codes: list[int | None]) -> dict[str, dict[str, Any]]:
-    """``runs.json`` of the job that ended with exit codes ``codes`` in ``workdir``: each job's ``rc`` and
-    ``output``; an AssertionError with the job's traceback where it wrote none."""
-    path, error = workdir / "runs.json", workdir / "error"
-    why = error.read_text()[-3000:] if error.exists() else "no traceback"
-    assert path.exists(), f"the torchruns job exited with {codes} and wrote no runs.json: {why}"
+def runs(workdir: Path, proc: subprocess.CompletedProcess[str]) -> dict[str, dict[str, Any]]:
+    """``runs.json`` of the job that ended as ``proc`` in ``workdir``: each job's ``rc`` and ``output``; an
+    AssertionError with the job's output where it wrote none."""
+    path = workdir / "runs.json"
+    assert path.exists(), (
+        f"the torchruns job exited with {proc.returncode} and wrote no runs.json: {proc.stderr[-3000:]}"
+    )
     return json.loads(path.read_text())
 
 
@@ -133,7 +123,7 @@ def main(out: Path) -> int:
     zygote = lease(shared_env([dict(os.environ)]), os.getcwd(), (*MODULES, "lioncub.train.loop"))
     with zygote as forks, WorkerRelay(forks, str(out), [None]) as relay:
         done = {name: _torchrun(argv) for name, argv in torchruns(out, relay).items()}
-    forks.close()  # now: a forked job (in_job) ends without running atexit, which closes it in a script
+    forks.close()  # now: a forked job (background.Forked) ends without running atexit, which closes it
     (out / "runs.json").write_text(json.dumps(done, indent=1))
     return 0
 

@@ -5,7 +5,6 @@
   output captured as text and its time bounded; :func:`python_cmd` is its argv, for a program the test talks
   to while it runs (``subprocess.Popen``) or runs in the background (``background.Subprocess``). :data:`PY`
   is the interpreter, for the commands a launch starts.
-* **A program on ranks a launch forks** from a preloaded interpreter: :func:`forked` (``exec_program.py``).
 
 The CLI runs in-process wherever it need not be a process of its own (``conftest.run_cli``,
 ``lioncub.cli.main``); a rank is killed from outside lioncub with ``kill_rank.py``; system tools (``ip``,
@@ -393,12 +392,3 @@ def output_captured(fn: Callable[[], int]) -> dict[str, object]:
             os.close(saved[1])
         captured.seek(0)
         return {"rc": rc, "output": captured.read().decode(errors="replace")}
-
-
-def forked(code: str) -> dict[str, Any]:
-    """The :class:`lioncub.launch.LaunchConfig` fields that run ``python -c code`` on ranks forked from one
-    interpreter that imported torch (``tests/exec_program.py``, run in ``tests/``; one zygote serves every
-    launch of a test process that uses it)."""
-    from lioncub.launch.preload import MODULES
-
-    return {"cmd": ["-m", "exec_program", code], "cwd": str(TESTS), "preload": MODULES}
